@@ -1,0 +1,235 @@
+"""Effects: serialisable descriptions of one change, applied by a pure function.
+
+An effect is a frozen msgspec Struct subclassing :class:`Effect`, with an
+explicit, stable tag string (the tag field is ``"type"``). Its :meth:`~Effect.apply`
+method maps a session to the next one and never performs IO, so applying the
+same effects to the same session always gives the same result. Effects are the
+only way state changes; the stored effect log is the audit trail of a session.
+
+Applications add their own effects by subclassing :class:`Effect` with a tag of
+their own (``tag="myapp.flag_raised"``) and registering them in the
+:class:`~stepmachine.Codec`. Schema evolution follows msgspec's rule: add fields
+only with defaults, never rename a tag.
+
+:func:`apply_batch` applies a whole batch and bumps the revision by one; a batch
+that fails part-way raises and leaves nothing changed (sessions are values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+import msgspec
+
+from ._errors import EffectError
+from ._messages import Message, ToolCallPart
+from ._session import Session
+
+__all__ = [
+    "Annotate",
+    "AppendMessage",
+    "Effect",
+    "ReplaceConversation",
+    "SetVisibility",
+    "UpdateData",
+    "apply_batch",
+    "apply_effects",
+]
+
+S = TypeVar("S", bound=Session[Any])
+
+
+class Effect(msgspec.Struct, frozen=True, tag_field="type"):
+    """Base of every effect. Subclasses set ``tag="..."`` and implement ``apply``."""
+
+    def apply(self, session: Session[Any]) -> Session[Any]:
+        """Return the session with this effect applied. Pure: no IO, no clock."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement apply()")
+
+
+class AppendMessage(Effect, frozen=True, tag="append_message"):
+    """Append ``message`` to the conversation.
+
+    Raises:
+        EffectError: a message with the same id is already in the conversation.
+    """
+
+    message: Message
+
+    def apply(self, session: Session[Any]) -> Session[Any]:
+        new_id = self.message.id
+        for existing in session.conversation:
+            if existing.id == new_id:
+                raise EffectError(
+                    f"message ids are stable and unique: session {session.id!r} already "
+                    f"holds a message with id {new_id!r}"
+                )
+        return msgspec.structs.replace(session, conversation=(*session.conversation, self.message))
+
+
+class ReplaceConversation(Effect, frozen=True, tag="replace_conversation"):
+    """Replace the whole conversation (after compaction).
+
+    Raises:
+        EffectError: two messages of the new conversation share an id.
+    """
+
+    conversation: tuple[Message, ...]
+
+    def apply(self, session: Session[Any]) -> Session[Any]:
+        ids = [m.id for m in self.conversation]
+        if len(set(ids)) != len(ids):
+            duplicates = sorted({i for i in ids if ids.count(i) > 1})
+            raise EffectError(
+                f"message ids are stable and unique: replacement conversation for session "
+                f"{session.id!r} repeats ids {duplicates!r}"
+            )
+        return msgspec.structs.replace(session, conversation=self.conversation)
+
+
+def _message_index(session: Session[Any], message_id: str) -> int:
+    for index, message in enumerate(session.conversation):
+        if message.id == message_id:
+            return index
+    raise EffectError(f"session {session.id!r} holds no message with id {message_id!r}")
+
+
+def _merge(notes: dict[str, dict[str, Any]], namespace: str, values: dict[str, Any]) -> dict[
+    str, dict[str, Any]
+]:
+    merged = dict(notes)
+    merged[namespace] = {**notes.get(namespace, {}), **values}
+    return merged
+
+
+class Annotate(Effect, frozen=True, tag="annotate"):
+    """Merge ``values`` into the notes of ``namespace`` on a message or a tool call.
+
+    With ``call_id`` set, the note is bound to that tool call of the message;
+    otherwise to the message itself. Keys already present are overwritten.
+
+    Raises:
+        EffectError: the message or the call does not exist.
+    """
+
+    message_id: str
+    namespace: str
+    values: dict[str, Any]
+    call_id: str | None = None
+
+    def apply(self, session: Session[Any]) -> Session[Any]:
+        index = _message_index(session, self.message_id)
+        message = session.conversation[index]
+        if self.call_id is None:
+            updated = msgspec.structs.replace(
+                message, notes=_merge(message.notes, self.namespace, self.values)
+            )
+        else:
+            parts = list(message.parts)
+            for position, part in enumerate(parts):
+                if isinstance(part, ToolCallPart) and part.call_id == self.call_id:
+                    parts[position] = msgspec.structs.replace(
+                        part, notes=_merge(part.notes, self.namespace, self.values)
+                    )
+                    break
+            else:
+                raise EffectError(
+                    f"message {self.message_id!r} of session {session.id!r} holds no tool call "
+                    f"{self.call_id!r}"
+                )
+            updated = msgspec.structs.replace(message, parts=tuple(parts))
+        conversation = list(session.conversation)
+        conversation[index] = updated
+        return msgspec.structs.replace(session, conversation=tuple(conversation))
+
+
+class SetVisibility(Effect, frozen=True, tag="set_visibility"):
+    """Show or hide messages, to the model and/or the user, without deleting them.
+
+    ``None`` leaves that flag as it is.
+
+    Raises:
+        EffectError: one of the ids names no message.
+    """
+
+    message_ids: tuple[str, ...]
+    to_model: bool | None = None
+    to_user: bool | None = None
+
+    def apply(self, session: Session[Any]) -> Session[Any]:
+        wanted = set(self.message_ids)
+        conversation = list(session.conversation)
+        for index, message in enumerate(conversation):
+            if message.id in wanted:
+                wanted.discard(message.id)
+                conversation[index] = msgspec.structs.replace(
+                    message,
+                    visible_to_model=(
+                        message.visible_to_model if self.to_model is None else self.to_model
+                    ),
+                    visible_to_user=(
+                        message.visible_to_user if self.to_user is None else self.to_user
+                    ),
+                )
+        if wanted:
+            raise EffectError(
+                f"session {session.id!r} holds no messages with ids {sorted(wanted)!r}"
+            )
+        return msgspec.structs.replace(session, conversation=tuple(conversation))
+
+
+class UpdateData(Effect, frozen=True, tag="update_data"):
+    """Set fields of the application data.
+
+    ``changes`` maps field names to values in their JSON-compatible form (what
+    :func:`msgspec.to_builtins` gives); build one with :meth:`set`. Applying
+    converts the merged fields back to the data type, so the new data is
+    validated exactly like decoded data.
+
+    Raises:
+        EffectError: a name is not a field of the data type, or a value does
+            not validate.
+    """
+
+    changes: dict[str, Any]
+
+    @classmethod
+    def set(cls, **changes: Any) -> UpdateData:
+        """Build the effect from field values of any msgspec-supported type."""
+        return cls(changes=msgspec.to_builtins(changes))
+
+    def apply(self, session: Session[Any]) -> Session[Any]:
+        data = session.data
+        data_type = type(data)
+        fields = set(data_type.__struct_fields__)
+        unknown = sorted(set(self.changes) - fields)
+        if unknown:
+            raise EffectError(
+                f"{data_type.__name__} of session {session.id!r} has no fields {unknown!r}"
+            )
+        merged = {**msgspec.to_builtins(data), **self.changes}
+        try:
+            new_data = msgspec.convert(merged, data_type)
+        except msgspec.ValidationError as exc:
+            raise EffectError(
+                f"update of {data_type.__name__} in session {session.id!r} does not validate: {exc}"
+            ) from exc
+        return msgspec.structs.replace(session, data=new_data)
+
+
+def apply_effects(session: S, effects: Iterable[Effect]) -> S:
+    """Apply ``effects`` in order; the revision is left as it is. Pure."""
+    for effect in effects:
+        session = effect.apply(session)  # type: ignore[assignment]  # apply keeps the type
+    return session
+
+
+def apply_batch(session: S, effects: Iterable[Effect]) -> S:
+    """Apply one batch: the effects in order, then ``revision + 1``. Pure.
+
+    Raises whatever an effect raises (usually :class:`EffectError`); the input
+    session is unchanged, so a failed batch changes nothing.
+    """
+    applied = apply_effects(session, effects)
+    return msgspec.structs.replace(applied, revision=session.revision + 1)

@@ -1,0 +1,106 @@
+"""The error hierarchy: one root, and each error names what it protects.
+
+Every error raised by stepmachine derives from :class:`StepmachineError`. Each
+subclass documents the invariant (DESIGN §3) or contract it protects, and every
+raise site puts the offending value in the message, so a log line alone tells a
+reader what went wrong and where.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "ConflictError",
+    "EffectError",
+    "HistoryError",
+    "ModelError",
+    "SessionExistsError",
+    "SessionNotFoundError",
+    "StepmachineError",
+    "StoredDataError",
+    "ToolArgumentsError",
+    "UnexpectedModelCallError",
+]
+
+
+class StepmachineError(Exception):
+    """Root of every error stepmachine raises."""
+
+
+class ConfigurationError(StepmachineError):
+    """The step list or runtime is wired wrongly.
+
+    Raised before any model call, for example when two steps advertise the same
+    tool name, or a step needs a model and the runtime has none.
+    """
+
+
+class ConflictError(StepmachineError):
+    """Compare-and-set failed: another writer moved the session on (invariant 3).
+
+    Attributes:
+        session_id: the session written to.
+        expected: the revision the writer read.
+        actual: the revision the store holds now.
+    """
+
+    def __init__(self, session_id: str, expected: int, actual: int) -> None:
+        self.session_id = session_id
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"invariant 3 (no lost updates): session {session_id!r} is at revision "
+            f"{actual}, but the batch was computed from revision {expected}"
+        )
+
+
+class SessionNotFoundError(StepmachineError, LookupError):
+    """The store holds no session with this id."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        super().__init__(f"no session with id {session_id!r}")
+
+
+class SessionExistsError(StepmachineError):
+    """``create`` was asked for an id the store already holds."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        super().__init__(f"a session with id {session_id!r} already exists")
+
+
+class StoredDataError(StepmachineError):
+    """A stored or wire record could not be decoded (invariant 8).
+
+    Decoding fails closed: unknown tags and malformed records raise this error,
+    naming where the record came from, and nothing is rewritten.
+    """
+
+
+class EffectError(StepmachineError):
+    """An effect cannot be applied to the session it was computed for.
+
+    For example, an annotation names a message id the conversation does not hold.
+    The batch containing it is rejected whole; the session is unchanged.
+    """
+
+
+class HistoryError(StepmachineError):
+    """The conversation is not provider-valid (invariant 4).
+
+    Raised before a model request is built from a history in which a tool call
+    lacks its result, a result answers no call, or call ids repeat.
+    """
+
+
+class ToolArgumentsError(StepmachineError):
+    """A tool's arguments failed validation against its schema."""
+
+
+class ModelError(StepmachineError):
+    """A model call failed. Provider adapters raise typed subclasses."""
+
+
+class UnexpectedModelCallError(ModelError):
+    """A scripted model was called when its script had no turn left."""

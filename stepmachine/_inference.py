@@ -1,0 +1,175 @@
+"""``ModelInference``: the step that calls a model.
+
+It applies when the conversation (as the model sees it) ends on something the
+model must answer: a user message, or tool results that close every open call.
+It refuses while any tool call is open, and otherwise.
+
+Before the request it checks invariant 4 (valid history) and raises
+:class:`~stepmachine.HistoryError` rather than send a broken history. It
+streams text, reasoning and tool-argument deltas to the emitter, and returns
+the assistant message, with the usage, model and finish reason recorded in its
+notes under the step's name. A reply with tool calls continues the run; a
+reply without them yields with reason ``done``.
+
+Streaming adds events only: the effects come from the assembled response, so
+they are the same with ``stream=True`` or ``False`` (invariant 9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ._effects import AppendMessage, Effect
+from ._emitter import ReasoningDelta, TextDelta, ToolArgumentsDelta
+from ._history import check_history, open_tool_calls
+from ._messages import Message, Part, ReasoningPart, TextPart
+from ._model import ModelRequest, ModelSettings, PromptPart, ReasoningChunk, StreamChunk, TextChunk
+from ._session import Session
+from ._steps import Continue, Inference, Outcome, Refuse, StepContext, Yield, YieldReason
+
+__all__ = ["ModelInference", "needs_answer"]
+
+
+def needs_answer(conversation: Sequence[Message]) -> bool:
+    """True when the model must speak next.
+
+    That is: the last message visible to the model is from the user, or is a
+    tool message and no tool call is left open.
+    """
+    visible = [m for m in conversation if m.visible_to_model]
+    if not visible:
+        return False
+    last = visible[-1]
+    if last.role == "user":
+        return not open_tool_calls(visible)
+    if last.role == "tool":
+        return not open_tool_calls(visible)
+    return False
+
+
+class _Partial:
+    """What streamed in before an interruption."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+
+
+class ModelInference(Inference[Any]):
+    """Calls a model from the Runtime and appends its reply.
+
+    Args:
+        model: the name of a model in ``runtime.models``; ``None`` uses
+            ``runtime.model``.
+        instructions: a system prompt part this step contributes.
+        settings: sampling settings for every request.
+        stream: hand deltas to the emitter as they arrive.
+        name: the step name (also the notes namespace for usage).
+
+    Raises (from ``run``):
+        HistoryError: the history breaks invariant 4; no request is sent.
+        ConfigurationError: the runtime has no such model.
+        ModelError: the model failed.
+
+    Cancellation: the request is abandoned; ``finalize`` keeps the text and
+    reasoning received so far as an assistant message noted ``interrupted``.
+    Tool calls that had not finished streaming are dropped, never half-kept.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str | None = None,
+        instructions: str | None = None,
+        settings: ModelSettings | None = None,
+        stream: bool = True,
+        name: str = "inference",
+    ) -> None:
+        self._model = model
+        self._instructions = instructions
+        self._settings = settings or ModelSettings()
+        self._stream = stream
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def prompt_parts(self, session: Session[Any]) -> Sequence[PromptPart]:
+        if self._instructions:
+            return (PromptPart(source=self._name, text=self._instructions),)
+        return ()
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        session = ctx.session
+        if not needs_answer(session.conversation):
+            return Refuse("the conversation does not end on something the model must answer")
+        visible = session.visible_to_model
+        check_history(visible, session_id=session.id)
+        model = ctx.runtime.get_model(self._model)
+        request = ModelRequest(
+            messages=visible,
+            tools=ctx.tools,
+            prompt_parts=ctx.prompt_parts,
+            settings=self._settings,
+        )
+        partial = _Partial()
+        ctx.scratch["partial"] = partial
+
+        async def on_chunk(chunk: StreamChunk) -> None:
+            if isinstance(chunk, TextChunk):
+                partial.text.append(chunk.text)
+                await ctx.emit(TextDelta(chunk.text))
+            elif isinstance(chunk, ReasoningChunk):
+                partial.reasoning.append(chunk.text)
+                await ctx.emit(ReasoningDelta(chunk.text))
+            else:
+                await ctx.emit(
+                    ToolArgumentsDelta(
+                        index=chunk.index,
+                        call_id=chunk.call_id,
+                        name=chunk.name,
+                        delta=chunk.arguments_delta,
+                    )
+                )
+
+        response = await model.request(request, on_chunk=on_chunk if self._stream else None)
+        note: dict[str, Any] = {
+            "usage": {
+                "input_tokens": response.usage.input_tokens,
+                "output_tokens": response.usage.output_tokens,
+                "cache_read_tokens": response.usage.cache_read_tokens,
+                "cache_write_tokens": response.usage.cache_write_tokens,
+                "reasoning_tokens": response.usage.reasoning_tokens,
+            },
+            "model": response.model or model.name,
+            "finish_reason": response.finish_reason,
+        }
+        message = Message(
+            id=ctx.new_id(), role="assistant", parts=response.parts, notes={self._name: note}
+        )
+        effects = [AppendMessage(message)]
+        if message.tool_calls:
+            return Continue(effects)
+        return Yield(effects, YieldReason(YieldReason.DONE))
+
+    async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
+        """Keep streamed text and reasoning of an interrupted request."""
+        partial: _Partial | None = ctx.scratch.get("partial")
+        if not interrupted or partial is None or not (partial.text or partial.reasoning):
+            return ()
+        if not needs_answer(ctx.session.conversation):
+            return ()  # the reply was recorded after all, or someone else answered
+        parts: list[Part] = []
+        if partial.reasoning:
+            parts.append(ReasoningPart(text="".join(partial.reasoning)))
+        if partial.text:
+            parts.append(TextPart(text="".join(partial.text)))
+        message = Message(
+            id=ctx.new_id(),
+            role="assistant",
+            parts=tuple(parts),
+            notes={self._name: {"interrupted": True}},
+        )
+        return (AppendMessage(message),)

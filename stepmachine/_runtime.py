@@ -1,0 +1,97 @@
+"""The Runtime: the application's IO dependencies, handed to every step.
+
+Steps never reach for globals: the store, the models, the HTTP client, the
+clock and the id source all come from the :class:`Runtime` given to
+``StateMachine.run``, so a test swaps any of them freely.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from ._errors import ConfigurationError
+from ._model import Model
+from ._store import EffectHandler, SessionLoader, Store
+
+__all__ = ["Runtime", "counter_ids", "uuid_ids"]
+
+
+def uuid_ids() -> str:
+    """A random id (32 hex digits). The default id source."""
+    return uuid.uuid4().hex
+
+
+def counter_ids(prefix: str = "m") -> Callable[[], str]:
+    """A deterministic id source: ``m1``, ``m2``, ... (for tests and examples)."""
+    count = 0
+
+    def next_id() -> str:
+        nonlocal count
+        count += 1
+        return f"{prefix}{count}"
+
+    return next_id
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """IO dependencies for one run.
+
+    Attributes:
+        store: a store used as both loader and effect handler.
+        loader: overrides ``store`` for loading.
+        handler: overrides ``store`` for persisting effects.
+        model: the default model for ``ModelInference``.
+        models: named models, for steps that pick one by name.
+        http: a shared ``httpx.AsyncClient`` for tools and providers.
+        clock: seconds since the epoch; stamps every applied batch.
+        ids: returns a new unique message id on each call.
+        services: anything else the application's steps and tools need.
+    """
+
+    store: Store | None = None
+    loader: SessionLoader | None = None
+    handler: EffectHandler | None = None
+    model: Model | None = None
+    models: Mapping[str, Model] = field(default_factory=dict)
+    http: httpx.AsyncClient | None = None
+    clock: Callable[[], float] = time.time
+    ids: Callable[[], str] = uuid_ids
+    services: Mapping[str, Any] = field(default_factory=dict)
+
+    def session_loader(self) -> SessionLoader:
+        """The loader to use. Raises :class:`ConfigurationError` if there is none."""
+        loader = self.loader or self.store
+        if loader is None:
+            raise ConfigurationError("the Runtime has no store or loader")
+        return loader
+
+    def effect_handler(self) -> EffectHandler:
+        """The handler to use. Raises :class:`ConfigurationError` if there is none."""
+        handler = self.handler or self.store
+        if handler is None:
+            raise ConfigurationError("the Runtime has no store or effect handler")
+        return handler
+
+    def get_model(self, name: str | None = None) -> Model:
+        """The model called ``name``, or the default model when ``name`` is None.
+
+        Raises:
+            ConfigurationError: no such model is configured.
+        """
+        if name is None:
+            if self.model is None:
+                raise ConfigurationError("the Runtime has no model; pass Runtime(model=...)")
+            return self.model
+        try:
+            return self.models[name]
+        except KeyError:
+            raise ConfigurationError(
+                f"the Runtime has no model named {name!r}; it has {sorted(self.models)!r}"
+            ) from None

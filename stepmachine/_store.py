@@ -1,0 +1,154 @@
+"""The two storage protocols, and the full store interface the shipped stores keep.
+
+A :class:`SessionLoader` loads sessions; an :class:`EffectHandler` persists
+batches of effects. The machine needs only these two, so an application can
+implement them against any storage. :class:`Store` adds the management API
+the shipped stores (memory, file, SQLite) and the store conformance suite use:
+create, list, delete, time travel and the audit log.
+
+Contract of :meth:`EffectHandler.apply` (invariants 2 and 3): it is a
+compare-and-set on the revision. The batch says which revision it produces;
+the store accepts it only when the session is exactly one revision behind,
+and then persists all of its effects or none. Once ``apply`` returns, the
+batch survives a crash of the process (for the durable stores).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import msgspec
+
+from ._codec import Batch, Codec
+from ._effects import Effect, apply_batch
+from ._errors import ConflictError
+from ._messages import Message
+from ._session import Session
+
+__all__ = ["EffectHandler", "SessionLoader", "Store", "submit"]
+
+D = TypeVar("D", bound=msgspec.Struct)
+
+
+class SessionLoader(Protocol):
+    """Loads sessions."""
+
+    async def load(self, session_id: str) -> Session[Any]:
+        """The current session.
+
+        Raises:
+            SessionNotFoundError: no session has this id.
+            StoredDataError: the stored records do not decode.
+        """
+        ...
+
+
+class EffectHandler(Protocol):
+    """Persists batches of effects, atomically, with compare-and-set."""
+
+    async def apply(self, batch: Batch[Effect]) -> None:
+        """Persist ``batch`` if the session is at ``batch.revision - 1``.
+
+        Raises:
+            ConflictError: the session is at another revision; nothing is written.
+            SessionNotFoundError: no session has this id.
+            EffectError: an effect does not apply; nothing is written.
+
+        Cancellation: either the whole batch is persisted or none of it.
+        """
+        ...
+
+
+class Store(SessionLoader, EffectHandler, Protocol):
+    """The management API of the shipped stores (and of the conformance suite)."""
+
+    @property
+    def codec(self) -> Codec[Any]:
+        """The codec the store encodes with."""
+        ...
+
+    async def create(
+        self,
+        session_id: str,
+        data: msgspec.Struct | None = None,
+        conversation: Sequence[Message] = (),
+    ) -> Session[Any]:
+        """Create a revision-0 session.
+
+        Raises:
+            SessionExistsError: the id is taken.
+        """
+        ...
+
+    async def list_sessions(self) -> list[str]:
+        """The ids of all sessions, sorted."""
+        ...
+
+    async def delete(self, session_id: str) -> None:
+        """Delete a session and its log.
+
+        Raises:
+            SessionNotFoundError: no session has this id.
+        """
+        ...
+
+    async def load_at(self, session_id: str, revision: int) -> Session[Any]:
+        """The session as it was at ``revision`` (time travel).
+
+        Raises:
+            SessionNotFoundError: no session has this id.
+            ValueError: ``revision`` is negative or beyond the current one.
+        """
+        ...
+
+    async def batches(self, session_id: str, after: int = 0) -> list[Batch[Effect]]:
+        """The audit log: every applied batch with ``revision > after``, in order."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release resources. The store must not be used afterwards."""
+        ...
+
+
+async def submit(
+    store: Store,
+    session_id: str,
+    effects: Sequence[Effect],
+    *,
+    step: str = "application",
+    clock: Callable[[], float] = time.time,
+    max_attempts: int = 16,
+) -> Session[Any]:
+    """Apply ``effects`` from outside a machine (a user message, an event).
+
+    Loads the session, applies the effects to it and persists them as one
+    batch; on a conflict, reloads and tries again, up to ``max_attempts``.
+
+    Returns:
+        The session after the batch.
+
+    Raises:
+        ConflictError: still conflicting after ``max_attempts``.
+        EffectError: the effects do not apply to the session.
+    """
+    for attempt in range(max_attempts):
+        session = await store.load(session_id)
+        after = apply_batch(session, effects)
+        batch: Batch[Effect] = Batch(
+            session_id=session_id,
+            revision=after.revision,
+            step=step,
+            cycle=0,
+            timestamp=clock(),
+            effects=tuple(effects),
+        )
+        try:
+            await store.apply(batch)
+        except ConflictError:
+            if attempt == max_attempts - 1:
+                raise
+            continue
+        return after
+    raise AssertionError("unreachable")  # pragma: no cover

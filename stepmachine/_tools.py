@@ -1,0 +1,327 @@
+"""Tools from typed Python functions, and the ``Tools`` operation that runs them.
+
+:func:`tool` turns a typed function (sync or async) into a :class:`Tool`. Its
+JSON schema is derived from the signature through a msgspec Struct built from
+the parameters, and the model's arguments are validated by msgspec against
+that Struct before the function is called. Describe a parameter with
+``Annotated[str, msgspec.Meta(description="...")]``; the docstring's first
+paragraph describes the tool. A parameter annotated :class:`ToolContext` is
+not part of the schema: it receives the runtime, the call id and a stable
+idempotency key.
+
+:class:`Tools` advertises its tools and, when the conversation holds tool
+calls without results, runs them concurrently and returns one ``tool``
+message per call, in call order. A tool that raises, arguments that do not
+validate, invalid JSON and unknown tool names all become error results
+(``is_error=True``) the model can read: never a crash of the run.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import anyio
+import msgspec
+
+from ._effects import AppendMessage, Effect
+from ._emitter import ToolFinished, ToolStarted
+from ._errors import ConfigurationError, ToolArgumentsError
+from ._history import open_tool_calls
+from ._messages import Message, ToolCallPart, ToolResultPart
+from ._model import ToolDefinition
+from ._runtime import Runtime
+from ._session import Session
+from ._steps import Continue, Operation, Outcome, Refuse, StepContext
+
+__all__ = ["Tool", "ToolContext", "Tools", "idempotency_key", "tool"]
+
+
+def idempotency_key(session_id: str, call_id: str) -> str:
+    """The stable idempotency key of one tool call: a hash of session and call id."""
+    digest = hashlib.sha256(f"{session_id}\x00{call_id}".encode()).hexdigest()
+    return f"sm-{digest[:32]}"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    """Injected into a tool parameter annotated ``ToolContext``.
+
+    Attributes:
+        runtime: the run's IO dependencies (HTTP client, services, ...).
+        session_id: the session the call belongs to.
+        call_id: the model's id for this call.
+        idempotency_key: stable for this session and call, across retries and
+            processes; pass it to external APIs that deduplicate requests.
+    """
+
+    runtime: Runtime
+    session_id: str
+    call_id: str
+    idempotency_key: str
+
+
+class Tool:
+    """A callable the model may ask for, with a schema and validated arguments.
+
+    Build one with :func:`tool`. Attributes: ``name``, ``description``,
+    ``parameters`` (JSON schema), ``definition`` (what models are shown).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        thread: bool = True,
+    ) -> None:
+        self.fn = fn
+        self.name: str = name or fn.__name__
+        doc = inspect.getdoc(fn) or ""
+        self.description: str = description or doc.split("\n\n", 1)[0].strip()
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.thread = thread
+        self._context_param, self.arguments_type = _arguments_struct(fn, self.name)
+        self.parameters: dict[str, Any] = _schema(self.arguments_type)
+        self.definition = ToolDefinition(
+            name=self.name, description=self.description, parameters=self.parameters
+        )
+
+    def __repr__(self) -> str:
+        return f"Tool(name={self.name!r})"
+
+    def validate(self, arguments: Any) -> dict[str, Any]:
+        """The keyword arguments for the function, validated.
+
+        Raises:
+            ToolArgumentsError: ``arguments`` is not an object matching the schema.
+        """
+        if not isinstance(arguments, dict):
+            raise ToolArgumentsError(
+                f"arguments for tool {self.name!r} must be a JSON object, got "
+                f"{type(arguments).__name__}"
+            )
+        try:
+            value = msgspec.convert(arguments, self.arguments_type)
+        except msgspec.ValidationError as exc:
+            raise ToolArgumentsError(f"invalid arguments for tool {self.name!r}: {exc}") from exc
+        return {f: getattr(value, f) for f in self.arguments_type.__struct_fields__}
+
+    async def call(self, arguments: Any, context: ToolContext) -> str:
+        """Validate ``arguments``, run the function, and return its result as text.
+
+        A ``str`` result is returned as is; anything else is JSON-encoded.
+        Sync functions run in a worker thread unless built with ``thread=False``.
+
+        Raises:
+            ToolArgumentsError: the arguments do not validate.
+            Exception: whatever the function raises.
+
+        Cancellation: an async tool is cancelled at its next await; a sync tool
+        in a thread runs to completion, then the cancellation takes effect.
+        """
+        kwargs = self.validate(arguments)
+        if self._context_param is not None:
+            kwargs[self._context_param] = context
+        if self.is_async:
+            result = await self.fn(**kwargs)
+        elif self.thread:
+            result = await anyio.to_thread.run_sync(functools.partial(self.fn, **kwargs))
+        else:
+            result = self.fn(**kwargs)
+        if isinstance(result, str):
+            return result
+        return msgspec.json.encode(result).decode()
+
+
+@overload
+def tool(fn: Callable[..., Any], /) -> Tool: ...
+@overload
+def tool(
+    *, name: str | None = None, description: str | None = None, thread: bool = True
+) -> Callable[[Callable[..., Any]], Tool]: ...
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    thread: bool = True,
+) -> Tool | Callable[[Callable[..., Any]], Tool]:
+    """Make a :class:`Tool` from a typed function; usable as ``@tool`` or ``@tool(...)``.
+
+    Raises:
+        ConfigurationError: a parameter lacks a type annotation, is ``*args`` or
+            ``**kwargs``, or its type has no JSON schema.
+    """
+    if fn is not None:
+        return Tool(fn)
+    return lambda f: Tool(f, name=name, description=description, thread=thread)
+
+
+def _arguments_struct(
+    fn: Callable[..., Any], tool_name: str
+) -> tuple[str | None, type[msgspec.Struct]]:
+    try:
+        hints = inspect.get_annotations(fn, eval_str=True)
+    except Exception as exc:
+        raise ConfigurationError(f"cannot read the annotations of tool {tool_name!r}: {exc}") from exc
+    context_param: str | None = None
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ConfigurationError(
+                f"tool {tool_name!r}: *args and **kwargs have no schema ({param.name!r})"
+            )
+        if param.name not in hints:
+            raise ConfigurationError(
+                f"tool {tool_name!r}: parameter {param.name!r} needs a type annotation"
+            )
+        annotation = hints[param.name]
+        if annotation is ToolContext:
+            context_param = param.name
+            continue
+        if param.default is param.empty:
+            fields.append((param.name, annotation))
+        else:
+            fields.append((param.name, annotation, param.default))
+    struct = msgspec.defstruct(
+        f"{tool_name}_arguments", fields, kw_only=True, forbid_unknown_fields=True
+    )
+    return context_param, struct
+
+
+def _schema(arguments_type: type[msgspec.Struct]) -> dict[str, Any]:
+    try:
+        (ref,), components = msgspec.json.schema_components(
+            [arguments_type], ref_template="#/$defs/{name}"
+        )
+    except TypeError as exc:
+        raise ConfigurationError(f"tool arguments have no JSON schema: {exc}") from exc
+    top_name = ref["$ref"].rsplit("/", 1)[-1]
+    schema = dict(components.pop(top_name))
+    schema.pop("title", None)
+    if components:
+        schema["$defs"] = components
+    return schema
+
+
+class Tools(Operation[Any]):
+    """Advertises tools and answers every open call that is its own.
+
+    An open call is "its own" when it names one of its tools, or names a tool
+    no step advertises (then the answer is an "unknown tool" error). Calls for
+    tools of another ``Tools`` step are left to that step. Calls run
+    concurrently, at most ``max_concurrency`` at a time; the outcome is
+    ``Continue`` with one ``tool`` message per call, in call order.
+
+    Cancellation: results of calls that finished are kept by ``finalize``;
+    the machine answers the rest as interrupted.
+    """
+
+    def __init__(
+        self,
+        tools: Iterable[Tool | Callable[..., Any]],
+        *,
+        name: str = "tools",
+        max_concurrency: int = 8,
+    ) -> None:
+        self._name = name
+        self._tools: dict[str, Tool] = {}
+        for item in tools:
+            built = item if isinstance(item, Tool) else Tool(item)
+            if built.name in self._tools:
+                raise ConfigurationError(f"tool name {built.name!r} is given twice to {name!r}")
+            self._tools[built.name] = built
+        self._definitions = tuple(t.definition for t in self._tools.values())
+        self._max_concurrency = max_concurrency
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def tools(self, session: Session[Any]) -> Sequence[ToolDefinition]:
+        return self._definitions
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        advertised = {d.name for d in ctx.tools} | set(self._tools)
+        calls = [
+            c
+            for c in open_tool_calls(ctx.session.conversation)
+            if c.name in self._tools or c.name not in advertised
+        ]
+        if not calls:
+            return Refuse("no open tool calls for these tools")
+        finished: dict[str, ToolResultPart] = {}
+        ctx.scratch["finished"] = finished
+        limiter = anyio.CapacityLimiter(self._max_concurrency)
+
+        async def run_one(call: ToolCallPart) -> None:
+            async with limiter:
+                finished[call.call_id] = await self._run_call(ctx, call)
+
+        async with anyio.create_task_group() as tg:
+            for call in calls:
+                tg.start_soon(run_one, call)
+        return Continue(self._result_messages(ctx, calls, finished))
+
+    async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
+        """Keep the results of the calls that finished before the interruption."""
+        if not interrupted:
+            return ()
+        finished: dict[str, ToolResultPart] = ctx.scratch.get("finished", {})
+        calls = [c for c in open_tool_calls(ctx.session.conversation) if c.call_id in finished]
+        return self._result_messages(ctx, calls, finished)
+
+    def _result_messages(
+        self,
+        ctx: StepContext[Any],
+        calls: Sequence[ToolCallPart],
+        finished: dict[str, ToolResultPart],
+    ) -> list[Effect]:
+        return [
+            AppendMessage(
+                Message(id=ctx.new_id(), role="tool", parts=(finished[call.call_id],))
+            )
+            for call in calls
+            if call.call_id in finished
+        ]
+
+    async def _run_call(self, ctx: StepContext[Any], call: ToolCallPart) -> ToolResultPart:
+        def error(content: str) -> ToolResultPart:
+            return ToolResultPart(
+                call_id=call.call_id, content=content, is_error=True, name=call.name
+            )
+
+        impl = self._tools.get(call.name)
+        if impl is None:
+            known = ", ".join(sorted(d.name for d in ctx.tools)) or "none"
+            return error(f"unknown tool {call.name!r}; available tools: {known}")
+        if call.arguments is None:
+            return error(
+                f"the arguments for {call.name!r} are not valid JSON: {call.raw_arguments!r}"
+            )
+        await ctx.emit(ToolStarted(call_id=call.call_id, name=call.name))
+        context = ToolContext(
+            runtime=ctx.runtime,
+            session_id=ctx.session.id,
+            call_id=call.call_id,
+            idempotency_key=idempotency_key(ctx.session.id, call.call_id),
+        )
+        try:
+            content = await impl.call(call.arguments, context)
+        except ToolArgumentsError as exc:
+            result = error(str(exc))
+        except Exception as exc:  # noqa: BLE001 - a tool error becomes an error result
+            result = error(f"tool {call.name!r} failed: {type(exc).__name__}: {exc}")
+        else:
+            result = ToolResultPart(call_id=call.call_id, content=content, name=call.name)
+        await ctx.emit(ToolFinished(call_id=call.call_id, name=call.name, is_error=result.is_error))
+        return result

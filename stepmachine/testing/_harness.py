@@ -1,0 +1,128 @@
+"""Run ONE step against a session value: no store, no machine loop.
+
+:func:`run_step` builds the context the machine would build (tool
+definitions and prompt parts collected from the step and any ``others``),
+runs the step once, and returns a :class:`StepCheck`: the outcome, the
+effects, the session those effects produce, and the events emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stepmachine import (
+    Continue,
+    Effect,
+    Event,
+    Message,
+    Model,
+    NoData,
+    Operation,
+    Outcome,
+    RecordingEmitter,
+    Refuse,
+    Runtime,
+    Session,
+    StateMachine,
+    StepContext,
+    Yield,
+    apply_batch,
+    counter_ids,
+)
+from stepmachine._emitter import EventSink
+
+__all__ = ["StepCheck", "make_session", "run_step"]
+
+
+def make_session(
+    *messages: Message | str,
+    data: Any = None,
+    session_id: str = "test-session",
+    revision: int = 0,
+) -> Session[Any]:
+    """A session value; a ``str`` becomes a user message with id ``u<n>``."""
+    conversation = tuple(
+        Message.user(m, id=f"u{i}") if isinstance(m, str) else m for i, m in enumerate(messages)
+    )
+    return Session(
+        id=session_id, revision=revision, conversation=conversation,
+        data=NoData() if data is None else data,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StepCheck:
+    """What one step did.
+
+    Attributes:
+        outcome: the step's ``Refuse``, ``Continue`` or ``Yield``.
+        effects: its effects (empty for ``Refuse``).
+        session: the session after applying them (the input when refused).
+        events: the events it emitted.
+        ctx: the context it ran with (pass to ``finalize`` in tests).
+    """
+
+    outcome: Outcome
+    effects: tuple[Effect, ...]
+    session: Session[Any]
+    events: tuple[Event, ...]
+    ctx: StepContext[Any]
+
+    @property
+    def refused(self) -> bool:
+        """True when the step refused."""
+        return isinstance(self.outcome, Refuse)
+
+    @property
+    def yielded(self) -> bool:
+        """True when the step yielded."""
+        return isinstance(self.outcome, Yield)
+
+    @property
+    def continued(self) -> bool:
+        """True when the step continued."""
+        return isinstance(self.outcome, Continue)
+
+    @property
+    def new_messages(self) -> tuple[Message, ...]:
+        """The messages the effects appended."""
+        return self.session.conversation[len(self.ctx.session.conversation) :]
+
+
+async def run_step(
+    step: Operation[Any],
+    session: Session[Any],
+    *,
+    runtime: Runtime | None = None,
+    model: Model | None = None,
+    others: Sequence[Operation[Any]] = (),
+) -> StepCheck:
+    """Run ``step`` once against ``session``, as the machine would, and report.
+
+    Args:
+        step: the step under test.
+        session: the session value it sees.
+        runtime: IO dependencies; by default one with deterministic ids
+            (``id1``, ``id2``, ...) and ``model`` if given.
+        model: shortcut for ``Runtime(model=model)``.
+        others: the other steps of the machine, whose tools and prompt parts
+            are collected too (duplicate tool names raise as in the machine).
+
+    Raises whatever the step raises, and ``EffectError`` if its effects do not
+    apply to ``session``.
+    """
+    if runtime is None:
+        runtime = Runtime(model=model, ids=counter_ids("id"))
+    machine = StateMachine([step, *others])
+    tools, parts = machine.collect(session)
+    recorder = RecordingEmitter()
+    ctx: StepContext[Any] = StepContext(
+        session=session, runtime=runtime, events=EventSink(recorder, session.id, session.revision),
+        cycle=1, tools=tools, prompt_parts=parts,
+    )
+    outcome = await step.run(ctx)
+    effects: tuple[Effect, ...] = () if isinstance(outcome, Refuse) else outcome.effects
+    after = apply_batch(session, effects) if effects else session
+    return StepCheck(outcome, effects, after, tuple(recorder.events), ctx)

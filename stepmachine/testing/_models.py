@@ -1,0 +1,207 @@
+"""Fake models: scripted turns, or a function deciding each turn.
+
+Both stream a response by cutting it into chunks (with a checkpoint between
+chunks, so cancellation can land mid-stream) and return the same assembled
+response whether or not a chunk sink is given (invariant 9).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import anyio.lowlevel
+import msgspec
+
+from stepmachine import (
+    ChunkSink,
+    ModelRequest,
+    ModelResponse,
+    ReasoningChunk,
+    ReasoningPart,
+    TextChunk,
+    TextPart,
+    ToolCallChunk,
+    ToolCallPart,
+    UnexpectedModelCallError,
+    Usage,
+)
+
+__all__ = ["FunctionModel", "ScriptedModel", "call", "reply", "stream_response"]
+
+
+def reply(text: str, *, reasoning: str | None = None, usage: Usage | None = None) -> ModelResponse:
+    """A response holding ``text`` (after optional ``reasoning``)."""
+    parts: list[Any] = []
+    if reasoning is not None:
+        parts.append(ReasoningPart(text=reasoning))
+    parts.append(TextPart(text))
+    return ModelResponse(
+        parts=tuple(parts), usage=usage or Usage(input_tokens=10, output_tokens=5),
+        finish_reason="stop",
+    )
+
+
+def call(*calls: tuple[str, dict[str, Any]] | ToolCallPart, text: str = "") -> ModelResponse:
+    """A response asking for tool calls: ``call(("add", {"a": 1, "b": 2}))``.
+
+    Calls given as ``(name, arguments)`` get ids from the scripted model
+    (``call-<turn>-<index>``). Pass a :class:`ToolCallPart` for full control,
+    for example invalid JSON via ``ToolCallPart.parse(id, name, raw)``.
+    """
+    parts: list[Any] = [TextPart(text)] if text else []
+    for item in calls:
+        if isinstance(item, ToolCallPart):
+            parts.append(item)
+        else:
+            name, arguments = item
+            parts.append(ToolCallPart.of("", name, arguments))
+    return ModelResponse(
+        parts=tuple(parts), usage=Usage(input_tokens=10, output_tokens=5),
+        finish_reason="tool_calls",
+    )
+
+
+def _number_calls(response: ModelResponse, turn: int) -> ModelResponse:
+    parts = []
+    index = 0
+    changed = False
+    for part in response.parts:
+        if isinstance(part, ToolCallPart):
+            if not part.call_id:
+                part = msgspec.structs.replace(part, call_id=f"call-{turn}-{index}")
+                changed = True
+            index += 1
+        parts.append(part)
+    return msgspec.structs.replace(response, parts=tuple(parts)) if changed else response
+
+
+async def stream_response(response: ModelResponse, on_chunk: ChunkSink, chunk_size: int = 8) -> None:
+    """Hand ``response`` to ``on_chunk`` as chunks, with a checkpoint before each."""
+    tool_index = 0
+    for part in response.parts:
+        if isinstance(part, TextPart | ReasoningPart):
+            text = part.text
+            for start in range(0, max(len(text), 1), chunk_size):
+                await anyio.lowlevel.checkpoint()
+                piece = text[start : start + chunk_size]
+                if isinstance(part, TextPart):
+                    await on_chunk(TextChunk(piece))
+                else:
+                    await on_chunk(ReasoningChunk(piece))
+        elif isinstance(part, ToolCallPart):
+            raw = part.raw_arguments
+            await anyio.lowlevel.checkpoint()
+            await on_chunk(ToolCallChunk(tool_index, part.call_id, part.name, raw[:chunk_size]))
+            for start in range(chunk_size, len(raw), chunk_size):
+                await anyio.lowlevel.checkpoint()
+                await on_chunk(ToolCallChunk(tool_index, arguments_delta=raw[start : start + chunk_size]))
+            tool_index += 1
+    await anyio.lowlevel.checkpoint()
+
+
+Turn = ModelResponse | str | Callable[[ModelRequest], ModelResponse]
+
+
+class ScriptedModel:
+    """A model that answers with scripted turns, in order.
+
+    A turn is a :class:`ModelResponse`, a ``str`` (a plain text reply), or a
+    function of the request returning a response. Calling the model after the
+    last turn raises :class:`UnexpectedModelCallError`, naming the call and
+    the last message; :attr:`unused` lists turns never reached, and
+    :meth:`assert_all_used` fails loudly when there are any.
+
+    Attributes:
+        requests: every request received, in order.
+    """
+
+    def __init__(self, turns: Iterable[Turn], *, name: str = "scripted", chunk_size: int = 8) -> None:
+        self._turns: list[Turn] = list(turns)
+        self._name = name
+        self._chunk_size = chunk_size
+        self.requests: list[ModelRequest] = []
+
+    @property
+    def name(self) -> str:
+        """``"scripted"`` unless named otherwise."""
+        return self._name
+
+    @property
+    def unused(self) -> list[Turn]:
+        """The turns not yet used."""
+        return self._turns[len(self.requests) :]
+
+    def assert_all_used(self) -> None:
+        """Raise ``AssertionError`` listing the turns never reached."""
+        if self.unused:
+            raise AssertionError(
+                f"{self._name}: {len(self.unused)} scripted turn(s) never used: {self.unused!r}"
+            )
+
+    async def request(self, request: ModelRequest, *, on_chunk: ChunkSink | None = None) -> ModelResponse:
+        """Answer with the next turn; stream it to ``on_chunk`` when given.
+
+        Raises:
+            UnexpectedModelCallError: no turn is left.
+        """
+        await anyio.lowlevel.checkpoint()
+        turn_number = len(self.requests)
+        if turn_number >= len(self._turns):
+            last = request.messages[-1] if request.messages else None
+            raise UnexpectedModelCallError(
+                f"{self._name}: unexpected model call #{turn_number + 1}; the script has "
+                f"{len(self._turns)} turn(s). Last message: {last!r}"
+            )
+        self.requests.append(request)
+        turn = self._turns[turn_number]
+        if isinstance(turn, str):
+            response = reply(turn)
+        elif isinstance(turn, ModelResponse):
+            response = turn
+        else:
+            response = turn(request)
+        response = _number_calls(response, turn_number)
+        if on_chunk is not None:
+            await stream_response(response, on_chunk, self._chunk_size)
+        return response
+
+
+class FunctionModel:
+    """A model whose every answer is computed by ``fn(request)`` (sync or async).
+
+    Stateless unless ``fn`` keeps state: the natural choice for tests where a
+    fresh process or a fresh machine must get the same answer for the same
+    history. Tool calls without ids get ``call-<n>-<index>`` where ``n`` is the
+    number of assistant messages in the request.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[ModelRequest], ModelResponse | Awaitable[ModelResponse]],
+        *,
+        name: str = "function",
+        chunk_size: int = 8,
+    ) -> None:
+        self._fn = fn
+        self._name = name
+        self._chunk_size = chunk_size
+        self.calls = 0
+
+    @property
+    def name(self) -> str:
+        """``"function"`` unless named otherwise."""
+        return self._name
+
+    async def request(self, request: ModelRequest, *, on_chunk: ChunkSink | None = None) -> ModelResponse:
+        """Answer with ``fn(request)``; stream it to ``on_chunk`` when given."""
+        await anyio.lowlevel.checkpoint()
+        self.calls += 1
+        result = self._fn(request)
+        response = await result if inspect.isawaitable(result) else result
+        turn = sum(1 for m in request.messages if m.role == "assistant")
+        response = _number_calls(response, turn)
+        if on_chunk is not None:
+            await stream_response(response, on_chunk, self._chunk_size)
+        return response

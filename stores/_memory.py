@@ -1,0 +1,153 @@
+"""``MemoryStore``: sessions and their effect logs, in this process's memory.
+
+Behaves like the durable stores, short of surviving the process: batches are
+kept encoded by the codec and the current session is rebuilt from the decoded
+batch, so an effect that does not round-trip through the codec fails here too.
+Every method has one await (a checkpoint) before it reads or writes, so
+cancellation never leaves a half-applied batch, and operations from concurrent
+tasks never interleave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio.lowlevel
+import msgspec
+
+from stepmachine import (
+    Batch,
+    Codec,
+    ConflictError,
+    Effect,
+    Message,
+    Session,
+    SessionExistsError,
+    SessionNotFoundError,
+    apply_batch,
+)
+
+__all__ = ["MemoryStore"]
+
+
+@dataclass(slots=True)
+class _Entry:
+    initial: bytes
+    current: Session[Any]
+    batches: list[bytes] = field(default_factory=list)
+
+
+class MemoryStore:
+    """An in-memory store. Not shared between processes; lost when the process ends.
+
+    Args:
+        codec: the application's codec (kernel effects and ``NoData`` by default).
+    """
+
+    def __init__(self, codec: Codec[Any] | None = None) -> None:
+        self._codec: Codec[Any] = codec or Codec()
+        self._sessions: dict[str, _Entry] = {}
+
+    @property
+    def codec(self) -> Codec[Any]:
+        """The codec the store encodes with."""
+        return self._codec
+
+    def _entry(self, session_id: str) -> _Entry:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise SessionNotFoundError(session_id) from None
+
+    async def create(
+        self,
+        session_id: str,
+        data: msgspec.Struct | None = None,
+        conversation: Sequence[Message] = (),
+    ) -> Session[Any]:
+        """Create a revision-0 session. Raises ``SessionExistsError`` if the id is taken."""
+        await anyio.lowlevel.checkpoint()
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"a session id is a non-empty string, got {session_id!r}")
+        if session_id in self._sessions:
+            raise SessionExistsError(session_id)
+        session = self._codec.new_session(session_id, data, conversation)
+        encoded = self._codec.encode_session(session)
+        self._sessions[session_id] = _Entry(
+            initial=encoded,
+            current=self._codec.decode_session(encoded, where=f"session {session_id!r}"),
+        )
+        return self._sessions[session_id].current
+
+    async def load(self, session_id: str) -> Session[Any]:
+        """The current session. Raises ``SessionNotFoundError``."""
+        await anyio.lowlevel.checkpoint()
+        return self._entry(session_id).current
+
+    async def apply(self, batch: Batch[Effect]) -> None:
+        """Append ``batch`` if the session is at ``batch.revision - 1``; all or nothing.
+
+        Raises:
+            ConflictError: the session is at another revision.
+            SessionNotFoundError: no such session.
+            EffectError: an effect does not apply.
+            ConfigurationError: an effect type is not registered in the codec.
+        """
+        await anyio.lowlevel.checkpoint()
+        entry = self._entry(batch.session_id)
+        if entry.current.revision != batch.revision - 1:
+            raise ConflictError(batch.session_id, batch.revision - 1, entry.current.revision)
+        encoded = self._codec.encode_batch(batch)
+        stored = self._codec.decode_batch(
+            encoded, where=f"session {batch.session_id!r} revision {batch.revision}"
+        )
+        after = apply_batch(entry.current, stored.effects)
+        entry.batches.append(encoded)
+        entry.current = after
+
+    async def list_sessions(self) -> list[str]:
+        """The ids of all sessions, sorted."""
+        await anyio.lowlevel.checkpoint()
+        return sorted(self._sessions)
+
+    async def delete(self, session_id: str) -> None:
+        """Delete a session and its log. Raises ``SessionNotFoundError``."""
+        await anyio.lowlevel.checkpoint()
+        self._entry(session_id)
+        del self._sessions[session_id]
+
+    async def load_at(self, session_id: str, revision: int) -> Session[Any]:
+        """The session as it was at ``revision``, rebuilt from the stored log.
+
+        Raises:
+            SessionNotFoundError: no such session.
+            ValueError: ``revision`` is negative or beyond the current one.
+        """
+        await anyio.lowlevel.checkpoint()
+        entry = self._entry(session_id)
+        if not 0 <= revision <= entry.current.revision:
+            raise ValueError(
+                f"session {session_id!r} has revisions 0..{entry.current.revision}, "
+                f"not {revision}"
+            )
+        session = self._codec.decode_session(entry.initial, where=f"session {session_id!r}")
+        for position, encoded in enumerate(entry.batches[:revision], start=1):
+            batch = self._codec.decode_batch(
+                encoded, where=f"session {session_id!r} revision {position}"
+            )
+            session = apply_batch(session, batch.effects)
+        return session
+
+    async def batches(self, session_id: str, after: int = 0) -> list[Batch[Effect]]:
+        """The audit log: every batch with ``revision > after``, in order."""
+        await anyio.lowlevel.checkpoint()
+        entry = self._entry(session_id)
+        return [
+            self._codec.decode_batch(encoded, where=f"session {session_id!r} revision {rev}")
+            for rev, encoded in enumerate(entry.batches[after:], start=after + 1)
+        ]
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
