@@ -94,6 +94,9 @@ from ._tools import Tool, ToolContext, Tools, idempotency_key, tool
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "FINALIZE_STEP",
+    "INTERRUPTED",
+    "KERNEL_EFFECTS",
     "Annotate",
     "AppendMessage",
     "Batch",
@@ -111,11 +114,8 @@ __all__ = [
     "Event",
     "EventData",
     "EventSink",
-    "FINALIZE_STEP",
     "HistoryError",
-    "INTERRUPTED",
     "Inference",
-    "KERNEL_EFFECTS",
     "Message",
     "Model",
     "ModelError",

@@ -111,7 +111,7 @@ class Codec(Generic[D]):
         union: Any = Union[tuple(registry.values())]  # noqa: UP007 - built at run time
         self._encoder = msgspec.json.Encoder()
         self._effects_decoder = msgspec.json.Decoder(tuple[union, ...])
-        self._batch_decoder = msgspec.json.Decoder(Batch[union])  # type: ignore[valid-type]
+        self._batch_decoder = msgspec.json.Decoder(Batch[union])
         self._session_decoder = msgspec.json.Decoder(Session[data_type])  # type: ignore[valid-type]
         self._data_decoder = msgspec.json.Decoder(data_type)
         self._message_decoder = msgspec.json.Decoder(Message)

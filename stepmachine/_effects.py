@@ -95,9 +95,9 @@ def _message_index(session: Session[Any], message_id: str) -> int:
     raise EffectError(f"session {session.id!r} holds no message with id {message_id!r}")
 
 
-def _merge(notes: dict[str, dict[str, Any]], namespace: str, values: dict[str, Any]) -> dict[
-    str, dict[str, Any]
-]:
+def _merge(
+    notes: dict[str, dict[str, Any]], namespace: str, values: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
     merged = dict(notes)
     merged[namespace] = {**notes.get(namespace, {}), **values}
     return merged

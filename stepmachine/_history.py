@@ -71,6 +71,5 @@ def check_history(conversation: Sequence[Message], *, session_id: str = "?") -> 
     problems = history_problems(conversation)
     if problems:
         raise HistoryError(
-            f"invariant 4 (valid history) broken in session {session_id!r}: "
-            + "; ".join(problems)
+            f"invariant 4 (valid history) broken in session {session_id!r}: " + "; ".join(problems)
         )

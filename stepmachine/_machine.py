@@ -160,7 +160,9 @@ class StateMachine(Generic[D]):
 
     # -- one cycle ----------------------------------------------------------------
 
-    def collect(self, session: Session[D]) -> tuple[tuple[ToolDefinition, ...], tuple[PromptPart, ...]]:
+    def collect(
+        self, session: Session[D]
+    ) -> tuple[tuple[ToolDefinition, ...], tuple[PromptPart, ...]]:
         """Tool definitions and prompt parts from every step, in step order.
 
         Raises:
@@ -218,9 +220,7 @@ class StateMachine(Generic[D]):
         outcome = decision.outcome
         after = session
         if outcome.effects:
-            after = await self._commit(
-                runtime, session, decision.step.name, cycle, outcome.effects
-            )
+            after = await self._commit(runtime, session, decision.step.name, cycle, outcome.effects)
         if isinstance(outcome, Yield):
             result = StepResult(
                 decision.step.name, outcome.effects, "yielded", after.revision, outcome.reason
@@ -297,7 +297,9 @@ class StateMachine(Generic[D]):
                 if decision.outcome.effects:
                     await sink.emit(
                         StepApplied(
-                            decision.step.name, session.revision, result.status,
+                            decision.step.name,
+                            session.revision,
+                            result.status,
                             len(decision.outcome.effects),
                         )
                     )
@@ -311,8 +313,9 @@ class StateMachine(Generic[D]):
                 try:
                     await self._finalize(runtime, session_id, sink, running, cycle)
                 except Exception:  # noqa: BLE001 - the cancellation must still propagate
-                    _log.exception("finalize failed after outside cancellation",
-                                   session_id=session_id)
+                    _log.exception(
+                        "finalize failed after outside cancellation", session_id=session_id
+                    )
             raise
 
     async def finalize(
@@ -344,6 +347,7 @@ class StateMachine(Generic[D]):
             running.step, running.ctx = interrupted_step, interrupted
         with anyio.CancelScope(shield=True):
             return await self._finalize(runtime, session_id, sink, running, 0)
+        raise AssertionError("unreachable: a shielded scope is never cancelled")  # pragma: no cover
 
     # -- internals -------------------------------------------------------------------
 
@@ -359,8 +363,12 @@ class StateMachine(Generic[D]):
         offer: _Offer[D] = _Offer()
         for step in self.steps:
             ctx = StepContext(
-                session=session, runtime=runtime, events=sink, cycle=cycle,
-                tools=tools, prompt_parts=parts,
+                session=session,
+                runtime=runtime,
+                events=sink,
+                cycle=cycle,
+                tools=tools,
+                prompt_parts=parts,
             )
             running.step, running.ctx = step, ctx
             outcome: Outcome = await step.run(ctx)
@@ -441,22 +449,30 @@ class StateMachine(Generic[D]):
                     dataclasses.replace(step_ctx, session=current), interrupted=True
                 )
 
-            session = await self._commit_fresh(runtime, loader, session, interrupted_step.name,
-                                               cycle, keep)
+            session = await self._commit_fresh(
+                runtime, loader, session, interrupted_step.name, cycle, keep
+            )
         for step in self.steps:
             if step is interrupted_step:
                 continue
 
-            async def finalize_step(current: Session[D], step: Operation[D] = step) -> Sequence[
-                Effect
-            ]:
+            async def finalize_step(
+                current: Session[D], step: Operation[D] = step
+            ) -> Sequence[Effect]:
                 tools, parts = self.collect(current)
-                ctx = StepContext(session=current, runtime=runtime, events=sink, cycle=cycle,
-                                  tools=tools, prompt_parts=parts)
+                ctx = StepContext(
+                    session=current,
+                    runtime=runtime,
+                    events=sink,
+                    cycle=cycle,
+                    tools=tools,
+                    prompt_parts=parts,
+                )
                 return await step.finalize(ctx, interrupted=False)
 
-            session = await self._commit_fresh(runtime, loader, session, step.name, cycle,
-                                               finalize_step)
+            session = await self._commit_fresh(
+                runtime, loader, session, step.name, cycle, finalize_step
+            )
 
         async def answer_open_calls(current: Session[D]) -> Sequence[Effect]:
             return [
@@ -466,7 +482,9 @@ class StateMachine(Generic[D]):
                         role="tool",
                         parts=(
                             ToolResultPart(
-                                call_id=call.call_id, content=INTERRUPTED, is_error=True,
+                                call_id=call.call_id,
+                                content=INTERRUPTED,
+                                is_error=True,
                                 name=call.name,
                             ),
                         ),
@@ -475,8 +493,9 @@ class StateMachine(Generic[D]):
                 for call in open_tool_calls(current.conversation)
             ]
 
-        session = await self._commit_fresh(runtime, loader, session, FINALIZE_STEP, cycle,
-                                           answer_open_calls)
+        session = await self._commit_fresh(
+            runtime, loader, session, FINALIZE_STEP, cycle, answer_open_calls
+        )
         sink.follow(session.revision)
         return session
 

@@ -172,7 +172,9 @@ def _arguments_struct(
     try:
         hints = inspect.get_annotations(fn, eval_str=True)
     except Exception as exc:
-        raise ConfigurationError(f"cannot read the annotations of tool {tool_name!r}: {exc}") from exc
+        raise ConfigurationError(
+            f"cannot read the annotations of tool {tool_name!r}: {exc}"
+        ) from exc
     context_param: str | None = None
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for param in inspect.signature(fn).parameters.values():
@@ -287,9 +289,7 @@ class Tools(Operation[Any]):
         finished: dict[str, ToolResultPart],
     ) -> list[Effect]:
         return [
-            AppendMessage(
-                Message(id=ctx.new_id(), role="tool", parts=(finished[call.call_id],))
-            )
+            AppendMessage(Message(id=ctx.new_id(), role="tool", parts=(finished[call.call_id],)))
             for call in calls
             if call.call_id in finished
         ]

@@ -129,8 +129,7 @@ class MemoryStore:
         entry = self._entry(session_id)
         if not 0 <= revision <= entry.current.revision:
             raise ValueError(
-                f"session {session_id!r} has revisions 0..{entry.current.revision}, "
-                f"not {revision}"
+                f"session {session_id!r} has revisions 0..{entry.current.revision}, not {revision}"
             )
         session = self._codec.decode_session(entry.initial, where=f"session {session_id!r}")
         for position, encoded in enumerate(entry.batches[:revision], start=1):

@@ -47,7 +47,9 @@ def make_session(
         Message.user(m, id=f"u{i}") if isinstance(m, str) else m for i, m in enumerate(messages)
     )
     return Session(
-        id=session_id, revision=revision, conversation=conversation,
+        id=session_id,
+        revision=revision,
+        conversation=conversation,
         data=NoData() if data is None else data,
     )
 
@@ -119,8 +121,12 @@ async def run_step(
     tools, parts = machine.collect(session)
     recorder = RecordingEmitter()
     ctx: StepContext[Any] = StepContext(
-        session=session, runtime=runtime, events=EventSink(recorder, session.id, session.revision),
-        cycle=1, tools=tools, prompt_parts=parts,
+        session=session,
+        runtime=runtime,
+        events=EventSink(recorder, session.id, session.revision),
+        cycle=1,
+        tools=tools,
+        prompt_parts=parts,
     )
     outcome = await step.run(ctx)
     effects: tuple[Effect, ...] = () if isinstance(outcome, Refuse) else outcome.effects

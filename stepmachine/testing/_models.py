@@ -18,6 +18,7 @@ from stepmachine import (
     ChunkSink,
     ModelRequest,
     ModelResponse,
+    Part,
     ReasoningChunk,
     ReasoningPart,
     TextChunk,
@@ -38,7 +39,8 @@ def reply(text: str, *, reasoning: str | None = None, usage: Usage | None = None
         parts.append(ReasoningPart(text=reasoning))
     parts.append(TextPart(text))
     return ModelResponse(
-        parts=tuple(parts), usage=usage or Usage(input_tokens=10, output_tokens=5),
+        parts=tuple(parts),
+        usage=usage or Usage(input_tokens=10, output_tokens=5),
         finish_reason="stop",
     )
 
@@ -58,26 +60,31 @@ def call(*calls: tuple[str, dict[str, Any]] | ToolCallPart, text: str = "") -> M
             name, arguments = item
             parts.append(ToolCallPart.of("", name, arguments))
     return ModelResponse(
-        parts=tuple(parts), usage=Usage(input_tokens=10, output_tokens=5),
+        parts=tuple(parts),
+        usage=Usage(input_tokens=10, output_tokens=5),
         finish_reason="tool_calls",
     )
 
 
 def _number_calls(response: ModelResponse, turn: int) -> ModelResponse:
-    parts = []
+    parts: list[Part] = []
     index = 0
     changed = False
     for part in response.parts:
         if isinstance(part, ToolCallPart):
             if not part.call_id:
-                part = msgspec.structs.replace(part, call_id=f"call-{turn}-{index}")
+                parts.append(msgspec.structs.replace(part, call_id=f"call-{turn}-{index}"))
                 changed = True
+                index += 1
+                continue
             index += 1
         parts.append(part)
     return msgspec.structs.replace(response, parts=tuple(parts)) if changed else response
 
 
-async def stream_response(response: ModelResponse, on_chunk: ChunkSink, chunk_size: int = 8) -> None:
+async def stream_response(
+    response: ModelResponse, on_chunk: ChunkSink, chunk_size: int = 8
+) -> None:
     """Hand ``response`` to ``on_chunk`` as chunks, with a checkpoint before each."""
     tool_index = 0
     for part in response.parts:
@@ -96,7 +103,9 @@ async def stream_response(response: ModelResponse, on_chunk: ChunkSink, chunk_si
             await on_chunk(ToolCallChunk(tool_index, part.call_id, part.name, raw[:chunk_size]))
             for start in range(chunk_size, len(raw), chunk_size):
                 await anyio.lowlevel.checkpoint()
-                await on_chunk(ToolCallChunk(tool_index, arguments_delta=raw[start : start + chunk_size]))
+                await on_chunk(
+                    ToolCallChunk(tool_index, arguments_delta=raw[start : start + chunk_size])
+                )
             tool_index += 1
     await anyio.lowlevel.checkpoint()
 
@@ -117,7 +126,9 @@ class ScriptedModel:
         requests: every request received, in order.
     """
 
-    def __init__(self, turns: Iterable[Turn], *, name: str = "scripted", chunk_size: int = 8) -> None:
+    def __init__(
+        self, turns: Iterable[Turn], *, name: str = "scripted", chunk_size: int = 8
+    ) -> None:
         self._turns: list[Turn] = list(turns)
         self._name = name
         self._chunk_size = chunk_size
@@ -140,7 +151,9 @@ class ScriptedModel:
                 f"{self._name}: {len(self.unused)} scripted turn(s) never used: {self.unused!r}"
             )
 
-    async def request(self, request: ModelRequest, *, on_chunk: ChunkSink | None = None) -> ModelResponse:
+    async def request(
+        self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
+    ) -> ModelResponse:
         """Answer with the next turn; stream it to ``on_chunk`` when given.
 
         Raises:
@@ -194,7 +207,9 @@ class FunctionModel:
         """``"function"`` unless named otherwise."""
         return self._name
 
-    async def request(self, request: ModelRequest, *, on_chunk: ChunkSink | None = None) -> ModelResponse:
+    async def request(
+        self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
+    ) -> ModelResponse:
         """Answer with ``fn(request)``; stream it to ``on_chunk`` when given."""
         await anyio.lowlevel.checkpoint()
         self.calls += 1

@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Set up and run stepmachine with nothing but Python 3.11+.
+
+    python3 dev.py demo     run examples/hello_world.py
+    python3 dev.py test     run the test suite (extra arguments go to pytest)
+    python3 dev.py lint     ruff check and mypy --strict
+    python3 dev.py bench    run the benchmarks
+
+Each command makes (or reuses) the virtual environment ``.venv`` beside this
+file and installs what it needs into it: the package itself (a strict
+editable install, so mypy follows it) and the extras the command uses. The
+install is redone only when pyproject.toml or the set of modules changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
+PACKAGES = ("stepmachine", "operations", "stores")
+
+
+def _stamp(extras: str) -> str:
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
+    digest.update(extras.encode())
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            digest.update(str(path.relative_to(ROOT)).encode())
+    return digest.hexdigest()
+
+
+def ensure_env(extras: str) -> None:
+    """Create .venv if needed and install the package with ``extras``."""
+    if not PYTHON.exists():
+        print(f"creating virtual environment {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    stamp_file = VENV / ".stepmachine-stamp"
+    stamp = _stamp(extras)
+    if stamp_file.exists() and stamp_file.read_text() == stamp:
+        return
+    target = f".[{extras}]" if extras else "."
+    print(f"installing {target} into {VENV}", flush=True)
+    subprocess.run(
+        [
+            str(PYTHON),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--editable",
+            target,
+            "--config-settings",
+            "editable_mode=strict",
+        ],
+        cwd=ROOT,
+        check=True,
+    )
+    stamp_file.write_text(stamp)
+
+
+def run(*command: str) -> int:
+    """Run a command from the venv's bin folder, from the repository root."""
+    return subprocess.run([str(BIN / command[0]), *command[1:]], cwd=ROOT, check=False).returncode
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in {"demo", "test", "lint", "bench"}:
+        print(__doc__)
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        ensure_env("")
+        return run("python", "examples/hello_world.py", *rest)
+    if command == "test":
+        ensure_env("test")
+        return run("pytest", *rest)
+    if command == "lint":
+        ensure_env("test,lint")
+        code = run(
+            "ruff",
+            "check",
+            "stepmachine",
+            "operations",
+            "stores",
+            "tests",
+            "examples",
+            "benchmarks",
+            "dev.py",
+        )
+        return code or run("mypy", "--strict")
+    ensure_env("test")
+    code = 0
+    for bench in sorted((ROOT / "benchmarks").glob("*.py")):
+        print(f"== {bench.name}", flush=True)
+        code = code or run("python", str(bench.relative_to(ROOT)), *rest)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
