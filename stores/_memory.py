@@ -29,6 +29,8 @@ from stepmachine import (
     apply_batch,
 )
 
+from ._ids import validate_session_id
+
 __all__ = ["MemoryStore"]
 
 
@@ -69,8 +71,7 @@ class MemoryStore:
     ) -> Session[Any]:
         """Create a revision-0 session. Raises ``SessionExistsError`` if the id is taken."""
         await anyio.lowlevel.checkpoint()
-        if not isinstance(session_id, str) or not session_id:
-            raise ValueError(f"a session id is a non-empty string, got {session_id!r}")
+        validate_session_id(session_id)
         if session_id in self._sessions:
             raise SessionExistsError(session_id)
         session = self._codec.new_session(session_id, data, conversation)
