@@ -13,6 +13,7 @@ __all__ = [
     "ConflictError",
     "EffectError",
     "HistoryError",
+    "InvalidSessionIdError",
     "ModelError",
     "SessionExistsError",
     "SessionNotFoundError",
@@ -68,6 +69,10 @@ class SessionExistsError(StepmachineError):
     def __init__(self, session_id: str) -> None:
         self.session_id = session_id
         super().__init__(f"a session with id {session_id!r} already exists")
+
+
+class InvalidSessionIdError(StepmachineError, ValueError):
+    """A session id a store cannot accept safely (a path, NUL bytes, too long, ...)."""
 
 
 class StoredDataError(StepmachineError):

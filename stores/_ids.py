@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from stepmachine import InvalidSessionIdError
+
 __all__ = ["MAX_SESSION_ID_LENGTH", "validate_session_id"]
 
 MAX_SESSION_ID_LENGTH = 128
@@ -24,18 +26,18 @@ _RESERVED = {
 
 
 def validate_session_id(session_id: object) -> str:
-    """Return ``session_id`` if it is a safe id; raise ``ValueError`` naming it otherwise."""
+    """Return ``session_id`` if it is a safe id; raise ``InvalidSessionIdError`` naming it otherwise."""
     if not isinstance(session_id, str):
-        raise ValueError(f"a session id is a string, got {type(session_id).__name__}")
+        raise InvalidSessionIdError(f"a session id is a string, got {type(session_id).__name__}")
     if not 1 <= len(session_id) <= MAX_SESSION_ID_LENGTH:
-        raise ValueError(
+        raise InvalidSessionIdError(
             f"a session id has 1 to {MAX_SESSION_ID_LENGTH} characters, got {len(session_id)}"
         )
     if not _PATTERN.fullmatch(session_id):
-        raise ValueError(
+        raise InvalidSessionIdError(
             f"session id {session_id!r} may use only A-Z a-z 0-9 . _ - and must not start "
             "with . or -"
         )
     if session_id.split(".", 1)[0].upper() in _RESERVED:
-        raise ValueError(f"session id {session_id!r} is a reserved device name")
+        raise InvalidSessionIdError(f"session id {session_id!r} is a reserved device name")
     return session_id
