@@ -26,7 +26,7 @@ _RESERVED = {
 
 
 def validate_session_id(session_id: object) -> str:
-    """Return ``session_id`` if it is a safe id; raise ``InvalidSessionIdError`` naming it otherwise."""
+    """Return ``session_id`` if safe; else raise ``InvalidSessionIdError`` naming it."""
     if not isinstance(session_id, str):
         raise InvalidSessionIdError(f"a session id is a string, got {type(session_id).__name__}")
     if not 1 <= len(session_id) <= MAX_SESSION_ID_LENGTH:
