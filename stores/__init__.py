@@ -6,8 +6,19 @@ management API of :class:`stepmachine.Store`, and passes the store
 conformance suite in :mod:`stepmachine.testing.conformance`.
 
 - :class:`MemoryStore`: in process, for tests and short-lived agents.
+- :class:`SQLiteStore`: the embedded default; one database file, WAL.
+- :class:`FileStore`: one append-only log file per session in a folder.
 """
 
+from ._file import FileStore
+from ._ids import MAX_SESSION_ID_LENGTH, validate_session_id
 from ._memory import MemoryStore
+from ._sqlite import SQLiteStore
 
-__all__ = ["MemoryStore"]
+__all__ = [
+    "MAX_SESSION_ID_LENGTH",
+    "FileStore",
+    "MemoryStore",
+    "SQLiteStore",
+    "validate_session_id",
+]
