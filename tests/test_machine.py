@@ -1,0 +1,638 @@
+"""The machine loop: ordering, yield and resume, invariants 1, 3 and 4, cancellation."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stepmachine import (
+    INTERRUPTED,
+    AppendMessage,
+    Batch,
+    CancelToken,
+    Codec,
+    ConfigurationError,
+    ConflictError,
+    Continue,
+    Effect,
+    Message,
+    ModelInference,
+    ModelRequest,
+    ModelResponse,
+    Operation,
+    Outcome,
+    RecordingEmitter,
+    Refuse,
+    Runtime,
+    Session,
+    StateMachine,
+    StepApplied,
+    StepContext,
+    StepmachineError,
+    StoredDataError,
+    TextDelta,
+    ToolCallPart,
+    ToolFinished,
+    Tools,
+    UpdateData,
+    Yield,
+    Yielded,
+    YieldReason,
+    counter_ids,
+    history_problems,
+    open_tool_calls,
+    submit,
+    tool,
+)
+from stepmachine.stores import MemoryStore
+from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
+
+
+class Flags(msgspec.Struct, frozen=True):
+    """Application data for these tests."""
+
+    done: tuple[str, ...] = ()
+    go: bool = False
+
+
+class Mark(Operation[Flags]):
+    """Applies once: records its name in ``data.done``; logs every offer."""
+
+    def __init__(self, name: str, offers: list[str], *, yield_after: bool = False) -> None:
+        self._name = name
+        self._offers = offers
+        self._yield_after = yield_after
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    async def run(self, ctx: StepContext[Flags]) -> Outcome:
+        self._offers.append(self._name)
+        if self._name in ctx.session.data.done:
+            return Refuse()
+        effects = [UpdateData.set(done=(*ctx.session.data.done, self._name))]
+        if self._yield_after:
+            return Yield(effects, "checkpoint")
+        return Continue(effects)
+
+
+def fixed_clock() -> float:
+    return 1_800_000_000.0
+
+
+async def new_store(**create: Any) -> MemoryStore:
+    store = MemoryStore(Codec(Flags))
+    await store.create("s", **create)
+    return store
+
+
+# -- ordering -----------------------------------------------------------------------
+
+
+async def test_first_applicable_step_wins_and_every_cycle_starts_from_the_top() -> None:
+    offers: list[str] = []
+    store = await new_store()
+    machine = StateMachine([Mark("a", offers), Mark("b", offers), Mark("c", offers)])
+    report = await machine.run_report(Runtime(store=store, clock=fixed_clock), "s")
+    assert [r.step for r in report.results] == ["a", "b", "c"]
+    # Cycle 1 offers a; cycle 2 starts again at a, then b; cycle 3: a, b, c; cycle 4: all refuse.
+    assert offers == ["a", "a", "b", "a", "b", "c", "a", "b", "c"]
+    assert report.reason.kind == YieldReason.IDLE
+    assert report.session.data.done == ("a", "b", "c")
+    assert report.session.revision == 3
+
+
+async def test_yield_then_resume_by_calling_run_again() -> None:
+    offers: list[str] = []
+    store = await new_store()
+    machine = StateMachine(
+        [Mark("a", offers), Mark("b", offers, yield_after=True), Mark("c", offers)]
+    )
+    runtime = Runtime(store=store)
+    first = await machine.run_report(runtime, "s")
+    assert first.reason.kind == "checkpoint"
+    assert first.session.data.done == ("a", "b")
+    # A brand-new machine (as in a new process) continues where the session left off.
+    second = await StateMachine(
+        [Mark("a", []), Mark("b", [], yield_after=True), Mark("c", [])]
+    ).run_report(runtime, "s")
+    assert [r.step for r in second.results] == ["c"]
+    assert second.session.data.done == ("a", "b", "c")
+    assert second.reason.kind == YieldReason.IDLE
+
+
+class WaitForGo(Operation[Flags]):
+    """Yields awaiting an event until ``data.go`` is set, then records itself once."""
+
+    name = "wait"
+
+    async def run(self, ctx: StepContext[Flags]) -> Outcome:
+        if "wait" in ctx.session.data.done:
+            return Refuse()
+        if not ctx.session.data.go:
+            return Yield([], YieldReason(YieldReason.AWAITING_EVENT, "set go"))
+        return Continue([UpdateData.set(done=(*ctx.session.data.done, "wait"))])
+
+
+async def test_yield_without_effects_writes_nothing_and_resumes_after_external_change() -> None:
+    store = await new_store()
+    runtime = Runtime(store=store)
+    machine = StateMachine([WaitForGo()])
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.AWAITING_EVENT
+    assert report.session.revision == 0
+    assert await store.batches("s") == []
+    await submit(store, "s", [UpdateData.set(go=True)])
+    report = await machine.run_report(runtime, "s")
+    assert report.session.data.done == ("wait",)
+    assert [b.step for b in await store.batches("s")] == ["application", "wait"]
+
+
+class EmptyContinue(Operation[Any]):
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Continue([])
+
+
+async def test_continue_without_effects_is_an_error_not_a_busy_loop() -> None:
+    store = await new_store()
+    with pytest.raises(StepmachineError, match="Continue with no effects"):
+        await StateMachine([EmptyContinue()]).run(Runtime(store=store), "s")
+
+
+def test_step_names_must_be_unique() -> None:
+    with pytest.raises(ConfigurationError, match="unique"):
+        StateMachine([Mark("a", []), Mark("a", [])])
+    with pytest.raises(ConfigurationError):
+        StateMachine([])
+
+
+# -- tools and inference in a whole run ------------------------------------------------
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+async def test_duplicated_tool_name_is_a_configuration_error_before_any_model_call() -> None:
+    store = await new_store(conversation=[Message.user("hi", id="u1")])
+    model = ScriptedModel([reply("hello")])
+    machine = StateMachine([Tools([add], name="t1"), Tools([add], name="t2"), ModelInference()])
+    with pytest.raises(ConfigurationError, match="'add' is advertised by both 't1' and 't2'"):
+        await machine.run(Runtime(store=store, model=model), "s")
+    assert model.requests == []
+    assert (await store.load("s")).revision == 0
+
+
+async def test_audit_log_records_step_cycle_and_clock() -> None:
+    store = await new_store(conversation=[Message.user("2+3?", id="u1")])
+    model = ScriptedModel([call(("add", {"a": 2, "b": 3})), reply("5")])
+    machine = StateMachine([Tools([add]), ModelInference()])
+    emitter = RecordingEmitter()
+    runtime = Runtime(store=store, model=model, clock=fixed_clock, ids=counter_ids())
+    session = await machine.run(runtime, "s", emitter)
+    assert session.conversation[-1].text == "5"
+    batches = await store.batches("s")
+    assert [(b.step, b.cycle, b.revision) for b in batches] == [
+        ("inference", 1, 1),
+        ("tools", 2, 2),
+        ("inference", 3, 3),
+    ]
+    assert {b.timestamp for b in batches} == {fixed_clock()}
+    applied = emitter.of_type(StepApplied)
+    assert [(e.step, e.new_revision, e.status) for e in applied] == [
+        ("inference", 1, "continue"),
+        ("tools", 2, "continue"),
+        ("inference", 3, "yielded"),
+    ]
+    assert emitter.of_type(Yielded) == [Yielded("done")]
+    # Events carry the revision they follow, and seq restarts after each batch.
+    for event in emitter.events:
+        if isinstance(event.data, StepApplied):
+            assert event.revision == event.data.new_revision - 1
+    by_revision: dict[int, list[int]] = {}
+    for event in emitter.events:
+        by_revision.setdefault(event.revision, []).append(event.seq)
+    assert all(seqs == list(range(len(seqs))) for seqs in by_revision.values())
+    model.assert_all_used()
+
+
+async def test_one_debug_log_record_per_cycle(caplog: pytest.LogCaptureFixture) -> None:
+    offers: list[str] = []
+    store = await new_store()
+    machine = StateMachine([Mark("a", offers), Mark("b", offers)])
+    with caplog.at_level(logging.DEBUG, logger="stepmachine"):
+        await machine.run(Runtime(store=store), "s")
+    records = [r.getMessage() for r in caplog.records if r.name == "stepmachine"]
+    assert len(records) == 3  # a applies, b applies, nobody applies
+    assert "applied='a'" in records[0]
+    assert "applied='b'" in records[1]
+    assert "refused=['a']" in records[1]
+    assert "status='idle'" in records[2]
+
+
+# -- invariant 1: a fresh machine per cycle decides the same --------------------------------
+
+
+@tool
+def echo(text: str) -> str:
+    """Echo the text."""
+    return text
+
+
+@tool
+async def fail(reason: str) -> str:
+    """Always fails."""
+    await anyio.lowlevel.checkpoint()
+    raise RuntimeError(reason)
+
+
+tool_calls = st.one_of(
+    st.tuples(st.just("echo"), st.fixed_dictionaries({"text": st.text(max_size=5)})),
+    st.tuples(st.just("fail"), st.fixed_dictionaries({"reason": st.text(max_size=5)})),
+    st.tuples(st.just("add"), st.fixed_dictionaries({"a": st.integers(), "b": st.just("x")})),
+    st.tuples(st.just("nope"), st.just({})),
+)
+turns = st.lists(
+    st.one_of(
+        st.text(max_size=10).map(reply),
+        st.lists(tool_calls, min_size=1, max_size=3).map(lambda cs: call(*cs)),
+    ),
+    max_size=5,
+).map(lambda ts: [*ts, reply("bye")])
+
+
+def agent() -> StateMachine[Any]:
+    return StateMachine([Tools([echo, fail, add]), ModelInference(instructions="be nice")])
+
+
+async def run_long(script: list[ModelResponse]) -> list[tuple[str, tuple[Effect, ...]]]:
+    store = await new_store(conversation=[Message.user("go", id="u1")])
+    runtime = Runtime(
+        store=store, model=ScriptedModel(script), ids=counter_ids(), clock=fixed_clock
+    )
+    await agent().run(runtime, "s")
+    return [(b.step, b.effects) for b in await store.batches("s")]
+
+
+async def run_fresh_each_cycle(script: list[ModelResponse]) -> list[tuple[str, tuple[Effect, ...]]]:
+    store = await new_store(conversation=[Message.user("go", id="u1")])
+    runtime = Runtime(
+        store=store, model=ScriptedModel(script), ids=counter_ids(), clock=fixed_clock
+    )
+    for cycle in range(1, 100):
+        machine = agent()  # new machine, new step objects, session reloaded from the store
+        session = await store.load("s")
+        decision = await machine.step(runtime, session, cycle=cycle)
+        if decision is None:
+            break
+        _, result = await machine.apply(runtime, session, decision, cycle=cycle)
+        if result.status == "yielded":
+            break
+    return [(b.step, b.effects) for b in await store.batches("s")]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=turns)
+async def test_fresh_machine_every_cycle_gives_the_same_effects(
+    script: list[ModelResponse],
+) -> None:
+    long_lived = await run_long(script)
+    fresh = await run_fresh_each_cycle(script)
+    assert fresh == long_lived
+    assert long_lived[-1][0] == "inference"
+
+
+# -- invariant 3: concurrent machines on one session ------------------------------------------
+
+
+class AppendOwn(Operation[Any]):
+    """Appends messages ``<writer>-0`` .. ``<writer>-<count-1>``, deciding from the session."""
+
+    def __init__(self, writer: str, count: int) -> None:
+        self._writer = writer
+        self._count = count
+
+    @property
+    def name(self) -> str:
+        return self._writer
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        mine = sum(1 for m in ctx.session.conversation if m.id.startswith(f"{self._writer}-"))
+        if mine >= self._count:
+            return Refuse()
+        await anyio.lowlevel.checkpoint()  # let other writers interleave
+        message = Message.user(f"{self._writer} #{mine}", id=f"{self._writer}-{mine}")
+        return Continue([AppendMessage(message)])
+
+
+class CountingConflicts:
+    """Wraps a store and counts the conflicts it reports."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+        self.conflicts = 0
+
+    async def load(self, session_id: str) -> Session[Any]:
+        return await self.store.load(session_id)
+
+    async def apply(self, batch: Batch[Effect]) -> None:
+        try:
+            await self.store.apply(batch)
+        except ConflictError:
+            self.conflicts += 1
+            raise
+
+
+async def test_concurrent_machines_on_one_session_lose_no_update() -> None:
+    store = await new_store()
+    counting = CountingConflicts(store)
+    writers, count = 8, 10
+    runtime = Runtime(loader=counting, handler=counting)
+
+    async def writer(number: int) -> None:
+        machine = StateMachine([AppendOwn(f"w{number}", count)], max_conflicts=10_000)
+        await machine.run(runtime, "s")
+
+    async with anyio.create_task_group() as tg:
+        for number in range(writers):
+            tg.start_soon(writer, number)
+
+    session = await store.load("s")
+    ids = sorted(m.id for m in session.conversation)
+    assert ids == sorted(f"w{n}-{i}" for n in range(writers) for i in range(count))
+    assert session.revision == writers * count
+    assert counting.conflicts > 0  # the writers really did race
+    batches = await store.batches("s")
+    assert [b.revision for b in batches] == list(range(1, writers * count + 1))
+
+
+class AlwaysConflicting:
+    """A handler whose every apply loses the race."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+
+    async def load(self, session_id: str) -> Session[Any]:
+        return await self.store.load(session_id)
+
+    async def apply(self, batch: Batch[Effect]) -> None:
+        raise ConflictError(batch.session_id, batch.revision - 1, batch.revision)
+
+
+async def test_conflicts_are_bounded_and_never_overwrite() -> None:
+    store = await new_store()
+    offers: list[str] = []
+    handler = AlwaysConflicting(store)
+    machine = StateMachine([Mark("a", offers)], max_conflicts=3)
+    with pytest.raises(ConflictError):
+        await machine.run(Runtime(loader=handler, handler=handler), "s")
+    assert offers == ["a"] * 4  # re-stepped after each of the 3 tolerated conflicts
+    assert (await store.load("s")).revision == 0
+
+
+# -- cancellation: every await point -----------------------------------------------------------
+
+
+@tool
+async def slow_echo(text: str) -> str:
+    """Echo after a few awaits."""
+    for _ in range(3):
+        await anyio.lowlevel.checkpoint()
+    return text
+
+
+def cancellation_script() -> list[ModelResponse]:
+    return [
+        call(("slow_echo", {"text": "one"}), ("echo", {"text": "two"}), text="calling tools"),
+        call(("slow_echo", {"text": "three"})),
+        reply("all done, thanks for waiting"),
+    ]
+
+
+def assert_history_valid(session: Session[Any]) -> None:
+    assert history_problems(session.conversation) == []
+    assert open_tool_calls(session.conversation) == []
+    results: dict[str, int] = {}
+    for message in session.conversation:
+        for result in message.tool_results:
+            results[result.call_id] = results.get(result.call_id, 0) + 1
+    calls = [c.call_id for m in session.conversation for c in m.tool_calls]
+    assert sorted(results) == sorted(calls)
+    assert set(results.values()) <= {1}
+
+
+async def cancelled_run(ticks: int, *, outside: bool) -> tuple[bool, MemoryStore]:
+    """Run the script, cancelling after ``ticks`` scheduler steps. True if it was cancelled."""
+    store = await new_store(conversation=[Message.user("go", id="u1")])
+    token = CancelToken()
+    machine = StateMachine(
+        [Tools([slow_echo, echo]), ModelInference()],
+        cancel=None if outside else token,
+    )
+    runtime = Runtime(store=store, model=ScriptedModel(cancellation_script()), ids=counter_ids())
+    cancelled = False
+    async with anyio.create_task_group() as tg:
+        scope = tg.cancel_scope if outside else None
+
+        async def canceller() -> None:
+            for _ in range(ticks):
+                await anyio.lowlevel.checkpoint()
+            if scope is not None:
+                scope.cancel()
+            else:
+                token.cancel("test")
+
+        async def runner() -> None:
+            nonlocal cancelled
+            report = await machine.run_report(runtime, "s")
+            cancelled = report.reason.kind == YieldReason.CANCELLED
+            tg.cancel_scope.cancel()  # stop the canceller
+
+        tg.start_soon(runner)
+        tg.start_soon(canceller)
+    if outside:
+        cancelled = not (await store.load("s")).conversation[-1].text.startswith("all done")
+    return cancelled, store
+
+
+@pytest.mark.parametrize("outside", [False, True], ids=["token", "outside"])
+async def test_cancelling_at_every_await_point_leaves_a_valid_history(outside: bool) -> None:
+    cancelled_runs = 0
+    for ticks in range(400):
+        cancelled, store = await cancelled_run(ticks, outside=outside)
+        session = await store.load("s")
+        assert_history_valid(session)
+        if not cancelled:
+            break
+        cancelled_runs += 1
+        # Every interrupted call got exactly the interrupted error, nothing else was invented.
+        for message in session.conversation:
+            for result in message.tool_results:
+                if result.content == INTERRUPTED:
+                    assert result.is_error
+        # And the session can always be resumed to a valid end.
+        resume = StateMachine([Tools([slow_echo, echo]), ModelInference()])
+        model = FunctionModel(lambda request: reply("resumed"))
+        resumed = await resume.run(Runtime(store=store, model=model, ids=counter_ids("r")), "s")
+        assert_history_valid(resumed)
+    else:
+        pytest.fail("the run never completed within 400 ticks")
+    assert cancelled_runs > 20  # the sweep really did cut the run at many points
+
+
+class CancelOn:
+    """An emitter that fires a token on the n-th event of a given type."""
+
+    def __init__(self, token: CancelToken, kind: type[Any], nth: int = 1) -> None:
+        self.token = token
+        self.kind = kind
+        self.nth = nth
+        self.seen = 0
+
+    async def emit(self, event: Any) -> None:
+        if isinstance(event.data, self.kind):
+            self.seen += 1
+            if self.seen == self.nth:
+                self.token.cancel("user pressed stop")
+
+
+async def test_cancel_mid_stream_keeps_the_partial_text() -> None:
+    store = await new_store(conversation=[Message.user("tell me a story", id="u1")])
+    token = CancelToken()
+    machine = StateMachine([ModelInference()], cancel=token)
+    model = ScriptedModel([reply("Once upon a time, in a land far away")], chunk_size=5)
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    report = await machine.run_report(runtime, "s", CancelOn(token, TextDelta, nth=2))
+    assert report.reason == YieldReason(YieldReason.CANCELLED, "user pressed stop")
+    assert report.results[-1].status == "cancelled"
+    last = report.session.conversation[-1]
+    assert last.role == "assistant"
+    assert last.text == "Once upon "
+    assert last.notes == {"inference": {"interrupted": True}}
+    assert [b.step for b in await store.batches("s")] == ["inference"]
+
+
+@tool
+async def forever() -> str:
+    """Never finishes."""
+    await anyio.sleep_forever()
+    return "unreachable"
+
+
+async def test_cancel_keeps_finished_tool_results_and_interrupts_the_rest() -> None:
+    model = ScriptedModel([call(("echo", {"text": "fast"}), ("forever", {}))])
+    store = await new_store(conversation=[Message.user("go", id="u1")])
+    token = CancelToken()
+    machine = StateMachine([Tools([echo, forever]), ModelInference()], cancel=token)
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    report = await machine.run_report(runtime, "s", CancelOn(token, ToolFinished))
+    assert report.reason.kind == YieldReason.CANCELLED
+    results = {
+        r.call_id: (r.content, r.is_error)
+        for m in report.session.conversation
+        for r in m.tool_results
+    }
+    assert results == {"call-0-0": ("fast", False), "call-0-1": (INTERRUPTED, True)}
+    assert [b.step for b in await store.batches("s")] == [
+        "inference",
+        "tools",
+        "stepmachine.finalize",
+    ]
+    assert_history_valid(report.session)
+
+
+class StuckFinalize(Operation[Any]):
+    """Applies by hanging; its finalize hangs too."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        await anyio.sleep_forever()
+        return Refuse()
+
+    async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
+        await anyio.sleep_forever()
+        return ()
+
+
+async def test_outside_cancellation_bounds_finalize_in_time() -> None:
+    store = await new_store()
+    machine = StateMachine([StuckFinalize()], finalize_timeout=0.05)
+    with anyio.move_on_after(0.05) as scope:
+        await machine.run(Runtime(store=store), "s")
+    # Reaching this line at all proves finalize was bounded: it would hang forever.
+    assert scope.cancelled_caught
+
+
+async def test_callers_driving_step_and_apply_finalize_themselves() -> None:
+    model = ScriptedModel([call(("forever", {}), ("echo", {"text": "x"}))])
+    store = await new_store(conversation=[Message.user("go", id="u1")])
+    machine = StateMachine([Tools([echo, forever]), ModelInference()])
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    session = await store.load("s")
+    decision = await machine.step(runtime, session)
+    assert decision is not None
+    session, _ = await machine.apply(runtime, session, decision)
+    with anyio.move_on_after(0.01):
+        await machine.step(runtime, session)  # the tools step hangs in `forever`
+    assert len(open_tool_calls(session.conversation)) == 2
+    final = await machine.finalize(runtime, "s")
+    assert_history_valid(final)
+    assert [r.content for m in final.conversation for r in m.tool_results] == [INTERRUPTED] * 2
+
+
+# -- invariant 8 at the machine boundary ----------------------------------------------------------
+
+
+async def test_unknown_effect_tag_in_the_log_gives_a_clear_error() -> None:
+    store = await new_store(conversation=[Message.user("hi", id="u1")])
+    await submit(store, "s", [UpdateData.set(go=True)])
+    codec = store.codec
+    (raw,) = [codec.encode_batch(b) for b in await store.batches("s")]
+    tampered = raw.replace(b'"update_data"', b'"myapp.unheard_of"')
+    with pytest.raises(StoredDataError) as info:
+        codec.decode_batch(tampered, where="session 's' revision 1")
+    message = str(info.value)
+    assert "myapp.unheard_of" in message
+    assert "session 's' revision 1" in message
+    assert "invariant 8" in message
+
+
+async def test_history_error_stops_the_run_before_the_model_is_called() -> None:
+    duplicate = ToolCallPart.of("same", "echo", {"text": "a"})
+    conversation = [
+        Message.user("go", id="u1"),
+        Message(id="a1", role="assistant", parts=(duplicate, duplicate)),
+    ]
+    store = await new_store(conversation=conversation)
+    model = FunctionModel(lambda request: reply("never"))
+    machine = StateMachine([Tools([echo]), ModelInference()])
+    with pytest.raises(StepmachineError, match="invariant 4"):
+        await machine.run(Runtime(store=store, model=model, ids=counter_ids()), "s")
+    assert model.calls == 0
+
+
+async def test_a_request_is_built_from_the_stored_session_only() -> None:
+    seen: list[ModelRequest] = []
+
+    def answer(request: ModelRequest) -> ModelResponse:
+        seen.append(request)
+        return reply("ok")
+
+    hidden = msgspec.structs.replace(Message.user("secret", id="h"), visible_to_model=False)
+    store = await new_store(conversation=[hidden, Message.user("hi", id="u1")])
+    machine = StateMachine([Tools([echo]), ModelInference(instructions="Be brief.")])
+    await machine.run(Runtime(store=store, model=FunctionModel(answer), ids=counter_ids()), "s")
+    (request,) = seen
+    assert [m.id for m in request.messages] == ["u1"]
+    assert [t.name for t in request.tools] == ["echo"]
+    assert request.system_prompt == "Be brief."
