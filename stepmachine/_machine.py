@@ -218,6 +218,8 @@ class StateMachine(Generic[D]):
             EffectError: an effect does not apply; nothing was written.
         """
         outcome = decision.outcome
+        if decision.ctx.session.revision > session.revision:
+            session = decision.ctx.session  # the step committed batches of its own
         after = session
         if outcome.effects:
             after = await self._commit(runtime, session, decision.step.name, cycle, outcome.effects)
@@ -267,7 +269,19 @@ class StateMachine(Generic[D]):
                 if self.cancel is not None and self.cancel.cancelled:
                     return await self._cancelled(runtime, sink, session, results, None, cycle)
                 cycle += 1
-                offer = await self._offer_cancellable(runtime, session, sink, cycle, running)
+                try:
+                    offer = await self._offer_cancellable(runtime, session, sink, cycle, running)
+                except ConflictError:
+                    # A step's own commit lost the race: reload and decide again.
+                    conflicts += 1
+                    step_name = running.step.name if running.step is not None else None
+                    self._log_cycle(session, cycle, step_name, [], "conflict")
+                    if conflicts > self.max_conflicts:
+                        raise
+                    running.step = running.ctx = None
+                    session = await loader.load(session_id)
+                    sink.follow(session.revision)
+                    continue
                 if offer is None:
                     return await self._cancelled(runtime, sink, session, results, running, cycle)
                 decision = offer.decision
@@ -276,7 +290,11 @@ class StateMachine(Generic[D]):
                     reason = YieldReason(YieldReason.IDLE, "no step applies")
                     await sink.emit(Yielded(reason.kind, reason.message))
                     return RunReport(session, reason, tuple(results))
-                if isinstance(decision.outcome, Continue) and not decision.outcome.effects:
+                if (
+                    isinstance(decision.outcome, Continue)
+                    and not decision.outcome.effects
+                    and decision.ctx.session.revision == session.revision
+                ):
                     raise StepmachineError(
                         f"step {decision.step.name!r} returned Continue with no effects; the "
                         "session would not change and the next cycle would decide the same"
@@ -369,6 +387,8 @@ class StateMachine(Generic[D]):
                 cycle=cycle,
                 tools=tools,
                 prompt_parts=parts,
+                steps=self.steps,
+                committer=self._committer(runtime, step.name, cycle, sink),
             )
             running.step, running.ctx = step, ctx
             outcome: Outcome = await step.run(ctx)
@@ -520,6 +540,18 @@ class StateMachine(Generic[D]):
                     raise
                 session = await loader.load(session.id)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _committer(
+        self, runtime: Runtime, step_name: str, cycle: int, sink: EventSink
+    ) -> Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]]:
+        """What ``StepContext.commit`` calls: one batch now, under the step's name."""
+
+        async def commit(current: Session[D], effects: Sequence[Effect]) -> Session[D]:
+            after = await self._commit(runtime, current, step_name, cycle, effects)
+            await sink.emit(StepApplied(step_name, after.revision, "committed", len(effects)))
+            return after
+
+        return commit
 
     async def _commit(
         self,

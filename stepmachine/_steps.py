@@ -22,7 +22,7 @@ what it needs during one cycle, such as partial output to hand to
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeAlias, TypeVar
 
@@ -31,6 +31,8 @@ import msgspec
 
 from ._effects import Effect
 from ._emitter import EventData, EventSink
+from ._errors import ConfigurationError
+from ._messages import ToolCallPart
 from ._model import PromptPart, ToolDefinition
 from ._runtime import Runtime
 from ._session import Session
@@ -194,6 +196,8 @@ class StepContext(Generic[D]):
         prompt_parts: the prompt parts collected from every step this cycle.
         scratch: per-cycle working space; the same dict is handed to
             ``finalize`` when this step is interrupted. Never persisted.
+        steps: every step of the machine, in order (for ``check_call``).
+        committer: how :meth:`commit` persists; set by the machine or harness.
     """
 
     session: Session[D]
@@ -203,6 +207,34 @@ class StepContext(Generic[D]):
     tools: tuple[ToolDefinition, ...] = ()
     prompt_parts: tuple[PromptPart, ...] = ()
     scratch: dict[str, Any] = field(default_factory=dict)
+    steps: tuple[Operation[D], ...] = ()
+    committer: Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]] | None = None
+
+    async def commit(self, effects: Sequence[Effect]) -> Session[D]:
+        """Persist ``effects`` now, as their own batch, before the step returns.
+
+        For journals: a step that must record something before it acts (an
+        intent before running a tool, each result as soon as it exists) commits
+        it here. The batch is a compare-and-set on ``ctx.session.revision`` and
+        is recorded under this step's name and cycle; afterwards ``ctx.session``
+        is the session it produced, and the effects the step finally returns
+        apply on top of it.
+
+        Returns:
+            The new session (also stored in ``ctx.session``).
+
+        Raises:
+            ConflictError: another writer moved the session on; nothing was
+                written, ``ctx.session`` is unchanged.
+            ConfigurationError: the context belongs to no machine or harness.
+        """
+        if self.committer is None:
+            raise ConfigurationError("this StepContext cannot commit: it belongs to no machine")
+        if not effects:
+            return self.session
+        self.session = await self.committer(self.session, effects)
+        self.events.follow(self.session.revision)
+        return self.session
 
     def new_id(self) -> str:
         """A new message id from the runtime's id source."""
@@ -240,12 +272,25 @@ class Operation(Protocol[D]):
         """
         ...
 
+    def check_call(self, session: Session[D], call: ToolCallPart) -> str | None:
+        """Object to running ``call`` now: return the reason, or ``None``.
+
+        Steps that run tools ask every step of the machine before running each
+        call and hold back any call with an objection, whatever the order of
+        the steps. This is how a policy (approval, budgets) guards tool
+        execution without depending on being listed first. Default: ``None``.
+        """
+        return None
+
     async def finalize(self, ctx: StepContext[D], *, interrupted: bool) -> Sequence[Effect]:
         """Effects that keep what was already done, after a cancellation.
 
-        Called shielded, with ``interrupted=True`` and the cycle's ctx for the
-        step that was running, then with ``interrupted=False`` and a fresh ctx
-        for every other step. Default: nothing.
+        Called shielded. First for the step that was running, with
+        ``interrupted=True`` and its cycle's ctx (the same ``scratch``) whose
+        ``session`` is the session as stored now -- its own batch may have been
+        committed just before the cancellation, so check before re-adding.
+        Then for every other step, with ``interrupted=False`` and a fresh ctx.
+        Default: nothing.
         """
         return ()
 

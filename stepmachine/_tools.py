@@ -220,7 +220,9 @@ class Tools(Operation[Any]):
 
     An open call is "its own" when it names one of its tools, or names a tool
     no step advertises (then the answer is an "unknown tool" error). Calls for
-    tools of another ``Tools`` step are left to that step. Calls run
+    tools of another ``Tools`` step are left to that step. A call some step of
+    the machine objects to (``Operation.check_call``, e.g. an approval policy)
+    is held back: not run, left open. Calls run
     concurrently, at most ``max_concurrency`` at a time; the outcome is
     ``Continue`` with one ``tool`` message per call, in call order.
 
@@ -259,8 +261,9 @@ class Tools(Operation[Any]):
             for c in open_tool_calls(ctx.session.conversation)
             if c.name in self._tools or c.name not in advertised
         ]
+        calls = [c for c in calls if not self._held_back(ctx, c)]
         if not calls:
-            return Refuse("no open tool calls for these tools")
+            return Refuse("no open tool calls for these tools that may run now")
         finished: dict[str, ToolResultPart] = {}
         ctx.scratch["finished"] = finished
         limiter = anyio.CapacityLimiter(self._max_concurrency)
@@ -273,6 +276,11 @@ class Tools(Operation[Any]):
             for call in calls:
                 tg.start_soon(run_one, call)
         return Continue(self._result_messages(ctx, calls, finished))
+
+    @staticmethod
+    def _held_back(ctx: StepContext[Any], call: ToolCallPart) -> bool:
+        """True when some step of the machine objects to running ``call`` now."""
+        return any(step.check_call(ctx.session, call) is not None for step in ctx.steps)
 
     async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
         """Keep the results of the calls that finished before the interruption."""

@@ -60,10 +60,12 @@ class StepCheck:
 
     Attributes:
         outcome: the step's ``Refuse``, ``Continue`` or ``Yield``.
-        effects: its effects (empty for ``Refuse``).
-        session: the session after applying them (the input when refused).
+        effects: the effects it returned (empty for ``Refuse``).
+        session: the session after its commits and returned effects.
         events: the events it emitted.
         ctx: the context it ran with (pass to ``finalize`` in tests).
+        before: the session the step was given.
+        commits: the batches it committed itself with ``ctx.commit``, in order.
     """
 
     outcome: Outcome
@@ -71,6 +73,8 @@ class StepCheck:
     session: Session[Any]
     events: tuple[Event, ...]
     ctx: StepContext[Any]
+    before: Session[Any]
+    commits: tuple[tuple[Effect, ...], ...] = ()
 
     @property
     def refused(self) -> bool:
@@ -90,7 +94,7 @@ class StepCheck:
     @property
     def new_messages(self) -> tuple[Message, ...]:
         """The messages the effects appended."""
-        return self.session.conversation[len(self.ctx.session.conversation) :]
+        return self.session.conversation[len(self.before.conversation) :]
 
 
 async def run_step(
@@ -109,8 +113,12 @@ async def run_step(
         runtime: IO dependencies; by default one with deterministic ids
             (``id1``, ``id2``, ...) and ``model`` if given.
         model: shortcut for ``Runtime(model=model)``.
-        others: the other steps of the machine, whose tools and prompt parts
-            are collected too (duplicate tool names raise as in the machine).
+        others: the other steps of the machine, whose tools, prompt parts and
+            ``check_call`` objections count too (duplicate tool names raise
+            as in the machine).
+
+    ``ctx.commit`` works: each committed batch is applied to the session
+    value and listed in ``StepCheck.commits``.
 
     Raises whatever the step raises, and ``EffectError`` if its effects do not
     apply to ``session``.
@@ -120,6 +128,12 @@ async def run_step(
     machine = StateMachine([step, *others])
     tools, parts = machine.collect(session)
     recorder = RecordingEmitter()
+    commits: list[tuple[Effect, ...]] = []
+
+    async def commit(current: Session[Any], effects: Sequence[Effect]) -> Session[Any]:
+        commits.append(tuple(effects))
+        return apply_batch(current, effects)
+
     ctx: StepContext[Any] = StepContext(
         session=session,
         runtime=runtime,
@@ -127,8 +141,10 @@ async def run_step(
         cycle=1,
         tools=tools,
         prompt_parts=parts,
+        steps=machine.steps,
+        committer=commit,
     )
     outcome = await step.run(ctx)
     effects: tuple[Effect, ...] = () if isinstance(outcome, Refuse) else outcome.effects
-    after = apply_batch(session, effects) if effects else session
-    return StepCheck(outcome, effects, after, tuple(recorder.events), ctx)
+    after = apply_batch(ctx.session, effects) if effects else ctx.session
+    return StepCheck(outcome, effects, after, tuple(recorder.events), ctx, session, tuple(commits))
