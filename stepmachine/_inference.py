@@ -7,9 +7,11 @@ It refuses while any tool call is open, and otherwise.
 Before the request it checks invariant 4 (valid history) and raises
 :class:`~stepmachine.HistoryError` rather than send a broken history. It
 streams text, reasoning and tool-argument deltas to the emitter, and returns
-the assistant message, with the usage, model and finish reason recorded in its
-notes under the step's name. A reply with tool calls continues the run; a
-reply without them yields with reason ``done``.
+the assistant message, with the usage, model, finish reason, number of
+attempts and the revision it answered recorded in its notes under the step's
+name. Every step's ``shape_request`` may adjust the request first. A reply
+with tool calls continues the run; a reply without them yields with reason
+``done``.
 
 Streaming adds events only: the effects come from the assembled response, so
 they are the same with ``stream=True`` or ``False`` (invariant 9).
@@ -114,6 +116,10 @@ class ModelInference(Inference[Any]):
             prompt_parts=ctx.prompt_parts,
             settings=self._settings,
         )
+        for step in ctx.steps:
+            request = step.shape_request(session, request)
+        if request.messages is not visible:
+            check_history(request.messages, session_id=session.id)
         partial = _Partial()
         ctx.scratch["partial"] = partial
 
@@ -145,6 +151,8 @@ class ModelInference(Inference[Any]):
             },
             "model": response.model or model.name,
             "finish_reason": response.finish_reason,
+            "attempts": response.attempts,
+            "revision": session.revision,
         }
         message = Message(
             id=ctx.new_id(), role="assistant", parts=response.parts, notes={self._name: note}

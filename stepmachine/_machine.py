@@ -116,6 +116,7 @@ class _Running(Generic[D]):
 
     step: Operation[D] | None = None
     ctx: StepContext[D] | None = None
+    start_revision: int = 0
 
 
 @dataclass(slots=True)
@@ -190,18 +191,24 @@ class StateMachine(Generic[D]):
         emitter: Emitter | None = None,
         *,
         cycle: int = 0,
+        run_start_revision: int | None = None,
     ) -> Decision[D] | None:
         """Offer ``session`` to the steps in order; return the first that applies.
 
-        Nothing is persisted: pass the decision to :meth:`apply`. Returns
-        ``None`` when every step refuses.
+        Nothing is persisted (unless a step commits batches of its own with
+        ``ctx.commit``): pass the decision to :meth:`apply`. Returns ``None``
+        when every step refuses. ``run_start_revision`` is the revision at which
+        the caller's "run" began (default: ``session.revision``).
 
         Raises:
             ConfigurationError: duplicate tool names (before any step runs).
             Exception: whatever a step raises.
         """
         sink = EventSink(emitter or NullEmitter(), session.id, session.revision)
-        offer = await self._offer(runtime, session, sink, cycle, _Running())
+        running: _Running[D] = _Running(
+            start_revision=session.revision if run_start_revision is None else run_start_revision
+        )
+        offer = await self._offer(runtime, session, sink, cycle, running)
         return offer.decision
 
     async def apply(
@@ -261,7 +268,7 @@ class StateMachine(Generic[D]):
         session: Session[D] = await loader.load(session_id)
         sink = EventSink(emitter or NullEmitter(), session_id, session.revision)
         results: list[StepResult] = []
-        running: _Running[D] = _Running()
+        running: _Running[D] = _Running(start_revision=session.revision)
         conflicts = 0
         cycle = 0
         try:
@@ -388,6 +395,7 @@ class StateMachine(Generic[D]):
                 tools=tools,
                 prompt_parts=parts,
                 steps=self.steps,
+                run_start_revision=running.start_revision,
                 committer=self._committer(runtime, step.name, cycle, sink),
             )
             running.step, running.ctx = step, ctx

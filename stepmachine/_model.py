@@ -79,12 +79,20 @@ class ModelRequest(msgspec.Struct, frozen=True):
         tools: the tool definitions collected from every step.
         prompt_parts: system prompt parts collected from every step.
         settings: sampling settings.
+        output_schema: when set, ask the provider's native structured-output
+            mode for a JSON value matching this schema (``output_name`` names it).
+        max_attempts: the most attempts (first try plus retries) the model may
+            make for this request; ``None`` leaves it to the model. Set by
+            budgets, so that a budget of N calls means N, retries included.
     """
 
     messages: tuple[Message, ...]
     tools: tuple[ToolDefinition, ...] = ()
     prompt_parts: tuple[PromptPart, ...] = ()
     settings: ModelSettings = msgspec.field(default_factory=ModelSettings)
+    output_schema: dict[str, Any] | None = None
+    output_name: str = "output"
+    max_attempts: int | None = None
 
     @property
     def system_prompt(self) -> str:
@@ -120,12 +128,15 @@ class ModelResponse(msgspec.Struct, frozen=True):
         finish_reason: the provider's stop reason, normalised where known
             (``"stop"``, ``"tool_calls"``, ``"length"``, ...).
         model: the model name the provider reported.
+        attempts: how many attempts the model made (1 plus retries); budgets
+            count every attempt.
     """
 
     parts: tuple[Part, ...]
     usage: Usage = msgspec.field(default_factory=Usage)
     finish_reason: str | None = None
     model: str | None = None
+    attempts: int = 1
 
 
 class TextChunk(msgspec.Struct, frozen=True, tag_field="type", tag="text"):

@@ -33,7 +33,7 @@ from ._effects import Effect
 from ._emitter import EventData, EventSink
 from ._errors import ConfigurationError
 from ._messages import ToolCallPart
-from ._model import PromptPart, ToolDefinition
+from ._model import ModelRequest, PromptPart, ToolDefinition
 from ._runtime import Runtime
 from ._session import Session
 
@@ -197,6 +197,8 @@ class StepContext(Generic[D]):
         scratch: per-cycle working space; the same dict is handed to
             ``finalize`` when this step is interrupted. Never persisted.
         steps: every step of the machine, in order (for ``check_call``).
+        run_start_revision: the session revision when the current ``run()``
+            began (per-run budgets count from it).
         committer: how :meth:`commit` persists; set by the machine or harness.
     """
 
@@ -208,6 +210,7 @@ class StepContext(Generic[D]):
     prompt_parts: tuple[PromptPart, ...] = ()
     scratch: dict[str, Any] = field(default_factory=dict)
     steps: tuple[Operation[D], ...] = ()
+    run_start_revision: int = 0
     committer: Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]] | None = None
 
     async def commit(self, effects: Sequence[Effect]) -> Session[D]:
@@ -271,6 +274,16 @@ class Operation(Protocol[D]):
         :meth:`finalize` is called with ``interrupted=True`` and the same ctx.
         """
         ...
+
+    def shape_request(self, session: Session[D], request: ModelRequest) -> ModelRequest:
+        """Adjust a model request before it is sent; default: unchanged.
+
+        Inference steps pass every request through every step's
+        ``shape_request``, in step order, then check invariant 4 on the result.
+        For what ``tools`` and ``prompt_parts`` cannot say: a native output
+        schema, the attempts left in a budget.
+        """
+        return request
 
     def check_call(self, session: Session[D], call: ToolCallPart) -> str | None:
         """Object to running ``call`` now: return the reason, or ``None``.
