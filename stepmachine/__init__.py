@@ -90,11 +90,21 @@ from ._steps import (
     YieldReason,
 )
 from ._store import EffectHandler, SessionLoader, Store, submit
-from ._tools import Tool, ToolContext, Tools, idempotency_key, tool
+from ._tools import (
+    EDITED_ARGUMENTS,
+    Tool,
+    ToolContext,
+    Tools,
+    effective_arguments,
+    fingerprint,
+    idempotency_key,
+    tool,
+)
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "EDITED_ARGUMENTS",
     "FINALIZE_STEP",
     "INTERRUPTED",
     "KERNEL_EFFECTS",
@@ -179,6 +189,8 @@ __all__ = [
     "apply_effects",
     "check_history",
     "counter_ids",
+    "effective_arguments",
+    "fingerprint",
     "history_problems",
     "idempotency_key",
     "needs_answer",

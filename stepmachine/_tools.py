@@ -38,13 +38,50 @@ from ._runtime import Runtime
 from ._session import Session
 from ._steps import Continue, Operation, Outcome, Refuse, StepContext
 
-__all__ = ["Tool", "ToolContext", "Tools", "idempotency_key", "tool"]
+__all__ = [
+    "EDITED_ARGUMENTS",
+    "Tool",
+    "ToolContext",
+    "Tools",
+    "effective_arguments",
+    "fingerprint",
+    "idempotency_key",
+    "tool",
+]
 
 
 def idempotency_key(session_id: str, call_id: str) -> str:
     """The stable idempotency key of one tool call: a hash of session and call id."""
     digest = hashlib.sha256(f"{session_id}\x00{call_id}".encode()).hexdigest()
     return f"sm-{digest[:32]}"
+
+
+EDITED_ARGUMENTS = "stepmachine.edited_arguments"
+"""Notes namespace on a tool call holding ``{"arguments": ...}`` to run it with instead."""
+
+_canonical = msgspec.json.Encoder(order="sorted")
+
+
+def effective_arguments(call: ToolCallPart) -> Any:
+    """The arguments ``call`` runs with.
+
+    An edit recorded on the call (an ``Annotate`` with namespace
+    :data:`EDITED_ARGUMENTS` and key ``"arguments"``, e.g. by an approval that
+    edited them) wins over what the model sent; the original stays in history.
+    """
+    edit = call.notes.get(EDITED_ARGUMENTS)
+    if edit is not None and "arguments" in edit:
+        return edit["arguments"]
+    return call.arguments
+
+
+def fingerprint(name: str, arguments: Any) -> str:
+    """A stable fingerprint of a call: tool name plus a hash of canonical JSON arguments.
+
+    Keys are sorted, so ``{"a": 1, "b": 2}`` and ``{"b": 2, "a": 1}`` agree.
+    """
+    digest = hashlib.sha256(name.encode() + b"\x00" + _canonical.encode(arguments)).hexdigest()
+    return f"{name}:{digest[:32]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +349,8 @@ class Tools(Operation[Any]):
         if impl is None:
             known = ", ".join(sorted(d.name for d in ctx.tools)) or "none"
             return error(f"unknown tool {call.name!r}; available tools: {known}")
-        if call.arguments is None:
+        arguments = effective_arguments(call)
+        if arguments is None:
             return error(
                 f"the arguments for {call.name!r} are not valid JSON: {call.raw_arguments!r}"
             )
@@ -324,7 +362,7 @@ class Tools(Operation[Any]):
             idempotency_key=idempotency_key(ctx.session.id, call.call_id),
         )
         try:
-            content = await impl.call(call.arguments, context)
+            content = await impl.call(arguments, context)
         except ToolArgumentsError as exc:
             result = error(str(exc))
         except Exception as exc:  # noqa: BLE001 - a tool error becomes an error result
