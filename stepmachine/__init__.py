@@ -37,6 +37,7 @@ from ._emitter import (
 from ._errors import (
     ConfigurationError,
     ConflictError,
+    ContextLengthError,
     EffectError,
     HistoryError,
     InvalidSessionIdError,
@@ -49,7 +50,7 @@ from ._errors import (
     UnexpectedModelCallError,
 )
 from ._history import check_history, history_problems, open_tool_calls
-from ._inference import ModelInference, needs_answer
+from ._inference import CONTEXT_LENGTH_EXCEEDED, ModelInference, needs_answer
 from ._machine import FINALIZE_STEP, INTERRUPTED, Decision, RunReport, StateMachine
 from ._messages import (
     Message,
@@ -104,6 +105,7 @@ from ._tools import (
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "CONTEXT_LENGTH_EXCEEDED",
     "EDITED_ARGUMENTS",
     "FINALIZE_STEP",
     "INTERRUPTED",
@@ -116,6 +118,7 @@ __all__ = [
     "Codec",
     "ConfigurationError",
     "ConflictError",
+    "ContextLengthError",
     "Continue",
     "Decision",
     "Effect",

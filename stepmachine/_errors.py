@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigurationError",
     "ConflictError",
+    "ContextLengthError",
     "EffectError",
     "HistoryError",
     "InvalidSessionIdError",
@@ -105,6 +106,15 @@ class ToolArgumentsError(StepmachineError):
 
 class ModelError(StepmachineError):
     """A model call failed. Provider adapters raise typed subclasses."""
+
+
+class ContextLengthError(ModelError):
+    """The request does not fit the model's context window.
+
+    ``ModelInference`` answers the first one by marking the last message
+    (notes ``{"<step>": {"context_length_exceeded": True}}``) and continuing, so
+    a compaction step can react; a second one in a row propagates.
+    """
 
 
 class UnexpectedModelCallError(ModelError):

@@ -22,15 +22,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._effects import AppendMessage, Effect
+from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ReasoningDelta, TextDelta, ToolArgumentsDelta
+from ._errors import ContextLengthError
 from ._history import check_history, open_tool_calls
 from ._messages import Message, Part, ReasoningPart, TextPart
 from ._model import ModelRequest, ModelSettings, PromptPart, ReasoningChunk, StreamChunk, TextChunk
 from ._session import Session
 from ._steps import Continue, Inference, Outcome, Refuse, StepContext, Yield, YieldReason
 
-__all__ = ["ModelInference", "needs_answer"]
+__all__ = ["CONTEXT_LENGTH_EXCEEDED", "ModelInference", "needs_answer"]
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""Note key set on the last message when the model reported a context overflow."""
 
 
 def needs_answer(conversation: Sequence[Message]) -> bool:
@@ -73,6 +77,9 @@ class ModelInference(Inference[Any]):
         HistoryError: the history breaks invariant 4; no request is sent.
         ConfigurationError: the runtime has no such model.
         ModelError: the model failed.
+        ContextLengthError: a second overflow in a row (the first one marks
+            the last message ``context_length_exceeded`` and continues, so a
+            compaction step placed before inference can shorten the history).
 
     Cancellation: the request is abandoned; ``finalize`` keeps the text and
     reasoning received so far as an assistant message noted ``interrupted``.
@@ -140,7 +147,13 @@ class ModelInference(Inference[Any]):
                     )
                 )
 
-        response = await model.request(request, on_chunk=on_chunk if self._stream else None)
+        try:
+            response = await model.request(request, on_chunk=on_chunk if self._stream else None)
+        except ContextLengthError:
+            last = visible[-1]
+            if last.notes.get(self._name, {}).get(CONTEXT_LENGTH_EXCEEDED):
+                raise  # nothing made the history shorter since the last overflow
+            return Continue([Annotate(last.id, self._name, {CONTEXT_LENGTH_EXCEEDED: True})])
         note: dict[str, Any] = {
             "usage": {
                 "input_tokens": response.usage.input_tokens,

@@ -285,8 +285,11 @@ class Operation(Protocol[D]):
         """
         return request
 
-    def check_call(self, session: Session[D], call: ToolCallPart) -> str | None:
+    def check_call(self, ctx: StepContext[D], call: ToolCallPart) -> str | None:
         """Object to running ``call`` now: return the reason, or ``None``.
+
+        ``ctx`` is the context of the step about to run the call (its
+        ``session`` and ``runtime``, e.g. the clock for expiring approvals).
 
         Steps that run tools ask every step of the machine before running each
         call and hold back any call with an objection, whatever the order of

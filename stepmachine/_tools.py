@@ -317,7 +317,7 @@ class Tools(Operation[Any]):
     @staticmethod
     def _held_back(ctx: StepContext[Any], call: ToolCallPart) -> bool:
         """True when some step of the machine objects to running ``call`` now."""
-        return any(step.check_call(ctx.session, call) is not None for step in ctx.steps)
+        return any(step.check_call(ctx, call) is not None for step in ctx.steps)
 
     async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
         """Keep the results of the calls that finished before the interruption."""
