@@ -46,6 +46,7 @@ from ._errors import (
     SessionNotFoundError,
     StepmachineError,
     StoredDataError,
+    ToolAbortError,
     ToolArgumentsError,
     UnexpectedModelCallError,
 )
@@ -91,11 +92,12 @@ from ._steps import (
     YieldReason,
 )
 from ._store import EffectHandler, SessionLoader, Store, submit
+from ._tool_step import JOURNAL, NOT_EXECUTED, OUTCOME_UNKNOWN, Tools, resolve_unknown_outcome
 from ._tools import (
     EDITED_ARGUMENTS,
+    SideEffects,
     Tool,
     ToolContext,
-    Tools,
     effective_arguments,
     fingerprint,
     idempotency_key,
@@ -109,7 +111,10 @@ __all__ = [
     "EDITED_ARGUMENTS",
     "FINALIZE_STEP",
     "INTERRUPTED",
+    "JOURNAL",
     "KERNEL_EFFECTS",
+    "NOT_EXECUTED",
+    "OUTCOME_UNKNOWN",
     "Annotate",
     "AppendMessage",
     "Batch",
@@ -159,6 +164,7 @@ __all__ = [
     "SessionLoader",
     "SessionNotFoundError",
     "SetVisibility",
+    "SideEffects",
     "StateMachine",
     "StepApplied",
     "StepContext",
@@ -172,6 +178,7 @@ __all__ = [
     "TextDelta",
     "TextPart",
     "Tool",
+    "ToolAbortError",
     "ToolArgumentsDelta",
     "ToolArgumentsError",
     "ToolCallChunk",
@@ -198,6 +205,7 @@ __all__ = [
     "idempotency_key",
     "needs_answer",
     "open_tool_calls",
+    "resolve_unknown_outcome",
     "submit",
     "tool",
     "uuid_ids",

@@ -20,6 +20,7 @@ __all__ = [
     "SessionNotFoundError",
     "StepmachineError",
     "StoredDataError",
+    "ToolAbortError",
     "ToolArgumentsError",
     "UnexpectedModelCallError",
 ]
@@ -102,6 +103,15 @@ class HistoryError(StepmachineError):
 
 class ToolArgumentsError(StepmachineError):
     """A tool's arguments failed validation against its schema."""
+
+
+class ToolAbortError(StepmachineError):
+    """Raised by a tool to fail closed: stop the whole batch, and the run.
+
+    Calls of the batch not yet started are not started (they get a "not
+    executed" error result), and the run yields with reason ``tool_failed``
+    and this message.
+    """
 
 
 class ModelError(StepmachineError):

@@ -1,4 +1,4 @@
-"""Tools from typed Python functions, and the ``Tools`` operation that runs them.
+"""Tools from typed Python functions: schema, validation, fingerprints.
 
 :func:`tool` turns a typed function (sync or async) into a :class:`Tool`. Its
 JSON schema is derived from the signature through a msgspec Struct built from
@@ -7,13 +7,8 @@ that Struct before the function is called. Describe a parameter with
 ``Annotated[str, msgspec.Meta(description="...")]``; the docstring's first
 paragraph describes the tool. A parameter annotated :class:`ToolContext` is
 not part of the schema: it receives the runtime, the call id and a stable
-idempotency key.
-
-:class:`Tools` advertises its tools and, when the conversation holds tool
-calls without results, runs them concurrently and returns one ``tool``
-message per call, in call order. A tool that raises, arguments that do not
-validate, invalid JSON and unknown tool names all become error results
-(``is_error=True``) the model can read: never a crash of the run.
+idempotency key. The ``Tools`` operation that runs them lives in
+:mod:`stepmachine._tool_step`.
 """
 
 from __future__ import annotations
@@ -21,28 +16,23 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, Literal, TypeAlias, overload
 
 import anyio
 import msgspec
 
-from ._effects import AppendMessage, Effect
-from ._emitter import ToolFinished, ToolStarted
 from ._errors import ConfigurationError, ToolArgumentsError
-from ._history import open_tool_calls
-from ._messages import Message, ToolCallPart, ToolResultPart
+from ._messages import ToolCallPart
 from ._model import ToolDefinition
 from ._runtime import Runtime
-from ._session import Session
-from ._steps import Continue, Operation, Outcome, Refuse, StepContext
 
 __all__ = [
     "EDITED_ARGUMENTS",
+    "SideEffects",
     "Tool",
     "ToolContext",
-    "Tools",
     "effective_arguments",
     "fingerprint",
     "idempotency_key",
@@ -55,6 +45,8 @@ def idempotency_key(session_id: str, call_id: str) -> str:
     digest = hashlib.sha256(f"{session_id}\x00{call_id}".encode()).hexdigest()
     return f"sm-{digest[:32]}"
 
+
+SideEffects: TypeAlias = Literal["pure", "idempotent", "non_idempotent"]
 
 EDITED_ARGUMENTS = "stepmachine.edited_arguments"
 """Notes namespace on a tool call holding ``{"arguments": ...}`` to run it with instead."""
@@ -106,7 +98,15 @@ class Tool:
     """A callable the model may ask for, with a schema and validated arguments.
 
     Build one with :func:`tool`. Attributes: ``name``, ``description``,
-    ``parameters`` (JSON schema), ``definition`` (what models are shown).
+    ``parameters`` (JSON schema), ``definition`` (what models are shown),
+    ``side_effects`` and ``timeout`` (seconds, or ``None``).
+
+    ``side_effects`` says what may happen if the tool runs twice, which
+    decides what the journal does after a crash left a call with an intent
+    and no result: ``"pure"`` (no effects) and ``"idempotent"`` (running again
+    with the same idempotency key is harmless) are re-run;
+    ``"non_idempotent"`` (the default, the safe assumption) is never re-run
+    blindly.
     """
 
     def __init__(
@@ -116,8 +116,17 @@ class Tool:
         name: str | None = None,
         description: str | None = None,
         thread: bool = True,
+        side_effects: SideEffects = "non_idempotent",
+        timeout: float | None = None,
     ) -> None:
+        if side_effects not in ("pure", "idempotent", "non_idempotent"):
+            raise ConfigurationError(
+                f"side_effects must be 'pure', 'idempotent' or 'non_idempotent', "
+                f"got {side_effects!r}"
+            )
         self.fn = fn
+        self.side_effects: SideEffects = side_effects
+        self.timeout = timeout
         self.name: str = name or fn.__name__
         doc = inspect.getdoc(fn) or ""
         self.description: str = description or doc.split("\n\n", 1)[0].strip()
@@ -180,7 +189,12 @@ class Tool:
 def tool(fn: Callable[..., Any], /) -> Tool: ...
 @overload
 def tool(
-    *, name: str | None = None, description: str | None = None, thread: bool = True
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    thread: bool = True,
+    side_effects: SideEffects = "non_idempotent",
+    timeout: float | None = None,
 ) -> Callable[[Callable[..., Any]], Tool]: ...
 
 
@@ -191,6 +205,8 @@ def tool(
     name: str | None = None,
     description: str | None = None,
     thread: bool = True,
+    side_effects: SideEffects = "non_idempotent",
+    timeout: float | None = None,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Make a :class:`Tool` from a typed function; usable as ``@tool`` or ``@tool(...)``.
 
@@ -200,7 +216,14 @@ def tool(
     """
     if fn is not None:
         return Tool(fn)
-    return lambda f: Tool(f, name=name, description=description, thread=thread)
+    return lambda f: Tool(
+        f,
+        name=name,
+        description=description,
+        thread=thread,
+        side_effects=side_effects,
+        timeout=timeout,
+    )
 
 
 def _arguments_struct(
@@ -250,124 +273,3 @@ def _schema(arguments_type: type[msgspec.Struct]) -> dict[str, Any]:
     if components:
         schema["$defs"] = components
     return schema
-
-
-class Tools(Operation[Any]):
-    """Advertises tools and answers every open call that is its own.
-
-    An open call is "its own" when it names one of its tools, or names a tool
-    no step advertises (then the answer is an "unknown tool" error). Calls for
-    tools of another ``Tools`` step are left to that step. A call some step of
-    the machine objects to (``Operation.check_call``, e.g. an approval policy)
-    is held back: not run, left open. Calls run
-    concurrently, at most ``max_concurrency`` at a time; the outcome is
-    ``Continue`` with one ``tool`` message per call, in call order.
-
-    Cancellation: results of calls that finished are kept by ``finalize``;
-    the machine answers the rest as interrupted.
-    """
-
-    def __init__(
-        self,
-        tools: Iterable[Tool | Callable[..., Any]],
-        *,
-        name: str = "tools",
-        max_concurrency: int = 8,
-    ) -> None:
-        self._name = name
-        self._tools: dict[str, Tool] = {}
-        for item in tools:
-            built = item if isinstance(item, Tool) else Tool(item)
-            if built.name in self._tools:
-                raise ConfigurationError(f"tool name {built.name!r} is given twice to {name!r}")
-            self._tools[built.name] = built
-        self._definitions = tuple(t.definition for t in self._tools.values())
-        self._max_concurrency = max_concurrency
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    def tools(self, session: Session[Any]) -> Sequence[ToolDefinition]:
-        return self._definitions
-
-    async def run(self, ctx: StepContext[Any]) -> Outcome:
-        advertised = {d.name for d in ctx.tools} | set(self._tools)
-        calls = [
-            c
-            for c in open_tool_calls(ctx.session.conversation)
-            if c.name in self._tools or c.name not in advertised
-        ]
-        calls = [c for c in calls if not self._held_back(ctx, c)]
-        if not calls:
-            return Refuse("no open tool calls for these tools that may run now")
-        finished: dict[str, ToolResultPart] = {}
-        ctx.scratch["finished"] = finished
-        limiter = anyio.CapacityLimiter(self._max_concurrency)
-
-        async def run_one(call: ToolCallPart) -> None:
-            async with limiter:
-                finished[call.call_id] = await self._run_call(ctx, call)
-
-        async with anyio.create_task_group() as tg:
-            for call in calls:
-                tg.start_soon(run_one, call)
-        return Continue(self._result_messages(ctx, calls, finished))
-
-    @staticmethod
-    def _held_back(ctx: StepContext[Any], call: ToolCallPart) -> bool:
-        """True when some step of the machine objects to running ``call`` now."""
-        return any(step.check_call(ctx, call) is not None for step in ctx.steps)
-
-    async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
-        """Keep the results of the calls that finished before the interruption."""
-        if not interrupted:
-            return ()
-        finished: dict[str, ToolResultPart] = ctx.scratch.get("finished", {})
-        calls = [c for c in open_tool_calls(ctx.session.conversation) if c.call_id in finished]
-        return self._result_messages(ctx, calls, finished)
-
-    def _result_messages(
-        self,
-        ctx: StepContext[Any],
-        calls: Sequence[ToolCallPart],
-        finished: dict[str, ToolResultPart],
-    ) -> list[Effect]:
-        return [
-            AppendMessage(Message(id=ctx.new_id(), role="tool", parts=(finished[call.call_id],)))
-            for call in calls
-            if call.call_id in finished
-        ]
-
-    async def _run_call(self, ctx: StepContext[Any], call: ToolCallPart) -> ToolResultPart:
-        def error(content: str) -> ToolResultPart:
-            return ToolResultPart(
-                call_id=call.call_id, content=content, is_error=True, name=call.name
-            )
-
-        impl = self._tools.get(call.name)
-        if impl is None:
-            known = ", ".join(sorted(d.name for d in ctx.tools)) or "none"
-            return error(f"unknown tool {call.name!r}; available tools: {known}")
-        arguments = effective_arguments(call)
-        if arguments is None:
-            return error(
-                f"the arguments for {call.name!r} are not valid JSON: {call.raw_arguments!r}"
-            )
-        await ctx.emit(ToolStarted(call_id=call.call_id, name=call.name))
-        context = ToolContext(
-            runtime=ctx.runtime,
-            session_id=ctx.session.id,
-            call_id=call.call_id,
-            idempotency_key=idempotency_key(ctx.session.id, call.call_id),
-        )
-        try:
-            content = await impl.call(arguments, context)
-        except ToolArgumentsError as exc:
-            result = error(str(exc))
-        except Exception as exc:  # noqa: BLE001 - a tool error becomes an error result
-            result = error(f"tool {call.name!r} failed: {type(exc).__name__}: {exc}")
-        else:
-            result = ToolResultPart(call_id=call.call_id, content=content, name=call.name)
-        await ctx.emit(ToolFinished(call_id=call.call_id, name=call.name, is_error=result.is_error))
-        return result

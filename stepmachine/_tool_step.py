@@ -1,0 +1,366 @@
+"""The ``Tools`` operation: runs tool calls through a journal (invariant 6).
+
+:class:`Tools` advertises its tools and, when the conversation holds tool calls
+without results that are its own, runs them. Every call goes through a journal
+kept in the session itself, as notes on the call (namespace ``"journal"``):
+
+1. **Intent first.** Before any tool of the batch starts, one batch of effects
+   is committed recording, per call, its fingerprint, its idempotency key and
+   its tool's side-effect class.
+2. **Each result as soon as it exists.** A result is committed as its own batch
+   the moment its call finishes, so a finished sibling in a parallel batch is
+   never re-run after a crash or a cancellation.
+3. **The batch is sealed** when every call has a result; inference only ever
+   sees sealed batches (it refuses while any call is open).
+
+After a crash, a call with an intent and no result is re-run only if its tool
+is ``pure`` or ``idempotent`` (with the same idempotency key). Otherwise,
+depending on ``on_unknown_outcome``: ``"error"`` (default) answers it with an
+"outcome unknown" error result, so the model and the reader of the history
+know it may or may not have happened; ``"yield"`` holds it back and yields
+with reason ``outcome_unknown`` until an operator decides with
+:func:`resolve_unknown_outcome`.
+
+Everything that can go wrong with one call becomes an error result the model
+can read, never a crash of the run: unknown tool names, invalid JSON,
+arguments that fail validation, a tool that raises, a tool that times out. A
+tool that raises :class:`~stepmachine.ToolAbortError` fails closed: calls not yet
+started are answered "not executed" and the run yields with reason
+``tool_failed``.
+
+Calls some step objects to (``Operation.check_call``: approval, budgets) are
+held back -- not run, left open -- whatever the order of the steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import anyio
+
+from ._effects import Annotate, AppendMessage, Effect
+from ._emitter import ToolFinished, ToolStarted
+from ._errors import ConfigurationError, ConflictError, ToolAbortError, ToolArgumentsError
+from ._history import open_tool_calls
+from ._messages import Message, ToolCallPart, ToolResultPart
+from ._model import ToolDefinition
+from ._runtime import uuid_ids
+from ._session import Session
+from ._steps import Continue, Operation, Outcome, Refuse, StepContext, Yield, YieldReason
+from ._store import Store, submit
+from ._tools import (
+    Tool,
+    ToolContext,
+    effective_arguments,
+    fingerprint,
+    idempotency_key,
+)
+
+__all__ = [
+    "JOURNAL",
+    "NOT_EXECUTED",
+    "OUTCOME_UNKNOWN",
+    "Tools",
+    "resolve_unknown_outcome",
+]
+
+JOURNAL = "journal"
+"""Notes namespace of the tool journal on each tool call."""
+
+OUTCOME_UNKNOWN = (
+    "outcome unknown: the process stopped after this call was started and before its result "
+    "was recorded; the tool is not idempotent, so it was not run again. It may or may not "
+    "have taken effect."
+)
+NOT_EXECUTED = "not executed: another call of the same batch failed closed ({reason})"
+
+_MAX_RESULT_RETRIES = 16
+
+
+def _call_locations(session: Session[Any]) -> dict[str, str]:
+    """Map call id -> id of the message holding the call."""
+    return {
+        call.call_id: message.id for message in session.conversation for call in message.tool_calls
+    }
+
+
+class Tools(Operation[Any]):
+    """Advertises tools and answers every open call that is its own, through the journal.
+
+    An open call is "its own" when it names one of its tools, or names a tool
+    no step advertises (then the answer is an "unknown tool" error). Calls for
+    tools of another ``Tools`` step are left to that step. Calls run
+    concurrently, at most ``max_concurrency`` at a time (with 1, one after
+    another in call order, so results are committed in a fixed order); each tool's
+    ``timeout`` (or ``timeout`` here) bounds it. The outcome is ``Continue``
+    (all intents and results were committed as the work happened), or
+    ``Yield`` with ``tool_failed`` / ``outcome_unknown``.
+
+    Args:
+        tools: ``Tool`` objects or typed functions.
+        name: the step name.
+        max_concurrency: calls run at once.
+        timeout: default seconds per call for tools without their own.
+        on_unknown_outcome: ``"error"`` or ``"yield"``, see the module docs.
+
+    Cancellation: results already committed stay; results that finished but
+    were not yet committed are kept by ``finalize``; the machine answers the
+    remaining calls as interrupted.
+    """
+
+    def __init__(
+        self,
+        tools: Iterable[Tool | Any],
+        *,
+        name: str = "tools",
+        max_concurrency: int = 8,
+        timeout: float | None = None,
+        on_unknown_outcome: Literal["error", "yield"] = "error",
+    ) -> None:
+        self._name = name
+        self._tools: dict[str, Tool] = {}
+        for item in tools:
+            built = item if isinstance(item, Tool) else Tool(item)
+            if built.name in self._tools:
+                raise ConfigurationError(f"tool name {built.name!r} is given twice to {name!r}")
+            self._tools[built.name] = built
+        self._definitions = tuple(t.definition for t in self._tools.values())
+        self._max_concurrency = max_concurrency
+        self._timeout = timeout
+        if on_unknown_outcome not in ("error", "yield"):
+            raise ConfigurationError(
+                f"on_unknown_outcome must be 'error' or 'yield', got {on_unknown_outcome!r}"
+            )
+        self._on_unknown = on_unknown_outcome
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def tools(self, session: Session[Any]) -> Sequence[ToolDefinition]:
+        return self._definitions
+
+    # -- one cycle ----------------------------------------------------------------
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        advertised = {d.name for d in ctx.tools} | set(self._tools)
+        calls = [
+            c
+            for c in open_tool_calls(ctx.session.conversation)
+            if (c.name in self._tools or c.name not in advertised)
+            and not any(step.check_call(ctx, c) is not None for step in ctx.steps)
+        ]
+        if not calls:
+            return Refuse("no open tool calls for these tools that may run now")
+
+        answers: list[ToolResultPart] = []  # decided without running anything
+        unknown: list[ToolCallPart] = []  # crashed non-idempotent calls awaiting an operator
+        to_run: list[ToolCallPart] = []
+        for call in calls:
+            journal = call.notes.get(JOURNAL, {})
+            impl = self._tools.get(call.name)
+            if impl is None or effective_arguments(call) is None:
+                answers.append(self._precheck_error(ctx, call))
+            elif "intent" in journal and not self._may_rerun(impl, journal):
+                if self._on_unknown == "yield":
+                    unknown.append(call)
+                else:
+                    answers.append(_error(call, OUTCOME_UNKNOWN))
+            else:
+                to_run.append(call)
+
+        if answers:
+            await self._commit_results(ctx, answers)
+        if to_run:
+            await self._record_intents(ctx, to_run)
+            abort = await self._run_batch(ctx, to_run)
+            if abort is not None:
+                return Yield([], YieldReason("tool_failed", abort))
+        if unknown:
+            return Yield(
+                [],
+                YieldReason(
+                    "outcome_unknown",
+                    "tool calls may or may not have run before a crash; decide with "
+                    "resolve_unknown_outcome()",
+                    {"calls": [c.call_id for c in unknown]},
+                ),
+            )
+        return Continue([])
+
+    async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
+        """Keep results that finished but were not yet committed when the step was cancelled."""
+        if not interrupted:
+            return ()
+        finished: dict[str, ToolResultPart] = ctx.scratch.get("uncommitted", {})
+        open_ids = {c.call_id for c in open_tool_calls(ctx.session.conversation)}
+        return [
+            AppendMessage(Message(id=ctx.new_id(), role="tool", parts=(result,)))
+            for call_id, result in finished.items()
+            if call_id in open_ids
+        ]
+
+    # -- the journal ---------------------------------------------------------------
+
+    @staticmethod
+    def _may_rerun(impl: Tool, journal: dict[str, Any]) -> bool:
+        return impl.side_effects in ("pure", "idempotent") or bool(journal.get("rerun_approved"))
+
+    def _precheck_error(self, ctx: StepContext[Any], call: ToolCallPart) -> ToolResultPart:
+        if call.name not in self._tools:
+            known = ", ".join(sorted(d.name for d in ctx.tools)) or "none"
+            return _error(call, f"unknown tool {call.name!r}; available tools: {known}")
+        return _error(
+            call, f"the arguments for {call.name!r} are not valid JSON: {call.raw_arguments!r}"
+        )
+
+    async def _record_intents(self, ctx: StepContext[Any], calls: Sequence[ToolCallPart]) -> None:
+        where = _call_locations(ctx.session)
+        effects: list[Effect] = []
+        for call in calls:
+            impl = self._tools[call.name]
+            journal = call.notes.get(JOURNAL, {})
+            note: dict[str, Any] = {
+                "intent": True,
+                "fingerprint": fingerprint(call.name, effective_arguments(call)),
+                "idempotency_key": idempotency_key(ctx.session.id, call.call_id),
+                "side_effects": impl.side_effects,
+                "attempt": int(journal.get("attempt", 0)) + 1,
+                "at": ctx.runtime.clock(),
+            }
+            effects.append(Annotate(where[call.call_id], JOURNAL, note, call_id=call.call_id))
+        await ctx.commit(effects)
+
+    async def _run_batch(self, ctx: StepContext[Any], calls: Sequence[ToolCallPart]) -> str | None:
+        """Run ``calls`` concurrently, committing each result as it comes; the abort reason."""
+        uncommitted: dict[str, ToolResultPart] = {}
+        ctx.scratch["uncommitted"] = uncommitted
+        limiter = anyio.CapacityLimiter(self._max_concurrency)
+        commit_lock = anyio.Lock()
+        abort: list[str] = []
+
+        async def run_one(call: ToolCallPart) -> None:
+            async with limiter:
+                if abort:
+                    result = _error(call, NOT_EXECUTED.format(reason=abort[0]))
+                else:
+                    result, aborted = await self._run_call(ctx, call)
+                    if aborted is not None:
+                        abort.append(aborted)
+                uncommitted[call.call_id] = result
+                async with commit_lock:
+                    await self._commit_results(ctx, [result])
+                uncommitted.pop(call.call_id, None)
+
+        if self._max_concurrency == 1:
+            for call in calls:  # one after another, in call order (deterministic)
+                await run_one(call)
+        else:
+            async with anyio.create_task_group() as tg:
+                for call in calls:
+                    tg.start_soon(run_one, call)
+        return abort[0] if abort else None
+
+    async def _commit_results(
+        self, ctx: StepContext[Any], results: Sequence[ToolResultPart]
+    ) -> None:
+        """Commit results as one batch; after a conflict, reload and commit what is still open."""
+        pending = list(results)
+        for attempt in range(_MAX_RESULT_RETRIES):
+            open_ids = {c.call_id for c in open_tool_calls(ctx.session.conversation)}
+            pending = [r for r in pending if r.call_id in open_ids]
+            if not pending:
+                return
+            effects = [
+                AppendMessage(Message(id=ctx.new_id(), role="tool", parts=(result,)))
+                for result in pending
+            ]
+            try:
+                await ctx.commit(effects)
+            except ConflictError:
+                if attempt == _MAX_RESULT_RETRIES - 1:
+                    raise
+                ctx.session = await ctx.runtime.session_loader().load(ctx.session.id)
+            else:
+                return
+
+    async def _run_call(
+        self, ctx: StepContext[Any], call: ToolCallPart
+    ) -> tuple[ToolResultPart, str | None]:
+        """Run one call. Returns its result, and the abort reason if it failed closed."""
+        impl = self._tools[call.name]
+        await ctx.emit(ToolStarted(call_id=call.call_id, name=call.name))
+        context = ToolContext(
+            runtime=ctx.runtime,
+            session_id=ctx.session.id,
+            call_id=call.call_id,
+            idempotency_key=idempotency_key(ctx.session.id, call.call_id),
+        )
+        timeout = impl.timeout if impl.timeout is not None else self._timeout
+        aborted: str | None = None
+        try:
+            with anyio.fail_after(timeout):
+                content = await impl.call(effective_arguments(call), context)
+        except ToolArgumentsError as exc:
+            result = _error(call, str(exc))
+        except TimeoutError:
+            result = _error(
+                call, f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
+            )
+        except ToolAbortError as exc:
+            aborted = f"{call.name}: {exc}"
+            result = _error(call, f"tool {call.name!r} failed and stopped the run: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a tool error becomes an error result
+            result = _error(call, f"tool {call.name!r} failed: {type(exc).__name__}: {exc}")
+        else:
+            result = ToolResultPart(call_id=call.call_id, content=content, name=call.name)
+        await ctx.emit(ToolFinished(call_id=call.call_id, name=call.name, is_error=result.is_error))
+        return result, aborted
+
+
+def _error(call: ToolCallPart, content: str) -> ToolResultPart:
+    return ToolResultPart(call_id=call.call_id, content=content, is_error=True, name=call.name)
+
+
+async def resolve_unknown_outcome(
+    store: Store,
+    session_id: str,
+    call_id: str,
+    *,
+    rerun: bool,
+    by: str,
+    note: str = "",
+    ids: Callable[[], str] = uuid_ids,
+) -> Session[Any]:
+    """An operator's decision on a call whose outcome a crash left unknown.
+
+    With ``rerun=True`` the journal may run the call again on the next
+    ``run()``; with ``rerun=False`` the call is answered now with an error
+    result saying the operator chose not to re-run it. Either way the decision
+    (who, note) is recorded on the call.
+
+    Raises:
+        ConfigurationError: the call does not exist, already has a result, or
+            has no recorded intent.
+    """
+    session = await store.load(session_id)
+    where = _call_locations(session)
+    open_calls = {c.call_id: c for c in open_tool_calls(session.conversation)}
+    call = open_calls.get(call_id)
+    if call is None or JOURNAL not in call.notes or "intent" not in call.notes[JOURNAL]:
+        raise ConfigurationError(
+            f"session {session_id!r} has no open call {call_id!r} with a recorded intent"
+        )
+    decision = {"rerun_approved": rerun, "decided_by": by, "decision_note": note}
+    effects: list[Effect] = [Annotate(where[call_id], JOURNAL, decision, call_id=call_id)]
+    if not rerun:
+        message = Message(
+            id=ids(),
+            role="tool",
+            parts=(
+                _error(call, f"{OUTCOME_UNKNOWN} {by} decided not to run it again. {note}".strip()),
+            ),
+        )
+        effects.append(AppendMessage(message))
+    return await submit(store, session_id, effects, step="journal.operator")
