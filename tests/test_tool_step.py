@@ -1,0 +1,294 @@
+"""The Tools operation's journal: intents, per-result commits, crash recovery, aborts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from stepmachine import (
+    JOURNAL,
+    NOT_EXECUTED,
+    OUTCOME_UNKNOWN,
+    Annotate,
+    AppendMessage,
+    ConfigurationError,
+    EventSink,
+    Message,
+    ModelInference,
+    NullEmitter,
+    Operation,
+    Outcome,
+    Refuse,
+    Runtime,
+    Session,
+    StateMachine,
+    StepContext,
+    ToolAbortError,
+    ToolCallPart,
+    ToolContext,
+    Tools,
+    Yield,
+    apply_batch,
+    counter_ids,
+    fingerprint,
+    idempotency_key,
+    open_tool_calls,
+    resolve_unknown_outcome,
+    submit,
+    tool,
+)
+from stepmachine.stores import MemoryStore
+from stepmachine.testing import FunctionModel, make_session, reply, run_step
+
+
+def calls_message(*calls: ToolCallPart, message_id: str = "a1") -> Message:
+    return Message(id=message_id, role="assistant", parts=calls)
+
+
+def with_intent(call: ToolCallPart) -> ToolCallPart:
+    """The call as the journal leaves it when a crash hit after the intent."""
+    note = {"intent": True, "attempt": 1, "fingerprint": fingerprint(call.name, call.arguments)}
+    return ToolCallPart(
+        call_id=call.call_id,
+        name=call.name,
+        arguments=call.arguments,
+        raw_arguments=call.raw_arguments,
+        notes={JOURNAL: note},
+    )
+
+
+ran: list[str] = []
+
+
+@tool
+def charge(amount: int) -> str:
+    """Charge a card (not idempotent)."""
+    ran.append(f"charge {amount}")
+    return f"charged {amount}"
+
+
+@tool(side_effects="idempotent")
+def upsert(key: str, ctx: ToolContext) -> str:
+    """Write a record under an idempotency key."""
+    ran.append(f"upsert {key} {ctx.idempotency_key}")
+    return "ok"
+
+
+@tool(side_effects="pure")
+def square(x: int) -> int:
+    """Square a number."""
+    return x * x
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> None:
+    ran.clear()
+
+
+async def test_intent_is_committed_before_the_tool_runs_and_each_result_after() -> None:
+    seen_at_run: list[dict[str, Any]] = []
+
+    @tool
+    async def probe(ctx: ToolContext) -> str:
+        seen_at_run.append({"key": ctx.idempotency_key})
+        return "probed"
+
+    session = make_session(calls_message(ToolCallPart.of("c1", "probe", {})))
+    check = await run_step(Tools([probe]), session)
+    assert check.continued
+    assert check.effects == ()  # everything went through ctx.commit
+    intent_batch, result_batch = check.commits
+    (intent,) = intent_batch
+    assert isinstance(intent, Annotate)
+    assert intent.namespace == JOURNAL
+    assert intent.call_id == "c1"
+    assert intent.values["intent"] is True
+    assert intent.values["side_effects"] == "non_idempotent"
+    assert intent.values["fingerprint"] == fingerprint("probe", {})
+    assert intent.values["idempotency_key"] == idempotency_key("test-session", "c1")
+    assert seen_at_run == [{"key": idempotency_key("test-session", "c1")}]
+    (result,) = result_batch
+    assert isinstance(result, AppendMessage)
+    assert result.message.tool_results[0].content == "probed"
+
+
+async def test_each_result_is_committed_as_soon_as_it_exists() -> None:
+    release = anyio.Event()
+    order: list[str] = []
+
+    @tool
+    async def slow() -> str:
+        await release.wait()
+        return "slow"
+
+    @tool
+    async def fast() -> str:
+        return "fast"
+
+    async def commit_watch(current: Session[Any], effects: Any) -> Session[Any]:
+        for effect in effects:
+            if isinstance(effect, AppendMessage):
+                order.append(effect.message.tool_results[0].content)
+                if effect.message.tool_results[0].content == "fast":
+                    release.set()  # the slow tool may finish only after fast was committed
+        return apply_batch(current, effects)
+
+    session = make_session(
+        calls_message(ToolCallPart.of("c1", "slow", {}), ToolCallPart.of("c2", "fast", {}))
+    )
+    machine = StateMachine([Tools([slow, fast])])
+    tools, _parts = machine.collect(session)
+    ctx: StepContext[Any] = StepContext(
+        session=session,
+        runtime=Runtime(ids=counter_ids()),
+        events=EventSink(NullEmitter(), session.id, 0),
+        tools=tools,
+        steps=machine.steps,
+        committer=commit_watch,
+    )
+    with anyio.fail_after(5):  # a deadlock guard, not a timing assertion
+        await machine.steps[0].run(ctx)
+    assert order == ["fast", "slow"]
+    assert open_tool_calls(ctx.session.conversation) == []
+
+
+async def test_crashed_non_idempotent_call_is_answered_outcome_unknown_not_rerun() -> None:
+    call = with_intent(ToolCallPart.of("c1", "charge", {"amount": 5}))
+    check = await run_step(Tools([charge]), make_session(calls_message(call)))
+    assert ran == []
+    (result,) = [r for m in check.new_messages for r in m.tool_results]
+    assert result.is_error
+    assert result.content == OUTCOME_UNKNOWN
+
+
+@pytest.mark.parametrize("tool_obj", [upsert, square], ids=["idempotent", "pure"])
+async def test_crashed_idempotent_or_pure_call_is_rerun_with_the_same_key(tool_obj: Any) -> None:
+    arguments = {"key": "k"} if tool_obj is upsert else {"x": 3}
+    call = with_intent(ToolCallPart.of("c1", tool_obj.name, arguments))
+    check = await run_step(Tools([tool_obj]), make_session(calls_message(call)))
+    (result,) = [r for m in check.new_messages for r in m.tool_results]
+    assert not result.is_error
+    intent = check.commits[0][0]
+    assert isinstance(intent, Annotate)
+    assert intent.values["attempt"] == 2
+    if tool_obj is upsert:
+        assert ran == [f"upsert k {idempotency_key('test-session', 'c1')}"]
+
+
+async def test_unknown_outcome_can_wait_for_an_operator() -> None:
+    store = MemoryStore()
+    call = with_intent(ToolCallPart.of("c1", "charge", {"amount": 5}))
+    await store.create("s", conversation=[Message.user("pay", id="u1"), calls_message(call)])
+    machine = StateMachine([Tools([charge], on_unknown_outcome="yield"), ModelInference()])
+    model = FunctionModel(lambda request: reply("paid"))
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == "outcome_unknown"
+    assert report.reason.data == {"calls": ["c1"]}
+    assert ran == []
+    await resolve_unknown_outcome(store, "s", "c1", rerun=True, by="ops@example.com")
+    report = await machine.run_report(runtime, "s")
+    assert ran == ["charge 5"]
+    assert report.session.conversation[-1].text == "paid"
+    notes = report.session.conversation[1].tool_calls[0].notes[JOURNAL]
+    assert notes["decided_by"] == "ops@example.com"
+    assert notes["attempt"] == 2
+
+
+async def test_operator_can_refuse_a_rerun() -> None:
+    store = MemoryStore()
+    call = with_intent(ToolCallPart.of("c1", "charge", {"amount": 5}))
+    await store.create("s", conversation=[Message.user("pay", id="u1"), calls_message(call)])
+    session = await resolve_unknown_outcome(store, "s", "c1", rerun=False, by="ana", note="refund")
+    (result,) = session.conversation[-1].tool_results
+    assert result.is_error
+    assert "ana decided not to run it again" in result.content
+    with pytest.raises(ConfigurationError):
+        await resolve_unknown_outcome(store, "s", "c1", rerun=True, by="ana")
+
+
+async def test_a_tool_that_fails_closed_stops_the_batch_and_the_run() -> None:
+    @tool
+    async def guard() -> str:
+        raise ToolAbortError("database is read-only")
+
+    session = make_session(
+        calls_message(
+            ToolCallPart.of("c1", "guard", {}),
+            ToolCallPart.of("c2", "charge", {"amount": 1}),
+        )
+    )
+    check = await run_step(Tools([guard, charge], max_concurrency=1), session)
+    assert isinstance(check.outcome, Yield)
+    assert check.outcome.reason.kind == "tool_failed"
+    assert "database is read-only" in check.outcome.reason.message
+    assert ran == []  # the second call was never started
+    results = {r.call_id: r for m in check.new_messages for r in m.tool_results}
+    assert results["c1"].is_error
+    assert results["c2"].content == NOT_EXECUTED.format(reason="guard: database is read-only")
+
+
+async def test_per_tool_timeout_gives_an_error_result() -> None:
+    @tool(timeout=0.01)
+    async def hang() -> str:
+        await anyio.sleep_forever()
+        return "never"
+
+    check = await run_step(
+        Tools([hang]), make_session(calls_message(ToolCallPart.of("c", "hang", {})))
+    )
+    (result,) = [r for m in check.new_messages for r in m.tool_results]
+    assert result.is_error
+    assert "timed out" in result.content
+
+
+class Objector(Operation[Any]):
+    """Objects to every call of ``charge``."""
+
+    def check_call(self, ctx: StepContext[Any], call: ToolCallPart) -> str | None:
+        return "needs a human" if call.name == "charge" else None
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse()
+
+
+async def test_calls_another_step_objects_to_are_held_back_whatever_the_order() -> None:
+    session = make_session(
+        calls_message(
+            ToolCallPart.of("c1", "charge", {"amount": 1}),
+            ToolCallPart.of("c2", "square", {"x": 2}),
+        )
+    )
+    check = await run_step(Tools([charge, square]), session, others=[Objector()])
+    assert ran == []
+    assert [c.call_id for c in open_tool_calls(check.session.conversation)] == ["c1"]
+    only_charge = make_session(calls_message(ToolCallPart.of("c1", "charge", {"amount": 1})))
+    check = await run_step(Tools([charge]), only_charge, others=[Objector()])
+    assert check.refused
+
+
+async def test_a_whole_run_records_an_audit_trail_per_result() -> None:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    await submit(
+        store,
+        "s",
+        [
+            AppendMessage(
+                calls_message(*(ToolCallPart.of(f"c{i}", "square", {"x": i}) for i in range(3)))
+            )
+        ],
+    )
+    machine = StateMachine([Tools([square]), ModelInference()])
+    model = FunctionModel(lambda request: reply("done"))
+    session = await machine.run(Runtime(store=store, model=model, ids=counter_ids()), "s")
+    steps = [b.step for b in await store.batches("s")]
+    assert steps == ["application", "tools", "tools", "tools", "tools", "inference"]
+    assert sorted(r.content for m in session.conversation for r in m.tool_results) == [
+        "0",
+        "1",
+        "4",
+    ]
