@@ -51,6 +51,7 @@ from stepmachine import (
     NullEmitter,
     PromptPart,
     Runtime,
+    Session,
     StateMachine,
     Tool,
     ToolCallPart,
@@ -106,8 +107,11 @@ class Options:
 # -- the two sides -----------------------------------------------------------------
 
 
-async def machine_session(opts: Options, rounds: int) -> tuple[int, list[Message]]:
-    """One fresh session of ``rounds`` rounds through the machine; (ns, conversation)."""
+async def machine_session(opts: Options, rounds: int) -> tuple[list[int], Session[Any], int]:
+    """One fresh session of ``rounds`` rounds through the machine.
+
+    Returns the nanoseconds of each round, the session, and the machine cycles run.
+    """
     lookup = opts.tool
     store = MemoryStore()
     ids = counter_ids()
@@ -117,18 +121,20 @@ async def machine_session(opts: Options, rounds: int) -> tuple[int, list[Message
     )
     emitter = NullEmitter()
     await store.create(SESSION_ID)
-    start = time.perf_counter_ns()
+    cycles = 0
+    elapsed: list[int] = []
     for r in range(rounds):
+        start = time.perf_counter_ns()
         user = Message.user(f"question {r}", id=ids())
         await submit(store, SESSION_ID, [AppendMessage(user)], clock=fixed_clock)
-        await machine.run(runtime, SESSION_ID, emitter)
-    elapsed = time.perf_counter_ns() - start
-    session = await store.load(SESSION_ID)
-    return elapsed, list(session.conversation)
+        report = await machine.run_report(runtime, SESSION_ID, emitter)
+        elapsed.append(time.perf_counter_ns() - start)
+        cycles += len(report.results)
+    return elapsed, await store.load(SESSION_ID), cycles
 
 
-async def bare_session(opts: Options, rounds: int) -> tuple[int, list[Message]]:
-    """The same model and tool work, called directly; (ns, messages built)."""
+async def bare_session(opts: Options, rounds: int) -> tuple[list[int], list[Message]]:
+    """The same model and tool work, called directly; (ns of each round, messages built)."""
     lookup = opts.tool
     model = FunctionModel(decide)
     ids = counter_ids()
@@ -136,8 +142,9 @@ async def bare_session(opts: Options, rounds: int) -> tuple[int, list[Message]]:
     prompt = (PromptPart(source="inference", text=INSTRUCTIONS),)
     on_chunk = _drop_chunk if opts.stream else None
     messages: list[Message] = []
-    start = time.perf_counter_ns()
+    elapsed: list[int] = []
     for r in range(rounds):
+        start = time.perf_counter_ns()
         messages.append(Message.user(f"question {r}", id=ids()))
         request = ModelRequest(messages=tuple(messages), tools=definitions, prompt_parts=prompt)
         response = await model.request(request, on_chunk=on_chunk)
@@ -150,7 +157,7 @@ async def bare_session(opts: Options, rounds: int) -> tuple[int, list[Message]]:
         request = ModelRequest(messages=tuple(messages), tools=definitions, prompt_parts=prompt)
         response = await model.request(request, on_chunk=on_chunk)
         messages.append(Message(id=ids(), role="assistant", parts=response.parts))
-    elapsed = time.perf_counter_ns() - start
+        elapsed.append(time.perf_counter_ns() - start)
     return elapsed, messages
 
 
@@ -179,35 +186,65 @@ def same_work(machine: list[Message], bare: list[Message]) -> None:
 # -- measuring ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Samples:
+    """One side's timings: ``rounds[s][r]`` is round ``r`` of session ``s``, in ns."""
+
+    rounds: list[list[int]]
+
+    @property
+    def per_cycle_us(self) -> float:
+        """The headline figure: for each round index the median over sessions, summed,
+        per machine cycle. A session preempted by another process (shared machines)
+        spoils one round of it, not the figure."""
+        count = len(self.rounds[0])
+        medians = [statistics.median(s[r] for s in self.rounds) for r in range(count)]
+        return sum(medians) / (count * CYCLES_PER_ROUND * 1_000)
+
+    @property
+    def sessions_us(self) -> list[float]:
+        """Per session: its whole time per machine cycle (preemptions included)."""
+        return [sum(s) / (len(s) * CYCLES_PER_ROUND * 1_000) for s in self.rounds]
+
+
 async def measure(
     opts: Options, rounds: int, repetitions: int, warmup: int
-) -> tuple[list[float], list[float]]:
-    """Interleaved repetitions; per-cycle microseconds for (machine, bare)."""
-    _, machine_conv = await machine_session(opts, rounds)
+) -> tuple[Samples, Samples]:
+    """Interleaved repetitions of both sides: (machine, bare)."""
+    _, session, cycles = await machine_session(opts, rounds)
     _, bare_conv = await bare_session(opts, rounds)
-    same_work(machine_conv, bare_conv)
+    same_work(list(session.conversation), bare_conv)
+    if cycles != rounds * CYCLES_PER_ROUND:
+        raise SystemExit(f"expected {CYCLES_PER_ROUND} machine cycles per round, got {cycles}")
+    print(
+        f"  {rounds} rounds: {cycles} machine cycles, {session.revision} batches "
+        f"({session.revision / rounds:g} per round, submit included), "
+        f"{len(session.conversation)} messages"
+    )
     for _ in range(warmup):
         await machine_session(opts, rounds)
         await bare_session(opts, rounds)
-    per_cycle = rounds * CYCLES_PER_ROUND * 1_000
-    machine_us: list[float] = []
-    bare_us: list[float] = []
+    machine_ns: list[list[int]] = []
+    bare_ns: list[list[int]] = []
+    # The garbage collector stays on (its cost is part of the cost), but what
+    # was allocated before timing is frozen out of its reach.
+    gc.collect()
+    gc.freeze()
     for _ in range(repetitions):
-        gc.collect()
-        ns, _ = await machine_session(opts, rounds)
-        machine_us.append(ns / per_cycle)
-        gc.collect()
-        ns, _ = await bare_session(opts, rounds)
-        bare_us.append(ns / per_cycle)
-    return machine_us, bare_us
+        machine_ns.append((await machine_session(opts, rounds))[0])
+        bare_ns.append((await bare_session(opts, rounds))[0])
+    gc.unfreeze()
+    return Samples(machine_ns), Samples(bare_ns)
 
 
-def describe(name: str, samples: list[float]) -> str:
-    """Median, quartiles and minimum of a list of microsecond figures."""
-    q1, _, q3 = statistics.quantiles(samples, n=4) if len(samples) > 1 else samples * 3
+def describe(name: str, samples: Samples) -> str:
+    """The headline figure, then quartiles and minimum of whole sessions."""
+    whole = samples.sessions_us
+    q1, median, q3 = statistics.quantiles(whole, n=4) if len(whole) > 1 else whole * 3
     return (
-        f"  {name:8s} median {statistics.median(samples):9.2f} us/cycle   "
-        f"q1 {q1:9.2f}   q3 {q3:9.2f}   min {min(samples):9.2f}   n={len(samples)}"
+        f"  {name:8s} {samples.per_cycle_us:9.2f} us/cycle   whole sessions: "
+        f"median {median:9.2f}  q1 {q1:9.2f}  q3 {q3:9.2f}  min {min(whole):9.2f}  "
+        f"n={len(whole)}"
     )
 
 
@@ -292,35 +329,33 @@ def main(argv: list[str]) -> None:
         run_async(lambda: profile(opts), opts.backend)
     if opts.long_repetitions:
         rounds = opts.long_rounds
-        machine_us, bare_us = run_async(
+        machine, bare = run_async(
             lambda: measure(opts, rounds, opts.long_repetitions, min(opts.warmup, 3)), opts.backend
         )
         print(
             f"long sessions: {rounds} rounds = {rounds * CYCLES_PER_ROUND} cycles, "
             f"up to {rounds * 4} messages"
         )
-        print(describe("machine", machine_us))
-        print(describe("bare", bare_us))
-        ratio = statistics.median(machine_us) / statistics.median(bare_us)
-        print(f"  ratio machine/bare: {ratio:.2f}x")
-    machine_us, bare_us = run_async(
+        print(describe("machine", machine))
+        print(describe("bare", bare))
+        print(f"  ratio machine/bare: {machine.per_cycle_us / bare.per_cycle_us:.2f}x")
+    machine, bare = run_async(
         lambda: measure(opts, opts.rounds, opts.repetitions, opts.warmup), opts.backend
     )
-    cycle = statistics.median(machine_us)
-    bare = statistics.median(bare_us)
+    cycle, bare_us = machine.per_cycle_us, bare.per_cycle_us
     print(
         f"short sessions: {opts.rounds} rounds = {opts.rounds * CYCLES_PER_ROUND} cycles, "
         f"up to {opts.rounds * 4} messages"
     )
-    print(describe("machine", machine_us))
-    print(describe("bare", bare_us))
+    print(describe("machine", machine))
+    print(describe("bare", bare))
     print(
         f"  per round (submit + run = {CYCLES_PER_ROUND} cycles): machine "
-        f"{cycle * CYCLES_PER_ROUND:.2f} us, bare {bare * CYCLES_PER_ROUND:.2f} us"
+        f"{cycle * CYCLES_PER_ROUND:.2f} us, bare {bare_us * CYCLES_PER_ROUND:.2f} us"
     )
-    print(f"  machine overhead per cycle: {cycle - bare:.2f} us")
-    print(f"ratio machine/bare: {cycle / bare:.2f}x")
-    print(f"cycle_us={cycle:.2f} bare_us={bare:.2f}")
+    print(f"  machine overhead per cycle: {cycle - bare_us:.2f} us")
+    print(f"ratio machine/bare: {cycle / bare_us:.2f}x")
+    print(f"cycle_us={cycle:.2f} bare_us={bare_us:.2f}")
 
 
 if __name__ == "__main__":

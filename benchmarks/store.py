@@ -1,0 +1,546 @@
+"""What the stores cost: throughput, apply, incremental reload, bytes on disk.
+
+For each store (MemoryStore, SQLiteStore, FileStore), in one run:
+
+* steps/s: a long scripted session driven by the machine (every round the
+  user's message is appended with ``submit``, then ``machine.run()`` goes
+  inference (a tool call) -> tools -> inference (the answer) -> yield; three
+  machine steps per round, and more batches, as Tools commits its journal).
+  steps/s counts machine steps per second of the whole session, submits
+  included; batches/s counts every batch applied.
+* apply: median microseconds of one ``store.apply`` of a one-message batch,
+  on sessions holding 20 and 2,000 messages (built one message per batch).
+* reload: median microseconds of ``store.load`` on an instance that has the
+  session loaded already, when nothing is new, and right after ANOTHER
+  instance of the store (same file or folder) applied one batch. Cold load (a
+  fresh instance loading the session) is printed too.
+* bytes: bytes on disk after the long session (store closed) per byte of
+  encoded effects, ``len(codec.encode_effects(batch.effects))`` summed over
+  every batch written.
+
+And, in the same run, raw ``sqlite3``: commits per second of one INSERT +
+COMMIT per transaction into a minimal table, with the SQLite store's PRAGMAs
+(WAL, synchronous=NORMAL), called directly and through one worker-thread hop
+per commit (as the store does).
+
+Samples are taken round-robin over several sessions of the given size, so no
+session grows by more than 5% of its size while it is measured. Machines are
+shared and noisy: compare the ratios printed, not absolute figures.
+
+Run:  python benchmarks/store.py [--quick] [--backend trio] [--stores memory,sqlite,file]
+
+The last line is ``sqlite_steps_per_s=<n> raw_commits_per_s=<n>
+apply_2000_over_20=<ratio> reload_2000_over_20=<ratio> bytes_ratio=<ratio>``
+(the ratios for SQLite; ``reload`` is the reload after another instance's batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from stepmachine import (
+    AppendMessage,
+    Batch,
+    Codec,
+    Effect,
+    Message,
+    ModelInference,
+    ModelRequest,
+    ModelResponse,
+    NullEmitter,
+    Runtime,
+    StateMachine,
+    Store,
+    ToolCallPart,
+    ToolResultPart,
+    Tools,
+    counter_ids,
+    submit,
+    tool,
+)
+from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
+from stepmachine.testing import FunctionModel, call, reply
+
+STORE_KINDS = ("memory", "sqlite", "file")
+DURABLE = ("sqlite", "file")
+SIZES = (20, 2_000)
+FILE_FSYNC = ["always"]  # FileStore's fsync option; set from --file-fsync
+CLOCK = 1_700_000_000.0
+FILLER = (
+    "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor "
+    "incididunt ut labore et dolore magna aliqua."
+)
+
+
+def fixed_clock() -> float:
+    """A constant clock: runs are deterministic."""
+    return CLOCK
+
+
+# -- the scripted agent (as in cycle.py) -------------------------------------------
+
+
+@tool(thread=False)
+def lookup_value(key: str) -> str:
+    """Look up the value stored under ``key``."""
+    return f"value of {key}: {FILLER}"
+
+
+def decide(request: ModelRequest) -> ModelResponse:
+    """The scripted model: call ``lookup_value`` for a user message, answer after the result."""
+    last = request.messages[-1]
+    if last.role == "user":
+        return call(("lookup_value", {"key": last.text}))
+    return reply(f"The answer is: {last.tool_results[0].content}")
+
+
+def nth_message(i: int) -> Message:
+    """The ``i``-th message of a synthetic session: user, tool call, tool result, answer."""
+    kind = i % 4
+    if kind == 0:
+        return Message.user(f"question {i}: {FILLER}", id=f"m{i}")
+    if kind == 1:
+        part = ToolCallPart.of(f"call-{i}", "lookup_value", {"key": f"question {i - 1}"})
+        return Message(id=f"m{i}", role="assistant", parts=(part,))
+    if kind == 2:
+        result = ToolResultPart(
+            call_id=f"call-{i - 1}", content=f"value {i}: {FILLER}", name="lookup_value"
+        )
+        return Message(id=f"m{i}", role="tool", parts=(result,))
+    return Message.assistant(f"The answer is {i}: {FILLER}", id=f"m{i}")
+
+
+def one_message_batch(session_id: str, index: int) -> Batch[Effect]:
+    """The batch appending message ``index`` (revision ``index + 1``)."""
+    return Batch(
+        session_id=session_id,
+        revision=index + 1,
+        step="bench",
+        cycle=0,
+        timestamp=CLOCK,
+        effects=(AppendMessage(nth_message(index)),),
+    )
+
+
+# -- stores ------------------------------------------------------------------------
+
+
+def available(kind: str) -> bool:
+    """Whether the store class is implemented (not a placeholder)."""
+    cls = {"memory": MemoryStore, "sqlite": SQLiteStore, "file": FileStore}[kind]
+    return kind == "memory" or callable(getattr(cls, "open", None))
+
+
+def location(kind: str, folder: Path) -> Path:
+    """Where a store of this kind keeps its data inside ``folder``."""
+    return folder / "store.db" if kind == "sqlite" else folder / "sessions"
+
+
+async def open_store(kind: str, folder: Path, codec: Codec[Any]) -> Store:
+    """A store of ``kind`` on ``folder`` (created if needed); memory ignores the folder."""
+    if kind == "memory":
+        return MemoryStore(codec)
+    await anyio.Path(folder).mkdir(parents=True, exist_ok=True)
+    if kind == "sqlite":
+        return await SQLiteStore.open(location(kind, folder), codec)
+    return await FileStore.open(location(kind, folder), codec, fsync=FILE_FSYNC[0])
+
+
+def disk_bytes(folder: Path) -> int:
+    """Bytes of every file under ``folder``."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+# -- measurements ------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    """What was measured for one store."""
+
+    kind: str
+    steps: int = 0
+    batches: int = 0
+    steps_per_s: list[float] = field(default_factory=list)
+    batches_per_s: list[float] = field(default_factory=list)
+    apply_us: dict[int, list[float]] = field(default_factory=dict)
+    load_same_us: dict[int, list[float]] = field(default_factory=dict)
+    reload_us: dict[int, list[float]] = field(default_factory=dict)
+    cold_us: dict[int, list[float]] = field(default_factory=dict)
+    disk: int = 0
+    disk_open: int = 0
+    encoded: int = 0
+    batch_count: int = 0
+
+
+@dataclass(frozen=True)
+class Options:
+    """The command line, parsed."""
+
+    backend: str
+    kinds: tuple[str, ...]
+    session_rounds: int
+    session_repetitions: int
+    samples: int
+    commits: int
+    folder: Path
+
+
+async def long_session(kind: str, folder: Path, opts: Options, figures: Figures) -> None:
+    """Drive one long scripted session through the machine; record steps/s (and bytes)."""
+    codec: Codec[Any] = Codec()
+    store = await open_store(kind, folder, codec)
+    try:
+        ids = counter_ids()
+        runtime = Runtime(store=store, model=FunctionModel(decide), ids=ids, clock=fixed_clock)
+        machine: StateMachine[Any] = StateMachine([Tools([lookup_value]), ModelInference()])
+        emitter = NullEmitter()
+        await store.create("long")
+        steps = 0
+        start = time.perf_counter_ns()
+        for r in range(opts.session_rounds):
+            user = Message.user(f"question {r}", id=ids())
+            await submit(store, "long", [AppendMessage(user)], clock=fixed_clock)
+            report = await machine.run_report(runtime, "long", emitter)
+            steps += len(report.results)
+        seconds = (time.perf_counter_ns() - start) / 1e9
+        session = await store.load("long")
+        if len(session.conversation) != opts.session_rounds * 4:
+            raise SystemExit(
+                f"{kind}: the long session holds {len(session.conversation)} messages, "
+                f"expected {opts.session_rounds * 4}"
+            )
+        figures.steps = steps
+        figures.batches = session.revision
+        figures.steps_per_s.append(steps / seconds)
+        figures.batches_per_s.append(session.revision / seconds)
+        if kind in DURABLE and not figures.encoded:
+            batches = await store.batches("long")
+            figures.batch_count = len(batches)
+            figures.encoded = sum(len(codec.encode_effects(b.effects)) for b in batches)
+            figures.disk_open = disk_bytes(folder)
+    finally:
+        await store.aclose()
+    if kind in DURABLE and not figures.disk:
+        figures.disk = disk_bytes(folder)
+
+
+def sessions_for(size: int, samples: int) -> int:
+    """How many sessions to spread ``samples`` over so none grows by more than 5%."""
+    growth = max(1, size // 20)
+    return math.ceil(samples / growth)
+
+
+async def per_size(kind: str, folder: Path, size: int, opts: Options, figures: Figures) -> None:
+    """apply, load (nothing new), reload (after another instance's batch), cold load."""
+    codec: Codec[Any] = Codec()
+    count = sessions_for(size, opts.samples)
+    names = [f"s{size}-{j}" for j in range(count)]
+    lengths = dict.fromkeys(names, size)
+    store = await open_store(kind, folder, codec)
+    try:
+        for name in names:
+            await store.create(name)
+            for i in range(size):
+                await store.apply(one_message_batch(name, i))
+        applies: list[float] = []
+        for k in range(opts.samples):
+            name = names[k % count]
+            batch = one_message_batch(name, lengths[name])
+            start = time.perf_counter_ns()
+            await store.apply(batch)
+            applies.append((time.perf_counter_ns() - start) / 1e3)
+            lengths[name] += 1
+        figures.apply_us[size] = applies
+        for name in names:
+            await store.load(name)
+        loads: list[float] = []
+        for k in range(opts.samples):
+            name = names[k % count]
+            start = time.perf_counter_ns()
+            await store.load(name)
+            loads.append((time.perf_counter_ns() - start) / 1e3)
+        figures.load_same_us[size] = loads
+        if kind not in DURABLE:
+            return
+        other = await open_store(kind, folder, codec)
+        try:
+            reloads: list[float] = []
+            for k in range(opts.samples):
+                name = names[k % count]
+                await other.apply(one_message_batch(name, lengths[name]))
+                lengths[name] += 1
+                start = time.perf_counter_ns()
+                session = await store.load(name)
+                reloads.append((time.perf_counter_ns() - start) / 1e3)
+                if session.revision != lengths[name] or len(session.conversation) != lengths[name]:
+                    raise SystemExit(
+                        f"{kind}: reload of {name} saw revision {session.revision}, "
+                        f"expected {lengths[name]}"
+                    )
+            figures.reload_us[size] = reloads
+        finally:
+            await other.aclose()
+        cold = await open_store(kind, folder, codec)
+        try:
+            colds: list[float] = []
+            for name in names[: min(count, 50)]:
+                start = time.perf_counter_ns()
+                await cold.load(name)
+                colds.append((time.perf_counter_ns() - start) / 1e3)
+            figures.cold_us[size] = colds
+        finally:
+            await cold.aclose()
+    finally:
+        await store.aclose()
+
+
+def raw_commits(path: Path, count: int, payload: bytes) -> float:
+    """Commits per second of one INSERT + COMMIT per transaction, called directly."""
+    connection = raw_connection(path)
+    try:
+        start = time.perf_counter_ns()
+        for _ in range(count):
+            raw_commit(connection, payload)
+        return count / ((time.perf_counter_ns() - start) / 1e9)
+    finally:
+        connection.close()
+
+
+async def raw_commits_threaded(path: Path, count: int, payload: bytes) -> float:
+    """Commits per second with one worker-thread hop per commit (as the store does)."""
+    connection = await anyio.to_thread.run_sync(raw_connection, path)
+    try:
+        start = time.perf_counter_ns()
+        for _ in range(count):
+            await anyio.to_thread.run_sync(raw_commit, connection, payload)
+        return count / ((time.perf_counter_ns() - start) / 1e9)
+    finally:
+        connection.close()
+
+
+def noop() -> None:
+    """Nothing: what a bare worker-thread hop runs."""
+
+
+async def thread_hops(count: int) -> list[float]:
+    """Microseconds of each of ``count`` worker-thread hops running nothing."""
+    hops: list[float] = []
+    for _ in range(count):
+        start = time.perf_counter_ns()
+        await anyio.to_thread.run_sync(noop)
+        hops.append((time.perf_counter_ns() - start) / 1e3)
+    return hops
+
+
+def raw_connection(path: Path) -> sqlite3.Connection:
+    """A connection with the store's PRAGMAs and a minimal table."""
+    connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    connection.execute("PRAGMA journal_mode = WAL")
+    connection.execute("PRAGMA synchronous = NORMAL")
+    connection.execute("CREATE TABLE IF NOT EXISTS log (id INTEGER PRIMARY KEY, body BLOB)")
+    return connection
+
+
+def raw_commit(connection: sqlite3.Connection, payload: bytes) -> None:
+    """One transaction: BEGIN, one INSERT, COMMIT."""
+    connection.execute("BEGIN")
+    connection.execute("INSERT INTO log (body) VALUES (?)", (payload,))
+    connection.execute("COMMIT")
+
+
+# -- the run -----------------------------------------------------------------------
+
+
+@dataclass
+class Raw:
+    """Raw sqlite3 and thread-hop figures."""
+
+    direct: list[float] = field(default_factory=list)
+    threaded: list[float] = field(default_factory=list)
+    hops_us: list[float] = field(default_factory=list)
+
+
+async def measure(opts: Options) -> tuple[dict[str, Figures], Raw]:
+    """Every measurement, stores interleaved round by round."""
+    figures = {kind: Figures(kind) for kind in opts.kinds}
+    payload = Codec().encode_effects((AppendMessage(nth_message(3)),))
+    raw = Raw()
+    # warm-up: a short session on every store, a few raw commits
+    warm = Options(opts.backend, opts.kinds, 3, 1, opts.samples, opts.commits, opts.folder / "warm")
+    for kind in opts.kinds:
+        await long_session(kind, warm.folder / kind, warm, Figures(kind))
+    raw_commits(warm.folder / "raw.db", 50, payload)
+    for rep in range(opts.session_repetitions):
+        for kind in opts.kinds:
+            await long_session(kind, opts.folder / f"long-{rep}-{kind}", opts, figures[kind])
+        raw.direct.append(raw_commits(opts.folder / f"raw-{rep}.db", opts.commits, payload))
+        raw.threaded.append(
+            await raw_commits_threaded(opts.folder / f"raw-t-{rep}.db", opts.commits, payload)
+        )
+        raw.hops_us.extend(await thread_hops(opts.commits // 3))
+    for size in SIZES:
+        for kind in opts.kinds:
+            await per_size(kind, opts.folder / f"size-{size}-{kind}", size, opts, figures[kind])
+    return figures, raw
+
+
+def med(samples: list[float] | None) -> float:
+    """The median, or NaN when nothing was measured."""
+    return statistics.median(samples) if samples else math.nan
+
+
+def fmt(value: float, digits: int = 1) -> str:
+    """A figure, or ``n/a``."""
+    return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def spread(samples: list[float] | None) -> str:
+    """Median, mean and max of microsecond samples."""
+    if not samples:
+        return f"{'n/a':>9s}"
+    return (
+        f"{med(samples):9.1f} (mean {statistics.fmean(samples):8.1f}, "
+        f"max {max(samples):9.1f}, n={len(samples)})"
+    )
+
+
+def report(opts: Options, figures: dict[str, Figures], raw: Raw) -> None:
+    """Print every figure, then the summary line last."""
+    baseline = med(figures["memory"].steps_per_s) if "memory" in figures else math.nan
+    first = next(iter(figures.values()))
+    print(
+        f"long session: {opts.session_rounds} rounds = {first.steps} machine steps, "
+        f"{first.batches} batches (submits included), {opts.session_rounds * 4} messages; "
+        f"median of {opts.session_repetitions}"
+    )
+    for f in figures.values():
+        steps = med(f.steps_per_s)
+        versus = f"  ({steps / baseline:.2f}x memory)" if not math.isnan(baseline) else ""
+        print(f"  {f.kind:7s} steps/s {steps:9.1f}   batches/s {med(f.batches_per_s):9.1f}{versus}")
+    print(f"raw sqlite3 commits/s (WAL, synchronous=NORMAL), {opts.commits} per run:")
+    print(f"  direct        {med(raw.direct):9.1f}")
+    print(f"  thread hop    {med(raw.threaded):9.1f}")
+    print(f"one worker-thread hop running nothing, us: {spread(raw.hops_us)}")
+    for title, attr in (
+        ("apply, us", "apply_us"),
+        ("load, nothing new, us", "load_same_us"),
+        ("reload after another instance's batch, us", "reload_us"),
+        ("cold load (fresh instance), us", "cold_us"),
+    ):
+        print(f"{title}: median (mean, max, n)")
+        for f in figures.values():
+            samples: dict[int, list[float]] = getattr(f, attr)
+            for size in SIZES:
+                print(f"  {f.kind:7s} {size:5d} msgs {spread(samples.get(size))}")
+            ratio = med(samples.get(SIZES[1])) / med(samples.get(SIZES[0]))
+            print(f"  {f.kind:7s} {SIZES[1]}/{SIZES[0]} ratio {fmt(ratio, 2)}")
+    print("bytes on disk per byte of encoded effects (long session, store closed):")
+    for f in figures.values():
+        if f.kind not in DURABLE:
+            continue
+        print(
+            f"  {f.kind:7s} {f.disk} B on disk ({f.disk_open} B while open) / {f.encoded} B "
+            f"of effects in {f.batch_count} batches = {f.disk / f.encoded:.2f}"
+        )
+    sqlite = figures.get("sqlite")
+    if sqlite is None:
+        print("SQLiteStore was not measured (placeholder or --stores); its figures read n/a")
+        sqlite = Figures("sqlite")
+    apply_ratio = med(sqlite.apply_us.get(SIZES[1])) / med(sqlite.apply_us.get(SIZES[0]))
+    reload_ratio = med(sqlite.reload_us.get(SIZES[1])) / med(sqlite.reload_us.get(SIZES[0]))
+    bytes_ratio = sqlite.disk / sqlite.encoded if sqlite.encoded else math.nan
+    steps = fmt(med(sqlite.steps_per_s))
+    print(
+        f"sqlite_steps_per_s={steps} raw_commits_per_s={fmt(med(raw.direct))} "
+        f"apply_2000_over_20={fmt(apply_ratio, 2)} reload_2000_over_20={fmt(reload_ratio, 2)} "
+        f"bytes_ratio={fmt(bytes_ratio, 2)}"
+    )
+
+
+def parse(argv: list[str]) -> Options:
+    """Parse the command line."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
+    parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    parser.add_argument("--quick", action="store_true", help="a short run (a few seconds)")
+    parser.add_argument(
+        "--stores", default=",".join(STORE_KINDS), help="comma-separated: memory,sqlite,file"
+    )
+    parser.add_argument(
+        "--session-rounds", type=int, default=None, help="rounds of the long session"
+    )
+    parser.add_argument(
+        "--session-repetitions", type=int, default=None, help="long sessions per store"
+    )
+    parser.add_argument("--samples", type=int, default=None, help="samples per apply/load figure")
+    parser.add_argument("--commits", type=int, default=None, help="raw sqlite3 commits per run")
+    parser.add_argument(
+        "--file-fsync",
+        choices=["always", "never"],
+        default="always",
+        help="FileStore's fsync option (its default: always; SQLite runs synchronous=NORMAL)",
+    )
+    parser.add_argument("--dir", default=None, help="where to put the files (default: a temp dir)")
+    args = parser.parse_args(argv)
+    kinds = tuple(k.strip() for k in args.stores.split(",") if k.strip())
+    unknown = sorted(set(kinds) - set(STORE_KINDS))
+    if unknown:
+        parser.error(f"unknown stores {unknown}; choose from {STORE_KINDS}")
+    skipped = [k for k in kinds if not available(k)]
+    for kind in skipped:
+        print(f"note: {kind} store is still a placeholder (no open()); skipped")
+    kinds = tuple(k for k in kinds if k not in skipped)
+    if not kinds:
+        parser.error("no store to measure")
+    quick = args.quick
+    FILE_FSYNC[0] = args.file_fsync
+    folder = Path(tempfile.mkdtemp(prefix="stepmachine-bench-", dir=args.dir))
+    return Options(
+        backend=args.backend,
+        kinds=kinds,
+        session_rounds=args.session_rounds or (25 if quick else 200),
+        session_repetitions=args.session_repetitions or (1 if quick else 3),
+        samples=args.samples or (40 if quick else 200),
+        commits=args.commits or (300 if quick else 3_000),
+        folder=folder,
+    )
+
+
+def run_async(fn: Callable[[], Awaitable[Any]], backend: str) -> Any:
+    """Run ``fn()`` on the chosen anyio backend."""
+    return anyio.run(fn, backend=backend)
+
+
+def main(argv: list[str]) -> None:
+    """Measure every store and print the figures, the summary line last."""
+    opts = parse(argv)
+    print(
+        f"store benchmark: backend={opts.backend} python={sys.version.split()[0]} "
+        f"sqlite={sqlite3.sqlite_version} (synchronous=NORMAL) file fsync={FILE_FSYNC[0]} "
+        f"stores={','.join(opts.kinds)} "
+        f"files in {opts.folder} (fs of {os.path.dirname(opts.folder)})"
+    )
+    try:
+        figures, raw = run_async(lambda: measure(opts), opts.backend)
+    finally:
+        shutil.rmtree(opts.folder, ignore_errors=True)
+    report(opts, figures, raw)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
