@@ -12,21 +12,42 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ._errors import HistoryError
-from ._messages import Message, ToolCallPart
+from ._messages import Message, ToolCallPart, ToolResultPart
 
 __all__ = ["check_history", "history_problems", "open_tool_calls"]
 
 
+_memo: tuple[tuple[Message, ...], list[ToolCallPart]] | None = None
+
+
 def open_tool_calls(conversation: Iterable[Message]) -> list[ToolCallPart]:
-    """The tool calls (visible to the model) that have no result yet, oldest first."""
+    """The tool calls (visible to the model) that have no result yet, oldest first.
+
+    Several steps ask this of the same session in one cycle, so the answer for
+    the most recent conversation *tuple* is remembered by identity: a tuple of
+    frozen messages cannot change, so the same object means the same answer.
+    """
+    global _memo  # noqa: PLW0603 - a one-entry memo, see the docstring
+    if isinstance(conversation, tuple):
+        memo = _memo
+        if memo is not None and memo[0] is conversation:
+            return list(memo[1])
+        result = _scan_open_calls(conversation)
+        _memo = (conversation, result)
+        return list(result)
+    return _scan_open_calls(conversation)
+
+
+def _scan_open_calls(conversation: Iterable[Message]) -> list[ToolCallPart]:
     calls: dict[str, ToolCallPart] = {}
     for message in conversation:
         if not message.visible_to_model:
             continue
-        for part in message.tool_calls:
-            calls.setdefault(part.call_id, part)
-        for result in message.tool_results:
-            calls.pop(result.call_id, None)
+        for part in message.parts:
+            if isinstance(part, ToolCallPart):
+                calls.setdefault(part.call_id, part)
+            elif isinstance(part, ToolResultPart):
+                calls.pop(part.call_id, None)
     return list(calls.values())
 
 
@@ -41,25 +62,26 @@ def history_problems(conversation: Sequence[Message]) -> list[str]:
     for index, message in enumerate(conversation):
         if not message.visible_to_model:
             continue
-        for call in message.tool_calls:
-            if message.role != "assistant":
-                problems.append(
-                    f"message {index} ({message.id!r}, role {message.role!r}) holds tool call "
-                    f"{call.call_id!r}; only assistant messages may"
-                )
-            if call.call_id in seen_calls:
-                problems.append(f"tool call id {call.call_id!r} repeats at message {index}")
-            seen_calls.add(call.call_id)
-        for result in message.tool_results:
-            if result.call_id not in seen_calls:
-                problems.append(
-                    f"tool result for {result.call_id!r} at message {index} follows no call"
-                )
-            elif result.call_id in answered:
-                problems.append(
-                    f"tool call {result.call_id!r} has a second result at message {index}"
-                )
-            answered.add(result.call_id)
+        for part in message.parts:
+            if isinstance(part, ToolCallPart):
+                if message.role != "assistant":
+                    problems.append(
+                        f"message {index} ({message.id!r}, role {message.role!r}) holds tool "
+                        f"call {part.call_id!r}; only assistant messages may"
+                    )
+                if part.call_id in seen_calls:
+                    problems.append(f"tool call id {part.call_id!r} repeats at message {index}")
+                seen_calls.add(part.call_id)
+            elif isinstance(part, ToolResultPart):
+                if part.call_id not in seen_calls:
+                    problems.append(
+                        f"tool result for {part.call_id!r} at message {index} follows no call"
+                    )
+                elif part.call_id in answered:
+                    problems.append(
+                        f"tool call {part.call_id!r} has a second result at message {index}"
+                    )
+                answered.add(part.call_id)
     problems.extend(
         f"tool call {call_id!r} has no result" for call_id in sorted(seen_calls - answered)
     )

@@ -41,16 +41,13 @@ def needs_answer(conversation: Sequence[Message]) -> bool:
     """True when the model must speak next.
 
     That is: the last message visible to the model is from the user, or is a
-    tool message and no tool call is left open.
+    tool message, and no tool call is left open.
     """
-    visible = [m for m in conversation if m.visible_to_model]
-    if not visible:
-        return False
-    last = visible[-1]
-    if last.role == "user":
-        return not open_tool_calls(visible)
-    if last.role == "tool":
-        return not open_tool_calls(visible)
+    for message in reversed(conversation):
+        if message.visible_to_model:
+            if message.role not in ("user", "tool"):
+                return False
+            return not open_tool_calls(conversation)
     return False
 
 

@@ -150,9 +150,9 @@ class Message(msgspec.Struct, frozen=True):
     @property
     def tool_calls(self) -> tuple[ToolCallPart, ...]:
         """The tool-call parts, in order."""
-        return tuple(p for p in self.parts if isinstance(p, ToolCallPart))
+        return tuple([p for p in self.parts if isinstance(p, ToolCallPart)])
 
     @property
     def tool_results(self) -> tuple[ToolResultPart, ...]:
         """The tool-result parts, in order."""
-        return tuple(p for p in self.parts if isinstance(p, ToolResultPart))
+        return tuple([p for p in self.parts if isinstance(p, ToolResultPart)])
