@@ -182,8 +182,8 @@ class SetVisibility(Effect, frozen=True, tag="set_visibility"):
 class UpdateData(Effect, frozen=True, tag="update_data"):
     """Set fields of the application data.
 
-    ``changes`` maps field names to values in their JSON-compatible form (what
-    :func:`msgspec.to_builtins` gives); build one with :meth:`set`. Applying
+    ``changes`` maps field names to values in their JSON form (what decoding
+    JSON gives: lists, not tuples); build one with :meth:`set`. Applying
     converts the merged fields back to the data type, so the new data is
     validated exactly like decoded data.
 
@@ -196,8 +196,12 @@ class UpdateData(Effect, frozen=True, tag="update_data"):
 
     @classmethod
     def set(cls, **changes: Any) -> UpdateData:
-        """Build the effect from field values of any msgspec-supported type."""
-        return cls(changes=msgspec.to_builtins(changes))
+        """Build the effect from field values of any msgspec-supported type.
+
+        The values are normalised to exactly what JSON gives back (tuples become
+        lists, ...), so the effect equals its own stored copy.
+        """
+        return cls(changes=msgspec.json.decode(msgspec.json.encode(changes)))
 
     def apply(self, session: Session[Any]) -> Session[Any]:
         data = session.data

@@ -1,9 +1,793 @@
-"""``FileStore`` -- placeholder, being written (issue 3)."""
+"""``FileStore``: one append-only log file per session, in one folder. POSIX only.
+
+Layout of the folder (created 0o700; every file 0o600):
+
+- ``<id>.log``: the session's log: a head record, the revision-0 session, then
+  one record per applied batch (format in :mod:`._file_log`). Only ever
+  appended to, except that a torn final record is cut off before the next append.
+- ``<id>.snap``: the latest snapshot: the session at some revision and the log
+  offset just past that revision's record. Written every ``snapshot_every``
+  batches and after any batch holding a ``ReplaceConversation``, to a temporary
+  file that is fsynced, ``os.replace``d into place, then the folder is fsynced.
+- ``.<id>...tmp``: temporary files (names starting with ``.`` are never session ids).
+
+Concurrency: writers (``apply``, ``delete``) hold an exclusive ``fcntl.flock`` on
+the log, readers a shared one, so several processes (each with its own
+``FileStore``) can use one folder without losing an update; the
+compare-and-set on the revision happens inside the lock. Within one instance,
+operations on one session are also serialised with an ``anyio.Lock``.
+
+Cost: the instance caches, per session, the last session value and the log
+offset it was read up to; ``load`` and ``apply`` read only the bytes appended
+since, and ``apply`` encodes only its own batch, never the history. A cold
+load starts from the snapshot, so it replays at most ``snapshot_every`` batches.
+
+All file IO runs in worker threads (``anyio.to_thread.run_sync``), on asyncio
+and trio. Requires ``fcntl.flock`` and ``os.link`` on the folder's filesystem
+(a local POSIX filesystem; not Windows). On a case-insensitive filesystem two
+ids differing only in case would share files: avoid such ids there.
+"""
 
 from __future__ import annotations
 
-__all__ = ["FileStore"]
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ClassVar, Literal, TypeVar
+
+import anyio
+import anyio.to_thread
+import msgspec
+import structlog
+
+from stepmachine import (
+    Batch,
+    Codec,
+    ConflictError,
+    Effect,
+    Message,
+    ReplaceConversation,
+    Session,
+    SessionExistsError,
+    SessionNotFoundError,
+    StepmachineError,
+    StoredDataError,
+    apply_batch,
+)
+
+from ._file_log import (
+    TAG_BATCH,
+    TAG_CREATE,
+    TAG_HEAD,
+    TAG_SNAPSHOT,
+    LogHead,
+    Snapshot,
+    SnapshotBody,
+    Torn,
+    create_file,
+    decode_batch,
+    encode_record,
+    fold,
+    fsync_dir,
+    parse_records,
+    read_head,
+    read_range,
+    read_snapshot,
+    write_all,
+)
+from ._ids import validate_session_id
+
+__all__ = ["FileLockTimeoutError", "FileStore"]
+
+T = TypeVar("T")
+
+_log = structlog.wrap_logger(
+    logging.getLogger("stepmachine.stores.file"),
+    wrapper_class=structlog.stdlib.BoundLogger,
+    processors=[structlog.processors.KeyValueRenderer(key_order=["event"])],
+)
+
+
+class FileLockTimeoutError(StepmachineError, TimeoutError):
+    """The session's file lock was not acquired within ``lock_timeout``; nothing was done."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    """``session`` is the log's state after its bytes ``[0, offset)``; ``nonce`` names the log."""
+
+    nonce: str
+    session: Session[Any]
+    offset: int
+
+
+class _Busy:
+    """Returned by a lock attempt that found the lock taken."""
+
+
+_BUSY = _Busy()
+
+
+class _Handle:
+    """The log file descriptor of one operation; closing it releases the lock."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        self.fd = -1
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class FileStore:
-    """Not implemented yet."""
+    """A durable store: one append-only log file per session in ``folder``. POSIX only.
+
+    Build one with :meth:`open`. Implements :class:`stepmachine.Store`; use it as
+    ``async with await FileStore.open(...) as store`` or call :meth:`aclose`.
+
+    Durability: with ``fsync="always"`` a batch is fsynced before ``apply``
+    returns, so it survives a crash of the process or the machine
+    (invariant 2); with ``"never"`` it survives a crash of the process only.
+
+    Damage: a final record left incomplete by a crash (no newline, or a length
+    running past the end of the file) was never acknowledged; it is ignored,
+    logged as a warning on the ``stepmachine.stores.file`` logger, counted in
+    :attr:`torn_tails`, and cut off by the next ``apply`` (under the lock) before
+    it appends. Any other damage -- a checksum mismatch, a malformed or
+    undecodable record, an unknown record or effect tag, a record of a newer
+    schema version -- raises :class:`~stepmachine.StoredDataError` naming the
+    file and byte offset, and nothing is written. Decoding goes through the
+    codec only: stored data never names a class to import (invariant 8).
+
+    Attributes:
+        BOUNDARIES: the persistence boundaries passed to ``boundary_hook``:
+            ``apply.locked`` (lock held, nothing written), ``apply.written``
+            (record written, not yet fsynced), ``apply.synced`` (fsynced, lock
+            still held), ``snapshot.written`` (temporary snapshot written and
+            fsynced), ``snapshot.replaced`` (renamed into place, folder not yet
+            fsynced), ``create.synced`` (a new log of :meth:`create` or
+            :meth:`fork` linked in place and the folder fsynced).
+    """
+
+    BOUNDARIES: ClassVar[tuple[str, ...]] = (
+        "apply.locked",
+        "apply.written",
+        "apply.synced",
+        "snapshot.written",
+        "snapshot.replaced",
+        "create.synced",
+    )
+
+    def __init__(
+        self,
+        folder: str,
+        codec: Codec[Any],
+        *,
+        fsync: Literal["always", "never"],
+        snapshot_every: int,
+        lock_timeout: float,
+        boundary_hook: Callable[[str], None] | None,
+    ) -> None:
+        """Use :meth:`open`, which checks the options and creates the folder."""
+        self._folder = folder
+        self._codec = codec
+        self._fsync = fsync == "always"
+        self._snapshot_every = snapshot_every
+        self._lock_timeout = lock_timeout
+        self._hook = boundary_hook
+        self._cache: dict[str, _Cached] = {}
+        self._locks: dict[str, anyio.Lock] = {}
+        self._torn_seen: set[tuple[str, str, int]] = set()
+        self._closed = False
+
+    @classmethod
+    async def open(
+        cls,
+        folder: str | os.PathLike[str],
+        codec: Codec[Any] | None = None,
+        *,
+        fsync: Literal["always", "never"] = "always",
+        snapshot_every: int = 100,
+        lock_timeout: float = 30.0,
+        boundary_hook: Callable[[str], None] | None = None,
+    ) -> FileStore:
+        """Open the store kept in ``folder``, creating the folder (0o700) if needed.
+
+        Args:
+            folder: the store's folder; missing parents are created too (with
+                default permissions); an existing folder keeps its permissions.
+            codec: the application's codec (kernel effects and ``NoData`` by default).
+            fsync: ``"always"`` fsyncs every record, snapshot and folder change
+                before reporting it done; ``"never"`` leaves that to the OS.
+            snapshot_every: write a snapshot every this many batches (>= 1).
+            lock_timeout: seconds to wait for another process's file lock
+                before raising :class:`FileLockTimeoutError`.
+            boundary_hook: called with each name of :attr:`BOUNDARIES`, in the
+                IO thread, at that point of persisting (for crash tests).
+
+        Raises:
+            ValueError: an option is out of range.
+            TypeError: ``snapshot_every`` is not an int.
+            NotADirectoryError: ``folder`` exists and is not a folder.
+            OSError: the folder cannot be created.
+
+        Cancellation: the folder is created whole or not at all.
+        """
+        if fsync not in ("always", "never"):
+            raise ValueError(f"fsync must be 'always' or 'never', got {fsync!r}")
+        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int):
+            raise TypeError(f"snapshot_every must be an int >= 1, got {snapshot_every!r}")
+        if snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        if not lock_timeout >= 0:
+            raise ValueError(f"lock_timeout must be >= 0 seconds, got {lock_timeout!r}")
+        path = await anyio.to_thread.run_sync(_make_folder, os.fspath(folder), fsync == "always")
+        return cls(
+            path,
+            codec or Codec(),
+            fsync=fsync,
+            snapshot_every=snapshot_every,
+            lock_timeout=lock_timeout,
+            boundary_hook=boundary_hook,
+        )
+
+    # -- properties and lifecycle -----------------------------------------------
+
+    @property
+    def codec(self) -> Codec[Any]:
+        """The codec the store encodes with."""
+        return self._codec
+
+    @property
+    def folder(self) -> str:
+        """The absolute path of the store's folder."""
+        return self._folder
+
+    @property
+    def torn_tails(self) -> int:
+        """How many distinct torn final records this instance found (and ignored).
+
+        Each is also logged as a warning on the ``stepmachine.stores.file`` logger.
+        """
+        return len(self._torn_seen)
+
+    async def aclose(self) -> None:
+        """Forget the caches; later calls raise ``anyio.ClosedResourceError``.
+
+        Operations already running finish normally. Idempotent.
+        """
+        self._closed = True
+        self._cache.clear()
+
+    async def __aenter__(self) -> FileStore:
+        """Return the store itself."""
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close the store (:meth:`aclose`)."""
+        await self.aclose()
+
+    # -- the Store API --------------------------------------------------------------
+
+    async def create(
+        self,
+        session_id: str,
+        data: msgspec.Struct | None = None,
+        conversation: Sequence[Message] = (),
+    ) -> Session[Any]:
+        """Create a revision-0 session and return it (as decoded from what was stored).
+
+        The log is written to a temporary file, fsynced, then hard-linked into
+        place, so a session exists whole or not at all; the folder is fsynced
+        before ``"create.synced"``.
+
+        Raises:
+            InvalidSessionIdError: the id is not safe as a file name.
+            SessionExistsError: the id is taken (in this or another process).
+            ConfigurationError: ``data`` is not the codec's data type.
+
+        Cancellation: a cancel before the worker thread starts creates nothing;
+        once it runs, it finishes, and the session exists afterwards.
+        """
+        self._check_open()
+        log_path = self._log_path(session_id)
+        session = self._codec.new_session(session_id, data, conversation)
+        payload = self._codec.encode_session(session)
+        stored = self._codec.decode_session(payload, where=f"new session {session_id!r}")
+        async with self._session_lock(session_id):
+            records = [encode_record(TAG_CREATE, 0, payload)]
+            await anyio.to_thread.run_sync(
+                self._write_new_log, session_id, log_path, records, stored
+            )
+        return stored
+
+    async def load(self, session_id: str) -> Session[Any]:
+        """The current session.
+
+        Reads only the log bytes appended since this instance last read the
+        session (from the snapshot on the first load). A torn final record is
+        ignored and reported (see :attr:`torn_tails`).
+
+        Raises:
+            InvalidSessionIdError: the id is not safe as a file name.
+            SessionNotFoundError: no session has this id.
+            StoredDataError: a record is damaged (naming the file and byte offset);
+                nothing is changed, on disk or in the cache.
+            FileLockTimeoutError: a writer held the lock for ``lock_timeout``.
+
+        Cancellation: safe at any point; nothing is written.
+        """
+        return await self._locked(session_id, exclusive=False, work=self._load_work)
+
+    def _load_work(self, fd: int, session_id: str) -> Session[Any]:
+        return self._current(fd, session_id)[0].session
+
+    async def apply(self, batch: Batch[Effect]) -> None:
+        """Append ``batch`` if the session is at ``batch.revision - 1``; all or nothing.
+
+        Under the session's exclusive file lock: read what other writers
+        appended, compare-and-set the revision, check that the batch encodes,
+        decodes and applies, cut off a torn final record if there is one, then
+        append the batch as one record and (``fsync="always"``) fsync it. Every
+        ``snapshot_every`` revisions, and after a ``ReplaceConversation``, a
+        snapshot is written too; if that fails the batch stays applied and a
+        warning is logged.
+
+        Raises:
+            InvalidSessionIdError: ``batch.session_id`` is not safe as a file name.
+            ConflictError: the session is at another revision; nothing is written.
+            SessionNotFoundError: no session has this id.
+            EffectError: an effect does not apply; nothing is written.
+            ConfigurationError: an effect type is not registered in the codec.
+            StoredDataError: the stored log is damaged; nothing is written.
+            FileLockTimeoutError: another writer held the lock for ``lock_timeout``.
+            OSError: the write or fsync failed; the record is cut off again
+                (best effort), so a later load normally shows the batch missing.
+
+        Cancellation: a cancel while waiting for a lock writes nothing. Once a
+        worker thread has started it is not interrupted: it either finds the
+        lock taken (and the wait ends with nothing written) or writes the batch
+        whole (and fsyncs it), and ``apply`` returns normally, the cancel
+        landing at the caller's next checkpoint; the next load sees the batch.
+        A crash mid-write leaves a torn final record, which the next load
+        ignores and the next apply removes.
+        """
+        await self._locked(
+            batch.session_id, exclusive=True, work=lambda fd, sid: self._apply_work(fd, sid, batch)
+        )
+
+    async def list_sessions(self) -> list[str]:
+        """The ids of all sessions, sorted.
+
+        Cancellation: safe at any point.
+        """
+        self._check_open()
+        return await anyio.to_thread.run_sync(self._list_work)
+
+    async def delete(self, session_id: str) -> None:
+        """Delete a session: its snapshot, then its log (under the exclusive lock).
+
+        Raises:
+            SessionNotFoundError: no session has this id.
+
+        Cancellation: a cancel while waiting for the lock deletes nothing; once
+        the worker thread runs, the session is deleted.
+        """
+        await self._locked(session_id, exclusive=True, work=self._delete_work)
+
+    async def load_at(self, session_id: str, revision: int) -> Session[Any]:
+        """The session as it was at ``revision`` (time travel).
+
+        Replays from the snapshot when it is at or before ``revision``, otherwise
+        from the start of the log.
+
+        Raises:
+            SessionNotFoundError: no session has this id.
+            ValueError: ``revision`` is negative or beyond the current one.
+            StoredDataError: a record on the way is damaged.
+
+        Cancellation: safe at any point; nothing is written.
+        """
+        return await self._locked(
+            session_id, exclusive=False, work=lambda fd, sid: self._load_at_work(fd, sid, revision)
+        )
+
+    async def batches(self, session_id: str, after: int = 0) -> list[Batch[Effect]]:
+        """The audit log: every applied batch with ``revision > after``, in order.
+
+        Raises:
+            SessionNotFoundError: no session has this id.
+            StoredDataError: a record is damaged.
+
+        Cancellation: safe at any point; nothing is written.
+        """
+        return await self._locked(
+            session_id, exclusive=False, work=lambda fd, sid: self._batches_work(fd, sid, after)
+        )
+
+    async def fork(self, session_id: str, revision: int, new_session_id: str) -> Session[Any]:
+        """Copy ``session_id``'s history up to ``revision`` into a new session.
+
+        The new session has the same revision, conversation and data as the
+        source at ``revision``, and the same audit log up to there (each batch
+        carrying the new id); the source is unchanged. The new log is written
+        like :meth:`create` (temporary file, fsync, hard link), then snapshotted.
+
+        Returns:
+            The new session, at ``revision``.
+
+        Raises:
+            InvalidSessionIdError: either id is not safe as a file name.
+            SessionNotFoundError: ``session_id`` does not exist.
+            SessionExistsError: ``new_session_id`` is taken.
+            ValueError: ``revision`` is negative or beyond the current one.
+            StoredDataError: a record of the source is damaged.
+
+        Cancellation: a cancel before the writing thread starts creates
+        nothing; once it runs, the fork exists afterwards.
+        """
+        self._check_open()
+        new_path = self._log_path(new_session_id)
+        initial, batches = await self._locked(
+            session_id, exclusive=False, work=lambda fd, sid: self._history(fd, sid, revision)
+        )
+        session = msgspec.structs.replace(initial, id=new_session_id)
+        records = [encode_record(TAG_CREATE, 0, self._codec.encode_session(session))]
+        for batch in batches:
+            renamed = msgspec.structs.replace(batch, session_id=new_session_id)
+            records.append(
+                encode_record(TAG_BATCH, batch.revision, self._codec.encode_batch(renamed))
+            )
+            session = apply_batch(session, batch.effects)
+        async with self._session_lock(new_session_id):
+            await anyio.to_thread.run_sync(
+                self._write_new_log, new_session_id, new_path, records, session
+            )
+        return session
+
+    # -- worker-thread bodies -----------------------------------------------------
+
+    def _apply_work(self, fd: int, session_id: str, batch: Batch[Effect]) -> None:
+        self._boundary("apply.locked")
+        cached, torn = self._current(fd, session_id)
+        current = cached.session
+        if current.revision != batch.revision - 1:
+            raise ConflictError(session_id, batch.revision - 1, current.revision)
+        payload = self._codec.encode_batch(batch)
+        where = f"new batch for session {session_id!r} revision {batch.revision}"
+        stored = self._codec.decode_batch(payload, where=where)
+        after = apply_batch(current, stored.effects)
+        record = encode_record(TAG_BATCH, batch.revision, payload)
+        if torn is not None:
+            os.ftruncate(fd, torn.offset)
+            _log.warning(
+                "file_store.torn_tail_truncated",
+                session_id=session_id,
+                path=self._log_path(session_id),
+                offset=torn.offset,
+                length=torn.length,
+            )
+        try:
+            write_all(fd, record)
+            self._boundary("apply.written")
+            if self._fsync:
+                os.fsync(fd)
+        except OSError:
+            with contextlib.suppress(OSError):  # best effort; the next apply cuts a torn tail
+                os.ftruncate(fd, cached.offset)
+            raise
+        self._boundary("apply.synced")
+        end = cached.offset + len(record)
+        self._cache[session_id] = _Cached(cached.nonce, after, end)
+        if after.revision % self._snapshot_every == 0 or any(
+            isinstance(effect, ReplaceConversation) for effect in stored.effects
+        ):
+            self._write_snapshot(session_id, cached.nonce, after, end)
+
+    def _write_new_log(
+        self, session_id: str, log_path: str, records: list[bytes], session: Session[Any]
+    ) -> None:
+        """Write head + ``records`` to a temporary file, fsync, link to ``log_path``."""
+        if os.path.lexists(log_path):
+            raise SessionExistsError(session_id)
+        nonce = secrets.token_hex(16)
+        head = encode_record(TAG_HEAD, 0, msgspec.json.encode(LogHead(session_id, nonce)))
+        data = head + b"".join(records)
+        temp = os.path.join(self._folder, f".{session_id}.{secrets.token_hex(8)}.new.tmp")
+        fd = create_file(temp, exclusive=True)
+        try:
+            try:
+                write_all(fd, data)
+                if self._fsync:
+                    os.fsync(fd)
+                fcntl.flock(fd, fcntl.LOCK_EX)  # held until the snapshot below is in place
+                os.link(temp, log_path)
+            except FileExistsError:
+                raise SessionExistsError(session_id) from None
+            finally:
+                os.unlink(temp)
+            if self._fsync:
+                fsync_dir(self._folder)
+            self._boundary("create.synced")
+            self._cache[session_id] = _Cached(nonce, session, len(data))
+            if session.revision > 0:
+                self._write_snapshot(session_id, nonce, session, len(data))
+        finally:
+            os.close(fd)
+
+    def _write_snapshot(
+        self, session_id: str, nonce: str, session: Session[Any], offset: int
+    ) -> None:
+        """Replace the snapshot (the caller holds the log's exclusive lock)."""
+        body = SnapshotBody(
+            session_id, nonce, offset, msgspec.Raw(self._codec.encode_session(session))
+        )
+        data = encode_record(TAG_SNAPSHOT, session.revision, msgspec.json.encode(body))
+        temp = os.path.join(self._folder, f".{session_id}.snap.tmp")
+        try:
+            fd = create_file(temp, exclusive=False)
+            try:
+                write_all(fd, data)
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._boundary("snapshot.written")
+            os.replace(temp, self._snap_path(session_id))
+            self._boundary("snapshot.replaced")
+            if self._fsync:
+                fsync_dir(self._folder)
+        except OSError as exc:
+            _log.warning(
+                "file_store.snapshot_failed",
+                session_id=session_id,
+                revision=session.revision,
+                error=repr(exc),
+            )
+
+    def _delete_work(self, fd: int, session_id: str) -> None:
+        del fd  # the lock is what matters
+        for path in (
+            self._snap_path(session_id),
+            os.path.join(self._folder, f".{session_id}.snap.tmp"),
+        ):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        os.unlink(self._log_path(session_id))
+        if self._fsync:
+            fsync_dir(self._folder)
+        self._cache.pop(session_id, None)
+
+    def _list_work(self) -> list[str]:
+        ids: list[str] = []
+        with os.scandir(self._folder) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.endswith(".log") and not name.startswith("."):
+                    try:
+                        ids.append(validate_session_id(name[: -len(".log")]))
+                    except StepmachineError:
+                        continue  # a file someone else put here
+        return sorted(ids)
+
+    def _load_at_work(self, fd: int, session_id: str, revision: int) -> Session[Any]:
+        cached, _ = self._current(fd, session_id)
+        current = cached.session
+        if not 0 <= revision <= current.revision:
+            raise ValueError(
+                f"session {session_id!r} has revisions 0..{current.revision}, not {revision}"
+            )
+        if revision == current.revision:
+            return current
+        path = self._log_path(session_id)
+        session, offset = self._start(fd, session_id, cached, revision, decode=True)
+        records, _ = parse_records(read_range(fd, offset, cached.offset), offset, path)
+        for record in records:
+            if session is not None and session.revision >= revision:
+                break
+            session = fold(self._codec, record, session, session_id, path)
+        assert session is not None  # _current read the same records before
+        return session
+
+    def _batches_work(self, fd: int, session_id: str, after: int) -> list[Batch[Effect]]:
+        cached, _ = self._current(fd, session_id)
+        if after >= cached.session.revision:
+            return []
+        path = self._log_path(session_id)
+        _, offset = self._start(fd, session_id, cached, max(after, 0), decode=False)
+        records, _ = parse_records(read_range(fd, offset, cached.offset), offset, path)
+        return [
+            decode_batch(self._codec, record, session_id, path)
+            for record in records
+            if record.tag == TAG_BATCH and record.revision > after
+        ]
+
+    def _history(
+        self, fd: int, session_id: str, revision: int
+    ) -> tuple[Session[Any], list[Batch[Effect]]]:
+        """The revision-0 session and the batches up to ``revision``."""
+        cached, _ = self._current(fd, session_id)
+        if not 0 <= revision <= cached.session.revision:
+            raise ValueError(
+                f"session {session_id!r} has revisions 0..{cached.session.revision}, not {revision}"
+            )
+        path = self._log_path(session_id)
+        _, head_end = read_head(fd, session_id, path)
+        records, _ = parse_records(read_range(fd, head_end, cached.offset), head_end, path)
+        initial = fold(self._codec, records[0], None, session_id, path)
+        batches = [
+            decode_batch(self._codec, record, session_id, path)
+            for record in records[1:]
+            if record.tag == TAG_BATCH and record.revision <= revision
+        ]
+        return initial, batches
+
+    # -- reading the log --------------------------------------------------------
+
+    def _current(self, fd: int, session_id: str) -> tuple[_Cached, Torn | None]:
+        """Bring the cache up to the end of the log; report a torn tail.
+
+        Nothing is cached when a record is damaged (StoredDataError propagates).
+        """
+        path = self._log_path(session_id)
+        size = os.fstat(fd).st_size
+        nonce, head_end = read_head(fd, session_id, path)
+        cached = self._cache.get(session_id)
+        session: Session[Any] | None
+        if cached is not None and cached.nonce == nonce and cached.offset <= size:
+            session, offset = cached.session, cached.offset
+        else:
+            snapshot = self._read_snapshot(session_id, nonce, size, decode=True)
+            session, offset = (
+                (snapshot.session, snapshot.offset) if snapshot is not None else (None, head_end)
+            )
+        records, torn = parse_records(read_range(fd, offset, size), offset, path)
+        for record in records:
+            session = fold(self._codec, record, session, session_id, path)
+        if session is None:
+            raise StoredDataError(
+                f"invariant 8 (stored data is data): {path} holds no complete create record"
+            )
+        fresh = _Cached(nonce, session, records[-1].end if records else offset)
+        self._cache[session_id] = fresh
+        if torn is not None and (path, nonce, torn.offset) not in self._torn_seen:
+            self._torn_seen.add((path, nonce, torn.offset))
+            _log.warning(
+                "file_store.torn_tail_ignored",
+                session_id=session_id,
+                path=path,
+                offset=torn.offset,
+                length=torn.length,
+                revision=session.revision,
+            )
+        return fresh, torn
+
+    def _start(
+        self, fd: int, session_id: str, cached: _Cached, revision: int, *, decode: bool
+    ) -> tuple[Session[Any] | None, int]:
+        """Where to replay from to reach ``revision``: the snapshot if it is not
+        later, else the create record (``None``, offset just after the head)."""
+        path = self._log_path(session_id)
+        snapshot = self._read_snapshot(session_id, cached.nonce, cached.offset, decode=decode)
+        if snapshot is not None and snapshot.revision <= revision:
+            return snapshot.session, snapshot.offset
+        return None, read_head(fd, session_id, path)[1]
+
+    def _read_snapshot(
+        self, session_id: str, nonce: str, size: int, *, decode: bool
+    ) -> Snapshot | None:
+        """The snapshot of this incarnation of the log (``nonce``), if there is one."""
+        path = self._snap_path(session_id)
+        snapshot = read_snapshot(self._codec, path, session_id, nonce, size, decode=decode)
+        if snapshot is not None and snapshot.stale:
+            _log.warning("file_store.stale_snapshot_ignored", session_id=session_id, path=path)
+            return None
+        return snapshot
+
+    # -- small helpers ----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise anyio.ClosedResourceError(f"the FileStore on {self._folder} is closed")
+
+    def _log_path(self, session_id: str) -> str:
+        return os.path.join(self._folder, validate_session_id(session_id) + ".log")
+
+    def _snap_path(self, session_id: str) -> str:
+        return os.path.join(self._folder, validate_session_id(session_id) + ".snap")
+
+    def _session_lock(self, session_id: str) -> anyio.Lock:
+        lock = self._locks.get(session_id)
+        if lock is None:
+            lock = self._locks[session_id] = anyio.Lock()
+        return lock
+
+    def _boundary(self, name: str) -> None:
+        if self._hook is not None:
+            self._hook(name)
+
+    async def _locked(
+        self, session_id: str, *, exclusive: bool, work: Callable[[int, str], T]
+    ) -> T:
+        """Run ``work(fd, session_id)`` in a worker thread, holding the log's file lock.
+
+        The lock is tried without blocking in the worker thread; while another
+        process holds it, this task sleeps (cancellably) and tries again, until
+        ``lock_timeout``. The descriptor is closed (releasing the lock) by the
+        worker thread when ``work`` ends, or here if the task is cancelled first.
+        """
+        self._check_open()
+        path = self._log_path(session_id)
+        operation = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        flags = (os.O_RDWR | os.O_APPEND if exclusive else os.O_RDONLY) | os.O_CLOEXEC
+        handle = _Handle()
+
+        def attempt() -> T | _Busy:
+            if handle.fd < 0:
+                try:
+                    handle.fd = os.open(path, flags | os.O_NOFOLLOW)
+                except FileNotFoundError:
+                    raise SessionNotFoundError(session_id) from None
+            try:
+                fcntl.flock(handle.fd, operation | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _BUSY
+            try:
+                if os.fstat(handle.fd).st_nlink == 0:  # deleted while we waited
+                    raise SessionNotFoundError(session_id)
+                return work(handle.fd, session_id)
+            finally:
+                handle.close()
+
+        async with self._session_lock(session_id):
+            try:
+                deadline = anyio.current_time() + self._lock_timeout
+                delay = 0.001
+                while True:
+                    result = await anyio.to_thread.run_sync(attempt)
+                    if not isinstance(result, _Busy):
+                        return result
+                    if anyio.current_time() >= deadline:
+                        raise FileLockTimeoutError(
+                            f"the lock on {path} was held by another writer for longer than "
+                            f"lock_timeout={self._lock_timeout} s"
+                        )
+                    await anyio.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+            finally:
+                handle.close()
+
+
+def _make_folder(folder: str, fsync: bool) -> str:
+    """Create ``folder`` owner-only (0o700), and its parents, unless it is a folder already.
+
+    Returns its absolute path.
+    """
+    path = os.path.abspath(folder)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise NotADirectoryError(
+                f"the FileStore folder {path} exists and is not a folder"
+            ) from None
+        return path
+    os.chmod(path, 0o700)
+    if fsync:
+        fsync_dir(parent)
+    return path

@@ -1,9 +1,525 @@
-"""``SQLiteStore`` -- placeholder, being written (issue 3)."""
+"""``SQLiteStore``: sessions and their effect logs in one SQLite database file (WAL).
+
+The embedded default store. Effects are stored append-only, one row per
+effect, under a batch row carrying step, cycle and timestamp; the session row
+holds the current revision. Applying a batch is one ``BEGIN IMMEDIATE``
+transaction: compare-and-set on the revision, then every row of the batch, or
+nothing. The store keeps the last session it read or wrote per session id, so
+a load reads only the rows written since; snapshots (at revision 0, after a
+``ReplaceConversation``, and periodically, see :mod:`._sqlite_schema`) bound
+what a cold load or :meth:`SQLiteStore.load_at` replays. The on-disk layout
+and its migrations live in :mod:`._sqlite_schema`.
+
+All IO runs in a worker thread (:func:`anyio.to_thread.run_sync`, one hop per
+transaction) on a single connection guarded by an :class:`anyio.Lock`, so the
+store works on asyncio and trio. Several processes, each with its own
+``SQLiteStore``, may share one file: SQLite's locks serialise the writers, and a
+stale batch raises :class:`~stepmachine.ConflictError`.
+"""
 
 from __future__ import annotations
 
+import os
+import sqlite3
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from stepmachine import (
+    Batch,
+    Codec,
+    ConflictError,
+    Effect,
+    Message,
+    ReplaceConversation,
+    Session,
+    SessionExistsError,
+    SessionNotFoundError,
+    StepmachineError,
+    StoredDataError,
+    apply_batch,
+)
+
+from . import _sqlite_schema as _schema
+from ._ids import validate_session_id
+from ._sqlite_schema import SessionRow, transaction
+
 __all__ = ["SQLiteStore"]
+
+T = TypeVar("T")
+
+_CACHE_SIZE = 256
+"""How many sessions the store keeps decoded (least recently used ones are dropped)."""
+
+
+class _Cached(NamedTuple):
+    sid: int
+    session: Session[Any]
+
+
+def _no_hook(name: str) -> None:
+    """The default boundary hook: does nothing."""
 
 
 class SQLiteStore:
-    """Not implemented yet."""
+    """A store in one SQLite database file, shared safely by several processes.
+
+    Build one with :meth:`open`; close it with :meth:`aclose` or ``async with``.
+
+    Durability: the database runs in WAL mode. With ``synchronous="NORMAL"``
+    (the default) a batch is durable once :meth:`apply` returns against a crash
+    of the process (``kill -9``): invariant 2. A power loss or operating
+    system crash may lose the last batches acknowledged before it (never
+    corrupting the file). With ``synchronous="FULL"`` every commit is synced to
+    disk before :meth:`apply` returns, so acknowledged batches also survive a
+    power loss, at the cost of one fsync per batch.
+
+    Cancellation: a method cancelled while it waits for the store's lock does
+    nothing. Once its transaction is running in the worker thread it is not
+    interrupted: the method returns (or raises) exactly as it would have, and
+    the cancellation is delivered at the caller's next checkpoint. So an
+    :meth:`apply` cancelled in the worker thread either committed the whole
+    batch and returns normally (the next :meth:`load` shows the new revision,
+    and re-applying the same batch raises :class:`~stepmachine.ConflictError`)
+    or raised and wrote nothing. A process killed mid-transaction likewise
+    leaves the batch committed whole or not at all.
+
+    Locking: writers queue on SQLite's write lock for up to ``busy_timeout``
+    seconds; only a lock held longer than that raises
+    ``sqlite3.OperationalError("database is locked")``, with nothing written.
+    Readers never wait for writers (WAL). The store keeps the last session it
+    read or wrote for up to 256 session ids, least recently used dropped first.
+
+    Attributes:
+        BOUNDARIES: the persistence boundaries at which ``boundary_hook`` is
+            called, in the worker thread: ``"apply.begin"`` (after ``BEGIN
+            IMMEDIATE``, before any insert), ``"apply.inserted"`` (rows
+            inserted, before ``COMMIT``), ``"apply.committed"`` (after
+            ``COMMIT``, before :meth:`apply` returns) and ``"create.committed"``.
+    """
+
+    BOUNDARIES: ClassVar[tuple[str, ...]] = (
+        "apply.begin",
+        "apply.inserted",
+        "apply.committed",
+        "create.committed",
+    )
+
+    def __init__(
+        self,
+        connection: sqlite3.Connection,
+        path: str,
+        codec: Codec[Any],
+        boundary_hook: Callable[[str], None],
+    ) -> None:
+        """Wrap an open connection; use :meth:`open` instead."""
+        self._conn: sqlite3.Connection | None = connection
+        self._path = path
+        self._codec = codec
+        self._hook = boundary_hook
+        self._lock = anyio.Lock()
+        self._cache: OrderedDict[str, _Cached] = OrderedDict()
+
+    @classmethod
+    async def open(
+        cls,
+        path: str | os.PathLike[str],
+        codec: Codec[Any] | None = None,
+        *,
+        synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
+        busy_timeout: float = 30.0,
+        boundary_hook: Callable[[str], None] | None = None,
+    ) -> SQLiteStore:
+        """Open (creating if needed) the database at ``path`` and migrate it to this schema.
+
+        Args:
+            path: the database file; created when missing.
+            codec: the application's codec (kernel effects and ``NoData`` by default).
+            synchronous: ``"NORMAL"`` (durable against process crashes) or
+                ``"FULL"`` (also against power loss); see the class docstring.
+            busy_timeout: seconds to wait for another connection's lock
+                before SQLite gives up with ``database is locked``.
+            boundary_hook: called with each name of :attr:`BOUNDARIES` as the
+                store passes it (crash tests kill the process there).
+
+        Returns:
+            The open store; its schema is at the current ``SCHEMA_VERSION``.
+
+        Raises:
+            StoredDataError: the file is not an SQLite database, belongs to
+                another application, or was written by a newer schema version;
+                the file is left unchanged.
+            ValueError: ``synchronous`` or ``busy_timeout`` is out of range.
+            sqlite3.OperationalError: the file cannot be opened at all (a
+                missing folder, no permission).
+
+        Cancellation: once in the worker thread, opening runs to its end and
+        returns the open store (or raises); the cancellation is delivered at
+        the caller's next checkpoint, so close what you got (``async with``
+        does). Migrations are one transaction: applied whole or not at all.
+        """
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', not {synchronous!r}")
+        if not busy_timeout >= 0:
+            raise ValueError(f"busy_timeout must be a number of seconds >= 0, not {busy_timeout}")
+        file = os.fspath(path)
+        with anyio.CancelScope(shield=True):
+            connection = await anyio.to_thread.run_sync(
+                _schema.open_connection, file, synchronous, busy_timeout
+            )
+        return cls(connection, file, codec or Codec(), boundary_hook or _no_hook)
+
+    @property
+    def codec(self) -> Codec[Any]:
+        """The codec the store encodes with."""
+        return self._codec
+
+    # -- plumbing -----------------------------------------------------------------
+
+    async def _run(self, function: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``function(connection)`` in the worker thread, holding the lock."""
+        async with self._lock:
+            connection = self._conn
+            if connection is None:
+                raise StepmachineError(f"SQLiteStore on {self._path} is closed")
+            try:
+                # Shielded: a started transaction runs to its end, and its
+                # outcome (return or exception) reaches the caller; a pending
+                # cancellation is delivered at the caller's next checkpoint.
+                with anyio.CancelScope(shield=True):
+                    result = await anyio.to_thread.run_sync(function, connection)
+            except sqlite3.DatabaseError as exc:
+                if type(exc) is not sqlite3.DatabaseError:
+                    raise
+                raise StoredDataError(f"{self._path} is damaged: {exc}") from exc
+            return result
+
+    def _row(self, connection: sqlite3.Connection, session_id: str) -> SessionRow:
+        row = _schema.session_row(connection, self._path, session_id)
+        if row is None:
+            self._cache.pop(session_id, None)
+            raise SessionNotFoundError(session_id)
+        return row
+
+    def _remember(self, sid: int, session: Session[Any]) -> None:
+        self._cache[session.id] = _Cached(sid, session)
+        self._cache.move_to_end(session.id)
+        while len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+
+    def _session_at(
+        self, connection: sqlite3.Connection, session_id: str, sid: int, revision: int
+    ) -> Session[Any]:
+        """The session at ``revision``, inside a transaction: cache, then snapshot, then log.
+
+        Starts from the cached session when it is of this ``sid`` and not past
+        ``revision``; a newer snapshot up to ``revision`` replaces it; then
+        only the batches after that point are read and replayed.
+        """
+        cached = self._cache.get(session_id)
+        base: Session[Any] | None = None
+        if cached is not None and cached.sid == sid and cached.session.revision <= revision:
+            base = cached.session
+            if base.revision == revision:
+                return base
+        after = -1 if base is None else base.revision
+        snapshot = _schema.read_snapshot(
+            connection, self._codec, self._path, session_id, sid, after, revision
+        )
+        if snapshot is not None:
+            base = snapshot
+        if base is None:
+            raise StoredDataError(
+                f"invariant 8 (stored data is data): session {session_id!r} in {self._path} "
+                "has no snapshot at revision 0"
+            )
+        log = _schema.read_log(
+            connection, self._codec, self._path, session_id, sid, base.revision, revision
+        )
+        return _schema.replay(base, log, self._path, session_id)
+
+    # -- the Store API -----------------------------------------------------------
+
+    async def create(
+        self,
+        session_id: str,
+        data: msgspec.Struct | None = None,
+        conversation: Sequence[Message] = (),
+    ) -> Session[Any]:
+        """Create a revision-0 session, stored as its first snapshot.
+
+        Returns:
+            The new session (``data`` defaults to the codec's ``data_type()``).
+
+        Raises:
+            InvalidSessionIdError: the id is not safe (see ``validate_session_id``).
+            SessionExistsError: the id is taken; nothing is written.
+            ConfigurationError: ``data`` is not the codec's data type.
+
+        Cancellation: see the class docstring; once in the worker thread the
+        creation commits whole (and returns) or not at all (and raises).
+        """
+        validate_session_id(session_id)
+        session = self._codec.new_session(session_id, data, conversation)
+        encoded = self._codec.encode_session(session)
+        session = self._codec.decode_session(encoded, where=f"session {session_id!r}")
+
+        def run(connection: sqlite3.Connection) -> Session[Any]:
+            with transaction(connection, write=True):
+                if _schema.session_row(connection, self._path, session_id) is not None:
+                    raise SessionExistsError(session_id)
+                sid = _schema.insert_session(connection, session_id, 0)
+                _schema.insert_snapshot(connection, self._codec, sid, session)
+            self._remember(sid, session)
+            self._hook("create.committed")
+            return session
+
+        return await self._run(run)
+
+    async def load(self, session_id: str) -> Session[Any]:
+        """The current session.
+
+        Reads the session row, then only the rows written since the session
+        this store last read or wrote (nothing more when nothing changed).
+
+        Raises:
+            InvalidSessionIdError: the id is not safe.
+            SessionNotFoundError: no session has this id.
+            StoredDataError: a stored record does not decode or apply; the
+                message names the file, session, revision and effect index.
+        """
+        validate_session_id(session_id)
+
+        def run(connection: sqlite3.Connection) -> Session[Any]:
+            with transaction(connection, write=False):
+                row = self._row(connection, session_id)
+                session = self._session_at(connection, session_id, row.sid, row.revision)
+            self._remember(row.sid, session)
+            return session
+
+        return await self._run(run)
+
+    async def apply(self, batch: Batch[Effect]) -> None:
+        """Append ``batch`` if the session is at ``batch.revision - 1``; all rows or none.
+
+        The effects are encoded and decoded back, then applied to the current
+        session before anything is written, so nothing invalid is stored. The
+        write is one ``BEGIN IMMEDIATE`` transaction: one batch row, one row
+        per effect, the new revision on the session row, and a snapshot after
+        a ``ReplaceConversation`` or when one is due (see
+        :func:`._sqlite_schema.wants_snapshot`: periodic snapshots cost each
+        apply, on average, about twice encoding its own effects). Nothing
+        else is re-encoded, whatever the history length.
+
+        Raises:
+            InvalidSessionIdError: ``batch.session_id`` is not safe.
+            ConflictError: the session is at another revision; nothing is written.
+            SessionNotFoundError: no session has this id.
+            EffectError: an effect does not apply; nothing is written.
+            ConfigurationError: an effect type is not registered in the codec.
+
+        Cancellation: see the class docstring; once in the worker thread the
+        batch is committed whole or not at all, and the next load shows which.
+        """
+        session_id = validate_session_id(batch.session_id)
+        bodies = [self._codec.encode_effects((effect,)) for effect in batch.effects]
+        effects = tuple(
+            self._codec.decode_effects(
+                body, where=f"session {session_id!r} revision {batch.revision} effect {index}"
+            )[0]
+            for index, body in enumerate(bodies)
+        )
+        replaces = any(isinstance(effect, ReplaceConversation) for effect in effects)
+        batch_bytes = sum(len(body) for body in bodies)
+
+        def run(connection: sqlite3.Connection) -> None:
+            with transaction(connection, write=True):
+                self._hook("apply.begin")
+                row = self._row(connection, session_id)
+                if row.revision != batch.revision - 1:
+                    raise ConflictError(session_id, batch.revision - 1, row.revision)
+                current = self._session_at(connection, session_id, row.sid, row.revision)
+                self._remember(row.sid, current)
+                after = apply_batch(current, effects)
+                _schema.insert_batch(
+                    connection,
+                    row.sid,
+                    after.revision,
+                    batch.step,
+                    batch.cycle,
+                    batch.timestamp,
+                    bodies,
+                )
+                if _schema.wants_snapshot(row, after.revision, batch_bytes, replaces):
+                    _schema.insert_snapshot(connection, self._codec, row.sid, after)
+                self._hook("apply.inserted")
+            self._remember(row.sid, after)
+            self._hook("apply.committed")
+
+        await self._run(run)
+
+    async def list_sessions(self) -> list[str]:
+        """The ids of all sessions, sorted."""
+
+        def run(connection: sqlite3.Connection) -> list[str]:
+            rows = connection.execute("SELECT session_id FROM sessions").fetchall()
+            return sorted(str(row[0]) for row in rows)
+
+        return await self._run(run)
+
+    async def delete(self, session_id: str) -> None:
+        """Delete a session with its log and snapshots, in one transaction.
+
+        Raises:
+            InvalidSessionIdError: the id is not safe.
+            SessionNotFoundError: no session has this id.
+        """
+        validate_session_id(session_id)
+
+        def run(connection: sqlite3.Connection) -> None:
+            with transaction(connection, write=True):
+                sid = self._row(connection, session_id).sid
+                for table in ("effects", "batches", "snapshots", "sessions"):
+                    connection.execute(f"DELETE FROM {table} WHERE sid = ?", (sid,))  # noqa: S608 - fixed names
+            self._cache.pop(session_id, None)
+
+        await self._run(run)
+
+    async def load_at(self, session_id: str, revision: int) -> Session[Any]:
+        """The session as it was at ``revision``: the nearest snapshot, then its log.
+
+        Replays at most ``SNAPSHOT_MAX_GAP`` (1000) batches, whatever the history length.
+
+        Raises:
+            InvalidSessionIdError: the id is not safe.
+            SessionNotFoundError: no session has this id.
+            ValueError: ``revision`` is negative or beyond the current one.
+            StoredDataError: a stored record does not decode or apply.
+        """
+        validate_session_id(session_id)
+
+        def run(connection: sqlite3.Connection) -> Session[Any]:
+            with transaction(connection, write=False):
+                row = self._row(connection, session_id)
+                if not 0 <= revision <= row.revision:
+                    raise ValueError(
+                        f"session {session_id!r} has revisions 0..{row.revision}, not {revision}"
+                    )
+                return self._session_at(connection, session_id, row.sid, revision)
+
+        return await self._run(run)
+
+    async def batches(self, session_id: str, after: int = 0) -> list[Batch[Effect]]:
+        """The audit log: every applied batch with ``revision > after``, in order.
+
+        Raises:
+            InvalidSessionIdError: the id is not safe.
+            SessionNotFoundError: no session has this id.
+            StoredDataError: a stored record does not decode.
+        """
+        validate_session_id(session_id)
+
+        def run(connection: sqlite3.Connection) -> list[Batch[Effect]]:
+            with transaction(connection, write=False):
+                row = self._row(connection, session_id)
+                start = min(max(after, 0), row.revision)
+                log = _schema.read_log(
+                    connection, self._codec, self._path, session_id, row.sid, start, row.revision
+                )
+            return [
+                Batch(
+                    session_id=session_id,
+                    revision=stored.revision,
+                    step=stored.step,
+                    cycle=stored.cycle,
+                    timestamp=stored.timestamp,
+                    effects=stored.effects,
+                )
+                for stored in log
+            ]
+
+        return await self._run(run)
+
+    async def fork(self, session_id: str, revision: int, new_session_id: str) -> Session[Any]:
+        """Create ``new_session_id`` as a copy of ``session_id`` at ``revision``.
+
+        The fork is at the same revision, with the same conversation and data,
+        and carries the source's batches ``1..revision`` (so its audit log and
+        :meth:`load_at` match the source's up to there). Effect rows are copied
+        inside SQLite, not re-encoded. One transaction.
+
+        Returns:
+            The new session (``id`` is ``new_session_id``).
+
+        Raises:
+            InvalidSessionIdError: either id is not safe.
+            SessionNotFoundError: ``session_id`` does not exist.
+            SessionExistsError: ``new_session_id`` is taken.
+            ValueError: ``revision`` is negative or beyond the current one.
+
+        Cancellation: see the class docstring; once in the worker thread the
+        fork commits whole (and returns) or not at all (and raises).
+        """
+        validate_session_id(session_id)
+        validate_session_id(new_session_id)
+
+        def run(connection: sqlite3.Connection) -> Session[Any]:
+            with transaction(connection, write=True):
+                source = self._row(connection, session_id)
+                if not 0 <= revision <= source.revision:
+                    raise ValueError(
+                        f"session {session_id!r} has revisions 0..{source.revision}, not {revision}"
+                    )
+                if _schema.session_row(connection, self._path, new_session_id) is not None:
+                    raise SessionExistsError(new_session_id)
+                state = self._session_at(connection, session_id, source.sid, revision)
+                forked = msgspec.structs.replace(state, id=new_session_id)
+                snapshots = _schema.read_snapshots(
+                    connection, self._codec, self._path, session_id, source.sid, revision
+                )
+                sid = _schema.insert_session(connection, new_session_id, revision)
+                connection.execute(
+                    "INSERT INTO batches SELECT ?, revision, step, cycle, timestamp, effect_count, "
+                    "schema_version FROM batches WHERE sid = ? AND revision <= ?",
+                    (sid, source.sid, revision),
+                )
+                connection.execute(
+                    "INSERT INTO effects SELECT ?, revision, position, schema_version, body "
+                    "FROM effects WHERE sid = ? AND revision <= ?",
+                    (sid, source.sid, revision),
+                )
+                for snapshot in [*snapshots, forked]:
+                    renamed = msgspec.structs.replace(snapshot, id=new_session_id)
+                    _schema.insert_snapshot(connection, self._codec, sid, renamed)
+            self._remember(sid, forked)
+            return forked
+
+        return await self._run(run)
+
+    async def aclose(self) -> None:
+        """Close the connection (shielded from cancellation). Idempotent.
+
+        Any later call but :meth:`aclose` raises :class:`~stepmachine.StepmachineError`.
+        """
+        with anyio.CancelScope(shield=True):
+            async with self._lock:
+                connection, self._conn = self._conn, None
+                self._cache.clear()
+                if connection is not None:
+                    await anyio.to_thread.run_sync(connection.close)
+
+    async def __aenter__(self) -> SQLiteStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()

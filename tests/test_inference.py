@@ -1,0 +1,558 @@
+"""ModelInference: when it applies, what it asks, what it records; invariant 9; interruption."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stepmachine import (
+    Annotate,
+    AppendMessage,
+    ConfigurationError,
+    ContextLengthError,
+    Continue,
+    Event,
+    HistoryError,
+    Message,
+    ModelInference,
+    ModelRequest,
+    ModelResponse,
+    ModelSettings,
+    Operation,
+    Outcome,
+    PromptPart,
+    ReasoningDelta,
+    ReasoningPart,
+    Refuse,
+    Runtime,
+    Session,
+    StateMachine,
+    StepContext,
+    TextDelta,
+    TextPart,
+    ToolArgumentsDelta,
+    ToolCallPart,
+    ToolResultPart,
+    Tools,
+    Usage,
+    Yield,
+    counter_ids,
+    needs_answer,
+    tool,
+)
+from stepmachine._emitter import EventSink
+from stepmachine.testing import ScriptedModel, call, make_session, reply, run_step
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+class Hint(Operation[Any]):
+    """Contributes a prompt part and never applies."""
+
+    def prompt_parts(self, session: Session[Any]) -> Sequence[PromptPart]:
+        return (PromptPart(source="hint", text="Use tools."),)
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse()
+
+
+def calls(message_id: str, *call_ids: str) -> Message:
+    return Message(
+        id=message_id,
+        role="assistant",
+        parts=tuple(ToolCallPart.of(c, "add", {"a": 1, "b": 2}) for c in call_ids),
+    )
+
+
+def results(message_id: str, *call_ids: str) -> Message:
+    return Message(
+        id=message_id,
+        role="tool",
+        parts=tuple(ToolResultPart(call_id=c, content="3") for c in call_ids),
+    )
+
+
+def hidden(message: Message) -> Message:
+    return msgspec.structs.replace(message, visible_to_model=False)
+
+
+# -- when it applies ----------------------------------------------------------------------------
+
+
+async def test_applies_on_trailing_user_message() -> None:
+    model = ScriptedModel(["hello"])
+    check = await run_step(ModelInference(), make_session("hi"), model=model)
+    assert isinstance(check.outcome, Yield)
+    assert len(model.requests) == 1
+    assert check.new_messages[-1].text == "hello"
+
+
+async def test_applies_on_tool_results_closing_every_call() -> None:
+    session = make_session("hi", calls("a1", "c1", "c2"), results("t1", "c2"), results("t2", "c1"))
+    model = ScriptedModel(["done"])
+    check = await run_step(ModelInference(), session, model=model)
+    assert not check.refused
+    assert len(model.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "conversation",
+    [
+        pytest.param((), id="empty"),
+        pytest.param(("hi", Message.assistant("hello", id="a")), id="trailing-assistant"),
+        pytest.param(("hi", calls("a1", "c1")), id="open-call"),
+        pytest.param(("hi", calls("a1", "c1", "c2"), results("t", "c1")), id="partly-answered"),
+        pytest.param(("hi", calls("a1", "c1"), Message.user("?", id="u9")), id="user-after-open"),
+        pytest.param((hidden(Message.user("hi", id="u")),), id="hidden-only"),
+        pytest.param(("hi", Message.system("s", id="s")), id="trailing-system"),
+        pytest.param(
+            ("hi", Message.assistant("a", id="a"), hidden(Message.user("x", id="h"))),
+            id="hidden-trailing-user",
+        ),
+    ],
+)
+async def test_refuses(conversation: tuple[Message | str, ...]) -> None:
+    model = ScriptedModel([])
+    check = await run_step(ModelInference(), make_session(*conversation), model=model)
+    assert check.refused
+    assert model.requests == []
+    assert not needs_answer(make_session(*conversation).conversation)
+
+
+async def test_applies_on_visible_user_message_after_hidden_assistant() -> None:
+    session = make_session(hidden(calls("a1", "c1")), Message.user("hi", id="u"))
+    assert needs_answer(session.conversation)
+    check = await run_step(ModelInference(), session, model=ScriptedModel(["ok"]))
+    assert not check.refused
+
+
+async def test_repeated_call_ids_raise_history_error_without_a_request() -> None:
+    session = make_session(
+        "hi", calls("a1", "c1"), results("t1", "c1"), calls("a2", "c1"), results("t2", "c1")
+    )
+    model = ScriptedModel(["never"])
+    with pytest.raises(HistoryError, match="'c1' repeats") as excinfo:
+        await run_step(ModelInference(), session, model=model)
+    assert "test-session" in str(excinfo.value)
+    assert model.requests == []
+
+
+async def test_orphan_result_raises_history_error_without_a_request() -> None:
+    session = make_session("hi", results("t1", "ghost"))
+    model = ScriptedModel(["never"])
+    with pytest.raises(HistoryError, match="ghost"):
+        await run_step(ModelInference(), session, model=model)
+    assert model.requests == []
+
+
+# -- outcome and recorded message ---------------------------------------------------------------
+
+
+async def test_reply_without_tool_calls_yields_done() -> None:
+    check = await run_step(ModelInference(), make_session("hi"), model=ScriptedModel(["hello"]))
+    assert isinstance(check.outcome, Yield)
+    assert check.outcome.reason.kind == "done"
+    (effect,) = check.effects
+    assert isinstance(effect, AppendMessage)
+    assert effect.message.role == "assistant"
+    assert effect.message.id == "id1"
+
+
+async def test_reply_with_tool_calls_continues() -> None:
+    model = ScriptedModel([call(("add", {"a": 1, "b": 2}), text="adding")])
+    check = await run_step(ModelInference(), make_session("hi"), model=model)
+    assert isinstance(check.outcome, Continue)
+    (message,) = check.new_messages
+    assert message.text == "adding"
+    assert [c.call_id for c in message.tool_calls] == ["call-0-0"]
+    assert message.tool_calls[0].arguments == {"a": 1, "b": 2}
+
+
+async def test_notes_record_usage_model_and_finish_reason() -> None:
+    usage = Usage(
+        input_tokens=11,
+        output_tokens=7,
+        cache_read_tokens=3,
+        cache_write_tokens=2,
+        reasoning_tokens=1,
+    )
+    response = ModelResponse(
+        parts=(TextPart("x"),), usage=usage, finish_reason="length", model="gpt-test"
+    )
+    check = await run_step(
+        ModelInference(name="brain"), make_session("hi"), model=ScriptedModel([response])
+    )
+    assert check.new_messages[0].parts == (TextPart("x"),)
+    (message,) = check.new_messages
+    assert message.notes == {
+        "brain": {
+            "usage": {
+                "input_tokens": 11,
+                "output_tokens": 7,
+                "cache_read_tokens": 3,
+                "cache_write_tokens": 2,
+                "reasoning_tokens": 1,
+            },
+            "model": "gpt-test",
+            "finish_reason": "length",
+            "attempts": 1,
+            "revision": 0,
+        }
+    }
+
+
+async def test_model_name_falls_back_to_the_models_name() -> None:
+    check = await run_step(
+        ModelInference(), make_session("hi"), model=ScriptedModel(["x"], name="fake:1")
+    )
+    note = check.new_messages[0].notes["inference"]
+    assert note["model"] == "fake:1"
+    assert note["finish_reason"] == "stop"
+
+
+async def test_response_parts_are_kept_in_order() -> None:
+    parts = (
+        ReasoningPart("think", provider_data={"signature": "s"}),
+        TextPart("a"),
+        ToolCallPart.parse("cx", "add", "{bad"),
+        TextPart("b"),
+    )
+    check = await run_step(
+        ModelInference(), make_session("hi"), model=ScriptedModel([ModelResponse(parts=parts)])
+    )
+    assert check.new_messages[0].parts == parts
+
+
+# -- the request --------------------------------------------------------------------------------
+
+
+async def test_request_carries_tools_prompt_parts_settings_and_visible_messages() -> None:
+    settings_ = ModelSettings(max_tokens=50, temperature=0.2)
+    step = ModelInference(instructions="Be brief.", settings=settings_)
+    session = make_session(
+        Message.system("sys", id="s"),
+        hidden(Message.user("secret", id="h")),
+        Message.user("visible", id="u"),
+    )
+    model = ScriptedModel(["ok"])
+    await run_step(step, session, model=model, others=[Tools([add]), Hint()])
+    (request,) = model.requests
+    assert [m.id for m in request.messages] == ["s", "u"]
+    assert [t.name for t in request.tools] == ["add"]
+    assert request.tools[0] == add.definition
+    assert request.prompt_parts == (
+        PromptPart(source="inference", text="Be brief."),
+        PromptPart(source="hint", text="Use tools."),
+    )
+    assert request.system_prompt == "Be brief.\n\nUse tools."
+    assert request.settings == settings_
+
+
+async def test_named_model_is_used_and_missing_model_is_a_configuration_error() -> None:
+    small = ScriptedModel(["from small"])
+    runtime = Runtime(models={"small": small}, ids=counter_ids("id"))
+    check = await run_step(ModelInference(model="small"), make_session("hi"), runtime=runtime)
+    assert check.new_messages[0].text == "from small"
+    with pytest.raises(ConfigurationError, match="'large'"):
+        await run_step(ModelInference(model="large"), make_session("hi"), runtime=runtime)
+    with pytest.raises(ConfigurationError, match="no model"):
+        await run_step(ModelInference(), make_session("hi"), runtime=Runtime())
+
+
+class BreakHistory(Operation[Any]):
+    """A step whose ``shape_request`` drops every tool result: a broken history."""
+
+    def shape_request(self, session: Session[Any], request: ModelRequest) -> ModelRequest:
+        kept = tuple(m for m in request.messages if m.role != "tool")
+        return msgspec.structs.replace(request, messages=kept)
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse()
+
+
+class SetMaxTokens(Operation[Any]):
+    def shape_request(self, session: Session[Any], request: ModelRequest) -> ModelRequest:
+        return msgspec.structs.replace(request, settings=ModelSettings(max_tokens=7))
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse()
+
+
+async def test_shape_request_cannot_send_a_broken_history() -> None:
+    session = make_session("hi", calls("a1", "c1"), results("t1", "c1"))
+    model = ScriptedModel(["never"])
+    with pytest.raises(HistoryError, match="'c1' has no result"):
+        await run_step(ModelInference(), session, model=model, others=[BreakHistory()])
+    assert model.requests == []
+
+
+async def test_shape_request_adjusts_the_request() -> None:
+    model = ScriptedModel(["ok"])
+    await run_step(ModelInference(), make_session("hi"), model=model, others=[SetMaxTokens()])
+    assert model.requests[0].settings.max_tokens == 7
+
+
+async def test_context_overflow_marks_the_last_message_then_propagates() -> None:
+    def overflow(request: ModelRequest) -> ModelResponse:
+        raise ContextLengthError("too long")
+
+    model = ScriptedModel([overflow, overflow])
+    check = await run_step(ModelInference(), make_session("hi"), model=model)
+    assert isinstance(check.outcome, Continue)
+    assert check.effects == (Annotate("u0", "inference", {"context_length_exceeded": True}),)
+    # nothing shortened the history: the second overflow propagates
+    with pytest.raises(ContextLengthError):
+        await run_step(ModelInference(), check.session, model=model)
+
+
+# -- streaming ---------------------------------------------------------------------------------
+
+
+def deltas(events: Sequence[Event], kind: type[Any]) -> list[Any]:
+    return [e.data for e in events if isinstance(e.data, kind)]
+
+
+async def test_deltas_go_to_the_emitter_and_concatenate_to_the_final_message() -> None:
+    text = "The quick brown fox jumps over the lazy dog."
+    reasoning = "Let me think about foxes for a while."
+    response = ModelResponse(
+        parts=(
+            ReasoningPart(reasoning),
+            TextPart(text),
+            ToolCallPart.of("k1", "add", {"a": 1, "b": 22222222222}),
+            ToolCallPart.of("k2", "add", {"a": 3, "b": 4}),
+        )
+    )
+    check = await run_step(
+        ModelInference(), make_session("hi"), model=ScriptedModel([response], chunk_size=5)
+    )
+    text_deltas = deltas(check.events, TextDelta)
+    assert len(text_deltas) > 1
+    assert "".join(d.text for d in text_deltas) == text
+    assert "".join(d.text for d in deltas(check.events, ReasoningDelta)) == reasoning
+    tool_deltas = deltas(check.events, ToolArgumentsDelta)
+    for index, part in enumerate(response.parts[2:]):
+        assert isinstance(part, ToolCallPart)
+        mine = [d for d in tool_deltas if d.index == index]
+        assert "".join(d.delta for d in mine) == part.raw_arguments
+        assert (mine[0].call_id, mine[0].name) == (part.call_id, "add")
+    # the events are stamped in order
+    assert [e.seq for e in check.events] == list(range(len(check.events)))
+    assert check.new_messages[0].parts == response.parts
+
+
+async def test_no_deltas_without_streaming() -> None:
+    check = await run_step(
+        ModelInference(stream=False), make_session("hi"), model=ScriptedModel(["a long reply"])
+    )
+    assert check.events == ()
+    assert check.new_messages[0].text == "a long reply"
+
+
+json_scalars = st.none() | st.booleans() | st.integers(-1000, 1000) | st.text(max_size=6)
+texts = st.text(max_size=30)
+
+
+@st.composite
+def responses(draw: st.DrawFn) -> ModelResponse:
+    parts: list[Any] = []
+    for index in range(draw(st.integers(0, 5))):
+        kind = draw(st.sampled_from(["text", "reasoning", "call", "bad_call"]))
+        call_id = draw(st.sampled_from(["", f"id-{index}"]))
+        if kind == "text":
+            parts.append(TextPart(draw(texts)))
+        elif kind == "reasoning":
+            data = draw(st.dictionaries(st.text(max_size=3), json_scalars, max_size=2))
+            parts.append(ReasoningPart(draw(texts), provider_data=data))
+        elif kind == "call":
+            arguments = draw(st.dictionaries(st.text(max_size=4), json_scalars, max_size=3))
+            parts.append(ToolCallPart.of(call_id, draw(st.text(max_size=5)), arguments))
+        else:
+            parts.append(ToolCallPart.parse(call_id, "add", draw(texts)))
+    usage = Usage(*draw(st.lists(st.integers(0, 10_000), min_size=5, max_size=5)))
+    return ModelResponse(
+        parts=tuple(parts),
+        usage=usage,
+        finish_reason=draw(st.sampled_from([None, "stop", "tool_calls", "length"])),
+        model=draw(st.none() | st.text(max_size=5)),
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(responses(), st.integers(1, 12))
+async def test_streaming_and_non_streaming_give_identical_effects(
+    response: ModelResponse, chunk_size: int
+) -> None:
+    session = make_session("hi")
+    streamed = await run_step(
+        ModelInference(stream=True),
+        session,
+        model=ScriptedModel([response], chunk_size=chunk_size),
+    )
+    plain = await run_step(
+        ModelInference(stream=False),
+        session,
+        model=ScriptedModel([response], chunk_size=chunk_size),
+    )
+    assert streamed.effects == plain.effects
+    assert type(streamed.outcome) is type(plain.outcome)
+    assert streamed.session == plain.session
+    assert plain.events == ()
+    # streaming only adds events, and they add up to the recorded message
+    (message,) = streamed.new_messages
+    assert "".join(d.text for d in deltas(streamed.events, TextDelta)) == message.text
+    reasoning = "".join(p.text for p in message.parts if isinstance(p, ReasoningPart))
+    assert "".join(d.text for d in deltas(streamed.events, ReasoningDelta)) == reasoning
+    tool_deltas = deltas(streamed.events, ToolArgumentsDelta)
+    for index, part in enumerate(message.tool_calls):
+        assert "".join(d.delta for d in tool_deltas if d.index == index) == part.raw_arguments
+
+
+# -- interruption and finalize ------------------------------------------------------------------
+
+
+class CancelWhen:
+    """An emitter that records events and cancels ``scope`` once ``predicate`` holds."""
+
+    def __init__(self, scope: anyio.CancelScope, predicate: Callable[[list[Any]], bool]) -> None:
+        self.scope = scope
+        self.predicate = predicate
+        self.data: list[Any] = []
+
+    async def emit(self, event: Event) -> None:
+        self.data.append(event.data)
+        if self.predicate(self.data):
+            self.scope.cancel()
+
+
+async def interrupted_run(
+    step: ModelInference,
+    session: Session[Any],
+    model: ScriptedModel,
+    predicate: Callable[[list[Any]], bool],
+) -> tuple[StepContext[Any], CancelWhen]:
+    """Run ``step`` until ``predicate`` over the emitted event data holds; return the ctx."""
+    scope = anyio.CancelScope()
+    emitter = CancelWhen(scope, predicate)
+    tools, parts = StateMachine([step]).collect(session)
+    ctx: StepContext[Any] = StepContext(
+        session=session,
+        runtime=Runtime(model=model, ids=counter_ids("id")),
+        events=EventSink(emitter, session.id, session.revision),
+        cycle=1,
+        tools=tools,
+        prompt_parts=parts,
+    )
+    outcome: list[Outcome] = []
+    with scope:
+        outcome.append(await step.run(ctx))
+    assert outcome == []  # it really was interrupted
+    assert scope.cancelled_caught
+    return ctx, emitter
+
+
+def count(kind: type[Any], n: int) -> Callable[[list[Any]], bool]:
+    return lambda data: sum(isinstance(d, kind) for d in data) >= n
+
+
+async def test_finalize_keeps_partial_text_noted_interrupted() -> None:
+    text = "abcdefghijklmnopqrstuvwxyz0123456789"
+    step = ModelInference()
+    ctx, _ = await interrupted_run(
+        step, make_session("hi"), ScriptedModel([text], chunk_size=8), count(TextDelta, 2)
+    )
+    effects = await step.finalize(ctx, interrupted=True)
+    (effect,) = effects
+    assert isinstance(effect, AppendMessage)
+    message = effect.message
+    assert message.role == "assistant"
+    assert message.parts == (TextPart(text[:16]),)
+    assert message.notes == {"inference": {"interrupted": True}}
+    # the kept message makes a valid, answerable-by-user history
+    assert ctx.session.message(message.id) is None
+
+
+async def test_finalize_keeps_partial_reasoning_before_text() -> None:
+    step = ModelInference(name="brain")
+    model = ScriptedModel([reply("the answer", reasoning="r" * 20)], chunk_size=8)
+    ctx, _ = await interrupted_run(step, make_session("hi"), model, count(ReasoningDelta, 2))
+    (effect,) = await step.finalize(ctx, interrupted=True)
+    assert isinstance(effect, AppendMessage)
+    assert effect.message.parts == (ReasoningPart("r" * 16),)
+    assert effect.message.notes == {"brain": {"interrupted": True}}
+
+
+async def test_finalize_drops_half_streamed_tool_calls() -> None:
+    response = call(("add", {"a": 1, "b": 2}), text="Adding now")
+    step = ModelInference()
+    ctx, emitter = await interrupted_run(
+        step,
+        make_session("hi"),
+        ScriptedModel([response], chunk_size=4),
+        count(ToolArgumentsDelta, 1),
+    )
+    assert any(isinstance(d, ToolArgumentsDelta) for d in emitter.data)
+    (effect,) = await step.finalize(ctx, interrupted=True)
+    assert isinstance(effect, AppendMessage)
+    assert effect.message.parts == (TextPart("Adding now"),)
+    assert effect.message.tool_calls == ()
+
+
+async def test_finalize_keeps_nothing_when_only_tool_calls_streamed() -> None:
+    response = call(("add", {"a": 1, "b": 2}))
+    step = ModelInference()
+    ctx, _ = await interrupted_run(
+        step,
+        make_session("hi"),
+        ScriptedModel([response], chunk_size=4),
+        count(ToolArgumentsDelta, 1),
+    )
+    assert list(await step.finalize(ctx, interrupted=True)) == []
+
+
+async def test_finalize_does_nothing_if_the_reply_was_recorded_meanwhile() -> None:
+    step = ModelInference()
+    session = make_session("hi")
+    ctx, _ = await interrupted_run(
+        step, session, ScriptedModel(["a long enough reply"], chunk_size=4), count(TextDelta, 2)
+    )
+    recorded = AppendMessage(Message.assistant("a long enough reply", id="r")).apply(session)
+    later = dataclasses.replace(ctx, session=recorded)
+    assert list(await step.finalize(later, interrupted=True)) == []
+
+
+async def test_finalize_not_interrupted_or_without_a_run_does_nothing() -> None:
+    step = ModelInference()
+    ctx, _ = await interrupted_run(
+        step,
+        make_session("hi"),
+        ScriptedModel(["some text here"], chunk_size=4),
+        count(TextDelta, 1),
+    )
+    assert list(await step.finalize(ctx, interrupted=False)) == []
+    fresh = dataclasses.replace(ctx, scratch={})
+    assert list(await step.finalize(fresh, interrupted=True)) == []
+
+
+async def test_finalize_after_a_completed_run_keeps_nothing_once_recorded() -> None:
+    step = ModelInference()
+    check = await run_step(step, make_session("hi"), model=ScriptedModel(["done"]))
+    later = dataclasses.replace(check.ctx, session=check.session)
+    assert list(await step.finalize(later, interrupted=True)) == []
+
+
+def test_request_default_settings() -> None:
+    request = ModelRequest(messages=())
+    assert request.settings == ModelSettings()
+    assert request.system_prompt == ""

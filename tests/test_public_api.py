@@ -1,0 +1,140 @@
+"""The public surface: sorted, complete __all__ lists; one error root; py.typed shipped."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.resources
+import re
+import types
+
+import pytest
+
+import stepmachine
+from stepmachine import StepmachineError
+
+PUBLIC_PACKAGES = ["stepmachine", "stepmachine.testing", "stepmachine.stores"]
+
+
+def ruf022_key(name: str) -> tuple[int, list[str | int]]:
+    """The order ruff's RUF022 (isort-style) gives ``__all__``.
+
+    SCREAMING_CASE first (more than one character, every cased character upper
+    case), then CamelCase (first character upper case), then everything else;
+    within each group a natural, case-sensitive sort (digit runs compare as
+    numbers).
+    """
+    if len(name) > 1 and name.upper() == name and name.lower() != name:
+        group = 0
+    elif name[:1].isupper():
+        group = 1
+    else:
+        group = 2
+    natural: list[str | int] = [
+        int(piece) if piece.isdigit() else piece for piece in re.split(r"(\d+)", name)
+    ]
+    return group, natural
+
+
+def test_ruf022_key_matches_ruff_on_a_known_list() -> None:
+    """The expected order was produced by ``ruff check --select RUF022 --fix`` (ruff 0.17)."""
+    ruff_sorted = [
+        "AB_C",
+        "HTTP2",
+        "X1",
+        "ZZ",
+        "A",
+        "A_b",
+        "Ab",
+        "B",
+        "Http2",
+        "Http10",
+        "Z",
+        "_x",
+        "a2",
+        "a10",
+        "aB",
+        "a_b",
+        "ab",
+        "b",
+    ]
+    shuffled = sorted(ruff_sorted, key=lambda n: n[::-1])
+    assert sorted(shuffled, key=ruf022_key) == ruff_sorted
+
+
+@pytest.mark.parametrize("package", PUBLIC_PACKAGES)
+def test_all_is_sorted_like_ruf022(package: str) -> None:
+    names = list(importlib.import_module(package).__all__)
+    assert names == sorted(names, key=ruf022_key)
+
+
+@pytest.mark.parametrize("package", PUBLIC_PACKAGES)
+def test_all_has_no_duplicates_and_every_name_exists(package: str) -> None:
+    module = importlib.import_module(package)
+    names = list(module.__all__)
+    assert len(names) == len(set(names))
+    missing = [n for n in names if not hasattr(module, n)]
+    assert missing == []
+
+
+@pytest.mark.parametrize("package", PUBLIC_PACKAGES)
+def test_every_public_attribute_is_in_all(package: str) -> None:
+    module = importlib.import_module(package)
+    public = {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert sorted(public - set(module.__all__)) == []
+
+
+def test_star_import_gives_exactly_all() -> None:
+    namespace: dict[str, object] = {}
+    exec("from stepmachine import *", namespace)
+    namespace.pop("__builtins__")
+    assert set(namespace) == set(stepmachine.__all__)
+
+
+def test_every_error_class_derives_from_stepmachine_error() -> None:
+    errors = [
+        value
+        for module in (
+            stepmachine,
+            stepmachine.testing,
+            importlib.import_module("stepmachine.stores"),
+        )
+        for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, BaseException)
+    ]
+    assert StepmachineError in errors
+    assert len(errors) > 5
+    offenders = [e.__qualname__ for e in errors if not issubclass(e, StepmachineError)]
+    assert offenders == []
+
+
+def test_errors_named_like_errors_are_exported() -> None:
+    exported = {n for n in stepmachine.__all__ if n.endswith("Error")}
+    from stepmachine import _errors
+
+    assert set(_errors.__all__) <= exported
+
+
+def test_version_is_a_string() -> None:
+    assert isinstance(stepmachine.__version__, str)
+    assert stepmachine.__version__
+
+
+def test_py_typed_is_shipped() -> None:
+    marker = importlib.resources.files("stepmachine").joinpath("py.typed")
+    assert marker.is_file()
+
+
+def test_kernel_does_not_import_operations_or_stores() -> None:
+    """The kernel never imports ``operations`` or ``stores`` (DESIGN §4)."""
+    import pathlib
+
+    kernel = pathlib.Path(stepmachine.__file__).parent
+    pattern = re.compile(r"^\s*(from|import)\s+(stepmachine\.)?(operations|stores)\b", re.M)
+    sources = sorted(kernel.rglob("*.py"))
+    assert len(sources) > 10
+    offenders = [p.name for p in sources if pattern.search(p.read_text(encoding="utf-8"))]
+    assert offenders == []
