@@ -136,6 +136,12 @@ class Codec(Generic[D]):
             raise ConfigurationError(
                 f"data must be a {self.data_type.__name__}, got {type(data).__name__}"
             )
+        ids = [m.id for m in conversation]
+        if len(set(ids)) != len(ids):
+            raise ConfigurationError(
+                f"message ids are stable and unique: the conversation for {session_id!r} "
+                f"repeats ids {sorted({i for i in ids if ids.count(i) > 1})!r}"
+            )
         return Session(id=session_id, revision=0, conversation=tuple(conversation), data=data)
 
     def encode_session(self, session: Session[D]) -> bytes:
@@ -202,11 +208,16 @@ class Codec(Generic[D]):
         except msgspec.ValidationError as exc:
             detail = str(exc)
             if "`" in detail and ".type`" in detail:
-                detail += f" (known effect and part tags include {sorted(self.effect_types)!r})"
+                detail += f" (registered effect tags: {sorted(self.effect_types)!r})"
             raise StoredDataError(
                 f"invariant 8 (stored data is data): {kind} in {where} does not validate: {detail}"
             ) from exc
         except msgspec.DecodeError as exc:
             raise StoredDataError(
                 f"invariant 8 (stored data is data): {kind} in {where} is not valid JSON: {exc}"
+            ) from exc
+        except RecursionError as exc:
+            raise StoredDataError(
+                f"invariant 8 (stored data is data): {kind} in {where} is nested too deeply "
+                "to decode"
             ) from exc

@@ -206,13 +206,17 @@ class UpdateData(Effect, frozen=True, tag="update_data"):
     def apply(self, session: Session[Any]) -> Session[Any]:
         data = session.data
         data_type = type(data)
-        fields = set(data_type.__struct_fields__)
-        unknown = sorted(set(self.changes) - fields)
+        # Changes use Python field names; the encoded form may rename fields.
+        encoded_names = {f.name: f.encode_name for f in msgspec.structs.fields(data_type)}
+        unknown = sorted(set(self.changes) - set(encoded_names))
         if unknown:
             raise EffectError(
                 f"{data_type.__name__} of session {session.id!r} has no fields {unknown!r}"
             )
-        merged = {**msgspec.to_builtins(data), **self.changes}
+        merged = {
+            **msgspec.to_builtins(data),
+            **{encoded_names[name]: value for name, value in self.changes.items()},
+        }
         try:
             new_data = msgspec.convert(merged, data_type)
         except msgspec.ValidationError as exc:

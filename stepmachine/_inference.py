@@ -22,11 +22,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ReasoningDelta, TextDelta, ToolArgumentsDelta
 from ._errors import ContextLengthError
 from ._history import check_history, open_tool_calls
-from ._messages import Message, Part, ReasoningPart, TextPart
+from ._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart
 from ._model import ModelRequest, ModelSettings, PromptPart, ReasoningChunk, StreamChunk, TextChunk
 from ._session import Session
 from ._steps import Continue, Inference, Outcome, Refuse, StepContext, Yield, YieldReason
@@ -49,6 +51,20 @@ def needs_answer(conversation: Sequence[Message]) -> bool:
                 return False
             return not open_tool_calls(conversation)
     return False
+
+
+def _without_notes(parts: tuple[Part, ...]) -> tuple[Part, ...]:
+    """The parts with any notes on tool calls removed.
+
+    Notes record what operations did (approvals, the journal); a model must
+    never be able to write one, or a reply could approve its own call.
+    """
+    if not any(isinstance(p, ToolCallPart) and p.notes for p in parts):
+        return parts
+    return tuple(
+        msgspec.structs.replace(p, notes={}) if isinstance(p, ToolCallPart) and p.notes else p
+        for p in parts
+    )
 
 
 class _Partial:
@@ -121,7 +137,7 @@ class ModelInference(Inference[Any]):
             settings=self._settings,
         )
         for step in ctx.steps:
-            request = step.shape_request(session, request)
+            request = step.shape_request(ctx, request)
         if request.messages is not visible:
             check_history(request.messages, session_id=session.id)
         partial = _Partial()
@@ -165,7 +181,10 @@ class ModelInference(Inference[Any]):
             "revision": session.revision,
         }
         message = Message(
-            id=ctx.new_id(), role="assistant", parts=response.parts, notes={self._name: note}
+            id=ctx.new_id(),
+            role="assistant",
+            parts=_without_notes(response.parts),
+            notes={self._name: note},
         )
         effects = [AppendMessage(message)]
         if message.tool_calls:

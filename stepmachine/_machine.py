@@ -11,9 +11,10 @@ A cycle:
 
 State is the session (invariant 1): the machine keeps nothing between cycles
 that affects a decision. After a successful apply the next cycle starts from
-the session the batch produced locally, which is exactly the stored one: the
-compare-and-set proved that nobody wrote in between, and applying effects is
-pure. On a conflict the machine reloads and re-steps (at most
+the session the effect handler returns (the stored view, decoded from what it
+wrote), or, for a handler that returns ``None``, from the batch applied
+locally -- the same value: the compare-and-set proved that nobody wrote in
+between, and applying effects is pure. On a conflict the machine reloads and re-steps (at most
 ``max_conflicts`` times per run) and never overwrites.
 
 Cancellation. When the machine's :class:`CancelToken` fires, the running step
@@ -571,7 +572,7 @@ class StateMachine(Generic[D]):
     ) -> Session[D]:
         after = apply_batch(session, effects)
         handler: EffectHandler = runtime.effect_handler()
-        await handler.apply(
+        stored = await handler.apply(
             Batch(
                 session_id=session.id,
                 revision=after.revision,
@@ -581,7 +582,7 @@ class StateMachine(Generic[D]):
                 effects=tuple(effects),
             )
         )
-        return after
+        return after if stored is None else stored
 
     def _log_cycle(
         self,

@@ -67,14 +67,14 @@ class Runtime:
 
     def session_loader(self) -> SessionLoader:
         """The loader to use. Raises :class:`ConfigurationError` if there is none."""
-        loader = self.loader or self.store
+        loader = self.loader if self.loader is not None else self.store
         if loader is None:
             raise ConfigurationError("the Runtime has no store or loader")
         return loader
 
     def effect_handler(self) -> EffectHandler:
         """The handler to use. Raises :class:`ConfigurationError` if there is none."""
-        handler = self.handler or self.store
+        handler = self.handler if self.handler is not None else self.store
         if handler is None:
             raise ConfigurationError("the Runtime has no store or effect handler")
         return handler

@@ -275,7 +275,7 @@ class Operation(Protocol[D]):
         """
         ...
 
-    def shape_request(self, session: Session[D], request: ModelRequest) -> ModelRequest:
+    def shape_request(self, ctx: StepContext[D], request: ModelRequest) -> ModelRequest:
         """Adjust a model request before it is sent; default: unchanged.
 
         Inference steps pass every request through every step's

@@ -48,8 +48,16 @@ class SessionLoader(Protocol):
 class EffectHandler(Protocol):
     """Persists batches of effects, atomically, with compare-and-set."""
 
-    async def apply(self, batch: Batch[Effect]) -> None:
+    async def apply(self, batch: Batch[Effect]) -> Session[Any] | None:
         """Persist ``batch`` if the session is at ``batch.revision - 1``.
+
+        Returns:
+            The session after the batch exactly as a later load will give it
+            (decoded from what was stored), or ``None`` if the handler does not
+            compute it; the machine then applies the effects itself. Returning
+            the stored view keeps a long-lived machine and a fresh one reading
+            the store on the same values even where encoding normalises data
+            (tuples come back as lists from JSON).
 
         Raises:
             ConflictError: the session is at another revision; nothing is written.
@@ -115,7 +123,7 @@ class Store(SessionLoader, EffectHandler, Protocol):
 async def submit(
     store: Store,
     session_id: str,
-    effects: Sequence[Effect],
+    effects: Sequence[Effect] | Callable[[Session[Any]], Sequence[Effect]],
     *,
     step: str = "application",
     clock: Callable[[], float] = time.time,
@@ -125,6 +133,9 @@ async def submit(
 
     Loads the session, applies the effects to it and persists them as one
     batch; on a conflict, reloads and tries again, up to ``max_attempts``.
+    Pass a function of the session instead of a list to compute (and
+    validate) the effects again from each freshly loaded session, so a
+    decision is re-checked rather than written over a change it did not see.
 
     Returns:
         The session after the batch.
@@ -133,22 +144,25 @@ async def submit(
         ConflictError: still conflicting after ``max_attempts``.
         EffectError: the effects do not apply to the session.
     """
+    if max_attempts < 1:
+        raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
     for attempt in range(max_attempts):
         session = await store.load(session_id)
-        after = apply_batch(session, effects)
+        batch_effects = tuple(effects(session) if callable(effects) else effects)
+        after = apply_batch(session, batch_effects)
         batch: Batch[Effect] = Batch(
             session_id=session_id,
             revision=after.revision,
             step=step,
             cycle=0,
             timestamp=clock(),
-            effects=tuple(effects),
+            effects=batch_effects,
         )
         try:
-            await store.apply(batch)
+            stored = await store.apply(batch)
         except ConflictError:
             if attempt == max_attempts - 1:
                 raise
             continue
-        return after
+        return after if stored is None else stored
     raise AssertionError("unreachable")  # pragma: no cover

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import anyio
+import msgspec
 
 from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ToolFinished, ToolStarted
@@ -211,8 +212,15 @@ class Tools(Operation[Any]):
         if call.name not in self._tools:
             known = ", ".join(sorted(d.name for d in ctx.tools)) or "none"
             return _error(call, f"unknown tool {call.name!r}; available tools: {known}")
+        try:
+            msgspec.json.decode(call.raw_arguments)
+        except msgspec.DecodeError:
+            return _error(
+                call, f"the arguments for {call.name!r} are not valid JSON: {call.raw_arguments!r}"
+            )
         return _error(
-            call, f"the arguments for {call.name!r} are not valid JSON: {call.raw_arguments!r}"
+            call,
+            f"the arguments for {call.name!r} must be a JSON object, got {call.raw_arguments!r}",
         )
 
     async def _record_intents(self, ctx: StepContext[Any], calls: Sequence[ToolCallPart]) -> None:

@@ -127,7 +127,7 @@ class Tool:
         self.fn = fn
         self.side_effects: SideEffects = side_effects
         self.timeout = timeout
-        self.name: str = name or fn.__name__
+        self.name: str = name or str(getattr(fn, "__name__", ""))
         doc = inspect.getdoc(fn) or ""
         self.description: str = description or doc.split("\n\n", 1)[0].strip()
         self.is_async = inspect.iscoroutinefunction(fn)
@@ -229,6 +229,10 @@ def tool(
 def _arguments_struct(
     fn: Callable[..., Any], tool_name: str
 ) -> tuple[str | None, type[msgspec.Struct]]:
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+        raise ConfigurationError(
+            f"tool {tool_name!r}: a tool is made from a plain function or method, got {fn!r}"
+        )
     try:
         hints = inspect.get_annotations(fn, eval_str=True)
     except Exception as exc:
@@ -241,6 +245,11 @@ def _arguments_struct(
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ConfigurationError(
                 f"tool {tool_name!r}: *args and **kwargs have no schema ({param.name!r})"
+            )
+        if param.kind is param.POSITIONAL_ONLY:
+            raise ConfigurationError(
+                f"tool {tool_name!r}: parameter {param.name!r} is positional-only; tools are "
+                "called with keyword arguments"
             )
         if param.name not in hints:
             raise ConfigurationError(

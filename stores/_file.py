@@ -335,8 +335,10 @@ class FileStore:
     def _load_work(self, fd: int, session_id: str) -> Session[Any]:
         return self._current(fd, session_id)[0].session
 
-    async def apply(self, batch: Batch[Effect]) -> None:
+    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
         """Append ``batch`` if the session is at ``batch.revision - 1``; all or nothing.
+
+        Returns the session after the batch, as a load would give it.
 
         Under the session's exclusive file lock: read what other writers
         appended, compare-and-set the revision, check that the batch encodes,
@@ -365,7 +367,7 @@ class FileStore:
         A crash mid-write leaves a torn final record, which the next load
         ignores and the next apply removes.
         """
-        await self._locked(
+        return await self._locked(
             batch.session_id, exclusive=True, work=lambda fd, sid: self._apply_work(fd, sid, batch)
         )
 
@@ -460,7 +462,7 @@ class FileStore:
 
     # -- worker-thread bodies -----------------------------------------------------
 
-    def _apply_work(self, fd: int, session_id: str, batch: Batch[Effect]) -> None:
+    def _apply_work(self, fd: int, session_id: str, batch: Batch[Effect]) -> Session[Any]:
         self._boundary("apply.locked")
         cached, torn = self._current(fd, session_id)
         current = cached.session
@@ -496,6 +498,7 @@ class FileStore:
             isinstance(effect, ReplaceConversation) for effect in stored.effects
         ):
             self._write_snapshot(session_id, cached.nonce, after, end)
+        return after
 
     def _write_new_log(
         self, session_id: str, log_path: str, records: list[bytes], session: Session[Any]

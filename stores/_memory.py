@@ -87,8 +87,10 @@ class MemoryStore:
         await anyio.lowlevel.checkpoint()
         return self._entry(session_id).current
 
-    async def apply(self, batch: Batch[Effect]) -> None:
+    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
         """Append ``batch`` if the session is at ``batch.revision - 1``; all or nothing.
+
+        Returns the session after the batch, rebuilt from the stored copy.
 
         Raises:
             ConflictError: the session is at another revision.
@@ -107,6 +109,7 @@ class MemoryStore:
         after = apply_batch(entry.current, stored.effects)
         entry.batches.append(encoded)
         entry.current = after
+        return after
 
     async def list_sessions(self) -> list[str]:
         """The ids of all sessions, sorted."""

@@ -304,8 +304,10 @@ class SQLiteStore:
 
         return await self._run(run)
 
-    async def apply(self, batch: Batch[Effect]) -> None:
+    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
         """Append ``batch`` if the session is at ``batch.revision - 1``; all rows or none.
+
+        Returns the session after the batch, as a load would give it.
 
         The effects are encoded and decoded back, then applied to the current
         session before anything is written, so nothing invalid is stored. The
@@ -337,7 +339,7 @@ class SQLiteStore:
         replaces = any(isinstance(effect, ReplaceConversation) for effect in effects)
         batch_bytes = sum(len(body) for body in bodies)
 
-        def run(connection: sqlite3.Connection) -> None:
+        def run(connection: sqlite3.Connection) -> Session[Any]:
             with transaction(connection, write=True):
                 self._hook("apply.begin")
                 row = self._row(connection, session_id)
@@ -360,8 +362,9 @@ class SQLiteStore:
                 self._hook("apply.inserted")
             self._remember(row.sid, after)
             self._hook("apply.committed")
+            return after
 
-        await self._run(run)
+        return await self._run(run)
 
     async def list_sessions(self) -> list[str]:
         """The ids of all sessions, sorted."""

@@ -248,11 +248,6 @@ def test_wrong_batch_and_session_fields() -> None:
         CODEC.decode_data(b'{"count":[]}', where="data of 's'")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernel bug: deeply nested JSON makes msgspec raise RecursionError, which "
-    "Codec._decode does not catch, so it escapes as a bare RecursionError naming no record",
-)
 def test_deeply_nested_record_raises_stored_data_error() -> None:
     depth = 5000
     buf = (

@@ -275,11 +275,6 @@ class CamelData(msgspec.Struct, frozen=True, rename="camel"):
     my_field: int = 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernel bug: UpdateData merges python field names into to_builtins() output, "
-    "which uses the renamed (encoded) names, so updates to a renamed field are silently lost",
-)
 def test_update_data_on_renamed_fields() -> None:
     session = make_session(data=CamelData())
     after = UpdateData.set(my_field=2).apply(session)

@@ -87,11 +87,6 @@ class EmptyLoader:
         raise NotImplementedError
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernel bug: Runtime.session_loader/effect_handler use `self.loader or self.store`, "
-    "so a falsy loader/handler (e.g. one defining __len__ == 0) is ignored",
-)
 def test_a_falsy_loader_is_still_used() -> None:
     loader = EmptyLoader()
     assert Runtime(loader=loader).session_loader() is loader  # type: ignore[arg-type]

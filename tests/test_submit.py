@@ -152,11 +152,6 @@ async def test_submit_on_a_store_with_history_produces_the_next_revision() -> No
     assert [b.revision for b in await store.batches("s1")] == [1, 2, 3]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="questionable: submit(max_attempts=0) never tries and falls through to "
-    "`raise AssertionError('unreachable')` instead of refusing the argument",
-)
 async def test_submit_refuses_zero_attempts_clearly() -> None:
     store = await new_store()
     with pytest.raises((ValueError, StepmachineError)):

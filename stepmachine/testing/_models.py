@@ -7,6 +7,7 @@ response whether or not a chunk sink is given (invariant 9).
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -66,7 +67,13 @@ def call(*calls: tuple[str, dict[str, Any]] | ToolCallPart, text: str = "") -> M
     )
 
 
-def _number_calls(response: ModelResponse, turn: int) -> ModelResponse:
+def _history_key(request: ModelRequest) -> str:
+    """A short digest of the request's message ids: the same history, the same key."""
+    ids = "\x00".join(m.id for m in request.messages)
+    return hashlib.sha256(ids.encode()).hexdigest()[:10]
+
+
+def _number_calls(response: ModelResponse, turn: int | str) -> ModelResponse:
     parts: list[Part] = []
     index = 0
     changed = False
@@ -186,8 +193,9 @@ class FunctionModel:
 
     Stateless unless ``fn`` keeps state: the natural choice for tests where a
     fresh process or a fresh machine must get the same answer for the same
-    history. Tool calls without ids get ``call-<n>-<index>`` where ``n`` is the
-    number of assistant messages in the request.
+    history. Tool calls without ids get ``call-<key>-<index>`` where ``key`` is
+    a digest of the request's message ids: the same history gives the same
+    ids, and different histories (also after a compaction) different ones.
     """
 
     def __init__(
@@ -215,8 +223,7 @@ class FunctionModel:
         self.calls += 1
         result = self._fn(request)
         response = await result if inspect.isawaitable(result) else result
-        turn = sum(1 for m in request.messages if m.role == "assistant")
-        response = _number_calls(response, turn)
+        response = _number_calls(response, _history_key(request))
         if on_chunk is not None:
             await stream_response(response, on_chunk, self._chunk_size)
         return response
