@@ -1,9 +1,100 @@
 """Built-in operations, installed as ``stepmachine.operations``.
 
-The kernel ships the :class:`~stepmachine.Tools` operation and the
-:class:`~stepmachine.ModelInference` step. Policy operations (tool journal,
-approval, compaction, budgets, invalid-call recovery, external events,
-structured output, history guard) live here as they land.
+Compose them with the kernel's steps. The first applicable step wins each
+cycle, so order matters; a typical list::
+
+    [
+        ExternalEvents(...),      # deliver webhook / steering events first
+        HistoryGuard(),           # repair a broken history before anything reads it
+        Approval(policy),         # yield for decisions before tools run
+        InvalidCalls(policy),     # answer or re-prompt malformed calls before Tools sees them
+        Budget(per_run=Limits(model_calls=20)),  # yield before a call that would overspend
+        Tools([...]),             # run approved, valid calls (journaled)
+        Compaction(...),          # shorten the history before the next request
+        ModelInference(...),      # or StructuredOutput(T, inference=ModelInference(...))
+    ]
+
+Guards that must hold whatever the order (approval, tool-call budgets) are
+also enforced through ``Operation.check_call``, which the Tools step asks
+every step before running a call; budgets cap every request through
+``Operation.shape_request``. Every decision is persisted as an effect (notes
+on messages and tool calls), so a fresh machine in a new process decides the
+same. Operations use only kernel effects: no codec registration is needed.
 """
 
-__all__: list[str] = []
+from ._approval import (
+    APPROVED,
+    DENIED,
+    Approval,
+    ApprovalError,
+    ApprovalPolicy,
+    PendingCall,
+    always_allowed,
+    approve,
+    deny,
+    recorded_decision,
+)
+from ._budget import (
+    FEEDBACK,
+    SUPERSEDES,
+    Budget,
+    BudgetExhaustedError,
+    BudgetUsage,
+    Limits,
+    budget_usage,
+    turn_start,
+)
+from ._events import (
+    EventReceipt,
+    ExternalEvent,
+    ExternalEvents,
+    consumed_events,
+    pending_events,
+    submit_event,
+    wait_for,
+)
+from ._invalid_calls import (
+    INVALID_TOOL_CALL,
+    CallProblem,
+    InvalidCalls,
+    InvalidToolCallError,
+    schema_errors,
+)
+from ._output import OUTPUT_INVALID, NoOutputError, StructuredOutput, read_output
+
+__all__ = [
+    "APPROVED",
+    "DENIED",
+    "FEEDBACK",
+    "INVALID_TOOL_CALL",
+    "OUTPUT_INVALID",
+    "SUPERSEDES",
+    "Approval",
+    "ApprovalError",
+    "ApprovalPolicy",
+    "Budget",
+    "BudgetExhaustedError",
+    "BudgetUsage",
+    "CallProblem",
+    "EventReceipt",
+    "ExternalEvent",
+    "ExternalEvents",
+    "InvalidCalls",
+    "InvalidToolCallError",
+    "Limits",
+    "NoOutputError",
+    "PendingCall",
+    "StructuredOutput",
+    "always_allowed",
+    "approve",
+    "budget_usage",
+    "consumed_events",
+    "deny",
+    "pending_events",
+    "read_output",
+    "recorded_decision",
+    "schema_errors",
+    "submit_event",
+    "turn_start",
+    "wait_for",
+]

@@ -1,7 +1,6 @@
 """MemoryStore passes the store conformance suite (and nothing more is special)."""
 
 from stepmachine.stores import MemoryStore
-
 from stepmachine.testing.conformance import StoreConformance
 
 

@@ -1,0 +1,433 @@
+"""Budgets: exact limits on model calls, tokens and tool calls (invariant 7).
+
+:class:`Budget` enforces :class:`Limits` over three scopes:
+
+* ``per_run`` -- since the current ``run()`` began (``ctx.run_start_revision``);
+* ``per_turn`` -- since the last user message (feedback messages that
+  operations append to re-prompt the model, marked with :data:`FEEDBACK`
+  notes, do not start a turn);
+* ``per_session`` -- the whole stored conversation.
+
+Everything is counted from the session, never from memory (invariant 1):
+
+* **model calls**: the ``attempts`` that ``ModelInference`` records in the
+  notes of each assistant message (any notes namespace holding an integer
+  ``"attempts"``), hidden messages included (a retried answer was still a
+  call). A message is in the run when its recorded ``revision`` is
+  ``>= ctx.run_start_revision``. An assistant message kept after an
+  interrupted request counts as one call (per turn and per session).
+  Copies of assistant messages made by other operations (for example a
+  repaired tool call) carry :data:`SUPERSEDES` notes and are not counted
+  twice.
+* **tokens**: the ``usage`` in the same notes (``input_tokens``,
+  ``output_tokens``, ``total_tokens`` = input + output).
+* **tool calls**: the tool calls in assistant messages visible to the model
+  that are in the scope (per run: asked for by the model during this run),
+  except the ones this budget refused.
+
+Behaviour, when offered a cycle (``run``):
+
+* the conversation needs a model answer and a model-call or token limit is
+  exhausted: ``Yield`` with reason ``budget_exhausted``, no effects; ``data``
+  says which limit (``{"scope", "limit", "allowed", "used"}``);
+* tool calls are open, every one of them is over a tool-call limit: each is
+  answered with an error result ("not executed: tool-call budget
+  exhausted"), the call is noted ``{"refused": ...}`` in this step's
+  namespace, and the run yields ``budget_exhausted``. While some open calls
+  are within the limit it refuses, so the tool step runs those first;
+* otherwise ``Refuse``.
+
+Guards that hold whatever the order of the steps:
+
+* ``check_call``: a tool call over a tool-call limit is objected to, so no
+  tool step runs it.
+* ``shape_request``: every model request gets ``max_attempts`` = the model
+  calls left (so an adapter that retries cannot overshoot: retries count),
+  and ``settings.max_tokens`` capped by the output/total tokens left. With
+  ``offer_remaining=True`` a prompt part tells the model what is left.
+  Should no call be left (the budget was placed after inference), it raises
+  :class:`BudgetExhaustedError` rather than send the request.
+
+Token limits are checked before each call; the call that crosses a token
+limit completes (its size is capped through ``max_tokens`` only for output
+tokens). A model call that failed after retries (``ModelError``) records no
+message, so its attempts are not in the session: per-run budgets are exact
+(the run ends with the error), per-turn and per-session ones cannot see them.
+
+Placement: before ``ModelInference`` (and before ``Tools``), so it can yield
+before a request is built; ``shape_request`` and ``check_call`` guard the
+limits whatever the order.
+
+Cancellation: nothing to finalize; the budget decides from the session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import msgspec
+
+from stepmachine import (
+    Annotate,
+    AppendMessage,
+    Effect,
+    Message,
+    ModelRequest,
+    Operation,
+    Outcome,
+    PromptPart,
+    Refuse,
+    Session,
+    StepContext,
+    StepmachineError,
+    ToolCallPart,
+    ToolResultPart,
+    Yield,
+    YieldReason,
+    needs_answer,
+    open_tool_calls,
+)
+
+__all__ = [
+    "FEEDBACK",
+    "SUPERSEDES",
+    "Budget",
+    "BudgetExhaustedError",
+    "BudgetUsage",
+    "Limits",
+    "budget_usage",
+    "turn_start",
+]
+
+FEEDBACK: Final = "stepmachine.feedback"
+"""Notes namespace marking a user message an operation appended to re-prompt the model.
+
+Such messages do not start a new user turn (per-turn budgets, retry counts).
+The value is ``{"by": <operation name>}``.
+"""
+
+SUPERSEDES: Final = "stepmachine.supersedes"
+"""Notes namespace on an assistant message that replaces a hidden original.
+
+The value is ``{"message_id": <original id>}``; budgets count the original's
+model calls and tokens, not the copy's.
+"""
+
+Scope = Literal["run", "turn", "session"]
+LimitName = Literal["model_calls", "input_tokens", "output_tokens", "total_tokens", "tool_calls"]
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """Limits for one scope; ``None`` means unlimited.
+
+    Attributes:
+        model_calls: model attempts (first tries plus retries).
+        input_tokens: input tokens reported by the provider.
+        output_tokens: output tokens reported by the provider.
+        total_tokens: input plus output tokens.
+        tool_calls: tool calls the model asked for.
+    """
+
+    model_calls: int | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    total_tokens: int | None = None
+    tool_calls: int | None = None
+
+
+class BudgetExhaustedError(StepmachineError):
+    """A model request was about to be sent with no model call left (invariant 7).
+
+    Only raised when the :class:`Budget` step could not yield first, i.e. it
+    is placed after the inference step.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetUsage:
+    """What one scope has used so far.
+
+    Attributes:
+        model_calls: model attempts.
+        input_tokens, output_tokens: token counts.
+        tool_calls: the counted tool calls, oldest first.
+    """
+
+    model_calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    tool_calls: tuple[str, ...] = ()
+
+    @property
+    def total_tokens(self) -> int:
+        """Input plus output tokens."""
+        return self.input_tokens + self.output_tokens
+
+    def used(self, limit: LimitName) -> int:
+        """The amount used of ``limit``."""
+        if limit == "tool_calls":
+            return len(self.tool_calls)
+        value: int = getattr(self, limit)
+        return value
+
+
+def turn_start(conversation: Sequence[Message]) -> int:
+    """Index of the last user message visible to the model that starts a turn (-1 if none).
+
+    User messages marked with :data:`FEEDBACK` notes do not start a turn.
+    """
+    for index in range(len(conversation) - 1, -1, -1):
+        message = conversation[index]
+        if message.role == "user" and message.visible_to_model and FEEDBACK not in message.notes:
+            return index
+    return -1
+
+
+def _inference_note(message: Message) -> dict[str, Any] | None:
+    for values in message.notes.values():
+        if isinstance(values.get("attempts"), int):
+            return values
+    return None
+
+
+def budget_usage(
+    session: Session[Any], scope: Scope, *, run_start_revision: int = 0, refused_by: str = "budget"
+) -> BudgetUsage:
+    """Count what ``scope`` of ``session`` has used (see the module docs for the rules).
+
+    ``refused_by`` names the budget step whose refused tool calls are not
+    counted.
+    """
+    conversation = session.conversation
+    start = turn_start(conversation) if scope == "turn" else -1
+    calls = input_tokens = output_tokens = 0
+    tool_calls: list[str] = []
+    for index, message in enumerate(conversation):
+        if message.role != "assistant" or index <= start:
+            continue
+        note = _inference_note(message)
+        if scope == "run":
+            revision = note.get("revision") if note is not None else None
+            if not isinstance(revision, int) or revision < run_start_revision:
+                continue
+        if SUPERSEDES not in message.notes:
+            if note is not None:
+                calls += int(note["attempts"])
+                usage = note.get("usage") or {}
+                input_tokens += int(usage.get("input_tokens", 0))
+                output_tokens += int(usage.get("output_tokens", 0))
+            elif any(v.get("interrupted") for v in message.notes.values()):
+                calls += 1
+        if message.visible_to_model:
+            tool_calls.extend(
+                call.call_id
+                for call in message.tool_calls
+                if not call.notes.get(refused_by, {}).get("refused")
+            )
+    return BudgetUsage(calls, input_tokens, output_tokens, tuple(tool_calls))
+
+
+_LIMIT_NAMES: Final[tuple[LimitName, ...]] = (
+    "model_calls",
+    "input_tokens",
+    "output_tokens",
+    "total_tokens",
+    "tool_calls",
+)
+_MODEL_LIMITS: Final[tuple[LimitName, ...]] = _LIMIT_NAMES[:4]
+
+
+def _scoped(
+    per_run: Limits | None, per_turn: Limits | None, per_session: Limits | None
+) -> tuple[tuple[Scope, Limits | None], ...]:
+    return (("run", per_run), ("turn", per_turn), ("session", per_session))
+
+
+class Budget(Operation[Any]):
+    """Yields with ``budget_exhausted`` when a limit is reached; see the module docs.
+
+    Args:
+        per_run: limits since the current ``run()`` began.
+        per_turn: limits since the last user message.
+        per_session: limits over the whole session.
+        offer_remaining: add a prompt part telling the model what is left.
+        name: the step name and notes namespace.
+    """
+
+    def __init__(
+        self,
+        *,
+        per_run: Limits | None = None,
+        per_turn: Limits | None = None,
+        per_session: Limits | None = None,
+        offer_remaining: bool = False,
+        name: str = "budget",
+    ) -> None:
+        self._scopes: tuple[tuple[Scope, Limits], ...] = tuple(
+            (scope, limits)
+            for scope, limits in _scoped(per_run, per_turn, per_session)
+            if limits is not None
+        )
+        self._offer = offer_remaining
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    # -- counting -------------------------------------------------------------------
+
+    def _usage(self, session: Session[Any], scope: Scope, run_start: int) -> BudgetUsage:
+        return budget_usage(session, scope, run_start_revision=run_start, refused_by=self._name)
+
+    def remaining(self, session: Session[Any], run_start_revision: int) -> dict[str, int]:
+        """What is left of each limited quantity, over all scopes (the minimum)."""
+        left: dict[str, int] = {}
+        for scope, limits in self._scopes:
+            usage = self._usage(session, scope, run_start_revision)
+            for limit in _LIMIT_NAMES:
+                allowed = getattr(limits, limit)
+                if allowed is not None:
+                    value = max(allowed - usage.used(limit), 0)
+                    left[limit] = min(left.get(limit, value), value)
+        return left
+
+    def _exhausted(
+        self, session: Session[Any], run_start: int, limits_of: Sequence[LimitName]
+    ) -> dict[str, Any] | None:
+        for scope, limits in self._scopes:
+            usage = self._usage(session, scope, run_start)
+            for limit in limits_of:
+                allowed = getattr(limits, limit)
+                if allowed is not None and usage.used(limit) >= allowed:
+                    return {
+                        "scope": scope,
+                        "limit": limit,
+                        "allowed": allowed,
+                        "used": usage.used(limit),
+                    }
+        return None
+
+    def _objection(self, session: Session[Any], run_start: int, call_id: str) -> str | None:
+        for scope, limits in self._scopes:
+            if limits.tool_calls is None:
+                continue
+            counted = self._usage(session, scope, run_start).tool_calls
+            if call_id in counted and counted.index(call_id) >= limits.tool_calls:
+                return f"not executed: tool-call budget exhausted ({limits.tool_calls} per {scope})"
+        return None
+
+    # -- hooks ----------------------------------------------------------------------
+
+    def check_call(self, ctx: StepContext[Any], call: ToolCallPart) -> str | None:
+        """Object to a call that is over a tool-call limit."""
+        return self._objection(ctx.session, ctx.run_start_revision, call.call_id)
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        session = ctx.session
+        run_start = ctx.run_start_revision
+
+        open_calls = open_tool_calls(session.conversation)
+        if open_calls:
+            objections = {
+                c.call_id: self._objection(session, run_start, c.call_id) for c in open_calls
+            }
+            if any(reason is None for reason in objections.values()):
+                return Refuse("some open tool calls are within the budget")
+            return self._refuse_calls(ctx, open_calls, objections)
+        if needs_answer(session.conversation):
+            exhausted = self._exhausted(session, run_start, _MODEL_LIMITS)
+            if exhausted is not None:
+                return Yield(
+                    [],
+                    YieldReason(
+                        YieldReason.BUDGET_EXHAUSTED,
+                        f"{exhausted['limit']} budget per {exhausted['scope']} exhausted "
+                        f"({exhausted['used']} of {exhausted['allowed']})",
+                        exhausted,
+                    ),
+                )
+        return Refuse("within budget")
+
+    def _refuse_calls(
+        self,
+        ctx: StepContext[Any],
+        calls: Sequence[ToolCallPart],
+        objections: dict[str, str | None],
+    ) -> Outcome:
+        where = {
+            call.call_id: message.id
+            for message in ctx.session.conversation
+            if message.visible_to_model
+            for call in message.tool_calls
+        }
+        effects: list[Effect] = []
+        for call in calls:
+            reason = objections[call.call_id] or ""
+            effects.append(
+                Annotate(where[call.call_id], self._name, {"refused": reason}, call_id=call.call_id)
+            )
+            effects.append(
+                AppendMessage(
+                    Message(
+                        id=ctx.new_id(),
+                        role="tool",
+                        parts=(
+                            ToolResultPart(
+                                call_id=call.call_id, content=reason, is_error=True, name=call.name
+                            ),
+                        ),
+                        notes={self._name: {"refused": call.call_id}},
+                    )
+                )
+            )
+        return Yield(
+            effects,
+            YieldReason(
+                YieldReason.BUDGET_EXHAUSTED,
+                "tool-call budget exhausted",
+                {"limit": "tool_calls", "calls": [c.call_id for c in calls]},
+            ),
+        )
+
+    def shape_request(self, ctx: StepContext[Any], request: ModelRequest) -> ModelRequest:
+        """Cap ``max_attempts`` and ``max_tokens`` by what is left; offer it if asked.
+
+        Raises:
+            BudgetExhaustedError: no model call is left (the budget was placed
+                after inference, so it could not yield first).
+        """
+        session, run_start = ctx.session, ctx.run_start_revision
+        left = self.remaining(session, run_start)
+        if not left:
+            return request
+        changes: dict[str, Any] = {}
+        exhausted = self._exhausted(session, run_start, _MODEL_LIMITS)
+        if exhausted is not None:
+            raise BudgetExhaustedError(
+                f"invariant 7 (exact budgets): session {session.id!r} has no model call left "
+                f"({exhausted}); place Budget before the inference step so it can yield"
+            )
+        if "model_calls" in left:
+            current = request.max_attempts
+            changes["max_attempts"] = (
+                left["model_calls"] if current is None else min(current, left["model_calls"])
+            )
+        token_cap = min(
+            (left[k] for k in ("output_tokens", "total_tokens") if k in left), default=None
+        )
+        if token_cap is not None:
+            current_max = request.settings.max_tokens
+            capped = token_cap if current_max is None else min(current_max, token_cap)
+            changes["settings"] = msgspec.structs.replace(request.settings, max_tokens=capped)
+        if self._offer:
+            text = "Budget remaining: " + ", ".join(
+                f"{value} {limit.replace('_', ' ')}" for limit, value in left.items()
+            )
+            changes["prompt_parts"] = (
+                *request.prompt_parts,
+                PromptPart(source=self._name, text=text),
+            )
+        return msgspec.structs.replace(request, **changes) if changes else request

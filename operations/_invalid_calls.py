@@ -1,0 +1,637 @@
+"""Invalid tool calls: detect them before any runs, and apply a policy per case.
+
+:class:`InvalidCalls` looks at the latest assistant message visible to the
+model whose tool calls are not all answered, and finds, per call:
+
+* ``"unknown_tool"`` -- the name is advertised by no step (``ctx.tools``);
+* ``"invalid_json"`` -- the raw arguments are not valid JSON
+  (:func:`stepmachine.effective_arguments` is ``None``);
+* ``"invalid_arguments"`` -- the arguments fail the tool's schema. With
+  ``tools=`` given, those :class:`~stepmachine.Tool` objects validate exactly
+  (``Tool.validate``, msgspec); every other tool is checked against its
+  advertised JSON schema (``ToolDefinition.parameters``) by a small checker
+  covering ``type``, ``required``, ``properties``, ``additionalProperties``,
+  ``enum``, ``const``, ``items``, ``anyOf``/``oneOf``/``allOf``, ``$ref``
+  into ``$defs`` and numeric/length bounds; anything else is accepted (the
+  tool step validates exactly again before running);
+* ``"duplicate_id"`` -- the call id repeats within the message or repeats an
+  earlier call visible to the model.
+
+``policy`` (one for every case, or a mapping per case; missing cases use
+``"retry"``) says what happens. When several problems are present the most
+severe action wins: fail > stop > retry > skip > repair.
+
+* ``"fail"``: raise :class:`InvalidToolCallError`; nothing is written.
+* ``"stop"``: annotate the message ``{"action": "stop", "problems": [...]}``
+  and yield with reason ``invalid_tool_call`` (``data["problems"]``).
+* ``"retry"``: hide the message from the model (``SetVisibility``), annotate
+  it, and append a feedback user message (visible to the model, hidden from
+  the user, marked with :data:`~stepmachine.operations._budget.FEEDBACK`)
+  that explains each problem; ``Continue`` -- the model answers again, which
+  is another model call, so a :class:`Budget` counts it. After
+  ``max_retries`` retries in one user turn the action becomes ``"stop"``.
+* ``"skip"``: answer every open call of the message with an error result
+  (the bad ones explain their problem, the others say they were not run
+  because another call of the turn was invalid); ``Continue``.
+* ``"repair"``: unknown names close to exactly one advertised name are
+  renamed (case/separator-insensitive match, else ``difflib`` similarity),
+  invalid JSON wrapped in code fences or with trailing commas is cleaned,
+  duplicate ids get fresh ids. The repaired calls are re-validated; if any
+  problem cannot be repaired, ``repair_fallback`` (default ``"retry"``)
+  applies instead. A repair hides the original message (from model and
+  user), annotates it ``{"action": "repair", "replaced_by": ...}`` and
+  appends a corrected copy that keeps the original's notes (usage, attempts),
+  marked with :data:`~stepmachine.operations._budget.SUPERSEDES` so budgets
+  do not count the call twice, plus ``{"repaired_from", "repairs"}`` in this
+  step's namespace. Tool names cannot be changed through notes, hence a copy.
+
+Retry, repair and skip need every call of the message still unanswered
+(true when this step runs before the tool step); if some were already
+answered, retry and repair become skip, which keeps the history valid.
+
+Duplicate ids under ``"skip"`` are first given fresh ids (a copy, as for
+repair), because one result cannot answer two calls validly.
+
+Guards: ``check_call`` objects to every invalid call, so no tool step runs
+one whatever the order of the steps.
+
+Placement: before ``Approval`` and ``Tools`` (it decides before anything
+asks a human or runs), after ``Budget``, and after a standalone
+``StructuredOutput`` (which answers its own output call, invalid or not).
+
+Cancellation: nothing to finalize; decisions are single batches.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal, TypeAlias
+
+import msgspec
+
+from stepmachine import (
+    Annotate,
+    AppendMessage,
+    ConfigurationError,
+    Continue,
+    Effect,
+    Message,
+    Operation,
+    Outcome,
+    Refuse,
+    SetVisibility,
+    StepContext,
+    StepmachineError,
+    TextPart,
+    Tool,
+    ToolArgumentsError,
+    ToolCallPart,
+    ToolDefinition,
+    ToolResultPart,
+    Yield,
+    YieldReason,
+    effective_arguments,
+)
+
+from ._budget import FEEDBACK, SUPERSEDES, turn_start
+
+__all__ = [
+    "INVALID_TOOL_CALL",
+    "CallProblem",
+    "InvalidCalls",
+    "InvalidToolCallError",
+    "schema_errors",
+]
+
+Case: TypeAlias = Literal["unknown_tool", "invalid_json", "invalid_arguments", "duplicate_id"]
+Policy: TypeAlias = Literal["fail", "retry", "repair", "skip", "stop"]
+
+CASES: Final[tuple[Case, ...]] = (
+    "unknown_tool",
+    "invalid_json",
+    "invalid_arguments",
+    "duplicate_id",
+)
+_POLICIES: Final[tuple[Policy, ...]] = ("repair", "skip", "retry", "stop", "fail")  # by severity
+
+INVALID_TOOL_CALL: Final = "invalid_tool_call"
+"""The yield reason kind of the ``"stop"`` policy."""
+
+
+class InvalidToolCallError(StepmachineError):
+    """The model made invalid tool calls and the policy is ``"fail"``.
+
+    Attributes:
+        problems: what was wrong, one :class:`CallProblem` per case found.
+    """
+
+    def __init__(self, message: str, problems: Sequence[CallProblem]) -> None:
+        super().__init__(message)
+        self.problems = tuple(problems)
+
+
+@dataclass(frozen=True, slots=True)
+class CallProblem:
+    """One thing wrong with one tool call."""
+
+    call_id: str
+    name: str
+    case: Case
+    detail: str
+
+    def as_note(self) -> dict[str, str]:
+        """The problem as JSON builtins, for notes and yield data."""
+        return {
+            "call_id": self.call_id,
+            "name": self.name,
+            "case": self.case,
+            "detail": self.detail,
+        }
+
+
+# -- a small JSON-schema checker -------------------------------------------------------
+
+_JSON_TYPES: Final[dict[str, tuple[type, ...]]] = {
+    "object": (dict,),
+    "array": (list, tuple),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "null": (type(None),),
+}
+
+
+def _type_ok(value: Any, name: str) -> bool:
+    if name in ("integer", "number") and isinstance(value, bool):
+        return False
+    if name == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _JSON_TYPES.get(name, (object,)))
+
+
+def schema_errors(
+    value: Any, schema: Mapping[str, Any], root: Mapping[str, Any] | None = None, path: str = "$"
+) -> list[str]:
+    """Reasons ``value`` does not match ``schema`` (empty: it matches, as far as checked).
+
+    Covers the keywords listed in the module docs; others are ignored.
+    """
+    root = schema if root is None else root
+    if "$ref" in schema:
+        ref = str(schema["$ref"])
+        target: Any = root
+        for key in ref.removeprefix("#/").split("/") if ref.startswith("#/") else ():
+            target = target.get(key, {}) if isinstance(target, Mapping) else {}
+        return schema_errors(value, target, root, path)
+    errors: list[str] = []
+    types = schema.get("type")
+    if types is not None:
+        names = [types] if isinstance(types, str) else list(types)
+        if not any(_type_ok(value, n) for n in names):
+            return [f"{path}: expected {' or '.join(names)}, got {type(value).__name__}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} is not one of {schema['enum']!r}")
+    if "const" in schema and value != schema["const"]:
+        errors.append(f"{path}: expected {schema['const']!r}")
+    for key, alternatives in (("anyOf", "any"), ("oneOf", "one")):
+        if key in schema:
+            matching = [s for s in schema[key] if not schema_errors(value, s, root, path)]
+            if not matching:
+                errors.append(f"{path}: matches none of the {alternatives}Of alternatives")
+    for sub in schema.get("allOf", ()):
+        errors.extend(schema_errors(value, sub, root, path))
+    if isinstance(value, dict):
+        properties: Mapping[str, Any] = schema.get("properties", {})
+        errors.extend(
+            f"{path}: missing required property {k!r}"
+            for k in schema.get("required", ())
+            if k not in value
+        )
+        extra = schema.get("additionalProperties", True)
+        for key, item in value.items():
+            if key in properties:
+                errors.extend(schema_errors(item, properties[key], root, f"{path}.{key}"))
+            elif extra is False:
+                errors.append(f"{path}: unexpected property {key!r}")
+            elif isinstance(extra, Mapping):
+                errors.extend(schema_errors(item, extra, root, f"{path}.{key}"))
+    if isinstance(value, list | tuple) and isinstance(schema.get("items"), Mapping):
+        for index, item in enumerate(value):
+            errors.extend(schema_errors(item, schema["items"], root, f"{path}[{index}]"))
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        bounds = (
+            ("minimum", value >= schema.get("minimum", value)),
+            ("maximum", value <= schema.get("maximum", value)),
+            (
+                "exclusiveMinimum",
+                "exclusiveMinimum" not in schema or value > schema["exclusiveMinimum"],
+            ),
+            (
+                "exclusiveMaximum",
+                "exclusiveMaximum" not in schema or value < schema["exclusiveMaximum"],
+            ),
+        )
+        errors.extend(
+            f"{path}: {value!r} violates {key} {schema[key]!r}" for key, ok in bounds if not ok
+        )
+    if isinstance(value, str | list | tuple):
+        low, high = (
+            ("minLength", "maxLength") if isinstance(value, str) else ("minItems", "maxItems")
+        )
+        if low in schema and len(value) < schema[low]:
+            errors.append(f"{path}: shorter than {schema[low]}")
+        if high in schema and len(value) > schema[high]:
+            errors.append(f"{path}: longer than {schema[high]}")
+    return errors
+
+
+# -- repairs ---------------------------------------------------------------------------
+
+_FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
+_TRAILING_COMMA = re.compile(r",\s*([}\]])")
+
+
+def _repair_json(raw: str) -> Any:
+    """Arguments parsed from a slightly broken JSON string, or ``None``."""
+    text = raw
+    fenced = _FENCE.match(text)
+    if fenced:
+        text = fenced.group(1)
+    text = _TRAILING_COMMA.sub(r"\1", text)
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return None
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[\s_\-.]", "", name).lower()
+
+
+def _repair_name(name: str, known: Sequence[str]) -> str | None:
+    exact = [k for k in known if _normalise(k) == _normalise(name)]
+    if len(exact) == 1:
+        return exact[0]
+    close = difflib.get_close_matches(name, known, n=2, cutoff=0.8)
+    if len(close) == 1:
+        return close[0]
+    return None
+
+
+# -- the operation ---------------------------------------------------------------------
+
+
+class InvalidCalls(Operation[Any]):
+    """Finds invalid tool calls and applies a policy per case; see the module docs.
+
+    Args:
+        policy: one policy for every case, or a mapping case -> policy
+            (missing cases: ``"retry"``).
+        tools: ``Tool`` objects whose ``validate`` checks their arguments
+            exactly; other tools are checked against their JSON schema.
+        max_retries: retries per user turn before ``"retry"`` becomes ``"stop"``.
+        repair_fallback: the action when a ``"repair"`` case cannot be repaired.
+        name: the step name and notes namespace.
+
+    Raises:
+        ConfigurationError: an unknown case or policy.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | Mapping[Case, Policy] = "retry",
+        *,
+        tools: Iterable[Tool] = (),
+        max_retries: int = 2,
+        repair_fallback: Policy = "retry",
+        name: str = "invalid_calls",
+    ) -> None:
+        if isinstance(policy, str):
+            policies: dict[Case, Policy] = dict.fromkeys(CASES, policy)
+        else:
+            unknown = sorted(set(policy) - set(CASES))
+            if unknown:
+                raise ConfigurationError(f"unknown invalid-call cases {unknown!r}; use {CASES!r}")
+            policies = {**dict.fromkeys(CASES, "retry"), **policy}
+        for value in (*policies.values(), repair_fallback):
+            if value not in _POLICIES:
+                raise ConfigurationError(f"unknown policy {value!r}; use one of {_POLICIES!r}")
+        if repair_fallback == "repair":
+            raise ConfigurationError("repair_fallback cannot be 'repair'")
+        self._policies = policies
+        self._tools = {t.name: t for t in tools}
+        self._max_retries = max_retries
+        self._fallback: Policy = repair_fallback
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    # -- finding problems -------------------------------------------------------------
+
+    def _target(self, conversation: Sequence[Message]) -> tuple[int, Message] | None:
+        """The latest visible assistant message with tool calls, if one of them is open."""
+        for index in range(len(conversation) - 1, -1, -1):
+            message = conversation[index]
+            if not message.visible_to_model or message.role != "assistant":
+                continue
+            if not message.tool_calls:
+                return None
+            answered = _answered_after(conversation, index)
+            if all(c.call_id in answered for c in message.tool_calls):
+                return None
+            return index, message
+        return None
+
+    def problems(
+        self,
+        conversation: Sequence[Message],
+        index: int,
+        definitions: Sequence[ToolDefinition],
+        *,
+        open_only: bool = True,
+    ) -> list[CallProblem]:
+        """Every problem of the calls of ``conversation[index]`` (unanswered ones only)."""
+        message = conversation[index]
+        earlier = {
+            c.call_id for m in conversation[:index] if m.visible_to_model for c in m.tool_calls
+        }
+        answered = _answered_after(conversation, index) if open_only else set()
+        schemas = {d.name: d.parameters for d in definitions}
+        found: list[CallProblem] = []
+        counts: dict[str, int] = {}
+        for call in message.tool_calls:
+            counts[call.call_id] = counts.get(call.call_id, 0) + 1
+        for call in message.tool_calls:
+            if call.call_id in earlier or counts[call.call_id] > 1:
+                where = "an earlier call" if call.call_id in earlier else "another call"
+                found.append(
+                    CallProblem(
+                        call.call_id, call.name, "duplicate_id", f"the call id repeats {where}"
+                    )
+                )
+            if call.call_id in answered:
+                continue
+            found.extend(self._call_problems(call, schemas))
+        return found
+
+    def _call_problems(
+        self, call: ToolCallPart, schemas: Mapping[str, Mapping[str, Any]]
+    ) -> list[CallProblem]:
+        if call.name not in schemas:
+            known = ", ".join(sorted(schemas)) or "none"
+            detail = f"unknown tool {call.name!r}; available tools: {known}"
+            return [CallProblem(call.call_id, call.name, "unknown_tool", detail)]
+        arguments = effective_arguments(call)
+        if arguments is None:
+            detail = f"the arguments are not valid JSON: {call.raw_arguments!r}"
+            return [CallProblem(call.call_id, call.name, "invalid_json", detail)]
+        impl = self._tools.get(call.name)
+        if impl is not None:
+            try:
+                impl.validate(arguments)
+            except ToolArgumentsError as exc:
+                return [CallProblem(call.call_id, call.name, "invalid_arguments", str(exc))]
+            return []
+        errors = schema_errors(arguments, schemas[call.name])
+        if errors:
+            detail = f"invalid arguments for tool {call.name!r}: " + "; ".join(errors)
+            return [CallProblem(call.call_id, call.name, "invalid_arguments", detail)]
+        return []
+
+    def check_call(self, ctx: StepContext[Any], call: ToolCallPart) -> str | None:
+        """Object to a call with a problem, so no tool step runs it."""
+        target = self._target(ctx.session.conversation)
+        if target is None:
+            return None
+        for problem in self.problems(ctx.session.conversation, target[0], ctx.tools):
+            if problem.call_id == call.call_id:
+                return f"invalid tool call ({problem.case}): {problem.detail}"
+        return None
+
+    # -- deciding ---------------------------------------------------------------------
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        conversation = ctx.session.conversation
+        target = self._target(conversation)
+        if target is None:
+            return Refuse("no unanswered tool calls")
+        index, message = target
+        found = self.problems(conversation, index, ctx.tools)
+        if not found:
+            return Refuse("every tool call is valid")
+        action = max((self._policies[p.case] for p in found), key=_POLICIES.index)
+        answered = _answered_after(conversation, index)
+        partly_answered = any(c.call_id in answered for c in message.tool_calls)
+        repaired: Message | None = None
+        if action == "repair":
+            repaired = None if partly_answered else self._repair(ctx, message, found)
+            if repaired is None:
+                action = self._fallback
+        if action == "retry" and partly_answered:
+            action = "skip"
+        if action == "retry" and self._retries(conversation) >= self._max_retries:
+            action = "stop"
+        notes = [p.as_note() for p in found]
+        if action == "fail":
+            raise InvalidToolCallError(
+                f"invalid tool calls in message {message.id!r} of session {ctx.session.id!r}: "
+                + "; ".join(f"{p.call_id} ({p.case}): {p.detail}" for p in found),
+                found,
+            )
+        if action == "stop":
+            effects: list[Effect] = []
+            if message.notes.get(self._name, {}).get("action") != "stop":
+                effects.append(
+                    Annotate(message.id, self._name, {"action": "stop", "problems": notes})
+                )
+            return Yield(
+                effects,
+                YieldReason(
+                    INVALID_TOOL_CALL,
+                    f"invalid tool calls in message {message.id!r}",
+                    {"message_id": message.id, "problems": notes},
+                ),
+            )
+        if action == "retry":
+            return Continue(self._retry(ctx, message, found))
+        if action == "repair" and repaired is not None:
+            return Continue(self._replace(message, repaired, found, "repair"))
+        return Continue(self._skip(ctx, message, found, partly_answered))
+
+    def _retries(self, conversation: Sequence[Message]) -> int:
+        start = turn_start(conversation)
+        return sum(
+            1
+            for m in conversation[start + 1 :]
+            if m.role == "assistant" and m.notes.get(self._name, {}).get("action") == "retry"
+        )
+
+    def _retry(
+        self, ctx: StepContext[Any], message: Message, found: Sequence[CallProblem]
+    ) -> list[Effect]:
+        lines = "\n".join(f"- call {p.call_id!r} to {p.name!r}: {p.detail}" for p in found)
+        text = (
+            "Your previous reply was not carried out because it contained invalid tool calls:\n"
+            f"{lines}\nPlease reply again with valid tool calls."
+        )
+        feedback = Message(
+            id=ctx.new_id(),
+            role="user",
+            parts=(TextPart(text),),
+            notes={
+                self._name: {"feedback_for": message.id, "problems": [p.as_note() for p in found]},
+                FEEDBACK: {"by": self._name},
+            },
+            visible_to_user=False,
+        )
+        return [
+            SetVisibility((message.id,), to_model=False),
+            Annotate(
+                message.id,
+                self._name,
+                {"action": "retry", "problems": [p.as_note() for p in found]},
+            ),
+            AppendMessage(feedback),
+        ]
+
+    def _repair(
+        self, ctx: StepContext[Any], message: Message, found: Sequence[CallProblem]
+    ) -> Message | None:
+        """A corrected copy of ``message``, or ``None`` when some problem cannot be repaired."""
+        known = [d.name for d in ctx.tools]
+        bad = {(p.call_id, p.case) for p in found}
+        parts: list[Any] = []
+        repairs: list[dict[str, str]] = []
+        for part in message.parts:
+            if not isinstance(part, ToolCallPart):
+                parts.append(part)
+                continue
+            call = part
+            if (call.call_id, "unknown_tool") in bad:
+                new_name = _repair_name(call.name, known)
+                if new_name is None:
+                    return None
+                repairs.append({"call_id": call.call_id, "renamed": f"{call.name} -> {new_name}"})
+                call = msgspec.structs.replace(call, name=new_name)
+            if (call.call_id, "invalid_json") in bad:
+                arguments = _repair_json(call.raw_arguments)
+                if arguments is None:
+                    return None
+                repairs.append({"call_id": call.call_id, "arguments": "cleaned invalid JSON"})
+                call = ToolCallPart.of(call.call_id, call.name, arguments)
+            if (call.call_id, "invalid_arguments") in bad:
+                return None
+            if (call.call_id, "duplicate_id") in bad:
+                new_id = f"{call.call_id}~{ctx.new_id()}"
+                repairs.append({"call_id": call.call_id, "new_id": new_id})
+                call = msgspec.structs.replace(call, call_id=new_id)
+            parts.append(call)
+        copy = Message(
+            id=ctx.new_id(),
+            role="assistant",
+            parts=tuple(parts),
+            notes={
+                **message.notes,
+                SUPERSEDES: {"message_id": message.id},
+                self._name: {"repaired_from": message.id, "repairs": repairs},
+            },
+        )
+        conversation = (*ctx.session.conversation, copy)
+        hidden = tuple(
+            msgspec.structs.replace(m, visible_to_model=False) if m.id == message.id else m
+            for m in conversation
+        )
+        if self.problems(hidden, len(hidden) - 1, ctx.tools):
+            return None  # re-validation failed
+        return copy
+
+    def _replace(
+        self, message: Message, copy: Message, found: Sequence[CallProblem], action: str
+    ) -> list[Effect]:
+        return [
+            SetVisibility((message.id,), to_model=False, to_user=False),
+            Annotate(
+                message.id,
+                self._name,
+                {
+                    "action": action,
+                    "replaced_by": copy.id,
+                    "problems": [p.as_note() for p in found],
+                },
+            ),
+            AppendMessage(copy),
+        ]
+
+    def _skip(
+        self,
+        ctx: StepContext[Any],
+        message: Message,
+        found: Sequence[CallProblem],
+        partly_answered: bool,
+    ) -> list[Effect]:
+        effects: list[Effect] = []
+        target = message
+        if any(p.case == "duplicate_id" for p in found) and not partly_answered:
+            parts: list[Any] = [
+                msgspec.structs.replace(part, call_id=f"{part.call_id}~{ctx.new_id()}")
+                if isinstance(part, ToolCallPart)
+                else part
+                for part in message.parts
+            ]
+            target = Message(
+                id=ctx.new_id(),
+                role="assistant",
+                parts=tuple(parts),
+                notes={**message.notes, SUPERSEDES: {"message_id": message.id}},
+            )
+            effects.extend(self._replace(message, target, found, "skip"))
+        else:
+            effects.append(
+                Annotate(
+                    message.id,
+                    self._name,
+                    {"action": "skip", "problems": [p.as_note() for p in found]},
+                )
+            )
+        conversation = ctx.session.conversation
+        answered = _answered_after(conversation, conversation.index(message))
+        details: dict[str, list[str]] = {}
+        for problem in found:
+            details.setdefault(problem.call_id, []).append(problem.detail)
+        done: set[str] = set()
+        original_ids = [c.call_id for c in message.tool_calls]
+        for original_id, call in zip(original_ids, target.tool_calls, strict=True):
+            if call.call_id in done or (target is message and call.call_id in answered):
+                continue
+            done.add(call.call_id)
+            if original_id in details:
+                content = "not executed: invalid tool call: " + "; ".join(details[original_id])
+            else:
+                content = "not executed: another tool call of this turn was invalid"
+            effects.append(
+                AppendMessage(
+                    Message(
+                        id=ctx.new_id(),
+                        role="tool",
+                        parts=(
+                            ToolResultPart(
+                                call_id=call.call_id, content=content, is_error=True, name=call.name
+                            ),
+                        ),
+                        notes={self._name: {"skipped": call.call_id}},
+                    )
+                )
+            )
+        return effects
+
+
+def _answered_after(conversation: Sequence[Message], index: int) -> set[str]:
+    return {
+        r.call_id for m in conversation[index + 1 :] if m.visible_to_model for r in m.tool_results
+    }

@@ -1,0 +1,436 @@
+"""Structured output: a final answer typed by a msgspec type, validated, stored, returned.
+
+:class:`StructuredOutput` asks the model for a value of ``output_type`` in one
+of three modes:
+
+* ``"tool"`` -- it advertises a synthetic output tool (``tool_name``, default
+  ``final_result``) whose parameters are the type's JSON schema (wrapped in
+  ``{"response": ...}`` when the type is not an object). When the model calls
+  it, this step answers the call itself: no tool step ever runs it, because
+  ``check_call`` objects to it and a tool step leaves calls of tools it does
+  not own and another step advertises alone. Other calls in the same message
+  are objected to too, and answered "not executed: the final result was
+  given" (the run ends early, as the model asked).
+* ``"native"`` -- ``shape_request`` sets ``request.output_schema`` and
+  ``output_name``; the final assistant text is validated as JSON.
+* ``"prompted"`` -- a prompt part gives the schema; the final text (optionally
+  in a fenced code block) is validated as JSON.
+
+A valid value is stored as JSON builtins in the notes of the final message
+(the assistant message holding the text or the output call), namespace
+``name``: ``{"output": ..., "mode": ...}``, and the step yields
+``done`` with ``data={"output": ...}``. :func:`read_output` returns the typed
+value from a stored session. Calling ``run()`` again without a new user
+message yields the same ``done`` again (no model call).
+
+An invalid output is re-prompted: in tool mode an error result answers the
+output call; otherwise the message is noted ``{"error": ...}`` and a feedback
+user message (marked :data:`~stepmachine.operations._budget.FEEDBACK`, hidden
+from the user) explains the error. Each re-prompt is a model call, so a
+:class:`Budget` before inference counts and limits it. After ``max_retries``
+re-prompts in one user turn the step yields ``output_invalid`` with the
+errors (nothing more is asked of the model until a new user message).
+
+Placement and the final text reply. ``ModelInference`` yields ``done`` as
+soon as the model replies without tool calls, so a step placed before it
+sees that reply only on the next ``run()``. Two ways to compose:
+
+* ``StructuredOutput(T, mode, inference=ModelInference(...))`` in place of the
+  inference step (recommended, required for ``native`` and ``prompted`` to
+  validate within the run): it calls the wrapped inference, and validates
+  the reply before it is stored, re-prompting or finishing in the same run.
+* ``StructuredOutput(T, "tool")`` standalone, before ``Tools`` and the
+  inference step: the output call is handled within the run; a plain text
+  reply ends that run ``done`` without output and is re-prompted by the next
+  ``run()``.
+
+In both, place it after ``Budget``. Standalone, place it before
+``InvalidCalls`` too: it answers an invalid output call itself with an error
+result the model can read; ``InvalidCalls`` then leaves the answered call
+alone. Wrapping inference (so listed after ``InvalidCalls``), an invalid
+output call meets the ``InvalidCalls`` policy for ``invalid_arguments``
+first (``"retry"`` re-prompts too; both count against a budget).
+
+Cancellation: the wrapped inference's ``finalize`` keeps partial text;
+otherwise decisions are single batches.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, Final, Generic, Literal, TypeVar
+
+import msgspec
+
+from stepmachine import (
+    Annotate,
+    AppendMessage,
+    ConfigurationError,
+    Continue,
+    Effect,
+    Inference,
+    Message,
+    ModelRequest,
+    Operation,
+    Outcome,
+    PromptPart,
+    Refuse,
+    Session,
+    StepContext,
+    StepmachineError,
+    TextPart,
+    ToolCallPart,
+    ToolDefinition,
+    ToolResultPart,
+    Yield,
+    YieldReason,
+    effective_arguments,
+    open_tool_calls,
+)
+
+from ._budget import FEEDBACK, turn_start
+
+__all__ = ["OUTPUT_INVALID", "NoOutputError", "StructuredOutput", "read_output"]
+
+T = TypeVar("T")
+
+OUTPUT_INVALID: Final = "output_invalid"
+"""The yield reason kind when the model's output failed validation ``max_retries`` times."""
+
+_FENCE = re.compile(r"^\s*```[a-zA-Z]*\s*(.*?)\s*```\s*$", re.DOTALL)
+_WRAP_KEY = "response"
+
+
+class NoOutputError(StepmachineError, LookupError):
+    """The session holds no validated output under this name."""
+
+
+def read_output(session: Session[Any], output_type: type[T], name: str = "output") -> T:
+    """The latest validated output stored in ``session`` by the step ``name``, typed.
+
+    Raises:
+        NoOutputError: no message carries an output in that namespace.
+        msgspec.ValidationError: the stored value does not fit ``output_type``.
+    """
+    for message in reversed(session.conversation):
+        note = message.notes.get(name, {})
+        if "output" in note:
+            return msgspec.json.decode(msgspec.json.encode(note["output"]), type=output_type)
+    raise NoOutputError(f"session {session.id!r} holds no output from step {name!r}")
+
+
+def _schema(output_type: Any) -> dict[str, Any]:
+    (ref,), components = msgspec.json.schema_components(
+        [output_type], ref_template="#/$defs/{name}"
+    )
+    if "$ref" in ref:
+        top = ref["$ref"].rsplit("/", 1)[-1]
+        schema = dict(components.pop(top))
+    else:
+        schema = dict(ref)
+    if components:
+        schema["$defs"] = components
+    return schema
+
+
+class StructuredOutput(Operation[Any], Generic[T]):
+    """Gets a final answer of ``output_type`` from the model; see the module docs.
+
+    Args:
+        output_type: any type msgspec can decode (Struct, dataclass, list, ...).
+        mode: ``"tool"``, ``"native"`` or ``"prompted"``.
+        inference: an inference step to wrap (recommended; see module docs).
+        max_retries: re-prompts per user turn before yielding ``output_invalid``.
+        tool_name: the output tool's name (tool mode); also ``output_name``
+            of native requests.
+        description: the output tool's description.
+        name: the step name and notes namespace.
+
+    Raises:
+        ConfigurationError: unknown mode, or the type has no JSON schema.
+    """
+
+    def __init__(
+        self,
+        output_type: type[T],
+        mode: Literal["tool", "native", "prompted"] = "tool",
+        *,
+        inference: Inference[Any] | None = None,
+        max_retries: int = 2,
+        tool_name: str = "final_result",
+        description: str = "Give the final answer. Call this once, when you are done.",
+        name: str = "output",
+    ) -> None:
+        if mode not in ("tool", "native", "prompted"):
+            raise ConfigurationError(f"mode must be 'tool', 'native' or 'prompted', got {mode!r}")
+        try:
+            self.schema = _schema(output_type)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"output type {output_type!r} has no JSON schema: {exc}"
+            ) from exc
+        self.output_type = output_type
+        self.mode = mode
+        self._inference = inference
+        self._max_retries = max_retries
+        self._tool_name = tool_name
+        self._name = name
+        self._wrapped = self.schema.get("type") != "object"
+        parameters = (
+            {
+                "type": "object",
+                "properties": {_WRAP_KEY: self.schema},
+                "required": [_WRAP_KEY],
+                "additionalProperties": False,
+            }
+            if self._wrapped
+            else self.schema
+        )
+        self._definition = ToolDefinition(tool_name, description, parameters)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    # -- what the model is told ---------------------------------------------------------
+
+    def tools(self, session: Session[Any]) -> Sequence[ToolDefinition]:
+        own = (self._definition,) if self.mode == "tool" else ()
+        inner = tuple(self._inference.tools(session)) if self._inference is not None else ()
+        return (*inner, *own)
+
+    def prompt_parts(self, session: Session[Any]) -> Sequence[PromptPart]:
+        inner = tuple(self._inference.prompt_parts(session)) if self._inference else ()
+        if self.mode == "tool":
+            text = f"When you have the final answer, call the `{self._tool_name}` tool with it."
+        elif self.mode == "prompted":
+            schema = msgspec.json.encode(self.schema).decode()
+            text = (
+                "Give your final answer as a single JSON value, with no other text, matching "
+                f"this JSON schema:\n{schema}"
+            )
+        else:
+            return inner
+        return (*inner, PromptPart(source=self._name, text=text))
+
+    def shape_request(self, ctx: StepContext[Any], request: ModelRequest) -> ModelRequest:
+        if self.mode != "native":
+            return request
+        return msgspec.structs.replace(
+            request, output_schema=self.schema, output_name=self._tool_name
+        )
+
+    # -- validation ---------------------------------------------------------------------
+
+    def _validate_value(self, value: Any) -> tuple[Any, str | None]:
+        try:
+            typed = msgspec.json.decode(msgspec.json.encode(value), type=self.output_type)
+        except (msgspec.ValidationError, TypeError) as exc:
+            return None, str(exc)
+        return msgspec.to_builtins(typed), None
+
+    def _validate_call(self, call: ToolCallPart) -> tuple[Any, str | None]:
+        arguments = effective_arguments(call)
+        if arguments is None:
+            return None, f"the arguments are not valid JSON: {call.raw_arguments!r}"
+        if self._wrapped:
+            if not isinstance(arguments, dict) or _WRAP_KEY not in arguments:
+                return None, f"expected an object with the key {_WRAP_KEY!r}"
+            arguments = arguments[_WRAP_KEY]
+        return self._validate_value(arguments)
+
+    def _validate_text(self, text: str) -> tuple[Any, str | None]:
+        fenced = _FENCE.match(text)
+        body = fenced.group(1) if fenced else text.strip()
+        try:
+            raw = msgspec.json.decode(body)
+        except msgspec.DecodeError as exc:
+            return None, f"the reply is not valid JSON: {exc}"
+        return self._validate_value(raw)
+
+    def _retries(self, conversation: Sequence[Message]) -> int:
+        start = turn_start(conversation)
+        return sum(1 for m in conversation[start + 1 :] if "error" in m.notes.get(self._name, {}))
+
+    # -- hooks --------------------------------------------------------------------------
+
+    def _output_call(self, session: Session[Any]) -> tuple[Message, ToolCallPart] | None:
+        """The first open output call, with its message."""
+        open_ids = {c.call_id for c in open_tool_calls(session.conversation)}
+        for message in reversed(session.conversation):
+            if not message.visible_to_model or message.role != "assistant":
+                continue
+            for call in message.tool_calls:
+                if call.name == self._tool_name and call.call_id in open_ids:
+                    return message, call
+            return None
+        return None
+
+    def check_call(self, ctx: StepContext[Any], call: ToolCallPart) -> str | None:
+        """The output call is answered here; with a valid one, its siblings are not run."""
+        if self.mode != "tool":
+            return None
+        if call.name == self._tool_name:
+            return f"the output tool {self._tool_name!r} is answered by {self._name!r}"
+        found = self._output_call(ctx.session)
+        if (
+            found is not None
+            and any(c.call_id == call.call_id for c in found[0].tool_calls)
+            and self._validate_call(found[1])[1] is None
+        ):
+            return "not executed: the final result was given"
+        return None
+
+    # -- deciding -----------------------------------------------------------------------
+
+    def _done(self, effects: Sequence[Effect], output: Any) -> Yield:
+        return Yield(
+            effects, YieldReason(YieldReason.DONE, "structured output", {"output": output})
+        )
+
+    def _exhausted(self, effects: Sequence[Effect], error: str) -> Yield:
+        return Yield(
+            effects,
+            YieldReason(
+                OUTPUT_INVALID,
+                f"the output failed validation {self._max_retries + 1} times",
+                {"error": error},
+            ),
+        )
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        session = ctx.session
+        if self.mode == "tool":
+            found = self._output_call(session)
+            if found is not None:
+                return self._answer_output_call(ctx, *found)
+        settled = self._settled(session)
+        if settled is not None:
+            return settled
+        final = self._unchecked_final(session)
+        if final is not None:
+            return self._check_final(ctx, final, appended=True)
+        if self._inference is None:
+            return Refuse("no output to check")
+        outcome = await self._inference.run(ctx)
+        if not isinstance(outcome, Yield) or outcome.reason.kind != YieldReason.DONE:
+            return outcome
+        for index, effect in enumerate(outcome.effects):
+            if (
+                isinstance(effect, AppendMessage)
+                and effect.message.role == "assistant"
+                and not effect.message.tool_calls
+            ):
+                checked = self._check_final(ctx, effect.message, appended=False)
+                before = list(outcome.effects[:index])
+                after = list(outcome.effects[index + 1 :])
+                if isinstance(checked, Yield):
+                    return Yield([*before, *checked.effects, *after], checked.reason)
+                return Continue([*before, *checked.effects, *after])
+        return outcome
+
+    async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
+        """The wrapped inference keeps what it had received."""
+        if self._inference is None:
+            return ()
+        return await self._inference.finalize(ctx, interrupted=interrupted)
+
+    def _answer_output_call(
+        self, ctx: StepContext[Any], message: Message, call: ToolCallPart
+    ) -> Outcome:
+        output, error = self._validate_call(call)
+
+        def result(target: ToolCallPart, content: str, note: dict[str, Any]) -> AppendMessage:
+            part = ToolResultPart(
+                call_id=target.call_id,
+                content=content,
+                is_error=error is not None or target is not call,
+                name=target.name,
+            )
+            return AppendMessage(
+                Message(id=ctx.new_id(), role="tool", parts=(part,), notes={self._name: note})
+            )
+
+        if error is not None:
+            if self._retries(ctx.session.conversation) >= self._max_retries:
+                return self._exhausted([], error)
+            content = f"invalid final result: {error}. Call {self._tool_name!r} again, fixed."
+            return Continue([result(call, content, {"error": error, "call_id": call.call_id})])
+        effects: list[Effect] = [
+            Annotate(
+                message.id,
+                self._name,
+                {"output": output, "mode": "tool", "call_id": call.call_id},
+            ),
+            result(call, "Final result accepted.", {"accepted": call.call_id}),
+        ]
+        open_ids = {c.call_id for c in open_tool_calls(ctx.session.conversation)}
+        effects.extend(
+            result(other, "not executed: the final result was given", {"skipped": True})
+            for other in message.tool_calls
+            if other.call_id != call.call_id and other.call_id in open_ids
+        )
+        return self._done(effects, output)
+
+    def _settled(self, session: Session[Any]) -> Outcome | None:
+        """Re-yield a finished turn: ``done`` with its output, or ``output_invalid``."""
+        visible = session.visible_to_model
+        index = len(visible) - 1
+        while index >= 0 and visible[index].role == "tool":
+            index -= 1
+        if index < 0 or visible[index].role != "assistant":
+            return None
+        note = visible[index].notes.get(self._name, {})
+        if "output" in note:
+            return self._done([], note["output"])
+        if "error" in note and index == len(visible) - 1 and not visible[index].tool_calls:
+            return self._exhausted([], str(note["error"]))
+        return None
+
+    def _unchecked_final(self, session: Session[Any]) -> Message | None:
+        visible = session.visible_to_model
+        if not visible:
+            return None
+        last = visible[-1]
+        if last.role != "assistant" or last.tool_calls or self._name in last.notes:
+            return None
+        if any(v.get("interrupted") for v in last.notes.values()):
+            return None  # a cancelled reply is not a final answer
+        return last
+
+    def _check_final(
+        self, ctx: StepContext[Any], message: Message, *, appended: bool
+    ) -> Continue | Yield:
+        output: Any
+        error: str | None
+        if self.mode == "tool":
+            output, error = None, f"no call to the {self._tool_name!r} tool"
+            advice = f"Call the {self._tool_name!r} tool with your final answer."
+        else:
+            output, error = self._validate_text(message.text)
+            advice = "Reply with only a JSON value matching the schema."
+        note: dict[str, Any] = (
+            {"output": output, "mode": self.mode} if error is None else {"error": error}
+        )
+        effects: list[Effect] = (
+            [Annotate(message.id, self._name, note)]
+            if appended
+            else [
+                AppendMessage(
+                    msgspec.structs.replace(message, notes={**message.notes, self._name: note})
+                )
+            ]
+        )
+        if error is None:
+            return self._done(effects, output)
+        if self._retries(ctx.session.conversation) >= self._max_retries:
+            return self._exhausted(effects, error)
+        feedback = Message(
+            id=ctx.new_id(),
+            role="user",
+            parts=(TextPart(f"Your final answer was not valid: {error}. {advice}"),),
+            notes={self._name: {"feedback_for": message.id}, FEEDBACK: {"by": self._name}},
+            visible_to_user=False,
+        )
+        return Continue([*effects, AppendMessage(feedback)])

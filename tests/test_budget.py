@@ -1,0 +1,305 @@
+"""Budget: exact model-call budgets (invariant 7), tokens, tool calls, scopes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stepmachine import (
+    Message,
+    ModelError,
+    ModelInference,
+    ModelRequest,
+    ModelResponse,
+    Runtime,
+    StateMachine,
+    Store,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    Tools,
+    Usage,
+    YieldReason,
+    counter_ids,
+    history_problems,
+    tool,
+)
+from stepmachine.operations._budget import (
+    FEEDBACK,
+    SUPERSEDES,
+    Budget,
+    BudgetExhaustedError,
+    Limits,
+    budget_usage,
+)
+from stepmachine.stores import MemoryStore, SQLiteStore
+from stepmachine.testing import FunctionModel, ScriptedModel, call, make_session, reply, run_step
+
+
+def answered(
+    message_id: str,
+    *,
+    revision: int = 0,
+    attempts: int = 1,
+    tokens: tuple[int, int] = (10, 5),
+    calls: tuple[ToolCallPart, ...] = (),
+) -> Message:
+    """An assistant message as ModelInference records it."""
+    note = {
+        "usage": {"input_tokens": tokens[0], "output_tokens": tokens[1]},
+        "attempts": attempts,
+        "revision": revision,
+    }
+    parts: tuple[Any, ...] = calls or (TextPart("ok"),)
+    return Message(id=message_id, role="assistant", parts=parts, notes={"inference": note})
+
+
+def result(call_id: str, message_id: str) -> Message:
+    return Message(
+        id=message_id, role="tool", parts=(ToolResultPart(call_id=call_id, content="done"),)
+    )
+
+
+def user(text: str, message_id: str) -> Message:
+    return Message.user(text, id=message_id)
+
+
+@tool(side_effects="pure")
+def ping() -> str:
+    """Ping."""
+    return "pong"
+
+
+# -- single step ----------------------------------------------------------------------
+
+
+async def test_refuses_within_budget_and_yields_when_the_run_has_used_its_calls() -> None:
+    budget = Budget(per_run=Limits(model_calls=2))
+    within = make_session(user("hi", "u1"), answered("a1", revision=1), user("more", "u2"))
+    check = await run_step(budget, within)
+    assert check.refused
+    spent = make_session(
+        user("hi", "u1"), answered("a1", revision=1, attempts=2), user("more", "u2")
+    )
+    check = await run_step(budget, spent)
+    assert check.yielded
+    assert not check.effects
+    assert check.outcome.reason.kind == YieldReason.BUDGET_EXHAUSTED  # type: ignore[union-attr]
+    assert check.outcome.reason.data == {  # type: ignore[union-attr]
+        "scope": "run",
+        "limit": "model_calls",
+        "allowed": 2,
+        "used": 2,
+    }
+
+
+async def test_messages_of_earlier_runs_do_not_count_per_run() -> None:
+    session = make_session(
+        user("hi", "u1"), answered("a1", revision=1, attempts=5), user("more", "u2"), revision=3
+    )
+    usage = budget_usage(session, "run", run_start_revision=3)
+    assert usage.model_calls == 0
+    assert budget_usage(session, "session").model_calls == 5
+
+
+async def test_per_turn_counts_since_the_last_user_message_but_not_feedback() -> None:
+    feedback = Message(
+        id="f1", role="user", parts=(TextPart("try again"),), notes={FEEDBACK: {"by": "x"}}
+    )
+    hidden = msg_hidden(answered("a2", attempts=2))
+    session = make_session(
+        user("hi", "u1"), answered("a1", attempts=3), user("next", "u2"), hidden, feedback
+    )
+    assert budget_usage(session, "turn").model_calls == 2  # hidden retries still count
+    check = await run_step(Budget(per_turn=Limits(model_calls=2)), session)
+    assert check.yielded
+    assert check.outcome.reason.data["scope"] == "turn"  # type: ignore[union-attr]
+
+
+def msg_hidden(message: Message) -> Message:
+    return msgspec.structs.replace(message, visible_to_model=False)
+
+
+async def test_copies_marked_supersedes_are_not_counted_twice() -> None:
+    original = msg_hidden(answered("a1", attempts=2))
+    copy = answered("a2", attempts=2)
+
+    copy = msgspec.structs.replace(copy, notes={**copy.notes, SUPERSEDES: {"message_id": "a1"}})
+    session = make_session(user("hi", "u1"), original, copy)
+    assert budget_usage(session, "session").model_calls == 2
+
+
+async def test_token_limits() -> None:
+    session = make_session(user("hi", "u1"), answered("a1", tokens=(100, 40)), user("x", "u2"))
+    assert (await run_step(Budget(per_session=Limits(total_tokens=141)), session)).refused
+    check = await run_step(Budget(per_session=Limits(output_tokens=40)), session)
+    assert check.yielded
+    assert check.outcome.reason.data["limit"] == "output_tokens"  # type: ignore[union-attr]
+
+
+async def test_shape_request_caps_attempts_and_tokens_and_offers_what_is_left() -> None:
+    budget = Budget(
+        per_run=Limits(model_calls=5, output_tokens=100),
+        per_session=Limits(model_calls=4),
+        offer_remaining=True,
+    )
+    session = make_session(user("hi", "u1"), answered("a1", tokens=(1, 30)), user("x", "u2"))
+    check = await run_step(budget, session)
+    assert check.refused
+    request = budget.shape_request(check.ctx, ModelRequest(messages=session.conversation))
+    assert request.max_attempts == 3  # min(5 - 1, 4 - 1)
+    assert request.settings.max_tokens == 70
+    assert request.prompt_parts[-1].source == "budget"
+    assert "3 model calls" in request.prompt_parts[-1].text
+
+
+async def test_tool_calls_over_the_limit_are_objected_to_then_refused() -> None:
+    calls = tuple(ToolCallPart.of(f"c{i}", "ping", {}) for i in range(3))
+    session = make_session(user("hi", "u1"), answered("a1", calls=calls))
+    budget = Budget(per_turn=Limits(tool_calls=2))
+    tools = Tools([ping])
+    check = await run_step(budget, session, others=[tools])
+    assert check.refused  # c0, c1 may still run
+    assert [budget.check_call(check.ctx, c) is None for c in calls] == [True, True, False]
+    ran = await run_step(tools, session, others=[budget])
+    assert sorted(m.tool_results[0].call_id for m in ran.new_messages) == ["c0", "c1"]
+    runtime = Runtime(ids=counter_ids("b"))
+    check = await run_step(budget, ran.session, others=[tools], runtime=runtime)
+    assert check.yielded
+    assert check.outcome.reason.kind == YieldReason.BUDGET_EXHAUSTED  # type: ignore[union-attr]
+    refused = check.new_messages[0].tool_results[0]
+    assert refused.call_id == "c2"
+    assert refused.is_error
+    assert not history_problems(check.session.conversation)
+    assert check.session.conversation[1].tool_calls[2].notes["budget"]["refused"]
+
+
+async def test_placed_after_inference_it_raises_instead_of_sending() -> None:
+    session = make_session(user("hi", "u1"), answered("a1", revision=0), user("x", "u2"))
+    model = ScriptedModel(["never"])
+    inference = ModelInference()
+    with pytest.raises(BudgetExhaustedError, match="invariant 7"):
+        await run_step(
+            inference, session, model=model, others=[Budget(per_session=Limits(model_calls=1))]
+        )
+    assert model.requests == []
+
+
+# -- whole runs --------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    opened = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+def agent(budget: Budget) -> StateMachine[Any]:
+    return StateMachine([budget, Tools([ping]), ModelInference()])
+
+
+def always_ping(request: ModelRequest) -> ModelResponse:
+    return call(("ping", {}))
+
+
+async def test_a_run_stops_after_exactly_n_model_calls_and_the_next_run_gets_n_more(
+    store: Store,
+) -> None:
+    await store.create("s", conversation=[Message.user("go", id="u0")])
+    model = FunctionModel(always_ping)
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    report = await agent(Budget(per_run=Limits(model_calls=3))).run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.BUDGET_EXHAUSTED
+    assert model.calls == 3
+    report = await agent(Budget(per_run=Limits(model_calls=3))).run_report(runtime, "s")
+    assert model.calls == 6
+    assert not history_problems(report.session.conversation)
+    assert [r.step for r in report.results][-1] == "budget"
+
+
+async def test_tool_call_budget_in_a_whole_run(store: Store) -> None:
+    await store.create("s", conversation=[Message.user("go", id="u0")])
+    model = ScriptedModel([call(("ping", {}), ("ping", {}), ("ping", {})), "done"])
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    report = await agent(Budget(per_turn=Limits(tool_calls=2))).run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.BUDGET_EXHAUSTED
+    results = [r for m in report.session.conversation for r in m.tool_results]
+    assert [r.is_error for r in results] == [False, False, True]
+    report = await agent(Budget(per_turn=Limits(tool_calls=2))).run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.DONE  # the model sees the refusal and answers
+    model.assert_all_used()
+
+
+# -- invariant 7: property test ------------------------------------------------------------
+
+
+class RetryingModel:
+    """A model adapter that retries: each scripted turn needs ``k`` attempts to succeed.
+
+    It respects ``request.max_attempts``: with fewer attempts allowed it either
+    gives up (raises ModelError) or, if ``lenient``, returns after the last
+    allowed attempt. Every attempt is counted in ``made``.
+    """
+
+    def __init__(self, needs: list[int], *, lenient: bool) -> None:
+        self.needs = needs
+        self.turn = 0
+        self.made = 0
+        self.lenient = lenient
+
+    async def __call__(self, request: ModelRequest) -> ModelResponse:
+        need = self.needs[self.turn % len(self.needs)]
+        self.turn += 1
+        allowed = request.max_attempts if request.max_attempts is not None else need
+        attempts = min(need, allowed)
+        self.made += attempts
+        if attempts < need and not self.lenient:
+            raise ModelError(f"gave up after {attempts} attempts")
+        response = call(("ping", {})) if self.turn < len(self.needs) else reply("done")
+        return ModelResponse(
+            parts=response.parts, usage=Usage(1, 1), finish_reason="x", attempts=attempts
+        )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    budget=st.integers(min_value=1, max_value=8),
+    needs=st.lists(st.integers(min_value=1, max_value=3), min_size=1, max_size=8),
+    lenient=st.booleans(),
+    scope=st.sampled_from(["run", "turn"]),
+)
+async def test_exact_model_call_budgets(
+    budget: int, needs: list[int], lenient: bool, scope: str
+) -> None:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u0")])
+    fake = RetryingModel(needs, lenient=lenient)
+    runtime = Runtime(store=store, model=FunctionModel(fake), ids=counter_ids())
+    limits = Limits(model_calls=budget)
+    step = Budget(per_run=limits) if scope == "run" else Budget(per_turn=limits)
+    raised = False
+    try:
+        session = await agent(step).run(runtime, "s")
+    except ModelError:
+        raised = True
+        session = await store.load("s")
+    assert fake.made <= budget
+    wanted = sum(needs)
+    if not raised:
+        recorded = budget_usage(session, "session").model_calls
+        assert recorded == fake.made
+        assert fake.made == min(budget, wanted) or (fake.made < budget and fake.made == wanted)
+        if wanted > budget:
+            assert fake.made == budget

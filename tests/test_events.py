@@ -1,0 +1,258 @@
+"""ExternalEvents: waiting, submitting, and consuming every event exactly once, in order."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stepmachine import (
+    AppendMessage,
+    Message,
+    ModelInference,
+    ModelRequest,
+    ModelResponse,
+    Runtime,
+    Session,
+    StateMachine,
+    Store,
+    ToolCallPart,
+    YieldReason,
+    counter_ids,
+    history_problems,
+    submit,
+)
+from stepmachine.operations._events import (
+    ExternalEvents,
+    consumed_events,
+    pending_events,
+    submit_event,
+    wait_for,
+)
+from stepmachine.stores import MemoryStore, SQLiteStore
+from stepmachine.testing import FunctionModel, make_session, reply, run_step
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    opened = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+def event_message(event_id: str, kind: str, payload: Any, *, consumed: bool = False) -> Message:
+    note: dict[str, Any] = {
+        "event": {"id": event_id, "kind": kind, "payload": payload, "submitted_at": 1.0}
+    }
+    if consumed:
+        note["consumed"] = True
+    return Message(
+        id=f"events:{event_id}",
+        role="system",
+        parts=(),
+        notes={"events": note},
+        visible_to_model=False,
+        visible_to_user=False,
+    )
+
+
+def echo(request: ModelRequest) -> ModelResponse:
+    return reply(f"seen: {request.messages[-1].text}")
+
+
+# -- single step ---------------------------------------------------------------------------
+
+
+async def test_pending_events_are_consumed_in_order_in_one_batch() -> None:
+    session = make_session(
+        Message.assistant("hello", id="a0"),
+        event_message("e1", "message", "stop that"),
+        event_message("e2", "job_done", {"job": 7}),
+        event_message("e0", "old", None, consumed=True),
+    )
+    check = await run_step(ExternalEvents(), session)
+    assert check.continued
+    assert [m.text for m in check.new_messages] == [
+        "[event message] stop that",
+        '[event job_done] {"job":7}',
+    ]
+    assert pending_events(check.session) == []
+    assert [e.id for e in consumed_events(check.session)] == ["e1", "e2", "e0"]
+    assert check.session.message("events:e1").notes["events"]["delivered_as"] == "id1"  # type: ignore[union-attr]
+
+
+async def test_waits_on_a_marker_and_a_matching_event_satisfies_it() -> None:
+    rt = Runtime(ids=counter_ids("x"))
+    base = make_session(Message.user("start the job", id="u0"), Message.assistant("ok", id="a0"))
+    waiting = wait_for("a0", "job_done").apply(base)
+    check = await run_step(ExternalEvents(), runtime=rt, session=waiting)
+    assert check.yielded
+    assert not check.effects
+    reason = check.outcome.reason  # type: ignore[union-attr]
+    assert reason.kind == YieldReason.AWAITING_EVENT
+    assert reason.data["kinds"] == ["job_done"]
+    # an event of another kind is delivered, but the wait goes on
+    other = AppendMessage(event_message("e1", "chat", "hi")).apply(waiting)
+    check = await run_step(ExternalEvents(), runtime=rt, session=other)
+    assert check.continued
+    assert (await run_step(ExternalEvents(), runtime=rt, session=check.session)).yielded
+    done = AppendMessage(event_message("e2", "job_done", {"ok": True})).apply(check.session)
+    check = await run_step(ExternalEvents(), runtime=rt, session=done)
+    assert check.continued
+    assert check.session.message("a0").notes["events"]["satisfied_by"] == "e2"  # type: ignore[union-attr]
+    assert (await run_step(ExternalEvents(), runtime=rt, session=check.session)).refused
+
+
+async def test_wait_when_predicate_and_render() -> None:
+    op = ExternalEvents(
+        wait_when=lambda s: not any(m.role == "user" for m in s.conversation),
+        render=lambda e: None if e.kind == "ping" else f"{e.kind}!",
+    )
+    empty = make_session()
+    assert (await run_step(op, empty)).yielded
+    session = make_session(event_message("e1", "ping", None), event_message("e2", "hello", None))
+    check = await run_step(op, session)
+    assert [m.text for m in check.new_messages] == ["hello!"]
+    assert check.session.message("events:e1").notes["events"]["delivered_as"] is None  # type: ignore[union-attr]
+
+
+async def test_events_wait_while_tool_calls_are_open() -> None:
+    asking = Message(id="a1", role="assistant", parts=(ToolCallPart.of("c1", "x", {}),))
+    session = make_session(Message.user("go", id="u0"), asking, event_message("e1", "msg", "hi"))
+    assert (await run_step(ExternalEvents(), session)).refused
+
+
+# -- submitting ------------------------------------------------------------------------------
+
+
+async def test_submit_event_persists_and_ignores_duplicate_ids(store: Store) -> None:
+    await store.create("s")
+    first = await submit_event(store, "s", "webhook", {"n": 1}, event_id="w1")
+    again = await submit_event(store, "s", "webhook", {"n": 2}, event_id="w1")
+    generated = await submit_event(store, "s", "webhook", [1, 2])
+    assert first.accepted
+    assert not again.accepted
+    assert generated.accepted
+    session = await store.load("s")
+    events = pending_events(session)
+    assert [(e.id, e.payload) for e in events] == [("w1", {"n": 1}), (generated.event_id, [1, 2])]
+    assert not session.visible_to_model  # events are hidden until consumed
+    batches = await store.batches("s")
+    assert [b.step for b in batches] == ["events.submit", "events.submit"]
+
+
+async def test_a_whole_run_consumes_events_then_waits(store: Store) -> None:
+    await store.create("s", conversation=[Message.user("hi", id="u0")])
+    model = FunctionModel(echo)
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    machine = StateMachine(
+        [
+            ExternalEvents(wait_when=lambda s: s.conversation[-1].role == "assistant"),
+            ModelInference(),
+        ]
+    )
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.DONE
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.AWAITING_EVENT
+    await submit_event(store, "s", "message", "what's up?", event_id="m1")
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.DONE
+    assert report.session.conversation[-1].text == "seen: [event message] what's up?"
+    assert model.calls == 2
+    assert not history_problems(report.session.visible_to_model)
+
+
+# -- exactly once, in order: property test ---------------------------------------------------
+
+actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(min_value=0, max_value=12)),
+        st.tuples(st.just("run"), st.just(0)),
+        st.tuples(st.just("concurrent"), st.integers(min_value=1, max_value=4)),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+def agent() -> StateMachine[Any]:
+    """A fresh machine: events, then a model that answers every delivered event."""
+    return StateMachine([ExternalEvents(), ModelInference()], max_conflicts=64)
+
+
+def delivered_ids(session: Session[Any]) -> list[str]:
+    return [
+        m.notes["events"]["event_id"]
+        for m in session.conversation
+        if "event_id" in m.notes.get("events", {})
+    ]
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=actions)
+async def test_every_event_is_consumed_exactly_once_in_submission_order(
+    script: list[tuple[str, int]],
+) -> None:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.assistant("ready", id="a0")])
+    runtime = Runtime(store=store, model=FunctionModel(echo), ids=counter_ids())
+    counter = 0
+
+    async def submit_one(event_number: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        await submit_event(store, "s", "message", f"n{event_number}", event_id=f"e{event_number}")
+
+    for action, argument in script:
+        if action == "submit":
+            await submit_one(argument)  # repeated ids are duplicates
+        elif action == "run":
+            await agent().run(runtime, "s")
+        else:
+            async with anyio.create_task_group() as tg:
+                for _ in range(argument):
+                    counter += 1
+                    tg.start_soon(submit_one, 100 + counter)
+                tg.start_soon(agent().run, runtime, "s")
+                tg.start_soon(submit_one, 100 + counter)  # a racing duplicate
+    await agent().run(runtime, "s")
+
+    session = await store.load("s")
+    submitted = [
+        m.notes["events"]["event"]["id"]
+        for m in session.conversation
+        if "event" in m.notes.get("events", {})
+    ]
+    assert len(submitted) == len(set(submitted))  # duplicates were ignored
+    assert pending_events(session) == []
+    assert delivered_ids(session) == submitted  # each once, in submission order
+    # the audit log marks each event consumed exactly once
+    marks = [
+        effect.message_id
+        for batch in await store.batches("s")
+        for effect in batch.effects
+        if isinstance(effect, msgspec.Struct)
+        and getattr(effect, "values", {}).get("consumed") is True
+    ]
+    assert sorted(marks) == sorted(f"events:{i}" for i in submitted)
+    assert not history_problems(session.visible_to_model)
+
+
+async def test_submit_is_the_only_way_in_and_it_is_a_kernel_effect(store: Store) -> None:
+    await store.create("s")
+    receipt = await submit_event(store, "s", "k", None, event_id="x")
+    session = await submit(store, "s", [wait_for("events:x", "k")])
+    assert receipt.revision == 1
+    assert session.revision == 2
