@@ -38,7 +38,7 @@ them loses the decisions, which fails safe: the tool asks again.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
@@ -47,9 +47,7 @@ from stepmachine import (
     EDITED_ARGUMENTS,
     Annotate,
     AppendMessage,
-    Batch,
     ConfigurationError,
-    ConflictError,
     Continue,
     Effect,
     Message,
@@ -66,9 +64,9 @@ from stepmachine import (
     ToolResultPart,
     Yield,
     YieldReason,
-    apply_batch,
     effective_arguments,
     fingerprint,
+    submit,
 )
 
 __all__ = [
@@ -353,8 +351,8 @@ class Approval(Operation[Any]):
             f"The call to {call.name!r} was denied by {by}: {message}. "
             "It was not run. Do not retry it."
         )
-        part = ToolResultPart(call_id=call.call_id, content=content, is_error=True, name=call.name)
-        return AppendMessage(Message(id=ctx.new_id(), role="tool", parts=(part,)))
+        result = ToolResultPart.for_call(call, content, is_error=True)
+        return AppendMessage(Message.tool_result(result, id=ctx.new_id()))
 
 
 def _pending_call(call: ToolCallPart) -> PendingCall:
@@ -393,44 +391,6 @@ def _find_pending(
 def _check_by(by: str) -> None:
     if not isinstance(by, str) or not by.strip():
         raise ApprovalError(f"a decision names who made it: by={by!r}")
-
-
-async def _record(
-    store: Store,
-    session_id: str,
-    compute: Callable[[Session[Any]], Sequence[Effect]],
-    *,
-    step: str,
-    clock: Callable[[], float],
-    max_attempts: int = 16,
-) -> Session[Any]:
-    """Validate against the stored session and apply, compare-and-set on that revision.
-
-    Like :func:`stepmachine.submit`, except that ``compute`` (which validates
-    and raises :class:`ApprovalError`) runs again on every attempt, against
-    exactly the revision the batch is written on top of: a decision racing
-    another decision or a tool run can never be written unchecked.
-    """
-    for attempt in range(max_attempts):
-        session = await store.load(session_id)
-        effects = tuple(compute(session))
-        after = apply_batch(session, effects)
-        batch: Batch[Effect] = Batch(
-            session_id=session_id,
-            revision=after.revision,
-            step=step,
-            cycle=0,
-            timestamp=clock(),
-            effects=effects,
-        )
-        try:
-            await store.apply(batch)
-        except ConflictError:
-            if attempt == max_attempts - 1:
-                raise
-            continue
-        return after
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 async def approve(
@@ -528,7 +488,10 @@ async def approve(
         effects.append(Annotate(message_id, name, {"decision": record}, call_id=call_id))
         return effects
 
-    return await _record(store, session_id, compute, step=name, clock=clock)
+    # submit() runs ``compute`` (which validates and raises ApprovalError) again on
+    # every attempt, against exactly the revision the batch is written on top of:
+    # a decision racing another decision or a tool run is never written unchecked.
+    return await submit(store, session_id, compute, step=name, clock=clock)
 
 
 async def deny(
@@ -586,4 +549,7 @@ async def deny(
         }
         return [Annotate(message_id, name, {"decision": record}, call_id=call_id)]
 
-    return await _record(store, session_id, compute, step=name, clock=clock)
+    # submit() runs ``compute`` (which validates and raises ApprovalError) again on
+    # every attempt, against exactly the revision the batch is written on top of:
+    # a decision racing another decision or a tool run is never written unchecked.
+    return await submit(store, session_id, compute, step=name, clock=clock)

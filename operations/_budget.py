@@ -369,20 +369,9 @@ class Budget(Operation[Any]):
             effects.append(
                 Annotate(where[call.call_id], self._name, {"refused": reason}, call_id=call.call_id)
             )
-            effects.append(
-                AppendMessage(
-                    Message(
-                        id=ctx.new_id(),
-                        role="tool",
-                        parts=(
-                            ToolResultPart(
-                                call_id=call.call_id, content=reason, is_error=True, name=call.name
-                            ),
-                        ),
-                        notes={self._name: {"refused": call.call_id}},
-                    )
-                )
-            )
+            result = ToolResultPart.for_call(call, reason, is_error=True)
+            note = {self._name: {"refused": call.call_id}}
+            effects.append(AppendMessage(Message.tool_result(result, id=ctx.new_id(), notes=note)))
         return Yield(
             effects,
             YieldReason(

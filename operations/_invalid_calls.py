@@ -614,20 +614,9 @@ class InvalidCalls(Operation[Any]):
                 content = "not executed: invalid tool call: " + "; ".join(details[original_id])
             else:
                 content = "not executed: another tool call of this turn was invalid"
-            effects.append(
-                AppendMessage(
-                    Message(
-                        id=ctx.new_id(),
-                        role="tool",
-                        parts=(
-                            ToolResultPart(
-                                call_id=call.call_id, content=content, is_error=True, name=call.name
-                            ),
-                        ),
-                        notes={self._name: {"skipped": call.call_id}},
-                    )
-                )
-            )
+            result = ToolResultPart.for_call(call, content, is_error=True)
+            note = {self._name: {"skipped": call.call_id}}
+            effects.append(AppendMessage(Message.tool_result(result, id=ctx.new_id(), notes=note)))
         return effects
 
 

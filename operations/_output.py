@@ -349,7 +349,7 @@ class StructuredOutput(Operation[Any], Generic[T]):
                 name=target.name,
             )
             return AppendMessage(
-                Message(id=ctx.new_id(), role="tool", parts=(part,), notes={self._name: note})
+                Message.tool_result(part, id=ctx.new_id(), notes={self._name: note})
             )
 
         if error is not None:

@@ -506,17 +506,8 @@ class StateMachine(Generic[D]):
         async def answer_open_calls(current: Session[D]) -> Sequence[Effect]:
             return [
                 AppendMessage(
-                    Message(
-                        id=runtime.ids(),
-                        role="tool",
-                        parts=(
-                            ToolResultPart(
-                                call_id=call.call_id,
-                                content=INTERRUPTED,
-                                is_error=True,
-                                name=call.name,
-                            ),
-                        ),
+                    Message.tool_result(
+                        ToolResultPart.for_call(call, INTERRUPTED, is_error=True), id=runtime.ids()
                     )
                 )
                 for call in open_tool_calls(current.conversation)

@@ -91,6 +91,13 @@ class ToolResultPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_re
     is_error: bool = False
     name: str = ""
 
+    @classmethod
+    def for_call(
+        cls, call: ToolCallPart, content: str, *, is_error: bool = False
+    ) -> ToolResultPart:
+        """The result answering ``call`` (its id and tool name) with ``content``."""
+        return cls(call_id=call.call_id, content=content, is_error=is_error, name=call.name)
+
 
 class ReasoningPart(msgspec.Struct, frozen=True, tag_field="type", tag="reasoning"):
     """Model reasoning, with the provider's opaque data kept for round trips.
@@ -141,6 +148,17 @@ class Message(msgspec.Struct, frozen=True):
     def assistant(cls, text: str, *, id: str) -> Message:  # noqa: A002 - "id" is the field's name
         """An assistant message holding one text part."""
         return cls(id=id, role="assistant", parts=(TextPart(text),))
+
+    @classmethod
+    def tool_result(
+        cls,
+        result: ToolResultPart,
+        *,
+        id: str,  # noqa: A002 - "id" is the field's name
+        notes: Notes | None = None,
+    ) -> Message:
+        """A ``tool`` message answering one call."""
+        return cls(id=id, role="tool", parts=(result,), notes=notes or {})
 
     @property
     def text(self) -> str:

@@ -197,7 +197,7 @@ class Tools(Operation[Any]):
         finished: dict[str, ToolResultPart] = ctx.scratch.get("uncommitted", {})
         open_ids = {c.call_id for c in open_tool_calls(ctx.session.conversation)}
         return [
-            AppendMessage(Message(id=ctx.new_id(), role="tool", parts=(result,)))
+            AppendMessage(Message.tool_result(result, id=ctx.new_id()))
             for call_id, result in finished.items()
             if call_id in open_ids
         ]
@@ -281,8 +281,7 @@ class Tools(Operation[Any]):
             if not pending:
                 return
             effects = [
-                AppendMessage(Message(id=ctx.new_id(), role="tool", parts=(result,)))
-                for result in pending
+                AppendMessage(Message.tool_result(result, id=ctx.new_id())) for result in pending
             ]
             try:
                 await ctx.commit(effects)
@@ -322,13 +321,13 @@ class Tools(Operation[Any]):
         except Exception as exc:  # noqa: BLE001 - a tool error becomes an error result
             result = _error(call, f"tool {call.name!r} failed: {type(exc).__name__}: {exc}")
         else:
-            result = ToolResultPart(call_id=call.call_id, content=content, name=call.name)
+            result = ToolResultPart.for_call(call, content)
         await ctx.emit(ToolFinished(call_id=call.call_id, name=call.name, is_error=result.is_error))
         return result, aborted
 
 
 def _error(call: ToolCallPart, content: str) -> ToolResultPart:
-    return ToolResultPart(call_id=call.call_id, content=content, is_error=True, name=call.name)
+    return ToolResultPart.for_call(call, content, is_error=True)
 
 
 async def resolve_unknown_outcome(
@@ -363,12 +362,6 @@ async def resolve_unknown_outcome(
     decision = {"rerun_approved": rerun, "decided_by": by, "decision_note": note}
     effects: list[Effect] = [Annotate(where[call_id], JOURNAL, decision, call_id=call_id)]
     if not rerun:
-        message = Message(
-            id=ids(),
-            role="tool",
-            parts=(
-                _error(call, f"{OUTCOME_UNKNOWN} {by} decided not to run it again. {note}".strip()),
-            ),
-        )
-        effects.append(AppendMessage(message))
+        content = f"{OUTCOME_UNKNOWN} {by} decided not to run it again. {note}".strip()
+        effects.append(AppendMessage(Message.tool_result(_error(call, content), id=ids())))
     return await submit(store, session_id, effects, step="journal.operator")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,7 @@ from stepmachine.operations._approval import (
     deny,
     recorded_decision,
 )
-from stepmachine.stores import MemoryStore, SQLiteStore
+from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, call, make_session, reply, run_step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -186,18 +186,6 @@ def call_part(session: Session[Any], call_id: str) -> ToolCallPart:
             if part.call_id == call_id:
                 return part
     raise AssertionError(f"no visible call {call_id!r}")
-
-
-@pytest.fixture(params=["memory", "sqlite"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        made: Store = MemoryStore()
-    else:
-        made = await SQLiteStore.open(tmp_path / "db.sqlite3")
-    try:
-        yield made
-    finally:
-        await made.aclose()
 
 
 DELETE = ToolCallPart.of("c1", "delete_file", {"path": "a.txt"})

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -38,7 +36,7 @@ from stepmachine.operations._budget import (
     Limits,
     budget_usage,
 )
-from stepmachine.stores import MemoryStore, SQLiteStore
+from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, make_session, reply, run_step
 
 
@@ -192,18 +190,6 @@ async def test_placed_after_inference_it_raises_instead_of_sending() -> None:
 
 
 # -- whole runs --------------------------------------------------------------------------
-
-
-@pytest.fixture(params=["memory", "sqlite"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    opened = await SQLiteStore.open(tmp_path / "db.sqlite3")
-    try:
-        yield opened
-    finally:
-        await opened.aclose()
 
 
 def agent(budget: Budget) -> StateMachine[Any]:

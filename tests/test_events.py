@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import msgspec
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,20 +33,8 @@ from stepmachine.operations._events import (
     submit_event,
     wait_for,
 )
-from stepmachine.stores import MemoryStore, SQLiteStore
+from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, make_session, reply, run_step
-
-
-@pytest.fixture(params=["memory", "sqlite"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    opened = await SQLiteStore.open(tmp_path / "db.sqlite3")
-    try:
-        yield opened
-    finally:
-        await opened.aclose()
 
 
 def event_message(event_id: str, kind: str, payload: Any, *, consumed: bool = False) -> Message:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,7 +28,6 @@ from stepmachine.operations._invalid_calls import (
     InvalidToolCallError,
     schema_errors,
 )
-from stepmachine.stores import MemoryStore, SQLiteStore
 from stepmachine.testing import ScriptedModel, call, make_session, run_step
 
 ran: list[Any] = []
@@ -261,18 +258,6 @@ async def test_policy_per_case_and_the_most_severe_wins() -> None:
 
 
 # -- whole runs ------------------------------------------------------------------------------
-
-
-@pytest.fixture(params=["memory", "sqlite"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    opened = await SQLiteStore.open(tmp_path / "db.sqlite3")
-    try:
-        yield opened
-    finally:
-        await opened.aclose()
 
 
 async def test_retry_in_a_whole_run_counts_against_the_budget(store: Store) -> None:

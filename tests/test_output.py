@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -32,7 +30,6 @@ from stepmachine.operations._output import (
     StructuredOutput,
     read_output,
 )
-from stepmachine.stores import MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, make_session, reply, run_step
 
 
@@ -54,18 +51,6 @@ def lookup(name: str) -> str:
 @pytest.fixture(autouse=True)
 def _reset() -> None:
     ran.clear()
-
-
-@pytest.fixture(params=["memory", "sqlite"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    opened = await SQLiteStore.open(tmp_path / "db.sqlite3")
-    try:
-        yield opened
-    finally:
-        await opened.aclose()
 
 
 def asking(*calls: ToolCallPart) -> Message:
