@@ -5,11 +5,11 @@ cycle, so order matters; a typical list::
 
     [
         ExternalEvents(...),      # deliver webhook / steering events first
-        HistoryGuard(),           # repair a broken history before anything reads it
         Approval(policy),         # yield for decisions before tools run
         InvalidCalls(policy),     # answer or re-prompt malformed calls before Tools sees them
         Budget(per_run=Limits(model_calls=20)),  # yield before a call that would overspend
         Tools([...]),             # run approved, valid calls (journaled)
+        HistoryGuard(),           # repair a broken history before a request is built
         Compaction(...),          # shorten the history before the next request
         ModelInference(...),      # or StructuredOutput(T, inference=ModelInference(...))
     ]
@@ -44,6 +44,15 @@ from ._budget import (
     budget_usage,
     turn_start,
 )
+from ._compaction import (
+    COMPACTION,
+    COMPACTION_STUCK,
+    SUMMARY_PREFIX,
+    SUMMARY_PROMPT,
+    Compaction,
+    estimate_tokens,
+    render_transcript,
+)
 from ._events import (
     EventReceipt,
     ExternalEvent,
@@ -53,6 +62,7 @@ from ._events import (
     submit_event,
     wait_for,
 )
+from ._history_guard import HISTORY_GUARD, HistoryGuard, Problem, fsck
 from ._invalid_calls import (
     INVALID_TOOL_CALL,
     CallProblem,
@@ -64,10 +74,15 @@ from ._output import OUTPUT_INVALID, NoOutputError, StructuredOutput, read_outpu
 
 __all__ = [
     "APPROVED",
+    "COMPACTION",
+    "COMPACTION_STUCK",
     "DENIED",
     "FEEDBACK",
+    "HISTORY_GUARD",
     "INVALID_TOOL_CALL",
     "OUTPUT_INVALID",
+    "SUMMARY_PREFIX",
+    "SUMMARY_PROMPT",
     "SUPERSEDES",
     "Approval",
     "ApprovalError",
@@ -76,23 +91,29 @@ __all__ = [
     "BudgetExhaustedError",
     "BudgetUsage",
     "CallProblem",
+    "Compaction",
     "EventReceipt",
     "ExternalEvent",
     "ExternalEvents",
+    "HistoryGuard",
     "InvalidCalls",
     "InvalidToolCallError",
     "Limits",
     "NoOutputError",
     "PendingCall",
+    "Problem",
     "StructuredOutput",
     "always_allowed",
     "approve",
     "budget_usage",
     "consumed_events",
     "deny",
+    "estimate_tokens",
+    "fsck",
     "pending_events",
     "read_output",
     "recorded_decision",
+    "render_transcript",
     "schema_errors",
     "submit_event",
     "turn_start",

@@ -1,0 +1,372 @@
+"""``Compaction``: summarise old history when the conversation grows too long.
+
+Before the model is asked (the conversation ends on something the model must
+answer), :class:`Compaction` estimates the size of the model-visible
+conversation. Above a threshold -- or reactively, when ``ModelInference``
+marked the last message ``context_length_exceeded`` after a provider's
+context-length error -- it asks a summariser model for a summary of the older
+messages and records one :class:`~stepmachine.ReplaceConversation` in which:
+
+* the system messages stay visible, wherever they are;
+* the last ``keep_turns`` turns (a turn starts at a user message) stay visible;
+  when there is nothing older than them to summarise -- a long tool loop inside
+  one turn -- the cut moves inside the last turn: its user message stays
+  visible, and so do the last ``keep_rounds`` rounds (a round starts at an
+  assistant message);
+* every other visible message is hidden from the model (``visible_to_model=False``,
+  noted ``{"<name>": {"summarised_into": <summary id>}}``), never deleted, and
+  stays visible to users;
+* a summary message (role ``user``, hidden from users, who still see the
+  originals) is inserted right before the first message kept after the cut.
+  Its notes, under the step's name, hold the receipt: ``kind: "summary"``,
+  ``summarised`` (message ids), ``tokens_before``/``tokens_after`` (estimated,
+  visible conversation), ``model``, ``trigger``, ``usage``, ``revision``.
+
+Why ``ReplaceConversation`` rather than ``SetVisibility`` plus ``AppendMessage``:
+the summary must sit *before* the kept messages, and only a replacement can
+insert; it keeps every original (with its id) in the same order, so one effect
+does it all and the audit log shows the whole result.
+
+The cut is always at a boundary where every earlier call has its result
+earlier, and compaction only runs when no call is open and the visible history
+is valid (:func:`stepmachine.history_problems` is empty), so a tool call is
+never split from its result. Older summaries are summarised again with the
+rest (a rolling summary), and never count as a turn.
+
+No progress, no loop: when nothing but earlier summaries lies before the cut,
+or the summariser's answer is empty or does not make the conversation smaller,
+the step yields ``compaction_stuck`` (``data["reason"]``: ``nothing_to_summarise``,
+``empty_summary`` or ``not_smaller``). The last two cost a model call, so they
+are recorded on the last visible message (``{"<name>": {"stuck": reason}}``)
+and not retried until a new message arrives. With ``on_stuck="proceed"`` a
+threshold-triggered compaction that is stuck lets inference go ahead instead
+(an overflow always yields: inference would only fail again).
+
+After a reactive compaction the ``context_length_exceeded`` mark of the last
+message is set back to ``False`` (an ``Annotate`` in the inference step's
+namespace), so that another overflow leads to another compaction, or to a
+``compaction_stuck`` yield, rather than to ``ModelInference`` raising.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Literal
+
+import msgspec
+
+from stepmachine import (
+    CONTEXT_LENGTH_EXCEEDED,
+    Annotate,
+    ConfigurationError,
+    Continue,
+    Effect,
+    Message,
+    ModelRequest,
+    ModelSettings,
+    Operation,
+    Outcome,
+    PromptPart,
+    ReasoningPart,
+    Refuse,
+    ReplaceConversation,
+    StepContext,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    Yield,
+    YieldReason,
+    history_problems,
+    needs_answer,
+)
+
+__all__ = [
+    "COMPACTION",
+    "COMPACTION_STUCK",
+    "SUMMARY_PREFIX",
+    "SUMMARY_PROMPT",
+    "Compaction",
+    "estimate_tokens",
+    "render_transcript",
+]
+
+COMPACTION: Final = "compaction"
+"""The default step name, and the notes namespace of receipts."""
+
+COMPACTION_STUCK: Final = "compaction_stuck"
+"""Yield reason kind: compaction is needed and cannot make the conversation smaller."""
+
+SUMMARY_PREFIX: Final = "[Summary of the earlier conversation, which was compacted]"
+"""The first line of every summary message."""
+
+SUMMARY_PROMPT: Final = (
+    "You summarise the earlier part of a conversation between a user and an AI assistant "
+    "that uses tools, so that the assistant can continue the work from your summary and the "
+    "most recent messages alone. Keep the user's goals and instructions, decisions made, "
+    "facts learned from tool results (names, numbers, paths, ids), what was done and what is "
+    "still to do. Be concise. Answer with the summary only, in plain text."
+)
+"""The default system prompt of the summariser request."""
+
+
+def _message_chars(message: Message) -> int:
+    chars = 0
+    for part in message.parts:
+        if isinstance(part, TextPart | ReasoningPart):
+            chars += len(part.text)
+        elif isinstance(part, ToolCallPart):
+            chars += len(part.name) + len(part.raw_arguments)
+        elif isinstance(part, ToolResultPart):
+            chars += len(part.content)
+    return chars
+
+
+def estimate_tokens(messages: Sequence[Message]) -> int:
+    """A cheap token estimate: 4 per message plus a quarter of the characters.
+
+    Counts text, reasoning text, tool names and raw arguments, and tool result
+    content. Pass your own counter (a tokenizer) to :class:`Compaction` for
+    precision; any ``Callable[[Sequence[Message]], int]`` works.
+    """
+    return sum(4 + (_message_chars(m) + 3) // 4 for m in messages)
+
+
+def render_transcript(messages: Sequence[Message], *, summary_namespace: str = COMPACTION) -> str:
+    """The messages as a plain-text transcript for the summariser."""
+    lines: list[str] = []
+    for message in messages:
+        if message.notes.get(summary_namespace, {}).get("kind") == "summary":
+            text = message.text.removeprefix(SUMMARY_PREFIX).strip()
+            lines.append(f"[summary of what came before]\n{text}")
+            continue
+        for part in message.parts:
+            if isinstance(part, TextPart) and part.text.strip():
+                lines.append(f"[{message.role}] {part.text}")
+            elif isinstance(part, ToolCallPart):
+                lines.append(f"[{message.role} calls {part.name}] {part.raw_arguments}")
+            elif isinstance(part, ToolResultPart):
+                error = " (error)" if part.is_error else ""
+                lines.append(f"[result of {part.name or part.call_id}{error}] {part.content}")
+    return "\n".join(lines)
+
+
+class _Plan(msgspec.Struct, frozen=True):
+    cut: int  # position in the visible list of the first kept message after the summary
+    summarised: tuple[int, ...]  # positions in the visible list
+    mode: str  # "turns" or "rounds"
+
+
+class Compaction(Operation[Any]):
+    """Replaces old history by a summary when the conversation is too long.
+
+    Applies when the conversation ends on something the model must answer
+    (:func:`stepmachine.needs_answer`: so never while a tool call is open), its
+    visible history is valid, and either the estimated size of the visible
+    conversation exceeds ``threshold`` or its last message carries a
+    ``context_length_exceeded`` mark from an inference step. Then it calls the
+    summariser and continues with one ``ReplaceConversation`` (plus, after an
+    overflow, the ``Annotate`` resetting the mark), or yields
+    ``compaction_stuck``; see the module docs for what is kept and recorded.
+
+    Placement: after Tools (and the HistoryGuard), immediately before the
+    inference step. Compaction refuses while a call is open whatever its
+    position, but placing it after the steps that answer calls means it sees
+    each finished round of a tool loop; placing it after HistoryGuard means it
+    never refuses because of a broken history. Before inference, so that every
+    model request -- including the one after a context-length error -- is
+    made from the compacted history. Decisions survive compaction: notes on
+    hidden messages and calls stay where they are.
+
+    Args:
+        threshold: compact when the visible conversation's estimated tokens
+            exceed this (the system prompt and tool definitions are not counted:
+            leave room for them).
+        keep_turns: turns kept verbatim (>= 1).
+        keep_rounds: rounds of the last turn kept when the cut must move inside
+            it; ``None`` never cuts inside a turn.
+        model: the summariser's name in ``runtime.models``; ``None`` uses
+            ``runtime.model``.
+        count_tokens: the size estimate of a list of messages.
+        prompt: the summariser's system prompt.
+        settings: sampling settings of the summariser request.
+        on_stuck: ``"yield"`` (default) or ``"proceed"``, see the module docs.
+        name: the step name and notes namespace.
+
+    Raises (from ``run``): whatever the summariser raises (``ModelError``);
+    nothing is recorded then.
+
+    Cancellation: the summariser request is abandoned and nothing is recorded
+    (the replacement is returned only once complete), so the history is as it
+    was; nothing to finalize.
+    """
+
+    def __init__(
+        self,
+        *,
+        threshold: int,
+        keep_turns: int = 1,
+        keep_rounds: int | None = 2,
+        model: str | None = None,
+        count_tokens: Callable[[Sequence[Message]], int] = estimate_tokens,
+        prompt: str = SUMMARY_PROMPT,
+        settings: ModelSettings | None = None,
+        on_stuck: Literal["yield", "proceed"] = "yield",
+        name: str = COMPACTION,
+    ) -> None:
+        if keep_turns < 1:
+            raise ConfigurationError(f"keep_turns must be at least 1, got {keep_turns}")
+        if keep_rounds is not None and keep_rounds < 1:
+            raise ConfigurationError(f"keep_rounds must be at least 1 or None, got {keep_rounds}")
+        if on_stuck not in ("yield", "proceed"):
+            raise ConfigurationError(f"on_stuck must be 'yield' or 'proceed', got {on_stuck!r}")
+        self._threshold = threshold
+        self._keep_turns = keep_turns
+        self._keep_rounds = keep_rounds
+        self._model = model
+        self._count = count_tokens
+        self._prompt = prompt
+        self._settings = settings or ModelSettings()
+        self._on_stuck = on_stuck
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def _is_summary(self, message: Message) -> bool:
+        return bool(message.notes.get(self._name, {}).get("kind") == "summary")
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        session = ctx.session
+        if not needs_answer(session.conversation):
+            return Refuse("the model is not about to be asked")
+        positions = [i for i, m in enumerate(session.conversation) if m.visible_to_model]
+        visible = [session.conversation[i] for i in positions]
+        if history_problems(visible):
+            return Refuse("the visible history is invalid; place HistoryGuard before Compaction")
+        last = visible[-1]
+        overflow = sorted(ns for ns, v in last.notes.items() if v.get(CONTEXT_LENGTH_EXCEEDED))
+        before = self._count(visible)
+        if not overflow and before <= self._threshold:
+            return Refuse(f"{before} estimated tokens, within the threshold {self._threshold}")
+        trigger = CONTEXT_LENGTH_EXCEEDED if overflow else "threshold"
+        details: dict[str, Any] = {
+            "trigger": trigger,
+            "tokens": before,
+            "threshold": self._threshold,
+        }
+        recorded = last.notes.get(self._name, {}).get("stuck")
+        if recorded:
+            return self._stuck(str(recorded), details, [])
+        plan = self._plan(visible)
+        if plan is None:
+            return self._stuck("nothing_to_summarise", details, [])
+
+        summarised = [visible[k] for k in plan.summarised]
+        model = ctx.runtime.get_model(self._model)
+        transcript = render_transcript(summarised, summary_namespace=self._name)
+        request = ModelRequest(
+            messages=(
+                Message.user(
+                    "Summarise this conversation so far:\n\n" + transcript,
+                    id=f"{self._name}-request",
+                ),
+            ),
+            prompt_parts=(PromptPart(source=self._name, text=self._prompt),),
+            settings=self._settings,
+        )
+        response = await model.request(request)
+        text = "".join(p.text for p in response.parts if isinstance(p, TextPart)).strip()
+
+        summary_id = ctx.new_id()
+        summarised_ids = {m.id for m in summarised}
+        cut_id = visible[plan.cut].id
+        summary = Message(
+            id=summary_id,
+            role="user",
+            parts=(TextPart(f"{SUMMARY_PREFIX}\n{text}"),),
+            visible_to_user=False,
+        )
+        conversation: list[Message] = []
+        for message in session.conversation:
+            if message.id == cut_id:
+                conversation.append(summary)
+            if message.id in summarised_ids:
+                notes = dict(message.notes)
+                notes[self._name] = {**notes.get(self._name, {}), "summarised_into": summary_id}
+                conversation.append(
+                    msgspec.structs.replace(message, visible_to_model=False, notes=notes)
+                )
+            else:
+                conversation.append(message)
+        after = self._count([m for m in conversation if m.visible_to_model])
+        if not text or after >= before:
+            reason = "empty_summary" if not text else "not_smaller"
+            details["tokens_after"] = after
+            note = Annotate(last.id, self._name, {"stuck": reason, "revision": session.revision})
+            return self._stuck(reason, details, [note])
+        usage = response.usage
+        receipt: dict[str, Any] = {
+            "kind": "summary",
+            "summarised": [m.id for m in summarised],
+            "tokens_before": before,
+            "tokens_after": after,
+            "model": response.model or model.name,
+            "trigger": trigger,
+            "cut": plan.mode,
+            "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+            "revision": session.revision,
+        }
+        index = conversation.index(summary)
+        conversation[index] = msgspec.structs.replace(summary, notes={self._name: receipt})
+        effects: list[Effect] = [ReplaceConversation(tuple(conversation))]
+        effects.extend(Annotate(last.id, ns, {CONTEXT_LENGTH_EXCEEDED: False}) for ns in overflow)
+        return Continue(effects)
+
+    def _stuck(self, reason: str, details: dict[str, Any], effects: list[Effect]) -> Outcome:
+        if details["trigger"] == "threshold" and self._on_stuck == "proceed":
+            return Continue(effects) if effects else Refuse(f"compaction is stuck: {reason}")
+        message = (
+            f"compaction cannot make the conversation smaller ({reason}): "
+            f"{details['tokens']} estimated tokens, threshold {self._threshold}"
+        )
+        return Yield(effects, YieldReason(COMPACTION_STUCK, message, {"reason": reason, **details}))
+
+    def _plan(self, visible: Sequence[Message]) -> _Plan | None:
+        """Where to cut, and what to summarise; ``None`` when nothing can be."""
+        n = len(visible)
+        safe = [True]  # safe[k]: every call before position k has its result before k
+        open_calls: set[str] = set()
+        for message in visible:
+            open_calls.update(c.call_id for c in message.tool_calls)
+            open_calls.difference_update(r.call_id for r in message.tool_results)
+            safe.append(not open_calls)
+        turn_starts = [
+            k
+            for k, m in enumerate(visible)
+            if m.role == "user" and not m.tool_results and not self._is_summary(m)
+        ]
+
+        def summarisable(cut: int, pinned: set[int]) -> tuple[int, ...] | None:
+            chosen = tuple(k for k in range(cut) if visible[k].role != "system" and k not in pinned)
+            if any(not self._is_summary(visible[k]) for k in chosen):
+                return chosen
+            return None  # nothing, or only earlier summaries: no progress
+
+        if turn_starts:
+            start = turn_starts[max(0, len(turn_starts) - self._keep_turns)]
+            cut = max(k for k in range(start + 1) if safe[k])
+            chosen = summarisable(cut, set())
+            if chosen is not None:
+                return _Plan(cut, chosen, "turns")
+        if self._keep_rounds is None:
+            return None
+        last_turn = turn_starts[-1] if turn_starts else -1
+        rounds = [k for k in range(last_turn + 1, n) if visible[k].role == "assistant" and safe[k]]
+        if len(rounds) < self._keep_rounds:
+            return None
+        cut = rounds[-self._keep_rounds]
+        chosen = summarisable(cut, {last_turn})
+        if chosen is None:
+            return None
+        return _Plan(cut, chosen, "rounds")

@@ -1,0 +1,456 @@
+"""``HistoryGuard``: repair a conversation so every provider accepts it, and ``fsck``.
+
+Invariant 4 (valid history) says that before any model request every tool call
+has exactly one result, results follow their calls and call ids are unique.
+:class:`HistoryGuard` keeps it true for histories that got broken from outside
+the machine (an application that ``submit``-ted messages while a call was open,
+a crash between a call and its result, an import from another system) and adds
+one provider rule the kernel does not check: no empty assistant turns. Every
+repair is an effect with a note saying why (namespace ``"history_guard"``);
+nothing is rewritten silently and nothing is deleted.
+
+:func:`fsck` reports the same problems for a stored session without changing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+
+from stepmachine import (
+    JOURNAL,
+    Annotate,
+    AppendMessage,
+    Continue,
+    Effect,
+    Message,
+    NoData,
+    Operation,
+    Outcome,
+    ReasoningPart,
+    Refuse,
+    ReplaceConversation,
+    Session,
+    SetVisibility,
+    StepContext,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    Tools,
+    apply_effects,
+)
+
+__all__ = [
+    "CALL_OUTSIDE_ASSISTANT",
+    "DUPLICATE_CALL_ID",
+    "EMPTY_ASSISTANT",
+    "HISTORY_GUARD",
+    "OPEN_CALL",
+    "ORPHANED_CALL",
+    "ORPHAN_RESULT",
+    "RESULT_BEFORE_CALL",
+    "SECOND_RESULT",
+    "HistoryGuard",
+    "Problem",
+    "fsck",
+]
+
+HISTORY_GUARD: Final = "history_guard"
+"""The default step name, and the notes namespace of every repair."""
+
+# Problem kinds -------------------------------------------------------------------------
+CALL_OUTSIDE_ASSISTANT: Final = "call_outside_assistant"
+"""A tool call in a message whose role is not ``assistant``."""
+DUPLICATE_CALL_ID: Final = "duplicate_call_id"
+"""A tool call whose id an earlier visible call already used."""
+ORPHAN_RESULT: Final = "orphan_result"
+"""A tool result whose call id names no visible call at all."""
+RESULT_BEFORE_CALL: Final = "result_before_call"
+"""A tool result that comes before the call it answers."""
+SECOND_RESULT: Final = "second_result"
+"""A tool result for a call that already has one."""
+ORPHANED_CALL: Final = "orphaned_call"
+"""A call without a result, followed by a non-tool message: it can never be answered in place."""
+OPEN_CALL: Final = "open_call"
+"""A call without a result at the end of the conversation: pending (Tools, approval, ...)."""
+EMPTY_ASSISTANT: Final = "empty_assistant"
+"""An assistant message with no text, no tool call and no reasoning."""
+
+
+class Problem(msgspec.Struct, frozen=True):
+    """One way a stored conversation breaks what providers accept.
+
+    Attributes:
+        index: position of the message in ``session.conversation`` (hidden
+            messages included, so it indexes the stored conversation).
+        message_id: the id of that message.
+        kind: one of the kind constants of this module (``orphan_result``, ...).
+        detail: a readable explanation.
+        call_id: the tool call concerned, when there is one.
+    """
+
+    index: int
+    message_id: str
+    kind: str
+    detail: str
+    call_id: str | None = None
+
+
+def _is_empty_assistant(message: Message) -> bool:
+    if message.role != "assistant":
+        return False
+    for part in message.parts:
+        if isinstance(part, TextPart) and part.text.strip():
+            return False
+        if isinstance(part, ReasoningPart) and (part.text.strip() or part.provider_data):
+            return False
+        if not isinstance(part, TextPart | ReasoningPart):
+            return False  # a tool call, or a kind of part added later (images, files)
+    return True
+
+
+def _analyse(conversation: Sequence[Message]) -> list[Problem]:
+    """Every problem of the visible conversation, ordered by message position."""
+    problems: list[Problem] = []
+    visible = [(i, m) for i, m in enumerate(conversation) if m.visible_to_model]
+    later_calls: dict[str, int] = {}  # call id -> how many visible calls carry it, not yet seen
+    for _, message in visible:
+        for call in message.tool_calls:
+            later_calls[call.call_id] = later_calls.get(call.call_id, 0) + 1
+    calls: dict[str, tuple[int, Message, ToolCallPart]] = {}
+    answered: set[str] = set()
+    for index, message in visible:
+        for call in message.tool_calls:
+            later_calls[call.call_id] -= 1
+            if message.role != "assistant":
+                problems.append(
+                    Problem(
+                        index,
+                        message.id,
+                        CALL_OUTSIDE_ASSISTANT,
+                        f"message {index} ({message.id!r}, role {message.role!r}) holds tool "
+                        f"call {call.call_id!r}; only assistant messages may",
+                        call.call_id,
+                    )
+                )
+            if call.call_id in calls:
+                first = calls[call.call_id][0]
+                problems.append(
+                    Problem(
+                        index,
+                        message.id,
+                        DUPLICATE_CALL_ID,
+                        f"tool call id {call.call_id!r} at message {index} was already used "
+                        f"at message {first}",
+                        call.call_id,
+                    )
+                )
+            else:
+                calls[call.call_id] = (index, message, call)
+        for result in message.tool_results:
+            if result.call_id not in calls:
+                before = later_calls.get(result.call_id, 0) > 0
+                problems.append(
+                    Problem(
+                        index,
+                        message.id,
+                        RESULT_BEFORE_CALL if before else ORPHAN_RESULT,
+                        f"tool result for {result.call_id!r} at message {index} "
+                        + ("comes before its call" if before else "follows no call"),
+                        result.call_id,
+                    )
+                )
+            elif result.call_id in answered:
+                problems.append(
+                    Problem(
+                        index,
+                        message.id,
+                        SECOND_RESULT,
+                        f"tool call {result.call_id!r} has a second result at message {index}",
+                        result.call_id,
+                    )
+                )
+            else:
+                answered.add(result.call_id)
+        if _is_empty_assistant(message):
+            problems.append(
+                Problem(
+                    index,
+                    message.id,
+                    EMPTY_ASSISTANT,
+                    f"assistant message {index} ({message.id!r}) has no text, tool call or "
+                    "reasoning",
+                )
+            )
+    for call_id, (index, message, _) in calls.items():
+        if call_id in answered:
+            continue
+        moved_on = any(m.role != "tool" for i, m in visible if i > index)
+        problems.append(
+            Problem(
+                index,
+                message.id,
+                ORPHANED_CALL if moved_on else OPEN_CALL,
+                f"tool call {call_id!r} at message {index} has no result"
+                + (" and the conversation moved on past it" if moved_on else " yet"),
+                call_id,
+            )
+        )
+    problems.sort(key=lambda p: p.index)
+    return problems
+
+
+def fsck(session: Session[Any]) -> list[Problem]:
+    """Report every problem of ``session``'s model-visible conversation; change nothing.
+
+    Covers everything :func:`stepmachine.history_problems` reports (as
+    structured :class:`Problem` values, ordered by message position) plus
+    empty assistant messages. A call without a result is ``orphaned_call``
+    when a non-tool message follows it and ``open_call`` (pending, normal
+    while tools run or approvals wait) when it ends the conversation. Hidden
+    messages are never reported: they are never sent.
+
+    Returns:
+        The problems; an empty list means any provider accepts the history.
+    """
+    return _analyse(session.conversation)
+
+
+def _orphan_content(call: ToolCallPart, why: str) -> str:
+    if "intent" in call.notes.get(JOURNAL, {}):
+        return (
+            f"orphaned: no result was recorded for this tool call and it can no longer be "
+            f"answered ({why}). It was started, so its outcome is unknown."
+        )
+    return (
+        f"orphaned: no result was recorded for this tool call and it can no longer be "
+        f"answered ({why}). It was not run."
+    )
+
+
+class HistoryGuard(Operation[Any]):
+    """Repairs the model-visible conversation before inference, with recorded effects.
+
+    Applies whenever the visible conversation has a problem that would make
+    the next model request invalid (see :func:`fsck` for the kinds); refuses
+    otherwise -- in particular for calls that are merely pending (``open_call``:
+    the conversation ends on them, Tools or an approval will answer them) and
+    for an empty assistant reply that ends the conversation (it is never sent).
+    Repairs, all in one ``Continue`` batch, each with a note under the step's
+    name (``{"repair": kind, "detail": ...}``):
+
+    * a tool call outside an assistant message, or a call whose id repeats an
+      earlier call's: the message holding it is hidden (``SetVisibility
+      to_model=False``) -- for duplicates the *later* message, since the first
+      call is the one its results were matched to. Results of other calls of a
+      hidden message then become orphans and are hidden too;
+    * an orphan result, a result before its call, a second result: the tool
+      message is hidden; if it also holds good results, a copy without the bad
+      parts is inserted right after it (``ReplaceConversation``);
+    * an empty assistant message that something follows: hidden;
+    * an orphaned call (no result, and a user/assistant/system message follows,
+      so no valid place is left for a late result): an error result is inserted
+      right after the call's message and its sibling results
+      (``ReplaceConversation``, or ``AppendMessage`` when that is the end). If
+      the journal recorded an intent the content says the outcome is unknown;
+    * a pending call naming a tool no step advertises, in a machine without a
+      ``Tools`` step (which would answer it "unknown tool"): an error result.
+
+    It also objects (``check_call``) to running an orphaned call, so a ``Tools``
+    step never runs a call whose result could not be placed validly any more,
+    whatever the step order.
+
+    Placement: after the operations that answer or decide tool calls (Approval,
+    invalid-call recovery, Tools) so pending calls are theirs to answer, and
+    before Compaction and ModelInference, so those always see a valid history.
+    Never yields. Cancellation: no awaits, nothing to finalize.
+
+    Args:
+        name: the step name and notes namespace.
+    """
+
+    def __init__(self, *, name: str = HISTORY_GUARD) -> None:
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def check_call(self, ctx: StepContext[Any], call: ToolCallPart) -> str | None:
+        for problem in _analyse(ctx.session.conversation):
+            if problem.kind == ORPHANED_CALL and problem.call_id == call.call_id:
+                return "the conversation moved on past this call; the history guard answers it"
+        return None
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        effects = self.repairs(ctx)
+        if not effects:
+            return Refuse("the visible history is valid for any provider")
+        return Continue(effects)
+
+    def repairs(self, ctx: StepContext[Any]) -> list[Effect]:
+        """The effects that make ``ctx.session`` valid; empty when it already is."""
+        advertised = {d.name for d in ctx.tools}
+        has_tools_step = any(isinstance(step, Tools) for step in ctx.steps)
+        session = ctx.session
+        effects: list[Effect] = []
+        for _ in range(len(session.conversation) + 4):  # each round fixes one kind, bounded
+            batch = self._one_round(ctx, session, advertised, has_tools_step)
+            if not batch:
+                break
+            session = apply_effects(session, batch)
+            effects.extend(batch)
+        return effects
+
+    def _one_round(
+        self,
+        ctx: StepContext[Any],
+        session: Session[Any],
+        advertised: set[str],
+        has_tools_step: bool,
+    ) -> list[Effect]:
+        problems = _analyse(session.conversation)
+        conversation = session.conversation
+
+        hide = [p for p in problems if p.kind in (CALL_OUTSIDE_ASSISTANT, DUPLICATE_CALL_ID)]
+        if hide:
+            return self._hide(hide)
+
+        bad_results = [p for p in problems if p.kind in (ORPHAN_RESULT, RESULT_BEFORE_CALL)]
+        bad_results += [p for p in problems if p.kind == SECOND_RESULT]
+        if bad_results:
+            return self._drop_results(ctx, conversation, bad_results)
+
+        last_visible = max(
+            (i for i, m in enumerate(conversation) if m.visible_to_model), default=-1
+        )
+        empty = [p for p in problems if p.kind == EMPTY_ASSISTANT and p.index < last_visible]
+        if empty:
+            return self._hide(empty)
+
+        unanswerable: list[tuple[Problem, str]] = []
+        for p in problems:
+            if p.kind == ORPHANED_CALL:
+                unanswerable.append((p, "the conversation moved on past it"))
+            elif p.kind == OPEN_CALL and not has_tools_step:
+                call = _find_call(conversation[p.index], p.call_id)
+                if call is not None and call.name not in advertised:
+                    unanswerable.append((p, f"no step provides a tool named {call.name!r}"))
+        if unanswerable:
+            return self._answer(ctx, conversation, unanswerable)
+        return []
+
+    def _note(self, problem: Problem, **extra: Any) -> dict[str, Any]:
+        return {"repair": problem.kind, "detail": problem.detail, **extra}
+
+    def _hide(self, problems: Sequence[Problem]) -> list[Effect]:
+        ids = tuple(dict.fromkeys(p.message_id for p in problems))
+        effects: list[Effect] = [SetVisibility(ids, to_model=False)]
+        for message_id in ids:
+            mine = [p for p in problems if p.message_id == message_id]
+            note = self._note(mine[0], hidden=True)
+            if len(mine) > 1:
+                note["also"] = [p.detail for p in mine[1:]]
+            effects.append(Annotate(message_id, self._name, note))
+        return effects
+
+    def _drop_results(
+        self, ctx: StepContext[Any], conversation: Sequence[Message], problems: list[Problem]
+    ) -> list[Effect]:
+        # One message per round. Bad parts are dropped from the end of the message, so of two
+        # results for one call id in one message the later (the second result) goes.
+        by_message: dict[int, list[Problem]] = {}
+        for p in problems:
+            by_message.setdefault(p.index, []).append(p)
+        index, mine = min(by_message.items())
+        message = conversation[index]
+        bad_ids = [p.call_id for p in mine]
+        kept: list[Any] = []
+        for part in reversed(message.parts):
+            if isinstance(part, ToolResultPart) and part.call_id in bad_ids:
+                bad_ids.remove(part.call_id)
+                continue
+            kept.insert(0, part)
+        effects = self._hide(mine)
+        if not kept:
+            return effects
+        copy = Message(
+            id=ctx.new_id(),
+            role=message.role,
+            parts=tuple(kept),
+            notes={self._name: {"repair": "split", "copy_of": message.id}},
+        )
+        hidden = apply_effects(_as_session(conversation), effects).conversation
+        effects.append(_insert(hidden, index + 1, copy))
+        return effects
+
+    def _answer(
+        self,
+        ctx: StepContext[Any],
+        conversation: Sequence[Message],
+        problems: list[tuple[Problem, str]],
+    ) -> list[Effect]:
+        # One inserted message per call, each placed after the call's message and the tool
+        # messages right after it; insert from the back so earlier positions stay valid.
+        inserts: list[tuple[int, Message]] = []
+        for problem, why in problems:
+            call = _find_call(conversation[problem.index], problem.call_id)
+            assert call is not None  # the analysis found it there
+            position = problem.index + 1
+            while position < len(conversation) and (
+                conversation[position].role == "tool" or not conversation[position].visible_to_model
+            ):
+                position += 1
+            result = ToolResultPart(
+                call_id=call.call_id,
+                content=_orphan_content(call, why),
+                is_error=True,
+                name=call.name,
+            )
+            note = self._note(problem, why=why, call_id=call.call_id)
+            message = Message(
+                id=ctx.new_id(), role="tool", parts=(result,), notes={self._name: note}
+            )
+            inserts.append((position, message))
+        if all(position == len(conversation) for position, _ in inserts):
+            return [AppendMessage(message) for _, message in inserts]
+        new = list(conversation)
+        for position, message in sorted(inserts, key=lambda item: item[0], reverse=True):
+            new.insert(position, message)
+        # Several inserts at one position were inserted in reverse; restore call order there.
+        return [ReplaceConversation(tuple(_stable_order(new, inserts)))]
+
+
+def _stable_order(new: list[Message], inserts: list[tuple[int, Message]]) -> list[Message]:
+    order = {message.id: n for n, (_, message) in enumerate(inserts)}
+    result: list[Message] = []
+    run: list[Message] = []
+    for message in new:
+        if message.id in order:
+            run.append(message)
+            continue
+        result.extend(sorted(run, key=lambda m: order[m.id]))
+        run = []
+        result.append(message)
+    result.extend(sorted(run, key=lambda m: order[m.id]))
+    return result
+
+
+def _find_call(message: Message, call_id: str | None) -> ToolCallPart | None:
+    for call in message.tool_calls:
+        if call.call_id == call_id:
+            return call
+    return None
+
+
+def _as_session(conversation: Sequence[Message]) -> Session[Any]:
+    return Session(id="history_guard", revision=0, conversation=tuple(conversation), data=NoData())
+
+
+def _insert(conversation: Sequence[Message], position: int, message: Message) -> Effect:
+    if position >= len(conversation):
+        return AppendMessage(message)
+    new = (*conversation[:position], message, *conversation[position:])
+    return ReplaceConversation(new)
