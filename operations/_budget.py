@@ -176,11 +176,18 @@ class BudgetUsage:
 def turn_start(conversation: Sequence[Message]) -> int:
     """Index of the last user message visible to the model that starts a turn (-1 if none).
 
-    User messages marked with :data:`FEEDBACK` notes do not start a turn.
+    User messages marked with :data:`FEEDBACK` notes, and user-role messages
+    hidden from the user (operational ones, such as compaction summaries), do
+    not start a turn.
     """
     for index in range(len(conversation) - 1, -1, -1):
         message = conversation[index]
-        if message.role == "user" and message.visible_to_model and FEEDBACK not in message.notes:
+        if (
+            message.role == "user"
+            and message.visible_to_model
+            and message.visible_to_user
+            and FEEDBACK not in message.notes
+        ):
             return index
     return -1
 
@@ -205,9 +212,19 @@ def budget_usage(
     calls = input_tokens = output_tokens = 0
     tool_calls: list[str] = []
     for index, message in enumerate(conversation):
-        if message.role != "assistant" or index <= start:
+        if index <= start:
             continue
         note = _inference_note(message)
+        if message.role != "assistant":
+            # Other steps' model calls (a compaction summary, ...) count as calls too.
+            if note is not None and (
+                scope != "run" or int(note.get("revision", -1)) >= run_start_revision
+            ):
+                calls += int(note["attempts"])
+                usage = note.get("usage") or {}
+                input_tokens += int(usage.get("input_tokens", 0))
+                output_tokens += int(usage.get("output_tokens", 0))
+            continue
         if scope == "run":
             revision = note.get("revision") if note is not None else None
             if not isinstance(revision, int) or revision < run_start_revision:

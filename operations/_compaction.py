@@ -303,7 +303,12 @@ class Compaction(Operation[Any]):
         if not text or after >= before:
             reason = "empty_summary" if not text else "not_smaller"
             details["tokens_after"] = after
-            note = Annotate(last.id, self._name, {"stuck": reason, "revision": session.revision})
+            note = Annotate(
+                last.id,
+                self._name,
+                # The summariser call happened: record it like any model call, so budgets count it.
+                {"stuck": reason, "revision": session.revision, "attempts": response.attempts},
+            )
             return self._stuck(reason, details, [note])
         usage = response.usage
         receipt: dict[str, Any] = {
@@ -316,6 +321,7 @@ class Compaction(Operation[Any]):
             "cut": plan.mode,
             "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
             "revision": session.revision,
+            "attempts": response.attempts,
         }
         index = conversation.index(summary)
         conversation[index] = msgspec.structs.replace(summary, notes={self._name: receipt})

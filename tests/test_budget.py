@@ -289,3 +289,17 @@ async def test_exact_model_call_budgets(
         assert fake.made == min(budget, wanted) or (fake.made < budget and fake.made == wanted)
         if wanted > budget:
             assert fake.made == budget
+
+
+async def test_other_steps_model_calls_count_and_hidden_summaries_start_no_turn() -> None:
+    summary = msgspec.structs.replace(
+        Message.user("Summary of earlier work", id="sum"),
+        visible_to_user=False,
+        notes={"compaction": {"kind": "summary", "attempts": 2, "revision": 3, "usage": {}}},
+    )
+    session = make_session(user("go", "u1"), answered("a1", tokens=(1, 1)), summary, revision=4)
+    # Three model calls so far: one inference, two summariser attempts.
+    assert (await run_step(Budget(per_session=Limits(model_calls=4)), session)).refused
+    assert (await run_step(Budget(per_session=Limits(model_calls=3)), session)).yielded
+    # The summary is not a user turn: the per-turn count still starts at "go".
+    assert (await run_step(Budget(per_turn=Limits(model_calls=3)), session)).yielded
