@@ -68,3 +68,26 @@ def test_hello_world_runs_on_trio(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "Enjoy your day!" in done.stdout
+
+
+def test_readme_step_list_builds_a_machine() -> None:
+    readme = (ROOT / "README.md").read_text()
+    (block,) = [b for b in python_blocks(readme) if "steps = [" in b]
+    from stepmachine import StateMachine, tool
+
+    @tool
+    def send_payment(to: str, amount: int) -> str:
+        """Pay someone."""
+        return "paid"
+
+    @tool
+    def lookup(query: str) -> str:
+        """Look something up."""
+        return "found"
+
+    namespace: dict[str, object] = {"send_payment": send_payment, "lookup": lookup}
+    exec(block, namespace)
+    machine = StateMachine(namespace["steps"])  # type: ignore[arg-type]
+    names = [step.name for step in machine.steps]
+    assert names[-1] == "inference"
+    assert names.index("approval") < names.index("tools")
