@@ -1,0 +1,60 @@
+"""Provider adapters over httpx: real models behind the kernel's ``Model`` protocol.
+
+Each adapter maps the provider-neutral :class:`~stepmachine.ModelRequest` to
+the provider's wire format and the reply back to kernel message parts (text,
+tool calls with parsed arguments and the raw string, reasoning with its
+opaque round-trip data, usage, finish reason), blocking or streaming with the
+same result, with typed errors and replay-safe retries (see
+:mod:`stepmachine.providers._http`).
+
+Configuration comes from arguments, with environment variables as defaults:
+
+=========================  ==========================  ===============================
+adapter                    key                         base URL
+=========================  ==========================  ===============================
+``OpenAIChatModel``        ``OPENAI_API_KEY``          ``OPENAI_BASE_URL``
+``OpenAIResponsesModel``   ``OPENAI_API_KEY``          ``OPENAI_BASE_URL``
+``AnthropicModel``         ``ANTHROPIC_API_KEY``       ``ANTHROPIC_BASE_URL``
+``OpenAICompatibleModel``  ``OPENAI_COMPATIBLE_API_KEY``  ``OPENAI_COMPATIBLE_BASE_URL``
+=========================  ==========================  ===============================
+"""
+
+from ._anthropic import AnthropicModel
+from ._errors import (
+    AuthenticationError,
+    BadRequestError,
+    ContextLengthExceededError,
+    MalformedResponseError,
+    NotFoundError,
+    OverloadedError,
+    PermissionDeniedError,
+    ProviderConnectionError,
+    ProviderError,
+    RateLimitError,
+    ServerError,
+)
+from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret
+from ._openai_chat import OpenAIChatModel, OpenAICompatibleModel
+from ._openai_responses import OpenAIResponsesModel
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "AnthropicModel",
+    "AuthenticationError",
+    "BadRequestError",
+    "ContextLengthExceededError",
+    "HTTPModel",
+    "MalformedResponseError",
+    "NotFoundError",
+    "OpenAIChatModel",
+    "OpenAICompatibleModel",
+    "OpenAIResponsesModel",
+    "OverloadedError",
+    "PermissionDeniedError",
+    "ProviderConnectionError",
+    "ProviderError",
+    "RateLimitError",
+    "RetryPolicy",
+    "Secret",
+    "ServerError",
+]

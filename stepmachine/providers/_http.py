@@ -1,0 +1,352 @@
+"""What every HTTP provider adapter shares: client, secrets, retries, SSE, errors.
+
+An adapter subclasses :class:`HTTPModel` and implements four pure methods:
+
+* ``build_body(request, stream) -> dict`` -- the provider-neutral request as
+  the provider's JSON;
+* ``parse_response(data) -> ModelResponse`` -- a blocking JSON reply;
+* ``parse_stream(events, emit) -> ModelResponse`` -- an SSE stream: hand
+  every delta to ``emit`` and return the *same* assembled response the blocking
+  reply would give (invariant 9);
+* ``auth_headers() -> dict`` -- how the key is sent.
+
+:class:`HTTPModel` does the rest: one reused ``httpx.AsyncClient`` (injectable;
+model-appropriate timeouts, not httpx's 5 s default), typed errors from HTTP
+status and body, and retries with exponential backoff and jitter that honour
+``Retry-After`` -- for rate limits, overload, 5xx, connection failures and
+malformed replies, but never once any output of that attempt has reached the
+emitter (a retry then would show the user text twice). Attempts are bounded by
+the :class:`RetryPolicy`, by the total time, and by ``request.max_attempts``
+(set by budgets: a budget of N model calls means N attempts, retries
+included); the response and every error report how many attempts were made.
+
+The API key is held in a :class:`Secret`, whose ``repr`` and ``str`` hide it;
+no error message is built from anything but the response.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import httpx_sse
+import msgspec
+
+from .._messages import ReasoningPart, TextPart, ToolCallPart
+from .._model import (
+    ChunkSink,
+    ModelRequest,
+    ModelResponse,
+    ReasoningChunk,
+    StreamChunk,
+    TextChunk,
+    ToolCallChunk,
+)
+from ._errors import (
+    MalformedResponseError,
+    ProviderConnectionError,
+    ProviderError,
+    error_from_response,
+)
+
+__all__ = ["DEFAULT_TIMEOUT", "HTTPModel", "RetryPolicy", "SSEEvent", "Secret"]
+
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=15.0)
+"""Model calls stream for minutes: generous read timeout, short connect timeout."""
+
+
+class Secret:
+    """An API key that never shows itself in a repr, str, log line or error."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        """The key itself, for the request header only."""
+        return self._value
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often and how patiently to retry a failed model call.
+
+    Attributes:
+        max_attempts: first try plus retries.
+        base_delay: the first backoff, in seconds; doubled each retry.
+        max_delay: the longest single wait.
+        total_timeout: no retry starts later than this many seconds after the
+            first attempt began.
+        jitter: each wait is multiplied by a random factor in ``[1 - jitter, 1]``.
+    """
+
+    max_attempts: int = 4
+    base_delay: float = 0.5
+    max_delay: float = 30.0
+    total_timeout: float = 300.0
+    jitter: float = 0.25
+
+    def delay(self, attempt: int, retry_after: float | None, rng: random.Random) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (from 1)."""
+        if retry_after is not None:
+            return float(min(retry_after, self.max_delay))
+        backoff = min(self.max_delay, self.base_delay * (2 ** (attempt - 1)))
+        return backoff * (1.0 - self.jitter * rng.random())
+
+
+@dataclass(frozen=True, slots=True)
+class SSEEvent:
+    """One server-sent event: its ``event`` name (``"message"`` by default) and ``data``."""
+
+    event: str
+    data: str
+
+
+class _Streamed:
+    """Whether any output of the current attempt has reached the caller."""
+
+    def __init__(self) -> None:
+        self.value = False
+
+
+class HTTPModel:
+    """Base of the HTTP adapters; see the module docs.
+
+    Args:
+        model: the provider's model name.
+        api_key: the key (a ``str`` or :class:`Secret`); adapters default it from
+            their documented environment variable.
+        base_url: the API root, e.g. ``https://api.openai.com/v1``.
+        client: an ``httpx.AsyncClient`` to reuse; one is made if not given (and
+            closed by :meth:`aclose`).
+        retry: the retry policy.
+        timeout: per-request timeout when this model makes its own client.
+        headers: extra headers on every request.
+        sleep, rng: injectable for tests (``anyio.sleep``, a ``random.Random``).
+    """
+
+    provider = "http"
+    path = ""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        api_key: str | Secret | None,
+        base_url: str,
+        client: httpx.AsyncClient | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        headers: Mapping[str, str] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.model = model
+        self.api_key = api_key if isinstance(api_key, Secret) else Secret(api_key or "")
+        self.base_url = base_url.rstrip("/")
+        self._own_client = client is None
+        self.client = client or httpx.AsyncClient(timeout=timeout)
+        self.retry = retry or RetryPolicy()
+        self.extra_headers = dict(headers or {})
+        self._sleep = sleep
+        self._rng = rng or random.Random()  # noqa: S311 - jitter, not security
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(model={self.model!r}, base_url={self.base_url!r})"
+
+    @property
+    def name(self) -> str:
+        """``"<provider>:<model>"``."""
+        return f"{self.provider}:{self.model}"
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this model made it."""
+        if self._own_client:
+            await self.client.aclose()
+
+    async def __aenter__(self) -> HTTPModel:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- what adapters implement -----------------------------------------------------
+
+    def build_body(self, request: ModelRequest, *, stream: bool) -> dict[str, Any]:
+        """The provider's JSON body for ``request``."""
+        raise NotImplementedError
+
+    def parse_response(self, data: Any) -> ModelResponse:
+        """A blocking reply as a response. Raise KeyError/TypeError/ValueError if malformed."""
+        raise NotImplementedError
+
+    async def parse_stream(self, events: AsyncIterator[SSEEvent], emit: ChunkSink) -> ModelResponse:
+        """Consume a stream, emitting deltas; return the assembled response.
+
+        Raise :class:`MalformedResponseError` if the stream ends before its
+        final event, and a typed error for an error event.
+        """
+        raise NotImplementedError
+
+    def auth_headers(self) -> dict[str, str]:
+        """Headers carrying the key."""
+        return {"authorization": f"Bearer {self.api_key.reveal()}"} if self.api_key else {}
+
+    def stream_error(self, data: Any) -> ProviderError:
+        """The typed error for an error event inside a stream (override per provider)."""
+        body = msgspec.json.encode(data)
+        return error_from_response(self.provider, 500, body, httpx.Headers())
+
+    # -- the call --------------------------------------------------------------------
+
+    async def request(
+        self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
+    ) -> ModelResponse:
+        """Send ``request``; stream deltas to ``on_chunk`` when given.
+
+        Returns the same response streaming or not, with ``attempts`` set.
+
+        Raises:
+            ProviderError: a typed subclass, with ``attempts`` set, after the
+                retries the policy, the total time and ``request.max_attempts``
+                allow -- or at once when the error is not retryable or output
+                of the failed attempt was already streamed.
+
+        Cancellation: the HTTP request is abandoned; chunks already handed to
+        ``on_chunk`` stay delivered.
+        """
+        body = msgspec.json.encode(self.build_body(request, stream=on_chunk is not None))
+        limit = self.retry.max_attempts
+        if request.max_attempts is not None:
+            limit = min(limit, max(1, request.max_attempts))
+        started = anyio.current_time()
+        attempt = 0
+        while True:
+            attempt += 1
+            streamed = _Streamed()
+            try:
+                if on_chunk is None:
+                    response = await self._blocking(body)
+                else:
+                    response = await self._streaming(body, on_chunk, streamed)
+            except ProviderError as exc:
+                exc.attempts = attempt
+                if not exc.retryable or streamed.value or attempt >= limit:
+                    raise
+                delay = self.retry.delay(attempt, getattr(exc, "retry_after", None), self._rng)
+                if anyio.current_time() + delay - started > self.retry.total_timeout:
+                    raise
+                await self._sleep(delay)
+                continue
+            return msgspec.structs.replace(response, attempts=attempt)
+
+    def _url(self) -> str:
+        return f"{self.base_url}{self.path}"
+
+    def _headers(self, *, stream: bool) -> dict[str, str]:
+        return {
+            "content-type": "application/json",
+            "accept": "text/event-stream" if stream else "application/json",
+            **self.auth_headers(),
+            **self.extra_headers,
+        }
+
+    async def _blocking(self, body: bytes) -> ModelResponse:
+        try:
+            reply = await self.client.post(
+                self._url(), content=body, headers=self._headers(stream=False)
+            )
+        except httpx.TransportError as exc:
+            raise ProviderConnectionError(
+                f"{type(exc).__name__}: request failed", provider=self.provider
+            ) from exc
+        if reply.status_code >= 400:
+            raise error_from_response(
+                self.provider, reply.status_code, reply.content, reply.headers
+            )
+        return self._parse_json(reply.content, reply.status_code)
+
+    def _parse_json(self, content: bytes, status: int) -> ModelResponse:
+        try:
+            return self.parse_response(msgspec.json.decode(content))
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            raise MalformedResponseError(
+                f"the reply is not a valid response: {type(exc).__name__}: {exc}",
+                provider=self.provider,
+                status=status,
+            ) from exc
+
+    async def _streaming(
+        self, body: bytes, on_chunk: ChunkSink, streamed: _Streamed
+    ) -> ModelResponse:
+        async def emit(chunk: StreamChunk) -> None:
+            streamed.value = True
+            await on_chunk(chunk)
+
+        try:
+            async with httpx_sse.aconnect_sse(
+                self.client, "POST", self._url(), content=body, headers=self._headers(stream=True)
+            ) as source:
+                reply = source.response
+                if reply.status_code >= 400:
+                    content = await reply.aread()
+                    raise error_from_response(
+                        self.provider, reply.status_code, content, reply.headers
+                    )
+                if "text/event-stream" not in reply.headers.get("content-type", ""):
+                    # A server that ignored ``stream``: take the whole reply, emit it as chunks.
+                    response = self._parse_json(await reply.aread(), reply.status_code)
+                    await _emit_whole(response, emit)
+                    return response
+                return await self._parse_events(source, emit)
+        except httpx.TransportError as exc:
+            raise ProviderConnectionError(
+                f"{type(exc).__name__}: the stream failed", provider=self.provider
+            ) from exc
+
+    async def _parse_events(self, source: httpx_sse.EventSource, emit: ChunkSink) -> ModelResponse:
+        async def events() -> AsyncGenerator[SSEEvent, None]:
+            try:
+                async for sse in source.aiter_sse():
+                    yield SSEEvent(event=sse.event or "message", data=sse.data)
+            except httpx_sse.SSEError as exc:
+                raise MalformedResponseError(
+                    f"invalid server-sent events: {exc}", provider=self.provider
+                ) from exc
+
+        try:
+            async with contextlib.aclosing(events()) as stream:
+                return await self.parse_stream(stream, emit)
+        except ProviderError:
+            raise
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            raise MalformedResponseError(
+                f"the stream is not valid: {type(exc).__name__}: {exc}", provider=self.provider
+            ) from exc
+
+
+async def _emit_whole(response: ModelResponse, emit: ChunkSink) -> None:
+    """Hand a whole response to ``emit`` as one chunk per part."""
+    index = 0
+    for part in response.parts:
+        if isinstance(part, TextPart) and part.text:
+            await emit(TextChunk(part.text))
+        elif isinstance(part, ReasoningPart) and part.text:
+            await emit(ReasoningChunk(part.text))
+        elif isinstance(part, ToolCallPart):
+            await emit(ToolCallChunk(index, part.call_id, part.name, part.raw_arguments))
+            index += 1
