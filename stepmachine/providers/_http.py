@@ -104,7 +104,7 @@ class RetryPolicy:
         """Seconds to wait after failed attempt number ``attempt`` (from 1)."""
         if retry_after is not None:
             return float(min(retry_after, self.max_delay))
-        backoff = min(self.max_delay, self.base_delay * (2 ** (attempt - 1)))
+        backoff = min(self.max_delay, self.base_delay * 2.0 ** (attempt - 1))
         return backoff * (1.0 - self.jitter * rng.random())
 
 
