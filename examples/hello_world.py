@@ -2,15 +2,18 @@
 
     python3 dev.py demo            (or: python examples/hello_world.py [--db PATH])
 
-Uses the SQLite store (a file under ./demo-data/ by default) and the scripted
-model from the testing kit -- no network, no API key. The conversation is
-printed as it is stored; run it again and a new session is added beside the
-old ones in the same database.
+Uses the SQLite store (a file under ./demo-data/ by default). With no provider
+configured it uses the scripted model from the testing kit -- no network, no
+API key -- and says so; set ``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY`` or
+``OPENAI_COMPATIBLE_BASE_URL`` (and optionally ``STEPMACHINE_MODEL``) to talk
+to a real model. The conversation is printed as it is stored; run it again and
+a new session is added beside the old ones in the same database.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Literal
@@ -19,6 +22,7 @@ import anyio
 
 from stepmachine import (
     Message,
+    Model,
     ModelInference,
     Runtime,
     StateMachine,
@@ -27,6 +31,12 @@ from stepmachine import (
     ToolResultPart,
     Tools,
     tool,
+)
+from stepmachine.providers import (
+    AnthropicModel,
+    HTTPModel,
+    OpenAIChatModel,
+    OpenAICompatibleModel,
 )
 from stepmachine.stores import SQLiteStore
 from stepmachine.testing import ScriptedModel, call, reply
@@ -49,19 +59,42 @@ def scripted_model() -> ScriptedModel:
     )
 
 
+def choose_model() -> Model:
+    """A real provider when one is configured in the environment, else the scripted model.
+
+    ``OPENAI_API_KEY`` -> OpenAI Chat Completions; ``ANTHROPIC_API_KEY`` ->
+    Anthropic; ``OPENAI_COMPATIBLE_BASE_URL`` -> an OpenAI-compatible server
+    (Ollama, vLLM, llama.cpp, ...). ``STEPMACHINE_MODEL`` names the model.
+    """
+    chosen = os.environ.get("STEPMACHINE_MODEL")
+    if os.environ.get("OPENAI_API_KEY"):
+        return OpenAIChatModel(chosen or "gpt-4.1-mini")
+    if os.environ.get("ANTHROPIC_API_KEY"):
+        return AnthropicModel(chosen or "claude-haiku-4-5")
+    if os.environ.get("OPENAI_COMPATIBLE_BASE_URL"):
+        return OpenAICompatibleModel(chosen or "qwen3")
+    return scripted_model()
+
+
 async def main(db: Path) -> None:
     db.parent.mkdir(parents=True, exist_ok=True)
-    model = scripted_model()
+    model = choose_model()
     print(f"model: {model.name}")
     print(f"store: SQLite at {db}")
-    async with await SQLiteStore.open(db) as store:
-        session_id = f"hello-{time.time_ns()}"
-        await store.create(session_id, conversation=[Message.user("Weather in Paris?", id="u1")])
-        machine = StateMachine([Tools([get_weather]), ModelInference(instructions="Be brief.")])
-        report = await machine.run_report(Runtime(store=store, model=model), session_id)
-        print(f"session {session_id}: {report.reason.kind} at revision {report.session.revision}\n")
-        for message in report.session.conversation:
-            print_message(message)
+    try:
+        async with await SQLiteStore.open(db) as store:
+            session_id = f"hello-{time.time_ns()}"
+            user = Message.user("Weather in Paris?", id="u1")
+            await store.create(session_id, conversation=[user])
+            machine = StateMachine([Tools([get_weather]), ModelInference(instructions="Be brief.")])
+            report = await machine.run_report(Runtime(store=store, model=model), session_id)
+            revision = report.session.revision
+            print(f"session {session_id}: {report.reason.kind} at revision {revision}\n")
+            for message in report.session.conversation:
+                print_message(message)
+    finally:
+        if isinstance(model, HTTPModel):
+            await model.aclose()
 
 
 def print_message(message: Message) -> None:

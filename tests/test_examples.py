@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,9 +15,22 @@ def python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
 
 
-def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+PROVIDER_VARIABLES = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_COMPATIBLE_BASE_URL")
+
+
+def run(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run a script with no provider configured (unless ``env`` adds one)."""
+    clean = {k: v for k, v in os.environ.items() if k not in PROVIDER_VARIABLES}
     return subprocess.run(
-        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**clean, **(env or {})},
     )
 
 
@@ -91,3 +105,16 @@ def test_readme_step_list_builds_a_machine() -> None:
     names = [step.name for step in machine.steps]
     assert names[-1] == "inference"
     assert names.index("approval") < names.index("tools")
+
+
+def test_hello_world_uses_a_configured_provider(tmp_path: Path) -> None:
+    # An OpenAI-compatible server that is not there: the demo must pick the real
+    # adapter (and say so), then fail with a typed connection error, not run scripted.
+    env = {"OPENAI_COMPATIBLE_BASE_URL": "http://127.0.0.1:9/v1", "STEPMACHINE_MODEL": "tiny"}
+    done = run(
+        [str(ROOT / "examples" / "hello_world.py"), "--db", str(tmp_path / "db")], tmp_path, env
+    )
+    assert "model: openai_compatible:tiny" in done.stdout
+    assert "scripted" not in done.stdout
+    assert done.returncode != 0
+    assert "ProviderConnectionError" in done.stderr

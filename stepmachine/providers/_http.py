@@ -328,15 +328,33 @@ class HTTPModel:
                     f"invalid server-sent events: {exc}", provider=self.provider
                 ) from exc
 
-        try:
-            async with contextlib.aclosing(events()) as stream:
-                return await self.parse_stream(stream, emit)
-        except ProviderError:
-            raise
-        except (msgspec.DecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
-            raise MalformedResponseError(
-                f"the stream is not valid: {type(exc).__name__}: {exc}", provider=self.provider
-            ) from exc
+        async with contextlib.aclosing(events()) as stream:
+            try:
+                response = await self.parse_stream(stream, emit)
+            except ProviderError:
+                await _drain(stream)
+                raise
+            except (msgspec.DecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
+                await _drain(stream)
+                raise MalformedResponseError(
+                    f"the stream is not valid: {type(exc).__name__}: {exc}", provider=self.provider
+                ) from exc
+            await _drain(stream)
+            return response
+
+
+async def _drain(stream: AsyncGenerator[SSEEvent, None]) -> None:
+    """Read what is left of a stream an adapter stopped reading.
+
+    Ending the iteration properly (rather than abandoning the nested
+    httpx / httpx-sse async generators) is what lets them close cleanly on
+    every backend. Providers close the stream right after their final or
+    error event, so this reads little. Errors while draining are ignored:
+    the adapter's outcome stands. Cancellation is not caught.
+    """
+    with contextlib.suppress(ProviderError, httpx.HTTPError):
+        async for _ in stream:
+            pass
 
 
 async def _emit_whole(response: ModelResponse, emit: ChunkSink) -> None:
