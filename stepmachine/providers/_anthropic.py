@@ -1,11 +1,495 @@
-"""Anthropic Messages API -- being written."""
+"""Anthropic Messages API (``POST {base_url}/messages``), blocking and streaming.
+
+Request mapping (:meth:`AnthropicModel.build_body`):
+
+* ``system``: the request's system prompt, then the text of every ``system``
+  message, joined by blank lines (the API has no system role in ``messages``);
+* ``messages``: ``user`` and ``assistant`` turns of content blocks. Reasoning
+  parts go back as ``thinking`` blocks with their signature, or as
+  ``redacted_thinking`` blocks with their opaque data, unchanged; reasoning
+  without Anthropic data (from another provider) is dropped, since the API
+  refuses thinking it did not sign. Tool calls become ``tool_use`` blocks whose
+  ``input`` is the parsed arguments object (``{}`` when the arguments were not a
+  JSON object). Empty text is left out. Tool results become ``tool_result``
+  blocks in the next ``user`` turn. Consecutive turns of one role are merged,
+  as the API requires, with tool results first in a ``user`` turn;
+* ``tools``: ``{name, description, input_schema}``;
+* ``output_config: {format: {type: "json_schema", schema}}`` for structured output;
+* ``max_tokens`` (required by the API): ``settings.max_tokens``, else the
+  model's default; ``thinking`` from the constructor; ``settings.extra`` last.
+
+Response mapping: content blocks become parts in the order the API sent them
+(``thinking`` -> :class:`ReasoningPart` with ``{"signature": ...}``,
+``redacted_thinking`` -> ``ReasoningPart("", {"redacted": data})``, ``text``,
+``tool_use`` -> :class:`ToolCallPart` whose raw arguments are the compact JSON
+of ``input``); empty text blocks and block types this adapter does not know
+(server tools, ...) are left out. A stream gives exactly the same response: argument fragments are
+joined, parsed and re-encoded compactly when the block stops. Usage:
+``input_tokens`` as Anthropic reports it (cache reads and writes excluded; they
+are ``cache_read_tokens`` and ``cache_write_tokens``). Stop reasons:
+``end_turn``/``stop_sequence`` -> ``"stop"``, ``tool_use`` -> ``"tool_calls"``,
+``max_tokens``/``model_context_window_exceeded`` -> ``"length"``, ``refusal``
+-> ``"content_filter"``, others as sent.
+"""
 
 from __future__ import annotations
 
-from ._http import HTTPModel
+import os
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+
+from .._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
+from .._model import (
+    ChunkSink,
+    ModelRequest,
+    ModelResponse,
+    ReasoningChunk,
+    TextChunk,
+    ToolCallChunk,
+    Usage,
+)
+from ._errors import MalformedResponseError, ProviderError, error_from_response
+from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
 
 __all__ = ["AnthropicModel"]
 
+DEFAULT_BASE_URL = "https://api.anthropic.com/v1"
+
+_FINISH = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "tool_use": "tool_calls",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "refusal": "content_filter",
+}
+
+# The HTTP status each error type of the API stands for (used for error events in streams).
+_ERROR_STATUS = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "billing_error": 402,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "timeout_error": 504,
+    "overloaded_error": 529,
+}
+
 
 class AnthropicModel(HTTPModel):
-    """Placeholder."""
+    """A Claude model over the Anthropic Messages API.
+
+    Args:
+        model: the model name, e.g. ``"claude-sonnet-4-5"``.
+        api_key: the key; defaults to ``$ANTHROPIC_API_KEY``. Sent as
+            ``x-api-key`` and never shown in a repr, log line or error.
+        base_url: the API root including the version (requests go to
+            ``{base_url}/messages``); defaults to ``$ANTHROPIC_BASE_URL``, then
+            ``https://api.anthropic.com/v1``. The variable is shared with
+            Anthropic's SDKs, which write it without the version
+            (``https://api.anthropic.com``), so ``/v1`` is appended to a value
+            from the environment that does not already end with it.
+        client: an ``httpx.AsyncClient`` to reuse (one is made otherwise).
+        retry: the retry policy.
+        headers: extra headers on every request (e.g. ``anthropic-beta``).
+        max_tokens: the output limit when ``settings.max_tokens`` is not set
+            (the API requires one).
+        thinking: extended thinking, e.g. ``{"type": "enabled", "budget_tokens": 1024}``.
+        anthropic_version: the ``anthropic-version`` header.
+        timeout, sleep, rng: see :class:`HTTPModel`.
+    """
+
+    provider = "anthropic"
+    path = "/messages"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        api_key: str | Secret | None = None,
+        base_url: str | None = None,
+        client: httpx.AsyncClient | None = None,
+        retry: RetryPolicy | None = None,
+        headers: Mapping[str, str] | None = None,
+        max_tokens: int = 4096,
+        thinking: Mapping[str, Any] | None = None,
+        anthropic_version: str = "2023-06-01",
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            api_key=api_key if api_key is not None else os.environ.get("ANTHROPIC_API_KEY"),
+            base_url=base_url or _env_base_url() or DEFAULT_BASE_URL,
+            client=client,
+            retry=retry,
+            timeout=timeout,
+            headers=headers,
+            sleep=sleep,
+            rng=rng,
+        )
+        self.max_tokens = max_tokens
+        self.thinking = dict(thinking) if thinking is not None else None
+        self.anthropic_version = anthropic_version
+
+    def auth_headers(self) -> dict[str, str]:
+        """``x-api-key`` (when a key is set) and ``anthropic-version``."""
+        headers = {"anthropic-version": self.anthropic_version}
+        if self.api_key:
+            headers["x-api-key"] = self.api_key.reveal()
+        return headers
+
+    # -- request ---------------------------------------------------------------------
+
+    def build_body(self, request: ModelRequest, *, stream: bool) -> dict[str, Any]:
+        """The Messages API body for ``request`` (see the module docs)."""
+        settings = request.settings
+        max_tokens = settings.max_tokens if settings.max_tokens is not None else self.max_tokens
+        body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens}
+        system = [request.system_prompt] if request.system_prompt else []
+        system += [m.text for m in request.messages if m.role == "system" and m.text]
+        if system:
+            body["system"] = "\n\n".join(system)
+        body["messages"] = _messages(request.messages)
+        if request.tools:
+            body["tools"] = [
+                {"name": t.name, "description": t.description, "input_schema": t.parameters}
+                for t in request.tools
+            ]
+        if request.output_schema is not None:
+            body["output_config"] = {
+                "format": {"type": "json_schema", "schema": request.output_schema}
+            }
+        if settings.temperature is not None:
+            body["temperature"] = settings.temperature
+        if self.thinking is not None:
+            body["thinking"] = self.thinking
+        body["stream"] = stream
+        body.update(settings.extra)
+        return body
+
+    # -- blocking reply --------------------------------------------------------------
+
+    def parse_response(self, data: Any) -> ModelResponse:
+        """A Messages API reply as a response (raises ValueError/TypeError if malformed)."""
+        message = _obj(data, "the reply")
+        if message.get("type") == "error":
+            raise self.stream_error(message)
+        parts = [
+            part for block in _list(message.get("content"), "content") if (part := _part(block))
+        ]
+        return ModelResponse(
+            parts=tuple(parts),
+            usage=_usage(message.get("usage")),
+            finish_reason=_finish(message.get("stop_reason")),
+            model=_opt_str(message.get("model"), "model"),
+        )
+
+    # -- stream ----------------------------------------------------------------------
+
+    async def parse_stream(self, events: AsyncIterator[SSEEvent], emit: ChunkSink) -> ModelResponse:
+        """Consume Messages API events, emitting deltas; return the same response as blocking.
+
+        After ``message_stop``, an error event or a protocol error, the rest of
+        the stream is read and ignored before returning or raising, so that the
+        HTTP stream is finished cleanly (the API closes it right after such events).
+
+        Raises:
+            MalformedResponseError: the stream ended before ``message_stop``, or
+                broke the protocol (a delta for a block that was never started).
+            ProviderError: a typed error for an ``error`` event
+                (``overloaded_error`` -> :class:`OverloadedError`, ...).
+        """
+        state = _StreamState()
+        stopped = False
+        failure: Exception | None = None
+        async for event in events:
+            if stopped or failure is not None:
+                continue  # read to the end: an abandoned httpx stream warns under trio
+            try:
+                data = _obj(msgspec.json.decode(event.data), "an event") if event.data else {}
+                kind = data.get("type", event.event)
+                if kind == "error" or event.event == "error":
+                    raise self.stream_error(data)
+                if kind == "message_stop":
+                    stopped = True
+                else:
+                    await state.handle(kind, data, emit)
+            except (ProviderError, msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+                failure = exc
+        if failure is not None:
+            raise failure
+        if not stopped:
+            raise MalformedResponseError(
+                "the stream ended before message_stop", provider=self.provider
+            )
+        return state.response()
+
+    def stream_error(self, data: Any) -> ProviderError:
+        """The typed error for ``{"type": "error", "error": {"type", "message"}}``.
+
+        The error's ``status`` is the HTTP status the API documents for that
+        error type (``overloaded_error`` -> 529), as a stream has already sent 200.
+        """
+        error = data.get("error") if isinstance(data, dict) else None
+        kind = error.get("type") if isinstance(error, dict) else None
+        status = _ERROR_STATUS.get(kind, 500) if isinstance(kind, str) else 500
+        body = msgspec.json.encode(data if isinstance(data, dict) else {"error": str(data)})
+        return error_from_response(self.provider, status, body, httpx.Headers())
+
+
+def _env_base_url() -> str | None:
+    """``$ANTHROPIC_BASE_URL`` in this adapter's form (ending in ``/v1``), or None."""
+    value = os.environ.get("ANTHROPIC_BASE_URL", "").strip().rstrip("/")
+    if not value:
+        return None
+    return value if value.endswith("/v1") else f"{value}/v1"
+
+
+class _Block:
+    """A content block being streamed."""
+
+    __slots__ = ("block", "call_index", "fragments", "signature", "text")
+
+    def __init__(self, block: dict[str, Any], call_index: int) -> None:
+        self.block = block
+        self.call_index = call_index
+        self.text: list[str] = []
+        self.fragments: list[str] = []
+        self.signature: list[str] = []
+
+    def part(self) -> Part | None:
+        """The finished part, built as the blocking reply's block would be."""
+        block = dict(self.block)
+        kind = block.get("type")
+        if kind == "text":
+            block["text"] = _str(block.get("text", ""), "text") + "".join(self.text)
+        elif kind == "thinking":
+            block["thinking"] = _str(block.get("thinking", ""), "thinking") + "".join(self.text)
+            block["signature"] = _str(block.get("signature", ""), "signature") + "".join(
+                self.signature
+            )
+        elif kind == "tool_use":
+            joined = "".join(self.fragments)
+            if joined.strip():
+                try:
+                    block["input"] = msgspec.json.decode(joined)
+                except msgspec.DecodeError:
+                    # Not JSON: keep exactly what was sent; the arguments are None.
+                    return ToolCallPart.parse(
+                        _str(block.get("id"), "id"), _str(block.get("name"), "name"), joined
+                    )
+        return _part(block)
+
+
+class _StreamState:
+    """What a stream has said so far."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, _Block] = {}
+        self.usage: dict[str, Any] = {}
+        self.stop_reason: Any = None
+        self.model: str | None = None
+        self.calls = 0
+
+    async def handle(self, kind: Any, data: dict[str, Any], emit: ChunkSink) -> None:
+        if kind == "message_start":
+            message = _obj(data.get("message"), "message")
+            self.model = _opt_str(message.get("model"), "model")
+            self.usage.update(_obj(message.get("usage") or {}, "usage"))
+        elif kind == "content_block_start":
+            await self._start(_index(data), _obj(data.get("content_block"), "content_block"), emit)
+        elif kind == "content_block_delta":
+            await self._delta(_index(data), _obj(data.get("delta"), "delta"), emit)
+        elif kind == "message_delta":
+            delta = _obj(data.get("delta") or {}, "delta")
+            if delta.get("stop_reason") is not None:
+                self.stop_reason = delta["stop_reason"]
+            usage = _obj(data.get("usage") or {}, "usage")
+            self.usage.update({k: v for k, v in usage.items() if v is not None})
+        # ping, content_block_stop and unknown events need nothing
+
+    async def _start(self, index: int, block: dict[str, Any], emit: ChunkSink) -> None:
+        if index in self.blocks:
+            raise ValueError(f"content block {index} started twice")
+        streamed = _Block(block, self.calls)
+        self.blocks[index] = streamed
+        kind = block.get("type")
+        if kind == "tool_use":
+            call_id, name = _str(block.get("id"), "id"), _str(block.get("name"), "name")
+            self.calls += 1
+            await emit(ToolCallChunk(streamed.call_index, call_id, name))
+        elif kind == "text" and block.get("text"):
+            await emit(TextChunk(_str(block["text"], "text")))
+        elif kind == "thinking" and block.get("thinking"):
+            await emit(ReasoningChunk(_str(block["thinking"], "thinking")))
+
+    async def _delta(self, index: int, delta: dict[str, Any], emit: ChunkSink) -> None:
+        streamed = self.blocks.get(index)
+        if streamed is None:
+            raise ValueError(f"a delta for content block {index}, which was never started")
+        kind = delta.get("type")
+        if kind == "text_delta":
+            text = _str(delta.get("text"), "text")
+            streamed.text.append(text)
+            if text:
+                await emit(TextChunk(text))
+        elif kind == "thinking_delta":
+            text = _str(delta.get("thinking"), "thinking")
+            streamed.text.append(text)
+            if text:
+                await emit(ReasoningChunk(text))
+        elif kind == "signature_delta":
+            streamed.signature.append(_str(delta.get("signature"), "signature"))
+        elif kind == "input_json_delta":
+            fragment = _str(delta.get("partial_json"), "partial_json")
+            streamed.fragments.append(fragment)
+            if fragment:
+                await emit(ToolCallChunk(streamed.call_index, arguments_delta=fragment))
+
+    def response(self) -> ModelResponse:
+        parts = [p for _, b in sorted(self.blocks.items()) if (p := b.part())]
+        return ModelResponse(
+            parts=tuple(parts),
+            usage=_usage(self.usage),
+            finish_reason=_finish(self.stop_reason),
+            model=self.model,
+        )
+
+
+# -- messages ------------------------------------------------------------------------------
+
+
+def _messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
+    """The conversation as alternating ``user``/``assistant`` turns of content blocks."""
+    turns: list[dict[str, Any]] = []
+    for message in messages:
+        if message.role == "system":
+            continue
+        role = "assistant" if message.role == "assistant" else "user"
+        blocks = [b for part in message.parts if (b := _block(part))]
+        if not blocks:
+            continue  # the API refuses empty turns
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        else:
+            turns.append({"role": role, "content": blocks})
+    for turn in turns:
+        if turn["role"] == "user":
+            # tool results must open the turn that answers the calls
+            turn["content"].sort(key=lambda b: b["type"] != "tool_result")
+    return turns
+
+
+def _block(part: Part) -> dict[str, Any] | None:
+    """One part as a content block, or None when it has no Anthropic form."""
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text} if part.text else None
+    if isinstance(part, ToolCallPart):
+        arguments = part.arguments if isinstance(part.arguments, dict) else {}
+        return {"type": "tool_use", "id": part.call_id, "name": part.name, "input": arguments}
+    if isinstance(part, ToolResultPart):
+        return {
+            "type": "tool_result",
+            "tool_use_id": part.call_id,
+            "content": part.content,
+            "is_error": part.is_error,
+        }
+    data = part.provider_data
+    if "redacted" in data:
+        return {"type": "redacted_thinking", "data": data["redacted"]}
+    if "signature" in data:
+        return {"type": "thinking", "thinking": part.text, "signature": data["signature"]}
+    return None
+
+
+# -- reply ---------------------------------------------------------------------------------
+
+
+def _part(raw: Any) -> Part | None:
+    """One reply content block as a part; None for empty text and unknown blocks."""
+    block = _obj(raw, "a content block")
+    kind = block.get("type")
+    if kind == "text":
+        text = _str(block.get("text"), "text")
+        return TextPart(text) if text else None
+    if kind == "tool_use":
+        raw_arguments = msgspec.json.encode(block.get("input", {})).decode()
+        return ToolCallPart.parse(
+            _str(block.get("id"), "id"), _str(block.get("name"), "name"), raw_arguments
+        )
+    if kind == "thinking":
+        signature = _str(block.get("signature") or "", "signature")
+        return ReasoningPart(
+            _str(block.get("thinking"), "thinking"),
+            {"signature": signature} if signature else {},
+        )
+    if kind == "redacted_thinking":
+        return ReasoningPart("", {"redacted": _str(block.get("data"), "data")})
+    return None
+
+
+def _usage(raw: Any) -> Usage:
+    usage = _obj(raw or {}, "usage")
+    return Usage(
+        input_tokens=_count(usage.get("input_tokens")),
+        output_tokens=_count(usage.get("output_tokens")),
+        cache_read_tokens=_count(usage.get("cache_read_input_tokens")),
+        cache_write_tokens=_count(usage.get("cache_creation_input_tokens")),
+    )
+
+
+def _finish(stop_reason: Any) -> str | None:
+    if stop_reason is None:
+        return None
+    reason = _str(stop_reason, "stop_reason")
+    return _FINISH.get(reason, reason)
+
+
+# -- checked access (a malformed reply raises TypeError/ValueError, never AttributeError) ---
+
+
+def _obj(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} is not an object: {type(value).__name__}")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"{what} is not a list: {type(value).__name__}")
+    return value
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} is not a string: {type(value).__name__}")
+    return value
+
+
+def _opt_str(value: Any, what: str) -> str | None:
+    return None if value is None else _str(value, what)
+
+
+def _count(value: Any) -> int:
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"a token count is not an integer: {value!r}")
+    return value
+
+
+def _index(data: dict[str, Any]) -> int:
+    index = data.get("index")
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise TypeError(f"a content block index is not an integer: {index!r}")
+    return index

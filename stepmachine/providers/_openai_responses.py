@@ -1,11 +1,535 @@
-"""OpenAI Responses API -- being written."""
+"""OpenAI Responses API (``POST {base_url}/responses``), blocking and streaming.
+
+Request mapping (provider-neutral -> wire):
+
+* the system prompt (prompt parts, then the text of ``role=system`` messages)
+  -> ``instructions``;
+* user text -> ``{role: "user", content}``; assistant text ->
+  ``{role: "assistant", content}``; each tool call -> a ``function_call``
+  item (``call_id``, ``name``, the raw ``arguments`` string); each tool result
+  -> a ``function_call_output`` item; a reasoning part that came from this API
+  -> the ``reasoning`` item it was (``id``, ``summary``, ``encrypted_content``),
+  in the order the parts have in the message;
+* tools -> flat ``{type: "function", name, description, parameters}``;
+  ``max_tokens`` -> ``max_output_tokens``; ``output_schema`` ->
+  ``text.format`` ``json_schema``; ``settings.extra`` is merged in last.
+
+Reply mapping: output items in the order the API gives them -- ``reasoning``
+-> :class:`ReasoningPart` (summary text; the item kept in ``provider_data``
+so it round-trips), ``message`` -> :class:`TextPart` per ``output_text`` (or
+``refusal``) block, ``function_call`` -> :class:`ToolCallPart` whose id is the
+``call_id``. ``completed`` -> ``"stop"`` or ``"tool_calls"``; ``incomplete``
+-> ``"length"`` (``max_output_tokens``), ``"content_filter"`` or the raw reason.
+
+Streaming hands text, reasoning-summary and argument deltas to the emitter and
+assembles the result from the same final items a blocking reply holds (the
+``response.completed`` object, or the ``output_item.done`` items when a server
+leaves that empty), so both paths give the same response (invariant 9).
+``response.failed`` and ``error`` events raise typed errors; a stream that
+ends before ``response.completed`` / ``response.incomplete`` raises
+:class:`MalformedResponseError`.
+
+Reasoning round trip. With ``store=False`` (the default: this framework
+re-sends the whole history, so nothing needs to be kept server-side) a reasoning
+item can only be sent back with its ``encrypted_content``, which the API
+returns when ``include`` asks for it: that is asked automatically when
+``reasoning`` is configured, or explicitly with
+``include_encrypted_reasoning=True``. A reasoning item that cannot be resolved
+(no encrypted content while ``store`` is false) is left out of the next
+request rather than failing it.
+"""
 
 from __future__ import annotations
 
-from ._http import HTTPModel
+import os
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+
+from .._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
+from .._model import (
+    ChunkSink,
+    ModelRequest,
+    ModelResponse,
+    ReasoningChunk,
+    TextChunk,
+    ToolCallChunk,
+    Usage,
+)
+from ._errors import MalformedResponseError, ProviderError, error_from_response
+from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
 
 __all__ = ["OpenAIResponsesModel"]
 
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+
+# Stream error codes -> the HTTP status whose typed error fits them best.
+_STREAM_ERROR_STATUS = {
+    "rate_limit_exceeded": 429,
+    "insufficient_quota": 429,
+    "server_is_overloaded": 503,
+    "overloaded": 503,
+    "slow_down": 503,
+    "server_error": 500,
+    "vector_store_timeout": 500,
+    "invalid_prompt": 400,
+    "invalid_request_error": 400,
+    "invalid_image": 400,
+    "context_length_exceeded": 400,
+    "unauthorized": 401,
+    "invalid_api_key": 401,
+    "permission_denied": 403,
+    "not_found": 404,
+    "model_not_found": 404,
+}
+
 
 class OpenAIResponsesModel(HTTPModel):
-    """Placeholder."""
+    """A model behind the OpenAI Responses API.
+
+    Args:
+        model: the model name, e.g. ``"gpt-5"``.
+        api_key: the key; defaults to ``$OPENAI_API_KEY``.
+        base_url: the API root; defaults to ``$OPENAI_BASE_URL``, else
+            ``https://api.openai.com/v1``.
+        client: an ``httpx.AsyncClient`` to reuse (one is made otherwise).
+        retry: the retry policy (see :class:`RetryPolicy`).
+        timeout: per-request timeout when this model makes its own client.
+        headers: extra headers on every request (organization, project, ...).
+        reasoning: the ``reasoning`` object, e.g. ``{"effort": "low",
+            "summary": "auto"}``; ``None`` sends none (the model's default).
+        store: the ``store`` flag; ``False`` by default (nothing is kept
+            server-side); ``None`` leaves the field out (the server's default).
+        include_encrypted_reasoning: ask for ``reasoning.encrypted_content`` so
+            reasoning round-trips without server-side storage; ``None`` asks
+            for it when ``store`` is false and ``reasoning`` is configured.
+        strict_tools: the ``strict`` flag on every function tool; ``None``
+            leaves it to the server.
+        sleep, rng: injectable for tests.
+
+    The key is never shown: ``repr`` names the model and base URL only.
+    """
+
+    provider = "openai"
+    path = "/responses"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        api_key: str | Secret | None = None,
+        base_url: str | None = None,
+        client: httpx.AsyncClient | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        headers: Mapping[str, str] | None = None,
+        reasoning: Mapping[str, Any] | None = None,
+        store: bool | None = False,
+        include_encrypted_reasoning: bool | None = None,
+        strict_tools: bool | None = None,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            api_key=api_key if api_key is not None else os.environ.get("OPENAI_API_KEY"),
+            base_url=base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL,
+            client=client,
+            retry=retry,
+            timeout=timeout,
+            headers=headers,
+            sleep=sleep,
+            rng=rng,
+        )
+        self.reasoning = dict(reasoning) if reasoning is not None else None
+        self.store = store
+        if include_encrypted_reasoning is None:
+            include_encrypted_reasoning = store is False and self.reasoning is not None
+        self.include_encrypted_reasoning = include_encrypted_reasoning
+        self.strict_tools = strict_tools
+
+    # -- request -----------------------------------------------------------------------
+
+    def build_body(self, request: ModelRequest, *, stream: bool) -> dict[str, Any]:
+        """The ``/responses`` body for ``request`` (see the module docs)."""
+        system = [request.system_prompt] if request.system_prompt else []
+        items: list[dict[str, Any]] = []
+        for message in request.messages:
+            if message.role == "system":
+                if message.text:
+                    system.append(message.text)
+                continue
+            items.extend(self._items(message))
+        body: dict[str, Any] = {"model": self.model, "input": items, "stream": stream}
+        if system:
+            body["instructions"] = "\n\n".join(system)
+        if request.tools:
+            body["tools"] = [self._tool(t.name, t.description, t.parameters) for t in request.tools]
+        settings = request.settings
+        if settings.max_tokens is not None:
+            body["max_output_tokens"] = settings.max_tokens
+        if settings.temperature is not None:
+            body["temperature"] = settings.temperature
+        if request.output_schema is not None:
+            body["text"] = {
+                "format": {
+                    "type": "json_schema",
+                    "name": request.output_name,
+                    "schema": request.output_schema,
+                    "strict": _strict_compatible(request.output_schema),
+                }
+            }
+        if self.reasoning is not None:
+            body["reasoning"] = dict(self.reasoning)
+        if self.store is not None:
+            body["store"] = self.store
+        if self.include_encrypted_reasoning:
+            body["include"] = [ENCRYPTED_REASONING]
+        body.update(settings.extra)
+        return body
+
+    def _tool(self, name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:
+        tool: dict[str, Any] = {
+            "type": "function",
+            "name": name,
+            "description": description,
+            "parameters": parameters,
+        }
+        if self.strict_tools is not None:
+            tool["strict"] = self.strict_tools
+        return tool
+
+    def _items(self, message: Message) -> list[dict[str, Any]]:
+        """The input items of one message, in part order (consecutive text joined)."""
+        items: list[dict[str, Any]] = []
+        text: list[str] = []
+
+        def flush() -> None:
+            joined = "".join(text)
+            text.clear()
+            if joined:
+                role = "assistant" if message.role == "assistant" else "user"
+                items.append({"role": role, "content": joined})
+
+        for part in message.parts:
+            if isinstance(part, TextPart):
+                text.append(part.text)
+                continue
+            flush()
+            if isinstance(part, ToolCallPart):
+                items.append(
+                    {
+                        "type": "function_call",
+                        "call_id": part.call_id,
+                        "name": part.name,
+                        "arguments": part.raw_arguments,
+                    }
+                )
+            elif isinstance(part, ToolResultPart):
+                items.append(
+                    {
+                        "type": "function_call_output",
+                        "call_id": part.call_id,
+                        "output": part.content,
+                    }
+                )
+            elif isinstance(part, ReasoningPart):
+                item = self._reasoning_item(part)
+                if item is not None:
+                    items.append(item)
+        flush()
+        return items
+
+    def _reasoning_item(self, part: ReasoningPart) -> dict[str, Any] | None:
+        """The reasoning item to echo, or ``None`` when the part cannot be sent back."""
+        data = part.provider_data
+        if data.get("type") != "reasoning" or not isinstance(data.get("id"), str):
+            return None  # reasoning from another provider, or without its item
+        encrypted = data.get("encrypted_content")
+        if self.store is False and not encrypted:
+            return None  # not stored server-side and not carried: unresolvable
+        item: dict[str, Any] = {"type": "reasoning", "id": data["id"]}
+        item["summary"] = data.get("summary") or []
+        if encrypted:
+            item["encrypted_content"] = encrypted
+        return item
+
+    # -- blocking reply ----------------------------------------------------------------
+
+    def parse_response(self, data: Any) -> ModelResponse:
+        """A ``response`` object as a :class:`ModelResponse`.
+
+        Raises:
+            ProviderError: the response says it failed (``error`` set).
+            KeyError, TypeError, ValueError: it is malformed (the base turns
+                these into :class:`MalformedResponseError`).
+        """
+        response = _dict(data, "response")
+        error = response.get("error")
+        if error is not None:
+            raise self.stream_error({"type": "response.failed", "response": response})
+        return self._assemble(response, _list(response.get("output"), "output"))
+
+    def _assemble(self, response: dict[str, Any], output: list[Any]) -> ModelResponse:
+        parts: list[Part] = []
+        calls = 0
+        for raw in output:
+            item = _dict(raw, "output item")
+            kind = item.get("type")
+            if kind == "message":
+                for raw_block in _list(item.get("content") or [], "content"):
+                    block = _dict(raw_block, "content block")
+                    if block.get("type") == "output_text":
+                        parts.append(TextPart(_str(block.get("text"), "output_text.text")))
+                    elif block.get("type") == "refusal":
+                        parts.append(TextPart(_str(block.get("refusal"), "refusal")))
+            elif kind == "function_call":
+                parts.append(
+                    ToolCallPart.parse(
+                        _str(item.get("call_id"), "call_id"),
+                        _str(item.get("name"), "name"),
+                        _str(item.get("arguments") or "", "arguments"),
+                    )
+                )
+                calls += 1
+            elif kind == "reasoning":
+                parts.append(_reasoning_part(item))
+        return ModelResponse(
+            parts=tuple(parts),
+            usage=_usage(response.get("usage")),
+            finish_reason=_finish_reason(response, calls),
+            model=response.get("model") if isinstance(response.get("model"), str) else None,
+        )
+
+    # -- stream ------------------------------------------------------------------------
+
+    async def parse_stream(self, events: AsyncIterator[SSEEvent], emit: ChunkSink) -> ModelResponse:
+        """Consume a ``/responses`` event stream, emitting deltas; see the module docs.
+
+        Raises:
+            ProviderError: a typed error for ``response.failed`` / ``error``.
+            MalformedResponseError: the stream ended before its final event.
+        """
+        state = _StreamState()
+        async for event in events:
+            if not event.data.strip() or event.data.strip() == "[DONE]":
+                continue
+            data = _dict(msgspec.json.decode(event.data), "event")
+            kind = data.get("type", event.event)
+            if kind in ("response.completed", "response.incomplete"):
+                response = _dict(data.get("response"), "response")
+                output = response.get("output")
+                if not output:
+                    output = state.assembled()
+                return self._assemble(response, _list(output, "output"))
+            if kind in ("response.failed", "error"):
+                raise self.stream_error(data)
+            await state.feed(kind, data, emit)
+        raise MalformedResponseError(
+            "the stream ended before response.completed", provider=self.provider
+        )
+
+    def stream_error(self, data: Any) -> ProviderError:
+        """The typed error for a ``response.failed`` or ``error`` event."""
+        error: Any = data
+        if isinstance(data, dict):
+            response = data.get("response")
+            if isinstance(response, dict):
+                error = response.get("error") or {"message": f"status {response.get('status')}"}
+            elif isinstance(data.get("error"), dict):
+                error = data["error"]
+        if not isinstance(error, dict):
+            error = {"message": str(error)[:500]}
+        code = error.get("code") if error.get("code") is not None else error.get("type")
+        status = _STREAM_ERROR_STATUS.get(code, 500) if isinstance(code, str) else 500
+        message = error.get("message") or "the response failed"
+        body = msgspec.json.encode({"error": {"message": str(message), "code": code}})
+        return error_from_response(self.provider, status, body, httpx.Headers())
+
+
+class _StreamState:
+    """What a stream has shown so far: items by output index, deltas emitted."""
+
+    def __init__(self) -> None:
+        self.items: dict[int, dict[str, Any]] = {}
+        self.texts: dict[tuple[int, int], list[str]] = {}
+        self.arguments: dict[int, list[str]] = {}
+        self.tool_index: dict[int, int] = {}
+        self.summary_index: dict[int, int] = {}
+
+    async def feed(self, kind: Any, data: dict[str, Any], emit: ChunkSink) -> None:
+        if kind == "response.output_item.added":
+            index = _int(data.get("output_index"))
+            item = dict(_dict(data.get("item"), "item"))
+            self.items[index] = item
+            if item.get("type") == "function_call":
+                self.tool_index[index] = len(self.tool_index)
+                arguments = _str(item.get("arguments") or "", "arguments")
+                self.arguments[index] = [arguments]
+                await emit(
+                    ToolCallChunk(
+                        self.tool_index[index],
+                        _str(item.get("call_id"), "call_id"),
+                        _str(item.get("name"), "name"),
+                        arguments,
+                    )
+                )
+        elif kind == "response.output_text.delta":
+            delta = _str(data.get("delta"), "delta")
+            key = (_int(data.get("output_index")), _int(data.get("content_index", 0)))
+            self.texts.setdefault(key, []).append(delta)
+            if delta:
+                await emit(TextChunk(delta))
+        elif kind == "response.function_call_arguments.delta":
+            index = _int(data.get("output_index"))
+            delta = _str(data.get("delta"), "delta")
+            if index not in self.tool_index:
+                raise ValueError(f"arguments for output {index}, which is no function call")
+            self.arguments[index].append(delta)
+            if delta:
+                await emit(ToolCallChunk(self.tool_index[index], arguments_delta=delta))
+        elif kind in ("response.reasoning_summary_text.delta", "response.reasoning_text.delta"):
+            await self._reasoning_delta(data, emit)
+        elif kind == "response.output_item.done":
+            index = _int(data.get("output_index"))
+            item = _dict(data.get("item"), "item")
+            self.items[index] = item
+            if index in self.tool_index:
+                # Arguments a server sent whole, only at the end: show the rest.
+                sent = "".join(self.arguments[index])
+                final = _str(item.get("arguments") or "", "arguments")
+                if final.startswith(sent) and len(final) > len(sent):
+                    self.arguments[index].append(final[len(sent) :])
+                    await emit(
+                        ToolCallChunk(self.tool_index[index], arguments_delta=final[len(sent) :])
+                    )
+
+    async def _reasoning_delta(self, data: dict[str, Any], emit: ChunkSink) -> None:
+        delta = _str(data.get("delta"), "delta")
+        index = _int(data.get("output_index"))
+        part = data.get("summary_index", data.get("content_index", 0))
+        previous = self.summary_index.get(index)
+        self.summary_index[index] = current = _int(part)
+        if previous is not None and previous != current:
+            await emit(ReasoningChunk("\n\n"))  # summary parts are joined by a blank line
+        if delta:
+            await emit(ReasoningChunk(delta))
+
+    def assembled(self) -> list[dict[str, Any]]:
+        """The output items as the stream built them, for a final event without ``output``."""
+        output = []
+        for index in sorted(self.items):
+            item = dict(self.items[index])
+            if item.get("type") == "function_call" and not item.get("arguments"):
+                item["arguments"] = "".join(self.arguments.get(index, []))
+            if item.get("type") == "message" and not item.get("content"):
+                blocks = sorted(k for k in self.texts if k[0] == index)
+                item["content"] = [
+                    {"type": "output_text", "text": "".join(self.texts[k])} for k in blocks
+                ]
+            output.append(item)
+        return output
+
+
+# -- small pure helpers -----------------------------------------------------------------
+
+
+def _reasoning_part(item: dict[str, Any]) -> ReasoningPart:
+    summary = _list(item.get("summary") or [], "summary")
+    texts = [_str(_dict(s, "summary part").get("text") or "", "summary text") for s in summary]
+    if not any(texts):  # models that show raw reasoning text instead of a summary
+        content = _list(item.get("content") or [], "reasoning content")
+        texts = [_str(_dict(c, "reasoning text").get("text") or "", "text") for c in content]
+    data: dict[str, Any] = {
+        "type": "reasoning",
+        "id": _str(item.get("id"), "reasoning id"),
+        "summary": summary,
+    }
+    if item.get("encrypted_content"):
+        data["encrypted_content"] = item["encrypted_content"]
+    return ReasoningPart(text="\n\n".join(t for t in texts if t), provider_data=data)
+
+
+def _usage(raw: Any) -> Usage:
+    if not isinstance(raw, dict):
+        return Usage()
+    inputs = raw.get("input_tokens_details")
+    outputs = raw.get("output_tokens_details")
+    return Usage(
+        input_tokens=_count(raw.get("input_tokens")),
+        output_tokens=_count(raw.get("output_tokens")),
+        cache_read_tokens=_count(inputs.get("cached_tokens")) if isinstance(inputs, dict) else 0,
+        reasoning_tokens=(
+            _count(outputs.get("reasoning_tokens")) if isinstance(outputs, dict) else 0
+        ),
+    )
+
+
+def _finish_reason(response: dict[str, Any], calls: int) -> str | None:
+    status = response.get("status")
+    if status == "completed" or status is None:
+        return "tool_calls" if calls else "stop"
+    if status == "incomplete":
+        details = response.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        if reason == "max_output_tokens":
+            return "length"
+        if reason == "content_filter":
+            return "content_filter"
+        return str(reason) if reason else "incomplete"
+    return str(status)
+
+
+def _strict_compatible(schema: Any) -> bool:
+    """Whether a JSON schema meets strict mode: every object closed, every property required."""
+    if not isinstance(schema, dict):
+        return True
+    properties = schema.get("properties")
+    if schema.get("type") == "object" or isinstance(properties, dict):
+        properties = properties if isinstance(properties, dict) else {}
+        if schema.get("additionalProperties") is not False:
+            return False
+        if set(schema.get("required") or ()) != set(properties):
+            return False
+    children: list[Any] = list(properties.values()) if isinstance(properties, dict) else []
+    children.extend(schema.get(key) for key in ("items", "not"))
+    for key in ("anyOf", "allOf", "oneOf", "prefixItems"):
+        value = schema.get(key)
+        children.extend(value if isinstance(value, list) else [])
+    for key in ("$defs", "definitions"):
+        value = schema.get(key)
+        children.extend(value.values() if isinstance(value, dict) else [])
+    return all(_strict_compatible(child) for child in children)
+
+
+def _dict(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"{what}: expected an object, got {type(value).__name__}")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"{what}: expected an array, got {type(value).__name__}")
+    return value
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected an index, got {type(value).__name__}")
+    return value
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

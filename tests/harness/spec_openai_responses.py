@@ -1,0 +1,377 @@
+"""How the conformance harness drives :class:`OpenAIResponsesModel` (folder ``openai_responses``).
+
+Written independently of the adapter: ``decode_request`` reads a recorded
+``/responses`` body into a provider-neutral request, ``request_differences``
+compares two bodies on the fields that matter, and ``expect`` reads what a
+recorded reply says (a JSON ``response`` object, or an SSE stream whose
+text and argument *deltas* are concatenated here) without calling the adapter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from stepmachine import Message, ModelRequest, ModelSettings, PromptPart, ToolDefinition
+from stepmachine._messages import Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
+from stepmachine.providers import (
+    AuthenticationError,
+    BadRequestError,
+    ContextLengthExceededError,
+    HTTPModel,
+    MalformedResponseError,
+    NotFoundError,
+    OpenAIResponsesModel,
+    OverloadedError,
+    PermissionDeniedError,
+    ProviderError,
+    RateLimitError,
+    RetryPolicy,
+    ServerError,
+)
+
+
+def _load_spec_types() -> Any:
+    """The shared ``_spec`` module: the one already imported, else loaded from beside this file."""
+    module = sys.modules.get("_spec")
+    if module is None:
+        path = Path(__file__).with_name("_spec.py")
+        loaded = importlib.util.spec_from_file_location("_spec", path)
+        assert loaded is not None
+        assert loaded.loader is not None
+        module = importlib.util.module_from_spec(loaded)
+        sys.modules["_spec"] = module
+        loaded.loader.exec_module(module)
+    return module
+
+
+_spec = _load_spec_types()
+Expected = _spec.Expected
+ExpectedCall = _spec.ExpectedCall
+ProviderSpec = _spec.ProviderSpec
+
+# Top-level request fields the neutral request maps itself; every other recorded
+# field (tool_choice, include, store, reasoning, service_tier, parallel_tool_calls,
+# top_p, ...) is passed through ``settings.extra`` and compared verbatim.
+_MAPPED = frozenset(
+    {"model", "input", "instructions", "tools", "stream", "max_output_tokens", "temperature"}
+)
+_PLACEHOLDER = re.compile(r"^<[A-Z0-9_]+>$")
+
+
+def make_model(client: httpx.AsyncClient, model: str) -> HTTPModel:
+    """The adapter under test: no ``store`` of its own (the recording's, if any, comes
+    through ``settings.extra``), one attempt per interaction."""
+    return OpenAIResponsesModel(
+        model,
+        api_key="sk-test-not-a-key",
+        base_url="https://api.openai.com/v1",
+        client=client,
+        store=None,
+        retry=RetryPolicy(max_attempts=1),
+    )
+
+
+# -- decode_request ------------------------------------------------------------------------
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(block.get("text", "")) for block in content if isinstance(block, dict))
+    return ""
+
+
+def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
+    """The neutral request a recorded ``/responses`` body shows, and whether it streamed."""
+    raw_input = body.get("input") or []
+    if isinstance(raw_input, str):
+        raw_input = [{"role": "user", "content": raw_input}]
+    messages: list[Message] = []
+    assistant: list[Part] = []
+
+    def close_assistant() -> None:
+        if assistant:
+            messages.append(
+                Message(id=f"m{len(messages)}", role="assistant", parts=tuple(assistant))
+            )
+            assistant.clear()
+
+    for item in raw_input:
+        kind = item.get("type", "message")
+        role = item.get("role")
+        if kind == "function_call":
+            assistant.append(
+                ToolCallPart.parse(item["call_id"], item["name"], item.get("arguments") or "")
+            )
+        elif kind == "reasoning":
+            summary = item.get("summary") or []
+            data = {"type": "reasoning", "id": item["id"], "summary": summary}
+            if item.get("encrypted_content"):
+                data["encrypted_content"] = item["encrypted_content"]
+            text = "\n\n".join(s.get("text", "") for s in summary)
+            assistant.append(ReasoningPart(text=text, provider_data=data))
+        elif kind == "message" and role == "assistant":
+            assistant.append(TextPart(_content_text(item.get("content"))))
+        elif kind == "function_call_output":
+            close_assistant()
+            result = ToolResultPart(call_id=item["call_id"], content=_content_text(item["output"]))
+            messages.append(Message(id=f"m{len(messages)}", role="tool", parts=(result,)))
+        else:  # user / system / developer message
+            close_assistant()
+            who = "user" if role == "user" else "system"
+            text = _content_text(item.get("content"))
+            messages.append(Message(id=f"m{len(messages)}", role=who, parts=(TextPart(text),)))
+    close_assistant()
+
+    tools = tuple(
+        ToolDefinition(
+            name=t["name"], description=t.get("description") or "", parameters=t["parameters"]
+        )
+        for t in body.get("tools") or []
+    )
+    extra = {k: v for k, v in body.items() if k not in _MAPPED}
+    schema: dict[str, Any] | None = None
+    name = "output"
+    text_config = extra.get("text")
+    if isinstance(text_config, dict) and set(text_config) == {"format"}:
+        fmt = text_config["format"]
+        if fmt.get("type") == "json_schema":
+            schema, name = fmt["schema"], fmt["name"]
+            del extra["text"]
+    instructions = body.get("instructions") or ""
+    request = ModelRequest(
+        messages=tuple(messages),
+        tools=tools,
+        prompt_parts=(PromptPart("recording", instructions),) if instructions else (),
+        settings=ModelSettings(
+            max_tokens=body.get("max_output_tokens"),
+            temperature=body.get("temperature"),
+            extra=extra,
+        ),
+        output_schema=schema,
+        output_name=name,
+    )
+    return request, bool(body.get("stream", False))
+
+
+# -- request_differences -------------------------------------------------------------------
+
+
+def _normal_input(raw: Any) -> list[Any]:
+    """Input items in a comparable form.
+
+    Ignored, with why: an empty assistant message (pydantic-ai sends one before
+    its function calls; it carries nothing), a function_call's ``status``
+    (pydantic-ai sends ``null``: a client artefact) and ``id`` (the neutral
+    tool call keeps the ``call_id`` only, which is what results refer to);
+    ``arguments`` compared as parsed JSON (simonw/llm re-serialises them).
+    """
+    if isinstance(raw, str):
+        raw = [{"role": "user", "content": raw}]
+    out: list[Any] = []
+    for item in raw or []:
+        kind = item.get("type", "message")
+        if kind == "message":
+            text = _content_text(item.get("content"))
+            if item.get("role") == "assistant" and not text:
+                continue
+            out.append({"role": item.get("role"), "content": text})
+        elif kind == "function_call":
+            try:
+                arguments: Any = json.loads(item.get("arguments") or "{}")
+            except ValueError:
+                arguments = item.get("arguments")
+            out.append(["function_call", item["call_id"], item["name"], arguments])
+        elif kind == "function_call_output":
+            out.append(["function_call_output", item["call_id"], item["output"]])
+        elif kind == "reasoning":
+            out.append(
+                ["reasoning", item["id"], item.get("summary") or [], item.get("encrypted_content")]
+            )
+        else:
+            out.append(item)
+    return out
+
+
+def _normal_tools(raw: Any) -> list[Any]:
+    """Tools as (type, name, description, parameters).
+
+    Ignored: ``strict`` (the neutral tool definition has no such flag; the
+    adapter leaves it to the server unless configured). A ``null`` description
+    equals an empty one.
+    """
+    return [
+        [t.get("type"), t.get("name"), t.get("description") or "", t.get("parameters")]
+        for t in raw or []
+    ]
+
+
+def _same(sent: Any, recorded: Any) -> bool:
+    """Equal as JSON, a recorded placeholder such as ``<MASSIVE_TEXT>`` matching anything."""
+    if isinstance(recorded, str) and _PLACEHOLDER.match(recorded):
+        return True
+    if isinstance(sent, dict) and isinstance(recorded, dict):
+        return set(sent) == set(recorded) and all(_same(sent[k], recorded[k]) for k in sent)
+    if isinstance(sent, list) and isinstance(recorded, list):
+        return len(sent) == len(recorded) and all(map(_same, sent, recorded))
+    return bool(sent == recorded)
+
+
+def request_differences(sent: dict[str, Any], recorded: dict[str, Any]) -> list[str]:
+    """The fields that matter on which the sent body differs from the recorded one.
+
+    ``instructions`` "" equals no instructions; ``stream`` absent equals false;
+    ``input`` as a plain string equals one user message. Every other top-level
+    field is compared verbatim (after the normalisations above).
+    """
+    differences: list[str] = []
+    checks: dict[str, tuple[Any, Any]] = {
+        "model": (sent.get("model"), recorded.get("model")),
+        "stream": (bool(sent.get("stream")), bool(recorded.get("stream"))),
+        "instructions": (sent.get("instructions") or "", recorded.get("instructions") or ""),
+        "input": (_normal_input(sent.get("input")), _normal_input(recorded.get("input"))),
+        "tools": (_normal_tools(sent.get("tools")), _normal_tools(recorded.get("tools"))),
+    }
+    for key in (set(sent) | set(recorded)) - set(checks):
+        checks[key] = (sent.get(key), recorded.get(key))
+    for key, (mine, theirs) in sorted(checks.items()):
+        if not _same(mine, theirs):
+            differences.append(f"{key}: sent {mine!r}, recorded {theirs!r}")
+    return differences
+
+
+# -- expect --------------------------------------------------------------------------------
+
+
+def _error_type(status: int, body: bytes) -> type[ProviderError]:
+    try:
+        error = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):
+        error = {}
+    code = error.get("code") if isinstance(error, dict) else None
+    if code == "context_length_exceeded":
+        return ContextLengthExceededError
+    by_status: dict[int, type[ProviderError]] = {
+        401: AuthenticationError,
+        403: PermissionDeniedError,
+        404: NotFoundError,
+        429: RateLimitError,
+        503: OverloadedError,
+        529: OverloadedError,
+    }
+    if status in by_status:
+        return by_status[status]
+    return ServerError if status >= 500 else BadRequestError
+
+
+def _finish(response: dict[str, Any], calls: int) -> str | None:
+    status = response.get("status")
+    if status == "completed":
+        return "tool_calls" if calls else "stop"
+    if status == "incomplete":
+        reason = (response.get("incomplete_details") or {}).get("reason")
+        return "length" if reason == "max_output_tokens" else reason
+    return status
+
+
+def _sse_events(body: bytes) -> list[dict[str, Any]]:
+    events = []
+    for block in body.decode("utf-8").replace("\r\n", "\n").split("\n\n"):
+        data = "\n".join(
+            line[5:].lstrip(" ") for line in block.split("\n") if line.startswith("data:")
+        )
+        if data.strip():
+            events.append(json.loads(data))
+    return events
+
+
+def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> Any:
+    """What the adapter must make of one recorded reply (read from the reply alone)."""
+    if status >= 400:
+        return Expected(error=_error_type(status, body))
+    if "text/event-stream" in headers.get("content-type", ""):
+        return _expect_stream(_sse_events(body))
+    response = json.loads(body)
+    text = ""
+    calls = []
+    reasoning = False
+    for item in response["output"]:
+        if item["type"] == "message":
+            text += "".join(c["text"] for c in item["content"] if c["type"] == "output_text")
+        elif item["type"] == "function_call":
+            calls.append(
+                ExpectedCall(item["name"], json.loads(item["arguments"] or "{}"), item["call_id"])
+            )
+        elif item["type"] == "reasoning":
+            reasoning = True
+    usage = response.get("usage") or {}
+    return Expected(
+        text=text,
+        tool_calls=tuple(calls),
+        reasoning=reasoning,
+        input_tokens=usage.get("input_tokens"),
+        output_tokens=usage.get("output_tokens"),
+        finish_reason=_finish(response, len(calls)),
+    )
+
+
+def _expect_stream(events: list[dict[str, Any]]) -> Any:
+    """From the deltas: text concatenated, calls opened by output_item.added and
+    filled by argument deltas; usage and status from response.completed."""
+    text = ""
+    calls: dict[str, list[Any]] = {}  # item id -> [name, call_id, arguments]
+    reasoning = False
+    final: dict[str, Any] | None = None
+    for event in events:
+        kind = event.get("type")
+        if kind == "response.output_text.delta":
+            text += event["delta"]
+        elif kind == "response.output_item.added":
+            item = event["item"]
+            if item["type"] == "function_call":
+                calls[item["id"]] = [item["name"], item["call_id"], item.get("arguments") or ""]
+            elif item["type"] == "reasoning":
+                reasoning = True
+        elif kind == "response.function_call_arguments.delta":
+            calls[event["item_id"]][2] += event["delta"]
+        elif kind in ("response.completed", "response.incomplete"):
+            final = event["response"]
+        elif kind in ("response.failed", "error"):
+            return Expected(
+                error=ProviderError, notes=("a failure event: its type depends on its code",)
+            )
+    if final is None:
+        return Expected(error=MalformedResponseError, notes=("no response.completed event",))
+    usage = final.get("usage") or {}
+    expected_calls = tuple(
+        ExpectedCall(name, json.loads(arguments or "{}"), call_id)
+        for name, call_id, arguments in calls.values()
+    )
+    return Expected(
+        text=text,
+        tool_calls=expected_calls,
+        reasoning=reasoning,
+        input_tokens=usage.get("input_tokens"),
+        output_tokens=usage.get("output_tokens"),
+        finish_reason=_finish(final, len(expected_calls)),
+    )
+
+
+SPECS: dict[str, Any] = {
+    "openai_responses": ProviderSpec(
+        folder="openai_responses",
+        path_suffix="/responses",
+        make_model=make_model,
+        decode_request=decode_request,
+        request_differences=request_differences,
+        expect=expect,
+    )
+}
