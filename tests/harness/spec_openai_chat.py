@@ -1,0 +1,420 @@
+"""Conformance specs for the Chat Completions recordings: folders ``openai_chat`` and
+``openai_compatible`` (Ollama, vLLM, llama.cpp, Groq, OpenRouter).
+
+Written independently of the adapter: ``decode_request`` reads a recorded Chat
+Completions body back into a provider-neutral request, ``request_differences``
+compares the body the adapter sent with the recorded one on the fields that
+matter, and ``expect`` reads what the recorded reply says (its JSON, or its
+server-sent events with a small reader of its own) without calling the adapter.
+
+Conventions of the adapter this spec relies on (documented in
+``stepmachine/providers/_openai_chat.py``):
+
+* reasoning sent back in an assistant turn is a ``ReasoningPart`` whose
+  ``provider_data`` is ``{"field": "reasoning" | "reasoning_content"}``;
+* a refusal is returned as text with finish reason ``"content_filter"``;
+* token counts come from ``usage``, else from llama.cpp's ``timings``
+  (``prompt_n + cache_n`` in, ``predicted_n`` out).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from stepmachine import Message, ModelRequest, ModelSettings, PromptPart, ToolDefinition
+from stepmachine._messages import Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
+from stepmachine.providers import (
+    AuthenticationError,
+    BadRequestError,
+    ContextLengthExceededError,
+    HTTPModel,
+    NotFoundError,
+    OpenAIChatModel,
+    OpenAICompatibleModel,
+    OverloadedError,
+    PermissionDeniedError,
+    ProviderError,
+    RateLimitError,
+    ServerError,
+)
+
+
+def _load_spec_contract() -> Any:
+    """``_spec`` as the harness imports it (a script's folder is on ``sys.path``), else by path."""
+    module = sys.modules.get("_spec")
+    if module is not None:
+        return module
+    here = Path(__file__).resolve().parent
+    spec = importlib.util.spec_from_file_location("_spec", here / "_spec.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["_spec"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_contract = _load_spec_contract()
+Expected = _contract.Expected
+ExpectedCall = _contract.ExpectedCall
+ProviderSpec = _contract.ProviderSpec
+
+TEST_KEY = "sk-conformance-test-key"
+
+# Top-level fields the neutral request expresses directly; every other recorded field
+# (tool_choice, parallel_tool_calls, n, enable_thinking, chat_template_kwargs,
+# cache_prompt, reasoning_format, ...) is carried in ``settings.extra`` and must come
+# back unchanged.
+_MODELLED = frozenset(
+    {
+        "model",
+        "messages",
+        "tools",
+        "stream",
+        "stream_options",
+        "response_format",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+    }
+)
+
+
+def make_chat_model(client: httpx.AsyncClient, model: str) -> HTTPModel:
+    """The OpenAI adapter over the harness's client."""
+    return OpenAIChatModel(model, api_key=TEST_KEY, client=client)
+
+
+def make_compatible_model(client: httpx.AsyncClient, model: str) -> HTTPModel:
+    """The OpenAI-compatible adapter (``model`` may be ``""``: go-vcr requests have none)."""
+    return OpenAICompatibleModel(
+        model, base_url="http://compatible.invalid/v1", api_key=TEST_KEY, client=client
+    )
+
+
+# -- decoding a recorded request ---------------------------------------------------------------
+
+
+def _text_of(content: Any) -> str:
+    """A message's ``content``: a string, ``null``, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def _raw_arguments(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
+    """The neutral request a recorded Chat Completions body shows, and whether it streamed."""
+    messages: list[Message] = []
+    prompt_parts: list[PromptPart] = []
+    for number, wire in enumerate(body.get("messages") or []):
+        role = wire.get("role")
+        mid = f"m{number}"
+        if role in ("system", "developer"):
+            if number == 0:
+                prompt_parts.append(PromptPart("recorded", _text_of(wire.get("content"))))
+            else:
+                messages.append(Message.system(_text_of(wire.get("content")), id=mid))
+        elif role == "user":
+            messages.append(Message.user(_text_of(wire.get("content")), id=mid))
+        elif role == "tool":
+            result = ToolResultPart(wire["tool_call_id"], _text_of(wire.get("content")))
+            messages.append(Message.tool_result(result, id=mid))
+        elif role == "assistant":
+            parts: list[Part] = []
+            for field in ("reasoning", "reasoning_content"):
+                if wire.get(field):
+                    parts.append(ReasoningPart(wire[field], {"field": field}))
+                    break  # ruby_llm sends the same text in both fields
+            if _text_of(wire.get("content")):
+                parts.append(TextPart(_text_of(wire.get("content"))))
+            for call in wire.get("tool_calls") or []:
+                function = call["function"]
+                raw = _raw_arguments(function.get("arguments"))
+                parts.append(ToolCallPart.parse(call["id"], function["name"], raw))
+            messages.append(Message(id=mid, role="assistant", parts=tuple(parts)))
+        else:
+            raise ValueError(f"unexpected role {role!r} in recorded message {number}")
+    tools = tuple(
+        ToolDefinition(
+            t["function"]["name"],
+            t["function"].get("description") or "",
+            t["function"].get("parameters") or {},
+        )
+        for t in body.get("tools") or []
+    )
+    output_schema, output_name = None, "output"
+    response_format = body.get("response_format")
+    extra = {k: v for k, v in body.items() if k not in _MODELLED}
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        output_schema = response_format["json_schema"]["schema"]
+        output_name = response_format["json_schema"]["name"]
+    elif response_format is not None:
+        extra["response_format"] = response_format  # e.g. json_object: passed through
+    settings = ModelSettings(
+        max_tokens=body.get("max_completion_tokens", body.get("max_tokens")),
+        temperature=body.get("temperature"),
+        extra=extra,
+    )
+    request = ModelRequest(
+        messages=tuple(messages),
+        tools=tools,
+        prompt_parts=tuple(prompt_parts),
+        settings=settings,
+        output_schema=output_schema,
+        output_name=output_name,
+    )
+    return request, bool(body.get("stream"))
+
+
+# -- comparing the sent request with the recorded one ------------------------------------------
+
+
+def _norm_message(wire: dict[str, Any]) -> dict[str, Any]:
+    role = wire.get("role")
+    out: dict[str, Any] = {
+        # OpenAI treats ``developer`` as the system role of newer models; the neutral
+        # request has one system prompt, which the adapter sends as ``system`` by default
+        # (``system_role="developer"`` on request).
+        "role": "system" if role == "developer" else role,
+        # ``content`` null, absent and "" are the same empty turn; a list of text parts
+        # (go-vcr / llama.cpp) is its joined text.
+        "content": _text_of(wire.get("content")),
+    }
+    if wire.get("tool_calls"):
+        out["tool_calls"] = [
+            (
+                c.get("id"),
+                c.get("function", {}).get("name"),
+                _raw_arguments(c.get("function", {}).get("arguments")),
+            )
+            for c in wire["tool_calls"]
+        ]
+    if role == "tool":
+        out["tool_call_id"] = wire.get("tool_call_id")
+    # Reasoning echoed back: ruby_llm sends the same text as both ``reasoning`` and
+    # ``reasoning_content``; the adapter sends it once, in the field it arrived in.
+    reasoning = wire.get("reasoning") or wire.get("reasoning_content")
+    if reasoning:
+        out["reasoning"] = reasoning
+    return out
+
+
+def _norm_tools(body: dict[str, Any]) -> list[Any]:
+    # ``function.strict`` is ignored: the neutral ToolDefinition has no strict flag.
+    return [
+        (
+            t.get("function", {}).get("name"),
+            t.get("function", {}).get("description") or "",
+            t.get("function", {}).get("parameters"),
+        )
+        for t in body.get("tools") or []
+    ]
+
+
+def _norm_response_format(body: dict[str, Any]) -> Any:
+    value = body.get("response_format")
+    if isinstance(value, dict) and value.get("type") == "json_schema":
+        schema = value.get("json_schema", {})
+        # ``strict`` is ignored: the adapter derives it from the schema (strict when
+        # every object is closed and fully required); its unit tests check that the
+        # derived flag matches these recordings.
+        return ("json_schema", schema.get("name"), schema.get("schema"))
+    return value
+
+
+def request_differences(sent: dict[str, Any], recorded: dict[str, Any]) -> list[str]:
+    """Differences on the fields that matter; ``[]`` when the bodies agree.
+
+    Ignored, and why:
+
+    * ``model`` when the recording has none (go-vcr / llama.cpp requests omit it; the
+      harness then gives the adapter ``""`` and it sends none either);
+    * ``stream_options``: the adapter always asks for the usage chunk when streaming;
+      servers that do not know it ignore it (maruel/genai did not send it);
+    * ``stream: false`` versus no ``stream`` field: the same thing;
+    * ``max_tokens`` versus ``max_completion_tokens``: the same setting, named per
+      server family (compared by value);
+    * the normalisations listed in ``_norm_message`` / ``_norm_tools`` /
+      ``_norm_response_format``.
+    """
+    problems: list[str] = []
+
+    def check(what: str, mine: Any, theirs: Any) -> None:
+        if mine != theirs:
+            problems.append(f"{what}: sent {_short(mine)} != recorded {_short(theirs)}")
+
+    if "model" in recorded:
+        check("model", sent.get("model"), recorded.get("model"))
+    check("stream", bool(sent.get("stream")), bool(recorded.get("stream")))
+    mine = [_norm_message(m) for m in sent.get("messages") or []]
+    theirs = [_norm_message(m) for m in recorded.get("messages") or []]
+    if len(mine) != len(theirs):
+        check("messages", mine, theirs)
+    else:
+        for n, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            check(f"messages[{n}]", a, b)
+    check("tools", _norm_tools(sent), _norm_tools(recorded))
+    check("response_format", _norm_response_format(sent), _norm_response_format(recorded))
+    check(
+        "max tokens",
+        sent.get("max_completion_tokens", sent.get("max_tokens")),
+        recorded.get("max_completion_tokens", recorded.get("max_tokens")),
+    )
+    for key in sorted((set(sent) | set(recorded)) - (_MODELLED - {"temperature"})):
+        check(key, sent.get(key), recorded.get(key))
+    return problems
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- what the recorded reply says ----------------------------------------------------------------
+
+
+def _expected_error(status: int, body: bytes) -> type[ProviderError]:
+    try:
+        error = json.loads(body).get("error") or {}
+    except ValueError:
+        error = {}
+    message = str(error.get("message", "")) if isinstance(error, dict) else str(error)
+    code = error.get("code") if isinstance(error, dict) else None
+    lowered = message.lower()
+    if (
+        code == "context_length_exceeded"
+        or "context size has been exceeded" in lowered
+        or "maximum context length" in lowered
+    ):
+        return ContextLengthExceededError
+    by_status: dict[int, type[ProviderError]] = {
+        401: AuthenticationError,
+        403: PermissionDeniedError,
+        404: NotFoundError,
+        429: RateLimitError,
+        503: OverloadedError,
+        529: OverloadedError,
+    }
+    if status in by_status:
+        return by_status[status]
+    return ServerError if status >= 500 else BadRequestError
+
+
+def _read_stream(text: str) -> dict[str, Any]:
+    """A ``chat.completion``-shaped dict assembled from the ``data:`` lines of a stream."""
+    content: list[str] = []
+    refusal: list[str] = []
+    reasoning: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
+    usage = timings = None
+    for line in text.splitlines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if not data or data == "[DONE]":
+            continue
+        chunk = json.loads(data)
+        usage = chunk.get("usage") or usage
+        timings = chunk.get("timings") or timings
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            content.append(delta.get("content") or "")
+            refusal.append(delta.get("refusal") or "")
+            reasoning.append(delta.get("reasoning") or delta.get("reasoning_content") or "")
+            for piece in delta.get("tool_calls") or []:
+                call = calls.setdefault(piece["index"], {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or piece.get("id")
+                function = piece.get("function") or {}
+                call["name"] = call["name"] or function.get("name") or ""
+                call["arguments"] += function.get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    message = {
+        "content": "".join(content),
+        "refusal": "".join(refusal),
+        "reasoning": "".join(reasoning),
+        "tool_calls": [
+            {"id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for _, c in sorted(calls.items())
+        ],
+    }
+    return {
+        "choices": [{"message": message, "finish_reason": finish}],
+        "usage": usage,
+        "timings": timings,
+    }
+
+
+def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> Any:
+    """What the adapter must make of this recorded reply."""
+    if status >= 400:
+        return Expected(error=_expected_error(status, body))
+    is_sse = "text/event-stream" in headers.get("content-type", "")
+    data = _read_stream(body.decode()) if is_sse else json.loads(body)
+    choice = data["choices"][0]
+    message = choice.get("message") or {}
+    notes: list[str] = []
+    text = message.get("content") or ""
+    finish = choice.get("finish_reason")
+    if message.get("refusal"):
+        text += message["refusal"]
+        finish = "content_filter"
+        notes.append("refusal: returned as text with finish_reason content_filter")
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    calls = tuple(
+        ExpectedCall(
+            name=c["function"]["name"],
+            arguments=json.loads(c["function"].get("arguments") or "{}"),
+            call_id=c.get("id"),
+        )
+        for c in message.get("tool_calls") or []
+    )
+    usage, timings = data.get("usage"), data.get("timings")
+    input_tokens = output_tokens = None
+    if usage:
+        input_tokens, output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    elif timings:
+        input_tokens = timings.get("prompt_n", 0) + timings.get("cache_n", 0)
+        output_tokens = timings.get("predicted_n")
+        notes.append("usage: from llama.cpp timings (no usage sent)")
+    return Expected(
+        text=text,
+        tool_calls=calls,
+        reasoning=bool(reasoning),
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        finish_reason=finish,
+        notes=tuple(notes),
+    )
+
+
+SPECS: dict[str, Any] = {
+    "openai_chat": ProviderSpec(
+        folder="openai_chat",
+        path_suffix="/chat/completions",
+        make_model=make_chat_model,
+        decode_request=decode_request,
+        request_differences=request_differences,
+        expect=expect,
+    ),
+    "openai_compatible": ProviderSpec(
+        folder="openai_compatible",
+        path_suffix="/chat/completions",
+        make_model=make_compatible_model,
+        decode_request=decode_request,
+        request_differences=request_differences,
+        expect=expect,
+    ),
+}
