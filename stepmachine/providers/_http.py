@@ -245,6 +245,7 @@ class HTTPModel:
                     response = await self._streaming(body, on_chunk, streamed)
             except ProviderError as exc:
                 exc.attempts = attempt
+                self._redact(exc)
                 if not exc.retryable or streamed.value or attempt >= limit:
                     raise
                 delay = self.retry.delay(attempt, getattr(exc, "retry_after", None), self._rng)
@@ -253,6 +254,18 @@ class HTTPModel:
                 await self._sleep(delay)
                 continue
             return msgspec.structs.replace(response, attempts=attempt)
+
+    def _redact(self, error: ProviderError) -> None:
+        """Remove the API key from an error built from a reply that echoed it back."""
+        key = self.api_key.reveal()
+        if not key:
+            return
+        error.args = tuple(
+            arg.replace(key, "***") if isinstance(arg, str) else arg for arg in error.args
+        )
+        for name, value in list(vars(error).items()):
+            if isinstance(value, str) and key in value:
+                setattr(error, name, value.replace(key, "***"))
 
     def _url(self) -> str:
         return f"{self.base_url}{self.path}"

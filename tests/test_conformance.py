@@ -1,0 +1,509 @@
+"""The conformance replay harness over every recorded cassette, and checks of the harness itself.
+
+``tests/harness/conformance.py`` replays ``../shared/conformance/cassettes/<provider>/<file>``
+through ``httpx.MockTransport`` and the matching adapter (see its docstring for every
+check). Here:
+
+* one test per cassette file, so a failure names the file;
+* every file on disk is a cassette the harness runs (nothing silently skipped), and
+  every provider folder has a spec;
+* streaming/blocking parity (invariant 9) is part of each cassette's run:
+  for streamed recordings, the chunks given to ``on_chunk`` agree with the assembled
+  response (texts, reasoning, tool-call argument deltas per call == ``raw_arguments``)
+  and the same SSE bytes cut into 1-7 byte pieces give an identical response; for
+  blocking recordings, the JSON reply served to a streaming request (a server that
+  ignores ``stream``) gives an identical response. The expected result itself is
+  derived by each spec from the recording with its own small reader, for streamed and
+  blocking recordings alike, so a streamed reply and a blocking one are both held to
+  what the wire says;
+* the loader reads all four storage formats (small hand-written cassettes);
+* the harness reports what it should (a wrong expectation, an extra request, a
+  request difference, chunks that disagree, a missing spec, an unreadable file), so a
+  PASS means something;
+* the command line prints one line per file and ``cassettes=<n> passed=<n>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+
+from stepmachine import ModelResponse, ReasoningPart, TextChunk, TextPart, ToolCallChunk
+from stepmachine import ToolCallPart as Call
+
+HARNESS = Path(__file__).resolve().parent / "harness"
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "conformance"
+FOLDER = SHARED / "cassettes"
+
+
+def _load(name: str) -> ModuleType:
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, HARNESS / f"{name}.py")
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+conformance = _load("conformance")
+cassettes = _load("cassettes")
+SPECS = conformance.load_specs()
+
+needs_recordings = pytest.mark.skipif(
+    not FOLDER.is_dir(),
+    reason=f"the recordings are not checked out beside the repository: {FOLDER}",
+)
+
+
+def _files_on_disk() -> list[Path]:
+    """Every regular file below the provider folders (whatever its name)."""
+    if not FOLDER.is_dir():
+        return []
+    return sorted(p for p in FOLDER.rglob("*") if p.is_file())
+
+
+FILES = _files_on_disk()
+
+
+# -- every cassette -------------------------------------------------------------------
+
+
+@needs_recordings
+@pytest.mark.parametrize(
+    "path", FILES or [None], ids=[f"{p.parent.name}/{p.name}" for p in FILES] or ["none"]
+)
+async def test_cassette(path: Path | None) -> None:
+    assert path is not None, f"no recordings under {FOLDER}"
+    result = await conformance.run_file(path, SPECS)
+    assert result.passed, result.line()
+    assert result.interactions > 0
+    assert result.calls > 0
+
+
+@needs_recordings
+def test_every_file_is_a_cassette_the_harness_runs() -> None:
+    run = cassettes.cassette_files(FOLDER)
+    assert FILES, f"no recordings under {FOLDER}"
+    assert [p.relative_to(FOLDER) for p in run] == [p.relative_to(FOLDER) for p in FILES]
+    assert all(len(p.relative_to(FOLDER).parts) == 2 for p in FILES), (
+        "laid out as <provider>/<file>"
+    )
+
+
+@needs_recordings
+def test_every_provider_folder_has_a_spec() -> None:
+    folders = sorted(p.name for p in FOLDER.iterdir() if p.is_dir())
+    assert folders
+    missing = [f for f in folders if SPECS.get(f) is None]
+    assert not missing, f"no spec for {missing}; spec import errors: {SPECS.errors}"
+
+
+@needs_recordings
+def test_every_cassette_loads_and_every_json_body_parses() -> None:
+    for path in FILES:
+        interactions = cassettes.load_cassette(path)
+        assert interactions, path
+        for interaction in interactions:
+            assert interaction.method == "POST", path
+            assert isinstance(interaction.request_body, dict), path
+            served = httpx.Response(
+                interaction.status,
+                headers=list(interaction.headers),
+                content=interaction.response_body,
+            )
+            if not interaction.is_sse:
+                served.json()  # gzip bodies come out decompressed
+
+
+@needs_recordings
+def test_command_line_over_the_whole_folder() -> None:
+    done = subprocess.run(
+        [sys.executable, str(HARNESS / "conformance.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == f"cassettes={len(FILES)} passed={len(FILES)}", done.stdout + done.stderr
+    assert len(lines) == len(FILES) + 1
+    assert all(line.startswith("PASS ") for line in lines[:-1])
+    assert done.returncode == 0
+
+
+def test_command_line_reports_failures_and_exits_1(tmp_path: Path) -> None:
+    (tmp_path / "no_such_provider").mkdir()
+    (tmp_path / "no_such_provider" / "x.yaml").write_text(_VCRPY)
+    (tmp_path / "anthropic").mkdir()
+    (tmp_path / "anthropic" / "broken.yaml").write_text("just: [a, mapping]\n")
+    done = subprocess.run(
+        [sys.executable, str(HARNESS / "conformance.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 1
+    assert lines[-1] == "cassettes=2 passed=0"
+    assert lines[0].startswith("FAIL anthropic/broken.yaml interactions=0 cannot load")
+    assert lines[1].startswith("FAIL no_such_provider/x.yaml interactions=1 no spec")
+
+
+def test_command_line_with_a_missing_folder(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(HARNESS / "conformance.py"), str(tmp_path / "absent")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stdout.strip().splitlines()[-1] == "cassettes=0 passed=0"
+
+
+# -- the loader: the four storage formats ----------------------------------------------
+
+_VCRPY = """\
+interactions:
+- request:
+    body: '{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    headers: {}
+    method: POST
+    uri: https://api.example.com/v1/chat/completions
+  response:
+    body:
+      string: '{"ok": true}'
+    headers:
+      Content-Type:
+      - application/json
+      Content-Length:
+      - '999'
+      Transfer-Encoding:
+      - chunked
+      Set-Cookie: test_set_cookie
+    status:
+      code: 200
+      message: OK
+version: 1
+"""
+
+
+def test_vcrpy_with_scalar_headers_and_stale_lengths_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "a.yaml"
+    path.write_text(_VCRPY)
+    [one] = cassettes.load_cassette(path)
+    assert one.method == "POST"
+    assert one.path == "/v1/chat/completions"
+    assert one.request_body == {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert one.status == 200
+    assert one.response_body == b'{"ok": true}'
+    assert dict(one.headers) == {
+        "Content-Type": "application/json",
+        "Set-Cookie": "test_set_cookie",
+    }
+    assert not one.is_sse
+
+
+def test_vcrpy_gzip_binary_body_passes_through_with_its_encoding(tmp_path: Path) -> None:
+    import base64
+
+    packed = gzip.compress(b'{"id": "x"}')
+    text = (
+        "interactions:\n- request:\n    body: '{}'\n    method: POST\n    uri: http://h/v1/messages\n"
+        "  response:\n    body:\n      string: !!binary |\n        "
+        + base64.b64encode(packed).decode()
+        + "\n    headers:\n      Content-Encoding:\n      - gzip\n"
+        "    status:\n      code: 200\nversion: 1\n"
+    )
+    path = tmp_path / "g.yaml"
+    path.write_text(text)
+    [one] = cassettes.load_cassette(path)
+    assert one.response_body == packed
+    assert one.header("content-encoding") == "gzip"
+    served = httpx.Response(one.status, headers=list(one.headers), content=one.response_body)
+    assert served.json() == {"id": "x"}
+
+
+def test_content_encoding_on_an_uncompressed_body_is_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        _VCRPY.replace(
+            "      Set-Cookie:", "      content-encoding:\n      - gzip\n      Set-Cookie:"
+        )
+    )
+    [one] = cassettes.load_cassette(path)
+    assert one.header("content-encoding") is None
+
+
+def test_pydantic_ai_parsed_bodies_are_serialised_again(tmp_path: Path) -> None:
+    text = """\
+interactions:
+- request:
+    method: POST
+    parsed_body:
+      model: m
+      stream: false
+    uri: https://api.anthropic.com/v1/messages?beta=true
+  response:
+    headers:
+      content-type:
+      - application/json
+    parsed_body:
+      content:
+      - text: "caf\\xE9"
+        type: text
+    status:
+      code: 200
+      message: OK
+- request:
+    method: POST
+    parsed_body: {model: m, stream: true}
+    uri: https://api.anthropic.com/v1/messages?beta=true
+  response:
+    body:
+      string: |+
+        event: ping
+        data: {"type": "ping"}
+
+    headers:
+      content-type:
+      - text/event-stream
+    status:
+      code: 200
+version: 1
+"""
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    first, second = cassettes.load_cassette(path)
+    assert first.request_body == {"model": "m", "stream": False}
+    assert first.path == "/v1/messages"
+    assert httpx.Response(200, content=first.response_body).json() == {
+        "content": [{"text": "caf\u00e9", "type": "text"}]
+    }
+    assert second.is_sse
+    assert second.response_body == b'event: ping\ndata: {"type": "ping"}\n\n'
+
+
+def test_ruby_vcr_with_binary_tag(tmp_path: Path) -> None:
+    import base64
+
+    raw = '{"content":"15\u00b0C \U0001f324"}'.encode()
+    text = f"""\
+---
+http_interactions:
+- request:
+    method: post
+    uri: "<OLLAMA_API_BASE>/chat/completions"
+    body:
+      encoding: UTF-8
+      string: '{{"model":"qwen3","messages":[]}}'
+    headers:
+      Content-Type:
+      - application/json
+  response:
+    status:
+      code: 200
+      message: OK
+    headers:
+      Content-Type:
+      - application/json
+    body:
+      encoding: ASCII-8BIT
+      string: !binary |-
+        {base64.b64encode(raw).decode()}
+  recorded_at: Mon, 08 Jun 2026 18:45:45 GMT
+recorded_with: VCR 6.4.0
+"""
+    path = tmp_path / "r.yml"
+    path.write_text(text)
+    [one] = cassettes.load_cassette(path)
+    assert one.method == "POST"
+    assert one.path.endswith("/chat/completions")
+    assert one.request_body == {"model": "qwen3", "messages": []}
+    assert one.response_body == raw
+
+
+def test_go_vcr_v2(tmp_path: Path) -> None:
+    text = """\
+---
+version: 2
+interactions:
+    - id: 0
+      request:
+        proto: HTTP/1.1
+        body: |
+            {"messages":[]}
+        headers:
+            Content-Type:
+                - application/json
+        url: http://127.0.0.1/chat/completions
+        method: POST
+      response:
+        proto: HTTP/1.1
+        content_length: 88
+        body: '{"error":{"code":500,"message":"Context size exceeded.","type":"server_error"}}'
+        headers:
+            Content-Length:
+                - "88"
+            Content-Type:
+                - application/json; charset=utf-8
+        status: 500 Internal Server Error
+        code: 500
+        duration: 1m51.603s
+"""
+    path = tmp_path / "go.yaml"
+    path.write_text(text)
+    [one] = cassettes.load_cassette(path)
+    assert one.url == "http://127.0.0.1/chat/completions"
+    assert one.request_body == {"messages": []}
+    assert one.status == 500
+    assert dict(one.headers) == {"Content-Type": "application/json; charset=utf-8"}
+
+
+def test_not_a_cassette(tmp_path: Path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(cassettes.CassetteError):
+        cassettes.load_cassette(path)
+    path.write_text("a: !!python/object:os.system {}\n")
+    with pytest.raises(cassettes.CassetteError):  # a SafeLoader: never constructs objects
+        cassettes.load_cassette(path)
+
+
+# -- the harness reports what it should ------------------------------------------------
+
+
+def _anthropic(name: str) -> Path:
+    spec = SPECS.get("anthropic")
+    path = FOLDER / "anthropic" / name
+    if spec is None or not path.is_file():
+        pytest.skip("needs the anthropic spec and recordings")
+    return path
+
+
+def _with(folder: str, **changes: Any) -> Any:
+    specs = conformance.Specs(dict(SPECS.by_folder), dict(SPECS.errors))
+    specs.by_folder[folder] = dataclasses.replace(specs.by_folder[folder], **changes)
+    return specs
+
+
+async def test_harness_reports_a_wrong_expectation() -> None:
+    path = _anthropic("test_anthropic_tools_legacy.yaml")
+    spec = SPECS.get("anthropic")
+
+    def expect(*args: Any) -> Any:
+        return dataclasses.replace(spec.expect(*args), text="something else")
+
+    result = await conformance.run_file(path, _with("anthropic", expect=expect))
+    assert not result.passed
+    assert "text" in result.line()
+
+
+async def test_harness_reports_the_wrong_error_type() -> None:
+    path = _anthropic(
+        "chat_error_handling_with_anthropic_claude-haiku-4-5_raises_appropriate_auth_error.yml"
+    )
+    spec = SPECS.get("anthropic")
+    from stepmachine.providers import PermissionDeniedError
+
+    def expect(*args: Any) -> Any:
+        return dataclasses.replace(spec.expect(*args), error=PermissionDeniedError)
+
+    result = await conformance.run_file(path, _with("anthropic", expect=expect))
+    assert "expected PermissionDeniedError, got AuthenticationError" in result.line()
+
+
+async def test_harness_reports_a_request_difference() -> None:
+    path = _anthropic("test_anthropic_tools_legacy.yaml")
+    result = await conformance.run_file(
+        path, _with("anthropic", request_differences=lambda sent, recorded: ["model: nope"])
+    )
+    assert "request 0: model: nope" in result.line()
+
+
+async def test_harness_reports_an_extra_request() -> None:
+    path = _anthropic("test_anthropic_tools_legacy.yaml")
+    spec = SPECS.get("anthropic")
+
+    def twice(client: httpx.AsyncClient, name: str) -> Any:
+        model = spec.make_model(client, name)
+        once = model.request
+
+        async def request(request: Any, *, on_chunk: Any = None) -> ModelResponse:
+            await once(request, on_chunk=on_chunk)
+            return await once(request, on_chunk=on_chunk)
+
+        model.request = request
+        return model
+
+    result = await conformance.run_file(path, _with("anthropic", make_model=twice))
+    assert "request 2 was sent, but only 1 recorded" in result.line()
+
+
+async def test_harness_reports_chunks_that_disagree_with_the_response() -> None:
+    path = _anthropic("test_anthropic_message_streaming_legacy.yaml")
+    spec = SPECS.get("anthropic")
+
+    def noisy(client: httpx.AsyncClient, name: str) -> Any:
+        model = spec.make_model(client, name)
+        parse = model.parse_stream
+
+        async def parse_stream(events: Any, emit: Any) -> ModelResponse:
+            await emit(TextChunk("noise"))
+            return await parse(events, emit)  # type: ignore[no-any-return]
+
+        model.parse_stream = parse_stream
+        return model
+
+    result = await conformance.run_file(path, _with("anthropic", make_model=noisy))
+    assert "parity: text chunks" in result.line()
+
+
+async def test_harness_reports_a_missing_spec(tmp_path: Path) -> None:
+    (tmp_path / "mystery").mkdir()
+    (tmp_path / "mystery" / "a.yaml").write_text(_VCRPY)
+    [result] = await conformance.run_folder(tmp_path, SPECS)
+    assert result.line().startswith(
+        "FAIL mystery/a.yaml interactions=1 no spec for provider folder"
+    )
+
+
+def test_chunk_problems() -> None:
+    call = Call.parse("c1", "f", '{"a": 1}')
+    response = ModelResponse(parts=(ReasoningPart("r"), TextPart("ab"), call))
+    good = [
+        TextChunk("a"),
+        TextChunk("b"),
+        ToolCallChunk(3, "c1", "f", '{"a"'),
+        ToolCallChunk(3, "c1", None, ": 1}"),
+    ]
+    problems = conformance.chunk_problems(response, good)
+    assert problems == ["reasoning chunks '' != reasoning parts 'r'"]
+    reencoded = [*good[:2], ToolCallChunk(0, "c1", "f", '{"a":1}')]
+    assert len(conformance.chunk_problems(response, reencoded)) == 1  # same JSON: accepted
+    wrong = [*good[:2], ToolCallChunk(0, "c2", "g", '{"a": 2}')]
+    assert len(conformance.chunk_problems(response, wrong)) == 4  # reasoning, args, name, id
+    split = [*good[:2], ToolCallChunk(0, "c1", "f", "{}"), ToolCallChunk(1, "c1", "f", "{}")]
+    assert "tool-call chunks for 2 index(es), 1 call(s)" in conformance.chunk_problems(
+        response, split
+    )
+
+
+def test_split_randomly_keeps_every_byte() -> None:
+    body = bytes(range(256)) * 3
+    pieces = conformance.split_randomly(5)(body)
+    assert b"".join(pieces) == body
+    assert all(1 <= len(p) <= 7 for p in pieces)
