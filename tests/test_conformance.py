@@ -61,10 +61,14 @@ conformance = _load("conformance")
 cassettes = _load("cassettes")
 SPECS = conformance.load_specs()
 
-needs_recordings = pytest.mark.skipif(
-    not FOLDER.is_dir(),
-    reason=f"the recordings are not checked out beside the repository: {FOLDER}",
-)
+def test_the_recordings_are_beside_the_repository() -> None:
+    """The recordings live in ../shared beside every checkout, CI's included.
+
+    Missing recordings fail here, loudly, instead of silently skipping the
+    conformance tests.
+    """
+    assert FOLDER.is_dir(), f"the conformance recordings are missing: expected {FOLDER}"
+    assert _files_on_disk(), f"no recordings under {FOLDER}"
 
 
 def _files_on_disk() -> list[Path]:
@@ -80,7 +84,6 @@ FILES = _files_on_disk()
 # -- every cassette -------------------------------------------------------------------
 
 
-@needs_recordings
 @pytest.mark.parametrize(
     "path", FILES or [None], ids=[f"{p.parent.name}/{p.name}" for p in FILES] or ["none"]
 )
@@ -92,7 +95,6 @@ async def test_cassette(path: Path | None) -> None:
     assert result.calls > 0
 
 
-@needs_recordings
 def test_every_file_is_a_cassette_the_harness_runs() -> None:
     run = cassettes.cassette_files(FOLDER)
     assert FILES, f"no recordings under {FOLDER}"
@@ -102,7 +104,6 @@ def test_every_file_is_a_cassette_the_harness_runs() -> None:
     )
 
 
-@needs_recordings
 def test_every_provider_folder_has_a_spec() -> None:
     folders = sorted(p.name for p in FOLDER.iterdir() if p.is_dir())
     assert folders
@@ -110,7 +111,6 @@ def test_every_provider_folder_has_a_spec() -> None:
     assert not missing, f"no spec for {missing}; spec import errors: {SPECS.errors}"
 
 
-@needs_recordings
 def test_every_cassette_loads_and_every_json_body_parses() -> None:
     for path in FILES:
         interactions = cassettes.load_cassette(path)
@@ -127,7 +127,6 @@ def test_every_cassette_loads_and_every_json_body_parses() -> None:
                 served.json()  # gzip bodies come out decompressed
 
 
-@needs_recordings
 def test_command_line_over_the_whole_folder() -> None:
     done = subprocess.run(
         [sys.executable, str(HARNESS / "conformance.py")],

@@ -55,6 +55,7 @@ from .._model import (
 )
 from ._errors import MalformedResponseError, ProviderError, error_from_response
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
+from ._wire import expect_list, expect_object, expect_str
 
 __all__ = ["AnthropicModel"]
 
@@ -181,11 +182,13 @@ class AnthropicModel(HTTPModel):
 
     def parse_response(self, data: Any) -> ModelResponse:
         """A Messages API reply as a response (raises ValueError/TypeError if malformed)."""
-        message = _obj(data, "the reply")
+        message = expect_object(data, "the reply")
         if message.get("type") == "error":
             raise self.stream_error(message)
         parts = [
-            part for block in _list(message.get("content"), "content") if (part := _part(block))
+            part
+            for block in expect_list(message.get("content"), "content")
+            if (part := _part(block))
         ]
         return ModelResponse(
             parts=tuple(parts),
@@ -216,7 +219,9 @@ class AnthropicModel(HTTPModel):
             if stopped or failure is not None:
                 continue  # read to the end: an abandoned httpx stream warns under trio
             try:
-                data = _obj(msgspec.json.decode(event.data), "an event") if event.data else {}
+                data = (
+                    expect_object(msgspec.json.decode(event.data), "an event") if event.data else {}
+                )
                 kind = data.get("type", event.event)
                 if kind == "error" or event.event == "error":
                     raise self.stream_error(data)
@@ -272,10 +277,12 @@ class _Block:
         block = dict(self.block)
         kind = block.get("type")
         if kind == "text":
-            block["text"] = _str(block.get("text", ""), "text") + "".join(self.text)
+            block["text"] = expect_str(block.get("text", ""), "text") + "".join(self.text)
         elif kind == "thinking":
-            block["thinking"] = _str(block.get("thinking", ""), "thinking") + "".join(self.text)
-            block["signature"] = _str(block.get("signature", ""), "signature") + "".join(
+            block["thinking"] = expect_str(block.get("thinking", ""), "thinking") + "".join(
+                self.text
+            )
+            block["signature"] = expect_str(block.get("signature", ""), "signature") + "".join(
                 self.signature
             )
         elif kind == "tool_use":
@@ -286,7 +293,9 @@ class _Block:
                 except msgspec.DecodeError:
                     # Not JSON: keep exactly what was sent; the arguments are None.
                     return ToolCallPart.parse(
-                        _str(block.get("id"), "id"), _str(block.get("name"), "name"), joined
+                        expect_str(block.get("id"), "id"),
+                        expect_str(block.get("name"), "name"),
+                        joined,
                     )
         return _part(block)
 
@@ -303,18 +312,20 @@ class _StreamState:
 
     async def handle(self, kind: Any, data: dict[str, Any], emit: ChunkSink) -> None:
         if kind == "message_start":
-            message = _obj(data.get("message"), "message")
+            message = expect_object(data.get("message"), "message")
             self.model = _opt_str(message.get("model"), "model")
-            self.usage.update(_obj(message.get("usage") or {}, "usage"))
+            self.usage.update(expect_object(message.get("usage") or {}, "usage"))
         elif kind == "content_block_start":
-            await self._start(_index(data), _obj(data.get("content_block"), "content_block"), emit)
+            await self._start(
+                _index(data), expect_object(data.get("content_block"), "content_block"), emit
+            )
         elif kind == "content_block_delta":
-            await self._delta(_index(data), _obj(data.get("delta"), "delta"), emit)
+            await self._delta(_index(data), expect_object(data.get("delta"), "delta"), emit)
         elif kind == "message_delta":
-            delta = _obj(data.get("delta") or {}, "delta")
+            delta = expect_object(data.get("delta") or {}, "delta")
             if delta.get("stop_reason") is not None:
                 self.stop_reason = delta["stop_reason"]
-            usage = _obj(data.get("usage") or {}, "usage")
+            usage = expect_object(data.get("usage") or {}, "usage")
             self.usage.update({k: v for k, v in usage.items() if v is not None})
         # ping, content_block_stop and unknown events need nothing
 
@@ -325,13 +336,13 @@ class _StreamState:
         self.blocks[index] = streamed
         kind = block.get("type")
         if kind == "tool_use":
-            call_id, name = _str(block.get("id"), "id"), _str(block.get("name"), "name")
+            call_id, name = expect_str(block.get("id"), "id"), expect_str(block.get("name"), "name")
             self.calls += 1
             await emit(ToolCallChunk(streamed.call_index, call_id, name))
         elif kind == "text" and block.get("text"):
-            await emit(TextChunk(_str(block["text"], "text")))
+            await emit(TextChunk(expect_str(block["text"], "text")))
         elif kind == "thinking" and block.get("thinking"):
-            await emit(ReasoningChunk(_str(block["thinking"], "thinking")))
+            await emit(ReasoningChunk(expect_str(block["thinking"], "thinking")))
 
     async def _delta(self, index: int, delta: dict[str, Any], emit: ChunkSink) -> None:
         streamed = self.blocks.get(index)
@@ -339,19 +350,19 @@ class _StreamState:
             raise ValueError(f"a delta for content block {index}, which was never started")
         kind = delta.get("type")
         if kind == "text_delta":
-            text = _str(delta.get("text"), "text")
+            text = expect_str(delta.get("text"), "text")
             streamed.text.append(text)
             if text:
                 await emit(TextChunk(text))
         elif kind == "thinking_delta":
-            text = _str(delta.get("thinking"), "thinking")
+            text = expect_str(delta.get("thinking"), "thinking")
             streamed.text.append(text)
             if text:
                 await emit(ReasoningChunk(text))
         elif kind == "signature_delta":
-            streamed.signature.append(_str(delta.get("signature"), "signature"))
+            streamed.signature.append(expect_str(delta.get("signature"), "signature"))
         elif kind == "input_json_delta":
-            fragment = _str(delta.get("partial_json"), "partial_json")
+            fragment = expect_str(delta.get("partial_json"), "partial_json")
             streamed.fragments.append(fragment)
             if fragment:
                 await emit(ToolCallChunk(streamed.call_index, arguments_delta=fragment))
@@ -417,29 +428,29 @@ def _block(part: Part) -> dict[str, Any] | None:
 
 def _part(raw: Any) -> Part | None:
     """One reply content block as a part; None for empty text and unknown blocks."""
-    block = _obj(raw, "a content block")
+    block = expect_object(raw, "a content block")
     kind = block.get("type")
     if kind == "text":
-        text = _str(block.get("text"), "text")
+        text = expect_str(block.get("text"), "text")
         return TextPart(text) if text else None
     if kind == "tool_use":
         raw_arguments = msgspec.json.encode(block.get("input", {})).decode()
         return ToolCallPart.parse(
-            _str(block.get("id"), "id"), _str(block.get("name"), "name"), raw_arguments
+            expect_str(block.get("id"), "id"), expect_str(block.get("name"), "name"), raw_arguments
         )
     if kind == "thinking":
-        signature = _str(block.get("signature") or "", "signature")
+        signature = expect_str(block.get("signature") or "", "signature")
         return ReasoningPart(
-            _str(block.get("thinking"), "thinking"),
+            expect_str(block.get("thinking"), "thinking"),
             {"signature": signature} if signature else {},
         )
     if kind == "redacted_thinking":
-        return ReasoningPart("", {"redacted": _str(block.get("data"), "data")})
+        return ReasoningPart("", {"redacted": expect_str(block.get("data"), "data")})
     return None
 
 
 def _usage(raw: Any) -> Usage:
-    usage = _obj(raw or {}, "usage")
+    usage = expect_object(raw or {}, "usage")
     return Usage(
         input_tokens=_count(usage.get("input_tokens")),
         output_tokens=_count(usage.get("output_tokens")),
@@ -451,33 +462,15 @@ def _usage(raw: Any) -> Usage:
 def _finish(stop_reason: Any) -> str | None:
     if stop_reason is None:
         return None
-    reason = _str(stop_reason, "stop_reason")
+    reason = expect_str(stop_reason, "stop_reason")
     return _FINISH.get(reason, reason)
 
 
 # -- checked access (a malformed reply raises TypeError/ValueError, never AttributeError) ---
 
 
-def _obj(value: Any, what: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise TypeError(f"{what} is not an object: {type(value).__name__}")
-    return value
-
-
-def _list(value: Any, what: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise TypeError(f"{what} is not a list: {type(value).__name__}")
-    return value
-
-
-def _str(value: Any, what: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{what} is not a string: {type(value).__name__}")
-    return value
-
-
 def _opt_str(value: Any, what: str) -> str | None:
-    return None if value is None else _str(value, what)
+    return None if value is None else expect_str(value, what)
 
 
 def _count(value: Any) -> int:

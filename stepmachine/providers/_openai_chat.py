@@ -41,7 +41,6 @@ Mapping decisions (both adapters):
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import random
@@ -67,6 +66,7 @@ from .._model import (
 )
 from ._errors import MalformedResponseError, ProviderError, error_from_response
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
+from ._wire import strict_compatible
 
 __all__ = ["OpenAIChatModel", "OpenAICompatibleModel"]
 
@@ -162,7 +162,7 @@ class OpenAIChatModel(HTTPModel):
         if request.output_schema is not None:
             strict = self.strict_output
             if strict is None:
-                strict = _strict_compatible(request.output_schema)
+                strict = strict_compatible(request.output_schema)
             body["response_format"] = {
                 "type": "json_schema",
                 "json_schema": {
@@ -274,20 +274,16 @@ class OpenAIChatModel(HTTPModel):
         acc = _Accumulator()
         done = False
         chunks = 0
-        try:
-            async for event in events:
-                data = event.data.strip()
-                if done or not data:
-                    continue  # after [DONE]: read on to the end, so the HTTP stream closes
-                if data == "[DONE]":
-                    done = True
-                    continue
-                chunks += 1
-                for chunk in acc.feed(self._chunk_payload(event.event, data)):
-                    await emit(chunk)
-        except (ProviderError, msgspec.DecodeError, TypeError, ValueError):
-            await _drain(events)
-            raise
+        async for event in events:
+            data = event.data.strip()
+            if done or not data:
+                continue  # after [DONE]: read on to the end, so the HTTP stream closes
+            if data == "[DONE]":
+                done = True
+                continue
+            chunks += 1
+            for chunk in acc.feed(self._chunk_payload(event.event, data)):
+                await emit(chunk)
         if not chunks:
             raise MalformedResponseError(
                 "the stream held no completion chunk", provider=self.provider
@@ -526,17 +522,6 @@ class _Accumulator:
         )
 
 
-async def _drain(events: AsyncIterator[SSEEvent]) -> None:
-    """Read a failed stream to its end (servers close it after an error event).
-
-    Stopping early would leave httpx's and httpx-sse's nested async generators
-    to the garbage collector, which trio reports as a ResourceWarning.
-    """
-    with contextlib.suppress(Exception):
-        async for _ in events:
-            pass
-
-
 # -- small readers that never raise on a wrong type ----------------------------------------
 
 
@@ -604,23 +589,3 @@ def _usage(usage: dict[str, Any] | None, timings: dict[str, Any] | None) -> Usag
             cache_read_tokens=cached,
         )
     return Usage()
-
-
-def _strict_compatible(schema: Any) -> bool:
-    """Whether ``schema`` meets OpenAI strict mode: every object closed and fully required."""
-    if isinstance(schema, list):
-        return all(_strict_compatible(s) for s in schema)
-    if not isinstance(schema, dict):
-        return True
-    properties = schema.get("properties")
-    if schema.get("type") == "object" or isinstance(properties, dict):
-        props = properties if isinstance(properties, dict) else {}
-        if schema.get("additionalProperties") is not False:
-            return False
-        if set(schema.get("required") or []) != set(props):
-            return False
-    children: list[Any] = []
-    for key in ("properties", "$defs", "definitions"):
-        children.extend(_dict(schema.get(key)).values())
-    children.extend(schema[key] for key in ("items", "anyOf", "allOf", "oneOf") if key in schema)
-    return all(_strict_compatible(child) for child in children)

@@ -62,6 +62,14 @@ from .._model import (
 )
 from ._errors import MalformedResponseError, ProviderError, error_from_response
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
+from ._wire import (
+    count,
+    expect_int,
+    expect_list,
+    expect_object,
+    expect_str,
+    strict_compatible,
+)
 
 __all__ = ["OpenAIResponsesModel"]
 
@@ -181,7 +189,7 @@ class OpenAIResponsesModel(HTTPModel):
                     "type": "json_schema",
                     "name": request.output_name,
                     "schema": request.output_schema,
-                    "strict": _strict_compatible(request.output_schema),
+                    "strict": strict_compatible(request.output_schema),
                 }
             }
         if self.reasoning is not None:
@@ -269,31 +277,31 @@ class OpenAIResponsesModel(HTTPModel):
             KeyError, TypeError, ValueError: it is malformed (the base turns
                 these into :class:`MalformedResponseError`).
         """
-        response = _dict(data, "response")
+        response = expect_object(data, "response")
         error = response.get("error")
         if error is not None:
             raise self.stream_error({"type": "response.failed", "response": response})
-        return self._assemble(response, _list(response.get("output"), "output"))
+        return self._assemble(response, expect_list(response.get("output"), "output"))
 
     def _assemble(self, response: dict[str, Any], output: list[Any]) -> ModelResponse:
         parts: list[Part] = []
         calls = 0
         for raw in output:
-            item = _dict(raw, "output item")
+            item = expect_object(raw, "output item")
             kind = item.get("type")
             if kind == "message":
-                for raw_block in _list(item.get("content") or [], "content"):
-                    block = _dict(raw_block, "content block")
+                for raw_block in expect_list(item.get("content") or [], "content"):
+                    block = expect_object(raw_block, "content block")
                     if block.get("type") == "output_text":
-                        parts.append(TextPart(_str(block.get("text"), "output_text.text")))
+                        parts.append(TextPart(expect_str(block.get("text"), "output_text.text")))
                     elif block.get("type") == "refusal":
-                        parts.append(TextPart(_str(block.get("refusal"), "refusal")))
+                        parts.append(TextPart(expect_str(block.get("refusal"), "refusal")))
             elif kind == "function_call":
                 parts.append(
                     ToolCallPart.parse(
-                        _str(item.get("call_id"), "call_id"),
-                        _str(item.get("name"), "name"),
-                        _str(item.get("arguments") or "", "arguments"),
+                        expect_str(item.get("call_id"), "call_id"),
+                        expect_str(item.get("name"), "name"),
+                        expect_str(item.get("arguments") or "", "arguments"),
                     )
                 )
                 calls += 1
@@ -319,14 +327,14 @@ class OpenAIResponsesModel(HTTPModel):
         async for event in events:
             if not event.data.strip() or event.data.strip() == "[DONE]":
                 continue
-            data = _dict(msgspec.json.decode(event.data), "event")
+            data = expect_object(msgspec.json.decode(event.data), "event")
             kind = data.get("type", event.event)
             if kind in ("response.completed", "response.incomplete"):
-                response = _dict(data.get("response"), "response")
+                response = expect_object(data.get("response"), "response")
                 output = response.get("output")
                 if not output:
                     output = state.assembled()
-                return self._assemble(response, _list(output, "output"))
+                return self._assemble(response, expect_list(output, "output"))
             if kind in ("response.failed", "error"):
                 raise self.stream_error(data)
             await state.feed(kind, data, emit)
@@ -364,30 +372,30 @@ class _StreamState:
 
     async def feed(self, kind: Any, data: dict[str, Any], emit: ChunkSink) -> None:
         if kind == "response.output_item.added":
-            index = _int(data.get("output_index"))
-            item = dict(_dict(data.get("item"), "item"))
+            index = expect_int(data.get("output_index"))
+            item = dict(expect_object(data.get("item"), "item"))
             self.items[index] = item
             if item.get("type") == "function_call":
                 self.tool_index[index] = len(self.tool_index)
-                arguments = _str(item.get("arguments") or "", "arguments")
+                arguments = expect_str(item.get("arguments") or "", "arguments")
                 self.arguments[index] = [arguments]
                 await emit(
                     ToolCallChunk(
                         self.tool_index[index],
-                        _str(item.get("call_id"), "call_id"),
-                        _str(item.get("name"), "name"),
+                        expect_str(item.get("call_id"), "call_id"),
+                        expect_str(item.get("name"), "name"),
                         arguments,
                     )
                 )
         elif kind == "response.output_text.delta":
-            delta = _str(data.get("delta"), "delta")
-            key = (_int(data.get("output_index")), _int(data.get("content_index", 0)))
+            delta = expect_str(data.get("delta"), "delta")
+            key = (expect_int(data.get("output_index")), expect_int(data.get("content_index", 0)))
             self.texts.setdefault(key, []).append(delta)
             if delta:
                 await emit(TextChunk(delta))
         elif kind == "response.function_call_arguments.delta":
-            index = _int(data.get("output_index"))
-            delta = _str(data.get("delta"), "delta")
+            index = expect_int(data.get("output_index"))
+            delta = expect_str(data.get("delta"), "delta")
             if index not in self.tool_index:
                 raise ValueError(f"arguments for output {index}, which is no function call")
             self.arguments[index].append(delta)
@@ -396,13 +404,13 @@ class _StreamState:
         elif kind in ("response.reasoning_summary_text.delta", "response.reasoning_text.delta"):
             await self._reasoning_delta(data, emit)
         elif kind == "response.output_item.done":
-            index = _int(data.get("output_index"))
-            item = _dict(data.get("item"), "item")
+            index = expect_int(data.get("output_index"))
+            item = expect_object(data.get("item"), "item")
             self.items[index] = item
             if index in self.tool_index:
                 # Arguments a server sent whole, only at the end: show the rest.
                 sent = "".join(self.arguments[index])
-                final = _str(item.get("arguments") or "", "arguments")
+                final = expect_str(item.get("arguments") or "", "arguments")
                 if final.startswith(sent) and len(final) > len(sent):
                     self.arguments[index].append(final[len(sent) :])
                     await emit(
@@ -410,11 +418,11 @@ class _StreamState:
                     )
 
     async def _reasoning_delta(self, data: dict[str, Any], emit: ChunkSink) -> None:
-        delta = _str(data.get("delta"), "delta")
-        index = _int(data.get("output_index"))
+        delta = expect_str(data.get("delta"), "delta")
+        index = expect_int(data.get("output_index"))
         part = data.get("summary_index", data.get("content_index", 0))
         previous = self.summary_index.get(index)
-        self.summary_index[index] = current = _int(part)
+        self.summary_index[index] = current = expect_int(part, "index")
         if previous is not None and previous != current:
             await emit(ReasoningChunk("\n\n"))  # summary parts are joined by a blank line
         if delta:
@@ -439,15 +447,26 @@ class _StreamState:
 # -- small pure helpers -----------------------------------------------------------------
 
 
+def _text_of(value: Any, what: str) -> str:
+    """The ``text`` of a summary or content part (empty if it has none)."""
+    return expect_str(expect_object(value, what).get("text") or "", f"{what} text")
+
+
 def _reasoning_part(item: dict[str, Any]) -> ReasoningPart:
-    summary = _list(item.get("summary") or [], "summary")
-    texts = [_str(_dict(s, "summary part").get("text") or "", "summary text") for s in summary]
+    summary = expect_list(item.get("summary") or [], "summary")
+    texts = [
+        expect_str(expect_object(s, "summary part").get("text") or "", "summary text")
+        for s in summary
+    ]
     if not any(texts):  # models that show raw reasoning text instead of a summary
-        content = _list(item.get("content") or [], "reasoning content")
-        texts = [_str(_dict(c, "reasoning text").get("text") or "", "text") for c in content]
+        content = expect_list(item.get("content") or [], "reasoning content")
+        texts = [
+            expect_str(expect_object(c, "reasoning text").get("text") or "", "text")
+            for c in content
+        ]
     data: dict[str, Any] = {
         "type": "reasoning",
-        "id": _str(item.get("id"), "reasoning id"),
+        "id": expect_str(item.get("id"), "reasoning id"),
         "summary": summary,
     }
     if item.get("encrypted_content"):
@@ -461,11 +480,11 @@ def _usage(raw: Any) -> Usage:
     inputs = raw.get("input_tokens_details")
     outputs = raw.get("output_tokens_details")
     return Usage(
-        input_tokens=_count(raw.get("input_tokens")),
-        output_tokens=_count(raw.get("output_tokens")),
-        cache_read_tokens=_count(inputs.get("cached_tokens")) if isinstance(inputs, dict) else 0,
+        input_tokens=count(raw.get("input_tokens")),
+        output_tokens=count(raw.get("output_tokens")),
+        cache_read_tokens=count(inputs.get("cached_tokens")) if isinstance(inputs, dict) else 0,
         reasoning_tokens=(
-            _count(outputs.get("reasoning_tokens")) if isinstance(outputs, dict) else 0
+            count(outputs.get("reasoning_tokens")) if isinstance(outputs, dict) else 0
         ),
     )
 
@@ -483,53 +502,3 @@ def _finish_reason(response: dict[str, Any], calls: int) -> str | None:
             return "content_filter"
         return str(reason) if reason else "incomplete"
     return str(status)
-
-
-def _strict_compatible(schema: Any) -> bool:
-    """Whether a JSON schema meets strict mode: every object closed, every property required."""
-    if not isinstance(schema, dict):
-        return True
-    properties = schema.get("properties")
-    if schema.get("type") == "object" or isinstance(properties, dict):
-        properties = properties if isinstance(properties, dict) else {}
-        if schema.get("additionalProperties") is not False:
-            return False
-        if set(schema.get("required") or ()) != set(properties):
-            return False
-    children: list[Any] = list(properties.values()) if isinstance(properties, dict) else []
-    children.extend(schema.get(key) for key in ("items", "not"))
-    for key in ("anyOf", "allOf", "oneOf", "prefixItems"):
-        value = schema.get(key)
-        children.extend(value if isinstance(value, list) else [])
-    for key in ("$defs", "definitions"):
-        value = schema.get(key)
-        children.extend(value.values() if isinstance(value, dict) else [])
-    return all(_strict_compatible(child) for child in children)
-
-
-def _dict(value: Any, what: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise TypeError(f"{what}: expected an object, got {type(value).__name__}")
-    return value
-
-
-def _list(value: Any, what: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise TypeError(f"{what}: expected an array, got {type(value).__name__}")
-    return value
-
-
-def _str(value: Any, what: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{what}: expected a string, got {type(value).__name__}")
-    return value
-
-
-def _int(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"expected an index, got {type(value).__name__}")
-    return value
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
