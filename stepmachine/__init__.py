@@ -50,7 +50,7 @@ from ._errors import (
     ToolArgumentsError,
     UnexpectedModelCallError,
 )
-from ._history import check_history, history_problems, open_tool_calls
+from ._history import check_history, history_problems, open_tool_calls, request_order
 from ._inference import CONTEXT_LENGTH_EXCEEDED, ModelInference, needs_answer
 from ._machine import FINALIZE_STEP, INTERRUPTED, Decision, RunReport, StateMachine
 from ._messages import (
@@ -205,6 +205,7 @@ __all__ = [
     "idempotency_key",
     "needs_answer",
     "open_tool_calls",
+    "request_order",
     "resolve_unknown_outcome",
     "submit",
     "tool",

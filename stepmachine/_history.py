@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from ._errors import HistoryError
 from ._messages import Message, ToolCallPart, ToolResultPart
 
-__all__ = ["check_history", "history_problems", "open_tool_calls"]
+__all__ = ["check_history", "history_problems", "open_tool_calls", "request_order"]
 
 
 _memo: tuple[tuple[Message, ...], list[ToolCallPart]] | None = None
@@ -95,3 +95,42 @@ def check_history(conversation: Sequence[Message], *, session_id: str = "?") -> 
         raise HistoryError(
             f"invariant 4 (valid history) broken in session {session_id!r}: " + "; ".join(problems)
         )
+
+
+def request_order(messages: Sequence[Message]) -> tuple[Message, ...]:
+    """The messages in the order providers accept: results right after their calls.
+
+    OpenAI and Anthropic require the results of an assistant turn's tool calls
+    to come directly after that turn. A history can hold something in between
+    (a user message submitted while tools were running); the stored history is
+    never rewritten, but a request shows each tool message right after the
+    assistant message whose calls it answers, and everything else in its
+    original order. A tool message answering calls of several assistant
+    messages stays where it is. Pure; returns the input order when nothing
+    needs to move.
+    """
+    owner: dict[str, int] = {}  # call id -> index of the assistant message holding it
+    for index, message in enumerate(messages):
+        for call in message.tool_calls:
+            owner.setdefault(call.call_id, index)
+    results_of: dict[int, list[int]] = {}  # assistant index -> indexes of its tool messages
+    moved: set[int] = set()
+    for index, message in enumerate(messages):
+        if message.role != "tool" or not message.tool_results:
+            continue
+        owners = {owner.get(result.call_id) for result in message.tool_results}
+        if len(owners) != 1 or None in owners:
+            continue
+        (assistant,) = owners
+        if assistant is not None and assistant < index:
+            results_of.setdefault(assistant, []).append(index)
+            moved.add(index)
+    if not moved:
+        return tuple(messages)
+    ordered: list[Message] = []
+    for index, message in enumerate(messages):
+        if index in moved:
+            continue
+        ordered.append(message)
+        ordered.extend(messages[i] for i in results_of.get(index, ()))
+    return tuple(ordered)

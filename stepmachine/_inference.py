@@ -5,7 +5,10 @@ model must answer: a user message, or tool results that close every open call.
 It refuses while any tool call is open, and otherwise.
 
 Before the request it checks invariant 4 (valid history) and raises
-:class:`~stepmachine.HistoryError` rather than send a broken history. It
+:class:`~stepmachine.HistoryError` rather than send a broken history; the
+request shows each turn's tool results right after that turn
+(:func:`~stepmachine.request_order`), as providers require, even when a user
+message arrived while tools were running. It
 streams text, reasoning and tool-argument deltas to the emitter, and returns
 the assistant message, with the usage, model, finish reason, number of
 attempts and the revision it answered recorded in its notes under the step's
@@ -27,7 +30,7 @@ import msgspec
 from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ReasoningDelta, TextDelta, ToolArgumentsDelta
 from ._errors import ContextLengthError
-from ._history import check_history, open_tool_calls
+from ._history import check_history, open_tool_calls, request_order
 from ._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart
 from ._model import ModelRequest, ModelSettings, PromptPart, ReasoningChunk, StreamChunk, TextChunk
 from ._session import Session
@@ -127,7 +130,7 @@ class ModelInference(Inference[Any]):
         session = ctx.session
         if not needs_answer(session.conversation):
             return Refuse("the conversation does not end on something the model must answer")
-        visible = session.visible_to_model
+        visible = request_order(session.visible_to_model)
         check_history(visible, session_id=session.id)
         model = ctx.runtime.get_model(self._model)
         request = ModelRequest(

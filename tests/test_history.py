@@ -16,6 +16,7 @@ from stepmachine import (
     check_history,
     history_problems,
     open_tool_calls,
+    request_order,
 )
 
 
@@ -254,3 +255,47 @@ def test_removing_any_one_result_makes_a_problem(
     assert [c.call_id for c in open_tool_calls(broken)] == [removed.call_id]
     with pytest.raises(HistoryError):
         check_history(broken)
+
+
+def test_request_order_puts_results_right_after_their_calls() -> None:
+    history = [
+        user("u1"),
+        calls("a1", "c1", "c2"),
+        results("t1", "c1"),
+        user("u2", "by the way, hurry"),
+        results("t2", "c2"),
+    ]
+    ordered = request_order(history)
+    assert [m.id for m in ordered] == ["u1", "a1", "t1", "t2", "u2"]
+    assert history_problems(ordered) == []
+    # Nothing to move: the same order back.
+    assert request_order(ordered) == ordered
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_request_order_is_a_permutation_with_results_adjacent(data: st.DataObject) -> None:
+    turns = data.draw(st.integers(min_value=1, max_value=5))
+    history: list[Message] = []
+    pending: list[str] = []
+    for turn in range(turns):
+        history.append(user(f"u{turn}"))
+        ids = [f"c{turn}-{i}" for i in range(data.draw(st.integers(0, 3)))]
+        if ids:
+            history.append(calls(f"a{turn}", *ids))
+        pending = ids
+        while pending:
+            # Results arrive one by one, with user messages interleaved at random.
+            if data.draw(st.booleans()):
+                history.append(user(f"x{len(history)}", "meanwhile"))
+            call_id = pending.pop(data.draw(st.integers(0, len(pending) - 1)))
+            history.append(results(f"t{call_id}", call_id))
+    ordered = request_order(history)
+    assert sorted(m.id for m in ordered) == sorted(m.id for m in history)
+    non_tool = [m.id for m in history if m.role != "tool"]
+    assert [m.id for m in ordered if m.role != "tool"] == non_tool
+    for index, message in enumerate(ordered):
+        if message.role == "tool":
+            before = ordered[index - 1]
+            assert before.role == "tool" or before.tool_calls
+    assert history_problems(ordered) == []

@@ -571,3 +571,20 @@ async def test_a_model_cannot_write_operation_notes() -> None:
     (call_part,) = check.new_messages[0].tool_calls
     assert call_part.notes == {}
     assert call_part.call_id == "c1"
+
+
+async def test_a_request_shows_tool_results_right_after_their_calls() -> None:
+    call_part = ToolCallPart.of("c1", "lookup", {})
+    history = make_session(
+        "question",
+        Message(id="a1", role="assistant", parts=(call_part,)),
+        Message.user("and hurry", id="steer"),
+        Message.tool_result(ToolResultPart.for_call(call_part, "found"), id="t1"),
+    )
+    model = ScriptedModel([reply("done")])
+    check = await run_step(ModelInference(), history, model=model)
+    assert check.yielded
+    (request,) = model.requests
+    assert [m.id for m in request.messages] == ["u0", "a1", "t1", "steer"]
+    # The stored history is not rewritten.
+    assert [m.id for m in check.session.conversation[:4]] == ["u0", "a1", "steer", "t1"]
