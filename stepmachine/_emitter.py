@@ -13,11 +13,14 @@ bounded in-memory stream (anyio memory object streams). Any object with an
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol, TypeAlias
 
 import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+_logger = logging.getLogger("stepmachine")
 
 __all__ = [
     "Emitter",
@@ -185,6 +188,7 @@ class EventSink:
         self.session_id = session_id
         self.revision = revision
         self._seq = 0
+        self._warned = False
 
     def follow(self, revision: int) -> None:
         """Events from now on follow ``revision``; the sequence restarts at 0."""
@@ -193,7 +197,22 @@ class EventSink:
             self._seq = 0
 
     async def emit(self, data: EventData) -> None:
-        """Wrap ``data`` in an :class:`Event` and deliver it."""
+        """Wrap ``data`` in an :class:`Event` and deliver it.
+
+        An emitter that raises is logged (once per sink) and ignored: events are
+        for display, and a broken client must never fail or change a run.
+        Cancellation propagates.
+        """
         event = Event(session_id=self.session_id, revision=self.revision, seq=self._seq, data=data)
         self._seq += 1
-        await self._emitter.emit(event)
+        try:
+            await self._emitter.emit(event)
+        except Exception:
+            if not self._warned:
+                self._warned = True
+                _logger.warning(
+                    "emitter %r raised; its events for session %r are dropped",
+                    self._emitter,
+                    self.session_id,
+                    exc_info=True,
+                )

@@ -401,6 +401,10 @@ class StateMachine(Generic[D]):
             )
             running.step, running.ctx = step, ctx
             outcome: Outcome = await step.run(ctx)
+            if isinstance(outcome, Refuse) and ctx.session.revision != session.revision:
+                # It committed batches of its own and then refused: the session moved,
+                # so the next cycle must start from the top with the new session.
+                outcome = Continue(())
             if isinstance(outcome, Refuse):
                 offer.refused.append(step.name)
                 continue

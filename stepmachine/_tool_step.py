@@ -265,9 +265,14 @@ class Tools(Operation[Any]):
             for call in calls:  # one after another, in call order (deterministic)
                 await run_one(call)
         else:
-            async with anyio.create_task_group() as tg:
-                for call in calls:
-                    tg.start_soon(run_one, call)
+            try:
+                async with anyio.create_task_group() as tg:
+                    for call in calls:
+                        tg.start_soon(run_one, call)
+            except* ConflictError as group:
+                # A result commit lost the race too often: surface it as the machine
+                # expects (it reloads and re-steps), not wrapped in an ExceptionGroup.
+                raise group.exceptions[0] from None
         return abort[0] if abort else None
 
     async def _commit_results(

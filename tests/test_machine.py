@@ -645,3 +645,44 @@ async def test_a_request_is_built_from_the_stored_session_only() -> None:
     assert [m.id for m in request.messages] == ["u1"]
     assert [t.name for t in request.tools] == ["echo"]
     assert request.system_prompt == "Be brief."
+
+
+class Broken:
+    """An emitter whose client is gone."""
+
+    async def emit(self, event: Any) -> None:
+        raise ConnectionResetError("client went away")
+
+
+async def test_an_emitter_that_raises_never_fails_the_run(caplog: pytest.LogCaptureFixture) -> None:
+    store = await new_store(conversation=[Message.user("2+3?", id="u1")])
+    model = ScriptedModel([call(("add", {"a": 2, "b": 3})), reply("5")])
+    machine = StateMachine([Tools([add]), ModelInference()])
+    with caplog.at_level(logging.WARNING, logger="stepmachine"):
+        session = await machine.run(Runtime(store=store, model=model), "s", Broken())
+    assert session.conversation[-1].text == "5"
+    warnings = [r for r in caplog.records if "emitter" in r.getMessage()]
+    assert len(warnings) == 1  # logged once, not once per event
+
+
+class CommitThenRefuse(Operation[Flags]):
+    """Records a note through ctx.commit, then refuses."""
+
+    name = "committer"
+
+    async def run(self, ctx: StepContext[Flags]) -> Outcome:
+        if "committer" in ctx.session.data.done:
+            return Refuse()
+        await ctx.commit([UpdateData.set(done=(*ctx.session.data.done, "committer"))])
+        return Refuse("nothing more to do")
+
+
+async def test_a_step_that_committed_and_refused_restarts_the_cycle() -> None:
+    offers: list[str] = []
+    store = await new_store()
+    machine = StateMachine([Mark("a", offers), CommitThenRefuse(), Mark("b", offers)])
+    report = await machine.run_report(Runtime(store=store), "s")
+    assert report.session.data.done == ("a", "committer", "b")
+    # No conflict: after the commit the cycle restarted from the top with the new session.
+    assert [b.step for b in await store.batches("s")] == ["a", "committer", "b"]
+    assert [r.step for r in report.results] == ["a", "committer", "b"]
