@@ -147,6 +147,7 @@ class MemoryStore:
         """The audit log: every batch with ``revision > after``, in order."""
         await anyio.lowlevel.checkpoint()
         entry = self._entry(session_id)
+        after = max(after, 0)
         return [
             self._codec.decode_batch(encoded, where=f"session {session_id!r} revision {rev}")
             for rev, encoded in enumerate(entry.batches[after:], start=after + 1)

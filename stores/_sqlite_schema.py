@@ -227,16 +227,19 @@ def _migrate(conn: sqlite3.Connection, version: int) -> None:
 def transaction(conn: sqlite3.Connection, *, write: bool) -> Iterator[None]:
     """One transaction: ``BEGIN IMMEDIATE`` to write, ``BEGIN`` (a read snapshot) to read.
 
-    Commits when the block ends normally; rolls back on any exception.
+    Commits when the block ends normally; rolls back on any exception,
+    including a failed ``COMMIT``, so no transaction is ever left open.
     """
     conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
     try:
         yield
+        conn.execute("COMMIT")
     except BaseException:
+        # Also when COMMIT itself fails (SQLITE_BUSY, an IO error): SQLite may leave
+        # the transaction open, which would lock every later call and other processes.
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
-    conn.execute("COMMIT")
 
 
 # -- rows ----------------------------------------------------------------------

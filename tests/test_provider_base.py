@@ -212,12 +212,18 @@ def test_retry_after_wins_without_jitter_and_is_capped() -> None:
         ({"retry-after-ms": "1500", "retry-after": "9"}, 1.5),
         ({"retry-after-ms": "soon", "retry-after": "9"}, 9.0),
         ({"retry-after": "-3"}, 0.0),
-        ({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, None),
+        ({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, 0.0),  # a date in the past
+        ({"retry-after": "Wed, 21 Oct 2015 07:28:30 GMT"}, 30.0),  # 30 s after "now"
+        ({"retry-after": "not a date"}, None),
+        ({"retry-after": "inf"}, None),
+        ({"retry-after": "nan"}, None),
+        ({"retry-after-ms": "nan", "retry-after": "4"}, 4.0),
         ({}, None),
     ],
 )
 def test_parse_retry_after(headers: dict[str, str], seconds: float | None) -> None:
-    assert parse_retry_after(httpx.Headers(headers)) == seconds
+    now = 1445412480.0  # Wed, 21 Oct 2015 07:28:00 GMT
+    assert parse_retry_after(httpx.Headers(headers), now=now) == seconds
 
 
 # -- error_from_response ----------------------------------------------------------------
@@ -501,3 +507,90 @@ async def test_an_injected_client_is_not_closed(clean_env: pytest.MonkeyPatch) -
             model = cls("m", api_key="k", client=client)
             await model.aclose()
             assert not client.is_closed
+
+
+# -- failures around the HTTP exchange ---------------------------------------------------
+
+
+def _walk(error: BaseException) -> list[BaseException]:
+    """The error and every exception chained to it."""
+    seen: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=[w.name for w in WIRES])
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+async def test_a_connection_error_carries_no_request_and_no_key(wire: Any, stream: bool) -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    model = wire.make(refuse, retry=RetryPolicy(max_attempts=1))
+    with pytest.raises(ProviderConnectionError) as caught:
+        await model.request(wires.REQUEST, on_chunk=(lambda c: _noop()) if stream else None)
+    chain = _walk(caught.value)
+    assert len(chain) == 1  # nothing chained: no httpx.Request, whose headers hold the key
+    assert KEY not in repr(vars(caught.value))
+    assert "ConnectError" in str(caught.value)
+
+
+async def _noop() -> None:
+    return None
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=[w.name for w in WIRES])
+async def test_the_callers_own_chunk_error_propagates_unchanged(wire: Any) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200, content=wire.ok_sse, headers={"content-type": "text/event-stream"}
+        )
+
+    class BoomError(Exception):
+        pass
+
+    async def sink(chunk: Any) -> None:
+        raise BoomError("the UI crashed")
+
+    model = wire.make(handler)
+    with pytest.raises(BoomError, match="the UI crashed"):
+        await model.request(wires.REQUEST, on_chunk=sink)
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=[w.name for w in WIRES])
+async def test_an_undecodable_body_is_a_malformed_response(wire: Any) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200,
+            content=b"this is not gzip",
+            headers={"content-type": "application/json", "content-encoding": "gzip"},
+        )
+
+    model = wire.make(handler, retry=RetryPolicy(max_attempts=1))
+    with pytest.raises(MalformedResponseError):
+        await model.request(wires.REQUEST)
+
+
+@pytest.mark.parametrize("status", [408, 409])
+def test_timeouts_and_lock_conflicts_are_retryable(status: int) -> None:
+    error = error_from_response("openai", status, _openai("try again"), httpx.Headers())
+    assert error.retryable
+    assert error.status == status
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=[w.name for w in WIRES])
+async def test_an_injected_client_gets_the_models_timeout(wire: Any) -> None:
+    seen: list[Any] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.extensions.get("timeout"))
+        return httpx.Response(
+            200, content=wire.ok_json, headers={"content-type": "application/json"}
+        )
+
+    model = wire.make(handler)
+    await model.request(wires.REQUEST)
+    (timeout,) = seen
+    assert timeout["read"] == DEFAULT_TIMEOUT.read  # not httpx's 5 s default

@@ -224,7 +224,9 @@ async def test_total_timeout_allows_a_wait_that_fits(wire: Any) -> None:
     assert sleeps == [2.0]
 
 
-async def test_retry_after_is_capped_by_max_delay(wire: Any) -> None:
+async def test_a_retry_after_longer_than_the_policy_allows_is_not_cut_short(wire: Any) -> None:
+    # Retrying earlier than the server asked would only spend an attempt (which budgets
+    # count): the error is raised at once, with the server's wait, for the caller to honour.
     script = Script(
         status(429, wire.error("rate_limit_error", "slow"), **{"retry-after": "9999"}),
         status(200, wire.ok_json),
@@ -233,8 +235,11 @@ async def test_retry_after_is_capped_by_max_delay(wire: Any) -> None:
     model = wire.make(
         script, sleeps=sleeps, retry=RetryPolicy(max_delay=3.0, total_timeout=10_000.0)
     )
-    await model.request(REQUEST)
-    assert sleeps == [3.0]
+    with pytest.raises(RateLimitError) as caught:
+        await model.request(REQUEST)
+    assert caught.value.retry_after == 9999.0
+    assert caught.value.attempts == 1
+    assert sleeps == []
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])

@@ -12,7 +12,10 @@ typed error, for every adapter.
 
 from __future__ import annotations
 
+import email.utils
+import math
 import re
+import time
 from typing import Any
 
 import msgspec
@@ -110,7 +113,7 @@ class OverloadedError(ProviderError):
 
 
 class ServerError(ProviderError):
-    """5xx: the provider failed; retried."""
+    """5xx (and 408, 409): the provider failed or asks to try again; retried."""
 
     retryable = True
 
@@ -139,21 +142,32 @@ _CONTEXT_PATTERNS = re.compile(
 )
 
 
-def parse_retry_after(headers: Any) -> float | None:
-    """Seconds from ``retry-after-ms`` or ``retry-after`` (seconds); ``None`` if absent or bad."""
+def parse_retry_after(headers: Any, *, now: float | None = None) -> float | None:
+    """Seconds to wait from ``retry-after-ms``, or ``retry-after`` (seconds or an HTTP date).
+
+    ``None`` when absent or unreadable; non-finite values count as unreadable.
+    """
     value = headers.get("retry-after-ms")
     if value is not None:
         try:
-            return max(0.0, float(value) / 1000.0)
+            seconds = float(value) / 1000.0
         except ValueError:
-            pass
+            seconds = math.nan
+        if math.isfinite(seconds):
+            return max(0.0, seconds)
     value = headers.get("retry-after")
     if value is None:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
-        return None  # an HTTP date: rare from these APIs; fall back to backoff
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        current = time.time() if now is None else now
+        return max(0.0, when.timestamp() - current)
+    return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
 def _error_fields(body: bytes) -> tuple[str, Any]:
@@ -198,6 +212,8 @@ def error_from_response(
         return NotFoundError(message, **common)
     if status == 429:
         return RateLimitError(message, retry_after=retry_after, **common)
+    if status in (408, 409):  # request timeout / lock conflict: the providers' SDKs retry these
+        return ServerError(message, retry_after=retry_after, **common)
     if status in (503, 529) or kind == "overloaded_error":
         return OverloadedError(message, retry_after=retry_after, **common)
     if status >= 500:

@@ -116,6 +116,10 @@ class SSEEvent:
     data: str
 
 
+class _ConsumerError(Exception):
+    """Carries an exception raised by the caller's ``on_chunk`` through the parsers."""
+
+
 class _Streamed:
     """Whether any output of the current attempt has reached the caller."""
 
@@ -134,7 +138,8 @@ class HTTPModel:
         client: an ``httpx.AsyncClient`` to reuse; one is made if not given (and
             closed by :meth:`aclose`).
         retry: the retry policy.
-        timeout: per-request timeout when this model makes its own client.
+        timeout: the timeout of every request (also through an injected client,
+            whose own default -- 5 s for httpx -- is too short for models).
         headers: extra headers on every request.
         sleep, rng: injectable for tests (``anyio.sleep``, a ``random.Random``).
     """
@@ -161,6 +166,7 @@ class HTTPModel:
         self._own_client = client is None
         self.client = client or httpx.AsyncClient(timeout=timeout)
         self.retry = retry or RetryPolicy()
+        self.timeout = timeout
         self.extra_headers = dict(headers or {})
         self._sleep = sleep
         self._rng = rng or random.Random()  # noqa: S311 - jitter, not security
@@ -248,7 +254,10 @@ class HTTPModel:
                 self._redact(exc)
                 if not exc.retryable or streamed.value or attempt >= limit:
                     raise
-                delay = self.retry.delay(attempt, getattr(exc, "retry_after", None), self._rng)
+                retry_after = getattr(exc, "retry_after", None)
+                if retry_after is not None and retry_after > self.retry.max_delay:
+                    raise  # the server asks for a longer wait than this policy allows
+                delay = self.retry.delay(attempt, retry_after, self._rng)
                 if anyio.current_time() + delay - started > self.retry.total_timeout:
                     raise
                 await self._sleep(delay)
@@ -279,14 +288,15 @@ class HTTPModel:
         }
 
     async def _blocking(self, body: bytes) -> ModelResponse:
+        failure: ProviderError | None = None
         try:
             reply = await self.client.post(
-                self._url(), content=body, headers=self._headers(stream=False)
+                self._url(), content=body, headers=self._headers(stream=False), timeout=self.timeout
             )
-        except httpx.TransportError as exc:
-            raise ProviderConnectionError(
-                f"{type(exc).__name__}: request failed", provider=self.provider
-            ) from exc
+        except httpx.HTTPError as exc:
+            failure = self._transport_error(exc, "the request failed")
+        if failure is not None:
+            raise failure  # outside the except block: no chained httpx request (and key)
         if reply.status_code >= 400:
             raise error_from_response(
                 self.provider, reply.status_code, reply.content, reply.headers
@@ -308,11 +318,20 @@ class HTTPModel:
     ) -> ModelResponse:
         async def emit(chunk: StreamChunk) -> None:
             streamed.value = True
-            await on_chunk(chunk)
+            try:
+                await on_chunk(chunk)
+            except Exception as exc:
+                raise _ConsumerError from exc  # the caller's own error: never blamed on us
 
+        failure: ProviderError | None = None
         try:
             async with httpx_sse.aconnect_sse(
-                self.client, "POST", self._url(), content=body, headers=self._headers(stream=True)
+                self.client,
+                "POST",
+                self._url(),
+                content=body,
+                headers=self._headers(stream=True),
+                timeout=self.timeout,
             ) as source:
                 reply = source.response
                 if reply.status_code >= 400:
@@ -326,10 +345,21 @@ class HTTPModel:
                     await _emit_whole(response, emit)
                     return response
                 return await self._parse_events(source, emit)
-        except httpx.TransportError as exc:
-            raise ProviderConnectionError(
-                f"{type(exc).__name__}: the stream failed", provider=self.provider
-            ) from exc
+        except _ConsumerError as wrapped:
+            original = wrapped.__cause__
+            if original is None:  # pragma: no cover - always set by emit()
+                raise
+            raise original from None
+        except httpx.HTTPError as exc:
+            failure = self._transport_error(exc, "the stream failed")
+        raise failure  # outside the except block: no chained httpx request (and key)
+
+    def _transport_error(self, exc: httpx.HTTPError, what: str) -> ProviderError:
+        """A typed error for an httpx failure, carrying no reference to the request."""
+        detail = f"{what}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, httpx.DecodingError):
+            return MalformedResponseError(detail, provider=self.provider)
+        return ProviderConnectionError(detail, provider=self.provider)
 
     async def _parse_events(self, source: httpx_sse.EventSource, emit: ChunkSink) -> ModelResponse:
         async def events() -> AsyncGenerator[SSEEvent, None]:
@@ -344,7 +374,7 @@ class HTTPModel:
         async with contextlib.aclosing(events()) as stream:
             try:
                 response = await self.parse_stream(stream, emit)
-            except ProviderError:
+            except (ProviderError, _ConsumerError):
                 await _drain(stream)
                 raise
             except (msgspec.DecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
@@ -357,7 +387,7 @@ class HTTPModel:
 
 
 async def _drain(stream: AsyncGenerator[SSEEvent, None]) -> None:
-    """Read what is left of a stream an adapter stopped reading.
+    """Read what is left of a stream an adapter (or a failing ``on_chunk``) stopped reading.
 
     Ending the iteration properly (rather than abandoning the nested
     httpx / httpx-sse async generators) is what lets them close cleanly on
