@@ -5,9 +5,9 @@ cycle, so order matters; a typical list::
 
     [
         ExternalEvents(...),      # deliver webhook / steering events first
-        Approval(policy),         # yield for decisions before tools run
-        InvalidCalls(policy),     # answer or re-prompt malformed calls before Tools sees them
         Budget(per_run=Limits(model_calls=20)),  # yield before a call that would overspend
+        InvalidCalls(policy),     # answer or re-prompt malformed calls before anyone acts on them
+        Approval(policy),         # yield for decisions before tools run
         Tools([...]),             # run approved, valid calls (journaled)
         HistoryGuard(),           # repair a broken history before a request is built
         Compaction(...),          # shorten the history before the next request

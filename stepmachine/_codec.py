@@ -149,8 +149,20 @@ class Codec(Generic[D]):
         return self._encoder.encode(session)
 
     def decode_session(self, buf: bytes, *, where: str = "session record") -> Session[D]:
-        """Decode a session. Raises :class:`StoredDataError` naming ``where``."""
-        return self._decode(self._session_decoder, buf, "session", where)  # type: ignore[no-any-return]
+        """Decode a session. Raises :class:`StoredDataError` naming ``where``.
+
+        Besides the types, the session's own rules are checked: a revision of
+        at least 0 and message ids that are unique.
+        """
+        session: Session[D] = self._decode(self._session_decoder, buf, "session", where)
+        ids = [m.id for m in session.conversation]
+        if session.revision < 0 or len(set(ids)) != len(ids):
+            raise StoredDataError(
+                f"invariant 8 (stored data is data): session in {where} is not valid: "
+                f"revision {session.revision}, "
+                f"repeated message ids {sorted({i for i in ids if ids.count(i) > 1})!r}"
+            )
+        return session
 
     # -- effects and batches ----------------------------------------------------
 

@@ -29,8 +29,8 @@ import msgspec
 
 from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ReasoningDelta, TextDelta, ToolArgumentsDelta
-from ._errors import ContextLengthError
-from ._history import check_history, open_tool_calls, request_order
+from ._errors import ContextLengthError, HistoryError
+from ._history import check_history, history_problems, open_tool_calls, request_order
 from ._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart
 from ._model import ModelRequest, ModelSettings, PromptPart, ReasoningChunk, StreamChunk, TextChunk
 from ._session import Session
@@ -54,6 +54,24 @@ def needs_answer(conversation: Sequence[Message]) -> bool:
                 return False
             return not open_tool_calls(conversation)
     return False
+
+
+def _refuse_repeated_call_ids(session: Session[Any]) -> None:
+    """Raise :class:`HistoryError` if open calls reuse a call id.
+
+    Tools never runs such calls (a result could not say which call it
+    answers), so without a repairing step (HistoryGuard, InvalidCalls) before
+    this one the session would wait forever: say so instead.
+    """
+    if not open_tool_calls(session.conversation):
+        return
+    repeats = [p for p in history_problems(session.visible_to_model) if "repeats" in p]
+    if repeats:
+        raise HistoryError(
+            f"invariant 4 (valid history) broken in session {session.id!r}: "
+            + "; ".join(repeats)
+            + ". Place HistoryGuard or InvalidCalls before the tool step to repair it."
+        )
 
 
 def _without_notes(parts: tuple[Part, ...]) -> tuple[Part, ...]:
@@ -129,6 +147,7 @@ class ModelInference(Inference[Any]):
     async def run(self, ctx: StepContext[Any]) -> Outcome:
         session = ctx.session
         if not needs_answer(session.conversation):
+            _refuse_repeated_call_ids(session)
             return Refuse("the conversation does not end on something the model must answer")
         visible = request_order(session.visible_to_model)
         check_history(visible, session_id=session.id)
@@ -165,11 +184,12 @@ class ModelInference(Inference[Any]):
 
         try:
             response = await model.request(request, on_chunk=on_chunk if self._stream else None)
-        except ContextLengthError:
+        except ContextLengthError as exc:
             last = visible[-1]
             if last.notes.get(self._name, {}).get(CONTEXT_LENGTH_EXCEEDED):
                 raise  # nothing made the history shorter since the last overflow
-            return Continue([Annotate(last.id, self._name, {CONTEXT_LENGTH_EXCEEDED: True})])
+            mark = {CONTEXT_LENGTH_EXCEEDED: True, **self._failed_attempts(last, session, exc)}
+            return Continue([Annotate(last.id, self._name, mark)])
         note: dict[str, Any] = {
             "usage": {
                 "input_tokens": response.usage.input_tokens,
@@ -194,13 +214,33 @@ class ModelInference(Inference[Any]):
             return Continue(effects)
         return Yield(effects, YieldReason(YieldReason.DONE))
 
+    def _failed_attempts(
+        self, last: Message, session: Session[Any], exc: BaseException | None
+    ) -> dict[str, Any]:
+        """The note recording model attempts that produced no reply, so budgets count them.
+
+        Attempts add up on the message they are recorded on (the last one the
+        model saw); ``revision`` says which run they belong to.
+        """
+        before = last.notes.get(self._name, {}).get("attempts", 0)
+        made = int(getattr(exc, "attempts", 1)) if exc is not None else 1
+        return {"attempts": int(before) + made, "revision": session.revision}
+
     async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
-        """Keep streamed text and reasoning of an interrupted request."""
+        """Keep streamed text and reasoning of an interrupted request.
+
+        When nothing had streamed yet, the attempt is still recorded on the last
+        message (budgets count every model call, invariant 7).
+        """
         partial: _Partial | None = ctx.scratch.get("partial")
-        if not interrupted or partial is None or not (partial.text or partial.reasoning):
+        if not interrupted or partial is None:
             return ()
         if not needs_answer(ctx.session.conversation):
             return ()  # the reply was recorded after all, or someone else answered
+        if not (partial.text or partial.reasoning):
+            last = [m for m in ctx.session.conversation if m.visible_to_model][-1]
+            note = self._failed_attempts(last, ctx.session, None)
+            return (Annotate(last.id, self._name, {**note, "interrupted_request": True}),)
         parts: list[Part] = []
         if partial.reasoning:
             parts.append(ReasoningPart(text="".join(partial.reasoning)))

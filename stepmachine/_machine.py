@@ -199,7 +199,9 @@ class StateMachine(Generic[D]):
         Nothing is persisted (unless a step commits batches of its own with
         ``ctx.commit``): pass the decision to :meth:`apply`. Returns ``None``
         when every step refuses. ``run_start_revision`` is the revision at which
-        the caller's "run" began (default: ``session.revision``).
+        the caller's "run" began (default: ``session.revision``); callers that
+        drive cycles themselves pass the revision they started at on every
+        call, or per-run budgets start afresh each cycle.
 
         Raises:
             ConfigurationError: duplicate tool names (before any step runs).

@@ -14,7 +14,8 @@ kept in the session itself, as notes on the call (namespace ``"journal"``):
    sees sealed batches (it refuses while any call is open).
 
 After a crash, a call with an intent and no result is re-run only if its tool
-is ``pure`` or ``idempotent`` (with the same idempotency key). Otherwise,
+is ``pure`` or ``idempotent`` (with the same idempotency key), or an operator
+allowed that one attempt to be repeated. Otherwise,
 depending on ``on_unknown_outcome``: ``"error"`` (default) answers it with an
 "outcome unknown" error result, so the model and the reader of the history
 know it may or may not have happened; ``"yield"`` holds it back and yields
@@ -29,7 +30,13 @@ started are answered "not executed" and the run yields with reason
 ``tool_failed``.
 
 Calls some step objects to (``Operation.check_call``: approval, budgets) are
-held back -- not run, left open -- whatever the order of the steps.
+held back -- not run, left open -- whatever the order of the steps; so are
+calls whose id the model used twice.
+
+One runner per session at a time: a second machine running the same session
+while the first has tools in flight reads their intents as left by a crash.
+Applications that run several workers serialise runs per session (a queue or
+a lease); the store's compare-and-set keeps the data right either way.
 """
 
 from __future__ import annotations
@@ -80,10 +87,21 @@ _MAX_RESULT_RETRIES = 16
 
 
 def _call_locations(session: Session[Any]) -> dict[str, str]:
-    """Map call id -> id of the message holding the call."""
+    """Map call id -> id of the (latest) message holding a call with that id."""
     return {
         call.call_id: message.id for message in session.conversation for call in message.tool_calls
     }
+
+
+def _repeated_call_ids(session: Session[Any]) -> set[str]:
+    """Call ids that occur more than once among the calls visible to the model."""
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    for message in session.conversation:
+        if message.visible_to_model:
+            for call in message.tool_calls:
+                (repeated if call.call_id in seen else seen).add(call.call_id)
+    return repeated
 
 
 class Tools(Operation[Any]):
@@ -146,10 +164,14 @@ class Tools(Operation[Any]):
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
         advertised = {d.name for d in ctx.tools} | set(self._tools)
+        # A call id the model used twice is ambiguous (which call would a result
+        # answer?): such calls are never run; HistoryGuard or InvalidCalls repair them.
+        repeated = _repeated_call_ids(ctx.session)
         calls = [
             c
             for c in open_tool_calls(ctx.session.conversation)
             if (c.name in self._tools or c.name not in advertised)
+            and c.call_id not in repeated
             and not any(step.check_call(ctx, c) is not None for step in ctx.steps)
         ]
         if not calls:
@@ -206,7 +228,12 @@ class Tools(Operation[Any]):
 
     @staticmethod
     def _may_rerun(impl: Tool, journal: dict[str, Any]) -> bool:
-        return impl.side_effects in ("pure", "idempotent") or bool(journal.get("rerun_approved"))
+        if impl.side_effects in ("pure", "idempotent"):
+            return True
+        # An operator's decision covers the attempt it was made about, not later crashes.
+        return bool(journal.get("rerun_approved")) and journal.get("rerun_attempt") == journal.get(
+            "attempt"
+        )
 
     def _precheck_error(self, ctx: StepContext[Any], call: ToolCallPart) -> ToolResultPart:
         if call.name not in self._tools:
@@ -232,7 +259,9 @@ class Tools(Operation[Any]):
             note: dict[str, Any] = {
                 "intent": True,
                 "fingerprint": fingerprint(call.name, effective_arguments(call)),
-                "idempotency_key": idempotency_key(ctx.session.id, call.call_id),
+                "idempotency_key": idempotency_key(
+                    ctx.session.id, call.call_id, where[call.call_id]
+                ),
                 "side_effects": impl.side_effects,
                 "attempt": int(journal.get("attempt", 0)) + 1,
                 "at": ctx.runtime.clock(),
@@ -307,7 +336,9 @@ class Tools(Operation[Any]):
             runtime=ctx.runtime,
             session_id=ctx.session.id,
             call_id=call.call_id,
-            idempotency_key=idempotency_key(ctx.session.id, call.call_id),
+            idempotency_key=idempotency_key(
+                ctx.session.id, call.call_id, _call_locations(ctx.session)[call.call_id]
+            ),
         )
         timeout = impl.timeout if impl.timeout is not None else self._timeout
         aborted: str | None = None
@@ -364,7 +395,12 @@ async def resolve_unknown_outcome(
         raise ConfigurationError(
             f"session {session_id!r} has no open call {call_id!r} with a recorded intent"
         )
-    decision = {"rerun_approved": rerun, "decided_by": by, "decision_note": note}
+    decision = {
+        "rerun_approved": rerun,
+        "rerun_attempt": call.notes[JOURNAL].get("attempt"),
+        "decided_by": by,
+        "decision_note": note,
+    }
     effects: list[Effect] = [Annotate(where[call_id], JOURNAL, decision, call_id=call_id)]
     if not rerun:
         content = f"{OUTCOME_UNKNOWN} {by} decided not to run it again. {note}".strip()

@@ -40,9 +40,14 @@ __all__ = [
 ]
 
 
-def idempotency_key(session_id: str, call_id: str) -> str:
-    """The stable idempotency key of one tool call: a hash of session and call id."""
-    digest = hashlib.sha256(f"{session_id}\x00{call_id}".encode()).hexdigest()
+def idempotency_key(session_id: str, call_id: str, message_id: str = "") -> str:
+    """The stable idempotency key of one tool call.
+
+    A hash of the session id, the id of the message holding the call and the
+    call id: stable across retries and processes, and different for a later
+    call that reuses an earlier call id (models do, after a compaction).
+    """
+    digest = hashlib.sha256(f"{session_id}\x00{message_id}\x00{call_id}".encode()).hexdigest()
     return f"sm-{digest[:32]}"
 
 

@@ -525,7 +525,11 @@ batches = st.builds(
     st.lists(effects, max_size=4).map(tuple),
 )
 sessions = st.builds(
-    Session, ids, st.integers(0, 2**40), st.lists(messages, max_size=4).map(tuple), app_data
+    Session,
+    ids,
+    st.integers(0, 2**40),
+    st.lists(messages, max_size=4, unique_by=lambda m: m.id).map(tuple),  # ids are unique
+    app_data,
 )
 
 ROUND_TRIP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -555,3 +559,14 @@ def test_batch_round_trip(batch: Batch[Effect]) -> None:
 @given(st.lists(effects, max_size=5))
 def test_effects_round_trip(items: list[Effect]) -> None:
     assert CODEC.decode_effects(CODEC.encode_effects(items)) == tuple(items)
+
+
+def test_a_session_record_breaking_its_own_rules_is_refused() -> None:
+    codec = Codec()
+    message = Message.user("x", id="dup")
+    for bad in (
+        Session(id="s", revision=0, conversation=(message, message), data=NoData()),
+        Session(id="s", revision=-1, conversation=(), data=NoData()),
+    ):
+        with pytest.raises(StoredDataError, match=r"file f\.db"):
+            codec.decode_session(codec.encode_session(bad), where="file f.db")

@@ -310,7 +310,9 @@ async def test_context_overflow_marks_the_last_message_then_propagates() -> None
     model = ScriptedModel([overflow, overflow])
     check = await run_step(ModelInference(), make_session("hi"), model=model)
     assert isinstance(check.outcome, Continue)
-    assert check.effects == (Annotate("u0", "inference", {"context_length_exceeded": True}),)
+    # The failed attempt is recorded too, so budgets count it (invariant 7).
+    note = {"context_length_exceeded": True, "attempts": 1, "revision": 0}
+    assert check.effects == (Annotate("u0", "inference", note),)
     # nothing shortened the history: the second overflow propagates
     with pytest.raises(ContextLengthError):
         await run_step(ModelInference(), check.session, model=model)
@@ -518,7 +520,11 @@ async def test_finalize_keeps_nothing_when_only_tool_calls_streamed() -> None:
         ScriptedModel([response], chunk_size=4),
         count(ToolArgumentsDelta, 1),
     )
-    assert list(await step.finalize(ctx, interrupted=True)) == []
+    # No half-streamed tool call is kept; the attempt itself is recorded for budgets.
+    (effect,) = await step.finalize(ctx, interrupted=True)
+    assert isinstance(effect, Annotate)
+    assert effect.message_id == "u0"
+    assert effect.values == {"attempts": 1, "revision": 0, "interrupted_request": True}
 
 
 async def test_finalize_does_nothing_if_the_reply_was_recorded_meanwhile() -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import msgspec
 import pytest
 
 from stepmachine import (
@@ -108,8 +109,8 @@ async def test_intent_is_committed_before_the_tool_runs_and_each_result_after() 
     assert intent.values["intent"] is True
     assert intent.values["side_effects"] == "non_idempotent"
     assert intent.values["fingerprint"] == fingerprint("probe", {})
-    assert intent.values["idempotency_key"] == idempotency_key("test-session", "c1")
-    assert seen_at_run == [{"key": idempotency_key("test-session", "c1")}]
+    assert intent.values["idempotency_key"] == idempotency_key("test-session", "c1", "a1")
+    assert seen_at_run == [{"key": idempotency_key("test-session", "c1", "a1")}]
     (result,) = result_batch
     assert isinstance(result, AppendMessage)
     assert result.message.tool_results[0].content == "probed"
@@ -175,7 +176,7 @@ async def test_crashed_idempotent_or_pure_call_is_rerun_with_the_same_key(tool_o
     assert isinstance(intent, Annotate)
     assert intent.values["attempt"] == 2
     if tool_obj is upsert:
-        assert ran == [f"upsert k {idempotency_key('test-session', 'c1')}"]
+        assert ran == [f"upsert k {idempotency_key('test-session', 'c1', 'a1')}"]
 
 
 async def test_unknown_outcome_can_wait_for_an_operator() -> None:
@@ -292,3 +293,30 @@ async def test_a_whole_run_records_an_audit_trail_per_result() -> None:
         "1",
         "4",
     ]
+
+
+async def test_calls_with_a_repeated_id_are_never_run() -> None:
+    first = ToolCallPart.of("c1", "charge", {"amount": 1})
+    again = ToolCallPart.of("c1", "charge", {"amount": 2})
+    session = make_session(calls_message(first, again))
+    check = await run_step(Tools([charge]), session)
+    assert check.refused
+    assert ran == []
+
+
+async def test_an_operators_rerun_covers_one_attempt_only() -> None:
+    store = MemoryStore()
+    call = with_intent(ToolCallPart.of("c1", "charge", {"amount": 5}))
+    await store.create("s", conversation=[Message.user("pay", id="u1"), calls_message(call)])
+    await resolve_unknown_outcome(store, "s", "c1", rerun=True, by="ops")
+    # The re-run crashes too (simulated: a new intent for attempt 2, no result).
+    session = await store.load("s")
+    journal = session.conversation[1].tool_calls[0].notes[JOURNAL]
+    assert journal["rerun_attempt"] == 1
+    crashed_again = msgspec.structs.replace(call, notes={JOURNAL: {**journal, "attempt": 2}})
+    check = await run_step(
+        Tools([charge]), make_session(Message.user("pay", id="u1"), calls_message(crashed_again))
+    )
+    assert ran == []  # the decision was about attempt 1: attempt 2 is "outcome unknown"
+    (result,) = [r for m in check.new_messages for r in m.tool_results]
+    assert result.content == OUTCOME_UNKNOWN

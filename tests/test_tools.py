@@ -450,7 +450,8 @@ async def test_tool_context_is_injected() -> None:
     assert first.runtime is runtime
     assert first.session_id == "sess"
     assert first.call_id == "call-7"
-    assert first.idempotency_key == stepmachine.idempotency_key("sess", "call-7")
+    message_id = session.conversation[1].id
+    assert first.idempotency_key == stepmachine.idempotency_key("sess", "call-7", message_id)
     assert second.idempotency_key == first.idempotency_key  # stable across runs
     other = stepmachine.idempotency_key("sess2", "call-7")
     assert other != first.idempotency_key
@@ -460,6 +461,16 @@ async def test_tool_context_is_injected() -> None:
 def test_idempotency_key_does_not_collide_on_concatenation() -> None:
     assert stepmachine.idempotency_key("ab", "c") != stepmachine.idempotency_key("a", "bc")
     assert stepmachine.idempotency_key("s", "c") == stepmachine.idempotency_key("s", "c")
+    assert stepmachine.idempotency_key("s", "c", "m1") == stepmachine.idempotency_key(
+        "s", "c", "m1"
+    )
+
+
+def test_a_reused_call_id_in_another_message_gets_another_key() -> None:
+    # Models reuse call ids (call_0 again after a compaction): another call, another key.
+    assert stepmachine.idempotency_key("s", "call_0", "m1") != stepmachine.idempotency_key(
+        "s", "call_0", "m9"
+    )
 
 
 async def test_tools_emit_started_and_finished() -> None:

@@ -10,8 +10,11 @@ Request mapping (:meth:`AnthropicModel.build_body`):
   without Anthropic data (from another provider) is dropped, since the API
   refuses thinking it did not sign. Tool calls become ``tool_use`` blocks whose
   ``input`` is the parsed arguments object (``{}`` when the arguments were not a
-  JSON object). Empty text is left out. Tool results become ``tool_result``
-  blocks in the next ``user`` turn. Consecutive turns of one role are merged,
+  JSON object). Text that is empty or only whitespace is left out (the API
+  refuses blank text blocks). Tool results become ``tool_result`` blocks in
+  the next ``user`` turn, with ``is_error``; an error result whose content is
+  empty or only whitespace is sent as ``"error"`` (the API refuses an error
+  result without content). Consecutive turns of one role are merged,
   as the API requires, with tool results first in a ``user`` turn;
 * ``tools``: ``{name, description, input_schema}``;
 * ``output_config: {format: {type: "json_schema", schema}}`` for structured output;
@@ -380,6 +383,10 @@ class _StreamState:
 # -- messages ------------------------------------------------------------------------------
 
 
+_EMPTY_ERROR = "error"
+"""The content sent for an ``is_error`` tool result whose content is blank."""
+
+
 def _messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
     """The conversation as alternating ``user``/``assistant`` turns of content blocks."""
     turns: list[dict[str, Any]] = []
@@ -404,15 +411,19 @@ def _messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
 def _block(part: Part) -> dict[str, Any] | None:
     """One part as a content block, or None when it has no Anthropic form."""
     if isinstance(part, TextPart):
-        return {"type": "text", "text": part.text} if part.text else None
+        # the API refuses text blocks that are empty or only whitespace
+        return {"type": "text", "text": part.text} if part.text.strip() else None
     if isinstance(part, ToolCallPart):
         arguments = part.arguments if isinstance(part.arguments, dict) else {}
         return {"type": "tool_use", "id": part.call_id, "name": part.name, "input": arguments}
     if isinstance(part, ToolResultPart):
+        content = part.content
+        if part.is_error and not content.strip():
+            content = _EMPTY_ERROR  # the API refuses an error result without content
         return {
             "type": "tool_result",
             "tool_use_id": part.call_id,
-            "content": part.content,
+            "content": content,
             "is_error": part.is_error,
         }
     data = part.provider_data

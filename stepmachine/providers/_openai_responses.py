@@ -6,8 +6,10 @@ Request mapping (provider-neutral -> wire):
   -> ``instructions``;
 * user text -> ``{role: "user", content}``; assistant text ->
   ``{role: "assistant", content}``; each tool call -> a ``function_call``
-  item (``call_id``, ``name``, the raw ``arguments`` string); each tool result
-  -> a ``function_call_output`` item; a reasoning part that came from this API
+  item (``call_id``, ``name``, the raw ``arguments`` string, ``"{}"`` when it
+  is empty or only whitespace, as in the Chat adapter); each tool result -> a
+  ``function_call_output`` item (the ``is_error`` flag has no wire field; the
+  content is sent as is); a reasoning part that came from this API
   -> the ``reasoning`` item it was (``id``, ``summary``, ``encrypted_content``),
   in the order the parts have in the message;
 * tools -> flat ``{type: "function", name, description, parameters}``;
@@ -235,7 +237,8 @@ class OpenAIResponsesModel(HTTPModel):
                         "type": "function_call",
                         "call_id": part.call_id,
                         "name": part.name,
-                        "arguments": part.raw_arguments,
+                        # the API wants a JSON string; a call that had no arguments has "{}"
+                        "arguments": part.raw_arguments if part.raw_arguments.strip() else "{}",
                     }
                 )
             elif isinstance(part, ToolResultPart):
