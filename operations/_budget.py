@@ -21,9 +21,17 @@ Everything is counted from the session, never from memory (invariant 1):
   twice.
 * **tokens**: the ``usage`` in the same notes (``input_tokens``,
   ``output_tokens``, ``total_tokens`` = input + output).
-* **tool calls**: the tool calls in assistant messages visible to the model
-  that are in the scope (per run: asked for by the model during this run),
-  except the ones this budget refused.
+* **tool calls**: the tool calls in assistant messages that are in the scope
+  (per run: asked for by the model during this run), hidden messages included
+  when the call was answered: a call counts when its message is visible to
+  the model, or when some tool result (visible or hidden) answers it -- so
+  hiding history (compaction, a repair) never gives the budget back. Not
+  counted: the calls this budget refused, the calls of a hidden message that
+  no result answers (they never ran, e.g. a reply an invalid-call "retry"
+  hid), and the calls of an original that a :data:`SUPERSEDES` copy replaces
+  (the copy's calls count). A result answers the latest earlier call with its
+  id that has no result yet. Calls are counted by position (message id and
+  call id), so a call id the model used twice counts twice.
 
 Behaviour, when offered a cycle (``run``):
 
@@ -152,13 +160,17 @@ class BudgetUsage:
     Attributes:
         model_calls: model attempts.
         input_tokens, output_tokens: token counts.
-        tool_calls: the counted tool calls, oldest first.
+        tool_calls: the ids of the counted tool calls, oldest first (an id the
+            model used twice appears twice).
+        tool_call_positions: the counted tool calls as ``(message id, call id)``
+            pairs, in the same order as ``tool_calls``.
     """
 
     model_calls: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
     tool_calls: tuple[str, ...] = ()
+    tool_call_positions: tuple[tuple[str, str], ...] = ()
 
     @property
     def total_tokens(self) -> int:
@@ -199,6 +211,26 @@ def _inference_note(message: Message) -> dict[str, Any] | None:
     return None
 
 
+def _answered_calls(conversation: Sequence[Message], skip: set[str]) -> set[tuple[str, str]]:
+    """The ``(message id, call id)`` of every call some tool result answers, hidden ones included.
+
+    A result answers the latest earlier call with its id that has no result yet;
+    the calls of the messages in ``skip`` (superseded originals) take no result.
+    """
+    waiting: dict[str, list[str]] = {}  # call id -> ids of messages with it unanswered
+    answered: set[tuple[str, str]] = set()
+    for message in conversation:
+        for part in message.parts:
+            if isinstance(part, ToolCallPart):
+                if message.role == "assistant" and message.id not in skip:
+                    waiting.setdefault(part.call_id, []).append(message.id)
+            elif isinstance(part, ToolResultPart):
+                holders = waiting.get(part.call_id)
+                if holders:
+                    answered.add((holders.pop(), part.call_id))
+    return answered
+
+
 def budget_usage(
     session: Session[Any], scope: Scope, *, run_start_revision: int = 0, refused_by: str = "budget"
 ) -> BudgetUsage:
@@ -210,7 +242,13 @@ def budget_usage(
     conversation = session.conversation
     start = turn_start(conversation) if scope == "turn" else -1
     calls = input_tokens = output_tokens = 0
-    tool_calls: list[str] = []
+    tool_calls: list[tuple[str, str]] = []
+    superseded = {
+        str(message.notes[SUPERSEDES].get("message_id"))
+        for message in conversation
+        if SUPERSEDES in message.notes
+    }
+    answered = _answered_calls(conversation, superseded)
     for index, message in enumerate(conversation):
         if index <= start:
             continue
@@ -237,13 +275,45 @@ def budget_usage(
                 output_tokens += int(usage.get("output_tokens", 0))
             elif any(v.get("interrupted") for v in message.notes.values()):
                 calls += 1
-        if message.visible_to_model:
-            tool_calls.extend(
-                call.call_id
-                for call in message.tool_calls
-                if not call.notes.get(refused_by, {}).get("refused")
-            )
-    return BudgetUsage(calls, input_tokens, output_tokens, tuple(tool_calls))
+        if message.id in superseded and not message.visible_to_model:
+            continue  # its copy's calls are counted
+        tool_calls.extend(
+            (message.id, call.call_id)
+            for call in message.tool_calls
+            if not call.notes.get(refused_by, {}).get("refused")
+            and (message.visible_to_model or (message.id, call.call_id) in answered)
+        )
+    return BudgetUsage(
+        calls,
+        input_tokens,
+        output_tokens,
+        tuple(call_id for _, call_id in tool_calls),
+        tuple(tool_calls),
+    )
+
+
+def _positions_of(conversation: Sequence[Message], call: ToolCallPart) -> list[tuple[str, str]]:
+    """Where ``call`` is: the ``(message id, call id)`` of the visible message(s) holding it.
+
+    The message holding this very part object when there is one (``Tools``
+    asks about the parts of the conversation itself); otherwise the visible
+    messages holding an unanswered call with its id, or failing that any call
+    with its id. Oldest first.
+    """
+    holders = [
+        (message, part)
+        for message in conversation
+        if message.visible_to_model
+        for part in message.tool_calls
+        if part.call_id == call.call_id
+    ]
+    chosen = [message for message, part in holders if part is call]
+    if not chosen:
+        answered = _answered_calls(conversation, set())
+        chosen = [m for m, _ in holders if (m.id, call.call_id) not in answered]
+    if not chosen:
+        chosen = [m for m, _ in holders]
+    return [(message.id, call.call_id) for message in chosen] or [("", call.call_id)]
 
 
 _LIMIT_NAMES: Final[tuple[LimitName, ...]] = (
@@ -327,12 +397,16 @@ class Budget(Operation[Any]):
                     }
         return None
 
-    def _objection(self, session: Session[Any], run_start: int, call_id: str) -> str | None:
+    def _objection(self, session: Session[Any], run_start: int, call: ToolCallPart) -> str | None:
+        positions = _positions_of(session.conversation, call)
         for scope, limits in self._scopes:
             if limits.tool_calls is None:
                 continue
-            counted = self._usage(session, scope, run_start).tool_calls
-            if call_id in counted and counted.index(call_id) >= limits.tool_calls:
+            counted = self._usage(session, scope, run_start).tool_call_positions
+            if any(
+                position in positions and index >= limits.tool_calls
+                for index, position in enumerate(counted)
+            ):
                 return f"not executed: tool-call budget exhausted ({limits.tool_calls} per {scope})"
         return None
 
@@ -340,7 +414,7 @@ class Budget(Operation[Any]):
 
     def check_call(self, ctx: StepContext[Any], call: ToolCallPart) -> str | None:
         """Object to a call that is over a tool-call limit."""
-        return self._objection(ctx.session, ctx.run_start_revision, call.call_id)
+        return self._objection(ctx.session, ctx.run_start_revision, call)
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
         session = ctx.session
@@ -348,9 +422,7 @@ class Budget(Operation[Any]):
 
         open_calls = open_tool_calls(session.conversation)
         if open_calls:
-            objections = {
-                c.call_id: self._objection(session, run_start, c.call_id) for c in open_calls
-            }
+            objections = {c.call_id: self._objection(session, run_start, c) for c in open_calls}
             if any(reason is None for reason in objections.values()):
                 return Refuse("some open tool calls are within the budget")
             return self._refuse_calls(ctx, open_calls, objections)
@@ -374,18 +446,13 @@ class Budget(Operation[Any]):
         calls: Sequence[ToolCallPart],
         objections: dict[str, str | None],
     ) -> Outcome:
-        where = {
-            call.call_id: message.id
-            for message in ctx.session.conversation
-            if message.visible_to_model
-            for call in message.tool_calls
-        }
+        conversation = ctx.session.conversation
         effects: list[Effect] = []
         for call in calls:
             reason = objections[call.call_id] or ""
-            effects.append(
-                Annotate(where[call.call_id], self._name, {"refused": reason}, call_id=call.call_id)
-            )
+            # The open call's own message (with a repeated call id, not the first holder).
+            where = _positions_of(conversation, call)[-1][0]
+            effects.append(Annotate(where, self._name, {"refused": reason}, call_id=call.call_id))
             result = ToolResultPart.for_call(call, reason, is_error=True)
             note = {self._name: {"refused": call.call_id}}
             effects.append(AppendMessage(Message.tool_result(result, id=ctx.new_id(), notes=note)))

@@ -72,9 +72,13 @@ RESULT_BEFORE_CALL: Final = "result_before_call"
 SECOND_RESULT: Final = "second_result"
 """A tool result for a call that already has one."""
 ORPHANED_CALL: Final = "orphaned_call"
-"""A call without a result, followed by a non-tool message: it can never be answered in place."""
+"""A call without a result that a later assistant message follows: the model moved on without it."""
 OPEN_CALL: Final = "open_call"
-"""A call without a result at the end of the conversation: pending (Tools, approval, ...)."""
+"""A call without a result and no assistant message after it: pending (Tools, approval, ...).
+
+User, system or tool messages after it do not change that: a late result is shown right
+after its call in requests (:func:`stepmachine.request_order`).
+"""
 EMPTY_ASSISTANT: Final = "empty_assistant"
 """An assistant message with no text, no tool call and no reasoning."""
 
@@ -184,17 +188,20 @@ def _analyse(conversation: Sequence[Message]) -> list[Problem]:
                     "reasoning",
                 )
             )
+    # Assistant messages, hidden ones included: hiding a turn (say, an empty one) does not
+    # undo the fact that the model was asked while the call was open.
+    assistant_at = [i for i, m in enumerate(conversation) if m.role == "assistant"]
     for call_id, (index, message, _) in calls.items():
         if call_id in answered:
             continue
-        moved_on = any(m.role != "tool" for i, m in visible if i > index)
+        moved_on = any(i > index for i in assistant_at)
         problems.append(
             Problem(
                 index,
                 message.id,
                 ORPHANED_CALL if moved_on else OPEN_CALL,
                 f"tool call {call_id!r} at message {index} has no result"
-                + (" and the conversation moved on past it" if moved_on else " yet"),
+                + (" and a later assistant message moved on past it" if moved_on else " yet"),
                 call_id,
             )
         )
@@ -208,9 +215,12 @@ def fsck(session: Session[Any]) -> list[Problem]:
     Covers everything :func:`stepmachine.history_problems` reports (as
     structured :class:`Problem` values, ordered by message position) plus
     empty assistant messages. A call without a result is ``orphaned_call``
-    when a non-tool message follows it and ``open_call`` (pending, normal
-    while tools run or approvals wait) when it ends the conversation. Hidden
-    messages are never reported: they are never sent.
+    when an assistant message (visible or hidden) follows it -- the model
+    moved on without its result -- and ``open_call`` (pending, normal while
+    tools run or approvals wait) otherwise, even when user messages follow it:
+    requests show a late result right after its call
+    (:func:`stepmachine.request_order`). Hidden messages are never reported:
+    they are never sent.
 
     Returns:
         The problems; an empty list means any provider accepts the history.
@@ -250,17 +260,21 @@ class HistoryGuard(Operation[Any]):
       message is hidden; if it also holds good results, a copy without the bad
       parts is inserted right after it (``ReplaceConversation``);
     * an empty assistant message that something follows: hidden;
-    * an orphaned call (no result, and a user/assistant/system message follows,
-      so no valid place is left for a late result): an error result is inserted
-      right after the call's message and its sibling results
-      (``ReplaceConversation``, or ``AppendMessage`` when that is the end). If
-      the journal recorded an intent the content says the outcome is unknown;
+    * an orphaned call (no result, and a later assistant message shows the
+      model moved on without it): an error result is inserted right after the
+      call's message and its sibling results (``ReplaceConversation``, or
+      ``AppendMessage`` when that is the end). If the journal recorded an
+      intent the content says the outcome is unknown. A call that only user
+      (or system) messages follow is pending, not orphaned: a user may write
+      while a call waits for approval or a tool runs, and requests show the
+      late result right after its call (:func:`stepmachine.request_order`);
     * a pending call naming a tool no step advertises, in a machine without a
       ``Tools`` step (which would answer it "unknown tool"): an error result.
 
-    It also objects (``check_call``) to running an orphaned call, so a ``Tools``
-    step never runs a call whose result could not be placed validly any more,
-    whatever the step order.
+    It also objects (``check_call``) to running an orphaned call (by the same
+    rule: an assistant message follows it), so a ``Tools`` step never runs a
+    call the model already moved on from, whatever the step order; a pending
+    call that user messages follow is not objected to.
 
     Placement: after the operations that answer or decide tool calls (Approval,
     invalid-call recovery, Tools) so pending calls are theirs to answer, and
@@ -281,7 +295,10 @@ class HistoryGuard(Operation[Any]):
     def check_call(self, ctx: StepContext[Any], call: ToolCallPart) -> str | None:
         for problem in _analyse(ctx.session.conversation):
             if problem.kind == ORPHANED_CALL and problem.call_id == call.call_id:
-                return "the conversation moved on past this call; the history guard answers it"
+                return (
+                    "the model moved on past this call (an assistant message follows it); "
+                    "the history guard answers it"
+                )
         return None
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
@@ -333,7 +350,7 @@ class HistoryGuard(Operation[Any]):
         unanswerable: list[tuple[Problem, str]] = []
         for p in problems:
             if p.kind == ORPHANED_CALL:
-                unanswerable.append((p, "the conversation moved on past it"))
+                unanswerable.append((p, "the model moved on past it"))
             elif p.kind == OPEN_CALL and not has_tools_step:
                 call = _find_call(conversation[p.index], p.call_id)
                 if call is not None and call.name not in advertised:

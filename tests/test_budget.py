@@ -10,12 +10,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
+    AppendMessage,
     Message,
     ModelError,
     ModelInference,
     ModelRequest,
     ModelResponse,
     Runtime,
+    SetVisibility,
     StateMachine,
     Store,
     TextPart,
@@ -26,6 +28,7 @@ from stepmachine import (
     YieldReason,
     counter_ids,
     history_problems,
+    submit,
     tool,
 )
 from stepmachine.operations._budget import (
@@ -178,6 +181,91 @@ async def test_tool_calls_over_the_limit_are_objected_to_then_refused() -> None:
     assert check.session.conversation[1].tool_calls[2].notes["budget"]["refused"]
 
 
+def hidden_result(call_id: str, message_id: str, **notes: Any) -> Message:
+    return msgspec.structs.replace(result(call_id, message_id), visible_to_model=False, notes=notes)
+
+
+async def test_hiding_answered_calls_does_not_give_the_tool_call_budget_back() -> None:
+    # What a compaction leaves: the first round hidden (never deleted), a summary, a new turn.
+    summary = msgspec.structs.replace(
+        Message.user("[summary] pinged once", id="sum"), visible_to_user=False
+    )
+    first = msg_hidden(answered("a1", calls=(ToolCallPart.of("c1", "ping", {}),)))
+    asked = answered("a2", calls=(ToolCallPart.of("c2", "ping", {}),))
+    session = make_session(
+        user("go", "u1"), first, hidden_result("c1", "r1"), summary, user("again", "u2"), asked
+    )
+    usage = budget_usage(session, "session")
+    assert usage.tool_calls == ("c1", "c2")
+    assert usage.tool_call_positions == (("a1", "c1"), ("a2", "c2"))
+    budget = Budget(per_session=Limits(tool_calls=1))
+    check = await run_step(budget, session, others=[Tools([ping])])
+    assert budget.check_call(check.ctx, asked.tool_calls[0]) is not None
+    assert check.yielded
+    assert check.outcome.reason.kind == YieldReason.BUDGET_EXHAUSTED  # type: ignore[union-attr]
+    assert [r.call_id for m in check.new_messages for r in m.tool_results] == ["c2"]
+
+
+async def test_hidden_calls_that_never_ran_or_were_refused_do_not_count() -> None:
+    c1 = ToolCallPart.of("c1", "ping", {})
+    # A reply InvalidCalls "retry" hid: its calls never ran (no result anywhere).
+    retried = msg_hidden(answered("a1", calls=(c1,)))
+    retried = msgspec.structs.replace(
+        retried, notes={**retried.notes, "invalid_calls": {"action": "retry", "problems": []}}
+    )
+    feedback = Message(
+        id="f1", role="user", parts=(TextPart("try again"),), notes={FEEDBACK: {"by": "x"}}
+    )
+    # The model reuses the id in its next reply; that call ran: it counts, once.
+    again = answered("a2", calls=(c1,))
+    # A call this budget refused, later hidden with its refusal result.
+    refused_call = msgspec.structs.replace(
+        ToolCallPart.of("c2", "ping", {}), notes={"budget": {"refused": "over"}}
+    )
+    refused = msg_hidden(answered("a3", calls=(refused_call,)))
+    # A repaired copy (SUPERSEDES) replaces a hidden original with the same call id.
+    c3 = ToolCallPart.of("c3", "ping", {})
+    original = msg_hidden(answered("a4", calls=(c3,)))
+    copy = answered("a5", calls=(c3,))
+    copy = msgspec.structs.replace(copy, notes={**copy.notes, SUPERSEDES: {"message_id": "a4"}})
+    session = make_session(
+        user("go", "u1"),
+        retried,
+        feedback,
+        again,
+        result("c1", "r1"),
+        refused,
+        hidden_result("c2", "r2", budget={"refused": "c2"}),
+        original,
+        copy,
+        result("c3", "r3"),
+    )
+    usage = budget_usage(session, "session")
+    assert usage.tool_call_positions == (("a2", "c1"), ("a5", "c3"))
+
+
+async def test_a_repeated_call_id_is_counted_and_refused_by_position() -> None:
+    first = answered("a1", calls=(ToolCallPart.of("call_0", "ping", {}),))
+    second = answered("a2", calls=(ToolCallPart.of("call_0", "ping", {}),))
+    session = make_session(user("go", "u1"), first, result("call_0", "r1"), second)
+    assert budget_usage(session, "session").tool_call_positions == (
+        ("a1", "call_0"),
+        ("a2", "call_0"),
+    )
+    budget = Budget(per_session=Limits(tool_calls=1))
+    runtime = Runtime(ids=counter_ids("b"))
+    check = await run_step(budget, session, others=[Tools([ping])], runtime=runtime)
+    # the second call_0 is the second call: over a limit of 1, whatever its id
+    assert budget.check_call(check.ctx, check.before.conversation[3].tool_calls[0]) is not None
+    assert budget.check_call(check.ctx, check.before.conversation[1].tool_calls[0]) is None
+    assert check.yielded
+    assert check.outcome.reason.kind == YieldReason.BUDGET_EXHAUSTED  # type: ignore[union-attr]
+    # the refusal is noted on the second call, not on the first one with that id
+    assert "budget" not in check.session.message("a1").tool_calls[0].notes  # type: ignore[union-attr]
+    assert check.session.message("a2").tool_calls[0].notes["budget"]["refused"]  # type: ignore[union-attr]
+    assert budget_usage(check.session, "session").tool_call_positions == (("a1", "call_0"),)
+
+
 async def test_placed_after_inference_it_raises_instead_of_sending() -> None:
     session = make_session(user("hi", "u1"), answered("a1", revision=0), user("x", "u2"))
     model = ScriptedModel(["never"])
@@ -226,6 +314,42 @@ async def test_tool_call_budget_in_a_whole_run(store: Store) -> None:
     report = await agent(Budget(per_turn=Limits(tool_calls=2))).run_report(runtime, "s")
     assert report.reason.kind == YieldReason.DONE  # the model sees the refusal and answers
     model.assert_all_used()
+
+
+async def test_compaction_hiding_the_history_gives_no_tool_calls_back(store: Store) -> None:
+    runs: list[int] = []
+
+    @tool
+    def count(n: int) -> str:
+        """Count."""
+        runs.append(n)
+        return "ok"
+
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    machine = StateMachine(
+        [Budget(per_session=Limits(tool_calls=1)), Tools([count]), ModelInference()]
+    )
+    model = ScriptedModel([call(("count", {"n": 1})), call(("count", {"n": 2}))])
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.BUDGET_EXHAUSTED
+    assert runs == [1]
+    # what a compaction does: hide the older messages (never deleted), add a summary
+    session = await store.load("s")
+    await submit(
+        store,
+        "s",
+        [
+            SetVisibility(tuple(m.id for m in session.conversation), to_model=False),
+            AppendMessage(Message.user("[summary] counted once", id="sum")),
+            AppendMessage(Message.user("again", id="u2")),
+        ],
+    )
+    model = ScriptedModel([call(("count", {"n": 3})), "fine"])
+    runtime = Runtime(store=store, model=model, ids=counter_ids("z"))
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.BUDGET_EXHAUSTED
+    assert runs == [1]  # the per-session limit of 1 holds across the compaction
 
 
 # -- invariant 7: property test ------------------------------------------------------------

@@ -23,20 +23,33 @@ from stepmachine import (
     ConfigurationError,
     ContextLengthError,
     Message,
+    ModelError,
     ModelInference,
     ModelRequest,
     ModelResponse,
+    Operation,
+    PromptPart,
+    Refuse,
     ReplaceConversation,
     Runtime,
     StateMachine,
     TextPart,
     ToolCallPart,
+    ToolDefinition,
     ToolResultPart,
     Tools,
+    Usage,
+    YieldReason,
     counter_ids,
     history_problems,
     needs_answer,
     tool,
+)
+from stepmachine.operations._budget import (
+    Budget,
+    BudgetExhaustedError,
+    Limits,
+    budget_usage,
 )
 from stepmachine.operations._compaction import (
     COMPACTION_STUCK,
@@ -594,3 +607,132 @@ def test_example_compacts_mid_loop(tmp_path: Path) -> None:
     assert f"done: All 30 sensors read; the readings sum to {total}." in out
     count = int(re.search(r"compactions=(\d+)", out)[1])  # type: ignore[index]
     assert count >= 3
+
+
+# -- invariant 7: the summariser's calls are model calls like any other -------------
+
+
+class Shaper(Operation[Any]):
+    """A step that shapes every request: a native output schema, a tool, a prompt part."""
+
+    name = "shaper"
+
+    async def run(self, ctx: Any) -> Any:
+        return Refuse("never applies")
+
+    def shape_request(self, ctx: Any, request: ModelRequest) -> ModelRequest:
+        return msgspec.structs.replace(
+            request,
+            output_schema={"type": "object"},
+            tools=(ToolDefinition(name="final", description="", parameters={}),),
+            prompt_parts=(*request.prompt_parts, PromptPart(source="shaper", text="shaped")),
+        )
+
+
+def spent(message_id: str, attempts: int) -> Message:
+    """An assistant answer as ModelInference records it, ``attempts`` model calls."""
+    note = {"attempts": attempts, "revision": 0, "usage": {}}
+    return Message(
+        id=message_id, role="assistant", parts=(TextPart("y" * 400),), notes={"inference": note}
+    )
+
+
+async def test_the_summariser_request_is_shaped_by_every_step() -> None:
+    messages = [user("u0", "x" * 400), spent("a0", 1), user("u1", "next " + "z" * 400)]
+    model = ScriptedModel(["short"], name="summariser")
+    budget = Budget(per_session=Limits(model_calls=3, output_tokens=1000))
+    check = await run_step(
+        Compaction(threshold=50),
+        make_session(*messages),
+        runtime=Runtime(model=model, ids=counter_ids()),
+        others=[budget, Shaper()],
+    )
+    assert check.continued
+    (request,) = model.requests
+    assert request.max_attempts == 2  # capped by the budget: 3 - 1 used
+    assert request.settings.max_tokens == 1000
+    assert [p.source for p in request.prompt_parts] == ["compaction", "shaper"]
+    # what belongs to the conversation's own requests is not imposed on the summariser
+    assert request.output_schema is None
+    assert request.tools == ()
+    assert [m.id for m in request.messages] == ["compaction-request"]
+
+
+async def test_a_budget_with_no_call_left_stops_the_summariser_request() -> None:
+    messages = [user("u0", "x" * 400), spent("a0", 2), user("u1", "next " + "z" * 400)]
+    model = ScriptedModel(["short"], name="summariser")
+    with pytest.raises(BudgetExhaustedError, match="place Budget before"):
+        await run_step(
+            Compaction(threshold=50),
+            make_session(*messages),
+            runtime=Runtime(model=model, ids=counter_ids()),
+            others=[Budget(per_session=Limits(model_calls=2))],
+        )
+    assert model.requests == []
+
+
+class Attempts:
+    """Counts every attempt of every model; each request needs ``need`` attempts.
+
+    Respects ``max_attempts``: with fewer allowed it gives up (``ModelError``)
+    or, if ``lenient``, answers after the last allowed attempt.
+    """
+
+    def __init__(self, need: int, *, lenient: bool) -> None:
+        self.need = need
+        self.lenient = lenient
+        self.made = 0
+        self.requests: dict[str, list[ModelRequest]] = {}
+
+    def model(self, name: str, answer: Callable[[ModelRequest], ModelResponse]) -> FunctionModel:
+        def respond(request: ModelRequest) -> ModelResponse:
+            self.requests.setdefault(name, []).append(request)
+            allowed = request.max_attempts if request.max_attempts is not None else self.need
+            attempts = min(self.need, allowed)
+            self.made += attempts
+            if attempts < self.need and not self.lenient:
+                raise ModelError(f"gave up after {attempts} attempts")
+            response = answer(request)
+            return msgspec.structs.replace(response, usage=Usage(1, 1), attempts=attempts)
+
+        return FunctionModel(respond, name=name)
+
+
+@pytest.mark.parametrize("limit", range(1, 17))  # the summariser is first asked after 5 answers
+@pytest.mark.parametrize("need", [1, 2])
+@pytest.mark.parametrize("lenient", [True, False])
+async def test_a_per_run_model_call_budget_counts_the_summariser_and_holds(
+    limit: int, need: int, lenient: bool
+) -> None:
+    store = MemoryStore()
+    await store.create("s", conversation=[user("u1", "read 20 items and sum them")])
+    models = Attempts(need, lenient=lenient)
+    runtime = Runtime(
+        store=store,
+        model=models.model("agent", agent_answer(20)),
+        models={"summariser": models.model("summariser", summarise)},
+        ids=counter_ids(),
+    )
+    steps = [
+        Budget(per_run=Limits(model_calls=limit)),
+        Tools([read]),
+        HistoryGuard(),
+        Compaction(threshold=80, keep_rounds=2, model="summariser"),
+        ModelInference(),
+    ]
+    try:
+        report = await StateMachine(steps).run_report(runtime, "s")
+    except ModelError:
+        assert not lenient  # a strict model gave up on its last allowed attempt
+        assert models.made <= limit
+        return
+    # invariant 7: the summariser's attempts count, and the limit is never exceeded
+    assert models.made <= limit
+    assert models.made == limit  # 20 rounds need more calls than any limit here
+    summariser = models.requests.get("summariser", [])
+    assert all(r.max_attempts is not None for r in summariser)  # capped by what was left
+    assert report.reason.kind == YieldReason.BUDGET_EXHAUSTED
+    assert report.results[-1].step == "budget"  # it yielded before Compaction could ask
+    assert budget_usage(report.session, "run").model_calls == limit
+    if limit > 5 * need:
+        assert summariser  # the summariser was asked within the budget

@@ -32,6 +32,7 @@ from stepmachine import (
     submit,
     tool,
 )
+from stepmachine.operations import Approval, approve
 from stepmachine.operations._history_guard import (
     CALL_OUTSIDE_ASSISTANT,
     DUPLICATE_CALL_ID,
@@ -47,6 +48,7 @@ from stepmachine.operations._history_guard import (
 )
 from stepmachine.stores import MemoryStore, SQLiteStore
 from stepmachine.testing import ScriptedModel, make_session, run_step
+from stepmachine.testing import call as calling
 
 RUNS: list[int] = []
 
@@ -114,13 +116,17 @@ async def test_empty_reply_that_ends_the_conversation_is_left_alone() -> None:
 
 async def test_orphaned_call_gets_an_error_result_right_after_it() -> None:
     check = await guard(
-        user("u"), asst("a", call("c1"), call("c2")), result("r1", "c1"), user("u2")
+        user("u"),
+        asst("a", call("c1"), call("c2")),
+        result("r1", "c1"),
+        user("u2"),
+        asst("a2", text="moved on"),
     )
     assert check.continued
     (effect,) = check.effects
     assert isinstance(effect, ReplaceConversation)
     ids = [m.id for m in check.session.conversation]
-    assert ids == ["u", "a", "r1", "id1", "u2"]
+    assert ids == ["u", "a", "r1", "id1", "u2", "a2"]
     inserted = check.session.conversation[3]
     (part,) = inserted.tool_results
     assert part.call_id == "c2"
@@ -136,14 +142,14 @@ async def test_orphaned_call_gets_an_error_result_right_after_it() -> None:
 
 async def test_orphaned_call_with_an_intent_says_outcome_unknown() -> None:
     started = msgspec.structs.replace(call("c1"), notes={JOURNAL: {"intent": True}})
-    check = await guard(user("u"), asst("a", started), user("u2"))
+    check = await guard(user("u"), asst("a", started), asst("a2", text="moved on"))
     (part,) = check.session.conversation[2].tool_results
     assert "outcome is unknown" in part.content
 
 
 async def test_guard_objects_to_running_an_orphaned_call() -> None:
     RUNS.clear()
-    session = make_session(user("u"), asst("a", call("c1")), user("u2"))
+    session = make_session(user("u"), asst("a", call("c1")), user("u2"), asst("a2", text="hm"))
     check = await run_step(Tools([add]), session, others=[HistoryGuard()])
     assert check.refused
     assert RUNS == []
@@ -152,6 +158,40 @@ async def test_guard_objects_to_running_an_orphaned_call() -> None:
     check = await run_step(Tools([add]), pending, others=[HistoryGuard()])
     assert not check.refused
     assert RUNS == [3]
+
+
+async def test_a_user_message_after_a_pending_call_does_not_orphan_it() -> None:
+    # A user typed while the call waited for approval, or after a crash mid-tool: the call
+    # is still pending (requests show its late result right after it), not orphaned.
+    RUNS.clear()
+    session = make_session(user("u"), asst("a", call("c1")), user("u2", "and please hurry"))
+    assert kinds(fsck(session)) == [OPEN_CALL]
+    guard_step = HistoryGuard()
+    check = await run_step(guard_step, session, others=[Tools([add])])
+    assert check.refused
+    assert guard_step.check_call(check.ctx, call("c1")) is None
+    ran = await run_step(Tools([add]), session, others=[guard_step])
+    assert not ran.refused
+    assert RUNS == [3]
+    # a system message in between does not orphan it either
+    system = Message(id="s1", role="system", parts=(TextPart("be quick"),))
+    assert kinds(fsck(make_session(user("u"), asst("a", call("c1")), system))) == [OPEN_CALL]
+
+
+async def test_an_assistant_message_after_a_call_orphans_it_even_once_hidden() -> None:
+    hidden_reply = msgspec.structs.replace(asst("a2", text="moved on"), visible_to_model=False)
+    session = make_session(user("u"), asst("a", call("c1")), user("u2"), hidden_reply)
+    assert kinds(fsck(session)) == [ORPHANED_CALL]
+    check = await guard(*session.conversation, others=[Tools([add])])
+    assert check.continued
+    assert guard_objection(check, call("c1")) is not None
+    ids = [m.id for m in check.session.conversation]
+    assert ids == ["u", "a", "id1", "u2", "a2"]
+    assert fsck(check.session) == []
+
+
+def guard_objection(check: Any, part: ToolCallPart) -> str | None:
+    return HistoryGuard().check_call(check.ctx, part)
 
 
 async def test_unadvertised_call_without_a_tools_step_is_answered() -> None:
@@ -226,7 +266,7 @@ async def test_mixed_tool_message_is_split() -> None:
 
 async def test_result_before_its_call() -> None:
     check = await guard(user("u"), result("r", "c1"), asst("a", call("c1")), user("u2"))
-    assert kinds(fsck(check.before)) == [RESULT_BEFORE_CALL, ORPHANED_CALL]
+    assert kinds(fsck(check.before)) == [RESULT_BEFORE_CALL, OPEN_CALL]
     early = check.session.message("r")
     assert early is not None
     assert not early.visible_to_model
@@ -384,3 +424,30 @@ async def test_corrupted_history_is_repaired_and_the_run_completes(store: Any) -
     assert fsck(final) == []
     batches = await store.batches("s")
     assert [b.step for b in batches][-2:] == ["history_guard", "inference"]
+
+
+async def test_an_approved_call_runs_although_the_user_wrote_while_it_waited(store: Any) -> None:
+    RUNS.clear()
+    await store.create("s", conversation=[user("u1", "add 1 and 2")])
+    model = ScriptedModel([calling(call("c1")), "3, as asked"])
+    steps = [Approval({"add"}), Tools([add]), HistoryGuard(), ModelInference()]
+    runtime = Runtime(store=store, model=model, ids=counter_ids("m"))
+    report = await StateMachine(steps).run_report(runtime, "s")
+    assert report.reason.kind == "awaiting_approval"
+    # the user writes while the call waits; then the call is approved
+    await submit(store, "s", [AppendMessage(user("u2", "and please hurry"))])
+    await approve(store, "s", "c1", by="alice")
+    report = await StateMachine(steps).run_report(runtime, "s")
+    assert report.reason.kind == "done"
+    assert RUNS == [3]  # it ran, rather than being answered "orphaned ... not run"
+    results = [r for m in report.session.conversation for r in m.tool_results]
+    assert [(r.call_id, r.is_error) for r in results] == [("c1", False)]
+    assert fsck(report.session) == []
+    model.assert_all_used()
+    # the last request showed the late result right after its call
+    assert [m.role for m in model.requests[-1].messages] == [
+        "user",
+        "assistant",
+        "tool",
+        "user",
+    ]
