@@ -66,6 +66,7 @@ from ._file_log import (
     TAG_HEAD,
     TAG_SNAPSHOT,
     LogHead,
+    Record,
     Snapshot,
     SnapshotBody,
     Torn,
@@ -144,7 +145,10 @@ class FileStore:
     it appends. Any other damage -- a checksum mismatch, a malformed or
     undecodable record, an unknown record or effect tag, a record of a newer
     schema version -- raises :class:`~stepmachine.StoredDataError` naming the
-    file and byte offset, and nothing is written. Decoding goes through the
+    file and byte offset, and nothing is written. The snapshot is only a cache
+    of the log: a damaged snapshot, or one that does not fit the log, is
+    ignored with a warning on the same logger and the log is replayed from its
+    head; the next snapshot written replaces it. Decoding goes through the
     codec only: stored data never names a class to import (invariant 8).
 
     Attributes:
@@ -596,8 +600,7 @@ class FileStore:
         if revision == current.revision:
             return current
         path = self._log_path(session_id)
-        session, offset = self._start(fd, session_id, cached, revision, decode=True)
-        records, _ = parse_records(read_range(fd, offset, cached.offset), offset, path)
+        session, records = self._records_from(fd, session_id, cached, revision, decode=True)
         for record in records:
             if session is not None and session.revision >= revision:
                 break
@@ -610,8 +613,7 @@ class FileStore:
         if after >= cached.session.revision:
             return []
         path = self._log_path(session_id)
-        _, offset = self._start(fd, session_id, cached, max(after, 0), decode=False)
-        records, _ = parse_records(read_range(fd, offset, cached.offset), offset, path)
+        _, records = self._records_from(fd, session_id, cached, max(after, 0), decode=False)
         return [
             decode_batch(self._codec, record, session_id, path)
             for record in records
@@ -644,27 +646,19 @@ class FileStore:
         """Bring the cache up to the end of the log; report a torn tail.
 
         Nothing is cached when a record is damaged (StoredDataError propagates).
+        A cold read starts from the snapshot; if the snapshot is damaged or does
+        not fit the log, it is ignored (with a warning) and the log is replayed
+        from its head.
         """
         path = self._log_path(session_id)
         size = os.fstat(fd).st_size
         nonce, head_end = read_head(fd, session_id, path)
         cached = self._cache.get(session_id)
-        session: Session[Any] | None
         if cached is not None and cached.nonce == nonce and cached.offset <= size:
-            session, offset = cached.session, cached.offset
+            session, end, torn = self._replay(fd, session_id, cached.session, cached.offset, size)
         else:
-            snapshot = self._read_snapshot(session_id, nonce, size, decode=True)
-            session, offset = (
-                (snapshot.session, snapshot.offset) if snapshot is not None else (None, head_end)
-            )
-        records, torn = parse_records(read_range(fd, offset, size), offset, path)
-        for record in records:
-            session = fold(self._codec, record, session, session_id, path)
-        if session is None:
-            raise StoredDataError(
-                f"invariant 8 (stored data is data): {path} holds no complete create record"
-            )
-        fresh = _Cached(nonce, session, records[-1].end if records else offset)
+            session, end, torn = self._cold_replay(fd, session_id, nonce, head_end, size)
+        fresh = _Cached(nonce, session, end)
         self._cache[session_id] = fresh
         if torn is not None and (path, nonce, torn.offset) not in self._torn_seen:
             self._torn_seen.add((path, nonce, torn.offset))
@@ -678,27 +672,109 @@ class FileStore:
             )
         return fresh, torn
 
-    def _start(
-        self, fd: int, session_id: str, cached: _Cached, revision: int, *, decode: bool
-    ) -> tuple[Session[Any] | None, int]:
-        """Where to replay from to reach ``revision``: the snapshot if it is not
-        later, else the create record (``None``, offset just after the head)."""
+    def _cold_replay(
+        self, fd: int, session_id: str, nonce: str, head_end: int, size: int
+    ) -> tuple[Session[Any], int, Torn | None]:
+        """:meth:`_replay` from the snapshot, or from the head of the log without one.
+
+        If replaying from the snapshot fails, the snapshot may be what does not
+        fit the log: the whole log is replayed; if the log itself is damaged,
+        that raises, naming the log file and offset.
+        """
+        snapshot = self._read_snapshot(session_id, nonce, head_end, size, decode=True)
+        if snapshot is None:
+            return self._replay(fd, session_id, None, head_end, size)
+        try:
+            return self._replay(fd, session_id, snapshot.session, snapshot.offset, size)
+        except StoredDataError as exc:
+            replayed = self._replay(fd, session_id, None, head_end, size)
+            self._snapshot_ignored(session_id, str(exc))
+            return replayed
+
+    def _replay(
+        self, fd: int, session_id: str, session: Session[Any] | None, offset: int, size: int
+    ) -> tuple[Session[Any], int, Torn | None]:
+        """Fold the log's records in ``[offset, size)`` onto ``session`` (None: the
+        create record comes first); the session, the offset read up to, the torn tail."""
         path = self._log_path(session_id)
-        snapshot = self._read_snapshot(session_id, cached.nonce, cached.offset, decode=decode)
+        records, torn = parse_records(read_range(fd, offset, size), offset, path)
+        for record in records:
+            session = fold(self._codec, record, session, session_id, path)
+        if session is None:
+            raise StoredDataError(
+                f"invariant 8 (stored data is data): {path} holds no complete create record"
+            )
+        return session, records[-1].end if records else offset, torn
+
+    def _records_from(
+        self, fd: int, session_id: str, cached: _Cached, revision: int, *, decode: bool
+    ) -> tuple[Session[Any] | None, list[Record]]:
+        """Where to replay from to reach ``revision``, and the log's records from
+        there up to ``cached.offset``: the snapshot (its session, None unless
+        ``decode``) if it is not later, else the create record (``None``).
+
+        A snapshot whose offset is not followed by the batch after it is ignored
+        (with a warning) like a damaged one.
+        """
+        path = self._log_path(session_id)
+        head_end = read_head(fd, session_id, path)[1]
+        stop = cached.offset
+        snapshot = self._read_snapshot(session_id, cached.nonce, head_end, stop, decode=decode)
         if snapshot is not None and snapshot.revision <= revision:
-            return snapshot.session, snapshot.offset
-        return None, read_head(fd, session_id, path)[1]
+            try:
+                records, _ = parse_records(
+                    read_range(fd, snapshot.offset, stop), snapshot.offset, path
+                )
+            except StoredDataError as exc:
+                self._snapshot_ignored(session_id, str(exc))
+            else:
+                following = records[0].revision - 1 if records else cached.session.revision
+                if following == snapshot.revision and (not records or records[0].tag == TAG_BATCH):
+                    return snapshot.session, records
+                self._snapshot_ignored(
+                    session_id,
+                    f"the snapshot of revision {snapshot.revision} points at log offset "
+                    f"{snapshot.offset}, which is not followed by the next batch",
+                )
+        records, _ = parse_records(read_range(fd, head_end, stop), head_end, path)
+        return None, records
 
     def _read_snapshot(
-        self, session_id: str, nonce: str, size: int, *, decode: bool
+        self, session_id: str, nonce: str, head_end: int, size: int, *, decode: bool
     ) -> Snapshot | None:
-        """The snapshot of this incarnation of the log (``nonce``), if there is one."""
+        """The snapshot of this incarnation of the log (``nonce``), if there is one.
+
+        The snapshot is only a cache of the log: a damaged or unreadable one, or
+        one that does not fit the log (``size`` bytes, records from ``head_end``),
+        is ignored with a warning, and the log is read from its head instead.
+        The next snapshot written replaces it.
+        """
         path = self._snap_path(session_id)
-        snapshot = read_snapshot(self._codec, path, session_id, nonce, size, decode=decode)
+        try:
+            snapshot = read_snapshot(self._codec, path, session_id, nonce, size, decode=decode)
+        except (StoredDataError, OSError) as exc:
+            self._snapshot_ignored(session_id, str(exc))
+            return None
         if snapshot is not None and snapshot.stale:
             _log.warning("file_store.stale_snapshot_ignored", session_id=session_id, path=path)
             return None
+        if snapshot is not None and snapshot.offset < head_end:
+            self._snapshot_ignored(
+                session_id,
+                f"the snapshot points at log offset {snapshot.offset}, inside the head record "
+                f"(which ends at byte {head_end})",
+            )
+            return None
         return snapshot
+
+    def _snapshot_ignored(self, session_id: str, reason: str) -> None:
+        """Warn that the snapshot is ignored (it is only a cache of the log)."""
+        _log.warning(
+            "file_store.damaged_snapshot_ignored",
+            session_id=session_id,
+            path=self._snap_path(session_id),
+            reason=reason,
+        )
 
     # -- small helpers ----------------------------------------------------------
 

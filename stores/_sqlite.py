@@ -138,7 +138,9 @@ class SQLiteStore:
         """Open (creating if needed) the database at ``path`` and migrate it to this schema.
 
         Args:
-            path: the database file; created when missing.
+            path: the database file; created owner-only (0o600, whatever the
+                umask) when missing, as are its ``-wal`` and ``-shm`` files; an
+                existing file keeps its permissions.
             codec: the application's codec (kernel effects and ``NoData`` by default).
             synchronous: ``"NORMAL"`` (durable against process crashes) or
                 ``"FULL"`` (also against power loss); see the class docstring.

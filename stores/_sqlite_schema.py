@@ -37,6 +37,7 @@ ever rewrites a row it read.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
@@ -139,7 +140,10 @@ def open_connection(
     """Open ``path``, refuse what is not ours, enable WAL and migrate to :data:`SCHEMA_VERSION`.
 
     Nothing is written to the file before its schema version has been checked,
-    so a refused file keeps its exact bytes.
+    so a refused file keeps its exact bytes. A missing file is created
+    owner-only (0o600) before SQLite opens it, so its ``-wal`` and ``-shm``
+    files (which SQLite gives the database file's permissions) are owner-only
+    too; an existing file keeps its permissions.
 
     Raises:
         StoredDataError: the file is not an SQLite database, is another
@@ -148,6 +152,7 @@ def open_connection(
         sqlite3.OperationalError: the file cannot be opened at all.
     """
     _check_header(path)
+    _create_owner_only(path)
     conn = sqlite3.connect(
         path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
     )
@@ -169,6 +174,25 @@ def open_connection(
         conn.close()
         raise
     return conn
+
+
+def _create_owner_only(path: str) -> None:
+    """Create ``path`` empty and 0o600 (whatever the umask) if it does not exist.
+
+    An existing file (or anything else at ``path``) is left alone; other
+    failures are left for SQLite to report when it opens the path.
+    """
+    if path in ("", ":memory:"):
+        return  # SQLite's temporary and in-memory databases: no file
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError:
+        return
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 def _check_header(path: str) -> None:

@@ -279,17 +279,128 @@ async def test_future_schema_version_is_refused(tmp_path: Path, revision: int) -
     await _assert_damage_refused(folder, [str(log), f"byte {record.offset}", "schema version 2"])
 
 
-async def test_damaged_snapshot_is_refused(tmp_path: Path) -> None:
+def _forge_snapshot(folder: Path, *, revision: int | None = None, offset: int) -> None:
+    """Rewrite s.snap, well-checksummed, with another log offset (and revision)."""
+    snap = folder / "s.snap"
+    record = parse_one(snap.read_bytes(), 0, str(snap), TAG_SNAPSHOT)
+    body = json.loads(record.payload)
+    body["offset"] = offset
+    if revision is not None:
+        body["session"]["revision"] = revision
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    snap.write_bytes(encode_record(TAG_SNAPSHOT, body["session"]["revision"], payload))
+
+
+async def _assert_snapshot_ignored(
+    folder: Path, history: list[Session[Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fresh store reads the intact log whole, warns, and leaves the snapshot alone."""
+    snap = folder / "s.snap"
+    damaged = snap.read_bytes()
+    last = len(history) - 1
+    for call in ("load", "load_at", "batches"):
+        caplog.clear()
+        store = await _open(folder)
+        with caplog.at_level(logging.WARNING, logger="stepmachine.stores.file"):
+            if call == "load":
+                assert await store.load("s") == history[last]
+            elif call == "load_at":
+                assert await store.load_at("s", 1) == history[1]
+                assert await store.load_at("s", last - 1) == history[last - 1]
+            else:
+                batches = await store.batches("s", after=last - 1)
+                assert [batch.revision for batch in batches] == [last]
+                assert [b.revision for b in await store.batches("s")] == list(range(1, last + 1))
+        assert "damaged_snapshot_ignored" in caplog.text
+        assert str(snap) in caplog.text
+        assert snap.read_bytes() == damaged  # reads never write
+
+
+@pytest.mark.parametrize("damage", ["bit_flip", "truncated", "not_a_record", "empty"])
+async def test_damaged_snapshot_is_ignored_and_replaced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    folder = tmp_path / "store"
+    history = await _history(await _open(folder, snapshot_every=2), "s", 3)
+    snap = folder / "s.snap"
+    data = bytearray(snap.read_bytes())
+    if damage == "bit_flip":
+        data[data.index(b"message 1")] ^= 0x01
+    elif damage == "truncated":
+        del data[len(data) // 2 :]
+    elif damage == "not_a_record":
+        data[:] = b"this is not a snapshot\n"
+    else:
+        data.clear()
+    snap.write_bytes(bytes(data))
+    await _assert_snapshot_ignored(folder, history, caplog)
+    # The next snapshot written replaces it.
+    store = await _open(folder, snapshot_every=2)
+    after = await _advance(store, history[3], Increment())
+    assert _snapshot_revision(folder, "s") == 4
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stepmachine.stores.file"):
+        assert await (await _open(folder)).load("s") == after
+    assert "snapshot" not in caplog.text
+
+
+@pytest.mark.parametrize("where", ["past_the_end", "inside_the_head", "at_an_earlier_record"])
+async def test_snapshot_that_does_not_fit_the_log_is_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    folder = tmp_path / "store"
+    history = await _history(await _open(folder, snapshot_every=2), "s", 3)
+    log = folder / "s.log"
+    size = log.stat().st_size
+    offset = {
+        "past_the_end": size + 100,
+        "inside_the_head": 5,
+        "at_an_earlier_record": _batch_record(log, 1).end,  # says revision 2, is just past 1
+    }[where]
+    _forge_snapshot(folder, offset=offset)
+    await _assert_snapshot_ignored(folder, history, caplog)
+
+
+async def test_snapshot_ahead_of_its_offset_is_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Revision 1 at the offset just past revision 2: the next record is 3, not 2.
+    folder = tmp_path / "store"
+    history = await _history(await _open(folder, snapshot_every=2), "s", 3)
+    _forge_snapshot(folder, revision=1, offset=_batch_record(folder / "s.log", 2).end)
+    await _assert_snapshot_ignored(folder, history, caplog)
+
+
+async def test_damaged_log_still_refused_beside_a_damaged_snapshot(tmp_path: Path) -> None:
     folder = tmp_path / "store"
     await _history(await _open(folder, snapshot_every=2), "s", 3)
     snap = folder / "s.snap"
-    data = bytearray(snap.read_bytes())
-    data[data.index(b"message 1")] ^= 0x01
-    snap.write_bytes(bytes(data))
+    snap.write_bytes(b"garbage\n")
+    log = folder / "s.log"
+    record = _batch_record(log, 3)  # after the snapshot's revision
+    data = bytearray(log.read_bytes())
+    data[data.index(b"message 3", record.offset)] ^= 0x01
+    log.write_bytes(bytes(data))
     store = await _open(folder)
-    with pytest.raises(StoredDataError, match=f"{snap} at byte 0"):
-        await store.load("s")
-    assert snap.read_bytes() == bytes(data)
+    calls = (lambda: store.load("s"), lambda: store.load_at("s", 1), lambda: store.batches("s"))
+    for call in calls:
+        with pytest.raises(StoredDataError, match=f"byte {record.offset}") as info:
+            await call()
+        assert str(log) in str(info.value)
+        assert "checksum" in str(info.value)
+
+
+async def test_damaged_log_after_a_good_snapshot_names_the_log(tmp_path: Path) -> None:
+    folder = tmp_path / "store"
+    await _history(await _open(folder, snapshot_every=2), "s", 3)
+    log = folder / "s.log"
+    record = _batch_record(log, 3)
+    data = bytearray(log.read_bytes())
+    data[data.index(b"message 3", record.offset)] ^= 0x01
+    log.write_bytes(bytes(data))
+    with pytest.raises(StoredDataError, match=f"byte {record.offset}") as info:
+        await (await _open(folder)).load("s")
+    assert str(log) in str(info.value)
 
 
 async def test_stale_snapshot_of_a_deleted_session_is_ignored(

@@ -447,6 +447,63 @@ def test_body_asks_for_native_structured_output() -> None:
     assert body["output_config"] == {"format": {"type": "json_schema", "schema": schema}}
 
 
+def test_blank_text_is_dropped_and_blank_error_results_get_content() -> None:
+    call = ToolCallPart.parse("toolu_1", "add", "")
+    other = ToolCallPart.parse("toolu_2", "add", "{}")
+    messages = (
+        Message.user("hi", id="u1"),
+        Message(
+            id="a1",
+            role="assistant",
+            parts=(TextPart("\n\n"), call, TextPart(" \t"), other, TextPart(" ok ")),
+        ),
+        Message.tool_result(ToolResultPart.for_call(call, "", is_error=True), id="t1"),
+        Message.tool_result(ToolResultPart.for_call(other, "", is_error=False), id="t2"),
+        Message(id="a2", role="assistant", parts=(TextPart("\n"),)),  # a blank turn: dropped
+        Message.user("  \n", id="u2"),
+        Message(id="a3", role="assistant", parts=(TextPart("done"),)),
+        Message.tool_result(ToolResultPart("toolu_3", " \n", is_error=True), id="t3"),
+    )
+    body = AnthropicModel("m", api_key=KEY).build_body(
+        ModelRequest(messages=messages), stream=False
+    )
+    assert body["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {}},
+                {"type": "tool_use", "id": "toolu_2", "name": "add", "input": {}},
+                {"type": "text", "text": " ok "},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": "error",
+                    "is_error": True,
+                },
+                {"type": "tool_result", "tool_use_id": "toolu_2", "content": "", "is_error": False},
+            ],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "done"}]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_3",
+                    "content": "error",
+                    "is_error": True,
+                }
+            ],
+        },
+    ]
+
+
 def test_empty_turns_are_dropped_and_neighbours_merged() -> None:
     messages = (
         Message.user("a", id="u1"),

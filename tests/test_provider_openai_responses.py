@@ -311,6 +311,22 @@ def test_body_maps_messages_tools_and_settings() -> None:
     }
 
 
+@pytest.mark.parametrize("raw", ["", "  \n"])
+def test_empty_tool_call_arguments_are_sent_as_an_empty_object(raw: str) -> None:
+    call = ToolCallPart.parse("call_1", "lookup", raw)
+    messages = (
+        Message.user("q", id="u"),
+        Message(id="a", role="assistant", parts=(call,)),
+        Message.tool_result(ToolResultPart.for_call(call, "", is_error=True), id="t"),
+    )
+    items = _offline().build_body(ModelRequest(messages=messages), stream=False)["input"]
+    assert items[1:] == [
+        {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{}"},
+        # is_error has no wire field: the content goes unchanged
+        {"type": "function_call_output", "call_id": "call_1", "output": ""},
+    ]
+
+
 def test_reasoning_round_trip_rules() -> None:
     ours = ReasoningPart("", provider_data={"type": "reasoning", "id": "rs_2", "summary": []})
     foreign = ReasoningPart("t", provider_data={"signature": "sig"})

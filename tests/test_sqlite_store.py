@@ -12,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 import textwrap
@@ -438,6 +440,35 @@ async def test_other_applications_database_is_refused_unchanged(db: Path) -> Non
     with pytest.raises(StoredDataError, match="not a stepmachine store"):
         await SQLiteStore.open(db, codec())
     assert digest(db) == before
+
+
+def modes_in(folder: Path) -> dict[str, int]:
+    return {path.name: stat.S_IMODE(path.stat().st_mode) for path in folder.iterdir()}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000], ids=["umask-022", "umask-000"])
+async def test_new_database_files_are_owner_only(db: Path, umask: int) -> None:
+    previous = os.umask(umask)
+    try:
+        async with await SQLiteStore.open(db, codec()) as store:
+            await store.create("s")
+            modes = modes_in(db.parent)
+    finally:
+        os.umask(previous)
+    assert modes == {"store.db": 0o600, "store.db-wal": 0o600, "store.db-shm": 0o600}
+
+
+async def test_existing_database_file_keeps_its_permissions(db: Path) -> None:
+    write_file(db, b"")
+    os.chmod(db, 0o640)
+    previous = os.umask(0o022)
+    try:
+        async with await SQLiteStore.open(db, codec()) as store:
+            await store.create("s")
+            assert modes_in(db.parent)["store.db"] == 0o640
+    finally:
+        os.umask(previous)
+    assert modes_in(db.parent) == {"store.db": 0o640}
 
 
 # -- fork and snapshots -----------------------------------------------------------
