@@ -502,6 +502,8 @@ class StateMachine(Generic[D]):
                     cycle=cycle,
                     tools=tools,
                     prompt_parts=parts,
+                    steps=self.steps,
+                    run_start_revision=running.start_revision,
                 )
                 return await step.finalize(ctx, interrupted=False)
 
@@ -567,6 +569,8 @@ class StateMachine(Generic[D]):
         cycle: int,
         effects: Sequence[Effect],
     ) -> Session[D]:
+        # Applied here first whatever the handler: an effect that does not apply
+        # fails before anything is written, and a handler returning None needs it.
         after = apply_batch(session, effects)
         handler: EffectHandler = runtime.effect_handler()
         stored = await handler.apply(

@@ -196,8 +196,9 @@ class Tools(Operation[Any]):
         if answers:
             await self._commit_results(ctx, answers)
         if to_run:
-            await self._record_intents(ctx, to_run)
-            abort = await self._run_batch(ctx, to_run)
+            where = _call_locations(ctx.session)  # call id -> message id, read once
+            await self._record_intents(ctx, to_run, where)
+            abort = await self._run_batch(ctx, to_run, where)
             if abort is not None:
                 return Yield([], YieldReason("tool_failed", abort))
         if unknown:
@@ -250,8 +251,9 @@ class Tools(Operation[Any]):
             f"the arguments for {call.name!r} must be a JSON object, got {call.raw_arguments!r}",
         )
 
-    async def _record_intents(self, ctx: StepContext[Any], calls: Sequence[ToolCallPart]) -> None:
-        where = _call_locations(ctx.session)
+    async def _record_intents(
+        self, ctx: StepContext[Any], calls: Sequence[ToolCallPart], where: dict[str, str]
+    ) -> None:
         effects: list[Effect] = []
         for call in calls:
             impl = self._tools[call.name]
@@ -269,7 +271,9 @@ class Tools(Operation[Any]):
             effects.append(Annotate(where[call.call_id], JOURNAL, note, call_id=call.call_id))
         await ctx.commit(effects)
 
-    async def _run_batch(self, ctx: StepContext[Any], calls: Sequence[ToolCallPart]) -> str | None:
+    async def _run_batch(
+        self, ctx: StepContext[Any], calls: Sequence[ToolCallPart], where: dict[str, str]
+    ) -> str | None:
         """Run ``calls`` concurrently, committing each result as it comes; the abort reason."""
         uncommitted: dict[str, ToolResultPart] = {}
         ctx.scratch["uncommitted"] = uncommitted
@@ -282,7 +286,7 @@ class Tools(Operation[Any]):
                 if abort:
                     result = _error(call, NOT_EXECUTED.format(reason=abort[0]))
                 else:
-                    result, aborted = await self._run_call(ctx, call)
+                    result, aborted = await self._run_call(ctx, call, where[call.call_id])
                     if aborted is not None:
                         abort.append(aborted)
                 uncommitted[call.call_id] = result
@@ -327,7 +331,7 @@ class Tools(Operation[Any]):
                 return
 
     async def _run_call(
-        self, ctx: StepContext[Any], call: ToolCallPart
+        self, ctx: StepContext[Any], call: ToolCallPart, message_id: str
     ) -> tuple[ToolResultPart, str | None]:
         """Run one call. Returns its result, and the abort reason if it failed closed."""
         impl = self._tools[call.name]
@@ -336,9 +340,7 @@ class Tools(Operation[Any]):
             runtime=ctx.runtime,
             session_id=ctx.session.id,
             call_id=call.call_id,
-            idempotency_key=idempotency_key(
-                ctx.session.id, call.call_id, _call_locations(ctx.session)[call.call_id]
-            ),
+            idempotency_key=idempotency_key(ctx.session.id, call.call_id, message_id),
         )
         timeout = impl.timeout if impl.timeout is not None else self._timeout
         aborted: str | None = None

@@ -10,31 +10,16 @@ harness reports lost updates.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
+import concurrency
 import pytest
 
 HARNESS = Path(__file__).resolve().parent / "harness"
 
 
-def _load(name: str) -> ModuleType:
-    module_name = f"stepmachine_harness_{name}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(module_name, HARNESS / f"{name}.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-concurrency = _load("concurrency")
 BROKEN = HARNESS / "_common.py"
 
 

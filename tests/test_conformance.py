@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import cassettes
+import conformance
 import httpx
 import pytest
 
@@ -45,21 +45,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "conformance"
 FOLDER = SHARED / "cassettes"
 
 
-def _load(name: str) -> ModuleType:
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, HARNESS / f"{name}.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-conformance = _load("conformance")
-cassettes = _load("cassettes")
 SPECS = conformance.load_specs()
+
 
 def test_the_recordings_are_beside_the_repository() -> None:
     """The recordings live in ../shared beside every checkout, CI's included.

@@ -7,7 +7,6 @@ find record offsets and to forge well-checksummed records.
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
+import make_golden_file
 import msgspec
 import pytest
 
@@ -940,21 +940,8 @@ async def test_data_survives_close_and_reopen(tmp_path: Path) -> None:
 # -- golden fixture -----------------------------------------------------------------------
 
 
-def _golden_module() -> Any:
-    """The fixture script, imported (its types are needed to decode the fixture)."""
-    name = "stepmachine_golden_file_fixture"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, FIXTURES / "make_golden_file.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # msgspec resolves the module's annotations through it
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 async def test_golden_store_still_reads_exactly(tmp_path: Path) -> None:
-    golden = _golden_module()
+    golden = make_golden_file
     expected = json.loads((FIXTURES / "golden" / "file_expected.json").read_text())
     copy = tmp_path / "golden"
     shutil.copytree(FIXTURES / "golden" / "file", copy)

@@ -7,21 +7,19 @@ the recordings do not (redacted thinking, error events, truncation).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import gzip
-import importlib.util
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import cassettes
 import httpx
 import msgspec
 import pytest
-import yaml
+import spec_anthropic as spec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -55,92 +53,27 @@ CASSETTES = HERE.parent.parent / "shared" / "conformance" / "cassettes" / "anthr
 KEY = "sk-ant-secret-0123456789"
 
 
-def _load_spec() -> Any:
-    name = "stepmachine_harness_spec_anthropic"
-    module = sys.modules.get(name)
-    if module is None:
-        found = importlib.util.spec_from_file_location(name, HERE / "harness" / "spec_anthropic.py")
-        assert found is not None
-        assert found.loader is not None
-        module = importlib.util.module_from_spec(found)
-        sys.modules[name] = module
-        found.loader.exec_module(module)
-    return module
-
-
-spec = _load_spec()
-
-
-# -- a small cassette reader (vcrpy, pydantic-ai's vcrpy, Ruby VCR, go-vcr v2) ----------------
-
-
-class _Loader(yaml.SafeLoader):
-    pass
-
-
-_Loader.add_constructor(
-    "!binary", lambda loader, node: base64.b64decode(loader.construct_scalar(node))
-)
+# -- the recordings, through the harness's loader (all four storage formats) ---------------
 
 
 @dataclass
 class Interaction:
+    """One recorded exchange, in the shape these tests use."""
+
     url: str
     request: dict[str, Any]
     status: int
-    headers: dict[str, str]
+    headers: dict[str, str]  # lower-case names; Content-Length / Transfer-Encoding dropped
     body: bytes  # as stored (gzip bytes stay gzip)
 
 
-def _bytes(value: Any) -> bytes:
-    if value is None:
-        return b""
-    return value if isinstance(value, bytes) else str(value).encode()
-
-
-def _headers(raw: dict[str, Any]) -> dict[str, str]:
-    out = {}
-    for name, value in (raw or {}).items():
-        if name.lower() in ("content-length", "transfer-encoding"):
-            continue
-        out[name.lower()] = value[0] if isinstance(value, list) else str(value)
-    return out
-
-
 def load(path: Path) -> list[Interaction]:
-    data = yaml.load(path.read_text(), Loader=_Loader)
-    out = []
-    if "http_interactions" in data:  # Ruby VCR
-        for item in data["http_interactions"]:
-            req, resp = item["request"], item["response"]
-            out.append(
-                Interaction(
-                    req["uri"],
-                    json.loads(_bytes(req["body"]["string"])),
-                    resp["status"]["code"],
-                    _headers(resp["headers"]),
-                    _bytes(resp["body"]["string"]),
-                )
-            )
-        return out
-    for item in data["interactions"]:
-        req, resp = item["request"], item["response"]
-        if "proto" in req:  # go-vcr v2
-            request = json.loads(req["body"])
-            status, body = resp["code"], _bytes(resp["body"])
-        else:
-            request = req.get("parsed_body") or json.loads(_bytes(req.get("body")))
-            status = resp["status"]["code"]
-            if "parsed_body" in resp:
-                body = json.dumps(resp["parsed_body"]).encode()
-            else:
-                body = _bytes(resp["body"]["string"])
-        out.append(
-            Interaction(
-                req.get("uri") or req["url"], request, status, _headers(resp["headers"]), body
-            )
+    return [
+        Interaction(
+            i.url, i.request_body, i.status, {k.lower(): v for k, v in i.headers}, i.response_body
         )
-    return out
+        for i in cassettes.load_cassette(path)
+    ]
 
 
 ALL_CASSETTES = sorted(CASSETTES.glob("*.y*ml"))

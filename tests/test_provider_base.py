@@ -15,16 +15,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import random
-import sys
 import traceback
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import _provider_wires as wires
 import httpx
 import pytest
 import structlog.testing
@@ -52,20 +49,6 @@ from stepmachine.providers import (
 )
 from stepmachine.providers._errors import error_from_response, parse_retry_after
 
-
-def _load(name: str) -> ModuleType:
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / f"{name}.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-wires = _load("_provider_wires")
 KEY = wires.KEY
 WIRES = wires.WIRES
 

@@ -23,15 +23,14 @@ What must hold, for every adapter:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import _provider_wires as wires
+import cassettes
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -44,20 +43,6 @@ HERE = Path(__file__).resolve().parent
 FOLDER = HERE.parents[1] / "shared" / "conformance" / "cassettes"
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-wires = _load("_provider_wires", HERE / "_provider_wires.py")
-cassettes = _load("cassettes", HERE / "harness" / "cassettes.py")
 WIRES = {w.name: w for w in wires.WIRES}
 
 

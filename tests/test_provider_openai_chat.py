@@ -8,17 +8,16 @@ they also feed streaming/blocking parity and fuzz tests.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import anyio
+import cassettes
 import httpx
 import pytest
+import spec_openai_chat
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -60,23 +59,7 @@ KEY = "sk-secret-key-that-must-never-leak"
 
 
 def _cassette_paths(folder: str) -> list[Path]:
-    return [
-        p for p in _harness_module("cassettes").cassette_files(CASSETTES) if p.parent.name == folder
-    ]
-
-
-def _harness_module(name: str) -> ModuleType:
-    module = sys.modules.get(name)
-    if module is None:
-        if str(HARNESS) not in sys.path:
-            sys.path.insert(0, str(HARNESS))
-        spec = importlib.util.spec_from_file_location(name, HARNESS / f"{name}.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
+    return [p for p in cassettes.cassette_files(CASSETTES) if p.parent.name == folder]
 
 
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -376,7 +359,6 @@ def test_structured_output_strict_follows_the_schema() -> None:
 
 
 def test_derived_strict_matches_the_recordings() -> None:
-    cassettes = _harness_module("cassettes")
     seen = 0
     for folder in ("openai_chat", "openai_compatible"):
         for path in _cassette_paths(folder):
@@ -798,7 +780,6 @@ async def test_streaming_and_blocking_give_the_same_response(reply: dict[str, An
 
 
 def _recorded_streams() -> list[tuple[str, Any]]:
-    cassettes = _harness_module("cassettes")
     found = []
     for folder in ("openai_chat", "openai_compatible"):
         for path in _cassette_paths(folder):
@@ -818,7 +799,7 @@ async def test_recorded_streams_match_their_blocking_equivalent(
     name: str, interaction: Any
 ) -> None:
     """Each recorded stream, and the blocking reply holding the same content, give one response."""
-    spec = _harness_module("spec_openai_chat")
+    spec = spec_openai_chat
     text = interaction.response_body.decode()
     first = json.loads(text.split("data:", 1)[1].split("\n", 1)[0])
     assembled = spec._read_stream(text)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import anyio
+import cassettes
 import httpx
 import msgspec
 import pytest
+import spec_openai_responses as spec_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -49,20 +49,6 @@ FOLDER = CASSETTES / "openai_responses"
 KEY = "sk-secret-key-0123456789"
 
 
-def _load(name: str) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HARNESS / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-cassettes = _load("cassettes")
-spec_module = _load("spec_openai_responses")
 SPEC = spec_module.SPECS["openai_responses"]
 FILES = sorted(FOLDER.glob("*.yaml")) if FOLDER.is_dir() else []
 needs_cassettes = pytest.mark.skipif(not FILES, reason="no recordings beside the repository")

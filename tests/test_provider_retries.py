@@ -17,13 +17,10 @@ never slept, so "waits exactly 2 s" is checked exactly and no test depends on ti
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import _provider_wires as wires
 import httpx
 import msgspec
 import pytest
@@ -40,20 +37,6 @@ from stepmachine.providers import (
     ServerError,
 )
 
-
-def _load(name: str) -> ModuleType:
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / f"{name}.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-wires = _load("_provider_wires")
 REQUEST = wires.REQUEST
 WIRES = {w.name: w for w in wires.WIRES}
 

@@ -10,7 +10,6 @@ written by an earlier version.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -22,7 +21,6 @@ import sys
 import textwrap
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 from types import ModuleType
@@ -30,6 +28,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import make_golden_sqlite
 import msgspec
 import pytest
 
@@ -804,18 +803,9 @@ async def test_closed_store_refuses_calls(db: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def golden_module() -> Iterator[ModuleType]:
-    name = "make_golden_sqlite"
-    spec = importlib.util.spec_from_file_location(name, FIXTURES / "make_golden_sqlite.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # msgspec resolves the module's annotations through it
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[name]
+def golden_module() -> ModuleType:
+    """The fixture script (its codec and types decode the fixture)."""
+    return make_golden_sqlite
 
 
 async def test_golden_fixture_still_reads_exactly(

@@ -87,24 +87,8 @@ CALL_TIMEOUT = 60.0  # seconds per logical call: a hung adapter fails, it never 
 if str(HERE) not in sys.path:  # the spec modules import their siblings (``_spec``) by name
     sys.path.insert(0, str(HERE))
 
+import cassettes  # noqa: E402 - needs the line above when this module is imported, not run
 
-def _load(name: str) -> ModuleType:
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return module
-
-
-cassettes = _load("cassettes")
 Interaction = cassettes.Interaction
 
 __all__ = ["DEFAULT_FOLDER", "Result", "Specs", "load_specs", "main", "run_file", "run_folder"]
@@ -130,7 +114,7 @@ def load_specs(where: Path = HERE) -> Specs:
     specs = Specs()
     for path in sorted(where.glob("spec_*.py")):
         try:
-            module = _load(path.stem) if where == HERE else _load_path(path)
+            module = importlib.import_module(path.stem) if where == HERE else _load_path(path)
             found = module.SPECS
         except Exception as exc:
             specs.errors[path.stem] = _one_line(exc)

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import random
@@ -62,9 +61,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import _common as common  # beside this file: on sys.path as a script and in pytest
 import anyio
 
 from stepmachine import (
@@ -91,22 +90,6 @@ from stepmachine.testing import FunctionModel, call, reply
 
 HERE = Path(__file__).resolve().parent
 SESSION_ID = "crash-harness"
-
-
-def _load_common() -> ModuleType:
-    name = "stepmachine_harness_common"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, HERE / "_common.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-common = _load_common()
 
 
 # -- the scripted agent (runs in the child) --------------------------------------------

@@ -19,13 +19,11 @@ Conventions of the adapter this spec relies on (documented in
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
+from _spec import Expected, ExpectedCall, ProviderSpec  # the harness contract, beside this file
 
 from stepmachine import Message, ModelRequest, ModelSettings, PromptPart, ToolDefinition
 from stepmachine._messages import Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
@@ -43,27 +41,6 @@ from stepmachine.providers import (
     RateLimitError,
     ServerError,
 )
-
-
-def _load_spec_contract() -> Any:
-    """``_spec`` as the harness imports it (a script's folder is on ``sys.path``), else by path."""
-    module = sys.modules.get("_spec")
-    if module is not None:
-        return module
-    here = Path(__file__).resolve().parent
-    spec = importlib.util.spec_from_file_location("_spec", here / "_spec.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["_spec"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_contract = _load_spec_contract()
-Expected = _contract.Expected
-ExpectedCall = _contract.ExpectedCall
-ProviderSpec = _contract.ProviderSpec
 
 TEST_KEY = "sk-conformance-test-key"
 

@@ -9,14 +9,12 @@ text and argument *deltas* are concatenated here) without calling the adapter.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
+from _spec import Expected, ExpectedCall, ProviderSpec  # the harness contract, beside this file
 
 from stepmachine import Message, ModelRequest, ModelSettings, PromptPart, ToolDefinition
 from stepmachine._messages import Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
@@ -35,26 +33,6 @@ from stepmachine.providers import (
     RetryPolicy,
     ServerError,
 )
-
-
-def _load_spec_types() -> Any:
-    """The shared ``_spec`` module: the one already imported, else loaded from beside this file."""
-    module = sys.modules.get("_spec")
-    if module is None:
-        path = Path(__file__).with_name("_spec.py")
-        loaded = importlib.util.spec_from_file_location("_spec", path)
-        assert loaded is not None
-        assert loaded.loader is not None
-        module = importlib.util.module_from_spec(loaded)
-        sys.modules["_spec"] = module
-        loaded.loader.exec_module(module)
-    return module
-
-
-_spec = _load_spec_types()
-Expected = _spec.Expected
-ExpectedCall = _spec.ExpectedCall
-ProviderSpec = _spec.ProviderSpec
 
 # Top-level request fields the neutral request maps itself; every other recorded
 # field (tool_choice, include, store, reasoning, service_tier, parallel_tool_calls,
