@@ -245,12 +245,28 @@ class StateMachine(Generic[D]):
         Raises:
             ConfigurationError: duplicate tool names (before any step runs).
             Exception: whatever a step raises.
+
+        Cancellation: the running step is interrupted. Before the cancellation
+        propagates, what it already has is kept: its ``finalize(interrupted=True)``
+        effects (tool results that exist, partial text) are committed, shielded,
+        for at most ``finalize_timeout`` seconds. The caller then calls
+        :meth:`finalize` to answer the calls still open.
         """
         sink = EventSink(emitter or NullEmitter(), session.id, session.revision)
         running: _Running[D] = _Running(
             start_revision=session.revision if run_start_revision is None else run_start_revision
         )
-        offer = await self._offer(runtime, session, sink, cycle, running)
+        try:
+            offer = await self._offer(runtime, session, sink, cycle, running)
+        except anyio.get_cancelled_exc_class():
+            with anyio.move_on_after(self.finalize_timeout, shield=True):
+                try:
+                    loader = runtime.session_loader()
+                    current: Session[D] = await loader.load(session.id)
+                    await self._keep_interrupted(runtime, loader, current, running, cycle)
+                except Exception:  # noqa: BLE001 - the cancellation must still propagate
+                    _log.exception("keeping an interrupted step failed", session_id=session.id)
+            raise
         return offer.decision
 
     async def apply(
@@ -573,21 +589,8 @@ class StateMachine(Generic[D]):
         loader = runtime.session_loader()
         session: Session[D] = await loader.load(session_id)
         sink.follow(session.revision)
-        interrupted_step, interrupted_ctx = running.step, running.ctx
-        if interrupted_step is not None and interrupted_ctx is not None:
-            step_ctx = interrupted_ctx
-
-            async def keep(current: Session[D]) -> Sequence[Effect]:
-                # The interrupted step sees the session as stored now (its own batch
-                # may have been committed just before the cancellation) together
-                # with the scratch of the cycle it was running in.
-                return await interrupted_step.finalize(
-                    dataclasses.replace(step_ctx, session=current), interrupted=True
-                )
-
-            session = await self._commit_fresh(
-                runtime, loader, session, interrupted_step.name, cycle, keep
-            )
+        interrupted_step = running.step
+        session = await self._keep_interrupted(runtime, loader, session, running, cycle)
         for step in self.steps:
             if step is interrupted_step:
                 continue
@@ -627,6 +630,31 @@ class StateMachine(Generic[D]):
         )
         sink.follow(session.revision)
         return session
+
+    async def _keep_interrupted(
+        self,
+        runtime: Runtime,
+        loader: SessionLoader,
+        session: Session[D],
+        running: _Running[D],
+        cycle: int,
+    ) -> Session[D]:
+        """Commit the interrupted step's ``finalize(interrupted=True)`` effects, if any."""
+        interrupted_step, step_ctx = running.step, running.ctx
+        if interrupted_step is None or step_ctx is None:
+            return session
+
+        async def keep(current: Session[D]) -> Sequence[Effect]:
+            # The interrupted step sees the session as stored now (its own batch
+            # may have been committed just before the cancellation) together
+            # with the scratch of the cycle it was running in.
+            return await interrupted_step.finalize(
+                dataclasses.replace(step_ctx, session=current), interrupted=True
+            )
+
+        return await self._commit_fresh(
+            runtime, loader, session, interrupted_step.name, cycle, keep
+        )
 
     async def _commit_fresh(
         self,

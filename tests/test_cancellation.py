@@ -357,3 +357,50 @@ async def test_a_cancelled_result_commit_is_recorded_once_with_the_real_result(
         # Written by the tool step itself, or (cancelled before the write) by its finalize.
         assert steps[:2] == ["inference", "tools"]
         assert steps.count("stepmachine.finalize") == 0
+
+
+# -- callers driving step() themselves ---------------------------------------------------
+
+
+@pytest.mark.parametrize("tool_kind", ["sync", "async"])
+@pytest.mark.parametrize("emitter_kind", ["null", "recording", "stream"])
+async def test_a_cancelled_step_keeps_a_result_that_exists_before_the_callers_finalize(
+    emitter_kind: EmitterKind, tool_kind: ToolKind
+) -> None:
+    gate = Gate(hold=True)
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("pay", id="u1")])
+    machine = StateMachine([Tools([charging_tool(tool_kind, gate)]), ModelInference()])
+    model = ScriptedModel([call(("charge_card", {"amount": 3})), reply("paid")])
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    session = await store.load("s")
+    decision = await machine.step(runtime, session)
+    assert decision is not None
+    session, _ = await machine.apply(runtime, session, decision)
+    emitter = make_emitter(emitter_kind)
+    try:
+        async with anyio.create_task_group() as outer:
+            if isinstance(emitter, StreamEmitter):
+                outer.start_soon(drain, emitter)
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+
+                    async def canceller() -> None:
+                        await gate.started.wait()
+                        if tool_kind == "sync":
+                            scope.cancel()
+                            gate.release()
+                        else:
+                            gate.release()
+                            scope.cancel()
+
+                    tg.start_soon(canceller)
+                    await machine.step(runtime, session, emitter)
+            if isinstance(emitter, StreamEmitter):
+                await emitter.aclose()
+    finally:
+        gate.release()
+    assert scope.cancelled_caught
+    assert gate.charged == [3]
+    final = await machine.finalize(runtime, "s")
+    assert_results_are_real(final, gate)
