@@ -30,7 +30,10 @@ Cancellation. When the machine's :class:`CancelToken` fires, the running step
 is cancelled; then :meth:`StateMachine.finalize` runs shielded: the
 interrupted step, then every other step, may return effects that keep what
 was already received, and every tool call still without a result is answered
-with an "interrupted" error result. The run then returns with reason
+with an "interrupted" error result. A tool call whose tool ran to completion
+keeps its real result, whatever instant the cancellation landed at (while its
+"tool finished" event was emitted, or its result committed): "interrupted"
+only ever answers a call that has no result. The run then returns with reason
 ``cancelled``. When the caller cancels ``run()`` from outside, the same
 finalize runs shielded for at most ``finalize_timeout`` seconds, and the
 cancellation propagates.

@@ -123,9 +123,12 @@ class Tools(Operation[Any]):
         timeout: default seconds per call for tools without their own.
         on_unknown_outcome: ``"error"`` or ``"yield"``, see the module docs.
 
-    Cancellation: results already committed stay; results that finished but
-    were not yet committed are kept by ``finalize``; the machine answers the
-    remaining calls as interrupted.
+    Cancellation: results already committed stay; a result that exists but
+    whose commit had not returned (the cancellation landed while the tool's
+    ``ToolFinished`` event was emitted, or while the result was committed) is
+    kept by ``finalize``, exactly once; the machine answers only the calls
+    that have no result as interrupted. A sync tool in a worker thread runs to
+    completion when cancelled, so its result is always kept.
     """
 
     def __init__(
