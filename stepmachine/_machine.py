@@ -132,7 +132,8 @@ class RunReport(Generic[D]):
 
     Attributes:
         session: the session when the run returned.
-        reason: why it returned (``done``, ``idle``, ``cancelled``, ...).
+        reason: why it returned (``done``, ``idle``, ``call_held``, ``cycle_limit``,
+            ``cancelled``, ...).
         results: one :class:`StepResult` per cycle that applied, in order.
     """
 
