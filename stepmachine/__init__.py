@@ -52,7 +52,14 @@ from ._errors import (
 )
 from ._history import check_history, history_problems, open_tool_calls, request_order
 from ._inference import CONTEXT_LENGTH_EXCEEDED, ModelInference, needs_answer
-from ._machine import FINALIZE_STEP, INTERRUPTED, Decision, RunReport, StateMachine
+from ._machine import (
+    DEFAULT_MAX_CYCLES,
+    FINALIZE_STEP,
+    INTERRUPTED,
+    Decision,
+    RunReport,
+    StateMachine,
+)
 from ._messages import (
     Message,
     Notes,
@@ -108,6 +115,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "CONTEXT_LENGTH_EXCEEDED",
+    "DEFAULT_MAX_CYCLES",
     "EDITED_ARGUMENTS",
     "FINALIZE_STEP",
     "INTERRUPTED",

@@ -9,6 +9,15 @@ A cycle:
 4. ``Continue`` starts the next cycle from the top; ``Yield``, or no step
    applying, returns to the caller.
 
+When no step applies the run returns ``idle``, unless open tool calls are held
+back by a step's ``check_call``: then it returns ``call_held``, naming the
+objecting step, the call and the tool, so a held call is never silent.
+
+A run applies at most ``max_cycles`` cycles (default
+:data:`DEFAULT_MAX_CYCLES`), then returns ``cycle_limit``; calling ``run()``
+again continues with a fresh count. This bounds a model that keeps calling
+tools when no ``Budget`` is configured; ``max_cycles=None`` removes the cap.
+
 State is the session (invariant 1): the machine keeps nothing between cycles
 that affects a decision. After a successful apply the next cycle starts from
 the session the effect handler returns (the stored view, decoded from what it
@@ -21,7 +30,10 @@ Cancellation. When the machine's :class:`CancelToken` fires, the running step
 is cancelled; then :meth:`StateMachine.finalize` runs shielded: the
 interrupted step, then every other step, may return effects that keep what
 was already received, and every tool call still without a result is answered
-with an "interrupted" error result. The run then returns with reason
+with an "interrupted" error result. A tool call whose tool ran to completion
+keeps its real result, whatever instant the cancellation landed at (while its
+"tool finished" event was emitted, or its result committed): "interrupted"
+only ever answers a call that has no result. The run then returns with reason
 ``cancelled``. When the caller cancels ``run()`` from outside, the same
 finalize runs shielded for at most ``finalize_timeout`` seconds, and the
 cancellation propagates.
@@ -61,7 +73,14 @@ from ._steps import (
 )
 from ._store import EffectHandler, SessionLoader
 
-__all__ = ["FINALIZE_STEP", "INTERRUPTED", "Decision", "RunReport", "StateMachine"]
+__all__ = [
+    "DEFAULT_MAX_CYCLES",
+    "FINALIZE_STEP",
+    "INTERRUPTED",
+    "Decision",
+    "RunReport",
+    "StateMachine",
+]
 
 D = TypeVar("D", bound=msgspec.Struct)
 
@@ -70,6 +89,17 @@ FINALIZE_STEP = "stepmachine.finalize"
 
 INTERRUPTED = "interrupted: the run was cancelled before this tool call finished"
 """The content of the error result given to tool calls left open by a cancellation."""
+
+DEFAULT_MAX_CYCLES = 100
+"""Cycles one ``run()`` applies at most before it yields ``cycle_limit``.
+
+A model turn with tool calls takes two cycles (inference, then tools), plus one
+for each policy step that acts (approval, compaction, a repair). 100 cycles is
+some 40-50 model calls in one run: far more than an interactive turn needs, and
+a bound on a model that never stops calling tools when no ``Budget`` is
+configured (without one, such a run spins as fast as the model answers). A run
+that hits it loses nothing: ``run()`` again continues from the stored session.
+"""
 
 _stdlib_logger = logging.getLogger("stepmachine")
 _log = structlog.wrap_logger(
@@ -102,7 +132,8 @@ class RunReport(Generic[D]):
 
     Attributes:
         session: the session when the run returned.
-        reason: why it returned (``done``, ``idle``, ``cancelled``, ...).
+        reason: why it returned (``done``, ``idle``, ``call_held``, ``cycle_limit``,
+            ``cancelled``, ...).
         results: one :class:`StepResult` per cycle that applied, in order.
     """
 
@@ -136,9 +167,13 @@ class StateMachine(Generic[D]):
             propagates.
         finalize_timeout: seconds finalize may take after an outside
             cancellation of ``run()``.
+        max_cycles: cycles one ``run()`` applies at most before it returns
+            with reason ``cycle_limit`` (see :data:`DEFAULT_MAX_CYCLES`);
+            ``None`` for no cap. A later ``run()`` continues with a fresh count.
 
     Raises:
-        ConfigurationError: no steps, or two steps share a name.
+        ConfigurationError: no steps, two steps share a name, or
+            ``max_cycles`` is not ``None`` or a positive integer.
     """
 
     def __init__(
@@ -148,6 +183,7 @@ class StateMachine(Generic[D]):
         cancel: CancelToken | None = None,
         max_conflicts: int = 16,
         finalize_timeout: float = 10.0,
+        max_cycles: int | None = DEFAULT_MAX_CYCLES,
     ) -> None:
         self.steps: tuple[Operation[D], ...] = tuple(steps)
         if not self.steps:
@@ -159,6 +195,13 @@ class StateMachine(Generic[D]):
         self.cancel = cancel
         self.max_conflicts = max_conflicts
         self.finalize_timeout = finalize_timeout
+        if max_cycles is not None and (
+            isinstance(max_cycles, bool) or not isinstance(max_cycles, int) or max_cycles < 1
+        ):
+            raise ConfigurationError(
+                f"max_cycles must be None or a positive integer, got {max_cycles!r}"
+            )
+        self.max_cycles = max_cycles
 
     # -- one cycle ----------------------------------------------------------------
 
@@ -206,12 +249,28 @@ class StateMachine(Generic[D]):
         Raises:
             ConfigurationError: duplicate tool names (before any step runs).
             Exception: whatever a step raises.
+
+        Cancellation: the running step is interrupted. Before the cancellation
+        propagates, what it already has is kept: its ``finalize(interrupted=True)``
+        effects (tool results that exist, partial text) are committed, shielded,
+        for at most ``finalize_timeout`` seconds. The caller then calls
+        :meth:`finalize` to answer the calls still open.
         """
         sink = EventSink(emitter or NullEmitter(), session.id, session.revision)
         running: _Running[D] = _Running(
             start_revision=session.revision if run_start_revision is None else run_start_revision
         )
-        offer = await self._offer(runtime, session, sink, cycle, running)
+        try:
+            offer = await self._offer(runtime, session, sink, cycle, running)
+        except anyio.get_cancelled_exc_class():
+            with anyio.move_on_after(self.finalize_timeout, shield=True):
+                try:
+                    loader = runtime.session_loader()
+                    current: Session[D] = await loader.load(session.id)
+                    await self._keep_interrupted(runtime, loader, current, running, cycle)
+                except Exception:  # noqa: BLE001 - the cancellation must still propagate
+                    _log.exception("keeping an interrupted step failed", session_id=session.id)
+            raise
         return offer.decision
 
     async def apply(
@@ -249,7 +308,10 @@ class StateMachine(Generic[D]):
         """Run cycles until a step yields or none applies; return the session.
 
         Equivalent to ``(await run_report(...)).session``. Calling ``run`` again
-        later continues where the stored session left off.
+        later continues where the stored session left off. The run also returns
+        after ``max_cycles`` applied cycles (reason ``cycle_limit``), and with
+        reason ``call_held`` when no step applies while a step's ``check_call``
+        holds open tool calls back.
 
         Raises:
             SessionNotFoundError: no such session.
@@ -278,6 +340,16 @@ class StateMachine(Generic[D]):
             while True:
                 if self.cancel is not None and self.cancel.cancelled:
                     return await self._cancelled(runtime, sink, session, results, None, cycle)
+                if self.max_cycles is not None and len(results) >= self.max_cycles:
+                    self._log_cycle(session, cycle, None, [], YieldReason.CYCLE_LIMIT)
+                    reason = YieldReason(
+                        YieldReason.CYCLE_LIMIT,
+                        f"this run applied {len(results)} cycles, the machine's max_cycles; "
+                        "run() again continues",
+                        {"max_cycles": self.max_cycles},
+                    )
+                    await sink.emit(Yielded(reason.kind, reason.message))
+                    return RunReport(session, reason, tuple(results))
                 cycle += 1
                 try:
                     offer = await self._offer_cancellable(runtime, session, sink, cycle, running)
@@ -296,8 +368,8 @@ class StateMachine(Generic[D]):
                     return await self._cancelled(runtime, sink, session, results, running, cycle)
                 decision = offer.decision
                 if decision is None:
-                    self._log_cycle(session, cycle, None, offer.refused, "idle")
-                    reason = YieldReason(YieldReason.IDLE, "no step applies")
+                    reason = self._idle_reason(runtime, session, sink, cycle, running)
+                    self._log_cycle(session, cycle, None, offer.refused, reason.kind)
                     await sink.emit(Yielded(reason.kind, reason.message))
                     return RunReport(session, reason, tuple(results))
                 if (
@@ -420,6 +492,55 @@ class StateMachine(Generic[D]):
         running.step = running.ctx = None
         return offer
 
+    def _idle_reason(
+        self,
+        runtime: Runtime,
+        session: Session[D],
+        sink: EventSink,
+        cycle: int,
+        running: _Running[D],
+    ) -> YieldReason:
+        """Why no step applied: ``call_held`` if some step holds open calls back, else ``idle``."""
+        calls = open_tool_calls(session.conversation)
+        if not calls:
+            return YieldReason(YieldReason.IDLE, "no step applies")
+        tools, parts = self.collect(session)
+        ctx: StepContext[D] = StepContext(
+            session=session,
+            runtime=runtime,
+            events=sink,
+            cycle=cycle,
+            tools=tools,
+            prompt_parts=parts,
+            steps=self.steps,
+            run_start_revision=running.start_revision,
+        )
+        held: list[dict[str, str]] = []
+        for call in calls:
+            for step in self.steps:
+                objection = step.check_call(ctx, call)
+                if objection is not None:
+                    held.append(
+                        {
+                            "call_id": call.call_id,
+                            "tool": call.name,
+                            "step": step.name,
+                            "objection": objection,
+                        }
+                    )
+                    break
+        if not held:
+            return YieldReason(YieldReason.IDLE, "no step applies")
+        first = held[0]
+        more = f" (and {len(held) - 1} more held call(s))" if len(held) > 1 else ""
+        return YieldReason(
+            YieldReason.CALL_HELD,
+            f"step {first['step']!r} holds back tool call {first['call_id']!r} "
+            f"({first['tool']}): {first['objection']}{more}; no step applies until the "
+            "session changes",
+            {"calls": held},
+        )
+
     async def _offer_cancellable(
         self,
         runtime: Runtime,
@@ -472,21 +593,8 @@ class StateMachine(Generic[D]):
         loader = runtime.session_loader()
         session: Session[D] = await loader.load(session_id)
         sink.follow(session.revision)
-        interrupted_step, interrupted_ctx = running.step, running.ctx
-        if interrupted_step is not None and interrupted_ctx is not None:
-            step_ctx = interrupted_ctx
-
-            async def keep(current: Session[D]) -> Sequence[Effect]:
-                # The interrupted step sees the session as stored now (its own batch
-                # may have been committed just before the cancellation) together
-                # with the scratch of the cycle it was running in.
-                return await interrupted_step.finalize(
-                    dataclasses.replace(step_ctx, session=current), interrupted=True
-                )
-
-            session = await self._commit_fresh(
-                runtime, loader, session, interrupted_step.name, cycle, keep
-            )
+        interrupted_step = running.step
+        session = await self._keep_interrupted(runtime, loader, session, running, cycle)
         for step in self.steps:
             if step is interrupted_step:
                 continue
@@ -526,6 +634,31 @@ class StateMachine(Generic[D]):
         )
         sink.follow(session.revision)
         return session
+
+    async def _keep_interrupted(
+        self,
+        runtime: Runtime,
+        loader: SessionLoader,
+        session: Session[D],
+        running: _Running[D],
+        cycle: int,
+    ) -> Session[D]:
+        """Commit the interrupted step's ``finalize(interrupted=True)`` effects, if any."""
+        interrupted_step, step_ctx = running.step, running.ctx
+        if interrupted_step is None or step_ctx is None:
+            return session
+
+        async def keep(current: Session[D]) -> Sequence[Effect]:
+            # The interrupted step sees the session as stored now (its own batch
+            # may have been committed just before the cancellation) together
+            # with the scratch of the cycle it was running in.
+            return await interrupted_step.finalize(
+                dataclasses.replace(step_ctx, session=current), interrupted=True
+            )
+
+        return await self._commit_fresh(
+            runtime, loader, session, interrupted_step.name, cycle, keep
+        )
 
     async def _commit_fresh(
         self,

@@ -73,6 +73,20 @@ class YieldReason(msgspec.Struct, frozen=True):
     """No step applied: there is nothing to do until the session changes."""
     CANCELLED: ClassVar[str] = "cancelled"
     """The run was cancelled and finalized."""
+    CALL_HELD: ClassVar[str] = "call_held"
+    """No step applied and open tool calls are held back by a step's ``check_call``.
+
+    ``message`` names the first objecting step, call id and tool; ``data["calls"]``
+    lists every held call as ``{"call_id", "tool", "step", "objection"}`` (the
+    first objecting step, in step order). Nothing runs the calls until the
+    session changes (a decision recorded, an error result appended) and
+    ``run()`` is called again.
+    """
+    CYCLE_LIMIT: ClassVar[str] = "cycle_limit"
+    """The run reached the machine's ``max_cycles``; ``run()`` again continues.
+
+    ``data`` holds ``{"max_cycles": n}``.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +309,13 @@ class Operation(Protocol[D]):
         call and hold back any call with an objection, whatever the order of
         the steps. This is how a policy (approval, budgets) guards tool
         execution without depending on being listed first. Default: ``None``.
+
+        A held call stays open. The objecting step chooses what happens next:
+        its ``run`` may yield with its own reason (``Approval`` yields
+        ``awaiting_approval``) or answer the call with an error result (a
+        budget does, so the model learns why); if no step applies, the run
+        yields :attr:`YieldReason.CALL_HELD`, naming the objecting step, the
+        call id and the tool -- never a silent ``idle``.
         """
         return None
 

@@ -123,9 +123,12 @@ class Tools(Operation[Any]):
         timeout: default seconds per call for tools without their own.
         on_unknown_outcome: ``"error"`` or ``"yield"``, see the module docs.
 
-    Cancellation: results already committed stay; results that finished but
-    were not yet committed are kept by ``finalize``; the machine answers the
-    remaining calls as interrupted.
+    Cancellation: results already committed stay; a result that exists but
+    whose commit had not returned (the cancellation landed while the tool's
+    ``ToolFinished`` event was emitted, or while the result was committed) is
+    kept by ``finalize``, exactly once; the machine answers only the calls
+    that have no result as interrupted. A sync tool in a worker thread runs to
+    completion when cancelled, so its result is always kept.
     """
 
     def __init__(
@@ -193,8 +196,13 @@ class Tools(Operation[Any]):
             else:
                 to_run.append(call)
 
+        # Results that exist but are not yet committed, for finalize (see _run_batch).
+        uncommitted: dict[str, ToolResultPart] = ctx.scratch.setdefault("uncommitted", {})
         if answers:
+            uncommitted.update((a.call_id, a) for a in answers)
             await self._commit_results(ctx, answers)
+            for answer in answers:
+                uncommitted.pop(answer.call_id, None)
         if to_run:
             where = _call_locations(ctx.session)  # call id -> message id, read once
             await self._record_intents(ctx, to_run, where)
@@ -214,7 +222,14 @@ class Tools(Operation[Any]):
         return Continue([])
 
     async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
-        """Keep results that finished but were not yet committed when the step was cancelled."""
+        """Keep every result that exists but whose commit had not returned at the cancellation.
+
+        A tool that ran to completion keeps its real result, never "interrupted",
+        even when the cancellation fired while its ``ToolFinished`` event was
+        emitted or its result was being committed. A result is appended only while
+        its call is still open in the session as stored now, so one whose commit
+        landed just before the cancellation is not recorded twice.
+        """
         if not interrupted:
             return ()
         finished: dict[str, ToolResultPart] = ctx.scratch.get("uncommitted", {})
@@ -275,8 +290,7 @@ class Tools(Operation[Any]):
         self, ctx: StepContext[Any], calls: Sequence[ToolCallPart], where: dict[str, str]
     ) -> str | None:
         """Run ``calls`` concurrently, committing each result as it comes; the abort reason."""
-        uncommitted: dict[str, ToolResultPart] = {}
-        ctx.scratch["uncommitted"] = uncommitted
+        uncommitted: dict[str, ToolResultPart] = ctx.scratch.setdefault("uncommitted", {})
         limiter = anyio.CapacityLimiter(self._max_concurrency)
         commit_lock = anyio.Lock()
         abort: list[str] = []
@@ -285,13 +299,24 @@ class Tools(Operation[Any]):
             async with limiter:
                 if abort:
                     result = _error(call, NOT_EXECUTED.format(reason=abort[0]))
+                    uncommitted[call.call_id] = result
                 else:
                     result, aborted = await self._run_call(ctx, call, where[call.call_id])
+                    # The result exists. Before any checkpoint (where a pending
+                    # cancellation fires: the emit, the lock, the commit), hand it to
+                    # finalize, which commits it if this step's own commit does not
+                    # happen. It is never replaced by "interrupted".
+                    uncommitted[call.call_id] = result
                     if aborted is not None:
                         abort.append(aborted)
-                uncommitted[call.call_id] = result
+                    await ctx.emit(
+                        ToolFinished(call_id=call.call_id, name=call.name, is_error=result.is_error)
+                    )
                 async with commit_lock:
                     await self._commit_results(ctx, [result])
+                # Only once the commit returned: if it was cancelled (before or after
+                # the write), finalize commits the result unless the stored session
+                # already holds it, so it is recorded exactly once either way.
                 uncommitted.pop(call.call_id, None)
 
         if self._max_concurrency == 1:
@@ -333,7 +358,16 @@ class Tools(Operation[Any]):
     async def _run_call(
         self, ctx: StepContext[Any], call: ToolCallPart, message_id: str
     ) -> tuple[ToolResultPart, str | None]:
-        """Run one call. Returns its result, and the abort reason if it failed closed."""
+        """Run one call. Returns its result, and the abort reason if it failed closed.
+
+        Emits ``ToolStarted``; the caller emits ``ToolFinished`` after recording
+        the result where ``finalize`` finds it.
+
+        Cancellation: an async tool is cancelled at its next await (then no
+        result exists); a sync tool in a worker thread runs to completion and
+        its result is returned, the cancellation firing at the caller's next
+        checkpoint.
+        """
         impl = self._tools[call.name]
         await ctx.emit(ToolStarted(call_id=call.call_id, name=call.name))
         context = ToolContext(
@@ -360,7 +394,8 @@ class Tools(Operation[Any]):
             result = _error(call, f"tool {call.name!r} failed: {type(exc).__name__}: {exc}")
         else:
             result = ToolResultPart.for_call(call, content)
-        await ctx.emit(ToolFinished(call_id=call.call_id, name=call.name, is_error=result.is_error))
+        # No await between the tool returning and the caller recording the result:
+        # a cancellation pending by now must not lose it (the caller emits ToolFinished).
         return result, aborted
 
 

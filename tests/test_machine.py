@@ -42,6 +42,7 @@ from stepmachine import (
     ToolCallPart,
     ToolFinished,
     Tools,
+    ToolStarted,
     UpdateData,
     Yield,
     Yielded,
@@ -560,9 +561,13 @@ async def test_cancel_keeps_finished_tool_results_and_interrupts_the_rest() -> N
 
 
 class StuckFinalize(Operation[Any]):
-    """Applies by hanging; its finalize hangs too."""
+    """Applies by hanging (``started`` is set then); its finalize hangs too."""
+
+    def __init__(self) -> None:
+        self.started = anyio.Event()
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
+        self.started.set()
         await anyio.sleep_forever()
         return Refuse()
 
@@ -573,11 +578,36 @@ class StuckFinalize(Operation[Any]):
 
 async def test_outside_cancellation_bounds_finalize_in_time() -> None:
     store = await new_store()
-    machine = StateMachine([StuckFinalize()], finalize_timeout=0.05)
-    with anyio.move_on_after(0.05) as scope:
+    stuck = StuckFinalize()
+    machine = StateMachine([stuck], finalize_timeout=0.05)
+    async with anyio.create_task_group() as tg:
+
+        async def cancel_once_stuck() -> None:
+            await stuck.started.wait()
+            tg.cancel_scope.cancel()  # from outside, while the step hangs
+
+        tg.start_soon(cancel_once_stuck)
         await machine.run(Runtime(store=store), "s")
     # Reaching this line at all proves finalize was bounded: it would hang forever.
-    assert scope.cancelled_caught
+    assert tg.cancel_scope.cancelled_caught
+
+
+class CancelAtCommit:
+    """An emitter that cancels ``scope`` at the n-th batch a step commits itself."""
+
+    def __init__(self, scope: anyio.CancelScope, nth: int) -> None:
+        self.scope = scope
+        self.nth = nth
+        self.commits = 0
+        self.started: list[str] = []
+
+    async def emit(self, event: Any) -> None:
+        if isinstance(event.data, ToolStarted):
+            self.started.append(event.data.name)
+        if isinstance(event.data, StepApplied) and event.data.status == "committed":
+            self.commits += 1
+            if self.commits == self.nth:
+                self.scope.cancel()
 
 
 async def test_callers_driving_step_and_apply_finalize_themselves() -> None:
@@ -589,8 +619,13 @@ async def test_callers_driving_step_and_apply_finalize_themselves() -> None:
     decision = await machine.step(runtime, session)
     assert decision is not None
     session, _ = await machine.apply(runtime, session, decision)
-    with anyio.move_on_after(0.01):
-        await machine.step(runtime, session)  # the tools step hangs in `forever`
+    with anyio.CancelScope() as scope:
+        # The tools step commits the intents, then echo's result, while `forever` hangs:
+        # cancel at the second commit, which echo's result made (no timing involved).
+        watch = CancelAtCommit(scope, nth=2)
+        await machine.step(runtime, session, watch)
+    assert scope.cancelled_caught
+    assert "echo" in watch.started
     assert len(open_tool_calls((await store.load("s")).conversation)) == 1
     final = await machine.finalize(runtime, "s")
     assert_history_valid(final)

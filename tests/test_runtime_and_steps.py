@@ -177,7 +177,18 @@ def test_yield_reason_constants() -> None:
         YieldReason.BUDGET_EXHAUSTED,
         YieldReason.IDLE,
         YieldReason.CANCELLED,
-    ) == ("done", "awaiting_approval", "awaiting_event", "budget_exhausted", "idle", "cancelled")
+        YieldReason.CALL_HELD,
+        YieldReason.CYCLE_LIMIT,
+    ) == (
+        "done",
+        "awaiting_approval",
+        "awaiting_event",
+        "budget_exhausted",
+        "idle",
+        "cancelled",
+        "call_held",
+        "cycle_limit",
+    )
 
 
 # -- CancelToken --------------------------------------------------------------------------------
