@@ -26,8 +26,11 @@ operations on one session are also serialised with an ``anyio.Lock``.
 
 Cost: the instance caches, per session, the last session value and the log
 offset it was read up to; ``load`` and ``apply`` read only the bytes appended
-since, and ``apply`` encodes only its own batch, never the history. A cold
-load starts from the snapshot, so it replays at most ``snapshot_every`` batches.
+since (and the last record read before, to check that the log still holds it),
+and ``apply`` encodes only its own batch, never the history. A cold load starts
+from the snapshot when the snapshot covers exactly this log (the last record it
+includes is still in the log, byte for byte), so it replays at most
+``snapshot_every`` batches.
 
 All file IO runs in worker threads (``anyio.to_thread.run_sync``), on asyncio
 and trio. Requires ``fcntl.flock`` and ``os.link`` on the folder's filesystem
@@ -456,13 +459,14 @@ class FileStore:
     async def load_at(self, session_id: str, revision: int) -> Session[Any]:
         """The session as it was at ``revision`` (time travel).
 
-        Replays from the snapshot when it is at or before ``revision``, otherwise
-        from the start of the log.
+        Replays from the snapshot when it is at or before ``revision`` and covers
+        exactly this log, otherwise from the start of the log.
 
         Raises:
             SessionNotFoundError: no session has this id.
             ValueError: ``revision`` is negative or beyond the current one.
-            StoredDataError: a record on the way is damaged.
+            StoredDataError: a record on the way is damaged, or acknowledged
+                batches were lost (see :meth:`load`).
 
         Cancellation: safe at any point; nothing is written.
         """
@@ -475,7 +479,8 @@ class FileStore:
 
         Raises:
             SessionNotFoundError: no session has this id.
-            StoredDataError: a record is damaged.
+            StoredDataError: a record is damaged, or acknowledged batches were
+                lost (see :meth:`load`).
 
         Cancellation: safe at any point; nothing is written.
         """
