@@ -184,9 +184,11 @@ class FileStore:
     schema version -- raises :class:`~stepmachine.StoredDataError` naming the
     file and byte offset, and nothing is written.
 
-    Snapshots: a snapshot is only a cache of the log, bound to the exact log
-    content it covers by the offset and digest of the last record it includes.
-    A damaged snapshot, or one whose record is no longer in the log (the log
+    Snapshots: a snapshot is only a cache of the log, bound to the log content
+    it covers by the offset and BLAKE2b digest of the last record it includes
+    (one record is read to check it; a rewrite reproducing that record byte for
+    byte -- same revision, step, cycle, timestamp and effects -- is not told
+    apart). A damaged snapshot, or one whose record is no longer in the log (the log
     was cut back and rewritten: a restored backup, a power loss under
     ``fsync="never"``), is ignored with a ``file_store.damaged_snapshot_ignored``
     warning on the same logger and the log is replayed from its head; the next
