@@ -8,6 +8,13 @@ conformance suite in :mod:`stepmachine.testing.conformance`.
 - :class:`MemoryStore`: in process, for tests and short-lived agents.
 - :class:`SQLiteStore`: the embedded default; one database file, WAL.
 - :class:`FileStore`: one append-only log file per session in a folder.
+
+Supported platforms: this package imports on every OS Python runs on.
+:class:`MemoryStore` works everywhere. :class:`SQLiteStore` works wherever
+Python's ``sqlite3`` does (Linux, macOS, the BSDs, Windows). :class:`FileStore`
+needs POSIX file locks (``fcntl.flock``) on a local filesystem: Linux, macOS
+and the BSDs; elsewhere (Windows) :meth:`FileStore.open` raises
+:class:`~stepmachine.ConfigurationError` naming the platform.
 """
 
 from ._file import FileStore

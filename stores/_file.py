@@ -1,12 +1,19 @@
 """``FileStore``: one append-only log file per session, in one folder. POSIX only.
 
+Supported platforms: Linux, macOS and the BSDs (any OS with ``fcntl.flock``,
+``os.pread`` and ``O_NOFOLLOW``), on a local filesystem. Not Windows: this
+module imports there (so ``stepmachine.stores`` and its other stores do), but
+:meth:`FileStore.open` raises :class:`~stepmachine.ConfigurationError` naming
+the platform.
+
 Layout of the folder (created 0o700; every file 0o600):
 
 - ``<id>.log``: the session's log: a head record, the revision-0 session, then
   one record per applied batch (format in :mod:`._file_log`). Only ever
   appended to, except that a torn final record is cut off before the next append.
-- ``<id>.snap``: the latest snapshot: the session at some revision and the log
-  offset just past that revision's record. Written every ``snapshot_every``
+- ``<id>.snap``: the latest snapshot: the session at some revision, the log
+  offset just past that revision's record, and the offset and digest of that
+  record, which bind it to the log content it covers. Written every ``snapshot_every``
   batches and after any batch holding a ``ReplaceConversation``, to a temporary
   file that is fsynced, ``os.replace``d into place, then the folder is fsynced.
 - ``.<id>...tmp``: temporary files (names starting with ``.`` are never session ids).
@@ -19,8 +26,11 @@ operations on one session are also serialised with an ``anyio.Lock``.
 
 Cost: the instance caches, per session, the last session value and the log
 offset it was read up to; ``load`` and ``apply`` read only the bytes appended
-since, and ``apply`` encodes only its own batch, never the history. A cold
-load starts from the snapshot, so it replays at most ``snapshot_every`` batches.
+since (and the last record read before, to check that the log still holds it),
+and ``apply`` encodes only its own batch, never the history. A cold load starts
+from the snapshot when the snapshot covers exactly this log (the last record it
+includes is still in the log, byte for byte), so it replays at most
+``snapshot_every`` batches.
 
 All file IO runs in worker threads (``anyio.to_thread.run_sync``), on asyncio
 and trio. Requires ``fcntl.flock`` and ``os.link`` on the folder's filesystem
@@ -31,10 +41,10 @@ ids differing only in case would share files: avoid such ids there.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import secrets
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -45,9 +55,15 @@ import anyio.to_thread
 import msgspec
 import structlog
 
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): the module imports, FileStore.open refuses
+    fcntl = None  # type: ignore[assignment]
+
 from stepmachine import (
     Batch,
     Codec,
+    ConfigurationError,
     ConflictError,
     Effect,
     Message,
@@ -65,6 +81,7 @@ from ._file_log import (
     TAG_CREATE,
     TAG_HEAD,
     TAG_SNAPSHOT,
+    LastRecord,
     LogHead,
     Record,
     Snapshot,
@@ -72,6 +89,8 @@ from ._file_log import (
     Torn,
     create_file,
     decode_batch,
+    decode_snapshot_session,
+    digest_of,
     encode_record,
     fold,
     fsync_dir,
@@ -79,6 +98,7 @@ from ._file_log import (
     read_head,
     read_range,
     read_snapshot,
+    snapshot_misfit,
     write_all,
 )
 from ._ids import validate_session_id
@@ -100,11 +120,23 @@ class FileLockTimeoutError(StepmachineError, TimeoutError):
 
 @dataclass(frozen=True, slots=True)
 class _Cached:
-    """``session`` is the log's state after its bytes ``[0, offset)``; ``nonce`` names the log."""
+    """``session`` is the log's state after its bytes ``[0, offset)``; ``nonce`` names the
+    log; ``last`` is the record ending at ``offset``, to check the log still holds it."""
 
     nonce: str
     session: Session[Any]
     offset: int
+    last: LastRecord
+
+
+def _require_flock() -> None:
+    """Raise ConfigurationError naming the platform if it has no ``fcntl.flock``."""
+    if fcntl is None or not hasattr(fcntl, "flock"):
+        raise ConfigurationError(
+            "FileStore needs POSIX file locks (fcntl.flock), which this platform "
+            f"(sys.platform={sys.platform!r}, os.name={os.name!r}) does not have; "
+            "FileStore supports Linux, macOS and the BSDs: use SQLiteStore or MemoryStore here"
+        )
 
 
 class _Busy:
@@ -131,6 +163,11 @@ class _Handle:
 class FileStore:
     """A durable store: one append-only log file per session in ``folder``. POSIX only.
 
+    Supported platforms: Linux, macOS and the BSDs, on a local filesystem. On a
+    platform without ``fcntl.flock`` (Windows), :meth:`open` and the constructor
+    raise :class:`~stepmachine.ConfigurationError` naming the platform; use
+    :class:`~stepmachine.stores.SQLiteStore` there.
+
     Build one with :meth:`open`. Implements :class:`stepmachine.Store`; use it as
     ``async with await FileStore.open(...) as store`` or call :meth:`aclose`.
 
@@ -145,11 +182,27 @@ class FileStore:
     it appends. Any other damage -- a checksum mismatch, a malformed or
     undecodable record, an unknown record or effect tag, a record of a newer
     schema version -- raises :class:`~stepmachine.StoredDataError` naming the
-    file and byte offset, and nothing is written. The snapshot is only a cache
-    of the log: a damaged snapshot, or one that does not fit the log, is
-    ignored with a warning on the same logger and the log is replayed from its
-    head; the next snapshot written replaces it. Decoding goes through the
-    codec only: stored data never names a class to import (invariant 8).
+    file and byte offset, and nothing is written.
+
+    Snapshots: a snapshot is only a cache of the log, bound to the log content
+    it covers by the offset and BLAKE2b digest of the last record it includes
+    (one record is read to check it; a rewrite reproducing that record byte for
+    byte -- same revision, step, cycle, timestamp and effects -- is not told
+    apart). A damaged snapshot, or one whose record is no longer in the log (the log
+    was cut back and rewritten: a restored backup, a power loss under
+    ``fsync="never"``), is ignored with a ``file_store.damaged_snapshot_ignored``
+    warning on the same logger and the log is replayed from its head; the next
+    snapshot written replaces it. A snapshot written by an earlier version
+    carries no binding: it is *unbound*, never used in place of the log (an
+    info record ``file_store.unbound_snapshot_ignored``; cold loads replay the
+    whole log until the next snapshot is written). A snapshot -- bound or not
+    -- at a revision the log no longer reaches proves that acknowledged
+    batches were lost (the log was truncated): that raises
+    :class:`~stepmachine.StoredDataError` naming both files, and nothing is
+    written; delete the snapshot file to accept the loss and carry on from the
+    log. The same holds for this instance's cache: a log that lost revisions
+    the instance already read raises. Decoding goes through the codec only:
+    stored data never names a class to import (invariant 8).
 
     Attributes:
         BOUNDARIES: the persistence boundaries passed to ``boundary_hook``:
@@ -180,7 +233,12 @@ class FileStore:
         lock_timeout: float,
         boundary_hook: Callable[[str], None] | None,
     ) -> None:
-        """Use :meth:`open`, which checks the options and creates the folder."""
+        """Use :meth:`open`, which checks the options and creates the folder.
+
+        Raises:
+            ConfigurationError: the platform has no ``fcntl.flock`` (Windows).
+        """
+        _require_flock()
         self._folder = folder
         self._codec = codec
         self._fsync = fsync == "always"
@@ -218,6 +276,8 @@ class FileStore:
                 IO thread, at that point of persisting (for crash tests).
 
         Raises:
+            ConfigurationError: the platform has no ``fcntl.flock`` (Windows);
+                the message names the platform.
             ValueError: an option is out of range.
             TypeError: ``snapshot_every`` is not an int.
             NotADirectoryError: ``folder`` exists and is not a folder.
@@ -225,6 +285,7 @@ class FileStore:
 
         Cancellation: the folder is created whole or not at all.
         """
+        _require_flock()
         if fsync not in ("always", "never"):
             raise ValueError(f"fsync must be 'always' or 'never', got {fsync!r}")
         if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int):
@@ -328,8 +389,10 @@ class FileStore:
         Raises:
             InvalidSessionIdError: the id is not safe as a file name.
             SessionNotFoundError: no session has this id.
-            StoredDataError: a record is damaged (naming the file and byte offset);
-                nothing is changed, on disk or in the cache.
+            StoredDataError: a record is damaged (naming the file and byte offset),
+                or the snapshot (or this instance's cache) holds a revision the log
+                no longer reaches (acknowledged batches were lost); nothing is
+                changed, on disk or in the cache.
             FileLockTimeoutError: a writer held the lock for ``lock_timeout``.
 
         Cancellation: safe at any point; nothing is written.
@@ -358,7 +421,8 @@ class FileStore:
             SessionNotFoundError: no session has this id.
             EffectError: an effect does not apply; nothing is written.
             ConfigurationError: an effect type is not registered in the codec.
-            StoredDataError: the stored log is damaged; nothing is written.
+            StoredDataError: the stored log is damaged, or lost acknowledged
+                batches (see :meth:`load`); nothing is written.
             FileLockTimeoutError: another writer held the lock for ``lock_timeout``.
             OSError: the write or fsync failed; the record is cut off again
                 (best effort), so a later load normally shows the batch missing.
@@ -397,13 +461,14 @@ class FileStore:
     async def load_at(self, session_id: str, revision: int) -> Session[Any]:
         """The session as it was at ``revision`` (time travel).
 
-        Replays from the snapshot when it is at or before ``revision``, otherwise
-        from the start of the log.
+        Replays from the snapshot when it is at or before ``revision`` and covers
+        exactly this log, otherwise from the start of the log.
 
         Raises:
             SessionNotFoundError: no session has this id.
             ValueError: ``revision`` is negative or beyond the current one.
-            StoredDataError: a record on the way is damaged.
+            StoredDataError: a record on the way is damaged, or acknowledged
+                batches were lost (see :meth:`load`).
 
         Cancellation: safe at any point; nothing is written.
         """
@@ -416,7 +481,8 @@ class FileStore:
 
         Raises:
             SessionNotFoundError: no session has this id.
-            StoredDataError: a record is damaged.
+            StoredDataError: a record is damaged, or acknowledged batches were
+                lost (see :meth:`load`).
 
         Cancellation: safe at any point; nothing is written.
         """
@@ -497,11 +563,12 @@ class FileStore:
             raise
         self._boundary("apply.synced")
         end = cached.offset + len(record)
-        self._cache[session_id] = _Cached(cached.nonce, after, end)
+        last = LastRecord(cached.offset, digest_of(record))
+        self._cache[session_id] = _Cached(cached.nonce, after, end, last)
         if after.revision % self._snapshot_every == 0 or any(
             isinstance(effect, ReplaceConversation) for effect in stored.effects
         ):
-            self._write_snapshot(session_id, cached.nonce, after, end)
+            self._write_snapshot(session_id, cached.nonce, after, end, last)
         return after
 
     def _write_new_log(
@@ -529,18 +596,20 @@ class FileStore:
             if self._fsync:
                 fsync_dir(self._folder)
             self._boundary("create.synced")
-            self._cache[session_id] = _Cached(nonce, session, len(data))
+            last = LastRecord(len(data) - len(records[-1]), digest_of(records[-1]))
+            self._cache[session_id] = _Cached(nonce, session, len(data), last)
             if session.revision > 0:
-                self._write_snapshot(session_id, nonce, session, len(data))
+                self._write_snapshot(session_id, nonce, session, len(data), last)
         finally:
             os.close(fd)
 
     def _write_snapshot(
-        self, session_id: str, nonce: str, session: Session[Any], offset: int
+        self, session_id: str, nonce: str, session: Session[Any], offset: int, last: LastRecord
     ) -> None:
-        """Replace the snapshot (the caller holds the log's exclusive lock)."""
+        """Replace the snapshot, bound to ``last``, the record ending at ``offset``
+        (the caller holds the log's exclusive lock)."""
         body = SnapshotBody(
-            session_id, nonce, offset, msgspec.Raw(self._codec.encode_session(session))
+            session_id, nonce, offset, msgspec.Raw(self._codec.encode_session(session)), last
         )
         data = encode_record(TAG_SNAPSHOT, session.revision, msgspec.json.encode(body))
         temp = os.path.join(self._folder, f".{session_id}.snap.tmp")
@@ -645,20 +714,42 @@ class FileStore:
     def _current(self, fd: int, session_id: str) -> tuple[_Cached, Torn | None]:
         """Bring the cache up to the end of the log; report a torn tail.
 
-        Nothing is cached when a record is damaged (StoredDataError propagates).
-        A cold read starts from the snapshot; if the snapshot is damaged or does
-        not fit the log, it is ignored (with a warning) and the log is replayed
-        from its head.
+        Warm read: the cache is of this log (same nonce) and the log still holds
+        the cached last record, byte for byte, where it was: only the bytes after
+        it are read. Otherwise a cold read (:meth:`_cold_replay`); when the log
+        changed under the cache (cut back and rewritten), that is reported with
+        a ``file_store.log_rewritten`` warning. Nothing is cached when a record
+        is damaged (StoredDataError propagates).
+
+        Raises:
+            StoredDataError: a record is damaged; or the log no longer reaches a
+                revision the snapshot or this instance's cache holds.
         """
         path = self._log_path(session_id)
         size = os.fstat(fd).st_size
         nonce, head_end = read_head(fd, session_id, path)
         cached = self._cache.get(session_id)
-        if cached is not None and cached.nonce == nonce and cached.offset <= size:
-            session, end, torn = self._replay(fd, session_id, cached.session, cached.offset, size)
-        else:
-            session, end, torn = self._cold_replay(fd, session_id, nonce, head_end, size)
-        fresh = _Cached(nonce, session, end)
+        state = None
+        if cached is not None and cached.nonce == nonce:
+            state = self._warm_replay(fd, session_id, cached, size)
+        if state is None:
+            state = self._cold_replay(fd, session_id, nonce, head_end, size)
+            if cached is not None and cached.nonce == nonce:
+                self._check_reaches(
+                    session_id,
+                    cached.session.revision,
+                    "this FileStore's cache",
+                    state[0],
+                    "open a new FileStore",
+                )
+                _log.warning(
+                    "file_store.log_rewritten",
+                    session_id=session_id,
+                    path=path,
+                    cached_revision=cached.session.revision,
+                    revision=state[0].session.revision,
+                )
+        fresh, torn = state
         self._cache[session_id] = fresh
         if torn is not None and (path, nonce, torn.offset) not in self._torn_seen:
             self._torn_seen.add((path, nonce, torn.offset))
@@ -668,104 +759,172 @@ class FileStore:
                 path=path,
                 offset=torn.offset,
                 length=torn.length,
-                revision=session.revision,
+                revision=fresh.session.revision,
             )
         return fresh, torn
 
+    def _warm_replay(
+        self, fd: int, session_id: str, cached: _Cached, size: int
+    ) -> tuple[_Cached, Torn | None] | None:
+        """:meth:`_replay` from ``cached``; None if the log no longer holds its last record."""
+        if cached.offset > size:
+            return None
+        if digest_of(read_range(fd, cached.last.offset, cached.offset)) != cached.last.digest:
+            return None
+        return self._replay(
+            fd, session_id, cached.nonce, cached.session, cached.last, cached.offset, size
+        )
+
     def _cold_replay(
         self, fd: int, session_id: str, nonce: str, head_end: int, size: int
-    ) -> tuple[Session[Any], int, Torn | None]:
-        """:meth:`_replay` from the snapshot, or from the head of the log without one.
+    ) -> tuple[_Cached, Torn | None]:
+        """:meth:`_replay` from the snapshot if it covers exactly this log, else from
+        the head of the log.
 
-        If replaying from the snapshot fails, the snapshot may be what does not
-        fit the log: the whole log is replayed; if the log itself is damaged,
-        that raises, naming the log file and offset.
+        If replaying from the snapshot fails, the whole log is replayed; if the
+        log itself is damaged, that raises, naming the log file and offset. When
+        the snapshot was not used, a snapshot at a revision the log does not
+        reach raises (acknowledged batches were lost); any other is reported.
         """
-        snapshot = self._read_snapshot(session_id, nonce, head_end, size, decode=True)
-        if snapshot is None:
-            return self._replay(fd, session_id, None, head_end, size)
-        try:
-            return self._replay(fd, session_id, snapshot.session, snapshot.offset, size)
-        except StoredDataError as exc:
-            replayed = self._replay(fd, session_id, None, head_end, size)
-            self._snapshot_ignored(session_id, str(exc))
-            return replayed
+        path = self._log_path(session_id)
+        snapshot = self._read_snapshot(session_id, nonce)
+        reason = ""
+        if snapshot is not None:
+            misfit = snapshot_misfit(fd, snapshot, head_end, size, path)
+            if misfit is None:
+                try:
+                    session = decode_snapshot_session(self._codec, snapshot, session_id)
+                    return self._replay(
+                        fd, session_id, nonce, session, snapshot.last_record, snapshot.offset, size
+                    )
+                except StoredDataError as exc:
+                    reason = str(exc)
+            else:
+                reason = misfit
+        replayed = self._replay(fd, session_id, nonce, None, None, head_end, size)
+        if snapshot is not None:
+            self._check_reaches(
+                session_id,
+                snapshot.revision,
+                f"the snapshot {snapshot.path}",
+                replayed[0],
+                f"delete {snapshot.path} and open a new FileStore",
+            )
+            self._snapshot_unused(session_id, snapshot, reason)
+        return replayed
 
     def _replay(
-        self, fd: int, session_id: str, session: Session[Any] | None, offset: int, size: int
-    ) -> tuple[Session[Any], int, Torn | None]:
-        """Fold the log's records in ``[offset, size)`` onto ``session`` (None: the
-        create record comes first); the session, the offset read up to, the torn tail."""
+        self,
+        fd: int,
+        session_id: str,
+        nonce: str,
+        session: Session[Any] | None,
+        last: LastRecord | None,
+        offset: int,
+        size: int,
+    ) -> tuple[_Cached, Torn | None]:
+        """Fold the log's records in ``[offset, size)`` onto ``session``, whose last
+        record is ``last`` (both None: the create record comes first); the new
+        cache entry and the torn tail."""
         path = self._log_path(session_id)
-        records, torn = parse_records(read_range(fd, offset, size), offset, path)
+        data = read_range(fd, offset, size)
+        records, torn = parse_records(data, offset, path)
         for record in records:
             session = fold(self._codec, record, session, session_id, path)
-        if session is None:
+        if records:
+            final = records[-1]
+            last = LastRecord(
+                final.offset, digest_of(data[final.offset - offset : final.end - offset])
+            )
+            offset = final.end
+        if session is None or last is None:
             raise StoredDataError(
                 f"invariant 8 (stored data is data): {path} holds no complete create record"
             )
-        return session, records[-1].end if records else offset, torn
+        return _Cached(nonce, session, offset, last), torn
+
+    def _check_reaches(
+        self, session_id: str, revision: int, holder: str, replayed: _Cached, remedy: str
+    ) -> None:
+        """Raise StoredDataError if ``holder`` (a snapshot, the cache) saw ``revision``
+        of this log, which the log, replayed whole, no longer reaches; the message
+        ends with ``remedy``, what accepts the loss."""
+        if revision <= replayed.session.revision:
+            return
+        raise StoredDataError(
+            f"invariant 2 (nothing is lost): {holder} holds session {session_id!r} at "
+            f"revision {revision}, but its log {self._log_path(session_id)} ends at revision "
+            f"{replayed.session.revision} (byte {replayed.offset}): acknowledged batches "
+            f"{replayed.session.revision + 1}..{revision} are missing (a truncated or restored "
+            "log, or a power loss under fsync='never'). Nothing was changed; to accept the "
+            f"loss and carry on from the log, {remedy}"
+        )
 
     def _records_from(
         self, fd: int, session_id: str, cached: _Cached, revision: int, *, decode: bool
     ) -> tuple[Session[Any] | None, list[Record]]:
         """Where to replay from to reach ``revision``, and the log's records from
         there up to ``cached.offset``: the snapshot (its session, None unless
-        ``decode``) if it is not later, else the create record (``None``).
+        ``decode``) if it is not later and covers exactly this log, else the
+        create record (``None``).
 
-        A snapshot whose offset is not followed by the batch after it is ignored
-        (with a warning) like a damaged one.
+        A snapshot that does not cover this log is ignored and reported like a
+        damaged one (:meth:`_snapshot_unused`).
         """
         path = self._log_path(session_id)
         head_end = read_head(fd, session_id, path)[1]
         stop = cached.offset
-        snapshot = self._read_snapshot(session_id, cached.nonce, head_end, stop, decode=decode)
+        snapshot = self._read_snapshot(session_id, cached.nonce)
         if snapshot is not None and snapshot.revision <= revision:
-            try:
-                records, _ = parse_records(
-                    read_range(fd, snapshot.offset, stop), snapshot.offset, path
-                )
-            except StoredDataError as exc:
-                self._snapshot_ignored(session_id, str(exc))
-            else:
-                following = records[0].revision - 1 if records else cached.session.revision
-                if following == snapshot.revision and (not records or records[0].tag == TAG_BATCH):
-                    return snapshot.session, records
-                self._snapshot_ignored(
-                    session_id,
-                    f"the snapshot of revision {snapshot.revision} points at log offset "
-                    f"{snapshot.offset}, which is not followed by the next batch",
-                )
+            misfit = snapshot_misfit(fd, snapshot, head_end, stop, path)
+            if misfit is None:
+                try:
+                    session = (
+                        decode_snapshot_session(self._codec, snapshot, session_id)
+                        if decode
+                        else None
+                    )
+                    records, _ = parse_records(
+                        read_range(fd, snapshot.offset, stop), snapshot.offset, path
+                    )
+                except StoredDataError as exc:
+                    misfit = str(exc)
+                else:
+                    return session, records
+            self._snapshot_unused(session_id, snapshot, misfit)
         records, _ = parse_records(read_range(fd, head_end, stop), head_end, path)
         return None, records
 
-    def _read_snapshot(
-        self, session_id: str, nonce: str, head_end: int, size: int, *, decode: bool
-    ) -> Snapshot | None:
+    def _read_snapshot(self, session_id: str, nonce: str) -> Snapshot | None:
         """The snapshot of this incarnation of the log (``nonce``), if there is one.
 
-        The snapshot is only a cache of the log: a damaged or unreadable one, or
-        one that does not fit the log (``size`` bytes, records from ``head_end``),
-        is ignored with a warning, and the log is read from its head instead.
-        The next snapshot written replaces it.
+        It is checked as a file only (checksum, format), not yet against the log.
+        A damaged or unreadable one is ignored with a warning, and so is one of
+        an earlier incarnation (a stale one). The next snapshot written replaces it.
         """
         path = self._snap_path(session_id)
         try:
-            snapshot = read_snapshot(self._codec, path, session_id, nonce, size, decode=decode)
+            snapshot = read_snapshot(path, session_id, nonce)
         except (StoredDataError, OSError) as exc:
             self._snapshot_ignored(session_id, str(exc))
             return None
         if snapshot is not None and snapshot.stale:
             _log.warning("file_store.stale_snapshot_ignored", session_id=session_id, path=path)
             return None
-        if snapshot is not None and snapshot.offset < head_end:
-            self._snapshot_ignored(
-                session_id,
-                f"the snapshot points at log offset {snapshot.offset}, inside the head record "
-                f"(which ends at byte {head_end})",
-            )
-            return None
         return snapshot
+
+    def _snapshot_unused(self, session_id: str, snapshot: Snapshot, reason: str) -> None:
+        """Report a snapshot not used: unbound ones (from an earlier version) at
+        info level, any other that does not fit the log as a warning."""
+        if snapshot.last_record is None:
+            _log.info(
+                "file_store.unbound_snapshot_ignored",
+                session_id=session_id,
+                path=snapshot.path,
+                revision=snapshot.revision,
+            )
+        else:
+            self._snapshot_ignored(session_id, reason)
 
     def _snapshot_ignored(self, session_id: str, reason: str) -> None:
         """Warn that the snapshot is ignored (it is only a cache of the log)."""

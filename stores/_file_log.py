@@ -18,7 +18,13 @@ holds a raw newline. Tags:
 - ``C`` (create): the revision-0 session.
 - ``B`` (batch): one applied :class:`~stepmachine.Batch`.
 - ``S`` (snapshot): the only record of a snapshot file: the session at a
-  revision, and the log offset just past that revision's record.
+  revision, the log offset just past that revision's record, and
+  ``last_record``: the offset and BLAKE2b digest of that record's bytes,
+  binding the snapshot to the exact log content it covers (see
+  :func:`snapshot_misfit`). Snapshots written before that field was added
+  have no ``last_record``;
+  they are *unbound* and never used in place of the log (older code reading a
+  newer snapshot ignores the field, so the format stays at schema version 1).
 
 Parsing fails closed (invariant 8): a malformed header, a length that does not
 end on the line's newline, a checksum mismatch, an unknown tag or a schema
@@ -31,6 +37,7 @@ returns it separately instead of raising.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import zlib
@@ -55,6 +62,7 @@ __all__ = [
     "TAG_CREATE",
     "TAG_HEAD",
     "TAG_SNAPSHOT",
+    "LastRecord",
     "LogHead",
     "Record",
     "Snapshot",
@@ -62,7 +70,9 @@ __all__ = [
     "Torn",
     "create_file",
     "decode_batch",
+    "decode_snapshot_session",
     "decode_struct",
+    "digest_of",
     "encode_record",
     "fold",
     "fsync_dir",
@@ -71,6 +81,7 @@ __all__ = [
     "read_head",
     "read_range",
     "read_snapshot",
+    "snapshot_misfit",
     "write_all",
 ]
 
@@ -98,13 +109,30 @@ class LogHead(msgspec.Struct, frozen=True):
     nonce: str
 
 
+class LastRecord(msgspec.Struct, frozen=True):
+    """The last log record a snapshot (or a cache) covers.
+
+    Attributes:
+        offset: the file offset of the record's first byte (it ends at the
+            snapshot's ``offset``).
+        digest: :func:`digest_of` the record's bytes, newline included.
+    """
+
+    offset: int
+    digest: str
+
+
 class SnapshotBody(msgspec.Struct, frozen=True):
-    """Payload of the ``S`` record; ``session`` is encoded by the codec."""
+    """Payload of the ``S`` record; ``session`` is encoded by the codec.
+
+    ``last_record`` is None in snapshots written before it existed (unbound).
+    """
 
     session_id: str
     nonce: str
     offset: int
     session: msgspec.Raw
+    last_record: LastRecord | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,18 +156,22 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """A snapshot file's content.
+    """A snapshot file's content, checksum-verified but not yet checked against the log.
 
     Attributes:
-        revision: the revision it holds.
+        path: the snapshot file.
+        revision: the revision it holds (from its checksummed header).
         offset: the log offset just past that revision's record.
-        session: the session (None when not decoded, or when stale).
+        last_record: the record it is bound to; None for an unbound (older) snapshot.
+        session: the codec-encoded session at ``revision``.
         stale: it belongs to an earlier incarnation of the session's log.
     """
 
+    path: str
     revision: int
     offset: int
-    session: Session[Any] | None
+    last_record: LastRecord | None
+    session: bytes
     stale: bool = False
 
 
@@ -322,15 +354,17 @@ def read_head(fd: int, session_id: str, path: str) -> tuple[str, int]:
     return head.nonce, record.end
 
 
-def read_snapshot(
-    codec: Codec[Any], path: str, session_id: str, nonce: str, size: int, *, decode: bool
-) -> Snapshot | None:
-    """The snapshot file at ``path`` for the log ``nonce`` of ``size`` bytes; None if missing.
+def read_snapshot(path: str, session_id: str, nonce: str) -> Snapshot | None:
+    """The snapshot file at ``path`` for the log ``nonce`` of ``session_id``; None if missing.
 
-    A snapshot of another incarnation (another nonce) comes back ``stale``.
+    Only the file itself is checked (checksum, format): whether it fits the log
+    is :func:`snapshot_misfit`'s question, and its session is decoded by
+    :func:`decode_snapshot_session`. A snapshot of another incarnation (another
+    nonce or session id) comes back ``stale``.
 
     Raises:
-        StoredDataError: the file is damaged or does not fit the log.
+        StoredDataError: the file is damaged.
+        OSError: it cannot be read.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -341,25 +375,79 @@ def read_snapshot(
     finally:
         os.close(fd)
     record = parse_one(data, 0, path, TAG_SNAPSHOT)
-    where = f"{path} at byte 0"
-    body = decode_struct(_snapshot_decoder, record, where)
-    if body.nonce != nonce or body.session_id != session_id:
-        return Snapshot(record.revision, body.offset, None, stale=True)
-    if body.offset > size:
-        raise StoredDataError(
-            f"invariant 8 (stored data is data): snapshot {path} points at log offset "
-            f"{body.offset}, past the end of the log ({size} bytes)"
+    body = decode_struct(_snapshot_decoder, record, f"{path} at byte 0")
+    stale = body.nonce != nonce or body.session_id != session_id
+    return Snapshot(
+        path, record.revision, body.offset, body.last_record, bytes(body.session), stale
+    )
+
+
+def snapshot_misfit(fd: int, snapshot: Snapshot, head_end: int, size: int, log: str) -> str | None:
+    """Why ``snapshot`` does not cover exactly the log ``fd`` (``size`` bytes, records
+    from ``head_end``, path ``log``); None when it does.
+
+    It does when the bytes just before ``snapshot.offset`` are one complete
+    record, for ``snapshot.revision``, whose digest is the one the snapshot was
+    bound to when it was written. A log cut back and rewritten since (a
+    restored backup, a power loss under ``fsync="never"``) has another record
+    there. The check reads that one record, not the whole prefix: a rewrite
+    that reproduced this record byte for byte (same revision, step, cycle,
+    timestamp and effects) is not detected. An unbound snapshot (no
+    ``last_record``) never fits.
+    """
+    last = snapshot.last_record
+    if last is None:
+        return "the snapshot is unbound (written by an earlier version); the log is replayed"
+    where = f"log offset {snapshot.offset} (revision {snapshot.revision})"
+    if snapshot.offset > size:
+        return f"the snapshot covers the log up to {where}, past its end ({size} bytes)"
+    if not head_end <= last.offset < snapshot.offset:
+        return (
+            f"the snapshot's last record at offset {last.offset} is not a record before {where} "
+            f"(records start at byte {head_end})"
         )
-    if not decode:
-        return Snapshot(record.revision, body.offset, None)
-    session = codec.decode_session(bytes(body.session), where=where)
-    if session.revision != record.revision or session.id != session_id:
+    data = read_range(fd, last.offset, snapshot.offset)
+    try:
+        records, torn = parse_records(data, last.offset, log)
+    except StoredDataError as exc:
+        return f"the log bytes before {where} are not the record the snapshot covers: {exc}"
+    expected_tag = TAG_BATCH if snapshot.revision > 0 else TAG_CREATE
+    if (
+        torn is not None
+        or len(records) != 1
+        or records[0].tag != expected_tag
+        or records[0].revision != snapshot.revision
+    ):
+        return f"the log bytes before {where} are not the record of revision {snapshot.revision}"
+    digest = digest_of(data)
+    if digest != last.digest:
+        return (
+            f"the log record before {where} is not the one the snapshot covers (digest {digest}, "
+            f"the snapshot was bound to {last.digest}): the log was cut back and rewritten"
+        )
+    return None
+
+
+def decode_snapshot_session(codec: Codec[Any], snapshot: Snapshot, session_id: str) -> Session[Any]:
+    """The session a snapshot holds, checked against its header.
+
+    Raises:
+        StoredDataError: it does not decode, or is another session or revision.
+    """
+    where = f"{snapshot.path} at byte 0"
+    session = codec.decode_session(snapshot.session, where=where)
+    if session.revision != snapshot.revision or session.id != session_id:
         raise StoredDataError(
-            f"invariant 8 (stored data is data): snapshot {path} holds session "
+            f"invariant 8 (stored data is data): snapshot {snapshot.path} holds session "
             f"{session.id!r} at revision {session.revision}, but its header says "
-            f"{session_id!r} at revision {record.revision}"
+            f"{session_id!r} at revision {snapshot.revision}"
         )
-    return Snapshot(record.revision, body.offset, session)
+    return session
+
+
+def digest_of(record: bytes) -> str:
+    """The hex BLAKE2b-128 digest of a record's bytes (how snapshots and caches bind to it)."""
+    return hashlib.blake2b(record, digest_size=16).hexdigest()
 
 
 def decode_batch(codec: Codec[Any], record: Record, session_id: str, path: str) -> Batch[Effect]:
