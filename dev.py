@@ -7,15 +7,17 @@
     python3 dev.py bench    run the benchmarks
 
 Each command makes (or reuses) the virtual environment ``.venv`` beside this
-file and installs what it needs into it: the package itself (a strict
-editable install, so mypy follows it) and the extras the command uses. The
-install is redone only when pyproject.toml or the set of modules changes.
+file and installs what it needs into it: the package itself (a plain editable install:
+a static path to this checkout, which mypy, IDEs and the REPL follow) and the
+extras the command uses. The install is redone only when pyproject.toml or the
+extras change; new modules need no reinstall.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -25,15 +27,11 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
-PACKAGES = ("stepmachine", "operations", "stores")
 
 
 def _stamp(extras: str) -> str:
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
     digest.update(extras.encode())
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            digest.update(str(path.relative_to(ROOT)).encode())
     return digest.hexdigest()
 
 
@@ -47,6 +45,9 @@ def ensure_env(extras: str) -> None:
     if stamp_file.exists() and stamp_file.read_text() == stamp:
         return
     target = f".[{extras}]" if extras else "."
+    stale = ROOT / "stepmachine.egg-info"  # left by the setuptools build of earlier versions
+    if stale.is_dir():
+        shutil.rmtree(stale)
     print(f"installing {target} into {VENV}", flush=True)
     subprocess.run(
         [
@@ -58,8 +59,6 @@ def ensure_env(extras: str) -> None:
             "--disable-pip-version-check",
             "--editable",
             target,
-            "--config-settings",
-            "editable_mode=strict",
         ],
         cwd=ROOT,
         check=True,

@@ -40,7 +40,7 @@ from stepmachine import (
     Tools,
     tool,
 )
-from stepmachine.operations._approval import Approval, approve, deny
+from stepmachine.operations import Approval, approve, deny
 from stepmachine.stores import SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
 

@@ -35,8 +35,7 @@ from stepmachine import (
     Tools,
     tool,
 )
-from stepmachine.operations._compaction import Compaction
-from stepmachine.operations._history_guard import HistoryGuard
+from stepmachine.operations import Compaction, HistoryGuard
 from stepmachine.stores import SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
 

@@ -26,7 +26,7 @@ severe action wins: fail > stop > retry > skip > repair.
   and yield with reason ``invalid_tool_call`` (``data["problems"]``).
 * ``"retry"``: hide the message from the model (``SetVisibility``), annotate
   it, and append a feedback user message (visible to the model, hidden from
-  the user, marked with :data:`~stepmachine.operations._budget.FEEDBACK`)
+  the user, marked with :data:`~stepmachine.operations.FEEDBACK`)
   that explains each problem; ``Continue`` -- the model answers again, which
   is another model call, so a :class:`Budget` counts it. After
   ``max_retries`` retries in one user turn the action becomes ``"stop"``.

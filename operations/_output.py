@@ -25,7 +25,7 @@ message yields the same ``done`` again (no model call).
 
 An invalid output is re-prompted: in tool mode an error result answers the
 output call; otherwise the message is noted ``{"error": ...}`` and a feedback
-user message (marked :data:`~stepmachine.operations._budget.FEEDBACK`, hidden
+user message (marked :data:`~stepmachine.operations.FEEDBACK`, hidden
 from the user) explains the error. Each re-prompt is a model call, so a
 :class:`Budget` before inference counts and limits it. After ``max_retries``
 re-prompts in one user turn the step yields ``output_invalid`` with the

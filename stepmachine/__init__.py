@@ -5,6 +5,20 @@ that applies to the stored session wins, its effects are applied
 (compare-and-set) and the loop continues or yields. Every decision is made
 from the stored session, so ``run()`` called again, in any process, continues
 exactly where the session left off.
+
+The public packages:
+
+- ``stepmachine``: the kernel (this package): messages, sessions, effects,
+  steps, the machine, the ``Tools`` and ``ModelInference`` steps, errors.
+- ``stepmachine.operations``: the built-in operations (approval, budgets,
+  invalid calls, external events, structured output, compaction, history guard).
+- ``stepmachine.stores``: ``MemoryStore``, ``SQLiteStore``, ``FileStore``.
+- ``stepmachine.providers``: model adapters over httpx (OpenAI, Anthropic,
+  OpenAI-compatible servers).
+- ``stepmachine.testing``: fakes for tests (scripted models, ``run_step``) and
+  ``stepmachine.testing.conformance``, the store conformance suite.
+
+Modules whose names start with ``_`` are private: import from the packages above.
 """
 
 from ._codec import KERNEL_EFFECTS, Batch, Codec

@@ -1,7 +1,7 @@
 """The session: the one value every decision is made from.
 
 A :class:`Session` is immutable. Steps never mutate one; they return effects,
-and applying effects (a pure function, see :mod:`stepmachine._effects`)
+and applying effects (a pure function, see :class:`stepmachine.Effect`)
 produces the next session value. The store bumps ``revision`` once per applied
 batch.
 """

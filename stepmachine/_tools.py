@@ -7,8 +7,7 @@ that Struct before the function is called. Describe a parameter with
 ``Annotated[str, msgspec.Meta(description="...")]``; the docstring's first
 paragraph describes the tool. A parameter annotated :class:`ToolContext` is
 not part of the schema: it receives the runtime, the call id and a stable
-idempotency key. The ``Tools`` operation that runs them lives in
-:mod:`stepmachine._tool_step`.
+idempotency key. The :class:`stepmachine.Tools` step runs them.
 """
 
 from __future__ import annotations

@@ -315,8 +315,8 @@ class SQLiteStore:
         session before anything is written, so nothing invalid is stored. The
         write is one ``BEGIN IMMEDIATE`` transaction: one batch row, one row
         per effect, the new revision on the session row, and a snapshot after
-        a ``ReplaceConversation`` or when one is due (see
-        :func:`._sqlite_schema.wants_snapshot`: periodic snapshots cost each
+        a ``ReplaceConversation`` or when one is due (periodic snapshots, once
+        the effects since the last one reach half its size, cost each
         apply, on average, about twice encoding its own effects). Nothing
         else is re-encoded, whatever the history length.
 

@@ -1,18 +1,19 @@
-"""The README's example and the runnable examples work as documented."""
+"""The runnable examples work as documented and use only public names."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from _public_names import is_private, private_uses
+from hypothesis import given
+from hypothesis import strategies as st
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def python_blocks(text: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
 PROVIDER_VARIABLES = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_COMPATIBLE_BASE_URL")
@@ -32,26 +33,6 @@ def run(
         check=False,
         env={**clean, **(env or {})},
     )
-
-
-def test_readme_first_screen_example_runs_and_is_short(tmp_path: Path) -> None:
-    readme = (ROOT / "README.md").read_text()
-    first = python_blocks(readme)[0]
-    assert len(first.strip().splitlines()) <= 20
-    script = tmp_path / "example.py"
-    script.write_text(first)
-    done = run([str(script)], cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "2 + 3 = 5"
-    assert (tmp_path / "agent.sqlite3").exists()  # the embedded default store was used
-
-
-def test_readme_commands_are_the_ones_dev_py_provides() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert "python3 dev.py demo" in readme
-    assert "python3 dev.py test" in readme
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert "python3 dev.py test" in ci
 
 
 def test_hello_world_prints_the_conversation(tmp_path: Path) -> None:
@@ -84,29 +65,6 @@ def test_hello_world_runs_on_trio(tmp_path: Path) -> None:
     assert "Enjoy your day!" in done.stdout
 
 
-def test_readme_step_list_builds_a_machine() -> None:
-    readme = (ROOT / "README.md").read_text()
-    (block,) = [b for b in python_blocks(readme) if "steps = [" in b]
-    from stepmachine import StateMachine, tool
-
-    @tool
-    def send_payment(to: str, amount: int) -> str:
-        """Pay someone."""
-        return "paid"
-
-    @tool
-    def lookup(query: str) -> str:
-        """Look something up."""
-        return "found"
-
-    namespace: dict[str, object] = {"send_payment": send_payment, "lookup": lookup}
-    exec(block, namespace)
-    machine = StateMachine(namespace["steps"])  # type: ignore[arg-type]
-    names = [step.name for step in machine.steps]
-    assert names[-1] == "inference"
-    assert names.index("approval") < names.index("tools")
-
-
 def test_hello_world_uses_a_configured_provider(tmp_path: Path) -> None:
     # An OpenAI-compatible server that is not there: the demo must pick the real
     # adapter (and say so), then fail with a typed connection error, not run scripted.
@@ -118,3 +76,53 @@ def test_hello_world_uses_a_configured_provider(tmp_path: Path) -> None:
     assert "scripted" not in done.stdout
     assert done.returncode != 0
     assert "ProviderConnectionError" in done.stderr
+
+
+def test_there_are_examples() -> None:
+    assert {p.name for p in EXAMPLES} >= {"hello_world.py", "approval.py", "compaction.py"}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_import_only_public_modules_and_names(example: Path) -> None:
+    assert private_uses(example.read_text(encoding="utf-8")) == []
+
+
+def test_private_uses_reports_each_form() -> None:
+    source = (
+        "import stepmachine\n"
+        "import stepmachine.operations._approval\n"
+        "from stepmachine.operations._compaction import Compaction\n"
+        "from stepmachine import _errors, __version__\n"
+        "from stepmachine.operations import Approval, HistoryGuard\n"
+        "x = stepmachine._machine.StateMachine\n"
+        "y = Approval._private\n"
+        "z = stepmachine.operations.Approval\n"
+    )
+    assert private_uses(source) == [
+        "line 2: import stepmachine.operations._approval",
+        "line 3: from stepmachine.operations._compaction import ...",
+        "line 4: from stepmachine import _errors",
+        "line 6: stepmachine._machine",
+        "line 7: Approval._private",
+    ]
+
+
+COMPONENT = st.from_regex(r"_{0,2}[a-z][a-z0-9]{0,6}(__)?", fullmatch=True)
+
+
+@given(
+    path=st.lists(COMPONENT, min_size=1, max_size=4),
+    names=st.lists(COMPONENT, min_size=1, max_size=3),
+    form=st.sampled_from(["import", "import_as", "from"]),
+)
+def test_an_import_is_reported_exactly_when_a_component_is_private(
+    path: list[str], names: list[str], form: str
+) -> None:
+    module = ".".join(path)
+    if form == "import":
+        source, parts = f"import {module}\n", path
+    elif form == "import_as":
+        source, parts = f"import {module} as alias\n", path
+    else:
+        source, parts = f"from {module} import {', '.join(names)}\n", [*path, *names]
+    assert bool(private_uses(source)) == any(is_private(p) for p in parts)

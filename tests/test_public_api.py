@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import importlib
 import importlib.resources
+import inspect
 import re
 import types
+import typing
+from collections.abc import Iterator
 
 import pytest
+from _public_names import is_private
 
 import stepmachine
 from stepmachine import StepmachineError
 
-PUBLIC_PACKAGES = ["stepmachine", "stepmachine.testing", "stepmachine.stores"]
+PUBLIC_PACKAGES = [
+    "stepmachine",
+    "stepmachine.operations",
+    "stepmachine.providers",
+    "stepmachine.stores",
+    "stepmachine.testing",
+]
+# Public modules: the packages, and modules users import by name that define
+# their own names (their other attributes are imports, not exports).
+PUBLIC_MODULES = [*PUBLIC_PACKAGES, "stepmachine.testing.conformance"]
 
 
 def ruf022_key(name: str) -> tuple[int, list[str | int]]:
@@ -61,13 +74,13 @@ def test_ruf022_key_matches_ruff_on_a_known_list() -> None:
     assert sorted(shuffled, key=ruf022_key) == ruff_sorted
 
 
-@pytest.mark.parametrize("package", PUBLIC_PACKAGES)
+@pytest.mark.parametrize("package", PUBLIC_MODULES)
 def test_all_is_sorted_like_ruf022(package: str) -> None:
     names = list(importlib.import_module(package).__all__)
     assert names == sorted(names, key=ruf022_key)
 
 
-@pytest.mark.parametrize("package", PUBLIC_PACKAGES)
+@pytest.mark.parametrize("package", PUBLIC_MODULES)
 def test_all_has_no_duplicates_and_every_name_exists(package: str) -> None:
     module = importlib.import_module(package)
     names = list(module.__all__)
@@ -99,7 +112,7 @@ def test_every_error_class_derives_from_stepmachine_error() -> None:
         value
         for module in (
             stepmachine,
-            stepmachine.testing,
+            importlib.import_module("stepmachine.testing"),
             importlib.import_module("stepmachine.stores"),
         )
         for value in vars(module).values()
@@ -138,3 +151,84 @@ def test_kernel_does_not_import_operations_or_stores() -> None:
     assert len(sources) > 10
     offenders = [p.name for p in sources if pattern.search(p.read_text(encoding="utf-8"))]
     assert offenders == []
+
+
+def public_objects() -> Iterator[tuple[str, object]]:
+    """Every public package, every name in its ``__all__``, and their public methods."""
+    for package in PUBLIC_MODULES:
+        module = importlib.import_module(package)
+        yield package, module
+        for name in module.__all__:
+            value = getattr(module, name)
+            yield f"{package}.{name}", value
+            if not inspect.isclass(value):
+                continue
+            for attr, member in vars(value).items():
+                if is_private(attr):
+                    continue
+                function = member
+                if isinstance(member, (staticmethod, classmethod)):
+                    function = member.__func__
+                elif isinstance(member, property):
+                    function = member.fget
+                if inspect.isfunction(function):
+                    yield f"{package}.{name}.{attr}", function
+
+
+# A dotted path inside the package, or the target of a Sphinx role (:class:`x`).
+DOTTED = re.compile(r"(?<![\w.])((?:stepmachine|operations|stores|providers|testing)(?:\.\w+)+)")
+ROLE = re.compile(r":[a-z]+:`~?([^`<]+?)`")
+
+
+def test_public_docstrings_point_only_at_public_names() -> None:
+    offenders: list[str] = []
+    checked = 0
+    for where, value in public_objects():
+        doc = inspect.getdoc(value) or ""
+        checked += bool(doc)
+        offenders.extend(
+            f"{where}: {target}"
+            for target in [*DOTTED.findall(doc), *ROLE.findall(doc)]
+            if target.startswith(".") or any(is_private(p) for p in target.split("."))
+        )
+    assert checked > 200
+    assert offenders == []
+
+
+def _types_in(annotation: object, found: set[type]) -> None:
+    if isinstance(annotation, type):
+        found.add(annotation)
+    origin = typing.get_origin(annotation)
+    if isinstance(origin, type):
+        found.add(origin)
+    for argument in typing.get_args(annotation):
+        _types_in(argument, found)
+
+
+def test_every_type_in_a_public_signature_is_exported() -> None:
+    """What a user needs to call, subclass or annotate is importable from a public package."""
+    exported = {
+        id(getattr(importlib.import_module(p), n))
+        for p in PUBLIC_MODULES
+        for n in importlib.import_module(p).__all__
+    }
+    missing: set[str] = set()
+    checked = 0
+    for where, value in public_objects():
+        if not (inspect.isfunction(value) or inspect.isclass(value)):
+            continue
+        try:
+            hints = typing.get_type_hints(value)
+        except TypeError:  # a class whose __init__ has no annotations to resolve
+            continue
+        checked += 1
+        found: set[type] = set()
+        for hint in hints.values():
+            _types_in(hint, found)
+        missing |= {
+            f"{t.__module__}.{t.__qualname__} (in {where})"
+            for t in found
+            if t.__module__.split(".")[0] == "stepmachine" and id(t) not in exported
+        }
+    assert checked > 200
+    assert sorted(missing) == []

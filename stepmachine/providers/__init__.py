@@ -5,7 +5,7 @@ the provider's wire format and the reply back to kernel message parts (text,
 tool calls with parsed arguments and the raw string, reasoning with its
 opaque round-trip data, usage, finish reason), blocking or streaming with the
 same result, with typed errors and replay-safe retries (see
-:mod:`stepmachine.providers._http`).
+:class:`HTTPModel` and :class:`RetryPolicy`).
 
 Configuration comes from arguments, with environment variables as defaults:
 
@@ -33,7 +33,7 @@ from ._errors import (
     RateLimitError,
     ServerError,
 )
-from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret
+from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
 from ._openai_chat import OpenAIChatModel, OpenAICompatibleModel
 from ._openai_responses import OpenAIResponsesModel
 
@@ -55,6 +55,7 @@ __all__ = [
     "ProviderError",
     "RateLimitError",
     "RetryPolicy",
+    "SSEEvent",
     "Secret",
     "ServerError",
 ]

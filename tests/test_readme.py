@@ -1,0 +1,199 @@
+"""Every Python block of the README runs as written, and the README reads as a long description.
+
+Each fenced ``python`` block is a script of its own: it is written to a file
+in an empty temporary folder and run there in a subprocess. A block that
+continues the previous one says so with the marker line
+``<!-- continues the previous block -->`` right above its fence; it then runs
+with the earlier block's code in front of it. A ``print(...)  # text`` line
+states the output: when every ``print`` line of a block carries one, the
+block must print exactly those lines, in order (``...`` matches anything).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from _public_names import private_uses
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+CONTINUES = "<!-- continues the previous block -->"
+FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+PRINT = re.compile(r"^\s*print\(.*\)\s*#\s*(?P<expected>.+?)\s*$")
+PROVIDER_VARIABLES = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_COMPATIBLE_BASE_URL")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One runnable block: the README line its fence is on, and its code."""
+
+    line: int
+    code: str
+
+
+def python_blocks(text: str) -> list[Block]:
+    """The ``python`` blocks of ``text``, each joined to the ones it continues."""
+    blocks: list[Block] = []
+    for match in FENCE.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        code = match.group(1)
+        if before == CONTINUES:
+            if not blocks:
+                raise ValueError(f"README line {line}: the first block continues nothing")
+            code = blocks[-1].code + code
+        blocks.append(Block(line, code))
+    return blocks
+
+
+def expected_output(code: str) -> list[str] | None:
+    """The stated output lines, or None when some ``print`` line states nothing."""
+    prints = [line for line in code.splitlines() if re.match(r"^\s*print\(", line)]
+    matches = [PRINT.match(line) for line in prints]
+    if not prints or not all(matches):
+        return None
+    return [m.group("expected") for m in matches if m]
+
+
+def run_block(code: str, folder: Path) -> subprocess.CompletedProcess[str]:
+    script = folder / "readme_block.py"
+    script.write_text(code, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in PROVIDER_VARIABLES}
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+
+
+BLOCKS = python_blocks(README)
+
+
+def test_the_readme_has_its_blocks() -> None:
+    assert len(BLOCKS) >= 6
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"line{b.line}")
+def test_block_runs_as_written(block: Block, tmp_path: Path) -> None:
+    done = run_block(block.code, tmp_path)
+    assert done.returncode == 0, f"README block at line {block.line}:\n{done.stderr}"
+    expected = expected_output(block.code)
+    if expected is not None:
+        patterns = [re.escape(e).replace(re.escape("..."), ".*") for e in expected]
+        lines = done.stdout.splitlines()
+        assert len(lines) == len(patterns), done.stdout
+        for line, pattern in zip(lines, patterns, strict=True):
+            assert re.fullmatch(pattern, line), (line, pattern)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"line{b.line}")
+def test_block_imports_only_public_modules_and_names(block: Block) -> None:
+    assert private_uses(block.code) == []
+
+
+@pytest.mark.slow
+def test_blocks_type_check_under_mypy_strict(tmp_path: Path) -> None:
+    """What the README shows is what a user's type checker accepts."""
+    files = []
+    for block in BLOCKS:
+        path = tmp_path / f"readme_line{block.line}.py"
+        path.write_text(block.code, encoding="utf-8")
+        files.append(path.name)
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", *files],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_quickstart_runs_twice_and_is_short(tmp_path: Path) -> None:
+    first = BLOCKS[0].code
+    assert len(first.strip().splitlines()) <= 22
+    for _ in range(2):
+        done = run_block(first, tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "2 + 3 = 5"
+    assert (tmp_path / "agent.sqlite3").exists()  # the embedded default store was used
+
+
+def test_approving_from_another_process_is_shown() -> None:
+    (block,) = [b for b in BLOCKS if ".pending(" in b.code]
+    assert "await approve(" in block.code
+    assert "await deny(" in block.code
+    assert "awaiting_approval" in block.code
+
+
+def test_readme_step_list_builds_a_machine_in_the_documented_order() -> None:
+    (block,) = [b for b in BLOCKS if "steps = [" in b.code]
+    namespace: dict[str, object] = {}
+    exec(block.code, namespace)
+    machine = namespace["machine"]
+    names = [step.name for step in machine.steps]  # type: ignore[attr-defined]
+    assert names[-1] == "inference"
+    assert names.index("approval") < names.index("tools")
+
+
+def test_readme_opens_with_what_it_is_then_install_then_the_example() -> None:
+    lines = README.splitlines()
+    assert lines[0] == "# stepmachine"
+    assert lines[2].startswith("**Build LLM agents")
+
+    def first(text: str) -> int:
+        return next(i for i, line in enumerate(lines) if text in line)
+
+    install = first("pip install")
+    example = first("```python")
+    assert install < example
+    assert first("git+") < example  # from a git URL
+    assert first("pip install -e") < example  # from a checkout
+    # The two commands stay on the first screen, before the example.
+    assert first("python3 dev.py demo") < min(example, 30)
+    assert first("python3 dev.py test") < min(example, 30)
+    # Contributor commands come after the example.
+    for command in ("python3 dev.py lint", "python3 dev.py bench", "dev.py test -k"):
+        assert first(command) > example
+    assert first("## Development") > example
+
+
+def test_the_extras_the_readme_names_exist() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = set(pyproject["project"]["optional-dependencies"])
+    named = set(re.findall(r"stepmachine\[(\w+)\]", README))
+    assert named
+    assert named <= extras
+
+
+def test_readme_commands_are_the_ones_dev_py_provides() -> None:
+    assert "python3 dev.py demo" in README
+    assert "python3 dev.py test" in README
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python3 dev.py test" in ci
+
+
+def test_blocks_continue_only_when_marked() -> None:
+    text = (
+        "```python\nx = 1\n```\n\n"
+        f"{CONTINUES}\n```python\nprint(x)  # 1\n```\n\n"
+        "```python\nprint(2)  # 2\n```\n"
+    )
+    blocks = python_blocks(text)
+    assert [b.code for b in blocks] == ["x = 1\n", "x = 1\nprint(x)  # 1\n", "print(2)  # 2\n"]
+    assert [b.line for b in blocks] == [1, 6, 10]
+    assert expected_output(blocks[1].code) == ["1"]
+    with pytest.raises(ValueError, match="continues nothing"):
+        python_blocks(f"{CONTINUES}\n```python\nx = 1\n```\n")
