@@ -786,7 +786,7 @@ def test_bad_request_error_type_from_the_recording() -> None:
 
 # -- refusals (issue 8, item 7) ----------------------------------------------------------------
 
-REFUSAL_ITEM = {
+REFUSAL_ITEM: dict[str, Any] = {
     "id": "msg_r",
     "type": "message",
     "role": "assistant",
@@ -797,7 +797,7 @@ REFUSAL_ITEM = {
 
 def _refusal_stream(response: dict[str, Any], *, final_output: bool = True) -> bytes:
     """A refusal as the API streams it: ``response.refusal.delta`` pieces."""
-    refusal = REFUSAL_ITEM["content"][0]["refusal"]  # type: ignore[index]
+    refusal = REFUSAL_ITEM["content"][0]["refusal"]
     pieces = [refusal[:7], refusal[7:20], refusal[20:]]
     final = response if final_output else {**response, "output": []}
     return _sse(
