@@ -104,6 +104,125 @@ async def test_cassette(path: Path | None) -> None:
     assert result.calls > 0
 
 
+# -- synthetic cassettes: real traffic shapes no recording holds (issue 8, item 12) ----------
+
+SYNTHETIC = Path(__file__).resolve().parent / "fixtures" / "conformance"
+SYNTHETIC_FILES = cassettes.cassette_files(SYNTHETIC)
+NEXT = SHARED / "next"
+
+
+@pytest.mark.parametrize(
+    "path", SYNTHETIC_FILES, ids=[f"{p.parent.name}/{p.name}" for p in SYNTHETIC_FILES]
+)
+async def test_synthetic_cassette(path: Path) -> None:
+    result = await conformance.run_file(path, SPECS)
+    assert result.passed, result.line()
+    assert result.calls > 0
+
+
+def test_the_synthetic_cassettes_are_there() -> None:
+    assert [f"{p.parent.name}/{p.name}" for p in SYNTHETIC_FILES] == [
+        "openai_chat/n2_choices_stream_and_reply.yaml",
+        "openai_chat/starts_with_get_models.yaml",
+        "openai_compatible/mistral_stream_tool_calls_without_index.yaml",
+        "openai_responses/developer_item_strict_absent.yaml",
+        "openai_responses/openrouter_stream_ends_with_done.yaml",
+    ]
+
+
+def _expected(path: Path) -> list[Any]:
+    """What the spec reads from each model call's recorded reply."""
+    spec = SPECS.get(path.parent.name)
+    out = []
+    for interaction in cassettes.load_cassette(path):
+        if not interaction.path.endswith(spec.path_suffix):
+            continue
+        _, streamed = spec.decode_request(interaction.request_body)
+        body, headers = conformance._served_body(interaction)
+        out.append(spec.expect(interaction.status, body, headers, streamed))
+    return out
+
+
+def test_the_specs_read_tool_call_deltas_without_index() -> None:
+    [expected] = _expected(
+        SYNTHETIC / "openai_compatible/mistral_stream_tool_calls_without_index.yaml"
+    )
+    assert [(c.name, c.arguments, c.call_id) for c in expected.tool_calls] == [
+        ("get_weather", {"city": "Paris"}, "D4kpd8Yxs"),
+        ("get_weather", {"city": "Lyon"}, "k2LmP0qRt"),
+    ]
+    assert expected.finish_reason == "tool_calls"
+
+
+def test_the_specs_read_choice_zero_of_n_choices() -> None:
+    streamed, blocking = _expected(SYNTHETIC / "openai_chat/n2_choices_stream_and_reply.yaml")
+    assert (streamed.text, streamed.finish_reason) == ("Blue.", "stop")
+    assert (blocking.text, blocking.finish_reason) == ("Red.", "stop")
+
+
+async def test_the_harness_skips_interactions_that_are_not_model_calls() -> None:
+    result = await conformance.run_file(
+        SYNTHETIC / "openai_chat/starts_with_get_models.yaml", SPECS
+    )
+    assert result.passed, result.line()
+    assert (result.interactions, result.calls, result.skipped) == (2, 1, 1)
+    assert result.line().endswith("skipped=1 notes=1")
+    assert "GET /v1/models is not a model call" in result.notes[0]
+
+
+async def test_a_file_without_a_model_call_fails(tmp_path: Path) -> None:
+    folder = tmp_path / "openai_chat"
+    folder.mkdir()
+    text = (SYNTHETIC / "openai_chat/starts_with_get_models.yaml").read_text()
+    (folder / "only_models.yaml").write_text(text.split("- request:\n    method: POST")[0])
+    result = await conformance.run_file(folder / "only_models.yaml", SPECS)
+    assert not result.passed
+    assert "no model call (POST .../chat/completions) recorded" in result.line()
+
+
+def _unsendable() -> list[Path]:
+    """The real recordings whose requests carry images or documents (``next/``)."""
+    return sorted(
+        p
+        for folder in ("openai_chat", "openai_responses", "anthropic")
+        for p in cassettes.cassette_files(NEXT)
+        if p.parent.name == folder
+    )
+
+
+@pytest.mark.parametrize("path", _unsendable(), ids=lambda p: f"{p.parent.name}/{p.name}")
+async def test_a_request_part_the_adapter_cannot_send_fails_the_file(path: Path) -> None:
+    """Images and documents are not dropped to replay the rest: the file fails, naming
+    the part (these recordings join ``cassettes/`` once multimodal input lands)."""
+    result = await conformance.run_file(path, SPECS)
+    assert not result.passed
+    assert "the request holds a part the adapter cannot send: a " in result.line()
+    assert result.calls == 0  # nothing was replayed
+
+
+def test_the_next_folder_has_unsendable_recordings_for_every_adapter() -> None:
+    assert {p.parent.name for p in _unsendable()} == {
+        "openai_chat",
+        "openai_responses",
+        "anthropic",
+    }
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_command_line_over_the_synthetic_cassettes(backend: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(HARNESS / "conformance.py"), str(SYNTHETIC), "--backend", backend],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    count = len(SYNTHETIC_FILES)
+    assert lines[-1] == f"cassettes={count} passed={count}", done.stdout + done.stderr
+    assert done.returncode == 0
+
+
 def test_every_file_is_a_cassette_the_harness_runs() -> None:
     run = cassettes.cassette_files(FOLDER)
     assert FILES, f"no recordings under {FOLDER}"

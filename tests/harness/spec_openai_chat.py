@@ -23,7 +23,12 @@ import json
 from typing import Any
 
 import httpx
-from _spec import Expected, ExpectedCall, ProviderSpec  # the harness contract, beside this file
+from _spec import (  # the harness contract, beside this file
+    Expected,
+    ExpectedCall,
+    ProviderSpec,
+    UnsupportedPartError,
+)
 
 from stepmachine import Message, ModelRequest, ModelSettings, PromptPart, ToolDefinition
 from stepmachine._messages import Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
@@ -79,11 +84,20 @@ def make_compatible_model(client: httpx.AsyncClient, model: str) -> HTTPModel:
 
 
 def _text_of(content: Any) -> str:
-    """A message's ``content``: a string, ``null``, or a list of text parts."""
+    """A message's ``content``: a string, ``null``, or a list of text parts.
+
+    Raises:
+        UnsupportedPartError: a part that is not text (``image_url``, ``file``,
+            ``input_audio``, ...): the neutral request cannot carry it yet.
+    """
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise UnsupportedPartError(f"a content part of type {kind!r}")
+        return "".join(str(p.get("text", "")) for p in content)
     return ""
 
 
@@ -290,11 +304,16 @@ def _expected_error(status: int, body: bytes) -> type[ProviderError]:
 
 
 def _read_stream(text: str) -> dict[str, Any]:
-    """A ``chat.completion``-shaped dict assembled from the ``data:`` lines of a stream."""
+    """A ``chat.completion``-shaped dict assembled from the ``data:`` lines of a stream.
+
+    Choice 0 only (``n`` > 1 interleaves the others, which are ignored); tool-call
+    deltas are placed by ``index``, or without one (Mistral) as ``_call_for`` says.
+    """
     content: list[str] = []
     refusal: list[str] = []
     reasoning: list[str] = []
-    calls: dict[int, dict[str, Any]] = {}
+    calls: list[dict[str, Any]] = []
+    by_index: dict[int, dict[str, Any]] = {}
     finish = None
     usage = timings = None
     for line in text.splitlines():
@@ -307,12 +326,14 @@ def _read_stream(text: str) -> dict[str, Any]:
         usage = chunk.get("usage") or usage
         timings = chunk.get("timings") or timings
         for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue  # n > 1: choice 0 is the reply, the others are ignored
             delta = choice.get("delta") or {}
             content.append(delta.get("content") or "")
             refusal.append(delta.get("refusal") or "")
             reasoning.append(delta.get("reasoning") or delta.get("reasoning_content") or "")
             for piece in delta.get("tool_calls") or []:
-                call = calls.setdefault(piece["index"], {"id": None, "name": "", "arguments": ""})
+                call = _call_for(piece, calls, by_index)
                 call["id"] = call["id"] or piece.get("id")
                 function = piece.get("function") or {}
                 call["name"] = call["name"] or function.get("name") or ""
@@ -324,7 +345,7 @@ def _read_stream(text: str) -> dict[str, Any]:
         "reasoning": "".join(reasoning),
         "tool_calls": [
             {"id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for _, c in sorted(calls.items())
+            for c in calls
         ],
     }
     return {
@@ -334,13 +355,38 @@ def _read_stream(text: str) -> dict[str, Any]:
     }
 
 
+def _call_for(
+    piece: dict[str, Any], calls: list[dict[str, Any]], by_index: dict[int, dict[str, Any]]
+) -> dict[str, Any]:
+    """The call a streamed tool-call delta belongs to.
+
+    By ``index`` when it has one; without (Mistral): the call with the same
+    ``id``, else -- no id -- the call being streamed, else a new call.
+    """
+    index = piece.get("index")
+    if isinstance(index, int):
+        if index not in by_index:
+            by_index[index] = {"id": None, "name": "", "arguments": ""}
+            calls.append(by_index[index])
+        return by_index[index]
+    wire_id = piece.get("id")
+    known = [c for c in calls if wire_id and c["id"] == wire_id]
+    if known:
+        return known[0]
+    if not wire_id and calls:
+        return calls[-1]
+    calls.append({"id": None, "name": "", "arguments": ""})
+    return calls[-1]
+
+
 def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> Any:
-    """What the adapter must make of this recorded reply."""
+    """What the adapter must make of this recorded reply (choice 0 when ``n`` > 1)."""
     if status >= 400:
         return Expected(error=_expected_error(status, body))
     is_sse = "text/event-stream" in headers.get("content-type", "")
     data = _read_stream(body.decode()) if is_sse else json.loads(body)
-    choice = data["choices"][0]
+    choices = data["choices"]
+    choice = next((c for c in choices if c.get("index", 0) == 0), choices[0])
     message = choice.get("message") or {}
     notes: list[str] = []
     text = message.get("content") or ""
