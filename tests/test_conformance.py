@@ -122,11 +122,14 @@ async def test_synthetic_cassette(path: Path) -> None:
 
 def test_the_synthetic_cassettes_are_there() -> None:
     assert [f"{p.parent.name}/{p.name}" for p in SYNTHETIC_FILES] == [
+        "anthropic/thinking_tokens_usage.yaml",
         "openai_chat/n2_choices_stream_and_reply.yaml",
         "openai_chat/starts_with_get_models.yaml",
         "openai_compatible/mistral_stream_tool_calls_without_index.yaml",
+        "openai_compatible/openrouter_reasoning_details_round_trip.yaml",
         "openai_responses/developer_item_strict_absent.yaml",
         "openai_responses/openrouter_stream_ends_with_done.yaml",
+        "openai_responses/refusal_stream.yaml",
     ]
 
 

@@ -57,6 +57,7 @@ class Expected:
     reasoning: bool | None = None  # True: some reasoning part; None: don't check
     input_tokens: int | None = None
     output_tokens: int | None = None
+    reasoning_tokens: int | None = None  # None: not reported, don't check
     finish_reason: str | None = None  # normalised; None: don't check
     error: type[ProviderError] | None = None  # the typed error to raise instead
     notes: tuple[str, ...] = field(default_factory=tuple)  # what the spec chose to skip, and why

@@ -33,7 +33,7 @@ For every cassette (:func:`run_file`):
 4. checks: exactly one request per recorded interaction (retries included);
    every sent body matches the recorded one (``spec.request_differences``);
    the result matches ``spec.expect`` (text, tool calls with parsed
-   arguments, reasoning, input/output tokens, finish reason, attempts -- or
+   arguments, reasoning, input/output/reasoning tokens, finish reason, attempts -- or
    the exact typed error class, its status and attempts);
 5. parity (invariant 9) for every successful call:
 
@@ -494,6 +494,13 @@ def _compare(expected: Any, outcome: _Outcome, *, attempts: int, status: int) ->
         and response.usage.output_tokens != expected.output_tokens
     ):
         problems.append(f"output_tokens {response.usage.output_tokens} != {expected.output_tokens}")
+    if (
+        expected.reasoning_tokens is not None
+        and response.usage.reasoning_tokens != expected.reasoning_tokens
+    ):
+        problems.append(
+            f"reasoning_tokens {response.usage.reasoning_tokens} != {expected.reasoning_tokens}"
+        )
     if expected.finish_reason is not None and response.finish_reason != expected.finish_reason:
         problems.append(f"finish_reason {response.finish_reason!r} != {expected.finish_reason!r}")
     if response.attempts != attempts:

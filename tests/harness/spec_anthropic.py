@@ -324,6 +324,7 @@ def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> 
         reasoning=any(b["type"] in ("thinking", "redacted_thinking") for b in content),
         input_tokens=usage.get("input_tokens"),
         output_tokens=usage.get("output_tokens"),
+        reasoning_tokens=(usage.get("output_tokens_details") or {}).get("thinking_tokens"),
         finish_reason=_FINISH.get(message.get("stop_reason"), message.get("stop_reason")),
         notes=("stream" if is_sse else "json",),
     )

@@ -11,7 +11,9 @@ Conventions of the adapter this spec relies on (documented in
 ``stepmachine/providers/_openai_chat.py``):
 
 * reasoning sent back in an assistant turn is a ``ReasoningPart`` whose
-  ``provider_data`` is ``{"field": "reasoning" | "reasoning_content"}``;
+  ``provider_data`` is ``{"field": "reasoning" | "reasoning_content"}``, plus
+  ``"reasoning_details"`` (OpenRouter's list, sent back unchanged) when the
+  turn has them;
 * a refusal is returned as text with finish reason ``"content_filter"``;
 * token counts come from ``usage``, else from llama.cpp's ``timings``
   (``prompt_n + cache_n`` in, ``predicted_n`` out).
@@ -124,10 +126,16 @@ def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
             messages.append(Message.tool_result(result, id=mid))
         elif role == "assistant":
             parts: list[Part] = []
+            data: dict[str, Any] = {"field": None}
+            text = ""
             for field in ("reasoning", "reasoning_content"):
                 if wire.get(field):
-                    parts.append(ReasoningPart(wire[field], {"field": field}))
+                    data["field"], text = field, wire[field]
                     break  # ruby_llm sends the same text in both fields
+            if wire.get("reasoning_details"):
+                data["reasoning_details"] = wire["reasoning_details"]  # OpenRouter
+            if text or "reasoning_details" in data:
+                parts.append(ReasoningPart(text, data))
             if _text_of(wire.get("content")):
                 parts.append(TextPart(_text_of(wire.get("content"))))
             for call in wire.get("tool_calls") or []:
@@ -199,6 +207,9 @@ def _norm_message(wire: dict[str, Any]) -> dict[str, Any]:
     reasoning = wire.get("reasoning") or wire.get("reasoning_content")
     if reasoning:
         out["reasoning"] = reasoning
+    # OpenRouter's structured reasoning (signatures included) must come back unchanged.
+    if wire.get("reasoning_details"):
+        out["reasoning_details"] = wire["reasoning_details"]
     return out
 
 
@@ -405,9 +416,11 @@ def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> 
         for c in message.get("tool_calls") or []
     )
     usage, timings = data.get("usage"), data.get("timings")
-    input_tokens = output_tokens = None
+    input_tokens = output_tokens = reasoning_tokens = None
     if usage:
         input_tokens, output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        details = usage.get("completion_tokens_details") or {}
+        reasoning_tokens = details.get("reasoning_tokens")
     elif timings:
         input_tokens = timings.get("prompt_n", 0) + timings.get("cache_n", 0)
         output_tokens = timings.get("predicted_n")
@@ -418,6 +431,7 @@ def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> 
         reasoning=bool(reasoning),
         input_tokens=input_tokens,
         output_tokens=output_tokens,
+        reasoning_tokens=reasoning_tokens,
         finish_reason=finish,
         notes=tuple(notes),
     )

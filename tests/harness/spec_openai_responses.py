@@ -307,9 +307,11 @@ def _error_type(status: int, body: bytes) -> type[ProviderError]:
     return ServerError if status >= 500 else BadRequestError
 
 
-def _finish(response: dict[str, Any], calls: int) -> str | None:
+def _finish(response: dict[str, Any], calls: int, *, refused: bool = False) -> str | None:
     status = response.get("status")
     if status == "completed":
+        if refused:
+            return "content_filter"
         return "tool_calls" if calls else "stop"
     if status == "incomplete":
         reason = (response.get("incomplete_details") or {}).get("reason")
@@ -338,9 +340,15 @@ def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> 
     text = ""
     calls = []
     reasoning = False
+    refused = False
     for item in response["output"]:
         if item["type"] == "message":
-            text += "".join(c["text"] for c in item["content"] if c["type"] == "output_text")
+            for c in item["content"]:
+                if c["type"] == "output_text":
+                    text += c["text"]
+                elif c["type"] == "refusal":  # shown as text, finish reason content_filter
+                    text += c["refusal"]
+                    refused = True
         elif item["type"] == "function_call":
             calls.append(
                 ExpectedCall(item["name"], json.loads(item["arguments"] or "{}"), item["call_id"])
@@ -354,7 +362,8 @@ def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> 
         reasoning=reasoning,
         input_tokens=usage.get("input_tokens"),
         output_tokens=usage.get("output_tokens"),
-        finish_reason=_finish(response, len(calls)),
+        reasoning_tokens=(usage.get("output_tokens_details") or {}).get("reasoning_tokens"),
+        finish_reason=_finish(response, len(calls), refused=refused),
     )
 
 
@@ -363,12 +372,13 @@ def _expect_stream(events: list[dict[str, Any]]) -> Any:
     filled by argument deltas; usage and status from response.completed."""
     text = ""
     calls: dict[str, list[Any]] = {}  # item id -> [name, call_id, arguments]
-    reasoning = False
+    reasoning = refused = False
     final: dict[str, Any] | None = None
     for event in events:
         kind = event.get("type")
-        if kind == "response.output_text.delta":
+        if kind in ("response.output_text.delta", "response.refusal.delta"):
             text += event["delta"]
+            refused = refused or kind == "response.refusal.delta"
         elif kind == "response.output_item.added":
             item = event["item"]
             if item["type"] == "function_call":
@@ -396,7 +406,8 @@ def _expect_stream(events: list[dict[str, Any]]) -> Any:
         reasoning=reasoning,
         input_tokens=usage.get("input_tokens"),
         output_tokens=usage.get("output_tokens"),
-        finish_reason=_finish(final, len(expected_calls)),
+        reasoning_tokens=(usage.get("output_tokens_details") or {}).get("reasoning_tokens"),
+        finish_reason=_finish(final, len(expected_calls), refused=refused),
     )
 
 
