@@ -915,3 +915,27 @@ async def test_structured_output_does_not_parse_a_refusal(stream: bool) -> None:
     assert "refused" in error
     assert "content_filter" in error
     assert "not valid JSON" not in error
+
+
+async def test_a_reasoning_summary_sent_only_in_the_finished_item_is_still_emitted() -> None:
+    body = _response(REASONING_ITEM, MESSAGE_ITEM)
+    stream = _sse(
+        {
+            "type": "response.output_item.added",
+            "output_index": 0,
+            "item": {**REASONING_ITEM, "summary": []},
+        },
+        {
+            "type": "response.reasoning_summary_text.delta",
+            "output_index": 0,
+            "summary_index": 0,
+            "delta": "Think",
+        },
+        {"type": "response.output_item.done", "output_index": 0, "item": REASONING_ITEM},
+        {"type": "response.completed", "response": body},
+    )
+    sink = Sink()
+    streamed = await _offline().parse_stream(_events(stream), sink)
+    reasoning = "".join(c.text for c in sink.chunks if isinstance(c, ReasoningChunk))
+    assert reasoning == "Think A.\n\nThink B."
+    assert reasoning == "".join(p.text for p in streamed.parts if isinstance(p, ReasoningPart))

@@ -31,9 +31,9 @@ emitter and assembles the result from the same final items a blocking reply
 holds (the ``response.completed`` object, or the ``output_item.done`` items
 when a server leaves that empty), so both paths give the same response
 (invariant 9). The chunks add up to the response: text (and refusal) deltas
-concatenated are its text, argument deltas per call are its raw arguments;
-text or arguments that a server sends only whole, in ``output_item.done``, are
-emitted from there.
+concatenated are its text, argument deltas per call are its raw arguments,
+reasoning deltas its reasoning; text, arguments or a reasoning summary that a
+server sends only whole, in ``output_item.done``, are emitted from there.
 ``response.failed`` and ``error`` events raise typed errors; a stream that
 ends before ``response.completed`` / ``response.incomplete`` raises
 :class:`MalformedResponseError`.
@@ -382,6 +382,7 @@ class _StreamState:
         self.arguments: dict[int, list[str]] = {}
         self.tool_index: dict[int, int] = {}
         self.summary_index: dict[int, int] = {}
+        self.reasoning_sent: dict[int, list[str]] = {}  # reasoning text emitted, per item
 
     async def feed(self, kind: Any, data: dict[str, Any], emit: ChunkSink) -> None:
         if kind == "response.output_item.added":
@@ -423,6 +424,13 @@ class _StreamState:
             self.items[index] = item
             if item.get("type") == "message":
                 await self._rest_of_text(index, item, emit)
+            elif item.get("type") == "reasoning":
+                # A summary a server sent whole, only at the end: show the rest.
+                sent = "".join(self.reasoning_sent.get(index, []))
+                final = _reasoning_part(item).text
+                if final.startswith(sent) and len(final) > len(sent):
+                    self.reasoning_sent.setdefault(index, []).append(final[len(sent) :])
+                    await emit(ReasoningChunk(final[len(sent) :]))
             if index in self.tool_index:
                 # Arguments a server sent whole, only at the end: show the rest.
                 sent = "".join(self.arguments[index])
@@ -454,9 +462,12 @@ class _StreamState:
         part = data.get("summary_index", data.get("content_index", 0))
         previous = self.summary_index.get(index)
         self.summary_index[index] = current = expect_int(part, "index")
+        sent = self.reasoning_sent.setdefault(index, [])
         if previous is not None and previous != current:
+            sent.append("\n\n")
             await emit(ReasoningChunk("\n\n"))  # summary parts are joined by a blank line
         if delta:
+            sent.append(delta)
             await emit(ReasoningChunk(delta))
 
     def assembled(self) -> list[dict[str, Any]]:
