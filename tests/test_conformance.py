@@ -20,7 +20,16 @@ check). Here:
 * the harness reports what it should (a wrong expectation, an extra request, a
   request difference, chunks that disagree, a missing spec, an unreadable file), so a
   PASS means something;
-* the command line prints one line per file and ``cassettes=<n> passed=<n>``.
+* the command line prints one line per file and ``cassettes=<n> passed=<n>``;
+* synthetic cassettes (``tests/fixtures/conformance``, written by
+  ``tests/fixtures/make_conformance_cassettes.py``) cover real traffic shapes that no
+  recording holds (tool-call deltas without ``index``, ``n`` > 1, a ``GET /models``
+  first, ``[DONE]`` after a Responses stream, a ``developer`` item, ``strict`` absent,
+  signed ``reasoning_details``, thinking tokens, a streamed refusal); the real
+  recordings in ``../shared/conformance/next`` whose requests carry images or documents
+  fail loudly, naming the part, until multimodal input lands;
+* for every adapter, any reply streamed in any pieces gives chunks that add up exactly
+  to the assembled reply (text, and each call's raw arguments).
 """
 
 from __future__ import annotations
