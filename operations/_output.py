@@ -23,6 +23,10 @@ A valid value is stored as JSON builtins in the notes of the final message
 value from a stored session. Calling ``run()`` again without a new user
 message yields the same ``done`` again (no model call).
 
+A refusal (the inference step noted finish reason ``"content_filter"``, which
+every adapter reports for a provider's refusal) is never parsed as JSON: it
+counts as an invalid output whose error says the model refused and quotes it.
+
 An invalid output is re-prompted: in tool mode an error result answers the
 output call; otherwise the message is noted ``{"error": ...}`` and a feedback
 user message (marked :data:`~stepmachine.operations.FEEDBACK`, hidden
@@ -100,6 +104,22 @@ OUTPUT_INVALID: Final = "output_invalid"
 
 _FENCE = re.compile(r"^\s*```[a-zA-Z]*\s*(.*?)\s*```\s*$", re.DOTALL)
 _WRAP_KEY = "response"
+
+
+_REFUSALS = frozenset({"content_filter", "refusal"})
+
+
+def _refusal(message: Message) -> str | None:
+    """The finish reason an inference step noted when the reply is a refusal, else None.
+
+    Every adapter reports a refusal (OpenAI ``refusal``, Anthropic ``stop_reason:
+    refusal``) as text with finish reason ``"content_filter"``.
+    """
+    for note in message.notes.values():
+        reason = note.get("finish_reason") if isinstance(note, dict) else None
+        if reason in _REFUSALS:
+            return str(reason)
+    return None
 
 
 class NoOutputError(StepmachineError, LookupError):
@@ -404,7 +424,16 @@ class StructuredOutput(Operation[Any], Generic[T]):
     ) -> Continue | Yield:
         output: Any
         error: str | None
-        if self.mode == "tool":
+        refusal = _refusal(message)
+        if refusal is not None:
+            # The text is the provider's refusal, not an answer: never parsed as JSON.
+            output, error = None, f"the model refused (finish reason {refusal!r}): {message.text}"
+            advice = (
+                f"Call the {self._tool_name!r} tool with your final answer."
+                if self.mode == "tool"
+                else "Reply with only a JSON value matching the schema."
+            )
+        elif self.mode == "tool":
             output, error = None, f"no call to the {self._tool_name!r} tool"
             advice = f"Call the {self._tool_name!r} tool with your final answer."
         else:

@@ -20,25 +20,56 @@ check). Here:
 * the harness reports what it should (a wrong expectation, an extra request, a
   request difference, chunks that disagree, a missing spec, an unreadable file), so a
   PASS means something;
-* the command line prints one line per file and ``cassettes=<n> passed=<n>``.
+* the command line prints one line per file and ``cassettes=<n> passed=<n>``;
+* synthetic cassettes (``tests/fixtures/conformance``, written by
+  ``tests/fixtures/make_conformance_cassettes.py``) cover real traffic shapes that no
+  recording holds (tool-call deltas without ``index``, ``n`` > 1, a ``GET /models``
+  first, ``[DONE]`` after a Responses stream, a ``developer`` item, ``strict`` absent,
+  signed ``reasoning_details``, thinking tokens, a streamed refusal); the real
+  recordings in ``../shared/conformance/next`` whose requests carry images or documents
+  fail loudly, naming the part, until multimodal input lands;
+* for every adapter, any reply streamed in any pieces gives chunks that add up exactly
+  to the assembled reply (text, and each call's raw arguments).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gzip
+import itertools
+import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import cassettes
 import conformance
 import httpx
+import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from stepmachine import ModelResponse, ReasoningPart, TextChunk, TextPart, ToolCallChunk
+from stepmachine import (
+    Message,
+    ModelRequest,
+    ModelResponse,
+    ReasoningPart,
+    TextChunk,
+    TextPart,
+    ToolCallChunk,
+)
 from stepmachine import ToolCallPart as Call
+from stepmachine.providers import (
+    AnthropicModel,
+    HTTPModel,
+    OpenAIChatModel,
+    OpenAICompatibleModel,
+    OpenAIResponsesModel,
+)
 
 HARNESS = Path(__file__).resolve().parent / "harness"
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "conformance"
@@ -80,6 +111,128 @@ async def test_cassette(path: Path | None) -> None:
     assert result.passed, result.line()
     assert result.interactions > 0
     assert result.calls > 0
+
+
+# -- synthetic cassettes: real traffic shapes no recording holds (issue 8, item 12) ----------
+
+SYNTHETIC = Path(__file__).resolve().parent / "fixtures" / "conformance"
+SYNTHETIC_FILES = cassettes.cassette_files(SYNTHETIC)
+NEXT = SHARED / "next"
+
+
+@pytest.mark.parametrize(
+    "path", SYNTHETIC_FILES, ids=[f"{p.parent.name}/{p.name}" for p in SYNTHETIC_FILES]
+)
+async def test_synthetic_cassette(path: Path) -> None:
+    result = await conformance.run_file(path, SPECS)
+    assert result.passed, result.line()
+    assert result.calls > 0
+
+
+def test_the_synthetic_cassettes_are_there() -> None:
+    assert [f"{p.parent.name}/{p.name}" for p in SYNTHETIC_FILES] == [
+        "anthropic/thinking_tokens_usage.yaml",
+        "openai_chat/n2_choices_stream_and_reply.yaml",
+        "openai_chat/starts_with_get_models.yaml",
+        "openai_compatible/mistral_stream_tool_calls_without_index.yaml",
+        "openai_compatible/openrouter_reasoning_details_round_trip.yaml",
+        "openai_responses/developer_item_strict_absent.yaml",
+        "openai_responses/openrouter_stream_ends_with_done.yaml",
+        "openai_responses/refusal_stream.yaml",
+    ]
+
+
+def _expected(path: Path) -> list[Any]:
+    """What the spec reads from each model call's recorded reply."""
+    spec = SPECS.get(path.parent.name)
+    out = []
+    for interaction in cassettes.load_cassette(path):
+        if not interaction.path.endswith(spec.path_suffix):
+            continue
+        _, streamed = spec.decode_request(interaction.request_body)
+        body, headers = conformance._served_body(interaction)
+        out.append(spec.expect(interaction.status, body, headers, streamed))
+    return out
+
+
+def test_the_specs_read_tool_call_deltas_without_index() -> None:
+    [expected] = _expected(
+        SYNTHETIC / "openai_compatible/mistral_stream_tool_calls_without_index.yaml"
+    )
+    assert [(c.name, c.arguments, c.call_id) for c in expected.tool_calls] == [
+        ("get_weather", {"city": "Paris"}, "D4kpd8Yxs"),
+        ("get_weather", {"city": "Lyon"}, "k2LmP0qRt"),
+    ]
+    assert expected.finish_reason == "tool_calls"
+
+
+def test_the_specs_read_choice_zero_of_n_choices() -> None:
+    streamed, blocking = _expected(SYNTHETIC / "openai_chat/n2_choices_stream_and_reply.yaml")
+    assert (streamed.text, streamed.finish_reason) == ("Blue.", "stop")
+    assert (blocking.text, blocking.finish_reason) == ("Red.", "stop")
+
+
+async def test_the_harness_skips_interactions_that_are_not_model_calls() -> None:
+    result = await conformance.run_file(
+        SYNTHETIC / "openai_chat/starts_with_get_models.yaml", SPECS
+    )
+    assert result.passed, result.line()
+    assert (result.interactions, result.calls, result.skipped) == (2, 1, 1)
+    assert result.line().endswith("skipped=1 notes=1")
+    assert "GET /v1/models is not a model call" in result.notes[0]
+
+
+async def test_a_file_without_a_model_call_fails(tmp_path: Path) -> None:
+    folder = tmp_path / "openai_chat"
+    folder.mkdir()
+    text = (SYNTHETIC / "openai_chat/starts_with_get_models.yaml").read_text()
+    (folder / "only_models.yaml").write_text(text.split("- request:\n    method: POST")[0])
+    result = await conformance.run_file(folder / "only_models.yaml", SPECS)
+    assert not result.passed
+    assert "no model call (POST .../chat/completions) recorded" in result.line()
+
+
+def _unsendable() -> list[Path]:
+    """The real recordings whose requests carry images or documents (``next/``)."""
+    return sorted(
+        p
+        for folder in ("openai_chat", "openai_responses", "anthropic")
+        for p in cassettes.cassette_files(NEXT)
+        if p.parent.name == folder
+    )
+
+
+@pytest.mark.parametrize("path", _unsendable(), ids=lambda p: f"{p.parent.name}/{p.name}")
+async def test_a_request_part_the_adapter_cannot_send_fails_the_file(path: Path) -> None:
+    """Images and documents are not dropped to replay the rest: the file fails, naming
+    the part (these recordings join ``cassettes/`` once multimodal input lands)."""
+    result = await conformance.run_file(path, SPECS)
+    assert not result.passed
+    assert "the request holds a part the adapter cannot send: a " in result.line()
+    assert result.calls == 0  # nothing was replayed
+
+
+def test_the_next_folder_has_unsendable_recordings_for_every_adapter() -> None:
+    assert {p.parent.name for p in _unsendable()} == {
+        "openai_chat",
+        "openai_responses",
+        "anthropic",
+    }
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_command_line_over_the_synthetic_cassettes(backend: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(HARNESS / "conformance.py"), str(SYNTHETIC), "--backend", backend],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    count = len(SYNTHETIC_FILES)
+    assert lines[-1] == f"cassettes={count} passed={count}", done.stdout + done.stderr
+    assert done.returncode == 0
 
 
 def test_every_file_is_a_cassette_the_harness_runs() -> None:
@@ -493,3 +646,186 @@ def test_split_randomly_keeps_every_byte() -> None:
     pieces = conformance.split_randomly(5)(body)
     assert b"".join(pieces) == body
     assert all(1 <= len(p) <= 7 for p in pieces)
+
+
+# -- every adapter: the streamed chunks add up to the assembled reply (invariant 9) -----------
+#
+# Issue 8 item 8: an Anthropic call without arguments streamed only ``partial_json: ""``,
+# so its chunks joined to "" while the part said "{}". Generalised: for every adapter and
+# any reply (text, any number of calls, arguments empty or not, cut anywhere), the text
+# chunks joined are the text, and each call's argument deltas joined are exactly its
+# ``raw_arguments`` (the wire JSON is written compactly here, as the adapters re-encode it).
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+_CALLS = st.lists(
+    st.tuples(
+        st.from_regex(r"[a-z_]{1,12}", fullmatch=True),
+        st.dictionaries(st.text(max_size=6), _JSON_VALUES, max_size=3),
+    ),
+    max_size=3,
+)
+
+
+def _pieces(text: str, cuts: list[int]) -> list[str]:
+    """``text`` cut at the given offsets (each taken modulo its length)."""
+    points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
+    return [text[a:b] for a, b in itertools.pairwise(points) if b > a]
+
+
+def _compact(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def _chat_stream(text: str, calls: list[tuple[str, str]], cuts: list[int]) -> bytes:
+    def data(delta: dict[str, Any], finish: str | None = None) -> str:
+        chunk = {"id": "c1", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    out = [data({"role": "assistant", "content": ""})]
+    out += [data({"content": p}) for p in _pieces(text, cuts)]
+    for n, (name, raw) in enumerate(calls):
+        head = {"index": n, "id": f"call_{n}", "type": "function"}
+        out.append(data({"tool_calls": [{**head, "function": {"name": name, "arguments": ""}}]}))
+        out += [
+            data({"tool_calls": [{"index": n, "function": {"arguments": p}}]})
+            for p in _pieces(raw, cuts)
+        ]
+    out.append(data({}, "tool_calls" if calls else "stop"))
+    return ("".join(out) + "data: [DONE]\n\n").encode()
+
+
+def _responses_stream(text: str, calls: list[tuple[str, str]], cuts: list[int]) -> bytes:
+    events: list[dict[str, Any]] = []
+    output: list[dict[str, Any]] = []
+    if text:
+        item = {"id": "m", "type": "message", "role": "assistant", "status": "completed"}
+        events.append(
+            {
+                "type": "response.output_item.added",
+                "output_index": 0,
+                "item": {**item, "content": []},
+            }
+        )
+        events += [
+            {
+                "type": "response.output_text.delta",
+                "output_index": 0,
+                "content_index": 0,
+                "delta": p,
+            }
+            for p in _pieces(text, cuts)
+        ]
+        item["content"] = [{"type": "output_text", "text": text, "annotations": []}]
+        events.append({"type": "response.output_item.done", "output_index": 0, "item": item})
+        output.append(item)
+    for name, raw in calls:
+        index = len(output)
+        call = {
+            "id": f"fc{index}",
+            "type": "function_call",
+            "call_id": f"call_{index}",
+            "name": name,
+        }
+        events.append(
+            {
+                "type": "response.output_item.added",
+                "output_index": index,
+                "item": {**call, "arguments": ""},
+            }
+        )
+        events += [
+            {"type": "response.function_call_arguments.delta", "output_index": index, "delta": p}
+            for p in _pieces(raw, cuts)
+        ]
+        call["arguments"] = raw
+        events.append({"type": "response.output_item.done", "output_index": index, "item": call})
+        output.append(call)
+    final = {"id": "r", "status": "completed", "output": output, "error": None, "usage": {}}
+    events.append({"type": "response.completed", "response": final})
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+
+
+def _anthropic_stream(text: str, calls: list[tuple[str, str]], cuts: list[int]) -> bytes:
+    events: list[dict[str, Any]] = [
+        {"type": "message_start", "message": {"model": "m", "content": [], "usage": {}}}
+    ]
+    blocks: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+    if text:
+        deltas = [{"type": "text_delta", "text": p} for p in _pieces(text, cuts)]
+        blocks.append(({"type": "text", "text": ""}, deltas))
+    for n, (name, raw) in enumerate(calls):
+        start = {"type": "tool_use", "id": f"toolu_{n}", "name": name, "input": {}}
+        # As the API does: an opening "" piece, and nothing else for a call without arguments.
+        fragments = [""] + ([] if raw == "{}" else _pieces(raw, cuts))
+        blocks.append((start, [{"type": "input_json_delta", "partial_json": f} for f in fragments]))
+    for index, (start, deltas) in enumerate(blocks):
+        events.append({"type": "content_block_start", "index": index, "content_block": start})
+        events += [{"type": "content_block_delta", "index": index, "delta": d} for d in deltas]
+        events.append({"type": "content_block_stop", "index": index})
+    stop = "tool_use" if calls else "end_turn"
+    events += [
+        {"type": "message_delta", "delta": {"stop_reason": stop}, "usage": {}},
+        {"type": "message_stop"},
+    ]
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+
+
+_ADAPTERS: dict[str, tuple[Callable[..., HTTPModel], Callable[..., bytes]]] = {
+    "openai_chat": (OpenAIChatModel, _chat_stream),
+    "openai_compatible": (OpenAICompatibleModel, _chat_stream),
+    "openai_responses": (OpenAIResponsesModel, _responses_stream),
+    "anthropic": (AnthropicModel, _anthropic_stream),
+}
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("adapter", sorted(_ADAPTERS))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    text=st.text(max_size=30),
+    calls=_CALLS,
+    cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=6),
+)
+def test_streamed_chunks_add_up_to_the_assembled_reply(
+    adapter: str, backend: str, text: str, calls: list[tuple[str, Any]], cuts: list[int]
+) -> None:
+    factory, wire = _ADAPTERS[adapter]
+    raws = [(name, _compact(arguments)) for name, arguments in calls]
+    body = wire(text, raws, cuts)
+
+    async def run() -> tuple[ModelResponse, list[Any]]:
+        chunks: list[Any] = []
+
+        async def sink(chunk: Any) -> None:
+            chunks.append(chunk)
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            model = factory("m", api_key="k", base_url="https://llm.test/v1", client=client)
+            request = ModelRequest(messages=(Message.user("hi", id="u1"),))
+            return await model.request(request, on_chunk=sink), chunks
+
+    response, chunks = anyio.run(run, backend=backend)
+    texts = "".join(c.text for c in chunks if isinstance(c, TextChunk))
+    assert texts == "".join(p.text for p in response.parts if isinstance(p, TextPart)) == text
+    parts = [p for p in response.parts if isinstance(p, Call)]
+    assert [(p.name, p.raw_arguments) for p in parts] == raws
+    streamed: dict[int, list[ToolCallChunk]] = {}
+    for chunk in chunks:
+        if isinstance(chunk, ToolCallChunk):
+            streamed.setdefault(chunk.index, []).append(chunk)
+    assert sorted(streamed) == list(range(len(parts)))
+    for index, part in enumerate(parts):
+        pieces = streamed[index]
+        assert "".join(c.arguments_delta for c in pieces) == part.raw_arguments
+        assert {c.call_id for c in pieces} - {None} == {part.call_id}
+        assert {c.name for c in pieces} - {None} == {part.name}
+    assert not conformance.chunk_problems(response, chunks)

@@ -832,3 +832,83 @@ def test_defaults_without_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not model.api_key
     assert model.auth_headers() == {"anthropic-version": "2023-06-01"}
     assert msgspec.json.encode(model.build_body(ask(), stream=False))  # JSON-able
+
+
+# -- streamed argument chunks add up to the call (issue 8, item 8) ---------------------------
+
+
+def _arguments_by_call(chunks: list[StreamChunk]) -> dict[int, str]:
+    joined: dict[int, str] = {}
+    for chunk in chunks:
+        if isinstance(chunk, ToolCallChunk):
+            joined[chunk.index] = joined.get(chunk.index, "") + chunk.arguments_delta
+    return joined
+
+
+@pytest.mark.parametrize("stop", [True, False], ids=["block_stop", "no_block_stop"])
+async def test_zero_argument_call_streams_the_empty_object(stop: bool) -> None:
+    """A call without arguments streams only ``partial_json: ""``: the chunks must still
+    add up to the part's raw arguments ``"{}"`` (also when the block is never stopped)."""
+    events = [START, TOOL_START, json_delta("")]
+    if stop:
+        events.append({"type": "content_block_stop", "index": 0})
+    events += [
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {}},
+        {"type": "message_stop"},
+    ]
+    response, chunks = await run(
+        model_for(serve(200, sse(*events), SSE_HEADERS)), ask(), stream=True
+    )
+    assert response.parts == (ToolCallPart("toolu_1", "f", {}, "{}"),)
+    assert _arguments_by_call(chunks) == {0: "{}"}
+
+
+async def test_input_given_whole_in_the_start_block_is_emitted_once() -> None:
+    start = {**TOOL_START, "content_block": {**TOOL_START["content_block"], "input": {"x": 1}}}
+    events = sse(START, start, {"type": "content_block_stop", "index": 0}, *END[1:])
+    response, chunks = await run(model_for(serve(200, events, SSE_HEADERS)), ask(), stream=True)
+    assert response.parts == (ToolCallPart("toolu_1", "f", {"x": 1}, '{"x":1}'),)
+    assert _arguments_by_call(chunks) == {0: '{"x":1}'}
+
+
+async def test_streamed_fragments_are_not_repeated_when_the_block_stops() -> None:
+    events = sse(START, TOOL_START, json_delta(""), json_delta('{"x": '), json_delta("1}"), *END)
+    _, chunks = await run(model_for(serve(200, events, SSE_HEADERS)), ask(), stream=True)
+    assert _arguments_by_call(chunks) == {0: '{"x": 1}'}  # as sent; the part re-encodes it
+
+
+# -- thinking tokens (issue 8, item 11) -------------------------------------------------------
+
+
+async def test_thinking_tokens_are_reasoning_tokens_blocking_and_streamed() -> None:
+    message = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-test",
+        "content": [{"type": "text", "text": "Hi"}],
+        "stop_reason": "end_turn",
+        "usage": {
+            "input_tokens": 5,
+            "output_tokens": 40,
+            "output_tokens_details": {"thinking_tokens": 32},
+        },
+    }
+    blocking, _ = await run(
+        model_for(serve(200, json.dumps(message).encode(), JSON_HEADERS)), ask(), stream=False
+    )
+    assert blocking.usage.reasoning_tokens == 32
+    assert blocking.usage.output_tokens == 40
+    events = [
+        {
+            "type": "message_start",
+            "message": {**message, "content": [], "usage": {"input_tokens": 5}},
+        },
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": message["usage"]},
+        {"type": "message_stop"},
+    ]
+    streamed, _ = await run(model_for(serve(200, sse(*events), SSE_HEADERS)), ask(), stream=True)
+    assert streamed == blocking

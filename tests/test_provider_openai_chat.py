@@ -865,3 +865,96 @@ def test_fuzzed_streams_give_a_response_or_a_typed_error(cut: int, data: st.Data
 def test_fuzzed_json_gives_a_response_or_a_typed_error(cut: int, noise: bytes) -> None:
     outcome = _outcome(_SAMPLE_JSON[:cut] + noise, stream=False)
     assert isinstance(outcome, MalformedResponseError | ModelResponse)
+
+
+# -- OpenRouter reasoning_details round trip (issue 8, item 11) --------------------------------
+
+OR_DETAILS = [
+    {
+        "type": "reasoning.text",
+        "text": "Let me think about the weather.",
+        "signature": "sig-EqQBCkgIAR",
+        "format": "anthropic-claude-v1",
+        "index": 0,
+        "id": None,
+    },
+    {
+        "type": "reasoning.encrypted",
+        "data": "ENCRYPTED==",
+        "format": "anthropic-claude-v1",
+        "index": 1,
+    },
+]
+OR_CALL = {"id": "toolu_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+
+
+def _details_stream() -> bytes:
+    """The reply of ``OR_DETAILS`` streamed as OpenRouter does: text, then the signature."""
+    text = OR_DETAILS[0]["text"]
+    assert isinstance(text, str)
+    first = {k: v for k, v in OR_DETAILS[0].items() if k != "signature"}
+    pieces = [
+        {"reasoning": text[:9], "reasoning_details": [{**first, "text": text[:9]}]},
+        {"reasoning": text[9:], "reasoning_details": [{**first, "text": text[9:]}]},
+        {"reasoning_details": [{**first, "text": "", "signature": OR_DETAILS[0]["signature"]}]},
+        {"reasoning_details": [OR_DETAILS[1]]},
+        {"tool_calls": [{**OR_CALL, "index": 0}]},
+    ]
+    return sse(
+        chunk({"role": "assistant", "content": ""}),
+        *(chunk(p) for p in pieces),
+        chunk({}, finish="tool_calls"),
+    )
+
+
+async def test_reasoning_details_are_kept_and_sent_back() -> None:
+    reply = completion(
+        {
+            "content": None,
+            "reasoning": OR_DETAILS[0]["text"],
+            "reasoning_details": OR_DETAILS,
+            "tool_calls": [OR_CALL],
+        },
+        finish="tool_calls",
+    )
+    capture = Capture(httpx.Response(200, json=reply), sse_reply(_details_stream()))
+    model = compatible(capture, model="anthropic/claude-sonnet-4")
+    blocking = await model.request(ModelRequest(messages=(Message.user("weather?", id="u1"),)))
+    [reasoning] = [p for p in blocking.parts if isinstance(p, ReasoningPart)]
+    assert reasoning.text == OR_DETAILS[0]["text"]
+    assert reasoning.provider_data["reasoning_details"] == OR_DETAILS
+    streamed, chunks = await collect(model, ModelRequest(messages=(Message.user("w?", id="u1"),)))
+    assert streamed.parts == blocking.parts
+    assert "".join(c.text for c in chunks if isinstance(c, ReasoningChunk)) == reasoning.text
+
+    # the next request carries them back unchanged, with the call they led to
+    history = (
+        Message.user("weather?", id="u1"),
+        Message(id="a1", role="assistant", parts=blocking.parts),
+        Message.tool_result(ToolResultPart("toolu_1", "sunny"), id="t1"),
+    )
+    body = model.build_body(ModelRequest(messages=history), stream=False)
+    assistant = body["messages"][1]
+    assert assistant["reasoning_details"] == OR_DETAILS
+    assert assistant["tool_calls"][0]["id"] == "toolu_1"
+    # OpenAI itself does not know the field: its adapter never sends it
+    openai = chat(capture).build_body(ModelRequest(messages=history), stream=False)
+    assert "reasoning_details" not in openai["messages"][1]
+    # nor does a compatible server told not to echo reasoning
+    quiet = compatible(capture, send_reasoning=False).build_body(
+        ModelRequest(messages=history), stream=False
+    )
+    assert "reasoning_details" not in quiet["messages"][1]
+
+
+async def test_openai_picks_choice_zero_of_a_blocking_reply_with_n_choices() -> None:
+    reply = completion({"content": "zero"})
+    reply["choices"] = [
+        {"index": 1, "message": {"role": "assistant", "content": "one"}, "finish_reason": "length"},
+        reply["choices"][0],
+    ]
+    response = await chat(Capture(httpx.Response(200, json=reply))).request(
+        ModelRequest(messages=(Message.user("hi", id="u1"),))
+    )
+    assert response.parts == (TextPart("zero"),)
+    assert response.finish_reason == "stop"

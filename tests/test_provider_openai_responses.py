@@ -782,3 +782,160 @@ def test_bad_request_error_type_from_the_recording() -> None:
         SPEC.expect(400, b'{"error": {"code": "x"}}', httpx.Headers(), True).error
         is BadRequestError
     )
+
+
+# -- refusals (issue 8, item 7) ----------------------------------------------------------------
+
+REFUSAL_ITEM: dict[str, Any] = {
+    "id": "msg_r",
+    "type": "message",
+    "role": "assistant",
+    "status": "completed",
+    "content": [{"type": "refusal", "refusal": "I'm sorry, I can't help with that."}],
+}
+
+
+def _refusal_stream(response: dict[str, Any], *, final_output: bool = True) -> bytes:
+    """A refusal as the API streams it: ``response.refusal.delta`` pieces."""
+    refusal = REFUSAL_ITEM["content"][0]["refusal"]
+    pieces = [refusal[:7], refusal[7:20], refusal[20:]]
+    final = response if final_output else {**response, "output": []}
+    return _sse(
+        {"type": "response.created", "response": {**response, "output": [], "usage": None}},
+        {
+            "type": "response.output_item.added",
+            "output_index": 0,
+            "item": {**REFUSAL_ITEM, "content": [], "status": "in_progress"},
+        },
+        {
+            "type": "response.content_part.added",
+            "output_index": 0,
+            "content_index": 0,
+            "item_id": "msg_r",
+            "part": {"type": "refusal", "refusal": ""},
+        },
+        *(
+            {
+                "type": "response.refusal.delta",
+                "output_index": 0,
+                "content_index": 0,
+                "item_id": "msg_r",
+                "delta": piece,
+            }
+            for piece in pieces
+        ),
+        {
+            "type": "response.refusal.done",
+            "output_index": 0,
+            "content_index": 0,
+            "item_id": "msg_r",
+            "refusal": refusal,
+        },
+        {"type": "response.output_item.done", "output_index": 0, "item": REFUSAL_ITEM},
+        {"type": "response.completed", "response": final},
+    )
+
+
+def test_blocking_refusal_is_text_with_finish_reason_content_filter() -> None:
+    response = _offline().parse_response(_response(REFUSAL_ITEM))
+    assert response.parts == (TextPart("I'm sorry, I can't help with that."),)
+    assert response.finish_reason == "content_filter"  # as the Chat adapter says for a refusal
+
+
+@pytest.mark.parametrize("final_output", [True, False])
+async def test_streamed_refusal_reaches_the_emitter_and_equals_blocking(
+    final_output: bool,
+) -> None:
+    body = _response(REFUSAL_ITEM)
+    sink = Sink()
+    model = _offline()
+    streamed = await model.parse_stream(
+        _events(_refusal_stream(body, final_output=final_output)), sink
+    )
+    assert streamed == model.parse_response(body)
+    assert streamed.finish_reason == "content_filter"
+    assert sink.text == "I'm sorry, I can't help with that."
+    assert len([c for c in sink.chunks if isinstance(c, TextChunk)]) == 3
+
+
+async def test_text_sent_only_in_the_finished_item_is_still_emitted() -> None:
+    body = _response(MESSAGE_ITEM, REFUSAL_ITEM)
+    stream = _sse(
+        {
+            "type": "response.output_item.added",
+            "output_index": 0,
+            "item": {**MESSAGE_ITEM, "content": []},
+        },
+        {
+            "type": "response.output_text.delta",
+            "output_index": 0,
+            "content_index": 0,
+            "item_id": "msg_1",
+            "delta": "Hello",
+        },
+        {"type": "response.output_item.done", "output_index": 0, "item": MESSAGE_ITEM},
+        {
+            "type": "response.output_item.added",
+            "output_index": 1,
+            "item": {**REFUSAL_ITEM, "content": []},
+        },
+        {"type": "response.output_item.done", "output_index": 1, "item": REFUSAL_ITEM},
+        {"type": "response.completed", "response": body},
+    )
+    sink = Sink()
+    streamed = await _offline().parse_stream(_events(stream), sink)
+    assert sink.text == "Hello there" + "I'm sorry, I can't help with that."
+    assert sink.text == "".join(p.text for p in streamed.parts if isinstance(p, TextPart))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_structured_output_does_not_parse_a_refusal(stream: bool) -> None:
+    from stepmachine import ModelInference, Runtime, StateMachine, YieldReason, counter_ids
+    from stepmachine.operations import OUTPUT_INVALID, StructuredOutput
+    from stepmachine.stores import MemoryStore
+
+    class City(msgspec.Struct):
+        name: str
+
+    body = _response(REFUSAL_ITEM)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content)["stream"]:
+            return _sse_reply(_refusal_stream(body))
+        return _json_reply(body)
+
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("a city?", id="u0")])
+    runtime = Runtime(store=store, model=_model(handler), ids=counter_ids())
+    step = StructuredOutput(City, "native", inference=ModelInference(stream=stream), max_retries=0)
+    report = await StateMachine([step]).run_report(runtime, "s")
+    assert report.reason.kind == OUTPUT_INVALID
+    assert report.reason.kind != YieldReason.DONE
+    error = report.reason.data["error"]
+    assert "refused" in error
+    assert "content_filter" in error
+    assert "not valid JSON" not in error
+
+
+async def test_a_reasoning_summary_sent_only_in_the_finished_item_is_still_emitted() -> None:
+    body = _response(REASONING_ITEM, MESSAGE_ITEM)
+    stream = _sse(
+        {
+            "type": "response.output_item.added",
+            "output_index": 0,
+            "item": {**REASONING_ITEM, "summary": []},
+        },
+        {
+            "type": "response.reasoning_summary_text.delta",
+            "output_index": 0,
+            "summary_index": 0,
+            "delta": "Think",
+        },
+        {"type": "response.output_item.done", "output_index": 0, "item": REASONING_ITEM},
+        {"type": "response.completed", "response": body},
+    )
+    sink = Sink()
+    streamed = await _offline().parse_stream(_events(stream), sink)
+    reasoning = "".join(c.text for c in sink.chunks if isinstance(c, ReasoningChunk))
+    assert reasoning == "Think A.\n\nThink B."
+    assert reasoning == "".join(p.text for p in streamed.parts if isinstance(p, ReasoningPart))

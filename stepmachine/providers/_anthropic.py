@@ -27,9 +27,14 @@ Response mapping: content blocks become parts in the order the API sent them
 ``tool_use`` -> :class:`ToolCallPart` whose raw arguments are the compact JSON
 of ``input``); empty text blocks and block types this adapter does not know
 (server tools, ...) are left out. A stream gives exactly the same response: argument fragments are
-joined, parsed and re-encoded compactly when the block stops. Usage:
-``input_tokens`` as Anthropic reports it (cache reads and writes excluded; they
-are ``cache_read_tokens`` and ``cache_write_tokens``). Stop reasons:
+joined, parsed and re-encoded compactly when the block stops. The argument
+chunks emitted for a call add up to the same JSON value as its raw arguments
+(the fragments as sent; re-encoding may change their spacing), and a call whose
+stream carried no argument text emits its raw arguments (``"{}"``) when its
+block stops. Usage: ``input_tokens`` as Anthropic reports it (cache reads and
+writes excluded; they are ``cache_read_tokens`` and ``cache_write_tokens``);
+reasoning tokens from ``output_tokens_details.thinking_tokens`` (part of
+``output_tokens``). Stop reasons:
 ``end_turn``/``stop_sequence`` -> ``"stop"``, ``tool_use`` -> ``"tool_calls"``,
 ``max_tokens``/``model_context_window_exceeded`` -> ``"length"``, ``refusal``
 -> ``"content_filter"``, others as sent.
@@ -230,6 +235,7 @@ class AnthropicModel(HTTPModel):
                     raise self.stream_error(data)
                 if kind == "message_stop":
                     stopped = True
+                    await state.finish(emit)
                 else:
                     await state.handle(kind, data, emit)
             except (ProviderError, msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
@@ -266,7 +272,7 @@ def _env_base_url() -> str | None:
 class _Block:
     """A content block being streamed."""
 
-    __slots__ = ("block", "call_index", "fragments", "signature", "text")
+    __slots__ = ("block", "call_index", "fragments", "signature", "stopped", "text")
 
     def __init__(self, block: dict[str, Any], call_index: int) -> None:
         self.block = block
@@ -274,6 +280,7 @@ class _Block:
         self.text: list[str] = []
         self.fragments: list[str] = []
         self.signature: list[str] = []
+        self.stopped = False
 
     def part(self) -> Part | None:
         """The finished part, built as the blocking reply's block would be."""
@@ -330,7 +337,31 @@ class _StreamState:
                 self.stop_reason = delta["stop_reason"]
             usage = expect_object(data.get("usage") or {}, "usage")
             self.usage.update({k: v for k, v in usage.items() if v is not None})
-        # ping, content_block_stop and unknown events need nothing
+        elif kind == "content_block_stop":
+            await self.stop(_index(data), emit)
+        # ping and unknown events need nothing
+
+    async def stop(self, index: int, emit: ChunkSink) -> None:
+        """Close block ``index``: a tool call whose stream sent no argument text (a call
+        without arguments sends only ``partial_json: ""``, a proxy may put the whole
+        ``input`` in ``content_block_start``) emits its raw arguments now, so that the
+        argument chunks add up to the assembled call (``"{}"``, never ``""``)."""
+        streamed = self.blocks.get(index)
+        if streamed is None:
+            raise ValueError(f"content block {index} stopped, but it was never started")
+        if streamed.stopped:
+            return
+        streamed.stopped = True
+        if streamed.block.get("type") != "tool_use" or "".join(streamed.fragments).strip():
+            return
+        part = streamed.part()
+        if isinstance(part, ToolCallPart) and part.raw_arguments:
+            await emit(ToolCallChunk(streamed.call_index, arguments_delta=part.raw_arguments))
+
+    async def finish(self, emit: ChunkSink) -> None:
+        """``message_stop``: close every block the stream left open."""
+        for index in sorted(self.blocks):
+            await self.stop(index, emit)
 
     async def _start(self, index: int, block: dict[str, Any], emit: ChunkSink) -> None:
         if index in self.blocks:
@@ -462,11 +493,13 @@ def _part(raw: Any) -> Part | None:
 
 def _usage(raw: Any) -> Usage:
     usage = expect_object(raw or {}, "usage")
+    details = expect_object(usage.get("output_tokens_details") or {}, "output_tokens_details")
     return Usage(
         input_tokens=_count(usage.get("input_tokens")),
         output_tokens=_count(usage.get("output_tokens")),
         cache_read_tokens=_count(usage.get("cache_read_input_tokens")),
         cache_write_tokens=_count(usage.get("cache_creation_input_tokens")),
+        reasoning_tokens=_count(details.get("thinking_tokens")),
     )
 
 

@@ -9,6 +9,12 @@ to the many servers that speak the same schema (Ollama, vLLM, llama.cpp's
   whose ``provider_data`` records the field (``{"field": "reasoning"}``), and
   the compatible adapter echoes it back in that same field on the next request
   (``send_reasoning=False`` turns that off, e.g. for servers that reject it);
+* OpenRouter's structured ``reasoning_details`` (reasoning text with its
+  signature, summaries, encrypted reasoning) are kept whole in that part's
+  ``provider_data["reasoning_details"]`` -- streamed pieces merged per
+  ``index``, text fields concatenated -- and sent back unchanged in the
+  assistant turn's ``reasoning_details``, as Anthropic thinking signatures are
+  (a model that signed its reasoning needs it back, e.g. between tool calls);
 * a streamed tool call may arrive whole in one chunk, repeat its id and name on
   every delta, carry no id at all (a stable id is derived from the response id
   and the call's position, or from its content when the response has no id) or
@@ -36,7 +42,8 @@ Mapping decisions (both adapters):
   ``request.output_name``; ``strict`` is true when the schema qualifies for
   OpenAI's strict mode (every object closed and fully required) unless
   ``strict_output`` says otherwise.
-* Only the first choice is read (``n`` > 1 is not supported).
+* Only the first choice (``index`` 0) is read; with ``n`` > 1 the others are
+  ignored, in a blocking reply and in a stream alike.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ __all__ = ["OpenAIChatModel", "OpenAICompatibleModel"]
 OPENAI_BASE_URL = "https://api.openai.com/v1"
 _REASONING_FIELDS = ("reasoning", "reasoning_content")
 _FINISH = {"function_call": "tool_calls"}
+_DETAIL_TEXT = frozenset({"text", "summary", "data", "signature"})  # streamed in pieces
 
 
 class OpenAIChatModel(HTTPModel):
@@ -215,6 +223,15 @@ class OpenAIChatModel(HTTPModel):
                 for call in calls
             ]
         if self.send_reasoning:
+            details = [
+                detail
+                for p in message.parts
+                if isinstance(p, ReasoningPart)
+                and isinstance(p.provider_data.get("reasoning_details"), list)
+                for detail in p.provider_data["reasoning_details"]
+            ]
+            if details:
+                wire["reasoning_details"] = details
             for field in _REASONING_FIELDS:
                 texts = [
                     p.text
@@ -242,19 +259,24 @@ class OpenAIChatModel(HTTPModel):
         choices = data.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise ValueError("the reply has no choices")
-        message = choices[0].get("message")
+        # n > 1: the choice whose index is 0 (else the first), as a stream is read
+        choice = next(
+            (c for c in choices if isinstance(c, dict) and c.get("index") == 0), choices[0]
+        )
+        message = choice.get("message")
         if not isinstance(message, dict):
             raise TypeError("the first choice has no message")
         acc = _Accumulator()
         acc.read_header(data)
         acc.read_reasoning(message)
+        acc.read_details(message)
         acc.text.append(_text(message.get("content")))
         acc.refusal.append(_str(message.get("refusal")))
         for position, raw in enumerate(_list(message.get("tool_calls"))):
             call = _dict(raw)
             # Whole calls: the wire index (Ollama sends one) is ignored, the position counts.
             acc.feed_call({**call, "index": position})
-        acc.finish_reason = _str(choices[0].get("finish_reason")) or None
+        acc.finish_reason = _str(choice.get("finish_reason")) or None
         return acc.response()
 
     # -- stream ------------------------------------------------------------------------
@@ -405,6 +427,7 @@ class _Accumulator:
         self.model: str | None = None
         self.reasoning: list[str] = []
         self.reasoning_field: str | None = None
+        self.details: dict[int, dict[str, Any]] = {}
         self.text: list[str] = []
         self.refusal: list[str] = []
         self.calls: list[_Call] = []
@@ -435,6 +458,20 @@ class _Accumulator:
                 return piece
         return ""
 
+    def read_details(self, source: dict[str, Any]) -> None:
+        """Merge ``reasoning_details`` pieces by their ``index`` (else their position)."""
+        for position, raw in enumerate(_list(source.get("reasoning_details"))):
+            piece = _dict(raw)
+            index = piece.get("index")
+            key = index if isinstance(index, int) and not isinstance(index, bool) else position
+            merged = self.details.setdefault(key, {})
+            for name, value in piece.items():
+                before = merged.get(name)
+                if name in _DETAIL_TEXT and isinstance(value, str) and isinstance(before, str):
+                    merged[name] = before + value
+                elif value is not None or name not in merged:
+                    merged[name] = value
+
     def feed(self, payload: dict[str, Any]) -> list[StreamChunk]:
         """Read one chunk; return the deltas to emit."""
         self.read_header(payload)
@@ -445,6 +482,7 @@ class _Accumulator:
             if isinstance(index, int) and index != 0:
                 continue  # only the first choice is read
             delta = _dict(choice.get("delta"))
+            self.read_details(delta)
             reasoning = self.read_reasoning(delta)
             if reasoning:
                 out.append(ReasoningChunk(reasoning))
@@ -502,8 +540,11 @@ class _Accumulator:
     def response(self) -> ModelResponse:
         parts: list[Part] = []
         reasoning = "".join(self.reasoning)
-        if reasoning:
-            parts.append(ReasoningPart(reasoning, {"field": self.reasoning_field}))
+        if reasoning or self.details:
+            data: dict[str, Any] = {"field": self.reasoning_field}
+            if self.details:
+                data["reasoning_details"] = [self.details[k] for k in sorted(self.details)]
+            parts.append(ReasoningPart(reasoning, data))
         content, refusal = "".join(self.text), "".join(self.refusal)
         if content or refusal:
             parts.append(TextPart(content + refusal))

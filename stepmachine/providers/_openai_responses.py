@@ -20,13 +20,20 @@ Reply mapping: output items in the order the API gives them -- ``reasoning``
 -> :class:`ReasoningPart` (summary text; the item kept in ``provider_data``
 so it round-trips), ``message`` -> :class:`TextPart` per ``output_text`` (or
 ``refusal``) block, ``function_call`` -> :class:`ToolCallPart` whose id is the
-``call_id``. ``completed`` -> ``"stop"`` or ``"tool_calls"``; ``incomplete``
--> ``"length"`` (``max_output_tokens``), ``"content_filter"`` or the raw reason.
+``call_id``. ``completed`` -> ``"stop"`` or ``"tool_calls"``, or
+``"content_filter"`` when a message holds a ``refusal`` block (as the Chat
+adapter does for ``message.refusal``: the text is shown, and a structured-output
+step knows it is not the requested JSON); ``incomplete`` -> ``"length"``
+(``max_output_tokens``), ``"content_filter"`` or the raw reason.
 
-Streaming hands text, reasoning-summary and argument deltas to the emitter and
-assembles the result from the same final items a blocking reply holds (the
-``response.completed`` object, or the ``output_item.done`` items when a server
-leaves that empty), so both paths give the same response (invariant 9).
+Streaming hands text, refusal, reasoning-summary and argument deltas to the
+emitter and assembles the result from the same final items a blocking reply
+holds (the ``response.completed`` object, or the ``output_item.done`` items
+when a server leaves that empty), so both paths give the same response
+(invariant 9). The chunks add up to the response: text (and refusal) deltas
+concatenated are its text, argument deltas per call are its raw arguments,
+reasoning deltas its reasoning; text, arguments or a reasoning summary that a
+server sends only whole, in ``output_item.done``, are emitted from there.
 ``response.failed`` and ``error`` events raise typed errors; a stream that
 ends before ``response.completed`` / ``response.incomplete`` raises
 :class:`MalformedResponseError`.
@@ -289,6 +296,7 @@ class OpenAIResponsesModel(HTTPModel):
     def _assemble(self, response: dict[str, Any], output: list[Any]) -> ModelResponse:
         parts: list[Part] = []
         calls = 0
+        refused = False
         for raw in output:
             item = expect_object(raw, "output item")
             kind = item.get("type")
@@ -299,6 +307,7 @@ class OpenAIResponsesModel(HTTPModel):
                         parts.append(TextPart(expect_str(block.get("text"), "output_text.text")))
                     elif block.get("type") == "refusal":
                         parts.append(TextPart(expect_str(block.get("refusal"), "refusal")))
+                        refused = True
             elif kind == "function_call":
                 parts.append(
                     ToolCallPart.parse(
@@ -313,7 +322,7 @@ class OpenAIResponsesModel(HTTPModel):
         return ModelResponse(
             parts=tuple(parts),
             usage=_usage(response.get("usage")),
-            finish_reason=_finish_reason(response, calls),
+            finish_reason=_finish_reason(response, calls, refused=refused),
             model=response.get("model") if isinstance(response.get("model"), str) else None,
         )
 
@@ -369,9 +378,11 @@ class _StreamState:
     def __init__(self) -> None:
         self.items: dict[int, dict[str, Any]] = {}
         self.texts: dict[tuple[int, int], list[str]] = {}
+        self.text_kinds: dict[tuple[int, int], str] = {}  # "output_text" or "refusal"
         self.arguments: dict[int, list[str]] = {}
         self.tool_index: dict[int, int] = {}
         self.summary_index: dict[int, int] = {}
+        self.reasoning_sent: dict[int, list[str]] = {}  # reasoning text emitted, per item
 
     async def feed(self, kind: Any, data: dict[str, Any], emit: ChunkSink) -> None:
         if kind == "response.output_item.added":
@@ -390,10 +401,11 @@ class _StreamState:
                         arguments,
                     )
                 )
-        elif kind == "response.output_text.delta":
+        elif kind in ("response.output_text.delta", "response.refusal.delta"):
             delta = expect_str(data.get("delta"), "delta")
             key = (expect_int(data.get("output_index")), expect_int(data.get("content_index", 0)))
             self.texts.setdefault(key, []).append(delta)
+            self.text_kinds[key] = "refusal" if kind == "response.refusal.delta" else "output_text"
             if delta:
                 await emit(TextChunk(delta))
         elif kind == "response.function_call_arguments.delta":
@@ -410,6 +422,15 @@ class _StreamState:
             index = expect_int(data.get("output_index"))
             item = expect_object(data.get("item"), "item")
             self.items[index] = item
+            if item.get("type") == "message":
+                await self._rest_of_text(index, item, emit)
+            elif item.get("type") == "reasoning":
+                # A summary a server sent whole, only at the end: show the rest.
+                sent = "".join(self.reasoning_sent.get(index, []))
+                final = _reasoning_part(item).text
+                if final.startswith(sent) and len(final) > len(sent):
+                    self.reasoning_sent.setdefault(index, []).append(final[len(sent) :])
+                    await emit(ReasoningChunk(final[len(sent) :]))
             if index in self.tool_index:
                 # Arguments a server sent whole, only at the end: show the rest.
                 sent = "".join(self.arguments[index])
@@ -420,15 +441,33 @@ class _StreamState:
                         ToolCallChunk(self.tool_index[index], arguments_delta=final[len(sent) :])
                     )
 
+    async def _rest_of_text(self, index: int, item: dict[str, Any], emit: ChunkSink) -> None:
+        """Emit what a finished message holds beyond its deltas (text a server sent whole)."""
+        for position, raw_block in enumerate(expect_list(item.get("content") or [], "content")):
+            block = expect_object(raw_block, "content block")
+            kind = block.get("type")
+            if kind not in ("output_text", "refusal"):
+                continue
+            final = expect_str(block.get("text" if kind == "output_text" else "refusal"), kind)
+            key = (index, position)
+            sent = "".join(self.texts.get(key, []))
+            if final.startswith(sent) and len(final) > len(sent):
+                self.texts.setdefault(key, []).append(final[len(sent) :])
+                self.text_kinds.setdefault(key, kind)
+                await emit(TextChunk(final[len(sent) :]))
+
     async def _reasoning_delta(self, data: dict[str, Any], emit: ChunkSink) -> None:
         delta = expect_str(data.get("delta"), "delta")
         index = expect_int(data.get("output_index"))
         part = data.get("summary_index", data.get("content_index", 0))
         previous = self.summary_index.get(index)
         self.summary_index[index] = current = expect_int(part, "index")
+        sent = self.reasoning_sent.setdefault(index, [])
         if previous is not None and previous != current:
+            sent.append("\n\n")
             await emit(ReasoningChunk("\n\n"))  # summary parts are joined by a blank line
         if delta:
+            sent.append(delta)
             await emit(ReasoningChunk(delta))
 
     def assembled(self) -> list[dict[str, Any]]:
@@ -441,13 +480,20 @@ class _StreamState:
             if item.get("type") == "message" and not item.get("content"):
                 blocks = sorted(k for k in self.texts if k[0] == index)
                 item["content"] = [
-                    {"type": "output_text", "text": "".join(self.texts[k])} for k in blocks
+                    _block(self.text_kinds.get(k), "".join(self.texts[k])) for k in blocks
                 ]
             output.append(item)
         return output
 
 
 # -- small pure helpers -----------------------------------------------------------------
+
+
+def _block(kind: str | None, text: str) -> dict[str, Any]:
+    """A message content block as a blocking reply holds it."""
+    if kind == "refusal":
+        return {"type": "refusal", "refusal": text}
+    return {"type": "output_text", "text": text}
 
 
 def _text_of(value: Any, what: str) -> str:
@@ -492,9 +538,11 @@ def _usage(raw: Any) -> Usage:
     )
 
 
-def _finish_reason(response: dict[str, Any], calls: int) -> str | None:
+def _finish_reason(response: dict[str, Any], calls: int, *, refused: bool) -> str | None:
     status = response.get("status")
     if status == "completed" or status is None:
+        if refused:
+            return "content_filter"
         return "tool_calls" if calls else "stop"
     if status == "incomplete":
         details = response.get("incomplete_details")

@@ -8,7 +8,8 @@ uses a second spec object in ``spec_openai_chat.py``). Each defines
 ``httpx.MockTransport``, and for each interaction:
 
 1. ``decode_request(recorded_body)`` gives the provider-neutral request the
-   recording shows (and whether it streamed);
+   recording shows (and whether it streamed); it raises :class:`UnsupportedPartError`
+   for a part the neutral request cannot hold, never dropping it;
 2. the adapter from ``make_model(client, model_name)`` sends it;
 3. ``request_differences(sent, recorded)`` lists differences on the fields
    that matter (compared as parsed JSON; empty list = match);
@@ -29,6 +30,15 @@ from stepmachine import ModelRequest
 from stepmachine.providers import HTTPModel, ProviderError
 
 
+class UnsupportedPartError(ValueError):
+    """A recorded request holds a part the adapter cannot send (an image, a document, ...).
+
+    ``decode_request`` raises it instead of dropping the part: the harness then fails
+    the file loudly, naming the part, since replaying the rest would test a request
+    the recording never made.
+    """
+
+
 @dataclass(frozen=True)
 class ExpectedCall:
     """A tool call the response must contain."""
@@ -47,6 +57,7 @@ class Expected:
     reasoning: bool | None = None  # True: some reasoning part; None: don't check
     input_tokens: int | None = None
     output_tokens: int | None = None
+    reasoning_tokens: int | None = None  # None: not reported, don't check
     finish_reason: str | None = None  # normalised; None: don't check
     error: type[ProviderError] | None = None  # the typed error to raise instead
     notes: tuple[str, ...] = field(default_factory=tuple)  # what the spec chose to skip, and why
@@ -57,7 +68,9 @@ class ProviderSpec:
     """How to drive one provider's adapter from its recordings."""
 
     folder: str
-    path_suffix: str  # e.g. "/chat/completions": the request path must end with it
+    # e.g. "/chat/completions": a model call's path ends with it; interactions to other
+    # paths (``GET /models`` before the first call, ...) are not model calls and are skipped
+    path_suffix: str
     make_model: Callable[[httpx.AsyncClient, str], HTTPModel]
     decode_request: Callable[[dict[str, Any]], tuple[ModelRequest, bool]]
     request_differences: Callable[[dict[str, Any], dict[str, Any]], list[str]]

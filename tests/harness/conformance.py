@@ -12,23 +12,30 @@ send and what to expect is derived from each recording, through its spec.
 
 For every cassette (:func:`run_file`):
 
-1. the interactions are loaded (:mod:`cassettes`, all four storage formats)
-   and grouped into *logical calls*: an interaction whose request body repeats
-   the previous one after a retryable error (the spec expects an error whose
-   class is ``retryable``) is a retry of the same call;
-2. per call, ``spec.decode_request`` gives the neutral request and whether the
+1. the interactions are loaded (:mod:`cassettes`, all four storage formats);
+2. interactions that are not model calls (another method or a path that does
+   not end with the spec's ``path_suffix``, e.g. a client's ``GET /models``
+   before its first call) are skipped, each with a note, and counted in
+   ``skipped=``; a file with no model call fails. A recorded request holding a
+   part the adapter cannot send (an image, a document: ``decode_request``
+   raises ``UnsupportedPartError``) fails the file, naming the part: nothing is
+   dropped silently. The model calls are grouped into *logical calls*: an
+   interaction whose request body repeats the previous one after a retryable
+   error (the spec expects an error whose class is ``retryable``) is a retry
+   of the same call;
+3. per call, ``spec.decode_request`` gives the neutral request and whether the
    recording streamed; a call whose recording ends in a retryable error gets
    ``request.max_attempts`` = the number of recorded attempts (the client that
    recorded it gave up there); the adapter from ``spec.make_model`` sends it
    through an ``httpx.MockTransport`` that serves the recorded replies in
    order, matching method and path suffix, with a no-op ``sleep`` injected so
    backoff costs nothing;
-3. checks: exactly one request per recorded interaction (retries included);
+4. checks: exactly one request per recorded interaction (retries included);
    every sent body matches the recorded one (``spec.request_differences``);
    the result matches ``spec.expect`` (text, tool calls with parsed
-   arguments, reasoning, input/output tokens, finish reason, attempts -- or
+   arguments, reasoning, input/output/reasoning tokens, finish reason, attempts -- or
    the exact typed error class, its status and attempts);
-4. parity (invariant 9) for every successful call:
+5. parity (invariant 9) for every successful call:
 
    * streamed recordings: the chunks handed to ``on_chunk`` agree with the
      assembled response (TextChunk texts concatenated == the text parts,
@@ -88,6 +95,7 @@ if str(HERE) not in sys.path:  # the spec modules import their siblings (``_spec
     sys.path.insert(0, str(HERE))
 
 import cassettes  # noqa: E402 - needs the line above when this module is imported, not run
+from _spec import UnsupportedPartError  # noqa: E402 - the same
 
 Interaction = cassettes.Interaction
 
@@ -146,6 +154,7 @@ class Result:
     calls: int = 0
     streamed: int = 0
     retries: int = 0
+    skipped: int = 0  # interactions that are not model calls
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -165,6 +174,8 @@ class Result:
         if self.failures:
             return f"{head} " + " | ".join(self.failures)
         tail = f"calls={self.calls} streamed={self.streamed} retries={self.retries}"
+        if self.skipped:
+            tail += f" skipped={self.skipped}"
         if self.notes:
             tail += f" notes={len(self.notes)}"
         return f"{head} {tail}"
@@ -201,8 +212,31 @@ async def run_file(path: Path, specs: Specs | None = None, *, parity: bool = Tru
     if not interactions:
         result.failures.append("no interactions recorded")
         return result
+    calls: list[tuple[int, Any]] = []
+    for index, interaction in enumerate(interactions):
+        if interaction.method == "POST" and interaction.path.endswith(spec.path_suffix):
+            calls.append((index, interaction))
+        else:
+            result.skipped += 1
+            result.notes.append(
+                f"interaction {index}: {interaction.method} {interaction.path} is not a model "
+                f"call (path suffix {spec.path_suffix!r}): skipped"
+            )
+    if not calls:
+        result.failures.append(f"no model call (POST ...{spec.path_suffix}) recorded")
+        return result
+    for index, interaction in calls:
+        if isinstance(interaction.request_body, dict):
+            try:
+                spec.decode_request(interaction.request_body)
+            except UnsupportedPartError as exc:
+                result.failures.append(
+                    f"interaction {index}: the request holds a part the adapter cannot send: {exc}"
+                )
+    if result.failures:
+        return result
     try:
-        groups = _logical_calls(interactions, spec)
+        groups = _logical_calls(calls, spec)
     except Exception as exc:
         result.failures.append(f"spec.expect failed: {_one_line(exc)}")
         return result
@@ -224,10 +258,13 @@ async def run_file(path: Path, specs: Specs | None = None, *, parity: bool = Tru
     return result
 
 
-def _logical_calls(interactions: Sequence[Any], spec: Any) -> list[list[tuple[int, Any]]]:
-    """Group interactions: a repeat of the same body after a retryable error is a retry."""
+def _logical_calls(
+    interactions: Sequence[tuple[int, Any]], spec: Any
+) -> list[list[tuple[int, Any]]]:
+    """Group (index, interaction) pairs: a repeat of the same body after a retryable error
+    is a retry."""
     groups: list[list[tuple[int, Any]]] = []
-    for index, interaction in enumerate(interactions):
+    for index, interaction in interactions:
         if groups:
             _, previous = groups[-1][-1]
             if (
@@ -457,6 +494,13 @@ def _compare(expected: Any, outcome: _Outcome, *, attempts: int, status: int) ->
         and response.usage.output_tokens != expected.output_tokens
     ):
         problems.append(f"output_tokens {response.usage.output_tokens} != {expected.output_tokens}")
+    if (
+        expected.reasoning_tokens is not None
+        and response.usage.reasoning_tokens != expected.reasoning_tokens
+    ):
+        problems.append(
+            f"reasoning_tokens {response.usage.reasoning_tokens} != {expected.reasoning_tokens}"
+        )
     if expected.finish_reason is not None and response.finish_reason != expected.finish_reason:
         problems.append(f"finish_reason {response.finish_reason!r} != {expected.finish_reason!r}")
     if response.attempts != attempts:

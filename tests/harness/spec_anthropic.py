@@ -15,7 +15,12 @@ import re
 from typing import Any
 
 import httpx
-from _spec import Expected, ExpectedCall, ProviderSpec  # the harness contract, beside this file
+from _spec import (  # the harness contract, beside this file
+    Expected,
+    ExpectedCall,
+    ProviderSpec,
+    UnsupportedPartError,
+)
 
 from stepmachine import Message, ModelRequest, ModelSettings, PromptPart, ToolDefinition
 from stepmachine._messages import Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
@@ -60,10 +65,14 @@ def _blocks(content: Any) -> list[dict[str, Any]]:
 
 
 def _result_text(content: Any) -> str:
-    """A tool_result's content: a string, or text blocks joined."""
+    """A tool_result's content: a string, or text blocks joined (``UnsupportedPartError``
+    for an image or document block in it)."""
     if isinstance(content, str):
         return content
-    return "".join(b.get("text", "") for b in content or [] if b.get("type") == "text")
+    for block in content or []:
+        if block.get("type") != "text":
+            raise UnsupportedPartError(f"a block of type {block.get('type')!r} in a tool_result")
+    return "".join(b.get("text", "") for b in content or [])
 
 
 def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
@@ -87,8 +96,15 @@ def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
                     parts.append(ReasoningPart("", {"redacted": b["data"]}))
                 elif b["type"] == "tool_use":
                     parts.append(ToolCallPart.of(b["id"], b["name"], b["input"]))
+                else:
+                    raise UnsupportedPartError(
+                        f"a block of type {b['type']!r} in an assistant turn"
+                    )
             add("assistant", parts)
         else:
+            for b in blocks:
+                if b["type"] not in ("text", "tool_result"):
+                    raise UnsupportedPartError(f"a block of type {b['type']!r} in a user turn")
             results: list[Part] = [
                 ToolResultPart(
                     call_id=b["tool_use_id"],
@@ -308,6 +324,7 @@ def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> 
         reasoning=any(b["type"] in ("thinking", "redacted_thinking") for b in content),
         input_tokens=usage.get("input_tokens"),
         output_tokens=usage.get("output_tokens"),
+        reasoning_tokens=(usage.get("output_tokens_details") or {}).get("thinking_tokens"),
         finish_reason=_FINISH.get(message.get("stop_reason"), message.get("stop_reason")),
         notes=("stream" if is_sse else "json",),
     )

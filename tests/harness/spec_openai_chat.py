@@ -11,7 +11,9 @@ Conventions of the adapter this spec relies on (documented in
 ``stepmachine/providers/_openai_chat.py``):
 
 * reasoning sent back in an assistant turn is a ``ReasoningPart`` whose
-  ``provider_data`` is ``{"field": "reasoning" | "reasoning_content"}``;
+  ``provider_data`` is ``{"field": "reasoning" | "reasoning_content"}``, plus
+  ``"reasoning_details"`` (OpenRouter's list, sent back unchanged) when the
+  turn has them;
 * a refusal is returned as text with finish reason ``"content_filter"``;
 * token counts come from ``usage``, else from llama.cpp's ``timings``
   (``prompt_n + cache_n`` in, ``predicted_n`` out).
@@ -23,7 +25,12 @@ import json
 from typing import Any
 
 import httpx
-from _spec import Expected, ExpectedCall, ProviderSpec  # the harness contract, beside this file
+from _spec import (  # the harness contract, beside this file
+    Expected,
+    ExpectedCall,
+    ProviderSpec,
+    UnsupportedPartError,
+)
 
 from stepmachine import Message, ModelRequest, ModelSettings, PromptPart, ToolDefinition
 from stepmachine._messages import Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
@@ -79,11 +86,20 @@ def make_compatible_model(client: httpx.AsyncClient, model: str) -> HTTPModel:
 
 
 def _text_of(content: Any) -> str:
-    """A message's ``content``: a string, ``null``, or a list of text parts."""
+    """A message's ``content``: a string, ``null``, or a list of text parts.
+
+    Raises:
+        UnsupportedPartError: a part that is not text (``image_url``, ``file``,
+            ``input_audio``, ...): the neutral request cannot carry it yet.
+    """
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise UnsupportedPartError(f"a content part of type {kind!r}")
+        return "".join(str(p.get("text", "")) for p in content)
     return ""
 
 
@@ -110,10 +126,16 @@ def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
             messages.append(Message.tool_result(result, id=mid))
         elif role == "assistant":
             parts: list[Part] = []
+            data: dict[str, Any] = {"field": None}
+            text = ""
             for field in ("reasoning", "reasoning_content"):
                 if wire.get(field):
-                    parts.append(ReasoningPart(wire[field], {"field": field}))
+                    data["field"], text = field, wire[field]
                     break  # ruby_llm sends the same text in both fields
+            if wire.get("reasoning_details"):
+                data["reasoning_details"] = wire["reasoning_details"]  # OpenRouter
+            if text or "reasoning_details" in data:
+                parts.append(ReasoningPart(text, data))
             if _text_of(wire.get("content")):
                 parts.append(TextPart(_text_of(wire.get("content"))))
             for call in wire.get("tool_calls") or []:
@@ -185,6 +207,9 @@ def _norm_message(wire: dict[str, Any]) -> dict[str, Any]:
     reasoning = wire.get("reasoning") or wire.get("reasoning_content")
     if reasoning:
         out["reasoning"] = reasoning
+    # OpenRouter's structured reasoning (signatures included) must come back unchanged.
+    if wire.get("reasoning_details"):
+        out["reasoning_details"] = wire["reasoning_details"]
     return out
 
 
@@ -290,11 +315,16 @@ def _expected_error(status: int, body: bytes) -> type[ProviderError]:
 
 
 def _read_stream(text: str) -> dict[str, Any]:
-    """A ``chat.completion``-shaped dict assembled from the ``data:`` lines of a stream."""
+    """A ``chat.completion``-shaped dict assembled from the ``data:`` lines of a stream.
+
+    Choice 0 only (``n`` > 1 interleaves the others, which are ignored); tool-call
+    deltas are placed by ``index``, or without one (Mistral) as ``_call_for`` says.
+    """
     content: list[str] = []
     refusal: list[str] = []
     reasoning: list[str] = []
-    calls: dict[int, dict[str, Any]] = {}
+    calls: list[dict[str, Any]] = []
+    by_index: dict[int, dict[str, Any]] = {}
     finish = None
     usage = timings = None
     for line in text.splitlines():
@@ -307,12 +337,14 @@ def _read_stream(text: str) -> dict[str, Any]:
         usage = chunk.get("usage") or usage
         timings = chunk.get("timings") or timings
         for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue  # n > 1: choice 0 is the reply, the others are ignored
             delta = choice.get("delta") or {}
             content.append(delta.get("content") or "")
             refusal.append(delta.get("refusal") or "")
             reasoning.append(delta.get("reasoning") or delta.get("reasoning_content") or "")
             for piece in delta.get("tool_calls") or []:
-                call = calls.setdefault(piece["index"], {"id": None, "name": "", "arguments": ""})
+                call = _call_for(piece, calls, by_index)
                 call["id"] = call["id"] or piece.get("id")
                 function = piece.get("function") or {}
                 call["name"] = call["name"] or function.get("name") or ""
@@ -324,7 +356,7 @@ def _read_stream(text: str) -> dict[str, Any]:
         "reasoning": "".join(reasoning),
         "tool_calls": [
             {"id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for _, c in sorted(calls.items())
+            for c in calls
         ],
     }
     return {
@@ -334,13 +366,38 @@ def _read_stream(text: str) -> dict[str, Any]:
     }
 
 
+def _call_for(
+    piece: dict[str, Any], calls: list[dict[str, Any]], by_index: dict[int, dict[str, Any]]
+) -> dict[str, Any]:
+    """The call a streamed tool-call delta belongs to.
+
+    By ``index`` when it has one; without (Mistral): the call with the same
+    ``id``, else -- no id -- the call being streamed, else a new call.
+    """
+    index = piece.get("index")
+    if isinstance(index, int):
+        if index not in by_index:
+            by_index[index] = {"id": None, "name": "", "arguments": ""}
+            calls.append(by_index[index])
+        return by_index[index]
+    wire_id = piece.get("id")
+    known = [c for c in calls if wire_id and c["id"] == wire_id]
+    if known:
+        return known[0]
+    if not wire_id and calls:
+        return calls[-1]
+    calls.append({"id": None, "name": "", "arguments": ""})
+    return calls[-1]
+
+
 def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> Any:
-    """What the adapter must make of this recorded reply."""
+    """What the adapter must make of this recorded reply (choice 0 when ``n`` > 1)."""
     if status >= 400:
         return Expected(error=_expected_error(status, body))
     is_sse = "text/event-stream" in headers.get("content-type", "")
     data = _read_stream(body.decode()) if is_sse else json.loads(body)
-    choice = data["choices"][0]
+    choices = data["choices"]
+    choice = next((c for c in choices if c.get("index", 0) == 0), choices[0])
     message = choice.get("message") or {}
     notes: list[str] = []
     text = message.get("content") or ""
@@ -359,9 +416,11 @@ def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> 
         for c in message.get("tool_calls") or []
     )
     usage, timings = data.get("usage"), data.get("timings")
-    input_tokens = output_tokens = None
+    input_tokens = output_tokens = reasoning_tokens = None
     if usage:
         input_tokens, output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        details = usage.get("completion_tokens_details") or {}
+        reasoning_tokens = details.get("reasoning_tokens")
     elif timings:
         input_tokens = timings.get("prompt_n", 0) + timings.get("cache_n", 0)
         output_tokens = timings.get("predicted_n")
@@ -372,6 +431,7 @@ def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> 
         reasoning=bool(reasoning),
         input_tokens=input_tokens,
         output_tokens=output_tokens,
+        reasoning_tokens=reasoning_tokens,
         finish_reason=finish,
         notes=tuple(notes),
     )

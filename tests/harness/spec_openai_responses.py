@@ -14,7 +14,12 @@ import re
 from typing import Any
 
 import httpx
-from _spec import Expected, ExpectedCall, ProviderSpec  # the harness contract, beside this file
+from _spec import (  # the harness contract, beside this file
+    Expected,
+    ExpectedCall,
+    ProviderSpec,
+    UnsupportedPartError,
+)
 
 from stepmachine import Message, ModelRequest, ModelSettings, PromptPart, ToolDefinition
 from stepmachine._messages import Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
@@ -59,11 +64,24 @@ def make_model(client: httpx.AsyncClient, model: str) -> HTTPModel:
 # -- decode_request ------------------------------------------------------------------------
 
 
+_TEXT_BLOCKS = frozenset({"input_text", "output_text", "text"})
+
+
 def _content_text(content: Any) -> str:
+    """A message's content: a string, or a list of text blocks.
+
+    Raises:
+        UnsupportedPartError: a block that is not text (``input_image``,
+            ``input_file``, ...): the neutral request cannot carry it yet.
+    """
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(str(block.get("text", "")) for block in content if isinstance(block, dict))
+        for block in content:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            if kind not in _TEXT_BLOCKS:
+                raise UnsupportedPartError(f"a content block of type {kind!r}")
+        return "".join(str(block.get("text", "")) for block in content)
     return ""
 
 
@@ -143,6 +161,40 @@ def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
 # -- request_differences -------------------------------------------------------------------
 
 
+def _system_texts(raw: Any) -> list[str]:
+    """The texts of the ``system`` / ``developer`` message items of an input."""
+    if not isinstance(raw, list):
+        return []
+    return [
+        _content_text(item.get("content"))
+        for item in raw
+        if item.get("type", "message") == "message" and item.get("role") in ("system", "developer")
+    ]
+
+
+def _instructions(body: dict[str, Any]) -> str:
+    """The system prompt a body gives, wherever it puts it.
+
+    ``instructions`` and the ``system`` / ``developer`` message items mean the
+    same to the model: a recording may hold its system prompt as a ``developer``
+    item where the adapter sends ``instructions`` (the adapter joins the system
+    prompt and every system message with a blank line, in order).
+    """
+    texts = [body.get("instructions") or "", *_system_texts(body.get("input"))]
+    return "\n\n".join(t for t in texts if t)
+
+
+def _normal_text(sent: Any, recorded: Any) -> tuple[Any, Any]:
+    """The ``text`` config of both bodies, ``format.strict`` dropped from the sent one
+    when the recording has none (the recording left it to the server's default; the
+    adapter derives it from the schema, and its own tests check that)."""
+    fmt = recorded.get("format") if isinstance(recorded, dict) else None
+    mine = sent.get("format") if isinstance(sent, dict) else None
+    if isinstance(fmt, dict) and isinstance(mine, dict) and "strict" not in fmt:
+        sent = {**sent, "format": {k: v for k, v in mine.items() if k != "strict"}}
+    return sent, recorded
+
+
 def _normal_input(raw: Any) -> list[Any]:
     """Input items in a comparable form.
 
@@ -158,6 +210,8 @@ def _normal_input(raw: Any) -> list[Any]:
     for item in raw or []:
         kind = item.get("type", "message")
         if kind == "message":
+            if item.get("role") in ("system", "developer"):
+                continue  # part of the system prompt: compared as instructions
             text = _content_text(item.get("content"))
             if item.get("role") == "assistant" and not text:
                 continue
@@ -206,15 +260,18 @@ def _same(sent: Any, recorded: Any) -> bool:
 def request_differences(sent: dict[str, Any], recorded: dict[str, Any]) -> list[str]:
     """The fields that matter on which the sent body differs from the recorded one.
 
-    ``instructions`` "" equals no instructions; ``stream`` absent equals false;
-    ``input`` as a plain string equals one user message. Every other top-level
-    field is compared verbatim (after the normalisations above).
+    ``instructions`` "" equals no instructions, and ``system`` / ``developer``
+    input items are part of them (see ``_instructions``); ``stream`` absent
+    equals false; ``input`` as a plain string equals one user message;
+    ``text.format.strict`` absent in the recording is not compared. Every other
+    top-level field is compared verbatim (after the normalisations above).
     """
     differences: list[str] = []
     checks: dict[str, tuple[Any, Any]] = {
         "model": (sent.get("model"), recorded.get("model")),
         "stream": (bool(sent.get("stream")), bool(recorded.get("stream"))),
-        "instructions": (sent.get("instructions") or "", recorded.get("instructions") or ""),
+        "instructions": (_instructions(sent), _instructions(recorded)),
+        "text": _normal_text(sent.get("text"), recorded.get("text")),
         "input": (_normal_input(sent.get("input")), _normal_input(recorded.get("input"))),
         "tools": (_normal_tools(sent.get("tools")), _normal_tools(recorded.get("tools"))),
     }
@@ -250,9 +307,11 @@ def _error_type(status: int, body: bytes) -> type[ProviderError]:
     return ServerError if status >= 500 else BadRequestError
 
 
-def _finish(response: dict[str, Any], calls: int) -> str | None:
+def _finish(response: dict[str, Any], calls: int, *, refused: bool = False) -> str | None:
     status = response.get("status")
     if status == "completed":
+        if refused:
+            return "content_filter"
         return "tool_calls" if calls else "stop"
     if status == "incomplete":
         reason = (response.get("incomplete_details") or {}).get("reason")
@@ -266,7 +325,7 @@ def _sse_events(body: bytes) -> list[dict[str, Any]]:
         data = "\n".join(
             line[5:].lstrip(" ") for line in block.split("\n") if line.startswith("data:")
         )
-        if data.strip():
+        if data.strip() and data.strip() != "[DONE]":  # OpenRouter ends with [DONE]
             events.append(json.loads(data))
     return events
 
@@ -281,9 +340,15 @@ def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> 
     text = ""
     calls = []
     reasoning = False
+    refused = False
     for item in response["output"]:
         if item["type"] == "message":
-            text += "".join(c["text"] for c in item["content"] if c["type"] == "output_text")
+            for c in item["content"]:
+                if c["type"] == "output_text":
+                    text += c["text"]
+                elif c["type"] == "refusal":  # shown as text, finish reason content_filter
+                    text += c["refusal"]
+                    refused = True
         elif item["type"] == "function_call":
             calls.append(
                 ExpectedCall(item["name"], json.loads(item["arguments"] or "{}"), item["call_id"])
@@ -297,7 +362,8 @@ def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> 
         reasoning=reasoning,
         input_tokens=usage.get("input_tokens"),
         output_tokens=usage.get("output_tokens"),
-        finish_reason=_finish(response, len(calls)),
+        reasoning_tokens=(usage.get("output_tokens_details") or {}).get("reasoning_tokens"),
+        finish_reason=_finish(response, len(calls), refused=refused),
     )
 
 
@@ -306,12 +372,13 @@ def _expect_stream(events: list[dict[str, Any]]) -> Any:
     filled by argument deltas; usage and status from response.completed."""
     text = ""
     calls: dict[str, list[Any]] = {}  # item id -> [name, call_id, arguments]
-    reasoning = False
+    reasoning = refused = False
     final: dict[str, Any] | None = None
     for event in events:
         kind = event.get("type")
-        if kind == "response.output_text.delta":
+        if kind in ("response.output_text.delta", "response.refusal.delta"):
             text += event["delta"]
+            refused = refused or kind == "response.refusal.delta"
         elif kind == "response.output_item.added":
             item = event["item"]
             if item["type"] == "function_call":
@@ -339,7 +406,8 @@ def _expect_stream(events: list[dict[str, Any]]) -> Any:
         reasoning=reasoning,
         input_tokens=usage.get("input_tokens"),
         output_tokens=usage.get("output_tokens"),
-        finish_reason=_finish(final, len(expected_calls)),
+        reasoning_tokens=(usage.get("output_tokens_details") or {}).get("reasoning_tokens"),
+        finish_reason=_finish(final, len(expected_calls), refused=refused),
     )
 
 
