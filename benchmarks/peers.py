@@ -169,7 +169,7 @@ class Runner:
     variant: str  # "memory" or "sqlite"
     session: Callable[[int], Awaitable[tuple[list[int], list[str]]]]
     close: Callable[[], Awaitable[None]] | None = None
-    note: str = ""
+    concurrent: Callable[[int], Awaitable[str]] | None = None  # one concurrency session
 
     @property
     def label(self) -> str:
@@ -281,8 +281,12 @@ async def stepmachine_runner(variant: str, folder: Path) -> Runner:
 # -- LangGraph ---------------------------------------------------------------------
 
 
-async def langgraph_runner(variant: str, folder: Path) -> Runner:
-    """LangGraph: StateGraph(MessagesState) + ToolNode + a checkpointer."""
+async def langgraph_runner(variant: str, folder: Path, *, sleepy: bool = False) -> Runner:
+    """LangGraph: StateGraph(MessagesState) + ToolNode + a checkpointer.
+
+    ``sleepy``: the concurrency agent instead (the model sleeps 100 ms and
+    calls the tool four times before answering); use the runner's ``concurrent``.
+    """
     try:
         from langchain_core.language_models.chat_models import BaseChatModel
         from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
@@ -313,6 +317,14 @@ async def langgraph_runner(variant: str, folder: Path) -> Runner:
             return self.bind(tools=[convert_to_openai_tool(t) for t in tools], **kwargs)
 
         def _turn(self, messages: list[BaseMessage]) -> ChatResult:
+            if sleepy:
+                done = sum(1 for m in messages if isinstance(m, ToolMessage))
+                if done < CONCURRENT_TOOL_CALLS:
+                    calls = [{"name": "lookup_value", "args": {"key": str(done)}, "id": _call_id()}]
+                    message = AIMessage(content="", tool_calls=calls)
+                else:
+                    message = AIMessage(content=answer_text(str(messages[-1].content)))
+                return ChatResult(generations=[ChatGeneration(message=message)])
             saw(lambda: sum(1 for m in messages if isinstance(m, HumanMessage)))
             last = messages[-1]
             if isinstance(last, HumanMessage):
@@ -332,6 +344,8 @@ async def langgraph_runner(variant: str, folder: Path) -> Runner:
         async def _agenerate(
             self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kw: Any
         ) -> ChatResult:
+            if sleepy:
+                await anyio.sleep(MODEL_SLEEP_S)
             return self._turn(messages)
 
     lookup = lc_tool(lookup_value)
@@ -373,7 +387,12 @@ async def langgraph_runner(variant: str, folder: Path) -> Runner:
             answers.append(str(state["messages"][-1].content))
         return elapsed, answers
 
-    return Runner("LangGraph", variant, session, close)
+    async def concurrent(index: int) -> str:
+        config: Any = {"configurable": {"thread_id": f"c{index}"}}
+        state = await graph.ainvoke({"messages": [("user", user_text(index))]}, config)
+        return str(state["messages"][-1].content)
+
+    return Runner("LangGraph", variant, session, close, concurrent=concurrent)
 
 
 _CALLS = [0]
@@ -698,6 +717,25 @@ async def concurrent_stepmachine(sessions: int) -> float:
     return wall
 
 
+async def concurrent_langgraph(sessions: int) -> float:
+    """Wall seconds of ``sessions`` concurrent LangGraph sessions on one InMemorySaver."""
+    runner = await langgraph_runner("memory", Path(), sleepy=True)
+    assert runner.concurrent is not None
+    one = runner.concurrent
+    answers: list[str] = []
+
+    async def run(index: int) -> None:
+        answers.append(await one(index))
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        for index in range(sessions):
+            group.start_soon(run, index)
+    wall = time.perf_counter() - start
+    check_concurrent("LangGraph", answers, sessions)
+    return wall
+
+
 def check_concurrent(name: str, answers: list[str], sessions: int) -> None:
     """Every session ended with the answer to its last tool result."""
     expected = answer_text(f"value of {CONCURRENT_TOOL_CALLS - 1}")
@@ -718,6 +756,7 @@ class Options:
     sessions: int
     json_path: Path | None
     plot: bool
+    concurrent_langgraph: bool
 
 
 def parse(argv: list[str]) -> Options:
@@ -730,6 +769,11 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument(
         "--sessions", type=int, default=None, help="concurrent sessions (0: skip; default 10000)"
     )
+    parser.add_argument(
+        "--concurrent-langgraph",
+        action="store_true",
+        help="also run the concurrent sessions through LangGraph (InMemorySaver); slow",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument(
         "--plot", action="store_true", help="rewrite benchmarks/README.md's results and plot"
@@ -741,7 +785,9 @@ def parse(argv: list[str]) -> Options:
     sessions = args.sessions if args.sessions is not None else (200 if args.quick else 10_000)
     if rounds < 1 or repetitions < 1 or sessions < 0:
         parser.error("--rounds and --repetitions must be at least 1, --sessions at least 0")
-    return Options(rounds, repetitions, warmup, sessions, args.json, args.plot)
+    return Options(
+        rounds, repetitions, warmup, sessions, args.json, args.plot, args.concurrent_langgraph
+    )
 
 
 def find(figures: list[Figures], name: str, variant: str) -> float:
@@ -802,14 +848,25 @@ def main(argv: list[str]) -> None:
     print_table(figures, bare)
     concurrent: dict[str, float] = {}
     if opts.sessions:
-        for name, run in (("bare loop", concurrent_bare), ("stepmachine", concurrent_stepmachine)):
-            gc.collect()
-            concurrent[name] = anyio.run(run, opts.sessions, backend="asyncio")
+        runs: list[tuple[str, Callable[[int], Awaitable[float]]]] = [
+            ("bare loop", concurrent_bare),
+            ("stepmachine", concurrent_stepmachine),
+        ]
+        if opts.concurrent_langgraph:
+            runs.append(("LangGraph", concurrent_langgraph))
         print(
             f"{opts.sessions} concurrent sessions x 5 calls of a {MODEL_SLEEP_S * 1000:.0f} ms "
-            f"model (memory): stepmachine {concurrent['stepmachine']:.2f} s, bare loop "
-            f"{concurrent['bare loop']:.2f} s"
+            "model, memory store (wall time):"
         )
+        for name, run in runs:
+            gc.collect()
+            try:
+                concurrent[name] = anyio.run(run, opts.sessions, backend="asyncio")
+            except SkippedError as skipped:
+                print(f"  {name}: {skipped}")
+                continue
+            ratio = concurrent[name] / concurrent["bare loop"]
+            print(f"  {name:20s} {concurrent[name]:8.2f} s  {ratio:6.2f} x bare")
     line = summary(figures, concurrent)
     if opts.json_path is not None or opts.plot:
         data = {
