@@ -75,6 +75,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -834,6 +835,7 @@ def print_table(figures: list[Figures], bare: float) -> None:
 def main(argv: list[str]) -> None:
     """Measure, print the table, then the summary line last."""
     opts = parse(argv)
+    load_at_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
     print(
         f"peers benchmark: python={sys.version.split()[0]} rounds={opts.rounds} "
         f"repetitions={opts.repetitions} warmup={opts.warmup} sessions={opts.sessions}"
@@ -875,6 +877,8 @@ def main(argv: list[str]) -> None:
             "repetitions": opts.repetitions,
             "sessions": opts.sessions,
             "python": sys.version.split()[0],
+            "cpus": os.cpu_count(),
+            "load_at_start": round(load_at_start, 1),
             "step_us": {
                 f"{f.runner.name}|{f.runner.variant}": round(f.step_us, 2) for f in figures
             },

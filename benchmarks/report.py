@@ -75,7 +75,8 @@ def section(data: dict[str, Any]) -> str:
         (
             f"One run: Python {data['python']}, {data['rounds']} agent steps per session, "
             f"median of {data['repetitions']} sessions per step index, every setup "
-            "interleaved in one process on a shared 2-core machine."
+            f"interleaved in one process on a shared machine ({data.get('cpus', '?')} CPUs, "
+            f"load average {data.get('load_at_start', '?')} at the start)."
         ),
         "",
         table(data),
@@ -158,8 +159,11 @@ def main(argv: list[str]) -> int:
         write(json.loads(Path(argv[1]).read_text(encoding="utf-8")))
         return 0
     with tempfile.TemporaryDirectory(prefix="peers-report-") as tmp:
-        figures = Path(tmp) / "figures.json"
-        command = [sys.executable, str(HERE / "peers.py"), "--json", str(figures), *argv]
+        # A --json given by the caller is honoured: the figures are read back from it.
+        given = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--json"]
+        figures = Path(given[-1]) if given else Path(tmp) / "figures.json"
+        extra = [] if given else ["--json", str(figures)]
+        command = [sys.executable, str(HERE / "peers.py"), *argv, *extra]
         code = subprocess.run(command, check=False).returncode  # noqa: S603  (our own script)
         if code:
             return code
