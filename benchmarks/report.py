@@ -107,8 +107,13 @@ def section(data: dict[str, Any]) -> str:
 
 def plot(data: dict[str, Any], path: Path) -> None:
     """Grouped horizontal bars: µs per agent step, memory and SQLite, log scale."""
-    import matplotlib as mpl  # noqa: PLC0415  (only the report needs it)
-
+    try:
+        import matplotlib as mpl  # noqa: PLC0415  (only the report needs it)
+    except ImportError as error:
+        raise SystemExit(
+            f"matplotlib is not installed ({error}); install the bench extra: "
+            "pip install -e '.[bench]'"
+        ) from error
     mpl.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
