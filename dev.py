@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
             "dev.py",
         )
         return code or run("mypy", "--strict")
-    ensure_env("test")
+    ensure_env("test,bench")
     code = 0
     for bench in sorted((ROOT / "benchmarks").glob("*.py")):
         if bench.name == "report.py":  # rewrites benchmarks/README.md: run it by hand
