@@ -45,9 +45,11 @@ from stepmachine import (
     apply_batch,
 )
 
+from . import _sqlite_rows as _rows
 from . import _sqlite_schema as _schema
 from ._ids import validate_session_id
-from ._sqlite_schema import SessionRow, transaction
+from ._sqlite_rows import SessionRow
+from ._sqlite_schema import transaction
 
 __all__ = ["SQLiteStore"]
 
@@ -202,7 +204,7 @@ class SQLiteStore:
             return result
 
     def _row(self, connection: sqlite3.Connection, session_id: str) -> SessionRow:
-        row = _schema.session_row(connection, self._path, session_id)
+        row = _rows.session_row(connection, self._path, session_id)
         if row is None:
             self._cache.pop(session_id, None)
             raise SessionNotFoundError(session_id)
@@ -230,7 +232,7 @@ class SQLiteStore:
             if base.revision == revision:
                 return base
         after = -1 if base is None else base.revision
-        snapshot = _schema.read_snapshot(
+        snapshot = _rows.read_snapshot(
             connection, self._codec, self._path, session_id, sid, after, revision
         )
         if snapshot is not None:
@@ -240,10 +242,10 @@ class SQLiteStore:
                 f"invariant 8 (stored data is data): session {session_id!r} in {self._path} "
                 "has no snapshot at revision 0"
             )
-        log = _schema.read_log(
+        log = _rows.read_log(
             connection, self._codec, self._path, session_id, sid, base.revision, revision
         )
-        return _schema.replay(base, log, self._path, session_id)
+        return _rows.replay(base, log, self._path, session_id)
 
     # -- the Store API -----------------------------------------------------------
 
@@ -273,10 +275,11 @@ class SQLiteStore:
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
             with transaction(connection, write=True):
-                if _schema.session_row(connection, self._path, session_id) is not None:
+                if _rows.session_row(connection, self._path, session_id) is not None:
                     raise SessionExistsError(session_id)
-                sid = _schema.insert_session(connection, session_id, 0)
-                _schema.insert_snapshot(connection, self._codec, sid, session)
+                sid = _rows.insert_session(connection, session_id)
+                size = _rows.insert_snapshot(connection, self._codec, sid, session)
+                _rows.write_session_row(connection, session_id, SessionRow(sid, 0, 0, size, 0))
             self._remember(sid, session)
             self._hook("create.committed")
             return session
@@ -316,7 +319,7 @@ class SQLiteStore:
         write is one ``BEGIN IMMEDIATE`` transaction: one batch row, one row
         per effect, the new revision on the session row, and a snapshot after
         a ``ReplaceConversation`` or when one is due (see
-        :func:`._sqlite_schema.wants_snapshot`: periodic snapshots cost each
+        :func:`._sqlite_rows.wants_snapshot`: periodic snapshots cost each
         apply, on average, about twice encoding its own effects). Nothing
         else is re-encoded, whatever the history length.
 
@@ -350,7 +353,7 @@ class SQLiteStore:
                 current = self._session_at(connection, session_id, row.sid, row.revision)
                 self._remember(row.sid, current)
                 after = apply_batch(current, effects)
-                _schema.insert_batch(
+                _rows.insert_batch(
                     connection,
                     row.sid,
                     after.revision,
@@ -359,8 +362,15 @@ class SQLiteStore:
                     batch.timestamp,
                     bodies,
                 )
-                if _schema.wants_snapshot(row, after.revision, batch_bytes, replaces):
-                    _schema.insert_snapshot(connection, self._codec, row.sid, after)
+                moved = row._replace(
+                    revision=after.revision, pending_bytes=row.pending_bytes + batch_bytes
+                )
+                if _rows.wants_snapshot(row, after.revision, batch_bytes, replaces):
+                    size = _rows.insert_snapshot(connection, self._codec, row.sid, after)
+                    moved = moved._replace(
+                        snapshot_revision=after.revision, snapshot_bytes=size, pending_bytes=0
+                    )
+                _rows.write_session_row(connection, session_id, moved)
                 self._hook("apply.inserted")
             self._remember(row.sid, after)
             self._hook("apply.committed")
@@ -369,11 +379,15 @@ class SQLiteStore:
         return await self._run(run)
 
     async def list_sessions(self) -> list[str]:
-        """The ids of all sessions, sorted."""
+        """The ids of all sessions, sorted.
+
+        Raises:
+            StoredDataError: a session row does not match its checksum.
+        """
 
         def run(connection: sqlite3.Connection) -> list[str]:
-            rows = connection.execute("SELECT session_id FROM sessions").fetchall()
-            return sorted(str(row[0]) for row in rows)
+            with transaction(connection, write=False):
+                return _rows.session_ids(connection, self._path)
 
         return await self._run(run)
 
@@ -433,7 +447,7 @@ class SQLiteStore:
             with transaction(connection, write=False):
                 row = self._row(connection, session_id)
                 start = min(max(after, 0), row.revision)
-                log = _schema.read_log(
+                log = _rows.read_log(
                     connection, self._codec, self._path, session_id, row.sid, start, row.revision
                 )
             return [
@@ -455,8 +469,9 @@ class SQLiteStore:
 
         The fork is at the same revision, with the same conversation and data,
         and carries the source's batches ``1..revision`` (so its audit log and
-        :meth:`load_at` match the source's up to there). Effect rows are copied
-        inside SQLite, not re-encoded. One transaction.
+        :meth:`load_at` match the source's up to there). Batch and effect rows
+        are checked against their checksums and copied under the new session
+        with new ones, not decoded or re-encoded. One transaction.
 
         Returns:
             The new session (``id`` is ``new_session_id``).
@@ -480,27 +495,20 @@ class SQLiteStore:
                     raise ValueError(
                         f"session {session_id!r} has revisions 0..{source.revision}, not {revision}"
                     )
-                if _schema.session_row(connection, self._path, new_session_id) is not None:
+                if _rows.session_row(connection, self._path, new_session_id) is not None:
                     raise SessionExistsError(new_session_id)
                 state = self._session_at(connection, session_id, source.sid, revision)
                 forked = msgspec.structs.replace(state, id=new_session_id)
-                snapshots = _schema.read_snapshots(
+                snapshots = _rows.read_snapshots(
                     connection, self._codec, self._path, session_id, source.sid, revision
                 )
-                sid = _schema.insert_session(connection, new_session_id, revision)
-                connection.execute(
-                    "INSERT INTO batches SELECT ?, revision, step, cycle, timestamp, effect_count, "
-                    "schema_version FROM batches WHERE sid = ? AND revision <= ?",
-                    (sid, source.sid, revision),
-                )
-                connection.execute(
-                    "INSERT INTO effects SELECT ?, revision, position, schema_version, body "
-                    "FROM effects WHERE sid = ? AND revision <= ?",
-                    (sid, source.sid, revision),
-                )
+                sid = _rows.insert_session(connection, new_session_id)
+                _rows.copy_log(connection, self._path, session_id, source.sid, sid, revision)
                 for snapshot in [*snapshots, forked]:
                     renamed = msgspec.structs.replace(snapshot, id=new_session_id)
-                    _schema.insert_snapshot(connection, self._codec, sid, renamed)
+                    size = _rows.insert_snapshot(connection, self._codec, sid, renamed)
+                row = SessionRow(sid, revision, revision, size, 0)
+                _rows.write_session_row(connection, new_session_id, row)
             self._remember(sid, forked)
             return forked
 

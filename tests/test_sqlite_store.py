@@ -49,13 +49,13 @@ from stepmachine import (
     apply_batch,
 )
 from stepmachine.stores import SQLiteStore
-from stepmachine.stores._sqlite_schema import (
-    SCHEMA_VERSION,
+from stepmachine.stores._sqlite_rows import (
     SNAPSHOT_EVERY,
     SNAPSHOT_MAX_GAP,
     SessionRow,
     wants_snapshot,
 )
+from stepmachine.stores._sqlite_schema import SCHEMA_VERSION
 from stepmachine.testing.conformance import ConformanceData, Increment, StoreConformance
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -388,12 +388,15 @@ async def test_schema_version_table_and_versioned_records(db: Path) -> None:
                 session = await store.create("s")
                 await apply(store, session, Increment())
     with raw(db) as connection:
+        # A new file goes through every migration, once.
         assert connection.execute("SELECT version FROM schema_version").fetchall() == [
-            (SCHEMA_VERSION,)
+            (version,) for version in range(1, SCHEMA_VERSION + 1)
         ]
         for table in ("sessions", "batches", "effects", "snapshots"):
             versions = connection.execute(f"SELECT DISTINCT schema_version FROM {table}")
             assert versions.fetchall() == [(SCHEMA_VERSION,)], table
+            unchecked = connection.execute(f"SELECT count(*) FROM {table} WHERE crc IS NULL")
+            assert unchecked.fetchone() == (0,), table
 
 
 @pytest.mark.parametrize("wal", [True, False], ids=["wal-file", "rollback-file"])
