@@ -811,16 +811,20 @@ def golden_module() -> ModuleType:
     return make_golden_sqlite
 
 
+@pytest.mark.parametrize("version", range(1, SCHEMA_VERSION + 1))
 async def test_golden_fixture_still_reads_exactly(
-    golden_module: ModuleType, tmp_path: Path
+    golden_module: ModuleType, tmp_path: Path, version: int
 ) -> None:
     golden = FIXTURES / "golden" / "sqlite"
-    fixture = golden / "store.db"
+    fixture = golden / golden_module.db_name(version)
     before = digest(fixture)
     db = tmp_path / "store.db"
     shutil.copyfile(fixture, db)
     expected = json.loads((golden / "expected.json").read_text(encoding="utf-8"))
-    assert expected["schema_version"] == 1  # written by the first schema version
+    with raw(db) as connection:  # written by that schema version
+        assert connection.execute("SELECT max(version) FROM schema_version").fetchone() == (
+            version,
+        )
 
     async with await SQLiteStore.open(db, golden_module.make_codec()) as store:
         assert await store.list_sessions() == sorted(expected["sessions"])
