@@ -7,8 +7,18 @@ transaction: compare-and-set on the revision, then every row of the batch, or
 nothing. The store keeps the last session it read or wrote per session id, so
 a load reads only the rows written since; snapshots (at revision 0, after a
 ``ReplaceConversation``, and periodically, see :mod:`._sqlite_schema`) bound
-what a cold load or :meth:`SQLiteStore.load_at` replays. The on-disk layout
-and its migrations live in :mod:`._sqlite_schema`.
+what a cold load or :meth:`SQLiteStore.load_at` replays. Every row carries a
+CRC-32 checked on load (schema version 2). The on-disk layout, its migrations
+and the checksums live in :mod:`._sqlite_schema`; reading and writing rows in
+:mod:`._sqlite_rows`.
+
+What SQLite does and does not guarantee (durability, a damaged WAL, backups)
+is in the :class:`SQLiteStore` docstring: in short, an acknowledged batch
+survives a process crash (and, with ``synchronous="FULL"``, a power loss), but
+damage to the ``-wal`` file silently rolls the database back to the last
+commit before the damage, so back up with :meth:`SQLiteStore.backup` (or the
+sqlite3 backup API, or ``VACUUM INTO``), never by copying the database file
+alone while it is open.
 
 All IO runs in a worker thread (:func:`anyio.to_thread.run_sync`, one hop per
 transaction) on a single connection guarded by an :class:`anyio.Lock`, so the
@@ -73,13 +83,57 @@ class SQLiteStore:
 
     Build one with :meth:`open`; close it with :meth:`aclose` or ``async with``.
 
-    Durability: the database runs in WAL mode. With ``synchronous="NORMAL"``
-    (the default) a batch is durable once :meth:`apply` returns against a crash
-    of the process (``kill -9``): invariant 2. A power loss or operating
-    system crash may lose the last batches acknowledged before it (never
-    corrupting the file). With ``synchronous="FULL"`` every commit is synced to
-    disk before :meth:`apply` returns, so acknowledged batches also survive a
-    power loss, at the cost of one fsync per batch.
+    Durability: the database runs in WAL mode: a commit is appended to the
+    ``-wal`` file beside the database, and copied into the database file by a
+    later checkpoint (SQLite runs one when the WAL reaches about 1000 pages,
+    and when the last connection closes). With ``synchronous="NORMAL"`` (the
+    default) a batch is durable once :meth:`apply` returns against a crash of
+    the process (``kill -9``): invariant 2. A power loss or operating system
+    crash may lose the last batches acknowledged before it (the database
+    stays consistent, at an earlier commit). With ``synchronous="FULL"`` the
+    WAL is synced to disk at every commit, before :meth:`apply` returns, so
+    acknowledged batches also survive a power loss, at the cost of one fsync
+    per batch.
+
+    A damaged WAL loses acknowledged batches silently, whatever
+    ``synchronous`` says. Every WAL frame carries a checksum chained to the
+    frames before it; when SQLite opens a WAL it replays the frames up to the
+    first one whose checksum fails and ignores that frame *and every frame
+    after it*, including transactions committed after it. So one damaged byte
+    in the ``-wal`` file (a failing disk, a copy or a tool that touched it)
+    rolls the database back to the last commit before the damage, with no
+    error; the next checkpoint (at the latest when the last connection
+    closes) writes that state into the database file and deletes the WAL, and
+    the loss is permanent. ``synchronous="FULL"`` decides when the WAL reaches
+    the disk, not what happens to a damaged one. The store's row checksums do
+    not see it either: the lost rows are absent, and what remains is
+    consistent. This store does not detect it: keep the database on storage
+    you trust, and keep backups.
+
+    Backups: call :meth:`backup` (``VACUUM INTO``: a consistent copy of
+    everything committed, the WAL included, taken while the store stays in
+    use), or use the sqlite3 online backup API
+    (``sqlite3.connect(path).backup(sqlite3.connect(copy))``), or the
+    ``sqlite3`` shell's ``.backup``. Never copy the database file alone while
+    any process has it open: committed batches may still be only in the
+    ``-wal`` file, and copying the database file and its WAL one after the
+    other can capture a pair that does not belong together. A file copy is
+    safe only once every process has closed the database (the last close
+    checkpoints and removes the WAL). Verify a backup by opening it with
+    :meth:`open` and loading its sessions.
+
+    Damage inside the database file is detected: every row carries a CRC-32
+    over its content and the columns that place it (session, revision,
+    position), checked before the row is decoded, so a flipped bit raises
+    :class:`~stepmachine.StoredDataError` naming the table, session and
+    revision instead of loading different data. SQLite's own structures
+    (page headers, indexes) are checked by ``PRAGMA integrity_check``, not by
+    the store.
+
+    Schema: a database written by an older schema version is migrated when
+    opened (one transaction: whole or not at all); version 1 (no checksums)
+    gets the checksum of every row as it is stored. A database of a newer
+    version than this code knows is refused and left unchanged.
 
     Cancellation: a method cancelled while it waits for the store's lock does
     nothing. Once its transaction is running in the worker thread it is not
@@ -513,6 +567,31 @@ class SQLiteStore:
             return forked
 
         return await self._run(run)
+
+    async def backup(self, target: str | os.PathLike[str]) -> None:
+        """Write a consistent copy of the whole database to ``target`` (``VACUUM INTO``).
+
+        The copy holds every batch committed before the call, including those
+        still only in the WAL, in a compact file of the same schema version
+        that :meth:`open` reads; the rows keep their checksums. ``target`` is
+        created owner-only (0o600). Other processes keep reading while the
+        copy is written; their writes wait for it (``busy_timeout``).
+
+        Raises:
+            sqlite3.OperationalError: ``target`` exists and is not empty, or
+                cannot be written.
+            StepmachineError: the store is closed.
+
+        Cancellation: see the class docstring; once in the worker thread the
+        copy is written to its end.
+        """
+        file = os.fspath(target)
+
+        def run(connection: sqlite3.Connection) -> None:
+            _schema.create_owner_only(file)
+            connection.execute("VACUUM INTO ?", (file,))
+
+        await self._run(run)
 
     async def aclose(self) -> None:
         """Close the connection (shielded from cancellation). Idempotent.

@@ -99,7 +99,7 @@ def _check_version(path: str, where: str, version: object) -> None:
 def _typed(path: str, where: str, column: str, value: Any, kind: type) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise _fail(path, where, f"column {column} holds {value!r}, not {kind.__name__}")
-    if kind is str and not value.isascii():
+    if isinstance(value, str) and not value.isascii():
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:

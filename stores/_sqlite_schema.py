@@ -61,6 +61,7 @@ __all__ = [
     "COLUMNS",
     "SCHEMA_VERSION",
     "checksum",
+    "create_owner_only",
     "open_connection",
     "transaction",
 ]
@@ -235,7 +236,7 @@ def open_connection(
         sqlite3.OperationalError: the file cannot be opened at all.
     """
     _check_header(path)
-    _create_owner_only(path)
+    create_owner_only(path)
     conn = sqlite3.connect(
         path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
     )
@@ -260,7 +261,7 @@ def open_connection(
     return conn
 
 
-def _create_owner_only(path: str) -> None:
+def create_owner_only(path: str) -> None:
     """Create ``path`` empty and 0o600 (whatever the umask) if it does not exist.
 
     An existing file (or anything else at ``path``) is left alone; other
