@@ -349,8 +349,9 @@ class SQLiteStore:
         Raises:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
-            StoredDataError: a stored record does not decode or apply; the
-                message names the file, session, revision and effect index.
+            StoredDataError: a stored row does not match its checksum, or a
+                record does not decode or apply; the message names the file,
+                table, session, revision and effect index.
         """
         validate_session_id(session_id)
 
@@ -383,6 +384,8 @@ class SQLiteStore:
             SessionNotFoundError: no session has this id.
             EffectError: an effect does not apply; nothing is written.
             ConfigurationError: an effect type is not registered in the codec.
+            StoredDataError: a stored row the session is rebuilt from does not
+                match its checksum or does not decode; nothing is written.
 
         Cancellation: see the class docstring; once in the worker thread the
         batch is committed whole or not at all, and the next load shows which.
@@ -451,6 +454,8 @@ class SQLiteStore:
         Raises:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
+            StoredDataError: the session's row does not match its checksum, so
+                the rows that belong to it are not known; nothing is deleted.
         """
         validate_session_id(session_id)
 
@@ -472,7 +477,8 @@ class SQLiteStore:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
             ValueError: ``revision`` is negative or beyond the current one.
-            StoredDataError: a stored record does not decode or apply.
+            StoredDataError: a stored row does not match its checksum, or a
+                record does not decode or apply.
         """
         validate_session_id(session_id)
 
@@ -493,7 +499,8 @@ class SQLiteStore:
         Raises:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
-            StoredDataError: a stored record does not decode.
+            StoredDataError: a stored row does not match its checksum, or a
+                record does not decode.
         """
         validate_session_id(session_id)
 
@@ -535,6 +542,8 @@ class SQLiteStore:
             SessionNotFoundError: ``session_id`` does not exist.
             SessionExistsError: ``new_session_id`` is taken.
             ValueError: ``revision`` is negative or beyond the current one.
+            StoredDataError: a row to copy does not match its checksum, or a
+                record does not decode; nothing is written.
 
         Cancellation: see the class docstring; once in the worker thread the
         fork commits whole (and returns) or not at all (and raises).
