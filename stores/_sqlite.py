@@ -7,8 +7,18 @@ transaction: compare-and-set on the revision, then every row of the batch, or
 nothing. The store keeps the last session it read or wrote per session id, so
 a load reads only the rows written since; snapshots (at revision 0, after a
 ``ReplaceConversation``, and periodically, see :mod:`._sqlite_schema`) bound
-what a cold load or :meth:`SQLiteStore.load_at` replays. The on-disk layout
-and its migrations live in :mod:`._sqlite_schema`.
+what a cold load or :meth:`SQLiteStore.load_at` replays. Every row carries a
+CRC-32 checked on load (schema version 2). The on-disk layout, its migrations
+and the checksums live in :mod:`._sqlite_schema`; reading and writing rows in
+:mod:`._sqlite_rows`.
+
+What SQLite does and does not guarantee (durability, a damaged WAL, backups)
+is in the :class:`SQLiteStore` docstring: in short, an acknowledged batch
+survives a process crash (and, with ``synchronous="FULL"``, a power loss), but
+damage to the ``-wal`` file silently rolls the database back to the last
+commit before the damage, so back up with :meth:`SQLiteStore.backup` (or the
+sqlite3 backup API, or ``VACUUM INTO``), never by copying the database file
+alone while it is open.
 
 All IO runs in a worker thread (:func:`anyio.to_thread.run_sync`, one hop per
 transaction) on a single connection guarded by an :class:`anyio.Lock`, so the
@@ -45,9 +55,11 @@ from stepmachine import (
     apply_batch,
 )
 
+from . import _sqlite_rows as _rows
 from . import _sqlite_schema as _schema
 from ._ids import validate_session_id
-from ._sqlite_schema import SessionRow, transaction
+from ._sqlite_rows import SessionRow
+from ._sqlite_schema import transaction
 
 __all__ = ["SQLiteStore"]
 
@@ -71,13 +83,57 @@ class SQLiteStore:
 
     Build one with :meth:`open`; close it with :meth:`aclose` or ``async with``.
 
-    Durability: the database runs in WAL mode. With ``synchronous="NORMAL"``
-    (the default) a batch is durable once :meth:`apply` returns against a crash
-    of the process (``kill -9``): invariant 2. A power loss or operating
-    system crash may lose the last batches acknowledged before it (never
-    corrupting the file). With ``synchronous="FULL"`` every commit is synced to
-    disk before :meth:`apply` returns, so acknowledged batches also survive a
-    power loss, at the cost of one fsync per batch.
+    Durability: the database runs in WAL mode: a commit is appended to the
+    ``-wal`` file beside the database, and copied into the database file by a
+    later checkpoint (SQLite runs one when the WAL reaches about 1000 pages,
+    and when the last connection closes). With ``synchronous="NORMAL"`` (the
+    default) a batch is durable once :meth:`apply` returns against a crash of
+    the process (``kill -9``): invariant 2. A power loss or operating system
+    crash may lose the last batches acknowledged before it (the database
+    stays consistent, at an earlier commit). With ``synchronous="FULL"`` the
+    WAL is synced to disk at every commit, before :meth:`apply` returns, so
+    acknowledged batches also survive a power loss, at the cost of one fsync
+    per batch.
+
+    A damaged WAL loses acknowledged batches silently, whatever
+    ``synchronous`` says. Every WAL frame carries a checksum chained to the
+    frames before it; when SQLite opens a WAL it replays the frames up to the
+    first one whose checksum fails and ignores that frame *and every frame
+    after it*, including transactions committed after it. So one damaged byte
+    in the ``-wal`` file (a failing disk, a copy or a tool that touched it)
+    rolls the database back to the last commit before the damage, with no
+    error; the next checkpoint (at the latest when the last connection
+    closes) writes that state into the database file and deletes the WAL, and
+    the loss is permanent. ``synchronous="FULL"`` decides when the WAL reaches
+    the disk, not what happens to a damaged one. The store's row checksums do
+    not see it either: the lost rows are absent, and what remains is
+    consistent. This store does not detect it: keep the database on storage
+    you trust, and keep backups.
+
+    Backups: call :meth:`backup` (``VACUUM INTO``: a consistent copy of
+    everything committed, the WAL included, taken while the store stays in
+    use), or use the sqlite3 online backup API
+    (``sqlite3.connect(path).backup(sqlite3.connect(copy))``), or the
+    ``sqlite3`` shell's ``.backup``. Never copy the database file alone while
+    any process has it open: committed batches may still be only in the
+    ``-wal`` file, and copying the database file and its WAL one after the
+    other can capture a pair that does not belong together. A file copy is
+    safe only once every process has closed the database (the last close
+    checkpoints and removes the WAL). Verify a backup by opening it with
+    :meth:`open` and loading its sessions.
+
+    Damage inside the database file is detected: every row carries a CRC-32
+    over its content and the columns that place it (session, revision,
+    position), checked before the row is decoded, so a flipped bit raises
+    :class:`~stepmachine.StoredDataError` naming the table, session and
+    revision instead of loading different data. SQLite's own structures
+    (page headers, indexes) are checked by ``PRAGMA integrity_check``, not by
+    the store.
+
+    Schema: a database written by an older schema version is migrated when
+    opened (one transaction: whole or not at all); version 1 (no checksums)
+    gets the checksum of every row as it is stored. A database of a newer
+    version than this code knows is refused and left unchanged.
 
     Cancellation: a method cancelled while it waits for the store's lock does
     nothing. Once its transaction is running in the worker thread it is not
@@ -202,7 +258,7 @@ class SQLiteStore:
             return result
 
     def _row(self, connection: sqlite3.Connection, session_id: str) -> SessionRow:
-        row = _schema.session_row(connection, self._path, session_id)
+        row = _rows.session_row(connection, self._path, session_id)
         if row is None:
             self._cache.pop(session_id, None)
             raise SessionNotFoundError(session_id)
@@ -230,7 +286,7 @@ class SQLiteStore:
             if base.revision == revision:
                 return base
         after = -1 if base is None else base.revision
-        snapshot = _schema.read_snapshot(
+        snapshot = _rows.read_snapshot(
             connection, self._codec, self._path, session_id, sid, after, revision
         )
         if snapshot is not None:
@@ -240,10 +296,10 @@ class SQLiteStore:
                 f"invariant 8 (stored data is data): session {session_id!r} in {self._path} "
                 "has no snapshot at revision 0"
             )
-        log = _schema.read_log(
+        log = _rows.read_log(
             connection, self._codec, self._path, session_id, sid, base.revision, revision
         )
-        return _schema.replay(base, log, self._path, session_id)
+        return _rows.replay(base, log, self._path, session_id)
 
     # -- the Store API -----------------------------------------------------------
 
@@ -273,10 +329,11 @@ class SQLiteStore:
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
             with transaction(connection, write=True):
-                if _schema.session_row(connection, self._path, session_id) is not None:
+                if _rows.session_row(connection, self._path, session_id) is not None:
                     raise SessionExistsError(session_id)
-                sid = _schema.insert_session(connection, session_id, 0)
-                _schema.insert_snapshot(connection, self._codec, sid, session)
+                sid = _rows.insert_session(connection, session_id)
+                size = _rows.insert_snapshot(connection, self._codec, sid, session)
+                _rows.write_session_row(connection, session_id, SessionRow(sid, 0, 0, size, 0))
             self._remember(sid, session)
             self._hook("create.committed")
             return session
@@ -292,8 +349,9 @@ class SQLiteStore:
         Raises:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
-            StoredDataError: a stored record does not decode or apply; the
-                message names the file, session, revision and effect index.
+            StoredDataError: a stored row does not match its checksum, or a
+                record does not decode or apply; the message names the file,
+                table, session, revision and effect index.
         """
         validate_session_id(session_id)
 
@@ -326,6 +384,8 @@ class SQLiteStore:
             SessionNotFoundError: no session has this id.
             EffectError: an effect does not apply; nothing is written.
             ConfigurationError: an effect type is not registered in the codec.
+            StoredDataError: a stored row the session is rebuilt from does not
+                match its checksum or does not decode; nothing is written.
 
         Cancellation: see the class docstring; once in the worker thread the
         batch is committed whole or not at all, and the next load shows which.
@@ -350,7 +410,7 @@ class SQLiteStore:
                 current = self._session_at(connection, session_id, row.sid, row.revision)
                 self._remember(row.sid, current)
                 after = apply_batch(current, effects)
-                _schema.insert_batch(
+                _rows.insert_batch(
                     connection,
                     row.sid,
                     after.revision,
@@ -359,8 +419,15 @@ class SQLiteStore:
                     batch.timestamp,
                     bodies,
                 )
-                if _schema.wants_snapshot(row, after.revision, batch_bytes, replaces):
-                    _schema.insert_snapshot(connection, self._codec, row.sid, after)
+                moved = row._replace(
+                    revision=after.revision, pending_bytes=row.pending_bytes + batch_bytes
+                )
+                if _rows.wants_snapshot(row, after.revision, batch_bytes, replaces):
+                    size = _rows.insert_snapshot(connection, self._codec, row.sid, after)
+                    moved = moved._replace(
+                        snapshot_revision=after.revision, snapshot_bytes=size, pending_bytes=0
+                    )
+                _rows.write_session_row(connection, session_id, moved)
                 self._hook("apply.inserted")
             self._remember(row.sid, after)
             self._hook("apply.committed")
@@ -369,11 +436,15 @@ class SQLiteStore:
         return await self._run(run)
 
     async def list_sessions(self) -> list[str]:
-        """The ids of all sessions, sorted."""
+        """The ids of all sessions, sorted.
+
+        Raises:
+            StoredDataError: a session row does not match its checksum.
+        """
 
         def run(connection: sqlite3.Connection) -> list[str]:
-            rows = connection.execute("SELECT session_id FROM sessions").fetchall()
-            return sorted(str(row[0]) for row in rows)
+            with transaction(connection, write=False):
+                return _rows.session_ids(connection, self._path)
 
         return await self._run(run)
 
@@ -383,6 +454,8 @@ class SQLiteStore:
         Raises:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
+            StoredDataError: the session's row does not match its checksum, so
+                the rows that belong to it are not known; nothing is deleted.
         """
         validate_session_id(session_id)
 
@@ -404,7 +477,8 @@ class SQLiteStore:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
             ValueError: ``revision`` is negative or beyond the current one.
-            StoredDataError: a stored record does not decode or apply.
+            StoredDataError: a stored row does not match its checksum, or a
+                record does not decode or apply.
         """
         validate_session_id(session_id)
 
@@ -425,7 +499,8 @@ class SQLiteStore:
         Raises:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
-            StoredDataError: a stored record does not decode.
+            StoredDataError: a stored row does not match its checksum, or a
+                record does not decode.
         """
         validate_session_id(session_id)
 
@@ -433,7 +508,7 @@ class SQLiteStore:
             with transaction(connection, write=False):
                 row = self._row(connection, session_id)
                 start = min(max(after, 0), row.revision)
-                log = _schema.read_log(
+                log = _rows.read_log(
                     connection, self._codec, self._path, session_id, row.sid, start, row.revision
                 )
             return [
@@ -455,8 +530,9 @@ class SQLiteStore:
 
         The fork is at the same revision, with the same conversation and data,
         and carries the source's batches ``1..revision`` (so its audit log and
-        :meth:`load_at` match the source's up to there). Effect rows are copied
-        inside SQLite, not re-encoded. One transaction.
+        :meth:`load_at` match the source's up to there). Batch and effect rows
+        are checked against their checksums and copied under the new session
+        with new ones, not decoded or re-encoded. One transaction.
 
         Returns:
             The new session (``id`` is ``new_session_id``).
@@ -466,6 +542,8 @@ class SQLiteStore:
             SessionNotFoundError: ``session_id`` does not exist.
             SessionExistsError: ``new_session_id`` is taken.
             ValueError: ``revision`` is negative or beyond the current one.
+            StoredDataError: a row to copy does not match its checksum, or a
+                record does not decode; nothing is written.
 
         Cancellation: see the class docstring; once in the worker thread the
         fork commits whole (and returns) or not at all (and raises).
@@ -480,31 +558,49 @@ class SQLiteStore:
                     raise ValueError(
                         f"session {session_id!r} has revisions 0..{source.revision}, not {revision}"
                     )
-                if _schema.session_row(connection, self._path, new_session_id) is not None:
+                if _rows.session_row(connection, self._path, new_session_id) is not None:
                     raise SessionExistsError(new_session_id)
                 state = self._session_at(connection, session_id, source.sid, revision)
                 forked = msgspec.structs.replace(state, id=new_session_id)
-                snapshots = _schema.read_snapshots(
+                snapshots = _rows.read_snapshots(
                     connection, self._codec, self._path, session_id, source.sid, revision
                 )
-                sid = _schema.insert_session(connection, new_session_id, revision)
-                connection.execute(
-                    "INSERT INTO batches SELECT ?, revision, step, cycle, timestamp, effect_count, "
-                    "schema_version FROM batches WHERE sid = ? AND revision <= ?",
-                    (sid, source.sid, revision),
-                )
-                connection.execute(
-                    "INSERT INTO effects SELECT ?, revision, position, schema_version, body "
-                    "FROM effects WHERE sid = ? AND revision <= ?",
-                    (sid, source.sid, revision),
-                )
+                sid = _rows.insert_session(connection, new_session_id)
+                _rows.copy_log(connection, self._path, session_id, source.sid, sid, revision)
                 for snapshot in [*snapshots, forked]:
                     renamed = msgspec.structs.replace(snapshot, id=new_session_id)
-                    _schema.insert_snapshot(connection, self._codec, sid, renamed)
+                    size = _rows.insert_snapshot(connection, self._codec, sid, renamed)
+                row = SessionRow(sid, revision, revision, size, 0)
+                _rows.write_session_row(connection, new_session_id, row)
             self._remember(sid, forked)
             return forked
 
         return await self._run(run)
+
+    async def backup(self, target: str | os.PathLike[str]) -> None:
+        """Write a consistent copy of the whole database to ``target`` (``VACUUM INTO``).
+
+        The copy holds every batch committed before the call, including those
+        still only in the WAL, in a compact file of the same schema version
+        that :meth:`open` reads; the rows keep their checksums. ``target`` is
+        created owner-only (0o600). Other processes keep reading while the
+        copy is written; their writes wait for it (``busy_timeout``).
+
+        Raises:
+            sqlite3.OperationalError: ``target`` exists and is not empty, or
+                cannot be written.
+            StepmachineError: the store is closed.
+
+        Cancellation: see the class docstring; once in the worker thread the
+        copy is written to its end.
+        """
+        file = os.fspath(target)
+
+        def run(connection: sqlite3.Connection) -> None:
+            _schema.create_owner_only(file)
+            connection.execute("VACUUM INTO ?", (file,))
+
+        await self._run(run)
 
     async def aclose(self) -> None:
         """Close the connection (shielded from cancellation). Idempotent.

@@ -1,16 +1,17 @@
-"""The on-disk layout of :class:`~stepmachine.stores.SQLiteStore`: schema, migrations, rows.
+"""The on-disk layout of :class:`~stepmachine.stores.SQLiteStore`: schema, migrations, checksums.
 
 Everything here is synchronous and runs in the store's worker thread, on a
-connection the caller holds exclusively.
+connection the caller holds exclusively. Reading and writing rows is
+:mod:`._sqlite_rows`.
 
-Layout (schema version 1)::
+Layout (schema version 2)::
 
     schema_version(version PK, applied_at)        one row per migration applied
     sessions(sid PK AUTOINCREMENT, session_id UNIQUE, revision, schema_version,
-             snapshot_revision, snapshot_bytes, pending_bytes)
-    batches(sid, revision, step, cycle, timestamp, effect_count, schema_version)
-    effects(sid, revision, position, schema_version, body)
-    snapshots(sid, revision, schema_version, body)
+             snapshot_revision, snapshot_bytes, pending_bytes, crc)
+    batches(sid, revision, step, cycle, timestamp, effect_count, schema_version, crc)
+    effects(sid, revision, position, schema_version, body, crc)
+    snapshots(sid, revision, schema_version, body, crc)
 
 ``sid`` is never reused (``AUTOINCREMENT``), so a session deleted and created
 again under the same id is a different ``sid``, and a cache keyed by ``sid``
@@ -19,71 +20,87 @@ is the codec's effects record holding exactly that one effect. A snapshot is
 the codec's session record; there is always one at revision 0 (written by
 ``create``) and one after every batch holding a
 :class:`~stepmachine.ReplaceConversation`. Periodic snapshots follow
-:func:`wants_snapshot`: at least :data:`SNAPSHOT_EVERY` revisions apart, taken
-once the effect bytes since the last snapshot reach half its size, and at most
-:data:`SNAPSHOT_MAX_GAP` revisions apart. So rebuilding any revision replays at
-most ``SNAPSHOT_MAX_GAP`` batches (and, past ``SNAPSHOT_EVERY``, no more effect
-bytes than half the snapshot it starts from), while snapshots take at most
-about twice the room of the effect log, and their encoding costs each apply,
-on average, about twice the encoding of its own effects. The session row keeps the revision and
+:func:`._sqlite_rows.wants_snapshot`. The session row keeps the revision and
 size of the last snapshot and the effect bytes written since (``pending_bytes``).
 
-Reading fails closed (invariant 8): a row of an unknown schema version, a
-column of the wrong type, a gap in the log, an undecodable body or a stored
-effect that no longer applies raises :class:`~stepmachine.StoredDataError`
-naming the file, the session, the revision and the effect index. Nothing here
-ever rewrites a row it read.
+Checksums (schema version 2): every row of ``sessions``, ``batches``,
+``effects`` and ``snapshots`` carries ``crc``, the CRC-32 computed by
+:func:`checksum` over the table's name and every other column of the row, in
+the order above: the payload (``body``, ``step``, ...) *and* the columns that
+say where it belongs (``sid``, ``session_id``, ``revision``, ``position``). A
+flipped bit, or a row moved to another session, revision or position, no
+longer matches its ``crc``; the reader then raises
+:class:`~stepmachine.StoredDataError` naming the table, the session and the
+revision instead of decoding it. CRC-32 detects every error burst of up to 32
+bits, so every single flipped bit; it is computed in the same statement that
+writes the row (no extra round trip). The checksums cover rows, not SQLite's
+own pages and indexes: ``PRAGMA quick_check`` verifies those.
+
+Migrations run in one ``BEGIN IMMEDIATE`` transaction when a database of an
+older version is opened (applied whole or not at all; a process killed in the
+middle leaves the old version): version 1 had no ``crc`` column; migrating it
+to 2 adds the column and computes the checksum of every version-1 row as it
+is stored, marking the row version 2. This reads every row once. A row of any
+other version is left as it is, and reading it still fails closed.
 """
 
 from __future__ import annotations
 
 import os
 import sqlite3
+import struct
 import time
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Literal
 
-from stepmachine import (
-    Codec,
-    ConfigurationError,
-    Effect,
-    EffectError,
-    Session,
-    StoredDataError,
-    apply_batch,
-)
+from stepmachine import ConfigurationError, StoredDataError
 
 __all__ = [
+    "COLUMNS",
     "SCHEMA_VERSION",
-    "SNAPSHOT_EVERY",
-    "SNAPSHOT_MAX_GAP",
-    "SessionRow",
-    "StoredBatch",
-    "insert_batch",
-    "insert_session",
-    "insert_snapshot",
+    "checksum",
+    "create_owner_only",
     "open_connection",
-    "read_log",
-    "read_snapshot",
-    "read_snapshots",
-    "replay",
-    "session_row",
     "transaction",
-    "wants_snapshot",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The schema version this code writes; it opens databases of this version or older."""
 
-SNAPSHOT_EVERY = 100
-"""The fewest revisions between two periodic snapshots."""
-
-SNAPSHOT_MAX_GAP = 1000
-"""The most revisions between two snapshots."""
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "sessions": (
+        "session_id",
+        "sid",
+        "revision",
+        "schema_version",
+        "snapshot_revision",
+        "snapshot_bytes",
+        "pending_bytes",
+    ),
+    "batches": ("sid", "revision", "step", "cycle", "timestamp", "effect_count", "schema_version"),
+    "effects": ("sid", "revision", "position", "schema_version", "body"),
+    "snapshots": ("sid", "revision", "schema_version", "body"),
+}
+"""The columns each table's ``crc`` covers, in the order :func:`checksum` takes them."""
 
 _HEADER = b"SQLite format 3\x00"
+
+_TEXT_COLUMNS = frozenset({"session_id", "step"})
+
+
+def _migrated_column(column: str) -> str:
+    """How migration 2 passes ``column`` to ``stepmachine_crc``.
+
+    The row's new version is 2. Text goes as its bytes (Python's sqlite3 would
+    refuse text that is not UTF-8 before the function runs);
+    :func:`_sql_checksum` decodes it back the way the connection reads it.
+    """
+    if column == "schema_version":
+        return "2"
+    return f"CAST({column} AS BLOB)" if column in _TEXT_COLUMNS else column
+
 
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
@@ -128,7 +145,74 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
             PRIMARY KEY (sid, revision)
         )""",
     ),
+    2: tuple(
+        statement
+        for table, columns in COLUMNS.items()
+        for statement in (
+            f"ALTER TABLE {table} ADD COLUMN crc INTEGER",
+            # Every column as stored, but the row's new version: 2.
+            f"UPDATE {table} SET schema_version = 2, crc = stepmachine_crc('{table}', "  # noqa: S608 - fixed names
+            + ", ".join(_migrated_column(c) for c in columns)
+            + ") WHERE schema_version = 1",
+        )
+    ),
 }
+"""The statements that bring a database from the previous version to each version.
+
+Version 1 is the historical layout, kept as it was written: a new database
+goes through every migration, so the migration path runs on every new file.
+"""
+
+_TAGS = {table: table.encode("ascii") + b"\x00" for table in COLUMNS}
+_DOUBLE = struct.Struct("<d")
+
+
+def checksum(table: str, values: tuple[object, ...]) -> int:
+    """The CRC-32 of ``values`` (one row's :data:`COLUMNS` of ``table``), as stored in ``crc``.
+
+    Each value is encoded with its SQLite type and, for text and blobs, its
+    length, so no two different rows (or the same values in another column
+    order or type) share an encoding. Text is encoded as UTF-8 with
+    ``surrogateescape``, matching the connection's text factory, so text that
+    was damaged into invalid UTF-8 gets the checksum of its stored bytes.
+
+    Raises:
+        TypeError: a value is not an SQLite value (int, float, str, bytes or None).
+    """
+    crc = zlib.crc32(_TAGS[table])
+    for value in values:
+        if isinstance(value, int):
+            crc = zlib.crc32(b"i%d;" % value, crc)
+        elif isinstance(value, bytes):
+            crc = zlib.crc32(value, zlib.crc32(b"b%d:" % len(value), crc))
+        elif isinstance(value, str):
+            encoded = value.encode("utf-8", "surrogateescape")
+            crc = zlib.crc32(encoded, zlib.crc32(b"s%d:" % len(encoded), crc))
+        elif isinstance(value, float):
+            crc = zlib.crc32(b"f" + _DOUBLE.pack(value), crc)
+        elif value is None:
+            crc = zlib.crc32(b"n", crc)
+        else:
+            raise TypeError(f"{table} row value {value!r} is not an SQLite value")
+    return crc
+
+
+def _sql_checksum(table: str, *values: object) -> int:
+    """:func:`checksum` as the SQL function ``stepmachine_crc(table, column, ...)`` of migration 2.
+
+    Text columns arrive as bytes (see :func:`_migrated_column`) and are
+    decoded as the connection's text factory decodes them.
+    """
+    decoded = tuple(
+        _decode_text(value) if name in _TEXT_COLUMNS and isinstance(value, bytes) else value
+        for name, value in zip(COLUMNS[table], values, strict=True)
+    )
+    return checksum(table, decoded)
+
+
+def _decode_text(raw: bytes) -> str:
+    """The connection's text factory: UTF-8, keeping invalid bytes (the checksum catches them)."""
+    return raw.decode("utf-8", "surrogateescape")
 
 
 # -- opening -------------------------------------------------------------------
@@ -152,10 +236,11 @@ def open_connection(
         sqlite3.OperationalError: the file cannot be opened at all.
     """
     _check_header(path)
-    _create_owner_only(path)
+    create_owner_only(path)
     conn = sqlite3.connect(
         path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
     )
+    conn.text_factory = _decode_text
     try:
         conn.execute(f"PRAGMA busy_timeout = {round(busy_timeout * 1000)}")
         if _stored_version(conn, path) < SCHEMA_VERSION:
@@ -176,7 +261,7 @@ def open_connection(
     return conn
 
 
-def _create_owner_only(path: str) -> None:
+def create_owner_only(path: str) -> None:
     """Create ``path`` empty and 0o600 (whatever the umask) if it does not exist.
 
     An existing file (or anything else at ``path``) is left alone; other
@@ -184,13 +269,17 @@ def _create_owner_only(path: str) -> None:
     """
     if path in ("", ":memory:"):
         return  # SQLite's temporary and in-memory databases: no file
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    # O_CLOEXEC, O_NOFOLLOW and fchmod are POSIX; on Windows the file is created
+    # with the mode os.open can give there (the store still works).
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    flags |= getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(path, flags, 0o600)
     except OSError:
         return
     try:
-        os.fchmod(fd, 0o600)
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o600)
     finally:
         os.close(fd)
 
@@ -239,6 +328,7 @@ def _enable_wal(conn: sqlite3.Connection, path: str) -> None:
 
 
 def _migrate(conn: sqlite3.Connection, version: int) -> None:
+    conn.create_function("stepmachine_crc", -1, _sql_checksum, deterministic=True)
     for target in range(version + 1, SCHEMA_VERSION + 1):
         for statement in _MIGRATIONS[target]:
             conn.execute(statement)
@@ -264,272 +354,3 @@ def transaction(conn: sqlite3.Connection, *, write: bool) -> Iterator[None]:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
-
-
-# -- rows ----------------------------------------------------------------------
-
-
-class SessionRow(NamedTuple):
-    """The row of one session: its never-reused ``sid``, revision and snapshot bookkeeping."""
-
-    sid: int
-    revision: int
-    snapshot_revision: int
-    snapshot_bytes: int
-    pending_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class StoredBatch:
-    """One batch read back from the log."""
-
-    revision: int
-    step: str
-    cycle: int
-    timestamp: float
-    effects: tuple[Effect, ...]
-
-
-def _fail(path: str, where: str, problem: str) -> StoredDataError:
-    return StoredDataError(f"invariant 8 (stored data is data): {where} in {path}: {problem}")
-
-
-def _check_version(path: str, where: str, version: object) -> None:
-    if version != SCHEMA_VERSION or not isinstance(version, int):
-        raise _fail(
-            path, where, f"record schema version is {version!r}, this code reads {SCHEMA_VERSION}"
-        )
-
-
-def _typed(path: str, where: str, column: str, value: Any, kind: type) -> Any:
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise _fail(path, where, f"column {column} holds {value!r}, not {kind.__name__}")
-    return value
-
-
-def session_row(conn: sqlite3.Connection, path: str, session_id: str) -> SessionRow | None:
-    """The row of ``session_id``, or ``None`` when there is none."""
-    row = conn.execute(
-        "SELECT schema_version, sid, revision, snapshot_revision, snapshot_bytes, pending_bytes "
-        "FROM sessions WHERE session_id = ?",
-        (session_id,),
-    ).fetchone()
-    if row is None:
-        return None
-    where = f"session {session_id!r}"
-    _check_version(path, where, row[0])
-    columns = ("sid", "revision", "snapshot_revision", "snapshot_bytes", "pending_bytes")
-    values = [
-        _typed(path, where, name, value, int) for name, value in zip(columns, row[1:], strict=True)
-    ]
-    if min(values) < 0 or values[2] > values[1]:
-        raise _fail(path, where, f"inconsistent session row {values!r} for {columns!r}")
-    return SessionRow(*values)
-
-
-def wants_snapshot(row: SessionRow, revision: int, batch_bytes: int, replaces: bool) -> bool:
-    """Whether the batch producing ``revision`` (``batch_bytes`` of effects) ends with a snapshot.
-
-    Always after a ReplaceConversation. Otherwise only :data:`SNAPSHOT_EVERY`
-    or more revisions after the last snapshot, and then once the effect bytes
-    since it reach half its size, or :data:`SNAPSHOT_MAX_GAP` revisions have
-    passed. Snapshots then take at most about twice the room of the effects
-    they follow, and cost each apply, on average, twice its own encoding.
-    """
-    if replaces:
-        return True
-    gap = revision - row.snapshot_revision
-    pending = row.pending_bytes + batch_bytes
-    due = 2 * pending >= row.snapshot_bytes or gap >= SNAPSHOT_MAX_GAP
-    return gap >= SNAPSHOT_EVERY and due
-
-
-def _decode_snapshot(
-    codec: Codec[Any], path: str, session_id: str, row: Sequence[Any]
-) -> Session[Any]:
-    where = f"session {session_id!r} snapshot at revision {row[0]!r}"
-    revision = _typed(path, where, "revision", row[0], int)
-    _check_version(path, where, row[1])
-    body = _typed(path, where, "body", row[2], bytes)
-    session = codec.decode_session(body, where=f"{where} in {path}")
-    if session.id != session_id or session.revision != revision:
-        raise _fail(
-            path, where, f"the record holds session {session.id!r} revision {session.revision}"
-        )
-    return session
-
-
-def read_snapshot(
-    conn: sqlite3.Connection,
-    codec: Codec[Any],
-    path: str,
-    session_id: str,
-    sid: int,
-    after: int,
-    upto: int,
-) -> Session[Any] | None:
-    """The newest snapshot with ``after < revision <= upto``, decoded; ``None`` if there is none."""
-    row = conn.execute(
-        "SELECT revision, schema_version, body FROM snapshots "
-        "WHERE sid = ? AND revision > ? AND revision <= ? ORDER BY revision DESC LIMIT 1",
-        (sid, after, upto),
-    ).fetchone()
-    return None if row is None else _decode_snapshot(codec, path, session_id, row)
-
-
-def read_snapshots(
-    conn: sqlite3.Connection, codec: Codec[Any], path: str, session_id: str, sid: int, upto: int
-) -> list[Session[Any]]:
-    """Every snapshot with ``revision <= upto``, oldest first, decoded."""
-    rows = conn.execute(
-        "SELECT revision, schema_version, body FROM snapshots "
-        "WHERE sid = ? AND revision <= ? ORDER BY revision",
-        (sid, upto),
-    ).fetchall()
-    return [_decode_snapshot(codec, path, session_id, row) for row in rows]
-
-
-def read_log(
-    conn: sqlite3.Connection,
-    codec: Codec[Any],
-    path: str,
-    session_id: str,
-    sid: int,
-    after: int,
-    upto: int,
-) -> list[StoredBatch]:
-    """The batches with ``after < revision <= upto``, decoded, checked to be complete.
-
-    Reads only those rows. Raises :class:`StoredDataError` for a missing batch
-    or effect, an orphan effect, or a record that does not decode, naming the
-    revision and effect index.
-    """
-    batch_rows = conn.execute(
-        "SELECT revision, step, cycle, timestamp, effect_count, schema_version FROM batches "
-        "WHERE sid = ? AND revision > ? AND revision <= ? ORDER BY revision",
-        (sid, after, upto),
-    ).fetchall()
-    effect_rows = conn.execute(
-        "SELECT revision, position, schema_version, body FROM effects "
-        "WHERE sid = ? AND revision > ? AND revision <= ? ORDER BY revision, position",
-        (sid, after, upto),
-    ).fetchall()
-    log: list[StoredBatch] = []
-    cursor = 0
-    for expected, row in enumerate(batch_rows, start=after + 1):
-        where = f"session {session_id!r} revision {row[0]!r}"
-        revision = _typed(path, where, "revision", row[0], int)
-        if revision != expected:
-            raise _fail(path, f"session {session_id!r} revision {expected}", "the batch is missing")
-        _check_version(path, where, row[5])
-        count = _typed(path, where, "effect_count", row[4], int)
-        effects: list[Effect] = []
-        for position in range(count):
-            at = f"{where} effect {position}"
-            if cursor >= len(effect_rows) or effect_rows[cursor][:2] != (revision, position):
-                raise _fail(path, at, "the effect is missing")
-            effect_row = effect_rows[cursor]
-            cursor += 1
-            _check_version(path, at, effect_row[2])
-            body = _typed(path, at, "body", effect_row[3], bytes)
-            decoded = codec.decode_effects(body, where=f"{at} in {path}")
-            if len(decoded) != 1:
-                raise _fail(path, at, f"the record holds {len(decoded)} effects, not 1")
-            effects.append(decoded[0])
-        if cursor < len(effect_rows) and effect_rows[cursor][0] == revision:
-            raise _fail(path, f"{where} effect {effect_rows[cursor][1]!r}", "orphan effect row")
-        log.append(
-            StoredBatch(
-                revision=revision,
-                step=_typed(path, where, "step", row[1], str),
-                cycle=_typed(path, where, "cycle", row[2], int),
-                timestamp=_typed(path, where, "timestamp", row[3], float),
-                effects=tuple(effects),
-            )
-        )
-    if len(log) != upto - after:
-        missing = after + len(log) + 1
-        raise _fail(path, f"session {session_id!r} revision {missing}", "the batch is missing")
-    if cursor != len(effect_rows):
-        orphan = effect_rows[cursor]
-        raise _fail(
-            path,
-            f"session {session_id!r} revision {orphan[0]!r} effect {orphan[1]!r}",
-            "orphan effect row",
-        )
-    return log
-
-
-def replay(
-    session: Session[Any], log: Sequence[StoredBatch], path: str, session_id: str
-) -> Session[Any]:
-    """Apply ``log`` to ``session``; a stored effect that no longer applies is a StoredDataError."""
-    for batch in log:
-        try:
-            session = apply_batch(session, batch.effects)
-        except EffectError as exc:
-            raise _fail(
-                path, f"session {session_id!r} revision {batch.revision}", f"does not apply: {exc}"
-            ) from exc
-    return session
-
-
-# -- writing -------------------------------------------------------------------
-
-
-def insert_session(conn: sqlite3.Connection, session_id: str, revision: int) -> int:
-    """Insert a session row at ``revision``; return its new ``sid``. Add a snapshot next."""
-    sid = conn.execute(
-        "INSERT INTO sessions (session_id, revision, schema_version, snapshot_revision, "
-        "snapshot_bytes, pending_bytes) VALUES (?, ?, ?, 0, 0, 0)",
-        (session_id, revision, SCHEMA_VERSION),
-    ).lastrowid
-    assert sid is not None  # an INSERT into a rowid table always sets it
-    return sid
-
-
-def insert_snapshot(
-    conn: sqlite3.Connection, codec: Codec[Any], sid: int, session: Session[Any]
-) -> None:
-    """Store ``session`` as the snapshot of ``sid`` at its revision, the latest one.
-
-    Replaces a snapshot at the same revision; resets the session row's
-    snapshot bookkeeping to this one (write snapshots oldest first).
-    """
-    body = codec.encode_session(session)
-    conn.execute(
-        "INSERT OR REPLACE INTO snapshots (sid, revision, schema_version, body) "
-        "VALUES (?, ?, ?, ?)",
-        (sid, session.revision, SCHEMA_VERSION, body),
-    )
-    conn.execute(
-        "UPDATE sessions SET snapshot_revision = ?, snapshot_bytes = ?, pending_bytes = 0 "
-        "WHERE sid = ?",
-        (session.revision, len(body), sid),
-    )
-
-
-def insert_batch(
-    conn: sqlite3.Connection,
-    sid: int,
-    revision: int,
-    step: str,
-    cycle: int,
-    timestamp: float,
-    bodies: Sequence[bytes],
-) -> None:
-    """Append one batch row and its effect rows; move the session row to ``revision``."""
-    conn.execute(
-        "INSERT INTO batches (sid, revision, step, cycle, timestamp, effect_count, schema_version) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (sid, revision, step, cycle, float(timestamp), len(bodies), SCHEMA_VERSION),
-    )
-    conn.executemany(
-        "INSERT INTO effects (sid, revision, position, schema_version, body) "
-        "VALUES (?, ?, ?, ?, ?)",
-        [(sid, revision, position, SCHEMA_VERSION, body) for position, body in enumerate(bodies)],
-    )
-    conn.execute(
-        "UPDATE sessions SET revision = ?, pending_bytes = pending_bytes + ? WHERE sid = ?",
-        (revision, sum(len(body) for body in bodies), sid),
-    )

@@ -49,13 +49,13 @@ from stepmachine import (
     apply_batch,
 )
 from stepmachine.stores import SQLiteStore
-from stepmachine.stores._sqlite_schema import (
-    SCHEMA_VERSION,
+from stepmachine.stores._sqlite_rows import (
     SNAPSHOT_EVERY,
     SNAPSHOT_MAX_GAP,
     SessionRow,
     wants_snapshot,
 )
+from stepmachine.stores._sqlite_schema import SCHEMA_VERSION
 from stepmachine.testing.conformance import ConformanceData, Increment, StoreConformance
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -388,12 +388,15 @@ async def test_schema_version_table_and_versioned_records(db: Path) -> None:
                 session = await store.create("s")
                 await apply(store, session, Increment())
     with raw(db) as connection:
+        # A new file goes through every migration, once.
         assert connection.execute("SELECT version FROM schema_version").fetchall() == [
-            (SCHEMA_VERSION,)
+            (version,) for version in range(1, SCHEMA_VERSION + 1)
         ]
         for table in ("sessions", "batches", "effects", "snapshots"):
             versions = connection.execute(f"SELECT DISTINCT schema_version FROM {table}")
             assert versions.fetchall() == [(SCHEMA_VERSION,)], table
+            unchecked = connection.execute(f"SELECT count(*) FROM {table} WHERE crc IS NULL")
+            assert unchecked.fetchone() == (0,), table
 
 
 @pytest.mark.parametrize("wal", [True, False], ids=["wal-file", "rollback-file"])
@@ -808,16 +811,20 @@ def golden_module() -> ModuleType:
     return make_golden_sqlite
 
 
+@pytest.mark.parametrize("version", range(1, SCHEMA_VERSION + 1))
 async def test_golden_fixture_still_reads_exactly(
-    golden_module: ModuleType, tmp_path: Path
+    golden_module: ModuleType, tmp_path: Path, version: int
 ) -> None:
     golden = FIXTURES / "golden" / "sqlite"
-    fixture = golden / "store.db"
+    fixture = golden / golden_module.db_name(version)
     before = digest(fixture)
     db = tmp_path / "store.db"
     shutil.copyfile(fixture, db)
     expected = json.loads((golden / "expected.json").read_text(encoding="utf-8"))
-    assert expected["schema_version"] == 1  # written by the first schema version
+    with raw(db) as connection:  # written by that schema version
+        assert connection.execute("SELECT max(version) FROM schema_version").fetchone() == (
+            version,
+        )
 
     async with await SQLiteStore.open(db, golden_module.make_codec()) as store:
         assert await store.list_sessions() == sorted(expected["sessions"])
@@ -830,3 +837,92 @@ async def test_golden_fixture_still_reads_exactly(
             assert as_json(await store.batches(session_id)) == content["batches"]
         assert {len(c["revisions"]) for c in expected["sessions"].values()} >= {1, 103}
     assert digest(fixture) == before
+
+
+# -- the WAL, and backups (issue 8, item 4) -------------------------------------------
+
+
+async def test_backup_holds_what_is_still_only_in_the_wal(db: Path, tmp_path: Path) -> None:
+    async with await SQLiteStore.open(db, codec()) as store:
+        session = await store.create("s")
+        for index in range(5):
+            session = await apply(store, session, AppendMessage(message(index)), Increment())
+        log = await store.batches("s")
+        assert (db.parent / "store.db-wal").stat().st_size > 0  # not checkpointed yet
+        naive, copy = tmp_path / "naive" / "store.db", tmp_path / "copy" / "store.db"
+        naive.parent.mkdir()
+        copy.parent.mkdir()
+        shutil.copyfile(db, naive)  # what the documentation says never to do
+        await store.backup(copy)
+        with pytest.raises(sqlite3.OperationalError):
+            await store.backup(copy)  # never over an existing database
+        session = await apply(store, session, Increment())  # the store is still in use
+    assert stat.S_IMODE(copy.stat().st_mode) == 0o600
+    async with await SQLiteStore.open(naive, codec()) as store:
+        assert await store.list_sessions() == []  # the batches were only in the WAL
+    async with await SQLiteStore.open(copy, codec()) as store:
+        assert (await store.load("s")).revision == 5
+        assert await store.batches("s") == log
+
+
+_WAL_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys, anyio
+    from stepmachine import Batch, Codec
+    from stepmachine.stores import SQLiteStore
+    from stepmachine.testing.conformance import ConformanceData, Increment
+
+    async def main():
+        codec = Codec(ConformanceData, effects=[Increment])
+        store = await SQLiteStore.open(sys.argv[1], codec, synchronous="FULL")
+        await store.create("s")
+        for revision in range(1, 11):
+            await store.apply(Batch("s", revision, "step", 0, 0.0, (Increment(),)))
+        os.kill(os.getpid(), signal.SIGKILL)  # acknowledged, still only in the WAL
+
+    anyio.run(main)
+    """
+)
+
+
+def test_a_damaged_wal_rolls_back_acknowledged_batches_silently(db: Path, tmp_path: Path) -> None:
+    """The limit the class docstring documents: SQLite stops WAL replay at the first bad frame."""
+    killed = subprocess.run(
+        [sys.executable, "-c", _WAL_WRITER, str(db)],
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    wal = db.parent / "store.db-wal"
+    content = bytearray(wal.read_bytes())
+    frame = 24 + 4096  # a frame header and one page (the default page size)
+    frames = (len(content) - 32) // frame
+    assert frames >= 10
+    content[32 + (frames // 2) * frame + 24 + 100] ^= 0x01  # one bit, mid-WAL
+    wal.write_bytes(bytes(content))
+
+    async def reopen() -> int:
+        async with await SQLiteStore.open(db, codec()) as store:
+            return (await store.load("s")).revision
+
+    revision = anyio.run(reopen)
+    assert 0 <= revision < 10  # acknowledged batches are gone, and nothing said so
+    assert not wal.exists()  # the close checkpointed the rolled-back state: for good
+    assert anyio.run(reopen) == revision
+
+
+def test_the_docstring_states_what_sqlite_guarantees() -> None:
+    doc = " ".join((SQLiteStore.__doc__ or "").split())
+    for claim in (
+        "A damaged WAL loses acknowledged batches silently",
+        "decides when the WAL reaches the disk, not what happens to a damaged one",
+        "VACUUM INTO",
+        "sqlite3 online backup API",
+        "Never copy the database file alone while any process has it open",
+        "every row carries a CRC-32",
+        "A database of a newer version than this code knows is refused and left unchanged",
+    ):
+        assert claim in doc, claim
+    assert "VACUUM INTO" in (SQLiteStore.backup.__doc__ or "")

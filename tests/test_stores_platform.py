@@ -19,6 +19,10 @@ CHILD = textwrap.dedent(
     import sys
 
     sys.modules["fcntl"] = None  # `import fcntl` raises ImportError, as on Windows
+    import os
+
+    for posix_only in ("O_CLOEXEC", "O_NOFOLLOW", "fchmod"):  # absent on Windows too
+        delattr(os, posix_only)
 
     import anyio
 

@@ -4,6 +4,7 @@ Usage::
 
     python tests/harness/crash.py --store sqlite
     python tests/harness/crash.py --store file --rounds 4 --random-kills 20 --seed 7
+    python tests/harness/crash.py --store sqlite --from-v1
 
 A child process (this file, run with ``--child agent``) drives a scripted agent,
 ``StateMachine([Tools([record]), ModelInference()])`` with a stateless
@@ -36,6 +37,13 @@ kill the parent reopens the store and checks:
   has exactly one result, and repeats the lost / half_applied checks with
   the acknowledgements of both children.
 
+With ``--from-v1`` (SQLite only) every crash point starts from a copy of the
+golden database written by SQLiteStore schema version 1
+(``tests/fixtures/golden/sqlite/store-v1.db``): the first child migrates it
+on open (a random kill may land in the migration), and after the resume the
+parent also checks that every golden session still reads exactly as
+``expected.json`` says; a session that does not counts as lost.
+
 One line per crash point; the last line is exactly
 ``crash_points=<n> lost=<n> half_applied=<n> invalid=<n>`` where
 ``crash_points`` counts children actually killed, ``lost`` counts
@@ -51,6 +59,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +74,7 @@ from typing import Any
 
 import _common as common  # beside this file: on sys.path as a script and in pytest
 import anyio
+import msgspec
 
 from stepmachine import (
     Annotate,
@@ -382,6 +392,38 @@ class Options:
     rounds: int = 3
     snapshot_every: int = 3
     timeout: float = 120.0
+    from_v1: bool = False
+
+
+GOLDEN_SQLITE = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "sqlite"
+"""The golden SQLite databases (``store-v1.db``, ...) and their ``expected.json``."""
+
+
+async def golden_problems(spec: str, folder: Path) -> list[str]:
+    """The golden sessions of the store in ``folder`` that no longer read as expected."""
+    fixtures = str(GOLDEN_SQLITE.parents[1])
+    if fixtures not in sys.path:
+        sys.path.append(fixtures)
+    import make_golden_sqlite  # the fixture script (its codec), beside the fixtures
+
+    expected = json.loads((GOLDEN_SQLITE / "expected.json").read_text(encoding="utf-8"))
+    problems: list[str] = []
+    store = await common.open_store(spec, folder, make_golden_sqlite.make_codec())
+    try:
+        for session_id, content in expected["sessions"].items():
+            try:
+                session = await store.load(session_id)
+                log = await store.batches(session_id)
+            except Exception as exc:
+                problems.append(f"golden session {session_id!r}: {type(exc).__name__}: {exc}")
+                continue
+            if json.loads(msgspec.json.encode(session)) != content["revisions"][-1]:
+                problems.append(f"golden session {session_id!r} differs from expected.json")
+            if json.loads(msgspec.json.encode(log)) != content["batches"]:
+                problems.append(f"golden session {session_id!r}: its log differs")
+    finally:
+        await store.aclose()
+    return problems
 
 
 def run_child(
@@ -500,6 +542,8 @@ def crash_point(
 ) -> PointResult:
     """Crash a child at one point, check the store, resume in a fresh child, check again."""
     folder.mkdir(parents=True)
+    if options.from_v1:
+        shutil.copyfile(GOLDEN_SQLITE / "store-v1.db", common.store_location(options.store, folder))
     crashed = run_child(options, folder, kill_at=kill_at, kill_k=kill_k, kill_after=kill_after)
     report = last_json(crashed.stdout)
     report["parent_elapsed"] = crashed.elapsed
@@ -513,6 +557,10 @@ def crash_point(
     records = common.read_records(folder / "acks.jsonl")
     after_resume = anyio.run(inspect_store, options.store, folder, records, options.rounds)
     result.lost = len(after_crash.lost | after_resume.lost)
+    if options.from_v1:
+        golden = anyio.run(golden_problems, options.store, folder)
+        result.lost += len(golden)
+        result.notes.extend(golden)
     result.notes.extend(f"lost after crash: {x}" for x in sorted(after_crash.lost))
     result.notes.extend(
         f"lost after resume: {x}" for x in sorted(after_resume.lost - after_crash.lost)
@@ -615,9 +663,16 @@ def run(
     workdir: Path | None = None,
     timeout: float = 120.0,
     echo: bool = True,
+    from_v1: bool = False,
 ) -> Summary:
-    """Run the harness; print one line per crash point when ``echo``; return the summary."""
-    options = Options(store, rounds, snapshot_every, timeout)
+    """Run the harness; print one line per crash point when ``echo``; return the summary.
+
+    With ``from_v1`` (``store`` must be ``"sqlite"``) every point starts from
+    the golden schema-version-1 database, migrated on open.
+    """
+    if from_v1 and store != "sqlite":
+        raise ValueError(f"from_v1 needs the sqlite store, not {store!r}")
+    options = Options(store, rounds, snapshot_every, timeout, from_v1)
     boundaries = common.boundaries_of(store)
     with contextlib.ExitStack() as stack:
         if workdir is None:
@@ -687,6 +742,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     parser.add_argument("--timeout", type=float, default=120.0, help="per child, seconds")
     parser.add_argument("--workdir", type=Path, help="keep the stores here (default: temp)")
+    parser.add_argument(
+        "--from-v1",
+        action="store_true",
+        help="sqlite only: start every point from the golden schema-version-1 database",
+    )
     parser.add_argument("--child", choices=["agent"], help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     parser.add_argument("--kill-at", help=argparse.SUPPRESS)
@@ -695,6 +755,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child == "agent":
         anyio.run(agent, args)
         return 0
+    if args.from_v1 and args.store != "sqlite":
+        parser.error("--from-v1 needs --store sqlite")
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     summary = run(
@@ -707,6 +769,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs=args.jobs,
         workdir=args.workdir,
         timeout=args.timeout,
+        from_v1=args.from_v1,
     )
     return 0 if summary.ok else 1
 

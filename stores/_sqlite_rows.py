@@ -1,0 +1,423 @@
+"""Reading and writing the rows of :class:`~stepmachine.stores.SQLiteStore`.
+
+The layout, its migrations and the checksum are in :mod:`._sqlite_schema`.
+
+Everything here is synchronous and runs in the store's worker thread, on a
+connection the caller holds exclusively, inside a transaction.
+
+Every row is written with its ``crc`` (:func:`._sqlite_schema.checksum`) in
+the same statement, and every row read is checked against it before any of
+its columns is used. Reading fails closed (invariant 8): a row whose checksum
+does not match, a row of an unknown schema version, a column of the wrong
+type, a gap in the log, an undecodable body or a stored effect that no longer
+applies raises :class:`~stepmachine.StoredDataError` naming the file, the
+table, the session, the revision and the effect index. Nothing here ever
+rewrites a row it read.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from stepmachine import Codec, Effect, EffectError, Session, StoredDataError, apply_batch
+
+from ._sqlite_schema import SCHEMA_VERSION, checksum
+
+__all__ = [
+    "SNAPSHOT_EVERY",
+    "SNAPSHOT_MAX_GAP",
+    "SessionRow",
+    "StoredBatch",
+    "copy_log",
+    "insert_batch",
+    "insert_session",
+    "insert_snapshot",
+    "read_log",
+    "read_snapshot",
+    "read_snapshots",
+    "replay",
+    "session_ids",
+    "session_row",
+    "wants_snapshot",
+    "write_session_row",
+]
+
+SNAPSHOT_EVERY = 100
+"""The fewest revisions between two periodic snapshots."""
+
+SNAPSHOT_MAX_GAP = 1000
+"""The most revisions between two snapshots."""
+
+
+class SessionRow(NamedTuple):
+    """The row of one session: its never-reused ``sid``, revision and snapshot bookkeeping."""
+
+    sid: int
+    revision: int
+    snapshot_revision: int
+    snapshot_bytes: int
+    pending_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBatch:
+    """One batch read back from the log."""
+
+    revision: int
+    step: str
+    cycle: int
+    timestamp: float
+    effects: tuple[Effect, ...]
+
+
+def _fail(path: str, where: str, problem: str) -> StoredDataError:
+    return StoredDataError(f"invariant 8 (stored data is data): {where} in {path}: {problem}")
+
+
+def _verify(path: str, where: str, table: str, values: tuple[Any, ...], stored: object) -> None:
+    """Raise unless ``stored`` is the checksum of ``values``, a row of ``table``."""
+    computed = checksum(table, values)
+    if stored != computed or not isinstance(stored, int):
+        raise _fail(
+            path,
+            where,
+            f"the {table} row does not match its checksum (crc column holds {stored!r}, "
+            f"the row's content gives {computed}): it was damaged or moved after it was written",
+        )
+
+
+def _check_version(path: str, where: str, version: object) -> None:
+    if version != SCHEMA_VERSION or not isinstance(version, int):
+        raise _fail(
+            path, where, f"record schema version is {version!r}, this code reads {SCHEMA_VERSION}"
+        )
+
+
+def _typed(path: str, where: str, column: str, value: Any, kind: type) -> Any:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _fail(path, where, f"column {column} holds {value!r}, not {kind.__name__}")
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _fail(path, where, f"column {column} holds {value!r}, not UTF-8 text") from None
+    return value
+
+
+# -- sessions ------------------------------------------------------------------
+
+_SESSION_COLUMNS = (
+    "session_id, sid, revision, schema_version, snapshot_revision, snapshot_bytes, "
+    "pending_bytes, crc"
+)
+_SESSION_NAMES = ("sid", "revision", "snapshot_revision", "snapshot_bytes", "pending_bytes")
+
+
+def _session_from(path: str, row: Sequence[Any], session_id: str | None = None) -> SessionRow:
+    """Check one ``sessions`` row (its :data:`_SESSION_COLUMNS`) and return it."""
+    stored_id = row[0]
+    name = stored_id if session_id is None else session_id
+    where = f"session {name!r} (table sessions, revision {row[2]!r} as stored)"
+    _verify(path, where, "sessions", tuple(row[:7]), row[7])
+    if session_id is not None and stored_id != session_id:
+        raise _fail(path, where, f"the row found for it holds session id {stored_id!r}")
+    _check_version(path, where, row[3])
+    values = [row[1], row[2], *row[4:7]]
+    for name, value in zip(_SESSION_NAMES, values, strict=True):
+        _typed(path, where, name, value, int)
+    if min(values) < 0 or values[2] > values[1]:
+        raise _fail(path, where, f"inconsistent session row {values!r} for {_SESSION_NAMES!r}")
+    return SessionRow(*values)
+
+
+def session_row(conn: sqlite3.Connection, path: str, session_id: str) -> SessionRow | None:
+    """The checked row of ``session_id``, or ``None`` when there is none."""
+    row = conn.execute(
+        f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE session_id = ?",  # noqa: S608 - fixed names
+        (session_id,),
+    ).fetchone()
+    return None if row is None else _session_from(path, row, session_id)
+
+
+def session_ids(conn: sqlite3.Connection, path: str) -> list[str]:
+    """The ids of all sessions, sorted; every row is checked."""
+    ids: list[str] = []
+    for row in conn.execute(f"SELECT {_SESSION_COLUMNS} FROM sessions"):  # noqa: S608 - fixed names
+        _session_from(path, row)
+        ids.append(_typed(path, f"session {row[0]!r}", "session_id", row[0], str))
+    return sorted(ids)
+
+
+def insert_session(conn: sqlite3.Connection, session_id: str) -> int:
+    """Insert a row for ``session_id``; return its new ``sid``.
+
+    The row is a placeholder without a checksum: in the same transaction,
+    write a snapshot and then :func:`write_session_row`.
+    """
+    sid = conn.execute(
+        "INSERT INTO sessions (session_id, revision, schema_version, snapshot_revision, "
+        "snapshot_bytes, pending_bytes) VALUES (?, 0, ?, 0, 0, 0)",
+        (session_id, SCHEMA_VERSION),
+    ).lastrowid
+    assert sid is not None  # an INSERT into a rowid table always sets it
+    return sid
+
+
+def write_session_row(conn: sqlite3.Connection, session_id: str, row: SessionRow) -> None:
+    """Set every column of the row of ``row.sid`` (``session_id``), with its checksum."""
+    values = (session_id, row.sid, row.revision, SCHEMA_VERSION, *row[2:])
+    conn.execute(
+        "UPDATE sessions SET revision = ?, schema_version = ?, snapshot_revision = ?, "
+        "snapshot_bytes = ?, pending_bytes = ?, crc = ? WHERE sid = ?",
+        (*values[2:], checksum("sessions", values), row.sid),
+    )
+
+
+def wants_snapshot(row: SessionRow, revision: int, batch_bytes: int, replaces: bool) -> bool:
+    """Whether the batch producing ``revision`` (``batch_bytes`` of effects) ends with a snapshot.
+
+    Always after a ReplaceConversation. Otherwise only :data:`SNAPSHOT_EVERY`
+    or more revisions after the last snapshot, and then once the effect bytes
+    since it reach half its size, or :data:`SNAPSHOT_MAX_GAP` revisions have
+    passed. Snapshots then take at most about twice the room of the effects
+    they follow, and cost each apply, on average, twice its own encoding. So
+    rebuilding any revision replays at most ``SNAPSHOT_MAX_GAP`` batches.
+    """
+    if replaces:
+        return True
+    gap = revision - row.snapshot_revision
+    pending = row.pending_bytes + batch_bytes
+    due = 2 * pending >= row.snapshot_bytes or gap >= SNAPSHOT_MAX_GAP
+    return gap >= SNAPSHOT_EVERY and due
+
+
+# -- snapshots -----------------------------------------------------------------
+
+_SNAPSHOT_SELECT = "SELECT sid, revision, schema_version, body, crc FROM snapshots "
+
+
+def _decode_snapshot(
+    codec: Codec[Any], path: str, session_id: str, row: Sequence[Any]
+) -> Session[Any]:
+    where = f"session {session_id!r} snapshot at revision {row[1]!r} (table snapshots)"
+    _verify(path, where, "snapshots", tuple(row[:4]), row[4])
+    revision = _typed(path, where, "revision", row[1], int)
+    _check_version(path, where, row[2])
+    body = _typed(path, where, "body", row[3], bytes)
+    session = codec.decode_session(body, where=f"{where} in {path}")
+    if session.id != session_id or session.revision != revision:
+        raise _fail(
+            path, where, f"the record holds session {session.id!r} revision {session.revision}"
+        )
+    return session
+
+
+def read_snapshot(
+    conn: sqlite3.Connection,
+    codec: Codec[Any],
+    path: str,
+    session_id: str,
+    sid: int,
+    after: int,
+    upto: int,
+) -> Session[Any] | None:
+    """The newest snapshot with ``after < revision <= upto``, decoded; ``None`` if there is none."""
+    row = conn.execute(
+        _SNAPSHOT_SELECT + "WHERE sid = ? AND revision > ? AND revision <= ? "
+        "ORDER BY revision DESC LIMIT 1",
+        (sid, after, upto),
+    ).fetchone()
+    return None if row is None else _decode_snapshot(codec, path, session_id, row)
+
+
+def read_snapshots(
+    conn: sqlite3.Connection, codec: Codec[Any], path: str, session_id: str, sid: int, upto: int
+) -> list[Session[Any]]:
+    """Every snapshot with ``revision <= upto``, oldest first, decoded."""
+    rows = conn.execute(
+        _SNAPSHOT_SELECT + "WHERE sid = ? AND revision <= ? ORDER BY revision", (sid, upto)
+    ).fetchall()
+    return [_decode_snapshot(codec, path, session_id, row) for row in rows]
+
+
+def insert_snapshot(
+    conn: sqlite3.Connection, codec: Codec[Any], sid: int, session: Session[Any]
+) -> int:
+    """Store ``session`` as the snapshot of ``sid`` at its revision; return its size in bytes.
+
+    Replaces a snapshot at the same revision. The caller records the snapshot
+    in the session row (:func:`write_session_row`).
+    """
+    body = codec.encode_session(session)
+    values = (sid, session.revision, SCHEMA_VERSION, body)
+    conn.execute(
+        "INSERT OR REPLACE INTO snapshots (sid, revision, schema_version, body, crc) "
+        "VALUES (?, ?, ?, ?, ?)",
+        (*values, checksum("snapshots", values)),
+    )
+    return len(body)
+
+
+# -- the log -------------------------------------------------------------------
+
+_BATCH_COLUMNS = "sid, revision, step, cycle, timestamp, effect_count, schema_version, crc"
+_EFFECT_COLUMNS = "sid, revision, position, schema_version, body, crc"
+
+
+def _log_rows(
+    conn: sqlite3.Connection, sid: int, after: int, upto: int
+) -> tuple[list[Any], list[Any]]:
+    """The batch rows and effect rows of ``sid`` with ``after < revision <= upto``, in order."""
+    batch_rows = conn.execute(
+        f"SELECT {_BATCH_COLUMNS} FROM batches "  # noqa: S608 - fixed names
+        "WHERE sid = ? AND revision > ? AND revision <= ? ORDER BY revision",
+        (sid, after, upto),
+    ).fetchall()
+    effect_rows = conn.execute(
+        f"SELECT {_EFFECT_COLUMNS} FROM effects "  # noqa: S608 - fixed names
+        "WHERE sid = ? AND revision > ? AND revision <= ? ORDER BY revision, position",
+        (sid, after, upto),
+    ).fetchall()
+    return batch_rows, effect_rows
+
+
+def read_log(
+    conn: sqlite3.Connection,
+    codec: Codec[Any],
+    path: str,
+    session_id: str,
+    sid: int,
+    after: int,
+    upto: int,
+) -> list[StoredBatch]:
+    """The batches with ``after < revision <= upto``, checked, decoded, checked to be complete.
+
+    Reads only those rows. Raises :class:`StoredDataError` for a row that does
+    not match its checksum, a missing batch or effect, an orphan effect, or a
+    record that does not decode, naming the table, revision and effect index.
+    """
+    batch_rows, effect_rows = _log_rows(conn, sid, after, upto)
+    log: list[StoredBatch] = []
+    cursor = 0
+    for expected, row in enumerate(batch_rows, start=after + 1):
+        where = f"session {session_id!r} revision {row[1]!r}"
+        _verify(path, f"{where} (table batches)", "batches", tuple(row[:7]), row[7])
+        revision = _typed(path, where, "revision", row[1], int)
+        if revision != expected:
+            raise _fail(path, f"session {session_id!r} revision {expected}", "the batch is missing")
+        _check_version(path, where, row[6])
+        count = _typed(path, where, "effect_count", row[5], int)
+        effects: list[Effect] = []
+        for position in range(count):
+            at = f"{where} effect {position}"
+            if cursor >= len(effect_rows) or effect_rows[cursor][1:3] != (revision, position):
+                raise _fail(path, at, "the effect is missing")
+            effect_row = effect_rows[cursor]
+            cursor += 1
+            _verify(path, f"{at} (table effects)", "effects", tuple(effect_row[:5]), effect_row[5])
+            _check_version(path, at, effect_row[3])
+            body = _typed(path, at, "body", effect_row[4], bytes)
+            decoded = codec.decode_effects(body, where=f"{at} in {path}")
+            if len(decoded) != 1:
+                raise _fail(path, at, f"the record holds {len(decoded)} effects, not 1")
+            effects.append(decoded[0])
+        if cursor < len(effect_rows) and effect_rows[cursor][1] == revision:
+            raise _fail(path, f"{where} effect {effect_rows[cursor][2]!r}", "orphan effect row")
+        log.append(
+            StoredBatch(
+                revision=revision,
+                step=_typed(path, where, "step", row[2], str),
+                cycle=_typed(path, where, "cycle", row[3], int),
+                timestamp=_typed(path, where, "timestamp", row[4], float),
+                effects=tuple(effects),
+            )
+        )
+    if len(log) != upto - after:
+        missing = after + len(log) + 1
+        raise _fail(path, f"session {session_id!r} revision {missing}", "the batch is missing")
+    if cursor != len(effect_rows):
+        orphan = effect_rows[cursor]
+        raise _fail(
+            path,
+            f"session {session_id!r} revision {orphan[1]!r} effect {orphan[2]!r}",
+            "orphan effect row",
+        )
+    return log
+
+
+def replay(
+    session: Session[Any], log: Sequence[StoredBatch], path: str, session_id: str
+) -> Session[Any]:
+    """Apply ``log`` to ``session``; a stored effect that no longer applies is a StoredDataError."""
+    for batch in log:
+        try:
+            session = apply_batch(session, batch.effects)
+        except EffectError as exc:
+            raise _fail(
+                path, f"session {session_id!r} revision {batch.revision}", f"does not apply: {exc}"
+            ) from exc
+    return session
+
+
+def insert_batch(
+    conn: sqlite3.Connection,
+    sid: int,
+    revision: int,
+    step: str,
+    cycle: int,
+    timestamp: float,
+    bodies: Sequence[bytes],
+) -> None:
+    """Append one batch row and its effect rows, with their checksums.
+
+    The caller moves the session row to ``revision`` (:func:`write_session_row`).
+    """
+    batch = (sid, revision, step, cycle, float(timestamp), len(bodies), SCHEMA_VERSION)
+    conn.execute(
+        f"INSERT INTO batches ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608 - fixed names
+        (*batch, checksum("batches", batch)),
+    )
+    rows = []
+    for position, body in enumerate(bodies):
+        effect = (sid, revision, position, SCHEMA_VERSION, body)
+        rows.append((*effect, checksum("effects", effect)))
+    conn.executemany(
+        f"INSERT INTO effects ({_EFFECT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",  # noqa: S608 - fixed names
+        rows,
+    )
+
+
+def copy_log(
+    conn: sqlite3.Connection, path: str, session_id: str, source: int, target: int, upto: int
+) -> None:
+    """Copy the batch and effect rows of ``source`` with ``revision <= upto`` to ``target``.
+
+    Each row is checked against its checksum, then written under ``target``
+    with a new one; bodies are not decoded. Raises :class:`StoredDataError`
+    for a row that does not match its checksum; nothing is then written (the
+    caller's transaction rolls back).
+    """
+    batch_rows, effect_rows = _log_rows(conn, source, 0, upto)
+    batches = []
+    for row in batch_rows:
+        where = f"session {session_id!r} revision {row[1]!r} (table batches)"
+        _verify(path, where, "batches", tuple(row[:7]), row[7])
+        values = (target, *row[1:7])
+        batches.append((*values, checksum("batches", values)))
+    effects = []
+    for row in effect_rows:
+        where = f"session {session_id!r} revision {row[1]!r} effect {row[2]!r} (table effects)"
+        _verify(path, where, "effects", tuple(row[:5]), row[5])
+        values = (target, *row[1:5])
+        effects.append((*values, checksum("effects", values)))
+    conn.executemany(
+        f"INSERT INTO batches ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608 - fixed names
+        batches,
+    )
+    conn.executemany(
+        f"INSERT INTO effects ({_EFFECT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",  # noqa: S608 - fixed names
+        effects,
+    )
