@@ -33,6 +33,7 @@ from ._checks import (
     check_optional_str,
     check_str,
     fail,
+    str_keys,
     tuple_of,
     vouch,
 )
@@ -151,10 +152,18 @@ class Annotate(Effect, frozen=True, tag="annotate"):
     call_id: str | None = None
 
     def __post_init__(self) -> None:
-        check_str("Annotate", "message_id", self.message_id)
-        check_str("Annotate", "namespace", self.namespace)
-        check_dict("Annotate", "values", self.values)
-        check_optional_str("Annotate", "call_id", self.call_id)
+        call_id = self.call_id
+        if not (
+            type(self.message_id) is str
+            and type(self.namespace) is str
+            and type(self.values) is dict
+            and (call_id is None or type(call_id) is str)
+            and str_keys(self.values)
+        ):
+            check_str("Annotate", "message_id", self.message_id)
+            check_str("Annotate", "namespace", self.namespace)
+            check_dict("Annotate", "values", self.values)
+            check_optional_str("Annotate", "call_id", self.call_id)
 
     def apply(self, session: Session[Any]) -> Session[Any]:
         index = _message_index(session, self.message_id)
@@ -238,7 +247,8 @@ class UpdateData(Effect, frozen=True, tag="update_data"):
     changes: dict[str, Any]
 
     def __post_init__(self) -> None:
-        check_dict("UpdateData", "changes", self.changes)
+        if not (type(self.changes) is dict and str_keys(self.changes)):
+            check_dict("UpdateData", "changes", self.changes)
 
     @classmethod
     def set(cls, **changes: Any) -> UpdateData:

@@ -18,12 +18,20 @@ type of the value given. A list given for ``Message.parts`` becomes a tuple.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import repeat
 from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
 
-from ._checks import check_bool, check_dict, check_notes, check_str, fail, notes_ok, tuple_of
+from ._checks import (
+    check_bool,
+    check_dict,
+    check_notes,
+    check_str,
+    fail,
+    notes_ok,
+    str_keys,
+    tuple_of,
+)
 
 __all__ = [
     "Message",
@@ -75,7 +83,7 @@ class ToolCallPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_call
             and type(self.name) is str
             and type(self.raw_arguments) is str
             and type(self.notes) is dict
-            and (not self.notes or notes_ok(self.notes))
+            and notes_ok(self.notes)
         ):
             check_str("ToolCallPart", "call_id", self.call_id)
             check_str("ToolCallPart", "name", self.name)
@@ -168,7 +176,8 @@ class ReasoningPart(msgspec.Struct, frozen=True, tag_field="type", tag="reasonin
     provider_data: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not (type(self.text) is str and type(self.provider_data) is dict):
+        data = self.provider_data
+        if not (type(self.text) is str and type(data) is dict and (not data or str_keys(data))):
             check_str("ReasoningPart", "text", self.text)
             check_dict("ReasoningPart", "provider_data", self.provider_data)
 
@@ -177,7 +186,17 @@ Part: TypeAlias = TextPart | ToolCallPart | ToolResultPart | ReasoningPart
 
 _PARTS: Final = (TextPart, ToolCallPart, ToolResultPart, ReasoningPart)
 _A_PART: Final = "a part (TextPart, ToolCallPart, ToolResultPart or ReasoningPart)"
-_EACH_PART: Final = repeat(_PARTS)  # endless, so map() can share it
+_PART_TYPES: Final = frozenset(_PARTS)
+
+
+def _all_parts(parts: tuple[Any, ...]) -> bool:
+    """Whether every item is exactly one of the part types (the fast path; no error)."""
+    for part in parts:  # noqa: SIM110 - cheaper than all() over a generator (hot path)
+        if type(part) not in _PART_TYPES:
+            return False
+    return True
+
+
 _ROLES: Final = frozenset(("user", "assistant", "tool", "system"))
 _ASSISTANT_PARTS: Final = (TextPart, ToolCallPart, ReasoningPart)
 
@@ -209,11 +228,11 @@ class Message(msgspec.Struct, frozen=True):
             and type(self.role) is str
             and self.role in _ROLES
             and type(self.parts) is tuple
-            and all(map(isinstance, self.parts, _EACH_PART))
             and type(self.notes) is dict
-            and (not self.notes or notes_ok(self.notes))
             and type(self.visible_to_model) is bool
             and type(self.visible_to_user) is bool
+            and _all_parts(self.parts)
+            and notes_ok(self.notes)
         ):
             check_str("Message", "id", self.id)
             if not isinstance(self.role, str) or self.role not in _ROLES:

@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-from ._checks import check_str, fail, known_good, tuple_of, vouch
+from ._checks import _CHECKED, check_str, fail, tuple_of, vouch
 from ._messages import Message
 
 __all__ = ["NoData", "Session"]
@@ -59,7 +59,7 @@ class Session(msgspec.Struct, Generic[D], frozen=True):
         ):
             fail("Session", "revision", "int >= 0", revision)
         conversation = self.conversation
-        if not known_good(conversation):
+        if type(conversation) is not tuple or _CHECKED.get(id(conversation)) is not conversation:
             owner = "Session"
             vouch(tuple_of(owner, "conversation", conversation, Message, "Message", target=self))
         if not isinstance(self.data, msgspec.Struct):
