@@ -5,8 +5,10 @@ model whose tool calls are not all answered, and finds, per call:
 
 * ``"unknown_tool"`` -- the name is advertised by no step (``ctx.tools``);
 * ``"invalid_json"`` -- the raw arguments are not valid JSON
-  (:func:`stepmachine.effective_arguments` is ``None``);
-* ``"invalid_arguments"`` -- the arguments fail the tool's schema. With
+  (:func:`stepmachine.effective_arguments` is ``None``); found whether or not
+  the name is known, so one call can have both problems;
+* ``"invalid_arguments"`` -- the arguments fail the tool's schema (checked
+  only when the name is known and the JSON valid). With
   ``tools=`` given, those :class:`~stepmachine.Tool` objects validate exactly
   (``Tool.validate``, msgspec); every other tool is checked against its
   advertised JSON schema (``ToolDefinition.parameters``) by a small checker
@@ -33,17 +35,33 @@ severe action wins: fail > stop > retry > skip > repair.
 * ``"skip"``: answer every open call of the message with an error result
   (the bad ones explain their problem, the others say they were not run
   because another call of the turn was invalid); ``Continue``.
-* ``"repair"``: unknown names close to exactly one advertised name are
-  renamed (case/separator-insensitive match, else ``difflib`` similarity),
-  invalid JSON wrapped in code fences or with trailing commas is cleaned,
-  duplicate ids get fresh ids. The repaired calls are re-validated; if any
-  problem cannot be repaired, ``repair_fallback`` (default ``"retry"``)
+* ``"repair"``: every repair below that a call needs is applied, so they
+  compose (a near-miss name *and* a trailing comma are both repaired):
+
+  - an unknown name close to exactly one advertised name is renamed: the
+    names are compared ignoring case and the separators `` _-.`` and
+    whitespace, else by ``difflib`` similarity (at least 0.8) of those
+    normalised forms; a name that matches two advertised names equally is
+    not repairable;
+  - invalid JSON is cleaned of a surrounding code fence (```` ``` ```` or
+    ```` ```json ````) and of trailing commas before ``}`` or ``]`` (outside
+    strings, so string values are never changed); the repaired call's raw
+    arguments are the compact JSON encoding of the parsed arguments;
+  - duplicate ids get fresh ids (``<old id>~<new id>``).
+
+  Arguments that fail the schema are never repaired. The repaired calls are
+  then re-validated as a whole; if any problem cannot be repaired or
+  re-validation finds one, ``repair_fallback`` (default ``"retry"``)
   applies instead. A repair hides the original message (from model and
   user), annotates it ``{"action": "repair", "replaced_by": ...}`` and
   appends a corrected copy that keeps the original's notes (usage, attempts),
   marked with :data:`~stepmachine.operations._budget.SUPERSEDES` so budgets
   do not count the call twice, plus ``{"repaired_from", "repairs"}`` in this
-  step's namespace. Tool names cannot be changed through notes, hence a copy.
+  step's namespace; ``repairs`` lists one entry per repair, in the order
+  applied: ``{"call_id", "renamed": "old -> new"}``, ``{"call_id",
+  "arguments": "cleaned invalid JSON"}``, ``{"call_id", "new_id"}``. Notes
+  bound to a call are kept. Tool names cannot be changed through notes,
+  hence a copy.
 
 Retry, repair and skip need every call of the message still unanswered
 (true when this step runs before the tool step); if some were already
@@ -252,20 +270,50 @@ def schema_errors(
 # -- repairs ---------------------------------------------------------------------------
 
 _FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
-_TRAILING_COMMA = re.compile(r",\s*([}\]])")
+_JSON_SPACE = re.compile(r"[ \t\r\n]*")
+_MISSING: Final = object()
+
+
+def _drop_trailing_commas(text: str) -> str:
+    """``text`` without commas that are followed (after whitespace) by ``}`` or ``]``.
+
+    Commas inside JSON strings are kept: the scan tracks string state,
+    escapes included, so ``{"s": "a,}"}`` is left unchanged.
+    """
+    out: list[str] = []
+    in_string = escaped = False
+    for index, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char == ",":
+            after = _JSON_SPACE.match(text, index + 1)
+            end = after.end() if after else index + 1
+            if text[end : end + 1] in ("}", "]"):
+                continue
+        out.append(char)
+    return "".join(out)
 
 
 def _repair_json(raw: str) -> Any:
-    """Arguments parsed from a slightly broken JSON string, or ``None``."""
+    """Arguments parsed from a slightly broken JSON string, or :data:`_MISSING`.
+
+    Removes a surrounding code fence and trailing commas (see the module docs).
+    """
     text = raw
     fenced = _FENCE.match(text)
     if fenced:
         text = fenced.group(1)
-    text = _TRAILING_COMMA.sub(r"\1", text)
     try:
-        return msgspec.json.decode(text)
-    except msgspec.DecodeError:
-        return None
+        return msgspec.json.decode(_drop_trailing_commas(text))
+    except (msgspec.DecodeError, RecursionError):
+        return _MISSING
 
 
 def _normalise(name: str) -> str:
@@ -273,12 +321,17 @@ def _normalise(name: str) -> str:
 
 
 def _repair_name(name: str, known: Sequence[str]) -> str | None:
-    exact = [k for k in known if _normalise(k) == _normalise(name)]
-    if len(exact) == 1:
-        return exact[0]
-    close = difflib.get_close_matches(name, known, n=2, cutoff=0.8)
-    if len(close) == 1:
-        return close[0]
+    """The one advertised name ``name`` nearly is, or ``None`` (none, or ambiguous)."""
+    by_form: dict[str, list[str]] = {}
+    for candidate in dict.fromkeys(known):
+        by_form.setdefault(_normalise(candidate), []).append(candidate)
+    form = _normalise(name)
+    if form in by_form:
+        exact = by_form[form]
+        return exact[0] if len(exact) == 1 else None
+    close = difflib.get_close_matches(form, list(by_form), n=2, cutoff=0.8)
+    if len(close) == 1 and len(by_form[close[0]]) == 1:
+        return by_form[close[0]][0]
     return None
 
 
@@ -383,14 +436,17 @@ class InvalidCalls(Operation[Any]):
     def _call_problems(
         self, call: ToolCallPart, schemas: Mapping[str, Mapping[str, Any]]
     ) -> list[CallProblem]:
+        found: list[CallProblem] = []
         if call.name not in schemas:
             known = ", ".join(sorted(schemas)) or "none"
             detail = f"unknown tool {call.name!r}; available tools: {known}"
-            return [CallProblem(call.call_id, call.name, "unknown_tool", detail)]
+            found.append(CallProblem(call.call_id, call.name, "unknown_tool", detail))
         arguments = effective_arguments(call)
         if arguments is None:
             detail = f"the arguments are not valid JSON: {call.raw_arguments!r}"
-            return [CallProblem(call.call_id, call.name, "invalid_json", detail)]
+            found.append(CallProblem(call.call_id, call.name, "invalid_json", detail))
+        if found:
+            return found
         impl = self._tools.get(call.name)
         if impl is not None:
             try:
@@ -503,9 +559,15 @@ class InvalidCalls(Operation[Any]):
     def _repair(
         self, ctx: StepContext[Any], message: Message, found: Sequence[CallProblem]
     ) -> Message | None:
-        """A corrected copy of ``message``, or ``None`` when some problem cannot be repaired."""
+        """A corrected copy of ``message``, or ``None`` when some problem cannot be repaired.
+
+        Every repair a call needs is applied (name, JSON, id), whichever
+        problems ``found`` lists, then the copy is re-validated as a whole.
+        """
+        if any(p.case == "invalid_arguments" for p in found):
+            return None
         known = [d.name for d in ctx.tools]
-        bad = {(p.call_id, p.case) for p in found}
+        duplicated = {p.call_id for p in found if p.case == "duplicate_id"}
         parts: list[Any] = []
         repairs: list[dict[str, str]] = []
         for part in message.parts:
@@ -513,21 +575,23 @@ class InvalidCalls(Operation[Any]):
                 parts.append(part)
                 continue
             call = part
-            if (call.call_id, "unknown_tool") in bad:
+            if call.name not in known:
                 new_name = _repair_name(call.name, known)
                 if new_name is None:
                     return None
                 repairs.append({"call_id": call.call_id, "renamed": f"{call.name} -> {new_name}"})
                 call = msgspec.structs.replace(call, name=new_name)
-            if (call.call_id, "invalid_json") in bad:
+            if effective_arguments(call) is None:
                 arguments = _repair_json(call.raw_arguments)
-                if arguments is None:
+                if arguments is _MISSING:
                     return None
                 repairs.append({"call_id": call.call_id, "arguments": "cleaned invalid JSON"})
-                call = ToolCallPart.of(call.call_id, call.name, arguments)
-            if (call.call_id, "invalid_arguments") in bad:
-                return None
-            if (call.call_id, "duplicate_id") in bad:
+                call = msgspec.structs.replace(
+                    call,
+                    arguments=arguments,
+                    raw_arguments=msgspec.json.encode(arguments).decode(),
+                )
+            if call.call_id in duplicated:
                 new_id = f"{call.call_id}~{ctx.new_id()}"
                 repairs.append({"call_id": call.call_id, "new_id": new_id})
                 call = msgspec.structs.replace(call, call_id=new_id)

@@ -136,13 +136,20 @@ class Codec(Generic[D]):
             raise ConfigurationError(
                 f"data must be a {self.data_type.__name__}, got {type(data).__name__}"
             )
-        ids = [m.id for m in conversation]
+        # Session checks the id and every message (InvalidFieldError) before ids are read.
+        items: Any = conversation
+        if isinstance(conversation, Sequence) and not isinstance(
+            conversation, str | bytes | bytearray | memoryview
+        ):
+            items = tuple(conversation)
+        session = Session(id=session_id, revision=0, conversation=items, data=data)
+        ids = [m.id for m in session.conversation]
         if len(set(ids)) != len(ids):
             raise ConfigurationError(
                 f"message ids are stable and unique: the conversation for {session_id!r} "
                 f"repeats ids {sorted({i for i in ids if ids.count(i) > 1})!r}"
             )
-        return Session(id=session_id, revision=0, conversation=tuple(conversation), data=data)
+        return session
 
     def encode_session(self, session: Session[D]) -> bytes:
         """JSON bytes of a session."""

@@ -13,6 +13,11 @@ only with defaults, never rename a tag.
 
 :func:`apply_batch` applies a whole batch and bumps the revision by one; a batch
 that fails part-way raises and leaves nothing changed (sessions are values).
+
+The effects defined here check their fields when built (cheap ``isinstance``
+checks in ``__post_init__``, which also runs on decoding) and raise
+:class:`~stepmachine.InvalidFieldError` naming the field, the expected type and
+the type of the value given; a list given for a tuple field becomes a tuple.
 """
 
 from __future__ import annotations
@@ -22,6 +27,16 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from ._checks import (
+    check_dict,
+    check_optional_bool,
+    check_optional_str,
+    check_str,
+    fail,
+    str_keys,
+    tuple_of,
+    vouch,
+)
 from ._errors import EffectError
 from ._messages import Message, ToolCallPart
 from ._session import Session
@@ -57,6 +72,10 @@ class AppendMessage(Effect, frozen=True, tag="append_message"):
 
     message: Message
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.message, Message):
+            fail("AppendMessage", "message", "Message", self.message)
+
     def apply(self, session: Session[Any]) -> Session[Any]:
         new_id = self.message.id
         for existing in session.conversation:
@@ -65,7 +84,7 @@ class AppendMessage(Effect, frozen=True, tag="append_message"):
                     f"message ids are stable and unique: session {session.id!r} already "
                     f"holds a message with id {new_id!r}"
                 )
-        return msgspec.structs.replace(session, conversation=(*session.conversation, self.message))
+        return _with_conversation(session, (*session.conversation, self.message))
 
 
 class ReplaceConversation(Effect, frozen=True, tag="replace_conversation"):
@@ -77,6 +96,10 @@ class ReplaceConversation(Effect, frozen=True, tag="replace_conversation"):
 
     conversation: tuple[Message, ...]
 
+    def __post_init__(self) -> None:
+        owner, conversation = "ReplaceConversation", self.conversation
+        tuple_of(owner, "conversation", conversation, Message, "Message", target=self)
+
     def apply(self, session: Session[Any]) -> Session[Any]:
         ids = [m.id for m in self.conversation]
         if len(set(ids)) != len(ids):
@@ -85,7 +108,17 @@ class ReplaceConversation(Effect, frozen=True, tag="replace_conversation"):
                 f"message ids are stable and unique: replacement conversation for session "
                 f"{session.id!r} repeats ids {duplicates!r}"
             )
-        return msgspec.structs.replace(session, conversation=self.conversation)
+        return _with_conversation(session, self.conversation)
+
+
+def _with_conversation(session: Session[Any], conversation: tuple[Message, ...]) -> Session[Any]:
+    """``session`` with ``conversation``, built only from checked messages (no O(n) re-check).
+
+    Callers pass a conversation made of a session's conversation (checked when
+    that session was built) and messages checked when they were built.
+    """
+    vouch(conversation)
+    return msgspec.structs.replace(session, conversation=conversation)
 
 
 def _message_index(session: Session[Any], message_id: str) -> int:
@@ -118,6 +151,20 @@ class Annotate(Effect, frozen=True, tag="annotate"):
     values: dict[str, Any]
     call_id: str | None = None
 
+    def __post_init__(self) -> None:
+        call_id = self.call_id
+        if not (
+            type(self.message_id) is str
+            and type(self.namespace) is str
+            and type(self.values) is dict
+            and (call_id is None or type(call_id) is str)
+            and str_keys(self.values)
+        ):
+            check_str("Annotate", "message_id", self.message_id)
+            check_str("Annotate", "namespace", self.namespace)
+            check_dict("Annotate", "values", self.values)
+            check_optional_str("Annotate", "call_id", self.call_id)
+
     def apply(self, session: Session[Any]) -> Session[Any]:
         index = _message_index(session, self.message_id)
         message = session.conversation[index]
@@ -141,7 +188,7 @@ class Annotate(Effect, frozen=True, tag="annotate"):
             updated = msgspec.structs.replace(message, parts=tuple(parts))
         conversation = list(session.conversation)
         conversation[index] = updated
-        return msgspec.structs.replace(session, conversation=tuple(conversation))
+        return _with_conversation(session, tuple(conversation))
 
 
 class SetVisibility(Effect, frozen=True, tag="set_visibility"):
@@ -156,6 +203,11 @@ class SetVisibility(Effect, frozen=True, tag="set_visibility"):
     message_ids: tuple[str, ...]
     to_model: bool | None = None
     to_user: bool | None = None
+
+    def __post_init__(self) -> None:
+        tuple_of("SetVisibility", "message_ids", self.message_ids, str, "str", target=self)
+        check_optional_bool("SetVisibility", "to_model", self.to_model)
+        check_optional_bool("SetVisibility", "to_user", self.to_user)
 
     def apply(self, session: Session[Any]) -> Session[Any]:
         wanted = set(self.message_ids)
@@ -176,7 +228,7 @@ class SetVisibility(Effect, frozen=True, tag="set_visibility"):
             raise EffectError(
                 f"session {session.id!r} holds no messages with ids {sorted(wanted)!r}"
             )
-        return msgspec.structs.replace(session, conversation=tuple(conversation))
+        return _with_conversation(session, tuple(conversation))
 
 
 class UpdateData(Effect, frozen=True, tag="update_data"):
@@ -193,6 +245,10 @@ class UpdateData(Effect, frozen=True, tag="update_data"):
     """
 
     changes: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if not (type(self.changes) is dict and str_keys(self.changes)):
+            check_dict("UpdateData", "changes", self.changes)
 
     @classmethod
     def set(cls, **changes: Any) -> UpdateData:

@@ -14,6 +14,7 @@ __all__ = [
     "ContextLengthError",
     "EffectError",
     "HistoryError",
+    "InvalidFieldError",
     "InvalidSessionIdError",
     "ModelError",
     "SessionExistsError",
@@ -129,3 +130,37 @@ class ContextLengthError(ModelError):
 
 class UnexpectedModelCallError(ModelError):
     """A scripted model was called when its script had no turn left."""
+
+
+class InvalidFieldError(StepmachineError, TypeError, ValueError):
+    """A public constructor got a value of the wrong type (or an unknown literal) for a field.
+
+    Messages, parts, effects and sessions check their fields when built (by
+    hand, by a factory such as ``Message.user`` or by ``msgspec.structs.replace``),
+    so a mistake fails where it is made, not steps later. It is both a
+    ``TypeError`` and a ``ValueError``; decoding wraps it in msgspec's
+    ``ValidationError`` like any other invalid field.
+
+    Attributes:
+        owner: the class or factory, e.g. ``"Message.parts"``'s ``"Message"``.
+        field: the field, with an index for an item (``"parts[1]"``).
+        expected: what the field takes, in words.
+        value: the value given.
+    """
+
+    def __init__(self, owner: str, field: str, expected: str, value: object) -> None:
+        self.owner = owner
+        self.field = field
+        self.expected = expected
+        self.value = value
+        super().__init__(
+            f"{owner}.{field}: expected {expected}, got {type(value).__name__} {_short_repr(value)}"
+        )
+
+    def __reduce__(self) -> tuple[type[InvalidFieldError], tuple[str, str, str, object]]:
+        return type(self), (self.owner, self.field, self.expected, self.value)
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -7,13 +7,31 @@ stable tag strings; new kinds of part (images, files) are added as new tags.
 Messages are immutable values. Operation notes (``notes``) are namespaced by
 operation name and record what an operation *did*; visibility flags hide a
 message from the model or the user without deleting it.
+
+Every message and part checks its fields when built (directly, through a
+factory, by ``msgspec.structs.replace`` or by decoding) with cheap
+``isinstance`` checks, and raises :class:`~stepmachine.InvalidFieldError` (a
+``TypeError`` and ``ValueError``) naming the field, the expected type and the
+type of the value given. A list given for ``Message.parts`` becomes a tuple.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeAlias
+from collections.abc import Sequence
+from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
+
+from ._checks import (
+    check_bool,
+    check_dict,
+    check_notes,
+    check_str,
+    fail,
+    notes_ok,
+    str_keys,
+    tuple_of,
+)
 
 __all__ = [
     "Message",
@@ -36,6 +54,10 @@ class TextPart(msgspec.Struct, frozen=True, tag_field="type", tag="text"):
 
     text: str
 
+    def __post_init__(self) -> None:
+        if type(self.text) is not str:
+            check_str("TextPart", "text", self.text)
+
 
 class ToolCallPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_call"):
     """A request by the model to run a tool.
@@ -55,13 +77,30 @@ class ToolCallPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_call
     raw_arguments: str
     notes: Notes = msgspec.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not (
+            type(self.call_id) is str
+            and type(self.name) is str
+            and type(self.raw_arguments) is str
+            and type(self.notes) is dict
+            and notes_ok(self.notes)
+        ):
+            check_str("ToolCallPart", "call_id", self.call_id)
+            check_str("ToolCallPart", "name", self.name)
+            check_str("ToolCallPart", "raw_arguments", self.raw_arguments)
+            check_notes("ToolCallPart", "notes", self.notes)
+
     @classmethod
     def parse(cls, call_id: str, name: str, raw_arguments: str) -> ToolCallPart:
         """Build a call from the raw argument string a model sent.
 
         Invalid JSON does not raise: ``arguments`` is ``None`` and the raw string
         is kept, so the tool step can answer with a clear error result.
+
+        Raises:
+            InvalidFieldError: ``call_id``, ``name`` or ``raw_arguments`` is not a str.
         """
+        check_str("ToolCallPart.parse", "raw_arguments", raw_arguments)
         try:
             arguments: Any = msgspec.json.decode(raw_arguments) if raw_arguments.strip() else {}
         except msgspec.DecodeError:
@@ -70,7 +109,13 @@ class ToolCallPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_call
 
     @classmethod
     def of(cls, call_id: str, name: str, arguments: dict[str, Any]) -> ToolCallPart:
-        """Build a call from parsed arguments; the raw string is their JSON encoding."""
+        """Build a call from parsed arguments; the raw string is their JSON encoding.
+
+        Raises:
+            InvalidFieldError: ``call_id`` or ``name`` is not a str, or
+                ``arguments`` is not a dict with str keys.
+        """
+        check_dict("ToolCallPart.of", "arguments", arguments)
         raw = msgspec.json.encode(arguments).decode()
         return cls(call_id=call_id, name=name, arguments=arguments, raw_arguments=raw)
 
@@ -91,11 +136,30 @@ class ToolResultPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_re
     is_error: bool = False
     name: str = ""
 
+    def __post_init__(self) -> None:
+        if not (
+            type(self.call_id) is str
+            and type(self.content) is str
+            and type(self.is_error) is bool
+            and type(self.name) is str
+        ):
+            check_str("ToolResultPart", "call_id", self.call_id)
+            check_str("ToolResultPart", "content", self.content)
+            check_bool("ToolResultPart", "is_error", self.is_error)
+            check_str("ToolResultPart", "name", self.name)
+
     @classmethod
     def for_call(
         cls, call: ToolCallPart, content: str, *, is_error: bool = False
     ) -> ToolResultPart:
-        """The result answering ``call`` (its id and tool name) with ``content``."""
+        """The result answering ``call`` (its id and tool name) with ``content``.
+
+        Raises:
+            InvalidFieldError: ``call`` is not a ``ToolCallPart``, or ``content``
+                is not a str.
+        """
+        if not isinstance(call, ToolCallPart):
+            fail("ToolResultPart.for_call", "call", "ToolCallPart", call)
         return cls(call_id=call.call_id, content=content, is_error=is_error, name=call.name)
 
 
@@ -111,8 +175,30 @@ class ReasoningPart(msgspec.Struct, frozen=True, tag_field="type", tag="reasonin
     text: str
     provider_data: dict[str, Any] = msgspec.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        data = self.provider_data
+        if not (type(self.text) is str and type(data) is dict and (not data or str_keys(data))):
+            check_str("ReasoningPart", "text", self.text)
+            check_dict("ReasoningPart", "provider_data", self.provider_data)
+
 
 Part: TypeAlias = TextPart | ToolCallPart | ToolResultPart | ReasoningPart
+
+_PARTS: Final = (TextPart, ToolCallPart, ToolResultPart, ReasoningPart)
+_A_PART: Final = "a part (TextPart, ToolCallPart, ToolResultPart or ReasoningPart)"
+_PART_TYPES: Final = frozenset(_PARTS)
+
+
+def _all_parts(parts: tuple[Any, ...]) -> bool:
+    """Whether every item is exactly one of the part types (the fast path; no error)."""
+    for part in parts:  # noqa: SIM110 - cheaper than all() over a generator (hot path)
+        if type(part) not in _PART_TYPES:
+            return False
+    return True
+
+
+_ROLES: Final = frozenset(("user", "assistant", "tool", "system"))
+_ASSISTANT_PARTS: Final = (TextPart, ToolCallPart, ReasoningPart)
 
 
 class Message(msgspec.Struct, frozen=True):
@@ -134,20 +220,83 @@ class Message(msgspec.Struct, frozen=True):
     visible_to_model: bool = True
     visible_to_user: bool = True
 
+    def __post_init__(self) -> None:
+        # One cheap expression for the usual case; the field-by-field checks
+        # (exact errors, subclasses, a list for parts) only when it fails.
+        if not (
+            type(self.id) is str
+            and type(self.role) is str
+            and self.role in _ROLES
+            and type(self.parts) is tuple
+            and type(self.notes) is dict
+            and type(self.visible_to_model) is bool
+            and type(self.visible_to_user) is bool
+            and _all_parts(self.parts)
+            and notes_ok(self.notes)
+        ):
+            check_str("Message", "id", self.id)
+            if not isinstance(self.role, str) or self.role not in _ROLES:
+                fail("Message", "role", "one of 'user', 'assistant', 'tool', 'system'", self.role)
+            tuple_of("Message", "parts", self.parts, _PARTS, _A_PART, target=self)
+            check_notes("Message", "notes", self.notes)
+            check_bool("Message", "visible_to_model", self.visible_to_model)
+            check_bool("Message", "visible_to_user", self.visible_to_user)
+
     @classmethod
     def user(cls, text: str, *, id: str) -> Message:  # noqa: A002 - "id" is the field's name
-        """A user message holding one text part."""
+        """A user message holding one text part.
+
+        Raises:
+            InvalidFieldError: ``text`` or ``id`` is not a str.
+        """
+        check_str("Message.user", "text", text)
         return cls(id=id, role="user", parts=(TextPart(text),))
 
     @classmethod
     def system(cls, text: str, *, id: str) -> Message:  # noqa: A002 - "id" is the field's name
-        """A system message holding one text part."""
+        """A system message holding one text part.
+
+        Raises:
+            InvalidFieldError: ``text`` or ``id`` is not a str.
+        """
+        check_str("Message.system", "text", text)
         return cls(id=id, role="system", parts=(TextPart(text),))
 
     @classmethod
-    def assistant(cls, text: str, *, id: str) -> Message:  # noqa: A002 - "id" is the field's name
-        """An assistant message holding one text part."""
-        return cls(id=id, role="assistant", parts=(TextPart(text),))
+    def assistant(
+        cls,
+        content: str | TextPart | ToolCallPart | ReasoningPart | Sequence[str | Part],
+        *,
+        id: str,  # noqa: A002 - "id" is the field's name
+    ) -> Message:
+        """An assistant message.
+
+        ``content`` is a str (one text part), one part, or a sequence mixing
+        str (each a text part) and parts, kept in order:
+        ``Message.assistant(["Let me check.", ToolCallPart.of(...)], id=...)``.
+        An assistant message holds text, tool calls and reasoning.
+
+        Raises:
+            InvalidFieldError: ``content`` or one of its items is of another
+                type (a ``ToolResultPart`` belongs in a ``tool`` message), or
+                ``id`` is not a str.
+        """
+        if isinstance(content, str):
+            return cls(id=id, role="assistant", parts=(TextPart(content),))
+        if isinstance(content, _ASSISTANT_PARTS):
+            return cls(id=id, role="assistant", parts=(content,))
+        expected = "str, TextPart, ToolCallPart or ReasoningPart"
+        if not isinstance(content, list | tuple):
+            fail("Message.assistant", "content", f"{expected}, or a list of them", content)
+        parts: list[Part] = []
+        for index, item in enumerate(content):
+            if isinstance(item, str):
+                parts.append(TextPart(item))
+            elif isinstance(item, _ASSISTANT_PARTS):
+                parts.append(item)
+            else:
+                fail("Message.assistant", f"content[{index}]", expected, item)
+        return cls(id=id, role="assistant", parts=tuple(parts))
 
     @classmethod
     def tool_result(
@@ -157,8 +306,15 @@ class Message(msgspec.Struct, frozen=True):
         id: str,  # noqa: A002 - "id" is the field's name
         notes: Notes | None = None,
     ) -> Message:
-        """A ``tool`` message answering one call."""
-        return cls(id=id, role="tool", parts=(result,), notes=notes or {})
+        """A ``tool`` message answering one call.
+
+        Raises:
+            InvalidFieldError: ``result`` is not a ``ToolResultPart``, ``id``
+                is not a str, or ``notes`` is not notes.
+        """
+        if not isinstance(result, ToolResultPart):
+            fail("Message.tool_result", "result", "ToolResultPart", result)
+        return cls(id=id, role="tool", parts=(result,), notes={} if notes is None else notes)
 
     @property
     def text(self) -> str:

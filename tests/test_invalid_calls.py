@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stepmachine import (
     Message,
@@ -319,3 +322,220 @@ async def test_stop_in_a_whole_run_then_the_application_decides(store: Store) ->
     assert again.reason.kind == INVALID_TOOL_CALL
     assert again.session.revision == report.session.revision  # noted once
     assert isinstance(report.session.conversation[0].parts[0], TextPart)
+
+
+# -- repairs compose (issue 8, item 14) --------------------------------------------------------
+
+
+async def test_repair_fixes_a_near_miss_name_and_a_trailing_comma_together() -> None:
+    damaged = ToolCallPart.parse("c2", "get_wether", '{"city": "Oslo",}')
+    result = await check(InvalidCalls("repair", repair_fallback="stop"), damaged)
+    assert result.continued
+    copy = result.session.conversation[-1]
+    assert copy.tool_calls == (ToolCallPart.of("c2", "get_weather", {"city": "Oslo"}),)
+    assert copy.notes["invalid_calls"]["repairs"] == [
+        {"call_id": "c2", "renamed": "get_wether -> get_weather"},
+        {"call_id": "c2", "arguments": "cleaned invalid JSON"},
+    ]
+    assert not result.session.conversation[1].visible_to_model
+
+
+async def test_a_call_with_two_problems_reports_both_and_the_stricter_policy_wins() -> None:
+    damaged = ToolCallPart.parse("c2", "get_wether", '{"city": "Oslo",}')
+    result = await check(InvalidCalls("stop"), damaged)
+    assert {p["case"] for p in result.outcome.reason.data["problems"]} == {
+        "unknown_tool",
+        "invalid_json",
+    }
+    # the name may be repaired, but the JSON policy says stop: nothing is repaired
+    op = InvalidCalls({"unknown_tool": "repair", "invalid_json": "stop"})
+    result = await check(op, damaged)
+    assert result.yielded
+    assert result.outcome.reason.kind == INVALID_TOOL_CALL
+    assert len(result.session.conversation) == 2
+
+
+async def test_trailing_comma_repair_never_changes_string_values() -> None:
+    damaged = ToolCallPart.parse("c2", "get_weather", '{"city": "a,}\\",]", }')
+    result = await check(InvalidCalls("repair", repair_fallback="stop"), damaged)
+    assert result.continued
+    assert result.session.conversation[-1].tool_calls[0].arguments == {"city": 'a,}",]'}
+
+
+async def test_repair_keeps_the_notes_bound_to_a_call() -> None:
+    damaged = msgspec.structs.replace(
+        ToolCallPart.parse("c2", "get_weather", '{"city": "Oslo",}'), notes={"mine": {"k": 1}}
+    )
+    result = await check(InvalidCalls("repair", repair_fallback="stop"), damaged)
+    assert result.session.conversation[-1].tool_calls[0].notes == {"mine": {"k": 1}}
+
+
+async def test_a_name_close_to_two_tools_is_not_repaired() -> None:
+    @tool(side_effects="pure", name="get-weather")
+    def other(city: str) -> str:
+        """Another weather tool."""
+        return "rain"
+
+    session = session_with(ToolCallPart.of("c2", "GET_WEATHER", {"city": "Oslo"}))
+    op = InvalidCalls("repair", repair_fallback="stop")
+    result = await run_step(op, session, others=[Tools([get_weather, other])])
+    assert result.yielded
+
+
+# A property test: damage valid calls in the documented repairable ways and check that
+# repair gives back exactly the original calls; add unrepairable damage and check that
+# nothing is repaired.
+
+
+@tool(side_effects="pure")
+def send_email(to: str, subject: str, body: str = "") -> str:
+    """Send an email."""
+    return "sent"
+
+
+@tool(side_effects="pure")
+def search_documents(query: str, tags: list[str] | None = None, limit: int = 10) -> str:
+    """Search."""
+    return "found"
+
+
+PROPERTY_TOOLS = [get_weather, add, send_email, search_documents]
+_text = st.text(max_size=12)
+_int = st.integers(-(2**53), 2**53)
+_ARGUMENTS: dict[str, Any] = {
+    "get_weather": st.fixed_dictionaries({"city": _text}),
+    "add": st.fixed_dictionaries({"a": _int, "b": _int}),
+    "send_email": st.fixed_dictionaries({"to": _text, "subject": _text}, optional={"body": _text}),
+    "search_documents": st.fixed_dictionaries(
+        {"query": _text},
+        optional={"tags": st.lists(_text, max_size=3), "limit": _int},
+    ),
+}
+# wrong in a way no repair may touch: a wrong type or a missing required argument
+_WRONG: dict[str, list[dict[str, Any]]] = {
+    "get_weather": [{"city": 5}, {}],
+    "add": [{"a": "one", "b": 2}, {"a": 1}],
+    "send_email": [{"to": ["x"], "subject": "s"}, {"subject": "s"}],
+    "search_documents": [{"query": None}, {"tags": ["t"]}],
+}
+
+
+def _dump(value: Any, draw: Any, *, force_comma: bool = False) -> str:
+    """JSON text of ``value`` with trailing commas (and whitespace) drawn at random."""
+    if not isinstance(value, dict | list):
+        return msgspec.json.encode(value).decode()
+    space = draw(st.sampled_from(["", " ", "\n  "]))
+    items = (
+        [f"{_dump(k, draw)}:{space}{_dump(v, draw)}" for k, v in value.items()]
+        if isinstance(value, dict)
+        else [_dump(v, draw) for v in value]
+    )
+    comma = "," + space if items and (force_comma or draw(st.booleans())) else ""
+    opening, closing = ("{", "}") if isinstance(value, dict) else ("[", "]")
+    return opening + ("," + space).join(items) + comma + space + closing
+
+
+def _damaged_name(name: str, draw: Any) -> str:
+    """A name that differs from ``name`` only in the ways repair is documented to undo."""
+    kinds = draw(st.sets(st.sampled_from(["case", "separator", "typo"]), min_size=1))
+    damaged = name
+    if "separator" in kinds:
+        separator = draw(st.sampled_from(["-", ".", " ", "", "__"]))
+        damaged = damaged.replace("_", separator) if "_" in damaged else damaged + "_"
+    if "typo" in kinds and len(name) >= 8:
+        letters = [i for i, c in enumerate(damaged) if c.isalpha()]
+        drop = draw(st.sampled_from(letters))
+        damaged = damaged[:drop] + damaged[drop + 1 :]
+    if "case" in kinds or damaged == name:
+        damaged = damaged.upper() if draw(st.booleans()) else damaged.title()
+    return damaged
+
+
+UNREPAIRABLE = ("far_name", "truncated", "wrong_arguments")
+
+
+@st.composite
+def damaged_calls(
+    draw: Any, unrepairable: bool
+) -> tuple[list[ToolCallPart], list[ToolCallPart], set[str]]:
+    """(valid calls, the damaged calls the model sent, the ids that were made duplicates).
+
+    Damage: a near-miss name, trailing commas, a code fence, a repeated id; with
+    ``unrepairable``, one call also gets damage no repair may undo.
+    """
+    count = draw(st.integers(1, 3))
+    broken = draw(st.integers(0, count - 1)) if unrepairable else -1
+    originals: list[ToolCallPart] = []
+    sent: list[ToolCallPart] = []
+    duplicated: set[str] = set()
+    for index in range(count):
+        name = draw(st.sampled_from(sorted(_ARGUMENTS)))
+        arguments = draw(_ARGUMENTS[name])
+        original = ToolCallPart.of(f"c{index}", name, arguments)
+        originals.append(original)
+        damages = draw(st.sets(st.sampled_from(["name", "comma", "fence", "id"])))
+        call_id = original.call_id
+        if "id" in damages and index > 0:
+            call_id = "c0"
+            duplicated.add("c0")
+        sent_name = _damaged_name(name, draw) if "name" in damages else name
+        sent_arguments: Any = arguments
+        how = draw(st.sampled_from(UNREPAIRABLE)) if index == broken else None
+        if how == "far_name":
+            sent_name = draw(st.sampled_from(["zzz", "", "delete_all", "temperature"]))
+        elif how == "wrong_arguments":
+            sent_arguments = draw(st.sampled_from(_WRONG[name]))
+        if "comma" in damages:
+            raw = _dump(sent_arguments, draw, force_comma=True)
+        else:
+            raw = msgspec.json.encode(sent_arguments).decode()
+        if how == "truncated":
+            raw = raw.rstrip()[:-1]
+        if "fence" in damages:
+            fence = draw(
+                st.sampled_from(["```json\nBODY\n```", "```BODY```", "  ```\nBODY\n```\n"])
+            )
+            raw = fence.replace("BODY", raw)
+        sent.append(ToolCallPart.parse(call_id, sent_name, raw))
+    return originals, sent, duplicated
+
+
+PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(damaged_calls(unrepairable=False), st.booleans())
+async def test_repair_gives_back_exactly_the_valid_calls(
+    case: tuple[list[ToolCallPart], list[ToolCallPart], set[str]], exact: bool
+) -> None:
+    originals, sent, duplicated = case
+    op = InvalidCalls("repair", repair_fallback="stop", tools=PROPERTY_TOOLS if exact else ())
+    result = await run_step(op, session_with(*sent), others=[Tools(PROPERTY_TOOLS)])
+    if sent == originals:
+        assert result.refused
+        return
+    assert result.continued, result.outcome
+    copy = result.session.conversation[-1]
+    assert copy.notes["invalid_calls"]["repaired_from"] == "a1"
+    assert not result.session.conversation[1].visible_to_model
+    repaired = copy.tool_calls
+    assert len({c.call_id for c in repaired}) == len(repaired)
+    for original, damaged, fixed in zip(originals, sent, repaired, strict=True):
+        if damaged.call_id in duplicated:
+            assert fixed.call_id.startswith(damaged.call_id + "~")
+            assert msgspec.structs.replace(fixed, call_id=original.call_id) == original
+        else:
+            assert fixed == original
+
+
+@PROPERTY
+@given(damaged_calls(unrepairable=True), st.booleans())
+async def test_unrepairable_damage_is_never_repaired_into_something_else(
+    case: tuple[list[ToolCallPart], list[ToolCallPart], set[str]], exact: bool
+) -> None:
+    _, sent, _ = case
+    op = InvalidCalls("repair", repair_fallback="stop", tools=PROPERTY_TOOLS if exact else ())
+    result = await run_step(op, session_with(*sent), others=[Tools(PROPERTY_TOOLS)])
+    assert result.yielded, result.outcome
+    assert result.outcome.reason.kind == INVALID_TOOL_CALL
+    assert [m.id for m in result.session.conversation] == ["u1", "a1"]
