@@ -262,10 +262,10 @@ def _repair_json(raw: str) -> Any:
     if fenced:
         text = fenced.group(1)
     text = _TRAILING_COMMA.sub(r"\1", text)
-    try:
-        return msgspec.json.decode(text)
-    except msgspec.DecodeError:
+    if not text.strip():
         return None
+    # ToolCallPart.parse decodes with the kernel's nesting limit: deep JSON stays unrepaired.
+    return ToolCallPart.parse("", "", text).arguments
 
 
 def _normalise(name: str) -> str:
