@@ -3,11 +3,18 @@
 Every error is a :class:`~stepmachine.ModelError` (so callers can catch one
 root) and carries what a caller needs to decide: the provider, the HTTP status,
 the provider's error type/code and message, the request id, and for rate
-limits the server's ``retry_after``. No error, log line or repr ever contains
-the API key: messages are built only from the response body and status.
+limits the server's ``retry_after``.
 
 :func:`error_from_response` is the one place that turns an HTTP error into a
-typed error, for every adapter.
+typed error, for every adapter. Messages are built from the response body and
+status only -- but a server may echo the key in them, so no message is trusted:
+:func:`redact_error` is the one place that removes secrets from an error and
+its whole cause chain before it leaves a provider call (the HTTP base applies
+it to every exception it raises; see :mod:`stepmachine.providers._http`).
+
+Permanent versus retried: rate limits, overload, 5xx, 408/409 and connection
+failures are retryable; an exhausted quota, credit or spend limit
+(:class:`QuotaExceededError`) is not, whatever its status.
 """
 
 from __future__ import annotations

@@ -265,7 +265,12 @@ class HTTPModel:
             ProviderError: a typed subclass, with ``attempts`` set, after the
                 retries the policy, the total time and ``request.max_attempts``
                 allow -- or at once when the error is not retryable or output
-                of the failed attempt was already streamed.
+                of the failed attempt was already streamed. Like every other
+                exception raised here (except the caller's own, from
+                ``on_chunk``, which propagates unchanged), it has been through
+                :func:`~stepmachine.providers._errors.redact_error`: no secret
+                in it or its cause chain, and a traceback that starts here
+                (a note says where inside the adapter it was raised).
 
         Cancellation: the HTTP request is abandoned; chunks already handed to
         ``on_chunk`` stay delivered.
