@@ -46,8 +46,10 @@ from stepmachine import (
     tool,
 )
 from stepmachine._json import MAX_DEPTH, decode, nesting_depth
+from stepmachine.operations import StructuredOutput, read_output
 from stepmachine.providers import BadRequestError, MalformedResponseError, RetryPolicy
 from stepmachine.stores import MemoryStore, SQLiteStore
+from stepmachine.testing import ScriptedModel, reply
 
 WIRES = {w.name: w for w in wires.WIRES}
 DEEP = [MAX_DEPTH + 1, 999, 1000, 5000, 100_000]
@@ -425,3 +427,19 @@ async def test_arguments_at_the_limit_run_the_tool_and_store(
     (result,) = [p for p in session.conversation[2].parts if isinstance(p, ToolResultPart)]
     assert not result.is_error, result.content
     assert result.content == f"depth {MAX_DEPTH - 1}"
+
+
+# -- structured output read from the reply's text ------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 900, 1000, 100_000])
+@pytest.mark.parametrize("mode", ["native", "prompted"])
+async def test_structured_output_too_deep_is_re_prompted_not_a_crash(depth: int, mode: str) -> None:
+    store = MemoryStore()
+    await store.create("s1", conversation=[Message.user("answer", id="u1")])
+    model = ScriptedModel([reply(_nested(depth)), reply('{"v": [[1]]}')])
+    machine = StateMachine([StructuredOutput(dict[str, Any], mode, inference=ModelInference())])
+    session = await machine.run(Runtime(store=store, model=model), "s1")
+    feedback = session.conversation[2]
+    assert "nested deeper than 128 levels" in feedback.text
+    assert read_output(session, dict[str, Any]) == {"v": [[1]]}
