@@ -170,9 +170,9 @@ class MalformedResponseError(ProviderError):
 
 
 class RedactedCauseError(StepmachineError):
-    """Stands in a provider error's ``__cause__``/``__context__`` chain for an
-    exception that could not be copied safely (a foreign exception type, which
-    may hold the request and its headers).
+    """Stands for an exception that could not be kept or copied safely (a foreign
+    exception type, which may hold the request and its headers): in a provider
+    error's ``__cause__``/``__context__`` chain, or raised in its place.
 
     Its message is ``"<module>.<type>: <message>"`` of the exception it
     replaces, with every secret removed, and a note says where that was raised.

@@ -143,10 +143,14 @@ def _check_key(key: str) -> None:
     """
     for position, char in enumerate(key):
         if not " " <= char <= "~":
-            what = "a non-ASCII character" if ord(char) > 127 else "a control character"
+            what = (
+                "a non-ASCII character"
+                if ord(char) > 127
+                else "a control character (a newline read from a file?)"
+            )
             raise ConfigurationError(
                 f"the API key cannot be sent in an HTTP header: {what} at position {position} "
-                f"of {len(key)} (a newline from a file?)"
+                f"of {len(key)}"
             )
     if key != key.strip():
         raise ConfigurationError(
@@ -303,7 +307,7 @@ class HTTPModel:
                     if delay is not None:
                         await self._sleep(delay)
                         continue
-            except Exception as exc:  # noqa: BLE001 - redacted, then raised unchanged in kind
+            except Exception as exc:  # noqa: BLE001 - any other error: re-raised, redacted
                 failure = self._redacted(exc)
             if failure is not None:
                 raise failure  # outside the except blocks: no unredacted implicit context
