@@ -310,10 +310,14 @@ def _repair_json(raw: str) -> Any:
     fenced = _FENCE.match(text)
     if fenced:
         text = fenced.group(1)
-    try:
-        return msgspec.json.decode(_drop_trailing_commas(text))
-    except (msgspec.DecodeError, RecursionError):
+    text = _drop_trailing_commas(text)
+    if not text.strip():
         return _MISSING
+    # ToolCallPart.parse decodes with the kernel's nesting limit: deep JSON stays unrepaired.
+    arguments = ToolCallPart.parse("", "", text).arguments
+    if arguments is None and text.strip() != "null":
+        return _MISSING
+    return arguments
 
 
 def _normalise(name: str) -> str:

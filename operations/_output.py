@@ -61,6 +61,7 @@ otherwise decisions are single batches.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Sequence
 from typing import Any, Final, Generic, Literal, TypeVar
@@ -264,7 +265,7 @@ class StructuredOutput(Operation[Any], Generic[T]):
         fenced = _FENCE.match(text)
         body = fenced.group(1) if fenced else text.strip()
         try:
-            raw = msgspec.json.decode(body)
+            raw = _decode(body)
         except msgspec.DecodeError as exc:
             return None, f"the reply is not valid JSON: {exc}"
         return self._validate_value(raw)
@@ -463,3 +464,25 @@ class StructuredOutput(Operation[Any], Generic[T]):
             visible_to_user=False,
         )
         return Continue([*effects, AppendMessage(feedback)])
+
+
+def _decode(text: str) -> Any:
+    """``text`` as JSON, nested at most as deep as the kernel accepts (128 levels).
+
+    ``ToolCallPart.parse`` applies the kernel's limit; deeper JSON raises
+    ``msgspec.DecodeError`` saying so, never ``RecursionError``.
+
+    Raises:
+        msgspec.DecodeError: ``text`` is not JSON (msgspec's own message) or
+            nests too deeply.
+    """
+    if not text.strip():
+        return msgspec.json.decode(text)  # raises msgspec's error for empty input
+    parsed = ToolCallPart.parse("", "", text).arguments
+    if parsed is not None:
+        return parsed
+    if text.strip() == "null":
+        return None
+    with contextlib.suppress(RecursionError):
+        msgspec.json.decode(text)  # invalid JSON: raises with msgspec's message
+    raise msgspec.DecodeError("JSON nested deeper than 128 levels")

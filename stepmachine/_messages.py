@@ -22,6 +22,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
 
+from . import _json
 from ._checks import (
     check_bool,
     check_dict,
@@ -95,14 +96,15 @@ class ToolCallPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_call
         """Build a call from the raw argument string a model sent.
 
         Invalid JSON does not raise: ``arguments`` is ``None`` and the raw string
-        is kept, so the tool step can answer with a clear error result.
+        is kept, so the tool step can answer with a clear error result. JSON
+        nested deeper than 128 levels counts as invalid (never a ``RecursionError``).
 
         Raises:
             InvalidFieldError: ``call_id``, ``name`` or ``raw_arguments`` is not a str.
         """
         check_str("ToolCallPart.parse", "raw_arguments", raw_arguments)
         try:
-            arguments: Any = msgspec.json.decode(raw_arguments) if raw_arguments.strip() else {}
+            arguments: Any = _json.decode(raw_arguments) if raw_arguments.strip() else {}
         except msgspec.DecodeError:
             arguments = None
         return cls(call_id=call_id, name=name, arguments=arguments, raw_arguments=raw_arguments)

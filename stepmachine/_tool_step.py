@@ -47,6 +47,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
+from . import _json
 from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ToolFinished, ToolStarted
 from ._errors import ConfigurationError, ConflictError, ToolAbortError, ToolArgumentsError
@@ -256,7 +257,7 @@ class Tools(Operation[Any]):
             known = ", ".join(sorted(d.name for d in ctx.tools)) or "none"
             return _error(call, f"unknown tool {call.name!r}; available tools: {known}")
         try:
-            msgspec.json.decode(call.raw_arguments)
+            _json.decode(call.raw_arguments)  # bounded: deep JSON is invalid, not a crash
         except msgspec.DecodeError:
             return _error(
                 call, f"the arguments for {call.name!r} are not valid JSON: {call.raw_arguments!r}"

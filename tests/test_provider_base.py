@@ -194,8 +194,9 @@ def test_retry_after_wins_without_jitter_and_is_capped() -> None:
         ({"retry-after-ms": "1500"}, 1.5),
         ({"retry-after-ms": "1500", "retry-after": "9"}, 1.5),
         ({"retry-after-ms": "soon", "retry-after": "9"}, 9.0),
-        ({"retry-after": "-3"}, 0.0),
-        ({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, 0.0),  # a date in the past
+        ({"retry-after": "-3"}, None),  # not a wait: the backoff applies
+        ({"retry-after": "0"}, None),
+        ({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, None),  # now: the backoff applies
         ({"retry-after": "Wed, 21 Oct 2015 07:28:30 GMT"}, 30.0),  # 30 s after "now"
         ({"retry-after": "not a date"}, None),
         ({"retry-after": "inf"}, None),

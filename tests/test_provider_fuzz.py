@@ -18,7 +18,8 @@ What must hold, for every adapter:
 * a stream cut in its first half (before its final event) raises
   :class:`~stepmachine.providers.MalformedResponseError`;
 * a response that does come back is well formed: its parts are message parts and
-  every tool call's ``arguments`` is what its ``raw_arguments`` parses to.
+  every tool call's ``arguments`` is what its ``raw_arguments`` parses to (``None``
+  past the kernel's nesting limit of 128 levels).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import ModelResponse, ReasoningPart, StreamChunk, TextPart, ToolCallPart
+from stepmachine._json import MAX_DEPTH, nesting_depth
 from stepmachine.providers import MalformedResponseError, ProviderError, RetryPolicy
 
 HERE = Path(__file__).resolve().parent
@@ -165,10 +167,13 @@ def _check(outcome: Any, what: str) -> None:
     for part in outcome.parts:
         assert isinstance(part, TextPart | ReasoningPart | ToolCallPart), (what, part)
         if isinstance(part, ToolCallPart):
+            raw = part.raw_arguments
             try:
-                parsed = json.loads(part.raw_arguments) if part.raw_arguments.strip() else {}
-            except ValueError:
+                parsed = json.loads(raw) if raw.strip() else {}
+            except (ValueError, RecursionError):
                 parsed = None
+            if nesting_depth(raw) > MAX_DEPTH:
+                parsed = None  # deeper than the kernel accepts: an invalid call
             assert part.arguments == parsed, (what, part)
 
 

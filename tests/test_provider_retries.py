@@ -12,11 +12,18 @@ never slept, so "waits exactly 2 s" is checked exactly and no test depends on ti
 * connection errors are retried; a 401/400 is not;
 * replay safety: a stream that fails after output reached ``on_chunk`` (cut short,
   or a transport error mid-stream) is never retried -- exactly one request, a typed
-  error -- while a stream that fails before any output is retried.
+  error -- while a stream that fails before any output is retried;
+* ``Retry-After-Ms``/``Retry-After``: only a finite, positive value is a wait; a zero,
+  negative or unreadable one falls back to the other header, then to the backoff, so
+  no combination of headers (hypothesis) makes a retry wait 0 s;
+* out of quota/credit (OpenAI ``insufficient_quota``, Anthropic ``billing_error``, a
+  spend limit) is :class:`QuotaExceededError`: permanent, one request, never retried,
+  blocking or streaming, as an HTTP status or as an error event inside a stream.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,6 +31,8 @@ import _provider_wires as wires
 import httpx
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stepmachine import StreamChunk, TextChunk, TextPart
 from stepmachine.providers import (
@@ -31,7 +40,10 @@ from stepmachine.providers import (
     BadRequestError,
     MalformedResponseError,
     OverloadedError,
+    PermissionDeniedError,
     ProviderConnectionError,
+    ProviderError,
+    QuotaExceededError,
     RateLimitError,
     RetryPolicy,
     ServerError,
@@ -328,5 +340,166 @@ async def test_an_empty_stream_is_malformed_and_retried(wire: Any) -> None:
 
 async def test_a_malformed_blocking_reply_is_retried(wire: Any) -> None:
     script = Script(status(200, b"{not json"), status(200, wire.ok_json))
+    response = await wire.make(script).request(REQUEST)
+    assert response.attempts == 2
+
+
+# -- Retry-After-Ms / Retry-After combinations ---------------------------------------------
+
+_WAIT_VALUES = ["0", "-1", "0.0", "-0", "nan", "inf", "-inf", "1e400", "soon", "", "250", "1500"]
+_DATES = ["Wed, 21 Oct 2015 07:28:00 GMT", "Wed, 21 Oct 2099 07:28:00 GMT", "not a date"]
+
+
+def _usable(value: str | None) -> float | None:
+    """What the spec says a header value is worth: a finite number > 0, else nothing."""
+    try:
+        number = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return number if number is not None and 0 < number < float("inf") else None
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    ms=st.none() | st.sampled_from(_WAIT_VALUES),
+    seconds=st.none() | st.sampled_from(_WAIT_VALUES + _DATES),
+    status_code=st.sampled_from([429, 503, 529, 500]),
+)
+async def test_no_retry_after_combination_disables_the_backoff(
+    anyio_backend: str, wire: Any, ms: str | None, seconds: str | None, status_code: int
+) -> None:
+    headers = {k: v for k, v in (("retry-after-ms", ms), ("retry-after", seconds)) if v is not None}
+    script = Script(
+        status(status_code, wire.error("x", "wait"), **headers), status(200, wire.ok_json)
+    )
+    sleeps: list[float] = []
+    policy = RetryPolicy()
+    expected_ms, expected_s = _usable(ms), _usable(seconds)
+    asked = expected_ms / 1000 if expected_ms is not None else expected_s
+    if asked is None and seconds is not None and "2099" in seconds:
+        asked = float("inf")  # a date far ahead
+    model = wire.make(script, sleeps=sleeps)
+    if asked is not None and asked > policy.max_delay:
+        with pytest.raises(ProviderError):  # a longer wait than the policy allows: no retry
+            await model.request(REQUEST)
+        assert sleeps == []
+        return
+    response = await model.request(REQUEST)
+    assert response.attempts == 2
+    (waited,) = sleeps
+    assert waited > 0  # never a retry at once
+    if asked is not None:
+        assert waited == pytest.approx(asked)
+    else:
+        assert policy.base_delay * (1 - policy.jitter) <= waited <= policy.base_delay
+
+
+async def test_retry_after_ms_zero_next_to_retry_after_one_waits_one_second(wire: Any) -> None:
+    """Azure sends both; the zero used to make every retry immediate."""
+    busy = status(
+        429, wire.error("rate_limit_error", "busy"), **{"retry-after-ms": "0", "retry-after": "1"}
+    )
+    script = Script(busy, busy, busy, status(200, wire.ok_json))
+    sleeps: list[float] = []
+    response = await wire.make(script, sleeps=sleeps).request(REQUEST)
+    assert response.attempts == 4
+    assert sleeps == [1.0, 1.0, 1.0]
+
+
+# -- out of quota: permanent -----------------------------------------------------------------
+
+
+def _quota_bodies(wire: Any) -> list[tuple[int, bytes]]:
+    openai = json.dumps(
+        {
+            "error": {
+                "message": "You exceeded your current quota, please check your plan and billing.",
+                "type": "insufficient_quota",
+                "param": None,
+                "code": "insufficient_quota",
+            }
+        }
+    ).encode()
+    billing = wire.error("billing_error", "Your credit balance is too low to access the API.")
+    spend = json.dumps(
+        {
+            "type": "error",
+            "error": {
+                "type": "rate_limit_error",
+                "message": "This request would exceed your organization's monthly spend limit.",
+                "details": {"error_code": "enforced_spend_limit_reached"},
+            },
+        }
+    ).encode()
+    limit = wire.error(
+        "invalid_request_error",
+        "You have reached your specified API usage limits. You will regain access on 2026-01-01.",
+    )
+    return [(429, openai), (402, billing), (429, spend), (400, limit)]
+
+
+@pytest.mark.parametrize(
+    "case", range(4), ids=["insufficient_quota", "billing", "spend", "usage-limit"]
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+async def test_out_of_quota_is_permanent(wire: Any, case: int, stream: bool) -> None:
+    code, body = _quota_bodies(wire)[case]
+    script = Script(status(code, body, **{"retry-after": "1"}))
+    sleeps: list[float] = []
+    with pytest.raises(QuotaExceededError) as caught:
+        await wire.make(script, sleeps=sleeps).request(REQUEST, on_chunk=Sink() if stream else None)
+    error = caught.value
+    assert isinstance(error, PermissionDeniedError)
+    assert not isinstance(error, RateLimitError)  # code that waits on rate limits must not wait
+    assert not error.retryable
+    assert error.attempts == 1
+    assert error.status == code
+    assert sleeps == []
+    assert len(script.requests) == 1
+
+
+_QUOTA_EVENTS = {
+    "openai_chat": (
+        None,
+        {"error": {"message": "quota", "type": "insufficient_quota", "code": "insufficient_quota"}},
+    ),
+    "openai_compatible": (None, {"error": {"message": "quota", "code": "insufficient_quota"}}),
+    "openai_responses": (
+        "error",
+        {
+            "type": "error",
+            "sequence_number": 1,
+            "code": "insufficient_quota",
+            "message": "quota",
+            "param": None,
+        },
+    ),
+    "anthropic": (
+        "error",
+        {"type": "error", "error": {"type": "billing_error", "message": "credit"}},
+    ),
+}
+
+
+async def test_an_out_of_quota_event_in_a_stream_is_permanent(wire: Any) -> None:
+    name, payload = _QUOTA_EVENTS[wire.name]
+    body = wire.stream_head + wires.sse((name, payload))
+    script = Script(sse_reply(body))
+    sleeps: list[float] = []
+    with pytest.raises(QuotaExceededError) as caught:
+        await wire.make(script, sleeps=sleeps).request(REQUEST, on_chunk=Sink())
+    assert caught.value.attempts == 1
+    assert sleeps == []
+    assert len(script.requests) == 1
+
+
+async def test_a_plain_rate_limit_is_still_retried(wire: Any) -> None:
+    script = Script(
+        status(429, wire.error("rate_limit_error", "slow down")), status(200, wire.ok_json)
+    )
     response = await wire.make(script).request(REQUEST)
     assert response.attempts == 2

@@ -30,6 +30,7 @@ from ._errors import (
     PermissionDeniedError,
     ProviderConnectionError,
     ProviderError,
+    QuotaExceededError,
     RateLimitError,
     ServerError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "PermissionDeniedError",
     "ProviderConnectionError",
     "ProviderError",
+    "QuotaExceededError",
     "RateLimitError",
     "RetryPolicy",
     "SSEEvent",

@@ -63,7 +63,14 @@ from .._model import (
 )
 from ._errors import MalformedResponseError, ProviderError, error_from_response
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
-from ._wire import expect_list, expect_object, expect_str
+from ._wire import (
+    PARSE_ERRORS,
+    decode_arguments,
+    decode_body,
+    expect_list,
+    expect_object,
+    expect_str,
+)
 
 __all__ = ["AnthropicModel"]
 
@@ -227,9 +234,7 @@ class AnthropicModel(HTTPModel):
             if stopped or failure is not None:
                 continue  # read to the end: an abandoned httpx stream warns under trio
             try:
-                data = (
-                    expect_object(msgspec.json.decode(event.data), "an event") if event.data else {}
-                )
+                data = expect_object(decode_body(event.data), "an event") if event.data else {}
                 kind = data.get("type", event.event)
                 if kind == "error" or event.event == "error":
                     raise self.stream_error(data)
@@ -238,7 +243,7 @@ class AnthropicModel(HTTPModel):
                     await state.finish(emit)
                 else:
                     await state.handle(kind, data, emit)
-            except (ProviderError, msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+            except (ProviderError, *PARSE_ERRORS) as exc:
                 failure = exc
         if failure is not None:
             raise failure
@@ -299,7 +304,7 @@ class _Block:
             joined = "".join(self.fragments)
             if joined.strip():
                 try:
-                    block["input"] = msgspec.json.decode(joined)
+                    block["input"] = decode_arguments(joined)
                 except msgspec.DecodeError:
                     # Not JSON: keep exactly what was sent; the arguments are None.
                     return ToolCallPart.parse(

@@ -20,14 +20,22 @@ the :class:`RetryPolicy`, by the total time, and by ``request.max_attempts``
 (set by budgets: a budget of N model calls means N attempts, retries
 included); the response and every error report how many attempts were made.
 
-The API key is held in a :class:`Secret`, whose ``repr`` and ``str`` hide it;
-no error message is built from anything but the response.
+The API key is held in a :class:`Secret`, whose ``repr`` and ``str`` hide it.
+Every exception that leaves :meth:`HTTPModel.request` (except the caller's
+own, from ``on_chunk``) passes through one choke point that removes the key --
+and the values of credential headers among ``headers`` -- from the error and
+its whole ``__cause__``/``__context__`` chain (see
+:func:`~stepmachine.providers._errors.redact_error`), whatever the raise site
+put in it: a reply that echoes the key, a cut message, a chained parser error.
+JSON from the server is decoded with a nesting limit: too deep is malformed,
+never a ``RecursionError``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +45,7 @@ import httpx
 import httpx_sse
 import msgspec
 
+from .._errors import ConfigurationError
 from .._messages import ReasoningPart, TextPart, ToolCallPart
 from .._model import (
     ChunkSink,
@@ -52,7 +61,9 @@ from ._errors import (
     ProviderConnectionError,
     ProviderError,
     error_from_response,
+    redact_error,
 )
+from ._wire import PARSE_ERRORS, decode_body
 
 __all__ = ["DEFAULT_TIMEOUT", "HTTPModel", "RetryPolicy", "SSEEvent", "Secret"]
 
@@ -120,6 +131,33 @@ class _ConsumerError(Exception):
     """Carries an exception raised by the caller's ``on_chunk`` through the parsers."""
 
 
+_CREDENTIAL_HEADER = re.compile(r"auth|key|token|secret|cookie|signature", re.IGNORECASE)
+
+
+def _check_key(key: str) -> None:
+    """Raise :class:`ConfigurationError` if ``key`` cannot be sent in an HTTP header.
+
+    httpx and h11 would otherwise fail at request time with errors whose
+    arguments hold the whole header value. The message names the position,
+    never the key.
+    """
+    for position, char in enumerate(key):
+        if not " " <= char <= "~":
+            what = (
+                "a non-ASCII character"
+                if ord(char) > 127
+                else "a control character (a newline read from a file?)"
+            )
+            raise ConfigurationError(
+                f"the API key cannot be sent in an HTTP header: {what} at position {position} "
+                f"of {len(key)}"
+            )
+    if key != key.strip():
+        raise ConfigurationError(
+            "the API key cannot be sent in an HTTP header: it starts or ends with a space"
+        )
+
+
 class _Streamed:
     """Whether any output of the current attempt has reached the caller."""
 
@@ -162,6 +200,7 @@ class HTTPModel:
     ) -> None:
         self.model = model
         self.api_key = api_key if isinstance(api_key, Secret) else Secret(api_key or "")
+        _check_key(self.api_key.reveal())
         self.base_url = base_url.rstrip("/")
         self._own_client = client is None
         self.client = client or httpx.AsyncClient(timeout=timeout)
@@ -230,7 +269,12 @@ class HTTPModel:
             ProviderError: a typed subclass, with ``attempts`` set, after the
                 retries the policy, the total time and ``request.max_attempts``
                 allow -- or at once when the error is not retryable or output
-                of the failed attempt was already streamed.
+                of the failed attempt was already streamed. Like every other
+                exception raised here (except the caller's own, from
+                ``on_chunk``, which propagates unchanged), it has been through
+                :func:`~stepmachine.providers._errors.redact_error`: no secret
+                in it or its cause chain, and a traceback that starts here
+                (a note says where inside the adapter it was raised).
 
         Cancellation: the HTTP request is abandoned; chunks already handed to
         ``on_chunk`` stay delivered.
@@ -244,37 +288,54 @@ class HTTPModel:
         while True:
             attempt += 1
             streamed = _Streamed()
+            failure: BaseException | None = None
             try:
                 if on_chunk is None:
                     response = await self._blocking(body)
                 else:
                     response = await self._streaming(body, on_chunk, streamed)
+            except _ConsumerError as wrapped:
+                original = wrapped.__cause__
+                if original is None:  # pragma: no cover - always set by emit()
+                    raise
+                raise original from None  # the caller's own error, unchanged
             except ProviderError as exc:
                 exc.attempts = attempt
-                self._redact(exc)
-                if not exc.retryable or streamed.value or attempt >= limit:
-                    raise
-                retry_after = getattr(exc, "retry_after", None)
-                if retry_after is not None and retry_after > self.retry.max_delay:
-                    raise  # the server asks for a longer wait than this policy allows
-                delay = self.retry.delay(attempt, retry_after, self._rng)
-                if anyio.current_time() + delay - started > self.retry.total_timeout:
-                    raise
-                await self._sleep(delay)
-                continue
+                failure = self._redacted(exc)
+                if exc.retryable and not streamed.value and attempt < limit:
+                    delay = self._retry_delay(exc, attempt, started)
+                    if delay is not None:
+                        await self._sleep(delay)
+                        continue
+            except Exception as exc:  # noqa: BLE001 - any other error: re-raised, redacted
+                failure = self._redacted(exc)
+            if failure is not None:
+                raise failure  # outside the except blocks: no unredacted implicit context
             return msgspec.structs.replace(response, attempts=attempt)
 
-    def _redact(self, error: ProviderError) -> None:
-        """Remove the API key from an error built from a reply that echoed it back."""
-        key = self.api_key.reveal()
-        if not key:
-            return
-        error.args = tuple(
-            arg.replace(key, "***") if isinstance(arg, str) else arg for arg in error.args
+    def _retry_delay(self, error: ProviderError, attempt: int, started: float) -> float | None:
+        """The wait before the next attempt, or None when the policy's time is up."""
+        retry_after = getattr(error, "retry_after", None)
+        if retry_after is not None and retry_after > self.retry.max_delay:
+            return None  # the server asks for a longer wait than this policy allows
+        delay = self.retry.delay(attempt, retry_after, self._rng)
+        if anyio.current_time() + delay - started > self.retry.total_timeout:
+            return None
+        return delay
+
+    def _secrets(self) -> list[str]:
+        """What must never appear in an error: the key and credential header values."""
+        secrets = [self.api_key.reveal()]
+        secrets.extend(
+            value
+            for name, value in self.extra_headers.items()
+            if _CREDENTIAL_HEADER.search(name) and isinstance(value, str)
         )
-        for name, value in list(vars(error).items()):
-            if isinstance(value, str) and key in value:
-                setattr(error, name, value.replace(key, "***"))
+        return [s for s in secrets if s]
+
+    def _redacted(self, error: BaseException) -> BaseException:
+        """``error`` without any secret, in it or its cause chain (see the module docs)."""
+        return redact_error(error, self._secrets())
 
     def _url(self) -> str:
         return f"{self.base_url}{self.path}"
@@ -305,8 +366,8 @@ class HTTPModel:
 
     def _parse_json(self, content: bytes, status: int) -> ModelResponse:
         try:
-            return self.parse_response(msgspec.json.decode(content))
-        except (msgspec.DecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            return self.parse_response(decode_body(content))
+        except PARSE_ERRORS as exc:
             raise MalformedResponseError(
                 f"the reply is not a valid response: {type(exc).__name__}: {exc}",
                 provider=self.provider,
@@ -345,11 +406,6 @@ class HTTPModel:
                     await _emit_whole(response, emit)
                     return response
                 return await self._parse_events(source, emit)
-        except _ConsumerError as wrapped:
-            original = wrapped.__cause__
-            if original is None:  # pragma: no cover - always set by emit()
-                raise
-            raise original from None
         except httpx.HTTPError as exc:
             failure = self._transport_error(exc, "the stream failed")
         raise failure  # outside the except block: no chained httpx request (and key)
@@ -377,7 +433,7 @@ class HTTPModel:
             except (ProviderError, _ConsumerError):
                 await _drain(stream)
                 raise
-            except (msgspec.DecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            except PARSE_ERRORS as exc:
                 await _drain(stream)
                 raise MalformedResponseError(
                     f"the stream is not valid: {type(exc).__name__}: {exc}", provider=self.provider

@@ -73,7 +73,7 @@ from .._model import (
 )
 from ._errors import MalformedResponseError, ProviderError, error_from_response
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
-from ._wire import strict_compatible
+from ._wire import decode_arguments, decode_body, strict_compatible
 
 __all__ = ["OpenAIChatModel", "OpenAICompatibleModel"]
 
@@ -318,7 +318,7 @@ class OpenAIChatModel(HTTPModel):
 
     def _chunk_payload(self, event: str, data: str) -> dict[str, Any]:
         """One chunk's JSON; raises the typed error for an error payload."""
-        payload = msgspec.json.decode(data)
+        payload = decode_body(data)
         if not isinstance(payload, dict):
             raise TypeError(f"a stream chunk is not a JSON object: {data[:80]!r}")
         if payload.get("error") is not None or event == "error":
@@ -413,7 +413,7 @@ class _Call:
 
     def complete(self) -> bool:
         try:
-            msgspec.json.decode("".join(self.arguments))
+            decode_arguments("".join(self.arguments))
         except msgspec.DecodeError:
             return False
         return True

@@ -73,6 +73,7 @@ from ._errors import MalformedResponseError, ProviderError, error_from_response
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
 from ._wire import (
     count,
+    decode_body,
     expect_int,
     expect_list,
     expect_object,
@@ -339,7 +340,7 @@ class OpenAIResponsesModel(HTTPModel):
         async for event in events:
             if not event.data.strip() or event.data.strip() == "[DONE]":
                 continue
-            data = expect_object(msgspec.json.decode(event.data), "event")
+            data = expect_object(decode_body(event.data), "event")
             kind = data.get("type", event.event)
             if kind in ("response.completed", "response.incomplete"):
                 response = expect_object(data.get("response"), "response")

@@ -10,7 +10,43 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["count", "expect_int", "expect_list", "expect_object", "expect_str", "strict_compatible"]
+import msgspec
+
+from .. import _json
+from ._errors import BODY_DEPTH
+
+__all__ = [
+    "PARSE_ERRORS",
+    "count",
+    "decode_arguments",
+    "decode_body",
+    "expect_int",
+    "expect_list",
+    "expect_object",
+    "expect_str",
+    "strict_compatible",
+]
+
+PARSE_ERRORS = (msgspec.DecodeError, KeyError, TypeError, ValueError, IndexError, RecursionError)
+"""What a parser raises for a malformed reply; the HTTP base makes each a
+:class:`~stepmachine.providers.MalformedResponseError` (``RecursionError`` only
+as a last guard: JSON is decoded with a nesting limit)."""
+
+
+def decode_body(data: str | bytes) -> Any:
+    """A provider's JSON body or event, nested at most ``BODY_DEPTH`` levels.
+
+    Raises ``msgspec.DecodeError`` for invalid or too deeply nested JSON.
+    """
+    return _json.decode(data, max_depth=BODY_DEPTH)
+
+
+def decode_arguments(data: str | bytes) -> Any:
+    """Tool-call arguments, nested at most as deep as the kernel accepts.
+
+    Raises ``msgspec.DecodeError`` for invalid or too deeply nested JSON.
+    """
+    return _json.decode(data)
 
 
 def expect_object(value: Any, what: str) -> dict[str, Any]:
