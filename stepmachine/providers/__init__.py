@@ -32,6 +32,7 @@ from ._errors import (
     ProviderError,
     QuotaExceededError,
     RateLimitError,
+    RedactedCauseError,
     ServerError,
 )
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
@@ -56,6 +57,7 @@ __all__ = [
     "ProviderError",
     "QuotaExceededError",
     "RateLimitError",
+    "RedactedCauseError",
     "RetryPolicy",
     "SSEEvent",
     "Secret",

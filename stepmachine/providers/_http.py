@@ -271,10 +271,11 @@ class HTTPModel:
                 allow -- or at once when the error is not retryable or output
                 of the failed attempt was already streamed. Like every other
                 exception raised here (except the caller's own, from
-                ``on_chunk``, which propagates unchanged), it has been through
-                :func:`~stepmachine.providers._errors.redact_error`: no secret
-                in it or its cause chain, and a traceback that starts here
-                (a note says where inside the adapter it was raised).
+                ``on_chunk``, which propagates unchanged), it has been
+                redacted: no secret in it or its cause chain (foreign causes
+                become :class:`~stepmachine.providers.RedactedCauseError`), and
+                a traceback that starts here (a note says where inside the
+                adapter it was raised).
 
         Cancellation: the HTTP request is abandoned; chunks already handed to
         ``on_chunk`` stay delivered.
