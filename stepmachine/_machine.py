@@ -172,8 +172,10 @@ class StateMachine(Generic[D]):
             ``None`` for no cap. A later ``run()`` continues with a fresh count.
 
     Raises:
-        ConfigurationError: no steps, two steps share a name, or
-            ``max_cycles`` is not ``None`` or a positive integer.
+        ConfigurationError: no steps, two steps share a name,
+            ``max_cycles`` is not ``None`` or a positive integer,
+            ``max_conflicts`` is not an int >= 0, or ``finalize_timeout`` is
+            not a number > 0.
     """
 
     def __init__(
@@ -193,7 +195,23 @@ class StateMachine(Generic[D]):
         if duplicates:
             raise ConfigurationError(f"step names must be unique; repeated: {duplicates!r}")
         self.cancel = cancel
+        if (
+            isinstance(max_conflicts, bool)
+            or not isinstance(max_conflicts, int)
+            or max_conflicts < 0
+        ):
+            raise ConfigurationError(f"max_conflicts must be an int >= 0, got {max_conflicts!r}")
         self.max_conflicts = max_conflicts
+        if (
+            isinstance(finalize_timeout, bool)
+            or not isinstance(finalize_timeout, int | float)
+            or not finalize_timeout > 0
+        ):
+            # With 0 finalize would be cancelled before it began, and a result that
+            # exists at the cancellation would never be recorded.
+            raise ConfigurationError(
+                f"finalize_timeout must be a number of seconds > 0, got {finalize_timeout!r}"
+            )
         self.finalize_timeout = finalize_timeout
         if max_cycles is not None and (
             isinstance(max_cycles, bool) or not isinstance(max_cycles, int) or max_cycles < 1
