@@ -255,6 +255,12 @@ def open_connection(
         if isinstance(exc, sqlite3.OperationalError):
             raise
         raise StoredDataError(f"{path} is not a readable SQLite database: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        # A damaged schema whose error message is not UTF-8: sqlite3 fails decoding it.
+        conn.close()
+        raise StoredDataError(
+            f"{path} is not a readable SQLite database: its schema is damaged ({exc})"
+        ) from exc
     except BaseException:
         conn.close()
         raise
@@ -336,15 +342,16 @@ def _read_version(conn: sqlite3.Connection, path: str) -> int:
             f"stepmachine reads schema versions up to {SCHEMA_VERSION}. Upgrade stepmachine "
             "to open it; the file was left unchanged"
         )
-    for table in COLUMNS:
+    for table, names in COLUMNS.items():
         columns = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-        if not columns or ("crc" in columns) != (version >= 2):  # schema version 2 added crc
-            has = "a" if "crc" in columns else "no"
-            found = f"has {has} crc column" if columns else "is missing"
+        expected = {*names, "crc"} if version >= 2 else set(names)  # version 2 added crc
+        if columns != expected:
+            found = f"has columns {sorted(columns)!r}" if columns else "is missing"
             raise StoredDataError(
                 f"{path}: its schema_version table says version {version}, but table {table!r} "
-                f"{found} (schema version 2 added a crc column to every table): the "
-                "schema_version table or the schema is damaged; the file was left unchanged"
+                f"{found}, not {sorted(expected)!r} (schema version 2 added a crc column "
+                "to every table): the schema_version table or the schema is damaged; the "
+                "file was left unchanged"
             )
     return version
 

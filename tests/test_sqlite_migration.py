@@ -235,3 +235,32 @@ async def test_a_v1_database_whose_version_row_says_2_is_stored_data_error(v1: P
     with pytest.raises(StoredDataError, match=r"schema_version table.*crc"):
         await SQLiteStore.open(v1, golden.make_codec())
     assert digest(v1) == before
+
+
+@pytest.mark.parametrize(
+    "new_text",
+    [
+        "'schema_vession INTEGER'",  # a column renamed by a flipped bit: reads failed later
+        "'position INTEGER, extra INTEGER'",  # a column too many
+        "'revision, ' || CAST(X'70E9' AS TEXT) || ')'",  # invalid UTF-8 in SQLite's message
+    ],
+    ids=["renamed-column", "extra-column", "invalid-utf8"],
+)
+async def test_a_damaged_table_definition_is_stored_data_error_on_open(
+    v1: Path, new_text: str
+) -> None:
+    """Damage in ``sqlite_master`` is refused on open as StoredDataError, not later as
+    ``OperationalError`` ("no such column") nor as a ``UnicodeDecodeError``."""
+    await read_everything(v1)  # migrated
+    old_text = {
+        "'schema_vession INTEGER'": "schema_version INTEGER",
+        "'position INTEGER, extra INTEGER'": "position INTEGER",
+    }.get(new_text, "revision, position)")
+    with raw(v1) as connection:
+        connection.execute("PRAGMA writable_schema = ON")
+        connection.execute(
+            f"UPDATE sqlite_master SET sql = replace(sql, '{old_text}', {new_text}) "
+            "WHERE name = 'effects'"
+        )
+    with pytest.raises(StoredDataError, match=r"store\.db"):
+        await SQLiteStore.open(v1, golden.make_codec())
