@@ -35,11 +35,10 @@ from ._checks import (
     fail,
     str_keys,
     tuple_of,
-    vouch,
 )
 from ._errors import EffectError
 from ._messages import Message, ToolCallPart
-from ._session import Session
+from ._session import Session, rebuilt
 
 __all__ = [
     "Annotate",
@@ -117,8 +116,7 @@ def _with_conversation(session: Session[Any], conversation: tuple[Message, ...])
     Callers pass a conversation made of a session's conversation (checked when
     that session was built) and messages checked when they were built.
     """
-    vouch(conversation)
-    return msgspec.structs.replace(session, conversation=conversation)
+    return rebuilt(session, conversation=conversation)
 
 
 def _message_index(session: Session[Any], message_id: str) -> int:
@@ -279,7 +277,7 @@ class UpdateData(Effect, frozen=True, tag="update_data"):
             raise EffectError(
                 f"update of {data_type.__name__} in session {session.id!r} does not validate: {exc}"
             ) from exc
-        return msgspec.structs.replace(session, data=new_data)
+        return rebuilt(session, data=new_data)
 
 
 def apply_effects(session: S, effects: Iterable[Effect]) -> S:
@@ -296,4 +294,4 @@ def apply_batch(session: S, effects: Iterable[Effect]) -> S:
     session is unchanged, so a failed batch changes nothing.
     """
     applied = apply_effects(session, effects)
-    return msgspec.structs.replace(applied, revision=session.revision + 1)
+    return rebuilt(applied, revision=session.revision + 1)

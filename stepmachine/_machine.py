@@ -36,7 +36,9 @@ keeps its real result, whatever instant the cancellation landed at (while its
 only ever answers a call that has no result. The run then returns with reason
 ``cancelled``. When the caller cancels ``run()`` from outside, the same
 finalize runs shielded for at most ``finalize_timeout`` seconds, and the
-cancellation propagates.
+cancellation propagates. So it does for ``KeyboardInterrupt`` and ``SystemExit``
+raised inside the run (Ctrl-C under trio lands at any checkpoint, for example
+just after a tool returned), which then propagate.
 """
 
 from __future__ import annotations
@@ -172,8 +174,10 @@ class StateMachine(Generic[D]):
             ``None`` for no cap. A later ``run()`` continues with a fresh count.
 
     Raises:
-        ConfigurationError: no steps, two steps share a name, or
-            ``max_cycles`` is not ``None`` or a positive integer.
+        ConfigurationError: no steps, two steps share a name,
+            ``max_cycles`` is not ``None`` or a positive integer,
+            ``max_conflicts`` is not an int >= 0, or ``finalize_timeout`` is
+            not a number > 0.
     """
 
     def __init__(
@@ -193,7 +197,23 @@ class StateMachine(Generic[D]):
         if duplicates:
             raise ConfigurationError(f"step names must be unique; repeated: {duplicates!r}")
         self.cancel = cancel
+        if (
+            isinstance(max_conflicts, bool)
+            or not isinstance(max_conflicts, int)
+            or max_conflicts < 0
+        ):
+            raise ConfigurationError(f"max_conflicts must be an int >= 0, got {max_conflicts!r}")
         self.max_conflicts = max_conflicts
+        if (
+            isinstance(finalize_timeout, bool)
+            or not isinstance(finalize_timeout, int | float)
+            or not finalize_timeout > 0
+        ):
+            # With 0 finalize would be cancelled before it began, and a result that
+            # exists at the cancellation would never be recorded.
+            raise ConfigurationError(
+                f"finalize_timeout must be a number of seconds > 0, got {finalize_timeout!r}"
+            )
         self.finalize_timeout = finalize_timeout
         if max_cycles is not None and (
             isinstance(max_cycles, bool) or not isinstance(max_cycles, int) or max_cycles < 1
@@ -262,7 +282,9 @@ class StateMachine(Generic[D]):
         )
         try:
             offer = await self._offer(runtime, session, sink, cycle, running)
-        except anyio.get_cancelled_exc_class():
+        except BaseException as exc:
+            if not _stops_the_run(exc):
+                raise
             with anyio.move_on_after(self.finalize_timeout, shield=True):
                 try:
                     loader = runtime.session_loader()
@@ -372,15 +394,7 @@ class StateMachine(Generic[D]):
                     self._log_cycle(session, cycle, None, offer.refused, reason.kind)
                     await sink.emit(Yielded(reason.kind, reason.message))
                     return RunReport(session, reason, tuple(results))
-                if (
-                    isinstance(decision.outcome, Continue)
-                    and not decision.outcome.effects
-                    and decision.ctx.session.revision == session.revision
-                ):
-                    raise StepmachineError(
-                        f"step {decision.step.name!r} returned Continue with no effects; the "
-                        "session would not change and the next cycle would decide the same"
-                    )
+                _check_progress(decision, session)
                 try:
                     session, result = await self.apply(runtime, session, decision, cycle=cycle)
                 except ConflictError:
@@ -408,7 +422,9 @@ class StateMachine(Generic[D]):
                     reason = decision.outcome.reason
                     await sink.emit(Yielded(reason.kind, reason.message))
                     return RunReport(session, reason, tuple(results))
-        except anyio.get_cancelled_exc_class():
+        except BaseException as exc:
+            if not _stops_the_run(exc):
+                raise
             with anyio.move_on_after(self.finalize_timeout, shield=True):
                 try:
                     await self._finalize(runtime, session_id, sink, running, cycle)
@@ -736,3 +752,32 @@ class StateMachine(Generic[D]):
                 refused=list(refused),
                 status=status,
             )
+
+
+def _check_progress(decision: Decision[Any], session: Session[Any]) -> None:
+    """Raise :class:`StepmachineError` if ``decision`` would leave the session as it is."""
+    if (
+        isinstance(decision.outcome, Continue)
+        and not decision.outcome.effects
+        and decision.ctx.session.revision == session.revision
+    ):
+        raise StepmachineError(
+            f"step {decision.step.name!r} returned Continue with no effects; the "
+            "session would not change and the next cycle would decide the same"
+        )
+
+
+def _stops_the_run(exc: BaseException) -> bool:
+    """Whether ``exc`` stops a run from outside, so finalize runs before it propagates.
+
+    A cancellation, or ``KeyboardInterrupt`` / ``SystemExit``, bare or inside an
+    exception group (under trio, Ctrl-C raises ``KeyboardInterrupt`` at the next
+    checkpoint, which can be inside the tool step's task group, right after a
+    tool returned: its result must still be recorded).
+    """
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return True
+    interrupts = (KeyboardInterrupt, SystemExit)
+    if isinstance(exc, interrupts):
+        return True
+    return isinstance(exc, BaseExceptionGroup) and exc.subgroup(interrupts) is not None

@@ -10,22 +10,24 @@ A session checks its fields when built (directly, by ``store.create``, by
 non-negative int, ``conversation`` a tuple (a list is converted) of
 :class:`Message`, ``data`` a msgspec Struct. A wrong value raises
 :class:`~stepmachine.InvalidFieldError` naming the field. The checks are
-``isinstance`` calls; the conversation's items are checked once per tuple: a
-session built from a conversation just checked (``msgspec.structs.replace``
-with other fields) or built by one of the kernel effects from checked parts
-skips the O(n) check, so applying an effect stays cheap.
+``isinstance`` calls (the conversation's items at C speed). The kernel's
+effects build the next session with :func:`rebuilt`, which checks only the
+fields it is given and not the messages again (each was checked when it was
+built), so applying an effect adds no O(n) check. Nothing outside a session
+remembers which conversations were checked (invariant 1: state is the session).
 """
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+import copy
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from ._checks import _CHECKED, check_str, fail, tuple_of, vouch
+from ._checks import check_str, fail, tuple_of
 from ._messages import Message
 
-__all__ = ["NoData", "Session"]
+__all__ = ["NoData", "Session", "rebuilt"]
 
 
 class NoData(msgspec.Struct, frozen=True):
@@ -53,17 +55,9 @@ class Session(msgspec.Struct, Generic[D], frozen=True):
     def __post_init__(self) -> None:
         if type(self.id) is not str:
             check_str("Session", "id", self.id)
-        revision = self.revision
-        if (type(revision) is not int or revision < 0) and (
-            not isinstance(revision, int) or isinstance(revision, bool) or revision < 0
-        ):
-            fail("Session", "revision", "int >= 0", revision)
-        conversation = self.conversation
-        if type(conversation) is not tuple or _CHECKED.get(id(conversation)) is not conversation:
-            owner = "Session"
-            vouch(tuple_of(owner, "conversation", conversation, Message, "Message", target=self))
-        if not isinstance(self.data, msgspec.Struct):
-            fail("Session", "data", "a msgspec Struct (NoData() for none)", self.data)
+        _check_revision(self.revision)
+        tuple_of("Session", "conversation", self.conversation, Message, "Message", target=self)
+        _check_data(self.data)
 
     def message(self, message_id: str) -> Message | None:
         """The message with this id, or ``None``."""
@@ -76,3 +70,55 @@ class Session(msgspec.Struct, Generic[D], frozen=True):
     def visible_to_model(self) -> tuple[Message, ...]:
         """The messages a model request is built from."""
         return tuple(m for m in self.conversation if m.visible_to_model)
+
+
+def _check_revision(revision: object) -> None:
+    if (type(revision) is not int or revision < 0) and (
+        not isinstance(revision, int) or isinstance(revision, bool) or revision < 0
+    ):
+        fail("Session", "revision", "int >= 0", revision)
+
+
+def _check_data(data: object) -> None:
+    if not isinstance(data, msgspec.Struct):
+        fail("Session", "data", "a msgspec Struct (NoData() for none)", data)
+
+
+_KEEP: Any = object()
+
+
+S = TypeVar("S", bound=Session[Any])
+
+
+def rebuilt(
+    session: S,
+    *,
+    conversation: tuple[Message, ...] = _KEEP,
+    revision: int = _KEEP,
+    data: msgspec.Struct = _KEEP,
+) -> S:
+    """``session`` with the given fields replaced, for the kernel's effects.
+
+    Unlike ``msgspec.structs.replace`` it does not check every message of
+    ``conversation`` again: callers pass a tuple made of messages of a session
+    (checked when that session was built) and messages checked when they
+    were built (a :class:`Message` checks its fields on construction, and the
+    effects that carry messages check they are messages). ``revision`` and
+    ``data`` are checked as :class:`Session` checks them; ``conversation``
+    must be a tuple.
+
+    Raises:
+        InvalidFieldError: a given field has the wrong type.
+    """
+    new = copy.copy(session)  # msgspec copies a Struct without running __post_init__
+    if conversation is not _KEEP:
+        if type(conversation) is not tuple:
+            fail("Session", "conversation", "a tuple of Message", conversation)
+        msgspec.structs.force_setattr(new, "conversation", conversation)
+    if revision is not _KEEP:
+        _check_revision(revision)
+        msgspec.structs.force_setattr(new, "revision", revision)
+    if data is not _KEEP:
+        _check_data(data)
+        msgspec.structs.force_setattr(new, "data", data)
+    return new

@@ -61,6 +61,7 @@ from ._store import Store, submit
 from ._tools import (
     Tool,
     ToolContext,
+    check_timeout,
     effective_arguments,
     fingerprint,
     idempotency_key,
@@ -124,6 +125,11 @@ class Tools(Operation[Any]):
         timeout: default seconds per call for tools without their own.
         on_unknown_outcome: ``"error"`` or ``"yield"``, see the module docs.
 
+    Raises:
+        ConfigurationError: a tool name given twice, ``max_concurrency`` not
+            an int >= 1, ``timeout`` not ``None`` or a number > 0, or an
+            unknown ``on_unknown_outcome``.
+
     Cancellation: results already committed stay; a result that exists but
     whose commit had not returned (the cancellation landed while the tool's
     ``ToolFinished`` event was emitted, or while the result was committed) is
@@ -149,8 +155,16 @@ class Tools(Operation[Any]):
                 raise ConfigurationError(f"tool name {built.name!r} is given twice to {name!r}")
             self._tools[built.name] = built
         self._definitions = tuple(t.definition for t in self._tools.values())
+        if (
+            isinstance(max_concurrency, bool)
+            or not isinstance(max_concurrency, int)
+            or max_concurrency < 1
+        ):
+            raise ConfigurationError(
+                f"{name!r}: max_concurrency must be an int >= 1, got {max_concurrency!r}"
+            )
         self._max_concurrency = max_concurrency
-        self._timeout = timeout
+        self._timeout = check_timeout(repr(name), timeout)
         if on_unknown_outcome not in ("error", "yield"):
             raise ConfigurationError(
                 f"on_unknown_outcome must be 'error' or 'yield', got {on_unknown_outcome!r}"

@@ -98,6 +98,23 @@ class ToolContext:
     idempotency_key: str
 
 
+def check_timeout(owner: str, timeout: object) -> float | None:
+    """``timeout`` if it is ``None`` or a number of seconds > 0 (``inf`` included).
+
+    Raises:
+        ConfigurationError: anything else (0, a negative number, NaN, a bool, a
+            string): such a timeout would answer every call "timed out" or
+            "failed" without running it.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ConfigurationError(
+            f"{owner}: timeout must be None or a number of seconds > 0, got {timeout!r}"
+        )
+    return timeout
+
+
 class Tool:
     """A callable the model may ask for, with a schema and validated arguments.
 
@@ -130,7 +147,7 @@ class Tool:
             )
         self.fn = fn
         self.side_effects: SideEffects = side_effects
-        self.timeout = timeout
+        self.timeout = check_timeout(f"Tool {name or getattr(fn, '__name__', '')!r}", timeout)
         self.name: str = name or str(getattr(fn, "__name__", ""))
         doc = inspect.getdoc(fn) or ""
         self.description: str = description or doc.split("\n\n", 1)[0].strip()

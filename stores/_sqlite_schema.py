@@ -255,6 +255,12 @@ def open_connection(
         if isinstance(exc, sqlite3.OperationalError):
             raise
         raise StoredDataError(f"{path} is not a readable SQLite database: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        # A damaged schema whose error message is not UTF-8: sqlite3 fails decoding it.
+        conn.close()
+        raise StoredDataError(
+            f"{path} is not a readable SQLite database: its schema is damaged ({exc})"
+        ) from exc
     except BaseException:
         conn.close()
         raise
@@ -300,6 +306,24 @@ def _check_header(path: str) -> None:
 
 
 def _stored_version(conn: sqlite3.Connection, path: str) -> int:
+    """The schema version of ``path``, read in one read transaction (or the caller's).
+
+    The version table is checked against the tables themselves: schema
+    version 2 added ``crc`` to every table, so a version table that says 1
+    where the tables have ``crc`` (a damaged or deleted version row; migrating
+    again would fail half-way), or 2 where they do not, is damage.
+
+    Raises:
+        StoredDataError: another application's database, a newer version, or
+            a version table that does not match the tables.
+    """
+    if conn.in_transaction:
+        return _read_version(conn, path)
+    with transaction(conn, write=False):  # one snapshot: a concurrent migration is all or nothing
+        return _read_version(conn, path)
+
+
+def _read_version(conn: sqlite3.Connection, path: str) -> int:
     tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if "schema_version" not in tables:
         foreign = sorted(tables - {"sqlite_sequence"})
@@ -318,6 +342,17 @@ def _stored_version(conn: sqlite3.Connection, path: str) -> int:
             f"stepmachine reads schema versions up to {SCHEMA_VERSION}. Upgrade stepmachine "
             "to open it; the file was left unchanged"
         )
+    for table, names in COLUMNS.items():
+        columns = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        expected = {*names, "crc"} if version >= 2 else set(names)  # version 2 added crc
+        if columns != expected:
+            found = f"has columns {sorted(columns)!r}" if columns else "is missing"
+            raise StoredDataError(
+                f"{path}: its schema_version table says version {version}, but table {table!r} "
+                f"{found}, not {sorted(expected)!r} (schema version 2 added a crc column "
+                "to every table): the schema_version table or the schema is damaged; the "
+                "file was left unchanged"
+            )
     return version
 
 

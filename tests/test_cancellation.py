@@ -34,6 +34,7 @@ from stepmachine import (
     Batch,
     CancelToken,
     Emitter,
+    Event,
     Message,
     ModelInference,
     NullEmitter,
@@ -44,6 +45,7 @@ from stepmachine import (
     Store,
     StreamEmitter,
     Tool,
+    ToolFinished,
     Tools,
     YieldReason,
     counter_ids,
@@ -404,3 +406,59 @@ async def test_a_cancelled_step_keeps_a_result_that_exists_before_the_callers_fi
     assert gate.charged == [3]
     final = await machine.finalize(runtime, "s")
     assert_results_are_real(final, gate)
+
+
+# -- an interrupt (Ctrl-C under trio, SystemExit) lands after the tool finished ---------------
+
+
+class InterruptOnToolFinished:
+    """An emitter that raises ``exc`` when a ``ToolFinished`` event is emitted.
+
+    Under trio, Ctrl-C raises ``KeyboardInterrupt`` at the next checkpoint,
+    which can be the emit right after the tool returned: the same instant.
+    """
+
+    def __init__(self, exc: type[BaseException]) -> None:
+        self.exc = exc
+
+    async def emit(self, event: Event) -> None:
+        if isinstance(event.data, ToolFinished):
+            raise self.exc
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("driver", ["run", "step"])
+async def test_an_interrupt_after_the_tool_finished_keeps_its_real_result(
+    exc: type[BaseException], driver: str
+) -> None:
+    """The interrupt propagates, but first the result that exists is recorded, once.
+
+    Before: the run ended with the call open (its intent but no result), and
+    the next run answered a tool that had run "outcome unknown".
+    """
+    gate = Gate(hold=False)
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("pay", id="u1")])
+    machine = StateMachine(
+        [Tools([charging_tool("sync", gate)], max_concurrency=1), ModelInference()]
+    )
+    model = ScriptedModel([call(("charge_card", {"amount": 5})), reply("paid")])
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    emitter = InterruptOnToolFinished(exc)
+
+    async def drive() -> None:
+        if driver == "run":
+            await machine.run_report(runtime, "s", emitter)
+            return
+        session = await store.load("s")
+        decision = await machine.step(runtime, session)
+        assert decision is not None
+        session, _ = await machine.apply(runtime, session, decision)
+        await machine.step(runtime, session, emitter)
+
+    with pytest.raises(exc):
+        await drive()
+    assert gate.charged == [5]
+    stored = await store.load("s")
+    assert open_tool_calls(stored.conversation) == []
+    assert_results_are_real(stored, gate)

@@ -9,6 +9,7 @@ every constructor and field.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import stepmachine._session as session_module
 from stepmachine import (
     Annotate,
     AppendMessage,
@@ -34,7 +36,9 @@ from stepmachine import (
     ToolCallPart,
     ToolResultPart,
     UpdateData,
+    apply_batch,
 )
+from stepmachine._checks import tuple_of
 from stepmachine.stores import MemoryStore
 
 CALL = ToolCallPart.of("c1", "add", {"a": 1})
@@ -357,3 +361,57 @@ async def test_store_create_rejects_a_conversation_of_strings_clearly() -> None:
         await store.create("s", conversation=["hello"])  # type: ignore[list-item]
     with pytest.raises(InvalidFieldError, match=r"Session\.conversation: expected a tuple"):
         await store.create("s", conversation="hello")  # type: ignore[arg-type]
+
+
+def test_nothing_outside_a_session_keeps_its_conversation_alive() -> None:
+    """State is the session (invariant 1): building one leaves no reference behind.
+
+    A process-wide memo of "checked" conversations kept the last few alive
+    after every session holding them was dropped (a deleted session's messages
+    stayed in memory).
+    """
+    conversation = tuple(Message.user(f"m{i}", id=f"m{i}") for i in range(3))
+    before = sys.getrefcount(conversation)
+    session = Session(id="s", revision=0, conversation=conversation, data=NoData())
+    built = sys.getrefcount(conversation)
+    assert built == before + 1  # the session's own field, nothing else
+    applied = apply_batch(session, [AppendMessage(Message.user("x", id="x"))])
+    grown = applied.conversation
+    held = sys.getrefcount(grown)
+    assert held == 3  # ``applied``, ``grown`` and getrefcount's argument
+
+
+def test_kernel_effects_do_not_recheck_the_conversation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Applying a kernel effect checks only what is new, never every message again."""
+    checked: list[int] = []
+
+    def counting(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        checked.append(len(args[2]))
+        return tuple_of(*args, **kwargs)
+
+    session = Session(
+        id="s",
+        revision=0,
+        conversation=tuple(Message.user(f"m{i}", id=f"m{i}") for i in range(50)),
+        data=Data(),
+    )
+    monkeypatch.setattr(session_module, "tuple_of", counting)
+    after = apply_batch(
+        session,
+        [
+            AppendMessage(Message.user("x", id="x")),
+            Annotate("m0", "ns", {"k": 1}),
+            SetVisibility(("m1",), to_model=False),
+            UpdateData.set(n=3),
+        ],
+    )
+    assert (after.revision, after.data, len(after.conversation)) == (1, Data(n=3), 51)
+    assert checked == []
+
+
+def test_a_session_built_from_a_conversation_is_checked_every_time() -> None:
+    """A conversation once accepted is no pass for later sessions: each is checked."""
+    good = (USER,)
+    Session(id="s", revision=0, conversation=good, data=NoData())
+    with pytest.raises(InvalidFieldError, match=r"conversation\[1\]"):
+        Session(id="s", revision=0, conversation=(*good, "x"), data=NoData())  # type: ignore[arg-type]

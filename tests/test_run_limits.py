@@ -308,3 +308,22 @@ async def test_a_yield_on_the_last_allowed_cycle_keeps_its_own_reason() -> None:
 def test_max_cycles_must_be_none_or_a_positive_integer(bad: Any) -> None:
     with pytest.raises(ConfigurationError, match="max_cycles"):
         StateMachine([YieldAtOnce()], max_cycles=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), True, "10"])
+def test_finalize_timeout_must_be_a_positive_number(bad: Any) -> None:
+    """With 0 or less, finalize was cancelled before it began: a result that existed at the
+    cancellation was never recorded (its call left open, later answered "outcome unknown")."""
+    with pytest.raises(ConfigurationError, match=rf"finalize_timeout.*{bad!r}"):
+        StateMachine([YieldAtOnce()], finalize_timeout=bad)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "3", None])
+def test_max_conflicts_must_be_a_non_negative_integer(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match=rf"max_conflicts.*{bad!r}"):
+        StateMachine([YieldAtOnce()], max_conflicts=bad)
+
+
+def test_finalize_timeout_and_max_conflicts_accept_their_ranges() -> None:
+    machine = StateMachine([YieldAtOnce()], max_conflicts=0, finalize_timeout=float("inf"))
+    assert (machine.max_conflicts, machine.finalize_timeout) == (0, float("inf"))

@@ -204,3 +204,63 @@ async def test_crash_harness_notices_a_changed_golden_session(v1: Path) -> None:
         "golden session 'beta' differs from expected.json",
         "golden session 'beta': its log differs",
     ]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "DELETE FROM schema_version WHERE version = 2",
+        "UPDATE schema_version SET version = 0 WHERE version = 2",
+    ],
+)
+async def test_a_damaged_version_table_of_a_migrated_database_is_stored_data_error(
+    v1: Path, damage: str
+) -> None:
+    """The tables say version 2 but the version table says less: refused, nothing re-migrated."""
+    await read_everything(v1)  # migrated
+    with raw(v1) as connection:
+        connection.execute(damage)
+    before = digest(v1)
+    with pytest.raises(StoredDataError, match=r"schema_version table.*crc"):
+        await SQLiteStore.open(v1, golden.make_codec())
+    assert digest(v1) == before
+    assert sorted(p.name for p in v1.parent.iterdir()) == ["store.db"]
+
+
+async def test_a_v1_database_whose_version_row_says_2_is_stored_data_error(v1: Path) -> None:
+    """A version-1 file whose version row was damaged into 2 has no checksums: refused on open."""
+    with raw(v1) as connection:
+        connection.execute("UPDATE schema_version SET version = 2")
+    before = digest(v1)
+    with pytest.raises(StoredDataError, match=r"schema_version table.*crc"):
+        await SQLiteStore.open(v1, golden.make_codec())
+    assert digest(v1) == before
+
+
+@pytest.mark.parametrize(
+    "new_text",
+    [
+        "'schema_vession INTEGER'",  # a column renamed by a flipped bit: reads failed later
+        "'position INTEGER, extra INTEGER'",  # a column too many
+        "'revision, ' || CAST(X'70E9' AS TEXT) || ')'",  # invalid UTF-8 in SQLite's message
+    ],
+    ids=["renamed-column", "extra-column", "invalid-utf8"],
+)
+async def test_a_damaged_table_definition_is_stored_data_error_on_open(
+    v1: Path, new_text: str
+) -> None:
+    """Damage in ``sqlite_master`` is refused on open as StoredDataError, not later as
+    ``OperationalError`` ("no such column") nor as a ``UnicodeDecodeError``."""
+    await read_everything(v1)  # migrated
+    old_text = {
+        "'schema_vession INTEGER'": "schema_version INTEGER",
+        "'position INTEGER, extra INTEGER'": "position INTEGER",
+    }.get(new_text, "revision, position)")
+    with raw(v1) as connection:
+        connection.execute("PRAGMA writable_schema = ON")
+        connection.execute(
+            f"UPDATE sqlite_master SET sql = replace(sql, '{old_text}', {new_text}) "
+            "WHERE name = 'effects'"
+        )
+    with pytest.raises(StoredDataError, match=r"store\.db"):
+        await SQLiteStore.open(v1, golden.make_codec())

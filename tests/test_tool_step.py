@@ -27,6 +27,7 @@ from stepmachine import (
     Session,
     StateMachine,
     StepContext,
+    Tool,
     ToolAbortError,
     ToolCallPart,
     ToolContext,
@@ -320,3 +321,33 @@ async def test_an_operators_rerun_covers_one_attempt_only() -> None:
     assert ran == []  # the decision was about attempt 1: attempt 2 is "outcome unknown"
     (result,) = [r for m in check.new_messages for r in m.tool_results]
     assert result.content == OUTCOME_UNKNOWN
+
+
+def _noop(x: int) -> str:
+    """Do nothing."""
+    return str(x)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "4", None])
+def test_tools_refuse_a_max_concurrency_that_cannot_run_a_call(value: Any) -> None:
+    """0 hung the run forever after the intents were committed; -1 and 1.5 raised then, so
+    the next run answered calls that never ran "outcome unknown". Refused when built."""
+    with pytest.raises(ConfigurationError, match=rf"max_concurrency.*{value!r}"):
+        Tools([_noop], max_concurrency=value)
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("-inf"), True, "5"])
+def test_tools_and_tool_refuse_a_timeout_that_is_not_positive(value: Any) -> None:
+    """A timeout of 0 or -1 answered every call "timed out, outcome unknown" without running
+    it; "5" made every call "failed: TypeError". Refused when built, on Tools and on Tool."""
+    with pytest.raises(ConfigurationError, match=r"timeout"):
+        Tools([_noop], timeout=value)
+    with pytest.raises(ConfigurationError, match=r"timeout"):
+        Tool(_noop, timeout=value)
+
+
+def test_positive_limits_and_no_timeout_are_accepted() -> None:
+    assert Tools([_noop], max_concurrency=1, timeout=0.5).name == "tools"
+    assert Tools([_noop], timeout=float("inf")).name == "tools"
+    assert Tool(_noop, timeout=3).timeout == 3
+    assert Tool(_noop).timeout is None
