@@ -21,9 +21,40 @@ Fast path: ``NullEmitter``, deterministic ids (``counter_ids``), a fixed
 clock, a non-streaming ``ModelInference`` (``--stream`` streams) and a tool
 run inline (``thread=False``; ``--thread`` runs it in a worker thread).
 
+**Growth with the history** (issue 9): what one agent step costs at turn
+2,000 of a natural session, divided by what it costs at turn 20, on the
+memory store. The words are those of issue 9's table:
+
+* the agent is the same as above, with **500-byte user messages** (so the
+  tool call's arguments, the tool's result and the answer are about 500 bytes
+  each too) and **one tool**;
+* an **agent step** is a model turn plus a tool turn: the user's message goes
+  in (``submit``), the model turn calls the tool, the tool turn runs it, and
+  the model turn that answers ends it; four messages, three machine cycles,
+  one ``submit`` + ``machine.run`` (as in ``peers.py``);
+* a **turn** is one such round of the conversation: "at turn N" is the step
+  taken on a session that already holds N rounds (4N messages).
+
+The long session is *natural*: grown to ``--growth-turns`` (2,000) turns by
+the machine itself, step by step, so it holds everything a real session
+does (journal notes, every batch in the store's log), not messages written
+directly. Then ``--growth-samples`` (60) steps at turn 2,000 (on that
+session, which grows by 3% while measured) and as many at turn 20 (each on a
+fresh session grown to 20 turns untimed) are timed interleaved, one of each
+in turn. The collector stays on, but what was allocated before timing is
+frozen out of its reach (``gc.freeze``, as for ``cycle_us``).
+``growth_2000_over_20`` is the median CPU time (``time.process_time_ns``) of
+a step at turn 2,000 divided by that of a step at turn 20: on the memory
+store the work is all CPU, and on a loaded machine a 100 ms step is
+preempted many times where a 1 ms step rarely is, so wall-clock time would
+inflate the ratio (it is printed beside it). Growing the long session prints
+the step cost along the way (medians of the last 10 steps).
+
 Run:  python benchmarks/cycle.py [--quick] [--backend trio] [--profile]
 
-The last line is ``cycle_us=<median> bare_us=<median>``.
+The last line is ``cycle_us=<median> bare_us=<median> growth_2000_over_20=<ratio>``.
+With ``--quick`` (or ``--growth-turns``) the long session is shorter; the
+figure keeps its name.
 """
 
 from __future__ import annotations
@@ -67,6 +98,8 @@ from stepmachine.testing import FunctionModel, call, reply
 CYCLES_PER_ROUND = 3  # inference (tool call), tools, inference (answer)
 INSTRUCTIONS = "You answer questions by looking them up."
 SESSION_ID = "bench"
+MESSAGE_BYTES = 500  # user messages of the growth measurement (as in peers.py)
+GROWTH_SHORT_TURNS = 20
 
 
 def lookup_value(key: str) -> str:
@@ -101,6 +134,8 @@ class Options:
     profile_top: int
     long_rounds: int
     long_repetitions: int
+    growth_turns: int
+    growth_samples: int
     tool: Tool
 
 
@@ -248,6 +283,153 @@ def describe(name: str, samples: Samples) -> str:
     )
 
 
+# -- growth with the history (issue 9) ---------------------------------------------
+
+
+def user_text(turn: int) -> str:
+    """The user's message of turn ``turn``: ``MESSAGE_BYTES`` bytes."""
+    head = f"question {turn}: "
+    return head + "x" * (MESSAGE_BYTES - len(head))
+
+
+class GrowingSession:
+    """One natural session on its own ``MemoryStore``, advanced one agent step at a time."""
+
+    def __init__(self, opts: Options) -> None:
+        self.store = MemoryStore()
+        self.ids = counter_ids()
+        self.runtime = Runtime(
+            store=self.store, model=FunctionModel(decide), ids=self.ids, clock=fixed_clock
+        )
+        self.machine: StateMachine[Any] = StateMachine(
+            [Tools([opts.tool]), ModelInference(instructions=INSTRUCTIONS, stream=opts.stream)]
+        )
+        self.emitter = NullEmitter()
+        self.turns = 0
+
+    async def start(self) -> GrowingSession:
+        """Create the session (empty: turn 0)."""
+        await self.store.create(SESSION_ID)
+        return self
+
+    async def step(self) -> tuple[int, int]:
+        """One agent step (submit + run); returns its (CPU, wall-clock) nanoseconds."""
+        start, cpu_start = time.perf_counter_ns(), time.process_time_ns()
+        user = Message.user(user_text(self.turns), id=self.ids())
+        await submit(self.store, SESSION_ID, [AppendMessage(user)], clock=fixed_clock)
+        report = await self.machine.run_report(self.runtime, SESSION_ID, self.emitter)
+        elapsed = (time.process_time_ns() - cpu_start, time.perf_counter_ns() - start)
+        if len(report.results) != CYCLES_PER_ROUND:
+            raise SystemExit(
+                f"turn {self.turns}: expected {CYCLES_PER_ROUND} machine cycles per step, "
+                f"got {len(report.results)}"
+            )
+        self.turns += 1
+        return elapsed
+
+    async def check(self) -> None:
+        """Check the conversation: four messages per turn, the tool's result answered."""
+        session = await self.store.load(SESSION_ID)
+        conversation = session.conversation
+        if len(conversation) != 4 * self.turns:
+            raise SystemExit(
+                f"the session holds {len(conversation)} messages after {self.turns} turns, "
+                f"expected {4 * self.turns}"
+            )
+        last = conversation[-1]
+        if last.text != f"The answer is: value of {user_text(self.turns - 1)}":
+            raise SystemExit(f"unexpected final answer at turn {self.turns}: {last.text[:60]!r}")
+
+
+@dataclass(frozen=True)
+class Growth:
+    """Steps at the long turn and at the short turn, (CPU, wall) ns, and the growth curve."""
+
+    long_turns: int
+    long_ns: list[tuple[int, int]]
+    short_ns: list[tuple[int, int]]
+    curve: list[tuple[int, float]]
+
+    def median_us(self, samples: list[tuple[int, int]], clock: int) -> float:
+        """The median of one clock (0: CPU, 1: wall) over ``samples``, in us."""
+        return statistics.median(s[clock] for s in samples) / 1_000
+
+    @property
+    def ratio(self) -> float:
+        """Median CPU time of a step at the long turn / at the short turn."""
+        return self.median_us(self.long_ns, 0) / self.median_us(self.short_ns, 0)
+
+    @property
+    def wall_ratio(self) -> float:
+        """The same ratio in wall-clock time (inflated by preemption on a loaded machine)."""
+        return self.median_us(self.long_ns, 1) / self.median_us(self.short_ns, 1)
+
+
+async def short_session(opts: Options) -> GrowingSession:
+    """A fresh session grown (untimed) to ``GROWTH_SHORT_TURNS`` turns."""
+    session = await GrowingSession(opts).start()
+    for _ in range(GROWTH_SHORT_TURNS):
+        await session.step()
+    return session
+
+
+async def growth(opts: Options) -> Growth:
+    """Grow one natural session, then time steps at its length and at turn 20, interleaved."""
+    for _ in range(min(opts.warmup, 3)):
+        await short_session(opts)
+    long = await GrowingSession(opts).start()
+    curve: list[tuple[int, float]] = []
+    window: list[int] = []
+    marks = {GROWTH_SHORT_TURNS, 100, 500, 1_000, opts.growth_turns}
+    for _ in range(opts.growth_turns):
+        window = [*window[-9:], (await long.step())[0]]
+        if long.turns in marks:
+            curve.append((long.turns, statistics.median(window) / 1_000))
+    await long.check()
+    long_ns: list[tuple[int, int]] = []
+    short_ns: list[tuple[int, int]] = []
+    gc.collect()
+    gc.freeze()
+    try:
+        for _ in range(opts.growth_samples):
+            short = await short_session(opts)
+            short_ns.append(await short.step())
+            long_ns.append(await long.step())
+    finally:
+        gc.unfreeze()
+    await short.check()
+    await long.check()
+    return Growth(opts.growth_turns, long_ns, short_ns, curve)
+
+
+def describe_growth(result: Growth) -> list[str]:
+    """The growth figures, one line each."""
+    lines = [
+        (
+            f"growth: a natural session grown to {result.long_turns} turns "
+            f"({4 * result.long_turns} messages of ~{MESSAGE_BYTES} bytes), memory store"
+        ),
+        "  while growing, CPU us per step (median of the last 10): "
+        + ", ".join(f"turn {turn} {us:.0f}" for turn, us in result.curve),
+    ]
+    for name, samples in (
+        (f"turn {result.long_turns}", result.long_ns),
+        (f"turn {GROWTH_SHORT_TURNS}", result.short_ns),
+    ):
+        for clock, clock_name in ((0, "CPU"), (1, "wall")):
+            us = [s[clock] / 1_000 for s in samples]
+            q1, median, q3 = statistics.quantiles(us, n=4) if len(us) > 1 else us * 3
+            lines.append(
+                f"  step at {name:10s} {clock_name:4s} median {median:10.1f} us  q1 {q1:10.1f}  "
+                f"q3 {q3:10.1f}  min {min(us):10.1f}  n={len(us)}"
+            )
+    lines.append(
+        f"  step at turn {result.long_turns} / step at turn {GROWTH_SHORT_TURNS}: "
+        f"{result.ratio:.2f}x CPU time ({result.wall_ratio:.2f}x wall-clock)"
+    )
+    return lines
+
+
 KERNEL_FILES = r"/(stepmachine|stores|operations)/"
 
 
@@ -291,6 +473,18 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument(
         "--long-repetitions", type=int, default=None, help="timed long sessions per side (0: skip)"
     )
+    parser.add_argument(
+        "--growth-turns",
+        type=int,
+        default=None,
+        help="turns of the natural session of the growth figure (default 2000; --quick 100)",
+    )
+    parser.add_argument(
+        "--growth-samples",
+        type=int,
+        default=None,
+        help="steps timed at each end of the growth figure (default 60; --quick 10)",
+    )
     parser.add_argument("--stream", action="store_true", help="stream model responses")
     parser.add_argument("--thread", action="store_true", help="run the tool in a worker thread")
     parser.add_argument("--profile", action="store_true", help="cProfile the machine path first")
@@ -301,8 +495,12 @@ def parse(argv: list[str]) -> Options:
     long_repetitions = args.long_repetitions
     if long_repetitions is None:
         long_repetitions = 5 if args.quick else 40
+    growth_turns = args.growth_turns or (100 if args.quick else 2_000)
+    growth_samples = args.growth_samples or (10 if args.quick else 60)
     if args.rounds < 1 or repetitions < 1 or args.long_rounds < 1:
         parser.error("--rounds, --long-rounds and --repetitions must be at least 1")
+    if growth_turns <= GROWTH_SHORT_TURNS or growth_samples < 1:
+        parser.error(f"--growth-turns must exceed {GROWTH_SHORT_TURNS}, --growth-samples be >= 1")
     return Options(
         backend=args.backend,
         rounds=args.rounds,
@@ -314,6 +512,8 @@ def parse(argv: list[str]) -> Options:
         profile_top=args.profile_top,
         long_rounds=args.long_rounds,
         long_repetitions=long_repetitions,
+        growth_turns=growth_turns,
+        growth_samples=growth_samples,
         tool=tool(thread=args.thread)(lookup_value),
     )
 
@@ -355,7 +555,10 @@ def main(argv: list[str]) -> None:
     )
     print(f"  machine overhead per cycle: {cycle - bare_us:.2f} us")
     print(f"ratio machine/bare: {cycle / bare_us:.2f}x")
-    print(f"cycle_us={cycle:.2f} bare_us={bare_us:.2f}")
+    grown: Growth = run_async(lambda: growth(opts), opts.backend)
+    for line in describe_growth(grown):
+        print(line)
+    print(f"cycle_us={cycle:.2f} bare_us={bare_us:.2f} growth_2000_over_20={grown.ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,47 @@
 """What the stores cost: throughput, apply, incremental reload, bytes on disk.
 
+The words are those of issue 9's table and ``cycle.py``: the scripted agent
+has one tool and 500-byte user messages (so the tool call's arguments, the
+tool's result and the answer are about 500 bytes each too); a **turn** is one
+round of the conversation (the user's message, the model turn that calls the
+tool, the tool turn, the model turn that answers: four messages, three
+machine steps); a **tool step** is a model turn that calls tools plus the
+tool turn that runs them.
+
 For each store (MemoryStore, SQLiteStore, FileStore), in one run:
 
-* steps/s: a long scripted session driven by the machine (every round the
+* steps/s: a long scripted session driven by the machine (every turn the
   user's message is appended with ``submit``, then ``machine.run()`` goes
   inference (a tool call) -> tools -> inference (the answer) -> yield; three
-  machine steps per round, and more batches, as Tools commits its journal).
+  machine steps per turn, and more batches, as Tools commits its journal).
   steps/s counts machine steps per second of the whole session, submits
   included; batches/s counts every batch applied.
+* batches per tool step, counted from the store's audit log
+  (``store.batches``) of that session: the batches written by the tools step
+  or appending a model message that calls tools, divided by the model
+  messages that call tools. For the default tool (``side_effects=
+  "non_idempotent"``, whose intent is committed before it runs) and, in a
+  shorter session, for a pure tool (``side_effects="pure"``).
 * apply: median microseconds of one ``store.apply`` of a one-message batch,
   on sessions holding 20 and 2,000 messages (built one message per batch).
+  On SQLite each apply at 20 messages is interleaved with a raw ``sqlite3``
+  commit of a comparable row: the same encoded effects as one BLOB row in a
+  ``(sid, revision, body)`` WITHOUT ROWID table, one transaction (BEGIN,
+  INSERT, COMMIT), the store's PRAGMAs (WAL, synchronous=NORMAL), run through
+  the same worker-thread hop as the store uses (``anyio.to_thread``).
 * reload: median microseconds of ``store.load`` on an instance that has the
   session loaded already, when nothing is new, and right after ANOTHER
   instance of the store (same file or folder) applied one batch. Cold load (a
   fresh instance loading the session) is printed too.
-* bytes: bytes on disk after the long session (store closed) per byte of
-  encoded effects, ``len(codec.encode_effects(batch.effects))`` summed over
-  every batch written.
+* bytes: bytes of the files on disk after the long session (store closed)
+  per byte of message content (the text, tool call arguments and tool
+  results of every message, UTF-8) after ``--session-rounds`` (200) turns;
+  and, as before, per byte of encoded effects,
+  ``len(codec.encode_effects(batch.effects))`` summed over every batch written.
 
-And, in the same run, raw ``sqlite3``: commits per second of one INSERT +
-COMMIT per transaction into a minimal table, with the SQLite store's PRAGMAs
-(WAL, synchronous=NORMAL), called directly and through one worker-thread hop
-per commit (as the store does).
+And, in the same run, raw ``sqlite3`` throughput: commits per second of the
+same raw transaction, called directly and through one worker-thread hop per
+commit (as the store does).
 
 Samples are taken round-robin over several sessions of the given size, so no
 session grows by more than 5% of its size while it is measured. Machines are
@@ -29,9 +49,14 @@ shared and noisy: compare the ratios printed, not absolute figures.
 
 Run:  python benchmarks/store.py [--quick] [--backend trio] [--stores memory,sqlite,file]
 
-The last line is ``sqlite_steps_per_s=<n> raw_commits_per_s=<n>
-apply_2000_over_20=<ratio> reload_2000_over_20=<ratio> bytes_ratio=<ratio>``
-(the ratios for SQLite; ``reload`` is the reload after another instance's batch).
+The last line holds the SQLite figures: ``batch_us=<f> raw_commit_us=<f>
+batches_per_step=<f> apply_2000_over_20=<f> reload_2000_over_20=<f>
+bytes_ratio=<f>`` (on one line): ``batch_us`` is the median apply at 20
+messages, ``raw_commit_us`` the median raw commit interleaved with it,
+``batches_per_step`` is for the default tool, ``reload`` is the reload after
+another instance's batch, ``bytes_ratio`` is per byte of message content.
+``--quick`` uses sessions of 200 messages instead of 2,000 (the figures keep
+their names).
 """
 
 from __future__ import annotations
@@ -45,10 +70,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -78,8 +103,9 @@ from stepmachine.testing import FunctionModel, call, reply
 
 STORE_KINDS = ("memory", "sqlite", "file")
 DURABLE = ("sqlite", "file")
-SIZES = (20, 2_000)
-FILE_FSYNC = ["always"]  # FileStore's fsync option; set from --file-fsync
+SIZES = [20, 2_000]  # the second is set from --large (200 with --quick)
+MESSAGE_BYTES = 500  # user messages of the long session (as in cycle.py and peers.py)
+FILE_FSYNC: list[Literal["always", "never"]] = ["always"]  # set from --file-fsync
 CLOCK = 1_700_000_000.0
 FILLER = (
     "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor "
@@ -95,10 +121,52 @@ def fixed_clock() -> float:
 # -- the scripted agent (as in cycle.py) -------------------------------------------
 
 
-@tool(thread=False)
 def lookup_value(key: str) -> str:
     """Look up the value stored under ``key``."""
     return f"value of {key}: {FILLER}"
+
+
+LOOKUP = tool(thread=False)(lookup_value)  # the default: side_effects="non_idempotent"
+LOOKUP_PURE = tool(thread=False, side_effects="pure")(lookup_value)
+
+
+def user_text(turn: int) -> str:
+    """The user's message of turn ``turn``: ``MESSAGE_BYTES`` bytes."""
+    head = f"question {turn}: "
+    return head + "x" * (MESSAGE_BYTES - len(head))
+
+
+def content_bytes(messages: Sequence[Message]) -> int:
+    """UTF-8 bytes of the content of ``messages``: text, tool call arguments, tool results."""
+    total = 0
+    for message in messages:
+        total += len(message.text.encode())
+        total += sum(len(c.raw_arguments.encode()) for c in message.tool_calls)
+        total += sum(len(r.content.encode()) for r in message.tool_results)
+    return total
+
+
+def tool_step_batches(batches: Sequence[Batch[Effect]], tools_step: str) -> tuple[int, int]:
+    """From an audit log: (batches of tool steps, tool steps).
+
+    A tool step is a model message that calls tools plus the tool turn that runs
+    them; its batches are those written by the tools step ``tools_step`` and those
+    appending a model message that calls tools (each batch counted once).
+    """
+    step_batches = 0
+    steps = 0
+    for batch in batches:
+        calling = sum(
+            1
+            for effect in batch.effects
+            if isinstance(effect, AppendMessage)
+            and effect.message.role == "assistant"
+            and effect.message.tool_calls
+        )
+        steps += calling
+        if calling or batch.step == tools_step:
+            step_batches += 1
+    return step_batches, steps
 
 
 def decide(request: ModelRequest) -> ModelResponse:
@@ -185,7 +253,11 @@ class Figures:
     disk: int = 0
     disk_open: int = 0
     encoded: int = 0
+    content: int = 0
     batch_count: int = 0
+    batches_per_step: float = math.nan
+    batches_per_step_pure: float = math.nan
+    raw_us: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -196,48 +268,83 @@ class Options:
     kinds: tuple[str, ...]
     session_rounds: int
     session_repetitions: int
+    pure_rounds: int
     samples: int
     commits: int
     folder: Path
 
 
+async def scripted_session(
+    store: Store, rounds: int, lookup: Any, session_id: str = "long"
+) -> tuple[int, float, Tools]:
+    """Drive a scripted session of ``rounds`` turns on ``store``.
+
+    Returns the machine steps run, the seconds taken, and the Tools step used.
+    """
+    ids = counter_ids()
+    runtime = Runtime(store=store, model=FunctionModel(decide), ids=ids, clock=fixed_clock)
+    tools = Tools([lookup])
+    machine: StateMachine[Any] = StateMachine([tools, ModelInference()])
+    emitter = NullEmitter()
+    await store.create(session_id)
+    steps = 0
+    start = time.perf_counter_ns()
+    for r in range(rounds):
+        user = Message.user(user_text(r), id=ids())
+        await submit(store, session_id, [AppendMessage(user)], clock=fixed_clock)
+        report = await machine.run_report(runtime, session_id, emitter)
+        steps += len(report.results)
+    seconds = (time.perf_counter_ns() - start) / 1e9
+    session = await store.load(session_id)
+    if len(session.conversation) != rounds * 4:
+        raise SystemExit(
+            f"{session_id}: the session holds {len(session.conversation)} messages, "
+            f"expected {rounds * 4}"
+        )
+    return steps, seconds, tools
+
+
+async def batches_per_step(store: Store, session_id: str, tools: Tools) -> float:
+    """Batches per tool step, counted from the store's audit log of ``session_id``."""
+    step_batches, steps = tool_step_batches(await store.batches(session_id), tools.name)
+    return step_batches / steps if steps else math.nan
+
+
 async def long_session(kind: str, folder: Path, opts: Options, figures: Figures) -> None:
-    """Drive one long scripted session through the machine; record steps/s (and bytes)."""
+    """Drive one long scripted session through the machine; record steps/s (and bytes).
+
+    The first time for a store, also batches per tool step (default and pure tool)
+    and the bytes on disk.
+    """
     codec: Codec[Any] = Codec()
     store = await open_store(kind, folder, codec)
+    first = math.isnan(figures.batches_per_step)
     try:
-        ids = counter_ids()
-        runtime = Runtime(store=store, model=FunctionModel(decide), ids=ids, clock=fixed_clock)
-        machine: StateMachine[Any] = StateMachine([Tools([lookup_value]), ModelInference()])
-        emitter = NullEmitter()
-        await store.create("long")
-        steps = 0
-        start = time.perf_counter_ns()
-        for r in range(opts.session_rounds):
-            user = Message.user(f"question {r}", id=ids())
-            await submit(store, "long", [AppendMessage(user)], clock=fixed_clock)
-            report = await machine.run_report(runtime, "long", emitter)
-            steps += len(report.results)
-        seconds = (time.perf_counter_ns() - start) / 1e9
+        steps, seconds, tools = await scripted_session(store, opts.session_rounds, LOOKUP)
         session = await store.load("long")
-        if len(session.conversation) != opts.session_rounds * 4:
-            raise SystemExit(
-                f"{kind}: the long session holds {len(session.conversation)} messages, "
-                f"expected {opts.session_rounds * 4}"
-            )
         figures.steps = steps
         figures.batches = session.revision
         figures.steps_per_s.append(steps / seconds)
         figures.batches_per_s.append(session.revision / seconds)
-        if kind in DURABLE and not figures.encoded:
-            batches = await store.batches("long")
-            figures.batch_count = len(batches)
-            figures.encoded = sum(len(codec.encode_effects(b.effects)) for b in batches)
-            figures.disk_open = disk_bytes(folder)
+        if first:
+            figures.batches_per_step = await batches_per_step(store, "long", tools)
+            figures.content = content_bytes(session.conversation)
+            if kind in DURABLE:
+                batches = await store.batches("long")
+                figures.batch_count = len(batches)
+                figures.encoded = sum(len(codec.encode_effects(b.effects)) for b in batches)
+                figures.disk_open = disk_bytes(folder)
     finally:
         await store.aclose()
-    if kind in DURABLE and not figures.disk:
+    if first and kind in DURABLE:
         figures.disk = disk_bytes(folder)
+    if first:
+        pure = await open_store(kind, folder / "pure", codec)
+        try:
+            _, _, tools = await scripted_session(pure, opts.pure_rounds, LOOKUP_PURE, "pure")
+            figures.batches_per_step_pure = await batches_per_step(pure, "pure", tools)
+        finally:
+            await pure.aclose()
 
 
 def sessions_for(size: int, samples: int) -> int:
@@ -258,14 +365,26 @@ async def per_size(kind: str, folder: Path, size: int, opts: Options, figures: F
             await store.create(name)
             for i in range(size):
                 await store.apply(one_message_batch(name, i))
+        raw: sqlite3.Connection | None = None
+        if kind == "sqlite" and size == SIZES[0]:
+            raw = await anyio.to_thread.run_sync(raw_connection, folder / "raw.db")
         applies: list[float] = []
-        for k in range(opts.samples):
-            name = names[k % count]
-            batch = one_message_batch(name, lengths[name])
-            start = time.perf_counter_ns()
-            await store.apply(batch)
-            applies.append((time.perf_counter_ns() - start) / 1e3)
-            lengths[name] += 1
+        try:
+            for k in range(opts.samples):
+                name = names[k % count]
+                batch = one_message_batch(name, lengths[name])
+                start = time.perf_counter_ns()
+                await store.apply(batch)
+                applies.append((time.perf_counter_ns() - start) / 1e3)
+                if raw is not None:
+                    row = (k, codec.encode_effects(batch.effects))
+                    start = time.perf_counter_ns()
+                    await anyio.to_thread.run_sync(raw_commit, raw, row)
+                    figures.raw_us.append((time.perf_counter_ns() - start) / 1e3)
+                lengths[name] += 1
+        finally:
+            if raw is not None:
+                raw.close()
         figures.apply_us[size] = applies
         for name in names:
             await store.load(name)
@@ -315,8 +434,8 @@ def raw_commits(path: Path, count: int, payload: bytes) -> float:
     connection = raw_connection(path)
     try:
         start = time.perf_counter_ns()
-        for _ in range(count):
-            raw_commit(connection, payload)
+        for k in range(count):
+            raw_commit(connection, (k, payload))
         return count / ((time.perf_counter_ns() - start) / 1e9)
     finally:
         connection.close()
@@ -327,8 +446,8 @@ async def raw_commits_threaded(path: Path, count: int, payload: bytes) -> float:
     connection = await anyio.to_thread.run_sync(raw_connection, path)
     try:
         start = time.perf_counter_ns()
-        for _ in range(count):
-            await anyio.to_thread.run_sync(raw_commit, connection, payload)
+        for k in range(count):
+            await anyio.to_thread.run_sync(raw_commit, connection, (k, payload))
         return count / ((time.perf_counter_ns() - start) / 1e9)
     finally:
         connection.close()
@@ -349,18 +468,21 @@ async def thread_hops(count: int) -> list[float]:
 
 
 def raw_connection(path: Path) -> sqlite3.Connection:
-    """A connection with the store's PRAGMAs and a minimal table."""
+    """A connection with the store's PRAGMAs and a table like the store's effect rows."""
     connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     connection.execute("PRAGMA journal_mode = WAL")
     connection.execute("PRAGMA synchronous = NORMAL")
-    connection.execute("CREATE TABLE IF NOT EXISTS log (id INTEGER PRIMARY KEY, body BLOB)")
+    connection.execute(
+        "CREATE TABLE IF NOT EXISTS log (sid INTEGER NOT NULL, revision INTEGER NOT NULL, "
+        "body BLOB NOT NULL, PRIMARY KEY (sid, revision)) WITHOUT ROWID"
+    )
     return connection
 
 
-def raw_commit(connection: sqlite3.Connection, payload: bytes) -> None:
-    """One transaction: BEGIN, one INSERT, COMMIT."""
+def raw_commit(connection: sqlite3.Connection, row: tuple[int, bytes]) -> None:
+    """One transaction: BEGIN, one INSERT of ``(revision, body)`` (sid 1), COMMIT."""
     connection.execute("BEGIN")
-    connection.execute("INSERT INTO log (body) VALUES (?)", (payload,))
+    connection.execute("INSERT INTO log (sid, revision, body) VALUES (1, ?, ?)", row)
     connection.execute("COMMIT")
 
 
@@ -382,7 +504,9 @@ async def measure(opts: Options) -> tuple[dict[str, Figures], Raw]:
     payload = Codec().encode_effects((AppendMessage(nth_message(3)),))
     raw = Raw()
     # warm-up: a short session on every store, a few raw commits
-    warm = Options(opts.backend, opts.kinds, 3, 1, opts.samples, opts.commits, opts.folder / "warm")
+    warm = Options(
+        opts.backend, opts.kinds, 3, 1, 2, opts.samples, opts.commits, opts.folder / "warm"
+    )
     for kind in opts.kinds:
         await long_session(kind, warm.folder / kind, warm, Figures(kind))
     raw_commits(warm.folder / "raw.db", 50, payload)
@@ -425,14 +549,27 @@ def report(opts: Options, figures: dict[str, Figures], raw: Raw) -> None:
     baseline = med(figures["memory"].steps_per_s) if "memory" in figures else math.nan
     first = next(iter(figures.values()))
     print(
-        f"long session: {opts.session_rounds} rounds = {first.steps} machine steps, "
+        f"long session: {opts.session_rounds} turns = {first.steps} machine steps, "
         f"{first.batches} batches (submits included), {opts.session_rounds * 4} messages; "
         f"median of {opts.session_repetitions}"
     )
     for f in figures.values():
         steps = med(f.steps_per_s)
         versus = f"  ({steps / baseline:.2f}x memory)" if not math.isnan(baseline) else ""
-        print(f"  {f.kind:7s} steps/s {steps:9.1f}   batches/s {med(f.batches_per_s):9.1f}{versus}")
+        per_batch = 1e6 / med(f.batches_per_s)
+        extra = ""
+        if "memory" in figures and f.kind != "memory":
+            extra = f", {per_batch - 1e6 / med(figures['memory'].batches_per_s):.1f} over memory"
+        print(
+            f"  {f.kind:7s} steps/s {steps:9.1f}   batches/s {med(f.batches_per_s):9.1f}{versus}"
+            f"   us per batch {per_batch:.1f}{extra}"
+        )
+    print("batches per tool step (model turn calling the tool + tool turn), from the audit log:")
+    for f in figures.values():
+        print(
+            f"  {f.kind:7s} default tool (non_idempotent) {fmt(f.batches_per_step, 2)}   "
+            f"pure tool {fmt(f.batches_per_step_pure, 2)}"
+        )
     print(f"raw sqlite3 commits/s (WAL, synchronous=NORMAL), {opts.commits} per run:")
     print(f"  direct        {med(raw.direct):9.1f}")
     print(f"  thread hop    {med(raw.threaded):9.1f}")
@@ -450,24 +587,42 @@ def report(opts: Options, figures: dict[str, Figures], raw: Raw) -> None:
                 print(f"  {f.kind:7s} {size:5d} msgs {spread(samples.get(size))}")
             ratio = med(samples.get(SIZES[1])) / med(samples.get(SIZES[0]))
             print(f"  {f.kind:7s} {SIZES[1]}/{SIZES[0]} ratio {fmt(ratio, 2)}")
-    print("bytes on disk per byte of encoded effects (long session, store closed):")
-    for f in figures.values():
-        if f.kind not in DURABLE:
-            continue
-        print(
-            f"  {f.kind:7s} {f.disk} B on disk ({f.disk_open} B while open) / {f.encoded} B "
-            f"of effects in {f.batch_count} batches = {f.disk / f.encoded:.2f}"
-        )
     sqlite = figures.get("sqlite")
     if sqlite is None:
         print("SQLiteStore was not measured (placeholder or --stores); its figures read n/a")
         sqlite = Figures("sqlite")
-    apply_ratio = med(sqlite.apply_us.get(SIZES[1])) / med(sqlite.apply_us.get(SIZES[0]))
-    reload_ratio = med(sqlite.reload_us.get(SIZES[1])) / med(sqlite.reload_us.get(SIZES[0]))
-    bytes_ratio = sqlite.disk / sqlite.encoded if sqlite.encoded else math.nan
-    steps = fmt(med(sqlite.steps_per_s))
+    batch_us, raw_us = med(sqlite.apply_us.get(SIZES[0])), med(sqlite.raw_us)
     print(
-        f"sqlite_steps_per_s={steps} raw_commits_per_s={fmt(med(raw.direct))} "
+        f"sqlite apply at {SIZES[0]} msgs vs a raw sqlite3 commit of the same effects through "
+        f"the same thread hop, interleaved, us:"
+    )
+    print(f"  apply         {spread(sqlite.apply_us.get(SIZES[0]))}")
+    print(f"  raw commit    {spread(sqlite.raw_us)}")
+    print(f"  apply / raw commit: {fmt(batch_us / raw_us, 2)}x")
+    print(
+        f"bytes on disk (long session, {opts.session_rounds} turns, store closed) per byte of "
+        "message content, and per byte of encoded effects:"
+    )
+    for f in figures.values():
+        if f.kind not in DURABLE:
+            continue
+        print(
+            f"  {f.kind:7s} {f.disk} B on disk ({f.disk_open} B while open) / {f.content} B of "
+            f"message content = {f.disk / f.content:.2f}; / {f.encoded} B of effects in "
+            f"{f.batch_count} batches = {f.disk / f.encoded:.2f}"
+        )
+    apply_ratio = med(sqlite.apply_us.get(SIZES[1])) / batch_us
+    reload_ratio = med(sqlite.reload_us.get(SIZES[1])) / med(sqlite.reload_us.get(SIZES[0]))
+    bytes_ratio = sqlite.disk / sqlite.content if sqlite.content else math.nan
+    print(
+        f"sqlite_steps_per_s={fmt(med(sqlite.steps_per_s))} "
+        f"raw_commits_per_s={fmt(med(raw.direct))} "
+        f"raw_commits_per_s_thread={fmt(med(raw.threaded))}"
+    )
+    print(f"batches_per_step_pure={fmt(sqlite.batches_per_step_pure, 2)}")
+    print(
+        f"batch_us={fmt(batch_us)} raw_commit_us={fmt(raw_us)} "
+        f"batches_per_step={fmt(sqlite.batches_per_step, 2)} "
         f"apply_2000_over_20={fmt(apply_ratio, 2)} reload_2000_over_20={fmt(reload_ratio, 2)} "
         f"bytes_ratio={fmt(bytes_ratio, 2)}"
     )
@@ -486,6 +641,12 @@ def parse(argv: list[str]) -> Options:
     )
     parser.add_argument(
         "--session-repetitions", type=int, default=None, help="long sessions per store"
+    )
+    parser.add_argument(
+        "--pure-rounds", type=int, default=None, help="turns of the pure-tool session"
+    )
+    parser.add_argument(
+        "--large", type=int, default=None, help="messages of the large sessions (2000; quick 200)"
     )
     parser.add_argument("--samples", type=int, default=None, help="samples per apply/load figure")
     parser.add_argument("--commits", type=int, default=None, help="raw sqlite3 commits per run")
@@ -509,12 +670,16 @@ def parse(argv: list[str]) -> Options:
         parser.error("no store to measure")
     quick = args.quick
     FILE_FSYNC[0] = args.file_fsync
+    SIZES[1] = args.large or (200 if quick else 2_000)
+    if SIZES[1] <= SIZES[0]:
+        parser.error(f"--large must exceed {SIZES[0]}")
     folder = Path(tempfile.mkdtemp(prefix="stepmachine-bench-", dir=args.dir))
     return Options(
         backend=args.backend,
         kinds=kinds,
         session_rounds=args.session_rounds or (25 if quick else 200),
         session_repetitions=args.session_repetitions or (1 if quick else 3),
+        pure_rounds=args.pure_rounds or (5 if quick else 20),
         samples=args.samples or (40 if quick else 200),
         commits=args.commits or (300 if quick else 3_000),
         folder=folder,

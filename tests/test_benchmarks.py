@@ -1,0 +1,88 @@
+"""The benchmarks run and end with the summary line issue 9 asks for.
+
+Each benchmark runs with ``--quick`` (tiny sizes) in a subprocess; only the
+format of its last line is checked (the names, in order, and that every value
+parses as a float), never the values: timings are measured, not asserted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CYCLE_NAMES = ("cycle_us", "bare_us", "growth_2000_over_20")
+STORE_NAMES = (
+    "batch_us",
+    "raw_commit_us",
+    "batches_per_step",
+    "apply_2000_over_20",
+    "reload_2000_over_20",
+    "bytes_ratio",
+)
+
+
+def last_line_pattern(names: tuple[str, ...]) -> re.Pattern[str]:
+    """``name=<value>`` for each name, in order, separated by single spaces, nothing else."""
+    return re.compile(" ".join(rf"{name}=(?P<{name}>\S+)" for name in names))
+
+
+def run_benchmark(script: str, *args: str, cwd: Path) -> str:
+    """Run ``benchmarks/<script> --quick *args``; its last output line."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,  # a guard against a hang, not a timing threshold
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines, f"{script} printed nothing; stderr: {done.stderr}"
+    return lines[-1]
+
+
+def check_last_line(line: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The figures of a summary line, each a finite float; fails on any other format."""
+    match = last_line_pattern(names).fullmatch(line)
+    assert match is not None, f"last line {line!r} is not {' '.join(f'{n}=<f>' for n in names)}"
+    figures = {name: float(match[name]) for name in names}
+    assert all(math.isfinite(value) for value in figures.values()), line
+    return figures
+
+
+def test_pattern_rejects_other_lines() -> None:
+    # The check itself can fail: wrong order, missing or extra names, non-numbers.
+    line = "cycle_us=1.5 bare_us=0.2 growth_2000_over_20=3.00"
+    assert check_last_line(line, CYCLE_NAMES) == {
+        "cycle_us": 1.5,
+        "bare_us": 0.2,
+        "growth_2000_over_20": 3.0,
+    }
+    for bad in (
+        "bare_us=0.2 cycle_us=1.5 growth_2000_over_20=3.00",
+        "cycle_us=1.5 bare_us=0.2",
+        "cycle_us=1.5 bare_us=0.2 growth_2000_over_20=3.00 extra=1",
+        "cycle_us=1.5 bare_us=n/a growth_2000_over_20=3.00",
+    ):
+        with pytest.raises((AssertionError, ValueError)):
+            check_last_line(bad, CYCLE_NAMES)
+
+
+@pytest.mark.slow
+def test_cycle_benchmark_last_line(tmp_path: Path) -> None:
+    check_last_line(run_benchmark("cycle.py", cwd=tmp_path), CYCLE_NAMES)
+
+
+@pytest.mark.slow
+def test_store_benchmark_last_line(tmp_path: Path) -> None:
+    # FileStore without fsync keeps the quick run to seconds; the figures checked are SQLite's.
+    line = run_benchmark("store.py", "--file-fsync", "never", "--dir", str(tmp_path), cwd=tmp_path)
+    check_last_line(line, STORE_NAMES)
