@@ -102,7 +102,7 @@ from stepmachine import (
     Refuse,
     SetVisibility,
     StepContext,
-    StepmachineError,
+    RunError,
     TextPart,
     Tool,
     ToolArgumentsError,
@@ -139,7 +139,7 @@ INVALID_TOOL_CALL: Final = "invalid_tool_call"
 """The yield reason kind of the ``"stop"`` policy."""
 
 
-class InvalidToolCallError(StepmachineError):
+class InvalidToolCallError(RunError):
     """The model made invalid tool calls and the policy is ``"fail"``.
 
     Attributes:

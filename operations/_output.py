@@ -82,7 +82,7 @@ from stepmachine import (
     Refuse,
     Session,
     StepContext,
-    StepmachineError,
+    RunError,
     TextPart,
     ToolCallPart,
     ToolDefinition,
@@ -122,7 +122,7 @@ def _refusal(message: Message) -> str | None:
     return None
 
 
-class NoOutputError(StepmachineError, LookupError):
+class NoOutputError(RunError, LookupError):
     """The session holds no validated output under this name."""
 
 

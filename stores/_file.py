@@ -70,6 +70,7 @@ from stepmachine import (
     ReplaceConversation,
     Session,
     SessionExistsError,
+    RunError,
     SessionNotFoundError,
     StepmachineError,
     StoredDataError,
@@ -114,7 +115,7 @@ _log = structlog.wrap_logger(
 )
 
 
-class FileLockTimeoutError(StepmachineError, TimeoutError):
+class FileLockTimeoutError(RunError, TimeoutError):
     """The session's file lock was not acquired within ``lock_timeout``; nothing was done."""
 
 
