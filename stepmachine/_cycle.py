@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import anyio
 import msgspec
@@ -89,8 +89,7 @@ class Interrupted(Generic[D]):
     ctx: StepContext[D]
 
 
-@dataclass(frozen=True, slots=True)
-class Offer(Generic[D]):
+class Offer(NamedTuple, Generic[D]):
     """What offering the session gave: a decision, or every step refused, or the token fired."""
 
     decision: Decision[D] | None
@@ -191,7 +190,10 @@ async def offer(
             committer=_committer(runtime, step.name, cycle, sink),
         )
         try:
-            outcome = await _run(step, ctx, token)
+            if token is None:
+                outcome: Outcome | None = await step.run(ctx)
+            else:
+                outcome = await _run_under(token, step, ctx)
         except anyio.get_cancelled_exc_class():
             await on_cancel(Interrupted(step, ctx))
             raise
@@ -210,12 +212,8 @@ async def offer(
     return Offer(None, tuple(refused))
 
 
-async def _run(
-    step: Operation[D], ctx: StepContext[D], token: CancelToken | None
-) -> Outcome | None:
-    """``step.run(ctx)``, under ``token`` if any; ``None`` when the token cancelled it."""
-    if token is None:
-        return await step.run(ctx)
+async def _run_under(token: CancelToken, step: Operation[D], ctx: StepContext[D]) -> Outcome | None:
+    """``step.run(ctx)`` in a scope ``token`` cancels; ``None`` when it did."""
     outcome: Outcome | None = None
     with anyio.CancelScope() as scope:
         token.bind(scope)

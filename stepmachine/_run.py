@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import anyio
 import msgspec
 
-from ._cycle import Interrupted, check_progress, idle_reason, log_cycle, offer
+from ._cycle import Interrupted, Offer, check_progress, idle_reason, log_cycle, offer
 from ._emitter import EventSink, StepApplied, Yielded
 from ._errors import ConflictError
 from ._finalize import finalize, shielded
@@ -105,33 +105,55 @@ class Run(Generic[D]):
             raise
         if offered.interrupted is not None:
             return session, await self._cancelled(session, offered.interrupted)
+        return await self._settle(session, offered)
+
+    async def _settle(
+        self, session: Session[D], offered: Offer[D]
+    ) -> tuple[Session[D], RunReport[D] | None]:
+        """Apply what the steps decided, or yield when none applied.
+
+        Cancellation from outside finalizes first; while the decision's batch is
+        being applied, with the deciding step as the interrupted one.
+        """
         decision = offered.decision
-        if decision is None:
-            reason = idle_reason(
-                machine.steps, self.runtime, session, self.sink, self.cycles, self.start_revision
-            )
-            log_cycle(session, self.cycles, None, offered.refused, reason.kind)
-            return session, await self._guarded(self._yielded(session, reason), None)
-        check_progress(decision, session)
-        applying = Interrupted(decision.step, decision.ctx)
+        applying = decision
         try:
-            after, result = await self._guarded(
-                machine.apply(self.runtime, session, decision, cycle=self.cycles), applying
+            if decision is None:
+                return session, await self._idle(session, offered.refused)
+            check_progress(decision, session)
+            name = decision.step.name
+            try:
+                after, result = await self.machine.apply(
+                    self.runtime, session, decision, cycle=self.cycles
+                )
+            except ConflictError:
+                log_cycle(session, self.cycles, name, offered.refused, "conflict")
+                raise
+            applying = None
+            self.results.append(result)
+            log_cycle(after, self.cycles, name, offered.refused, result.status)
+            outcome = decision.outcome
+            if outcome.effects:
+                count = len(outcome.effects)
+                await self.sink.emit(StepApplied(name, after.revision, result.status, count))
+                self.sink.follow(after.revision)
+            report = (
+                await self._yielded(after, outcome.reason) if isinstance(outcome, Yield) else None
             )
-        except ConflictError:
-            log_cycle(session, self.cycles, decision.step.name, offered.refused, "conflict")
+        except anyio.get_cancelled_exc_class():
+            interrupted = None if applying is None else Interrupted(applying.step, applying.ctx)
+            await self._finalize_cancelled(interrupted)
             raise
-        self.results.append(result)
-        log_cycle(after, self.cycles, decision.step.name, offered.refused, result.status)
-        outcome = decision.outcome
-        if outcome.effects:
-            name, count = decision.step.name, len(outcome.effects)
-            event = StepApplied(name, after.revision, result.status, count)
-            await self._guarded(self.sink.emit(event), None)
-            self.sink.follow(after.revision)
-        if isinstance(outcome, Yield):
-            return after, await self._guarded(self._yielded(after, outcome.reason), None)
-        return after, None
+        return after, report
+
+    async def _idle(self, session: Session[D], refused: tuple[str, ...]) -> RunReport[D]:
+        """No step applied: yield ``call_held`` or ``idle`` (see :func:`idle_reason`)."""
+        machine = self.machine
+        reason = idle_reason(
+            machine.steps, self.runtime, session, self.sink, self.cycles, self.start_revision
+        )
+        log_cycle(session, self.cycles, None, refused, reason.kind)
+        return await self._yielded(session, reason)
 
     async def reload(self, session_id: str) -> Session[D]:
         """The stored session, after a conflict; the event sink follows its revision."""
