@@ -6,7 +6,7 @@ between calls. Cancellation of a running step is answered where the step is
 known: :func:`offer` hands the interrupted step and its ctx to the caller's
 ``on_cancel`` (which keeps what the step already has) before the
 cancellation propagates, or, when the machine's :class:`CancelToken` fired,
-returns them in :attr:`Offer.interrupted`.
+returns them as an :class:`Interrupted`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import msgspec
@@ -43,7 +43,6 @@ from ._store import EffectHandler
 __all__ = [
     "Decision",
     "Interrupted",
-    "Offer",
     "check_progress",
     "collect",
     "commit",
@@ -87,14 +86,6 @@ class Interrupted(Generic[D]):
 
     step: Operation[D]
     ctx: StepContext[D]
-
-
-class Offer(NamedTuple, Generic[D]):
-    """What offering the session gave: a decision, or every step refused, or the token fired."""
-
-    decision: Decision[D] | None
-    refused: tuple[str, ...]
-    interrupted: Interrupted[D] | None = None
 
 
 OnCancel = Callable[[Interrupted[D]], Awaitable[object]]
@@ -159,8 +150,12 @@ async def offer(
     *,
     token: CancelToken | None,
     on_cancel: OnCancel[D],
-) -> Offer[D]:
+) -> Decision[D] | Interrupted[D] | None:
     """Offer ``session`` to the steps in order; the first that does not refuse decides.
+
+    Returns:
+        The :class:`Decision`; ``None`` when every step refused; the
+        :class:`Interrupted` step when ``token`` fired while it ran.
 
     A step that committed batches of its own and then refused counts as
     ``Continue(())``: the session moved, so the next cycle starts from the top.
@@ -171,7 +166,7 @@ async def offer(
         Exception: whatever a step raises.
 
     Cancellation: when ``token`` fires while a step runs, the step is cancelled
-    and returned as :attr:`Offer.interrupted`. A cancellation from outside
+    and returned as :class:`Interrupted`. A cancellation from outside
     awaits ``on_cancel(Interrupted(step, ctx))`` (the callee shields itself),
     then propagates.
     """
@@ -198,7 +193,7 @@ async def offer(
             await on_cancel(Interrupted(step, ctx))
             raise
         if outcome is None:
-            return Offer(None, tuple(refused), Interrupted(step, ctx))
+            return Interrupted(step, ctx)
         if isinstance(outcome, Refuse) and ctx.session.revision != session.revision:
             outcome = Continue(())
         if isinstance(outcome, Refuse):
@@ -208,8 +203,8 @@ async def offer(
             raise StepContractError(
                 f"step {step.name!r} returned {outcome!r}; a step returns Refuse, Continue or Yield"
             )
-        return Offer(Decision(step, outcome, ctx, tuple(refused)), tuple(refused))
-    return Offer(None, tuple(refused))
+        return Decision(step, outcome, ctx, tuple(refused))
+    return None
 
 
 async def _run_under(token: CancelToken, step: Operation[D], ctx: StepContext[D]) -> Outcome | None:

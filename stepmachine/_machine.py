@@ -224,7 +224,7 @@ class StateMachine(Generic[D]):
         offered = await offer(
             self.steps, runtime, session, sink, cycle, start, token=None, on_cancel=keep
         )
-        return offered.decision
+        return offered if isinstance(offered, Decision) else None
 
     async def apply(
         self, runtime: Runtime, session: Session[D], decision: Decision[D], *, cycle: int = 0

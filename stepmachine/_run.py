@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import anyio
 import msgspec
 
-from ._cycle import Interrupted, Offer, check_progress, idle_reason, log_cycle, offer
+from ._cycle import Decision, Interrupted, check_progress, idle_reason, log_cycle, offer
 from ._emitter import EventSink, StepApplied, Yielded
 from ._errors import ConflictError
 from ._finalize import finalize, shielded
@@ -103,23 +103,22 @@ class Run(Generic[D]):
         except ConflictError:  # a step's own commit lost the race
             log_cycle(session, self.cycles, None, [], "conflict")
             raise
-        if offered.interrupted is not None:
-            return session, await self._cancelled(session, offered.interrupted)
+        if isinstance(offered, Interrupted):
+            return session, await self._cancelled(session, offered)
         return await self._settle(session, offered)
 
     async def _settle(
-        self, session: Session[D], offered: Offer[D]
+        self, session: Session[D], decision: Decision[D] | None
     ) -> tuple[Session[D], RunReport[D] | None]:
         """Apply what the steps decided, or yield when none applied.
 
         Cancellation from outside finalizes first; while the decision's batch is
         being applied, with the deciding step as the interrupted one.
         """
-        decision = offered.decision
         applying = decision
         try:
             if decision is None:
-                return session, await self._idle(session, offered.refused)
+                return session, await self._idle(session)
             check_progress(decision, session)
             name = decision.step.name
             try:
@@ -127,11 +126,11 @@ class Run(Generic[D]):
                     self.runtime, session, decision, cycle=self.cycles
                 )
             except ConflictError:
-                log_cycle(session, self.cycles, name, offered.refused, "conflict")
+                log_cycle(session, self.cycles, name, decision.refused, "conflict")
                 raise
             applying = None
             self.results.append(result)
-            log_cycle(after, self.cycles, name, offered.refused, result.status)
+            log_cycle(after, self.cycles, name, decision.refused, result.status)
             outcome = decision.outcome
             if outcome.effects:
                 count = len(outcome.effects)
@@ -146,12 +145,13 @@ class Run(Generic[D]):
             raise
         return after, report
 
-    async def _idle(self, session: Session[D], refused: tuple[str, ...]) -> RunReport[D]:
+    async def _idle(self, session: Session[D]) -> RunReport[D]:
         """No step applied: yield ``call_held`` or ``idle`` (see :func:`idle_reason`)."""
         machine = self.machine
         reason = idle_reason(
             machine.steps, self.runtime, session, self.sink, self.cycles, self.start_revision
         )
+        refused = [step.name for step in machine.steps]  # every step refused
         log_cycle(session, self.cycles, None, refused, reason.kind)
         return await self._yielded(session, reason)
 
