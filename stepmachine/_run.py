@@ -10,7 +10,7 @@ Cancellation is handled where the interrupted step is known, without state
 passed on the side: a step cancelled while running is named by
 :func:`~stepmachine._cycle.offer` (to ``on_cancel``, or in its return value
 when the machine's token fired); a step whose decision was being applied is
-the local decision of :meth:`Run.cycle`. Either way :func:`finalize` runs
+the decision local to ``Run._settle``. Either way :func:`finalize` runs
 shielded for at most ``finalize_timeout`` seconds with that step as the
 interrupted one.
 """
