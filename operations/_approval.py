@@ -54,9 +54,9 @@ from stepmachine import (
     Operation,
     Outcome,
     Refuse,
+    RunError,
     Session,
     StepContext,
-    StepmachineError,
     Store,
     Tool,
     ToolArgumentsError,
@@ -94,7 +94,7 @@ ApprovalPolicy: TypeAlias = Collection[str | Tool] | Callable[[ToolCallPart, Ses
 Status: TypeAlias = Literal["approved", "denied", "pending"]
 
 
-class ApprovalError(StepmachineError):
+class ApprovalError(RunError):
     """A decision cannot be recorded (invariant 5: approval bound to the exact call).
 
     Raised by :func:`approve` and :func:`deny` when the call does not exist or

@@ -87,9 +87,9 @@ from stepmachine import (
     Outcome,
     PromptPart,
     Refuse,
+    RunError,
     Session,
     StepContext,
-    StepmachineError,
     ToolCallPart,
     ToolResultPart,
     Yield,
@@ -145,7 +145,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     tool_calls: int | None = None
 
 
-class BudgetExhaustedError(StepmachineError):
+class BudgetExhaustedError(RunError):
     """A model request was about to be sent with no model call left (invariant 7).
 
     Only raised when the :class:`Budget` step could not yield first, i.e. it

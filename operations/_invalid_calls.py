@@ -100,9 +100,9 @@ from stepmachine import (
     Operation,
     Outcome,
     Refuse,
+    RunError,
     SetVisibility,
     StepContext,
-    StepmachineError,
     TextPart,
     Tool,
     ToolArgumentsError,
@@ -139,7 +139,7 @@ INVALID_TOOL_CALL: Final = "invalid_tool_call"
 """The yield reason kind of the ``"stop"`` policy."""
 
 
-class InvalidToolCallError(StepmachineError):
+class InvalidToolCallError(RunError):
     """The model made invalid tool calls and the policy is ``"fail"``.
 
     Attributes:

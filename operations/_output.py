@@ -81,9 +81,9 @@ from stepmachine import (
     Outcome,
     PromptPart,
     Refuse,
+    RunError,
     Session,
     StepContext,
-    StepmachineError,
     TextPart,
     ToolCallPart,
     ToolDefinition,
@@ -123,7 +123,7 @@ def _refusal(message: Message) -> str | None:
     return None
 
 
-class NoOutputError(StepmachineError, LookupError):
+class NoOutputError(RunError, LookupError):
     """The session holds no validated output under this name."""
 
 

@@ -1,9 +1,43 @@
 """The error hierarchy: one root, and each error names what it protects.
 
-Every error raised by stepmachine derives from :class:`StepmachineError`. Each
-subclass documents the invariant (DESIGN §3) or contract it protects, and every
-raise site puts the offending value in the message, so a log line alone tells a
-reader what went wrong and where.
+Every error raised by stepmachine derives from :class:`StepmachineError`, which
+is never raised itself: each raise site uses the most specific class. Two
+families sit under the root. A :class:`DefinitionError` (also a ``TypeError``)
+means the program is wrong -- the step list, a constructor call, a step's
+return value -- and is fixed in code. A :class:`RunError` happens while
+running correct code -- a conflict, a missing session, damaged data, a failed
+model call -- and is handled at run time. Each class documents the invariant
+(DESIGN §3) or contract it protects, and every raise site puts the offending
+value in the message, so a log line alone tells a reader what went wrong and
+where::
+
+    StepmachineError                  root; never raised directly
+    ├── DefinitionError (TypeError)   the program is wrong; fix the code
+    │   ├── ConfigurationError        steps or runtime wired wrongly
+    │   ├── InvalidFieldError         a constructor got a wrong field (also ValueError)
+    │   └── StepContractError         a step returned something ``run`` may not return
+    └── RunError                      something happened while running
+        ├── ConflictError             compare-and-set lost (invariant 3)
+        ├── EffectError               an effect does not apply to the session
+        ├── HistoryError              conversation not provider-valid (invariant 4)
+        ├── InvalidSessionIdError     an id a store cannot accept (also ValueError)
+        ├── SessionExistsError
+        ├── SessionNotFoundError      (also LookupError)
+        ├── StoreClosedError          a store used after ``aclose()``
+        ├── StoredDataError           a record does not decode (invariant 8)
+        ├── ToolAbortError            a tool failed closed
+        ├── ToolArgumentsError        tool arguments fail their schema
+        ├── ModelError                a model call failed
+        │   ├── ContextLengthError
+        │   │   └── providers.ContextLengthExceededError (also BadRequestError)
+        │   ├── UnexpectedModelCallError   a scripted model had no turn left
+        │   └── providers.ProviderError    and its typed subclasses
+        ├── providers.RedactedCauseError   a foreign exception in a provider error's chain, redacted
+        ├── operations.ApprovalError        a decision cannot be recorded
+        ├── operations.BudgetExhaustedError
+        ├── operations.InvalidToolCallError
+        ├── operations.NoOutputError        (also LookupError)
+        └── stores.FileLockTimeoutError     (also TimeoutError)
 """
 
 from __future__ import annotations
@@ -12,14 +46,18 @@ __all__ = [
     "ConfigurationError",
     "ConflictError",
     "ContextLengthError",
+    "DefinitionError",
     "EffectError",
     "HistoryError",
     "InvalidFieldError",
     "InvalidSessionIdError",
     "ModelError",
+    "RunError",
     "SessionExistsError",
     "SessionNotFoundError",
+    "StepContractError",
     "StepmachineError",
+    "StoreClosedError",
     "StoredDataError",
     "ToolAbortError",
     "ToolArgumentsError",
@@ -28,10 +66,27 @@ __all__ = [
 
 
 class StepmachineError(Exception):
-    """Root of every error stepmachine raises."""
+    """Root of every error stepmachine raises; never raised itself.
+
+    Catch it to handle anything stepmachine raises; catch :class:`DefinitionError`
+    or :class:`RunError` (or a leaf) to tell a bug in the program from a failure
+    while running.
+    """
 
 
-class ConfigurationError(StepmachineError):
+class DefinitionError(StepmachineError, TypeError):
+    """The program is wrong: steps, runtime, a constructor call or a step's return value.
+
+    Fixed in code, not retried. A ``TypeError``, so code that treats wrong usage
+    as ``TypeError`` keeps working.
+    """
+
+
+class RunError(StepmachineError):
+    """Something failed while running a correct program: storage, data, a model, a tool."""
+
+
+class ConfigurationError(DefinitionError):
     """The step list or runtime is wired wrongly.
 
     Raised before any model call, for example when two steps advertise the same
@@ -39,7 +94,17 @@ class ConfigurationError(StepmachineError):
     """
 
 
-class ConflictError(StepmachineError):
+class StepContractError(DefinitionError):
+    """A step's ``run`` broke its contract.
+
+    It returned something other than ``Refuse()``, ``Continue(effects)`` or
+    ``Yield(effects, reason)``, or it returned ``Continue`` with no effects and
+    committed nothing (the session would not change, so the next cycle would
+    decide the same, forever). Nothing was written for that cycle.
+    """
+
+
+class ConflictError(RunError):
     """Compare-and-set failed: another writer moved the session on (invariant 3).
 
     Attributes:
@@ -58,7 +123,7 @@ class ConflictError(StepmachineError):
         )
 
 
-class SessionNotFoundError(StepmachineError, LookupError):
+class SessionNotFoundError(RunError, LookupError):
     """The store holds no session with this id."""
 
     def __init__(self, session_id: str) -> None:
@@ -66,7 +131,7 @@ class SessionNotFoundError(StepmachineError, LookupError):
         super().__init__(f"no session with id {session_id!r}")
 
 
-class SessionExistsError(StepmachineError):
+class SessionExistsError(RunError):
     """``create`` was asked for an id the store already holds."""
 
     def __init__(self, session_id: str) -> None:
@@ -74,11 +139,15 @@ class SessionExistsError(StepmachineError):
         super().__init__(f"a session with id {session_id!r} already exists")
 
 
-class InvalidSessionIdError(StepmachineError, ValueError):
+class InvalidSessionIdError(RunError, ValueError):
     """A session id a store cannot accept safely (a path, NUL bytes, too long, ...)."""
 
 
-class StoredDataError(StepmachineError):
+class StoreClosedError(RunError):
+    """A store was used after ``aclose()``; nothing was done."""
+
+
+class StoredDataError(RunError):
     """A stored or wire record could not be decoded (invariant 8).
 
     Decoding fails closed: unknown tags and malformed records raise this error,
@@ -86,7 +155,7 @@ class StoredDataError(StepmachineError):
     """
 
 
-class EffectError(StepmachineError):
+class EffectError(RunError):
     """An effect cannot be applied to the session it was computed for.
 
     For example, an annotation names a message id the conversation does not hold.
@@ -94,7 +163,7 @@ class EffectError(StepmachineError):
     """
 
 
-class HistoryError(StepmachineError):
+class HistoryError(RunError):
     """The conversation is not provider-valid (invariant 4).
 
     Raised before a model request is built from a history in which a tool call
@@ -102,11 +171,11 @@ class HistoryError(StepmachineError):
     """
 
 
-class ToolArgumentsError(StepmachineError):
+class ToolArgumentsError(RunError):
     """A tool's arguments failed validation against its schema."""
 
 
-class ToolAbortError(StepmachineError):
+class ToolAbortError(RunError):
     """Raised by a tool to fail closed: stop the whole batch, and the run.
 
     Calls of the batch not yet started are not started (they get a "not
@@ -115,7 +184,7 @@ class ToolAbortError(StepmachineError):
     """
 
 
-class ModelError(StepmachineError):
+class ModelError(RunError):
     """A model call failed. Provider adapters raise typed subclasses."""
 
 
@@ -132,7 +201,7 @@ class UnexpectedModelCallError(ModelError):
     """A scripted model was called when its script had no turn left."""
 
 
-class InvalidFieldError(StepmachineError, TypeError, ValueError):
+class InvalidFieldError(DefinitionError, ValueError):
     """A public constructor got a value of the wrong type (or an unknown literal) for a field.
 
     Messages, parts, effects and sessions check their fields when built (by

@@ -26,6 +26,10 @@ locally -- the same value: the compare-and-set proved that nobody wrote in
 between, and applying effects is pure. On a conflict the machine reloads and re-steps (at most
 ``max_conflicts`` times per run) and never overwrites.
 
+The loop is here; one cycle is ``_run.Run.cycle`` (built from ``_cycle``),
+cancellation and finalize are ``_finalize``, and every compare-and-set retry
+is ``_retry``.
+
 Cancellation. When the machine's :class:`CancelToken` fires, the running step
 is cancelled; then :meth:`StateMachine.finalize` runs shielded: the
 interrupted step, then every other step, may return effects that keep what
@@ -43,37 +47,22 @@ just after a tool returned), which then propagate.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from collections.abc import Sequence
+from typing import Generic, TypeVar
 
 import anyio
 import msgspec
-import structlog
 
-from ._codec import Batch
-from ._effects import AppendMessage, Effect, apply_batch
-from ._emitter import Emitter, EventSink, NullEmitter, StepApplied, Yielded
-from ._errors import ConfigurationError, ConflictError, StepmachineError
-from ._history import open_tool_calls
-from ._messages import Message, ToolResultPart
+from ._cycle import Decision, Interrupted, collect, commit, offer
+from ._emitter import Emitter, EventSink, NullEmitter
+from ._errors import ConfigurationError
+from ._finalize import FINALIZE_STEP, INTERRUPTED, finalize, keep_interrupted, shielded
 from ._model import PromptPart, ToolDefinition
+from ._retry import Conflicts
+from ._run import Run, RunReport
 from ._runtime import Runtime
 from ._session import Session
-from ._steps import (
-    CancelToken,
-    Continue,
-    Operation,
-    Outcome,
-    Refuse,
-    StepContext,
-    StepResult,
-    Yield,
-    YieldReason,
-)
-from ._store import EffectHandler, SessionLoader
+from ._steps import CancelToken, Operation, StepResult, Yield
 
 __all__ = [
     "DEFAULT_MAX_CYCLES",
@@ -86,12 +75,6 @@ __all__ = [
 
 D = TypeVar("D", bound=msgspec.Struct)
 
-FINALIZE_STEP = "stepmachine.finalize"
-"""The step name recorded for the batch that answers interrupted tool calls."""
-
-INTERRUPTED = "interrupted: the run was cancelled before this tool call finished"
-"""The content of the error result given to tool calls left open by a cancellation."""
-
 DEFAULT_MAX_CYCLES = 100
 """Cycles one ``run()`` applies at most before it yields ``cycle_limit``.
 
@@ -102,61 +85,6 @@ a bound on a model that never stops calling tools when no ``Budget`` is
 configured (without one, such a run spins as fast as the model answers). A run
 that hits it loses nothing: ``run()`` again continues from the stored session.
 """
-
-_stdlib_logger = logging.getLogger("stepmachine")
-_log = structlog.wrap_logger(
-    _stdlib_logger,
-    wrapper_class=structlog.stdlib.BoundLogger,
-    processors=[structlog.processors.KeyValueRenderer(key_order=["event"])],
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Decision(Generic[D]):
-    """The step that applied in one cycle, with its outcome.
-
-    Attributes:
-        step: the step that applied.
-        outcome: its ``Continue`` or ``Yield``.
-        ctx: the context it ran with (its ``scratch`` included).
-        refused: the names of the steps that refused before it.
-    """
-
-    step: Operation[D]
-    outcome: Continue | Yield
-    ctx: StepContext[D]
-    refused: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RunReport(Generic[D]):
-    """What a run did.
-
-    Attributes:
-        session: the session when the run returned.
-        reason: why it returned (``done``, ``idle``, ``call_held``, ``cycle_limit``,
-            ``cancelled``, ...).
-        results: one :class:`StepResult` per cycle that applied, in order.
-    """
-
-    session: Session[D]
-    reason: YieldReason
-    results: tuple[StepResult, ...] = ()
-
-
-@dataclass(slots=True)
-class _Running(Generic[D]):
-    """The step currently offered the session, for finalize after a cancellation."""
-
-    step: Operation[D] | None = None
-    ctx: StepContext[D] | None = None
-    start_revision: int = 0
-
-
-@dataclass(slots=True)
-class _Offer(Generic[D]):
-    decision: Decision[D] | None = None
-    refused: list[str] = field(default_factory=list)
 
 
 class StateMachine(Generic[D]):
@@ -223,7 +151,46 @@ class StateMachine(Generic[D]):
             )
         self.max_cycles = max_cycles
 
-    # -- one cycle ----------------------------------------------------------------
+    # -- the loop -------------------------------------------------------------------
+
+    async def run(
+        self, runtime: Runtime, session_id: str, emitter: Emitter | None = None
+    ) -> Session[D]:
+        """Run cycles until a step yields or none applies; return the session.
+
+        Equivalent to ``(await run_report(...)).session``. Calling ``run`` again
+        later continues where the stored session left off. The run also returns
+        after ``max_cycles`` applied cycles (reason ``cycle_limit``), and with
+        reason ``call_held`` when no step applies while a step's ``check_call``
+        holds open tool calls back.
+
+        Raises:
+            SessionNotFoundError: no such session.
+            ConfigurationError: duplicate tool names, missing model or store.
+            StepContractError: a step returned something ``run`` may not return.
+            ConflictError: more than ``max_conflicts`` conflicts in this run.
+            Exception: whatever a step raises; effects applied before stay.
+
+        Cancellation: see the module docs. From outside, finalize runs
+        shielded for at most ``finalize_timeout`` seconds, then the
+        cancellation propagates.
+        """
+        return (await self.run_report(runtime, session_id, emitter)).session
+
+    async def run_report(
+        self, runtime: Runtime, session_id: str, emitter: Emitter | None = None
+    ) -> RunReport[D]:
+        """Like :meth:`run`, and also say why the run returned and what each cycle did."""
+        session: Session[D] = await runtime.session_loader().load(session_id)
+        sink = EventSink(emitter or NullEmitter(), session_id, session.revision)
+        run = Run(self, runtime, sink, start_revision=session.revision)
+        conflicts = Conflicts(self.max_conflicts)  # for the whole run, not per cycle
+        while True:
+            session, report = await conflicts.retry(session, run.cycle, run.reload)
+            if report is not None:
+                return report
+
+    # -- driving cycles by hand -------------------------------------------------------
 
     def collect(
         self, session: Session[D]
@@ -233,20 +200,7 @@ class StateMachine(Generic[D]):
         Raises:
             ConfigurationError: two steps (or one step twice) advertise a tool name.
         """
-        tools: list[ToolDefinition] = []
-        owner: dict[str, str] = {}
-        parts: list[PromptPart] = []
-        for step in self.steps:
-            for definition in step.tools(session):
-                if definition.name in owner:
-                    raise ConfigurationError(
-                        f"tool name {definition.name!r} is advertised by both "
-                        f"{owner[definition.name]!r} and {step.name!r}"
-                    )
-                owner[definition.name] = step.name
-                tools.append(definition)
-            parts.extend(step.prompt_parts(session))
-        return tuple(tools), tuple(parts)
+        return collect(self.steps, session)
 
     async def step(
         self,
@@ -268,6 +222,7 @@ class StateMachine(Generic[D]):
 
         Raises:
             ConfigurationError: duplicate tool names (before any step runs).
+            StepContractError: a step returned something other than an outcome.
             Exception: whatever a step raises.
 
         Cancellation: the running step is interrupted. Before the cancellation
@@ -277,23 +232,19 @@ class StateMachine(Generic[D]):
         :meth:`finalize` to answer the calls still open.
         """
         sink = EventSink(emitter or NullEmitter(), session.id, session.revision)
-        running: _Running[D] = _Running(
-            start_revision=session.revision if run_start_revision is None else run_start_revision
+        start = session.revision if run_start_revision is None else run_start_revision
+
+        async def keep(interrupted: Interrupted[D]) -> None:
+            async def work() -> None:
+                current: Session[D] = await runtime.session_loader().load(session.id)
+                await keep_interrupted(runtime, current, interrupted, cycle, self.max_conflicts)
+
+            await shielded(self.finalize_timeout, session.id, work)
+
+        offered = await offer(
+            self.steps, runtime, session, sink, cycle, start, token=None, on_cancel=keep
         )
-        try:
-            offer = await self._offer(runtime, session, sink, cycle, running)
-        except BaseException as exc:
-            if not _stops_the_run(exc):
-                raise
-            with anyio.move_on_after(self.finalize_timeout, shield=True):
-                try:
-                    loader = runtime.session_loader()
-                    current: Session[D] = await loader.load(session.id)
-                    await self._keep_interrupted(runtime, loader, current, running, cycle)
-                except Exception:  # noqa: BLE001 - the cancellation must still propagate
-                    _log.exception("keeping an interrupted step failed", session_id=session.id)
-            raise
-        return offer.decision
+        return offered if isinstance(offered, Decision) else None
 
     async def apply(
         self, runtime: Runtime, session: Session[D], decision: Decision[D], *, cycle: int = 0
@@ -313,7 +264,7 @@ class StateMachine(Generic[D]):
             session = decision.ctx.session  # the step committed batches of its own
         after = session
         if outcome.effects:
-            after = await self._commit(runtime, session, decision.step.name, cycle, outcome.effects)
+            after = await commit(runtime, session, decision.step.name, cycle, outcome.effects)
         if isinstance(outcome, Yield):
             result = StepResult(
                 decision.step.name, outcome.effects, "yielded", after.revision, outcome.reason
@@ -322,462 +273,39 @@ class StateMachine(Generic[D]):
             result = StepResult(decision.step.name, outcome.effects, "continue", after.revision)
         return after, result
 
-    # -- the loop -------------------------------------------------------------------
-
-    async def run(
-        self, runtime: Runtime, session_id: str, emitter: Emitter | None = None
-    ) -> Session[D]:
-        """Run cycles until a step yields or none applies; return the session.
-
-        Equivalent to ``(await run_report(...)).session``. Calling ``run`` again
-        later continues where the stored session left off. The run also returns
-        after ``max_cycles`` applied cycles (reason ``cycle_limit``), and with
-        reason ``call_held`` when no step applies while a step's ``check_call``
-        holds open tool calls back.
-
-        Raises:
-            SessionNotFoundError: no such session.
-            ConfigurationError: duplicate tool names, missing model or store.
-            ConflictError: more than ``max_conflicts`` conflicts in this run.
-            Exception: whatever a step raises; effects applied before stay.
-
-        Cancellation: see the module docs. From outside, finalize runs
-        shielded for at most ``finalize_timeout`` seconds, then the
-        cancellation propagates.
-        """
-        return (await self.run_report(runtime, session_id, emitter)).session
-
-    async def run_report(
-        self, runtime: Runtime, session_id: str, emitter: Emitter | None = None
-    ) -> RunReport[D]:
-        """Like :meth:`run`, and also say why the run returned and what each cycle did."""
-        loader = runtime.session_loader()
-        session: Session[D] = await loader.load(session_id)
-        sink = EventSink(emitter or NullEmitter(), session_id, session.revision)
-        results: list[StepResult] = []
-        running: _Running[D] = _Running(start_revision=session.revision)
-        conflicts = 0
-        cycle = 0
-        try:
-            while True:
-                if self.cancel is not None and self.cancel.cancelled:
-                    return await self._cancelled(runtime, sink, session, results, None, cycle)
-                if self.max_cycles is not None and len(results) >= self.max_cycles:
-                    self._log_cycle(session, cycle, None, [], YieldReason.CYCLE_LIMIT)
-                    reason = YieldReason(
-                        YieldReason.CYCLE_LIMIT,
-                        f"this run applied {len(results)} cycles, the machine's max_cycles; "
-                        "run() again continues",
-                        {"max_cycles": self.max_cycles},
-                    )
-                    await sink.emit(Yielded(reason.kind, reason.message))
-                    return RunReport(session, reason, tuple(results))
-                cycle += 1
-                try:
-                    offer = await self._offer_cancellable(runtime, session, sink, cycle, running)
-                except ConflictError:
-                    # A step's own commit lost the race: reload and decide again.
-                    conflicts += 1
-                    step_name = running.step.name if running.step is not None else None
-                    self._log_cycle(session, cycle, step_name, [], "conflict")
-                    if conflicts > self.max_conflicts:
-                        raise
-                    running.step = running.ctx = None
-                    session = await loader.load(session_id)
-                    sink.follow(session.revision)
-                    continue
-                if offer is None:
-                    return await self._cancelled(runtime, sink, session, results, running, cycle)
-                decision = offer.decision
-                if decision is None:
-                    reason = self._idle_reason(runtime, session, sink, cycle, running)
-                    self._log_cycle(session, cycle, None, offer.refused, reason.kind)
-                    await sink.emit(Yielded(reason.kind, reason.message))
-                    return RunReport(session, reason, tuple(results))
-                _check_progress(decision, session)
-                try:
-                    session, result = await self.apply(runtime, session, decision, cycle=cycle)
-                except ConflictError:
-                    conflicts += 1
-                    self._log_cycle(session, cycle, decision.step.name, offer.refused, "conflict")
-                    if conflicts > self.max_conflicts:
-                        raise
-                    session = await loader.load(session_id)
-                    sink.follow(session.revision)
-                    continue
-                running.step = running.ctx = None
-                results.append(result)
-                self._log_cycle(session, cycle, decision.step.name, offer.refused, result.status)
-                if decision.outcome.effects:
-                    await sink.emit(
-                        StepApplied(
-                            decision.step.name,
-                            session.revision,
-                            result.status,
-                            len(decision.outcome.effects),
-                        )
-                    )
-                    sink.follow(session.revision)
-                if isinstance(decision.outcome, Yield):
-                    reason = decision.outcome.reason
-                    await sink.emit(Yielded(reason.kind, reason.message))
-                    return RunReport(session, reason, tuple(results))
-        except BaseException as exc:
-            if not _stops_the_run(exc):
-                raise
-            with anyio.move_on_after(self.finalize_timeout, shield=True):
-                try:
-                    await self._finalize(runtime, session_id, sink, running, cycle)
-                except Exception:  # noqa: BLE001 - the cancellation must still propagate
-                    _log.exception(
-                        "finalize failed after outside cancellation", session_id=session_id
-                    )
-            raise
-
     async def finalize(
         self,
         runtime: Runtime,
         session_id: str,
         emitter: Emitter | None = None,
         *,
-        interrupted: Decision[D] | StepContext[D] | None = None,
-        interrupted_step: Operation[D] | None = None,
+        interrupted: Decision[D] | None = None,
     ) -> Session[D]:
         """Make a cancelled session whole again; callers driving ``step``/``apply`` call it.
 
-        Runs shielded. First the interrupted step (given as ``interrupted_step``
-        with its ``interrupted`` ctx) returns effects that keep what it had
-        received; then every other step's ``finalize(interrupted=False)``; then
-        every tool call still without a result is answered with an
-        ``interrupted`` error result (step name ``stepmachine.finalize``).
-        Each of these is its own batch, retried on conflict.
+        Runs shielded. ``interrupted`` is the decision whose :meth:`apply` was
+        cancelled, if any: its step's ``finalize(interrupted=True)``, with the
+        decision's ctx, keeps what it had received. (A cancelled :meth:`step`
+        has kept that already; pass nothing then.) Then every other step's
+        ``finalize(interrupted=False)``; then every tool call still without a
+        result is answered with an ``interrupted`` error result (step name
+        ``stepmachine.finalize``). Each of these is its own batch, retried on
+        conflict.
 
         Returns:
             The session afterwards.
         """
         sink = EventSink(emitter or NullEmitter(), session_id, 0)
-        running: _Running[D] = _Running()
-        if isinstance(interrupted, Decision):
-            running.step, running.ctx = interrupted.step, interrupted.ctx
-        elif interrupted is not None:
-            running.step, running.ctx = interrupted_step, interrupted
+        step = None if interrupted is None else Interrupted(interrupted.step, interrupted.ctx)
         with anyio.CancelScope(shield=True):
-            return await self._finalize(runtime, session_id, sink, running, 0)
+            return await finalize(
+                self.steps,
+                runtime,
+                session_id,
+                sink,
+                step,
+                cycle=0,
+                run_start_revision=0,
+                max_conflicts=self.max_conflicts,
+            )
         raise AssertionError("unreachable: a shielded scope is never cancelled")  # pragma: no cover
-
-    # -- internals -------------------------------------------------------------------
-
-    async def _offer(
-        self,
-        runtime: Runtime,
-        session: Session[D],
-        sink: EventSink,
-        cycle: int,
-        running: _Running[D],
-    ) -> _Offer[D]:
-        tools, parts = self.collect(session)
-        offer: _Offer[D] = _Offer()
-        for step in self.steps:
-            ctx = StepContext(
-                session=session,
-                runtime=runtime,
-                events=sink,
-                cycle=cycle,
-                tools=tools,
-                prompt_parts=parts,
-                steps=self.steps,
-                run_start_revision=running.start_revision,
-                committer=self._committer(runtime, step.name, cycle, sink),
-            )
-            running.step, running.ctx = step, ctx
-            outcome: Outcome = await step.run(ctx)
-            if isinstance(outcome, Refuse) and ctx.session.revision != session.revision:
-                # It committed batches of its own and then refused: the session moved,
-                # so the next cycle must start from the top with the new session.
-                outcome = Continue(())
-            if isinstance(outcome, Refuse):
-                offer.refused.append(step.name)
-                continue
-            if not isinstance(outcome, Continue | Yield):
-                raise StepmachineError(
-                    f"step {step.name!r} returned {outcome!r}; a step returns Refuse, "
-                    "Continue or Yield"
-                )
-            offer.decision = Decision(step, outcome, ctx, tuple(offer.refused))
-            return offer
-        running.step = running.ctx = None
-        return offer
-
-    def _idle_reason(
-        self,
-        runtime: Runtime,
-        session: Session[D],
-        sink: EventSink,
-        cycle: int,
-        running: _Running[D],
-    ) -> YieldReason:
-        """Why no step applied: ``call_held`` if some step holds open calls back, else ``idle``."""
-        calls = open_tool_calls(session.conversation)
-        if not calls:
-            return YieldReason(YieldReason.IDLE, "no step applies")
-        tools, parts = self.collect(session)
-        ctx: StepContext[D] = StepContext(
-            session=session,
-            runtime=runtime,
-            events=sink,
-            cycle=cycle,
-            tools=tools,
-            prompt_parts=parts,
-            steps=self.steps,
-            run_start_revision=running.start_revision,
-        )
-        held: list[dict[str, str]] = []
-        for call in calls:
-            for step in self.steps:
-                objection = step.check_call(ctx, call)
-                if objection is not None:
-                    held.append(
-                        {
-                            "call_id": call.call_id,
-                            "tool": call.name,
-                            "step": step.name,
-                            "objection": objection,
-                        }
-                    )
-                    break
-        if not held:
-            return YieldReason(YieldReason.IDLE, "no step applies")
-        first = held[0]
-        more = f" (and {len(held) - 1} more held call(s))" if len(held) > 1 else ""
-        return YieldReason(
-            YieldReason.CALL_HELD,
-            f"step {first['step']!r} holds back tool call {first['call_id']!r} "
-            f"({first['tool']}): {first['objection']}{more}; no step applies until the "
-            "session changes",
-            {"calls": held},
-        )
-
-    async def _offer_cancellable(
-        self,
-        runtime: Runtime,
-        session: Session[D],
-        sink: EventSink,
-        cycle: int,
-        running: _Running[D],
-    ) -> _Offer[D] | None:
-        """Offer under the cancel token; ``None`` means the token interrupted it."""
-        token = self.cancel
-        if token is None:
-            return await self._offer(runtime, session, sink, cycle, running)
-        offer: _Offer[D] | None = None
-        with anyio.CancelScope() as scope:
-            token.bind(scope)
-            try:
-                offer = await self._offer(runtime, session, sink, cycle, running)
-            finally:
-                token.unbind(scope)
-        return offer
-
-    async def _cancelled(
-        self,
-        runtime: Runtime,
-        sink: EventSink,
-        session: Session[D],
-        results: list[StepResult],
-        running: _Running[D] | None,
-        cycle: int,
-    ) -> RunReport[D]:
-        name = running.step.name if running is not None and running.step is not None else ""
-        with anyio.move_on_after(self.finalize_timeout, shield=True):
-            session = await self._finalize(runtime, session.id, sink, running or _Running(), cycle)
-        reason = YieldReason(
-            YieldReason.CANCELLED, self.cancel.reason if self.cancel is not None else ""
-        )
-        results.append(StepResult(name, (), "cancelled", session.revision, reason))
-        self._log_cycle(session, cycle, name or None, [], "cancelled")
-        await sink.emit(Yielded(reason.kind, reason.message))
-        return RunReport(session, reason, tuple(results))
-
-    async def _finalize(
-        self,
-        runtime: Runtime,
-        session_id: str,
-        sink: EventSink,
-        running: _Running[D],
-        cycle: int,
-    ) -> Session[D]:
-        loader = runtime.session_loader()
-        session: Session[D] = await loader.load(session_id)
-        sink.follow(session.revision)
-        interrupted_step = running.step
-        session = await self._keep_interrupted(runtime, loader, session, running, cycle)
-        for step in self.steps:
-            if step is interrupted_step:
-                continue
-
-            async def finalize_step(
-                current: Session[D], step: Operation[D] = step
-            ) -> Sequence[Effect]:
-                tools, parts = self.collect(current)
-                ctx = StepContext(
-                    session=current,
-                    runtime=runtime,
-                    events=sink,
-                    cycle=cycle,
-                    tools=tools,
-                    prompt_parts=parts,
-                    steps=self.steps,
-                    run_start_revision=running.start_revision,
-                )
-                return await step.finalize(ctx, interrupted=False)
-
-            session = await self._commit_fresh(
-                runtime, loader, session, step.name, cycle, finalize_step
-            )
-
-        async def answer_open_calls(current: Session[D]) -> Sequence[Effect]:
-            return [
-                AppendMessage(
-                    Message.tool_result(
-                        ToolResultPart.for_call(call, INTERRUPTED, is_error=True), id=runtime.ids()
-                    )
-                )
-                for call in open_tool_calls(current.conversation)
-            ]
-
-        session = await self._commit_fresh(
-            runtime, loader, session, FINALIZE_STEP, cycle, answer_open_calls
-        )
-        sink.follow(session.revision)
-        return session
-
-    async def _keep_interrupted(
-        self,
-        runtime: Runtime,
-        loader: SessionLoader,
-        session: Session[D],
-        running: _Running[D],
-        cycle: int,
-    ) -> Session[D]:
-        """Commit the interrupted step's ``finalize(interrupted=True)`` effects, if any."""
-        interrupted_step, step_ctx = running.step, running.ctx
-        if interrupted_step is None or step_ctx is None:
-            return session
-
-        async def keep(current: Session[D]) -> Sequence[Effect]:
-            # The interrupted step sees the session as stored now (its own batch
-            # may have been committed just before the cancellation) together
-            # with the scratch of the cycle it was running in.
-            return await interrupted_step.finalize(
-                dataclasses.replace(step_ctx, session=current), interrupted=True
-            )
-
-        return await self._commit_fresh(
-            runtime, loader, session, interrupted_step.name, cycle, keep
-        )
-
-    async def _commit_fresh(
-        self,
-        runtime: Runtime,
-        loader: SessionLoader,
-        session: Session[D],
-        step_name: str,
-        cycle: int,
-        compute: Callable[[Session[D]], Awaitable[Sequence[Effect]]],
-    ) -> Session[D]:
-        """Compute effects from ``session`` and commit them; on conflict reload and recompute."""
-        for attempt in range(self.max_conflicts + 1):
-            effects = tuple(await compute(session))
-            if not effects:
-                return session
-            try:
-                return await self._commit(runtime, session, step_name, cycle, effects)
-            except ConflictError:
-                if attempt == self.max_conflicts:
-                    raise
-                session = await loader.load(session.id)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _committer(
-        self, runtime: Runtime, step_name: str, cycle: int, sink: EventSink
-    ) -> Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]]:
-        """What ``StepContext.commit`` calls: one batch now, under the step's name."""
-
-        async def commit(current: Session[D], effects: Sequence[Effect]) -> Session[D]:
-            after = await self._commit(runtime, current, step_name, cycle, effects)
-            await sink.emit(StepApplied(step_name, after.revision, "committed", len(effects)))
-            return after
-
-        return commit
-
-    async def _commit(
-        self,
-        runtime: Runtime,
-        session: Session[D],
-        step_name: str,
-        cycle: int,
-        effects: Sequence[Effect],
-    ) -> Session[D]:
-        # Applied here first whatever the handler: an effect that does not apply
-        # fails before anything is written, and a handler returning None needs it.
-        after = apply_batch(session, effects)
-        handler: EffectHandler = runtime.effect_handler()
-        stored = await handler.apply(
-            Batch(
-                session_id=session.id,
-                revision=after.revision,
-                step=step_name,
-                cycle=cycle,
-                timestamp=runtime.clock(),
-                effects=tuple(effects),
-            )
-        )
-        return after if stored is None else stored
-
-    def _log_cycle(
-        self,
-        session: Session[Any],
-        cycle: int,
-        applied: str | None,
-        refused: Sequence[str],
-        status: str,
-    ) -> None:
-        if _stdlib_logger.isEnabledFor(logging.DEBUG):
-            _log.debug(
-                "cycle",
-                session_id=session.id,
-                revision=session.revision,
-                cycle=cycle,
-                applied=applied,
-                refused=list(refused),
-                status=status,
-            )
-
-
-def _check_progress(decision: Decision[Any], session: Session[Any]) -> None:
-    """Raise :class:`StepmachineError` if ``decision`` would leave the session as it is."""
-    if (
-        isinstance(decision.outcome, Continue)
-        and not decision.outcome.effects
-        and decision.ctx.session.revision == session.revision
-    ):
-        raise StepmachineError(
-            f"step {decision.step.name!r} returned Continue with no effects; the "
-            "session would not change and the next cycle would decide the same"
-        )
-
-
-def _stops_the_run(exc: BaseException) -> bool:
-    """Whether ``exc`` stops a run from outside, so finalize runs before it propagates.
-
-    A cancellation, or ``KeyboardInterrupt`` / ``SystemExit``, bare or inside an
-    exception group (under trio, Ctrl-C raises ``KeyboardInterrupt`` at the next
-    checkpoint, which can be inside the tool step's task group, right after a
-    tool returned: its result must still be recorded).
-    """
-    if isinstance(exc, anyio.get_cancelled_exc_class()):
-        return True
-    interrupts = (KeyboardInterrupt, SystemExit)
-    if isinstance(exc, interrupts):
-        return True
-    return isinstance(exc, BaseExceptionGroup) and exc.subgroup(interrupts) is not None

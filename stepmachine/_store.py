@@ -23,8 +23,8 @@ import msgspec
 
 from ._codec import Batch, Codec
 from ._effects import Effect, apply_batch
-from ._errors import ConflictError
 from ._messages import Message
+from ._retry import retry_conflicts
 from ._session import Session
 
 __all__ = ["EffectHandler", "SessionLoader", "Store", "submit"]
@@ -146,8 +146,8 @@ async def submit(
     """
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
-    for attempt in range(max_attempts):
-        session = await store.load(session_id)
+
+    async def attempt(session: Session[Any]) -> Session[Any]:
         batch_effects = tuple(effects(session) if callable(effects) else effects)
         after = apply_batch(session, batch_effects)
         batch: Batch[Effect] = Batch(
@@ -158,11 +158,8 @@ async def submit(
             timestamp=clock(),
             effects=batch_effects,
         )
-        try:
-            stored = await store.apply(batch)
-        except ConflictError:
-            if attempt == max_attempts - 1:
-                raise
-            continue
+        stored = await store.apply(batch)
         return after if stored is None else stored
-    raise AssertionError("unreachable")  # pragma: no cover
+
+    first = await store.load(session_id)
+    return await retry_conflicts(first, attempt, store.load, attempts=max_attempts)

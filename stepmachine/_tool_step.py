@@ -54,6 +54,7 @@ from ._errors import ConfigurationError, ConflictError, ToolAbortError, ToolArgu
 from ._history import open_tool_calls
 from ._messages import Message, ToolCallPart, ToolResultPart
 from ._model import ToolDefinition
+from ._retry import retry_conflicts
 from ._runtime import uuid_ids
 from ._session import Session
 from ._steps import Continue, Operation, Outcome, Refuse, StepContext, Yield, YieldReason
@@ -352,23 +353,20 @@ class Tools(Operation[Any]):
         self, ctx: StepContext[Any], results: Sequence[ToolResultPart]
     ) -> None:
         """Commit results as one batch; after a conflict, reload and commit what is still open."""
-        pending = list(results)
-        for attempt in range(_MAX_RESULT_RETRIES):
-            open_ids = {c.call_id for c in open_tool_calls(ctx.session.conversation)}
-            pending = [r for r in pending if r.call_id in open_ids]
-            if not pending:
-                return
-            effects = [
-                AppendMessage(Message.tool_result(result, id=ctx.new_id())) for result in pending
-            ]
-            try:
-                await ctx.commit(effects)
-            except ConflictError:
-                if attempt == _MAX_RESULT_RETRIES - 1:
-                    raise
-                ctx.session = await ctx.runtime.session_loader().load(ctx.session.id)
-            else:
-                return
+
+        async def attempt(session: Session[Any]) -> None:
+            ctx.session = session
+            open_ids = {c.call_id for c in open_tool_calls(session.conversation)}
+            pending = [r for r in results if r.call_id in open_ids]
+            if pending:
+                await ctx.commit(
+                    [AppendMessage(Message.tool_result(r, id=ctx.new_id())) for r in pending]
+                )
+
+        async def reload(session_id: str) -> Session[Any]:
+            return await ctx.runtime.session_loader().load(session_id)
+
+        await retry_conflicts(ctx.session, attempt, reload, attempts=_MAX_RESULT_RETRIES)
 
     async def _run_call(
         self, ctx: StepContext[Any], call: ToolCallPart, message_id: str

@@ -68,6 +68,7 @@ from stepmachine import (
     Effect,
     Message,
     ReplaceConversation,
+    RunError,
     Session,
     SessionExistsError,
     SessionNotFoundError,
@@ -114,7 +115,7 @@ _log = structlog.wrap_logger(
 )
 
 
-class FileLockTimeoutError(StepmachineError, TimeoutError):
+class FileLockTimeoutError(RunError, TimeoutError):
     """The session's file lock was not acquired within ``lock_timeout``; nothing was done."""
 
 

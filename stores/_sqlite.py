@@ -50,7 +50,7 @@ from stepmachine import (
     Session,
     SessionExistsError,
     SessionNotFoundError,
-    StepmachineError,
+    StoreClosedError,
     StoredDataError,
     apply_batch,
 )
@@ -244,7 +244,7 @@ class SQLiteStore:
         async with self._lock:
             connection = self._conn
             if connection is None:
-                raise StepmachineError(f"SQLiteStore on {self._path} is closed")
+                raise StoreClosedError(f"SQLiteStore on {self._path} is closed")
             try:
                 # Shielded: a started transaction runs to its end, and its
                 # outcome (return or exception) reaches the caller; a pending
@@ -589,7 +589,7 @@ class SQLiteStore:
         Raises:
             sqlite3.OperationalError: ``target`` exists and is not empty, or
                 cannot be written.
-            StepmachineError: the store is closed.
+            StoreClosedError: the store is closed.
 
         Cancellation: see the class docstring; once in the worker thread the
         copy is written to its end.
@@ -605,7 +605,7 @@ class SQLiteStore:
     async def aclose(self) -> None:
         """Close the connection (shielded from cancellation). Idempotent.
 
-        Any later call but :meth:`aclose` raises :class:`~stepmachine.StepmachineError`.
+        Any later call but :meth:`aclose` raises :class:`~stepmachine.StoreClosedError`.
         """
         with anyio.CancelScope(shield=True):
             async with self._lock:

@@ -53,6 +53,7 @@ from stepmachine import (
     submit,
     tool,
 )
+from stepmachine._retry import Conflicts, retry_conflicts
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 
@@ -721,3 +722,191 @@ async def test_a_step_that_committed_and_refused_restarts_the_cycle() -> None:
     # No conflict: after the commit the cycle restarted from the top with the new session.
     assert [b.step for b in await store.batches("s")] == ["a", "committer", "b"]
     assert [r.step for r in report.results] == ["a", "committer", "b"]
+
+
+# -- the compare-and-set retry helper ------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    conflicts=st.lists(st.booleans(), max_size=8),
+    tolerated=st.integers(min_value=0, max_value=6),
+)
+async def test_conflicts_retry_reloads_after_each_conflict_and_spends_its_budget(
+    conflicts: list[bool], tolerated: int
+) -> None:
+    """Attempt ``i`` conflicts when ``conflicts[i]``; every attempt sees the latest reload."""
+    start = Session(id="s", revision=0, data=Flags(), conversation=())
+    seen: list[int] = []
+    reloads: list[int] = []
+
+    async def attempt(session: Session[Flags]) -> int:
+        seen.append(session.revision)
+        if len(seen) <= len(conflicts) and conflicts[len(seen) - 1]:
+            raise ConflictError(session.id, session.revision, session.revision + 1)
+        return len(seen)
+
+    async def reload(session_id: str) -> Session[Flags]:
+        reloads.append(len(seen))
+        return Session(id=session_id, revision=len(reloads), data=Flags(), conversation=())
+
+    budget = Conflicts(tolerated)
+    first_success = next((i for i, c in enumerate(conflicts) if not c), len(conflicts))
+    if first_success <= tolerated:
+        assert await budget.retry(start, attempt, reload) == first_success + 1
+        assert budget.left == tolerated - first_success
+    else:
+        with pytest.raises(ConflictError):
+            await budget.retry(start, attempt, reload)
+        assert budget.left == 0
+    attempts = min(first_success, tolerated) + 1
+    assert seen == list(range(attempts))  # attempt n saw the n-th reload, never a stale one
+    assert reloads == list(range(1, attempts))
+
+
+async def test_one_conflict_budget_is_shared_by_every_retry_that_uses_it() -> None:
+    start = Session(id="s", revision=0, data=Flags(), conversation=())
+
+    async def conflict(session: Session[Flags]) -> None:
+        raise ConflictError(session.id, session.revision, session.revision + 1)
+
+    async def reload(session_id: str) -> Session[Flags]:
+        return start
+
+    budget = Conflicts(3)
+    with pytest.raises(ConflictError):
+        await budget.retry(start, conflict, reload)
+    with pytest.raises(ConflictError):  # spent: the first conflict of the next retry propagates
+        await budget.retry(start, conflict, reload)
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        await retry_conflicts(start, conflict, reload, attempts=0)
+
+
+# -- finalize takes one argument: the decision whose apply was cancelled ---------------------
+
+
+class FinalizeLog(Operation[Flags]):
+    """Applies once (like ``Mark``), keeps a scratch value, and logs every ``finalize``."""
+
+    def __init__(self, name: str, log: list[tuple[str, bool, object]], *, apply: bool) -> None:
+        self._name = name
+        self._log = log
+        self._apply = apply
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    async def run(self, ctx: StepContext[Flags]) -> Outcome:
+        ctx.scratch["mine"] = self._name
+        if not self._apply or self._name in ctx.session.data.done:
+            return Refuse()
+        return Continue([UpdateData.set(done=(*ctx.session.data.done, self._name))])
+
+    async def finalize(self, ctx: StepContext[Flags], *, interrupted: bool) -> Sequence[Effect]:
+        self._log.append((self._name, interrupted, ctx.scratch.get("mine")))
+        return ()
+
+
+def test_finalize_takes_one_argument_for_the_interrupted_step() -> None:
+    import inspect
+
+    parameters = inspect.signature(StateMachine.finalize).parameters
+    assert "interrupted_step" not in parameters
+    assert parameters["interrupted"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+async def test_finalize_with_the_decision_whose_apply_was_cancelled() -> None:
+    store = await new_store()
+    log: list[tuple[str, bool, object]] = []
+    machine = StateMachine([FinalizeLog("a", log, apply=True), FinalizeLog("b", log, apply=True)])
+    runtime = Runtime(store=store)
+    decision = await machine.step(runtime, await store.load("s"))
+    assert decision is not None
+    await machine.finalize(runtime, "s", interrupted=decision)
+    # The decided step keeps what it had, with its cycle's scratch; the other one is told
+    # nothing was interrupted, and runs with a fresh ctx.
+    assert log == [("a", True, "a"), ("b", False, None)]
+
+
+class BlockingLoads:
+    """A store wrapper: ``hold_load`` / ``hold_apply`` (1-based) never return; others pass."""
+
+    def __init__(self, store: MemoryStore, *, hold_load: int = 0, hold_apply: int = 0) -> None:
+        self.store = store
+        self.hold_load = hold_load
+        self.hold_apply = hold_apply
+        self.loads = 0
+        self.applies = 0
+        self.holding = anyio.Event()
+
+    async def load(self, session_id: str) -> Session[Any]:
+        self.loads += 1
+        if self.loads == self.hold_load:
+            self.holding.set()
+            await anyio.sleep_forever()
+        return await self.store.load(session_id)
+
+    async def apply(self, batch: Batch[Effect]) -> Session[Any] | None:
+        self.applies += 1
+        if self.applies == self.hold_apply:
+            self.holding.set()
+            await anyio.sleep_forever()
+        return await self.store.apply(batch)
+
+
+async def run_until_held(machine: StateMachine[Flags], blocking: BlockingLoads) -> None:
+    runtime = Runtime(loader=blocking, handler=blocking)
+    async with anyio.create_task_group() as tg:
+
+        async def cancel_when_held() -> None:
+            await blocking.holding.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(cancel_when_held)
+        await machine.run(runtime, "s")
+    assert tg.cancel_scope.cancelled_caught
+
+
+async def test_an_outside_cancellation_while_applying_finalizes_the_deciding_step() -> None:
+    store = await new_store()
+    log: list[tuple[str, bool, object]] = []
+    machine = StateMachine([FinalizeLog("a", log, apply=True), FinalizeLog("b", log, apply=True)])
+    await run_until_held(machine, BlockingLoads(store, hold_apply=1))
+    assert log == [("a", True, "a"), ("b", False, None)]
+
+
+class ConflictOnce(Operation[Flags]):
+    """Decides to mark itself, but another writer gets in first (the first time only)."""
+
+    def __init__(self, store: MemoryStore, log: list[tuple[str, bool, object]]) -> None:
+        self._store = store
+        self._log = log
+        self._raced = False
+
+    async def run(self, ctx: StepContext[Flags]) -> Outcome:
+        ctx.scratch["mine"] = "stale"
+        if not self._raced:
+            self._raced = True
+            await submit(self._store, "s", [UpdateData.set(go=True)], clock=fixed_clock)
+        return Continue([UpdateData.set(done=("x",))])
+
+    async def finalize(self, ctx: StepContext[Flags], *, interrupted: bool) -> Sequence[Effect]:
+        self._log.append((self.name, interrupted, ctx.scratch.get("mine")))
+        return ()
+
+
+async def test_a_cancellation_after_a_conflict_does_not_finalize_the_stale_decision() -> None:
+    """The decision lost its race and was dropped: nothing of it is "interrupted" any more.
+
+    The machine reloads after the conflict; cancelled there, no step is running, so
+    every step gets ``finalize(interrupted=False)`` -- none sees the stale cycle's ctx.
+    """
+    store = await new_store()
+    log: list[tuple[str, bool, object]] = []
+    # loads: 1 = the run's first, 2 = the reload after the conflict (held there)
+    blocking = BlockingLoads(store, hold_load=2)
+    machine = StateMachine([ConflictOnce(store, log), FinalizeLog("b", log, apply=False)])
+    await run_until_held(machine, blocking)
+    assert log == [("ConflictOnce", False, None), ("b", False, None)]
+    assert (await store.load("s")).data == Flags(go=True)

@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 
 from .. import _json
-from .._errors import ContextLengthError, ModelError, StepmachineError
+from .._errors import ContextLengthError, ModelError, RunError, StepmachineError
 
 __all__ = [
     "AuthenticationError",
@@ -169,7 +169,7 @@ class MalformedResponseError(ProviderError):
     retryable = True
 
 
-class RedactedCauseError(StepmachineError):
+class RedactedCauseError(RunError):
     """Stands for an exception that could not be kept or copied safely (a foreign
     exception type, which may hold the request and its headers): in a provider
     error's ``__cause__``/``__context__`` chain, or raised in its place.

@@ -1,0 +1,150 @@
+"""After a cancellation: keep what was already received, answer every call left open.
+
+:func:`finalize` makes a cancelled session whole again, in three kinds of
+batches, each computed from the session as stored now and retried on
+conflict: the interrupted step's ``finalize(interrupted=True)`` (with the ctx
+of the cycle it was running in, ``scratch`` included), every other step's
+``finalize(interrupted=False)``, then an "interrupted" error result
+(:data:`INTERRUPTED`, step :data:`FINALIZE_STEP`) for every tool call still
+without a result. A tool call whose tool ran to completion keeps its real
+result: "interrupted" only ever answers a call that has no result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+
+from ._cycle import Interrupted, commit, context, log_failure
+from ._effects import AppendMessage, Effect
+from ._emitter import EventSink
+from ._history import open_tool_calls
+from ._messages import Message, ToolResultPart
+from ._retry import retry_conflicts
+from ._runtime import Runtime
+from ._session import Session
+from ._steps import Operation
+
+__all__ = ["FINALIZE_STEP", "INTERRUPTED", "finalize", "keep_interrupted", "shielded"]
+
+D = TypeVar("D", bound=msgspec.Struct)
+
+FINALIZE_STEP = "stepmachine.finalize"
+"""The step name recorded for the batch that answers interrupted tool calls."""
+
+INTERRUPTED = "interrupted: the run was cancelled before this tool call finished"
+"""The content of the error result given to tool calls left open by a cancellation."""
+
+
+async def finalize(
+    steps: tuple[Operation[D], ...],
+    runtime: Runtime,
+    session_id: str,
+    sink: EventSink,
+    interrupted: Interrupted[D] | None,
+    *,
+    cycle: int,
+    run_start_revision: int,
+    max_conflicts: int,
+) -> Session[D]:
+    """Keep the interrupted step's results, finalize the others, answer open calls.
+
+    Returns:
+        The session afterwards.
+
+    Raises:
+        ConflictError: one batch conflicted more than ``max_conflicts`` times.
+        Exception: whatever a step's ``finalize`` raises.
+
+    Cancellation: not shielded here; callers shield (see :func:`shielded`).
+    """
+    loader = runtime.session_loader()
+    session: Session[D] = await loader.load(session_id)
+    sink.follow(session.revision)
+    session = await keep_interrupted(runtime, session, interrupted, cycle, max_conflicts)
+    for step in steps:
+        if interrupted is not None and step is interrupted.step:
+            continue
+
+        async def finalize_step(current: Session[D], step: Operation[D] = step) -> Sequence[Effect]:
+            ctx = context(steps, runtime, current, sink, cycle, run_start_revision)
+            return await step.finalize(ctx, interrupted=False)
+
+        session = await _commit_fresh(
+            runtime, session, step.name, cycle, finalize_step, max_conflicts
+        )
+
+    async def answer_open_calls(current: Session[D]) -> Sequence[Effect]:
+        return [
+            AppendMessage(
+                Message.tool_result(
+                    ToolResultPart.for_call(call, INTERRUPTED, is_error=True), id=runtime.ids()
+                )
+            )
+            for call in open_tool_calls(current.conversation)
+        ]
+
+    session = await _commit_fresh(
+        runtime, session, FINALIZE_STEP, cycle, answer_open_calls, max_conflicts
+    )
+    sink.follow(session.revision)
+    return session
+
+
+async def keep_interrupted(
+    runtime: Runtime,
+    session: Session[D],
+    interrupted: Interrupted[D] | None,
+    cycle: int,
+    max_conflicts: int,
+) -> Session[D]:
+    """Commit the interrupted step's ``finalize(interrupted=True)`` effects, if any.
+
+    The step sees the session as stored now (its own batch may have been
+    committed just before the cancellation) with the scratch of its cycle.
+    """
+    if interrupted is None:
+        return session
+    step, step_ctx = interrupted.step, interrupted.ctx
+
+    async def keep(current: Session[D]) -> Sequence[Effect]:
+        return await step.finalize(dataclasses.replace(step_ctx, session=current), interrupted=True)
+
+    return await _commit_fresh(runtime, session, step.name, cycle, keep, max_conflicts)
+
+
+async def shielded(seconds: float, session_id: str, work: Callable[[], Awaitable[Any]]) -> None:
+    """Run ``work()`` shielded for at most ``seconds``, while a cancellation is pending.
+
+    An exception from ``work`` is logged, not raised: the pending cancellation
+    must still propagate.
+    """
+    with anyio.move_on_after(seconds, shield=True):
+        try:
+            await work()
+        except Exception:  # noqa: BLE001 - the cancellation must still propagate
+            log_failure("finalize failed after a cancellation", session_id)
+
+
+async def _commit_fresh(
+    runtime: Runtime,
+    session: Session[D],
+    step_name: str,
+    cycle: int,
+    compute: Callable[[Session[D]], Awaitable[Sequence[Effect]]],
+    max_conflicts: int,
+) -> Session[D]:
+    """Compute effects from ``session`` and commit them; on conflict reload and recompute."""
+
+    async def attempt(current: Session[D]) -> Session[D]:
+        effects = tuple(await compute(current))
+        if not effects:
+            return current
+        return await commit(runtime, current, step_name, cycle, effects)
+
+    loader = runtime.session_loader()
+    return await retry_conflicts(session, attempt, loader.load, attempts=max_conflicts + 1)

@@ -1,0 +1,78 @@
+"""The one compare-and-set retry loop: write from a session, reload on conflict, write again.
+
+Every writer that computes a batch from a session it read (the machine's run,
+finalize, :func:`~stepmachine.submit`, the ``Tools`` step's result commits)
+retries the same way: the attempt raises :class:`ConflictError` when the
+stored session moved on, nothing was written, so the writer reloads and
+computes again from what is stored now -- it never overwrites (invariant 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from ._errors import ConflictError
+from ._session import Session
+
+__all__ = ["Conflicts", "retry_conflicts"]
+
+R = TypeVar("R")
+S = TypeVar("S", bound=Session[Any])
+
+
+class Conflicts:
+    """A budget of conflicts, spent by :meth:`retry`; share one across calls to cap a whole run.
+
+    Args:
+        tolerated: conflicts tolerated in all (``0``: the first one propagates).
+    """
+
+    __slots__ = ("left",)
+
+    def __init__(self, tolerated: int) -> None:
+        self.left = tolerated
+
+    async def retry(
+        self,
+        session: S,
+        attempt: Callable[[S], Awaitable[R]],
+        reload: Callable[[str], Awaitable[S]],
+    ) -> R:
+        """``attempt(session)``; after a conflict, ``reload(session.id)`` and attempt again.
+
+        Returns:
+            What the first attempt that did not conflict returned.
+
+        Raises:
+            ConflictError: the conflict that found the budget spent.
+            Exception: whatever ``attempt`` or ``reload`` raises otherwise.
+
+        Cancellation: propagates from ``attempt`` or ``reload`` as is.
+        """
+        while True:
+            try:
+                return await attempt(session)
+            except ConflictError:
+                if self.left <= 0:
+                    raise
+                self.left -= 1
+            session = await reload(session.id)
+
+
+async def retry_conflicts(
+    session: S,
+    attempt: Callable[[S], Awaitable[R]],
+    reload: Callable[[str], Awaitable[S]],
+    *,
+    attempts: int,
+) -> R:
+    """:meth:`Conflicts.retry` with a budget of its own: at most ``attempts`` attempts in all.
+
+    Raises:
+        ValueError: ``attempts`` is less than 1.
+        ConflictError: every attempt conflicted.
+    """
+    if attempts < 1:
+        raise ValueError(f"attempts must be at least 1, got {attempts}")
+    return await Conflicts(attempts - 1).retry(session, attempt, reload)

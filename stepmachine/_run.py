@@ -1,0 +1,225 @@
+"""One ``run_report()``: its cycles, their results, and where a cancellation lands.
+
+A :class:`Run` is made per call of :meth:`StateMachine.run_report` and is
+dropped when it returns; it holds the run's cycle count and results, nothing
+a later run reads (state is the session, invariant 1). :meth:`Run.cycle` is
+one pass of the loop; the loop itself, with its conflict budget, is in
+``StateMachine.run_report``.
+
+Cancellation is handled where the interrupted step is known, without state
+passed on the side: a step cancelled while running is named by
+:func:`~stepmachine._cycle.offer` (to ``on_cancel``, or in its return value
+when the machine's token fired); a step whose decision was being applied is
+the decision local to ``Run._settle``. Either way :func:`finalize` runs
+shielded for at most ``finalize_timeout`` seconds with that step as the
+interrupted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+import anyio
+import msgspec
+
+from ._cycle import (
+    Decision,
+    Interrupted,
+    check_progress,
+    idle_reason,
+    log_cycle,
+    offer,
+    stops_the_run,
+)
+from ._emitter import EventSink, StepApplied, Yielded
+from ._errors import ConflictError
+from ._finalize import finalize, shielded
+from ._runtime import Runtime
+from ._session import Session
+from ._steps import StepResult, Yield, YieldReason
+
+if TYPE_CHECKING:
+    from ._machine import StateMachine
+
+__all__ = ["Run", "RunReport"]
+
+D = TypeVar("D", bound=msgspec.Struct)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class RunReport(Generic[D]):
+    """What a run did.
+
+    Attributes:
+        session: the session when the run returned.
+        reason: why it returned (``done``, ``idle``, ``call_held``, ``cycle_limit``,
+            ``cancelled``, ...).
+        results: one :class:`StepResult` per cycle that applied, in order.
+    """
+
+    session: Session[D]
+    reason: YieldReason
+    results: tuple[StepResult, ...] = ()
+
+
+@dataclass(slots=True)
+class Run(Generic[D]):
+    """The cycles of one ``run_report()`` call; see the module docs."""
+
+    machine: StateMachine[D]
+    runtime: Runtime
+    sink: EventSink
+    start_revision: int
+    cycles: int = 0
+    results: list[StepResult] = field(default_factory=list)
+
+    async def cycle(self, session: Session[D]) -> tuple[Session[D], RunReport[D] | None]:
+        """One cycle from ``session``: the session after it, and the report if the run ends.
+
+        Raises:
+            ConflictError: a commit lost the race; nothing of the cycle's decision was written.
+            StepContractError: a step returned something ``run`` may not return.
+            Exception: whatever a step raises.
+        """
+        machine = self.machine
+        if machine.cancel is not None and machine.cancel.cancelled:
+            return session, await self._cancelled(session, None)
+        if machine.max_cycles is not None and len(self.results) >= machine.max_cycles:
+            reason = YieldReason(
+                YieldReason.CYCLE_LIMIT,
+                f"this run applied {len(self.results)} cycles, the machine's max_cycles; "
+                "run() again continues",
+                {"max_cycles": machine.max_cycles},
+            )
+            log_cycle(session, self.cycles, None, [], reason.kind)
+            return session, await self._guarded(self._yielded(session, reason), None)
+        self.cycles += 1
+        try:
+            offered = await offer(
+                machine.steps,
+                self.runtime,
+                session,
+                self.sink,
+                self.cycles,
+                self.start_revision,
+                token=machine.cancel,
+                on_cancel=self._finalize_cancelled,
+            )
+        except ConflictError:  # a step's own commit lost the race
+            log_cycle(session, self.cycles, None, [], "conflict")
+            raise
+        if isinstance(offered, Interrupted):
+            return session, await self._cancelled(session, offered)
+        return await self._settle(session, offered)
+
+    async def _settle(
+        self, session: Session[D], decision: Decision[D] | None
+    ) -> tuple[Session[D], RunReport[D] | None]:
+        """Apply what the steps decided, or yield when none applied.
+
+        Cancellation from outside finalizes first; while the decision's batch is
+        being applied, with the deciding step as the interrupted one.
+        """
+        applying = decision
+        try:
+            if decision is None:
+                return session, await self._idle(session)
+            check_progress(decision, session)
+            name = decision.step.name
+            try:
+                after, result = await self.machine.apply(
+                    self.runtime, session, decision, cycle=self.cycles
+                )
+            except ConflictError:
+                log_cycle(session, self.cycles, name, decision.refused, "conflict")
+                raise
+            applying = None
+            self.results.append(result)
+            log_cycle(after, self.cycles, name, decision.refused, result.status)
+            outcome = decision.outcome
+            if outcome.effects:
+                count = len(outcome.effects)
+                await self.sink.emit(StepApplied(name, after.revision, result.status, count))
+                self.sink.follow(after.revision)
+            report = (
+                await self._yielded(after, outcome.reason) if isinstance(outcome, Yield) else None
+            )
+        except BaseException as exc:
+            if not stops_the_run(exc):
+                raise
+            interrupted = None if applying is None else Interrupted(applying.step, applying.ctx)
+            await self._finalize_cancelled(interrupted)
+            raise
+        return after, report
+
+    async def _idle(self, session: Session[D]) -> RunReport[D]:
+        """No step applied: yield ``call_held`` or ``idle`` (see :func:`idle_reason`)."""
+        machine = self.machine
+        reason = idle_reason(
+            machine.steps, self.runtime, session, self.sink, self.cycles, self.start_revision
+        )
+        refused = [step.name for step in machine.steps]  # every step refused
+        log_cycle(session, self.cycles, None, refused, reason.kind)
+        return await self._yielded(session, reason)
+
+    async def reload(self, session_id: str) -> Session[D]:
+        """The stored session, after a conflict; the event sink follows its revision."""
+        session: Session[D] = await self._guarded(
+            self.runtime.session_loader().load(session_id), None
+        )
+        self.sink.follow(session.revision)
+        return session
+
+    async def _yielded(self, session: Session[D], reason: YieldReason) -> RunReport[D]:
+        await self.sink.emit(Yielded(reason.kind, reason.message))
+        return RunReport(session, reason, tuple(self.results))
+
+    async def _cancelled(
+        self, session: Session[D], interrupted: Interrupted[D] | None
+    ) -> RunReport[D]:
+        """The machine's token fired: finalize (shielded, bounded), then return ``cancelled``."""
+        machine = self.machine
+        name = interrupted.step.name if interrupted is not None else ""
+        with anyio.move_on_after(machine.finalize_timeout, shield=True):
+            session = await self._finalize(session.id, interrupted)
+        token = machine.cancel
+        reason = YieldReason(YieldReason.CANCELLED, token.reason if token is not None else "")
+        self.results.append(StepResult(name, (), "cancelled", session.revision, reason))
+        log_cycle(session, self.cycles, name or None, [], "cancelled")
+        return await self._yielded(session, reason)
+
+    async def _guarded(self, work: Awaitable[T], interrupted: Interrupted[D] | None) -> T:
+        """``await work``; if the run is cancelled from outside meanwhile, finalize first."""
+        try:
+            return await work
+        except BaseException as exc:
+            if not stops_the_run(exc):
+                raise
+            await self._finalize_cancelled(interrupted)
+            raise
+
+    async def _finalize_cancelled(self, interrupted: Interrupted[D] | None) -> None:
+        """Finalize, shielded and bounded, while an outside cancellation is pending."""
+        session_id = self.sink.session_id
+        await shielded(
+            self.machine.finalize_timeout,
+            session_id,
+            lambda: self._finalize(session_id, interrupted),
+        )
+
+    def _finalize(
+        self, session_id: str, interrupted: Interrupted[D] | None
+    ) -> Awaitable[Session[D]]:
+        return finalize(
+            self.machine.steps,
+            self.runtime,
+            session_id,
+            self.sink,
+            interrupted,
+            cycle=self.cycles,
+            run_start_revision=self.start_revision,
+            max_conflicts=self.machine.max_conflicts,
+        )
