@@ -125,6 +125,16 @@ class Tools(Operation[Any]):
     (all intents and results were committed as the work happened), or
     ``Yield`` with ``tool_failed`` / ``outcome_unknown``.
 
+    Commits: a call of a ``non_idempotent`` tool gets a durable intent before
+    any tool of the step starts (one batch for all such calls), so it is never
+    run twice after a crash (invariant 6). A ``pure`` or ``idempotent`` tool
+    needs no intent -- re-running it is harmless by declaration -- so a step
+    running only such calls commits just its results: two batches per tool
+    step counting the model's call, three when a non-idempotent call is among
+    them. Each result is its own batch, committed as soon as it exists. One
+    call (or ``max_concurrency=1``) runs directly, without a task group,
+    limiter or lock.
+
     Args:
         tools: ``Tool`` objects or typed functions.
         name: the step name.
