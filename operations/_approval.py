@@ -66,6 +66,7 @@ from stepmachine import (
     YieldReason,
     effective_arguments,
     fingerprint,
+    open_tool_calls,
     submit,
 )
 
@@ -308,6 +309,10 @@ class Approval(Operation[Any]):
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
         session = ctx.session
+        # The cheap check first (shared with the other steps this cycle): with no
+        # open call there is nothing to approve or deny.
+        if not open_tool_calls(session.conversation):
+            return Refuse("no open tool call waits for approval")
         now = ctx.runtime.clock()
         allowed = always_allowed(session, name=self._name, now=now)
         denied: list[ToolCallPart] = []

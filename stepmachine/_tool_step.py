@@ -4,22 +4,29 @@
 without results that are its own, runs them. Every call goes through a journal
 kept in the session itself, as notes on the call (namespace ``"journal"``):
 
-1. **Intent first.** Before any tool of the batch starts, one batch of effects
-   is committed recording, per call, its fingerprint, its idempotency key and
-   its tool's side-effect class.
+1. **Intent first, where a re-run would matter.** Before any tool of the
+   batch starts, one batch of effects is committed recording, per call of a
+   ``non_idempotent`` tool, its fingerprint, its idempotency key and its
+   tool's side-effect class. Calls of ``pure`` and ``idempotent`` tools get no
+   intent: running them again is harmless by declaration, so they need no
+   durable record before they run. A tool step whose calls are all pure or
+   idempotent therefore costs two batches (the model's call, then the
+   result); one with a non-idempotent call costs three (the call, the
+   intents, then the result).
 2. **Each result as soon as it exists.** A result is committed as its own batch
    the moment its call finishes, so a finished sibling in a parallel batch is
    never re-run after a crash or a cancellation.
 3. **The batch is sealed** when every call has a result; inference only ever
    sees sealed batches (it refuses while any call is open).
 
-After a crash, a call with an intent and no result is re-run only if its tool
-is ``pure`` or ``idempotent`` (with the same idempotency key), or an operator
-allowed that one attempt to be repeated. Otherwise,
-depending on ``on_unknown_outcome``: ``"error"`` (default) answers it with an
-"outcome unknown" error result, so the model and the reader of the history
-know it may or may not have happened; ``"yield"`` holds it back and yields
-with reason ``outcome_unknown`` until an operator decides with
+After a crash, an open call of a ``pure`` or ``idempotent`` tool is simply run
+again (with the same idempotency key); its one result is committed as usual.
+An open call with an intent (a ``non_idempotent`` tool that had started) is
+never re-run, unless an operator allowed that one attempt to be repeated.
+Instead, depending on ``on_unknown_outcome``: ``"error"`` (default) answers it
+with an "outcome unknown" error result, so the model and the reader of the
+history know it may or may not have happened; ``"yield"`` holds it back and
+yields with reason ``outcome_unknown`` until an operator decides with
 :func:`resolve_unknown_outcome`.
 
 Everything that can go wrong with one call becomes an error result the model
@@ -34,7 +41,9 @@ held back -- not run, left open -- whatever the order of the steps; so are
 calls whose id the model used twice.
 
 One runner per session at a time: a second machine running the same session
-while the first has tools in flight reads their intents as left by a crash.
+while the first has tools in flight reads their intents as left by a crash
+(and runs their pure and idempotent calls again: harmless, and only one
+result per call is ever committed).
 Applications that run several workers serialise runs per session (a queue or
 a lease); the store's compare-and-set keeps the data right either way.
 """
@@ -119,6 +128,16 @@ class Tools(Operation[Any]):
     (all intents and results were committed as the work happened), or
     ``Yield`` with ``tool_failed`` / ``outcome_unknown``.
 
+    Commits: a call of a ``non_idempotent`` tool gets a durable intent before
+    any tool of the step starts (one batch for all such calls), so it is never
+    run twice after a crash (invariant 6). A ``pure`` or ``idempotent`` tool
+    needs no intent -- re-running it is harmless by declaration -- so a step
+    running only such calls commits just its results: two batches per tool
+    step counting the model's call, three when a non-idempotent call is among
+    them. Each result is its own batch, committed as soon as it exists. One
+    call (or ``max_concurrency=1``) runs directly, without a task group,
+    limiter or lock.
+
     Args:
         tools: ``Tool`` objects or typed functions.
         name: the step name.
@@ -182,16 +201,31 @@ class Tools(Operation[Any]):
     # -- one cycle ----------------------------------------------------------------
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
-        advertised = {d.name for d in ctx.tools} | set(self._tools)
+        # The cheap check first: most cycles have no open call at all.
+        open_calls = open_tool_calls(ctx.session.conversation)
+        if not open_calls:
+            return Refuse("no open tool calls")
+        own = self._tools
+        advertised: set[str] | None = None
+        candidates: list[ToolCallPart] = []
+        for c in open_calls:
+            if c.name not in own:
+                if advertised is None:
+                    advertised = {d.name for d in ctx.tools}
+                if c.name in advertised:
+                    continue  # another step's tool
+            candidates.append(c)
+        if not candidates:
+            return Refuse("no open tool calls for these tools")
         # A call id the model used twice is ambiguous (which call would a result
         # answer?): such calls are never run; HistoryGuard or InvalidCalls repair them.
         repeated = _repeated_call_ids(ctx.session)
+        steps = ctx.steps
         calls = [
             c
-            for c in open_tool_calls(ctx.session.conversation)
-            if (c.name in self._tools or c.name not in advertised)
-            and c.call_id not in repeated
-            and not any(step.check_call(ctx, c) is not None for step in ctx.steps)
+            for c in candidates
+            if c.call_id not in repeated
+            and not any(step.check_call(ctx, c) is not None for step in steps)
         ]
         if not calls:
             return Refuse("no open tool calls for these tools that may run now")
@@ -285,9 +319,16 @@ class Tools(Operation[Any]):
     async def _record_intents(
         self, ctx: StepContext[Any], calls: Sequence[ToolCallPart], where: dict[str, str]
     ) -> None:
+        """Commit one batch of intents for the calls whose tool is ``non_idempotent``.
+
+        Calls of pure and idempotent tools get none (re-running them is
+        harmless), so when every call is one of those nothing is committed.
+        """
         effects: list[Effect] = []
         for call in calls:
             impl = self._tools[call.name]
+            if impl.side_effects != "non_idempotent":
+                continue
             journal = call.notes.get(JOURNAL, {})
             note: dict[str, Any] = {
                 "intent": True,
@@ -300,54 +341,82 @@ class Tools(Operation[Any]):
                 "at": ctx.runtime.clock(),
             }
             effects.append(Annotate(where[call.call_id], JOURNAL, note, call_id=call.call_id))
-        await ctx.commit(effects)
+        if effects:
+            await ctx.commit(effects)
 
     async def _run_batch(
         self, ctx: StepContext[Any], calls: Sequence[ToolCallPart], where: dict[str, str]
     ) -> str | None:
-        """Run ``calls`` concurrently, committing each result as it comes; the abort reason."""
+        """Run ``calls``, committing each result as it comes; the abort reason.
+
+        One call, or ``max_concurrency == 1``: the calls run one after another
+        in call order, directly (no task group, limiter or lock). Otherwise
+        they run concurrently in a task group, at most ``max_concurrency`` at
+        a time, their result commits serialised by a lock.
+        """
         uncommitted: dict[str, ToolResultPart] = ctx.scratch.setdefault("uncommitted", {})
+        abort: list[str] = []
+        if len(calls) == 1 or self._max_concurrency == 1:
+            for call in calls:  # one after another, in call order (deterministic)
+                await self._run_one(ctx, call, where[call.call_id], uncommitted, abort, None)
+            return abort[0] if abort else None
+
         limiter = anyio.CapacityLimiter(self._max_concurrency)
         commit_lock = anyio.Lock()
-        abort: list[str] = []
 
-        async def run_one(call: ToolCallPart) -> None:
+        async def run_limited(call: ToolCallPart) -> None:
             async with limiter:
-                if abort:
-                    result = _error(call, NOT_EXECUTED.format(reason=abort[0]))
-                    uncommitted[call.call_id] = result
-                else:
-                    result, aborted = await self._run_call(ctx, call, where[call.call_id])
-                    # The result exists. Before any checkpoint (where a pending
-                    # cancellation fires: the emit, the lock, the commit), hand it to
-                    # finalize, which commits it if this step's own commit does not
-                    # happen. It is never replaced by "interrupted".
-                    uncommitted[call.call_id] = result
-                    if aborted is not None:
-                        abort.append(aborted)
-                    await ctx.emit(
-                        ToolFinished(call_id=call.call_id, name=call.name, is_error=result.is_error)
-                    )
-                async with commit_lock:
-                    await self._commit_results(ctx, [result])
-                # Only once the commit returned: if it was cancelled (before or after
-                # the write), finalize commits the result unless the stored session
-                # already holds it, so it is recorded exactly once either way.
-                uncommitted.pop(call.call_id, None)
+                await self._run_one(ctx, call, where[call.call_id], uncommitted, abort, commit_lock)
 
-        if self._max_concurrency == 1:
-            for call in calls:  # one after another, in call order (deterministic)
-                await run_one(call)
-        else:
-            try:
-                async with anyio.create_task_group() as tg:
-                    for call in calls:
-                        tg.start_soon(run_one, call)
-            except* ConflictError as group:
-                # A result commit lost the race too often: surface it as the machine
-                # expects (it reloads and re-steps), not wrapped in an ExceptionGroup.
-                raise group.exceptions[0] from None
+        try:
+            async with anyio.create_task_group() as tg:
+                for call in calls:
+                    tg.start_soon(run_limited, call)
+        except* ConflictError as group:
+            # A result commit lost the race too often: surface it as the machine
+            # expects (it reloads and re-steps), not wrapped in an ExceptionGroup.
+            raise group.exceptions[0] from None
         return abort[0] if abort else None
+
+    async def _run_one(
+        self,
+        ctx: StepContext[Any],
+        call: ToolCallPart,
+        message_id: str,
+        uncommitted: dict[str, ToolResultPart],
+        abort: list[str],
+        commit_lock: anyio.Lock | None,
+    ) -> None:
+        """Run one call (or answer it "not executed" after an abort) and commit its result.
+
+        Cancellation: once the result exists it is in ``uncommitted`` before
+        any checkpoint, and leaves it only when its commit returned, so
+        ``finalize`` records it exactly once if this commit does not happen.
+        """
+        if abort:
+            result = _error(call, NOT_EXECUTED.format(reason=abort[0]))
+            uncommitted[call.call_id] = result
+        else:
+            result, aborted = await self._run_call(ctx, call, message_id)
+            # The result exists. Before any checkpoint (where a pending
+            # cancellation fires: the emit, the lock, the commit), hand it to
+            # finalize, which commits it if this step's own commit does not
+            # happen. It is never replaced by "interrupted".
+            uncommitted[call.call_id] = result
+            if aborted is not None:
+                abort.append(aborted)
+            await ctx.emit(
+                ToolFinished(call_id=call.call_id, name=call.name, is_error=result.is_error)
+            )
+        if commit_lock is None:
+            await self._commit_results(ctx, [result])
+        else:
+            async with commit_lock:
+                await self._commit_results(ctx, [result])
+        # Only once the commit returned: if it was cancelled (before or after
+        # the write), finalize commits the result unless the stored session
+        # already holds it, so it is recorded exactly once either way.
+        uncommitted.pop(call.call_id, None)
 
     async def _commit_results(
         self, ctx: StepContext[Any], results: Sequence[ToolResultPart]

@@ -8,6 +8,8 @@ import anyio
 import anyio.lowlevel
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stepmachine import (
     JOURNAL,
@@ -25,6 +27,7 @@ from stepmachine import (
     Refuse,
     Runtime,
     Session,
+    SideEffects,
     StateMachine,
     StepContext,
     Tool,
@@ -36,12 +39,15 @@ from stepmachine import (
     apply_batch,
     counter_ids,
     fingerprint,
+    history_problems,
     idempotency_key,
     open_tool_calls,
     resolve_unknown_outcome,
     submit,
     tool,
 )
+from stepmachine._codec import Batch
+from stepmachine._effects import Effect
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, make_session, reply, run_step
 
@@ -173,9 +179,10 @@ async def test_crashed_idempotent_or_pure_call_is_rerun_with_the_same_key(tool_o
     check = await run_step(Tools([tool_obj]), make_session(calls_message(call)))
     (result,) = [r for m in check.new_messages for r in m.tool_results]
     assert not result.is_error
-    intent = check.commits[0][0]
-    assert isinstance(intent, Annotate)
-    assert intent.values["attempt"] == 2
+    # Re-running is harmless by declaration: no new intent, just the one result.
+    ((only,),) = check.commits
+    assert isinstance(only, AppendMessage)
+    assert only.message.tool_results == (result,)
     if tool_obj is upsert:
         assert ran == [f"upsert k {idempotency_key('test-session', 'c1', 'a1')}"]
 
@@ -288,7 +295,8 @@ async def test_a_whole_run_records_an_audit_trail_per_result() -> None:
     model = FunctionModel(lambda request: reply("done"))
     session = await machine.run(Runtime(store=store, model=model, ids=counter_ids()), "s")
     steps = [b.step for b in await store.batches("s")]
-    assert steps == ["application", "tools", "tools", "tools", "tools", "inference"]
+    # square is pure: no intents batch, one batch per result.
+    assert steps == ["application", "tools", "tools", "tools", "inference"]
     assert sorted(r.content for m in session.conversation for r in m.tool_results) == [
         "0",
         "1",
@@ -351,3 +359,167 @@ def test_positive_limits_and_no_timeout_are_accepted() -> None:
     assert Tools([_noop], timeout=float("inf")).name == "tools"
     assert Tool(_noop, timeout=3).timeout == 3
     assert Tool(_noop).timeout is None
+
+
+# -- how many batches a tool step costs ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("tool_obj", [upsert, square], ids=["idempotent", "pure"])
+async def test_a_pure_or_idempotent_call_commits_no_intent_only_its_result(tool_obj: Any) -> None:
+    arguments = {"key": "k"} if tool_obj is upsert else {"x": 3}
+    session = make_session(calls_message(ToolCallPart.of("c1", tool_obj.name, arguments)))
+    check = await run_step(Tools([tool_obj]), session)
+    ((only,),) = check.commits  # one batch: the result
+    assert isinstance(only, AppendMessage)
+    assert only.message.tool_results[0].call_id == "c1"
+    assert JOURNAL not in check.session.conversation[-2].tool_calls[0].notes
+
+
+async def test_a_mixed_batch_records_intents_for_the_non_idempotent_calls_only() -> None:
+    session = make_session(
+        calls_message(
+            ToolCallPart.of("c1", "square", {"x": 2}),
+            ToolCallPart.of("c2", "charge", {"amount": 5}),
+            ToolCallPart.of("c3", "upsert", {"key": "k"}),
+        )
+    )
+    check = await run_step(Tools([square, charge, upsert], max_concurrency=1), session)
+    intents, *results = check.commits
+    assert [(type(e), e.call_id) for e in intents] == [(Annotate, "c2")]  # type: ignore[attr-defined]
+    assert [[r.call_id for e in b for r in e.message.tool_results] for b in results] == [  # type: ignore[attr-defined]
+        ["c1"],
+        ["c2"],
+        ["c3"],
+    ]
+
+
+async def test_a_whole_run_with_a_pure_tool_takes_two_batches_per_tool_step() -> None:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    model = FunctionModel(
+        lambda request: (
+            reply("done")
+            if request.messages[-1].role == "tool"
+            else msgspec.structs.replace(
+                reply(""), parts=(ToolCallPart.of("c1", "square", {"x": 4}),)
+            )
+        )
+    )
+    machine = StateMachine([Tools([square]), ModelInference()])
+    await machine.run(Runtime(store=store, model=model, ids=counter_ids()), "s")
+    assert [b.step for b in await store.batches("s")] == ["inference", "tools", "inference"]
+
+
+async def test_one_call_runs_without_a_task_group_limiter_or_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    session = make_session(calls_message(ToolCallPart.of("c1", "charge", {"amount": 1})))
+    step = Tools([charge])  # max_concurrency 8, but one call
+
+    def unused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the single-call path built concurrency machinery")
+
+    for name in ("create_task_group", "CapacityLimiter", "Lock"):
+        monkeypatch.setattr(anyio, name, unused)
+    check = await run_step(step, session)
+    monkeypatch.undo()
+    assert ran == ["charge 1"]
+    assert [r.content for m in check.new_messages for r in m.tool_results] == ["charged 1"]
+
+
+# -- invariant 6 under crashes at every batch (property) ------------------------------------------
+
+
+class Crash(BaseException):
+    """The process dies: nothing after it runs (not an Exception, so nothing catches it)."""
+
+
+class CrashingHandler:
+    """Writes batches to ``store`` until the ``at``-th one, which kills the "process" instead."""
+
+    def __init__(self, store: MemoryStore, at: int) -> None:
+        self.store = store
+        self.at = at
+        self.seen = 0
+
+    async def apply(self, batch: Batch[Effect]) -> Session[Any] | None:
+        self.seen += 1
+        if self.seen == self.at:
+            raise Crash
+        return await self.store.apply(batch)
+
+
+def counting_tools(executed: list[str]) -> list[Tool]:
+    built = []
+    kinds: tuple[SideEffects, ...] = ("pure", "idempotent", "non_idempotent")
+    for kind in kinds:
+
+        def run(x: int, ctx: ToolContext, kind: str = kind) -> str:
+            executed.append(ctx.call_id)
+            return f"{kind} {x}"
+
+        built.append(Tool(run, name=kind, side_effects=kind, thread=False))
+    return built
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kinds=st.lists(
+        st.sampled_from(["pure", "idempotent", "non_idempotent"]), min_size=1, max_size=4
+    ),
+    crash_at=st.integers(min_value=1, max_value=7),
+    max_concurrency=st.sampled_from([1, 8]),
+)
+async def test_after_a_crash_at_any_batch_only_harmless_calls_run_again(
+    kinds: list[str], crash_at: int, max_concurrency: int
+) -> None:
+    """Invariant 6: a non-idempotent call runs at most once whatever batch a crash hits;
+    pure and idempotent calls are simply run again; every call ends with exactly one result."""
+    store = MemoryStore()
+    calls = [ToolCallPart.of(f"c{i}", kind, {"x": i}) for i, kind in enumerate(kinds)]
+    await store.create("s", conversation=[Message.user("go", id="u1"), calls_message(*calls)])
+    executed: list[str] = []
+    model = FunctionModel(lambda request: reply("done"))
+
+    def machine() -> StateMachine[Any]:
+        return StateMachine(
+            [Tools(counting_tools(executed), max_concurrency=max_concurrency), ModelInference()]
+        )
+
+    handler = CrashingHandler(store, crash_at)
+    runtime = Runtime(store=store, handler=handler, model=model, ids=counter_ids())
+    crashed = False
+    try:
+        await machine().run(runtime, "s")
+    except Crash:
+        crashed = True
+    except BaseExceptionGroup as group:  # the crash hit inside the parallel task group
+        crashed = group.subgroup(Crash) is not None
+        if not crashed:
+            raise
+    first_run = list(executed)
+    if not crashed:  # no crash: the batches are the model's call, intents where needed, results
+        steps = [b.step for b in await store.batches("s")]
+        intents = 1 if "non_idempotent" in kinds else 0
+        assert steps == ["tools"] * (intents + len(kinds)) + ["inference"]
+    final = await machine().run(Runtime(store=store, model=model, ids=counter_ids("r")), "s")
+    assert history_problems(final.conversation) == []
+    assert final.conversation[-1].text == "done"
+    results = [r for m in final.conversation for r in m.tool_results]
+    assert sorted(r.call_id for r in results) == sorted(c.call_id for c in calls)  # one each
+    for call, kind in zip(calls, kinds, strict=True):
+        (result,) = [r for r in results if r.call_id == call.call_id]
+        runs = executed.count(call.call_id)
+        if kind == "non_idempotent":
+            assert runs <= 1
+            if result.content == OUTCOME_UNKNOWN:
+                # Its intent was committed before the crash (it may not have run yet);
+                # the resumed run did not run it.
+                assert crashed
+                assert runs == first_run.count(call.call_id)
+            else:
+                assert result.content == f"{kind} {calls.index(call)}"
+                assert runs == 1
+        else:
+            assert result.content == f"{kind} {calls.index(call)}"  # re-run if need be
+            assert runs >= 1
