@@ -9,6 +9,14 @@ Stored data is data (invariant 8): decoding never imports or constructs a
 class named by the input. An unknown tag or a malformed record raises
 :class:`~stepmachine.StoredDataError`, naming the record and where it came
 from, and nothing is rewritten.
+
+Tool arguments are stored once: a :class:`~stepmachine.ToolCallPart` whose
+``arguments`` are what its ``raw_arguments`` parse to (every call a provider
+or :meth:`~stepmachine.ToolCallPart.of` builds) is encoded without
+``arguments``, and decoding parses them back from the raw string
+(:func:`~stepmachine._messages.parse_arguments`). A call whose arguments differ
+from its raw string keeps both. Records written before hold both and decode as
+they always did: the change only adds a default to a field.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from ._effects import (
     UpdateData,
 )
 from ._errors import ConfigurationError, StoredDataError
-from ._messages import Message
+from ._messages import Message, ToolCallPart, parse_arguments
 from ._session import NoData, Session
 
 __all__ = ["KERNEL_EFFECTS", "Batch", "Codec"]
@@ -76,6 +84,26 @@ def _tag_of(effect_type: type[Effect]) -> str:
             f"got tag_field={config.tag_field!r} tag={tag!r}"
         )
     return tag
+
+
+def _has_calls(message: Message) -> bool:
+    for part in message.parts:  # noqa: SIM110 - cheaper than any() over a generator
+        if type(part) is ToolCallPart:
+            return True
+    return False
+
+
+def _holds_calls(value: object) -> bool:
+    """Whether ``value`` (a session, effect, batch, message or tuple of them) holds a tool call
+    in a message reached through Struct fields and tuples."""
+    kind = type(value)
+    if kind is Message:
+        return _has_calls(value)  # type: ignore[arg-type]
+    if kind is tuple:
+        return any(_holds_calls(item) for item in value)  # type: ignore[attr-defined]
+    if isinstance(value, msgspec.Struct) and kind is not ToolCallPart:
+        return any(_holds_calls(getattr(value, name)) for name in value.__struct_fields__)
+    return False
 
 
 class Codec(Generic[D]):
@@ -152,8 +180,8 @@ class Codec(Generic[D]):
         return session
 
     def encode_session(self, session: Session[D]) -> bytes:
-        """JSON bytes of a session."""
-        return self._encoder.encode(session)
+        """JSON bytes of a session (tool arguments stored once, see the module docstring)."""
+        return self._encode(session)
 
     def decode_session(self, buf: bytes, *, where: str = "session record") -> Session[D]:
         """Decode a session. Raises :class:`StoredDataError` naming ``where``.
@@ -186,7 +214,7 @@ class Codec(Generic[D]):
     def encode_effects(self, effects: Sequence[Effect]) -> bytes:
         """JSON bytes of a sequence of effects (each tagged)."""
         self.check_effects(effects)
-        return self._encoder.encode(tuple(effects))
+        return self._encode(tuple(effects))
 
     def decode_effects(self, buf: bytes, *, where: str = "effects record") -> tuple[Effect, ...]:
         """Decode effects. Raises :class:`StoredDataError` naming ``where``."""
@@ -195,7 +223,7 @@ class Codec(Generic[D]):
     def encode_batch(self, batch: Batch[Effect]) -> bytes:
         """JSON bytes of a batch."""
         self.check_effects(batch.effects)
-        return self._encoder.encode(batch)
+        return self._encode(batch)
 
     def decode_batch(self, buf: bytes, *, where: str = "batch record") -> Batch[Effect]:
         """Decode a batch. Raises :class:`StoredDataError` naming ``where``."""
@@ -212,14 +240,72 @@ class Codec(Generic[D]):
         return self._decode(self._data_decoder, buf, "data", where)  # type: ignore[no-any-return]
 
     def encode_message(self, message: Message) -> bytes:
-        """JSON bytes of one message."""
-        return self._encoder.encode(message)
+        """JSON bytes of one message (tool arguments stored once)."""
+        return self._encode(message)
 
     def decode_message(self, buf: bytes, *, where: str = "message record") -> Message:
         """Decode one message. Raises :class:`StoredDataError` naming ``where``."""
         return self._decode(self._message_decoder, buf, "message", where)  # type: ignore[no-any-return]
 
     # -- shared -----------------------------------------------------------------
+
+    def _encode(self, value: Any) -> bytes:
+        """JSON bytes of ``value``, its tool calls' arguments stored once where they can be.
+
+        A call whose ``arguments`` re-encode byte for byte like what its
+        ``raw_arguments`` parse to is written without them (decoding parses
+        them back, to the value an encoding with both would give). Only values
+        holding such calls take the slower path: the value is encoded piece by
+        piece, and the pieces are used only if, joined, they are exactly
+        msgspec's own encoding of it (else it is stored as msgspec encodes it).
+        """
+        encoded = self._encoder.encode(value)
+        if not _holds_calls(value):
+            return encoded
+        plain, compact = self._pieces(value)
+        return compact if plain == encoded else encoded
+
+    def _pieces(self, value: Any) -> tuple[bytes, bytes]:
+        """``(plain, compact)``: ``value`` encoded as msgspec does, and with calls compacted."""
+        kind = type(value)
+        if kind is tuple:
+            items = [self._pieces(item) for item in value]
+            return (
+                b"[" + b",".join(p for p, _ in items) + b"]",
+                b"[" + b",".join(c for _, c in items) + b"]",
+            )
+        if not isinstance(value, msgspec.Struct) or (
+            isinstance(value, Message) and not _has_calls(value)
+        ):
+            encoded = self._encoder.encode(value)
+            return encoded, encoded
+        config = value.__struct_config__
+        if config.array_like or config.omit_defaults:
+            encoded = self._encoder.encode(value)
+            return encoded, encoded
+        encode = self._encoder.encode
+        plain: list[bytes] = []
+        compact: list[bytes] = []
+        if config.tag is not None:
+            tag = encode(config.tag_field) + b":" + encode(config.tag)
+            plain.append(tag)
+            compact.append(tag)
+        names = zip(value.__struct_fields__, value.__struct_encode_fields__, strict=True)
+        for name, encoded_name in names:
+            field = getattr(value, name)
+            if field is msgspec.UNSET:
+                continue
+            key = encode(encoded_name) + b":"
+            if isinstance(value, ToolCallPart) and name == "arguments":
+                arguments = encode(field)
+                plain.append(key + arguments)
+                if encode(parse_arguments(value.raw_arguments)) != arguments:
+                    compact.append(key + arguments)  # not what the raw string gives: keep both
+                continue
+            field_plain, field_compact = self._pieces(field)
+            plain.append(key + field_plain)
+            compact.append(key + field_compact)
+        return b"{" + b",".join(plain) + b"}", b"{" + b",".join(compact) + b"}"
 
     def _decode(self, decoder: msgspec.json.Decoder[Any], buf: bytes, kind: str, where: str) -> Any:
         try:

@@ -26,8 +26,8 @@ CODEC = Codec()
         (TextPart("hi"), b'{"type":"text","text":"hi"}'),
         (
             ToolCallPart(call_id="c1", name="add", arguments={"a": 1}, raw_arguments='{"a":1}'),
-            (
-                b'{"type":"tool_call","call_id":"c1","name":"add","arguments":{"a":1},'
+            (  # stored once: the codec leaves out the arguments the raw string gives (issue 9)
+                b'{"type":"tool_call","call_id":"c1","name":"add",'
                 b'"raw_arguments":"{\\"a\\":1}","notes":{}}'
             ),
         ),
