@@ -86,8 +86,9 @@ def test_kernel_effect_tags_are_stable() -> None:
         b'{"type":"set_visibility","message_ids":["m"],"to_model":false,"to_user":null},'
         b'{"type":"update_data","changes":{"count":1}},'
         b'{"type":"replace_conversation","conversation":[]},'
+        # A message's default notes and visibility are left out (issue 9).
         b'{"type":"append_message","message":{"id":"m","role":"user","parts":'
-        b'[{"type":"text","text":"x"}],"notes":{},"visible_to_model":true,"visible_to_user":true}}]'
+        b'[{"type":"text","text":"x"}]}}]'
     )
 
 
@@ -641,13 +642,32 @@ def _both(part: ToolCallPart) -> bytes:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(calls=st.lists(tool_calls(), min_size=1, max_size=4), text=st.text(max_size=5))
+@given(
+    calls=st.lists(tool_calls(), min_size=1, max_size=4),
+    text=st.text(max_size=5),
+    flags=st.lists(
+        st.tuples(
+            st.sampled_from([{}, {"op": {}}, {"op": {"notes": {}}}]), st.booleans(), st.booleans()
+        ),
+        min_size=4,
+        max_size=4,
+    ),
+    plain=st.integers(min_value=0, max_value=3),
+)
 def test_tool_arguments_are_stored_once_and_decode_as_before(
-    calls: list[ToolCallPart], text: str
+    calls: list[ToolCallPart], text: str, flags: list[tuple[Any, bool, bool]], plain: int
 ) -> None:
-    # Unique ids (a session refuses repeats); the same call may appear twice.
+    # Unique ids (a session refuses repeats); the same call may appear twice;
+    # some messages hold no call; notes and visibility vary.
     messages = tuple(
-        Message(id=f"m{i}", role="assistant", parts=(TextPart(text), call, call))
+        Message(
+            id=f"m{i}",
+            role="assistant",
+            parts=(TextPart(text),) if i < plain else (TextPart(text), call, call),
+            notes=flags[i % 4][0],
+            visible_to_model=flags[i % 4][1],
+            visible_to_user=flags[i % 4][2],
+        )
         for i, call in enumerate(calls)
     )
     session = Session(id="s", revision=0, conversation=messages, data=NoData())
@@ -678,6 +698,8 @@ def test_tool_arguments_are_stored_once_and_decode_as_before(
     # The first message's call is stored once exactly when its arguments are what
     # its raw string parses to (byte for byte, once encoded).
     call = calls[0]
+    if plain:
+        return
     derivable = msgspec.json.encode(call.arguments) == msgspec.json.encode(
         ToolCallPart.parse("x", "y", call.raw_arguments).arguments
     )
@@ -718,3 +740,18 @@ def test_tool_call_without_raw_arguments_is_refused() -> None:
     with pytest.raises(InvalidFieldError, match="missing required field `raw_arguments`"):
         ToolCallPart(call_id="c", name="n")
     assert ToolCallPart("c", "n", raw_arguments='{"a": 1}').arguments == {"a": 1}
+
+
+def test_default_notes_and_visibility_are_left_out_only_where_a_message_is_declared() -> None:
+    message = Message.user("hello", id="m")
+    effect = Quoted(shape=msgspec.json.decode(msgspec.json.encode(message)), message=message)
+    record = QUOTING.encode_effects((effect,))
+    # The dict keeps every key (its decoder gives no defaults); the message does not.
+    assert record.count(b'"visible_to_model":true') == 1
+    assert QUOTING.decode_effects(record) == (effect,)
+    hidden = msgspec.structs.replace(message, visible_to_model=False, notes={"op": {"k": 1}})
+    record = QUOTING.encode_message(hidden)
+    assert record.endswith(
+        b'"notes":{"op":{"k":1}},"visible_to_model":false,"visible_to_user":true}'
+    )
+    assert QUOTING.decode_message(record) == hidden

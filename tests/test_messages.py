@@ -48,7 +48,10 @@ def test_part_encodes_to_exact_stable_json(part: object, expected: bytes) -> Non
     assert encoded == (
         b'{"id":"m1","role":"assistant","parts":['
         + expected
-        + b'],"notes":{},"visible_to_model":true,"visible_to_user":true}'
+        + b"]}"  # the default notes and visibility are left out (issue 9)
+    )
+    assert msgspec.json.encode(message).endswith(
+        b'],"notes":{},"visible_to_model":true,"visible_to_user":true}'
     )
 
 

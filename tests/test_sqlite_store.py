@@ -1010,11 +1010,15 @@ async def test_apply_after_another_instance_deleted_the_session(db: Path) -> Non
 
 
 async def test_snapshots_are_compressed_and_superseded_ones_pruned(db: Path) -> None:
-    async with await SQLiteStore.open(db, codec()) as store:
+    counting = CountingCodec()
+    async with await SQLiteStore.open(db, counting) as store:
         session = await store.create("s")
-        for index in range(3 * SNAPSHOT_EVERY + 10):
+        for index in range(4 * SNAPSHOT_EVERY + 10):
             session = await apply(store, session, AppendMessage(message(index)))
-        newest = 3 * SNAPSHOT_EVERY
+        assert counting.calls["encode_session"] >= 3  # revision 0 and two periodic ones
+        with raw(db) as connection:
+            (newest,) = connection.execute("SELECT snapshot_revision FROM sessions").fetchone()
+        assert newest > SNAPSHOT_EVERY
         assert snapshot_revisions(db) == [0, newest]
         with raw(db) as connection:
             body = connection.execute(
