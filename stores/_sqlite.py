@@ -430,12 +430,20 @@ class SQLiteStore:
 
         The effects are encoded and decoded back, then applied to the current
         session before anything is written, so nothing invalid is stored. The
-        write is one ``BEGIN IMMEDIATE`` transaction: one batch row, one row
-        per effect, the new revision on the session row, and a snapshot after
-        a ``ReplaceConversation`` or when one is due (periodic snapshots, once
-        the effects since the last one reach half its size, cost each
-        apply, on average, about twice encoding its own effects). Nothing
-        else is re-encoded, whatever the history length.
+        write is one ``BEGIN IMMEDIATE`` transaction of constant statements:
+        the compare-and-set (``UPDATE sessions ... WHERE sid = ? AND revision
+        = ?``, which also moves the revision; its row count proves the session
+        this store last read or wrote is the stored one, so nothing is read),
+        the batch row, the effect rows (one ``executemany``), and a snapshot
+        after a ``ReplaceConversation`` or when one is due (periodic
+        snapshots, once the effects since the last one reach half its size,
+        cost each apply, on average, about twice encoding its own effects),
+        which prunes the one before it. Nothing else is read or re-encoded,
+        whatever the history length. When this store has not read the session
+        at ``batch.revision - 1`` (first use, or another writer moved it), the
+        session row is read (and checked against its checksum) and the rows
+        since the cached session are replayed first; a failed
+        compare-and-set is diagnosed the same way, on that path only.
 
         Raises:
             InvalidSessionIdError: ``batch.session_id`` is not safe.
@@ -475,7 +483,10 @@ class SQLiteStore:
                     cached = self._current(connection, session_id, expected)
                     written = self._write(connection, batch, effects, bodies, replaces, cached)
                     if written is None:  # pragma: no cover - the write lock is held
-                        raise ConflictError(session_id, expected, -1)
+                        raise StepmachineError(
+                            f"SQLiteStore on {self._path}: the compare-and-set on session "
+                            f"{session_id!r} failed on the row it had just read"
+                        )
                 self._hook("apply.inserted")
             self._remember(*written)
             self._hook("apply.committed")

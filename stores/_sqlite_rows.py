@@ -41,7 +41,6 @@ __all__ = [
     "prune_snapshots",
     "read_log",
     "read_snapshot",
-    "read_snapshots",
     "replay",
     "session_ids",
     "session_row",
@@ -288,16 +287,6 @@ def read_snapshot(
     """The newest snapshot with ``after < revision <= upto``, decoded; ``None`` if there is none."""
     row = conn.execute(_SELECT_SNAPSHOT, (sid, after, upto)).fetchone()
     return None if row is None else _decode_snapshot(codec, path, session_id, row)
-
-
-def read_snapshots(
-    conn: sqlite3.Connection, codec: Codec[Any], path: str, session_id: str, sid: int, upto: int
-) -> list[Session[Any]]:
-    """Every snapshot with ``revision <= upto``, oldest first, decoded."""
-    rows = conn.execute(
-        _SNAPSHOT_SELECT + "WHERE sid = ? AND revision <= ? ORDER BY revision", (sid, upto)
-    ).fetchall()
-    return [_decode_snapshot(codec, path, session_id, row) for row in rows]
 
 
 def insert_snapshot(
