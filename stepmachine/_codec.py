@@ -9,12 +9,32 @@ Stored data is data (invariant 8): decoding never imports or constructs a
 class named by the input. An unknown tag or a malformed record raises
 :class:`~stepmachine.StoredDataError`, naming the record and where it came
 from, and nothing is rewritten.
+
+Effects, batches and messages are encoded compactly (issue 9), sessions as
+msgspec encodes them (stores compress their snapshots):
+
+- Tool arguments are stored once: a :class:`~stepmachine.ToolCallPart` whose
+  ``arguments`` are what its ``raw_arguments`` parse to (every call a provider
+  or :meth:`~stepmachine.ToolCallPart.of` builds) is encoded without
+  ``arguments``, and decoding parses them back from the raw string
+  (:func:`~stepmachine._messages.parse_arguments`). A call whose arguments
+  differ from its raw string keeps both.
+- A message whose ``notes`` are empty and that is visible to the model and the
+  user is encoded without those three fields; decoding gives their defaults.
+
+Only messages in fields declared as ``Message`` or ``tuple[Message, ...]`` are
+compacted, and only where the bytes left out are known exactly (a message's
+own tail; a call encoded on its own). Records written before hold every field
+and decode as they always did: the change adds a default to
+``ToolCallPart.arguments`` and renames nothing. (Code from before this change
+cannot read a call stored without ``arguments``.)
 """
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterable, Sequence
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Final, Generic, TypeVar, Union
 
 import msgspec
 
@@ -27,7 +47,7 @@ from ._effects import (
     UpdateData,
 )
 from ._errors import ConfigurationError, StoredDataError
-from ._messages import Message
+from ._messages import Message, ToolCallPart, parse_arguments
 from ._session import NoData, Session
 
 __all__ = ["KERNEL_EFFECTS", "Batch", "Codec"]
@@ -76,6 +96,103 @@ def _tag_of(effect_type: type[Effect]) -> str:
             f"got tag_field={config.tag_field!r} tag={tag!r}"
         )
     return tag
+
+
+def _default_tail() -> bytes:
+    """How a message's encoding ends when every field after ``parts`` is its default."""
+    empty = msgspec.json.encode(Message(id="", role="user", parts=()))
+    return empty[empty.index(b'"parts":[]') + len(b'"parts":[]') :]
+
+
+_DEFAULT_TAIL: Final = _default_tail()
+"""``,"notes":{},"visible_to_model":true,"visible_to_user":true}`` today."""
+
+
+def _has_calls(message: Message) -> bool:
+    for part in message.parts:  # noqa: SIM110 - cheaper than any() over a generator
+        if type(part) is ToolCallPart:
+            return True
+    return False
+
+
+_MESSAGE: Final = Message
+_MESSAGES: Final = tuple[Message, ...]
+
+
+_ARGUMENTS_KEY: Final = b',"arguments":'
+_UNSET: Final = msgspec.UNSET
+_LAYOUTS: dict[type, tuple[bytes, tuple[tuple[str, bytes], ...]] | None] = {}
+
+
+def _layout(kind: type) -> tuple[bytes, tuple[tuple[str, bytes], ...]] | None:
+    """How msgspec lays out a Struct type's JSON object: its tag member (``b""`` if
+    none), then ``(field name, b'"key":')`` in order; ``None`` for array-like
+    structs and those omitting defaults (encoded whole, never piece by piece)."""
+    if kind in _LAYOUTS:
+        return _LAYOUTS[kind]
+    config = kind.__struct_config__  # type: ignore[attr-defined]
+    layout: tuple[bytes, tuple[tuple[str, bytes], ...]] | None = None
+    if not (config.array_like or config.omit_defaults):
+        encode = msgspec.json.encode
+        tag = b"" if config.tag is None else encode(config.tag_field) + b":" + encode(config.tag)
+        names = zip(kind.__struct_fields__, kind.__struct_encode_fields__, strict=True)  # type: ignore[attr-defined]
+        layout = (tag, tuple((name, encode(key) + b":") for name, key in names))
+    _LAYOUTS[kind] = layout
+    return layout
+
+
+_MESSAGE_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _message_fields(kind: type) -> tuple[str, ...]:
+    """The fields of Struct type ``kind`` declared as a ``Message`` or ``tuple[Message, ...]``.
+
+    Only those are stored compactly: a decoder of that declared type gives
+    the defaults back. A message in a field of another type (``Any``, a dict)
+    is stored as msgspec encodes it.
+    """
+    known = _MESSAGE_FIELDS.get(kind)
+    if known is not None:
+        return known
+    try:
+        hints = typing.get_type_hints(kind)
+    except Exception:  # noqa: BLE001 - an unresolvable annotation: nothing is compacted
+        hints = {}
+    names = getattr(kind, "__struct_fields__", ())
+    found = tuple(name for name in names if hints.get(name) in (_MESSAGE, _MESSAGES))
+    _MESSAGE_FIELDS[kind] = found
+    return found
+
+
+def _message_layout() -> tuple[tuple[tuple[str, bytes], ...], bytes]:
+    """The fields a message encodes before ``parts``, and the ``parts`` key."""
+    layout = _layout(Message)
+    assert layout is not None  # a plain Struct: no tag
+    assert not layout[0]
+    names = [name for name, _ in layout[1]]
+    at = names.index("parts")
+    return layout[1][:at], layout[1][at][1]
+
+
+_BEFORE_PARTS, _PARTS_KEY = _message_layout()
+
+
+def _last_field(kind: type) -> str | None:
+    layout = _layout(kind)
+    return layout[1][-1][0] if layout is not None and layout[1] else None
+
+
+_TAILS: Final[dict[type, tuple[bytes, bytes]]] = (
+    {
+        Message: (_DEFAULT_TAIL, b"}"),
+        tuple: (_DEFAULT_TAIL + b"}]", b"}}]"),
+        Batch: (_DEFAULT_TAIL + b"}]}", b"}}]}"),
+    }
+    if _last_field(AppendMessage) == "message" and _last_field(Batch) == "effects"
+    else {}
+)
+"""How a message, a one-``AppendMessage`` effects record and such a batch end when
+the message's notes and visibility are the defaults, and what replaces that."""
 
 
 class Codec(Generic[D]):
@@ -152,7 +269,7 @@ class Codec(Generic[D]):
         return session
 
     def encode_session(self, session: Session[D]) -> bytes:
-        """JSON bytes of a session."""
+        """JSON bytes of a session, as msgspec encodes it (stores compress snapshots)."""
         return self._encoder.encode(session)
 
     def decode_session(self, buf: bytes, *, where: str = "session record") -> Session[D]:
@@ -186,7 +303,7 @@ class Codec(Generic[D]):
     def encode_effects(self, effects: Sequence[Effect]) -> bytes:
         """JSON bytes of a sequence of effects (each tagged)."""
         self.check_effects(effects)
-        return self._encoder.encode(tuple(effects))
+        return self._encode(tuple(effects))
 
     def decode_effects(self, buf: bytes, *, where: str = "effects record") -> tuple[Effect, ...]:
         """Decode effects. Raises :class:`StoredDataError` naming ``where``."""
@@ -195,7 +312,7 @@ class Codec(Generic[D]):
     def encode_batch(self, batch: Batch[Effect]) -> bytes:
         """JSON bytes of a batch."""
         self.check_effects(batch.effects)
-        return self._encoder.encode(batch)
+        return self._encode(batch)
 
     def decode_batch(self, buf: bytes, *, where: str = "batch record") -> Batch[Effect]:
         """Decode a batch. Raises :class:`StoredDataError` naming ``where``."""
@@ -212,14 +329,161 @@ class Codec(Generic[D]):
         return self._decode(self._data_decoder, buf, "data", where)  # type: ignore[no-any-return]
 
     def encode_message(self, message: Message) -> bytes:
-        """JSON bytes of one message."""
-        return self._encoder.encode(message)
+        """JSON bytes of one message (tool arguments stored once)."""
+        return self._encode(message)
 
     def decode_message(self, buf: bytes, *, where: str = "message record") -> Message:
         """Decode one message. Raises :class:`StoredDataError` naming ``where``."""
         return self._decode(self._message_decoder, buf, "message", where)  # type: ignore[no-any-return]
 
     # -- shared -----------------------------------------------------------------
+
+    def _encode(self, value: Any) -> bytes:
+        """JSON bytes of ``value`` (a session, batch, effects or message), messages compacted.
+
+        A tool call whose ``arguments`` re-encode byte for byte like what its
+        ``raw_arguments`` parse to is written without them (decoding parses
+        them back, to the value an encoding with both would give). A message
+        whose ``notes`` are empty and that is visible to both is written
+        without those three fields (decoding gives their defaults). Only
+        messages in fields declared as messages (a session's conversation, an
+        effect's ``Message`` fields) are compacted. The value is then encoded
+        piece by piece, and the pieces are used only if, joined, they are
+        exactly msgspec's own encoding of it (else it is stored as msgspec
+        encodes it).
+        """
+        encoded = self._encoder.encode(value)
+        kind = type(value)
+        tails = _TAILS.get(kind)
+        if tails is not None:
+            # The usual record: one AppendMessage (or a message) without tool calls.
+            # The message's fields are then the last thing encoded.
+            message: Message | None = value
+            if kind is not Message:
+                effects = value if kind is tuple else value.effects
+                first = effects[0] if len(effects) == 1 else None
+                message = first.message if type(first) is AppendMessage else None
+            if message is not None:
+                tail, end = tails
+                if not _has_calls(message):
+                    return encoded[: -len(tail)] + end if encoded.endswith(tail) else encoded
+                plain, compact = self._message_pieces(message)
+                closing = end[1:]  # what follows the message: "", "}]" or "}]}"
+                if encoded.endswith(plain + closing):
+                    return encoded[: len(encoded) - len(plain) - len(closing)] + compact + closing
+                return encoded
+        pieces = self._top_pieces(value)
+        if pieces is None:
+            return encoded
+        plain, compact = pieces
+        return compact if plain == encoded else encoded
+
+    def _top_pieces(self, value: Any) -> tuple[bytes, bytes] | None:
+        """:meth:`_encode`'s pieces; ``None`` when nothing in ``value`` is compacted."""
+        kind = type(value)
+        if kind is tuple:
+            if not any(_message_fields(type(effect)) for effect in value):
+                return None
+            return self._effects_pieces(value)
+        if kind is Message:
+            return self._message_pieces(value)
+        if kind is Batch:
+            if not any(_message_fields(type(effect)) for effect in value.effects):
+                return None
+            return self._struct_pieces(value, ("effects",))
+        return None
+
+    def _effects_pieces(self, effects: tuple[Effect, ...]) -> tuple[bytes, bytes]:
+        items = [self._struct_pieces(effect, _message_fields(type(effect))) for effect in effects]
+        return (
+            b"[" + b",".join(p for p, _ in items) + b"]",
+            b"[" + b",".join(c for _, c in items) + b"]",
+        )
+
+    def _message_pieces(self, message: Message) -> tuple[bytes, bytes]:
+        """``(plain, compact)`` of a message; the same object twice when nothing is left out."""
+        encode = self._encoder.encode
+        plain = compact = encode(message)
+        if _has_calls(message):
+            # The parts, each encoded on its own, follow the fields before them:
+            # where each call starts is known exactly, whatever the other parts hold.
+            fields = [key + encode(getattr(message, name)) for name, key in _BEFORE_PARTS]
+            prefix = b"{" + b",".join(fields) + b"," + _PARTS_KEY + b"["
+            plains: list[bytes] = []
+            compacts: list[bytes] = []
+            for part in message.parts:
+                if type(part) is ToolCallPart:
+                    part_plain, part_compact = self._call_pieces(part)
+                else:
+                    part_plain = part_compact = encode(part)
+                plains.append(part_plain)
+                compacts.append(part_compact)
+            head = prefix + b",".join(plains)
+            if plain.startswith(head):
+                compact = prefix + b",".join(compacts) + plain[len(head) :]
+        if compact.endswith(_DEFAULT_TAIL):
+            compact = compact[: -len(_DEFAULT_TAIL)] + b"}"
+        return plain, compact
+
+    def _call_pieces(self, call: ToolCallPart) -> tuple[bytes, bytes]:
+        """A tool call, and the same without ``arguments`` when its raw string gives them.
+
+        The call's encoding starts ``{"type":"tool_call","call_id":...,"name":...,
+        "arguments":``: the first ``,"arguments":`` in it is that key (inside a
+        JSON string a quote is escaped).
+        """
+        encode = self._encoder.encode
+        plain = encode(call)
+        arguments = encode(call.arguments)
+        if encode(parse_arguments(call.raw_arguments)) != arguments:
+            return plain, plain  # not what the raw string gives: both are kept
+        return plain, plain.replace(_ARGUMENTS_KEY + arguments, b"", 1)
+
+    def _field_pieces(self, owner: msgspec.Struct, field: Any) -> tuple[bytes, bytes]:
+        """The pieces of a field :meth:`_struct_pieces` was asked to compact."""
+        if type(field) is Message:
+            return self._message_pieces(field)
+        if isinstance(owner, Batch):
+            return self._effects_pieces(field)
+        encode = self._encoder.encode
+        plain: list[bytes] = []
+        compact: list[bytes] = []
+        for item in field:  # a conversation, or a message's parts
+            kind = type(item)
+            if kind is Message:
+                item_plain, item_compact = self._message_pieces(item)
+            elif kind is ToolCallPart:
+                item_plain, item_compact = self._call_pieces(item)
+            else:
+                item_plain = item_compact = encode(item)
+            plain.append(item_plain)
+            compact.append(item_compact)
+        return b"[" + b",".join(plain) + b"]", b"[" + b",".join(compact) + b"]"
+
+    def _struct_pieces(self, value: msgspec.Struct, fields: tuple[str, ...]) -> tuple[bytes, bytes]:
+        """``(plain, compact)``: ``value`` encoded field by field in msgspec's order, the
+        ``fields`` named compacted."""
+        encode = self._encoder.encode
+        layout = _layout(type(value))
+        if layout is None:
+            encoded = encode(value)
+            return encoded, encoded
+        tag, keys = layout
+        plain: list[bytes] = [tag] if tag else []
+        compact: list[bytes] = [tag] if tag else []
+        for name, key in keys:
+            field = getattr(value, name)
+            if field is _UNSET:
+                continue
+            if name in fields:
+                field_plain, field_compact = self._field_pieces(value, field)
+                plain.append(key + field_plain)
+                compact.append(key + field_compact)
+            else:
+                encoded = key + encode(field)
+                plain.append(encoded)
+                compact.append(encoded)
+        return b"{" + b",".join(plain) + b"}", b"{" + b",".join(compact) + b"}"
 
     def _decode(self, decoder: msgspec.json.Decoder[Any], buf: bytes, kind: str, where: str) -> Any:
         try:

@@ -60,6 +60,36 @@ class TextPart(msgspec.Struct, frozen=True, tag_field="type", tag="text"):
             check_str("TextPart", "text", self.text)
 
 
+class _FromRaw:
+    """The default of ``ToolCallPart.arguments``: parse them from ``raw_arguments``."""
+
+    def __repr__(self) -> str:
+        return "<parsed from raw_arguments>"
+
+
+class _Missing:
+    """The default of ``ToolCallPart.raw_arguments``: there is none (it is required)."""
+
+    def __repr__(self) -> str:
+        return "(missing required field `raw_arguments`)"
+
+
+_FROM_RAW: Final[Any] = _FromRaw()
+_REQUIRED: Final[Any] = _Missing()
+
+
+def parse_arguments(raw_arguments: str) -> Any:
+    """Tool-call arguments from the raw string a model sent, as :meth:`ToolCallPart.parse` does.
+
+    Blank means no arguments (``{}``); a string that is not JSON, or JSON nested
+    deeper than 128 levels, gives ``None`` (never a ``RecursionError``).
+    """
+    try:
+        return _json.decode(raw_arguments) if raw_arguments.strip() else {}
+    except msgspec.DecodeError:
+        return None
+
+
 class ToolCallPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_call"):
     """A request by the model to run a tool.
 
@@ -67,18 +97,28 @@ class ToolCallPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_call
         call_id: the id the model gave the call; unique within a session's history.
         name: the tool name as the model sent it (it may name no known tool).
         arguments: the arguments parsed from ``raw_arguments`` as JSON, or
-            ``None`` when the raw string is not valid JSON.
-        raw_arguments: exactly the string the model sent.
+            ``None`` when the raw string is not valid JSON. Left out, they
+            are parsed from ``raw_arguments`` (:func:`parse_arguments`): that
+            is how a store keeps them, once, as the raw string (see
+            :class:`~stepmachine.Codec`).
+        raw_arguments: exactly the string the model sent (required).
         notes: operation notes bound to this call (approval, journal, ...).
     """
 
     call_id: str
     name: str
-    arguments: Any
-    raw_arguments: str
+    arguments: Any = _FROM_RAW
+    raw_arguments: str = _REQUIRED
     notes: Notes = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.arguments is _FROM_RAW:
+            if self.raw_arguments is _REQUIRED:
+                fail("ToolCallPart", "raw_arguments", "str", _REQUIRED)
+            check_str("ToolCallPart", "raw_arguments", self.raw_arguments)
+            msgspec.structs.force_setattr(self, "arguments", parse_arguments(self.raw_arguments))
+        elif self.raw_arguments is _REQUIRED:
+            fail("ToolCallPart", "raw_arguments", "str", _REQUIRED)
         if not (
             type(self.call_id) is str
             and type(self.name) is str
@@ -103,10 +143,7 @@ class ToolCallPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_call
             InvalidFieldError: ``call_id``, ``name`` or ``raw_arguments`` is not a str.
         """
         check_str("ToolCallPart.parse", "raw_arguments", raw_arguments)
-        try:
-            arguments: Any = _json.decode(raw_arguments) if raw_arguments.strip() else {}
-        except msgspec.DecodeError:
-            arguments = None
+        arguments = parse_arguments(raw_arguments)
         return cls(call_id=call_id, name=name, arguments=arguments, raw_arguments=raw_arguments)
 
     @classmethod

@@ -86,7 +86,6 @@ from ._file_log import (
     LogHead,
     Record,
     Snapshot,
-    SnapshotBody,
     Torn,
     create_file,
     decode_batch,
@@ -100,6 +99,7 @@ from ._file_log import (
     read_range,
     read_snapshot,
     snapshot_misfit,
+    snapshot_payload,
     write_all,
 )
 from ._ids import validate_session_id
@@ -609,10 +609,10 @@ class FileStore:
     ) -> None:
         """Replace the snapshot, bound to ``last``, the record ending at ``offset``
         (the caller holds the log's exclusive lock)."""
-        body = SnapshotBody(
-            session_id, nonce, offset, msgspec.Raw(self._codec.encode_session(session)), last
+        payload = snapshot_payload(
+            session_id, nonce, offset, self._codec.encode_session(session), last
         )
-        data = encode_record(TAG_SNAPSHOT, session.revision, msgspec.json.encode(body))
+        data = encode_record(TAG_SNAPSHOT, session.revision, payload)
         temp = os.path.join(self._folder, f".{session_id}.snap.tmp")
         try:
             fd = create_file(temp, exclusive=False)

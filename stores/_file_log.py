@@ -25,6 +25,11 @@ holds a raw newline. Tags:
   have no ``last_record``;
   they are *unbound* and never used in place of the log (older code reading a
   newer snapshot ignores the field, so the format stays at schema version 1).
+  Since issue 9 the session is stored compressed (zlib, in the defaulted field
+  ``compressed``, base64 in the JSON) and ``session`` is ``null``; a snapshot
+  with ``compressed`` empty holds its session in ``session``, as before. Older
+  code finds no session in a compressed snapshot and ignores it as damaged (it
+  is only a cache: the log is replayed).
 
 Parsing fails closed (invariant 8): a malformed header, a length that does not
 end on the line's newline, a checksum mismatch, an unknown tag or a schema
@@ -82,6 +87,7 @@ __all__ = [
     "read_range",
     "read_snapshot",
     "snapshot_misfit",
+    "snapshot_payload",
     "write_all",
 ]
 
@@ -126,6 +132,8 @@ class SnapshotBody(msgspec.Struct, frozen=True):
     """Payload of the ``S`` record; ``session`` is encoded by the codec.
 
     ``last_record`` is None in snapshots written before it existed (unbound).
+    ``compressed``, when not empty, is the codec's session record compressed
+    with zlib, and ``session`` is then ``null`` (see :func:`snapshot_payload`).
     """
 
     session_id: str
@@ -133,6 +141,21 @@ class SnapshotBody(msgspec.Struct, frozen=True):
     offset: int
     session: msgspec.Raw
     last_record: LastRecord | None = None
+    compressed: bytes = b""
+
+
+_ZLIB_LEVEL = 1
+"""Snapshots are compressed fast: one is written every ``snapshot_every`` batches."""
+
+_NULL = msgspec.Raw(b"null")
+
+
+def snapshot_payload(
+    session_id: str, nonce: str, offset: int, record: bytes, last: LastRecord
+) -> bytes:
+    """The payload of an ``S`` record holding the codec's session ``record``, compressed."""
+    compressed = zlib.compress(record, _ZLIB_LEVEL)
+    return msgspec.json.encode(SnapshotBody(session_id, nonce, offset, _NULL, last, compressed))
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,9 +400,16 @@ def read_snapshot(path: str, session_id: str, nonce: str) -> Snapshot | None:
     record = parse_one(data, 0, path, TAG_SNAPSHOT)
     body = decode_struct(_snapshot_decoder, record, f"{path} at byte 0")
     stale = body.nonce != nonce or body.session_id != session_id
-    return Snapshot(
-        path, record.revision, body.offset, body.last_record, bytes(body.session), stale
-    )
+    session = bytes(body.session)
+    if body.compressed:
+        try:
+            session = zlib.decompress(body.compressed)
+        except zlib.error as exc:
+            raise StoredDataError(
+                f"invariant 8 (stored data is data): the snapshot {path} at byte 0 holds a "
+                f"compressed session that does not decompress: {exc}"
+            ) from None
+    return Snapshot(path, record.revision, body.offset, body.last_record, session, stale)
 
 
 def snapshot_misfit(fd: int, snapshot: Snapshot, head_end: int, size: int, log: str) -> str | None:

@@ -5,9 +5,13 @@ effect, under a batch row carrying step, cycle and timestamp; the session row
 holds the current revision. Applying a batch is one ``BEGIN IMMEDIATE``
 transaction: compare-and-set on the revision, then every row of the batch, or
 nothing. The store keeps the last session it read or wrote per session id, so
-a load reads only the rows written since; snapshots (at revision 0, after a
+a load reads only the rows written since, and an apply on top of it reads
+nothing: its compare-and-set is one ``UPDATE ... WHERE sid = ? AND revision =
+?`` whose row count proves the cached session current (the row is read only
+when it fails, to say why). Snapshots (at revision 0, after a
 ``ReplaceConversation``, and periodically, see :mod:`._sqlite_schema`) bound
-what a cold load or :meth:`SQLiteStore.load_at` replays. Every row carries a
+what a cold load replays; each new one prunes the one before (revision 0
+stays), so a session holds at most two, compressed. Every row carries a
 CRC-32 checked on load (schema version 2). The on-disk layout, its migrations
 and the checksums live in :mod:`._sqlite_schema`; reading and writing rows in
 :mod:`._sqlite_rows`.
@@ -70,7 +74,9 @@ _CACHE_SIZE = 256
 
 
 class _Cached(NamedTuple):
-    sid: int
+    """A session as of ``row``, the session row as it was at ``session.revision``."""
+
+    row: SessionRow
     session: Session[Any]
 
 
@@ -264,8 +270,9 @@ class SQLiteStore:
             raise SessionNotFoundError(session_id)
         return row
 
-    def _remember(self, sid: int, session: Session[Any]) -> None:
-        self._cache[session.id] = _Cached(sid, session)
+    def _remember(self, row: SessionRow, session: Session[Any]) -> None:
+        """Cache ``session`` with ``row``, its session row at the same revision."""
+        self._cache[session.id] = _Cached(row, session)
         self._cache.move_to_end(session.id)
         while len(self._cache) > _CACHE_SIZE:
             self._cache.popitem(last=False)
@@ -281,7 +288,7 @@ class SQLiteStore:
         """
         cached = self._cache.get(session_id)
         base: Session[Any] | None = None
-        if cached is not None and cached.sid == sid and cached.session.revision <= revision:
+        if cached is not None and cached.row.sid == sid and cached.session.revision <= revision:
             base = cached.session
             if base.revision == revision:
                 return base
@@ -300,6 +307,57 @@ class SQLiteStore:
             connection, self._codec, self._path, session_id, sid, base.revision, revision
         )
         return _rows.replay(base, log, self._path, session_id)
+
+    def _current(self, connection: sqlite3.Connection, session_id: str, expected: int) -> _Cached:
+        """The stored session, checked to be at ``expected``, inside a write transaction.
+
+        Raises:
+            SessionNotFoundError: no session has this id.
+            ConflictError: the session is at another revision.
+        """
+        row = self._row(connection, session_id)
+        if row.revision != expected:
+            raise ConflictError(session_id, expected, row.revision)
+        current = self._session_at(connection, session_id, row.sid, row.revision)
+        self._remember(row, current)
+        return _Cached(row, current)
+
+    def _write(
+        self,
+        connection: sqlite3.Connection,
+        batch: Batch[Effect],
+        effects: tuple[Effect, ...],
+        bodies: list[bytes],
+        replaces: bool,
+        cached: _Cached,
+    ) -> _Cached | None:
+        """Apply ``effects`` to ``cached`` and write the batch; ``None`` if the CAS fails.
+
+        The statements: the compare-and-set on the session row (which also
+        records the new revision and snapshot bookkeeping), the batch row, its
+        effect rows (one ``executemany``) and, when one is due, the snapshot
+        and the pruning of the one it supersedes. Nothing is read. ``None``
+        means the session row is not at ``cached.row``, and nothing was written.
+        """
+        after = apply_batch(cached.session, effects)
+        row = cached.row
+        batch_bytes = sum(len(body) for body in bodies)
+        moved = row._replace(revision=after.revision, pending_bytes=row.pending_bytes + batch_bytes)
+        record = None
+        if _rows.wants_snapshot(row, after.revision, batch_bytes, replaces):
+            record = self._codec.encode_session(after)
+            moved = moved._replace(
+                snapshot_revision=after.revision, snapshot_bytes=len(record), pending_bytes=0
+            )
+        if not _rows.advance_session_row(connection, batch.session_id, row.revision, moved):
+            return None
+        _rows.insert_batch(
+            connection, row.sid, after.revision, batch.step, batch.cycle, batch.timestamp, bodies
+        )
+        if record is not None:
+            _rows.insert_snapshot_record(connection, row.sid, after.revision, record)
+            _rows.prune_snapshots(connection, row.sid, after.revision)
+        return _Cached(moved, after)
 
     # -- the Store API -----------------------------------------------------------
 
@@ -333,8 +391,9 @@ class SQLiteStore:
                     raise SessionExistsError(session_id)
                 sid = _rows.insert_session(connection, session_id)
                 size = _rows.insert_snapshot(connection, self._codec, sid, session)
-                _rows.write_session_row(connection, session_id, SessionRow(sid, 0, 0, size, 0))
-            self._remember(sid, session)
+                row = SessionRow(sid, 0, 0, size, 0)
+                _rows.write_session_row(connection, session_id, row)
+            self._remember(row, session)
             self._hook("create.committed")
             return session
 
@@ -359,7 +418,7 @@ class SQLiteStore:
             with transaction(connection, write=False):
                 row = self._row(connection, session_id)
                 session = self._session_at(connection, session_id, row.sid, row.revision)
-            self._remember(row.sid, session)
+            self._remember(row, session)
             return session
 
         return await self._run(run)
@@ -371,12 +430,20 @@ class SQLiteStore:
 
         The effects are encoded and decoded back, then applied to the current
         session before anything is written, so nothing invalid is stored. The
-        write is one ``BEGIN IMMEDIATE`` transaction: one batch row, one row
-        per effect, the new revision on the session row, and a snapshot after
-        a ``ReplaceConversation`` or when one is due (periodic snapshots, once
-        the effects since the last one reach half its size, cost each
-        apply, on average, about twice encoding its own effects). Nothing
-        else is re-encoded, whatever the history length.
+        write is one ``BEGIN IMMEDIATE`` transaction of constant statements:
+        the compare-and-set (``UPDATE sessions ... WHERE sid = ? AND revision
+        = ?``, which also moves the revision; its row count proves the session
+        this store last read or wrote is the stored one, so nothing is read),
+        the batch row, the effect rows (one ``executemany``), and a snapshot
+        after a ``ReplaceConversation`` or when one is due (periodic
+        snapshots, once the effects since the last one reach half its size,
+        cost each apply, on average, about twice encoding its own effects),
+        which prunes the one before it. Nothing else is read or re-encoded,
+        whatever the history length. When this store has not read the session
+        at ``batch.revision - 1`` (first use, or another writer moved it), the
+        session row is read (and checked against its checksum) and the rows
+        since the cached session are replayed first; a failed
+        compare-and-set is diagnosed the same way, on that path only.
 
         Raises:
             InvalidSessionIdError: ``batch.session_id`` is not safe.
@@ -399,39 +466,32 @@ class SQLiteStore:
             for index, body in enumerate(bodies)
         )
         replaces = any(isinstance(effect, ReplaceConversation) for effect in effects)
-        batch_bytes = sum(len(body) for body in bodies)
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
             with transaction(connection, write=True):
                 self._hook("apply.begin")
-                row = self._row(connection, session_id)
-                if row.revision != batch.revision - 1:
-                    raise ConflictError(session_id, batch.revision - 1, row.revision)
-                current = self._session_at(connection, session_id, row.sid, row.revision)
-                self._remember(row.sid, current)
-                after = apply_batch(current, effects)
-                _rows.insert_batch(
-                    connection,
-                    row.sid,
-                    after.revision,
-                    batch.step,
-                    batch.cycle,
-                    batch.timestamp,
-                    bodies,
-                )
-                moved = row._replace(
-                    revision=after.revision, pending_bytes=row.pending_bytes + batch_bytes
-                )
-                if _rows.wants_snapshot(row, after.revision, batch_bytes, replaces):
-                    size = _rows.insert_snapshot(connection, self._codec, row.sid, after)
-                    moved = moved._replace(
-                        snapshot_revision=after.revision, snapshot_bytes=size, pending_bytes=0
-                    )
-                _rows.write_session_row(connection, session_id, moved)
+                expected = batch.revision - 1
+                cached = self._cache.get(session_id)
+                if cached is None or cached.session.revision != expected:
+                    cached = self._current(connection, session_id, expected)
+                written = self._write(connection, batch, effects, bodies, replaces, cached)
+                if written is None:
+                    # The cached row was not the stored one (another instance moved
+                    # it, or deleted the session): read it to say why, or catch up
+                    # when only the cache was behind, and write again.
+                    self._cache.pop(session_id, None)
+                    cached = self._current(connection, session_id, expected)
+                    written = self._write(connection, batch, effects, bodies, replaces, cached)
+                    if written is None:  # pragma: no cover - the write lock is held
+                        raise StoredDataError(
+                            f"SQLiteStore on {self._path}: the compare-and-set on session "
+                            f"{session_id!r} failed on the row it had just read under the "
+                            "write lock"
+                        )
                 self._hook("apply.inserted")
-            self._remember(row.sid, after)
+            self._remember(*written)
             self._hook("apply.committed")
-            return after
+            return written[1]
 
         return await self._run(run)
 
@@ -471,7 +531,13 @@ class SQLiteStore:
     async def load_at(self, session_id: str, revision: int) -> Session[Any]:
         """The session as it was at ``revision``: the nearest snapshot, then its log.
 
-        Replays at most ``SNAPSHOT_MAX_GAP`` (1000) batches, whatever the history length.
+        Cost: a session keeps two snapshots, revision 0 and the newest (each
+        new snapshot prunes the one before it, so the bytes on disk stay
+        proportional to the log, whatever the history length). A revision at
+        or after the newest snapshot replays at most ``SNAPSHOT_MAX_GAP``
+        (1000) batches, like :meth:`load`; an earlier one (an audit or a
+        rewind, not the hot path) replays the log from revision 0: ``revision``
+        batches.
 
         Raises:
             InvalidSessionIdError: the id is not safe.
@@ -562,9 +628,11 @@ class SQLiteStore:
                     raise SessionExistsError(new_session_id)
                 state = self._session_at(connection, session_id, source.sid, revision)
                 forked = msgspec.structs.replace(state, id=new_session_id)
-                snapshots = _rows.read_snapshots(
-                    connection, self._codec, self._path, session_id, source.sid, revision
+                # The snapshots the source keeps: revision 0 and the fork point.
+                first = _rows.read_snapshot(
+                    connection, self._codec, self._path, session_id, source.sid, -1, 0
                 )
+                snapshots = [] if first is None or revision == 0 else [first]
                 sid = _rows.insert_session(connection, new_session_id)
                 _rows.copy_log(connection, self._path, session_id, source.sid, sid, revision)
                 for snapshot in [*snapshots, forked]:
@@ -572,7 +640,7 @@ class SQLiteStore:
                     size = _rows.insert_snapshot(connection, self._codec, sid, renamed)
                 row = SessionRow(sid, revision, revision, size, 0)
                 _rows.write_session_row(connection, new_session_id, row)
-            self._remember(sid, forked)
+            self._remember(row, forked)
             return forked
 
         return await self._run(run)

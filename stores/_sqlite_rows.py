@@ -18,6 +18,7 @@ rewrites a row it read.
 from __future__ import annotations
 
 import sqlite3
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -31,13 +32,15 @@ __all__ = [
     "SNAPSHOT_MAX_GAP",
     "SessionRow",
     "StoredBatch",
+    "advance_session_row",
     "copy_log",
     "insert_batch",
     "insert_session",
     "insert_snapshot",
+    "insert_snapshot_record",
+    "prune_snapshots",
     "read_log",
     "read_snapshot",
-    "read_snapshots",
     "replay",
     "session_ids",
     "session_row",
@@ -133,12 +136,17 @@ def _session_from(path: str, row: Sequence[Any], session_id: str | None = None) 
     return SessionRow(*values)
 
 
+_SELECT_SESSION = f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE session_id = ?"  # noqa: S608
+_UPDATE_SESSION = (
+    "UPDATE sessions SET revision = ?, schema_version = ?, snapshot_revision = ?, "
+    "snapshot_bytes = ?, pending_bytes = ?, crc = ? WHERE sid = ?"
+)
+_ADVANCE_SESSION = _UPDATE_SESSION + " AND revision = ?"
+
+
 def session_row(conn: sqlite3.Connection, path: str, session_id: str) -> SessionRow | None:
     """The checked row of ``session_id``, or ``None`` when there is none."""
-    row = conn.execute(
-        f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE session_id = ?",  # noqa: S608 - fixed names
-        (session_id,),
-    ).fetchone()
+    row = conn.execute(_SELECT_SESSION, (session_id,)).fetchone()
     return None if row is None else _session_from(path, row, session_id)
 
 
@@ -169,11 +177,26 @@ def insert_session(conn: sqlite3.Connection, session_id: str) -> int:
 def write_session_row(conn: sqlite3.Connection, session_id: str, row: SessionRow) -> None:
     """Set every column of the row of ``row.sid`` (``session_id``), with its checksum."""
     values = (session_id, row.sid, row.revision, SCHEMA_VERSION, *row[2:])
-    conn.execute(
-        "UPDATE sessions SET revision = ?, schema_version = ?, snapshot_revision = ?, "
-        "snapshot_bytes = ?, pending_bytes = ?, crc = ? WHERE sid = ?",
-        (*values[2:], checksum("sessions", values), row.sid),
+    conn.execute(_UPDATE_SESSION, (*values[2:], checksum("sessions", values), row.sid))
+
+
+def advance_session_row(
+    conn: sqlite3.Connection, session_id: str, expected: int, row: SessionRow
+) -> bool:
+    """Compare-and-set: write ``row`` (with its checksum) if ``row.sid`` is still at ``expected``.
+
+    One ``UPDATE ... WHERE sid = ? AND revision = ?``; returns whether it
+    matched the row. The revision only grows and a ``sid`` is never reused,
+    so a match proves the row is the one the caller last read or wrote, and
+    nothing is read. ``False`` (no row matched: another writer moved it, or
+    the session was deleted) leaves the database unchanged; the caller reads
+    the row only then, to say why.
+    """
+    values = (session_id, row.sid, row.revision, SCHEMA_VERSION, *row[2:])
+    cursor = conn.execute(
+        _ADVANCE_SESSION, (*values[2:], checksum("sessions", values), row.sid, expected)
     )
+    return cursor.rowcount == 1
 
 
 def wants_snapshot(row: SessionRow, revision: int, batch_bytes: int, replaces: bool) -> bool:
@@ -184,7 +207,10 @@ def wants_snapshot(row: SessionRow, revision: int, batch_bytes: int, replaces: b
     since it reach half its size, or :data:`SNAPSHOT_MAX_GAP` revisions have
     passed. Snapshots then take at most about twice the room of the effects
     they follow, and cost each apply, on average, twice its own encoding. So
-    rebuilding any revision replays at most ``SNAPSHOT_MAX_GAP`` batches.
+    rebuilding the current revision (or any after the newest snapshot)
+    replays at most ``SNAPSHOT_MAX_GAP`` batches. Sizes are of the encoded
+    session, before compression (see :func:`insert_snapshot`): the policy
+    bounds the cost of writing snapshots, whatever they compress to.
     """
     if replaces:
         return True
@@ -197,6 +223,40 @@ def wants_snapshot(row: SessionRow, revision: int, batch_bytes: int, replaces: b
 # -- snapshots -----------------------------------------------------------------
 
 _SNAPSHOT_SELECT = "SELECT sid, revision, schema_version, body, crc FROM snapshots "
+_SELECT_SNAPSHOT = (
+    _SNAPSHOT_SELECT + "WHERE sid = ? AND revision > ? AND revision <= ? "
+    "ORDER BY revision DESC LIMIT 1"
+)
+_INSERT_SNAPSHOT = (
+    "INSERT OR REPLACE INTO snapshots (sid, revision, schema_version, body, crc) "
+    "VALUES (?, ?, ?, ?, ?)"
+)
+_PRUNE_SNAPSHOTS = "DELETE FROM snapshots WHERE sid = ? AND revision > 0 AND revision < ?"
+
+_ZLIB_LEVEL = 1
+"""Snapshots are compressed fast: they are written on the apply path (amortised)."""
+
+_JSON_START = b"{"
+_ZLIB_START = b"\x78"  # the first byte of every zlib stream (deflate, 32 KiB window)
+
+
+def _snapshot_record(path: str, where: str, body: bytes) -> bytes:
+    """The codec's session record in a stored snapshot body: as stored, or decompressed.
+
+    A body starting with ``{`` is the JSON record as written before snapshots
+    were compressed (still read as it is); one starting with ``0x78`` is that
+    record compressed with zlib. Anything else, or a stream that does not
+    decompress, raises :class:`StoredDataError`.
+    """
+    start = body[:1]
+    if start == _JSON_START:
+        return body
+    if start == _ZLIB_START:
+        try:
+            return zlib.decompress(body)
+        except zlib.error as exc:
+            raise _fail(path, where, f"the compressed body does not decompress: {exc}") from None
+    raise _fail(path, where, f"the body starts with {start!r}, neither JSON nor zlib")
 
 
 def _decode_snapshot(
@@ -206,7 +266,7 @@ def _decode_snapshot(
     _verify(path, where, "snapshots", tuple(row[:4]), row[4])
     revision = _typed(path, where, "revision", row[1], int)
     _check_version(path, where, row[2])
-    body = _typed(path, where, "body", row[3], bytes)
+    body = _snapshot_record(path, where, _typed(path, where, "body", row[3], bytes))
     session = codec.decode_session(body, where=f"{where} in {path}")
     if session.id != session_id or session.revision != revision:
         raise _fail(
@@ -225,62 +285,68 @@ def read_snapshot(
     upto: int,
 ) -> Session[Any] | None:
     """The newest snapshot with ``after < revision <= upto``, decoded; ``None`` if there is none."""
-    row = conn.execute(
-        _SNAPSHOT_SELECT + "WHERE sid = ? AND revision > ? AND revision <= ? "
-        "ORDER BY revision DESC LIMIT 1",
-        (sid, after, upto),
-    ).fetchone()
+    row = conn.execute(_SELECT_SNAPSHOT, (sid, after, upto)).fetchone()
     return None if row is None else _decode_snapshot(codec, path, session_id, row)
-
-
-def read_snapshots(
-    conn: sqlite3.Connection, codec: Codec[Any], path: str, session_id: str, sid: int, upto: int
-) -> list[Session[Any]]:
-    """Every snapshot with ``revision <= upto``, oldest first, decoded."""
-    rows = conn.execute(
-        _SNAPSHOT_SELECT + "WHERE sid = ? AND revision <= ? ORDER BY revision", (sid, upto)
-    ).fetchall()
-    return [_decode_snapshot(codec, path, session_id, row) for row in rows]
 
 
 def insert_snapshot(
     conn: sqlite3.Connection, codec: Codec[Any], sid: int, session: Session[Any]
 ) -> int:
-    """Store ``session`` as the snapshot of ``sid`` at its revision; return its size in bytes.
+    """Store ``session`` as the snapshot of ``sid`` at its revision; return its encoded size.
 
-    Replaces a snapshot at the same revision. The caller records the snapshot
-    in the session row (:func:`write_session_row`).
+    The body is the codec's session record compressed with zlib (a
+    conversation's JSON shrinks several times); the size returned, which the
+    snapshot policy (:func:`wants_snapshot`) weighs, is the record's before
+    compression. Replaces a snapshot at the same revision. The caller records
+    the snapshot in the session row (:func:`write_session_row`) and prunes
+    the ones it supersedes (:func:`prune_snapshots`).
     """
-    body = codec.encode_session(session)
-    values = (sid, session.revision, SCHEMA_VERSION, body)
-    conn.execute(
-        "INSERT OR REPLACE INTO snapshots (sid, revision, schema_version, body, crc) "
-        "VALUES (?, ?, ?, ?, ?)",
-        (*values, checksum("snapshots", values)),
-    )
-    return len(body)
+    record = codec.encode_session(session)
+    insert_snapshot_record(conn, sid, session.revision, record)
+    return len(record)
+
+
+def insert_snapshot_record(
+    conn: sqlite3.Connection, sid: int, revision: int, record: bytes
+) -> None:
+    """:func:`insert_snapshot` of an already encoded session ``record`` at ``revision``."""
+    values = (sid, revision, SCHEMA_VERSION, zlib.compress(record, _ZLIB_LEVEL))
+    conn.execute(_INSERT_SNAPSHOT, (*values, checksum("snapshots", values)))
+
+
+def prune_snapshots(conn: sqlite3.Connection, sid: int, newest: int) -> None:
+    """Delete the snapshots of ``sid`` that ``newest`` supersedes: all but 0 and ``newest``.
+
+    Revision 0 stays (it holds what ``create`` was given, and rebuilds any
+    revision before ``newest``); the newest bounds what a load replays. So a
+    session keeps at most two snapshots, and its bytes on disk stay
+    proportional to its log, whatever its length.
+    """
+    conn.execute(_PRUNE_SNAPSHOTS, (sid, newest))
 
 
 # -- the log -------------------------------------------------------------------
 
 _BATCH_COLUMNS = "sid, revision, step, cycle, timestamp, effect_count, schema_version, crc"
 _EFFECT_COLUMNS = "sid, revision, position, schema_version, body, crc"
+_INSERT_BATCH = f"INSERT INTO batches ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
+_INSERT_EFFECT = f"INSERT INTO effects ({_EFFECT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)"  # noqa: S608
+_SELECT_BATCHES = (
+    f"SELECT {_BATCH_COLUMNS} FROM batches "  # noqa: S608 - fixed names
+    "WHERE sid = ? AND revision > ? AND revision <= ? ORDER BY revision"
+)
+_SELECT_EFFECTS = (
+    f"SELECT {_EFFECT_COLUMNS} FROM effects "  # noqa: S608 - fixed names
+    "WHERE sid = ? AND revision > ? AND revision <= ? ORDER BY revision, position"
+)
 
 
 def _log_rows(
     conn: sqlite3.Connection, sid: int, after: int, upto: int
 ) -> tuple[list[Any], list[Any]]:
     """The batch rows and effect rows of ``sid`` with ``after < revision <= upto``, in order."""
-    batch_rows = conn.execute(
-        f"SELECT {_BATCH_COLUMNS} FROM batches "  # noqa: S608 - fixed names
-        "WHERE sid = ? AND revision > ? AND revision <= ? ORDER BY revision",
-        (sid, after, upto),
-    ).fetchall()
-    effect_rows = conn.execute(
-        f"SELECT {_EFFECT_COLUMNS} FROM effects "  # noqa: S608 - fixed names
-        "WHERE sid = ? AND revision > ? AND revision <= ? ORDER BY revision, position",
-        (sid, after, upto),
-    ).fetchall()
+    batch_rows = conn.execute(_SELECT_BATCHES, (sid, after, upto)).fetchall()
+    effect_rows = conn.execute(_SELECT_EFFECTS, (sid, after, upto)).fetchall()
     return batch_rows, effect_rows
 
 
@@ -376,18 +442,12 @@ def insert_batch(
     The caller moves the session row to ``revision`` (:func:`write_session_row`).
     """
     batch = (sid, revision, step, cycle, float(timestamp), len(bodies), SCHEMA_VERSION)
-    conn.execute(
-        f"INSERT INTO batches ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608 - fixed names
-        (*batch, checksum("batches", batch)),
-    )
+    conn.execute(_INSERT_BATCH, (*batch, checksum("batches", batch)))
     rows = []
     for position, body in enumerate(bodies):
         effect = (sid, revision, position, SCHEMA_VERSION, body)
         rows.append((*effect, checksum("effects", effect)))
-    conn.executemany(
-        f"INSERT INTO effects ({_EFFECT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",  # noqa: S608 - fixed names
-        rows,
-    )
+    conn.executemany(_INSERT_EFFECT, rows)
 
 
 def copy_log(
@@ -413,11 +473,5 @@ def copy_log(
         _verify(path, where, "effects", tuple(row[:5]), row[5])
         values = (target, *row[1:5])
         effects.append((*values, checksum("effects", values)))
-    conn.executemany(
-        f"INSERT INTO batches ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608 - fixed names
-        batches,
-    )
-    conn.executemany(
-        f"INSERT INTO effects ({_EFFECT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",  # noqa: S608 - fixed names
-        effects,
-    )
+    conn.executemany(_INSERT_BATCH, batches)
+    conn.executemany(_INSERT_EFFECT, effects)

@@ -20,8 +20,13 @@ is the codec's effects record holding exactly that one effect. A snapshot is
 the codec's session record; there is always one at revision 0 (written by
 ``create``) and one after every batch holding a
 :class:`~stepmachine.ReplaceConversation`. Periodic snapshots follow
-:func:`._sqlite_rows.wants_snapshot`. The session row keeps the revision and
-size of the last snapshot and the effect bytes written since (``pending_bytes``).
+:func:`._sqlite_rows.wants_snapshot`. Each snapshot written deletes the ones
+it supersedes, so a session keeps two: revision 0 and the newest
+(:func:`._sqlite_rows.prune_snapshots`). A snapshot ``body`` is the session
+record compressed with zlib (it starts with ``0x78``); one starting with ``{``
+is the uncompressed record, as written before, and is read as it is. The
+session row keeps the revision and encoded (uncompressed) size of the last
+snapshot and the effect bytes written since (``pending_bytes``).
 
 Checksums (schema version 2): every row of ``sessions``, ``batches``,
 ``effects`` and ``snapshots`` carries ``crc``, the CRC-32 computed by

@@ -17,6 +17,7 @@ from stepmachine import (
     Codec,
     ConfigurationError,
     Effect,
+    InvalidFieldError,
     Message,
     NoData,
     ReasoningPart,
@@ -85,8 +86,9 @@ def test_kernel_effect_tags_are_stable() -> None:
         b'{"type":"set_visibility","message_ids":["m"],"to_model":false,"to_user":null},'
         b'{"type":"update_data","changes":{"count":1}},'
         b'{"type":"replace_conversation","conversation":[]},'
+        # A message's default notes and visibility are left out (issue 9).
         b'{"type":"append_message","message":{"id":"m","role":"user","parts":'
-        b'[{"type":"text","text":"x"}],"notes":{},"visible_to_model":true,"visible_to_user":true}}]'
+        b'[{"type":"text","text":"x"}]}}]'
     )
 
 
@@ -577,3 +579,179 @@ def test_a_session_record_breaking_its_own_rules_is_refused() -> None:
     ):
         with pytest.raises(StoredDataError, match=r"file f\.db"):
             codec.decode_session(bad, where="file f.db")
+
+
+# -- issue 9: tool arguments are stored once -------------------------------------------
+
+
+class Quoted(Effect, frozen=True, tag="test.quoted"):
+    """A user effect holding a message, and a dict shaped like a tool call before it."""
+
+    shape: dict[str, Any]
+    message: Message
+
+    def apply(self, session: Session[Any]) -> Session[Any]:
+        return session
+
+
+QUOTING: Codec[NoData] = Codec(effects=[Quoted])
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@st.composite
+def tool_calls(draw: st.DrawFn) -> ToolCallPart:
+    """Calls as providers build them (raw strings, valid or not) and as code builds them."""
+    call_id = draw(st.text(min_size=1, max_size=6))
+    name = draw(st.text(max_size=6))
+    notes = draw(st.sampled_from([{}, {"journal": {"intent": True, "arguments": "x"}}]))
+    kind = draw(st.sampled_from(["parse_json", "parse_text", "of", "forged"]))
+    if kind == "parse_json":
+        value = draw(json_values)
+        spaced = draw(st.booleans())
+        raw = msgspec.json.encode(value).decode()
+        part = ToolCallPart.parse(call_id, name, f" {raw} " if spaced else raw)
+    elif kind == "parse_text":
+        part = ToolCallPart.parse(call_id, name, draw(st.text(max_size=12)))
+    elif kind == "of":
+        part = ToolCallPart.of(
+            call_id, name, draw(st.dictionaries(st.text(max_size=5), json_values, max_size=3))
+        )
+    else:  # arguments that are not what the raw string parses to (1 vs 1.0, a tuple, another value)
+        arguments = draw(st.sampled_from([{"a": 1}, {"a": (1, 2)}, [1.0], None, {"b": "c"}]))
+        raw = draw(
+            st.sampled_from(['{"a":1.0}', '{"a":[1,2]}', "[1]", "", '{"b":"d"}', "not json"])
+        )
+        part = ToolCallPart(call_id=call_id, name=name, arguments=arguments, raw_arguments=raw)
+    return msgspec.structs.replace(part, notes=notes)
+
+
+def _both(part: ToolCallPart) -> bytes:
+    """The part as encoded before issue 9: arguments and raw string."""
+    return msgspec.json.encode(part)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    calls=st.lists(tool_calls(), min_size=1, max_size=4),
+    text=st.text(max_size=5),
+    flags=st.lists(
+        st.tuples(
+            st.sampled_from([{}, {"op": {}}, {"op": {"notes": {}}}]), st.booleans(), st.booleans()
+        ),
+        min_size=4,
+        max_size=4,
+    ),
+    plain=st.integers(min_value=0, max_value=3),
+)
+def test_tool_arguments_are_stored_once_and_decode_as_before(
+    calls: list[ToolCallPart], text: str, flags: list[tuple[Any, bool, bool]], plain: int
+) -> None:
+    # Unique ids (a session refuses repeats); the same call may appear twice;
+    # some messages hold no call; notes and visibility vary.
+    messages = tuple(
+        Message(
+            id=f"m{i}",
+            role="assistant",
+            parts=(TextPart(text),) if i < plain else (TextPart(text), call, call),
+            notes=flags[i % 4][0],
+            visible_to_model=flags[i % 4][1],
+            visible_to_user=flags[i % 4][2],
+        )
+        for i, call in enumerate(calls)
+    )
+    session = Session(id="s", revision=0, conversation=messages, data=NoData())
+    codec: Codec[NoData] = Codec()
+    effects = (AppendMessage(messages[0]), ReplaceConversation(messages))
+    batch = Batch(session_id="s", revision=1, step="x", cycle=0, timestamp=0.0, effects=effects)
+    old = {  # the same records as written before: both fields in every call
+        "session": msgspec.json.encode(session),
+        "effects": msgspec.json.encode(effects),
+        "batch": msgspec.json.encode(batch),
+        "message": msgspec.json.encode(messages[0]),
+    }
+    new = {
+        "session": codec.encode_session(session),
+        "effects": codec.encode_effects(effects),
+        "batch": codec.encode_batch(batch),
+        "message": codec.encode_message(messages[0]),
+    }
+    decode = {
+        "session": codec.decode_session,
+        "effects": codec.decode_effects,
+        "batch": codec.decode_batch,
+        "message": codec.decode_message,
+    }
+    for kind, record in new.items():
+        assert decode[kind](record) == decode[kind](old[kind]), kind  # type: ignore[operator]
+        assert len(record) <= len(old[kind])
+    # The first message's call is stored once exactly when its arguments are what
+    # its raw string parses to (byte for byte, once encoded).
+    call = calls[0]
+    if plain:
+        return
+    derivable = msgspec.json.encode(call.arguments) == msgspec.json.encode(
+        ToolCallPart.parse("x", "y", call.raw_arguments).arguments
+    )
+    assert (_both(call) in new["message"]) is not derivable
+
+
+def test_a_call_stored_once_holds_the_raw_string_only() -> None:
+    call = ToolCallPart.parse("c1", "search", '{"query": "weather in Paris", "days": 3}')
+    record = CODEC.encode_message(Message(id="m", role="assistant", parts=(call,)))
+    assert b'"arguments"' not in record
+    assert record.count(b"weather in Paris") == 1
+    decoded = CODEC.decode_message(record).parts[0]
+    assert decoded == call
+    assert isinstance(decoded, ToolCallPart)
+    assert decoded.arguments == {"query": "weather in Paris", "days": 3}
+
+
+def test_calls_whose_arguments_differ_from_the_raw_string_keep_both() -> None:
+    for arguments, raw in [({"a": 1}, '{"a":1.0}'), ({"x": 1}, "{}"), (None, "{}")]:
+        call = ToolCallPart(call_id="c", name="n", arguments=arguments, raw_arguments=raw)
+        record = CODEC.encode_message(Message(id="m", role="assistant", parts=(call,)))
+        assert b'"arguments":' in record
+        assert CODEC.decode_message(record).parts[0] == call
+
+
+def test_only_the_messages_own_calls_are_compacted() -> None:
+    call = ToolCallPart.of("c", "n", {"k": "v"})
+    shape = msgspec.to_builtins(call)  # a dict with the very bytes of the call
+    effect = Quoted(shape=shape, message=Message(id="m", role="assistant", parts=(call,)))
+    record = QUOTING.encode_effects((effect,))
+    assert record.count(b'"arguments":{"k":"v"}') == 1  # the dict's; the call's is gone
+    assert QUOTING.decode_effects(record) == (effect,)
+
+
+def test_tool_call_without_raw_arguments_is_refused() -> None:
+    with pytest.raises(InvalidFieldError, match="missing required field `raw_arguments`"):
+        ToolCallPart("c", "n", {"a": 1})
+    with pytest.raises(InvalidFieldError, match="missing required field `raw_arguments`"):
+        ToolCallPart(call_id="c", name="n")
+    assert ToolCallPart("c", "n", raw_arguments='{"a": 1}').arguments == {"a": 1}
+
+
+def test_default_notes_and_visibility_are_left_out_only_where_a_message_is_declared() -> None:
+    message = Message.user("hello", id="m")
+    effect = Quoted(shape=msgspec.json.decode(msgspec.json.encode(message)), message=message)
+    record = QUOTING.encode_effects((effect,))
+    # The dict keeps every key (its decoder gives no defaults); the message does not.
+    assert record.count(b'"visible_to_model":true') == 1
+    assert QUOTING.decode_effects(record) == (effect,)
+    hidden = msgspec.structs.replace(message, visible_to_model=False, notes={"op": {"k": 1}})
+    record = QUOTING.encode_message(hidden)
+    assert record.endswith(
+        b'"notes":{"op":{"k":1}},"visible_to_model":false,"visible_to_user":true}'
+    )
+    assert QUOTING.decode_message(record) == hidden

@@ -12,10 +12,12 @@ existed (the golden fixture) are unbound: never used in place of the log.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -133,8 +135,11 @@ async def _assert_reads(folder: Path, history: list[Session[Any]]) -> None:
 
 
 def _snapshot_payload(snap: Path) -> dict[str, Any]:
+    """The snapshot's payload, its session decompressed into ``session`` (issue 9)."""
     record = parse_one(snap.read_bytes(), 0, str(snap), TAG_SNAPSHOT)
     payload: dict[str, Any] = json.loads(record.payload)
+    if payload.get("compressed"):
+        payload["session"] = json.loads(zlib.decompress(base64.b64decode(payload["compressed"])))
     return payload
 
 

@@ -209,7 +209,8 @@ def test_record_regions_cover_every_table(sample: tuple[Path, bytes]) -> None:
         local = [r for r in regions if r[0] == table]
         assert len(local) >= counts[table], table
     # The text the property test damages is inside the regions.
-    for needle in (b"transfer 900 EUR", big, b"ledger", b"payments-fork"):
+    # (Snapshot bodies are compressed: the data's "ledger" is not in the file as text.)
+    for needle in (b"transfer 900 EUR", big, b"payments-fork"):
         found = [i for i in range(len(content)) if content.startswith(needle, i)]
         inside = [i for i in found if any(start <= i < end for _, start, end in regions)]
         assert inside, needle

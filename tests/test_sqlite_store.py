@@ -18,8 +18,10 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
+import zlib
 from collections import Counter
 from contextlib import closing
 from pathlib import Path
@@ -31,6 +33,8 @@ import anyio.lowlevel
 import make_golden_sqlite
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stepmachine import (
     AppendMessage,
@@ -49,13 +53,14 @@ from stepmachine import (
     apply_batch,
 )
 from stepmachine.stores import SQLiteStore
+from stepmachine.stores import _sqlite_rows as _rows
 from stepmachine.stores._sqlite_rows import (
     SNAPSHOT_EVERY,
     SNAPSHOT_MAX_GAP,
     SessionRow,
     wants_snapshot,
 )
-from stepmachine.stores._sqlite_schema import SCHEMA_VERSION
+from stepmachine.stores._sqlite_schema import SCHEMA_VERSION, checksum
 from stepmachine.testing.conformance import ConformanceData, Increment, StoreConformance
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -926,3 +931,194 @@ def test_the_docstring_states_what_sqlite_guarantees() -> None:
     ):
         assert claim in doc, claim
     assert "VACUUM INTO" in (SQLiteStore.backup.__doc__ or "")
+
+
+# -- issue 9: one statement batch per apply, pruned and compressed snapshots --------
+
+
+def statements_of(store: SQLiteStore) -> list[str]:
+    """Start recording the SQL the store's connection runs (the list fills as it runs)."""
+    seen: list[str] = []
+    connection = store._conn
+    assert connection is not None
+    connection.set_trace_callback(seen.append)
+    return seen
+
+
+async def test_warm_apply_reads_nothing_and_compare_and_sets_in_one_update(
+    store: SQLiteStore,
+) -> None:
+    session = await store.create("s")
+    session = await apply(store, session, AppendMessage(message(0)))
+    seen = statements_of(store)
+    await store.apply(batch_for(session, AppendMessage(message(1)), Increment(2), Increment(3)))
+    assert not [s for s in seen if s.lstrip().upper().startswith("SELECT")], seen
+    updates = [s for s in seen if s.startswith("UPDATE sessions")]
+    assert len(updates) == 1
+    assert updates[0].endswith("WHERE sid = 1 AND revision = 1"), updates
+    assert seen[0] == "BEGIN IMMEDIATE"
+    assert seen[-1] == "COMMIT"
+    # BEGIN, the CAS, the batch row, three effect rows (one executemany), COMMIT.
+    assert sum(s.startswith("INSERT INTO effects") for s in seen) == 3
+    assert len(seen) == 7, seen
+
+
+async def test_stale_cache_conflict_is_diagnosed_by_a_read(db: Path) -> None:
+    async with (
+        await SQLiteStore.open(db, codec()) as first,
+        await SQLiteStore.open(db, codec()) as second,
+    ):
+        session = await first.create("s")
+        await second.apply(batch_for(await second.load("s"), Increment(1)))
+        await second.apply(batch_for(await second.load("s"), Increment(1)))
+        seen = statements_of(first)
+        with pytest.raises(ConflictError) as excinfo:
+            await first.apply(batch_for(session, Increment(5)))
+        assert (excinfo.value.expected, excinfo.value.actual) == (0, 2)
+        assert any(s.startswith("SELECT") for s in seen)
+        assert (await first.load("s")).data.counter == 2
+
+
+async def test_apply_after_another_instance_recreated_the_session(db: Path) -> None:
+    async with (
+        await SQLiteStore.open(db, codec()) as first,
+        await SQLiteStore.open(db, codec()) as second,
+    ):
+        session = await first.create("s")
+        session = await apply(first, session, AppendMessage(message(0)))  # cached at 1
+        await second.delete("s")
+        other = await second.create("s", conversation=[message(7)])
+        other = await apply(second, other, Increment(4))  # a new sid, also at revision 1
+        # first's cache is at revision 1 of the old sid: its CAS misses, it reads
+        # the new row, and applies on top of the session that is stored now.
+        after = await first.apply(batch_for(session, Increment(1)))
+        assert after.conversation == (message(7),)
+        assert after.data.counter == 5
+        assert await second.load("s") == after
+
+
+async def test_apply_after_another_instance_deleted_the_session(db: Path) -> None:
+    async with (
+        await SQLiteStore.open(db, codec()) as first,
+        await SQLiteStore.open(db, codec()) as second,
+    ):
+        session = await first.create("s")
+        await second.delete("s")
+        with pytest.raises(SessionNotFoundError):
+            await first.apply(batch_for(session, Increment(1)))
+        assert await first.list_sessions() == []
+
+
+async def test_snapshots_are_compressed_and_superseded_ones_pruned(db: Path) -> None:
+    counting = CountingCodec()
+    async with await SQLiteStore.open(db, counting) as store:
+        session = await store.create("s")
+        for index in range(4 * SNAPSHOT_EVERY + 10):
+            session = await apply(store, session, AppendMessage(message(index)))
+        assert counting.calls["encode_session"] >= 3  # revision 0 and two periodic ones
+        with raw(db) as connection:
+            (newest,) = connection.execute("SELECT snapshot_revision FROM sessions").fetchone()
+        assert newest > SNAPSHOT_EVERY
+        assert snapshot_revisions(db) == [0, newest]
+        with raw(db) as connection:
+            body = connection.execute(
+                "SELECT body FROM snapshots WHERE revision = ?", (newest,)
+            ).fetchone()[0]
+        record = store.codec.encode_session(await store.load_at("s", newest))
+        assert body[:1] == b"\x78"
+        assert zlib.decompress(body) == record
+        assert len(body) * 3 < len(record)
+    async with await SQLiteStore.open(db, codec()) as store:
+        assert await store.load("s") == session
+        assert (await store.load_at("s", 150)).conversation[-1] == message(149)
+
+
+async def test_an_uncompressed_snapshot_still_reads(db: Path) -> None:
+    async with await SQLiteStore.open(db, codec()) as store:
+        session = await store.create("s", conversation=[message(0)])
+        session = await apply(store, session, Increment(3))
+    with raw(db) as connection:  # the revision-0 snapshot as written before compression
+        record = Codec(ConformanceData).encode_session(
+            Session(id="s", revision=0, conversation=(message(0),), data=ConformanceData())
+        )
+        values = (1, 0, SCHEMA_VERSION, record)
+        connection.execute(
+            "UPDATE snapshots SET body = ?, crc = ? WHERE sid = 1 AND revision = 0",
+            (record, checksum("snapshots", values)),
+        )
+    async with await SQLiteStore.open(db, codec()) as store:
+        assert await store.load("s") == session
+        assert (await store.load_at("s", 0)).conversation == (message(0),)
+
+
+async def test_a_snapshot_that_does_not_decompress_fails_closed(db: Path) -> None:
+    async with await SQLiteStore.open(db, codec()) as store:
+        await store.create("s")
+    with raw(db) as connection:
+        body = b"\x78not zlib"
+        connection.execute(
+            "UPDATE snapshots SET body = ?, crc = ? WHERE sid = 1",
+            (body, checksum("snapshots", (1, 0, SCHEMA_VERSION, body))),
+        )
+    async with await SQLiteStore.open(db, codec()) as store:
+        with pytest.raises(StoredDataError, match="does not decompress"):
+            await store.load("s")
+
+
+def snapshot_rows(db: Path) -> dict[int, list[int]]:
+    with raw(db) as connection:
+        rows = connection.execute("SELECT sid, revision FROM snapshots ORDER BY sid, revision")
+        found: dict[int, list[int]] = {}
+        for sid, revision in rows:
+            found.setdefault(sid, []).append(revision)
+        return found
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    steps=st.lists(
+        st.one_of(
+            st.integers(min_value=1, max_value=400).map(lambda n: ("append", n)),
+            st.just(("replace", 0)),
+            st.integers(min_value=-3, max_value=3).map(lambda n: ("increment", n)),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    every=st.integers(min_value=1, max_value=6),
+    gap=st.integers(min_value=2, max_value=12),
+    fork_at=st.floats(min_value=0, max_value=1),
+)
+async def test_any_history_keeps_two_snapshots_and_reads_every_revision(
+    steps: list[tuple[str, int]], every: int, gap: int, fork_at: float
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_rows, "SNAPSHOT_EVERY", every)
+        patch.setattr(_rows, "SNAPSHOT_MAX_GAP", max(every, gap))
+        db = Path(tmp) / "store.db"
+        async with await SQLiteStore.open(db, codec()) as store:
+            session = await store.create("s", conversation=[message(-1)])
+            history = [session]
+            for index, (kind, size) in enumerate(steps):
+                if kind == "append":
+                    effect: Effect = AppendMessage(Message.user("x" * size, id=f"a-{index}"))
+                elif kind == "replace":
+                    effect = ReplaceConversation((Message.system("summary", id=f"r-{index}"),))
+                else:
+                    effect = Increment(size)
+                session = await apply(store, session, effect)
+                history.append(session)
+            fork = min(int(fork_at * len(history)), len(history) - 1)
+            await store.fork("s", fork, "f")
+        # Every session keeps revision 0 and at most its newest snapshot.
+        with raw(db) as connection:
+            rows = dict(connection.execute("SELECT sid, snapshot_revision FROM sessions"))
+        for sid, revisions in snapshot_rows(db).items():
+            assert revisions[0] == 0
+            assert revisions[1:] in ([], [rows[sid]]), (revisions, rows[sid])
+        async with await SQLiteStore.open(db, codec()) as store:  # cold: from the snapshots
+            assert await store.load("s") == session
+            for expected in history:
+                assert await store.load_at("s", expected.revision) == expected
+            forked = await store.load("f")
+            assert forked == msgspec.structs.replace(history[fork], id="f")
