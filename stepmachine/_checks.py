@@ -14,7 +14,7 @@ the field, the expected type and the type of the value seen.
 from __future__ import annotations
 
 from itertools import repeat
-from typing import Any, Final, NoReturn
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -28,11 +28,9 @@ __all__ = [
     "check_optional_str",
     "check_str",
     "fail",
-    "known_good",
     "notes_ok",
     "str_keys",
     "tuple_of",
-    "vouch",
 ]
 
 
@@ -99,29 +97,6 @@ def str_keys(values: dict[Any, Any]) -> bool:
         if type(key) is not str:
             return False
     return True
-
-
-# Conversations known to hold only Messages, by identity: a session built from
-# one of these (``msgspec.structs.replace(session, revision=...)``, or an effect
-# that built it from a checked conversation and checked messages) skips the
-# O(n) item check. A few strong references keep each id() from being reused.
-_CHECKED: dict[int, tuple[Any, ...]] = {}
-_CHECKED_MAX: Final = 8
-
-
-def known_good(items: tuple[Any, ...]) -> bool:
-    """Whether ``items`` (this very object) was checked or vouched for recently."""
-    return type(items) is tuple and _CHECKED.get(id(items)) is items
-
-
-def vouch(items: tuple[Any, ...]) -> None:
-    """Remember ``items`` (this very object) as checked; see :func:`known_good`."""
-    if len(_CHECKED) >= _CHECKED_MAX:
-        try:
-            del _CHECKED[next(iter(_CHECKED))]
-        except (StopIteration, KeyError, RuntimeError):  # another thread got there first
-            _CHECKED.clear()
-    _CHECKED[id(items)] = items
 
 
 def tuple_of(

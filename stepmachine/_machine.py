@@ -501,7 +501,7 @@ class StateMachine(Generic[D]):
         running: _Running[D],
     ) -> YieldReason:
         """Why no step applied: ``call_held`` if some step holds open calls back, else ``idle``."""
-        calls = open_tool_calls(session.conversation)
+        calls = open_tool_calls(session)
         if not calls:
             return YieldReason(YieldReason.IDLE, "no step applies")
         tools, parts = self.collect(session)
@@ -626,7 +626,7 @@ class StateMachine(Generic[D]):
                         ToolResultPart.for_call(call, INTERRUPTED, is_error=True), id=runtime.ids()
                     )
                 )
-                for call in open_tool_calls(current.conversation)
+                for call in open_tool_calls(current)
             ]
 
         session = await self._commit_fresh(

@@ -10,22 +10,35 @@ A session checks its fields when built (directly, by ``store.create``, by
 non-negative int, ``conversation`` a tuple (a list is converted) of
 :class:`Message`, ``data`` a msgspec Struct. A wrong value raises
 :class:`~stepmachine.InvalidFieldError` naming the field. The checks are
-``isinstance`` calls; the conversation's items are checked once per tuple: a
-session built from a conversation just checked (``msgspec.structs.replace``
-with other fields) or built by one of the kernel effects from checked parts
-skips the O(n) check, so applying an effect stays cheap.
+``isinstance`` calls, O(n) for the conversation (at C speed).
+
+The kernel's effects do not pay that per applied effect: they build the next
+session with :func:`derive_session`, which copies a session without running
+``__post_init__`` and sets the fields that changed. It is only for values
+checked where they entered (a :class:`Message` checks itself when built or
+decoded, ``AppendMessage`` / ``ReplaceConversation`` check that they hold
+messages), so the next session is as checked as the previous one.
+
+Each session carries a :class:`~stepmachine._index.HistoryIndex` of its
+conversation (derived data, outside the fields: not encoded, not compared),
+built on first use and handed on by the kernel effects; see
+:meth:`Session.history`.
 """
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+import copy
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from ._checks import _CHECKED, check_str, fail, tuple_of, vouch
+from ._checks import check_str, fail, tuple_of
+from ._index import HistoryIndex
 from ._messages import Message
 
-__all__ = ["NoData", "Session"]
+__all__ = ["NoData", "Session", "derive_session"]
+
+_INDEX = "_history_index"  # the key of the index in a session's __dict__
 
 
 class NoData(msgspec.Struct, frozen=True):
@@ -35,7 +48,7 @@ class NoData(msgspec.Struct, frozen=True):
 D = TypeVar("D", bound=msgspec.Struct)
 
 
-class Session(msgspec.Struct, Generic[D], frozen=True):
+class Session(msgspec.Struct, Generic[D], frozen=True, dict=True):
     """What the machine loads each cycle.
 
     Attributes:
@@ -58,21 +71,62 @@ class Session(msgspec.Struct, Generic[D], frozen=True):
             not isinstance(revision, int) or isinstance(revision, bool) or revision < 0
         ):
             fail("Session", "revision", "int >= 0", revision)
-        conversation = self.conversation
-        if type(conversation) is not tuple or _CHECKED.get(id(conversation)) is not conversation:
-            owner = "Session"
-            vouch(tuple_of(owner, "conversation", conversation, Message, "Message", target=self))
+        tuple_of("Session", "conversation", self.conversation, Message, "Message", target=self)
         if not isinstance(self.data, msgspec.Struct):
             fail("Session", "data", "a msgspec Struct (NoData() for none)", self.data)
 
+    @property
+    def history(self) -> HistoryIndex:
+        """The index of the conversation (open calls, positions, validity). O(1) once built.
+
+        Built from the conversation on first use (O(n)); the kernel effects
+        hand the next session an index derived from this one.
+        """
+        index: HistoryIndex | None = self.__dict__.get(_INDEX)
+        if index is None:
+            index = HistoryIndex.build(self.conversation)
+            self.__dict__[_INDEX] = index
+        return index
+
     def message(self, message_id: str) -> Message | None:
-        """The message with this id, or ``None``."""
-        for message in self.conversation:
-            if message.id == message_id:
-                return message
-        return None
+        """The message with this id (the first, if several share it), or ``None``. O(1)."""
+        position = self.history.message_position(message_id)
+        return None if position is None else self.conversation[position]
 
     @property
     def visible_to_model(self) -> tuple[Message, ...]:
-        """The messages a model request is built from."""
+        """The messages a model request is built from (the conversation if none is hidden)."""
+        if self.history.hidden == 0:
+            return self.conversation
         return tuple(m for m in self.conversation if m.visible_to_model)
+
+
+def derive_session(
+    session: Session[Any],
+    *,
+    conversation: tuple[Message, ...] | None = None,
+    index: HistoryIndex | None = None,
+    revision: int | None = None,
+    data: msgspec.Struct | None = None,
+) -> Session[Any]:
+    """``session`` with the given fields changed, **without** running its checks. Internal.
+
+    For the kernel's effects and ``apply_batch`` only: every value given must
+    already be checked (a conversation made of checked messages, a revision
+    that is an int >= 0, data a msgspec Struct), so the result is as valid as
+    ``session``. ``index`` is the index of the new conversation; without a new
+    conversation the index is kept, without an index it is rebuilt on first use.
+    Costs O(1): no O(n) item check, no copy of the conversation.
+    """
+    new = copy.copy(session)  # msgspec's __copy__: the fields, no __post_init__, no __dict__
+    if conversation is not None:
+        msgspec.structs.force_setattr(new, "conversation", conversation)
+    else:
+        index = session.__dict__.get(_INDEX)
+    if index is not None:
+        new.__dict__[_INDEX] = index
+    if revision is not None:
+        msgspec.structs.force_setattr(new, "revision", revision)
+    if data is not None:
+        msgspec.structs.force_setattr(new, "data", data)
+    return new

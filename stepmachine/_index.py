@@ -1,0 +1,310 @@
+"""The history index: what steps ask of a conversation, kept up to date per effect.
+
+Every cycle several steps ask the same questions of the session: which tool
+calls are open, where a call or a message is, whether a call id repeats,
+whether the history is valid (invariant 4), whether a request must reorder
+tool results. Answering by rescanning the conversation costs O(history) per
+question; a :class:`HistoryIndex` answers each in O(1) (or O(answer)).
+
+The index is **derived data**: never stored, never encoded by the codec, never
+compared (sessions are equal when their fields are). A session builds it from
+its conversation the first time it is asked (after ``Session(...)``,
+``msgspec.structs.replace``, decoding, loading) and the kernel effects derive
+the next session's index from the previous one in their pure ``apply``:
+
+* :meth:`HistoryIndex.appended` (``AppendMessage``) costs O(parts of the new
+  message): the large tables (message id -> position, call id -> positions,
+  first visible call / result per call id) are append-only dicts shared by the
+  sessions of one line of history. An entry at position ``p`` belongs to every
+  session of that line whose conversation is longer than ``p``; a session of
+  length ``n`` ignores entries at ``n`` or later. Appending to the newest
+  session of the line extends the tables in place; appending to an older one
+  the very message the line already holds there (the machine and the store
+  applying the same batch) shares them unchanged; appending anything else
+  starts a new line (a full build, O(n)).
+* :meth:`HistoryIndex.annotated` (``Annotate``) is O(1): notes change no table,
+  only the open call it annotates is replaced.
+* ``SetVisibility`` and ``ReplaceConversation`` rebuild (O(n)); they are rare
+  (repairs, compaction).
+
+The small per-session state (open calls, repeated call ids, problem counters)
+is copied per change, O(open calls). ``tests/test_session_index.py`` checks
+every view equal to a full rescan over random effect sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+from ._messages import Message, ToolCallPart, ToolResultPart
+
+__all__ = ["HistoryIndex"]
+
+_Key = tuple[str, bool, tuple[str, ...], tuple[str, ...]]
+_Open = dict[str, tuple[int, int, ToolCallPart]]
+_EMPTY_OPEN: Final[_Open] = {}
+_NO_IDS: Final[frozenset[str]] = frozenset()
+
+
+def _key(message: Message) -> _Key:
+    """What the shared tables record of a message: id, visibility, call ids, result ids."""
+    calls: list[str] = []
+    results: list[str] = []
+    for part in message.parts:
+        if isinstance(part, ToolCallPart):
+            calls.append(part.call_id)
+        elif isinstance(part, ToolResultPart):
+            results.append(part.call_id)
+    return (message.id, message.visible_to_model, tuple(calls), tuple(results))
+
+
+class _Line:
+    """Append-only tables shared by the sessions of one line of history.
+
+    Values are conversation positions; see the module docstring for who may
+    extend them and how a session of length ``n`` reads them (entries < n).
+    """
+
+    __slots__ = ("call_positions", "first_call", "first_result", "keys", "message_position")
+
+    def __init__(self) -> None:
+        self.keys: list[_Key] = []  # position -> key of the message there
+        self.message_position: dict[str, int] = {}  # message id -> position
+        self.call_positions: dict[str, list[int]] = {}  # call id -> positions (all messages)
+        self.first_call: dict[str, int] = {}  # call id -> first visible position holding it
+        self.first_result: dict[str, int] = {}  # call id -> first visible position answering it
+
+    def extend(self, position: int, key: _Key) -> None:
+        """Record the message ``key`` at ``position`` (== ``len(self.keys)``)."""
+        message_id, visible, calls, results = key
+        self.keys.append(key)
+        self.message_position.setdefault(message_id, position)  # the first, like Session.message
+        for call_id in calls:
+            positions = self.call_positions.get(call_id)
+            if positions is None:
+                self.call_positions[call_id] = [position]
+            elif positions[-1] != position:
+                positions.append(position)
+        if visible:
+            for call_id in calls:
+                self.first_call.setdefault(call_id, position)
+            for call_id in results:
+                self.first_result.setdefault(call_id, position)
+
+
+class HistoryIndex:
+    """Answers about one conversation (see the module docstring). Immutable once built.
+
+    Attributes:
+        length: the number of messages of the conversation it indexes.
+        repeated: call ids held by more than one visible call.
+        hidden: how many messages are hidden from the model.
+        in_order: whether :func:`~stepmachine.request_order` keeps the visible
+            messages as they are (no tool message has to move).
+    """
+
+    __slots__ = (
+        "_bad",
+        "_line",
+        "_open",
+        "_tail",
+        "_unanswered",
+        "hidden",
+        "in_order",
+        "length",
+        "repeated",
+    )
+
+    def __init__(
+        self,
+        line: _Line,
+        length: int,
+        open_calls: _Open,
+        repeated: frozenset[str],
+        bad: int,
+        unanswered: int,
+        in_order: bool,
+        tail: int,
+        hidden: int,
+    ) -> None:
+        self._line = line
+        self.length = length
+        self._open = open_calls
+        self.repeated = repeated
+        self._bad = bad  # problems other than calls without results (history_problems)
+        self._unanswered = unanswered  # visible call ids that no visible result answers
+        self.in_order = in_order
+        self._tail = tail  # position of the request-order group the last visible message is in
+        self.hidden = hidden
+
+    # -- building -----------------------------------------------------------------
+
+    @classmethod
+    def build(cls, conversation: Sequence[Message]) -> HistoryIndex:
+        """Index ``conversation`` from scratch: O(n)."""
+        index = cls(_Line(), 0, _EMPTY_OPEN, _NO_IDS, 0, 0, True, -1, 0)
+        for message in conversation:
+            index = index._extended(message, _key(message), write=True)
+        return index
+
+    def appended(self, conversation: Sequence[Message], message: Message) -> HistoryIndex:
+        """The index of ``conversation`` (this one's conversation + ``message``).
+
+        O(parts of ``message``) unless this session is not the newest of its
+        line and the line holds another message at this position: then a full
+        build of ``conversation``.
+        """
+        key = _key(message)
+        line, n = self._line, self.length
+        if len(line.keys) == n:
+            return self._extended(message, key, write=True)
+        if line.keys[n] == key:
+            return self._extended(message, key, write=False)
+        return HistoryIndex.build(conversation)
+
+    def annotated(self, position: int, part_position: int, part: ToolCallPart) -> HistoryIndex:
+        """The index after ``Annotate`` replaced the call at ``part_position`` of the message
+        at ``position`` with ``part`` (new notes). O(open calls).
+
+        Notes change no table; if that call is open, the open calls hand out ``part``.
+        """
+        entry = self._open.get(part.call_id)
+        if entry is None or entry[0] != position or entry[1] != part_position:
+            return self
+        open_calls = dict(self._open)
+        open_calls[part.call_id] = (position, part_position, part)
+        return self._with(open_calls=open_calls)
+
+    def _with(self, *, open_calls: _Open) -> HistoryIndex:
+        return HistoryIndex(
+            self._line,
+            self.length,
+            open_calls,
+            self.repeated,
+            self._bad,
+            self._unanswered,
+            self.in_order,
+            self._tail,
+            self.hidden,
+        )
+
+    def _extended(self, message: Message, key: _Key, *, write: bool) -> HistoryIndex:
+        """This index plus ``message`` at position ``self.length``.
+
+        Reads the line's tables as of this index (entries < n) and, with
+        ``write``, extends them afterwards. Mirrors, part by part, what
+        :func:`~stepmachine.history_problems`, ``open_tool_calls`` and
+        :func:`~stepmachine.request_order` compute over the whole conversation.
+        """
+        line, n = self._line, self.length
+        _, visible, call_ids, result_ids = key
+        if not visible:
+            if write:
+                line.extend(n, key)
+            return HistoryIndex(
+                line,
+                n + 1,
+                self._open,
+                self.repeated,
+                self._bad,
+                self._unanswered,
+                self.in_order,
+                self._tail,
+                self.hidden + 1,
+            )
+        open_calls = self._open
+        repeated = self.repeated
+        bad, unanswered, in_order, tail = self._bad, self._unanswered, self.in_order, n
+        if call_ids or result_ids:
+            first_call, first_result = line.first_call, line.first_result
+            seen: set[str] = set()  # visible calls seen in this message so far
+            answered: set[str] = set()  # visible results seen in this message so far
+
+            def was_seen(call_id: str) -> bool:
+                position = first_call.get(call_id)
+                return (position is not None and position < n) or call_id in seen
+
+            def was_answered(call_id: str) -> bool:
+                position = first_result.get(call_id)
+                return (position is not None and position < n) or call_id in answered
+
+            if message.role == "tool" and result_ids:
+                owners = set()
+                for call_id in result_ids:
+                    position = first_call.get(call_id)
+                    owners.add(position if position is not None and position < n else None)
+                if len(owners) == 1:
+                    (owner,) = owners
+                    if owner is not None:  # moved right after its call's message in requests
+                        in_order = in_order and self._tail == owner
+                        tail = owner
+            open_calls = dict(open_calls)
+            new_repeats: set[str] = set()
+            for position, part in enumerate(message.parts):
+                if isinstance(part, ToolCallPart):
+                    call_id = part.call_id
+                    if message.role != "assistant":
+                        bad += 1
+                    if was_seen(call_id):
+                        bad += 1
+                        new_repeats.add(call_id)
+                    else:
+                        seen.add(call_id)
+                        if not was_answered(call_id):
+                            unanswered += 1
+                    open_calls.setdefault(call_id, (n, position, part))
+                elif isinstance(part, ToolResultPart):
+                    call_id = part.call_id
+                    if not was_seen(call_id) or was_answered(call_id):
+                        bad += 1
+                    if not was_answered(call_id):
+                        answered.add(call_id)
+                        if was_seen(call_id):
+                            unanswered -= 1
+                    open_calls.pop(call_id, None)
+            if new_repeats - repeated:
+                repeated = repeated | new_repeats
+        if write:
+            line.extend(n, key)
+        return HistoryIndex(
+            line, n + 1, open_calls, repeated, bad, unanswered, in_order, tail, self.hidden
+        )
+
+    # -- answers ------------------------------------------------------------------
+
+    @property
+    def valid(self) -> bool:
+        """Whether the visible conversation keeps invariant 4 (``history_problems`` is empty)."""
+        return self._bad == 0 and self._unanswered == 0
+
+    @property
+    def has_open_calls(self) -> bool:
+        """Whether any visible tool call has no result yet."""
+        return bool(self._open)
+
+    def open_calls(self) -> list[ToolCallPart]:
+        """The visible tool calls without a result, oldest first (a new list)."""
+        return [entry[2] for entry in self._open.values()]
+
+    def open_call_positions(self) -> list[tuple[int, ToolCallPart]]:
+        """Like :meth:`open_calls`, with the position of the message holding each call."""
+        return [(entry[0], entry[2]) for entry in self._open.values()]
+
+    def message_position(self, message_id: str) -> int | None:
+        """The position of the message with this id, or ``None``."""
+        position = self._line.message_position.get(message_id)
+        if position is None or position >= self.length:
+            return None
+        return position
+
+    def call_position(self, call_id: str) -> int | None:
+        """The position of the latest message (hidden ones included) holding this call id."""
+        positions = self._line.call_positions.get(call_id)
+        if positions is None:
+            return None
+        n = self.length
+        for position in reversed(positions):
+            if position < n:
+                return position
+        return None
