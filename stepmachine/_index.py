@@ -37,9 +37,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from ._messages import Message, ToolCallPart, ToolResultPart
+from ._messages import Message, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 
-__all__ = ["HistoryIndex"]
+__all__ = ["HistoryIndex", "is_empty_assistant"]
 
 _Key = tuple[str, bool, tuple[str, ...], tuple[str, ...]]
 _Open = dict[str, tuple[int, int, ToolCallPart]]
@@ -57,6 +57,20 @@ def _key(message: Message) -> _Key:
         elif isinstance(part, ToolResultPart):
             results.append(part.call_id)
     return (message.id, message.visible_to_model, tuple(calls), tuple(results))
+
+
+def is_empty_assistant(message: Message) -> bool:
+    """An assistant message with no text, reasoning or tool call (providers reject it)."""
+    if message.role != "assistant":
+        return False
+    for part in message.parts:
+        if isinstance(part, TextPart) and part.text.strip():
+            return False
+        if isinstance(part, ReasoningPart) and (part.text.strip() or part.provider_data):
+            return False
+        if not isinstance(part, TextPart | ReasoningPart):
+            return False  # a tool call, or a kind of part added later (images, files)
+    return True
 
 
 class _Line:
@@ -102,6 +116,10 @@ class HistoryIndex:
         hidden: how many messages are hidden from the model.
         in_order: whether :func:`~stepmachine.request_order` keeps the visible
             messages as they are (no tool message has to move).
+        last_visible: position of the last message visible to the model (-1: none).
+        last_assistant: position of the last assistant message, hidden or not (-1: none).
+        empty_assistants: positions of the visible empty assistant messages
+            (:func:`is_empty_assistant`).
     """
 
     __slots__ = (
@@ -110,40 +128,52 @@ class HistoryIndex:
         "_open",
         "_tail",
         "_unanswered",
+        "empty_assistants",
         "hidden",
         "in_order",
+        "last_assistant",
+        "last_visible",
         "length",
         "repeated",
     )
 
-    def __init__(
-        self,
-        line: _Line,
-        length: int,
-        open_calls: _Open,
-        repeated: frozenset[str],
-        bad: int,
-        unanswered: int,
-        in_order: bool,
-        tail: int,
-        hidden: int,
-    ) -> None:
-        self._line = line
-        self.length = length
-        self._open = open_calls
-        self.repeated = repeated
-        self._bad = bad  # problems other than calls without results (history_problems)
-        self._unanswered = unanswered  # visible call ids that no visible result answers
-        self.in_order = in_order
-        self._tail = tail  # position of the request-order group the last visible message is in
-        self.hidden = hidden
+    def __init__(self) -> None:
+        """The index of an empty conversation."""
+        self._line = _Line()
+        self.length = 0
+        self._open: _Open = _EMPTY_OPEN
+        self.repeated: frozenset[str] = _NO_IDS
+        self._bad = 0  # problems other than calls without results (history_problems)
+        self._unanswered = 0  # visible call ids that no visible result answers
+        self.in_order = True
+        self._tail = -1  # position of the request-order group the last visible message is in
+        self.hidden = 0
+        self.last_visible = -1  # position of the last message visible to the model
+        self.last_assistant = -1  # position of the last assistant message, hidden or not
+        self.empty_assistants: tuple[int, ...] = ()  # visible, no text/reasoning/calls
+
+    def _clone(self) -> HistoryIndex:
+        new = HistoryIndex.__new__(HistoryIndex)
+        new._line = self._line
+        new.length = self.length
+        new._open = self._open
+        new.repeated = self.repeated
+        new._bad = self._bad
+        new._unanswered = self._unanswered
+        new.in_order = self.in_order
+        new._tail = self._tail
+        new.hidden = self.hidden
+        new.last_visible = self.last_visible
+        new.last_assistant = self.last_assistant
+        new.empty_assistants = self.empty_assistants
+        return new
 
     # -- building -----------------------------------------------------------------
 
     @classmethod
     def build(cls, conversation: Sequence[Message]) -> HistoryIndex:
         """Index ``conversation`` from scratch: O(n)."""
-        index = cls(_Line(), 0, _EMPTY_OPEN, _NO_IDS, 0, 0, True, -1, 0)
+        index = cls()
         for message in conversation:
             index = index._extended(message, _key(message), write=True)
         return index
@@ -172,22 +202,10 @@ class HistoryIndex:
         entry = self._open.get(part.call_id)
         if entry is None or entry[0] != position or entry[1] != part_position:
             return self
-        open_calls = dict(self._open)
-        open_calls[part.call_id] = (position, part_position, part)
-        return self._with(open_calls=open_calls)
-
-    def _with(self, *, open_calls: _Open) -> HistoryIndex:
-        return HistoryIndex(
-            self._line,
-            self.length,
-            open_calls,
-            self.repeated,
-            self._bad,
-            self._unanswered,
-            self.in_order,
-            self._tail,
-            self.hidden,
-        )
+        new = self._clone()
+        new._open = dict(self._open)
+        new._open[part.call_id] = (position, part_position, part)
+        return new
 
     def _extended(self, message: Message, key: _Key, *, write: bool) -> HistoryIndex:
         """This index plus ``message`` at position ``self.length``.
@@ -199,20 +217,18 @@ class HistoryIndex:
         """
         line, n = self._line, self.length
         _, visible, call_ids, result_ids = key
+        new = self._clone()
+        new.length = n + 1
+        if message.role == "assistant":
+            new.last_assistant = n
         if not visible:
             if write:
                 line.extend(n, key)
-            return HistoryIndex(
-                line,
-                n + 1,
-                self._open,
-                self.repeated,
-                self._bad,
-                self._unanswered,
-                self.in_order,
-                self._tail,
-                self.hidden + 1,
-            )
+            new.hidden += 1
+            return new
+        new.last_visible = n
+        if message.role == "assistant" and is_empty_assistant(message):
+            new.empty_assistants = (*self.empty_assistants, n)
         open_calls = self._open
         repeated = self.repeated
         bad, unanswered, in_order, tail = self._bad, self._unanswered, self.in_order, n
@@ -267,9 +283,9 @@ class HistoryIndex:
                 repeated = repeated | new_repeats
         if write:
             line.extend(n, key)
-        return HistoryIndex(
-            line, n + 1, open_calls, repeated, bad, unanswered, in_order, tail, self.hidden
-        )
+        new._open, new.repeated, new._bad, new._unanswered = open_calls, repeated, bad, unanswered
+        new.in_order, new._tail = in_order, tail
+        return new
 
     # -- answers ------------------------------------------------------------------
 
@@ -277,6 +293,15 @@ class HistoryIndex:
     def valid(self) -> bool:
         """Whether the visible conversation keeps invariant 4 (``history_problems`` is empty)."""
         return self._bad == 0 and self._unanswered == 0
+
+    @property
+    def sound(self) -> bool:
+        """Whether the only problems (if any) are calls still waiting for a result.
+
+        No call outside an assistant message, no repeated call id, no result
+        before or without its call, no second result.
+        """
+        return self._bad == 0
 
     @property
     def has_open_calls(self) -> bool:

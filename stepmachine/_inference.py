@@ -241,7 +241,7 @@ class ModelInference(Inference[Any]):
         partial: _Partial | None = ctx.scratch.get("partial")
         if not interrupted or partial is None:
             return ()
-        if not needs_answer(ctx.session.conversation):
+        if not needs_answer(ctx.session):
             return ()  # the reply was recorded after all, or someone else answered
         if not (partial.text or partial.reasoning):
             last = [m for m in ctx.session.conversation if m.visible_to_model][-1]

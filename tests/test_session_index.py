@@ -28,6 +28,7 @@ from stepmachine import (
     InvalidFieldError,
     Message,
     NoData,
+    ReasoningPart,
     ReplaceConversation,
     Session,
     SetVisibility,
@@ -73,6 +74,15 @@ def scan_locations(conversation: tuple[Message, ...]) -> dict[str, str]:
     return {call.call_id: m.id for m in conversation for call in m.tool_calls}
 
 
+def is_empty(message: Message) -> bool:
+    """No non-blank text, no reasoning, no other part (the rule HistoryGuard repairs)."""
+    return all(
+        (isinstance(p, TextPart) and not p.text.strip())
+        or (isinstance(p, ReasoningPart) and not p.text.strip() and not p.provider_data)
+        for p in message.parts
+    )
+
+
 def first_position(conversation: tuple[Message, ...], message_id: str) -> int | None:
     for position, message in enumerate(conversation):
         if message.id == message_id:
@@ -87,6 +97,15 @@ def assert_index_matches(session: Session[Any]) -> None:
     visible = tuple(m for m in conversation if m.visible_to_model)
     assert index.length == len(conversation)
     assert index.hidden == len(conversation) - len(visible)
+    positions = range(len(conversation))
+    shown = [i for i in positions if conversation[i].visible_to_model]
+    assistants = [i for i in positions if conversation[i].role == "assistant"]
+    assert index.last_visible == max(shown, default=-1)
+    assert index.last_assistant == max(assistants, default=-1)
+    assert index.empty_assistants == tuple(
+        i for i in shown if conversation[i].role == "assistant" and is_empty(conversation[i])
+    )
+    assert index.sound == all("has no result" in p for p in history_problems(visible))
     assert session.visible_to_model == visible
     assert index.open_calls() == scan_open_calls(conversation)
     assert open_tool_calls(session) == open_tool_calls(list(conversation))
@@ -127,8 +146,9 @@ def parts_strategy() -> st.SearchStrategy[tuple[Any, ...]]:
     result = st.builds(
         lambda c: ToolResultPart(call_id=c, content="r", name="tool"), st.sampled_from(CALL_IDS)
     )
-    text = st.builds(TextPart, st.sampled_from(["a", "b"]))
-    return st.lists(st.one_of(call, result, text), max_size=3).map(tuple)
+    text = st.builds(TextPart, st.sampled_from(["a", " ", ""]))
+    reasoning = st.builds(ReasoningPart, st.sampled_from(["r", ""]))
+    return st.lists(st.one_of(call, result, text, reasoning), max_size=3).map(tuple)
 
 
 def message_strategy(message_id: str) -> st.SearchStrategy[Message]:
