@@ -85,9 +85,7 @@ class AppendMessage(Effect, frozen=True, tag="append_message"):
                 f"holds a message with id {message.id!r}"
             )
         conversation = session.conversation + (message,)  # noqa: RUF005 - one C copy, 3x faster
-        return derive_session(
-            session, conversation=conversation, index=index.appended(conversation, message)
-        )
+        return derive_session(session, conversation=conversation, index=index.appended(message))
 
 
 class ReplaceConversation(Effect, frozen=True, tag="replace_conversation"):

@@ -21,7 +21,7 @@ the next session's index from the previous one in their pure ``apply``:
   session of the line extends the tables in place; appending to an older one
   the very message the line already holds there (the machine and the store
   applying the same batch) shares them unchanged; appending anything else
-  starts a new line (a full build, O(n)).
+  starts a new line (copies of the tables, O(n) at C speed).
 * :meth:`HistoryIndex.annotated` (``Annotate``) is O(1): notes change no table,
   only the open call it annotates is replaced.
 * ``SetVisibility`` and ``ReplaceConversation`` rebuild (O(n)); they are rare
@@ -85,7 +85,7 @@ class _Line:
     def __init__(self) -> None:
         self.keys: list[_Key] = []  # position -> key of the message there
         self.message_position: dict[str, int] = {}  # message id -> position
-        self.call_positions: dict[str, list[int]] = {}  # call id -> positions (all messages)
+        self.call_positions: dict[str, tuple[int, ...]] = {}  # call id -> positions (all)
         self.first_call: dict[str, int] = {}  # call id -> first visible position holding it
         self.first_result: dict[str, int] = {}  # call id -> first visible position answering it
 
@@ -95,16 +95,45 @@ class _Line:
         self.keys.append(key)
         self.message_position.setdefault(message_id, position)  # the first, like Session.message
         for call_id in calls:
-            positions = self.call_positions.get(call_id)
-            if positions is None:
-                self.call_positions[call_id] = [position]
-            elif positions[-1] != position:
-                positions.append(position)
+            positions = self.call_positions.get(call_id, ())
+            if not positions or positions[-1] != position:
+                self.call_positions[call_id] = (
+                    *positions,
+                    position,
+                )  # tuples: never shared mutably
         if visible:
             for call_id in calls:
                 self.first_call.setdefault(call_id, position)
             for call_id in results:
                 self.first_result.setdefault(call_id, position)
+
+    def prefix(self, length: int) -> _Line:
+        """A new line holding the first ``length`` messages of this one.
+
+        O(n) dict copies at C speed plus O(messages after ``length``) to drop
+        their entries: the cost of a branch (appending to an older session).
+        """
+        line = _Line()
+        dropped = self.keys[length:]
+        line.keys = self.keys[:length]
+        line.message_position = self.message_position.copy()
+        line.call_positions = self.call_positions.copy()
+        line.first_call = self.first_call.copy()
+        line.first_result = self.first_result.copy()
+        for message_id, _, calls, results in dropped:
+            if line.message_position.get(message_id, -1) >= length:
+                del line.message_position[message_id]
+            for call_id in calls:
+                kept = tuple(p for p in line.call_positions.get(call_id, ()) if p < length)
+                if kept:
+                    line.call_positions[call_id] = kept
+                else:
+                    line.call_positions.pop(call_id, None)
+            for table in (line.first_call, line.first_result):
+                for call_id in (*calls, *results):
+                    if table.get(call_id, -1) >= length:
+                        del table[call_id]
+        return line
 
 
 class HistoryIndex:
@@ -178,12 +207,12 @@ class HistoryIndex:
             index = index._extended(message, _key(message), write=True)
         return index
 
-    def appended(self, conversation: Sequence[Message], message: Message) -> HistoryIndex:
-        """The index of ``conversation`` (this one's conversation + ``message``).
+    def appended(self, message: Message) -> HistoryIndex:
+        """The index of this one's conversation with ``message`` appended.
 
         O(parts of ``message``) unless this session is not the newest of its
-        line and the line holds another message at this position: then a full
-        build of ``conversation``.
+        line and the line holds another message at this position: then the
+        tables are copied for a new line (dict copies, O(n) at C speed).
         """
         key = _key(message)
         line, n = self._line, self.length
@@ -191,7 +220,9 @@ class HistoryIndex:
             return self._extended(message, key, write=True)
         if line.keys[n] == key:
             return self._extended(message, key, write=False)
-        return HistoryIndex.build(conversation)
+        branch = self._clone()  # a branch: this session's view of the line, as a line of its own
+        branch._line = line.prefix(n)
+        return branch._extended(message, key, write=True)
 
     def annotated(self, position: int, part_position: int, part: ToolCallPart) -> HistoryIndex:
         """The index after ``Annotate`` replaced the call at ``part_position`` of the message
