@@ -25,6 +25,7 @@ from stepmachine import (
     AppendMessage,
     Continue,
     Effect,
+    HistoryIndex,
     Message,
     NoData,
     Operation,
@@ -39,7 +40,6 @@ from stepmachine import (
     Tools,
     apply_effects,
 )
-from stepmachine._index import is_empty_assistant
 
 __all__ = [
     "CALL_OUTSIDE_ASSISTANT",
@@ -185,7 +185,7 @@ def _analyse(conversation: Sequence[Message]) -> list[Problem]:
                 )
             else:
                 answered.add(result.call_id)
-        if is_empty_assistant(message):
+        if HistoryIndex.is_empty_assistant(message):
             problems.append(
                 Problem(
                     index,

@@ -139,6 +139,9 @@ class _Line:
 class HistoryIndex:
     """Answers about one conversation (see the module docstring). Immutable once built.
 
+    Read one as :attr:`Session.history <stepmachine.Session.history>`; never
+    build or keep one apart from its session (it is derived data).
+
     Attributes:
         length: the number of messages of the conversation it indexes.
         repeated: call ids held by more than one visible call.
@@ -319,6 +322,8 @@ class HistoryIndex:
         return new
 
     # -- answers ------------------------------------------------------------------
+
+    is_empty_assistant = staticmethod(is_empty_assistant)
 
     @property
     def valid(self) -> bool:
