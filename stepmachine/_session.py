@@ -19,7 +19,7 @@ checked where they entered (a :class:`Message` checks itself when built or
 decoded, ``AppendMessage`` / ``ReplaceConversation`` check that they hold
 messages), so the next session is as checked as the previous one.
 
-Each session carries a :class:`~stepmachine._index.HistoryIndex` of its
+Each session carries a :class:`~stepmachine.HistoryIndex` of its
 conversation (derived data, outside the fields: not encoded, not compared),
 built on first use and handed on by the kernel effects; see
 :meth:`Session.history`.
