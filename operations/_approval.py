@@ -311,7 +311,7 @@ class Approval(Operation[Any]):
         session = ctx.session
         # The cheap check first (shared with the other steps this cycle): with no
         # open call there is nothing to approve or deny.
-        if not open_tool_calls(session.conversation):
+        if not open_tool_calls(session):
             return Refuse("no open tool call waits for approval")
         now = ctx.runtime.clock()
         allowed = always_allowed(session, name=self._name, now=now)

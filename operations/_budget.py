@@ -420,13 +420,13 @@ class Budget(Operation[Any]):
         session = ctx.session
         run_start = ctx.run_start_revision
 
-        open_calls = open_tool_calls(session.conversation)
+        open_calls = open_tool_calls(session)
         if open_calls:
             objections = {c.call_id: self._objection(session, run_start, c) for c in open_calls}
             if any(reason is None for reason in objections.values()):
                 return Refuse("some open tool calls are within the budget")
             return self._refuse_calls(ctx, open_calls, objections)
-        if needs_answer(session.conversation):
+        if needs_answer(session):
             exhausted = self._exhausted(session, run_start, _MODEL_LIMITS)
             if exhausted is not None:
                 return Yield(

@@ -298,7 +298,7 @@ class ExternalEvents(Operation[Any]):
         session = ctx.session
         pending = pending_events(session, self._name)
         markers = self._markers(session)
-        if pending and not open_tool_calls(session.conversation):
+        if pending and not open_tool_calls(session):
             effects: list[Effect] = []
             for event in pending:
                 effects.extend(self.event_effects(ctx, event))

@@ -25,17 +25,16 @@ from stepmachine import (
     AppendMessage,
     Continue,
     Effect,
+    HistoryIndex,
     Message,
     NoData,
     Operation,
     Outcome,
-    ReasoningPart,
     Refuse,
     ReplaceConversation,
     Session,
     SetVisibility,
     StepContext,
-    TextPart,
     ToolCallPart,
     ToolResultPart,
     Tools,
@@ -102,16 +101,24 @@ class Problem(msgspec.Struct, frozen=True):
     call_id: str | None = None
 
 
-def _is_empty_assistant(message: Message) -> bool:
-    if message.role != "assistant":
+def _nothing_to_repair(session: Session[Any], advertised: set[str], has_tools_step: bool) -> bool:
+    """Whether :meth:`HistoryGuard.repairs` finds nothing, read from the history index. O(open).
+
+    True only if the index shows no problem a repair handles: nothing but
+    calls waiting for a result (``sound``), no empty assistant message before
+    the last visible one, no open call that an assistant message moved past,
+    and (without a ``Tools`` step) no open call naming a tool nobody offers.
+    """
+    index = session.history
+    if not index.sound:
         return False
-    for part in message.parts:
-        if isinstance(part, TextPart) and part.text.strip():
+    if any(position < index.last_visible for position in index.empty_assistants):
+        return False
+    for position, call in index.open_call_positions():
+        if position < index.last_assistant:
+            return False  # orphaned: the model moved on past it
+        if not has_tools_step and call.name not in advertised:
             return False
-        if isinstance(part, ReasoningPart) and (part.text.strip() or part.provider_data):
-            return False
-        if not isinstance(part, TextPart | ReasoningPart):
-            return False  # a tool call, or a kind of part added later (images, files)
     return True
 
 
@@ -178,7 +185,7 @@ def _analyse(conversation: Sequence[Message]) -> list[Problem]:
                 )
             else:
                 answered.add(result.call_id)
-        if _is_empty_assistant(message):
+        if HistoryIndex.is_empty_assistant(message):
             problems.append(
                 Problem(
                     index,
@@ -225,6 +232,9 @@ def fsck(session: Session[Any]) -> list[Problem]:
     Returns:
         The problems; an empty list means any provider accepts the history.
     """
+    index = session.history
+    if index.valid and not index.empty_assistants:
+        return []  # the index knows: nothing to report, no scan
     return _analyse(session.conversation)
 
 
@@ -293,12 +303,22 @@ class HistoryGuard(Operation[Any]):
         return self._name
 
     def check_call(self, ctx: StepContext[Any], call: ToolCallPart) -> str | None:
-        for problem in _analyse(ctx.session.conversation):
-            if problem.kind == ORPHANED_CALL and problem.call_id == call.call_id:
-                return (
-                    "the model moved on past this call (an assistant message follows it); "
-                    "the history guard answers it"
-                )
+        index = ctx.session.history
+        if index.sound:  # each call id once: the call is orphaned iff it is open and moved past
+            orphaned = any(
+                open_call.call_id == call.call_id and position < index.last_assistant
+                for position, open_call in index.open_call_positions()
+            )
+        else:
+            orphaned = any(
+                problem.kind == ORPHANED_CALL and problem.call_id == call.call_id
+                for problem in _analyse(ctx.session.conversation)
+            )
+        if orphaned:
+            return (
+                "the model moved on past this call (an assistant message follows it); "
+                "the history guard answers it"
+            )
         return None
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
@@ -312,6 +332,8 @@ class HistoryGuard(Operation[Any]):
         advertised = {d.name for d in ctx.tools}
         has_tools_step = any(isinstance(step, Tools) for step in ctx.steps)
         session = ctx.session
+        if _nothing_to_repair(session, advertised, has_tools_step):
+            return []
         effects: list[Effect] = []
         for _ in range(len(session.conversation) + 4):  # each round fixes one kind, bounded
             batch = self._one_round(ctx, session, advertised, has_tools_step)

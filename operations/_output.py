@@ -278,7 +278,7 @@ class StructuredOutput(Operation[Any], Generic[T]):
 
     def _output_call(self, session: Session[Any]) -> tuple[Message, ToolCallPart] | None:
         """The first open output call, with its message."""
-        open_ids = {c.call_id for c in open_tool_calls(session.conversation)}
+        open_ids = {c.call_id for c in open_tool_calls(session)}
         for message in reversed(session.conversation):
             if not message.visible_to_model or message.role != "assistant":
                 continue
@@ -386,7 +386,7 @@ class StructuredOutput(Operation[Any], Generic[T]):
             ),
             result(call, "Final result accepted.", {"accepted": call.call_id}),
         ]
-        open_ids = {c.call_id for c in open_tool_calls(ctx.session.conversation)}
+        open_ids = {c.call_id for c in open_tool_calls(ctx.session)}
         effects.extend(
             result(other, "not executed: the final result was given", {"skipped": True})
             for other in message.tool_calls

@@ -70,6 +70,7 @@ from ._errors import (
     UnexpectedModelCallError,
 )
 from ._history import check_history, history_problems, open_tool_calls, request_order
+from ._index import HistoryIndex
 from ._inference import CONTEXT_LENGTH_EXCEEDED, ModelInference, needs_answer
 from ._machine import (
     DEFAULT_MAX_CYCLES,
@@ -162,6 +163,7 @@ __all__ = [
     "EventData",
     "EventSink",
     "HistoryError",
+    "HistoryIndex",
     "Inference",
     "InvalidFieldError",
     "InvalidSessionIdError",

@@ -248,7 +248,7 @@ def idle_reason(
     run_start_revision: int,
 ) -> YieldReason:
     """Why no step applied: ``call_held`` if some step holds open calls back, else ``idle``."""
-    calls = open_tool_calls(session.conversation)
+    calls = open_tool_calls(session)
     if not calls:
         return YieldReason(YieldReason.IDLE, "no step applies")
     ctx = context(steps, runtime, session, sink, cycle, run_start_revision)

@@ -85,7 +85,7 @@ async def finalize(
                     ToolResultPart.for_call(call, INTERRUPTED, is_error=True), id=runtime.ids()
                 )
             )
-            for call in open_tool_calls(current.conversation)
+            for call in open_tool_calls(current)
         ]
 
     session = await _commit_fresh(

@@ -5,36 +5,36 @@ exactly one result, every result follows its call, and call ids are unique.
 :func:`history_problems` lists every way a conversation breaks that rule and
 :func:`check_history` raises :class:`~stepmachine.HistoryError` naming them.
 Only messages visible to the model count: hidden messages are never sent.
+
+Each function takes a conversation (any sequence of messages: a full scan) or
+a :class:`~stepmachine.Session`, whose history index
+(:attr:`Session.history <stepmachine.Session.history>`) answers without
+rescanning: ``open_tool_calls(session)`` is O(open calls),
+``check_history(session)`` and ``request_order(session)`` are O(1) when the
+history is valid and in order. With a session, the functions read the
+messages visible to the model, as a request would.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from ._errors import HistoryError
 from ._messages import Message, ToolCallPart, ToolResultPart
+from ._session import Session
 
 __all__ = ["check_history", "history_problems", "open_tool_calls", "request_order"]
 
 
-_memo: tuple[tuple[Message, ...], list[ToolCallPart]] | None = None
-
-
-def open_tool_calls(conversation: Iterable[Message]) -> list[ToolCallPart]:
+def open_tool_calls(conversation: Iterable[Message] | Session[Any]) -> list[ToolCallPart]:
     """The tool calls (visible to the model) that have no result yet, oldest first.
 
-    Several steps ask this of the same session in one cycle, so the answer for
-    the most recent conversation *tuple* is remembered by identity: a tuple of
-    frozen messages cannot change, so the same object means the same answer.
+    Given a session, read from its history index (O(open calls)); given
+    messages, a scan of them. Returns a new list.
     """
-    global _memo  # noqa: PLW0603 - a one-entry memo, see the docstring
-    if isinstance(conversation, tuple):
-        memo = _memo
-        if memo is not None and memo[0] is conversation:
-            return list(memo[1])
-        result = _scan_open_calls(conversation)
-        _memo = (conversation, result)
-        return list(result)
+    if isinstance(conversation, Session):
+        return conversation.history.open_calls()
     return _scan_open_calls(conversation)
 
 
@@ -51,11 +51,17 @@ def _scan_open_calls(conversation: Iterable[Message]) -> list[ToolCallPart]:
     return list(calls.values())
 
 
-def history_problems(conversation: Sequence[Message]) -> list[str]:
+def history_problems(conversation: Sequence[Message] | Session[Any]) -> list[str]:
     """Every violation of invariant 4 in ``conversation``, as readable strings.
 
-    An empty list means the history may be sent to any provider.
+    An empty list means the history may be sent to any provider. Given a
+    session, its visible messages are checked, and a valid history (the index
+    knows) costs O(1).
     """
+    if isinstance(conversation, Session):
+        if conversation.history.valid:
+            return []
+        conversation = conversation.visible_to_model
     problems: list[str] = []
     seen_calls: set[str] = set()
     answered: set[str] = set()
@@ -88,8 +94,16 @@ def history_problems(conversation: Sequence[Message]) -> list[str]:
     return problems
 
 
-def check_history(conversation: Sequence[Message], *, session_id: str = "?") -> None:
-    """Raise :class:`HistoryError` if ``conversation`` breaks invariant 4."""
+def check_history(
+    conversation: Sequence[Message] | Session[Any], *, session_id: str | None = None
+) -> None:
+    """Raise :class:`HistoryError` if ``conversation`` breaks invariant 4.
+
+    Given a session (its id named in the error unless ``session_id`` is
+    given), O(1) when its history is valid.
+    """
+    if session_id is None:
+        session_id = conversation.id if isinstance(conversation, Session) else "?"
     problems = history_problems(conversation)
     if problems:
         raise HistoryError(
@@ -97,7 +111,7 @@ def check_history(conversation: Sequence[Message], *, session_id: str = "?") -> 
         )
 
 
-def request_order(messages: Sequence[Message]) -> tuple[Message, ...]:
+def request_order(messages: Sequence[Message] | Session[Any]) -> tuple[Message, ...]:
     """The messages in the order providers accept: results right after their calls.
 
     OpenAI and Anthropic require the results of an assistant turn's tool calls
@@ -107,8 +121,14 @@ def request_order(messages: Sequence[Message]) -> tuple[Message, ...]:
     assistant message whose calls it answers, and everything else in its
     original order. A tool message answering calls of several assistant
     messages stays where it is. Pure; returns the input order when nothing
-    needs to move.
+    needs to move. Given a session, orders its visible messages, O(1) when
+    its index says nothing needs to move (the session's own tuple is returned
+    when no message is hidden).
     """
+    if isinstance(messages, Session):
+        if messages.history.in_order:
+            return messages.visible_to_model
+        messages = messages.visible_to_model
     owner: dict[str, int] = {}  # call id -> index of the assistant message holding it
     for index, message in enumerate(messages):
         for call in message.tool_calls:

@@ -42,17 +42,21 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """Note key set on the last message when the model reported a context overflow."""
 
 
-def needs_answer(conversation: Sequence[Message]) -> bool:
+def needs_answer(conversation: Sequence[Message] | Session[Any]) -> bool:
     """True when the model must speak next.
 
     That is: the last message visible to the model is from the user, or is a
-    tool message, and no tool call is left open.
+    tool message, and no tool call is left open. Given a session, the open
+    calls come from its history index (no scan).
     """
-    for message in reversed(conversation):
+    messages = conversation.conversation if isinstance(conversation, Session) else conversation
+    for message in reversed(messages):
         if message.visible_to_model:
             if message.role not in ("user", "tool"):
                 return False
-            return not open_tool_calls(conversation)
+            if isinstance(conversation, Session):
+                return not conversation.history.has_open_calls
+            return not open_tool_calls(messages)
     return False
 
 
@@ -63,7 +67,8 @@ def _refuse_repeated_call_ids(session: Session[Any]) -> None:
     answers), so without a repairing step (HistoryGuard, InvalidCalls) before
     this one the session would wait forever: say so instead.
     """
-    if not open_tool_calls(session.conversation):
+    index = session.history
+    if not index.has_open_calls or not index.repeated:
         return
     repeats = [p for p in history_problems(session.visible_to_model) if "repeats" in p]
     if repeats:
@@ -146,11 +151,12 @@ class ModelInference(Inference[Any]):
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
         session = ctx.session
-        if not needs_answer(session.conversation):
+        if not needs_answer(session):
             _refuse_repeated_call_ids(session)
             return Refuse("the conversation does not end on something the model must answer")
-        visible = request_order(session.visible_to_model)
-        check_history(visible, session_id=session.id)
+        visible = request_order(session)  # O(1) when nothing needs to move
+        if not (session.history.valid and session.history.in_order):
+            check_history(visible, session_id=session.id)  # the full list of problems
         model = ctx.runtime.get_model(self._model)
         request = ModelRequest(
             messages=visible,
@@ -235,7 +241,7 @@ class ModelInference(Inference[Any]):
         partial: _Partial | None = ctx.scratch.get("partial")
         if not interrupted or partial is None:
             return ()
-        if not needs_answer(ctx.session.conversation):
+        if not needs_answer(ctx.session):
             return ()  # the reply was recorded after all, or someone else answered
         if not (partial.text or partial.reasoning):
             last = [m for m in ctx.session.conversation if m.visible_to_model][-1]

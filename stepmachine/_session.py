@@ -10,11 +10,19 @@ A session checks its fields when built (directly, by ``store.create``, by
 non-negative int, ``conversation`` a tuple (a list is converted) of
 :class:`Message`, ``data`` a msgspec Struct. A wrong value raises
 :class:`~stepmachine.InvalidFieldError` naming the field. The checks are
-``isinstance`` calls (the conversation's items at C speed). The kernel's
-effects build the next session with :func:`rebuilt`, which checks only the
-fields it is given and not the messages again (each was checked when it was
-built), so applying an effect adds no O(n) check. Nothing outside a session
-remembers which conversations were checked (invariant 1: state is the session).
+``isinstance`` calls, O(n) for the conversation (at C speed).
+
+The kernel's effects do not pay that per applied effect: they build the next
+session with :func:`derive_session`, which copies a session without running
+``__post_init__`` and sets the fields that changed. It is only for values
+checked where they entered (a :class:`Message` checks itself when built or
+decoded, ``AppendMessage`` / ``ReplaceConversation`` check that they hold
+messages), so the next session is as checked as the previous one.
+
+Each session carries a :class:`~stepmachine.HistoryIndex` of its
+conversation (derived data, outside the fields: not encoded, not compared),
+built on first use and handed on by the kernel effects; see
+:meth:`Session.history`.
 """
 
 from __future__ import annotations
@@ -25,9 +33,12 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from ._checks import check_str, fail, tuple_of
+from ._index import HistoryIndex
 from ._messages import Message
 
-__all__ = ["NoData", "Session", "rebuilt"]
+__all__ = ["NoData", "Session", "derive_session"]
+
+_INDEX = "_history_index"  # the key of the index in a session's __dict__
 
 
 class NoData(msgspec.Struct, frozen=True):
@@ -37,7 +48,7 @@ class NoData(msgspec.Struct, frozen=True):
 D = TypeVar("D", bound=msgspec.Struct)
 
 
-class Session(msgspec.Struct, Generic[D], frozen=True):
+class Session(msgspec.Struct, Generic[D], frozen=True, dict=True):
     """What the machine loads each cycle.
 
     Attributes:
@@ -55,70 +66,67 @@ class Session(msgspec.Struct, Generic[D], frozen=True):
     def __post_init__(self) -> None:
         if type(self.id) is not str:
             check_str("Session", "id", self.id)
-        _check_revision(self.revision)
+        revision = self.revision
+        if (type(revision) is not int or revision < 0) and (
+            not isinstance(revision, int) or isinstance(revision, bool) or revision < 0
+        ):
+            fail("Session", "revision", "int >= 0", revision)
         tuple_of("Session", "conversation", self.conversation, Message, "Message", target=self)
-        _check_data(self.data)
+        if not isinstance(self.data, msgspec.Struct):
+            fail("Session", "data", "a msgspec Struct (NoData() for none)", self.data)
+
+    @property
+    def history(self) -> HistoryIndex:
+        """The index of the conversation (open calls, positions, validity). O(1) once built.
+
+        Built from the conversation on first use (O(n)); the kernel effects
+        hand the next session an index derived from this one.
+        """
+        index: HistoryIndex | None = self.__dict__.get(_INDEX)
+        if index is None:
+            index = HistoryIndex.build(self.conversation)
+            self.__dict__[_INDEX] = index
+        return index
 
     def message(self, message_id: str) -> Message | None:
-        """The message with this id, or ``None``."""
-        for message in self.conversation:
-            if message.id == message_id:
-                return message
-        return None
+        """The message with this id (the first, if several share it), or ``None``. O(1)."""
+        position = self.history.message_position(message_id)
+        return None if position is None else self.conversation[position]
 
     @property
     def visible_to_model(self) -> tuple[Message, ...]:
-        """The messages a model request is built from."""
+        """The messages a model request is built from (the conversation if none is hidden)."""
+        if self.history.hidden == 0:
+            return self.conversation
         return tuple(m for m in self.conversation if m.visible_to_model)
 
 
-def _check_revision(revision: object) -> None:
-    if (type(revision) is not int or revision < 0) and (
-        not isinstance(revision, int) or isinstance(revision, bool) or revision < 0
-    ):
-        fail("Session", "revision", "int >= 0", revision)
-
-
-def _check_data(data: object) -> None:
-    if not isinstance(data, msgspec.Struct):
-        fail("Session", "data", "a msgspec Struct (NoData() for none)", data)
-
-
-_KEEP: Any = object()
-
-
-S = TypeVar("S", bound=Session[Any])
-
-
-def rebuilt(
-    session: S,
+def derive_session(
+    session: Session[Any],
     *,
-    conversation: tuple[Message, ...] = _KEEP,
-    revision: int = _KEEP,
-    data: msgspec.Struct = _KEEP,
-) -> S:
-    """``session`` with the given fields replaced, for the kernel's effects.
+    conversation: tuple[Message, ...] | None = None,
+    index: HistoryIndex | None = None,
+    revision: int | None = None,
+    data: msgspec.Struct | None = None,
+) -> Session[Any]:
+    """``session`` with the given fields changed, **without** running its checks. Internal.
 
-    Unlike ``msgspec.structs.replace`` it does not check every message of
-    ``conversation`` again: callers pass a tuple made of messages of a session
-    (checked when that session was built) and messages checked when they
-    were built (a :class:`Message` checks its fields on construction, and the
-    effects that carry messages check they are messages). ``revision`` and
-    ``data`` are checked as :class:`Session` checks them; ``conversation``
-    must be a tuple.
-
-    Raises:
-        InvalidFieldError: a given field has the wrong type.
+    For the kernel's effects and ``apply_batch`` only: every value given must
+    already be checked (a conversation made of checked messages, a revision
+    that is an int >= 0, data a msgspec Struct), so the result is as valid as
+    ``session``. ``index`` is the index of the new conversation; without a new
+    conversation the index is kept, without an index it is rebuilt on first use.
+    Costs O(1): no O(n) item check, no copy of the conversation.
     """
-    new = copy.copy(session)  # msgspec copies a Struct without running __post_init__
-    if conversation is not _KEEP:
-        if type(conversation) is not tuple:
-            fail("Session", "conversation", "a tuple of Message", conversation)
+    new = copy.copy(session)  # msgspec's __copy__: the fields, no __post_init__, no __dict__
+    if conversation is not None:
         msgspec.structs.force_setattr(new, "conversation", conversation)
-    if revision is not _KEEP:
-        _check_revision(revision)
+    else:
+        index = session.__dict__.get(_INDEX)
+    if index is not None:
+        new.__dict__[_INDEX] = index
+    if revision is not None:
         msgspec.structs.force_setattr(new, "revision", revision)
-    if data is not _KEEP:
-        _check_data(data)
+    if data is not None:
         msgspec.structs.force_setattr(new, "data", data)
     return new

@@ -98,22 +98,49 @@ NOT_EXECUTED = "not executed: another call of the same batch failed closed ({rea
 _MAX_RESULT_RETRIES = 16
 
 
+class _CallLocations(dict[str, str]):
+    """Call id -> id of the (latest) message holding a call with that id.
+
+    Filled on demand from the session's history index (O(1) per call id), so
+    reading the locations of a few calls never scans the conversation.
+    Iterating it sees only the ids looked up so far.
+    """
+
+    __slots__ = ("_session",)
+
+    def __init__(self, session: Session[Any]) -> None:
+        super().__init__()
+        self._session = session
+
+    def __missing__(self, call_id: str) -> str:
+        position = self._session.history.call_position(call_id)
+        if position is None:
+            raise KeyError(call_id)
+        message_id = self._session.conversation[position].id
+        self[call_id] = message_id
+        return message_id
+
+    def get(self, call_id: str, default: Any = None) -> Any:
+        try:
+            return self[call_id]
+        except KeyError:
+            return default
+
+    def __contains__(self, call_id: object) -> bool:
+        return isinstance(call_id, str) and self.get(call_id) is not None
+
+
 def _call_locations(session: Session[Any]) -> dict[str, str]:
-    """Map call id -> id of the (latest) message holding a call with that id."""
-    return {
-        call.call_id: message.id for message in session.conversation for call in message.tool_calls
-    }
+    """Map call id -> id of the (latest) message holding a call with that id.
+
+    Lazy: each id is looked up in the session's history index when first read.
+    """
+    return _CallLocations(session)
 
 
 def _repeated_call_ids(session: Session[Any]) -> set[str]:
-    """Call ids that occur more than once among the calls visible to the model."""
-    seen: set[str] = set()
-    repeated: set[str] = set()
-    for message in session.conversation:
-        if message.visible_to_model:
-            for call in message.tool_calls:
-                (repeated if call.call_id in seen else seen).add(call.call_id)
-    return repeated
+    """Call ids that occur more than once among the calls visible to the model. O(1)."""
+    return set(session.history.repeated)
 
 
 class Tools(Operation[Any]):
@@ -202,7 +229,7 @@ class Tools(Operation[Any]):
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
         # The cheap check first: most cycles have no open call at all.
-        open_calls = open_tool_calls(ctx.session.conversation)
+        open_calls = open_tool_calls(ctx.session)
         if not open_calls:
             return Refuse("no open tool calls")
         own = self._tools
@@ -283,7 +310,7 @@ class Tools(Operation[Any]):
         if not interrupted:
             return ()
         finished: dict[str, ToolResultPart] = ctx.scratch.get("uncommitted", {})
-        open_ids = {c.call_id for c in open_tool_calls(ctx.session.conversation)}
+        open_ids = {c.call_id for c in open_tool_calls(ctx.session)}
         return [
             AppendMessage(Message.tool_result(result, id=ctx.new_id()))
             for call_id, result in finished.items()
@@ -425,7 +452,7 @@ class Tools(Operation[Any]):
 
         async def attempt(session: Session[Any]) -> None:
             ctx.session = session
-            open_ids = {c.call_id for c in open_tool_calls(session.conversation)}
+            open_ids = {c.call_id for c in open_tool_calls(session)}
             pending = [r for r in results if r.call_id in open_ids]
             if pending:
                 await ctx.commit(
@@ -508,7 +535,7 @@ async def resolve_unknown_outcome(
     """
     session = await store.load(session_id)
     where = _call_locations(session)
-    open_calls = {c.call_id: c for c in open_tool_calls(session.conversation)}
+    open_calls = {c.call_id: c for c in open_tool_calls(session)}
     call = open_calls.get(call_id)
     if call is None or JOURNAL not in call.notes or "intent" not in call.notes[JOURNAL]:
         raise ConfigurationError(

@@ -26,6 +26,7 @@ from stepmachine import (
     ToolCallPart,
     ToolResultPart,
     Tools,
+    apply_batch,
     counter_ids,
     history_problems,
     open_tool_calls,
@@ -44,6 +45,8 @@ from stepmachine.operations._history_guard import (
     SECOND_RESULT,
     HistoryGuard,
     Problem,
+    _analyse,
+    _nothing_to_repair,
     fsck,
 )
 from stepmachine.stores import MemoryStore, SQLiteStore
@@ -451,3 +454,41 @@ async def test_an_approved_call_runs_although_the_user_wrote_while_it_waited(sto
         "tool",
         "user",
     ]
+
+
+@st.composite
+def grown_sessions(draw: st.DrawFn) -> Any:
+    """A messy conversation grown effect by effect (the index updated incrementally),
+    sometimes with messages hidden afterwards."""
+    session = make_session()
+    for message in draw(messy_conversations()):
+        session = apply_batch(session, [AppendMessage(message)])
+    ids = [m.id for m in session.conversation]
+    hide = draw(st.lists(st.sampled_from(ids), max_size=2))
+    if hide:
+        session = apply_batch(session, [SetVisibility(tuple(hide), to_model=False)])
+    if draw(st.booleans()):
+        session = apply_batch(session, [AppendMessage(asst("late", text="moved on"))])
+    return session
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(grown_sessions(), st.booleans(), st.booleans())
+async def test_index_fast_paths_agree_with_the_full_analysis(
+    session: Any, with_tools: bool, advertise: bool
+) -> None:
+    advertised = {"add"} if advertise else set()
+    guard_step = HistoryGuard()
+    others = [Tools([add])] if with_tools else []
+    check = await run_step(guard_step, session, others=others)
+    full = guard_step._one_round(check.ctx, session, advertised, with_tools)
+    assert _nothing_to_repair(session, advertised, with_tools) == (full == [])
+    assert fsck(session) == _analyse(session.conversation)
+    check.ctx.session = session
+    for message in session.conversation:
+        for part in message.tool_calls:
+            slow = any(
+                p.kind == ORPHANED_CALL and p.call_id == part.call_id
+                for p in _analyse(session.conversation)
+            )
+            assert (guard_step.check_call(check.ctx, part) is not None) == slow

@@ -1,0 +1,371 @@
+"""The history index: what steps ask of a conversation, kept up to date per effect.
+
+Every cycle several steps ask the same questions of the session: which tool
+calls are open, where a call or a message is, whether a call id repeats,
+whether the history is valid (invariant 4), whether a request must reorder
+tool results. Answering by rescanning the conversation costs O(history) per
+question; a :class:`HistoryIndex` answers each in O(1) (or O(answer)).
+
+The index is **derived data**: never stored, never encoded by the codec, never
+compared (sessions are equal when their fields are). A session builds it from
+its conversation the first time it is asked (after ``Session(...)``,
+``msgspec.structs.replace``, decoding, loading) and the kernel effects derive
+the next session's index from the previous one in their pure ``apply``:
+
+* :meth:`HistoryIndex.appended` (``AppendMessage``) costs O(parts of the new
+  message): the large tables (message id -> position, call id -> positions,
+  first visible call / result per call id) are append-only dicts shared by the
+  sessions of one line of history. An entry at position ``p`` belongs to every
+  session of that line whose conversation is longer than ``p``; a session of
+  length ``n`` ignores entries at ``n`` or later. Appending to the newest
+  session of the line extends the tables in place; appending to an older one
+  the very message the line already holds there (the machine and the store
+  applying the same batch) shares them unchanged; appending anything else
+  starts a new line (copies of the tables, O(n) at C speed).
+* :meth:`HistoryIndex.annotated` (``Annotate``) is O(1): notes change no table,
+  only the open call it annotates is replaced.
+* ``SetVisibility`` and ``ReplaceConversation`` rebuild (O(n)); they are rare
+  (repairs, compaction).
+
+The small per-session state (open calls, repeated call ids, problem counters)
+is copied per change, O(open calls). ``tests/test_session_index.py`` checks
+every view equal to a full rescan over random effect sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+from ._messages import Message, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
+
+__all__ = ["HistoryIndex", "is_empty_assistant"]
+
+_Key = tuple[str, bool, tuple[str, ...], tuple[str, ...]]
+_Open = dict[str, tuple[int, int, ToolCallPart]]
+_EMPTY_OPEN: Final[_Open] = {}
+_NO_IDS: Final[frozenset[str]] = frozenset()
+
+
+def _key(message: Message) -> _Key:
+    """What the shared tables record of a message: id, visibility, call ids, result ids."""
+    calls: list[str] = []
+    results: list[str] = []
+    for part in message.parts:
+        if isinstance(part, ToolCallPart):
+            calls.append(part.call_id)
+        elif isinstance(part, ToolResultPart):
+            results.append(part.call_id)
+    return (message.id, message.visible_to_model, tuple(calls), tuple(results))
+
+
+def is_empty_assistant(message: Message) -> bool:
+    """An assistant message with no text, reasoning or tool call (providers reject it)."""
+    if message.role != "assistant":
+        return False
+    for part in message.parts:
+        if isinstance(part, TextPart) and part.text.strip():
+            return False
+        if isinstance(part, ReasoningPart) and (part.text.strip() or part.provider_data):
+            return False
+        if not isinstance(part, TextPart | ReasoningPart):
+            return False  # a tool call, or a kind of part added later (images, files)
+    return True
+
+
+class _Line:
+    """Append-only tables shared by the sessions of one line of history.
+
+    Values are conversation positions; see the module docstring for who may
+    extend them and how a session of length ``n`` reads them (entries < n).
+    """
+
+    __slots__ = ("call_positions", "first_call", "first_result", "keys", "message_position")
+
+    def __init__(self) -> None:
+        self.keys: list[_Key] = []  # position -> key of the message there
+        self.message_position: dict[str, int] = {}  # message id -> position
+        self.call_positions: dict[str, tuple[int, ...]] = {}  # call id -> positions (all)
+        self.first_call: dict[str, int] = {}  # call id -> first visible position holding it
+        self.first_result: dict[str, int] = {}  # call id -> first visible position answering it
+
+    def extend(self, position: int, key: _Key) -> None:
+        """Record the message ``key`` at ``position`` (== ``len(self.keys)``)."""
+        message_id, visible, calls, results = key
+        self.keys.append(key)
+        self.message_position.setdefault(message_id, position)  # the first, like Session.message
+        for call_id in calls:
+            positions = self.call_positions.get(call_id, ())
+            if not positions or positions[-1] != position:
+                self.call_positions[call_id] = (
+                    *positions,
+                    position,
+                )  # tuples: never shared mutably
+        if visible:
+            for call_id in calls:
+                self.first_call.setdefault(call_id, position)
+            for call_id in results:
+                self.first_result.setdefault(call_id, position)
+
+    def prefix(self, length: int) -> _Line:
+        """A new line holding the first ``length`` messages of this one.
+
+        O(n) dict copies at C speed plus O(messages after ``length``) to drop
+        their entries: the cost of a branch (appending to an older session).
+        """
+        line = _Line()
+        dropped = self.keys[length:]
+        line.keys = self.keys[:length]
+        line.message_position = self.message_position.copy()
+        line.call_positions = self.call_positions.copy()
+        line.first_call = self.first_call.copy()
+        line.first_result = self.first_result.copy()
+        for message_id, _, calls, results in dropped:
+            if line.message_position.get(message_id, -1) >= length:
+                del line.message_position[message_id]
+            for call_id in calls:
+                kept = tuple(p for p in line.call_positions.get(call_id, ()) if p < length)
+                if kept:
+                    line.call_positions[call_id] = kept
+                else:
+                    line.call_positions.pop(call_id, None)
+            for table in (line.first_call, line.first_result):
+                for call_id in (*calls, *results):
+                    if table.get(call_id, -1) >= length:
+                        del table[call_id]
+        return line
+
+
+class HistoryIndex:
+    """Answers about one conversation (see the module docstring). Immutable once built.
+
+    Read one as :attr:`Session.history <stepmachine.Session.history>`; never
+    build or keep one apart from its session (it is derived data).
+
+    Attributes:
+        length: the number of messages of the conversation it indexes.
+        repeated: call ids held by more than one visible call.
+        hidden: how many messages are hidden from the model.
+        in_order: whether :func:`~stepmachine.request_order` keeps the visible
+            messages as they are (no tool message has to move).
+        last_visible: position of the last message visible to the model (-1: none).
+        last_assistant: position of the last assistant message, hidden or not (-1: none).
+        empty_assistants: positions of the visible empty assistant messages
+            (:func:`is_empty_assistant`).
+    """
+
+    __slots__ = (
+        "_bad",
+        "_line",
+        "_open",
+        "_tail",
+        "_unanswered",
+        "empty_assistants",
+        "hidden",
+        "in_order",
+        "last_assistant",
+        "last_visible",
+        "length",
+        "repeated",
+    )
+
+    def __init__(self) -> None:
+        """The index of an empty conversation."""
+        self._line = _Line()
+        self.length = 0
+        self._open: _Open = _EMPTY_OPEN
+        self.repeated: frozenset[str] = _NO_IDS
+        self._bad = 0  # problems other than calls without results (history_problems)
+        self._unanswered = 0  # visible call ids that no visible result answers
+        self.in_order = True
+        self._tail = -1  # position of the request-order group the last visible message is in
+        self.hidden = 0
+        self.last_visible = -1  # position of the last message visible to the model
+        self.last_assistant = -1  # position of the last assistant message, hidden or not
+        self.empty_assistants: tuple[int, ...] = ()  # visible, no text/reasoning/calls
+
+    def _clone(self) -> HistoryIndex:
+        new = HistoryIndex.__new__(HistoryIndex)
+        new._line = self._line
+        new.length = self.length
+        new._open = self._open
+        new.repeated = self.repeated
+        new._bad = self._bad
+        new._unanswered = self._unanswered
+        new.in_order = self.in_order
+        new._tail = self._tail
+        new.hidden = self.hidden
+        new.last_visible = self.last_visible
+        new.last_assistant = self.last_assistant
+        new.empty_assistants = self.empty_assistants
+        return new
+
+    # -- building -----------------------------------------------------------------
+
+    @classmethod
+    def build(cls, conversation: Sequence[Message]) -> HistoryIndex:
+        """Index ``conversation`` from scratch: O(n)."""
+        index = cls()
+        for message in conversation:
+            index = index._extended(message, _key(message), write=True)
+        return index
+
+    def appended(self, message: Message) -> HistoryIndex:
+        """The index of this one's conversation with ``message`` appended.
+
+        O(parts of ``message``) unless this session is not the newest of its
+        line and the line holds another message at this position: then the
+        tables are copied for a new line (dict copies, O(n) at C speed).
+        """
+        key = _key(message)
+        line, n = self._line, self.length
+        if len(line.keys) == n:
+            return self._extended(message, key, write=True)
+        if line.keys[n] == key:
+            return self._extended(message, key, write=False)
+        branch = self._clone()  # a branch: this session's view of the line, as a line of its own
+        branch._line = line.prefix(n)
+        return branch._extended(message, key, write=True)
+
+    def annotated(self, position: int, part_position: int, part: ToolCallPart) -> HistoryIndex:
+        """The index after ``Annotate`` replaced the call at ``part_position`` of the message
+        at ``position`` with ``part`` (new notes). O(open calls).
+
+        Notes change no table; if that call is open, the open calls hand out ``part``.
+        """
+        entry = self._open.get(part.call_id)
+        if entry is None or entry[0] != position or entry[1] != part_position:
+            return self
+        new = self._clone()
+        new._open = dict(self._open)
+        new._open[part.call_id] = (position, part_position, part)
+        return new
+
+    def _extended(self, message: Message, key: _Key, *, write: bool) -> HistoryIndex:
+        """This index plus ``message`` at position ``self.length``.
+
+        Reads the line's tables as of this index (entries < n) and, with
+        ``write``, extends them afterwards. Mirrors, part by part, what
+        :func:`~stepmachine.history_problems`, ``open_tool_calls`` and
+        :func:`~stepmachine.request_order` compute over the whole conversation.
+        """
+        line, n = self._line, self.length
+        _, visible, call_ids, result_ids = key
+        new = self._clone()
+        new.length = n + 1
+        if message.role == "assistant":
+            new.last_assistant = n
+        if not visible:
+            if write:
+                line.extend(n, key)
+            new.hidden += 1
+            return new
+        new.last_visible = n
+        if message.role == "assistant" and is_empty_assistant(message):
+            new.empty_assistants = (*self.empty_assistants, n)
+        open_calls = self._open
+        repeated = self.repeated
+        bad, unanswered, in_order, tail = self._bad, self._unanswered, self.in_order, n
+        if call_ids or result_ids:
+            first_call, first_result = line.first_call, line.first_result
+            seen: set[str] = set()  # visible calls seen in this message so far
+            answered: set[str] = set()  # visible results seen in this message so far
+
+            def was_seen(call_id: str) -> bool:
+                position = first_call.get(call_id)
+                return (position is not None and position < n) or call_id in seen
+
+            def was_answered(call_id: str) -> bool:
+                position = first_result.get(call_id)
+                return (position is not None and position < n) or call_id in answered
+
+            if message.role == "tool" and result_ids:
+                owners = set()
+                for call_id in result_ids:
+                    position = first_call.get(call_id)
+                    owners.add(position if position is not None and position < n else None)
+                if len(owners) == 1:
+                    (owner,) = owners
+                    if owner is not None:  # moved right after its call's message in requests
+                        in_order = in_order and self._tail == owner
+                        tail = owner
+            open_calls = dict(open_calls)
+            new_repeats: set[str] = set()
+            for position, part in enumerate(message.parts):
+                if isinstance(part, ToolCallPart):
+                    call_id = part.call_id
+                    if message.role != "assistant":
+                        bad += 1
+                    if was_seen(call_id):
+                        bad += 1
+                        new_repeats.add(call_id)
+                    else:
+                        seen.add(call_id)
+                        if not was_answered(call_id):
+                            unanswered += 1
+                    open_calls.setdefault(call_id, (n, position, part))
+                elif isinstance(part, ToolResultPart):
+                    call_id = part.call_id
+                    if not was_seen(call_id) or was_answered(call_id):
+                        bad += 1
+                    if not was_answered(call_id):
+                        answered.add(call_id)
+                        if was_seen(call_id):
+                            unanswered -= 1
+                    open_calls.pop(call_id, None)
+            if new_repeats - repeated:
+                repeated = repeated | new_repeats
+        if write:
+            line.extend(n, key)
+        new._open, new.repeated, new._bad, new._unanswered = open_calls, repeated, bad, unanswered
+        new.in_order, new._tail = in_order, tail
+        return new
+
+    # -- answers ------------------------------------------------------------------
+
+    is_empty_assistant = staticmethod(is_empty_assistant)
+
+    @property
+    def valid(self) -> bool:
+        """Whether the visible conversation keeps invariant 4 (``history_problems`` is empty)."""
+        return self._bad == 0 and self._unanswered == 0
+
+    @property
+    def sound(self) -> bool:
+        """Whether the only problems (if any) are calls still waiting for a result.
+
+        No call outside an assistant message, no repeated call id, no result
+        before or without its call, no second result.
+        """
+        return self._bad == 0
+
+    @property
+    def has_open_calls(self) -> bool:
+        """Whether any visible tool call has no result yet."""
+        return bool(self._open)
+
+    def open_calls(self) -> list[ToolCallPart]:
+        """The visible tool calls without a result, oldest first (a new list)."""
+        return [entry[2] for entry in self._open.values()]
+
+    def open_call_positions(self) -> list[tuple[int, ToolCallPart]]:
+        """Like :meth:`open_calls`, with the position of the message holding each call."""
+        return [(entry[0], entry[2]) for entry in self._open.values()]
+
+    def message_position(self, message_id: str) -> int | None:
+        """The position of the message with this id, or ``None``."""
+        position = self._line.message_position.get(message_id)
+        if position is None or position >= self.length:
+            return None
+        return position
+
+    def call_position(self, call_id: str) -> int | None:
+        """The position of the latest message (hidden ones included) holding this call id."""
+        positions = self._line.call_positions.get(call_id)
+        if positions is None:
+            return None
+        n = self.length
+        for position in reversed(positions):
+            if position < n:
+                return position
+        return None
