@@ -124,9 +124,10 @@ def context(
     cycle: int,
     run_start_revision: int,
     committer: Committer[D] | None = None,
+    collected: tuple[tuple[ToolDefinition, ...], tuple[PromptPart, ...]] | None = None,
 ) -> StepContext[D]:
-    """A fresh ctx for ``session``, with what every step contributes collected anew."""
-    tools, parts = collect(steps, session)
+    """A fresh ctx for ``session``; ``collected`` is :func:`collect`'s answer for it, if known."""
+    tools, parts = collect(steps, session) if collected is None else collected
     return StepContext(
         session=session,
         runtime=runtime,
@@ -170,19 +171,18 @@ async def offer(
     awaits ``on_cancel(Interrupted(step, ctx))`` (the callee shields itself),
     then propagates.
     """
-    tools, parts = collect(steps, session)
+    collected = collect(steps, session)
     refused: list[str] = []
     for step in steps:
-        ctx = StepContext(
-            session=session,
-            runtime=runtime,
-            events=sink,
-            cycle=cycle,
-            tools=tools,
-            prompt_parts=parts,
-            steps=steps,
-            run_start_revision=run_start_revision,
-            committer=_committer(runtime, step.name, cycle, sink),
+        ctx = context(
+            steps,
+            runtime,
+            session,
+            sink,
+            cycle,
+            run_start_revision,
+            _committer(runtime, step.name, cycle, sink),
+            collected,
         )
         try:
             if token is None:
