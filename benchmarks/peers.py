@@ -22,7 +22,7 @@ figure.
 
 Each framework is written the way its documentation shows:
 
-* **stepmachine**: ``StateMachine([Tools([lookup]), ModelInference()])``,
+* **stepmachine**: ``StateMachine([Tools([lookup]), ModelInference(stream=False)])``,
   ``FunctionModel`` from the testing kit, ``submit`` + ``machine.run`` per round,
   on ``MemoryStore`` and on ``SQLiteStore`` (WAL, ``synchronous=NORMAL``).
 * **LangGraph**: ``StateGraph(MessagesState)`` with a model node (a
@@ -258,7 +258,7 @@ async def stepmachine_runner(variant: str, folder: Path) -> Runner:
         store = await SQLiteStore.open(folder / "stepmachine.sqlite3")
     runtime = Runtime(store=store, model=FunctionModel(decide))
     machine: StateMachine[Any] = StateMachine(
-        [Tools([tool(lookup_value)]), ModelInference(instructions=INSTRUCTIONS)]
+        [Tools([tool(lookup_value)]), ModelInference(instructions=INSTRUCTIONS, stream=False)]
     )
 
     async def session(rounds: int) -> tuple[list[int], list[str]]:
@@ -700,7 +700,9 @@ async def concurrent_stepmachine(sessions: int) -> float:
 
     store = MemoryStore()
     runtime = Runtime(store=store, model=FunctionModel(decide))
-    machine: StateMachine[Any] = StateMachine([Tools([tool(lookup_value)]), ModelInference()])
+    machine: StateMachine[Any] = StateMachine(
+        [Tools([tool(lookup_value)]), ModelInference(stream=False)]
+    )
     answers: list[str] = []
 
     async def one(index: int) -> None:

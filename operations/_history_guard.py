@@ -24,6 +24,7 @@ from stepmachine import (
     Annotate,
     AppendMessage,
     Continue,
+    Conversation,
     Effect,
     HistoryIndex,
     Message,
@@ -485,7 +486,9 @@ def _find_call(message: Message, call_id: str | None) -> ToolCallPart | None:
 
 
 def _as_session(conversation: Sequence[Message]) -> Session[Any]:
-    return Session(id="history_guard", revision=0, conversation=tuple(conversation), data=NoData())
+    return Session(
+        id="history_guard", revision=0, conversation=Conversation(conversation), data=NoData()
+    )
 
 
 def _insert(conversation: Sequence[Message], position: int, message: Message) -> Effect:

@@ -22,6 +22,7 @@ Modules whose names start with ``_`` are private: import from the packages above
 """
 
 from ._codec import KERNEL_EFFECTS, Batch, Codec
+from ._conversation import Conversation
 from ._effects import (
     Annotate,
     AppendMessage,
@@ -153,6 +154,7 @@ __all__ = [
     "ConflictError",
     "ContextLengthError",
     "Continue",
+    "Conversation",
     "Decision",
     "DefinitionError",
     "Effect",

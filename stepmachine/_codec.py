@@ -38,6 +38,7 @@ from typing import Any, Final, Generic, TypeVar, Union
 
 import msgspec
 
+from ._conversation import Conversation, enc_hook
 from ._effects import (
     Annotate,
     AppendMessage,
@@ -63,6 +64,19 @@ KERNEL_EFFECTS: tuple[type[Effect], ...] = (
 
 D = TypeVar("D", bound=msgspec.Struct)
 E = TypeVar("E", bound=Effect)
+
+
+class _StoredSession(msgspec.Struct, Generic[D], frozen=True):
+    """A session as stored: the fields of :class:`Session`, the conversation a JSON array.
+
+    Decoded, then made a :class:`Session` (msgspec cannot decode a
+    :class:`~stepmachine.Conversation` itself).
+    """
+
+    id: str
+    revision: int
+    conversation: tuple[Message, ...]
+    data: D
 
 
 class Batch(msgspec.Struct, Generic[E], frozen=True):
@@ -226,10 +240,10 @@ class Codec(Generic[D]):
             registry[tag] = effect_type
         self.effect_types: dict[str, type[Effect]] = registry
         union: Any = Union[tuple(registry.values())]  # noqa: UP007 - built at run time
-        self._encoder = msgspec.json.Encoder()
+        self._encoder = msgspec.json.Encoder(enc_hook=enc_hook)  # a Conversation: an array
         self._effects_decoder = msgspec.json.Decoder(tuple[union, ...])
         self._batch_decoder = msgspec.json.Decoder(Batch[union])
-        self._session_decoder = msgspec.json.Decoder(Session[data_type])  # type: ignore[valid-type]
+        self._session_decoder = msgspec.json.Decoder(_StoredSession[data_type])  # type: ignore[valid-type]
         self._data_decoder = msgspec.json.Decoder(data_type)
         self._message_decoder = msgspec.json.Decoder(Message)
 
@@ -278,15 +292,20 @@ class Codec(Generic[D]):
         Besides the types, the session's own rules are checked: a revision of
         at least 0 and message ids that are unique.
         """
-        session: Session[D] = self._decode(self._session_decoder, buf, "session", where)
-        ids = [m.id for m in session.conversation]
-        if session.revision < 0 or len(set(ids)) != len(ids):
+        stored: _StoredSession[D] = self._decode(self._session_decoder, buf, "session", where)
+        ids = [m.id for m in stored.conversation]
+        if stored.revision < 0 or len(set(ids)) != len(ids):
             raise StoredDataError(
                 f"invariant 8 (stored data is data): session in {where} is not valid: "
-                f"revision {session.revision}, "
+                f"revision {stored.revision}, "
                 f"repeated message ids {sorted({i for i in ids if ids.count(i) > 1})!r}"
             )
-        return session
+        return Session(
+            id=stored.id,
+            revision=stored.revision,
+            conversation=Conversation(stored.conversation),
+            data=stored.data,
+        )
 
     # -- effects and batches ----------------------------------------------------
 

@@ -20,8 +20,7 @@ import anyio
 import msgspec
 import structlog
 
-from ._codec import Batch
-from ._effects import Effect, apply_batch
+from ._effects import Effect
 from ._emitter import EventSink, StepApplied
 from ._errors import ConfigurationError, StepContractError
 from ._history import open_tool_calls
@@ -38,7 +37,7 @@ from ._steps import (
     Yield,
     YieldReason,
 )
-from ._store import EffectHandler
+from ._store import EffectHandler, store_batch
 
 __all__ = [
     "Decision",
@@ -284,26 +283,15 @@ async def commit(
 ) -> Session[D]:
     """Persist ``effects`` as one batch, compare-and-set on ``session.revision``.
 
-    Applied here first whatever the handler: an effect that does not apply
-    fails before anything is written, and a handler returning ``None`` needs it.
+    The batch is applied once (by the store, or here: see
+    :func:`~stepmachine._store.store_batch`).
 
     Raises:
         ConflictError: the stored session moved on; nothing was written.
         EffectError: an effect does not apply; nothing was written.
     """
-    after = apply_batch(session, effects)
     handler: EffectHandler = runtime.effect_handler()
-    stored = await handler.apply(
-        Batch(
-            session_id=session.id,
-            revision=after.revision,
-            step=step_name,
-            cycle=cycle,
-            timestamp=runtime.clock(),
-            effects=tuple(effects),
-        )
-    )
-    return after if stored is None else stored
+    return await store_batch(handler, session, step_name, cycle, runtime.clock(), tuple(effects))
 
 
 def _committer(runtime: Runtime, step_name: str, cycle: int, sink: EventSink) -> Committer[Any]:

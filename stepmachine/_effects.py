@@ -36,6 +36,7 @@ from ._checks import (
     str_keys,
     tuple_of,
 )
+from ._conversation import Conversation
 from ._errors import EffectError
 from ._index import HistoryIndex
 from ._messages import Message, ToolCallPart
@@ -84,7 +85,7 @@ class AppendMessage(Effect, frozen=True, tag="append_message"):
                 f"message ids are stable and unique: session {session.id!r} already "
                 f"holds a message with id {message.id!r}"
             )
-        conversation = session.conversation + (message,)  # noqa: RUF005 - one C copy, 3x faster
+        conversation = session.conversation.appended(message)  # O(1): shares structure
         return derive_session(session, conversation=conversation, index=index.appended(message))
 
 
@@ -110,7 +111,7 @@ class ReplaceConversation(Effect, frozen=True, tag="replace_conversation"):
                 f"{session.id!r} repeats ids {duplicates!r}"
             )
         # The messages were checked when this effect was built (or decoded).
-        conversation = self.conversation
+        conversation = Conversation(self.conversation)
         return derive_session(
             session, conversation=conversation, index=HistoryIndex.build(conversation)
         )
@@ -121,14 +122,6 @@ def _message_index(session: Session[Any], message_id: str) -> int:
     if index is None:
         raise EffectError(f"session {session.id!r} holds no message with id {message_id!r}")
     return index
-
-
-def _replaced(
-    conversation: tuple[Message, ...], index: int, message: Message
-) -> tuple[Message, ...]:
-    items = list(conversation)
-    items[index] = message
-    return tuple(items)
 
 
 def _merge(
@@ -192,7 +185,7 @@ class Annotate(Effect, frozen=True, tag="annotate"):
                     f"{self.call_id!r}"
                 )
             updated = msgspec.structs.replace(message, parts=tuple(parts))
-        conversation = _replaced(session.conversation, index, updated)
+        conversation = session.conversation.replaced(index, updated)  # O(1): shares structure
         return derive_session(session, conversation=conversation, index=history)
 
 
@@ -233,7 +226,7 @@ class SetVisibility(Effect, frozen=True, tag="set_visibility"):
             raise EffectError(
                 f"session {session.id!r} holds no messages with ids {sorted(wanted)!r}"
             )
-        new = tuple(conversation)
+        new = Conversation(conversation)
         # Visibility changes what the model sees: rebuild the index (rare: repairs, compaction).
         return derive_session(session, conversation=new, index=HistoryIndex.build(new))
 

@@ -111,7 +111,7 @@ def check_history(
         )
 
 
-def request_order(messages: Sequence[Message] | Session[Any]) -> tuple[Message, ...]:
+def request_order(messages: Sequence[Message] | Session[Any]) -> Sequence[Message]:
     """The messages in the order providers accept: results right after their calls.
 
     OpenAI and Anthropic require the results of an assistant turn's tool calls

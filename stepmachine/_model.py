@@ -13,7 +13,7 @@ testing kit ships scripted and function-driven models.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeAlias
 
 import msgspec
@@ -74,8 +74,10 @@ class ModelRequest(msgspec.Struct, frozen=True):
     """What a model is asked.
 
     Attributes:
-        messages: the messages visible to the model, oldest first; the history
-            is provider-valid (invariant 4) when built by ``ModelInference``.
+        messages: the messages visible to the model, oldest first (a tuple, a
+            list or the session's :class:`~stepmachine.Conversation` itself, not
+            copied); the history is provider-valid (invariant 4) when built by
+            ``ModelInference``.
         tools: the tool definitions collected from every step.
         prompt_parts: system prompt parts collected from every step.
         settings: sampling settings.
@@ -86,7 +88,7 @@ class ModelRequest(msgspec.Struct, frozen=True):
             budgets, so that a budget of N calls means N, retries included.
     """
 
-    messages: tuple[Message, ...]
+    messages: Sequence[Message]
     tools: tuple[ToolDefinition, ...] = ()
     prompt_parts: tuple[PromptPart, ...] = ()
     settings: ModelSettings = msgspec.field(default_factory=ModelSettings)

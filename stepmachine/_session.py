@@ -28,11 +28,13 @@ built on first use and handed on by the kernel effects; see
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 import msgspec
 
 from ._checks import check_str, fail, tuple_of
+from ._conversation import Conversation
 from ._index import HistoryIndex
 from ._messages import Message
 
@@ -54,13 +56,15 @@ class Session(msgspec.Struct, Generic[D], frozen=True, dict=True):
     Attributes:
         id: the session id.
         revision: monotonic; 0 when created, +1 for every applied batch.
-        conversation: the messages, oldest first, hidden ones included.
+        conversation: the messages, oldest first, hidden ones included: a
+            :class:`~stepmachine.Conversation` (an immutable sequence; give a
+            tuple or a list of messages and it is converted).
         data: application data, a msgspec Struct the application defines.
     """
 
     id: str
     revision: int
-    conversation: tuple[Message, ...]
+    conversation: Conversation
     data: D
 
     def __post_init__(self) -> None:
@@ -71,7 +75,12 @@ class Session(msgspec.Struct, Generic[D], frozen=True, dict=True):
             not isinstance(revision, int) or isinstance(revision, bool) or revision < 0
         ):
             fail("Session", "revision", "int >= 0", revision)
-        tuple_of("Session", "conversation", self.conversation, Message, "Message", target=self)
+        conversation: Any = self.conversation
+        if type(conversation) is not Conversation:
+            items = tuple_of("Session", "conversation", conversation, Message, "Message")
+            msgspec.structs.force_setattr(self, "conversation", Conversation(items))
+        elif conversation:  # a Conversation is not checked when built: check its messages
+            tuple_of("Session", "conversation", conversation.as_tuple(), Message, "Message")
         if not isinstance(self.data, msgspec.Struct):
             fail("Session", "data", "a msgspec Struct (NoData() for none)", self.data)
 
@@ -94,7 +103,7 @@ class Session(msgspec.Struct, Generic[D], frozen=True, dict=True):
         return None if position is None else self.conversation[position]
 
     @property
-    def visible_to_model(self) -> tuple[Message, ...]:
+    def visible_to_model(self) -> Sequence[Message]:
         """The messages a model request is built from (the conversation if none is hidden)."""
         if self.history.hidden == 0:
             return self.conversation
@@ -104,7 +113,7 @@ class Session(msgspec.Struct, Generic[D], frozen=True, dict=True):
 def derive_session(
     session: Session[Any],
     *,
-    conversation: tuple[Message, ...] | None = None,
+    conversation: Conversation | None = None,
     index: HistoryIndex | None = None,
     revision: int | None = None,
     data: msgspec.Struct | None = None,

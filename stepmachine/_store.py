@@ -27,7 +27,7 @@ from ._messages import Message
 from ._retry import retry_conflicts
 from ._session import Session
 
-__all__ = ["EffectHandler", "SessionLoader", "Store", "submit"]
+__all__ = ["EffectHandler", "SessionLoader", "Store", "store_batch", "submit"]
 
 D = TypeVar("D", bound=msgspec.Struct)
 
@@ -46,7 +46,17 @@ class SessionLoader(Protocol):
 
 
 class EffectHandler(Protocol):
-    """Persists batches of effects, atomically, with compare-and-set."""
+    """Persists batches of effects, atomically, with compare-and-set.
+
+    A handler may declare ``applies_batches = True`` (a class attribute; the
+    shipped stores do). It promises that :meth:`apply` applies the batch to the
+    stored session itself, raises :class:`~stepmachine.EffectError` before
+    writing anything when an effect does not apply, and returns the session
+    after the batch. Callers (the machine, :func:`submit`) then do not apply
+    the batch a second time: one apply per batch. For any other handler the
+    caller applies the batch first (so a batch that does not apply is never
+    handed over) and uses its own result when ``apply`` returns ``None``.
+    """
 
     async def apply(self, batch: Batch[Effect]) -> Session[Any] | None:
         """Persist ``batch`` if the session is at ``batch.revision - 1``.
@@ -149,17 +159,43 @@ async def submit(
 
     async def attempt(session: Session[Any]) -> Session[Any]:
         batch_effects = tuple(effects(session) if callable(effects) else effects)
-        after = apply_batch(session, batch_effects)
-        batch: Batch[Effect] = Batch(
-            session_id=session_id,
-            revision=after.revision,
-            step=step,
-            cycle=0,
-            timestamp=clock(),
-            effects=batch_effects,
-        )
-        stored = await store.apply(batch)
-        return after if stored is None else stored
+        return await store_batch(store, session, step, 0, clock(), batch_effects)
 
     first = await store.load(session_id)
     return await retry_conflicts(first, attempt, store.load, attempts=max_attempts)
+
+
+async def store_batch(
+    handler: EffectHandler,
+    session: Session[D],
+    step: str,
+    cycle: int,
+    timestamp: float,
+    effects: tuple[Effect, ...],
+) -> Session[D]:
+    """Persist ``effects`` as the batch after ``session``; return the session after it.
+
+    Applies the batch exactly once: in the handler when it declares
+    ``applies_batches`` (see :class:`EffectHandler`), else here, before the
+    handler sees it (so a batch that does not apply is never handed over).
+    The flag is read from the handler's class, so a wrapper forwarding
+    attributes to a store does not inherit it by accident.
+
+    Raises:
+        ConflictError: the stored session moved on; nothing was written.
+        EffectError: an effect does not apply; nothing was written.
+    """
+    batch: Batch[Effect] = Batch(
+        session_id=session.id,
+        revision=session.revision + 1,
+        step=step,
+        cycle=cycle,
+        timestamp=timestamp,
+        effects=effects,
+    )
+    if getattr(type(handler), "applies_batches", False) is True:  # declared by the class
+        stored = await handler.apply(batch)
+        return apply_batch(session, effects) if stored is None else stored
+    after = apply_batch(session, effects)
+    stored = await handler.apply(batch)
+    return after if stored is None else stored

@@ -215,6 +215,9 @@ class FileStore:
             :meth:`fork` linked in place and the folder fsynced).
     """
 
+    applies_batches: ClassVar[bool] = True
+    """``apply`` applies each batch once and returns the session (see ``EffectHandler``)."""
+
     BOUNDARIES: ClassVar[tuple[str, ...]] = (
         "apply.locked",
         "apply.written",

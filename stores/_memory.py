@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio.lowlevel
 import msgspec
@@ -47,6 +47,9 @@ class MemoryStore:
     Args:
         codec: the application's codec (kernel effects and ``NoData`` by default).
     """
+
+    applies_batches: ClassVar[bool] = True
+    """``apply`` applies each batch once and returns the session (see ``EffectHandler``)."""
 
     def __init__(self, codec: Codec[Any] | None = None) -> None:
         self._codec: Codec[Any] = codec or Codec()

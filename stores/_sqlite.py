@@ -165,6 +165,9 @@ class SQLiteStore:
             ``COMMIT``, before :meth:`apply` returns) and ``"create.committed"``.
     """
 
+    applies_batches: ClassVar[bool] = True
+    """``apply`` applies each batch once and returns the session (see ``EffectHandler``)."""
+
     BOUNDARIES: ClassVar[tuple[str, ...]] = (
         "apply.begin",
         "apply.inserted",

@@ -16,6 +16,7 @@ from stepmachine import (
     Batch,
     Codec,
     ConfigurationError,
+    Conversation,
     Effect,
     InvalidFieldError,
     Message,
@@ -619,7 +620,7 @@ def tool_calls(draw: st.DrawFn) -> ToolCallPart:
     if kind == "parse_json":
         value = draw(json_values)
         spaced = draw(st.booleans())
-        raw = msgspec.json.encode(value).decode()
+        raw = msgspec.json.encode(value, enc_hook=Conversation.enc_hook).decode()
         part = ToolCallPart.parse(call_id, name, f" {raw} " if spaced else raw)
     elif kind == "parse_text":
         part = ToolCallPart.parse(call_id, name, draw(st.text(max_size=12)))
@@ -675,7 +676,7 @@ def test_tool_arguments_are_stored_once_and_decode_as_before(
     effects = (AppendMessage(messages[0]), ReplaceConversation(messages))
     batch = Batch(session_id="s", revision=1, step="x", cycle=0, timestamp=0.0, effects=effects)
     old = {  # the same records as written before: both fields in every call
-        "session": msgspec.json.encode(session),
+        "session": msgspec.json.encode(session, enc_hook=Conversation.enc_hook),
         "effects": msgspec.json.encode(effects),
         "batch": msgspec.json.encode(batch),
         "message": msgspec.json.encode(messages[0]),

@@ -54,6 +54,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
+    Conversation,
     Message,
     ModelRequest,
     ModelResponse,
@@ -679,7 +680,7 @@ def _pieces(text: str, cuts: list[int]) -> list[str]:
 
 
 def _compact(value: Any) -> str:
-    return msgspec.json.encode(value).decode()
+    return msgspec.json.encode(value, enc_hook=Conversation.enc_hook).decode()
 
 
 def _chat_stream(text: str, calls: list[tuple[str, str]], cuts: list[int]) -> bytes:

@@ -24,6 +24,7 @@ from stepmachine import (
     Annotate,
     AppendMessage,
     Codec,
+    Conversation,
     InvalidFieldError,
     Message,
     NoData,
@@ -269,10 +270,16 @@ def test_right_typed_arguments_construct(name: str, data: st.DataObject) -> None
     arguments = data.draw(valid_arguments(name))
     built = build(**arguments)
     assert built is not None
-    # tuple fields given as lists come back as tuples, so values stay hashable and equal
+    # tuple fields given as lists come back as tuples, so values stay hashable and equal;
+    # a session's conversation comes back as a Conversation (equal to the tuple)
     for field in ("parts", "conversation", "message_ids"):
         if hasattr(built, field):
-            assert type(getattr(built, field)) is tuple
+            value = getattr(built, field)
+            if isinstance(built, Session) and field == "conversation":
+                assert type(value) is Conversation
+                assert value == tuple(value)
+            else:
+                assert type(value) is tuple
 
 
 @pytest.mark.parametrize("name", sorted(CONSTRUCTORS))

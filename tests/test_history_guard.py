@@ -15,6 +15,7 @@ from stepmachine import (
     JOURNAL,
     Annotate,
     AppendMessage,
+    Conversation,
     Message,
     ModelInference,
     ReasoningPart,
@@ -322,9 +323,9 @@ async def test_fsck_changes_nothing() -> None:
     session = make_session(
         user("u"), asst("a", call("c1")), user("u2"), result("r", "ghost"), asst("e")
     )
-    snapshot = msgspec.json.encode(session)
+    snapshot = msgspec.json.encode(session, enc_hook=Conversation.enc_hook)
     problems = fsck(session)
-    assert msgspec.json.encode(session) == snapshot
+    assert msgspec.json.encode(session, enc_hook=Conversation.enc_hook) == snapshot
     assert kinds(problems) == [ORPHANED_CALL, ORPHAN_RESULT, EMPTY_ASSISTANT]
     assert [p.index for p in problems] == [1, 3, 4]
     assert problems[0].call_id == "c1"

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
+    Conversation,
     Message,
     ModelInference,
     Runtime,
@@ -423,7 +424,7 @@ _WRONG: dict[str, list[dict[str, Any]]] = {
 def _dump(value: Any, draw: Any, *, force_comma: bool = False) -> str:
     """JSON text of ``value`` with trailing commas (and whitespace) drawn at random."""
     if not isinstance(value, dict | list):
-        return msgspec.json.encode(value).decode()
+        return msgspec.json.encode(value, enc_hook=Conversation.enc_hook).decode()
     space = draw(st.sampled_from(["", " ", "\n  "]))
     items = (
         [f"{_dump(k, draw)}:{space}{_dump(v, draw)}" for k, v in value.items()]

@@ -24,7 +24,7 @@ import make_golden_sqlite as golden
 import msgspec
 import pytest
 
-from stepmachine import Batch, Session, StoredDataError, apply_batch
+from stepmachine import Batch, Conversation, Session, StoredDataError, apply_batch
 from stepmachine.stores import SQLiteStore
 from stepmachine.stores import _sqlite_schema as schema
 from stepmachine.stores._sqlite_schema import COLUMNS, SCHEMA_VERSION, checksum
@@ -44,7 +44,7 @@ def digest(path: Path) -> str:
 
 
 def as_json(value: Any) -> Any:
-    return json.loads(msgspec.json.encode(value))
+    return json.loads(msgspec.json.encode(value, enc_hook=Conversation.enc_hook))
 
 
 @pytest.fixture

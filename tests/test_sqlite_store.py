@@ -41,6 +41,7 @@ from stepmachine import (
     Batch,
     Codec,
     ConflictError,
+    Conversation,
     Effect,
     InvalidSessionIdError,
     Message,
@@ -124,7 +125,7 @@ def message(index: int) -> Message:
 
 def as_json(value: Any) -> Any:
     """``value`` as JSON builtins (tuples become lists), for comparing with expected.json."""
-    return json.loads(msgspec.json.encode(value))
+    return json.loads(msgspec.json.encode(value, enc_hook=Conversation.enc_hook))
 
 
 def digest(path: Path) -> str:

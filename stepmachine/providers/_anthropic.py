@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -423,7 +423,7 @@ _EMPTY_ERROR = "error"
 """The content sent for an ``is_error`` tool result whose content is blank."""
 
 
-def _messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
+def _messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     """The conversation as alternating ``user``/``assistant`` turns of content blocks."""
     turns: list[dict[str, Any]] = []
     for message in messages:

@@ -14,6 +14,7 @@ from typing import Any
 
 from stepmachine import (
     Continue,
+    Conversation,
     Effect,
     Event,
     Message,
@@ -49,7 +50,7 @@ def make_session(
     return Session(
         id=session_id,
         revision=revision,
-        conversation=conversation,
+        conversation=Conversation(conversation),
         data=NoData() if data is None else data,
     )
 

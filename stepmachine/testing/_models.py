@@ -67,10 +67,25 @@ def call(*calls: tuple[str, dict[str, Any]] | ToolCallPart, text: str = "") -> M
     )
 
 
+_KEY_TAIL = 8
+"""How many of the last message ids :func:`_history_key` digests."""
+
+
 def _history_key(request: ModelRequest) -> str:
-    """A short digest of the request's message ids: the same history, the same key."""
-    ids = "\x00".join(m.id for m in request.messages)
-    return hashlib.sha256(ids.encode()).hexdigest()[:10]
+    """A short digest of the request's history: the same history, the same key.
+
+    Digests the number of messages and the ids of the first and of the last
+    ``_KEY_TAIL`` messages: O(1) per request, like the model call it stands
+    for costs the machine nothing per message, and still different for any two
+    requests of one growing session (the count differs) or after a compaction
+    (new ids). Message ids are unique within a session.
+    """
+    messages = request.messages
+    ids = [str(len(messages))]
+    if messages:
+        ids.append(messages[0].id)
+        ids.extend(m.id for m in messages[-_KEY_TAIL:])
+    return hashlib.sha256("\x00".join(ids).encode()).hexdigest()[:10]
 
 
 def _number_calls(response: ModelResponse, turn: int | str) -> ModelResponse:
@@ -194,8 +209,10 @@ class FunctionModel:
     Stateless unless ``fn`` keeps state: the natural choice for tests where a
     fresh process or a fresh machine must get the same answer for the same
     history. Tool calls without ids get ``call-<key>-<index>`` where ``key`` is
-    a digest of the request's message ids: the same history gives the same
-    ids, and different histories (also after a compaction) different ones.
+    a digest of the request's length and its first and last message ids
+    (O(1) per request): the same history gives the same ids, and the
+    histories of one session (which grow, or shrink by a compaction that
+    brings new ids) different ones.
     """
 
     def __init__(

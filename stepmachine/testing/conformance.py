@@ -42,6 +42,7 @@ from stepmachine import (
     Codec,
     ConfigurationError,
     ConflictError,
+    Conversation,
     Effect,
     EffectError,
     Message,
@@ -158,7 +159,9 @@ class StoreConformance:
             await store.load_at("missing", 0)
         with pytest.raises(SessionNotFoundError):
             await store.batches("missing")
-        ghost = Session(id="missing", revision=0, conversation=(), data=ConformanceData())
+        ghost = Session(
+            id="missing", revision=0, conversation=Conversation(), data=ConformanceData()
+        )
         with pytest.raises(SessionNotFoundError):
             await store.apply(_batch(ghost, [Increment()]))
 

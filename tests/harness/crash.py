@@ -81,6 +81,7 @@ from stepmachine import (
     AppendMessage,
     Batch,
     Codec,
+    Conversation,
     Effect,
     Message,
     ModelInference,
@@ -417,7 +418,10 @@ async def golden_problems(spec: str, folder: Path) -> list[str]:
             except Exception as exc:
                 problems.append(f"golden session {session_id!r}: {type(exc).__name__}: {exc}")
                 continue
-            if json.loads(msgspec.json.encode(session)) != content["revisions"][-1]:
+            if (
+                json.loads(msgspec.json.encode(session, enc_hook=Conversation.enc_hook))
+                != content["revisions"][-1]
+            ):
                 problems.append(f"golden session {session_id!r} differs from expected.json")
             if json.loads(msgspec.json.encode(log)) != content["batches"]:
                 problems.append(f"golden session {session_id!r}: its log differs")
