@@ -25,6 +25,12 @@ Each framework is written the way its documentation shows:
 * **stepmachine**: ``StateMachine([Tools([lookup]), ModelInference(stream=False)])``,
   ``FunctionModel`` from the testing kit, ``submit`` + ``machine.run`` per round,
   on ``MemoryStore`` and on ``SQLiteStore`` (WAL, ``synchronous=NORMAL``).
+  Not streaming, like every peer here (``ainvoke``, ``agent.run`` and
+  ``Runner.run`` take the non-streaming model path): a streaming
+  ``ModelInference`` hands the scripted model's answer over in 8-character
+  chunks, one event-loop checkpoint each, which is a simulated network, not
+  the framework's cost (until 2026-12 this benchmark streamed on the
+  stepmachine side only).
 * **LangGraph**: ``StateGraph(MessagesState)`` with a model node (a
   ``BaseChatModel`` whose ``bind_tools`` binds the tool, as provider models
   do), ``ToolNode`` and ``tools_condition``, compiled with ``InMemorySaver`` or
