@@ -222,7 +222,8 @@ class Capabilities(Generic[D]):
     """A machine's steps, sorted once by capability; asks the steps that have one.
 
     Built by :class:`~stepmachine.StateMachine` when it is constructed, and
-    shared by every context it builds. Each tuple keeps step order. Immutable.
+    shared by every context it builds. Each tuple keeps step order; nothing
+    changes after construction (a capability is read once, when sorting).
 
     Attributes:
         steps: every step, in order.
