@@ -43,9 +43,12 @@ threshold-triggered compaction that is stuck lets inference go ahead instead
 (an overflow always yields: inference would only fail again).
 
 The summariser's request is a model call like any other (invariant 7): it
-goes through every step's ``shape_request`` (so a budget caps its attempts
-and tokens), and its ``attempts`` and ``usage`` are recorded in the receipt
-(or with the ``stuck`` note), so budgets count it.
+goes through every step's ``shape_request`` (``ctx.shape_request``; so a
+budget caps its attempts and tokens), and its ``attempts`` and ``usage`` are
+recorded in the receipt (or with the ``stuck`` note), so budgets count it.
+It is a side request (``purpose="summary"``): the machine keeps
+its transcript as the only message, no tools and no native output schema,
+whatever shapers return for the conversation's own requests.
 
 After a reactive compaction the ``context_length_exceeded`` mark of the last
 message is set back to ``False`` (an ``Annotate`` in the inference step's
@@ -197,9 +200,10 @@ class Compaction(Operation[Any]):
         on_stuck: ``"yield"`` (default) or ``"proceed"``, see the module docs.
         name: the step name and notes namespace.
 
-    The summariser request goes through every step's ``shape_request``, like
-    the inference step's requests, so a budget caps its attempts and tokens
-    (and its calls are recorded in the receipt, so budgets count them).
+    The summariser request (``purpose="summary"``) goes through every step's
+    ``shape_request``, like the inference step's requests, so a budget caps
+    its attempts and tokens (and its calls are recorded in the receipt, so
+    budgets count them).
 
     Raises (from ``run``): whatever the summariser raises (``ModelError``);
     nothing is recorded then. ``BudgetExhaustedError`` from a budget's
@@ -285,8 +289,9 @@ class Compaction(Operation[Any]):
             ),
             prompt_parts=(PromptPart(source=self._name, text=self._prompt),),
             settings=self._settings,
+            purpose="summary",
         )
-        request = self._shape(ctx, request)
+        request = ctx.shape_request(request)
         response = await model.request(request)
         text = "".join(p.text for p in response.parts if isinstance(p, TextPart)).strip()
 
@@ -348,27 +353,6 @@ class Compaction(Operation[Any]):
         effects: list[Effect] = [ReplaceConversation(tuple(conversation))]
         effects.extend(Annotate(last.id, ns, {CONTEXT_LENGTH_EXCEEDED: False}) for ns in overflow)
         return Continue(effects)
-
-    def _shape(self, ctx: StepContext[Any], request: ModelRequest) -> ModelRequest:
-        """Pass the summariser request through every step's ``shape_request``.
-
-        As for any model request (invariant 7): a budget caps ``max_attempts``
-        and ``max_tokens`` -- or raises ``BudgetExhaustedError`` when no call is
-        left, which propagates. What only makes sense for the conversation's own
-        requests is put back: the summariser is offered no tools and no native
-        output schema (that is the shape of the final answer, not of a summary),
-        and it sees the transcript as its only message.
-        """
-        shaped = request
-        for step in ctx.steps:
-            shaped = step.shape_request(ctx, shaped)
-        return msgspec.structs.replace(
-            shaped,
-            messages=request.messages,
-            tools=request.tools,
-            output_schema=request.output_schema,
-            output_name=request.output_name,
-        )
 
     def _stuck(self, reason: str, details: dict[str, Any], effects: list[Effect]) -> Outcome:
         if details["trigger"] == "threshold" and self._on_stuck == "proceed":

@@ -38,7 +38,6 @@ from stepmachine import (
     StepContext,
     ToolCallPart,
     ToolResultPart,
-    Tools,
     apply_effects,
 )
 
@@ -108,7 +107,8 @@ def _nothing_to_repair(session: Session[Any], advertised: set[str], has_tools_st
     True only if the index shows no problem a repair handles: nothing but
     calls waiting for a result (``sound``), no empty assistant message before
     the last visible one, no open call that an assistant message moved past,
-    and (without a ``Tools`` step) no open call naming a tool nobody offers.
+    and (without a step that answers unknown tools) no open call naming a
+    tool nobody offers.
     """
     index = session.history
     if not index.sound:
@@ -280,7 +280,8 @@ class HistoryGuard(Operation[Any]):
       while a call waits for approval or a tool runs, and requests show the
       late result right after its call (:func:`stepmachine.request_order`);
     * a pending call naming a tool no step advertises, in a machine without a
-      ``Tools`` step (which would answer it "unknown tool"): an error result.
+      step that answers such calls (``ctx.answers_unknown_tools``; a ``Tools``
+      step answers them "unknown tool"): an error result.
 
     It also objects (``check_call``) to running an orphaned call (by the same
     rule: an assistant message follows it), so a ``Tools`` step never runs a
@@ -331,7 +332,7 @@ class HistoryGuard(Operation[Any]):
     def repairs(self, ctx: StepContext[Any]) -> list[Effect]:
         """The effects that make ``ctx.session`` valid; empty when it already is."""
         advertised = {d.name for d in ctx.tools}
-        has_tools_step = any(isinstance(step, Tools) for step in ctx.steps)
+        has_tools_step = ctx.answers_unknown_tools
         session = ctx.session
         if _nothing_to_repair(session, advertised, has_tools_step):
             return []

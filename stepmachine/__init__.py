@@ -21,6 +21,17 @@ The public packages:
 Modules whose names start with ``_`` are private: import from the packages above.
 """
 
+from ._capabilities import (
+    AnswersUnknownTools,
+    Capabilities,
+    ContributesPromptParts,
+    ContributesTools,
+    Finalizes,
+    Objection,
+    ShapesRequests,
+    Step,
+    VetsCalls,
+)
 from ._codec import KERNEL_EFFECTS, Batch, Codec
 from ._conversation import Conversation
 from ._effects import (
@@ -145,15 +156,19 @@ __all__ = [
     "NOT_EXECUTED",
     "OUTCOME_UNKNOWN",
     "Annotate",
+    "AnswersUnknownTools",
     "AppendMessage",
     "Batch",
     "CancelToken",
+    "Capabilities",
     "ChunkSink",
     "Codec",
     "ConfigurationError",
     "ConflictError",
     "ContextLengthError",
     "Continue",
+    "ContributesPromptParts",
+    "ContributesTools",
     "Conversation",
     "Decision",
     "DefinitionError",
@@ -164,6 +179,7 @@ __all__ = [
     "Event",
     "EventData",
     "EventSink",
+    "Finalizes",
     "HistoryError",
     "HistoryIndex",
     "Inference",
@@ -179,6 +195,7 @@ __all__ = [
     "NoData",
     "Notes",
     "NullEmitter",
+    "Objection",
     "Operation",
     "Outcome",
     "Part",
@@ -198,8 +215,10 @@ __all__ = [
     "SessionLoader",
     "SessionNotFoundError",
     "SetVisibility",
+    "ShapesRequests",
     "SideEffects",
     "StateMachine",
+    "Step",
     "StepApplied",
     "StepContext",
     "StepContractError",
@@ -228,6 +247,7 @@ __all__ = [
     "UnexpectedModelCallError",
     "UpdateData",
     "Usage",
+    "VetsCalls",
     "Yield",
     "YieldReason",
     "Yielded",

@@ -20,9 +20,10 @@ import anyio
 import msgspec
 import structlog
 
+from ._capabilities import Capabilities, Step
 from ._effects import Effect
 from ._emitter import EventSink, StepApplied
-from ._errors import ConfigurationError, StepContractError
+from ._errors import StepContractError
 from ._history import open_tool_calls
 from ._model import PromptPart, ToolDefinition
 from ._runtime import Runtime
@@ -30,7 +31,6 @@ from ._session import Session
 from ._steps import (
     CancelToken,
     Continue,
-    Operation,
     Outcome,
     Refuse,
     StepContext,
@@ -43,7 +43,6 @@ __all__ = [
     "Decision",
     "Interrupted",
     "check_progress",
-    "collect",
     "commit",
     "context",
     "idle_reason",
@@ -73,7 +72,7 @@ class Decision(Generic[D]):
         refused: the names of the steps that refused before it.
     """
 
-    step: Operation[D]
+    step: Step[D]
     outcome: Continue | Yield
     ctx: StepContext[D]
     refused: tuple[str, ...] = ()
@@ -83,7 +82,7 @@ class Decision(Generic[D]):
 class Interrupted(Generic[D]):
     """The step a cancellation landed in (running, or having its decision applied), and its ctx."""
 
-    step: Operation[D]
+    step: Step[D]
     ctx: StepContext[D]
 
 
@@ -91,32 +90,8 @@ OnCancel = Callable[[Interrupted[D]], Awaitable[object]]
 Committer = Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]]
 
 
-def collect(
-    steps: Sequence[Operation[D]], session: Session[D]
-) -> tuple[tuple[ToolDefinition, ...], tuple[PromptPart, ...]]:
-    """Tool definitions and prompt parts from every step, in step order.
-
-    Raises:
-        ConfigurationError: two steps (or one step twice) advertise a tool name.
-    """
-    tools: list[ToolDefinition] = []
-    owner: dict[str, str] = {}
-    parts: list[PromptPart] = []
-    for step in steps:
-        for definition in step.tools(session):
-            if definition.name in owner:
-                raise ConfigurationError(
-                    f"tool name {definition.name!r} is advertised by both "
-                    f"{owner[definition.name]!r} and {step.name!r}"
-                )
-            owner[definition.name] = step.name
-            tools.append(definition)
-        parts.extend(step.prompt_parts(session))
-    return tuple(tools), tuple(parts)
-
-
 def context(
-    steps: tuple[Operation[D], ...],
+    capabilities: Capabilities[D],
     runtime: Runtime,
     session: Session[D],
     sink: EventSink,
@@ -125,8 +100,11 @@ def context(
     committer: Committer[D] | None = None,
     collected: tuple[tuple[ToolDefinition, ...], tuple[PromptPart, ...]] | None = None,
 ) -> StepContext[D]:
-    """A fresh ctx for ``session``; ``collected`` is :func:`collect`'s answer for it, if known."""
-    tools, parts = collect(steps, session) if collected is None else collected
+    """A fresh ctx for ``session``, whose cross-step questions ``capabilities`` answers.
+
+    ``collected`` is ``capabilities.collect(session)``, if known.
+    """
+    tools, parts = capabilities.collect(session) if collected is None else collected
     return StepContext(
         session=session,
         runtime=runtime,
@@ -134,14 +112,15 @@ def context(
         cycle=cycle,
         tools=tools,
         prompt_parts=parts,
-        steps=steps,
+        steps=capabilities.steps,
         run_start_revision=run_start_revision,
         committer=committer,
+        capabilities=capabilities,
     )
 
 
 async def offer(
-    steps: tuple[Operation[D], ...],
+    capabilities: Capabilities[D],
     runtime: Runtime,
     session: Session[D],
     sink: EventSink,
@@ -151,7 +130,7 @@ async def offer(
     token: CancelToken | None,
     on_cancel: OnCancel[D],
 ) -> Decision[D] | Interrupted[D] | None:
-    """Offer ``session`` to the steps in order; the first that does not refuse decides.
+    """Offer ``session`` to ``capabilities.steps`` in order; the first that does not refuse decides.
 
     Returns:
         The :class:`Decision`; ``None`` when every step refused; the
@@ -170,11 +149,11 @@ async def offer(
     awaits ``on_cancel(Interrupted(step, ctx))`` (the callee shields itself),
     then propagates.
     """
-    collected = collect(steps, session)
+    collected = capabilities.collect(session)
     refused: list[str] = []
-    for step in steps:
+    for step in capabilities.steps:
         ctx = context(
-            steps,
+            capabilities,
             runtime,
             session,
             sink,
@@ -208,7 +187,7 @@ async def offer(
     return None
 
 
-async def _run_under(token: CancelToken, step: Operation[D], ctx: StepContext[D]) -> Outcome | None:
+async def _run_under(token: CancelToken, step: Step[D], ctx: StepContext[D]) -> Outcome | None:
     """``step.run(ctx)`` in a scope ``token`` cancels; ``None`` when it did."""
     outcome: Outcome | None = None
     with anyio.CancelScope() as scope:
@@ -239,7 +218,7 @@ def check_progress(decision: Decision[D], session: Session[D]) -> None:
 
 
 def idle_reason(
-    steps: tuple[Operation[D], ...],
+    capabilities: Capabilities[D],
     runtime: Runtime,
     session: Session[D],
     sink: EventSink,
@@ -250,21 +229,19 @@ def idle_reason(
     calls = open_tool_calls(session)
     if not calls:
         return YieldReason(YieldReason.IDLE, "no step applies")
-    ctx = context(steps, runtime, session, sink, cycle, run_start_revision)
+    ctx = context(capabilities, runtime, session, sink, cycle, run_start_revision)
     held: list[dict[str, str]] = []
     for call in calls:
-        for step in steps:
-            objection = step.check_call(ctx, call)
-            if objection is not None:
-                held.append(
-                    {
-                        "call_id": call.call_id,
-                        "tool": call.name,
-                        "step": step.name,
-                        "objection": objection,
-                    }
-                )
-                break
+        objection = ctx.vet_call(call)
+        if objection is not None:
+            held.append(
+                {
+                    "call_id": call.call_id,
+                    "tool": call.name,
+                    "step": objection.step,
+                    "objection": objection.reason,
+                }
+            )
     if not held:
         return YieldReason(YieldReason.IDLE, "no step applies")
     first = held[0]

@@ -3,8 +3,8 @@
 :func:`finalize` makes a cancelled session whole again, in three kinds of
 batches, each computed from the session as stored now and retried on
 conflict: the interrupted step's ``finalize(interrupted=True)`` (with the ctx
-of the cycle it was running in, ``scratch`` included), every other step's
-``finalize(interrupted=False)``, then an "interrupted" error result
+of the cycle it was running in, ``scratch`` included), every other finalizing
+step's ``finalize(interrupted=False)``, then an "interrupted" error result
 (:data:`INTERRUPTED`, step :data:`FINALIZE_STEP`) for every tool call still
 without a result. A tool call whose tool ran to completion keeps its real
 result: "interrupted" only ever answers a call that has no result.
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 import msgspec
 
+from ._capabilities import Capabilities, Finalizes, step_name
 from ._cycle import Interrupted, commit, context, log_failure
 from ._effects import AppendMessage, Effect
 from ._emitter import EventSink
@@ -27,7 +28,6 @@ from ._messages import Message, ToolResultPart
 from ._retry import retry_conflicts
 from ._runtime import Runtime
 from ._session import Session
-from ._steps import Operation
 
 __all__ = ["FINALIZE_STEP", "INTERRUPTED", "finalize", "keep_interrupted", "shielded"]
 
@@ -41,7 +41,7 @@ INTERRUPTED = "interrupted: the run was cancelled before this tool call finished
 
 
 async def finalize(
-    steps: tuple[Operation[D], ...],
+    capabilities: Capabilities[D],
     runtime: Runtime,
     session_id: str,
     sink: EventSink,
@@ -66,17 +66,17 @@ async def finalize(
     session: Session[D] = await loader.load(session_id)
     sink.follow(session.revision)
     session = await keep_interrupted(runtime, session, interrupted, cycle, max_conflicts)
-    for step in steps:
-        if interrupted is not None and step is interrupted.step:
+    kept: object = None if interrupted is None else interrupted.step  # finalized above
+    for step in capabilities.finalizers:
+        if step is kept:
             continue
 
-        async def finalize_step(current: Session[D], step: Operation[D] = step) -> Sequence[Effect]:
-            ctx = context(steps, runtime, current, sink, cycle, run_start_revision)
+        async def finalize_step(current: Session[D], step: Finalizes[D] = step) -> Sequence[Effect]:
+            ctx = context(capabilities, runtime, current, sink, cycle, run_start_revision)
             return await step.finalize(ctx, interrupted=False)
 
-        session = await _commit_fresh(
-            runtime, session, step.name, cycle, finalize_step, max_conflicts
-        )
+        name = step_name(step)
+        session = await _commit_fresh(runtime, session, name, cycle, finalize_step, max_conflicts)
 
     async def answer_open_calls(current: Session[D]) -> Sequence[Effect]:
         return [
@@ -107,12 +107,15 @@ async def keep_interrupted(
     The step sees the session as stored now (its own batch may have been
     committed just before the cancellation) with the scratch of its cycle.
     """
-    if interrupted is None:
+    if interrupted is None or not interrupted.ctx.capabilities.finalizes(interrupted.step):
         return session
     step, step_ctx = interrupted.step, interrupted.ctx
+    finalizer = cast("Finalizes[D]", step)
 
     async def keep(current: Session[D]) -> Sequence[Effect]:
-        return await step.finalize(dataclasses.replace(step_ctx, session=current), interrupted=True)
+        return await finalizer.finalize(
+            dataclasses.replace(step_ctx, session=current), interrupted=True
+        )
 
     return await _commit_fresh(runtime, session, step.name, cycle, keep, max_conflicts)
 

@@ -12,7 +12,8 @@ message arrived while tools were running. It
 streams text, reasoning and tool-argument deltas to the emitter, and returns
 the assistant message, with the usage, model, finish reason, number of
 attempts and the revision it answered recorded in its notes under the step's
-name. Every step's ``shape_request`` may adjust the request first. A reply
+name. Every step's ``shape_request`` may adjust the request first
+(``ctx.shape_request``). A reply
 with tool calls continues the run; a reply without them yields with reason
 ``done``.
 
@@ -164,8 +165,7 @@ class ModelInference(Inference[Any]):
             prompt_parts=ctx.prompt_parts,
             settings=self._settings,
         )
-        for step in ctx.steps:
-            request = step.shape_request(ctx, request)
+        request = ctx.shape_request(request)
         if request.messages is not visible:
             check_history(request.messages, session_id=session.id)
         partial = _Partial()

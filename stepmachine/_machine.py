@@ -2,8 +2,9 @@
 
 A cycle:
 
-1. collect tool definitions and prompt parts from every step (a tool name
-   advertised twice raises :class:`ConfigurationError`, before any model call);
+1. collect tool definitions and prompt parts from the steps that contribute
+   them (a tool name advertised twice raises :class:`ConfigurationError`,
+   before any model call);
 2. offer the steps, in order, the session; the first that does not refuse wins;
 3. apply its effects as one batch: a compare-and-set on the revision it read;
 4. ``Continue`` starts the next cycle from the top; ``Yield``, or no step
@@ -53,7 +54,8 @@ from typing import Generic, TypeVar
 import anyio
 import msgspec
 
-from ._cycle import Decision, Interrupted, collect, commit, offer
+from ._capabilities import Capabilities, Step
+from ._cycle import Decision, Interrupted, commit, offer
 from ._emitter import Emitter, EventSink, NullEmitter
 from ._errors import ConfigurationError
 from ._finalize import FINALIZE_STEP, INTERRUPTED, finalize, keep_interrupted, shielded
@@ -62,7 +64,7 @@ from ._retry import Conflicts
 from ._run import Run, RunReport
 from ._runtime import Runtime
 from ._session import Session
-from ._steps import CancelToken, Operation, StepResult, Yield
+from ._steps import CancelToken, StepResult, Yield
 
 __all__ = [
     "DEFAULT_MAX_CYCLES",
@@ -91,7 +93,10 @@ class StateMachine(Generic[D]):
     """Loops over an ordered list of steps; see the module docs for the cycle.
 
     Args:
-        steps: the steps, in priority order. Names must be unique.
+        steps: the steps, in priority order. Names must be unique. A step is
+            a ``name`` and ``run``; the machine sorts the steps by their
+            optional capabilities here, once (see :class:`Step`), and asks
+            only the steps that have one.
         cancel: a token that stops the run (then it is finalized).
         max_conflicts: conflicts tolerated per run before ``ConflictError``
             propagates.
@@ -110,20 +115,21 @@ class StateMachine(Generic[D]):
 
     def __init__(
         self,
-        steps: Sequence[Operation[D]],
+        steps: Sequence[Step[D]],
         *,
         cancel: CancelToken | None = None,
         max_conflicts: int = 16,
         finalize_timeout: float = 10.0,
         max_cycles: int | None = DEFAULT_MAX_CYCLES,
     ) -> None:
-        self.steps: tuple[Operation[D], ...] = tuple(steps)
+        self.steps: tuple[Step[D], ...] = tuple(steps)
         if not self.steps:
             raise ConfigurationError("a StateMachine needs at least one step")
         names = [s.name for s in self.steps]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ConfigurationError(f"step names must be unique; repeated: {duplicates!r}")
+        self.capabilities = Capabilities(self.steps)
         self.cancel = cancel
         if (
             isinstance(max_conflicts, bool)
@@ -195,12 +201,12 @@ class StateMachine(Generic[D]):
     def collect(
         self, session: Session[D]
     ) -> tuple[tuple[ToolDefinition, ...], tuple[PromptPart, ...]]:
-        """Tool definitions and prompt parts from every step, in step order.
+        """Tool definitions and prompt parts from the steps that contribute them, in step order.
 
         Raises:
             ConfigurationError: two steps (or one step twice) advertise a tool name.
         """
-        return collect(self.steps, session)
+        return self.capabilities.collect(session)
 
     async def step(
         self,
@@ -242,7 +248,7 @@ class StateMachine(Generic[D]):
             await shielded(self.finalize_timeout, session.id, work)
 
         offered = await offer(
-            self.steps, runtime, session, sink, cycle, start, token=None, on_cancel=keep
+            self.capabilities, runtime, session, sink, cycle, start, token=None, on_cancel=keep
         )
         return offered if isinstance(offered, Decision) else None
 
@@ -299,7 +305,7 @@ class StateMachine(Generic[D]):
         step = None if interrupted is None else Interrupted(interrupted.step, interrupted.ctx)
         with anyio.CancelScope(shield=True):
             return await finalize(
-                self.steps,
+                self.capabilities,
                 runtime,
                 session_id,
                 sink,

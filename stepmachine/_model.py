@@ -14,7 +14,7 @@ testing kit ships scripted and function-driven models.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeAlias
+from typing import Any, ClassVar, Protocol, TypeAlias
 
 import msgspec
 
@@ -86,7 +86,18 @@ class ModelRequest(msgspec.Struct, frozen=True):
         max_attempts: the most attempts (first try plus retries) the model may
             make for this request; ``None`` leaves it to the model. Set by
             budgets, so that a budget of N calls means N, retries included.
+        purpose: what the request is for. :attr:`TURN` (the default) is the
+            conversation's next reply; anything else names a side request
+            (``Compaction``'s summariser sends ``"summary"``). Request shapers
+            (``shape_request``) see both; in a side request the machine keeps
+            the asker's messages, tools and output schema, so only settings,
+            ``max_attempts`` and prompt parts can be shaped (a native output
+            schema is the shape of the final answer, not of a summary). Model
+            adapters ignore it.
     """
+
+    TURN: ClassVar[str] = "turn"
+    """The purpose of the conversation's own requests."""
 
     messages: Sequence[Message]
     tools: tuple[ToolDefinition, ...] = ()
@@ -95,6 +106,7 @@ class ModelRequest(msgspec.Struct, frozen=True):
     output_schema: dict[str, Any] | None = None
     output_name: str = "output"
     max_attempts: int | None = None
+    purpose: str = "turn"
 
     @property
     def system_prompt(self) -> str:

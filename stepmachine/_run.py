@@ -99,7 +99,7 @@ class Run(Generic[D]):
         self.cycles += 1
         try:
             offered = await offer(
-                machine.steps,
+                machine.capabilities,
                 self.runtime,
                 session,
                 self.sink,
@@ -159,7 +159,7 @@ class Run(Generic[D]):
         """No step applied: yield ``call_held`` or ``idle`` (see :func:`idle_reason`)."""
         machine = self.machine
         reason = idle_reason(
-            machine.steps, self.runtime, session, self.sink, self.cycles, self.start_revision
+            machine.capabilities, self.runtime, session, self.sink, self.cycles, self.start_revision
         )
         refused = [step.name for step in machine.steps]  # every step refused
         log_cycle(session, self.cycles, None, refused, reason.kind)
@@ -214,7 +214,7 @@ class Run(Generic[D]):
         self, session_id: str, interrupted: Interrupted[D] | None
     ) -> Awaitable[Session[D]]:
         return finalize(
-            self.machine.steps,
+            self.machine.capabilities,
             self.runtime,
             session_id,
             self.sink,

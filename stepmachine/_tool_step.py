@@ -36,9 +36,11 @@ tool that raises :class:`~stepmachine.ToolAbortError` fails closed: calls not ye
 started are answered "not executed" and the run yields with reason
 ``tool_failed``.
 
-Calls some step objects to (``Operation.check_call``: approval, budgets) are
-held back -- not run, left open -- whatever the order of the steps; so are
-calls whose id the model used twice.
+Calls some step objects to (``ctx.vet_call``, which asks every step's
+``check_call``: approval, budgets) are held back -- not run, left open --
+whatever the order of the steps; so are calls whose id the model used twice.
+A call naming a tool no step advertises is answered "unknown tool"
+(``Tools.answers_unknown_tools`` is ``True``).
 
 One runner per session at a time: a second machine running the same session
 while the first has tools in flight reads their intents as left by a crash
@@ -51,7 +53,7 @@ a lease); the store's compare-and-set keeps the data right either way.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import anyio
 import msgspec
@@ -185,6 +187,9 @@ class Tools(Operation[Any]):
     completion when cancelled, so its result is always kept.
     """
 
+    answers_unknown_tools: ClassVar[bool] = True
+    """It answers calls naming a tool no step advertises ("unknown tool")."""
+
     def __init__(
         self,
         tools: Iterable[Tool | Any],
@@ -247,13 +252,7 @@ class Tools(Operation[Any]):
         # A call id the model used twice is ambiguous (which call would a result
         # answer?): such calls are never run; HistoryGuard or InvalidCalls repair them.
         repeated = _repeated_call_ids(ctx.session)
-        steps = ctx.steps
-        calls = [
-            c
-            for c in candidates
-            if c.call_id not in repeated
-            and not any(step.check_call(ctx, c) is not None for step in steps)
-        ]
+        calls = [c for c in candidates if c.call_id not in repeated and ctx.vet_call(c) is None]
         if not calls:
             return Refuse("no open tool calls for these tools that may run now")
 

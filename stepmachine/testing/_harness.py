@@ -1,8 +1,9 @@
 """Run ONE step against a session value: no store, no machine loop.
 
 :func:`run_step` builds the context the machine would build (tool
-definitions and prompt parts collected from the step and any ``others``),
-runs the step once, and returns a :class:`StepCheck`: the outcome, the
+definitions and prompt parts collected from the step and any ``others``,
+whose hooks answer ``ctx.shape_request`` and ``ctx.vet_call``), runs the
+step once, and returns a :class:`StepCheck`: the outcome, the
 effects, the session those effects produce, and the events emitted.
 """
 
@@ -20,18 +21,19 @@ from stepmachine import (
     Message,
     Model,
     NoData,
-    Operation,
     Outcome,
     RecordingEmitter,
     Refuse,
     Runtime,
     Session,
     StateMachine,
+    Step,
     StepContext,
     Yield,
     apply_batch,
     counter_ids,
 )
+from stepmachine._cycle import context
 from stepmachine._emitter import EventSink
 
 __all__ = ["StepCheck", "make_session", "run_step"]
@@ -99,24 +101,26 @@ class StepCheck:
 
 
 async def run_step(
-    step: Operation[Any],
+    step: Step[Any],
     session: Session[Any],
     *,
     runtime: Runtime | None = None,
     model: Model | None = None,
-    others: Sequence[Operation[Any]] = (),
+    others: Sequence[Step[Any]] = (),
 ) -> StepCheck:
     """Run ``step`` once against ``session``, as the machine would, and report.
 
     Args:
-        step: the step under test.
+        step: the step under test: any :class:`~stepmachine.Step` (a ``name``
+            and ``run``), with or without optional capabilities.
         session: the session value it sees.
         runtime: IO dependencies; by default one with deterministic ids
             (``id1``, ``id2``, ...) and ``model`` if given.
         model: shortcut for ``Runtime(model=model)``.
-        others: the other steps of the machine, whose tools, prompt parts and
-            ``check_call`` objections count too (duplicate tool names raise
-            as in the machine).
+        others: the other steps of the machine, whose tools, prompt parts,
+            request shaping and ``check_call`` objections count too, in the
+            order ``[step, *others]`` (duplicate tool names raise as in the
+            machine).
 
     ``ctx.commit`` works: each committed batch is applied to the session
     value and listed in ``StepCheck.commits``.
@@ -127,7 +131,6 @@ async def run_step(
     if runtime is None:
         runtime = Runtime(model=model, ids=counter_ids("id"))
     machine = StateMachine([step, *others])
-    tools, parts = machine.collect(session)
     recorder = RecordingEmitter()
     commits: list[tuple[Effect, ...]] = []
 
@@ -135,16 +138,8 @@ async def run_step(
         commits.append(tuple(effects))
         return apply_batch(current, effects)
 
-    ctx: StepContext[Any] = StepContext(
-        session=session,
-        runtime=runtime,
-        events=EventSink(recorder, session.id, session.revision),
-        cycle=1,
-        tools=tools,
-        prompt_parts=parts,
-        steps=machine.steps,
-        committer=commit,
-    )
+    sink = EventSink(recorder, session.id, session.revision)
+    ctx = context(machine.capabilities, runtime, session, sink, 1, 0, commit)
     outcome = await step.run(ctx)
     effects: tuple[Effect, ...] = () if isinstance(outcome, Refuse) else outcome.effects
     after = apply_batch(ctx.session, effects) if effects else ctx.session

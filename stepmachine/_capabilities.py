@@ -1,0 +1,433 @@
+"""What a step is, what it sees, what else it may do, and how the machine asks the steps that do.
+
+(One module because these refer to each other: a step's hooks take a
+:class:`StepContext`, and the context answers cross-step questions through
+the machine's :class:`Capabilities`.)
+
+A step is a ``name`` and ``run`` (:class:`Step`); nothing more is required::
+
+    class Greeter:
+        name = "greeter"
+
+        async def run(self, ctx: StepContext[NoData]) -> Outcome:
+            ...
+
+Everything else is an optional capability, one small protocol each. A step
+opts in by having the method (or, for :class:`AnswersUnknownTools`, the
+attribute set to ``True``); the machine sorts its steps by capability once,
+when it is built (:class:`Capabilities`), and each cycle asks only the steps
+that have one:
+
+* :class:`ContributesTools` -- ``tools(session)``: tool definitions for model
+  requests;
+* :class:`ContributesPromptParts` -- ``prompt_parts(session)``: system prompt
+  parts;
+* :class:`ShapesRequests` -- ``shape_request(ctx, request)``: adjust a model
+  request before it is sent;
+* :class:`VetsCalls` -- ``check_call(ctx, call)``: object to running a tool
+  call now;
+* :class:`Finalizes` -- ``finalize(ctx, interrupted=...)``: keep what was done
+  after a cancellation;
+* :class:`AnswersUnknownTools` -- ``answers_unknown_tools = True``: the step
+  answers a tool call naming a tool no step advertises (``Tools`` does, with an
+  "unknown tool" error result).
+
+Tools and prompt parts are collected from the steps that contribute them
+before each cycle, whether or not their own ``run`` applies. Steps never
+reference each other: a step that needs the others' say asks its context --
+:meth:`StepContext.shape_request`, :meth:`StepContext.vet_call`,
+:attr:`StepContext.answers_unknown_tools` -- and the machine asks every step
+with the capability, in step order.
+
+:class:`~stepmachine.Operation` and :class:`~stepmachine.Inference` are base
+classes with every hook as a no-op default. Those defaults are marked
+(:func:`no_op_default`) and do not count as a capability, so a subclass that
+overrides only ``run`` costs nothing in the hooks it does not override.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar, cast
+
+import msgspec
+
+from ._effects import Effect
+from ._emitter import EventData, EventSink
+from ._errors import ConfigurationError
+from ._messages import ToolCallPart
+from ._model import ModelRequest, PromptPart, ToolDefinition
+from ._outcomes import Outcome
+from ._runtime import Runtime
+from ._session import Session
+
+__all__ = [
+    "AnswersUnknownTools",
+    "Capabilities",
+    "ContributesPromptParts",
+    "ContributesTools",
+    "Finalizes",
+    "Objection",
+    "ShapesRequests",
+    "Step",
+    "StepContext",
+    "VetsCalls",
+    "no_op_default",
+    "step_name",
+]
+
+D = TypeVar("D", bound=msgspec.Struct)
+F = TypeVar("F", bound=Callable[..., Any])
+
+_NO_OP = "__stepmachine_no_op__"
+
+
+def no_op_default(method: F) -> F:
+    """Mark a base class's hook as a no-op default: having it is not the capability."""
+    setattr(method, _NO_OP, True)
+    return method
+
+
+class Step(Protocol[D]):
+    """What every step is: a name and ``run``."""
+
+    @property
+    def name(self) -> str:
+        """The step's name in results, logs and the audit log; unique in a machine."""
+        ...
+
+    async def run(self, ctx: StepContext[D]) -> Outcome:
+        """Look at ``ctx.session`` and decide: refuse, continue or yield.
+
+        Cancellation: the machine may cancel this call at any await; then the
+        step's ``finalize`` (if it has one) is called with ``interrupted=True``
+        and the same ctx.
+        """
+        ...
+
+
+class ContributesTools(Protocol[D]):
+    """A step that offers tool definitions to every model request."""
+
+    def tools(self, session: Session[D]) -> Sequence[ToolDefinition]:
+        """Tool definitions this step contributes to model requests.
+
+        Collected before every cycle, whether or not this step's ``run``
+        applies. Two steps advertising one tool name is a
+        :class:`~stepmachine.ConfigurationError`, raised before any model call.
+        """
+        ...
+
+
+class ContributesPromptParts(Protocol[D]):
+    """A step that adds to the system prompt of every model request."""
+
+    def prompt_parts(self, session: Session[D]) -> Sequence[PromptPart]:
+        """System prompt parts this step contributes, collected before every cycle."""
+        ...
+
+
+class ShapesRequests(Protocol[D]):
+    """A step that adjusts model requests before they are sent."""
+
+    def shape_request(self, ctx: StepContext[D], request: ModelRequest) -> ModelRequest:
+        """Return ``request`` adjusted (or unchanged).
+
+        Called, in step order, for every request a step sends through
+        :meth:`StepContext.shape_request`: the conversation's next turn
+        (``request.purpose == "turn"``) and side requests such as a
+        summariser's. For what ``tools`` and ``prompt_parts`` cannot say: a
+        native output schema, the attempts left in a budget. In a side request
+        only the settings, ``max_attempts`` and prompt parts are taken from
+        the result (see :attr:`ModelRequest.purpose`).
+        """
+        ...
+
+
+class VetsCalls(Protocol[D]):
+    """A step that may hold tool calls back (approval, budgets)."""
+
+    def check_call(self, ctx: StepContext[D], call: ToolCallPart) -> str | None:
+        """Object to running ``call`` now: return the reason, or ``None``.
+
+        ``ctx`` is the context of the step about to run the call (its
+        ``session`` and ``runtime``, e.g. the clock for expiring approvals).
+        A step that runs tools asks :meth:`StepContext.vet_call` before each
+        call, which asks every vetting step, whatever the order of the steps;
+        a call with an objection is held back: not run, left open. The
+        objecting step chooses what happens next: its ``run`` may yield with
+        its own reason (``Approval`` yields ``awaiting_approval``) or answer
+        the call with an error result (a budget does, so the model learns
+        why); if no step applies, the run yields
+        :attr:`~stepmachine.YieldReason.CALL_HELD`, naming the objecting
+        step, the call id and the tool -- never a silent ``idle``.
+        """
+        ...
+
+
+class Finalizes(Protocol[D]):
+    """A step with something to keep after a cancellation."""
+
+    async def finalize(self, ctx: StepContext[D], *, interrupted: bool) -> Sequence[Effect]:
+        """Effects that keep what was already done, after a cancellation.
+
+        Called shielded. First for the step that was running, with
+        ``interrupted=True`` and its cycle's ctx (the same ``scratch``) whose
+        ``session`` is the session as stored now -- its own batch may have been
+        committed just before the cancellation, so check before re-adding.
+        Then for every other finalizing step, with ``interrupted=False`` and a
+        fresh ctx.
+        """
+        ...
+
+
+class AnswersUnknownTools(Protocol):
+    """A step that answers tool calls naming a tool no step advertises.
+
+    Set ``answers_unknown_tools = True`` on the step (``Tools`` does: it answers
+    such a call with an "unknown tool" error result). Steps that repair history
+    (``HistoryGuard``) leave those calls to it; without such a step they
+    answer them themselves.
+    """
+
+    @property
+    def answers_unknown_tools(self) -> bool:
+        """``True``: this step answers calls of tools nobody advertises."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Objection:
+    """Why a tool call may not run now, and which step says so.
+
+    Attributes:
+        step: the name of the objecting step (the first one, in step order).
+        reason: its reason, for people and for the ``call_held`` yield.
+    """
+
+    step: str
+    reason: str
+
+
+def _has_hook(step: object, name: str) -> bool:
+    """Whether ``step`` has the hook ``name`` as more than a marked no-op default."""
+    hook = getattr(step, name, None)
+    if hook is None or not callable(hook):
+        return False
+    return not getattr(hook, _NO_OP, False)
+
+
+class Capabilities(Generic[D]):
+    """A machine's steps, sorted once by capability; asks the steps that have one.
+
+    Built by :class:`~stepmachine.StateMachine` when it is constructed, and
+    shared by every context it builds. Each tuple keeps step order; nothing
+    changes after construction (a capability is read once, when sorting).
+
+    Attributes:
+        steps: every step, in order.
+        tool_steps: the steps that contribute tools.
+        prompt_steps: the steps that contribute prompt parts.
+        shapers: the steps that shape requests.
+        vetters: the steps that vet tool calls.
+        finalizers: the steps that finalize.
+        answers_unknown_tools: some step answers calls of unadvertised tools.
+    """
+
+    __slots__ = (
+        "answers_unknown_tools",
+        "finalizers",
+        "prompt_steps",
+        "shapers",
+        "steps",
+        "tool_steps",
+        "vetters",
+    )
+
+    def __init__(self, steps: Sequence[Step[D]]) -> None:
+        self.steps: tuple[Step[D], ...] = tuple(steps)
+        self.tool_steps = cast("tuple[ContributesTools[D], ...]", self._having("tools"))
+        self.prompt_steps = cast(
+            "tuple[ContributesPromptParts[D], ...]", self._having("prompt_parts")
+        )
+        self.shapers = cast("tuple[ShapesRequests[D], ...]", self._having("shape_request"))
+        self.vetters = cast("tuple[VetsCalls[D], ...]", self._having("check_call"))
+        self.finalizers = cast("tuple[Finalizes[D], ...]", self._having("finalize"))
+        self.answers_unknown_tools = any(
+            getattr(step, "answers_unknown_tools", False) is True for step in self.steps
+        )
+
+    def _having(self, hook: str) -> tuple[object, ...]:
+        return tuple(step for step in self.steps if _has_hook(step, hook))
+
+    def collect(
+        self, session: Session[D]
+    ) -> tuple[tuple[ToolDefinition, ...], tuple[PromptPart, ...]]:
+        """Tool definitions and prompt parts from the steps that contribute them, in step order.
+
+        Raises:
+            ConfigurationError: two steps (or one step twice) advertise a tool name.
+        """
+        tools: list[ToolDefinition] = []
+        owner: dict[str, str] = {}
+        for step in self.tool_steps:
+            for definition in step.tools(session):
+                if definition.name in owner:
+                    raise ConfigurationError(
+                        f"tool name {definition.name!r} is advertised by both "
+                        f"{owner[definition.name]!r} and {step_name(step)!r}"
+                    )
+                owner[definition.name] = step_name(step)
+                tools.append(definition)
+        parts: list[PromptPart] = []
+        for contributor in self.prompt_steps:
+            parts.extend(contributor.prompt_parts(session))
+        return tuple(tools), tuple(parts)
+
+    def shape(self, ctx: StepContext[D], request: ModelRequest) -> ModelRequest:
+        """``request`` passed through every shaping step, in step order.
+
+        For a side request (``purpose`` other than ``"turn"``) the content stays
+        the asker's: the messages, tools and output schema of ``request`` are
+        kept whatever a shaper returned; settings, ``max_attempts`` and prompt
+        parts are the shapers'.
+        """
+        shaped = request
+        for step in self.shapers:
+            shaped = step.shape_request(ctx, shaped)
+        if request.purpose == ModelRequest.TURN or shaped is request:
+            return shaped
+        return msgspec.structs.replace(
+            shaped,
+            messages=request.messages,
+            tools=request.tools,
+            output_schema=request.output_schema,
+            output_name=request.output_name,
+            purpose=request.purpose,
+        )
+
+    def vet(self, ctx: StepContext[D], call: ToolCallPart) -> Objection | None:
+        """The first objection to running ``call`` now, in step order; ``None`` if none."""
+        for step in self.vetters:
+            reason = step.check_call(ctx, call)
+            if reason is not None:
+                return Objection(step_name(step), reason)
+        return None
+
+    def finalizes(self, step: object) -> bool:
+        """Whether ``step`` is one of the finalizing steps."""
+        return any(step is finalizer for finalizer in self.finalizers)
+
+
+def step_name(step: object) -> str:
+    """The name of a step held by its capability (every step has a ``name``)."""
+    return str(getattr(step, "name", type(step).__name__))
+
+
+_NO_STEPS: Capabilities[Any] = Capabilities(())
+
+
+@dataclass(slots=True)
+class StepContext(Generic[D]):
+    """What a step sees for one cycle.
+
+    Attributes:
+        session: the session as loaded for this cycle.
+        runtime: the application's IO dependencies.
+        events: the event sink, stamped for this session.
+        cycle: the cycle number within the run, from 1 (0 outside a run).
+        tools: the tool definitions collected from every step this cycle.
+        prompt_parts: the prompt parts collected from every step this cycle.
+        scratch: per-cycle working space; the same dict is handed to
+            ``finalize`` when this step is interrupted. Never persisted.
+        steps: deprecated, unused by every built-in step: every step of the
+            machine, in order. Ask the context instead (:meth:`shape_request`,
+            :meth:`vet_call`, :attr:`answers_unknown_tools`). A context built
+            by hand with ``steps`` and no ``capabilities`` asks those steps.
+        run_start_revision: the session revision when the current ``run()``
+            began (per-run budgets count from it).
+        committer: how :meth:`commit` persists; set by the machine or harness.
+        capabilities: the machine's steps sorted by capability, which answer
+            :meth:`shape_request`, :meth:`vet_call` and
+            :attr:`answers_unknown_tools`; set by the machine or harness.
+    """
+
+    session: Session[D]
+    runtime: Runtime
+    events: EventSink
+    cycle: int = 0
+    tools: tuple[ToolDefinition, ...] = ()
+    prompt_parts: tuple[PromptPart, ...] = ()
+    scratch: dict[str, Any] = field(default_factory=dict)
+    steps: tuple[Step[D], ...] = ()
+    run_start_revision: int = 0
+    committer: Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]] | None = None
+    capabilities: Capabilities[D] = _NO_STEPS
+
+    def __post_init__(self) -> None:
+        if self.steps and self.capabilities is _NO_STEPS:
+            self.capabilities = Capabilities(self.steps)  # built by hand with ``steps``
+
+    def shape_request(self, request: ModelRequest) -> ModelRequest:
+        """``request`` as it will be sent: passed through every step's ``shape_request``.
+
+        In step order, each step given the previous one's result (see
+        :class:`~stepmachine.ShapesRequests`). For a side request
+        (``request.purpose`` other than ``"turn"``) the messages, tools and
+        output schema stay as given. Whoever sends the request checks
+        invariant 4 on the result if its messages changed.
+
+        Raises:
+            Exception: whatever a shaper raises (a budget with no model call
+                left raises ``BudgetExhaustedError``); send nothing then.
+        """
+        return self.capabilities.shape(self, request)
+
+    def vet_call(self, call: ToolCallPart) -> Objection | None:
+        """The first objection of a step to running ``call`` now; ``None``: it may run.
+
+        Asks every step's ``check_call`` in step order, with this context,
+        whatever the position of the asking step. A step that runs tools asks
+        before each call and leaves a call with an objection open.
+        """
+        return self.capabilities.vet(self, call)
+
+    @property
+    def answers_unknown_tools(self) -> bool:
+        """Whether some step answers tool calls naming a tool no step advertises (``Tools``)."""
+        return self.capabilities.answers_unknown_tools
+
+    async def commit(self, effects: Sequence[Effect]) -> Session[D]:
+        """Persist ``effects`` now, as their own batch, before the step returns.
+
+        For journals: a step that must record something before it acts (an
+        intent before running a tool, each result as soon as it exists) commits
+        it here. The batch is a compare-and-set on ``ctx.session.revision`` and
+        is recorded under this step's name and cycle; afterwards ``ctx.session``
+        is the session it produced, and the effects the step finally returns
+        apply on top of it.
+
+        Returns:
+            The new session (also stored in ``ctx.session``).
+
+        Raises:
+            ConflictError: another writer moved the session on; nothing was
+                written, ``ctx.session`` is unchanged.
+            ConfigurationError: the context belongs to no machine or harness.
+        """
+        if self.committer is None:
+            raise ConfigurationError("this StepContext cannot commit: it belongs to no machine")
+        if not effects:
+            return self.session
+        self.session = await self.committer(self.session, effects)
+        self.events.follow(self.session.revision)
+        return self.session
+
+    def new_id(self) -> str:
+        """A new message id from the runtime's id source."""
+        return self.runtime.ids()
+
+    async def emit(self, data: EventData) -> None:
+        """Send a display event for this session."""
+        await self.events.emit(data)
