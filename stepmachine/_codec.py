@@ -79,7 +79,7 @@ class _StoredSession(msgspec.Struct, Generic[D], frozen=True):
     data: D
 
 
-class Batch(msgspec.Struct, Generic[E], frozen=True):
+class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     """One applied batch of effects: the unit of the audit trail.
 
     Attributes:

@@ -64,7 +64,7 @@ class Effect(msgspec.Struct, frozen=True, tag_field="type"):
         raise NotImplementedError(f"{type(self).__name__} does not implement apply()")
 
 
-class AppendMessage(Effect, frozen=True, tag="append_message"):
+class AppendMessage(Effect, frozen=True, gc=False, tag="append_message"):
     """Append ``message`` to the conversation.
 
     Raises:
@@ -89,7 +89,7 @@ class AppendMessage(Effect, frozen=True, tag="append_message"):
         return derive_session(session, conversation=conversation, index=index.appended(message))
 
 
-class ReplaceConversation(Effect, frozen=True, tag="replace_conversation"):
+class ReplaceConversation(Effect, frozen=True, gc=False, tag="replace_conversation"):
     """Replace the whole conversation (after compaction).
 
     Raises:
@@ -132,7 +132,7 @@ def _merge(
     return merged
 
 
-class Annotate(Effect, frozen=True, tag="annotate"):
+class Annotate(Effect, frozen=True, gc=False, tag="annotate"):
     """Merge ``values`` into the notes of ``namespace`` on a message or a tool call.
 
     With ``call_id`` set, the note is bound to that tool call of the message;
@@ -189,7 +189,7 @@ class Annotate(Effect, frozen=True, tag="annotate"):
         return derive_session(session, conversation=conversation, index=history)
 
 
-class SetVisibility(Effect, frozen=True, tag="set_visibility"):
+class SetVisibility(Effect, frozen=True, gc=False, tag="set_visibility"):
     """Show or hide messages, to the model and/or the user, without deleting them.
 
     ``None`` leaves that flag as it is.
@@ -231,7 +231,7 @@ class SetVisibility(Effect, frozen=True, tag="set_visibility"):
         return derive_session(session, conversation=new, index=HistoryIndex.build(new))
 
 
-class UpdateData(Effect, frozen=True, tag="update_data"):
+class UpdateData(Effect, frozen=True, gc=False, tag="update_data"):
     """Set fields of the application data.
 
     ``changes`` maps field names to values in their JSON form (what decoding

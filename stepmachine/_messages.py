@@ -13,6 +13,14 @@ factory, by ``msgspec.structs.replace`` or by decoding) with cheap
 ``isinstance`` checks, and raises :class:`~stepmachine.InvalidFieldError` (a
 ``TypeError`` and ``ValueError``) naming the field, the expected type and the
 type of the value given. A list given for ``Message.parts`` becomes a tuple.
+
+Messages and parts are not tracked by Python's cyclic garbage collector
+(msgspec ``gc=False``; the kernel effects and ``Batch`` too): a process
+holding long conversations, or thousands of sessions, does not have every
+message traversed by each full collection. They hold only strings, numbers,
+tuples of parts and JSON values (notes, arguments), which cannot form a
+reference cycle through them; do not put other objects in their JSON fields
+(a value that refers back to the message would never be freed).
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ Notes: TypeAlias = dict[str, dict[str, Any]]
 """Operation notes: ``{operation name: {key: JSON value}}``."""
 
 
-class TextPart(msgspec.Struct, frozen=True, tag_field="type", tag="text"):
+class TextPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="text"):
     """Plain text."""
 
     text: str
@@ -90,7 +98,7 @@ def parse_arguments(raw_arguments: str) -> Any:
         return None
 
 
-class ToolCallPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_call"):
+class ToolCallPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="tool_call"):
     """A request by the model to run a tool.
 
     Attributes:
@@ -159,7 +167,7 @@ class ToolCallPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_call
         return cls(call_id=call_id, name=name, arguments=arguments, raw_arguments=raw)
 
 
-class ToolResultPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_result"):
+class ToolResultPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="tool_result"):
     """The answer to one tool call.
 
     Attributes:
@@ -202,7 +210,7 @@ class ToolResultPart(msgspec.Struct, frozen=True, tag_field="type", tag="tool_re
         return cls(call_id=call.call_id, content=content, is_error=is_error, name=call.name)
 
 
-class ReasoningPart(msgspec.Struct, frozen=True, tag_field="type", tag="reasoning"):
+class ReasoningPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="reasoning"):
     """Model reasoning, with the provider's opaque data kept for round trips.
 
     Attributes:
@@ -240,7 +248,7 @@ _ROLES: Final = frozenset(("user", "assistant", "tool", "system"))
 _ASSISTANT_PARTS: Final = (TextPart, ToolCallPart, ReasoningPart)
 
 
-class Message(msgspec.Struct, frozen=True):
+class Message(msgspec.Struct, frozen=True, gc=False):
     """One message of a conversation.
 
     Attributes:

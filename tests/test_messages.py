@@ -234,3 +234,23 @@ def test_notes_default_is_not_shared_between_instances() -> None:
     c2 = ToolCallPart.of("c2", "n", {})
     c1.notes["x"] = {}
     assert c2.notes == {}
+
+
+def test_messages_parts_effects_and_batches_are_not_tracked_by_the_cyclic_gc() -> None:
+    """Stored conversations cost full collections nothing (msgspec ``gc=False``)."""
+    import gc
+
+    from stepmachine import AppendMessage, Batch, ToolResultPart
+
+    call = ToolCallPart.of("c1", "lookup", {"key": ["a", {"b": 1}]})
+    message = Message(
+        id="m1",
+        role="assistant",
+        parts=(TextPart("hi"), call, ReasoningPart("thinking")),
+        notes={"journal": {"intent": {"at": 1.0, "keys": ["x"]}}},
+    )
+    result = ToolResultPart(call_id="c1", content="done")
+    effect = AppendMessage(message)
+    batch = Batch(session_id="s", revision=1, step="x", cycle=0, timestamp=0.0, effects=(effect,))
+    for value in (message, call, result, message.parts[0], message.parts[2], effect, batch):
+        assert not gc.is_tracked(value), type(value).__name__
