@@ -1,14 +1,33 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules.
+
+PostgreSQL: ``postgres_dsn`` gives each test an empty database of its own on one
+server per test session (``postgres_server``: ``$STEPMACHINE_TEST_POSTGRES``, or a
+throwaway server that ``tests/harness/_postgres.py`` starts and removes). A test
+that uses either fixture is marked ``postgres`` (deselect with ``-m 'not postgres'``)
+and is skipped, with the reason, only when no server can be started here or
+psycopg (the ``postgres`` extra) is missing; a server that fails to start is an error.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import _postgres
 import pytest
 
 from stepmachine import Store
 from stepmachine.stores import MemoryStore, SQLiteStore
+
+POSTGRES_FIXTURES = frozenset({"postgres_server", "postgres_dsn"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``postgres`` every test that uses a PostgreSQL fixture."""
+    for item in items:
+        if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.postgres)
 
 
 @pytest.fixture(params=["memory", "sqlite"])
@@ -23,3 +42,29 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         yield made
     finally:
         await made.aclose()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """DSN of a PostgreSQL server for the whole test session (database ``postgres``).
+
+    Skips (once; every later request gets the same skip) when psycopg is missing or
+    :func:`_postgres.unavailable_reason` says no server can be started here.
+    """
+    try:
+        import psycopg  # noqa: F401 - only to know it is there
+    except ImportError:
+        pytest.skip("psycopg is not installed: pip install 'stepmachine[postgres]'")
+    with contextlib.ExitStack() as stack:
+        try:
+            dsn = stack.enter_context(_postgres.postgres_server())
+        except _postgres.PostgresUnavailable as exc:
+            pytest.skip(f"no PostgreSQL server: {exc}")
+        yield dsn
+
+
+@pytest.fixture
+def postgres_dsn(postgres_server: str) -> Iterator[str]:
+    """DSN of a new, empty database for this test only; dropped afterwards."""
+    with _postgres.fresh_database(postgres_server) as dsn:
+        yield dsn
