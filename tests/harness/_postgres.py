@@ -35,7 +35,7 @@ benchmarks. The harness scripts import this file by name (``tests/harness`` is o
 
 Run as a script::
 
-    python tests/harness/_postgres.py check    # prints the bindir, or the reason and exits 1
+    python tests/harness/_postgres.py check    # prints where the binaries are, or why not (exit 1)
     python tests/harness/_postgres.py serve    # starts a server, prints its DSN, waits for Ctrl-C
 """
 
@@ -55,6 +55,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 __all__ = [
     "ENV_VAR",
@@ -224,21 +225,11 @@ def _start(bindir: Path, data: Path, folder: Path, settings: list[str], *, as_ot
     for attempt in range(3):
         port = _free_port()
         options = " ".join([*settings, "-c", f"port={port}"])
+        wait = ["-w", "-t", str(START_TIMEOUT)]
         try:
             _run(
                 bindir / "pg_ctl",
-                [
-                    "-D",
-                    str(data),
-                    "-l",
-                    str(log),
-                    "-o",
-                    options,
-                    "-w",
-                    "-t",
-                    str(START_TIMEOUT),
-                    "start",
-                ],
+                ["-D", str(data), "-l", str(log), "-o", options, *wait, "start"],
                 as_other=as_other,
                 log=folder / "pg_ctl.log",
             )
@@ -303,15 +294,12 @@ def _free_port() -> int:
 
 def with_database(dsn: str, name: str) -> str:
     """``dsn`` with its database replaced by ``name`` (URIs stay URIs). Needs psycopg."""
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
     if dsn.startswith(("postgresql://", "postgres://")):
-        from urllib.parse import urlsplit, urlunsplit
-
         parts = urlsplit(dsn)
         return urlunsplit(parts._replace(path="/" + name))
-    conninfo_to_dict(dsn)  # raises on a malformed DSN
-    return make_conninfo(dsn, dbname=name)
+    from psycopg.conninfo import make_conninfo
+
+    return make_conninfo(dsn, dbname=name)  # raises on a malformed DSN
 
 
 @contextlib.contextmanager
@@ -343,7 +331,7 @@ def main(argv: Sequence[str]) -> int:
         if reason is not None:
             print(reason)
             return 1
-        print(os.environ.get(ENV_VAR) or find_bindir())
+        print(f"{ENV_VAR} is set" if os.environ.get(ENV_VAR) else find_bindir())
         return 0
     if command == "serve":
         with postgres_server() as dsn:
