@@ -71,7 +71,14 @@ from ._errors import (
 )
 from ._history import check_history, history_problems, open_tool_calls, request_order
 from ._index import HistoryIndex
-from ._inference import CONTEXT_LENGTH_EXCEEDED, ModelInference, needs_answer
+from ._inference import (
+    CONTEXT_LENGTH_EXCEEDED,
+    InferenceAttempts,
+    InferenceReceipt,
+    InterruptedReply,
+    ModelInference,
+    needs_answer,
+)
 from ._machine import (
     DEFAULT_MAX_CYCLES,
     FINALIZE_STEP,
@@ -104,6 +111,7 @@ from ._model import (
     ToolDefinition,
     Usage,
 )
+from ._records import TAG_FIELD, Record, note_value, read_record, record_types
 from ._runtime import Runtime, counter_ids, uuid_ids
 from ._session import NoData, Session
 from ._steps import (
@@ -119,7 +127,15 @@ from ._steps import (
     YieldReason,
 )
 from ._store import EffectHandler, SessionLoader, Store, submit
-from ._tool_step import JOURNAL, NOT_EXECUTED, OUTCOME_UNKNOWN, Tools, resolve_unknown_outcome
+from ._tool_step import (
+    JOURNAL,
+    NOT_EXECUTED,
+    OUTCOME_UNKNOWN,
+    JournalEntry,
+    Tools,
+    journal_entry,
+    resolve_unknown_outcome,
+)
 from ._tools import (
     EDITED_ARGUMENTS,
     SideEffects,
@@ -143,6 +159,7 @@ __all__ = [
     "KERNEL_EFFECTS",
     "NOT_EXECUTED",
     "OUTCOME_UNKNOWN",
+    "TAG_FIELD",
     "Annotate",
     "AppendMessage",
     "Batch",
@@ -165,8 +182,12 @@ __all__ = [
     "HistoryError",
     "HistoryIndex",
     "Inference",
+    "InferenceAttempts",
+    "InferenceReceipt",
+    "InterruptedReply",
     "InvalidFieldError",
     "InvalidSessionIdError",
+    "JournalEntry",
     "Message",
     "Model",
     "ModelError",
@@ -184,6 +205,7 @@ __all__ = [
     "ReasoningChunk",
     "ReasoningDelta",
     "ReasoningPart",
+    "Record",
     "RecordingEmitter",
     "Refuse",
     "ReplaceConversation",
@@ -237,8 +259,12 @@ __all__ = [
     "fingerprint",
     "history_problems",
     "idempotency_key",
+    "journal_entry",
     "needs_answer",
+    "note_value",
     "open_tool_calls",
+    "read_record",
+    "record_types",
     "request_order",
     "resolve_unknown_outcome",
     "submit",

@@ -34,8 +34,8 @@ every view equal to a full rescan over random effect sequences.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Iterator, Sequence
+from typing import Final, TypeAlias
 
 from ._messages import Message, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 
@@ -45,6 +45,9 @@ _Key = tuple[str, bool, tuple[str, ...], tuple[str, ...]]
 _Open = dict[str, tuple[int, int, ToolCallPart]]
 _EMPTY_OPEN: Final[_Open] = {}
 _NO_IDS: Final[frozenset[str]] = frozenset()
+# Where notes of one namespace are: (message position, call id or None, the entry noted before).
+_Noted: TypeAlias = "tuple[int, str | None, _Noted | None]"
+_NO_NOTES: Final[dict[str, _Noted]] = {}
 
 
 def _key(message: Message) -> _Key:
@@ -71,6 +74,20 @@ def is_empty_assistant(message: Message) -> bool:
         if not isinstance(part, TextPart | ReasoningPart):
             return False  # a tool call, or a kind of part added later (images, files)
     return True
+
+
+def _noted_with(noted: dict[str, _Noted], message: Message, n: int) -> dict[str, _Noted]:
+    """``noted`` plus the notes of ``message``, appended at position ``n``."""
+    targets: dict[tuple[str, str | None], None] = dict.fromkeys((ns, None) for ns in message.notes)
+    for part in message.parts:
+        if isinstance(part, ToolCallPart) and part.notes:
+            targets.update(dict.fromkeys((ns, part.call_id) for ns in part.notes))
+    if not targets:
+        return noted
+    noted = dict(noted)
+    for namespace, call_id in targets:
+        noted[namespace] = (n, call_id, noted.get(namespace))
+    return noted
 
 
 class _Line:
@@ -157,6 +174,7 @@ class HistoryIndex:
     __slots__ = (
         "_bad",
         "_line",
+        "_noted",
         "_open",
         "_tail",
         "_unanswered",
@@ -183,6 +201,7 @@ class HistoryIndex:
         self.last_visible = -1  # position of the last message visible to the model
         self.last_assistant = -1  # position of the last assistant message, hidden or not
         self.empty_assistants: tuple[int, ...] = ()  # visible, no text/reasoning/calls
+        self._noted: dict[str, _Noted] = _NO_NOTES  # namespace -> newest entry (copy on write)
 
     def _clone(self) -> HistoryIndex:
         new = HistoryIndex.__new__(HistoryIndex)
@@ -198,6 +217,7 @@ class HistoryIndex:
         new.last_visible = self.last_visible
         new.last_assistant = self.last_assistant
         new.empty_assistants = self.empty_assistants
+        new._noted = self._noted
         return new
 
     # -- building -----------------------------------------------------------------
@@ -241,6 +261,14 @@ class HistoryIndex:
         new._open[part.call_id] = (position, part_position, part)
         return new
 
+    def noted_at(self, position: int, call_id: str | None, namespace: str) -> HistoryIndex:
+        """The index after ``Annotate`` gave the message at ``position`` (or its call
+        ``call_id``) notes in a ``namespace`` it had none in. O(namespaces)."""
+        new = self._clone()
+        new._noted = dict(self._noted)
+        new._noted[namespace] = (position, call_id, self._noted.get(namespace))
+        return new
+
     def _extended(self, message: Message, key: _Key, *, write: bool) -> HistoryIndex:
         """This index plus ``message`` at position ``self.length``.
 
@@ -253,6 +281,8 @@ class HistoryIndex:
         _, visible, call_ids, result_ids = key
         new = self._clone()
         new.length = n + 1
+        if message.notes or key[2]:
+            new._noted = _noted_with(self._noted, message, n)
         if message.role == "assistant":
             new.last_assistant = n
         if not visible:
@@ -322,6 +352,20 @@ class HistoryIndex:
         return new
 
     # -- answers ------------------------------------------------------------------
+
+    def noted(self, namespace: str) -> Iterator[tuple[int, str | None]]:
+        """Every message and tool call with notes in ``namespace``, hidden ones included.
+
+        Yields ``(message position, call id)`` (``None`` for the message's own
+        notes), the most recently noted first: the messages appended with such
+        notes in the order appended, and the targets of ``Annotate`` effects
+        that opened the namespace there. O(1) per item: a step that looks for
+        its own records reads only where they are.
+        """
+        entry = self._noted.get(namespace)
+        while entry is not None:
+            yield entry[0], entry[1]
+            entry = entry[2]
 
     is_empty_assistant = staticmethod(is_empty_assistant)
 

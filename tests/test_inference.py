@@ -20,6 +20,7 @@ from stepmachine import (
     Continue,
     Event,
     HistoryError,
+    InferenceAttempts,
     Message,
     ModelInference,
     ModelRequest,
@@ -45,6 +46,7 @@ from stepmachine import (
     Yield,
     counter_ids,
     needs_answer,
+    note_value,
     tool,
 )
 from stepmachine._emitter import EventSink
@@ -197,6 +199,7 @@ async def test_notes_record_usage_model_and_finish_reason() -> None:
     (message,) = check.new_messages
     assert message.notes == {
         "brain": {
+            "record": "stepmachine.inference.reply",
             "usage": {
                 "input_tokens": 11,
                 "output_tokens": 7,
@@ -311,8 +314,8 @@ async def test_context_overflow_marks_the_last_message_then_propagates() -> None
     check = await run_step(ModelInference(), make_session("hi"), model=model)
     assert isinstance(check.outcome, Continue)
     # The failed attempt is recorded too, so budgets count it (invariant 7).
-    note = {"context_length_exceeded": True, "attempts": 1, "revision": 0}
-    assert check.effects == (Annotate("u0", "inference", note),)
+    note = InferenceAttempts(attempts=1, revision=0, context_length_exceeded=True)
+    assert check.effects == (Annotate("u0", "inference", note_value(note)),)
     # nothing shortened the history: the second overflow propagates
     with pytest.raises(ContextLengthError):
         await run_step(ModelInference(), check.session, model=model)
@@ -480,7 +483,9 @@ async def test_finalize_keeps_partial_text_noted_interrupted() -> None:
     message = effect.message
     assert message.role == "assistant"
     assert message.parts == (TextPart(text[:16]),)
-    assert message.notes == {"inference": {"interrupted": True}}
+    assert message.notes == {
+        "inference": {"record": "stepmachine.inference.interrupted", "interrupted": True}
+    }
     # the kept message makes a valid, answerable-by-user history
     assert ctx.session.message(message.id) is None
 
@@ -492,7 +497,9 @@ async def test_finalize_keeps_partial_reasoning_before_text() -> None:
     (effect,) = await step.finalize(ctx, interrupted=True)
     assert isinstance(effect, AppendMessage)
     assert effect.message.parts == (ReasoningPart("r" * 16),)
-    assert effect.message.notes == {"brain": {"interrupted": True}}
+    assert effect.message.notes == {
+        "brain": {"record": "stepmachine.inference.interrupted", "interrupted": True}
+    }
 
 
 async def test_finalize_drops_half_streamed_tool_calls() -> None:
@@ -524,7 +531,13 @@ async def test_finalize_keeps_nothing_when_only_tool_calls_streamed() -> None:
     (effect,) = await step.finalize(ctx, interrupted=True)
     assert isinstance(effect, Annotate)
     assert effect.message_id == "u0"
-    assert effect.values == {"attempts": 1, "revision": 0, "interrupted_request": True}
+    assert effect.values == {
+        "record": "stepmachine.inference.attempts",
+        "attempts": 1,
+        "revision": 0,
+        "context_length_exceeded": False,
+        "interrupted_request": True,
+    }
 
 
 async def test_finalize_does_nothing_if_the_reply_was_recorded_meanwhile() -> None:
