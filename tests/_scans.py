@@ -1,0 +1,83 @@
+"""A conversation that counts the messages read from it, to catch whole-history scans.
+
+Invariant 10 (constant cost per step): a step's ``run`` and hooks read what
+the session's history index points at, never every message. Tests wrap a
+session's conversation in :class:`CountingConversation` (its index already
+built) and check how many messages a step read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, SupportsIndex, overload
+
+from stepmachine import Message, Session
+from stepmachine._session import derive_session
+
+__all__ = ["CountingConversation", "counted", "tool_loop"]
+
+
+class CountingConversation(tuple[Message, ...]):
+    """A tuple of messages that counts every message handed out (``read``)."""
+
+    read: int
+
+    def __init__(self, items: tuple[Message, ...]) -> None:
+        self.read = 0
+
+    def __iter__(self) -> Iterator[Message]:
+        for message in super().__iter__():
+            self.read += 1
+            yield message
+
+    def __reversed__(self) -> Iterator[Message]:
+        for index in range(len(self) - 1, -1, -1):
+            self.read += 1
+            yield super().__getitem__(index)
+
+    @overload
+    def __getitem__(self, key: SupportsIndex) -> Message: ...
+    @overload
+    def __getitem__(self, key: slice) -> tuple[Message, ...]: ...
+    def __getitem__(self, key: Any) -> Any:
+        result = super().__getitem__(key)
+        self.read += len(result) if isinstance(key, slice) else 1
+        return result
+
+    def index(self, value: Any, start: SupportsIndex = 0, stop: SupportsIndex = 2**62) -> int:
+        position = super().index(value, start, stop)
+        self.read += position + 1
+        return position
+
+    def count(self, value: Any) -> int:
+        self.read += len(self)
+        return super().count(value)
+
+
+def counted(session: Session[Any]) -> tuple[Session[Any], CountingConversation]:
+    """``session`` with its conversation counting reads; its index is built first (free)."""
+    index = session.history
+    conversation = CountingConversation(session.conversation)
+    return derive_session(session, conversation=conversation, index=index), conversation
+
+
+def tool_loop(turns: int, *, prefix: str = "t") -> list[Message]:
+    """``turns`` finished turns: a user message, an assistant call (with an inference
+    receipt, as ``ModelInference`` writes it), and its result."""
+    from stepmachine import InferenceReceipt, ToolCallPart, ToolResultPart, Usage, note_value
+
+    messages: list[Message] = []
+    for turn in range(turns):
+        call = ToolCallPart.of(f"{prefix}{turn}", "read_file", {"path": f"f{turn}"})
+        receipt = InferenceReceipt(attempts=1, revision=turn, usage=Usage(10, 5))
+        messages += [
+            Message.user(f"read f{turn}", id=f"{prefix}u{turn}"),
+            Message(
+                id=f"{prefix}a{turn}",
+                role="assistant",
+                parts=(call,),
+                notes={"inference": note_value(receipt)},
+            ),
+            Message.tool_result(ToolResultPart.for_call(call, "contents"), id=f"{prefix}r{turn}"),
+        ]
+    return messages
