@@ -81,3 +81,16 @@ def tool_loop(turns: int, *, prefix: str = "t") -> list[Message]:
             Message.tool_result(ToolResultPart.for_call(call, "contents"), id=f"{prefix}r{turn}"),
         ]
     return messages
+
+
+def context(session: Session[Any], *, steps: Any = ()) -> Any:
+    """A bare step context for ``session`` (no store; a fixed clock)."""
+    from stepmachine import NullEmitter, Runtime, StepContext
+    from stepmachine._emitter import EventSink
+
+    return StepContext(
+        session=session,
+        runtime=Runtime(clock=lambda: 1_000.0),
+        events=EventSink(NullEmitter(), session.id, session.revision),
+        steps=tuple(steps),
+    )
