@@ -70,7 +70,7 @@ from ._errors import (
     UnexpectedModelCallError,
 )
 from ._history import check_history, history_problems, open_tool_calls, request_order
-from ._index import HistoryIndex
+from ._index import HistoryIndex, estimate_tokens, message_tokens
 from ._inference import (
     CONTEXT_LENGTH_EXCEEDED,
     InferenceAttempts,
@@ -256,10 +256,12 @@ __all__ = [
     "check_history",
     "counter_ids",
     "effective_arguments",
+    "estimate_tokens",
     "fingerprint",
     "history_problems",
     "idempotency_key",
     "journal_entry",
+    "message_tokens",
     "needs_answer",
     "note_value",
     "open_tool_calls",

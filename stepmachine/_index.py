@@ -39,7 +39,7 @@ from typing import Final, TypeAlias
 
 from ._messages import Message, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 
-__all__ = ["HistoryIndex", "is_empty_assistant"]
+__all__ = ["HistoryIndex", "estimate_tokens", "is_empty_assistant", "message_tokens"]
 
 _Key = tuple[str, bool, tuple[str, ...], tuple[str, ...]]
 _Open = dict[str, tuple[int, int, ToolCallPart]]
@@ -60,6 +60,32 @@ def _key(message: Message) -> _Key:
         elif isinstance(part, ToolResultPart):
             results.append(part.call_id)
     return (message.id, message.visible_to_model, tuple(calls), tuple(results))
+
+
+def message_tokens(message: Message) -> int:
+    """A cheap token estimate of one message: 4 plus a quarter of its characters.
+
+    Counts text, reasoning text, tool names and raw arguments, and tool result
+    content (rounded up).
+    """
+    chars = 0
+    for part in message.parts:
+        if isinstance(part, TextPart | ReasoningPart):
+            chars += len(part.text)
+        elif isinstance(part, ToolCallPart):
+            chars += len(part.name) + len(part.raw_arguments)
+        elif isinstance(part, ToolResultPart):
+            chars += len(part.content)
+    return 4 + (chars + 3) // 4
+
+
+def estimate_tokens(messages: Sequence[Message]) -> int:
+    """A cheap token estimate: :func:`message_tokens` summed over ``messages``.
+
+    A session keeps this sum for its visible messages
+    (:attr:`HistoryIndex.estimated_tokens`), so reading it costs nothing.
+    """
+    return sum(map(message_tokens, messages))
 
 
 def is_empty_assistant(message: Message) -> bool:
@@ -169,6 +195,7 @@ class HistoryIndex:
         last_assistant: position of the last assistant message, hidden or not (-1: none).
         empty_assistants: positions of the visible empty assistant messages
             (:func:`is_empty_assistant`).
+        estimated_tokens: :func:`estimate_tokens` of the messages visible to the model.
     """
 
     __slots__ = (
@@ -179,6 +206,7 @@ class HistoryIndex:
         "_tail",
         "_unanswered",
         "empty_assistants",
+        "estimated_tokens",
         "hidden",
         "in_order",
         "last_assistant",
@@ -202,6 +230,7 @@ class HistoryIndex:
         self.last_assistant = -1  # position of the last assistant message, hidden or not
         self.empty_assistants: tuple[int, ...] = ()  # visible, no text/reasoning/calls
         self._noted: dict[str, _Noted] = _NO_NOTES  # namespace -> newest entry (copy on write)
+        self.estimated_tokens = 0  # estimate_tokens of the visible messages
 
     def _clone(self) -> HistoryIndex:
         new = HistoryIndex.__new__(HistoryIndex)
@@ -218,6 +247,7 @@ class HistoryIndex:
         new.last_assistant = self.last_assistant
         new.empty_assistants = self.empty_assistants
         new._noted = self._noted
+        new.estimated_tokens = self.estimated_tokens
         return new
 
     # -- building -----------------------------------------------------------------
@@ -291,6 +321,7 @@ class HistoryIndex:
             new.hidden += 1
             return new
         new.last_visible = n
+        new.estimated_tokens += message_tokens(message)
         if message.role == "assistant" and is_empty_assistant(message):
             new.empty_assistants = (*self.empty_assistants, n)
         open_calls = self._open

@@ -41,7 +41,7 @@ from stepmachine import (
     open_tool_calls,
     request_order,
 )
-from stepmachine._index import HistoryIndex
+from stepmachine._index import HistoryIndex, estimate_tokens
 
 CALL_IDS = ("c0", "c1", "c2", "c3")
 
@@ -101,6 +101,7 @@ def assert_index_matches(session: Session[Any]) -> None:
     shown = [i for i in positions if conversation[i].visible_to_model]
     assistants = [i for i in positions if conversation[i].role == "assistant"]
     assert index.last_visible == max(shown, default=-1)
+    assert index.estimated_tokens == estimate_tokens(visible)
     assert index.last_assistant == max(assistants, default=-1)
     assert index.empty_assistants == tuple(
         i for i in shown if conversation[i].role == "assistant" and is_empty(conversation[i])
