@@ -434,6 +434,13 @@ class HistoryIndex:
             return None
         return position
 
+    def first_visible_call(self, call_id: str) -> int | None:
+        """The position of the first message visible to the model holding this call id."""
+        position = self._line.first_call.get(call_id)
+        if position is None or position >= self.length:
+            return None
+        return position
+
     def call_position(self, call_id: str) -> int | None:
         """The position of the latest message (hidden ones included) holding this call id."""
         positions = self._line.call_positions.get(call_id)

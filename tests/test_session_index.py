@@ -129,6 +129,13 @@ def assert_index_matches(session: Session[Any]) -> None:
             assert conversation[position].id == locations[call_id]
         else:
             assert position is None
+    for call_id in (*CALL_IDS, "absent"):
+        holders = [
+            p
+            for p, m in enumerate(conversation)
+            if m.visible_to_model and any(c.call_id == call_id for c in m.tool_calls)
+        ]
+        assert index.first_visible_call(call_id) == (holders[0] if holders else None)
     for namespace in ("ns", "other"):
         noted = {(p, None) for p, m in enumerate(conversation) if namespace in m.notes}
         noted |= {
