@@ -73,6 +73,7 @@ from stepmachine import (
     Continue,
     Effect,
     InferenceAttempts,
+    Ledger,
     Message,
     ModelRequest,
     ModelSettings,
@@ -92,6 +93,7 @@ from stepmachine import (
     YieldReason,
     estimate_tokens,
     needs_answer,
+    next_ledger,
     note_value,
     read_record,
 )
@@ -165,6 +167,8 @@ class CompactionMark(Record, frozen=True, tag="stepmachine.compaction.mark"):
         stuck: why the summary made nothing smaller (on the last visible
             message), so it is not asked again until a new message arrives.
         attempts, revision, usage: that summariser call (budgets count it).
+        ledger: the model-call totals including the latest summariser call
+            (:class:`stepmachine.Ledger`), on the last visible message.
     """
 
     summarised_into: str | None = None
@@ -172,6 +176,7 @@ class CompactionMark(Record, frozen=True, tag="stepmachine.compaction.mark"):
     attempts: int | None = None
     revision: int | None = None
     usage: Usage | None = None
+    ledger: Ledger | None = None
 
 
 def _summary_receipt(message: Message, namespace: str) -> CompactionReceipt | None:
@@ -362,6 +367,10 @@ class Compaction(Operation[Any]):
         request = self._shape(ctx, request)
         response = await model.request(request)
         text = "".join(p.text for p in response.parts if isinstance(p, TextPart)).strip()
+        spent = Usage(response.usage.input_tokens, response.usage.output_tokens)
+        ledger = next_ledger(
+            session, response.attempts, spent, run_start=ctx.run_start_revision, on=last
+        )
 
         summary_id = ctx.new_id()
         summarised_ids = {m.id for m in summarised}
@@ -394,7 +403,8 @@ class Compaction(Operation[Any]):
                 stuck=reason,
                 revision=session.revision,
                 attempts=response.attempts,
-                usage=Usage(response.usage.input_tokens, response.usage.output_tokens),
+                usage=spent,
+                ledger=ledger,
             )
             note = Annotate(last.id, self._name, note_value(stuck))
             return self._stuck(reason, details, [note])
@@ -414,7 +424,16 @@ class Compaction(Operation[Any]):
         conversation[position] = msgspec.structs.replace(
             summary, notes={self._name: note_value(receipt)}
         )
-        effects: list[Effect] = [ReplaceConversation(tuple(conversation))]
+        # The receipt counts the call for records read one by one; the ledger goes on the
+        # last message, where readers of the running totals look first.
+        effects: list[Effect] = [
+            ReplaceConversation(tuple(conversation)),
+            Annotate(
+                last.id,
+                self._name,
+                note_value(msgspec.structs.replace(mark or CompactionMark(), ledger=ledger)),
+            ),
+        ]
         for namespace in overflow:
             where = f"session {session.id!r}, message {last.id!r}"
             marked = read_record(last.notes, namespace, InferenceAttempts, where=where)

@@ -31,6 +31,7 @@ from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ReasoningDelta, TextDelta, ToolArgumentsDelta
 from ._errors import ContextLengthError, HistoryError
 from ._history import check_history, history_problems, open_tool_calls, request_order
+from ._ledger import Ledger, next_ledger
 from ._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart
 from ._model import (
     ModelRequest,
@@ -67,6 +68,7 @@ class InferenceReceipt(Record, frozen=True, tag="stepmachine.inference.reply"):
         finish_reason: the provider's finish reason.
         attempts: model calls made for this reply (first try plus retries).
         revision: the session revision the request was built from.
+        ledger: the totals including this reply (:class:`~stepmachine.Ledger`).
     """
 
     attempts: int
@@ -74,6 +76,7 @@ class InferenceReceipt(Record, frozen=True, tag="stepmachine.inference.reply"):
     usage: Usage = msgspec.field(default_factory=Usage)
     model: str | None = None
     finish_reason: str | None = None
+    ledger: Ledger | None = None
 
 
 class InferenceAttempts(Record, frozen=True, tag="stepmachine.inference.attempts"):
@@ -86,18 +89,26 @@ class InferenceAttempts(Record, frozen=True, tag="stepmachine.inference.attempts
             compaction step resets it once the history is shorter).
         interrupted_request: the latest request was cancelled before anything
             streamed.
+        ledger: the totals including these attempts.
     """
 
     attempts: int = 0
     revision: int | None = None
     context_length_exceeded: bool = False
     interrupted_request: bool = False
+    ledger: Ledger | None = None
 
 
 class InterruptedReply(Record, frozen=True, tag="stepmachine.inference.interrupted"):
-    """The notes of an assistant message kept from an interrupted request (one model call)."""
+    """The notes of an assistant message kept from an interrupted request (one model call).
+
+    Attributes:
+        interrupted: always ``True``.
+        ledger: the totals including that call (its tokens are not known).
+    """
 
     interrupted: bool = True
+    ledger: Ledger | None = None
 
 
 def needs_answer(conversation: Sequence[Message] | Session[Any]) -> bool:
@@ -254,7 +265,7 @@ class ModelInference(Inference[Any]):
             if earlier.context_length_exceeded:
                 raise  # nothing made the history shorter since the last overflow
             mark = msgspec.structs.replace(
-                self._failed_attempts(earlier, session, exc), context_length_exceeded=True
+                self._failed_attempts(earlier, ctx, last, exc), context_length_exceeded=True
             )
             return Continue([Annotate(last.id, self._name, note_value(mark))])
         receipt = InferenceReceipt(
@@ -263,6 +274,9 @@ class ModelInference(Inference[Any]):
             usage=response.usage,
             model=response.model or model.name,
             finish_reason=response.finish_reason,
+            ledger=next_ledger(
+                session, response.attempts, response.usage, run_start=ctx.run_start_revision
+            ),
         )
         message = Message(
             id=ctx.new_id(),
@@ -283,16 +297,21 @@ class ModelInference(Inference[Any]):
 
     @staticmethod
     def _failed_attempts(
-        earlier: InferenceAttempts, session: Session[Any], exc: BaseException | None
+        earlier: InferenceAttempts,
+        ctx: StepContext[Any],
+        last: Message,
+        exc: BaseException | None,
     ) -> InferenceAttempts:
         """The record of model attempts that produced no reply, so budgets count them.
 
-        Attempts add up on the message they are recorded on (the last one the
-        model saw); ``revision`` says which run they belong to.
+        Attempts add up on the message they are recorded on (``last``, the
+        last one the model saw); ``revision`` says which run they belong to.
         """
+        session = ctx.session
         made = int(getattr(exc, "attempts", 1)) if exc is not None else 1
+        ledger = next_ledger(session, made, Usage(), run_start=ctx.run_start_revision, on=last)
         return msgspec.structs.replace(
-            earlier, attempts=earlier.attempts + made, revision=session.revision
+            earlier, attempts=earlier.attempts + made, revision=session.revision, ledger=ledger
         )
 
     async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
@@ -309,7 +328,7 @@ class ModelInference(Inference[Any]):
         if not (partial.text or partial.reasoning):
             session = ctx.session
             last = session.conversation[session.history.last_visible]
-            note = self._failed_attempts(self._attempts_on(last, session), session, None)
+            note = self._failed_attempts(self._attempts_on(last, session), ctx, last, None)
             note = msgspec.structs.replace(note, interrupted_request=True)
             return (Annotate(last.id, self._name, note_value(note)),)
         parts: list[Part] = []
@@ -317,10 +336,11 @@ class ModelInference(Inference[Any]):
             parts.append(ReasoningPart(text="".join(partial.reasoning)))
         if partial.text:
             parts.append(TextPart(text="".join(partial.text)))
+        ledger = next_ledger(ctx.session, 1, Usage(), run_start=ctx.run_start_revision)
         message = Message(
             id=ctx.new_id(),
             role="assistant",
             parts=tuple(parts),
-            notes={self._name: note_value(InterruptedReply())},
+            notes={self._name: note_value(InterruptedReply(ledger=ledger))},
         )
         return (AppendMessage(message),)

@@ -186,8 +186,14 @@ async def test_old_turns_are_summarised_and_the_last_turns_kept() -> None:
     ]
     check, model = await compact(messages, threshold=20, summary="the user asked twice")
     assert check.continued
-    (effect,) = check.effects
+    effect, ledger = check.effects
     assert isinstance(effect, ReplaceConversation)
+    # The summariser's call goes into the running totals, on the last message.
+    assert isinstance(ledger, Annotate)
+    assert ledger.message_id == messages[-1].id
+    mark = msgspec.convert(ledger.values, CompactionMark)
+    assert mark.ledger is not None
+    assert mark.ledger.session.model_calls == 1
     after = check.session
     # nothing deleted, order kept, summary inserted right before the kept turn
     assert [m.id for m in after.conversation] == [m.id for m in messages[:-1]] + ["id1", "u3"]
@@ -316,8 +322,10 @@ async def test_overflow_mark_triggers_compaction_and_is_reset() -> None:
     messages[-1] = flagged
     check, _ = await compact(messages, threshold=10_000, keep_rounds=1)
     assert check.continued
-    replace, reset = check.effects
+    replace, ledger, reset = check.effects
     assert isinstance(replace, ReplaceConversation)
+    assert isinstance(ledger, Annotate)
+    assert ledger.namespace == "compaction"
     # The mark (here in the shape stored before records were typed) is reset as a record.
     assert reset == Annotate("r3", "inference", note_value(InferenceAttempts()))
     (summary,) = summaries(check.session)

@@ -21,6 +21,8 @@ from stepmachine import (
     Event,
     HistoryError,
     InferenceAttempts,
+    InterruptedReply,
+    Ledger,
     Message,
     ModelInference,
     ModelRequest,
@@ -34,6 +36,7 @@ from stepmachine import (
     Refuse,
     Runtime,
     Session,
+    Spent,
     StateMachine,
     StepContext,
     TextDelta,
@@ -51,6 +54,9 @@ from stepmachine import (
 )
 from stepmachine._emitter import EventSink
 from stepmachine.testing import ScriptedModel, call, make_session, reply, run_step
+
+FIRST_CALL = Ledger(Spent(1), Spent(1), Spent(1), run_start=0, revision=0, turn_start="u0")
+"""The ledger of the first model call of a session, one attempt, no tokens."""
 
 
 @tool
@@ -197,9 +203,12 @@ async def test_notes_record_usage_model_and_finish_reason() -> None:
     )
     assert check.new_messages[0].parts == (TextPart("x"),)
     (message,) = check.new_messages
+    spent = Spent(1, 11, 7)
+    ledger = Ledger(spent, spent, spent, run_start=0, revision=0, turn_start="u0")
     assert message.notes == {
         "brain": {
             "record": "stepmachine.inference.reply",
+            "ledger": msgspec.to_builtins(ledger),
             "usage": {
                 "input_tokens": 11,
                 "output_tokens": 7,
@@ -314,7 +323,12 @@ async def test_context_overflow_marks_the_last_message_then_propagates() -> None
     check = await run_step(ModelInference(), make_session("hi"), model=model)
     assert isinstance(check.outcome, Continue)
     # The failed attempt is recorded too, so budgets count it (invariant 7).
-    note = InferenceAttempts(attempts=1, revision=0, context_length_exceeded=True)
+    note = InferenceAttempts(
+        attempts=1,
+        revision=0,
+        context_length_exceeded=True,
+        ledger=FIRST_CALL,
+    )
     assert check.effects == (Annotate("u0", "inference", note_value(note)),)
     # nothing shortened the history: the second overflow propagates
     with pytest.raises(ContextLengthError):
@@ -484,7 +498,13 @@ async def test_finalize_keeps_partial_text_noted_interrupted() -> None:
     assert message.role == "assistant"
     assert message.parts == (TextPart(text[:16]),)
     assert message.notes == {
-        "inference": {"record": "stepmachine.inference.interrupted", "interrupted": True}
+        "inference": note_value(
+            InterruptedReply(
+                ledger=Ledger(
+                    Spent(1), Spent(1), Spent(1), run_start=0, revision=0, turn_start="u0"
+                )
+            )
+        )
     }
     # the kept message makes a valid, answerable-by-user history
     assert ctx.session.message(message.id) is None
@@ -498,7 +518,13 @@ async def test_finalize_keeps_partial_reasoning_before_text() -> None:
     assert isinstance(effect, AppendMessage)
     assert effect.message.parts == (ReasoningPart("r" * 16),)
     assert effect.message.notes == {
-        "brain": {"record": "stepmachine.inference.interrupted", "interrupted": True}
+        "brain": note_value(
+            InterruptedReply(
+                ledger=Ledger(
+                    Spent(1), Spent(1), Spent(1), run_start=0, revision=0, turn_start="u0"
+                )
+            )
+        )
     }
 
 
@@ -537,6 +563,7 @@ async def test_finalize_keeps_nothing_when_only_tool_calls_streamed() -> None:
         "revision": 0,
         "context_length_exceeded": False,
         "interrupted_request": True,
+        "ledger": msgspec.to_builtins(FIRST_CALL),
     }
 
 
