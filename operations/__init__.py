@@ -22,6 +22,8 @@ on messages and tool calls), so a fresh machine in a new process decides the
 same. Operations use only kernel effects: no codec registration is needed.
 """
 
+from stepmachine import FEEDBACK
+
 from ._approval import (
     APPROVED,
     DENIED,
@@ -37,10 +39,10 @@ from ._approval import (
     recorded_decision,
 )
 from ._budget import (
-    FEEDBACK,
     SUPERSEDES,
     Budget,
     BudgetExhaustedError,
+    BudgetRefusal,
     BudgetUsage,
     Limits,
     budget_usage,
@@ -112,6 +114,7 @@ __all__ = [
     "ApprovalRequest",
     "Budget",
     "BudgetExhaustedError",
+    "BudgetRefusal",
     "BudgetUsage",
     "CallProblem",
     "Compaction",

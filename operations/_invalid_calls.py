@@ -100,6 +100,7 @@ from typing import Any, Final, Literal, TypeAlias
 import msgspec
 
 from stepmachine import (
+    FEEDBACK,
     Annotate,
     AppendMessage,
     ConfigurationError,
@@ -127,7 +128,7 @@ from stepmachine import (
     read_record,
 )
 
-from ._budget import FEEDBACK, SUPERSEDES, turn_start
+from ._budget import SUPERSEDES, turn_start
 
 __all__ = [
     "INVALID_TOOL_CALL",

@@ -76,6 +76,7 @@ from typing import Any, Final, Generic, Literal, TypeVar
 import msgspec
 
 from stepmachine import (
+    FEEDBACK,
     Annotate,
     AppendMessage,
     ConfigurationError,
@@ -106,7 +107,7 @@ from stepmachine import (
     read_record,
 )
 
-from ._budget import FEEDBACK, turn_start
+from ._budget import turn_start
 
 __all__ = [
     "OUTPUT_INVALID",

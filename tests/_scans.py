@@ -63,13 +63,24 @@ def counted(session: Session[Any]) -> tuple[Session[Any], CountingConversation]:
 
 def tool_loop(turns: int, *, prefix: str = "t") -> list[Message]:
     """``turns`` finished turns: a user message, an assistant call (with an inference
-    receipt, as ``ModelInference`` writes it), and its result."""
-    from stepmachine import InferenceReceipt, ToolCallPart, ToolResultPart, Usage, note_value
+    receipt and its ledger, as ``ModelInference`` writes them, all in one run from
+    revision 0), and its result."""
+    from stepmachine import (
+        InferenceReceipt,
+        Ledger,
+        Spent,
+        ToolCallPart,
+        ToolResultPart,
+        Usage,
+        note_value,
+    )
 
     messages: list[Message] = []
     for turn in range(turns):
         call = ToolCallPart.of(f"{prefix}{turn}", "read_file", {"path": f"f{turn}"})
-        receipt = InferenceReceipt(attempts=1, revision=turn, usage=Usage(10, 5))
+        total = Spent(turn + 1, 10 * (turn + 1), 5 * (turn + 1))
+        ledger = Ledger(total, total, Spent(1, 10, 5), 0, turn, turn_start=f"{prefix}u{turn}")
+        receipt = InferenceReceipt(attempts=1, revision=turn, usage=Usage(10, 5), ledger=ledger)
         messages += [
             Message.user(f"read f{turn}", id=f"{prefix}u{turn}"),
             Message(
