@@ -473,6 +473,9 @@ class Budget(Operation[Any]):
         return None
 
     def _objection(self, session: Session[Any], run_start: int, call: ToolCallPart) -> str | None:
+        """Why ``call`` is over a tool-call limit; ``None`` at once without such a limit."""
+        if all(limits.tool_calls is None for _, limits in self._scopes):
+            return None
         positions = _positions_of(session.conversation, call)
         for scope, limits in self._scopes:
             if limits.tool_calls is None:

@@ -472,8 +472,8 @@ async def test_the_ledger_agrees_with_counting_the_records(
 
 
 async def test_model_call_budgets_read_no_more_of_a_longer_history() -> None:
-    """Without a tool-call limit, ``run`` and ``shape_request`` read back to the latest
-    model call only."""
+    """Without a tool-call limit, ``run``, ``check_call`` and ``shape_request`` read back
+    to the latest model call only."""
     limits = Limits(model_calls=10_000, input_tokens=10**6, total_tokens=10**6)
     budget = Budget(per_run=limits, per_turn=limits, per_session=limits)
     reads = []
@@ -483,6 +483,7 @@ async def test_model_call_budgets_read_no_more_of_a_longer_history() -> None:
         session, conversation = counted(session)
         ctx = scan_context(session)
         assert isinstance(await budget.run(ctx), Refuse)
+        assert budget.check_call(ctx, ToolCallPart.of("new", "ping", {})) is None
         request = budget.shape_request(ctx, ModelRequest(messages=()))
         assert request.max_attempts == 10_000 - turns  # the run has made every call
         fast = budget_usage(session, "session", tool_calls=False)
