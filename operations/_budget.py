@@ -13,7 +13,9 @@ Everything is counted from the session, never from memory (invariant 1).
 Cost per cycle (invariant 10): model calls and tokens come from the running
 totals that every model-call record carries (:class:`stepmachine.Ledger`,
 found by reading back to the latest model call), so a budget without a
-tool-call limit reads only the messages since the last model call. Tool-call
+tool-call limit reads only the messages since the last model call (per run:
+back to the first model call of the run, a run's totals being the latest
+ledger minus the one before the run began). Tool-call
 limits, and sessions recorded before ledgers existed, count from the records
 one by one (O(history)), by the rules below; where the two ways differ, the
 ledger counts what was spent while the run or turn was under way (a failed
@@ -260,7 +262,7 @@ def _refused(call: ToolCallPart, refused_by: str, session: Session[Any]) -> bool
 def _ledger_spent(session: Session[Any], scope: Scope, run_start_revision: int) -> Spent | None:
     """What ``scope`` spent, from the latest ledger; ``None`` when the records must be counted.
 
-    O(messages since the latest model call).
+    O(messages since the latest model call); for a run, O(messages of the run).
     """
     view = latest_ledger(session)
     if view.legacy:
@@ -272,11 +274,12 @@ def _ledger_spent(session: Session[Any], scope: Scope, run_start_revision: int) 
         return ledger.session
     if scope == "turn":
         return Spent() if view.turn_start is not None else ledger.turn
-    if ledger.run_start == run_start_revision:
-        return ledger.run
     if ledger.revision < run_start_revision:
         return Spent()  # the latest call was made before this run began
-    return None  # asked about another run than the ledger's: count the records
+    before = latest_ledger(session, before_revision=run_start_revision)  # O(the run)
+    if before.legacy:
+        return None
+    return ledger.session - (before.ledger.session if before.ledger else Spent())
 
 
 def budget_usage(
@@ -321,9 +324,7 @@ def _counted_usage(
         note = _inference_note(message)
         if message.role != "assistant":
             # Other steps' model calls (a compaction summary, ...) count as calls too.
-            if note is not None and (
-                scope != "run" or _revision(note) >= run_start_revision
-            ):
+            if note is not None and (scope != "run" or _revision(note) >= run_start_revision):
                 calls += int(note["attempts"])
                 usage = note.get("usage") or {}
                 input_tokens += int(usage.get("input_tokens", 0))

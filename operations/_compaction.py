@@ -368,9 +368,7 @@ class Compaction(Operation[Any]):
         response = await model.request(request)
         text = "".join(p.text for p in response.parts if isinstance(p, TextPart)).strip()
         spent = Usage(response.usage.input_tokens, response.usage.output_tokens)
-        ledger = next_ledger(
-            session, response.attempts, spent, run_start=ctx.run_start_revision, on=last
-        )
+        ledger = next_ledger(session, response.attempts, spent, on=last)
 
         summary_id = ctx.new_id()
         summarised_ids = {m.id for m in summarised}

@@ -23,7 +23,10 @@ the next session's index from the previous one in their pure ``apply``:
   applying the same batch) shares them unchanged; appending anything else
   starts a new line (copies of the tables, O(n) at C speed).
 * :meth:`HistoryIndex.annotated` (``Annotate``) is O(1): notes change no table,
-  only the open call it annotates is replaced.
+  only the open call it annotates is replaced; :meth:`HistoryIndex.noted_at`
+  (an ``Annotate`` opening a namespace on a message or call) is O(namespaces):
+  :meth:`HistoryIndex.noted` lists, per namespace, where notes are (a linked
+  list shared by later sessions), so an operation reads only its own records.
 * ``SetVisibility`` and ``ReplaceConversation`` rebuild (O(n)); they are rare
   (repairs, compaction).
 

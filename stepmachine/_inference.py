@@ -274,9 +274,7 @@ class ModelInference(Inference[Any]):
             usage=response.usage,
             model=response.model or model.name,
             finish_reason=response.finish_reason,
-            ledger=next_ledger(
-                session, response.attempts, response.usage, run_start=ctx.run_start_revision
-            ),
+            ledger=next_ledger(session, response.attempts, response.usage),
         )
         message = Message(
             id=ctx.new_id(),
@@ -309,7 +307,7 @@ class ModelInference(Inference[Any]):
         """
         session = ctx.session
         made = int(getattr(exc, "attempts", 1)) if exc is not None else 1
-        ledger = next_ledger(session, made, Usage(), run_start=ctx.run_start_revision, on=last)
+        ledger = next_ledger(session, made, Usage(), on=last)
         return msgspec.structs.replace(
             earlier, attempts=earlier.attempts + made, revision=session.revision, ledger=ledger
         )
@@ -336,7 +334,7 @@ class ModelInference(Inference[Any]):
             parts.append(ReasoningPart(text="".join(partial.reasoning)))
         if partial.text:
             parts.append(TextPart(text="".join(partial.text)))
-        ledger = next_ledger(ctx.session, 1, Usage(), run_start=ctx.run_start_revision)
+        ledger = next_ledger(ctx.session, 1, Usage())
         message = Message(
             id=ctx.new_id(),
             role="assistant",

@@ -6,7 +6,7 @@ per cycle (invariant 10), so every record of a model call -- an
 :class:`~stepmachine.InferenceReceipt`, failed attempts
 (:class:`~stepmachine.InferenceAttempts`), an interrupted reply, a summariser
 call -- carries a :class:`Ledger`: the totals *including that call*, for the
-session, the run and the turn it was made in.
+session and for the turn it was made in.
 
 The writer of such a record asks :func:`next_ledger`, which reads back from
 the end of the conversation to the latest ledger (only the messages since the
@@ -14,8 +14,12 @@ previous model call) and adds the new call; a reader asks :func:`latest_ledger`,
 the same walk. Both are O(messages since the previous model call).
 
 A turn starts at a user message visible to the model and to the user that is
-not marked :data:`FEEDBACK` (:func:`starts_turn`); a run is identified by the
-revision it started at (``StepContext.run_start_revision``).
+not marked :data:`FEEDBACK` (:func:`starts_turn`). A run is not recorded: what
+a run spent depends on where the caller's ``run()`` began, which is not part of
+the session (a fresh machine per cycle records the same ledgers, invariant 1).
+It is the latest ledger minus the latest one made before the run's first
+revision (``latest_ledger(session, before_revision=...)``), O(messages of the
+run).
 
 Sessions written before ledgers existed hold model-call records without one:
 :func:`latest_ledger` then says so (``legacy=True``), and the ledgers written
@@ -67,24 +71,27 @@ class Spent(msgspec.Struct, frozen=True):
             self.output_tokens + other.output_tokens,
         )
 
+    def __sub__(self, other: Spent) -> Spent:
+        return Spent(
+            self.model_calls - other.model_calls,
+            self.input_tokens - other.input_tokens,
+            self.output_tokens - other.output_tokens,
+        )
+
 
 class Ledger(msgspec.Struct, frozen=True):
     """Totals up to and including the call whose record carries it.
 
     Attributes:
         session: spent by the whole session.
-        run: spent since the run began (the run that started at ``run_start``).
         turn: spent since the turn began (the turn that started at message ``turn_start``).
-        run_start: the revision the run making this call started at.
         revision: the session revision the call was made at.
         turn_start: the id of the message that started the turn (``None``: before any).
         partial: model calls recorded before ledgers existed are not in it.
     """
 
     session: Spent
-    run: Spent
     turn: Spent
-    run_start: int
     revision: int
     turn_start: str | None = None
     partial: bool = False
@@ -139,19 +146,21 @@ def _ledger_of(message: Message) -> tuple[Ledger | None, bool]:
     return found, legacy
 
 
-def latest_ledger(session: Session[Any], *, upto: int | None = None) -> LedgerView:
+def latest_ledger(session: Session[Any], *, before_revision: int | None = None) -> LedgerView:
     """The latest ledger in ``session`` (hidden messages included), reading back from the end.
 
-    ``upto`` starts the walk at that position instead of the last message.
-    O(messages after the ledger's message).
+    With ``before_revision``, the latest of a call made before that revision
+    (what a run that began there started from). O(messages after the ledger's
+    message).
     """
     conversation = session.conversation
     turn_start: str | None = None
-    start = len(conversation) - 1 if upto is None else upto
-    for position in range(start, -1, -1):
+    for position in range(len(conversation) - 1, -1, -1):
         message = conversation[position]
         ledger, legacy = _ledger_of(message)
-        if ledger is not None or legacy:
+        if legacy:
+            return LedgerView(ledger, legacy, turn_start)
+        if ledger is not None and (before_revision is None or ledger.revision < before_revision):
             return LedgerView(ledger, legacy, turn_start)
         if turn_start is None and starts_turn(message):
             turn_start = message.id
@@ -163,7 +172,6 @@ def next_ledger(
     attempts: int,
     usage: Usage,
     *,
-    run_start: int,
     on: Message | None = None,
 ) -> Ledger:
     """The ledger of a new model-call record: the latest one plus this call.
@@ -172,7 +180,6 @@ def next_ledger(
         session: the session the call was made from.
         attempts: model calls made (first try plus retries).
         usage: the tokens they used.
-        run_start: the revision the current run started at.
         on: the message the record goes on when it is already in the
             session (an annotation); ``None`` for a new message.
     """
@@ -183,12 +190,9 @@ def next_ledger(
     if on is not None and starts_turn(on) and turn_start is None:
         turn_start = on.id
     if previous is None:
-        return Ledger(mine, mine, mine, run_start, session.revision, turn_start, view.legacy)
-    run = previous.run + mine if previous.run_start == run_start else mine
+        return Ledger(mine, mine, session.revision, turn_start, view.legacy)
     if turn_start is None or turn_start == previous.turn_start:
         turn, turn_start = previous.turn + mine, previous.turn_start
     else:
         turn = mine
-    return Ledger(
-        previous.session + mine, run, turn, run_start, session.revision, turn_start, view.legacy
-    )
+    return Ledger(previous.session + mine, turn, session.revision, turn_start, view.legacy)

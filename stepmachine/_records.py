@@ -48,6 +48,8 @@ The rules (the same as for effects, see :class:`~stepmachine.Effect`):
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 from typing import Any, Final, NoReturn, TypeVar
 
@@ -85,15 +87,19 @@ def _register(cls: Any) -> None:
             f"tag='myapp.{cls.__name__.lower()}'; got {tag!r}"
         )
     known = _REGISTRY.get(tag)
-    if known is not None and (known.__module__, known.__qualname__) != (
-        cls.__module__,
-        cls.__qualname__,
-    ):
+    if known is not None and _origin(known) != _origin(cls):
         raise ConfigurationError(
             f"record tag {tag!r} is used by both {known.__module__}.{known.__qualname__} "
             f"and {cls.__module__}.{cls.__qualname__}"
         )
-    _REGISTRY[tag] = cls  # a module reloaded redefines its own types
+    _REGISTRY[tag] = cls  # a module loaded again (reloaded, or by a second name) redefines it
+
+
+def _origin(cls: Any) -> tuple[str, str]:
+    """Where a class is defined: its source file (or module name) and qualified name."""
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    return (os.path.realpath(path) if path else cls.__module__, cls.__qualname__)
 
 
 class Record(msgspec.Struct, frozen=True, tag_field=TAG_FIELD, metaclass=_RecordType):

@@ -63,8 +63,8 @@ def counted(session: Session[Any]) -> tuple[Session[Any], CountingConversation]:
 
 def tool_loop(turns: int, *, prefix: str = "t") -> list[Message]:
     """``turns`` finished turns: a user message, an assistant call (with an inference
-    receipt and its ledger, as ``ModelInference`` writes them, all in one run from
-    revision 0), and its result."""
+    receipt and its ledger, as ``ModelInference`` writes them, the call of turn ``n``
+    made at revision ``n``), and its result."""
     from stepmachine import (
         InferenceReceipt,
         Ledger,
@@ -79,7 +79,7 @@ def tool_loop(turns: int, *, prefix: str = "t") -> list[Message]:
     for turn in range(turns):
         call = ToolCallPart.of(f"{prefix}{turn}", "read_file", {"path": f"f{turn}"})
         total = Spent(turn + 1, 10 * (turn + 1), 5 * (turn + 1))
-        ledger = Ledger(total, total, Spent(1, 10, 5), 0, turn, turn_start=f"{prefix}u{turn}")
+        ledger = Ledger(total, Spent(1, 10, 5), turn, turn_start=f"{prefix}u{turn}")
         receipt = InferenceReceipt(attempts=1, revision=turn, usage=Usage(10, 5), ledger=ledger)
         messages += [
             Message.user(f"read f{turn}", id=f"{prefix}u{turn}"),

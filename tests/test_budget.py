@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -473,7 +474,7 @@ async def test_the_ledger_agrees_with_counting_the_records(
 
 async def test_model_call_budgets_read_no_more_of_a_longer_history() -> None:
     """Without a tool-call limit, ``run``, ``check_call`` and ``shape_request`` read back
-    to the latest model call only."""
+    to the latest model call only (per run: back to the run's start)."""
     limits = Limits(model_calls=10_000, input_tokens=10**6, total_tokens=10**6)
     budget = Budget(per_run=limits, per_turn=limits, per_session=limits)
     reads = []
@@ -481,11 +482,12 @@ async def test_model_call_budgets_read_no_more_of_a_longer_history() -> None:
         session = make_session(*tool_loop(turns), user("next", "last"), revision=turns)
         assert budget_usage(session, "session").model_calls == turns  # counted one by one
         session, conversation = counted(session)
-        ctx = scan_context(session)
+        # This run began at the session's revision: it has made no call yet.
+        ctx = dataclasses.replace(scan_context(session), run_start_revision=turns)
         assert isinstance(await budget.run(ctx), Refuse)
         assert budget.check_call(ctx, ToolCallPart.of("new", "ping", {})) is None
         request = budget.shape_request(ctx, ModelRequest(messages=()))
-        assert request.max_attempts == 10_000 - turns  # the run has made every call
+        assert request.max_attempts == 10_000 - turns  # the session has made one call a turn
         fast = budget_usage(session, "session", tool_calls=False)
         assert (fast.model_calls, fast.input_tokens) == (turns, 10 * turns)
         reads.append(conversation.read)

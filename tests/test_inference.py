@@ -55,7 +55,7 @@ from stepmachine import (
 from stepmachine._emitter import EventSink
 from stepmachine.testing import ScriptedModel, call, make_session, reply, run_step
 
-FIRST_CALL = Ledger(Spent(1), Spent(1), Spent(1), run_start=0, revision=0, turn_start="u0")
+FIRST_CALL = Ledger(Spent(1), Spent(1), revision=0, turn_start="u0")
 """The ledger of the first model call of a session, one attempt, no tokens."""
 
 
@@ -204,7 +204,7 @@ async def test_notes_record_usage_model_and_finish_reason() -> None:
     assert check.new_messages[0].parts == (TextPart("x"),)
     (message,) = check.new_messages
     spent = Spent(1, 11, 7)
-    ledger = Ledger(spent, spent, spent, run_start=0, revision=0, turn_start="u0")
+    ledger = Ledger(spent, spent, revision=0, turn_start="u0")
     assert message.notes == {
         "brain": {
             "record": "stepmachine.inference.reply",
@@ -497,15 +497,7 @@ async def test_finalize_keeps_partial_text_noted_interrupted() -> None:
     message = effect.message
     assert message.role == "assistant"
     assert message.parts == (TextPart(text[:16]),)
-    assert message.notes == {
-        "inference": note_value(
-            InterruptedReply(
-                ledger=Ledger(
-                    Spent(1), Spent(1), Spent(1), run_start=0, revision=0, turn_start="u0"
-                )
-            )
-        )
-    }
+    assert message.notes == {"inference": note_value(InterruptedReply(ledger=FIRST_CALL))}
     # the kept message makes a valid, answerable-by-user history
     assert ctx.session.message(message.id) is None
 
@@ -517,15 +509,7 @@ async def test_finalize_keeps_partial_reasoning_before_text() -> None:
     (effect,) = await step.finalize(ctx, interrupted=True)
     assert isinstance(effect, AppendMessage)
     assert effect.message.parts == (ReasoningPart("r" * 16),)
-    assert effect.message.notes == {
-        "brain": note_value(
-            InterruptedReply(
-                ledger=Ledger(
-                    Spent(1), Spent(1), Spent(1), run_start=0, revision=0, turn_start="u0"
-                )
-            )
-        )
-    }
+    assert effect.message.notes == {"brain": note_value(InterruptedReply(ledger=FIRST_CALL))}
 
 
 async def test_finalize_drops_half_streamed_tool_calls() -> None:

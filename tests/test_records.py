@@ -116,7 +116,7 @@ def test_every_built_in_record_is_registered_with_its_released_schema() -> None:
 def test_the_ledger_inside_records_keeps_its_schema() -> None:
     assert fields_of(Spent) == ((), ("model_calls", "input_tokens", "output_tokens"))
     assert fields_of(Ledger) == (
-        ("session", "run", "turn", "run_start", "revision"),
+        ("session", "turn", "revision"),
         ("turn_start", "partial"),
     )
 
