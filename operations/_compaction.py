@@ -144,6 +144,8 @@ class CompactionReceipt(Record, frozen=True, tag="stepmachine.compaction.summary
         revision: the session revision it summarised.
         attempts: the summariser's model calls (budgets count them).
         summarised_into: set when a later summary summarised this one.
+        ledger: the model-call totals including this call (also on the mark
+            of the last message, where readers of running totals look first).
     """
 
     summarised: list[str]
@@ -157,6 +159,7 @@ class CompactionReceipt(Record, frozen=True, tag="stepmachine.compaction.summary
     model: str | None = None
     usage: Usage = msgspec.field(default_factory=Usage)
     summarised_into: str | None = None
+    ledger: Ledger | None = None
 
 
 class CompactionMark(Record, frozen=True, tag="stepmachine.compaction.mark"):
@@ -417,6 +420,7 @@ class Compaction(Operation[Any]):
             usage=Usage(usage.input_tokens, usage.output_tokens),
             revision=session.revision,
             attempts=response.attempts,
+            ledger=ledger,
         )
         position = conversation.index(summary)
         conversation[position] = msgspec.structs.replace(

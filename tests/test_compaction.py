@@ -45,6 +45,7 @@ from stepmachine import (
     YieldReason,
     counter_ids,
     history_problems,
+    latest_ledger,
     needs_answer,
     note_value,
     read_record,
@@ -750,6 +751,12 @@ async def test_a_per_run_model_call_budget_counts_the_summariser_and_holds(
     assert report.reason.kind == YieldReason.BUDGET_EXHAUSTED
     assert report.results[-1].step == "budget"  # it yielded before Compaction could ask
     assert budget_usage(report.session, "run").model_calls == limit
+    # The running totals (summaries included) agree with counting the records one by one.
+    assert not latest_ledger(report.session).legacy
+    for scope in ("session", "turn", "run"):
+        fast = budget_usage(report.session, scope, tool_calls=False)
+        slow = budget_usage(report.session, scope)
+        assert (fast.model_calls, fast.input_tokens) == (slow.model_calls, slow.input_tokens)
     if limit > 5 * need:
         assert summariser  # the summariser was asked within the budget
 

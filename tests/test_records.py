@@ -49,7 +49,7 @@ RELEASED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "stepmachine.compaction.summary": (
         ("summarised", "tokens_before", "tokens_after", "trigger", "cut", "revision", "attempts"),
-        ("kind", "model", "usage", "summarised_into"),
+        ("kind", "model", "usage", "summarised_into", "ledger"),
     ),
     "stepmachine.events.consumed": ((), ("consumed", "consumed_at", "delivered_as")),
     "stepmachine.events.delivery": (("event_id", "kind"), ()),
