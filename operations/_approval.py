@@ -56,7 +56,6 @@ from stepmachine import (
     Message,
     Operation,
     Outcome,
-    Record,
     Refuse,
     RunError,
     Session,
@@ -75,6 +74,8 @@ from stepmachine import (
     read_record,
     submit,
 )
+
+from ._records import ApprovalDecision, ApprovalRequest
 
 __all__ = [
     "APPROVED",
@@ -126,49 +127,6 @@ class PendingCall(msgspec.Struct, frozen=True):
     name: str
     arguments: Any
     fingerprint: str
-
-
-# -- the records ------------------------------------------------------------------------------
-
-
-class ApprovalRequest(Record, frozen=True, tag="stepmachine.approval.request"):
-    """A call was reported as awaiting approval (key ``"request"``).
-
-    Attributes:
-        fingerprint: the fingerprint it was reported with.
-        requested_at: the runtime clock then.
-    """
-
-    fingerprint: str
-    requested_at: float = 0.0
-
-
-class ApprovalDecision(Record, frozen=True, tag="stepmachine.approval.decision"):
-    """A human decision on one call (key ``"decision"``), written by :func:`approve` / :func:`deny`.
-
-    Attributes:
-        outcome: ``"approved"`` or ``"denied"``.
-        fingerprint: the fingerprint the decision is bound to (invariant 5).
-        tool: the tool name of the call.
-        by: who decided.
-        reason: for the audit log.
-        message: what the model is told of a denial.
-        decided_at: the clock when recorded.
-        expires_at: an approval no longer counts from then on (``None``: never).
-        always: an approval that also covers every later call of ``tool``.
-        edited: the approval is bound to arguments the reviewer edited.
-    """
-
-    outcome: Literal["approved", "denied"]
-    fingerprint: str
-    tool: str = ""
-    by: str = ""
-    reason: str = ""
-    message: str = ""
-    decided_at: float = 0.0
-    expires_at: float | None = None
-    always: bool = False
-    edited: bool = False
 
 
 # -- reading decisions --------------------------------------------------------------------

@@ -103,7 +103,6 @@ from stepmachine import (
     Operation,
     Outcome,
     PromptPart,
-    Record,
     Refuse,
     RunError,
     Session,
@@ -120,6 +119,8 @@ from stepmachine import (
     read_record,
     starts_turn,
 )
+
+from ._records import BudgetRefusal
 
 __all__ = [
     "FEEDBACK",
@@ -160,13 +161,6 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     output_tokens: int | None = None
     total_tokens: int | None = None
     tool_calls: int | None = None
-
-
-class BudgetRefusal(Record, frozen=True, tag="stepmachine.budget.refusal"):
-    """A call the budget refused: on the call (``refused`` is the reason) and on its
-    error result (``refused`` is the call id)."""
-
-    refused: str
 
 
 class BudgetExhaustedError(RunError):

@@ -73,14 +73,12 @@ from stepmachine import (
     Continue,
     Effect,
     InferenceAttempts,
-    Ledger,
     Message,
     ModelRequest,
     ModelSettings,
     Operation,
     Outcome,
     PromptPart,
-    Record,
     Refuse,
     ReplaceConversation,
     Session,
@@ -97,6 +95,8 @@ from stepmachine import (
     note_value,
     read_record,
 )
+
+from ._records import CompactionMark, CompactionReceipt
 
 __all__ = [
     "COMPACTION",
@@ -127,59 +127,6 @@ SUMMARY_PROMPT: Final = (
     "still to do. Be concise. Answer with the summary only, in plain text."
 )
 """The default system prompt of the summariser request."""
-
-
-class CompactionReceipt(Record, frozen=True, tag="stepmachine.compaction.summary"):
-    """The notes of a summary message, under the step's name.
-
-    Attributes:
-        kind: always ``"summary"`` (how a summary is recognised, also in
-            records written before they were typed).
-        summarised: the ids of the messages the summary replaces.
-        tokens_before, tokens_after: the estimate of the visible conversation.
-        model: the summariser.
-        trigger: ``"threshold"`` or ``"context_length_exceeded"``.
-        cut: ``"turns"`` or ``"rounds"``.
-        usage: the summariser's token counts.
-        revision: the session revision it summarised.
-        attempts: the summariser's model calls (budgets count them).
-        summarised_into: set when a later summary summarised this one.
-        ledger: the model-call totals including this call (also on the mark
-            of the last message, where readers of running totals look first).
-    """
-
-    summarised: list[str]
-    tokens_before: int
-    tokens_after: int
-    trigger: str
-    cut: str
-    revision: int
-    attempts: int
-    kind: str = "summary"
-    model: str | None = None
-    usage: Usage = msgspec.field(default_factory=Usage)
-    summarised_into: str | None = None
-    ledger: Ledger | None = None
-
-
-class CompactionMark(Record, frozen=True, tag="stepmachine.compaction.mark"):
-    """The notes compaction leaves on other messages, under the step's name.
-
-    Attributes:
-        summarised_into: the id of the summary that replaced this hidden message.
-        stuck: why the summary made nothing smaller (on the last visible
-            message), so it is not asked again until a new message arrives.
-        attempts, revision, usage: that summariser call (budgets count it).
-        ledger: the model-call totals including the latest summariser call
-            (:class:`stepmachine.Ledger`), on the last visible message.
-    """
-
-    summarised_into: str | None = None
-    stuck: str | None = None
-    attempts: int | None = None
-    revision: int | None = None
-    usage: Usage | None = None
-    ledger: Ledger | None = None
 
 
 def _summary_receipt(message: Message, namespace: str) -> CompactionReceipt | None:

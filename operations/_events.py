@@ -66,7 +66,6 @@ from stepmachine import (
     Message,
     Operation,
     Outcome,
-    Record,
     Refuse,
     Session,
     StepContext,
@@ -79,6 +78,8 @@ from stepmachine import (
     read_record,
     submit,
 )
+
+from ._records import EventConsumed, EventDelivery, EventRecord, WaitMarker
 
 __all__ = [
     "EventConsumed",
@@ -125,55 +126,6 @@ class EventReceipt(msgspec.Struct, frozen=True):
     event_id: str
     accepted: bool
     revision: int
-
-
-class EventRecord(Record, frozen=True, tag="stepmachine.events.event"):
-    """An event as submitted: key ``"event"`` of the hidden event message's notes.
-
-    Attributes:
-        id: the event id.
-        kind: what happened.
-        payload: JSON builtins.
-        submitted_at: the submitter's clock.
-    """
-
-    id: str
-    kind: str
-    payload: Any = None
-    submitted_at: float = 0.0
-
-
-class EventConsumed(Record, frozen=True, tag="stepmachine.events.consumed"):
-    """The consumption of an event: the namespace of the event message, beside ``"event"``.
-
-    Attributes:
-        consumed: the event was delivered (exactly once).
-        consumed_at: the runtime clock then.
-        delivered_as: the id of the message the model saw, or ``None``.
-    """
-
-    consumed: bool = False
-    consumed_at: float | None = None
-    delivered_as: str | None = None
-
-
-class WaitMarker(Record, frozen=True, tag="stepmachine.events.wait"):
-    """A wait for an event (:func:`wait_for`): the namespace of any message.
-
-    Attributes:
-        awaiting: the kinds that satisfy it (empty: any).
-        satisfied_by: the id of the event that did.
-    """
-
-    awaiting: list[str]
-    satisfied_by: str | None = None
-
-
-class EventDelivery(Record, frozen=True, tag="stepmachine.events.delivery"):
-    """The notes of the user message an event was delivered as."""
-
-    event_id: str
-    kind: str
 
 
 def _where(session: Session[Any], message: Message) -> str:

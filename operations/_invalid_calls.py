@@ -109,7 +109,6 @@ from stepmachine import (
     Message,
     Operation,
     Outcome,
-    Record,
     Refuse,
     RunError,
     Session,
@@ -129,6 +128,12 @@ from stepmachine import (
 )
 
 from ._budget import SUPERSEDES, turn_start
+from ._records import (
+    InvalidCallsDecision,
+    InvalidCallsFeedback,
+    InvalidCallsRepair,
+    InvalidCallsSkipped,
+)
 
 __all__ = [
     "INVALID_TOOL_CALL",
@@ -186,43 +191,6 @@ class CallProblem:
             "case": self.case,
             "detail": self.detail,
         }
-
-
-# -- the records --------------------------------------------------------------------
-
-
-class InvalidCallsDecision(Record, frozen=True, tag="stepmachine.invalid_calls.decision"):
-    """What the step decided about a message with invalid calls.
-
-    Attributes:
-        action: ``"retry"``, ``"repair"``, ``"skip"`` or ``"stop"``.
-        problems: :meth:`CallProblem.as_note` of each problem found.
-        replaced_by: the id of the corrected copy (repair, or skip with new ids).
-    """
-
-    action: str
-    problems: list[dict[str, str]] = msgspec.field(default_factory=list)
-    replaced_by: str | None = None
-
-
-class InvalidCallsRepair(Record, frozen=True, tag="stepmachine.invalid_calls.repair"):
-    """The notes of a corrected copy: which message it replaces and the repairs made."""
-
-    repaired_from: str
-    repairs: list[dict[str, str]] = msgspec.field(default_factory=list)
-
-
-class InvalidCallsFeedback(Record, frozen=True, tag="stepmachine.invalid_calls.feedback"):
-    """The notes of the feedback message of a retry."""
-
-    feedback_for: str
-    problems: list[dict[str, str]] = msgspec.field(default_factory=list)
-
-
-class InvalidCallsSkipped(Record, frozen=True, tag="stepmachine.invalid_calls.skipped"):
-    """The notes of a "not executed" result: the call it answers."""
-
-    skipped: str
 
 
 def _decision(message: Message, namespace: str) -> InvalidCallsDecision | None:

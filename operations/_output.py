@@ -90,7 +90,6 @@ from stepmachine import (
     Operation,
     Outcome,
     PromptPart,
-    Record,
     Refuse,
     RunError,
     Session,
@@ -108,6 +107,7 @@ from stepmachine import (
 )
 
 from ._budget import turn_start
+from ._records import OutputAnswer, OutputError, OutputFeedback, OutputValue
 
 __all__ = [
     "OUTPUT_INVALID",
@@ -130,41 +130,6 @@ _WRAP_KEY = "response"
 
 
 _REFUSALS = frozenset({"content_filter", "refusal"})
-
-
-class OutputValue(Record, frozen=True, tag="stepmachine.output.value"):
-    """A validated output, on the final message.
-
-    Attributes:
-        output: the value as JSON builtins.
-        mode: the mode it was given in.
-        call_id: the output call (tool mode).
-    """
-
-    output: Any
-    mode: str
-    call_id: str | None = None
-
-
-class OutputError(Record, frozen=True, tag="stepmachine.output.error"):
-    """Why an output was invalid: on the final message, or on the error result of the
-    output call (then with ``call_id``)."""
-
-    error: str
-    call_id: str | None = None
-
-
-class OutputAnswer(Record, frozen=True, tag="stepmachine.output.answer"):
-    """The notes of a result this step gave: the accepted output call, or a skipped sibling."""
-
-    accepted: str | None = None
-    skipped: bool = False
-
-
-class OutputFeedback(Record, frozen=True, tag="stepmachine.output.feedback"):
-    """The notes of the feedback message asking for a valid output."""
-
-    feedback_for: str
 
 
 def _record_of(message: Message, namespace: str, field: str, kind: type[Any]) -> Any:
