@@ -57,8 +57,12 @@ The value is ``{"by": <operation name>}``.
 """
 
 
-class Spent(msgspec.Struct, frozen=True):
-    """Model calls and tokens spent."""
+class Spent(msgspec.Struct, frozen=True, array_like=True):
+    """Model calls and tokens spent.
+
+    Stored compactly, as ``[model_calls, input_tokens, output_tokens]`` (a
+    field added later goes at the end, with a default).
+    """
 
     model_calls: int = 0
     input_tokens: int = 0
