@@ -16,12 +16,15 @@ Decisions are recorded from outside the machine with :func:`approve` and
 audit log under the step's name). Nothing is held in memory: a fresh machine
 in a new process decides the same (invariant 1).
 
-Notes on a tool call, namespace ``name`` (default ``"approval"``)::
+Notes on a tool call, namespace ``name`` (default ``"approval"``), two typed
+records (:class:`stepmachine.Record`)::
 
-    {"request":  {"fingerprint": ..., "requested_at": ...},      # written by run()
-     "decision": {"outcome": "approved" | "denied", "fingerprint": ..., "by": ...,
-                  "reason": ..., "message": ..., "decided_at": ..., "expires_at": ...,
-                  "always": bool, "tool": ..., "edited": bool}}  # written by approve/deny
+    {"request":  ApprovalRequest,    # written by run()
+     "decision": ApprovalDecision}   # written by approve() / deny()
+
+A stored request or decision that does not convert raises
+:class:`~stepmachine.StoredDataError` (naming the session and call): a damaged
+decision never approves anything, and is never taken for "no decision".
 
 Edited arguments are recorded as a note in :data:`stepmachine.EDITED_ARGUMENTS`
 on the call (the model's original stays in history), so every tool runner
@@ -38,7 +41,7 @@ them loses the decisions, which fails safe: the tool asks again.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
@@ -66,16 +69,22 @@ from stepmachine import (
     YieldReason,
     effective_arguments,
     fingerprint,
+    note_value,
     open_tool_calls,
+    read_record,
     submit,
 )
+
+from ._records import ApprovalDecision, ApprovalRequest
 
 __all__ = [
     "APPROVED",
     "DENIED",
     "Approval",
+    "ApprovalDecision",
     "ApprovalError",
     "ApprovalPolicy",
+    "ApprovalRequest",
     "PendingCall",
     "always_allowed",
     "approve",
@@ -123,25 +132,44 @@ class PendingCall(msgspec.Struct, frozen=True):
 # -- reading decisions --------------------------------------------------------------------
 
 
-def recorded_decision(call: ToolCallPart, *, name: str = DEFAULT_NAME) -> dict[str, Any] | None:
-    """The decision recorded on ``call`` in namespace ``name``, or ``None``."""
-    decision = call.notes.get(name, {}).get("decision")
-    return decision if isinstance(decision, dict) else None
+def recorded_decision(
+    call: ToolCallPart, *, name: str = DEFAULT_NAME, where: str = "a session"
+) -> ApprovalDecision | None:
+    """The decision recorded on ``call`` in namespace ``name``, or ``None``.
+
+    Raises:
+        StoredDataError: the stored decision does not convert (names ``where``
+            and the call).
+    """
+    return read_record(
+        call.notes,
+        name,
+        ApprovalDecision,
+        key="decision",
+        where=f"{where}, tool call {call.call_id!r}",
+    )
 
 
-def _unexpired(decision: dict[str, Any], now: float) -> bool:
-    expires_at = decision.get("expires_at")
-    return expires_at is None or (isinstance(expires_at, int | float) and now < expires_at)
+def _unexpired(decision: ApprovalDecision, now: float) -> bool:
+    return decision.expires_at is None or now < decision.expires_at
 
 
-def _valid_approval(call: ToolCallPart, decision: dict[str, Any] | None, now: float) -> bool:
+def _valid_approval(call: ToolCallPart, decision: ApprovalDecision | None, now: float) -> bool:
     """True when ``decision`` approves exactly this call (fingerprint) and is unexpired."""
     return (
         decision is not None
-        and decision.get("outcome") == APPROVED
-        and decision.get("fingerprint") == fingerprint(call.name, effective_arguments(call))
+        and decision.outcome == APPROVED
+        and decision.fingerprint == fingerprint(call.name, effective_arguments(call))
         and _unexpired(decision, now)
     )
+
+
+def _call_at(message: Message, call_id: str) -> ToolCallPart | None:
+    """The first call with ``call_id`` in ``message`` (the one ``Annotate`` notes)."""
+    for call in message.tool_calls:
+        if call.call_id == call_id:
+            return call
+    return None
 
 
 def always_allowed(
@@ -150,33 +178,35 @@ def always_allowed(
     """The tools an unexpired "always allow" decision covers in ``session``.
 
     Every message counts, hidden ones too, so the decision survives a
-    compaction that hides the originals.
+    compaction that hides the originals. Reads only the calls with notes in
+    ``name`` (:meth:`stepmachine.HistoryIndex.noted`), not the whole history.
     """
     allowed: set[str] = set()
-    for message in session.conversation:
-        for call in message.tool_calls:
-            decision = recorded_decision(call, name=name)
-            if (
-                decision is not None
-                and decision.get("outcome") == APPROVED
-                and decision.get("always") is True
-                and _unexpired(decision, now)
-            ):
-                allowed.add(str(decision.get("tool") or call.name))
+    conversation = session.conversation
+    where = f"session {session.id!r}"
+    for position, call_id in session.history.noted(name):
+        if call_id is None:
+            continue
+        call = _call_at(conversation[position], call_id)
+        decision = None if call is None else recorded_decision(call, name=name, where=where)
+        if (
+            call is not None
+            and decision is not None
+            and decision.outcome == APPROVED
+            and decision.always
+            and _unexpired(decision, now)
+        ):
+            allowed.add(decision.tool or call.name)
     return frozenset(allowed)
 
 
-def _open_calls(conversation: Iterable[Message]) -> list[tuple[str, ToolCallPart]]:
-    """Like ``open_tool_calls``, with the id of the message holding each call."""
-    calls: dict[str, tuple[str, ToolCallPart]] = {}
-    for message in conversation:
-        if not message.visible_to_model:
-            continue
-        for part in message.tool_calls:
-            calls.setdefault(part.call_id, (message.id, part))
-        for result in message.tool_results:
-            calls.pop(result.call_id, None)
-    return list(calls.values())
+def _open_calls(session: Session[Any]) -> list[tuple[str, ToolCallPart]]:
+    """Like ``open_tool_calls``, with the id of the message holding each call. O(open calls)."""
+    conversation = session.conversation
+    return [
+        (conversation[position].id, call)
+        for position, call in session.history.open_call_positions()
+    ]
 
 
 # -- the step -------------------------------------------------------------------------------
@@ -271,8 +301,8 @@ class Approval(Operation[Any]):
         A denial always counts. ``allowed`` is :func:`always_allowed` of the
         session when the caller has computed it already.
         """
-        decision = recorded_decision(call, name=self._name)
-        if decision is not None and decision.get("outcome") == DENIED:
+        decision = recorded_decision(call, name=self._name, where=f"session {session.id!r}")
+        if decision is not None and decision.outcome == DENIED:
             return DENIED
         if not self.needs_approval(call, session):
             return None
@@ -291,7 +321,7 @@ class Approval(Operation[Any]):
         allowed = always_allowed(session, name=self._name, now=now)
         return [
             _pending_call(call)
-            for _, call in _open_calls(session.conversation)
+            for _, call in _open_calls(session)
             if self.status(call, session, now=now, allowed=allowed) == "pending"
         ]
 
@@ -317,7 +347,7 @@ class Approval(Operation[Any]):
         allowed = always_allowed(session, name=self._name, now=now)
         denied: list[ToolCallPart] = []
         waiting: list[tuple[str, ToolCallPart]] = []
-        for message_id, call in _open_calls(session.conversation):
+        for message_id, call in _open_calls(session):
             status = self.status(call, session, now=now, allowed=allowed)
             if status == DENIED:
                 denied.append(call)
@@ -330,13 +360,17 @@ class Approval(Operation[Any]):
         pending = [_pending_call(call) for _, call in waiting]
         annotations: list[Effect] = []
         for (message_id, call), item in zip(waiting, pending, strict=True):
-            request = call.notes.get(self._name, {}).get("request")
-            if not isinstance(request, dict) or request.get("fingerprint") != item.fingerprint:
+            where = f"session {session.id!r}, message {message_id!r}, tool call {call.call_id!r}"
+            request = read_record(
+                call.notes, self._name, ApprovalRequest, key="request", where=where
+            )
+            if request is None or request.fingerprint != item.fingerprint:
+                record = ApprovalRequest(fingerprint=item.fingerprint, requested_at=now)
                 annotations.append(
                     Annotate(
                         message_id,
                         self._name,
-                        {"request": {"fingerprint": item.fingerprint, "requested_at": now}},
+                        {"request": note_value(record)},
                         call_id=call.call_id,
                     )
                 )
@@ -349,9 +383,9 @@ class Approval(Operation[Any]):
         return Yield(annotations, reason)
 
     def _denial_result(self, ctx: StepContext[Any], call: ToolCallPart) -> Effect:
-        decision = recorded_decision(call, name=self._name) or {}
-        by = decision.get("by") or "a reviewer"
-        message = decision.get("message") or "no reason given"
+        decision = recorded_decision(call, name=self._name, where=f"session {ctx.session.id!r}")
+        by = (decision.by if decision else "") or "a reviewer"
+        message = (decision.message if decision else "") or "no reason given"
         content = (
             f"The call to {call.name!r} was denied by {by}: {message}. "
             "It was not run. Do not retry it."
@@ -375,14 +409,12 @@ def _pending_call(call: ToolCallPart) -> PendingCall:
 
 def _find_pending(
     session: Session[Any], call_id: str, name: str
-) -> tuple[str, ToolCallPart, dict[str, Any] | None]:
-    for message_id, call in _open_calls(session.conversation):
+) -> tuple[str, ToolCallPart, ApprovalDecision | None]:
+    for message_id, call in _open_calls(session):
         if call.call_id == call_id:
-            return message_id, call, recorded_decision(call, name=name)
-    exists = any(
-        call.call_id == call_id for message in session.conversation for call in message.tool_calls
-    )
-    if exists:
+            where = f"session {session.id!r}, message {message_id!r}"
+            return message_id, call, recorded_decision(call, name=name, where=where)
+    if session.history.call_position(call_id) is not None:
         raise ApprovalError(
             f"invariant 5 (approval bound to the exact call): tool call {call_id!r} of session "
             f"{session.id!r} is not pending: it already has a result or is hidden from the model"
@@ -449,10 +481,10 @@ async def approve(
 
     def compute(session: Session[Any]) -> list[Effect]:
         message_id, call, earlier = _find_pending(session, call_id, name)
-        if earlier is not None and earlier.get("outcome") == DENIED:
+        if earlier is not None and earlier.outcome == DENIED:
             raise ApprovalError(
                 f"tool call {call_id!r} ({call.name}) of session {session.id!r} was denied by "
-                f"{earlier.get('by')!r}; a denied call cannot be approved"
+                f"{earlier.by!r}; a denied call cannot be approved"
             )
         if tool is not None and tool.name != call.name:
             raise ApprovalError(
@@ -478,19 +510,21 @@ async def approve(
             effects.append(
                 Annotate(message_id, EDITED_ARGUMENTS, {"arguments": arguments}, call_id=call_id)
             )
-        record = {
-            "outcome": APPROVED,
-            "fingerprint": fingerprint(call.name, arguments),
-            "tool": call.name,
-            "by": by,
-            "reason": reason,
-            "message": "",
-            "decided_at": now,
-            "expires_at": expires_at,
-            "always": always,
-            "edited": edited_arguments is not None,
-        }
-        effects.append(Annotate(message_id, name, {"decision": record}, call_id=call_id))
+        record = ApprovalDecision(
+            outcome=APPROVED,
+            fingerprint=fingerprint(call.name, arguments),
+            tool=call.name,
+            by=by,
+            reason=reason,
+            message="",
+            decided_at=now,
+            expires_at=expires_at,
+            always=always,
+            edited=edited_arguments is not None,
+        )
+        effects.append(
+            Annotate(message_id, name, {"decision": note_value(record)}, call_id=call_id)
+        )
         return effects
 
     # submit() runs ``compute`` (which validates and raises ApprovalError) again on
@@ -537,22 +571,19 @@ async def deny(
         if _valid_approval(call, earlier, now):
             raise ApprovalError(
                 f"tool call {call_id!r} ({call.name}) of session {session.id!r} is approved "
-                f"(by {earlier.get('by') if earlier else None!r}); an approved call cannot be "
+                f"(by {earlier.by if earlier else None!r}); an approved call cannot be "
                 "denied"
             )
-        record = {
-            "outcome": DENIED,
-            "fingerprint": fingerprint(call.name, effective_arguments(call)),
-            "tool": call.name,
-            "by": by,
-            "reason": reason,
-            "message": message,
-            "decided_at": now,
-            "expires_at": None,
-            "always": False,
-            "edited": False,
-        }
-        return [Annotate(message_id, name, {"decision": record}, call_id=call_id)]
+        record = ApprovalDecision(
+            outcome=DENIED,
+            fingerprint=fingerprint(call.name, effective_arguments(call)),
+            tool=call.name,
+            by=by,
+            reason=reason,
+            message=message,
+            decided_at=now,
+        )
+        return [Annotate(message_id, name, {"decision": note_value(record)}, call_id=call_id)]
 
     # submit() runs ``compute`` (which validates and raises ApprovalError) again on
     # every attempt, against exactly the revision the batch is written on top of:

@@ -8,7 +8,22 @@
   notes, do not start a turn);
 * ``per_session`` -- the whole stored conversation.
 
-Everything is counted from the session, never from memory (invariant 1):
+Everything is counted from the session, never from memory (invariant 1).
+
+Cost per cycle (invariant 10): model calls and tokens come from the running
+totals that every model-call record carries (:class:`stepmachine.Ledger`,
+found by reading back to the latest model call), so a budget without a
+tool-call limit reads only the messages since the last model call (per run:
+back to the first model call of the run, a run's totals being the latest
+ledger minus the one before the run began). Tool-call
+limits, and sessions recorded before ledgers existed, count from the records
+one by one (O(history)), by the rules below; where the two ways differ, the
+ledger counts what was spent while the run or turn was under way (a failed
+attempt recorded on the turn's own user message, an interrupted reply within
+a run, a summary inserted before the turn's first message), the records by
+where they sit.
+
+The rules for counting from the records:
 
 * **model calls**: the ``attempts`` that ``ModelInference`` records in the
   notes of each assistant message (any notes namespace holding an integer
@@ -42,7 +57,8 @@ Behaviour, when offered a cycle (``run``):
   answered with an error result ("not executed: tool-call budget
   exhausted"), the call is noted ``{"refused": ...}`` in this step's
   namespace, and the run yields ``budget_exhausted``. While some open calls
-  are within the limit it refuses, so the tool step runs those first;
+  are within the limit it refuses, so the tool step runs those first (a
+  :class:`BudgetRefusal` record on the call and on its result);
 * otherwise ``Refuse``.
 
 Guards that hold whatever the order of the steps:
@@ -78,6 +94,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from stepmachine import (
+    FEEDBACK,
     Annotate,
     AppendMessage,
     Effect,
@@ -89,32 +106,33 @@ from stepmachine import (
     Refuse,
     RunError,
     Session,
+    Spent,
     StepContext,
     ToolCallPart,
     ToolResultPart,
     Yield,
     YieldReason,
+    latest_ledger,
     needs_answer,
+    note_value,
     open_tool_calls,
+    read_record,
+    starts_turn,
 )
+
+from ._records import BudgetRefusal
 
 __all__ = [
     "FEEDBACK",
     "SUPERSEDES",
     "Budget",
     "BudgetExhaustedError",
+    "BudgetRefusal",
     "BudgetUsage",
     "Limits",
     "budget_usage",
     "turn_start",
 ]
-
-FEEDBACK: Final = "stepmachine.feedback"
-"""Notes namespace marking a user message an operation appended to re-prompt the model.
-
-Such messages do not start a new user turn (per-turn budgets, retry counts).
-The value is ``{"by": <operation name>}``.
-"""
 
 SUPERSEDES: Final = "stepmachine.supersedes"
 """Notes namespace on an assistant message that replaces a hidden original.
@@ -193,13 +211,7 @@ def turn_start(conversation: Sequence[Message]) -> int:
     not start a turn.
     """
     for index in range(len(conversation) - 1, -1, -1):
-        message = conversation[index]
-        if (
-            message.role == "user"
-            and message.visible_to_model
-            and message.visible_to_user
-            and FEEDBACK not in message.notes
-        ):
+        if starts_turn(conversation[index]):
             return index
     return -1
 
@@ -209,6 +221,11 @@ def _inference_note(message: Message) -> dict[str, Any] | None:
         if isinstance(values.get("attempts"), int):
             return values
     return None
+
+
+def _revision(note: dict[str, Any]) -> int:
+    revision = note.get("revision")
+    return revision if isinstance(revision, int) else -1
 
 
 def _answered_calls(conversation: Sequence[Message], skip: set[str]) -> set[tuple[str, str]]:
@@ -231,14 +248,60 @@ def _answered_calls(conversation: Sequence[Message], skip: set[str]) -> set[tupl
     return answered
 
 
+def _refused(call: ToolCallPart, refused_by: str, session: Session[Any]) -> bool:
+    where = f"session {session.id!r}, tool call {call.call_id!r}"
+    return read_record(call.notes, refused_by, BudgetRefusal, where=where) is not None
+
+
+def _ledger_spent(session: Session[Any], scope: Scope, run_start_revision: int) -> Spent | None:
+    """What ``scope`` spent, from the latest ledger; ``None`` when the records must be counted.
+
+    O(messages since the latest model call); for a run, O(messages of the run).
+    """
+    view = latest_ledger(session)
+    if view.legacy:
+        return None
+    ledger = view.ledger
+    if ledger is None:
+        return Spent()  # no model call recorded at all
+    if scope == "session":
+        return ledger.session
+    if scope == "turn":
+        return Spent() if view.turn_start is not None else ledger.turn
+    if ledger.revision < run_start_revision:
+        return Spent()  # the latest call was made before this run began
+    before = latest_ledger(session, before_revision=run_start_revision)  # O(the run)
+    if before.legacy:
+        return None
+    return ledger.session - (before.ledger.session if before.ledger else Spent())
+
+
 def budget_usage(
-    session: Session[Any], scope: Scope, *, run_start_revision: int = 0, refused_by: str = "budget"
+    session: Session[Any],
+    scope: Scope,
+    *,
+    run_start_revision: int = 0,
+    refused_by: str = "budget",
+    tool_calls: bool = True,
 ) -> BudgetUsage:
     """Count what ``scope`` of ``session`` has used (see the module docs for the rules).
 
     ``refused_by`` names the budget step whose refused tool calls are not
-    counted.
+    counted. With ``tool_calls=False`` the tool calls are not counted (left
+    empty), and model calls and tokens come from the ledger when the session
+    has one: O(messages since the latest model call).
     """
+    if not tool_calls:
+        spent = _ledger_spent(session, scope, run_start_revision)
+        if spent is not None:
+            return BudgetUsage(spent.model_calls, spent.input_tokens, spent.output_tokens)
+    return _counted_usage(session, scope, run_start_revision, refused_by)
+
+
+def _counted_usage(
+    session: Session[Any], scope: Scope, run_start_revision: int, refused_by: str
+) -> BudgetUsage:
+    """:func:`budget_usage` by reading every record (O(history))."""
     conversation = session.conversation
     start = turn_start(conversation) if scope == "turn" else -1
     calls = input_tokens = output_tokens = 0
@@ -255,9 +318,7 @@ def budget_usage(
         note = _inference_note(message)
         if message.role != "assistant":
             # Other steps' model calls (a compaction summary, ...) count as calls too.
-            if note is not None and (
-                scope != "run" or int(note.get("revision", -1)) >= run_start_revision
-            ):
+            if note is not None and (scope != "run" or _revision(note) >= run_start_revision):
                 calls += int(note["attempts"])
                 usage = note.get("usage") or {}
                 input_tokens += int(usage.get("input_tokens", 0))
@@ -280,7 +341,7 @@ def budget_usage(
         tool_calls.extend(
             (message.id, call.call_id)
             for call in message.tool_calls
-            if not call.notes.get(refused_by, {}).get("refused")
+            if not _refused(call, refused_by, session)
             and (message.visible_to_model or (message.id, call.call_id) in answered)
         )
     return BudgetUsage(
@@ -366,14 +427,23 @@ class Budget(Operation[Any]):
 
     # -- counting -------------------------------------------------------------------
 
-    def _usage(self, session: Session[Any], scope: Scope, run_start: int) -> BudgetUsage:
-        return budget_usage(session, scope, run_start_revision=run_start, refused_by=self._name)
+    def _usage(
+        self, session: Session[Any], scope: Scope, run_start: int, limits: Limits
+    ) -> BudgetUsage:
+        """What ``scope`` used; tool calls are counted only under a tool-call limit."""
+        return budget_usage(
+            session,
+            scope,
+            run_start_revision=run_start,
+            refused_by=self._name,
+            tool_calls=limits.tool_calls is not None,
+        )
 
     def remaining(self, session: Session[Any], run_start_revision: int) -> dict[str, int]:
         """What is left of each limited quantity, over all scopes (the minimum)."""
         left: dict[str, int] = {}
         for scope, limits in self._scopes:
-            usage = self._usage(session, scope, run_start_revision)
+            usage = self._usage(session, scope, run_start_revision, limits)
             for limit in _LIMIT_NAMES:
                 allowed = getattr(limits, limit)
                 if allowed is not None:
@@ -385,7 +455,7 @@ class Budget(Operation[Any]):
         self, session: Session[Any], run_start: int, limits_of: Sequence[LimitName]
     ) -> dict[str, Any] | None:
         for scope, limits in self._scopes:
-            usage = self._usage(session, scope, run_start)
+            usage = self._usage(session, scope, run_start, limits)
             for limit in limits_of:
                 allowed = getattr(limits, limit)
                 if allowed is not None and usage.used(limit) >= allowed:
@@ -398,11 +468,14 @@ class Budget(Operation[Any]):
         return None
 
     def _objection(self, session: Session[Any], run_start: int, call: ToolCallPart) -> str | None:
+        """Why ``call`` is over a tool-call limit; ``None`` at once without such a limit."""
+        if all(limits.tool_calls is None for _, limits in self._scopes):
+            return None
         positions = _positions_of(session.conversation, call)
         for scope, limits in self._scopes:
             if limits.tool_calls is None:
                 continue
-            counted = self._usage(session, scope, run_start).tool_call_positions
+            counted = self._usage(session, scope, run_start, limits).tool_call_positions
             if any(
                 position in positions and index >= limits.tool_calls
                 for index, position in enumerate(counted)
@@ -452,9 +525,10 @@ class Budget(Operation[Any]):
             reason = objections[call.call_id] or ""
             # The open call's own message (with a repeated call id, not the first holder).
             where = _positions_of(conversation, call)[-1][0]
-            effects.append(Annotate(where, self._name, {"refused": reason}, call_id=call.call_id))
+            refusal = note_value(BudgetRefusal(refused=reason))
+            effects.append(Annotate(where, self._name, refusal, call_id=call.call_id))
             result = ToolResultPart.for_call(call, reason, is_error=True)
-            note = {self._name: {"refused": call.call_id}}
+            note = {self._name: note_value(BudgetRefusal(refused=call.call_id))}
             effects.append(AppendMessage(Message.tool_result(result, id=ctx.new_id(), notes=note)))
         return Yield(
             effects,

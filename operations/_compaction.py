@@ -14,11 +14,11 @@ messages and records one :class:`~stepmachine.ReplaceConversation` in which:
   visible, and so do the last ``keep_rounds`` rounds (a round starts at an
   assistant message);
 * every other visible message is hidden from the model (``visible_to_model=False``,
-  noted ``{"<name>": {"summarised_into": <summary id>}}``), never deleted, and
-  stays visible to users;
+  noted with a :class:`CompactionMark` whose ``summarised_into`` is the summary's
+  id), never deleted, and stays visible to users;
 * a summary message (role ``user``, hidden from users, who still see the
   originals) is inserted right before the first message kept after the cut.
-  Its notes, under the step's name, hold the receipt: ``kind: "summary"``,
+  Its notes, under the step's name, hold the receipt, a :class:`CompactionReceipt`:
   ``summarised`` (message ids), ``tokens_before``/``tokens_after`` (estimated,
   visible conversation), ``model``, ``trigger``, ``usage``, ``revision``.
 
@@ -37,8 +37,8 @@ No progress, no loop: when nothing but earlier summaries lies before the cut,
 or the summariser's answer is empty or does not make the conversation smaller,
 the step yields ``compaction_stuck`` (``data["reason"]``: ``nothing_to_summarise``,
 ``empty_summary`` or ``not_smaller``). The last two cost a model call, so they
-are recorded on the last visible message (``{"<name>": {"stuck": reason}}``)
-and not retried until a new message arrives. With ``on_stuck="proceed"`` a
+are recorded on the last visible message (a :class:`CompactionMark` with
+``stuck`` set) and not retried until a new message arrives. With ``on_stuck="proceed"`` a
 threshold-triggered compaction that is stuck lets inference go ahead instead
 (an overflow always yields: inference would only fail again).
 
@@ -54,6 +54,12 @@ After a reactive compaction the ``context_length_exceeded`` mark of the last
 message is set back to ``False`` (an ``Annotate`` in the inference step's
 namespace), so that another overflow leads to another compaction, or to a
 ``compaction_stuck`` yield, rather than to ``ModelInference`` raising.
+
+Cost per cycle: deciding whether to compact reads the session's history index
+(the last visible message, validity, and the token estimate of the visible
+messages it keeps, :attr:`stepmachine.HistoryIndex.estimated_tokens`), never
+the whole history -- with the default ``count_tokens``. A custom counter is
+called with the visible messages, each cycle the model is about to be asked.
 """
 
 from __future__ import annotations
@@ -69,24 +75,31 @@ from stepmachine import (
     ConfigurationError,
     Continue,
     Effect,
+    InferenceAttempts,
     Message,
     ModelRequest,
     ModelSettings,
     Operation,
     Outcome,
     PromptPart,
-    ReasoningPart,
     Refuse,
     ReplaceConversation,
+    Session,
     StepContext,
     TextPart,
     ToolCallPart,
     ToolResultPart,
+    Usage,
     Yield,
     YieldReason,
-    history_problems,
+    estimate_tokens,
     needs_answer,
+    next_ledger,
+    note_value,
+    read_record,
 )
+
+from ._records import CompactionMark, CompactionReceipt
 
 __all__ = [
     "COMPACTION",
@@ -94,6 +107,8 @@ __all__ = [
     "SUMMARY_PREFIX",
     "SUMMARY_PROMPT",
     "Compaction",
+    "CompactionMark",
+    "CompactionReceipt",
     "estimate_tokens",
     "render_transcript",
 ]
@@ -117,33 +132,40 @@ SUMMARY_PROMPT: Final = (
 """The default system prompt of the summariser request."""
 
 
-def _message_chars(message: Message) -> int:
-    chars = 0
-    for part in message.parts:
-        if isinstance(part, TextPart | ReasoningPart):
-            chars += len(part.text)
-        elif isinstance(part, ToolCallPart):
-            chars += len(part.name) + len(part.raw_arguments)
-        elif isinstance(part, ToolResultPart):
-            chars += len(part.content)
-    return chars
+def _summary_receipt(message: Message, namespace: str) -> CompactionReceipt | None:
+    """The receipt of a summary message, or ``None`` for any other message."""
+    value = message.notes.get(namespace)
+    if not (isinstance(value, dict) and value.get("kind") == "summary"):
+        return None
+    where = f"message {message.id!r}"
+    return read_record(message.notes, namespace, CompactionReceipt, where=where)
 
 
-def estimate_tokens(messages: Sequence[Message]) -> int:
-    """A cheap token estimate: 4 per message plus a quarter of the characters.
+def _mark(message: Message, namespace: str) -> CompactionMark | None:
+    """The compaction mark on ``message``, or ``None`` (none, or it is a summary)."""
+    value = message.notes.get(namespace)
+    if value is None or (isinstance(value, dict) and value.get("kind") == "summary"):
+        return None
+    return read_record(message.notes, namespace, CompactionMark, where=f"message {message.id!r}")
 
-    Counts text, reasoning text, tool names and raw arguments, and tool result
-    content. Pass your own counter (a tokenizer) to :class:`Compaction` for
-    precision; any ``Callable[[Sequence[Message]], int]`` works.
-    """
-    return sum(4 + (_message_chars(m) + 3) // 4 for m in messages)
+
+def _overflowed(message: Message) -> list[str]:
+    """The namespaces in which an inference step marked ``message`` context_length_exceeded."""
+    marked = []
+    for namespace, value in message.notes.items():
+        if isinstance(value, dict) and CONTEXT_LENGTH_EXCEEDED in value:
+            where = f"message {message.id!r}"
+            attempts = read_record(message.notes, namespace, InferenceAttempts, where=where)
+            if attempts is not None and attempts.context_length_exceeded:
+                marked.append(namespace)
+    return sorted(marked)
 
 
 def render_transcript(messages: Sequence[Message], *, summary_namespace: str = COMPACTION) -> str:
     """The messages as a plain-text transcript for the summariser."""
     lines: list[str] = []
     for message in messages:
-        if message.notes.get(summary_namespace, {}).get("kind") == "summary":
+        if _summary_receipt(message, summary_namespace) is not None:
             text = message.text.removeprefix(SUMMARY_PREFIX).strip()
             lines.append(f"[summary of what came before]\n{text}")
             continue
@@ -249,30 +271,36 @@ class Compaction(Operation[Any]):
         return self._name
 
     def _is_summary(self, message: Message) -> bool:
-        return bool(message.notes.get(self._name, {}).get("kind") == "summary")
+        return _summary_receipt(message, self._name) is not None
+
+    def _size(self, session: Session[Any]) -> int:
+        """The estimated size of the visible conversation (kept by the index by default)."""
+        if self._count is estimate_tokens:
+            return session.history.estimated_tokens
+        return self._count(session.visible_to_model)
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
         session = ctx.session
-        if not needs_answer(session.conversation):
+        if not needs_answer(session):
             return Refuse("the model is not about to be asked")
-        positions = [i for i, m in enumerate(session.conversation) if m.visible_to_model]
-        visible = [session.conversation[i] for i in positions]
-        if history_problems(visible):
+        index = session.history
+        if not index.valid:
             return Refuse("the visible history is invalid; place HistoryGuard before Compaction")
-        last = visible[-1]
-        overflow = sorted(ns for ns, v in last.notes.items() if v.get(CONTEXT_LENGTH_EXCEEDED))
-        before = self._count(visible)
+        last = session.conversation[index.last_visible]
+        overflow = _overflowed(last)
+        before = self._size(session)
         if not overflow and before <= self._threshold:
             return Refuse(f"{before} estimated tokens, within the threshold {self._threshold}")
+        visible = list(session.visible_to_model)
         trigger = CONTEXT_LENGTH_EXCEEDED if overflow else "threshold"
         details: dict[str, Any] = {
             "trigger": trigger,
             "tokens": before,
             "threshold": self._threshold,
         }
-        recorded = last.notes.get(self._name, {}).get("stuck")
-        if recorded:
-            return self._stuck(str(recorded), details, [])
+        mark = _mark(last, self._name)
+        if mark is not None and mark.stuck:
+            return self._stuck(mark.stuck, details, [])
         plan = self._plan(visible)
         if plan is None:
             return self._stuck("nothing_to_summarise", details, [])
@@ -294,6 +322,8 @@ class Compaction(Operation[Any]):
         request = ctx.shape_request(request)
         response = await model.request(request)
         text = "".join(p.text for p in response.parts if isinstance(p, TextPart)).strip()
+        spent = Usage(response.usage.input_tokens, response.usage.output_tokens)
+        ledger = next_ledger(session, response.attempts, spent, on=last)
 
         summary_id = ctx.new_id()
         summarised_ids = {m.id for m in summarised}
@@ -310,7 +340,7 @@ class Compaction(Operation[Any]):
                 conversation.append(summary)
             if message.id in summarised_ids:
                 notes = dict(message.notes)
-                notes[self._name] = {**notes.get(self._name, {}), "summarised_into": summary_id}
+                notes[self._name] = self._summarised_note(message, summary_id)
                 conversation.append(
                     msgspec.structs.replace(message, visible_to_model=False, notes=notes)
                 )
@@ -320,39 +350,59 @@ class Compaction(Operation[Any]):
         if not text or after >= before:
             reason = "empty_summary" if not text else "not_smaller"
             details["tokens_after"] = after
-            note = Annotate(
-                last.id,
-                self._name,
-                # The summariser call happened: record it like any model call, so budgets count it.
-                {
-                    "stuck": reason,
-                    "revision": session.revision,
-                    "attempts": response.attempts,
-                    "usage": {
-                        "input_tokens": response.usage.input_tokens,
-                        "output_tokens": response.usage.output_tokens,
-                    },
-                },
+            # The summariser call happened: record it like any model call, so budgets count it.
+            stuck = msgspec.structs.replace(
+                mark or CompactionMark(),
+                stuck=reason,
+                revision=session.revision,
+                attempts=response.attempts,
+                usage=spent,
+                ledger=ledger,
             )
+            note = Annotate(last.id, self._name, note_value(stuck))
             return self._stuck(reason, details, [note])
         usage = response.usage
-        receipt: dict[str, Any] = {
-            "kind": "summary",
-            "summarised": [m.id for m in summarised],
-            "tokens_before": before,
-            "tokens_after": after,
-            "model": response.model or model.name,
-            "trigger": trigger,
-            "cut": plan.mode,
-            "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
-            "revision": session.revision,
-            "attempts": response.attempts,
-        }
-        index = conversation.index(summary)
-        conversation[index] = msgspec.structs.replace(summary, notes={self._name: receipt})
-        effects: list[Effect] = [ReplaceConversation(tuple(conversation))]
-        effects.extend(Annotate(last.id, ns, {CONTEXT_LENGTH_EXCEEDED: False}) for ns in overflow)
+        receipt = CompactionReceipt(
+            summarised=[m.id for m in summarised],
+            tokens_before=before,
+            tokens_after=after,
+            model=response.model or model.name,
+            trigger=trigger,
+            cut=plan.mode,
+            usage=Usage(usage.input_tokens, usage.output_tokens),
+            revision=session.revision,
+            attempts=response.attempts,
+            ledger=ledger,
+        )
+        position = conversation.index(summary)
+        conversation[position] = msgspec.structs.replace(
+            summary, notes={self._name: note_value(receipt)}
+        )
+        # The receipt counts the call for records read one by one; the ledger goes on the
+        # last message, where readers of the running totals look first.
+        effects: list[Effect] = [
+            ReplaceConversation(tuple(conversation)),
+            Annotate(
+                last.id,
+                self._name,
+                note_value(msgspec.structs.replace(mark or CompactionMark(), ledger=ledger)),
+            ),
+        ]
+        for namespace in overflow:
+            where = f"session {session.id!r}, message {last.id!r}"
+            marked = read_record(last.notes, namespace, InferenceAttempts, where=where)
+            assert marked is not None  # _overflowed read it
+            reset = msgspec.structs.replace(marked, context_length_exceeded=False)
+            effects.append(Annotate(last.id, namespace, note_value(reset)))
         return Continue(effects)
+
+    def _summarised_note(self, message: Message, summary_id: str) -> dict[str, Any]:
+        """The notes of a message a summary replaces (an earlier summary keeps its receipt)."""
+        receipt = _summary_receipt(message, self._name)
+        if receipt is not None:
+            return note_value(msgspec.structs.replace(receipt, summarised_into=summary_id))
+        mark = _mark(message, self._name) or CompactionMark()
+        return note_value(msgspec.structs.replace(mark, summarised_into=summary_id))
 
     def _stuck(self, reason: str, details: dict[str, Any], effects: list[Effect]) -> Outcome:
         if details["trigger"] == "threshold" and self._on_stuck == "proceed":

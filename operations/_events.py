@@ -4,9 +4,10 @@ An application hands events to a session with :func:`submit_event` (a
 webhook arrived, the user sent a steering message, a job finished). Each
 event is persisted at once, from outside any machine, as one kernel effect:
 an appended message hidden from the model and the user (role ``system``,
-id ``"<namespace>:<event id>"``) whose notes hold the event::
+id ``"<namespace>:<event id>"``) whose notes hold the event, a typed record
+(:class:`EventRecord`)::
 
-    {"<namespace>": {"event": {"id", "kind", "payload", "submitted_at"}}}
+    {"<namespace>": {"event": EventRecord}}
 
 Submitting an ``event_id`` that the session already holds is ignored (the
 message id is derived from it, and ``AppendMessage`` refuses a repeated id,
@@ -16,16 +17,17 @@ so even racing submitters store it once).
 pending (not yet consumed, oldest first by position in the conversation,
 which is submission order) and no tool call is open, it returns ``Continue``
 with ONE batch that, per event in order, marks the event message consumed
-(``{"consumed": True, "consumed_at": ..., "delivered_as": <message id or
-None>}``) and appends what the model should see (by default a user message
+(an :class:`EventConsumed` record filling the namespace beside ``"event"``)
+and appends what the model should see (by default a user message
 ``[event <kind>] <payload>``; see ``render`` and :meth:`ExternalEvents.event_effects`).
 Marking and delivering are one atomic compare-and-set batch, so a crash or a
 concurrent machine can never consume an event twice, and a fresh machine
 decides the same (invariant 1).
 
 Waiting. The session waits when a wait marker is set and not yet satisfied
-(:func:`wait_for` builds the ``Annotate`` that sets one, for any step or the
-application to apply; consuming an event of a matching kind satisfies it),
+(:func:`wait_for` builds the ``Annotate`` that sets one, a :class:`WaitMarker`
+record, for any step or the application to apply; consuming an event of a
+matching kind satisfies it),
 or when ``wait_when(session)`` is true. Waiting with nothing pending, the
 step yields with reason ``awaiting_event`` (``data``: the marker's message id
 and kinds), with no effects. Otherwise it refuses.
@@ -37,6 +39,10 @@ calls are open (a user message must not split calls from their results).
 
 Compaction must hide consumed event messages rather than delete them: a
 deleted one cannot be recognised as a duplicate if submitted again.
+
+Cost per cycle: the step reads only the messages with notes in its namespace
+(:meth:`stepmachine.HistoryIndex.noted`: events, markers, delivered messages),
+never the whole history.
 
 Cancellation: consumption is a single batch; nothing to finalize.
 """
@@ -67,14 +73,22 @@ from stepmachine import (
     TextPart,
     Yield,
     YieldReason,
+    note_value,
     open_tool_calls,
+    read_record,
     submit,
 )
 
+from ._records import EventConsumed, EventDelivery, EventRecord, WaitMarker
+
 __all__ = [
+    "EventConsumed",
+    "EventDelivery",
     "EventReceipt",
+    "EventRecord",
     "ExternalEvent",
     "ExternalEvents",
+    "WaitMarker",
     "consumed_events",
     "pending_events",
     "submit_event",
@@ -114,37 +128,46 @@ class EventReceipt(msgspec.Struct, frozen=True):
     revision: int
 
 
-def _event_of(message: Message, namespace: str) -> ExternalEvent | None:
-    record = message.notes.get(namespace, {}).get("event")
-    if not isinstance(record, dict):
-        return None
-    return ExternalEvent(
-        id=str(record["id"]),
-        kind=str(record["kind"]),
-        payload=record.get("payload"),
-        submitted_at=float(record.get("submitted_at", 0.0)),
-        message_id=message.id,
-    )
+def _where(session: Session[Any], message: Message) -> str:
+    return f"session {session.id!r}, message {message.id!r}"
+
+
+def _events(session: Session[Any], namespace: str) -> list[tuple[ExternalEvent, bool]]:
+    """Every event with whether it was consumed, in submission order.
+
+    Reads the messages with notes in ``namespace`` only (the history index).
+    """
+    conversation = session.conversation
+    found: list[tuple[int, ExternalEvent, bool]] = []
+    for position, call_id in session.history.noted(namespace):
+        if call_id is not None:
+            continue
+        message = conversation[position]
+        where = _where(session, message)
+        record = read_record(message.notes, namespace, EventRecord, key="event", where=where)
+        if record is None:
+            continue  # a marker or a delivered message
+        consumed = read_record(message.notes, namespace, EventConsumed, where=where)
+        event = ExternalEvent(
+            id=record.id,
+            kind=record.kind,
+            payload=record.payload,
+            submitted_at=record.submitted_at,
+            message_id=message.id,
+        )
+        found.append((position, event, consumed is not None and consumed.consumed))
+    found.sort(key=lambda item: item[0])
+    return [(event, consumed) for _, event, consumed in found]
 
 
 def pending_events(session: Session[Any], namespace: str = "events") -> list[ExternalEvent]:
     """Events submitted and not yet consumed, in submission order."""
-    return [
-        event
-        for message in session.conversation
-        if not message.notes.get(namespace, {}).get("consumed")
-        and (event := _event_of(message, namespace)) is not None
-    ]
+    return [event for event, consumed in _events(session, namespace) if not consumed]
 
 
 def consumed_events(session: Session[Any], namespace: str = "events") -> list[ExternalEvent]:
     """Events already consumed, in submission order."""
-    return [
-        event
-        for message in session.conversation
-        if message.notes.get(namespace, {}).get("consumed")
-        and (event := _event_of(message, namespace)) is not None
-    ]
+    return [event for event, consumed in _events(session, namespace) if consumed]
 
 
 def wait_for(message_id: str, *kinds: str, namespace: str = "events") -> Annotate:
@@ -154,7 +177,7 @@ def wait_for(message_id: str, *kinds: str, namespace: str = "events") -> Annotat
     :func:`stepmachine.submit`. The marker sits on message ``message_id``;
     consuming a matching event satisfies it.
     """
-    return Annotate(message_id, namespace, {"awaiting": list(kinds), "satisfied_by": None})
+    return Annotate(message_id, namespace, note_value(WaitMarker(awaiting=list(kinds))))
 
 
 async def submit_event(
@@ -185,17 +208,14 @@ async def submit_event(
     """
     event_id = event_id if event_id is not None else uuid.uuid4().hex
     message_id = f"{namespace}:{event_id}"
-    record = {
-        "id": event_id,
-        "kind": kind,
-        "payload": msgspec.to_builtins(payload),
-        "submitted_at": clock(),
-    }
+    record = EventRecord(
+        id=event_id, kind=kind, payload=msgspec.to_builtins(payload), submitted_at=clock()
+    )
     message = Message(
         id=message_id,
         role="system",
         parts=(TextPart(f"event {kind} {event_id}"),),
-        notes={namespace: {"event": record}},
+        notes={namespace: {"event": note_value(record)}},
         visible_to_model=False,
         visible_to_user=False,
     )
@@ -252,13 +272,25 @@ class ExternalEvents(Operation[Any]):
         return self._name
 
     def _markers(self, session: Session[Any]) -> list[tuple[str, list[str]]]:
-        """Unsatisfied wait markers: (message id, kinds), oldest first."""
-        markers = []
-        for message in session.conversation:
-            note = message.notes.get(self._name, {})
-            if isinstance(note.get("awaiting"), list) and not note.get("satisfied_by"):
-                markers.append((message.id, [str(k) for k in note["awaiting"]]))
-        return markers
+        """Unsatisfied wait markers: (message id, kinds), oldest first.
+
+        Reads the messages with notes in this step's namespace only.
+        """
+        conversation = session.conversation
+        markers: list[tuple[int, str, list[str]]] = []
+        for position, call_id in session.history.noted(self._name):
+            if call_id is not None:
+                continue
+            message = conversation[position]
+            note = message.notes[self._name]
+            if isinstance(note, dict) and "awaiting" not in note:
+                continue  # an event or a delivered message
+            where = _where(session, message)
+            marker = read_record(message.notes, self._name, WaitMarker, where=where)
+            if marker is not None and not marker.satisfied_by:
+                markers.append((position, message.id, marker.awaiting))
+        markers.sort(key=lambda item: item[0])
+        return [(message_id, kinds) for _, message_id, kinds in markers]
 
     def event_effects(self, ctx: StepContext[Any], event: ExternalEvent) -> list[Effect]:
         """The effects that consume ``event``: mark it, deliver it.
@@ -277,17 +309,19 @@ class ExternalEvents(Operation[Any]):
                 id=ctx.new_id(),
                 role="user",
                 parts=(TextPart(rendered),),
-                notes={self._name: {"event_id": event.id, "kind": event.kind}},
+                notes={self._name: note_value(EventDelivery(event_id=event.id, kind=event.kind))},
             )
         effects: list[Effect] = [
             Annotate(
                 event.message_id,
                 self._name,
-                {
-                    "consumed": True,
-                    "consumed_at": ctx.runtime.clock(),
-                    "delivered_as": delivered.id if delivered is not None else None,
-                },
+                note_value(
+                    EventConsumed(
+                        consumed=True,
+                        consumed_at=ctx.runtime.clock(),
+                        delivered_as=delivered.id if delivered is not None else None,
+                    )
+                ),
             )
         ]
         if delivered is not None:
@@ -304,7 +338,8 @@ class ExternalEvents(Operation[Any]):
                 effects.extend(self.event_effects(ctx, event))
                 for marker in list(markers):
                     if not marker[1] or event.kind in marker[1]:
-                        effects.append(Annotate(marker[0], self._name, {"satisfied_by": event.id}))
+                        satisfied = WaitMarker(awaiting=marker[1], satisfied_by=event.id)
+                        effects.append(Annotate(marker[0], self._name, note_value(satisfied)))
                         markers.remove(marker)
             return Continue(effects)
         if markers:

@@ -20,7 +20,6 @@ from typing import Any, Final
 import msgspec
 
 from stepmachine import (
-    JOURNAL,
     Annotate,
     AppendMessage,
     Continue,
@@ -39,6 +38,7 @@ from stepmachine import (
     ToolCallPart,
     ToolResultPart,
     apply_effects,
+    journal_entry,
 )
 
 __all__ = [
@@ -240,7 +240,8 @@ def fsck(session: Session[Any]) -> list[Problem]:
 
 
 def _orphan_content(call: ToolCallPart, why: str) -> str:
-    if "intent" in call.notes.get(JOURNAL, {}):
+    journal = journal_entry(call)
+    if journal is not None and journal.intent:
         return (
             f"orphaned: no result was recorded for this tool call and it can no longer be "
             f"answered ({why}). It was started, so its outcome is unknown."

@@ -77,6 +77,15 @@ Placement: before ``Approval`` and ``Tools`` (it decides before anything
 asks a human or runs), after ``Budget``, and after a standalone
 ``StructuredOutput`` (which answers its own output call, invalid or not).
 
+Notes are typed records (:class:`stepmachine.Record`), under the step's
+name: :class:`InvalidCallsDecision` on the message that held the invalid
+calls, :class:`InvalidCallsRepair` on a repaired copy,
+:class:`InvalidCallsFeedback` on a retry's feedback message and
+:class:`InvalidCallsSkipped` on a "not executed" result.
+
+Cost per cycle: with no open tool call the step answers from the history
+index; otherwise it reads the latest assistant message and what follows it.
+
 Cancellation: nothing to finalize; decisions are single batches.
 """
 
@@ -91,6 +100,7 @@ from typing import Any, Final, Literal, TypeAlias
 import msgspec
 
 from stepmachine import (
+    FEEDBACK,
     Annotate,
     AppendMessage,
     ConfigurationError,
@@ -101,6 +111,7 @@ from stepmachine import (
     Outcome,
     Refuse,
     RunError,
+    Session,
     SetVisibility,
     StepContext,
     TextPart,
@@ -112,14 +123,26 @@ from stepmachine import (
     Yield,
     YieldReason,
     effective_arguments,
+    note_value,
+    read_record,
 )
 
-from ._budget import FEEDBACK, SUPERSEDES, turn_start
+from ._budget import SUPERSEDES, turn_start
+from ._records import (
+    InvalidCallsDecision,
+    InvalidCallsFeedback,
+    InvalidCallsRepair,
+    InvalidCallsSkipped,
+)
 
 __all__ = [
     "INVALID_TOOL_CALL",
     "CallProblem",
     "InvalidCalls",
+    "InvalidCallsDecision",
+    "InvalidCallsFeedback",
+    "InvalidCallsRepair",
+    "InvalidCallsSkipped",
     "InvalidToolCallError",
     "schema_errors",
 ]
@@ -168,6 +191,15 @@ class CallProblem:
             "case": self.case,
             "detail": self.detail,
         }
+
+
+def _decision(message: Message, namespace: str) -> InvalidCallsDecision | None:
+    """The decision recorded on ``message`` (``None``: none, or another record of the step)."""
+    value = message.notes.get(namespace)
+    if value is None or (isinstance(value, dict) and "action" not in value):
+        return None
+    where = f"message {message.id!r}"
+    return read_record(message.notes, namespace, InvalidCallsDecision, where=where)
 
 
 # -- a small JSON-schema checker -------------------------------------------------------
@@ -391,9 +423,15 @@ class InvalidCalls(Operation[Any]):
 
     # -- finding problems -------------------------------------------------------------
 
-    def _target(self, conversation: Sequence[Message]) -> tuple[int, Message] | None:
-        """The latest visible assistant message with tool calls, if one of them is open."""
-        for index in range(len(conversation) - 1, -1, -1):
+    def _target(self, session: Session[Any]) -> tuple[int, Message] | None:
+        """The latest visible assistant message with tool calls, if one of them is open.
+
+        O(1) when no call is open; otherwise it reads back to that message.
+        """
+        if not session.history.has_open_calls:
+            return None
+        conversation = session.conversation
+        for index in range(session.history.last_visible, -1, -1):
             message = conversation[index]
             if not message.visible_to_model or message.role != "assistant":
                 continue
@@ -407,17 +445,31 @@ class InvalidCalls(Operation[Any]):
 
     def problems(
         self,
-        conversation: Sequence[Message],
+        conversation: Sequence[Message] | Session[Any],
         index: int,
         definitions: Sequence[ToolDefinition],
         *,
         open_only: bool = True,
     ) -> list[CallProblem]:
-        """Every problem of the calls of ``conversation[index]`` (unanswered ones only)."""
-        message = conversation[index]
-        earlier = {
-            c.call_id for m in conversation[:index] if m.visible_to_model for c in m.tool_calls
-        }
+        """Every problem of the calls of ``conversation[index]`` (unanswered ones only).
+
+        Given a session, whether a call id repeats an earlier call comes from
+        its history index; given messages, from reading those before ``index``.
+        """
+        if isinstance(conversation, Session):
+            history = conversation.history
+            conversation = conversation.conversation
+            message = conversation[index]
+            earlier = set()
+            for call in message.tool_calls:
+                first = history.first_visible_call(call.call_id)
+                if first is not None and first < index:
+                    earlier.add(call.call_id)
+        else:
+            message = conversation[index]
+            earlier = {
+                c.call_id for m in conversation[:index] if m.visible_to_model for c in m.tool_calls
+            }
         answered = _answered_after(conversation, index) if open_only else set()
         schemas = {d.name: d.parameters for d in definitions}
         found: list[CallProblem] = []
@@ -466,10 +518,10 @@ class InvalidCalls(Operation[Any]):
 
     def check_call(self, ctx: StepContext[Any], call: ToolCallPart) -> str | None:
         """Object to a call with a problem, so no tool step runs it."""
-        target = self._target(ctx.session.conversation)
+        target = self._target(ctx.session)
         if target is None:
             return None
-        for problem in self.problems(ctx.session.conversation, target[0], ctx.tools):
+        for problem in self.problems(ctx.session, target[0], ctx.tools):
             if problem.call_id == call.call_id:
                 return f"invalid tool call ({problem.case}): {problem.detail}"
         return None
@@ -478,11 +530,11 @@ class InvalidCalls(Operation[Any]):
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
         conversation = ctx.session.conversation
-        target = self._target(conversation)
+        target = self._target(ctx.session)
         if target is None:
             return Refuse("no unanswered tool calls")
         index, message = target
-        found = self.problems(conversation, index, ctx.tools)
+        found = self.problems(ctx.session, index, ctx.tools)
         if not found:
             return Refuse("every tool call is valid")
         action = max((self._policies[p.case] for p in found), key=_POLICIES.index)
@@ -506,10 +558,10 @@ class InvalidCalls(Operation[Any]):
             )
         if action == "stop":
             effects: list[Effect] = []
-            if message.notes.get(self._name, {}).get("action") != "stop":
-                effects.append(
-                    Annotate(message.id, self._name, {"action": "stop", "problems": notes})
-                )
+            decided = _decision(message, self._name)
+            if decided is None or decided.action != "stop":
+                stop = InvalidCallsDecision(action="stop", problems=notes)
+                effects.append(Annotate(message.id, self._name, note_value(stop)))
             return Yield(
                 effects,
                 YieldReason(
@@ -529,7 +581,9 @@ class InvalidCalls(Operation[Any]):
         return sum(
             1
             for m in conversation[start + 1 :]
-            if m.role == "assistant" and m.notes.get(self._name, {}).get("action") == "retry"
+            if m.role == "assistant"
+            and (decided := _decision(m, self._name)) is not None
+            and decided.action == "retry"
         )
 
     def _retry(
@@ -545,7 +599,11 @@ class InvalidCalls(Operation[Any]):
             role="user",
             parts=(TextPart(text),),
             notes={
-                self._name: {"feedback_for": message.id, "problems": [p.as_note() for p in found]},
+                self._name: note_value(
+                    InvalidCallsFeedback(
+                        feedback_for=message.id, problems=[p.as_note() for p in found]
+                    )
+                ),
                 FEEDBACK: {"by": self._name},
             },
             visible_to_user=False,
@@ -555,7 +613,9 @@ class InvalidCalls(Operation[Any]):
             Annotate(
                 message.id,
                 self._name,
-                {"action": "retry", "problems": [p.as_note() for p in found]},
+                note_value(
+                    InvalidCallsDecision(action="retry", problems=[p.as_note() for p in found])
+                ),
             ),
             AppendMessage(feedback),
         ]
@@ -607,7 +667,9 @@ class InvalidCalls(Operation[Any]):
             notes={
                 **message.notes,
                 SUPERSEDES: {"message_id": message.id},
-                self._name: {"repaired_from": message.id, "repairs": repairs},
+                self._name: note_value(
+                    InvalidCallsRepair(repaired_from=message.id, repairs=repairs)
+                ),
             },
         )
         conversation = (*ctx.session.conversation, copy)
@@ -627,11 +689,13 @@ class InvalidCalls(Operation[Any]):
             Annotate(
                 message.id,
                 self._name,
-                {
-                    "action": action,
-                    "replaced_by": copy.id,
-                    "problems": [p.as_note() for p in found],
-                },
+                note_value(
+                    InvalidCallsDecision(
+                        action=action,
+                        problems=[p.as_note() for p in found],
+                        replaced_by=copy.id,
+                    )
+                ),
             ),
             AppendMessage(copy),
         ]
@@ -664,11 +728,15 @@ class InvalidCalls(Operation[Any]):
                 Annotate(
                     message.id,
                     self._name,
-                    {"action": "skip", "problems": [p.as_note() for p in found]},
+                    note_value(
+                        InvalidCallsDecision(action="skip", problems=[p.as_note() for p in found])
+                    ),
                 )
             )
         conversation = ctx.session.conversation
-        answered = _answered_after(conversation, conversation.index(message))
+        position = ctx.session.history.message_position(message.id)
+        assert position is not None  # the target is in the session
+        answered = _answered_after(conversation, position)
         details: dict[str, list[str]] = {}
         for problem in found:
             details.setdefault(problem.call_id, []).append(problem.detail)
@@ -683,7 +751,7 @@ class InvalidCalls(Operation[Any]):
             else:
                 content = "not executed: another tool call of this turn was invalid"
             result = ToolResultPart.for_call(call, content, is_error=True)
-            note = {self._name: {"skipped": call.call_id}}
+            note = {self._name: note_value(InvalidCallsSkipped(skipped=call.call_id))}
             effects.append(AppendMessage(Message.tool_result(result, id=ctx.new_id(), notes=note)))
         return effects
 

@@ -18,7 +18,7 @@ of three modes:
 
 A valid value is stored as JSON builtins in the notes of the final message
 (the assistant message holding the text or the output call), namespace
-``name``: ``{"output": ..., "mode": ...}``, and the step yields
+``name``: an :class:`OutputValue` record, and the step yields
 ``done`` with ``data={"output": ...}``. :func:`read_output` returns the typed
 value from a stored session. Calling ``run()`` again without a new user
 message yields the same ``done`` again (no model call).
@@ -28,7 +28,7 @@ every adapter reports for a provider's refusal) is never parsed as JSON: it
 counts as an invalid output whose error says the model refused and quotes it.
 
 An invalid output is re-prompted: in tool mode an error result answers the
-output call; otherwise the message is noted ``{"error": ...}`` and a feedback
+output call; otherwise the message is noted with an :class:`OutputError` and a feedback
 user message (marked :data:`~stepmachine.operations.FEEDBACK`, hidden
 from the user) explains the error. Each re-prompt is a model call, so a
 :class:`Budget` before inference counts and limits it. After ``max_retries``
@@ -55,6 +55,13 @@ alone. Wrapping inference (so listed after ``InvalidCalls``), an invalid
 output call meets the ``InvalidCalls`` policy for ``invalid_arguments``
 first (``"retry"`` re-prompts too; both count against a budget).
 
+Notes are typed records (:class:`stepmachine.Record`) under the step's name:
+:class:`OutputValue`, :class:`OutputError`, :class:`OutputAnswer` (on the
+results of the output call and its siblings) and :class:`OutputFeedback`.
+
+Cost per cycle: the step reads the last visible messages (back to the latest
+assistant message), never the whole history.
+
 Cancellation: the wrapped inference's ``finalize`` keeps partial text;
 otherwise decisions are single batches.
 """
@@ -69,12 +76,15 @@ from typing import Any, Final, Generic, Literal, TypeVar
 import msgspec
 
 from stepmachine import (
+    FEEDBACK,
     Annotate,
     AppendMessage,
     ConfigurationError,
     Continue,
     Effect,
     Inference,
+    InferenceReceipt,
+    InterruptedReply,
     Message,
     ModelRequest,
     Operation,
@@ -91,12 +101,24 @@ from stepmachine import (
     Yield,
     YieldReason,
     effective_arguments,
+    note_value,
     open_tool_calls,
+    read_record,
 )
 
-from ._budget import FEEDBACK, turn_start
+from ._budget import turn_start
+from ._records import OutputAnswer, OutputError, OutputFeedback, OutputValue
 
-__all__ = ["OUTPUT_INVALID", "NoOutputError", "StructuredOutput", "read_output"]
+__all__ = [
+    "OUTPUT_INVALID",
+    "NoOutputError",
+    "OutputAnswer",
+    "OutputError",
+    "OutputFeedback",
+    "OutputValue",
+    "StructuredOutput",
+    "read_output",
+]
 
 T = TypeVar("T")
 
@@ -110,16 +132,29 @@ _WRAP_KEY = "response"
 _REFUSALS = frozenset({"content_filter", "refusal"})
 
 
+def _record_of(message: Message, namespace: str, field: str, kind: type[Any]) -> Any:
+    """The ``kind`` record on ``message`` if its stored form has ``field`` (else ``None``).
+
+    The step keeps several records in one namespace, on different messages; the
+    field each one requires tells them apart, also in notes stored before they
+    were typed.
+    """
+    value = message.notes.get(namespace)
+    if value is None or (isinstance(value, dict) and field not in value):
+        return None
+    return read_record(message.notes, namespace, kind, where=f"message {message.id!r}")
+
+
 def _refusal(message: Message) -> str | None:
     """The finish reason an inference step noted when the reply is a refusal, else None.
 
     Every adapter reports a refusal (OpenAI ``refusal``, Anthropic ``stop_reason:
     refusal``) as text with finish reason ``"content_filter"``.
     """
-    for note in message.notes.values():
-        reason = note.get("finish_reason") if isinstance(note, dict) else None
-        if reason in _REFUSALS:
-            return str(reason)
+    for namespace in message.notes:
+        receipt = _record_of(message, namespace, "finish_reason", InferenceReceipt)
+        if receipt is not None and receipt.finish_reason in _REFUSALS:
+            return str(receipt.finish_reason)
     return None
 
 
@@ -130,14 +165,22 @@ class NoOutputError(RunError, LookupError):
 def read_output(session: Session[Any], output_type: type[T], name: str = "output") -> T:
     """The latest validated output stored in ``session`` by the step ``name``, typed.
 
+    Reads only the messages with notes in ``name`` (the history index).
+
     Raises:
         NoOutputError: no message carries an output in that namespace.
+        StoredDataError: the stored record is damaged.
         msgspec.ValidationError: the stored value does not fit ``output_type``.
     """
-    for message in reversed(session.conversation):
-        note = message.notes.get(name, {})
-        if "output" in note:
-            return msgspec.json.decode(msgspec.json.encode(note["output"]), type=output_type)
+    latest: tuple[int, OutputValue] | None = None
+    for position, call_id in session.history.noted(name):
+        if call_id is not None or (latest is not None and position < latest[0]):
+            continue
+        value = _record_of(session.conversation[position], name, "output", OutputValue)
+        if value is not None:
+            latest = (position, value)
+    if latest is not None:
+        return msgspec.json.decode(msgspec.json.encode(latest[1].output), type=output_type)
     raise NoOutputError(f"session {session.id!r} holds no output from step {name!r}")
 
 
@@ -272,14 +315,22 @@ class StructuredOutput(Operation[Any], Generic[T]):
 
     def _retries(self, conversation: Sequence[Message]) -> int:
         start = turn_start(conversation)
-        return sum(1 for m in conversation[start + 1 :] if "error" in m.notes.get(self._name, {}))
+        return sum(
+            1
+            for m in conversation[start + 1 :]
+            if _record_of(m, self._name, "error", OutputError) is not None
+        )
 
     # -- hooks --------------------------------------------------------------------------
 
     def _output_call(self, session: Session[Any]) -> tuple[Message, ToolCallPart] | None:
-        """The first open output call, with its message."""
+        """The first open output call, with its message (reads back to the latest assistant)."""
+        if not session.history.has_open_calls:
+            return None
         open_ids = {c.call_id for c in open_tool_calls(session)}
-        for message in reversed(session.conversation):
+        conversation = session.conversation
+        for position in range(session.history.last_visible, -1, -1):
+            message = conversation[position]
             if not message.visible_to_model or message.role != "assistant":
                 continue
             for call in message.tool_calls:
@@ -377,46 +428,56 @@ class StructuredOutput(Operation[Any], Generic[T]):
             if self._retries(ctx.session.conversation) >= self._max_retries:
                 return self._exhausted([], error)
             content = f"invalid final result: {error}. Call {self._tool_name!r} again, fixed."
-            return Continue([result(call, content, {"error": error, "call_id": call.call_id})])
+            invalid = note_value(OutputError(error=error, call_id=call.call_id))
+            return Continue([result(call, content, invalid)])
+        value = OutputValue(output=output, mode="tool", call_id=call.call_id)
+        accepted = note_value(OutputAnswer(accepted=call.call_id))
         effects: list[Effect] = [
-            Annotate(
-                message.id,
-                self._name,
-                {"output": output, "mode": "tool", "call_id": call.call_id},
-            ),
-            result(call, "Final result accepted.", {"accepted": call.call_id}),
+            Annotate(message.id, self._name, note_value(value)),
+            result(call, "Final result accepted.", accepted),
         ]
         open_ids = {c.call_id for c in open_tool_calls(ctx.session)}
+        skipped = note_value(OutputAnswer(skipped=True))
         effects.extend(
-            result(other, "not executed: the final result was given", {"skipped": True})
+            result(other, "not executed: the final result was given", skipped)
             for other in message.tool_calls
             if other.call_id != call.call_id and other.call_id in open_ids
         )
         return self._done(effects, output)
 
     def _settled(self, session: Session[Any]) -> Outcome | None:
-        """Re-yield a finished turn: ``done`` with its output, or ``output_invalid``."""
-        visible = session.visible_to_model
-        index = len(visible) - 1
-        while index >= 0 and visible[index].role == "tool":
-            index -= 1
-        if index < 0 or visible[index].role != "assistant":
+        """Re-yield a finished turn: ``done`` with its output, or ``output_invalid``.
+
+        Reads back from the last visible message over tool messages only.
+        """
+        conversation = session.conversation
+        last = session.history.last_visible
+        position = last
+        while position >= 0 and (
+            not conversation[position].visible_to_model or conversation[position].role == "tool"
+        ):
+            position -= 1
+        if position < 0 or conversation[position].role != "assistant":
             return None
-        note = visible[index].notes.get(self._name, {})
-        if "output" in note:
-            return self._done([], note["output"])
-        if "error" in note and index == len(visible) - 1 and not visible[index].tool_calls:
-            return self._exhausted([], str(note["error"]))
+        message = conversation[position]
+        value = _record_of(message, self._name, "output", OutputValue)
+        if value is not None:
+            return self._done([], value.output)
+        invalid = _record_of(message, self._name, "error", OutputError)
+        if invalid is not None and position == last and not message.tool_calls:
+            return self._exhausted([], invalid.error)
         return None
 
     def _unchecked_final(self, session: Session[Any]) -> Message | None:
-        visible = session.visible_to_model
-        if not visible:
+        if session.history.last_visible < 0:
             return None
-        last = visible[-1]
+        last = session.conversation[session.history.last_visible]
         if last.role != "assistant" or last.tool_calls or self._name in last.notes:
             return None
-        if any(v.get("interrupted") for v in last.notes.values()):
+        if any(
+            _record_of(last, namespace, "interrupted", InterruptedReply) is not None
+            for namespace in last.notes
+        ):
             return None  # a cancelled reply is not a final answer
         return last
 
@@ -440,8 +501,8 @@ class StructuredOutput(Operation[Any], Generic[T]):
         else:
             output, error = self._validate_text(message.text)
             advice = "Reply with only a JSON value matching the schema."
-        note: dict[str, Any] = (
-            {"output": output, "mode": self.mode} if error is None else {"error": error}
+        note = note_value(
+            OutputValue(output=output, mode=self.mode) if error is None else OutputError(error)
         )
         effects: list[Effect] = (
             [Annotate(message.id, self._name, note)]
@@ -460,7 +521,10 @@ class StructuredOutput(Operation[Any], Generic[T]):
             id=ctx.new_id(),
             role="user",
             parts=(TextPart(f"Your final answer was not valid: {error}. {advice}"),),
-            notes={self._name: {"feedback_for": message.id}, FEEDBACK: {"by": self._name}},
+            notes={
+                self._name: note_value(OutputFeedback(feedback_for=message.id)),
+                FEEDBACK: {"by": self._name},
+            },
             visible_to_user=False,
         )
         return Continue([*effects, AppendMessage(feedback)])

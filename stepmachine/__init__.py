@@ -82,8 +82,24 @@ from ._errors import (
     UnexpectedModelCallError,
 )
 from ._history import check_history, history_problems, open_tool_calls, request_order
-from ._index import HistoryIndex
-from ._inference import CONTEXT_LENGTH_EXCEEDED, ModelInference, needs_answer
+from ._index import HistoryIndex, estimate_tokens, message_tokens
+from ._inference import (
+    CONTEXT_LENGTH_EXCEEDED,
+    InferenceAttempts,
+    InferenceReceipt,
+    InterruptedReply,
+    ModelInference,
+    needs_answer,
+)
+from ._ledger import (
+    FEEDBACK,
+    Ledger,
+    LedgerView,
+    Spent,
+    latest_ledger,
+    next_ledger,
+    starts_turn,
+)
 from ._machine import (
     DEFAULT_MAX_CYCLES,
     FINALIZE_STEP,
@@ -116,6 +132,7 @@ from ._model import (
     ToolDefinition,
     Usage,
 )
+from ._records import TAG_FIELD, Record, note_value, read_record, record_types
 from ._runtime import Runtime, counter_ids, uuid_ids
 from ._session import NoData, Session
 from ._steps import (
@@ -131,7 +148,15 @@ from ._steps import (
     YieldReason,
 )
 from ._store import EffectHandler, SessionLoader, Store, submit
-from ._tool_step import JOURNAL, NOT_EXECUTED, OUTCOME_UNKNOWN, Tools, resolve_unknown_outcome
+from ._tool_step import (
+    JOURNAL,
+    NOT_EXECUTED,
+    OUTCOME_UNKNOWN,
+    JournalEntry,
+    Tools,
+    journal_entry,
+    resolve_unknown_outcome,
+)
 from ._tools import (
     EDITED_ARGUMENTS,
     SideEffects,
@@ -149,12 +174,14 @@ __all__ = [
     "CONTEXT_LENGTH_EXCEEDED",
     "DEFAULT_MAX_CYCLES",
     "EDITED_ARGUMENTS",
+    "FEEDBACK",
     "FINALIZE_STEP",
     "INTERRUPTED",
     "JOURNAL",
     "KERNEL_EFFECTS",
     "NOT_EXECUTED",
     "OUTCOME_UNKNOWN",
+    "TAG_FIELD",
     "Annotate",
     "AnswersUnknownTools",
     "AppendMessage",
@@ -183,8 +210,14 @@ __all__ = [
     "HistoryError",
     "HistoryIndex",
     "Inference",
+    "InferenceAttempts",
+    "InferenceReceipt",
+    "InterruptedReply",
     "InvalidFieldError",
     "InvalidSessionIdError",
+    "JournalEntry",
+    "Ledger",
+    "LedgerView",
     "Message",
     "Model",
     "ModelError",
@@ -203,6 +236,7 @@ __all__ = [
     "ReasoningChunk",
     "ReasoningDelta",
     "ReasoningPart",
+    "Record",
     "RecordingEmitter",
     "Refuse",
     "ReplaceConversation",
@@ -217,6 +251,7 @@ __all__ = [
     "SetVisibility",
     "ShapesRequests",
     "SideEffects",
+    "Spent",
     "StateMachine",
     "Step",
     "StepApplied",
@@ -256,13 +291,22 @@ __all__ = [
     "check_history",
     "counter_ids",
     "effective_arguments",
+    "estimate_tokens",
     "fingerprint",
     "history_problems",
     "idempotency_key",
+    "journal_entry",
+    "latest_ledger",
+    "message_tokens",
     "needs_answer",
+    "next_ledger",
+    "note_value",
     "open_tool_calls",
+    "read_record",
+    "record_types",
     "request_order",
     "resolve_unknown_outcome",
+    "starts_turn",
     "submit",
     "tool",
     "uuid_ids",

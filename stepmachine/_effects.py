@@ -169,6 +169,8 @@ class Annotate(Effect, frozen=True, gc=False, tag="annotate"):
             updated = msgspec.structs.replace(
                 message, notes=_merge(message.notes, self.namespace, self.values)
             )
+            if self.namespace not in message.notes:
+                history = history.noted_at(index, None, self.namespace)
         else:
             parts = list(message.parts)
             for position, part in enumerate(parts):
@@ -178,6 +180,8 @@ class Annotate(Effect, frozen=True, gc=False, tag="annotate"):
                     )
                     parts[position] = annotated
                     history = history.annotated(index, position, annotated)
+                    if self.namespace not in part.notes:
+                        history = history.noted_at(index, self.call_id, self.namespace)
                     break
             else:
                 raise EffectError(

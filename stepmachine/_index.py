@@ -23,7 +23,10 @@ the next session's index from the previous one in their pure ``apply``:
   applying the same batch) shares them unchanged; appending anything else
   starts a new line (copies of the tables, O(n) at C speed).
 * :meth:`HistoryIndex.annotated` (``Annotate``) is O(1): notes change no table,
-  only the open call it annotates is replaced.
+  only the open call it annotates is replaced; :meth:`HistoryIndex.noted_at`
+  (an ``Annotate`` opening a namespace on a message or call) is O(namespaces):
+  :meth:`HistoryIndex.noted` lists, per namespace, where notes are (a linked
+  list shared by later sessions), so an operation reads only its own records.
 * ``SetVisibility`` and ``ReplaceConversation`` rebuild (O(n)); they are rare
   (repairs, compaction).
 
@@ -34,17 +37,20 @@ every view equal to a full rescan over random effect sequences.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Iterator, Sequence
+from typing import Final, TypeAlias
 
 from ._messages import Message, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 
-__all__ = ["HistoryIndex", "is_empty_assistant"]
+__all__ = ["HistoryIndex", "estimate_tokens", "is_empty_assistant", "message_tokens"]
 
 _Key = tuple[str, bool, tuple[str, ...], tuple[str, ...]]
 _Open = dict[str, tuple[int, int, ToolCallPart]]
 _EMPTY_OPEN: Final[_Open] = {}
 _NO_IDS: Final[frozenset[str]] = frozenset()
+# Where notes of one namespace are: (message position, call id or None, the entry noted before).
+_Noted: TypeAlias = "tuple[int, str | None, _Noted | None]"
+_NO_NOTES: Final[dict[str, _Noted]] = {}
 
 
 def _key(message: Message) -> _Key:
@@ -59,6 +65,32 @@ def _key(message: Message) -> _Key:
     return (message.id, message.visible_to_model, tuple(calls), tuple(results))
 
 
+def message_tokens(message: Message) -> int:
+    """A cheap token estimate of one message: 4 plus a quarter of its characters.
+
+    Counts text, reasoning text, tool names and raw arguments, and tool result
+    content (rounded up).
+    """
+    chars = 0
+    for part in message.parts:
+        if isinstance(part, TextPart | ReasoningPart):
+            chars += len(part.text)
+        elif isinstance(part, ToolCallPart):
+            chars += len(part.name) + len(part.raw_arguments)
+        elif isinstance(part, ToolResultPart):
+            chars += len(part.content)
+    return 4 + (chars + 3) // 4
+
+
+def estimate_tokens(messages: Sequence[Message]) -> int:
+    """A cheap token estimate: :func:`message_tokens` summed over ``messages``.
+
+    A session keeps this sum for its visible messages
+    (:attr:`HistoryIndex.estimated_tokens`), so reading it costs nothing.
+    """
+    return sum(map(message_tokens, messages))
+
+
 def is_empty_assistant(message: Message) -> bool:
     """An assistant message with no text, reasoning or tool call (providers reject it)."""
     if message.role != "assistant":
@@ -71,6 +103,20 @@ def is_empty_assistant(message: Message) -> bool:
         if not isinstance(part, TextPart | ReasoningPart):
             return False  # a tool call, or a kind of part added later (images, files)
     return True
+
+
+def _noted_with(noted: dict[str, _Noted], message: Message, n: int) -> dict[str, _Noted]:
+    """``noted`` plus the notes of ``message``, appended at position ``n``."""
+    targets: dict[tuple[str, str | None], None] = dict.fromkeys((ns, None) for ns in message.notes)
+    for part in message.parts:
+        if isinstance(part, ToolCallPart) and part.notes:
+            targets.update(dict.fromkeys((ns, part.call_id) for ns in part.notes))
+    if not targets:
+        return noted
+    noted = dict(noted)
+    for namespace, call_id in targets:
+        noted[namespace] = (n, call_id, noted.get(namespace))
+    return noted
 
 
 class _Line:
@@ -152,15 +198,18 @@ class HistoryIndex:
         last_assistant: position of the last assistant message, hidden or not (-1: none).
         empty_assistants: positions of the visible empty assistant messages
             (:func:`is_empty_assistant`).
+        estimated_tokens: :func:`estimate_tokens` of the messages visible to the model.
     """
 
     __slots__ = (
         "_bad",
         "_line",
+        "_noted",
         "_open",
         "_tail",
         "_unanswered",
         "empty_assistants",
+        "estimated_tokens",
         "hidden",
         "in_order",
         "last_assistant",
@@ -183,6 +232,8 @@ class HistoryIndex:
         self.last_visible = -1  # position of the last message visible to the model
         self.last_assistant = -1  # position of the last assistant message, hidden or not
         self.empty_assistants: tuple[int, ...] = ()  # visible, no text/reasoning/calls
+        self._noted: dict[str, _Noted] = _NO_NOTES  # namespace -> newest entry (copy on write)
+        self.estimated_tokens = 0  # estimate_tokens of the visible messages
 
     def _clone(self) -> HistoryIndex:
         new = HistoryIndex.__new__(HistoryIndex)
@@ -198,6 +249,8 @@ class HistoryIndex:
         new.last_visible = self.last_visible
         new.last_assistant = self.last_assistant
         new.empty_assistants = self.empty_assistants
+        new._noted = self._noted
+        new.estimated_tokens = self.estimated_tokens
         return new
 
     # -- building -----------------------------------------------------------------
@@ -241,6 +294,14 @@ class HistoryIndex:
         new._open[part.call_id] = (position, part_position, part)
         return new
 
+    def noted_at(self, position: int, call_id: str | None, namespace: str) -> HistoryIndex:
+        """The index after ``Annotate`` gave the message at ``position`` (or its call
+        ``call_id``) notes in a ``namespace`` it had none in. O(namespaces)."""
+        new = self._clone()
+        new._noted = dict(self._noted)
+        new._noted[namespace] = (position, call_id, self._noted.get(namespace))
+        return new
+
     def _extended(self, message: Message, key: _Key, *, write: bool) -> HistoryIndex:
         """This index plus ``message`` at position ``self.length``.
 
@@ -253,6 +314,8 @@ class HistoryIndex:
         _, visible, call_ids, result_ids = key
         new = self._clone()
         new.length = n + 1
+        if message.notes or key[2]:
+            new._noted = _noted_with(self._noted, message, n)
         if message.role == "assistant":
             new.last_assistant = n
         if not visible:
@@ -261,6 +324,7 @@ class HistoryIndex:
             new.hidden += 1
             return new
         new.last_visible = n
+        new.estimated_tokens += message_tokens(message)
         if message.role == "assistant" and is_empty_assistant(message):
             new.empty_assistants = (*self.empty_assistants, n)
         open_calls = self._open
@@ -323,6 +387,20 @@ class HistoryIndex:
 
     # -- answers ------------------------------------------------------------------
 
+    def noted(self, namespace: str) -> Iterator[tuple[int, str | None]]:
+        """Every message and tool call with notes in ``namespace``, hidden ones included.
+
+        Yields ``(message position, call id)`` (``None`` for the message's own
+        notes), the most recently noted first: the messages appended with such
+        notes in the order appended, and the targets of ``Annotate`` effects
+        that opened the namespace there. O(1) per item: a step that looks for
+        its own records reads only where they are.
+        """
+        entry = self._noted.get(namespace)
+        while entry is not None:
+            yield entry[0], entry[1]
+            entry = entry[2]
+
     is_empty_assistant = staticmethod(is_empty_assistant)
 
     @property
@@ -355,6 +433,13 @@ class HistoryIndex:
     def message_position(self, message_id: str) -> int | None:
         """The position of the message with this id, or ``None``."""
         position = self._line.message_position.get(message_id)
+        if position is None or position >= self.length:
+            return None
+        return position
+
+    def first_visible_call(self, call_id: str) -> int | None:
+        """The position of the first message visible to the model holding this call id."""
+        position = self._line.first_call.get(call_id)
         if position is None or position >= self.length:
             return None
         return position

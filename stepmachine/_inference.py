@@ -32,15 +32,84 @@ from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ReasoningDelta, TextDelta, ToolArgumentsDelta
 from ._errors import ContextLengthError, HistoryError
 from ._history import check_history, history_problems, open_tool_calls, request_order
+from ._ledger import Ledger, next_ledger
 from ._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart
-from ._model import ModelRequest, ModelSettings, PromptPart, ReasoningChunk, StreamChunk, TextChunk
+from ._model import (
+    ModelRequest,
+    ModelSettings,
+    PromptPart,
+    ReasoningChunk,
+    StreamChunk,
+    TextChunk,
+    Usage,
+)
+from ._records import Record, note_value, read_record
 from ._session import Session
 from ._steps import Continue, Inference, Outcome, Refuse, StepContext, Yield, YieldReason
 
-__all__ = ["CONTEXT_LENGTH_EXCEEDED", "ModelInference", "needs_answer"]
+__all__ = [
+    "CONTEXT_LENGTH_EXCEEDED",
+    "InferenceAttempts",
+    "InferenceReceipt",
+    "InterruptedReply",
+    "ModelInference",
+    "needs_answer",
+]
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """Note key set on the last message when the model reported a context overflow."""
+
+
+class InferenceReceipt(Record, frozen=True, tag="stepmachine.inference.reply"):
+    """What a model reply cost: the notes of the assistant message, under the step's name.
+
+    Attributes:
+        usage: the provider's token counts.
+        model: the model that answered.
+        finish_reason: the provider's finish reason.
+        attempts: model calls made for this reply (first try plus retries).
+        revision: the session revision the request was built from.
+        ledger: the totals including this reply (:class:`~stepmachine.Ledger`).
+    """
+
+    attempts: int
+    revision: int
+    usage: Usage = msgspec.field(default_factory=Usage)
+    model: str | None = None
+    finish_reason: str | None = None
+    ledger: Ledger | None = None
+
+
+class InferenceAttempts(Record, frozen=True, tag="stepmachine.inference.attempts"):
+    """Model calls that produced no reply, recorded on the last message the model saw.
+
+    Attributes:
+        attempts: the calls made (they add up over several failures).
+        revision: the session revision of the latest of them.
+        context_length_exceeded: the model reported a context overflow (a
+            compaction step resets it once the history is shorter).
+        interrupted_request: the latest request was cancelled before anything
+            streamed.
+        ledger: the totals including these attempts.
+    """
+
+    attempts: int = 0
+    revision: int | None = None
+    context_length_exceeded: bool = False
+    interrupted_request: bool = False
+    ledger: Ledger | None = None
+
+
+class InterruptedReply(Record, frozen=True, tag="stepmachine.inference.interrupted"):
+    """The notes of an assistant message kept from an interrupted request (one model call).
+
+    Attributes:
+        interrupted: always ``True``.
+        ledger: the totals including that call (its tokens are not known).
+    """
+
+    interrupted: bool = True
+    ledger: Ledger | None = None
 
 
 def needs_answer(conversation: Sequence[Message] | Session[Any]) -> bool:
@@ -192,45 +261,56 @@ class ModelInference(Inference[Any]):
             response = await model.request(request, on_chunk=on_chunk if self._stream else None)
         except ContextLengthError as exc:
             last = visible[-1]
-            if last.notes.get(self._name, {}).get(CONTEXT_LENGTH_EXCEEDED):
+            earlier = self._attempts_on(last, session)
+            if earlier.context_length_exceeded:
                 raise  # nothing made the history shorter since the last overflow
-            mark = {CONTEXT_LENGTH_EXCEEDED: True, **self._failed_attempts(last, session, exc)}
-            return Continue([Annotate(last.id, self._name, mark)])
-        note: dict[str, Any] = {
-            "usage": {
-                "input_tokens": response.usage.input_tokens,
-                "output_tokens": response.usage.output_tokens,
-                "cache_read_tokens": response.usage.cache_read_tokens,
-                "cache_write_tokens": response.usage.cache_write_tokens,
-                "reasoning_tokens": response.usage.reasoning_tokens,
-            },
-            "model": response.model or model.name,
-            "finish_reason": response.finish_reason,
-            "attempts": response.attempts,
-            "revision": session.revision,
-        }
+            mark = msgspec.structs.replace(
+                self._failed_attempts(earlier, ctx, last, exc), context_length_exceeded=True
+            )
+            return Continue([Annotate(last.id, self._name, note_value(mark))])
+        receipt = InferenceReceipt(
+            attempts=response.attempts,
+            revision=session.revision,
+            usage=response.usage,
+            model=response.model or model.name,
+            finish_reason=response.finish_reason,
+            ledger=next_ledger(session, response.attempts, response.usage),
+        )
         message = Message(
             id=ctx.new_id(),
             role="assistant",
             parts=_without_notes(response.parts),
-            notes={self._name: note},
+            notes={self._name: note_value(receipt)},
         )
         effects = [AppendMessage(message)]
         if message.tool_calls:
             return Continue(effects)
         return Yield(effects, YieldReason(YieldReason.DONE))
 
-    def _failed_attempts(
-        self, last: Message, session: Session[Any], exc: BaseException | None
-    ) -> dict[str, Any]:
-        """The note recording model attempts that produced no reply, so budgets count them.
+    def _attempts_on(self, message: Message, session: Session[Any]) -> InferenceAttempts:
+        """The failed attempts already recorded on ``message`` (none: an empty record)."""
+        where = f"session {session.id!r}, message {message.id!r}"
+        recorded = read_record(message.notes, self._name, InferenceAttempts, where=where)
+        return recorded or InferenceAttempts()
 
-        Attempts add up on the message they are recorded on (the last one the
-        model saw); ``revision`` says which run they belong to.
+    @staticmethod
+    def _failed_attempts(
+        earlier: InferenceAttempts,
+        ctx: StepContext[Any],
+        last: Message,
+        exc: BaseException | None,
+    ) -> InferenceAttempts:
+        """The record of model attempts that produced no reply, so budgets count them.
+
+        Attempts add up on the message they are recorded on (``last``, the
+        last one the model saw); ``revision`` says which run they belong to.
         """
-        before = last.notes.get(self._name, {}).get("attempts", 0)
+        session = ctx.session
         made = int(getattr(exc, "attempts", 1)) if exc is not None else 1
-        return {"attempts": int(before) + made, "revision": session.revision}
+        ledger = next_ledger(session, made, Usage(), on=last)
+        return msgspec.structs.replace(
+            earlier, attempts=earlier.attempts + made, revision=session.revision, ledger=ledger
+        )
 
     async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
         """Keep streamed text and reasoning of an interrupted request.
@@ -244,18 +324,21 @@ class ModelInference(Inference[Any]):
         if not needs_answer(ctx.session):
             return ()  # the reply was recorded after all, or someone else answered
         if not (partial.text or partial.reasoning):
-            last = [m for m in ctx.session.conversation if m.visible_to_model][-1]
-            note = self._failed_attempts(last, ctx.session, None)
-            return (Annotate(last.id, self._name, {**note, "interrupted_request": True}),)
+            session = ctx.session
+            last = session.conversation[session.history.last_visible]
+            note = self._failed_attempts(self._attempts_on(last, session), ctx, last, None)
+            note = msgspec.structs.replace(note, interrupted_request=True)
+            return (Annotate(last.id, self._name, note_value(note)),)
         parts: list[Part] = []
         if partial.reasoning:
             parts.append(ReasoningPart(text="".join(partial.reasoning)))
         if partial.text:
             parts.append(TextPart(text="".join(partial.text)))
+        ledger = next_ledger(ctx.session, 1, Usage())
         message = Message(
             id=ctx.new_id(),
             role="assistant",
             parts=tuple(parts),
-            notes={self._name: {"interrupted": True}},
+            notes={self._name: note_value(InterruptedReply(ledger=ledger))},
         )
         return (AppendMessage(message),)

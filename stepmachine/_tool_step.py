@@ -65,6 +65,7 @@ from ._errors import ConfigurationError, ConflictError, ToolAbortError, ToolArgu
 from ._history import open_tool_calls
 from ._messages import Message, ToolCallPart, ToolResultPart
 from ._model import ToolDefinition
+from ._records import Record, note_value, read_record
 from ._retry import retry_conflicts
 from ._runtime import uuid_ids
 from ._session import Session
@@ -83,7 +84,9 @@ __all__ = [
     "JOURNAL",
     "NOT_EXECUTED",
     "OUTCOME_UNKNOWN",
+    "JournalEntry",
     "Tools",
+    "journal_entry",
     "resolve_unknown_outcome",
 ]
 
@@ -98,6 +101,48 @@ OUTCOME_UNKNOWN = (
 NOT_EXECUTED = "not executed: another call of the same batch failed closed ({reason})"
 
 _MAX_RESULT_RETRIES = 16
+
+
+class JournalEntry(Record, frozen=True, tag="stepmachine.journal"):
+    """The journal of one tool call: notes namespace :data:`JOURNAL` on the call.
+
+    Written whole (each writer replaces the entry it read), so the fields of
+    the intent and of an operator's decision stay together.
+
+    Attributes:
+        intent: an intent was committed before the call of a ``non_idempotent``
+            tool started.
+        fingerprint: the fingerprint of the call as it was about to run.
+        idempotency_key: the key the tool was given.
+        side_effects: the tool's side-effect class.
+        attempt: how many times an intent was recorded (1 for the first run).
+        at: the runtime clock when the latest intent was recorded.
+        rerun_approved: an operator allowed attempt ``rerun_attempt`` to be
+            run again (:func:`resolve_unknown_outcome`).
+        rerun_attempt: the attempt the operator's decision is about.
+        decided_by: who decided.
+        decision_note: what they said.
+    """
+
+    intent: bool = False
+    fingerprint: str = ""
+    idempotency_key: str = ""
+    side_effects: str = ""
+    attempt: int = 0
+    at: float = 0.0
+    rerun_approved: bool = False
+    rerun_attempt: int | None = None
+    decided_by: str = ""
+    decision_note: str = ""
+
+
+def journal_entry(call: ToolCallPart, *, where: str = "a tool call") -> JournalEntry | None:
+    """The journal entry recorded on ``call``, or ``None``.
+
+    Raises:
+        StoredDataError: the stored entry does not convert (names ``where``).
+    """
+    return read_record(call.notes, JOURNAL, JournalEntry, where=f"{where} (call {call.call_id!r})")
 
 
 class _CallLocations(dict[str, str]):
@@ -260,11 +305,11 @@ class Tools(Operation[Any]):
         unknown: list[ToolCallPart] = []  # crashed non-idempotent calls awaiting an operator
         to_run: list[ToolCallPart] = []
         for call in calls:
-            journal = call.notes.get(JOURNAL, {})
+            journal = journal_entry(call, where=f"session {ctx.session.id!r}")
             impl = self._tools.get(call.name)
             if impl is None or effective_arguments(call) is None:
                 answers.append(self._precheck_error(ctx, call))
-            elif "intent" in journal and not self._may_rerun(impl, journal):
+            elif journal is not None and journal.intent and not self._may_rerun(impl, journal):
                 if self._on_unknown == "yield":
                     unknown.append(call)
                 else:
@@ -319,13 +364,11 @@ class Tools(Operation[Any]):
     # -- the journal ---------------------------------------------------------------
 
     @staticmethod
-    def _may_rerun(impl: Tool, journal: dict[str, Any]) -> bool:
+    def _may_rerun(impl: Tool, journal: JournalEntry) -> bool:
         if impl.side_effects in ("pure", "idempotent"):
             return True
         # An operator's decision covers the attempt it was made about, not later crashes.
-        return bool(journal.get("rerun_approved")) and journal.get("rerun_attempt") == journal.get(
-            "attempt"
-        )
+        return journal.rerun_approved and journal.rerun_attempt == journal.attempt
 
     def _precheck_error(self, ctx: StepContext[Any], call: ToolCallPart) -> ToolResultPart:
         if call.name not in self._tools:
@@ -355,18 +398,19 @@ class Tools(Operation[Any]):
             impl = self._tools[call.name]
             if impl.side_effects != "non_idempotent":
                 continue
-            journal = call.notes.get(JOURNAL, {})
-            note: dict[str, Any] = {
-                "intent": True,
-                "fingerprint": fingerprint(call.name, effective_arguments(call)),
-                "idempotency_key": idempotency_key(
-                    ctx.session.id, call.call_id, where[call.call_id]
-                ),
-                "side_effects": impl.side_effects,
-                "attempt": int(journal.get("attempt", 0)) + 1,
-                "at": ctx.runtime.clock(),
-            }
-            effects.append(Annotate(where[call.call_id], JOURNAL, note, call_id=call.call_id))
+            journal = journal_entry(call, where=f"session {ctx.session.id!r}") or JournalEntry()
+            entry = msgspec.structs.replace(
+                journal,
+                intent=True,
+                fingerprint=fingerprint(call.name, effective_arguments(call)),
+                idempotency_key=idempotency_key(ctx.session.id, call.call_id, where[call.call_id]),
+                side_effects=impl.side_effects,
+                attempt=journal.attempt + 1,
+                at=ctx.runtime.clock(),
+            )
+            effects.append(
+                Annotate(where[call.call_id], JOURNAL, note_value(entry), call_id=call.call_id)
+            )
         if effects:
             await ctx.commit(effects)
 
@@ -536,17 +580,21 @@ async def resolve_unknown_outcome(
     where = _call_locations(session)
     open_calls = {c.call_id: c for c in open_tool_calls(session)}
     call = open_calls.get(call_id)
-    if call is None or JOURNAL not in call.notes or "intent" not in call.notes[JOURNAL]:
+    journal = None if call is None else journal_entry(call, where=f"session {session_id!r}")
+    if call is None or journal is None or not journal.intent:
         raise ConfigurationError(
             f"session {session_id!r} has no open call {call_id!r} with a recorded intent"
         )
-    decision = {
-        "rerun_approved": rerun,
-        "rerun_attempt": call.notes[JOURNAL].get("attempt"),
-        "decided_by": by,
-        "decision_note": note,
-    }
-    effects: list[Effect] = [Annotate(where[call_id], JOURNAL, decision, call_id=call_id)]
+    decided = msgspec.structs.replace(
+        journal,
+        rerun_approved=rerun,
+        rerun_attempt=journal.attempt,
+        decided_by=by,
+        decision_note=note,
+    )
+    effects: list[Effect] = [
+        Annotate(where[call_id], JOURNAL, note_value(decided), call_id=call_id)
+    ]
     if not rerun:
         content = f"{OUTCOME_UNKNOWN} {by} decided not to run it again. {note}".strip()
         effects.append(AppendMessage(Message.tool_result(_error(call, content), id=ids())))

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from _scans import counted, tool_loop
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -43,6 +44,7 @@ from stepmachine import (
     StepContext,
     StepmachineError,
     Store,
+    StoredDataError,
     TextPart,
     Tool,
     ToolCallPart,
@@ -54,13 +56,17 @@ from stepmachine import (
     counter_ids,
     effective_arguments,
     fingerprint,
+    note_value,
+    read_record,
     submit,
     tool,
 )
 from stepmachine._emitter import EventSink
 from stepmachine.operations._approval import (
     Approval,
+    ApprovalDecision,
     ApprovalError,
+    ApprovalRequest,
     PendingCall,
     always_allowed,
     approve,
@@ -256,8 +262,10 @@ def test_check_call_honours_expiry_against_the_runtime_clock() -> None:
     session = pending_session(approved)
     assert gate.check_call(context(session, FakeClock(1_000.0)), approved) is None
     assert gate.check_call(context(session, FakeClock(1_010.0)), approved) is not None
+    # A damaged decision fails loudly, naming where it is; it never approves.
     malformed = with_decision(DELETE, "approved", expires_at="never")
-    assert gate.check_call(context(pending_session(malformed)), malformed) is not None
+    with pytest.raises(StoredDataError, match=r"'approval' / 'decision' of session .*'c1'"):
+        gate.check_call(context(pending_session(malformed)), malformed)
 
 
 def test_check_call_objects_to_denied_calls_even_without_policy() -> None:
@@ -289,11 +297,54 @@ def test_always_allow_covers_later_calls_and_hidden_messages() -> None:
     assert always_allowed(session, name="other", now=0.0) == frozenset()
 
 
-def test_notes_of_the_wrong_shape_approve_nothing() -> None:
+async def test_notes_of_the_wrong_shape_approve_nothing_and_say_where_they_are() -> None:
     gate = Approval(["delete_file"])
     junk = msgspec.structs.replace(DELETE, notes={"approval": {"decision": "approved"}})
-    assert recorded_decision(junk) is None
-    assert gate.check_call(context(pending_session(junk)), junk) is not None
+    with pytest.raises(StoredDataError, match="not an object"):
+        recorded_decision(junk)
+    with pytest.raises(StoredDataError, match="ApprovalDecision"):
+        gate.check_call(context(pending_session(junk)), junk)
+    # The tool step asks the gate, which fails loudly: the call never runs.
+    ledger = Ledger()
+    tools = Tools(file_tools(ledger).values())
+    with pytest.raises(StoredDataError):
+        await run_step(tools, pending_session(junk), others=[gate])
+    assert ledger.executions == []
+
+
+def test_decisions_stored_before_records_were_typed_still_read() -> None:
+    """The dict shapes written by earlier versions (no tag) convert to the records."""
+    old = {
+        "outcome": "approved",
+        "fingerprint": fingerprint("delete_file", {"path": "a.txt"}),
+        "tool": "delete_file",
+        "by": "alice",
+        "reason": "ticket 7",
+        "message": "",
+        "decided_at": 500,
+        "expires_at": None,
+        "always": True,
+        "edited": False,
+    }
+    request = {"fingerprint": old["fingerprint"], "requested_at": 400.0}
+    part = msgspec.structs.replace(
+        DELETE, notes={"approval": {"decision": old, "request": request}}
+    )
+    assert recorded_decision(part) == ApprovalDecision(
+        outcome="approved",
+        fingerprint=str(old["fingerprint"]),
+        tool="delete_file",
+        by="alice",
+        reason="ticket 7",
+        decided_at=500.0,
+        always=True,
+    )
+    assert read_record(part.notes, "approval", ApprovalRequest, key="request") == (
+        ApprovalRequest(fingerprint=str(old["fingerprint"]), requested_at=400.0)
+    )
+    session = pending_session(part)
+    assert Approval(["delete_file"]).check_call(context(session), part) is None
+    assert always_allowed(session, now=0.0) == {"delete_file"}
 
 
 # -- run() as a single step -----------------------------------------------------------------------
@@ -320,10 +371,12 @@ async def test_run_yields_with_the_pending_calls_and_annotates_them_once() -> No
             "a1",
             "approval",
             {
-                "request": {
-                    "fingerprint": fingerprint("delete_file", {"path": "a.txt"}),
-                    "requested_at": check.effects[0].values["request"]["requested_at"],  # type: ignore[attr-defined]
-                }
+                "request": note_value(
+                    ApprovalRequest(
+                        fingerprint=fingerprint("delete_file", {"path": "a.txt"}),
+                        requested_at=check.effects[0].values["request"]["requested_at"],  # type: ignore[attr-defined]
+                    )
+                )
             },
             call_id="c1",
         ),
@@ -417,18 +470,20 @@ async def test_approve_records_an_annotation_bound_to_the_fingerprint(store: Sto
         store, "s1", "c1", by="alice", reason="ticket 7", expires_at=900.0, clock=clock
     )
     decision = recorded_decision(call_part(session, "c1"))
-    assert decision == {
-        "outcome": "approved",
-        "fingerprint": DELETE_FP,
-        "tool": "delete_file",
-        "by": "alice",
-        "reason": "ticket 7",
-        "message": "",
-        "decided_at": 500.0,
-        "expires_at": 900.0,
-        "always": False,
-        "edited": False,
-    }
+    assert decision == ApprovalDecision(
+        outcome="approved",
+        fingerprint=DELETE_FP,
+        tool="delete_file",
+        by="alice",
+        reason="ticket 7",
+        message="",
+        decided_at=500.0,
+        expires_at=900.0,
+        always=False,
+        edited=False,
+    )
+    stored = call_part(session, "c1").notes["approval"]["decision"]
+    assert stored["record"] == "stepmachine.approval.decision"
     (batch,) = await store.batches("s1")
     assert batch.step == "approval"
     assert batch.cycle == 0
@@ -450,8 +505,8 @@ async def test_approve_with_edited_arguments(store: Store) -> None:
     assert part.notes[EDITED_ARGUMENTS] == {"arguments": {"path": "tmp/a.txt"}}
     decision = recorded_decision(part)
     assert decision is not None
-    assert decision["fingerprint"] == fingerprint("delete_file", {"path": "tmp/a.txt"})
-    assert decision["edited"] is True
+    assert decision.fingerprint == fingerprint("delete_file", {"path": "tmp/a.txt"})
+    assert decision.edited is True
     assert Approval(["delete_file"]).check_call(context(session), part) is None
 
 
@@ -505,13 +560,13 @@ async def test_stale_approvals_may_be_renewed_or_denied(store: Store) -> None:
     await approve(store, "s1", "c1", by="alice", expires_at=110.0, clock=clock)
     clock.now = 120.0
     session = await approve(store, "s1", "c1", by="alice", expires_at=200.0, clock=clock)
-    assert recorded_decision(call_part(session, "c1"))["expires_at"] == 200.0  # type: ignore[index]
+    assert recorded_decision(call_part(session, "c1")).expires_at == 200.0  # type: ignore[union-attr]
     clock.now = 300.0
     session = await deny(store, "s1", "c1", by="bob", message="too late", clock=clock)
     decision = recorded_decision(call_part(session, "c1"))
     assert decision is not None
-    assert decision["outcome"] == "denied"
-    assert decision["expires_at"] is None
+    assert decision.outcome == "denied"
+    assert decision.expires_at is None
 
 
 async def test_a_denial_wins_over_always_allow(store: Store) -> None:
@@ -569,7 +624,7 @@ async def test_a_racing_decision_is_revalidated_not_overwritten() -> None:
         await approve(racing, "s1", "c1", by="alice")  # type: ignore[arg-type]
     decision = recorded_decision(call_part(await inner.load("s1"), "c1"))
     assert decision is not None
-    assert decision["outcome"] == "denied"
+    assert decision.outcome == "denied"
 
 
 async def test_conflicts_are_retried_then_raised() -> None:
@@ -928,9 +983,9 @@ async def test_no_tool_that_needs_approval_runs_without_a_matching_approval(
         decision = recorded_decision(part)
         bound = (
             decision is not None
-            and decision["outcome"] == "approved"
-            and decision["fingerprint"] == fingerprint(execution.name, execution.arguments)
-            and (decision["expires_at"] is None or execution.time < decision["expires_at"])
+            and decision.outcome == "approved"
+            and decision.fingerprint == fingerprint(execution.name, execution.arguments)
+            and (decision.expires_at is None or execution.time < decision.expires_at)
         )
         assert bound or execution.name in always_allowed(final, now=execution.time)
     assert len({e.call_id for e in ledger.executions}) == len(ledger.executions)
@@ -957,3 +1012,33 @@ def test_example_demo_runs_in_two_processes() -> None:
     assert "approved by" in out
     assert out.count("PAYMENT SENT") == 1  # the tool ran once, in the second process
     assert out.strip().splitlines()[-1].startswith("final answer: ")
+
+
+# -- constant cost per step (invariant 10) ----------------------------------------------------
+
+
+async def test_approval_reads_no_more_of_a_longer_history() -> None:
+    """``run``, ``check_call``, ``pending`` and ``always_allowed`` read what the index points
+    at (open calls, calls with approval notes), not every message."""
+    gate = Approval(["delete_file"])
+    writer = with_decision(
+        ToolCallPart.of("w0", "write_file", {"path": "x"}), "approved", always=True
+    )
+    reads = []
+    for turns in (5, 200):
+        session = make_session(
+            assistant_with(writer, message_id="w"),
+            Message.tool_result(ToolResultPart.for_call(writer, "ok"), id="wr"),
+            *tool_loop(turns),
+            "delete it",
+            assistant_with(DELETE, message_id="last"),
+        )
+        session, conversation = counted(session)
+        ctx = context(session)
+        outcome = await gate.run(ctx)
+        assert isinstance(outcome, Yield)
+        assert gate.check_call(ctx, DELETE) is not None
+        assert [p.call_id for p in gate.pending(session, now=0.0)] == ["c1"]
+        assert always_allowed(session, now=0.0) == {"write_file"}
+        reads.append(conversation.read)
+    assert reads[0] == reads[1] < 20

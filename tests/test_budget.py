@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
 import pytest
+from _scans import context as scan_context
+from _scans import counted, tool_loop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +19,7 @@ from stepmachine import (
     ModelInference,
     ModelRequest,
     ModelResponse,
+    Refuse,
     Runtime,
     SetVisibility,
     StateMachine,
@@ -28,6 +32,7 @@ from stepmachine import (
     YieldReason,
     counter_ids,
     history_problems,
+    latest_ledger,
     submit,
     tool,
 )
@@ -427,3 +432,63 @@ async def test_other_steps_model_calls_count_and_hidden_summaries_start_no_turn(
     assert (await run_step(Budget(per_session=Limits(model_calls=3)), session)).yielded
     # The summary is not a user turn: the per-turn count still starts at "go".
     assert (await run_step(Budget(per_turn=Limits(model_calls=3)), session)).yielded
+
+
+# -- the ledger: constant cost, same counts ------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    runs=st.lists(
+        st.tuples(st.booleans(), st.lists(st.integers(1, 3), min_size=1, max_size=4)),
+        min_size=1,
+        max_size=4,
+    )
+)
+async def test_the_ledger_agrees_with_counting_the_records(
+    runs: list[tuple[bool, list[int]]],
+) -> None:
+    """Model calls and tokens read from the latest ledger equal the records counted one by
+    one, for every scope, over runs with retries, tool calls and new user turns."""
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u0")])
+    for number, (new_turn, needs) in enumerate(runs):
+        if new_turn:
+            message = Message.user(f"more {number}", id=f"m{number}")
+            await submit(store, "s", [AppendMessage(message)])
+        start = (await store.load("s")).revision
+        model = FunctionModel(RetryingModel(needs, lenient=True))
+        runtime = Runtime(store=store, model=model, ids=counter_ids(f"r{number}-"))
+        await agent(Budget(per_session=Limits(model_calls=1_000))).run(runtime, "s")
+        session = await store.load("s")
+        for scope in ("session", "turn", "run"):
+            fast = budget_usage(session, scope, run_start_revision=start, tool_calls=False)
+            slow = budget_usage(session, scope, run_start_revision=start)
+            assert (fast.model_calls, fast.input_tokens, fast.output_tokens) == (
+                slow.model_calls,
+                slow.input_tokens,
+                slow.output_tokens,
+            ), scope
+        assert not latest_ledger(session).legacy
+
+
+async def test_model_call_budgets_read_no_more_of_a_longer_history() -> None:
+    """Without a tool-call limit, ``run``, ``check_call`` and ``shape_request`` read back
+    to the latest model call only (per run: back to the run's start)."""
+    limits = Limits(model_calls=10_000, input_tokens=10**6, total_tokens=10**6)
+    budget = Budget(per_run=limits, per_turn=limits, per_session=limits)
+    reads = []
+    for turns in (5, 200):
+        session = make_session(*tool_loop(turns), user("next", "last"), revision=turns)
+        assert budget_usage(session, "session").model_calls == turns  # counted one by one
+        session, conversation = counted(session)
+        # This run began at the session's revision: it has made no call yet.
+        ctx = dataclasses.replace(scan_context(session), run_start_revision=turns)
+        assert isinstance(await budget.run(ctx), Refuse)
+        assert budget.check_call(ctx, ToolCallPart.of("new", "ping", {})) is None
+        request = budget.shape_request(ctx, ModelRequest(messages=()))
+        assert request.max_attempts == 10_000 - turns  # the session has made one call a turn
+        fast = budget_usage(session, "session", tool_calls=False)
+        assert (fast.model_calls, fast.input_tokens) == (turns, 10 * turns)
+        reads.append(conversation.read)
+    assert reads[0] == reads[1] < 40  # a few messages per scope and question, at any length

@@ -13,6 +13,8 @@ import anyio
 import anyio.lowlevel
 import msgspec
 import pytest
+from _scans import context as scan_context
+from _scans import counted, tool_loop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +24,7 @@ from stepmachine import (
     CancelToken,
     ConfigurationError,
     ContextLengthError,
+    InferenceAttempts,
     Message,
     ModelError,
     ModelInference,
@@ -42,7 +45,10 @@ from stepmachine import (
     YieldReason,
     counter_ids,
     history_problems,
+    latest_ledger,
     needs_answer,
+    note_value,
+    read_record,
     tool,
 )
 from stepmachine.operations._budget import (
@@ -55,6 +61,7 @@ from stepmachine.operations._compaction import (
     COMPACTION_STUCK,
     SUMMARY_PREFIX,
     Compaction,
+    CompactionMark,
     estimate_tokens,
     render_transcript,
 )
@@ -180,8 +187,14 @@ async def test_old_turns_are_summarised_and_the_last_turns_kept() -> None:
     ]
     check, model = await compact(messages, threshold=20, summary="the user asked twice")
     assert check.continued
-    (effect,) = check.effects
+    effect, ledger = check.effects
     assert isinstance(effect, ReplaceConversation)
+    # The summariser's call goes into the running totals, on the last message.
+    assert isinstance(ledger, Annotate)
+    assert ledger.message_id == messages[-1].id
+    mark = msgspec.convert(ledger.values, CompactionMark)
+    assert mark.ledger is not None
+    assert mark.ledger.session.model_calls == 1
     after = check.session
     # nothing deleted, order kept, summary inserted right before the kept turn
     assert [m.id for m in after.conversation] == [m.id for m in messages[:-1]] + ["id1", "u3"]
@@ -204,7 +217,8 @@ async def test_old_turns_are_summarised_and_the_last_turns_kept() -> None:
         assert hidden is not None
         assert not hidden.visible_to_model
         assert hidden.visible_to_user
-        assert hidden.notes["compaction"] == {"summarised_into": "id1"}
+        mark = read_record(hidden.notes, "compaction", CompactionMark)
+        assert mark == CompactionMark(summarised_into="id1")
     # the summariser saw a transcript of exactly the summarised messages, no tools
     (request,) = model.requests
     assert request.tools == ()
@@ -309,9 +323,12 @@ async def test_overflow_mark_triggers_compaction_and_is_reset() -> None:
     messages[-1] = flagged
     check, _ = await compact(messages, threshold=10_000, keep_rounds=1)
     assert check.continued
-    replace, reset = check.effects
+    replace, ledger, reset = check.effects
     assert isinstance(replace, ReplaceConversation)
-    assert reset == Annotate("r3", "inference", {CONTEXT_LENGTH_EXCEEDED: False})
+    assert isinstance(ledger, Annotate)
+    assert ledger.namespace == "compaction"
+    # The mark (here in the shape stored before records were typed) is reset as a record.
+    assert reset == Annotate("r3", "inference", note_value(InferenceAttempts()))
     (summary,) = summaries(check.session)
     assert summary.notes["compaction"]["trigger"] == CONTEXT_LENGTH_EXCEEDED
 
@@ -734,5 +751,26 @@ async def test_a_per_run_model_call_budget_counts_the_summariser_and_holds(
     assert report.reason.kind == YieldReason.BUDGET_EXHAUSTED
     assert report.results[-1].step == "budget"  # it yielded before Compaction could ask
     assert budget_usage(report.session, "run").model_calls == limit
+    # The running totals (summaries included) agree with counting the records one by one.
+    assert not latest_ledger(report.session).legacy
+    for scope in ("session", "turn", "run"):
+        fast = budget_usage(report.session, scope, tool_calls=False)
+        slow = budget_usage(report.session, scope)
+        assert (fast.model_calls, fast.input_tokens) == (slow.model_calls, slow.input_tokens)
     if limit > 5 * need:
         assert summariser  # the summariser was asked within the budget
+
+
+async def test_deciding_not_to_compact_reads_no_more_of_a_longer_history() -> None:
+    """Below the threshold, ``run`` reads the index (validity, last message, the
+    token estimate), not every message -- hidden ones in the history included."""
+    reads = []
+    for turns in (5, 200):
+        old = msgspec.structs.replace(Message.user("old", id="old"), visible_to_model=False)
+        session = make_session(old, *tool_loop(turns), "next question")
+        session, conversation = counted(session)
+        outcome = await Compaction(threshold=10**9).run(scan_context(session))
+        assert isinstance(outcome, Refuse)
+        assert estimate_tokens(session.visible_to_model) == session.history.estimated_tokens
+        reads.append(conversation.read - len(session.conversation))  # minus the check's own
+    assert reads[0] == reads[1] < 5

@@ -7,11 +7,14 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import msgspec
+import pytest
+from _scans import context, counted, tool_loop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
     AppendMessage,
+    Continue,
     Message,
     ModelInference,
     ModelRequest,
@@ -20,14 +23,19 @@ from stepmachine import (
     Session,
     StateMachine,
     Store,
+    StoredDataError,
     ToolCallPart,
     YieldReason,
     counter_ids,
     history_problems,
+    note_value,
+    read_record,
     submit,
 )
 from stepmachine.operations._events import (
+    EventRecord,
     ExternalEvents,
+    WaitMarker,
     consumed_events,
     pending_events,
     submit_event,
@@ -241,3 +249,67 @@ async def test_submit_is_the_only_way_in_and_it_is_a_kernel_effect(store: Store)
     session = await submit(store, "s", [wait_for("events:x", "k")])
     assert receipt.revision == 1
     assert session.revision == 2
+
+
+# -- stored shapes and cost ------------------------------------------------------------------
+
+
+async def test_events_and_markers_stored_before_records_were_typed_still_read() -> None:
+    old_marker = Message.assistant("waiting", id="a0")
+    old_marker = msgspec.structs.replace(
+        old_marker, notes={"events": {"awaiting": ["job"], "satisfied_by": None}}
+    )
+    consumed = event_message("e0", "job", "x", consumed=True)
+    consumed = msgspec.structs.replace(
+        consumed,
+        notes={"events": {**consumed.notes["events"], "consumed_at": 2, "delivered_as": None}},
+    )
+    session = make_session("hi", consumed, old_marker, event_message("e1", "job", {"n": 1}))
+    assert [e.id for e in consumed_events(session)] == ["e0"]
+    assert [e.id for e in pending_events(session)] == ["e1"]
+    check = await run_step(ExternalEvents(), session)
+    assert check.continued
+    marker = check.session.message("a0")
+    assert marker is not None
+    assert read_record(marker.notes, "events", WaitMarker) == WaitMarker(["job"], "e1")
+    event = check.session.message("events:e1")
+    assert event is not None
+    assert read_record(event.notes, "events", EventRecord, key="event") == EventRecord(
+        "e1", "job", {"n": 1}, 1.0
+    )
+    assert pending_events(check.session) == []
+
+
+def test_a_damaged_event_raises_naming_the_message() -> None:
+    broken = Message(
+        id="events:e9",
+        role="system",
+        parts=(),
+        notes={"events": {"event": {"id": "e9"}}},  # no kind
+        visible_to_model=False,
+        visible_to_user=False,
+    )
+    with pytest.raises(StoredDataError, match=r"message 'events:e9'.*EventRecord"):
+        pending_events(make_session("hi", broken))
+
+
+async def test_events_read_no_more_of_a_longer_history() -> None:
+    """The step reads the messages with notes in its namespace, not every message."""
+    reads = []
+    for turns in (5, 200):
+        marker = msgspec.structs.replace(
+            Message.assistant("wait", id="m0"),
+            notes={"events": note_value(WaitMarker(awaiting=["job"]))},
+        )
+        session = make_session(
+            event_message("e0", "job", "old", consumed=True),
+            *tool_loop(turns),
+            marker,
+            event_message("e1", "job", "new"),
+        )
+        session, conversation = counted(session)
+        outcome = await ExternalEvents().run(context(session))
+        assert isinstance(outcome, Continue)
+        assert [e.id for e in pending_events(session)] == ["e1"]
+        reads.append(conversation.read)
+    assert reads[0] == reads[1] < 30

@@ -20,6 +20,9 @@ from stepmachine import (
     Continue,
     Event,
     HistoryError,
+    InferenceAttempts,
+    InterruptedReply,
+    Ledger,
     Message,
     ModelInference,
     ModelRequest,
@@ -33,6 +36,7 @@ from stepmachine import (
     Refuse,
     Runtime,
     Session,
+    Spent,
     StateMachine,
     StepContext,
     TextDelta,
@@ -45,10 +49,14 @@ from stepmachine import (
     Yield,
     counter_ids,
     needs_answer,
+    note_value,
     tool,
 )
 from stepmachine._emitter import EventSink
 from stepmachine.testing import ScriptedModel, call, make_session, reply, run_step
+
+FIRST_CALL = Ledger(Spent(1), Spent(1), revision=0, turn_start="u0")
+"""The ledger of the first model call of a session, one attempt, no tokens."""
 
 
 @tool
@@ -195,8 +203,12 @@ async def test_notes_record_usage_model_and_finish_reason() -> None:
     )
     assert check.new_messages[0].parts == (TextPart("x"),)
     (message,) = check.new_messages
+    spent = Spent(1, 11, 7)
+    ledger = Ledger(spent, spent, revision=0, turn_start="u0")
     assert message.notes == {
         "brain": {
+            "record": "stepmachine.inference.reply",
+            "ledger": msgspec.to_builtins(ledger),
             "usage": {
                 "input_tokens": 11,
                 "output_tokens": 7,
@@ -311,8 +323,13 @@ async def test_context_overflow_marks_the_last_message_then_propagates() -> None
     check = await run_step(ModelInference(), make_session("hi"), model=model)
     assert isinstance(check.outcome, Continue)
     # The failed attempt is recorded too, so budgets count it (invariant 7).
-    note = {"context_length_exceeded": True, "attempts": 1, "revision": 0}
-    assert check.effects == (Annotate("u0", "inference", note),)
+    note = InferenceAttempts(
+        attempts=1,
+        revision=0,
+        context_length_exceeded=True,
+        ledger=FIRST_CALL,
+    )
+    assert check.effects == (Annotate("u0", "inference", note_value(note)),)
     # nothing shortened the history: the second overflow propagates
     with pytest.raises(ContextLengthError):
         await run_step(ModelInference(), check.session, model=model)
@@ -480,7 +497,7 @@ async def test_finalize_keeps_partial_text_noted_interrupted() -> None:
     message = effect.message
     assert message.role == "assistant"
     assert message.parts == (TextPart(text[:16]),)
-    assert message.notes == {"inference": {"interrupted": True}}
+    assert message.notes == {"inference": note_value(InterruptedReply(ledger=FIRST_CALL))}
     # the kept message makes a valid, answerable-by-user history
     assert ctx.session.message(message.id) is None
 
@@ -492,7 +509,7 @@ async def test_finalize_keeps_partial_reasoning_before_text() -> None:
     (effect,) = await step.finalize(ctx, interrupted=True)
     assert isinstance(effect, AppendMessage)
     assert effect.message.parts == (ReasoningPart("r" * 16),)
-    assert effect.message.notes == {"brain": {"interrupted": True}}
+    assert effect.message.notes == {"brain": note_value(InterruptedReply(ledger=FIRST_CALL))}
 
 
 async def test_finalize_drops_half_streamed_tool_calls() -> None:
@@ -524,7 +541,14 @@ async def test_finalize_keeps_nothing_when_only_tool_calls_streamed() -> None:
     (effect,) = await step.finalize(ctx, interrupted=True)
     assert isinstance(effect, Annotate)
     assert effect.message_id == "u0"
-    assert effect.values == {"attempts": 1, "revision": 0, "interrupted_request": True}
+    assert effect.values == {
+        "record": "stepmachine.inference.attempts",
+        "attempts": 1,
+        "revision": 0,
+        "context_length_exceeded": False,
+        "interrupted_request": True,
+        "ledger": msgspec.to_builtins(FIRST_CALL),
+    }
 
 
 async def test_finalize_does_nothing_if_the_reply_was_recorded_meanwhile() -> None:

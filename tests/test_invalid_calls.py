@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
 import pytest
+from _scans import context as scan_context
+from _scans import counted, tool_loop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,12 +26,14 @@ from stepmachine import (
     YieldReason,
     counter_ids,
     history_problems,
+    read_record,
     tool,
 )
 from stepmachine.operations._budget import FEEDBACK, SUPERSEDES, Budget, Limits, budget_usage
 from stepmachine.operations._invalid_calls import (
     INVALID_TOOL_CALL,
     InvalidCalls,
+    InvalidCallsDecision,
     InvalidToolCallError,
     schema_errors,
 )
@@ -540,3 +545,51 @@ async def test_unrepairable_damage_is_never_repaired_into_something_else(
     assert result.yielded, result.outcome
     assert result.outcome.reason.kind == INVALID_TOOL_CALL
     assert [m.id for m in result.session.conversation] == ["u1", "a1"]
+
+
+# -- stored shapes and cost ------------------------------------------------------------------
+
+
+async def test_decisions_stored_before_records_were_typed_count_as_retries() -> None:
+    """A retry recorded as the plain dict earlier versions wrote still counts."""
+    hidden = msgspec.structs.replace(
+        asking(ToolCallPart.of("c2", "nope", {})),
+        visible_to_model=False,
+        notes={"invalid_calls": {"action": "retry", "problems": []}},
+    )
+    feedback = Message(
+        id="f1", role="user", parts=(TextPart("again"),), notes={FEEDBACK: {"by": "x"}}
+    )
+    session = make_session(
+        Message.user("hi", id="u1"),
+        hidden,
+        feedback,
+        asking(ToolCallPart.of("c3", "nope", {}), message_id="a2"),
+    )
+    result = await run_step(InvalidCalls("retry", max_retries=1), session, others=[TOOLS])
+    assert result.yielded
+    stopped = result.session.message("a2")
+    assert stopped is not None
+    decision = read_record(stopped.notes, "invalid_calls", InvalidCallsDecision)
+    assert decision is not None
+    assert decision.action == "stop"
+
+
+async def test_invalid_calls_read_no_more_of_a_longer_history() -> None:
+    """With a valid open call, ``run`` and ``check_call`` read the latest messages only."""
+    op = InvalidCalls("retry")
+    reads = []
+    for turns in (5, 200):
+        duplicate = ToolCallPart.of("t0", "add", {"a": 1, "b": 2})  # repeats the first turn's id
+        session = make_session(*tool_loop(turns), "add", asking(GOOD, duplicate, message_id="z"))
+        last = len(session.conversation) - 1
+        plain = op.problems(session.conversation, last, TOOLS.tools(session))
+        session, conversation = counted(session)
+        ctx = scan_context(session)
+        ctx = dataclasses.replace(ctx, tools=tuple(TOOLS.tools(session)))
+        assert op.check_call(ctx, GOOD) is None
+        found = op.problems(session, last, ctx.tools)
+        assert found == plain
+        assert [p.case for p in found] == ["duplicate_id"]
+        reads.append(conversation.read)
+    assert reads[0] == reads[1] < 10

@@ -23,6 +23,7 @@ from stepmachine import (
     ConflictError,
     Continue,
     Effect,
+    InterruptedReply,
     Message,
     ModelInference,
     ModelRequest,
@@ -50,6 +51,7 @@ from stepmachine import (
     counter_ids,
     history_problems,
     open_tool_calls,
+    read_record,
     submit,
     tool,
 )
@@ -527,7 +529,10 @@ async def test_cancel_mid_stream_keeps_the_partial_text() -> None:
     last = report.session.conversation[-1]
     assert last.role == "assistant"
     assert last.text == "Once upon "
-    assert last.notes == {"inference": {"interrupted": True}}
+    assert list(last.notes) == ["inference"]
+    kept = read_record(last.notes, "inference", InterruptedReply)
+    assert kept is not None
+    assert kept.interrupted
     assert [b.step for b in await store.batches("s")] == ["inference"]
 
 

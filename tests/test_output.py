@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from _scans import context as scan_context
+from _scans import counted, tool_loop
 
 from stepmachine import (
     Message,
@@ -15,11 +17,13 @@ from stepmachine import (
     Runtime,
     StateMachine,
     Store,
+    StoredDataError,
     ToolCallPart,
     Tools,
     YieldReason,
     counter_ids,
     history_problems,
+    note_value,
     tool,
 )
 from stepmachine.operations._budget import FEEDBACK, Budget, Limits
@@ -27,6 +31,7 @@ from stepmachine.operations._invalid_calls import InvalidCalls
 from stepmachine.operations._output import (
     OUTPUT_INVALID,
     NoOutputError,
+    OutputValue,
     StructuredOutput,
     read_output,
 )
@@ -247,3 +252,40 @@ async def test_retries_exhausted_yields_output_invalid(store: Store) -> None:
     report = await machine.run_report(runtime, "s")  # no new user message: no new call
     assert report.reason.kind == OUTPUT_INVALID
     assert model.calls == 2
+
+
+# -- stored shapes and cost ------------------------------------------------------------------
+
+
+async def test_outputs_stored_before_records_were_typed_still_read() -> None:
+    final = msgspec.structs.replace(
+        Message.assistant('{"name": "Oslo", "population": 700000}', id="a9"),
+        notes={"output": {"output": OSLO, "mode": "native"}},
+    )
+    session = make_session("which city?", final)
+    assert read_output(session, City) == City("Oslo", 700000)
+    check = await run_step(StructuredOutput(City, "native"), session)
+    assert check.yielded
+    assert check.outcome.reason.data == {"output": OSLO}  # type: ignore[union-attr]
+    damaged = msgspec.structs.replace(final, notes={"output": {"output": OSLO}})  # no mode
+    with pytest.raises(StoredDataError, match=r"message 'a9'.*OutputValue"):
+        read_output(make_session("which city?", damaged), City)
+
+
+async def test_structured_output_reads_no_more_of_a_longer_history() -> None:
+    """Re-yielding a settled turn and reading the output read the latest messages only."""
+    step = StructuredOutput(City, "native")
+    reads = []
+    for turns in (5, 200):
+        final = msgspec.structs.replace(
+            Message.assistant("{}", id="final"),
+            notes={"output": note_value(OutputValue(output=OSLO, mode="native"))},
+        )
+        hidden = msgspec.structs.replace(Message.user("old", id="old"), visible_to_model=False)
+        session = make_session(hidden, *tool_loop(turns), "which city?", final)
+        session, conversation = counted(session)
+        outcome = await step.run(scan_context(session))
+        assert outcome.reason.data == {"output": OSLO}  # type: ignore[union-attr]
+        assert read_output(session, City) == City("Oslo", 700000)
+        reads.append(conversation.read)
+    assert reads[0] == reads[1] < 10

@@ -224,7 +224,7 @@ def test_mypy_strict_resolves_every_type_against_a_plain_editable_install(
     assert wrong.returncode == 1
     for line, type_name in enumerate(["Message", "Approval", "MemoryStore", "ScriptedModel"], 6):
         assert (
-            f'wrong.py:{line}: error: Incompatible types in assignment (expression has type '
+            f"wrong.py:{line}: error: Incompatible types in assignment (expression has type "
             f'"{type_name}", variable has type "int")'
         ) in wrong.stdout, wrong.stdout
     # The installed package runs, from outside the repository.

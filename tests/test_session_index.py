@@ -41,7 +41,7 @@ from stepmachine import (
     open_tool_calls,
     request_order,
 )
-from stepmachine._index import HistoryIndex
+from stepmachine._index import HistoryIndex, estimate_tokens
 
 CALL_IDS = ("c0", "c1", "c2", "c3")
 
@@ -101,6 +101,7 @@ def assert_index_matches(session: Session[Any]) -> None:
     shown = [i for i in positions if conversation[i].visible_to_model]
     assistants = [i for i in positions if conversation[i].role == "assistant"]
     assert index.last_visible == max(shown, default=-1)
+    assert index.estimated_tokens == estimate_tokens(visible)
     assert index.last_assistant == max(assistants, default=-1)
     assert index.empty_assistants == tuple(
         i for i in shown if conversation[i].role == "assistant" and is_empty(conversation[i])
@@ -128,6 +129,24 @@ def assert_index_matches(session: Session[Any]) -> None:
             assert conversation[position].id == locations[call_id]
         else:
             assert position is None
+    for call_id in (*CALL_IDS, "absent"):
+        holders = [
+            p
+            for p, m in enumerate(conversation)
+            if m.visible_to_model and any(c.call_id == call_id for c in m.tool_calls)
+        ]
+        assert index.first_visible_call(call_id) == (holders[0] if holders else None)
+    for namespace in ("ns", "other"):
+        noted = {(p, None) for p, m in enumerate(conversation) if namespace in m.notes}
+        noted |= {
+            (p, c.call_id)
+            for p, m in enumerate(conversation)
+            for c in m.tool_calls
+            if namespace in c.notes
+        }
+        found = list(index.noted(namespace))
+        assert len(found) == len(set(found))
+        assert set(found) == noted
     for message_id in {m.id for m in conversation} | {"absent"}:
         expected = first_position(conversation, message_id)
         assert index.message_position(message_id) == expected
@@ -153,12 +172,13 @@ def parts_strategy() -> st.SearchStrategy[tuple[Any, ...]]:
 
 def message_strategy(message_id: str) -> st.SearchStrategy[Message]:
     return st.builds(
-        lambda role, parts, visible: Message(
-            id=message_id, role=role, parts=parts, visible_to_model=visible
+        lambda role, parts, visible, notes: Message(
+            id=message_id, role=role, parts=parts, visible_to_model=visible, notes=notes
         ),
         st.sampled_from(["user", "assistant", "assistant", "tool", "tool", "system"]),
         parts_strategy(),
         st.sampled_from([True, True, True, False]),
+        st.sampled_from([{}, {}, {"ns": {"k": 1}}, {"other": {"k": 2}}]),
     )
 
 
@@ -181,7 +201,8 @@ def draw_effect(data: st.DataObject, session: Session[Any], fresh: str) -> Any:
         calls = [c.call_id for c in message.tool_calls]
         call_id = data.draw(st.sampled_from([None, *calls])) if calls else None
         values = {"k": data.draw(st.integers(0, 9))}
-        return Annotate(message.id, "ns", values, call_id=call_id)
+        namespace = data.draw(st.sampled_from(["ns", "other"]))
+        return Annotate(message.id, namespace, values, call_id=call_id)
     keep = data.draw(
         st.lists(st.booleans(), min_size=len(conversation), max_size=len(conversation))
     )

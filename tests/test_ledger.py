@@ -1,0 +1,118 @@
+"""The model-call ledger: running totals per session and turn, found by reading back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from stepmachine import (
+    FEEDBACK,
+    InferenceReceipt,
+    Ledger,
+    Message,
+    Session,
+    Spent,
+    Usage,
+    latest_ledger,
+    next_ledger,
+    note_value,
+)
+from stepmachine.testing import make_session
+
+
+def reply(message_id: str, session: Session[Any], attempts: int = 1) -> Message:
+    """An assistant reply as ModelInference records it, ledger included."""
+    usage = Usage(10, 5)
+    receipt = InferenceReceipt(
+        attempts=attempts,
+        revision=session.revision,
+        usage=usage,
+        ledger=next_ledger(session, attempts, usage),
+    )
+    return Message(
+        id=message_id,
+        role="assistant",
+        parts=(),
+        notes={"inference": note_value(receipt)},
+    )
+
+
+def grow(session: Session[Any], *messages: Message) -> Session[Any]:
+    return make_session(*session.conversation, *messages, revision=session.revision + 1)
+
+
+def test_the_first_call_starts_the_totals_and_the_turn() -> None:
+    session = make_session("go")
+    assert latest_ledger(session).ledger is None
+    ledger = next_ledger(session, 2, Usage(10, 5))
+    assert ledger == Ledger(Spent(2, 10, 5), Spent(2, 10, 5), revision=0, turn_start="u0")
+
+
+def test_totals_add_up_and_a_new_user_turn_restarts_the_turn() -> None:
+    session = make_session("go")
+    session = grow(session, reply("a1", session, attempts=2))
+    session = grow(session, reply("a2", session))
+    view = latest_ledger(session)
+    assert view.ledger is not None
+    assert view.ledger.session == Spent(3, 20, 10)
+    assert view.ledger.turn == Spent(3, 20, 10)
+    feedback = Message(id="f1", role="user", parts=(), notes={FEEDBACK: {"by": "invalid_calls"}})
+    session = grow(session, feedback)
+    assert latest_ledger(session).turn_start is None  # feedback starts no turn
+    session = grow(session, Message.user("next", id="u9"))
+    assert latest_ledger(session).turn_start == "u9"
+    ledger = next_ledger(session, 1, Usage(1, 1))
+    assert ledger.session == Spent(4, 21, 11)
+    assert ledger.turn == Spent(1, 1, 1)
+    assert ledger.turn_start == "u9"
+
+
+def test_before_revision_finds_the_totals_a_run_started_from() -> None:
+    session = make_session("go")
+    session = grow(session, reply("a1", session))  # made at revision 0
+    session = grow(session, reply("a2", session))  # made at revision 1
+    before = latest_ledger(session, before_revision=1).ledger
+    assert before is not None
+    assert before.session == Spent(1, 10, 5)
+    assert latest_ledger(session, before_revision=0).ledger is None
+
+
+def test_records_without_a_ledger_make_the_totals_partial() -> None:
+    legacy = Message(
+        id="a0",
+        role="assistant",
+        parts=(),
+        notes={"inference": {"attempts": 3, "revision": 0, "usage": {}}},
+    )
+    session = make_session("go", legacy)
+    assert latest_ledger(session).legacy
+    ledger = next_ledger(session, 1, Usage())
+    assert ledger.partial  # counts only what came after the old records
+    session = grow(session, reply("a1", session))
+    assert latest_ledger(session).legacy  # readers count the records one by one
+
+
+def test_a_damaged_ledger_sends_readers_to_the_records() -> None:
+    damaged = Message(
+        id="a0",
+        role="assistant",
+        parts=(),
+        notes={"inference": {"attempts": 1, "revision": 0, "ledger": {"session": "x"}}},
+    )
+    assert latest_ledger(make_session("go", damaged)).legacy
+
+
+def test_of_two_ledgers_on_one_message_the_one_with_more_calls_counts() -> None:
+    older = Ledger(Spent(1), Spent(1), revision=0)
+    newer = Ledger(Spent(2), Spent(2), revision=1)
+    message = Message(
+        id="u1",
+        role="user",
+        parts=(),
+        notes={
+            "inference": {"attempts": 1, "ledger": msgspec.to_builtins(older)},
+            "compaction": {"ledger": msgspec.to_builtins(newer)},
+        },
+    )
+    assert latest_ledger(make_session(message)).ledger == newer
