@@ -28,11 +28,13 @@ from stepmachine import Codec, Effect, EffectError, Session, StoredDataError, ap
 from ._sqlite_schema import SCHEMA_VERSION, checksum
 
 __all__ = [
+    "COMPRESS_FROM",
     "SNAPSHOT_EVERY",
     "SNAPSHOT_MAX_GAP",
     "SessionRow",
     "StoredBatch",
     "advance_session_row",
+    "compact",
     "copy_log",
     "insert_batch",
     "insert_session",
@@ -237,19 +239,22 @@ _ZLIB_LEVEL = 1
 """Snapshots are compressed fast: they are written on the apply path (amortised)."""
 
 _JSON_START = b"{"
+_EFFECTS_START = b"["
 _ZLIB_START = b"\x78"  # the first byte of every zlib stream (deflate, 32 KiB window)
 
 
-def _snapshot_record(path: str, where: str, body: bytes) -> bytes:
-    """The codec's session record in a stored snapshot body: as stored, or decompressed.
+def _stored_record(path: str, where: str, body: bytes, json_start: bytes) -> bytes:
+    """The codec record in a stored ``body`` (a snapshot or an effect row): as stored,
+    or decompressed.
 
-    A body starting with ``{`` is the JSON record as written before snapshots
-    were compressed (still read as it is); one starting with ``0x78`` is that
-    record compressed with zlib. Anything else, or a stream that does not
-    decompress, raises :class:`StoredDataError`.
+    A body starting with ``json_start`` (``{`` for a session, ``[`` for effects)
+    is the JSON record as it is (as written before bodies were compressed, and
+    still for short effect records); one starting with ``0x78`` is that record
+    compressed with zlib. Anything else, or a stream that does not decompress,
+    raises :class:`StoredDataError`.
     """
     start = body[:1]
-    if start == _JSON_START:
+    if start == json_start:
         return body
     if start == _ZLIB_START:
         try:
@@ -266,7 +271,7 @@ def _decode_snapshot(
     _verify(path, where, "snapshots", tuple(row[:4]), row[4])
     revision = _typed(path, where, "revision", row[1], int)
     _check_version(path, where, row[2])
-    body = _snapshot_record(path, where, _typed(path, where, "body", row[3], bytes))
+    body = _stored_record(path, where, _typed(path, where, "body", row[3], bytes), _JSON_START)
     session = codec.decode_session(body, where=f"{where} in {path}")
     if session.id != session_id or session.revision != revision:
         raise _fail(
@@ -386,7 +391,8 @@ def read_log(
             _verify(path, f"{at} (table effects)", "effects", tuple(effect_row[:5]), effect_row[5])
             _check_version(path, at, effect_row[3])
             body = _typed(path, at, "body", effect_row[4], bytes)
-            decoded = codec.decode_effects(body, where=f"{at} in {path}")
+            record = _stored_record(path, at, body, _EFFECTS_START)
+            decoded = codec.decode_effects(record, where=f"{at} in {path}")
             if len(decoded) != 1:
                 raise _fail(path, at, f"the record holds {len(decoded)} effects, not 1")
             effects.append(decoded[0])
@@ -428,6 +434,26 @@ def replay(
     return session
 
 
+COMPRESS_FROM = 256
+"""Effect records of at least this many bytes are stored compressed (when that is smaller)."""
+
+
+def compact(record: bytes) -> bytes:
+    """How an effects ``record`` is stored: compressed with zlib when it is at least
+    :data:`COMPRESS_FROM` bytes and that makes it smaller, else as it is.
+
+    Message text and tool content are most of a session's bytes, and JSON of
+    natural text shrinks about twice (far more for repetitive text); a short
+    record (an ``Increment``, a small note) is not worth the header. Read back
+    by :func:`read_log`, which tells the two apart by the first byte (``[`` or
+    ``0x78``), like snapshot bodies. The checksum covers the stored bytes.
+    """
+    if len(record) < COMPRESS_FROM:
+        return record
+    packed = zlib.compress(record, _ZLIB_LEVEL)
+    return packed if len(packed) < len(record) else record
+
+
 def insert_batch(
     conn: sqlite3.Connection,
     sid: int,
@@ -445,7 +471,7 @@ def insert_batch(
     conn.execute(_INSERT_BATCH, (*batch, checksum("batches", batch)))
     rows = []
     for position, body in enumerate(bodies):
-        effect = (sid, revision, position, SCHEMA_VERSION, body)
+        effect = (sid, revision, position, SCHEMA_VERSION, compact(body))
         rows.append((*effect, checksum("effects", effect)))
     conn.executemany(_INSERT_EFFECT, rows)
 
