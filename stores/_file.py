@@ -24,10 +24,16 @@ the log, readers a shared one, so several processes (each with its own
 compare-and-set on the revision happens inside the lock. Within one instance,
 operations on one session are also serialised with an ``anyio.Lock``.
 
+Structure: the cache, replay, compare-and-set, snapshot policy and errors
+are the durable stores' shared core (:mod:`._core`); this module is the public
+class, and :mod:`._file_backend` the byte backend (the file lock is its
+transaction) over the record format of :mod:`._file_log`.
+
 Cost: the instance caches, per session, the last session value and the log
 offset it was read up to; ``load`` and ``apply`` read only the bytes appended
 since (and the last record read before, to check that the log still holds it),
-and ``apply`` encodes only its own batch, never the history. A cold load starts
+and ``apply`` encodes and decodes only its own batch, never the history, and
+applies it once, to the cached session, which it returns. A cold load starts
 from the snapshot when the snapshot covers exactly this log (the last record it
 includes is still in the log, byte for byte), so it replays at most
 ``snapshot_every`` batches.
@@ -322,12 +328,16 @@ class FileStore:
     async def apply(self, batch: Batch[Effect]) -> Session[Any]:
         """Append ``batch`` if the session is at ``batch.revision - 1``; all or nothing.
 
-        Returns the session after the batch, as a load would give it.
+        Returns the session after the batch, as a load would give it: the batch
+        is encoded once, decoded back (O(batch), never the history) and applied
+        once, to the session this instance last read or wrote, and that result
+        is returned and kept.
 
-        Under the session's exclusive file lock: read what other writers
-        appended, compare-and-set the revision, check that the batch encodes,
-        decodes and applies, cut off a torn final record if there is one, then
-        append the batch as one record and (``fsync="always"``) fsync it. Every
+        Under the session's exclusive file lock: check that the log still ends
+        where this instance last saw it (or read what other writers appended),
+        compare-and-set the revision, check that the batch applies, cut off a
+        torn final record if there is one, then append the batch as one record
+        and (``fsync="always"``) fsync it. Every
         ``snapshot_every`` revisions, and after a ``ReplaceConversation``, a
         snapshot is written too; if that fails the batch stays applied and a
         warning is logged.

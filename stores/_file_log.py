@@ -47,19 +47,11 @@ import os
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 
-from stepmachine import (
-    Batch,
-    Codec,
-    Effect,
-    EffectError,
-    Session,
-    StoredDataError,
-    apply_batch,
-)
+from stepmachine import StoredDataError
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -74,12 +66,9 @@ __all__ = [
     "SnapshotBody",
     "Torn",
     "create_file",
-    "decode_batch",
-    "decode_snapshot_session",
     "decode_struct",
     "digest_of",
     "encode_record",
-    "fold",
     "fsync_dir",
     "parse_one",
     "parse_records",
@@ -355,7 +344,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-# -- replaying a log ------------------------------------------------------------------
+# -- reading a log and its snapshot -----------------------------------------------------
 
 _head_decoder = msgspec.json.Decoder(LogHead)
 _snapshot_decoder = msgspec.json.Decoder(SnapshotBody)
@@ -381,8 +370,8 @@ def read_snapshot(path: str, session_id: str, nonce: str) -> Snapshot | None:
     """The snapshot file at ``path`` for the log ``nonce`` of ``session_id``; None if missing.
 
     Only the file itself is checked (checksum, format): whether it fits the log
-    is :func:`snapshot_misfit`'s question, and its session is decoded by
-    :func:`decode_snapshot_session`. A snapshot of another incarnation (another
+    is :func:`snapshot_misfit`'s question, and its session is decoded by the
+    stores' core (:mod:`._replay`). A snapshot of another incarnation (another
     nonce or session id) comes back ``stale``.
 
     Raises:
@@ -458,80 +447,6 @@ def snapshot_misfit(fd: int, snapshot: Snapshot, head_end: int, size: int, log: 
     return None
 
 
-def decode_snapshot_session(codec: Codec[Any], snapshot: Snapshot, session_id: str) -> Session[Any]:
-    """The session a snapshot holds, checked against its header.
-
-    Raises:
-        StoredDataError: it does not decode, or is another session or revision.
-    """
-    where = f"{snapshot.path} at byte 0"
-    session = codec.decode_session(snapshot.session, where=where)
-    if session.revision != snapshot.revision or session.id != session_id:
-        raise StoredDataError(
-            f"invariant 8 (stored data is data): snapshot {snapshot.path} holds session "
-            f"{session.id!r} at revision {session.revision}, but its header says "
-            f"{session_id!r} at revision {snapshot.revision}"
-        )
-    return session
-
-
 def digest_of(record: bytes) -> str:
     """The hex BLAKE2b-128 digest of a record's bytes (how snapshots and caches bind to it)."""
     return hashlib.blake2b(record, digest_size=16).hexdigest()
-
-
-def decode_batch(codec: Codec[Any], record: Record, session_id: str, path: str) -> Batch[Effect]:
-    """The batch of a ``B`` record, checked against the record's session and revision."""
-    where = f"{path} at byte {record.offset}"
-    batch = codec.decode_batch(
-        record.payload, where=f"{where} (session {session_id!r}, revision {record.revision})"
-    )
-    if batch.session_id != session_id or batch.revision != record.revision:
-        raise StoredDataError(
-            f"invariant 8 (stored data is data): the batch in {where} is for session "
-            f"{batch.session_id!r} revision {batch.revision}, expected {session_id!r} "
-            f"revision {record.revision}"
-        )
-    return batch
-
-
-def fold(
-    codec: Codec[Any], record: Record, session: Session[Any] | None, session_id: str, path: str
-) -> Session[Any]:
-    """The session after ``record``: the create record when ``session`` is None, else
-    the batch for ``session.revision + 1``.
-
-    Raises:
-        StoredDataError: the record is not the expected one, does not decode, or
-            (a batch) does not apply.
-    """
-    where = f"{path} at byte {record.offset}"
-    if session is None:
-        if record.tag != TAG_CREATE or record.revision != 0:
-            raise StoredDataError(
-                f"invariant 8 (stored data is data): expected the create record in {where}, "
-                f"found a {record.tag.decode()!r} record for revision {record.revision}"
-            )
-        created: Session[Any] = codec.decode_session(
-            record.payload, where=f"{where} (session {session_id!r}, revision 0)"
-        )
-        if created.id != session_id or created.revision != 0:
-            raise StoredDataError(
-                f"invariant 8 (stored data is data): the create record in {where} holds "
-                f"session {created.id!r} at revision {created.revision}"
-            )
-        return created
-    if record.tag != TAG_BATCH or record.revision != session.revision + 1:
-        raise StoredDataError(
-            f"invariant 8 (stored data is data): expected the batch for revision "
-            f"{session.revision + 1} in {where}, found a {record.tag.decode()!r} record for "
-            f"revision {record.revision}"
-        )
-    batch = decode_batch(codec, record, session_id, path)
-    try:
-        return apply_batch(session, batch.effects)
-    except EffectError as exc:
-        raise StoredDataError(
-            f"invariant 8 (stored data is data): the batch in {where} (session "
-            f"{session_id!r}, revision {record.revision}) does not apply: {exc}"
-        ) from exc

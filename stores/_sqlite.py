@@ -14,7 +14,9 @@ what a cold load replays; each new one prunes the one before (revision 0
 stays), so a session holds at most two, compressed. Every row carries a
 CRC-32 checked on load (schema version 2). The on-disk layout, its migrations
 and the checksums live in :mod:`._sqlite_schema`; reading and writing rows in
-:mod:`._sqlite_rows`.
+:mod:`._sqlite_rows`. The cache, replay, compare-and-set, snapshot policy and
+errors are the durable stores' shared core (:mod:`._core`), over the byte
+backend of :mod:`._sqlite_log`.
 
 What SQLite does and does not guarantee (durability, a damaged WAL, backups)
 is in the :class:`SQLiteStore` docstring: in short, an acknowledged batch
@@ -323,8 +325,10 @@ class SQLiteStore:
 
         Returns the session after the batch, as a load would give it.
 
-        The effects are encoded and decoded back, then applied to the current
-        session before anything is written, so nothing invalid is stored. The
+        The effects are encoded once and decoded back (O(batch), never the
+        history), then applied once, to the session this store last read or
+        wrote, before anything is written, so nothing invalid is stored; that
+        result is what is returned and kept. The
         write is one ``BEGIN IMMEDIATE`` transaction of constant statements:
         the compare-and-set (``UPDATE sessions ... WHERE sid = ? AND revision
         = ?``, which also moves the revision; its row count proves the session
