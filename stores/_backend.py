@@ -252,9 +252,7 @@ class LogTxn(Protocol[P]):
         first; the last one needs no other (the revision-0 record)."""
         ...
 
-    def records(
-        self, session_id: str, after: int, upto: int | None, start: P | None
-    ) -> Tail[P]:
+    def records(self, session_id: str, after: int, upto: int | None, start: P | None) -> Tail[P]:
         """The batches with ``after < revision <= upto`` (``upto`` None: to the
         end). ``start``, when given, is the position of revision ``after``."""
         ...

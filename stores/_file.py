@@ -320,6 +320,7 @@ class FileStore:
 
         Cancellation: safe at any point; nothing is written.
         """
+
         def work(txn: FileTxn) -> Session[Any]:
             return self._core.current(txn, session_id).session
 
@@ -391,6 +392,7 @@ class FileStore:
         Cancellation: a cancel while waiting for the lock deletes nothing; once
         the worker thread runs, the session is deleted.
         """
+
         def work(txn: FileTxn) -> None:
             txn.delete(session_id)
             self._core.forget(session_id)
@@ -480,9 +482,7 @@ class FileStore:
         if self._closed:
             raise anyio.ClosedResourceError(f"the FileStore on {self.folder} is closed")
 
-    async def _locked(
-        self, session_id: str, *, exclusive: bool, work: Callable[[FileTxn], T]
-    ) -> T:
+    async def _locked(self, session_id: str, *, exclusive: bool, work: Callable[[FileTxn], T]) -> T:
         """Run ``work(txn)`` in a worker thread, holding the log's file lock
         (:meth:`._file_backend.FileBackend.locked`)."""
         self._check_open()

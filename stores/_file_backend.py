@@ -137,9 +137,7 @@ class FileBackend:
                         continue  # a file someone else put here
         return sorted(ids)
 
-    async def locked(
-        self, session_id: str, *, exclusive: bool, work: Callable[[FileTxn], T]
-    ) -> T:
+    async def locked(self, session_id: str, *, exclusive: bool, work: Callable[[FileTxn], T]) -> T:
         """Run ``work(txn)`` in a worker thread, holding the log's file lock.
 
         The lock is tried without blocking in the worker thread; while another
