@@ -462,8 +462,8 @@ class FileStore:
             work=lambda txn: self._core.history(txn, session_id, revision),
         )
         codec = self._core.codec
-        records = [encode_record(TAG_CREATE, 0, codec.encode_session(
-            msgspec.structs.replace(initial, id=new_session_id)))]  # fmt: skip
+        first = msgspec.structs.replace(initial, id=new_session_id)
+        records = [encode_record(TAG_CREATE, 0, codec.encode_session(first))]
         for batch in batches:
             renamed = msgspec.structs.replace(batch, session_id=new_session_id)
             records.append(encode_record(TAG_BATCH, batch.revision, codec.encode_batch(renamed)))

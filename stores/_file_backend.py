@@ -344,8 +344,8 @@ class FileTxn:
                 )
             last = record
             if record.revision > after:
-                found.append(BatchRecord(record.revision, f"{path} at byte {record.offset}",
-                                         record.payload))  # fmt: skip
+                where = f"{path} at byte {record.offset}"
+                found.append(BatchRecord(record.revision, where, record.payload))
         position = begin
         if last is not None:
             span = data[last.offset - begin.offset : last.end - begin.offset]

@@ -112,10 +112,8 @@ class SQLiteTxn:
         if not _rows.advance_session_row(self._conn, session_id, at.revision, moved):
             self._rows.pop(session_id, None)
             return None
-        _rows.insert_batch(
-            self._conn, at.sid, batch.revision, batch.step, batch.cycle, batch.timestamp,
-            batch.effects,
-        )  # fmt: skip
+        header = (batch.revision, batch.step, batch.cycle, batch.timestamp)
+        _rows.insert_batch(self._conn, at.sid, *header, batch.effects)
         if snapshot is not None:
             _rows.insert_snapshot(self._conn, at.sid, snapshot.revision, snapshot.record)
             _rows.prune_snapshots(self._conn, at.sid, snapshot.revision)
