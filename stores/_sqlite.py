@@ -60,6 +60,7 @@ from . import _sqlite_schema as _schema
 from ._backend import Cached, Marks
 from ._core import LogCore
 from ._ids import validate_session_id
+from ._snapshot_policy import Weighted
 from ._sqlite_log import SQLiteTxn
 from ._sqlite_rows import SessionRow
 from ._sqlite_schema import transaction
@@ -73,12 +74,12 @@ _CACHE_SIZE = 256
 
 
 class _SQLitePolicy:
-    """The core's weighted snapshot policy with :mod:`._sqlite_rows`' limits, read at
-    each call (:func:`._sqlite_rows.wants_snapshot`)."""
+    """The core's :class:`._snapshot_policy.Weighted` policy with the limits of
+    :mod:`._sqlite_rows` (``SNAPSHOT_EVERY``, ``SNAPSHOT_MAX_GAP``), read at each call."""
 
     def due(self, marks: Marks, revision: int, batch_bytes: int, replaces: bool) -> bool:
-        row = SessionRow(0, revision - 1, *marks)
-        return _rows.wants_snapshot(row, revision, batch_bytes, replaces)
+        policy = Weighted(_rows.SNAPSHOT_EVERY, _rows.SNAPSHOT_MAX_GAP)
+        return policy.due(marks, revision, batch_bytes, replaces)
 
 
 def _no_hook(name: str) -> None:
