@@ -73,7 +73,7 @@ from stepmachine import (
 from ._backend import Cached, Marks, NewSnapshot
 from ._core import LogCore
 from ._file_backend import FileBackend, FileLockTimeoutError, FilePos, FileTxn
-from ._file_log import TAG_BATCH, TAG_CREATE, encode_record, fsync_dir
+from ._file_log import TAG_BATCH, TAG_CREATE, encode_packed, fsync_dir
 from ._ids import validate_session_id
 from ._snapshot_policy import EveryN
 
@@ -463,10 +463,10 @@ class FileStore:
         )
         codec = self._core.codec
         first = msgspec.structs.replace(initial, id=new_session_id)
-        records = [encode_record(TAG_CREATE, 0, codec.encode_session(first))]
+        records = [encode_packed(TAG_CREATE, 0, codec.encode_session(first))]
         for batch in batches:
             renamed = msgspec.structs.replace(batch, session_id=new_session_id)
-            records.append(encode_record(TAG_BATCH, batch.revision, codec.encode_batch(renamed)))
+            records.append(encode_packed(TAG_BATCH, batch.revision, codec.encode_batch(renamed)))
         forked = msgspec.structs.replace(session, id=new_session_id)
         snapshot = NewSnapshot(revision, codec.encode_session(forked)) if revision else None
         async with self._backend.session_lock(new_session_id):

@@ -54,6 +54,7 @@ from ._file_log import (
     Torn,
     create_file,
     digest_of,
+    encode_packed,
     encode_record,
     fsync_dir,
     parse_records,
@@ -388,7 +389,7 @@ class FileTxn:
                 length=torn.length,
             )
             self._torn = None
-        record = encode_record(TAG_BATCH, batch.revision, batch.record)
+        record = encode_packed(TAG_BATCH, batch.revision, batch.record)
         try:
             write_all(self._fd, record)
             backend.boundary("apply.written")
@@ -406,7 +407,7 @@ class FileTxn:
 
     def create(self, session_id: str, record: bytes) -> tuple[FilePos, Marks]:
         """A new log holding the create record (see :meth:`FileBackend.new_log`)."""
-        position = self._backend.new_log(session_id, [encode_record(TAG_CREATE, 0, record)], None)
+        position = self._backend.new_log(session_id, [encode_packed(TAG_CREATE, 0, record)], None)
         return position, Marks()
 
     def delete(self, session_id: str) -> None:

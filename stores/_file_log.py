@@ -4,13 +4,18 @@ Every record is one line::
 
     <schema> <tag> <revision> <length> <crc32> <payload>\\n
 
-``schema`` is the record schema version (decimal, :data:`SCHEMA_VERSION` today),
+``schema`` is the record schema version (decimal, 1 or 2),
 ``tag`` one letter naming the kind of record, ``revision`` the session revision
 the record belongs to, ``length`` the number of payload bytes, ``crc32`` eight
 lowercase hex digits of the CRC-32 of everything before it on the line
-followed by the payload. The payload is JSON written by the
-:class:`~stepmachine.Codec` (or by a fixed Struct of this module), so it never
-holds a raw newline. Tags:
+followed by the payload. The payload of a version-1 record is JSON written by
+the :class:`~stepmachine.Codec` (or by a fixed Struct of this module), so it
+never holds a raw newline. A version-2 record (since issue 9) holds that JSON
+compressed with zlib, in standard base64 (no newline either): create and batch
+records of at least 256 bytes are written so when that makes them smaller
+(natural text about halves), shorter ones stay version 1, so a log holding only
+those is still read by code from before. Older code refuses a version-2
+record (a newer schema version) without writing anything. Tags:
 
 - ``H`` (head): the first record of a log; names the session and a random
   ``nonce`` identifying this incarnation of the log (a deleted and re-created
@@ -42,6 +47,8 @@ returns it separately instead of raising.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import os
 import re
@@ -54,6 +61,7 @@ import msgspec
 from stepmachine import StoredDataError
 
 __all__ = [
+    "PACK_FROM",
     "SCHEMA_VERSION",
     "TAG_BATCH",
     "TAG_CREATE",
@@ -68,6 +76,7 @@ __all__ = [
     "create_file",
     "decode_struct",
     "digest_of",
+    "encode_packed",
     "encode_record",
     "fsync_dir",
     "parse_one",
@@ -80,8 +89,11 @@ __all__ = [
     "write_all",
 ]
 
-SCHEMA_VERSION = 1
-"""The record schema this code writes, and the newest it reads."""
+SCHEMA_VERSION = 2
+"""The newest record schema this code writes and reads (2: a compressed payload)."""
+
+PACK_FROM = 256
+"""Create and batch payloads of at least this many bytes are compressed (when that pays)."""
 
 TAG_HEAD = b"H"
 TAG_CREATE = b"C"
@@ -134,7 +146,7 @@ class SnapshotBody(msgspec.Struct, frozen=True):
 
 
 _ZLIB_LEVEL = 1
-"""Snapshots are compressed fast: one is written every ``snapshot_every`` batches."""
+"""Snapshots and packed records are compressed fast: they are written on the apply path."""
 
 _NULL = msgspec.Raw(b"null")
 
@@ -156,7 +168,7 @@ class Record:
         end: file offset just past its newline.
         tag: its tag letter.
         revision: the revision in its header.
-        payload: its payload bytes.
+        payload: its payload bytes (of a version-2 record: decompressed).
     """
 
     offset: int
@@ -195,13 +207,33 @@ class Torn:
     length: int
 
 
-def encode_record(
-    tag: bytes, revision: int, payload: bytes, *, version: int = SCHEMA_VERSION
-) -> bytes:
-    """One record line (``version`` is a parameter only so tests can forge future records)."""
+def encode_record(tag: bytes, revision: int, payload: bytes, *, version: int = 1) -> bytes:
+    """One record line holding ``payload`` as it is (``version`` is a parameter only so
+    tests can forge other records; :func:`encode_packed` writes version 2)."""
     head = b"%d %s %d %d " % (version, tag, revision, len(payload))
     crc = zlib.crc32(payload, zlib.crc32(head))
     return b"%s%08x %s\n" % (head, crc, payload)
+
+
+def encode_packed(tag: bytes, revision: int, payload: bytes) -> bytes:
+    """One record line for ``payload``: version 2 (compressed, base64) when it is at
+    least :data:`PACK_FROM` bytes and that makes it smaller, else version 1 as it is."""
+    if len(payload) >= PACK_FROM:
+        packed = base64.b64encode(zlib.compress(payload, _ZLIB_LEVEL))
+        if len(packed) < len(payload):
+            return encode_record(tag, revision, packed, version=2)
+    return encode_record(tag, revision, payload)
+
+
+def _unpacked(packed: bytes, where: str) -> bytes:
+    """The payload of a version-2 record: base64, then zlib; StoredDataError otherwise."""
+    try:
+        return zlib.decompress(base64.b64decode(packed, validate=True))
+    except (binascii.Error, zlib.error) as exc:
+        raise StoredDataError(
+            f"invariant 8 (stored data is data): the compressed payload of the record in "
+            f"{where} does not decompress: {exc}"
+        ) from None
 
 
 def parse_records(buf: bytes, base: int, path: str) -> tuple[list[Record], Torn | None]:
@@ -262,9 +294,10 @@ def parse_records(buf: bytes, base: int, path: str) -> tuple[list[Record], Torn 
                 f"invariant 8 (stored data is data): unknown record tag {tag.decode()!r} in "
                 f"{where} (known tags: H, C, B, S)"
             )
-        records.append(
-            Record(base + pos, base + end + 1, tag, int(match[3]), buf[match.end() : end])
-        )
+        payload = buf[match.end() : end]
+        if version == 2:
+            payload = _unpacked(payload, where)
+        records.append(Record(base + pos, base + end + 1, tag, int(match[3]), payload))
         pos = end + 1
     return records, None
 
