@@ -239,20 +239,15 @@ class LogCore(Generic[P]):
             ValueError: ``revision`` is negative or beyond the current one.
             SessionNotFoundError, StoredDataError: as :meth:`current`.
         """
-        known = txn.head(session_id)
-        current = None
-        if known is None:
-            current = self.current(txn, session_id)
-            known = current.session.revision
-        if not 0 <= revision <= known:
-            raise ValueError(f"session {session_id!r} has revisions 0..{known}, not {revision}")
-        if current is not None and revision == known:
+        head, current = self._head(txn, session_id)
+        _check_range(session_id, revision, head)
+        if current is not None and revision == head:
             return current.session
         return self._replay_from_base(txn, session_id, revision, [])[0]
 
     def batches(self, txn: LogTxn[P], session_id: str, after: int) -> list[Batch[Effect]]:
         """The audit log: the batches with ``revision > after``, decoded, in order."""
-        head = self._head(txn, session_id)
+        head, _ = self._head(txn, session_id)
         if after >= head:
             return []
         tail = txn.records(session_id, max(after, 0), head, None)
@@ -267,24 +262,23 @@ class LogCore(Generic[P]):
         Raises:
             ValueError: ``revision`` is negative or beyond the current one.
         """
-        head = self._head(txn, session_id)
-        if not 0 <= revision <= head:
-            raise ValueError(f"session {session_id!r} has revisions 0..{head}, not {revision}")
+        head, _ = self._head(txn, session_id)
+        _check_range(session_id, revision, head)
         first, tail = self._replay_from_base(txn, session_id, 0, [])
         records = txn.records(session_id, 0, revision, tail.position).records
         batches = [decode_batch(self.codec, session_id, stored) for stored in records]
-        session = first
-        for batch in batches:
-            session = apply_batch(session, batch.effects)
-        return first, batches, session
+        return first, batches, replay(self.codec, first, records)
 
     # -- the pieces ------------------------------------------------------------------
 
-    def _head(self, txn: LogTxn[P], session_id: str) -> int:
-        """The current revision: from the backend when it knows it without replaying,
-        else from :meth:`current`."""
+    def _head(self, txn: LogTxn[P], session_id: str) -> tuple[int, Cached[P] | None]:
+        """The current revision: from the backend when it knows it without reading the
+        log, else from :meth:`current` (which it returns too)."""
         known = txn.head(session_id)
-        return known if known is not None else self.current(txn, session_id).session.revision
+        if known is not None:
+            return known, None
+        current = self.current(txn, session_id)
+        return current.session.revision, current
 
     def _at(self, txn: LogTxn[P], session_id: str, expected: int) -> Cached[P]:
         """:meth:`current`, checked to be at ``expected`` (the compare-and-set)."""
@@ -352,3 +346,9 @@ class LogCore(Generic[P]):
         for unused_base, problem in unused:
             txn.unusable(session_id, unused_base, problem)
         return session, tail
+
+
+def _check_range(session_id: str, revision: int, head: int) -> None:
+    """Raise ValueError unless ``0 <= revision <= head``."""
+    if not 0 <= revision <= head:
+        raise ValueError(f"session {session_id!r} has revisions 0..{head}, not {revision}")
