@@ -72,8 +72,9 @@ from stepmachine import (
 
 from ._backend import Cached, Marks, NewSnapshot
 from ._core import LogCore
-from ._file_backend import FileBackend, FileLockTimeoutError, FilePos, FileTxn
+from ._file_backend import FileBackend, FileLockTimeoutError
 from ._file_log import TAG_BATCH, TAG_CREATE, encode_packed, fsync_dir
+from ._file_txn import FilePos, FileTxn
 from ._ids import validate_session_id
 from ._snapshot_policy import EveryN
 
