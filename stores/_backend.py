@@ -138,7 +138,7 @@ class EffectRows:
     @property
     def size(self) -> int:
         """The encoded bytes of the batch's effects."""
-        return sum(len(effect) for effect in self.effects)
+        return sum(map(len, self.effects))
 
 
 StoredBatch = BatchRecord | EffectRows

@@ -298,7 +298,7 @@ class LogCore(Generic[P]):
             snapshot = NewSnapshot(after.revision, record)
             marks = Marks(after.revision, len(record), 0)
         else:
-            marks = marks._replace(pending_bytes=marks.pending_bytes + size)
+            marks = Marks(marks.snapshot_revision, marks.snapshot_bytes, marks.pending_bytes + size)
         position = txn.append(after.id, cached.position, prepared.stored, marks, snapshot)
         return None if position is None else Cached(after, position, marks)
 

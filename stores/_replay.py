@@ -42,7 +42,6 @@ def encode_batch(
     if form is BatchRecord:
         stored = BatchRecord(batch.revision, where, codec.encode_batch(batch))
     else:
-        codec.check_effects(batch.effects)
         stored = EffectRows(
             batch.revision,
             where,
