@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import structlog
 
@@ -44,10 +44,28 @@ from ._file_log import (
     write_all,
 )
 
-if TYPE_CHECKING:
-    from ._file_backend import FileBackend
 
-__all__ = ["FilePos", "FileTxn", "log"]
+class Folder(Protocol):
+    """What a :class:`FileTxn` needs of the store's folder (:class:`._file_backend.FileBackend`)."""
+
+    folder: str
+    fsync: bool
+    torn_seen: set[tuple[str, str, int]]
+
+    def log_path(self, session_id: str) -> str: ...
+
+    def snap_path(self, session_id: str) -> str: ...
+
+    def boundary(self, name: str) -> None: ...
+
+    def new_log(
+        self, session_id: str, records: list[bytes], snapshot: NewSnapshot | None
+    ) -> FilePos: ...
+
+    def write_snapshot(self, session_id: str, at: FilePos, snapshot: NewSnapshot) -> None: ...
+
+
+__all__ = ["FilePos", "FileTxn", "Folder", "log"]
 
 log = structlog.wrap_logger(
     logging.getLogger("stepmachine.stores.file"),
@@ -74,7 +92,7 @@ class FileTxn:
 
     FORM: ClassVar[type[BatchRecord]] = BatchRecord
 
-    def __init__(self, backend: FileBackend, fd: int) -> None:
+    def __init__(self, backend: Folder, fd: int) -> None:
         self._backend = backend
         self._fd = fd
         self._head: tuple[str, int] | None = None
@@ -217,7 +235,7 @@ class FileTxn:
         return position
 
     def create(self, session_id: str, record: bytes) -> tuple[FilePos, Marks]:
-        """A new log holding the create record (see :meth:`FileBackend.new_log`)."""
+        """A new log holding the create record (see :meth:`._file_backend.FileBackend.new_log`)."""
         position = self._backend.new_log(session_id, [encode_packed(TAG_CREATE, 0, record)], None)
         return position, Marks()
 
