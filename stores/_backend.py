@@ -31,7 +31,8 @@ backend's worker thread inside the backend's transaction:
 - ``create(session_id, record) -> (position, marks)``, ``delete(session_id)``.
 - ``unusable(session_id, base, reason)``: report a base that was not used.
 
-A *position* (the type parameter ``P``) is the backend's own token for "the
+The records exchanged are frozen msgspec Structs (cheap to build: several
+are made per apply). A *position* (the type parameter ``P``) is the backend's own token for "the
 log up to here": the store's cache keeps one beside each session, and a
 backend proves with it that nothing moved (SQLite: the session row's never
 reused ``sid`` and its revision; files: the log's nonce, the offset and
@@ -60,8 +61,9 @@ which database it talks to.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+
+import msgspec
 
 from stepmachine import Session
 
@@ -95,8 +97,7 @@ class Marks(NamedTuple):
     pending_bytes: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class BatchRecord:
+class BatchRecord(msgspec.Struct, frozen=True):
     """A stored batch as one codec batch record (``Codec.encode_batch``).
 
     Attributes:
@@ -115,8 +116,7 @@ class BatchRecord:
         return len(self.record)
 
 
-@dataclass(frozen=True, slots=True)
-class EffectRows:
+class EffectRows(msgspec.Struct, frozen=True):
     """A stored batch as a header and one codec effects record per effect.
 
     Attributes:
@@ -145,8 +145,7 @@ StoredBatch = BatchRecord | EffectRows
 """A stored batch in either record form."""
 
 
-@dataclass(frozen=True, slots=True)
-class Cached(Generic[P]):
+class Cached(msgspec.Struct, Generic[P], frozen=True):
     """The store's cache entry: ``session`` is the log up to ``position``.
 
     Attributes:
@@ -160,8 +159,7 @@ class Cached(Generic[P]):
     marks: Marks
 
 
-@dataclass(frozen=True, slots=True)
-class Base(Generic[P]):
+class Base(msgspec.Struct, Generic[P], frozen=True):
     """Where a replay may start: the codec's session ``record`` at ``revision``.
 
     Attributes:
@@ -187,8 +185,7 @@ class Base(Generic[P]):
     remedy: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Tail(Generic[P]):
+class Tail(msgspec.Struct, Generic[P], frozen=True):
     """Records read from a log, and where they end.
 
     Attributes:
@@ -205,8 +202,7 @@ class Tail(Generic[P]):
     end: str
 
 
-@dataclass(frozen=True, slots=True)
-class Moved:
+class Moved(msgspec.Struct, frozen=True):
     """``tail``: the cached position is not in this log.
 
     Attributes:
@@ -220,8 +216,7 @@ class Moved:
     remedy: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class NewSnapshot:
+class NewSnapshot(msgspec.Struct, frozen=True):
     """A snapshot to write with a batch: the codec's session record at ``revision``."""
 
     revision: int

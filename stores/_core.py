@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -75,8 +74,7 @@ __all__ = ["LogCore", "Prepared"]
 P = TypeVar("P")
 
 
-@dataclass(frozen=True, slots=True)
-class Prepared:
+class Prepared(msgspec.Struct, frozen=True):
     """A batch ready to append: encoded once, and decoded back.
 
     Attributes:

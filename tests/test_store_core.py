@@ -12,7 +12,6 @@ rewritten; each batch is applied once per ``apply``.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -383,7 +382,7 @@ def test_a_log_that_lost_what_a_snapshot_saw_is_lost_data(form: Any) -> None:
             end = len(self.log(session_id).batches)
             for base in super().bases(session_id, upto):
                 fits = base.revision <= end
-                yield base if fits else dataclasses.replace(base, problem="past the end")
+                yield base if fits else msgspec.structs.replace(base, problem="past the end")
 
     lost = r"snapshot 3 holds session 's' at revision 3.*ends at revision 2"
     with pytest.raises(StoredDataError, match=lost):
