@@ -50,8 +50,10 @@ object wraps that connection. ``tail`` is one ``SELECT`` of the session row
 (revision, sid, snapshot marks) and, when the cached revision is behind, one
 ``SELECT`` of the effect rows after it; ``append`` is ``UPDATE sessions SET
 revision = ... WHERE sid = %s AND revision = %s`` (its row count is the
-compare-and-set; with leases, ``AND epoch = %s`` joins the condition, so a
-stale holder's append writes nothing and reports it) followed by one
+compare-and-set; with leases, ``AND lease_owner = %s AND lease_epoch = %s``
+joins the condition, the txn object holding the runner's lease, so a stale
+holder's append writes nothing; it then raises the backend's typed lease error
+rather than returning None, which means only "the log moved on") followed by one
 ``executemany`` of the rows and, when the core asks, the snapshot ``INSERT``
 and the ``DELETE`` of the one it supersedes; ``bases`` is the newest snapshot
 ``<= upto`` (``ORDER BY revision DESC LIMIT 1``). Nothing in the core knows
@@ -263,7 +265,9 @@ class LogTxn(Protocol[P]):
         """Compare-and-set: write ``batch`` (with ``marks``, and ``snapshot`` when
         given, dropping every snapshot but revision 0's and the new one) if the
         log still ends at ``at``; return the new position. None, with nothing
-        written, when the log has moved on (or the session is gone)."""
+        written, when the log has moved on (or the session is gone): the core
+        then reads the log again and retries once. A refusal that rereading
+        cannot cure (a lease fenced off) is an exception of the backend's own."""
         ...
 
     def create(self, session_id: str, record: bytes) -> tuple[P, Marks]:
