@@ -32,8 +32,9 @@ backend's worker thread inside the backend's transaction:
 - ``unusable(session_id, base, reason)``: report a base that was not used.
 
 The records exchanged are frozen msgspec Structs (cheap to build: several
-are made per apply). A *position* (the type parameter ``P``) is the backend's own token for "the
-log up to here": the store's cache keeps one beside each session, and a
+are made per apply). A *position* (the type parameter ``P``) is the
+backend's own token for "the log up to here": the store's cache keeps one
+beside each session, and a
 backend proves with it that nothing moved (SQLite: the session row's never
 reused ``sid`` and its revision; files: the log's nonce, the offset and
 digest of the last record read).
