@@ -9,6 +9,10 @@ conformance suite in :mod:`stepmachine.testing.conformance`.
 - :class:`SQLiteStore`: the embedded default; one database file, WAL.
 - :class:`FileStore`: one append-only log file per session in a folder.
 
+The durable stores share one log-and-snapshot core (``_core``: cache, replay,
+compare-and-set, snapshot policy, errors) over byte backends that implement a
+small protocol (``_backend``), so a new durable store is a backend, not a copy.
+
 Supported platforms: this package imports on every OS Python runs on.
 :class:`MemoryStore` works everywhere. :class:`SQLiteStore` works wherever
 Python's ``sqlite3`` does (Linux, macOS, the BSDs, Windows). :class:`FileStore`

@@ -4,13 +4,18 @@ Every record is one line::
 
     <schema> <tag> <revision> <length> <crc32> <payload>\\n
 
-``schema`` is the record schema version (decimal, :data:`SCHEMA_VERSION` today),
+``schema`` is the record schema version (decimal, 1 or 2),
 ``tag`` one letter naming the kind of record, ``revision`` the session revision
 the record belongs to, ``length`` the number of payload bytes, ``crc32`` eight
 lowercase hex digits of the CRC-32 of everything before it on the line
-followed by the payload. The payload is JSON written by the
-:class:`~stepmachine.Codec` (or by a fixed Struct of this module), so it never
-holds a raw newline. Tags:
+followed by the payload. The payload of a version-1 record is JSON written by
+the :class:`~stepmachine.Codec` (or by a fixed Struct of this module), so it
+never holds a raw newline. A version-2 record (since issue 9) holds that JSON
+compressed with zlib, in standard base64 (no newline either): create and batch
+records of at least 256 bytes are written so when that makes them smaller
+(natural text about halves), shorter ones stay version 1, so a log holding only
+those is still read by code from before. Older code refuses a version-2
+record (a newer schema version) without writing anything. Tags:
 
 - ``H`` (head): the first record of a log; names the session and a random
   ``nonce`` identifying this incarnation of the log (a deleted and re-created
@@ -42,26 +47,21 @@ returns it separately instead of raising.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import os
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 
-from stepmachine import (
-    Batch,
-    Codec,
-    Effect,
-    EffectError,
-    Session,
-    StoredDataError,
-    apply_batch,
-)
+from stepmachine import StoredDataError
 
 __all__ = [
+    "PACK_FROM",
     "SCHEMA_VERSION",
     "TAG_BATCH",
     "TAG_CREATE",
@@ -74,12 +74,10 @@ __all__ = [
     "SnapshotBody",
     "Torn",
     "create_file",
-    "decode_batch",
-    "decode_snapshot_session",
     "decode_struct",
     "digest_of",
+    "encode_packed",
     "encode_record",
-    "fold",
     "fsync_dir",
     "parse_one",
     "parse_records",
@@ -91,8 +89,11 @@ __all__ = [
     "write_all",
 ]
 
-SCHEMA_VERSION = 1
-"""The record schema this code writes, and the newest it reads."""
+SCHEMA_VERSION = 2
+"""The newest record schema this code writes and reads (2: a compressed payload)."""
+
+PACK_FROM = 256
+"""Create and batch payloads of at least this many bytes are compressed (when that pays)."""
 
 TAG_HEAD = b"H"
 TAG_CREATE = b"C"
@@ -145,7 +146,7 @@ class SnapshotBody(msgspec.Struct, frozen=True):
 
 
 _ZLIB_LEVEL = 1
-"""Snapshots are compressed fast: one is written every ``snapshot_every`` batches."""
+"""Snapshots and packed records are compressed fast: they are written on the apply path."""
 
 _NULL = msgspec.Raw(b"null")
 
@@ -167,7 +168,7 @@ class Record:
         end: file offset just past its newline.
         tag: its tag letter.
         revision: the revision in its header.
-        payload: its payload bytes.
+        payload: its payload bytes (of a version-2 record: decompressed).
     """
 
     offset: int
@@ -206,13 +207,33 @@ class Torn:
     length: int
 
 
-def encode_record(
-    tag: bytes, revision: int, payload: bytes, *, version: int = SCHEMA_VERSION
-) -> bytes:
-    """One record line (``version`` is a parameter only so tests can forge future records)."""
+def encode_record(tag: bytes, revision: int, payload: bytes, *, version: int = 1) -> bytes:
+    """One record line holding ``payload`` as it is (``version`` is a parameter only so
+    tests can forge other records; :func:`encode_packed` writes version 2)."""
     head = b"%d %s %d %d " % (version, tag, revision, len(payload))
     crc = zlib.crc32(payload, zlib.crc32(head))
     return b"%s%08x %s\n" % (head, crc, payload)
+
+
+def encode_packed(tag: bytes, revision: int, payload: bytes) -> bytes:
+    """One record line for ``payload``: version 2 (compressed, base64) when it is at
+    least :data:`PACK_FROM` bytes and that makes it smaller, else version 1 as it is."""
+    if len(payload) >= PACK_FROM:
+        packed = base64.b64encode(zlib.compress(payload, _ZLIB_LEVEL))
+        if len(packed) < len(payload):
+            return encode_record(tag, revision, packed, version=2)
+    return encode_record(tag, revision, payload)
+
+
+def _unpacked(packed: bytes, where: str) -> bytes:
+    """The payload of a version-2 record: base64, then zlib; StoredDataError otherwise."""
+    try:
+        return zlib.decompress(base64.b64decode(packed, validate=True))
+    except (binascii.Error, zlib.error) as exc:
+        raise StoredDataError(
+            f"invariant 8 (stored data is data): the compressed payload of the record in "
+            f"{where} does not decompress: {exc}"
+        ) from None
 
 
 def parse_records(buf: bytes, base: int, path: str) -> tuple[list[Record], Torn | None]:
@@ -273,9 +294,10 @@ def parse_records(buf: bytes, base: int, path: str) -> tuple[list[Record], Torn 
                 f"invariant 8 (stored data is data): unknown record tag {tag.decode()!r} in "
                 f"{where} (known tags: H, C, B, S)"
             )
-        records.append(
-            Record(base + pos, base + end + 1, tag, int(match[3]), buf[match.end() : end])
-        )
+        payload = buf[match.end() : end]
+        if version == 2:
+            payload = _unpacked(payload, where)
+        records.append(Record(base + pos, base + end + 1, tag, int(match[3]), payload))
         pos = end + 1
     return records, None
 
@@ -355,7 +377,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-# -- replaying a log ------------------------------------------------------------------
+# -- reading a log and its snapshot -----------------------------------------------------
 
 _head_decoder = msgspec.json.Decoder(LogHead)
 _snapshot_decoder = msgspec.json.Decoder(SnapshotBody)
@@ -381,8 +403,8 @@ def read_snapshot(path: str, session_id: str, nonce: str) -> Snapshot | None:
     """The snapshot file at ``path`` for the log ``nonce`` of ``session_id``; None if missing.
 
     Only the file itself is checked (checksum, format): whether it fits the log
-    is :func:`snapshot_misfit`'s question, and its session is decoded by
-    :func:`decode_snapshot_session`. A snapshot of another incarnation (another
+    is :func:`snapshot_misfit`'s question, and its session is decoded by the
+    stores' core (:mod:`._replay`). A snapshot of another incarnation (another
     nonce or session id) comes back ``stale``.
 
     Raises:
@@ -458,80 +480,6 @@ def snapshot_misfit(fd: int, snapshot: Snapshot, head_end: int, size: int, log: 
     return None
 
 
-def decode_snapshot_session(codec: Codec[Any], snapshot: Snapshot, session_id: str) -> Session[Any]:
-    """The session a snapshot holds, checked against its header.
-
-    Raises:
-        StoredDataError: it does not decode, or is another session or revision.
-    """
-    where = f"{snapshot.path} at byte 0"
-    session = codec.decode_session(snapshot.session, where=where)
-    if session.revision != snapshot.revision or session.id != session_id:
-        raise StoredDataError(
-            f"invariant 8 (stored data is data): snapshot {snapshot.path} holds session "
-            f"{session.id!r} at revision {session.revision}, but its header says "
-            f"{session_id!r} at revision {snapshot.revision}"
-        )
-    return session
-
-
 def digest_of(record: bytes) -> str:
     """The hex BLAKE2b-128 digest of a record's bytes (how snapshots and caches bind to it)."""
     return hashlib.blake2b(record, digest_size=16).hexdigest()
-
-
-def decode_batch(codec: Codec[Any], record: Record, session_id: str, path: str) -> Batch[Effect]:
-    """The batch of a ``B`` record, checked against the record's session and revision."""
-    where = f"{path} at byte {record.offset}"
-    batch = codec.decode_batch(
-        record.payload, where=f"{where} (session {session_id!r}, revision {record.revision})"
-    )
-    if batch.session_id != session_id or batch.revision != record.revision:
-        raise StoredDataError(
-            f"invariant 8 (stored data is data): the batch in {where} is for session "
-            f"{batch.session_id!r} revision {batch.revision}, expected {session_id!r} "
-            f"revision {record.revision}"
-        )
-    return batch
-
-
-def fold(
-    codec: Codec[Any], record: Record, session: Session[Any] | None, session_id: str, path: str
-) -> Session[Any]:
-    """The session after ``record``: the create record when ``session`` is None, else
-    the batch for ``session.revision + 1``.
-
-    Raises:
-        StoredDataError: the record is not the expected one, does not decode, or
-            (a batch) does not apply.
-    """
-    where = f"{path} at byte {record.offset}"
-    if session is None:
-        if record.tag != TAG_CREATE or record.revision != 0:
-            raise StoredDataError(
-                f"invariant 8 (stored data is data): expected the create record in {where}, "
-                f"found a {record.tag.decode()!r} record for revision {record.revision}"
-            )
-        created: Session[Any] = codec.decode_session(
-            record.payload, where=f"{where} (session {session_id!r}, revision 0)"
-        )
-        if created.id != session_id or created.revision != 0:
-            raise StoredDataError(
-                f"invariant 8 (stored data is data): the create record in {where} holds "
-                f"session {created.id!r} at revision {created.revision}"
-            )
-        return created
-    if record.tag != TAG_BATCH or record.revision != session.revision + 1:
-        raise StoredDataError(
-            f"invariant 8 (stored data is data): expected the batch for revision "
-            f"{session.revision + 1} in {where}, found a {record.tag.decode()!r} record for "
-            f"revision {record.revision}"
-        )
-    batch = decode_batch(codec, record, session_id, path)
-    try:
-        return apply_batch(session, batch.effects)
-    except EffectError as exc:
-        raise StoredDataError(
-            f"invariant 8 (stored data is data): the batch in {where} (session "
-            f"{session_id!r}, revision {record.revision}) does not apply: {exc}"
-        ) from exc

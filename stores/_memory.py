@@ -3,6 +3,8 @@
 Behaves like the durable stores, short of surviving the process: batches are
 kept encoded by the codec and the current session is rebuilt from the decoded
 batch, so an effect that does not round-trip through the codec fails here too.
+Encoding, decoding and replaying are the durable stores' (:mod:`._replay`):
+each batch is encoded once, decoded back and applied once.
 Every method has one await (a checkpoint) before it reads or writes, so
 cancellation never leaves a half-applied batch, and operations from concurrent
 tasks never interleave.
@@ -29,7 +31,9 @@ from stepmachine import (
     apply_batch,
 )
 
+from ._backend import BatchRecord, StoredBatch
 from ._ids import validate_session_id
+from ._replay import decode_batch, encode_batch, replay
 
 __all__ = ["MemoryStore"]
 
@@ -38,7 +42,7 @@ __all__ = ["MemoryStore"]
 class _Entry:
     initial: bytes
     current: Session[Any]
-    batches: list[bytes] = field(default_factory=list)
+    batches: list[StoredBatch] = field(default_factory=list)
 
 
 class MemoryStore:
@@ -105,12 +109,10 @@ class MemoryStore:
         entry = self._entry(batch.session_id)
         if entry.current.revision != batch.revision - 1:
             raise ConflictError(batch.session_id, batch.revision - 1, entry.current.revision)
-        encoded = self._codec.encode_batch(batch)
-        stored = self._codec.decode_batch(
-            encoded, where=f"session {batch.session_id!r} revision {batch.revision}"
-        )
-        after = apply_batch(entry.current, stored.effects)
-        entry.batches.append(encoded)
+        where = f"session {batch.session_id!r} revision {batch.revision}"
+        stored, decoded = encode_batch(self._codec, batch, BatchRecord, where)
+        after = apply_batch(entry.current, decoded.effects)
+        entry.batches.append(stored)
         entry.current = after
         return after
 
@@ -139,22 +141,14 @@ class MemoryStore:
                 f"session {session_id!r} has revisions 0..{entry.current.revision}, not {revision}"
             )
         session = self._codec.decode_session(entry.initial, where=f"session {session_id!r}")
-        for position, encoded in enumerate(entry.batches[:revision], start=1):
-            batch = self._codec.decode_batch(
-                encoded, where=f"session {session_id!r} revision {position}"
-            )
-            session = apply_batch(session, batch.effects)
-        return session
+        return replay(self._codec, session, entry.batches[:revision])
 
     async def batches(self, session_id: str, after: int = 0) -> list[Batch[Effect]]:
         """The audit log: every batch with ``revision > after``, in order."""
         await anyio.lowlevel.checkpoint()
         entry = self._entry(session_id)
         after = max(after, 0)
-        return [
-            self._codec.decode_batch(encoded, where=f"session {session_id!r} revision {rev}")
-            for rev, encoded in enumerate(entry.batches[after:], start=after + 1)
-        ]
+        return [decode_batch(self._codec, session_id, stored) for stored in entry.batches[after:]]
 
     async def aclose(self) -> None:
         """Nothing to release."""

@@ -14,7 +14,9 @@ what a cold load replays; each new one prunes the one before (revision 0
 stays), so a session holds at most two, compressed. Every row carries a
 CRC-32 checked on load (schema version 2). The on-disk layout, its migrations
 and the checksums live in :mod:`._sqlite_schema`; reading and writing rows in
-:mod:`._sqlite_rows`.
+:mod:`._sqlite_rows`. The cache, replay, compare-and-set, snapshot policy and
+errors are the durable stores' shared core (:mod:`._core`), over the byte
+backend of :mod:`._sqlite_log`.
 
 What SQLite does and does not guarantee (durability, a damaged WAL, backups)
 is in the :class:`SQLiteStore` docstring: in short, an acknowledged batch
@@ -35,10 +37,9 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -47,21 +48,20 @@ import msgspec
 from stepmachine import (
     Batch,
     Codec,
-    ConflictError,
     Effect,
     Message,
-    ReplaceConversation,
     Session,
-    SessionExistsError,
-    SessionNotFoundError,
     StoreClosedError,
     StoredDataError,
-    apply_batch,
 )
 
 from . import _sqlite_rows as _rows
 from . import _sqlite_schema as _schema
+from ._backend import Cached, Marks
+from ._core import LogCore
 from ._ids import validate_session_id
+from ._snapshot_policy import Weighted
+from ._sqlite_log import SQLiteTxn
 from ._sqlite_rows import SessionRow
 from ._sqlite_schema import transaction
 
@@ -73,11 +73,13 @@ _CACHE_SIZE = 256
 """How many sessions the store keeps decoded (least recently used ones are dropped)."""
 
 
-class _Cached(NamedTuple):
-    """A session as of ``row``, the session row as it was at ``session.revision``."""
+class _SQLitePolicy:
+    """The core's :class:`._snapshot_policy.Weighted` policy with the limits of
+    :mod:`._sqlite_rows` (``SNAPSHOT_EVERY``, ``SNAPSHOT_MAX_GAP``), read at each call."""
 
-    row: SessionRow
-    session: Session[Any]
+    def due(self, marks: Marks, revision: int, batch_bytes: int, replaces: bool) -> bool:
+        policy = Weighted(_rows.SNAPSHOT_EVERY, _rows.SNAPSHOT_MAX_GAP)
+        return policy.due(marks, revision, batch_bytes, replaces)
 
 
 def _no_hook(name: str) -> None:
@@ -185,10 +187,11 @@ class SQLiteStore:
         """Wrap an open connection; use :meth:`open` instead."""
         self._conn: sqlite3.Connection | None = connection
         self._path = path
-        self._codec = codec
         self._hook = boundary_hook
         self._lock = anyio.Lock()
-        self._cache: OrderedDict[str, _Cached] = OrderedDict()
+        self._core: LogCore[SessionRow] = LogCore(
+            codec, _SQLitePolicy(), SQLiteTxn.FORM, cache_size=_CACHE_SIZE
+        )
 
     @classmethod
     async def open(
@@ -244,7 +247,7 @@ class SQLiteStore:
     @property
     def codec(self) -> Codec[Any]:
         """The codec the store encodes with."""
-        return self._codec
+        return self._core.codec
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -265,102 +268,6 @@ class SQLiteStore:
                     raise
                 raise StoredDataError(f"{self._path} is damaged: {exc}") from exc
             return result
-
-    def _row(self, connection: sqlite3.Connection, session_id: str) -> SessionRow:
-        row = _rows.session_row(connection, self._path, session_id)
-        if row is None:
-            self._cache.pop(session_id, None)
-            raise SessionNotFoundError(session_id)
-        return row
-
-    def _remember(self, row: SessionRow, session: Session[Any]) -> None:
-        """Cache ``session`` with ``row``, its session row at the same revision."""
-        self._cache[session.id] = _Cached(row, session)
-        self._cache.move_to_end(session.id)
-        while len(self._cache) > _CACHE_SIZE:
-            self._cache.popitem(last=False)
-
-    def _session_at(
-        self, connection: sqlite3.Connection, session_id: str, sid: int, revision: int
-    ) -> Session[Any]:
-        """The session at ``revision``, inside a transaction: cache, then snapshot, then log.
-
-        Starts from the cached session when it is of this ``sid`` and not past
-        ``revision``; a newer snapshot up to ``revision`` replaces it; then
-        only the batches after that point are read and replayed.
-        """
-        cached = self._cache.get(session_id)
-        base: Session[Any] | None = None
-        if cached is not None and cached.row.sid == sid and cached.session.revision <= revision:
-            base = cached.session
-            if base.revision == revision:
-                return base
-        after = -1 if base is None else base.revision
-        snapshot = _rows.read_snapshot(
-            connection, self._codec, self._path, session_id, sid, after, revision
-        )
-        if snapshot is not None:
-            base = snapshot
-        if base is None:
-            raise StoredDataError(
-                f"invariant 8 (stored data is data): session {session_id!r} in {self._path} "
-                "has no snapshot at revision 0"
-            )
-        log = _rows.read_log(
-            connection, self._codec, self._path, session_id, sid, base.revision, revision
-        )
-        return _rows.replay(base, log, self._path, session_id)
-
-    def _current(self, connection: sqlite3.Connection, session_id: str, expected: int) -> _Cached:
-        """The stored session, checked to be at ``expected``, inside a write transaction.
-
-        Raises:
-            SessionNotFoundError: no session has this id.
-            ConflictError: the session is at another revision.
-        """
-        row = self._row(connection, session_id)
-        if row.revision != expected:
-            raise ConflictError(session_id, expected, row.revision)
-        current = self._session_at(connection, session_id, row.sid, row.revision)
-        self._remember(row, current)
-        return _Cached(row, current)
-
-    def _write(
-        self,
-        connection: sqlite3.Connection,
-        batch: Batch[Effect],
-        effects: tuple[Effect, ...],
-        bodies: list[bytes],
-        replaces: bool,
-        cached: _Cached,
-    ) -> _Cached | None:
-        """Apply ``effects`` to ``cached`` and write the batch; ``None`` if the CAS fails.
-
-        The statements: the compare-and-set on the session row (which also
-        records the new revision and snapshot bookkeeping), the batch row, its
-        effect rows (one ``executemany``) and, when one is due, the snapshot
-        and the pruning of the one it supersedes. Nothing is read. ``None``
-        means the session row is not at ``cached.row``, and nothing was written.
-        """
-        after = apply_batch(cached.session, effects)
-        row = cached.row
-        batch_bytes = sum(len(body) for body in bodies)
-        moved = row._replace(revision=after.revision, pending_bytes=row.pending_bytes + batch_bytes)
-        record = None
-        if _rows.wants_snapshot(row, after.revision, batch_bytes, replaces):
-            record = self._codec.encode_session(after)
-            moved = moved._replace(
-                snapshot_revision=after.revision, snapshot_bytes=len(record), pending_bytes=0
-            )
-        if not _rows.advance_session_row(connection, batch.session_id, row.revision, moved):
-            return None
-        _rows.insert_batch(
-            connection, row.sid, after.revision, batch.step, batch.cycle, batch.timestamp, bodies
-        )
-        if record is not None:
-            _rows.insert_snapshot_record(connection, row.sid, after.revision, record)
-            _rows.prune_snapshots(connection, row.sid, after.revision)
-        return _Cached(moved, after)
 
     # -- the Store API -----------------------------------------------------------
 
@@ -384,19 +291,13 @@ class SQLiteStore:
         creation commits whole (and returns) or not at all (and raises).
         """
         validate_session_id(session_id)
-        session = self._codec.new_session(session_id, data, conversation)
-        encoded = self._codec.encode_session(session)
-        session = self._codec.decode_session(encoded, where=f"session {session_id!r}")
+        session, record = self._core.new_session(session_id, data, conversation)
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
             with transaction(connection, write=True):
-                if _rows.session_row(connection, self._path, session_id) is not None:
-                    raise SessionExistsError(session_id)
-                sid = _rows.insert_session(connection, session_id)
-                size = _rows.insert_snapshot(connection, self._codec, sid, session)
-                row = SessionRow(sid, 0, 0, size, 0)
-                _rows.write_session_row(connection, session_id, row)
-            self._remember(row, session)
+                txn = SQLiteTxn(connection, self._path)
+                created = self._core.create(txn, session_id, session, record)
+            self._core.remember(session_id, created)
             self._hook("create.committed")
             return session
 
@@ -419,10 +320,7 @@ class SQLiteStore:
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
             with transaction(connection, write=False):
-                row = self._row(connection, session_id)
-                session = self._session_at(connection, session_id, row.sid, row.revision)
-            self._remember(row, session)
-            return session
+                return self._core.current(SQLiteTxn(connection, self._path), session_id).session
 
         return await self._run(run)
 
@@ -431,8 +329,10 @@ class SQLiteStore:
 
         Returns the session after the batch, as a load would give it.
 
-        The effects are encoded and decoded back, then applied to the current
-        session before anything is written, so nothing invalid is stored. The
+        The effects are encoded once and decoded back (O(batch), never the
+        history), then applied once, to the session this store last read or
+        wrote, before anything is written, so nothing invalid is stored; that
+        result is what is returned and kept. The
         write is one ``BEGIN IMMEDIATE`` transaction of constant statements:
         the compare-and-set (``UPDATE sessions ... WHERE sid = ? AND revision
         = ?``, which also moves the revision; its row count proves the session
@@ -461,40 +361,16 @@ class SQLiteStore:
         batch is committed whole or not at all, and the next load shows which.
         """
         session_id = validate_session_id(batch.session_id)
-        bodies = [self._codec.encode_effects((effect,)) for effect in batch.effects]
-        effects = tuple(
-            self._codec.decode_effects(
-                body, where=f"session {session_id!r} revision {batch.revision} effect {index}"
-            )[0]
-            for index, body in enumerate(bodies)
-        )
-        replaces = any(isinstance(effect, ReplaceConversation) for effect in effects)
+        prepared = self._core.prepare(batch, f"{self._path}: new batch for session {session_id!r}")
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
             with transaction(connection, write=True):
                 self._hook("apply.begin")
-                expected = batch.revision - 1
-                cached = self._cache.get(session_id)
-                if cached is None or cached.session.revision != expected:
-                    cached = self._current(connection, session_id, expected)
-                written = self._write(connection, batch, effects, bodies, replaces, cached)
-                if written is None:
-                    # The cached row was not the stored one (another instance moved
-                    # it, or deleted the session): read it to say why, or catch up
-                    # when only the cache was behind, and write again.
-                    self._cache.pop(session_id, None)
-                    cached = self._current(connection, session_id, expected)
-                    written = self._write(connection, batch, effects, bodies, replaces, cached)
-                    if written is None:  # pragma: no cover - the write lock is held
-                        raise StoredDataError(
-                            f"SQLiteStore on {self._path}: the compare-and-set on session "
-                            f"{session_id!r} failed on the row it had just read under the "
-                            "write lock"
-                        )
+                written = self._core.apply(SQLiteTxn(connection, self._path), prepared)
                 self._hook("apply.inserted")
-            self._remember(*written)
+            self._core.remember(session_id, written)
             self._hook("apply.committed")
-            return written[1]
+            return written.session
 
         return await self._run(run)
 
@@ -523,11 +399,11 @@ class SQLiteStore:
         validate_session_id(session_id)
 
         def run(connection: sqlite3.Connection) -> None:
-            with transaction(connection, write=True):
-                sid = self._row(connection, session_id).sid
-                for table in ("effects", "batches", "snapshots", "sessions"):
-                    connection.execute(f"DELETE FROM {table} WHERE sid = ?", (sid,))  # noqa: S608 - fixed names
-            self._cache.pop(session_id, None)
+            try:
+                with transaction(connection, write=True):
+                    SQLiteTxn(connection, self._path).delete(session_id)
+            finally:
+                self._core.forget(session_id)
 
         await self._run(run)
 
@@ -553,12 +429,8 @@ class SQLiteStore:
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
             with transaction(connection, write=False):
-                row = self._row(connection, session_id)
-                if not 0 <= revision <= row.revision:
-                    raise ValueError(
-                        f"session {session_id!r} has revisions 0..{row.revision}, not {revision}"
-                    )
-                return self._session_at(connection, session_id, row.sid, revision)
+                txn = SQLiteTxn(connection, self._path)
+                return self._core.session_at(txn, session_id, revision)
 
         return await self._run(run)
 
@@ -575,22 +447,7 @@ class SQLiteStore:
 
         def run(connection: sqlite3.Connection) -> list[Batch[Effect]]:
             with transaction(connection, write=False):
-                row = self._row(connection, session_id)
-                start = min(max(after, 0), row.revision)
-                log = _rows.read_log(
-                    connection, self._codec, self._path, session_id, row.sid, start, row.revision
-                )
-            return [
-                Batch(
-                    session_id=session_id,
-                    revision=stored.revision,
-                    step=stored.step,
-                    cycle=stored.cycle,
-                    timestamp=stored.timestamp,
-                    effects=stored.effects,
-                )
-                for stored in log
-            ]
+                return self._core.batches(SQLiteTxn(connection, self._path), session_id, after)
 
         return await self._run(run)
 
@@ -622,28 +479,22 @@ class SQLiteStore:
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
             with transaction(connection, write=True):
-                source = self._row(connection, session_id)
-                if not 0 <= revision <= source.revision:
-                    raise ValueError(
-                        f"session {session_id!r} has revisions 0..{source.revision}, not {revision}"
-                    )
-                if _rows.session_row(connection, self._path, new_session_id) is not None:
-                    raise SessionExistsError(new_session_id)
-                state = self._session_at(connection, session_id, source.sid, revision)
-                forked = msgspec.structs.replace(state, id=new_session_id)
+                txn = SQLiteTxn(connection, self._path)
+                source = txn.row(session_id)
+                at = self._core.session_at(txn, session_id, revision)
+                forked = msgspec.structs.replace(at, id=new_session_id)
                 # The snapshots the source keeps: revision 0 and the fork point.
-                first = _rows.read_snapshot(
-                    connection, self._codec, self._path, session_id, source.sid, -1, 0
-                )
-                snapshots = [] if first is None or revision == 0 else [first]
-                sid = _rows.insert_session(connection, new_session_id)
+                first = self._core.session_at(txn, session_id, 0)
+                first = msgspec.structs.replace(first, id=new_session_id)
+                encode = self._core.codec.encode_session
+                sid = self._core.create(txn, new_session_id, first, encode(first)).position.sid
                 _rows.copy_log(connection, self._path, session_id, source.sid, sid, revision)
-                for snapshot in [*snapshots, forked]:
-                    renamed = msgspec.structs.replace(snapshot, id=new_session_id)
-                    size = _rows.insert_snapshot(connection, self._codec, sid, renamed)
-                row = SessionRow(sid, revision, revision, size, 0)
+                record = encode(forked)
+                if revision > 0:
+                    _rows.insert_snapshot(connection, sid, revision, record)
+                row = SessionRow(sid, revision, revision, len(record), 0)
                 _rows.write_session_row(connection, new_session_id, row)
-            self._remember(row, forked)
+            self._core.remember(new_session_id, Cached(forked, row, _rows.marks_of(row)))
             return forked
 
         return await self._run(run)
@@ -681,7 +532,7 @@ class SQLiteStore:
         with anyio.CancelScope(shield=True):
             async with self._lock:
                 connection, self._conn = self._conn, None
-                self._cache.clear()
+                self._core.clear()
                 if connection is not None:
                     await anyio.to_thread.run_sync(connection.close)
 

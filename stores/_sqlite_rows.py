@@ -9,10 +9,12 @@ Every row is written with its ``crc`` (:func:`._sqlite_schema.checksum`) in
 the same statement, and every row read is checked against it before any of
 its columns is used. Reading fails closed (invariant 8): a row whose checksum
 does not match, a row of an unknown schema version, a column of the wrong
-type, a gap in the log, an undecodable body or a stored effect that no longer
-applies raises :class:`~stepmachine.StoredDataError` naming the file, the
-table, the session, the revision and the effect index. Nothing here ever
-rewrites a row it read.
+type, a gap in the log or a compressed body that does not decompress raises
+:class:`~stepmachine.StoredDataError` naming the file, the table, the
+session, the revision and the effect index. Nothing here ever rewrites a row
+it read. Records are handed to the stores' core (:mod:`._core`) as bytes; it
+decodes them (an undecodable record or a stored effect that no longer applies
+is its StoredDataError, naming the same position).
 """
 
 from __future__ import annotations
@@ -20,28 +22,29 @@ from __future__ import annotations
 import sqlite3
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from stepmachine import Codec, Effect, EffectError, Session, StoredDataError, apply_batch
+from stepmachine import StoredDataError
 
+from ._backend import EffectRows, Marks
+from ._snapshot_policy import Weighted
 from ._sqlite_schema import SCHEMA_VERSION, checksum
 
 __all__ = [
+    "COMPRESS_FROM",
     "SNAPSHOT_EVERY",
     "SNAPSHOT_MAX_GAP",
     "SessionRow",
-    "StoredBatch",
     "advance_session_row",
+    "compact",
     "copy_log",
     "insert_batch",
     "insert_session",
     "insert_snapshot",
-    "insert_snapshot_record",
+    "marks_of",
     "prune_snapshots",
     "read_log",
     "read_snapshot",
-    "replay",
     "session_ids",
     "session_row",
     "wants_snapshot",
@@ -63,17 +66,6 @@ class SessionRow(NamedTuple):
     snapshot_revision: int
     snapshot_bytes: int
     pending_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class StoredBatch:
-    """One batch read back from the log."""
-
-    revision: int
-    step: str
-    cycle: int
-    timestamp: float
-    effects: tuple[Effect, ...]
 
 
 def _fail(path: str, where: str, problem: str) -> StoredDataError:
@@ -202,22 +194,17 @@ def advance_session_row(
 def wants_snapshot(row: SessionRow, revision: int, batch_bytes: int, replaces: bool) -> bool:
     """Whether the batch producing ``revision`` (``batch_bytes`` of effects) ends with a snapshot.
 
-    Always after a ReplaceConversation. Otherwise only :data:`SNAPSHOT_EVERY`
-    or more revisions after the last snapshot, and then once the effect bytes
-    since it reach half its size, or :data:`SNAPSHOT_MAX_GAP` revisions have
-    passed. Snapshots then take at most about twice the room of the effects
-    they follow, and cost each apply, on average, twice its own encoding. So
-    rebuilding the current revision (or any after the newest snapshot)
-    replays at most ``SNAPSHOT_MAX_GAP`` batches. Sizes are of the encoded
-    session, before compression (see :func:`insert_snapshot`): the policy
-    bounds the cost of writing snapshots, whatever they compress to.
+    The core's :class:`._snapshot_policy.Weighted` policy with this module's
+    :data:`SNAPSHOT_EVERY` and :data:`SNAPSHOT_MAX_GAP` (read at each call), on
+    the bookkeeping of ``row``.
     """
-    if replaces:
-        return True
-    gap = revision - row.snapshot_revision
-    pending = row.pending_bytes + batch_bytes
-    due = 2 * pending >= row.snapshot_bytes or gap >= SNAPSHOT_MAX_GAP
-    return gap >= SNAPSHOT_EVERY and due
+    policy = Weighted(SNAPSHOT_EVERY, SNAPSHOT_MAX_GAP)
+    return policy.due(marks_of(row), revision, batch_bytes, replaces)
+
+
+def marks_of(row: SessionRow) -> Marks:
+    """The snapshot bookkeeping a session row holds."""
+    return Marks(row.snapshot_revision, row.snapshot_bytes, row.pending_bytes)
 
 
 # -- snapshots -----------------------------------------------------------------
@@ -237,19 +224,22 @@ _ZLIB_LEVEL = 1
 """Snapshots are compressed fast: they are written on the apply path (amortised)."""
 
 _JSON_START = b"{"
+_EFFECTS_START = b"["
 _ZLIB_START = b"\x78"  # the first byte of every zlib stream (deflate, 32 KiB window)
 
 
-def _snapshot_record(path: str, where: str, body: bytes) -> bytes:
-    """The codec's session record in a stored snapshot body: as stored, or decompressed.
+def _stored_record(path: str, where: str, body: bytes, json_start: bytes) -> bytes:
+    """The codec record in a stored ``body`` (a snapshot or an effect row): as stored,
+    or decompressed.
 
-    A body starting with ``{`` is the JSON record as written before snapshots
-    were compressed (still read as it is); one starting with ``0x78`` is that
-    record compressed with zlib. Anything else, or a stream that does not
-    decompress, raises :class:`StoredDataError`.
+    A body starting with ``json_start`` (``{`` for a session, ``[`` for effects)
+    is the JSON record as it is (as written before bodies were compressed, and
+    still for short effect records); one starting with ``0x78`` is that record
+    compressed with zlib. Anything else, or a stream that does not decompress,
+    raises :class:`StoredDataError`.
     """
     start = body[:1]
-    if start == _JSON_START:
+    if start == json_start:
         return body
     if start == _ZLIB_START:
         try:
@@ -259,57 +249,32 @@ def _snapshot_record(path: str, where: str, body: bytes) -> bytes:
     raise _fail(path, where, f"the body starts with {start!r}, neither JSON nor zlib")
 
 
-def _decode_snapshot(
-    codec: Codec[Any], path: str, session_id: str, row: Sequence[Any]
-) -> Session[Any]:
+def read_snapshot(
+    conn: sqlite3.Connection, path: str, session_id: str, sid: int, upto: int
+) -> tuple[int, bytes, str] | None:
+    """The newest snapshot with ``revision <= upto``, checked: its revision, the
+    codec's session record (decompressed) and how errors name it; ``None`` if
+    there is none."""
+    row = conn.execute(_SELECT_SNAPSHOT, (sid, -1, upto)).fetchone()
+    if row is None:
+        return None
     where = f"session {session_id!r} snapshot at revision {row[1]!r} (table snapshots)"
     _verify(path, where, "snapshots", tuple(row[:4]), row[4])
     revision = _typed(path, where, "revision", row[1], int)
     _check_version(path, where, row[2])
-    body = _snapshot_record(path, where, _typed(path, where, "body", row[3], bytes))
-    session = codec.decode_session(body, where=f"{where} in {path}")
-    if session.id != session_id or session.revision != revision:
-        raise _fail(
-            path, where, f"the record holds session {session.id!r} revision {session.revision}"
-        )
-    return session
+    body = _stored_record(path, where, _typed(path, where, "body", row[3], bytes), _JSON_START)
+    return revision, body, f"{where} in {path}"
 
 
-def read_snapshot(
-    conn: sqlite3.Connection,
-    codec: Codec[Any],
-    path: str,
-    session_id: str,
-    sid: int,
-    after: int,
-    upto: int,
-) -> Session[Any] | None:
-    """The newest snapshot with ``after < revision <= upto``, decoded; ``None`` if there is none."""
-    row = conn.execute(_SELECT_SNAPSHOT, (sid, after, upto)).fetchone()
-    return None if row is None else _decode_snapshot(codec, path, session_id, row)
+def insert_snapshot(conn: sqlite3.Connection, sid: int, revision: int, record: bytes) -> None:
+    """Store the codec's session ``record`` as the snapshot of ``sid`` at ``revision``.
 
-
-def insert_snapshot(
-    conn: sqlite3.Connection, codec: Codec[Any], sid: int, session: Session[Any]
-) -> int:
-    """Store ``session`` as the snapshot of ``sid`` at its revision; return its encoded size.
-
-    The body is the codec's session record compressed with zlib (a
-    conversation's JSON shrinks several times); the size returned, which the
-    snapshot policy (:func:`wants_snapshot`) weighs, is the record's before
+    The body is the record compressed with zlib (a conversation's JSON shrinks
+    several times); the snapshot policy weighs the record's size before
     compression. Replaces a snapshot at the same revision. The caller records
     the snapshot in the session row (:func:`write_session_row`) and prunes
     the ones it supersedes (:func:`prune_snapshots`).
     """
-    record = codec.encode_session(session)
-    insert_snapshot_record(conn, sid, session.revision, record)
-    return len(record)
-
-
-def insert_snapshot_record(
-    conn: sqlite3.Connection, sid: int, revision: int, record: bytes
-) -> None:
-    """:func:`insert_snapshot` of an already encoded session ``record`` at ``revision``."""
     values = (sid, revision, SCHEMA_VERSION, zlib.compress(record, _ZLIB_LEVEL))
     conn.execute(_INSERT_SNAPSHOT, (*values, checksum("snapshots", values)))
 
@@ -351,22 +316,18 @@ def _log_rows(
 
 
 def read_log(
-    conn: sqlite3.Connection,
-    codec: Codec[Any],
-    path: str,
-    session_id: str,
-    sid: int,
-    after: int,
-    upto: int,
-) -> list[StoredBatch]:
-    """The batches with ``after < revision <= upto``, checked, decoded, checked to be complete.
+    conn: sqlite3.Connection, path: str, session_id: str, sid: int, after: int, upto: int
+) -> list[EffectRows]:
+    """The batches with ``after < revision <= upto``, checked to be complete, not decoded.
 
-    Reads only those rows. Raises :class:`StoredDataError` for a row that does
-    not match its checksum, a missing batch or effect, an orphan effect, or a
-    record that does not decode, naming the table, revision and effect index.
+    Reads only those rows. Every row is checked against its checksum, schema
+    version and column types, and each effect body is decompressed;
+    :class:`StoredDataError` for a row that does not match, a missing batch or
+    effect, or an orphan effect, naming the table, revision and effect index.
+    Decoding the records is the core's (:mod:`._replay`).
     """
     batch_rows, effect_rows = _log_rows(conn, sid, after, upto)
-    log: list[StoredBatch] = []
+    log: list[EffectRows] = []
     cursor = 0
     for expected, row in enumerate(batch_rows, start=after + 1):
         where = f"session {session_id!r} revision {row[1]!r}"
@@ -376,7 +337,7 @@ def read_log(
             raise _fail(path, f"session {session_id!r} revision {expected}", "the batch is missing")
         _check_version(path, where, row[6])
         count = _typed(path, where, "effect_count", row[5], int)
-        effects: list[Effect] = []
+        records: list[bytes] = []
         for position in range(count):
             at = f"{where} effect {position}"
             if cursor >= len(effect_rows) or effect_rows[cursor][1:3] != (revision, position):
@@ -386,19 +347,17 @@ def read_log(
             _verify(path, f"{at} (table effects)", "effects", tuple(effect_row[:5]), effect_row[5])
             _check_version(path, at, effect_row[3])
             body = _typed(path, at, "body", effect_row[4], bytes)
-            decoded = codec.decode_effects(body, where=f"{at} in {path}")
-            if len(decoded) != 1:
-                raise _fail(path, at, f"the record holds {len(decoded)} effects, not 1")
-            effects.append(decoded[0])
+            records.append(_stored_record(path, at, body, _EFFECTS_START))
         if cursor < len(effect_rows) and effect_rows[cursor][1] == revision:
             raise _fail(path, f"{where} effect {effect_rows[cursor][2]!r}", "orphan effect row")
         log.append(
-            StoredBatch(
+            EffectRows(
                 revision=revision,
+                where=f"{path}: {where}",
                 step=_typed(path, where, "step", row[2], str),
                 cycle=_typed(path, where, "cycle", row[3], int),
                 timestamp=_typed(path, where, "timestamp", row[4], float),
-                effects=tuple(effects),
+                effects=tuple(records),
             )
         )
     if len(log) != upto - after:
@@ -414,18 +373,24 @@ def read_log(
     return log
 
 
-def replay(
-    session: Session[Any], log: Sequence[StoredBatch], path: str, session_id: str
-) -> Session[Any]:
-    """Apply ``log`` to ``session``; a stored effect that no longer applies is a StoredDataError."""
-    for batch in log:
-        try:
-            session = apply_batch(session, batch.effects)
-        except EffectError as exc:
-            raise _fail(
-                path, f"session {session_id!r} revision {batch.revision}", f"does not apply: {exc}"
-            ) from exc
-    return session
+COMPRESS_FROM = 256
+"""Effect records of at least this many bytes are stored compressed (when that is smaller)."""
+
+
+def compact(record: bytes) -> bytes:
+    """How an effects ``record`` is stored: compressed with zlib when it is at least
+    :data:`COMPRESS_FROM` bytes and that makes it smaller, else as it is.
+
+    Message text and tool content are most of a session's bytes, and JSON of
+    natural text shrinks about twice (far more for repetitive text); a short
+    record (an ``Increment``, a small note) is not worth the header. Read back
+    by :func:`read_log`, which tells the two apart by the first byte (``[`` or
+    ``0x78``), like snapshot bodies. The checksum covers the stored bytes.
+    """
+    if len(record) < COMPRESS_FROM:
+        return record
+    packed = zlib.compress(record, _ZLIB_LEVEL)
+    return packed if len(packed) < len(record) else record
 
 
 def insert_batch(
@@ -445,7 +410,7 @@ def insert_batch(
     conn.execute(_INSERT_BATCH, (*batch, checksum("batches", batch)))
     rows = []
     for position, body in enumerate(bodies):
-        effect = (sid, revision, position, SCHEMA_VERSION, body)
+        effect = (sid, revision, position, SCHEMA_VERSION, compact(body))
         rows.append((*effect, checksum("effects", effect)))
     conn.executemany(_INSERT_EFFECT, rows)
 

@@ -16,7 +16,11 @@ Layout (schema version 2)::
 ``sid`` is never reused (``AUTOINCREMENT``), so a session deleted and created
 again under the same id is a different ``sid``, and a cache keyed by ``sid``
 never serves the old one. Effects are append-only, one row per effect: ``body``
-is the codec's effects record holding exactly that one effect. A snapshot is
+is the codec's effects record holding exactly that one effect, compressed with
+zlib (it then starts with ``0x78``) when it is at least 256 bytes and that makes
+it smaller, else as it is (starting with ``[``; every row written before effect
+records were compressed is so; code from before reads only those, and fails
+closed, naming the row, on a compressed one). A snapshot is
 the codec's session record; there is always one at revision 0 (written by
 ``create``) and one after every batch holding a
 :class:`~stepmachine.ReplaceConversation`. Periodic snapshots follow

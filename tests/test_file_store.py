@@ -49,6 +49,7 @@ from stepmachine import (
 )
 from stepmachine.stores import FileStore
 from stepmachine.stores._file_log import (
+    SCHEMA_VERSION,
     TAG_BATCH,
     TAG_SNAPSHOT,
     Record,
@@ -277,8 +278,9 @@ async def test_future_schema_version_is_refused(tmp_path: Path, revision: int) -
     await _history(await _open(folder), "s", 3)
     log = folder / "s.log"
     record = _batch_record(log, revision)  # 3 is the last record
-    _splice(log, record, encode_record(TAG_BATCH, revision, record.payload, version=2))
-    await _assert_damage_refused(folder, [str(log), f"byte {record.offset}", "schema version 2"])
+    newer = SCHEMA_VERSION + 1  # 3: version 2 (compressed payloads) is read since issue 9
+    _splice(log, record, encode_record(TAG_BATCH, revision, record.payload, version=newer))
+    await _assert_damage_refused(folder, [str(log), f"byte {record.offset}", "schema version 3"])
 
 
 def _forge_snapshot(folder: Path, *, revision: int | None = None, offset: int) -> None:
@@ -1020,3 +1022,43 @@ async def test_compressed_snapshot_that_does_not_decompress_is_ignored(
     snap.write_bytes(encode_record(TAG_SNAPSHOT, record.revision, payload))
     await _assert_snapshot_ignored(folder, history, caplog)
     assert "does not decompress" in caplog.text
+
+
+# -- issue 9: long create and batch records stored compressed ------------------------------
+
+
+async def test_long_records_are_stored_compressed_and_short_ones_as_they_are(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "store"
+    store = await _open(folder)
+    text = "a long message that repeats itself, " * 20
+    created = await store.create("s", conversation=[Message.user(text, id="first")])
+    one = await _advance(store, created, AppendMessage(Message.user(text, id="long")))
+    two = await _advance(store, one, Increment())
+    log = folder / "s.log"
+    lines = log.read_bytes().splitlines()
+    versions = [line.split(b" ", 2)[:2] for line in lines]
+    assert versions == [[b"1", b"H"], [b"2", b"C"], [b"2", b"B"], [b"1", b"B"]]
+    packed = lines[2].split(b" ", 5)[5]
+    assert len(packed) < len(text)
+    record = _batch_record(log, 1)  # parsed: the payload is the codec's JSON again
+    assert CODEC.decode_batch(record.payload).effects == (AppendMessage(one.conversation[-1]),)
+    fresh = await _open(folder)
+    assert await fresh.load("s") == two
+    assert await fresh.load_at("s", 1) == one
+    assert [b.revision for b in await fresh.batches("s")] == [1, 2]
+    forked = await fresh.fork("s", 2, "f")
+    assert await (await _open(folder)).load("f") == forked
+
+
+async def test_a_compressed_record_that_does_not_decompress_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "store"
+    store = await _open(folder)
+    created = await store.create("s")
+    long = Message.user("a long message that repeats itself, " * 20, id="long")
+    await _advance(store, created, AppendMessage(long), Increment())
+    log = folder / "s.log"
+    record = _batch_record(log, 1)
+    _splice(log, record, encode_record(TAG_BATCH, 1, b"bm90IHpsaWI=", version=2))
+    await _assert_damage_refused(folder, [str(log), f"byte {record.offset}", "decompress"])

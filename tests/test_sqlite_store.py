@@ -1123,3 +1123,54 @@ async def test_any_history_keeps_two_snapshots_and_reads_every_revision(
                 assert await store.load_at("s", expected.revision) == expected
             forked = await store.load("f")
             assert forked == msgspec.structs.replace(history[fork], id="f")
+
+
+async def test_long_effect_records_are_stored_compressed(db: Path) -> None:
+    long_text = "a long message, " * 40
+    async with await SQLiteStore.open(db, codec()) as store:
+        session = await store.create("s")
+        session = await apply(store, session, AppendMessage(Message.user(long_text, id="l")))
+        session = await apply(store, session, Increment(2))
+    with raw(db) as connection:
+        bodies = dict(connection.execute("SELECT revision, body FROM effects"))
+    assert bodies[1][:1] == b"\x78"  # compressed
+    assert zlib.decompress(bodies[1]) == codec().encode_effects((session_effect(session),))
+    assert bodies[2][:1] == b"["  # short: as it is
+    async with await SQLiteStore.open(db, codec()) as store:
+        assert await store.load("s") == session
+
+
+def session_effect(session: Session[Any]) -> Effect:
+    return AppendMessage(session.conversation[0])
+
+
+async def test_uncompressed_long_effect_records_still_read(db: Path) -> None:
+    """Rows written before effect records were compressed hold the JSON as it is."""
+    async with await SQLiteStore.open(db, codec()) as store:
+        session = await store.create("s")
+        session = await apply(store, session, AppendMessage(Message.user("x " * 500, id="l")))
+    record = codec().encode_effects((session_effect(session),))
+    with raw(db) as connection:
+        connection.execute(
+            "UPDATE effects SET body = ?, crc = ? WHERE revision = 1",
+            (record, checksum("effects", (1, 1, 0, SCHEMA_VERSION, record))),
+        )
+    async with await SQLiteStore.open(db, codec()) as store:
+        assert await store.load("s") == session
+
+
+async def test_an_effect_record_that_does_not_decompress_fails_closed(db: Path) -> None:
+    async with await SQLiteStore.open(db, codec()) as store:
+        session = await store.create("s")
+        await apply(store, session, AppendMessage(Message.user("y " * 500, id="l")))
+    body = b"\x78not zlib"
+    with raw(db) as connection:
+        connection.execute(
+            "UPDATE effects SET body = ?, crc = ? WHERE revision = 1",
+            (body, checksum("effects", (1, 1, 0, SCHEMA_VERSION, body))),
+        )
+    before = digest(db)
+    async with await SQLiteStore.open(db, codec()) as store:
+        with pytest.raises(StoredDataError, match=r"'s' revision 1 effect 0.*does not decompress"):
+            await store.load("s")
+    assert digest(db) == before

@@ -1,0 +1,144 @@
+"""Records to sessions: encoding a batch once, decoding what a backend read, replaying it.
+
+Part of the durable stores' core (:mod:`._core`). Decoding goes through the
+codec only (invariant 8: stored data never names a class to import); every
+failure is a :class:`~stepmachine.StoredDataError` naming the session and the
+record's position (the backend's ``where``), and nothing is rewritten.
+
+Replay applies each batch exactly once, in revision order, and checks that the
+revisions follow each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from stepmachine import Batch, Codec, Effect, EffectError, Session, StoredDataError, apply_batch
+
+from ._backend import Base, BatchRecord, EffectRows, StoredBatch
+
+__all__ = ["decode_base", "decode_batch", "encode_batch", "lost", "replay"]
+
+
+def _fail(problem: str) -> StoredDataError:
+    return StoredDataError(f"invariant 8 (stored data is data): {problem}")
+
+
+def encode_batch(
+    codec: Codec[Any], batch: Batch[Effect], form: type[BatchRecord] | type[EffectRows], where: str
+) -> tuple[StoredBatch, Batch[Effect]]:
+    """``batch`` encoded once in the backend's record ``form``, and decoded back.
+
+    The decoded batch is what a later load reads, so the session a store
+    returns from ``apply`` equals the one it will load. O(batch): only this
+    batch is encoded and decoded, never the history.
+
+    Raises:
+        ConfigurationError: an effect type is not registered in the codec.
+        StoredDataError: the codec cannot read back what it wrote.
+    """
+    stored: StoredBatch
+    if form is BatchRecord:
+        stored = BatchRecord(batch.revision, where, codec.encode_batch(batch))
+    else:
+        stored = EffectRows(
+            batch.revision,
+            where,
+            batch.step,
+            batch.cycle,
+            float(batch.timestamp),
+            tuple(codec.encode_effects((effect,)) for effect in batch.effects),
+        )
+    return stored, decode_batch(codec, batch.session_id, stored)
+
+
+def decode_batch(codec: Codec[Any], session_id: str, stored: StoredBatch) -> Batch[Effect]:
+    """The batch a stored record holds, checked against the session and revision it
+    was stored under.
+
+    Raises:
+        StoredDataError: it does not decode, an effects record does not hold
+            exactly one effect, or it names another session or revision.
+    """
+    if isinstance(stored, BatchRecord):
+        batch = codec.decode_batch(
+            stored.record,
+            where=f"{stored.where} (session {session_id!r}, revision {stored.revision})",
+        )
+        if batch.session_id != session_id or batch.revision != stored.revision:
+            raise _fail(
+                f"the batch in {stored.where} is for session {batch.session_id!r} revision "
+                f"{batch.revision}, expected {session_id!r} revision {stored.revision}"
+            )
+        return batch
+    effects: list[Effect] = []
+    for index, record in enumerate(stored.effects):
+        where = f"{stored.where} effect {index}"
+        decoded = codec.decode_effects(record, where=where)
+        if len(decoded) != 1:
+            raise _fail(f"{where}: the record holds {len(decoded)} effects, not 1")
+        effects.append(decoded[0])
+    return Batch(
+        session_id=session_id,
+        revision=stored.revision,
+        step=stored.step,
+        cycle=stored.cycle,
+        timestamp=stored.timestamp,
+        effects=tuple(effects),
+    )
+
+
+def decode_base(codec: Codec[Any], session_id: str, base: Base[Any]) -> Session[Any]:
+    """The session a base (a snapshot, the revision-0 record) holds, checked against it.
+
+    Raises:
+        StoredDataError: it does not decode, or holds another session or revision.
+    """
+    session: Session[Any] = codec.decode_session(
+        base.record, where=f"{base.where} (session {session_id!r}, revision {base.revision})"
+    )
+    if session.id != session_id or session.revision != base.revision:
+        raise _fail(
+            f"{base.where} holds session {session.id!r} at revision {session.revision}, "
+            f"but its header says {session_id!r} at revision {base.revision}"
+        )
+    return session
+
+
+def replay(
+    codec: Codec[Any], session: Session[Any], records: Sequence[StoredBatch]
+) -> Session[Any]:
+    """``session`` with every batch of ``records`` applied once, in order.
+
+    Raises:
+        StoredDataError: a record is not the next revision, does not decode, or
+            no longer applies; it names the session and the record's position.
+    """
+    for stored in records:
+        if stored.revision != session.revision + 1:
+            raise _fail(
+                f"expected the batch for revision {session.revision + 1} of session "
+                f"{session.id!r} in {stored.where}, found revision {stored.revision}"
+            )
+        batch = decode_batch(codec, session.id, stored)
+        try:
+            session = apply_batch(session, batch.effects)
+        except EffectError as exc:
+            raise _fail(
+                f"the batch in {stored.where} (session {session.id!r}, revision "
+                f"{stored.revision}) does not apply: {exc}"
+            ) from exc
+    return session
+
+
+def lost(session_id: str, holder: str, claimed: int, reached: int, end: str, remedy: str) -> str:
+    """The message of a lost-data error (invariant 2): ``holder`` saw ``claimed``,
+    the log, replayed whole, ends at ``reached`` (``end`` says where)."""
+    return (
+        f"invariant 2 (nothing is lost): {holder} holds session {session_id!r} at revision "
+        f"{claimed}, but its log {end} ends at revision {reached}: acknowledged batches "
+        f"{reached + 1}..{claimed} are missing (a truncated or restored log, or a power loss "
+        "before it reached the disk). Nothing was changed; to accept the loss and carry on "
+        f"from the log, {remedy}"
+    )
