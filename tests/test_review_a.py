@@ -5,13 +5,25 @@ Conversation, one apply per batch, step capabilities and ``gc=False`` structs.
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from stepmachine import (
+    Batch,
     Codec,
+    ConfigurationError,
     Message,
+    ModelInference,
     ReplaceConversation,
+    Runtime,
+    Session,
+    StateMachine,
     apply_batch,
+    counter_ids,
 )
-from stepmachine.testing import make_session
+from stepmachine.stores import MemoryStore
+from stepmachine.testing import ScriptedModel, make_session, reply
 
 
 def test_replace_conversation_takes_the_sessions_conversation_and_its_sum() -> None:
@@ -30,3 +42,43 @@ def test_replace_conversation_takes_the_sessions_conversation_and_its_sum() -> N
         assert after.conversation == conversation
         codec = Codec()
         assert codec.decode_effects(codec.encode_effects((effect,)), where="t") == (effect,)
+
+
+class _ReturnsTheSessionBefore:
+    """A third-party handler that stores the batch but returns the session *before* it."""
+
+    def __init__(self, declares: bool) -> None:
+        self.inner = MemoryStore()
+        self.declares = declares
+
+    async def load(self, session_id: str) -> Session[Any]:
+        return await self.inner.load(session_id)
+
+    async def apply(self, batch: Batch[Any]) -> Session[Any] | None:
+        before = await self.inner.load(batch.session_id)
+        await self.inner.apply(batch)
+        return before
+
+
+class _DeclaresAndReturnsTheSessionBefore(_ReturnsTheSessionBefore):
+    applies_batches = True
+
+
+@pytest.mark.parametrize("handler_type", [_ReturnsTheSessionBefore, _DeclaresAndReturnsTheSessionBefore])
+async def test_a_handler_returning_a_session_of_another_revision_is_an_error(
+    handler_type: type[_ReturnsTheSessionBefore],
+) -> None:
+    """A machine given a stale session by ``apply`` reported revision 0 with no reply, silently.
+
+    ``apply`` must return the session *after* the batch (or ``None``); one that
+    does not is a broken handler, said at once instead of a run that decides
+    from a session the store no longer holds (invariant 1).
+    """
+    handler = handler_type(declares=True)
+    await handler.inner.create("s", conversation=[Message.user("hi", id="u")])
+    machine = StateMachine([ModelInference()])
+    runtime = Runtime(
+        loader=handler, handler=handler, model=ScriptedModel([reply("a")]), ids=counter_ids()
+    )
+    with pytest.raises(ConfigurationError, match="revision 0.*batch.*revision 1|revision 1.*0"):
+        await machine.run(runtime, "s")
