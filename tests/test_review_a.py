@@ -7,21 +7,32 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from stepmachine import (
     Batch,
+    ChunkSink,
     Codec,
     ConfigurationError,
     Message,
+    ModelError,
     ModelInference,
+    ModelRequest,
+    ModelResponse,
+    Operation,
+    Outcome,
+    Refuse,
     ReplaceConversation,
     Runtime,
     Session,
     StateMachine,
+    StepContext,
+    TextPart,
     apply_batch,
     counter_ids,
 )
+from stepmachine.operations import Budget, Limits
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import ScriptedModel, make_session, reply
 
@@ -84,3 +95,68 @@ async def test_a_handler_returning_a_session_of_another_revision_is_an_error(
     )
     with pytest.raises(ConfigurationError, match="at revision 0 for the batch producing"):
         await machine.run(runtime, "s")
+
+
+class _RetryingModel:
+    """A model that fails ``failures`` attempts of every request, then answers.
+
+    It honours ``request.max_attempts`` (default 10) like a provider adapter
+    with retries, and counts every attempt it makes.
+    """
+
+    name = "retrying"
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.attempts = 0
+
+    async def request(
+        self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
+    ) -> ModelResponse:
+        allowed = request.max_attempts or 10
+        for attempt in range(1, allowed + 1):
+            self.attempts += 1
+            if attempt > self.failures:
+                return ModelResponse(parts=(TextPart("answer"),), attempts=attempt)
+        raise ModelError(f"failed {allowed} attempts")
+
+
+class _MoreRetries(Operation[Any]):
+    """A retry policy written as a request shaper: every request may take 5 attempts."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse("policy only")
+
+    def shape_request(self, ctx: StepContext[Any], request: ModelRequest) -> ModelRequest:
+        return msgspec.structs.replace(request, max_attempts=5)
+
+
+class _RebuildsTheRequest(Operation[Any]):
+    """A shaper that builds a new request and forgets ``max_attempts`` (left to the model)."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse("shaper only")
+
+    def shape_request(self, ctx: StepContext[Any], request: ModelRequest) -> ModelRequest:
+        return ModelRequest(
+            messages=request.messages, tools=request.tools, prompt_parts=request.prompt_parts
+        )
+
+
+@pytest.mark.parametrize("shaper", [_MoreRetries, _RebuildsTheRequest])
+async def test_a_shaper_after_the_budget_cannot_raise_the_attempts_it_allows(
+    shaper: type[Operation[Any]],
+) -> None:
+    """Invariant 7: a budget of 2 model calls is 2 attempts, whatever shapes the request after it.
+
+    ``Budget.shape_request`` caps ``max_attempts`` at the calls left, "whatever
+    the order"; a later shaper that sets it higher (a retry policy) or drops it
+    (rebuilds the request) let the model make 4 attempts.
+    """
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("hi", id="u")])
+    model = _RetryingModel(failures=3)
+    machine = StateMachine([Budget(per_run=Limits(model_calls=2)), shaper(), ModelInference()])
+    with pytest.raises(ModelError):
+        await machine.run(Runtime(store=store, model=model, ids=counter_ids()), "s")
+    assert model.attempts == 2
