@@ -20,6 +20,7 @@ from stepmachine import (
     ModelInference,
     ModelRequest,
     ModelResponse,
+    ModelSettings,
     Operation,
     Outcome,
     Refuse,
@@ -29,10 +30,11 @@ from stepmachine import (
     StateMachine,
     StepContext,
     TextPart,
+    Usage,
     apply_batch,
     counter_ids,
 )
-from stepmachine.operations import Budget, Limits
+from stepmachine.operations import Budget, Limits, budget_usage
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import ScriptedModel, make_session, reply
 
@@ -160,3 +162,44 @@ async def test_a_shaper_after_the_budget_cannot_raise_the_attempts_it_allows(
     with pytest.raises(ModelError):
         await machine.run(Runtime(store=store, model=model, ids=counter_ids()), "s")
     assert model.attempts == 2
+
+
+class _TokenModel:
+    """A model whose answer is as long as it may be: ``max_tokens`` output tokens (100 if unset)."""
+
+    name = "tokens"
+
+    async def request(
+        self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
+    ) -> ModelResponse:
+        tokens = request.settings.max_tokens or 100
+        return ModelResponse(parts=(TextPart("x"),), usage=Usage(output_tokens=tokens))
+
+
+class _ResetsTheSettings(Operation[Any]):
+    """A shaper that sets its own sampling settings (and so drops ``max_tokens``)."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse("shaper only")
+
+    def shape_request(self, ctx: StepContext[Any], request: ModelRequest) -> ModelRequest:
+        return msgspec.structs.replace(request, settings=ModelSettings(temperature=0.0))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review A: a later shaper can still raise or drop the max_tokens a budget capped",
+)
+async def test_a_shaper_after_the_budget_cannot_undo_its_output_token_cap() -> None:
+    """An output-token budget of 10 is "capped through max_tokens"; a later shaper undoes it.
+
+    Budget's docs: token limits hold "whatever the order" of the steps, output
+    tokens exactly, through ``settings.max_tokens``. A shaper after it that
+    replaces the settings lets the call produce 100 output tokens.
+    """
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("hi", id="u")])
+    budget = Budget(per_run=Limits(output_tokens=10))
+    machine = StateMachine([budget, _ResetsTheSettings(), ModelInference()])
+    session = await machine.run(Runtime(store=store, model=_TokenModel(), ids=counter_ids()), "s")
+    assert budget_usage(session, "per_run").output_tokens <= 10
