@@ -35,6 +35,7 @@ from stepmachine import (
     TextPart,
     ToolCallPart,
     ToolResultPart,
+    UpdateData,
     Usage,
     apply_batch,
     counter_ids,
@@ -321,3 +322,21 @@ async def test_a_built_in_operation_reads_as_many_messages_at_turn_2000_as_at_tu
         touched.append(counter.count)
         monkeypatch.undo()
     assert touched[1] <= touched[0] + 2 * CHUNK, touched
+
+
+class _Archive(msgspec.Struct, frozen=True):
+    archive: tuple[Message, ...] = ()
+
+
+def test_update_data_set_takes_the_sessions_conversation() -> None:
+    """``UpdateData.set(archive=session.conversation)`` worked on the tuple; it raised TypeError.
+
+    ``set`` takes "field values of any msgspec-supported type"; a conversation
+    (archived before a compaction, say) is one since the session holds one.
+    """
+    session = make_session("a", "b", data=_Archive())
+    effect = UpdateData.set(archive=session.conversation)
+    after = apply_batch(session, [effect])
+    assert after.data.archive == tuple(session.conversation)
+    codec = Codec(_Archive)
+    assert codec.decode_effects(codec.encode_effects((effect,)), where="t") == (effect,)
