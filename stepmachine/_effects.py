@@ -263,7 +263,8 @@ class UpdateData(Effect, frozen=True, gc=False, tag="update_data"):
         The values are normalised to exactly what JSON gives back (tuples become
         lists, ...), so the effect equals its own stored copy.
         """
-        return cls(changes=msgspec.json.decode(msgspec.json.encode(changes)))
+        encoded = msgspec.json.encode(changes, enc_hook=Conversation.enc_hook)  # a Conversation too
+        return cls(changes=msgspec.json.decode(encoded))
 
     def apply(self, session: Session[Any]) -> Session[Any]:
         data = session.data
