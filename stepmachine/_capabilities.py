@@ -140,7 +140,9 @@ class ShapesRequests(Protocol[D]):
         summariser's. For what ``tools`` and ``prompt_parts`` cannot say: a
         native output schema, the attempts left in a budget. In a side request
         only the settings, ``max_attempts`` and prompt parts are taken from
-        the result (see :attr:`ModelRequest.purpose`).
+        the result (see :attr:`ModelRequest.purpose`). ``max_attempts`` can
+        only be lowered: a value above the one received (or ``None`` after a
+        value) is replaced by the one received.
         """
         ...
 
@@ -288,6 +290,9 @@ class Capabilities(Generic[D]):
     def shape(self, ctx: StepContext[D], request: ModelRequest) -> ModelRequest:
         """``request`` passed through every shaping step, in step order.
 
+        ``max_attempts`` only goes down along the way: once a step has set it,
+        a later one that raises it or leaves it ``None`` gets the lower value
+        (so a budget's cap holds whatever the order of the steps, invariant 7).
         For a side request (``purpose`` other than ``"turn"``) the content stays
         the asker's: the messages, tools and output schema of ``request`` are
         kept whatever a shaper returned; settings, ``max_attempts`` and prompt
@@ -295,7 +300,12 @@ class Capabilities(Generic[D]):
         """
         shaped = request
         for step in self.shapers:
+            cap = shaped.max_attempts
             shaped = step.shape_request(ctx, shaped)
+            if cap is not None and (shaped.max_attempts is None or shaped.max_attempts > cap):
+                # A cap only goes down: a later shaper (a retry policy, one that
+                # builds a new request) cannot undo a budget's (invariant 7).
+                shaped = msgspec.structs.replace(shaped, max_attempts=cap)
         if request.purpose == ModelRequest.TURN or shaped is request:
             return shaped
         return msgspec.structs.replace(

@@ -92,6 +92,9 @@ class AppendMessage(Effect, frozen=True, gc=False, tag="append_message"):
 class ReplaceConversation(Effect, frozen=True, gc=False, tag="replace_conversation"):
     """Replace the whole conversation (after compaction).
 
+    ``conversation`` is a tuple of messages; a list or a
+    :class:`~stepmachine.Conversation` (``session.conversation + (m,)``) is converted.
+
     Raises:
         EffectError: two messages of the new conversation share an id.
     """
@@ -100,6 +103,9 @@ class ReplaceConversation(Effect, frozen=True, gc=False, tag="replace_conversati
 
     def __post_init__(self) -> None:
         owner, conversation = "ReplaceConversation", self.conversation
+        if isinstance(conversation, Conversation):  # a session's conversation, or one + (m,)
+            conversation = conversation.as_tuple()
+            msgspec.structs.force_setattr(self, "conversation", conversation)
         tuple_of(owner, "conversation", conversation, Message, "Message", target=self)
 
     def apply(self, session: Session[Any]) -> Session[Any]:
@@ -261,7 +267,8 @@ class UpdateData(Effect, frozen=True, gc=False, tag="update_data"):
         The values are normalised to exactly what JSON gives back (tuples become
         lists, ...), so the effect equals its own stored copy.
         """
-        return cls(changes=msgspec.json.decode(msgspec.json.encode(changes)))
+        encoded = msgspec.json.encode(changes, enc_hook=Conversation.enc_hook)  # a Conversation too
+        return cls(changes=msgspec.json.decode(encoded))
 
     def apply(self, session: Session[Any]) -> Session[Any]:
         data = session.data

@@ -23,6 +23,7 @@ import msgspec
 
 from ._codec import Batch, Codec
 from ._effects import Effect, apply_batch
+from ._errors import ConfigurationError
 from ._messages import Message
 from ._retry import retry_conflicts
 from ._session import Session
@@ -184,6 +185,8 @@ async def store_batch(
     Raises:
         ConflictError: the stored session moved on; nothing was written.
         EffectError: an effect does not apply; nothing was written.
+        ConfigurationError: the handler returned a session that is not the one
+            after the batch (another revision or id); the batch may be stored.
     """
     batch: Batch[Effect] = Batch(
         session_id=session.id,
@@ -195,7 +198,23 @@ async def store_batch(
     )
     if getattr(type(handler), "applies_batches", False) is True:  # declared by the class
         stored = await handler.apply(batch)
-        return apply_batch(session, effects) if stored is None else stored
+        return apply_batch(session, effects) if stored is None else _checked(handler, batch, stored)
     after = apply_batch(session, effects)
     stored = await handler.apply(batch)
-    return after if stored is None else stored
+    return after if stored is None else _checked(handler, batch, stored)
+
+
+def _checked(handler: EffectHandler, batch: Batch[Effect], stored: Session[D]) -> Session[D]:
+    """``stored`` if it is the session ``batch`` produced, else :class:`ConfigurationError`.
+
+    O(1): the id and the revision. A handler that returns another session
+    (the one before the batch, say) would have the caller decide from a
+    session the store no longer holds.
+    """
+    if stored.revision != batch.revision or stored.id != batch.session_id:
+        raise ConfigurationError(
+            f"the effect handler {type(handler).__name__} returned session {stored.id!r} at "
+            f"revision {stored.revision} for the batch producing revision {batch.revision} of "
+            f"session {batch.session_id!r}; apply returns the session after the batch, or None"
+        )
+    return stored
