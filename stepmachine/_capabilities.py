@@ -142,7 +142,8 @@ class ShapesRequests(Protocol[D]):
         only the settings, ``max_attempts`` and prompt parts are taken from
         the result (see :attr:`ModelRequest.purpose`). ``max_attempts`` can
         only be lowered: a value above the one received (or ``None`` after a
-        value) is replaced by the one received.
+        value) is replaced by the one received. ``settings.max_tokens`` can
+        only be lowered once a shaper has set or lowered it.
         """
         ...
 
@@ -293,19 +294,30 @@ class Capabilities(Generic[D]):
         ``max_attempts`` only goes down along the way: once a step has set it,
         a later one that raises it or leaves it ``None`` gets the lower value
         (so a budget's cap holds whatever the order of the steps, invariant 7).
+        ``settings.max_tokens`` likewise, from the first shaper that sets or
+        lowers it (the asker's own value may be raised by a shaper; a value a
+        shaper lowered, such as a budget's output-token cap, may not).
         For a side request (``purpose`` other than ``"turn"``) the content stays
         the asker's: the messages, tools and output schema of ``request`` are
         kept whatever a shaper returned; settings, ``max_attempts`` and prompt
         parts are the shapers'.
         """
         shaped = request
+        token_cap: int | None = None  # the lowest max_tokens a shaper set or lowered
         for step in self.shapers:
             cap = shaped.max_attempts
+            tokens_before = shaped.settings.max_tokens
             shaped = step.shape_request(ctx, shaped)
             if cap is not None and (shaped.max_attempts is None or shaped.max_attempts > cap):
                 # A cap only goes down: a later shaper (a retry policy, one that
                 # builds a new request) cannot undo a budget's (invariant 7).
                 shaped = msgspec.structs.replace(shaped, max_attempts=cap)
+            tokens = shaped.settings.max_tokens
+            if token_cap is not None and (tokens is None or tokens > token_cap):
+                settings = msgspec.structs.replace(shaped.settings, max_tokens=token_cap)
+                shaped = msgspec.structs.replace(shaped, settings=settings)
+            elif tokens is not None and (tokens_before is None or tokens < tokens_before):
+                token_cap = tokens  # this shaper set or lowered it: later ones cannot undo that
         if request.purpose == ModelRequest.TURN or shaped is request:
             return shaped
         return msgspec.structs.replace(

@@ -201,10 +201,6 @@ class _ResetsTheSettings(Operation[Any]):
         return msgspec.structs.replace(request, settings=ModelSettings(temperature=0.0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review A: a later shaper can still raise or drop the max_tokens a budget capped",
-)
 async def test_a_shaper_after_the_budget_cannot_undo_its_output_token_cap() -> None:
     """An output-token budget of 10 is "capped through max_tokens"; a later shaper undoes it.
 
@@ -218,6 +214,33 @@ async def test_a_shaper_after_the_budget_cannot_undo_its_output_token_cap() -> N
     machine = StateMachine([budget, _ResetsTheSettings(), ModelInference()])
     session = await machine.run(Runtime(store=store, model=_TokenModel(), ids=counter_ids()), "s")
     assert budget_usage(session, "per_run").output_tokens <= 10
+
+
+class _LongAnswers(Operation[Any]):
+    """A shaper that asks for long answers: raises ``max_tokens`` to 500."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse("shaper only")
+
+    def shape_request(self, ctx: StepContext[Any], request: ModelRequest) -> ModelRequest:
+        settings = msgspec.structs.replace(request.settings, max_tokens=500)
+        return msgspec.structs.replace(request, settings=settings)
+
+
+async def test_a_shaper_may_raise_the_askers_max_tokens_but_not_a_budgets_cap() -> None:
+    """The asker's own ``max_tokens`` is a default a shaper may raise; a shaper's cap is not."""
+    for steps, expected in (
+        ([_LongAnswers()], 500),  # raises the asker's 50
+        ([Budget(per_run=Limits(output_tokens=10)), _LongAnswers()], 10),
+        ([_LongAnswers(), Budget(per_run=Limits(output_tokens=10))], 10),
+    ):
+        store = MemoryStore()
+        await store.create("s", conversation=[Message.user("hi", id="u")])
+        inference = ModelInference(settings=ModelSettings(max_tokens=50))
+        machine = StateMachine([*steps, inference])
+        runtime = Runtime(store=store, model=_TokenModel(), ids=counter_ids())
+        session = await machine.run(runtime, "s")
+        assert budget_usage(session, "per_run").output_tokens == expected, steps
 
 
 # -- invariant 10 for the built-in operations ---------------------------------------------
@@ -282,14 +305,21 @@ def _operation(kind: str) -> Step[Any]:
     return Compaction(threshold=10**9)
 
 
-_SCANS = pytest.mark.xfail(strict=True, reason="review A: the operation rescans the history")
+def _scans(why: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(strict=True, reason=f"known, left for later: {why}")
+
+
+# The open call here is of a tool no step advertises: HistoryGuard and InvalidCalls repair it
+# (a repair rebuilds what it changes, O(history), once); in a run with the tool served they
+# refuse on the index. Budget counts tool calls (and, in a session without a model-call ledger,
+# as built here by hand, model calls) over the whole history.
 OPERATION_CASES = [
-    pytest.param("approval", True, marks=_SCANS),
-    pytest.param("history_guard", True, marks=_SCANS),
-    pytest.param("invalid_calls", True, marks=_SCANS),
-    pytest.param("budget", True, marks=_SCANS),
-    pytest.param("budget", False, marks=_SCANS),
-    pytest.param("compaction", False, marks=_SCANS),
+    ("approval", True),
+    pytest.param("history_guard", True, marks=_scans("repairing an unknown tool's call")),
+    pytest.param("invalid_calls", True, marks=_scans("repairing an unknown tool's call")),
+    pytest.param("budget", True, marks=_scans("tool-call limits count the whole history")),
+    pytest.param("budget", False, marks=_scans("tool-call limits count the whole history")),
+    ("compaction", False),
     ("approval", False),
     ("history_guard", False),
     ("invalid_calls", False),
