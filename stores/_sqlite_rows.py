@@ -9,7 +9,8 @@ Every row is written with its ``crc`` (:func:`._sqlite_schema.checksum`) in
 the same statement, and every row read is checked against it before any of
 its columns is used. Reading fails closed (invariant 8): a row whose checksum
 does not match, a row of an unknown schema version, a column of the wrong
-type, a gap in the log or a compressed body that does not decompress raises
+type, a gap in the log, a compressed effect body in a version-2 row or a
+compressed body that does not decompress raises
 :class:`~stepmachine.StoredDataError` naming the file, the table, the
 session, the revision and the effect index. Nothing here ever rewrites a row
 it read. Records are handed to the stores' core (:mod:`._core`) as bytes; it
@@ -28,7 +29,7 @@ from stepmachine import StoredDataError
 
 from ._backend import EffectRows, Marks
 from ._snapshot_policy import Weighted
-from ._sqlite_schema import SCHEMA_VERSION, checksum
+from ._sqlite_schema import COMPRESSED_EFFECTS_FROM, ROW_VERSIONS, SCHEMA_VERSION, checksum
 
 __all__ = [
     "COMPRESS_FROM",
@@ -84,11 +85,14 @@ def _verify(path: str, where: str, table: str, values: tuple[Any, ...], stored: 
         )
 
 
-def _check_version(path: str, where: str, version: object) -> None:
-    if version != SCHEMA_VERSION or not isinstance(version, int):
+def _check_version(path: str, where: str, version: object) -> int:
+    """The row's schema version, one of :data:`._sqlite_schema.ROW_VERSIONS`, or StoredDataError."""
+    if not isinstance(version, int) or version not in ROW_VERSIONS:
+        readable = " and ".join(map(str, ROW_VERSIONS))
         raise _fail(
-            path, where, f"record schema version is {version!r}, this code reads {SCHEMA_VERSION}"
+            path, where, f"record schema version is {version!r}, this code reads {readable}"
         )
+    return version
 
 
 def _typed(path: str, where: str, column: str, value: Any, kind: type) -> Any:
@@ -321,7 +325,8 @@ def read_log(
     """The batches with ``after < revision <= upto``, checked to be complete, not decoded.
 
     Reads only those rows. Every row is checked against its checksum, schema
-    version and column types, and each effect body is decompressed;
+    version and column types, and each effect body is decompressed (only a
+    row of version 3 or later may hold a compressed one);
     :class:`StoredDataError` for a row that does not match, a missing batch or
     effect, or an orphan effect, naming the table, revision and effect index.
     Decoding the records is the core's (:mod:`._replay`).
@@ -345,8 +350,15 @@ def read_log(
             effect_row = effect_rows[cursor]
             cursor += 1
             _verify(path, f"{at} (table effects)", "effects", tuple(effect_row[:5]), effect_row[5])
-            _check_version(path, at, effect_row[3])
+            version = _check_version(path, at, effect_row[3])
             body = _typed(path, at, "body", effect_row[4], bytes)
+            if version < COMPRESSED_EFFECTS_FROM and body[:1] == _ZLIB_START:
+                raise _fail(
+                    path,
+                    at,
+                    f"the effects row of schema version {version} holds a compressed body; "
+                    f"compressed effect records are written from version {COMPRESSED_EFFECTS_FROM}",
+                )
             records.append(_stored_record(path, at, body, _EFFECTS_START))
         if cursor < len(effect_rows) and effect_rows[cursor][1] == revision:
             raise _fail(path, f"{where} effect {effect_rows[cursor][2]!r}", "orphan effect row")
@@ -386,6 +398,9 @@ def compact(record: bytes) -> bytes:
     record (an ``Increment``, a small note) is not worth the header. Read back
     by :func:`read_log`, which tells the two apart by the first byte (``[`` or
     ``0x78``), like snapshot bodies. The checksum covers the stored bytes.
+    Only rows of schema version 3 or later hold compressed records
+    (:data:`._sqlite_schema.COMPRESSED_EFFECTS_FROM`), and every row is
+    written at :data:`._sqlite_schema.SCHEMA_VERSION`.
     """
     if len(record) < COMPRESS_FROM:
         return record

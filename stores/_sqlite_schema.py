@@ -4,7 +4,7 @@ Everything here is synchronous and runs in the store's worker thread, on a
 connection the caller holds exclusively. Reading and writing rows is
 :mod:`._sqlite_rows`.
 
-Layout (schema version 2)::
+Layout (schema version 3; the tables have not changed since version 2)::
 
     schema_version(version PK, applied_at)        one row per migration applied
     sessions(sid PK AUTOINCREMENT, session_id UNIQUE, revision, schema_version,
@@ -16,11 +16,12 @@ Layout (schema version 2)::
 ``sid`` is never reused (``AUTOINCREMENT``), so a session deleted and created
 again under the same id is a different ``sid``, and a cache keyed by ``sid``
 never serves the old one. Effects are append-only, one row per effect: ``body``
-is the codec's effects record holding exactly that one effect, compressed with
-zlib (it then starts with ``0x78``) when it is at least 256 bytes and that makes
-it smaller, else as it is (starting with ``[``; every row written before effect
-records were compressed is so; code from before reads only those, and fails
-closed, naming the row, on a compressed one). A snapshot is
+is the codec's effects record holding exactly that one effect. A version-3
+row stores it compressed with zlib (it then starts with ``0x78``) when it is
+at least 256 bytes and that makes it smaller, else as it is (starting with
+``[``). A version-2 row always stores it as it is: a version-2 effect row
+whose body is compressed is a corrupt row (:class:`~stepmachine.StoredDataError`
+naming the session, revision and effect index). A snapshot is
 the codec's session record; there is always one at revision 0 (written by
 ``create``) and one after every batch holding a
 :class:`~stepmachine.ReplaceConversation`. Periodic snapshots follow
@@ -28,15 +29,22 @@ the codec's session record; there is always one at revision 0 (written by
 it supersedes, so a session keeps two: revision 0 and the newest
 (:func:`._sqlite_rows.prune_snapshots`). A snapshot ``body`` is the session
 record compressed with zlib (it starts with ``0x78``); one starting with ``{``
-is the uncompressed record, as written before, and is read as it is. The
+is the uncompressed record, as written before, and is read as it is (in a
+row of version 2 or 3: version 2 wrote both). The
 session row keeps the revision and encoded (uncompressed) size of the last
 snapshot and the effect bytes written since (``pending_bytes``).
 
-Checksums (schema version 2): every row of ``sessions``, ``batches``,
+Row versions: every row carries the ``schema_version`` it was written with.
+Rows are written with :data:`SCHEMA_VERSION`; rows of version 2 written before
+a database was migrated to 3 keep their version and are read as they are
+(:data:`ROW_VERSIONS`). A row of any other version fails closed when read.
+
+Checksums (since schema version 2): every row of ``sessions``, ``batches``,
 ``effects`` and ``snapshots`` carries ``crc``, the CRC-32 computed by
 :func:`checksum` over the table's name and every other column of the row, in
 the order above: the payload (``body``, ``step``, ...) *and* the columns that
-say where it belongs (``sid``, ``session_id``, ``revision``, ``position``). A
+say where it belongs (``sid``, ``session_id``, ``revision``, ``position``) and
+the row's ``schema_version``. A
 flipped bit, or a row moved to another session, revision or position, no
 longer matches its ``crc``; the reader then raises
 :class:`~stepmachine.StoredDataError` naming the table, the session and the
@@ -45,12 +53,23 @@ bits, so every single flipped bit; it is computed in the same statement that
 writes the row (no extra round trip). The checksums cover rows, not SQLite's
 own pages and indexes: ``PRAGMA quick_check`` verifies those.
 
-Migrations run in one ``BEGIN IMMEDIATE`` transaction when a database of an
-older version is opened (applied whole or not at all; a process killed in the
-middle leaves the old version): version 1 had no ``crc`` column; migrating it
-to 2 adds the column and computes the checksum of every version-1 row as it
-is stored, marking the row version 2. This reads every row once. A row of any
-other version is left as it is, and reading it still fails closed.
+Versions and migrations. A database records each migration applied in
+``schema_version``; its version is the largest. Opening a database of a
+newer version than :data:`SCHEMA_VERSION` is refused with
+:class:`~stepmachine.StoredDataError` before anything is written ("written by
+stepmachine schema version N"), so code that does not know a version never
+reads its rows. Opening one of an older version migrates it, in one ``BEGIN
+IMMEDIATE`` transaction (applied whole or not at all; a process killed in the
+middle leaves the old version), through each version in turn:
+
+- 1 to 2: version 1 had no ``crc`` column; the migration adds the column and
+  computes the checksum of every version-1 row as it is stored, marking the
+  row version 2. This reads every row once. A row of any other version is
+  left as it is, and reading it still fails closed.
+- 2 to 3: changes no row; it only records version 3. Version 3 allows
+  compressed effect bodies, which code of version 2 cannot read: the version
+  bump makes that code refuse the whole database on open, untouched, instead
+  of failing on the first compressed row it reads.
 """
 
 from __future__ import annotations
@@ -68,6 +87,8 @@ from stepmachine import ConfigurationError, StoredDataError
 
 __all__ = [
     "COLUMNS",
+    "COMPRESSED_EFFECTS_FROM",
+    "ROW_VERSIONS",
     "SCHEMA_VERSION",
     "checksum",
     "create_owner_only",
@@ -75,8 +96,14 @@ __all__ = [
     "transaction",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The schema version this code writes; it opens databases of this version or older."""
+
+ROW_VERSIONS = (2, 3)
+"""The row versions this code reads: every row of a migrated database is one of these."""
+
+COMPRESSED_EFFECTS_FROM = 3
+"""The first row version whose effect bodies may be compressed."""
 
 COLUMNS: dict[str, tuple[str, ...]] = {
     "sessions": (
@@ -165,6 +192,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
             + ") WHERE schema_version = 1",
         )
     ),
+    # Nothing to change: version 3 only allows compressed effect bodies in new rows.
+    3: (),
 }
 """The statements that bring a database from the previous version to each version.
 

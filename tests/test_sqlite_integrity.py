@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import sqlite3
+import zlib
 from collections.abc import Awaitable, Callable
 from contextlib import closing
 from dataclasses import dataclass
@@ -425,6 +426,12 @@ def rechecksum(path: Path) -> None:
         ("UPDATE effects SET body = 'text' WHERE sid = 1 AND revision = 2", "column body"),
         ("UPDATE batches SET cycle = 'x' WHERE sid = 1 AND revision = 2", "column cycle"),
         ("UPDATE effects SET schema_version = 9 WHERE sid = 1 AND revision = 2", "version is 9"),
+        (  # version 2 never wrote a compressed effect record (version 3 does)
+            "UPDATE effects SET schema_version = 2, body = x'"
+            + zlib.compress(b'[{"type":"conformance.increment"}]').hex()
+            + "' WHERE sid = 1 AND revision = 2 AND position = 1",
+            "revision 2 effect 1.*schema version 2 holds a compressed body",
+        ),
         ("DELETE FROM effects WHERE sid = 1 AND revision = 2", "the effect is missing"),
     ],
 )

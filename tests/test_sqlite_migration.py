@@ -1,12 +1,14 @@
-"""SQLiteStore migrates a schema version 1 database to version 2 (issue 8, item 2).
+"""SQLiteStore migrates databases of schema versions 1 and 2 to version 3 (issue 8, item 2).
 
 The golden database written by schema version 1 (``golden/sqlite/store-v1.db``,
-no checksums) is opened by the current code: it is migrated in one
-transaction, reads exactly the expected content, carries a valid checksum on
-every row, accepts new batches, and reads the same after reopening. A
-failing migration leaves version 1 as it was; a newer version is refused
-untouched; a version-1 row the migration does not recognise still fails
-closed.
+no checksums) is opened by the current code: it is migrated (through 2 to 3)
+in one transaction, reads exactly the expected content, carries a valid
+checksum on every row, accepts new batches, and reads the same after
+reopening. A failing migration leaves version 1 as it was; a newer version is
+refused untouched; a version-1 row the migration does not recognise still
+fails closed. The golden version-2 database migrates to 3 without a row
+changing, and code that knows only version 2 refuses a version-3 database
+untouched (version 3 stores long effect records compressed).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import json
 import shutil
 import sqlite3
+import zlib
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -27,10 +30,14 @@ import pytest
 from stepmachine import Batch, Conversation, Session, StoredDataError, apply_batch
 from stepmachine.stores import SQLiteStore
 from stepmachine.stores import _sqlite_schema as schema
-from stepmachine.stores._sqlite_schema import COLUMNS, SCHEMA_VERSION, checksum
+from stepmachine.stores._sqlite_schema import COLUMNS, ROW_VERSIONS, SCHEMA_VERSION, checksum
 
 GOLDEN = Path(golden.__file__).resolve().parent / "golden" / "sqlite"
 V1 = GOLDEN / golden.db_name(1)
+V2 = GOLDEN / golden.db_name(2)
+V3 = GOLDEN / golden.db_name(3)
+MIGRATED = [1, 2, 3]
+"""The schema_version table of a database at the current version."""
 EXPECTED: dict[str, Any] = json.loads((GOLDEN / "expected.json").read_text(encoding="utf-8"))
 
 
@@ -55,6 +62,14 @@ def v1(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.fixture
+def v2(tmp_path: Path) -> Path:
+    """A copy of the golden version-2 database."""
+    path = tmp_path / "store.db"
+    shutil.copyfile(V2, path)
+    return path
+
+
 def versions(path: Path) -> list[int]:
     with raw(path) as connection:
         return [row[0] for row in connection.execute("SELECT version FROM schema_version")]
@@ -66,17 +81,41 @@ def columns_of(path: Path, table: str) -> list[str]:
 
 
 def bad_checksums(path: Path) -> dict[str, int]:
-    """Per table, how many rows are not version 2 with the checksum of their content."""
+    """Per table, how many rows are not of a readable version with the checksum of their content."""
     bad: dict[str, int] = {}
     with raw(path) as connection:
         for table, names in COLUMNS.items():
             rows = connection.execute(f"SELECT {', '.join(names)}, crc FROM {table}").fetchall()
             assert rows, table
             bad[table] = sum(
-                row[names.index("schema_version")] != 2 or checksum(table, row[:-1]) != row[-1]
+                row[names.index("schema_version")] not in ROW_VERSIONS
+                or checksum(table, row[:-1]) != row[-1]
                 for row in rows
             )
     return bad
+
+
+def row_versions(path: Path) -> dict[str, tuple[int, ...]]:
+    """Per table, the distinct schema versions of its rows."""
+    with raw(path) as connection:
+        return {
+            table: tuple(
+                row[0]
+                for row in connection.execute(
+                    f"SELECT DISTINCT schema_version FROM {table} ORDER BY 1"
+                )
+            )
+            for table in COLUMNS
+        }
+
+
+def every_row(path: Path) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every store table, in a fixed order."""
+    with raw(path) as connection:
+        return {
+            table: connection.execute(f"SELECT * FROM {table} ORDER BY 1, 2, 3").fetchall()
+            for table in COLUMNS
+        }
 
 
 async def read_everything(path: Path) -> None:
@@ -95,16 +134,18 @@ def test_the_golden_database_is_version_1_without_checksums() -> None:
     assert versions(V1) == [1]
     for table in COLUMNS:
         assert "crc" not in columns_of(V1, table)
-    assert SCHEMA_VERSION == 2
+    assert SCHEMA_VERSION == 3
 
 
 async def test_v1_is_migrated_verified_and_reopened(v1: Path) -> None:
     before = digest(V1)
     await read_everything(v1)  # the first open migrates
-    assert versions(v1) == [1, 2]
+    assert versions(v1) == MIGRATED
     assert bad_checksums(v1) == dict.fromkeys(COLUMNS, 0)
+    # Migration 2 marks every row version 2; migration 3 changes no row.
+    assert row_versions(v1) == dict.fromkeys(COLUMNS, (2,))
     await read_everything(v1)  # reopened: nothing more to migrate, same content
-    assert versions(v1) == [1, 2]
+    assert versions(v1) == MIGRATED
     assert digest(V1) == before  # the fixture itself is never touched
 
 
@@ -112,7 +153,8 @@ async def test_a_migrated_database_takes_new_batches(v1: Path) -> None:
     codec = golden.make_codec()
     async with await SQLiteStore.open(v1, codec) as store:
         beta = await store.load("beta")
-        effects = (golden.Scored(5, "after migration"),)
+        # The second record is long: stored compressed, in a version-3 row.
+        effects = (golden.Scored(5, "after migration"), golden.Scored(1, "long " * 100))
         await store.apply(Batch("beta", beta.revision + 1, "step-x", 0, 1.8e9, effects))
         fork = await store.fork("alpha", 6, "alpha-2")
     expected: Session[Any] = apply_batch(beta, effects)
@@ -121,6 +163,15 @@ async def test_a_migrated_database_takes_new_batches(v1: Path) -> None:
         assert await store.load("alpha-2") == fork
         assert len(await store.batches("alpha-2")) == 6
     assert bad_checksums(v1) == dict.fromkeys(COLUMNS, 0)
+    with raw(v1) as connection:
+        new_rows = connection.execute(
+            "SELECT schema_version, substr(body, 1, 1) FROM effects WHERE revision = ? "
+            "AND sid = (SELECT sid FROM sessions WHERE session_id = 'beta') ORDER BY position",
+            (beta.revision + 1,),
+        ).fetchall()
+    assert new_rows == [(3, b"["), (3, b"\x78")]
+    # Old rows keep version 2 (the copies a fork makes too); new ones are version 3.
+    assert row_versions(v1) == dict.fromkeys(COLUMNS, (2, 3))
 
 
 async def test_a_failed_migration_leaves_version_1(
@@ -135,7 +186,22 @@ async def test_a_failed_migration_leaves_version_1(
         assert "crc" not in columns_of(v1, table)
     monkeypatch.undo()
     await read_everything(v1)  # and the next open migrates it
-    assert versions(v1) == [1, 2]
+    assert versions(v1) == MIGRATED
+
+
+async def test_a_failed_last_migration_leaves_version_1(
+    v1: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every migration of one open is one transaction: 3 failing undoes 2 as well."""
+    monkeypatch.setitem(schema._MIGRATIONS, 3, ("INSERT INTO no_such_table VALUES (1)",))
+    before = digest(v1)
+    with pytest.raises(sqlite3.OperationalError, match="no_such_table"):
+        await SQLiteStore.open(v1, golden.make_codec())
+    assert versions(v1) == [1]
+    assert row_versions(v1) == dict.fromkeys(COLUMNS, (1,))
+    for table in COLUMNS:
+        assert "crc" not in columns_of(v1, table)
+    assert digest(v1) == before
 
 
 @pytest.mark.parametrize("newer", [SCHEMA_VERSION + 1, 99])
@@ -170,7 +236,7 @@ async def test_v1_text_that_is_not_utf8_migrates_and_fails_closed(v1: Path) -> N
         with pytest.raises(StoredDataError, match=r"'beta' revision 2.*not UTF-8"):
             await store.batches("beta")
         assert await store.list_sessions() == sorted(EXPECTED["sessions"])
-    assert versions(v1) == [1, 2]
+    assert versions(v1) == MIGRATED
 
 
 def test_crash_harness_from_v1_loses_nothing(tmp_path: Path) -> None:
@@ -191,7 +257,7 @@ def test_crash_harness_from_v1_loses_nothing(tmp_path: Path) -> None:
     assert summary.ok, report
     # Every point started from the golden version-1 database and migrated it.
     for folder in tmp_path.iterdir():
-        assert versions(folder / "store.db") == [1, 2], folder
+        assert versions(folder / "store.db") == MIGRATED, folder
 
 
 async def test_crash_harness_notices_a_changed_golden_session(v1: Path) -> None:
@@ -209,14 +275,14 @@ async def test_crash_harness_notices_a_changed_golden_session(v1: Path) -> None:
 @pytest.mark.parametrize(
     "damage",
     [
-        "DELETE FROM schema_version WHERE version = 2",
-        "UPDATE schema_version SET version = 0 WHERE version = 2",
+        "DELETE FROM schema_version WHERE version >= 2",
+        "UPDATE schema_version SET version = -version WHERE version >= 2",
     ],
 )
 async def test_a_damaged_version_table_of_a_migrated_database_is_stored_data_error(
     v1: Path, damage: str
 ) -> None:
-    """The tables say version 2 but the version table says less: refused, nothing re-migrated."""
+    """The tables have crc but the version table says 1: refused, nothing re-migrated."""
     await read_everything(v1)  # migrated
     with raw(v1) as connection:
         connection.execute(damage)
@@ -264,3 +330,94 @@ async def test_a_damaged_table_definition_is_stored_data_error_on_open(
         )
     with pytest.raises(StoredDataError, match=r"store\.db"):
         await SQLiteStore.open(v1, golden.make_codec())
+
+
+# -- version 2 to 3 ------------------------------------------------------------------
+
+
+def test_the_golden_databases_of_versions_2_and_3() -> None:
+    """Version 2 stores every effect record as it is; version 3 compresses the long ones."""
+    assert versions(V2) == [1, 2]
+    assert versions(V3) == MIGRATED
+    with raw(V2) as connection:
+        starts = connection.execute("SELECT DISTINCT substr(body, 1, 1) FROM effects").fetchall()
+    assert starts == [(b"[",)]
+    with raw(V3) as connection:
+        compressed = connection.execute(
+            "SELECT count(*) FROM effects WHERE substr(body, 1, 1) = x'78'"
+        ).fetchone()
+    assert compressed[0] > 0
+
+
+async def test_v2_is_migrated_to_3_without_changing_a_row(v2: Path) -> None:
+    before = every_row(v2)
+    await read_everything(v2)  # the first open migrates
+    assert versions(v2) == MIGRATED
+    assert every_row(v2) == before  # migration 3 only records the version
+    assert row_versions(v2) == dict.fromkeys(COLUMNS, (2,))
+    await read_everything(v2)  # reopened: nothing more to migrate
+    assert versions(v2) == MIGRATED
+
+
+async def test_a_failed_migration_leaves_version_2(
+    v2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(schema._MIGRATIONS, 3, ("INSERT INTO no_such_table VALUES (1)",))
+    before = digest(v2)
+    with pytest.raises(sqlite3.OperationalError, match="no_such_table"):
+        await SQLiteStore.open(v2, golden.make_codec())
+    assert versions(v2) == [1, 2]
+    assert digest(v2) == before
+    monkeypatch.undo()
+    await read_everything(v2)
+    assert versions(v2) == MIGRATED
+
+
+async def test_code_of_version_2_refuses_a_version_3_database_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a reader that knows only version 2 does with the golden version-3 database.
+
+    Opening checks the version in ``_read_version`` before anything is
+    written, the same code path as in version 2; only the constant differs.
+    """
+    db = tmp_path / "store.db"
+    shutil.copyfile(V3, db)
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
+    before = digest(db)
+    with pytest.raises(StoredDataError, match=r"schema version 3.*up to 2.*left unchanged"):
+        await SQLiteStore.open(db, golden.make_codec())
+    assert digest(db) == before
+    assert sorted(p.name for p in db.parent.iterdir()) == ["store.db"]
+    monkeypatch.undo()
+    await read_everything(db)  # and today's code reads it
+
+
+async def test_a_compressed_effect_row_of_version_2_is_stored_data_error(v2: Path) -> None:
+    """Version 2 never wrote a compressed effect record: such a row is corrupt, not read."""
+    await read_everything(v2)  # migrated to 3; the rows stay version 2
+    with raw(v2) as connection:
+        (sid,) = connection.execute("SELECT sid FROM sessions WHERE session_id = 'beta'").fetchone()
+        values = connection.execute(
+            "SELECT sid, revision, position, schema_version, body FROM effects "
+            "WHERE sid = ? AND revision = 2 AND position = 0",
+            (sid,),
+        ).fetchone()
+        assert values[3] == 2
+        body = zlib.compress(values[4])
+        row = (*values[:4], body)
+        connection.execute(
+            "UPDATE effects SET body = ?, crc = ? WHERE sid = ? AND revision = 2 AND position = 0",
+            (body, checksum("effects", row), sid),
+        )
+    before = digest(v2)
+    async with await SQLiteStore.open(v2, golden.make_codec()) as store:
+        with pytest.raises(
+            StoredDataError, match=r"'beta' revision 2 effect 0.*schema version 2.*compressed"
+        ):
+            await store.batches("beta")
+        with pytest.raises(StoredDataError, match=r"'beta' revision 2 effect 0"):
+            await store.load_at("beta", 2)
+        revisions = EXPECTED["sessions"]["beta"]["revisions"]
+        assert as_json(await store.load_at("beta", 1)) == revisions[1]
+    assert digest(v2) == before  # nothing rewritten

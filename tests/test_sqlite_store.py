@@ -1159,6 +1159,39 @@ async def test_uncompressed_long_effect_records_still_read(db: Path) -> None:
         assert await store.load("s") == session
 
 
+@pytest.mark.parametrize("compressed", [False, True], ids=["as-is", "compressed"])
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+async def test_which_effect_rows_read_by_row_version(
+    db: Path, version: int, compressed: bool
+) -> None:
+    """Rows of version 2 and 3 read; only version 3 may hold a compressed record.
+
+    A version-2 row with a compressed body, or a row of another version, is a
+    corrupt row: StoredDataError naming session, revision and effect, and
+    nothing is rewritten.
+    """
+    async with await SQLiteStore.open(db, codec()) as store:
+        session = await store.create("s")
+        session = await apply(store, session, AppendMessage(Message.user("z " * 500, id="l")))
+    record = codec().encode_effects((session_effect(session),))
+    body = zlib.compress(record) if compressed else record
+    with raw(db) as connection:
+        connection.execute(
+            "UPDATE effects SET schema_version = ?, body = ?, crc = ? WHERE revision = 1",
+            (version, body, checksum("effects", (1, 1, 0, version, body))),
+        )
+    before = digest(db)
+    readable = version == 3 or (version == 2 and not compressed)
+    async with await SQLiteStore.open(db, codec()) as store:
+        if readable:
+            assert await store.load("s") == session
+        else:
+            with pytest.raises(StoredDataError, match=r"'s' revision 1 effect 0.*version") as info:
+                await store.load("s")
+            assert ("compressed" in str(info.value)) == (version == 2)
+    assert digest(db) == before
+
+
 async def test_an_effect_record_that_does_not_decompress_fails_closed(db: Path) -> None:
     async with await SQLiteStore.open(db, codec()) as store:
         session = await store.create("s")
