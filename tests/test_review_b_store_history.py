@@ -178,7 +178,7 @@ async def test_every_call_after_aclose_is_refused(opener: Opener) -> None:
         lambda: store.batches("s"),
         lambda: store.fork("s", 1, "f"),
         lambda: store.delete("s"),
-        lambda: store.list_sessions(),
+        store.list_sessions,
     ]
     for call in calls:
         with pytest.raises((StoreClosedError, anyio.ClosedResourceError)):
