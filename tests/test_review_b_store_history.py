@@ -158,7 +158,7 @@ async def test_concurrent_writers_on_two_instances_lose_nothing(opener: Opener) 
     assert sorted(acknowledged) == list(range(1, 31))
     final = await (await opener()).load("s")
     assert final.revision == 30
-    texts = sorted(m.parts[0].text for m in final.conversation)  # type: ignore[union-attr]
+    texts = sorted(m.parts[0].text for m in final.conversation)
     assert texts == sorted([f"a{i}" for i in range(15)] + [f"b{i}" for i in range(15)])
     await one.aclose()
     await two.aclose()
