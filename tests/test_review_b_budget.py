@@ -164,3 +164,60 @@ async def test_a_damaged_receipt_is_a_stored_data_error(receipt: dict[str, Any])
     session = make_session(Message.user("go", id="u0"), damaged, Message.user("more", id="u1"))
     with pytest.raises(StoredDataError, match="a1"):
         await run_step(Budget(per_session=Limits(model_calls=5, tool_calls=5)), session)
+
+
+# -- a crash between the model's answer and its record ------------------------------------
+
+
+class Killed(BaseException):
+    """Stands for kill -9: nothing after it runs."""
+
+
+class CrashingStore:
+    """A MemoryStore that dies when asked to store the model's first reply."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self.armed = True
+        self.applies_batches = store.applies_batches
+
+    async def load(self, session_id: str) -> Any:
+        return await self._store.load(session_id)
+
+    async def apply(self, batch: Any) -> Any:
+        replies = [
+            e
+            for e in batch.effects
+            if isinstance(e, AppendMessage) and e.message.role == "assistant"
+        ]
+        if self.armed and replies:
+            self.armed = False
+            raise Killed
+        return await self._store.apply(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+@pytest.mark.anyio
+@pytest.mark.xfail(
+    strict=True,
+    reason="design gap (invariant 7): a model call leaves no durable record before it is "
+    "made, so a crash before its reply is stored lets a resumed run call again",
+)
+async def test_a_crash_before_the_reply_is_stored_does_not_give_the_call_back() -> None:
+    memory = MemoryStore()
+    await memory.create("s", conversation=[Message.user("go", id="u0")])
+    model = FunctionModel(lambda request: reply("hi"))
+    budget = Limits(model_calls=1)
+    crashing = CrashingStore(memory)
+    with pytest.raises(Killed):
+        await agent(Budget(per_session=budget)).run(
+            Runtime(store=crashing, model=model, ids=counter_ids()),
+            "s",  # type: ignore[arg-type]
+        )
+    assert model.calls == 1
+    resumed = Runtime(store=memory, model=model, ids=counter_ids("r"))
+    report = await agent(Budget(per_session=budget)).run_report(resumed, "s")
+    assert model.calls == 1
+    assert report.reason.kind == YieldReason.BUDGET_EXHAUSTED
