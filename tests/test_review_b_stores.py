@@ -7,9 +7,9 @@ process's memory; a record that is valid zlib of something that is not the
 codec's JSON must fail naming the session and the record's position.
 
 The bomb tests load in a child process whose address space is limited to what
-it already uses plus 1 GiB (``RLIMIT_AS``), so a store that inflates the
+it already uses plus 3 GiB (``RLIMIT_AS``), so a store that inflates the
 record whole gets a ``MemoryError`` there instead of taking the machine's
-memory; the record inflates to 4 GiB.
+memory; the record inflates to 16 GiB.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from stepmachine import AppendMessage, Batch, Effect, Message, Session, StoredDataError
@@ -44,22 +45,31 @@ pytestmark = pytest.mark.skipif(
 
 
 @functools.cache
-def bomb(chunks: int = 256) -> bytes:
-    """A valid zlib stream of ``chunks`` x 16 MiB of zero bytes (4 GiB), about 4 MB long.
+def bomb(chunks: int = 1024) -> bytes:
+    """A valid zlib stream of ``chunks`` x 16 MiB of zero bytes (16 GiB), about 16 MB long.
 
-    Built without compressing 4 GiB: after a full flush the compressor's output
-    for the same 16 MiB chunk repeats byte for byte, so one block is repeated,
-    and the Adler-32 trailer is computed over the zeros.
+    Built without compressing 16 GiB: after a full flush the compressor's output
+    for the same 16 MiB chunk repeats byte for byte, so one block is repeated;
+    the Adler-32 of ``n`` zero bytes is ``(n % 65521) << 16 | 1``.
     """
     zeros = bytes(1 << 24)
     compressor = zlib.compressobj(9)
     first = compressor.compress(zeros) + compressor.flush(zlib.Z_FULL_FLUSH)
     again = compressor.compress(zeros) + compressor.flush(zlib.Z_FULL_FLUSH)
     end = compressor.flush()[:-4]  # the final empty block, without its checksum
-    adler = 1
-    for _ in range(chunks):
-        adler = zlib.adler32(zeros, adler)
+    adler = ((chunks << 24) % 65521) << 16 | 1
     return first + again * (chunks - 1) + end + struct.pack(">I", adler)
+
+
+def test_the_bomb_is_a_valid_stream() -> None:
+    small = bomb(3)
+    inflater = zlib.decompressobj()
+    size = 0
+    while small:
+        size += len(inflater.decompress(small, 1 << 24))
+        small = inflater.unconsumed_tail
+    assert inflater.eof
+    assert size == 3 << 24
 
 
 _CHILD = """
@@ -76,7 +86,7 @@ def address_space() -> int:
 
 async def main() -> None:
     store = await (SQLiteStore.open(path) if kind == "sqlite" else FileStore.open(path))
-    limit = address_space() + (1 << 30)
+    limit = address_space() + (3 << 30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
         session = await store.load("s")
@@ -92,7 +102,7 @@ anyio.run(main)
 
 
 def load_with_bounded_memory(kind: str, path: Path) -> str:
-    """What a child process limited to 1 GiB more memory gets from ``load("s")``."""
+    """What a child process limited to 3 GiB more memory gets from ``load("s")``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, kind, str(path)],
@@ -138,9 +148,9 @@ def replace_sqlite_body(path: Path, table: str, revision: int, body: bytes) -> N
         )
 
 
-async def file_session(folder: Path) -> Path:
+async def file_session(folder: Path, snapshot_every: int = 100) -> Path:
     """Session ``s`` at revision 1, whose batch record is version 2 (compressed)."""
-    store = await FileStore.open(folder)
+    store = await FileStore.open(folder, snapshot_every=snapshot_every)
     session = await store.create("s")
     await store.apply(batch_for(session, AppendMessage(Message.user(LONG, id="long"))))
     await store.aclose()
@@ -161,10 +171,9 @@ def replace_file_batch(log: Path, payload: bytes) -> None:
 # -- decompression bombs ---------------------------------------------------------------
 
 
-@pytest.mark.anyio
-async def test_sqlite_effect_row_bomb_fails_clearly(tmp_path: Path) -> None:
+def test_sqlite_effect_row_bomb_fails_clearly(tmp_path: Path) -> None:
     db = tmp_path / "store.db"
-    await sqlite_session(db)
+    anyio.run(sqlite_session, db)
     replace_sqlite_body(db, "effects", 1, bomb())
     outcome = load_with_bounded_memory("sqlite", db)
     assert outcome.startswith("StoredDataError"), outcome
@@ -172,35 +181,29 @@ async def test_sqlite_effect_row_bomb_fails_clearly(tmp_path: Path) -> None:
     assert "revision 1" in outcome
 
 
-@pytest.mark.anyio
-async def test_sqlite_snapshot_bomb_fails_clearly(tmp_path: Path) -> None:
+def test_sqlite_snapshot_bomb_fails_clearly(tmp_path: Path) -> None:
     db = tmp_path / "store.db"
-    await sqlite_session(db)
+    anyio.run(sqlite_session, db)
     replace_sqlite_body(db, "snapshots", 0, bomb())
     outcome = load_with_bounded_memory("sqlite", db)
     assert outcome.startswith("StoredDataError"), outcome
     assert "snapshot" in outcome
 
 
-@pytest.mark.anyio
-async def test_file_record_bomb_fails_clearly(tmp_path: Path) -> None:
+def test_file_record_bomb_fails_clearly(tmp_path: Path) -> None:
     folder = tmp_path / "store"
-    log = await file_session(folder)
+    log = anyio.run(file_session, folder)
     replace_file_batch(log, bomb())
     outcome = load_with_bounded_memory("file", folder)
     assert outcome.startswith("StoredDataError"), outcome
     assert str(log) in outcome
 
 
-@pytest.mark.anyio
-async def test_file_snapshot_bomb_is_not_a_memory_error(tmp_path: Path) -> None:
+def test_file_snapshot_bomb_is_not_a_memory_error(tmp_path: Path) -> None:
     """A snapshot is only a cache: a bomb in it is ignored (the log is replayed) or
     refused, never inflated whole."""
     folder = tmp_path / "store"
-    store = await FileStore.open(folder, snapshot_every=1)
-    session = await store.create("s")
-    await store.apply(batch_for(session, AppendMessage(Message.user(LONG, id="long"))))
-    await store.aclose()
+    anyio.run(file_session, folder, 1)
     snap = folder / "s.snap"
     body = json.loads(snap.read_bytes().split(b" ", 5)[5])
     body["compressed"] = base64.b64encode(bomb()).decode()
@@ -285,3 +288,26 @@ async def test_file_compressed_record_with_trailing_garbage_is_refused(tmp_path:
     store = await FileStore.open(folder)
     with pytest.raises(StoredDataError):
         await store.load("s")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("table", ["effects", "snapshots"])
+async def test_sqlite_compressed_body_with_trailing_garbage_is_refused(
+    tmp_path: Path, table: str
+) -> None:
+    """The row's checksum matches (it covers the stored bytes), but bytes after the end
+    of the zlib stream are not part of the record: refused, not ignored."""
+    db = tmp_path / "store.db"
+    await sqlite_session(db)
+    revision = 1 if table == "effects" else 0
+    with closing(sqlite3.connect(db, isolation_level=None)) as connection:
+        column = "position = 0" if table == "effects" else "1 = 1"
+        (body,) = connection.execute(
+            f"SELECT body FROM {table} WHERE revision = ? AND {column}",
+            (revision,),
+        ).fetchone()
+    assert body[:1] == b"\x78"
+    replace_sqlite_body(db, table, revision, body + b"trailing")
+    async with await SQLiteStore.open(db) as store:
+        with pytest.raises(StoredDataError):
+            await store.load("s")
