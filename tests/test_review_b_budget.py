@@ -30,7 +30,7 @@ from stepmachine import (
     submit,
     tool,
 )
-from stepmachine.operations import Budget, Limits
+from stepmachine.operations import Budget, Compaction, Limits
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, make_session, reply, run_step
 
@@ -221,3 +221,46 @@ async def test_a_crash_before_the_reply_is_stored_does_not_give_the_call_back() 
     report = await agent(Budget(per_session=budget)).run_report(resumed, "s")
     assert model.calls == 1
     assert report.reason.kind == YieldReason.BUDGET_EXHAUSTED
+
+
+# -- two model-call records on one message -------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("tool_calls", [None, 10], ids=["ledger", "records"])
+async def test_an_overflow_and_a_stuck_summary_on_one_message_count_twice(
+    tool_calls: int | None,
+) -> None:
+    """A context overflow (recorded by the inference step on the last message) and a
+    summariser call that made nothing smaller (recorded by compaction on the same
+    message) are two model calls. Counting from the records (a tool-call limit) reads
+    only the first namespace with an ``"attempts"`` and counts one."""
+    store = MemoryStore()
+    answer = Message(id="a0", role="assistant", parts=(), notes={})
+    await store.create(
+        "s",
+        conversation=[Message.user("first " * 50, id="u0"), answer, Message.user("go", id="u1")],
+    )
+    inference_calls = 0
+
+    def main(request: ModelRequest) -> ModelResponse:
+        nonlocal inference_calls
+        inference_calls += 1
+        if inference_calls == 1:
+            raise ContextLengthError("too long")
+        return reply("ok")
+
+    summariser = FunctionModel(lambda request: reply(""))  # an empty summary: stuck
+    model = FunctionModel(main)
+    runtime = Runtime(store=store, model=model, models={"sum": summariser}, ids=counter_ids())
+    budget = Budget(per_session=Limits(model_calls=2, tool_calls=tool_calls))
+    machine = StateMachine(
+        [budget, Compaction(threshold=10**6, model="sum"), Tools([ping]), ModelInference()]
+    )
+    first = await machine.run_report(runtime, "s")
+    assert first.reason.kind == "compaction_stuck"
+    assert (model.calls, summariser.calls) == (1, 1)
+    await submit(store, "s", [AppendMessage(Message.user("again", id="u2"))])
+    second = await machine.run_report(runtime, "s")
+    assert model.calls + summariser.calls == 2
+    assert second.reason.kind == YieldReason.BUDGET_EXHAUSTED
