@@ -18,16 +18,17 @@ back to the first model call of the run, a run's totals being the latest
 ledger minus the one before the run began). Tool-call
 limits, and sessions recorded before ledgers existed, count from the records
 one by one (O(history)), by the rules below; where the two ways differ, the
-ledger counts what was spent while the run or turn was under way (a failed
-attempt recorded on the turn's own user message, an interrupted reply within
-a run, a summary inserted before the turn's first message), the records by
-where they sit.
+ledger counts what was spent while the run or turn was under way (an
+interrupted reply within a run, a summary inserted before the turn's first
+message), the records by where they sit (a record on the turn's own user
+message, such as a failed attempt, is of a call made in the turn: both count it).
 
 The rules for counting from the records:
 
 * **model calls**: the ``attempts`` that ``ModelInference`` records in the
   notes of each assistant message (any notes namespace holding an integer
-  ``"attempts"``), hidden messages included (a retried answer was still a
+  ``"attempts"``; on other messages every such namespace, since a failed
+  request and a stuck summary may share one), hidden messages included (a retried answer was still a
   call). A message is in the run when its recorded ``revision`` is
   ``>= ctx.run_start_revision``. An assistant message kept after an
   interrupted request counts as one call (per turn and per session).
@@ -108,6 +109,7 @@ from stepmachine import (
     Session,
     Spent,
     StepContext,
+    StoredDataError,
     ToolCallPart,
     ToolResultPart,
     Yield,
@@ -216,11 +218,37 @@ def turn_start(conversation: Sequence[Message]) -> int:
     return -1
 
 
-def _inference_note(message: Message) -> dict[str, Any] | None:
-    for values in message.notes.values():
-        if isinstance(values.get("attempts"), int):
-            return values
-    return None
+def _model_call_notes(message: Message) -> list[dict[str, Any]]:
+    """Every record of model calls on ``message``: each notes namespace holding an
+    integer ``"attempts"`` (a failed request and a stuck summary may share a message)."""
+    return [
+        values
+        for values in message.notes.values()
+        if isinstance(values, dict) and isinstance(values.get("attempts"), int)
+    ]
+
+
+def _spent_in(note: dict[str, Any], session: Session[Any], message: Message) -> Spent:
+    """The model calls and tokens a model-call record holds.
+
+    Raises:
+        StoredDataError: its ``usage`` is not token counts (invariant 8), naming the
+            session and the message.
+    """
+    usage = note.get("usage") or {}
+    tokens = (
+        (usage.get("input_tokens", 0), usage.get("output_tokens", 0))
+        if isinstance(usage, dict)
+        else None
+    )
+    if tokens is None or not all(type(count) is int for count in tokens):
+        shown = repr(usage)
+        raise StoredDataError(
+            f"invariant 8 (stored data is data): the model-call record of session "
+            f"{session.id!r}, message {message.id!r} holds usage "
+            f"{shown if len(shown) <= 200 else shown[:197] + '...'}, not token counts"
+        )
+    return Spent(int(note["attempts"]), tokens[0], tokens[1])
 
 
 def _revision(note: dict[str, Any]) -> int:
@@ -304,7 +332,7 @@ def _counted_usage(
     """:func:`budget_usage` by reading every record (O(history))."""
     conversation = session.conversation
     start = turn_start(conversation) if scope == "turn" else -1
-    calls = input_tokens = output_tokens = 0
+    total = Spent()
     tool_calls: list[tuple[str, str]] = []
     superseded = {
         str(message.notes[SUPERSEDES].get("message_id"))
@@ -313,16 +341,16 @@ def _counted_usage(
     }
     answered = _answered_calls(conversation, superseded)
     for index, message in enumerate(conversation):
-        if index <= start:
+        # The turn's own user message counts: a record on it is of a call made after it.
+        if index < start:
             continue
-        note = _inference_note(message)
+        notes = _model_call_notes(message)
+        note = notes[0] if notes else None
         if message.role != "assistant":
             # Other steps' model calls (a compaction summary, ...) count as calls too.
-            if note is not None and (scope != "run" or _revision(note) >= run_start_revision):
-                calls += int(note["attempts"])
-                usage = note.get("usage") or {}
-                input_tokens += int(usage.get("input_tokens", 0))
-                output_tokens += int(usage.get("output_tokens", 0))
+            for each in notes:
+                if scope != "run" or _revision(each) >= run_start_revision:
+                    total += _spent_in(each, session, message)
             continue
         if scope == "run":
             revision = note.get("revision") if note is not None else None
@@ -330,12 +358,9 @@ def _counted_usage(
                 continue
         if SUPERSEDES not in message.notes:
             if note is not None:
-                calls += int(note["attempts"])
-                usage = note.get("usage") or {}
-                input_tokens += int(usage.get("input_tokens", 0))
-                output_tokens += int(usage.get("output_tokens", 0))
+                total += _spent_in(note, session, message)
             elif any(v.get("interrupted") for v in message.notes.values()):
-                calls += 1
+                total += Spent(1)
         if message.id in superseded and not message.visible_to_model:
             continue  # its copy's calls are counted
         tool_calls.extend(
@@ -345,9 +370,9 @@ def _counted_usage(
             and (message.visible_to_model or (message.id, call.call_id) in answered)
         )
     return BudgetUsage(
-        calls,
-        input_tokens,
-        output_tokens,
+        total.model_calls,
+        total.input_tokens,
+        total.output_tokens,
         tuple(call_id for _, call_id in tool_calls),
         tuple(tool_calls),
     )
