@@ -37,6 +37,7 @@ import msgspec
 
 from ._messages import Message
 from ._model import Usage
+from ._records import _REGISTRY, TAG_FIELD
 from ._session import Session
 
 __all__ = [
@@ -126,6 +127,14 @@ def starts_turn(message: Message) -> bool:
     )
 
 
+def _carries_ledgers(tag: object) -> bool:
+    """Whether ``tag`` names a registered record type with a ``ledger`` field."""
+    if not isinstance(tag, str):
+        return False
+    kind = _REGISTRY.get(tag)
+    return kind is not None and "ledger" in kind.__struct_fields__
+
+
 def _ledger_of(message: Message) -> tuple[Ledger | None, bool]:
     """The newest ledger a record on ``message`` carries (the one with the most calls), and
     whether a model-call record without a ledger is there."""
@@ -135,6 +144,10 @@ def _ledger_of(message: Message) -> tuple[Ledger | None, bool]:
         if not isinstance(value, dict):
             continue
         stored = value.get("ledger")
+        if stored is not None and not _carries_ledgers(value.get(TAG_FIELD)):
+            # Not a record of a model call (an application's own note with a "ledger"
+            # key, say): never the budget's running totals (invariant 7).
+            stored = None
         if stored is not None:
             try:
                 ledger = msgspec.convert(stored, Ledger)

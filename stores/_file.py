@@ -68,6 +68,7 @@ from stepmachine import (
     Effect,
     Message,
     Session,
+    StoreClosedError,
 )
 
 from ._backend import Cached, Marks, NewSnapshot
@@ -254,7 +255,7 @@ class FileStore:
         return len(self._backend.torn_seen)
 
     async def aclose(self) -> None:
-        """Forget the caches; later calls raise ``anyio.ClosedResourceError``.
+        """Forget the caches; later calls raise :class:`~stepmachine.StoreClosedError`.
 
         Operations already running finish normally. Idempotent.
         """
@@ -484,7 +485,7 @@ class FileStore:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise anyio.ClosedResourceError(f"the FileStore on {self.folder} is closed")
+            raise StoreClosedError(f"FileStore on {self.folder} is closed")
 
     async def _locked(self, session_id: str, *, exclusive: bool, work: Callable[[FileTxn], T]) -> T:
         """Run ``work(txn)`` in a worker thread, holding the log's file lock

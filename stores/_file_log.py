@@ -60,6 +60,8 @@ import msgspec
 
 from stepmachine import StoredDataError
 
+from ._inflate import compressed, inflate
+
 __all__ = [
     "PACK_FROM",
     "SCHEMA_VERSION",
@@ -145,7 +147,6 @@ class SnapshotBody(msgspec.Struct, frozen=True):
     compressed: bytes = b""
 
 
-_ZLIB_LEVEL = 1
 """Snapshots and packed records are compressed fast: they are written on the apply path."""
 
 _NULL = msgspec.Raw(b"null")
@@ -154,9 +155,14 @@ _NULL = msgspec.Raw(b"null")
 def snapshot_payload(
     session_id: str, nonce: str, offset: int, record: bytes, last: LastRecord
 ) -> bytes:
-    """The payload of an ``S`` record holding the codec's session ``record``, compressed."""
-    compressed = zlib.compress(record, _ZLIB_LEVEL)
-    return msgspec.json.encode(SnapshotBody(session_id, nonce, offset, _NULL, last, compressed))
+    """The payload of an ``S`` record holding the codec's session ``record``, compressed
+    (as it is when it is longer than a record may inflate to, :data:`MAX_INFLATED`)."""
+    packed = compressed(record)
+    if packed is None:
+        body = SnapshotBody(session_id, nonce, offset, msgspec.Raw(record), last)
+    else:
+        body = SnapshotBody(session_id, nonce, offset, _NULL, last, packed)
+    return msgspec.json.encode(body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,8 +224,8 @@ def encode_record(tag: bytes, revision: int, payload: bytes, *, version: int = 1
 def encode_packed(tag: bytes, revision: int, payload: bytes) -> bytes:
     """One record line for ``payload``: version 2 (compressed, base64) when it is at
     least :data:`PACK_FROM` bytes and that makes it smaller, else version 1 as it is."""
-    if len(payload) >= PACK_FROM:
-        packed = base64.b64encode(zlib.compress(payload, _ZLIB_LEVEL))
+    if len(payload) >= PACK_FROM and (deflated := compressed(payload)) is not None:
+        packed = base64.b64encode(deflated)
         if len(packed) < len(payload):
             return encode_record(tag, revision, packed, version=2)
     return encode_record(tag, revision, payload)
@@ -228,7 +234,7 @@ def encode_packed(tag: bytes, revision: int, payload: bytes) -> bytes:
 def _unpacked(packed: bytes, where: str) -> bytes:
     """The payload of a version-2 record: base64, then zlib; StoredDataError otherwise."""
     try:
-        return zlib.decompress(base64.b64decode(packed, validate=True))
+        return inflate(base64.b64decode(packed, validate=True))
     except (binascii.Error, zlib.error) as exc:
         raise StoredDataError(
             f"invariant 8 (stored data is data): the compressed payload of the record in "
@@ -425,7 +431,7 @@ def read_snapshot(path: str, session_id: str, nonce: str) -> Snapshot | None:
     session = bytes(body.session)
     if body.compressed:
         try:
-            session = zlib.decompress(body.compressed)
+            session = inflate(body.compressed)
         except zlib.error as exc:
             raise StoredDataError(
                 f"invariant 8 (stored data is data): the snapshot {path} at byte 0 holds a "

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 from stepmachine import StoredDataError
 
 from ._backend import EffectRows, Marks
+from ._inflate import compressed, inflate
 from ._snapshot_policy import Weighted
 from ._sqlite_schema import COMPRESSED_EFFECTS_FROM, ROW_VERSIONS, SCHEMA_VERSION, checksum
 
@@ -224,7 +225,6 @@ _INSERT_SNAPSHOT = (
 )
 _PRUNE_SNAPSHOTS = "DELETE FROM snapshots WHERE sid = ? AND revision > 0 AND revision < ?"
 
-_ZLIB_LEVEL = 1
 """Snapshots are compressed fast: they are written on the apply path (amortised)."""
 
 _JSON_START = b"{"
@@ -247,7 +247,7 @@ def _stored_record(path: str, where: str, body: bytes, json_start: bytes) -> byt
         return body
     if start == _ZLIB_START:
         try:
-            return zlib.decompress(body)
+            return inflate(body)
         except zlib.error as exc:
             raise _fail(path, where, f"the compressed body does not decompress: {exc}") from None
     raise _fail(path, where, f"the body starts with {start!r}, neither JSON nor zlib")
@@ -279,7 +279,8 @@ def insert_snapshot(conn: sqlite3.Connection, sid: int, revision: int, record: b
     the snapshot in the session row (:func:`write_session_row`) and prunes
     the ones it supersedes (:func:`prune_snapshots`).
     """
-    values = (sid, revision, SCHEMA_VERSION, zlib.compress(record, _ZLIB_LEVEL))
+    body = compressed(record)  # None: too long to be inflated back; stored as it is
+    values = (sid, revision, SCHEMA_VERSION, record if body is None else body)
     conn.execute(_INSERT_SNAPSHOT, (*values, checksum("snapshots", values)))
 
 
@@ -404,8 +405,8 @@ def compact(record: bytes) -> bytes:
     """
     if len(record) < COMPRESS_FROM:
         return record
-    packed = zlib.compress(record, _ZLIB_LEVEL)
-    return packed if len(packed) < len(record) else record
+    packed = compressed(record)
+    return packed if packed is not None and len(packed) < len(record) else record
 
 
 def insert_batch(

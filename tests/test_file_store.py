@@ -43,6 +43,7 @@ from stepmachine import (
     SessionExistsError,
     SessionNotFoundError,
     SetVisibility,
+    StoreClosedError,
     StoredDataError,
     UpdateData,
     apply_batch,
@@ -932,7 +933,7 @@ async def test_data_survives_close_and_reopen(tmp_path: Path) -> None:
         history = await _history(store, "a", 6)
         await store.create("b", ConformanceData(label="b"))
         sent = await store.batches("a")
-    with pytest.raises(anyio.ClosedResourceError):
+    with pytest.raises(StoreClosedError):
         await store.load("a")
     async with await _open(folder) as reopened:
         assert await reopened.list_sessions() == ["a", "b"]

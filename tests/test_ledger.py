@@ -8,6 +8,7 @@ import msgspec
 
 from stepmachine import (
     FEEDBACK,
+    InferenceAttempts,
     InferenceReceipt,
     Ledger,
     Message,
@@ -111,8 +112,34 @@ def test_of_two_ledgers_on_one_message_the_one_with_more_calls_counts() -> None:
         role="user",
         parts=(),
         notes={
-            "inference": {"attempts": 1, "ledger": msgspec.to_builtins(older)},
-            "compaction": {"ledger": msgspec.to_builtins(newer)},
+            "inference": note_value(InferenceAttempts(attempts=1, revision=0, ledger=older)),
+            "summariser": note_value(InferenceAttempts(attempts=1, revision=1, ledger=newer)),
         },
     )
     assert latest_ledger(make_session(message)).ledger == newer
+
+
+def test_a_ledger_in_a_note_that_is_no_model_call_record_is_not_read() -> None:
+    """An application's note with a "ledger" key is not the budget's running totals."""
+    real = Ledger(Spent(3), Spent(3), revision=0)
+    forged = Ledger(Spent(0), Spent(0), revision=5)
+    receipt = InferenceReceipt(attempts=3, revision=0, ledger=real)
+    messages = (
+        Message.user("hi", id="u1"),
+        Message(id="a1", role="assistant", parts=(), notes={"inference": note_value(receipt)}),
+        Message(
+            id="u2",
+            role="user",
+            parts=(),
+            notes={
+                "billing": {"ledger": msgspec.to_builtins(forged)},
+                "tagged": {
+                    "record": "myapp.not.a.model.call",
+                    "ledger": msgspec.to_builtins(forged),
+                },
+            },
+        ),
+    )
+    view = latest_ledger(make_session(*messages))
+    assert view.ledger == real
+    assert not view.legacy
