@@ -18,6 +18,12 @@ The effects defined here check their fields when built (cheap ``isinstance``
 checks in ``__post_init__``, which also runs on decoding) and raise
 :class:`~stepmachine.InvalidFieldError` naming the field, the expected type and
 the type of the value given; a list given for a tuple field becomes a tuple.
+
+The kernel effects are not tracked by the cyclic garbage collector (msgspec
+``gc=False``, as messages are). A subclass of one of them inherits that:
+if it adds a field that may hold an object referring back to the effect, pass
+``gc=True`` in its class definition. Subclasses of :class:`Effect` itself are
+tracked as usual.
 """
 
 from __future__ import annotations
