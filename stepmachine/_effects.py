@@ -92,7 +92,8 @@ class AppendMessage(Effect, frozen=True, gc=False, tag="append_message"):
                 f"holds a message with id {message.id!r}"
             )
         conversation = session.conversation.appended(message)  # O(1): shares structure
-        return derive_session(session, conversation=conversation, index=index.appended(message))
+        index = index.appended(message, session.conversation)
+        return derive_session(session, conversation=conversation, index=index)
 
 
 class ReplaceConversation(Effect, frozen=True, gc=False, tag="replace_conversation"):
@@ -202,6 +203,7 @@ class Annotate(Effect, frozen=True, gc=False, tag="annotate"):
                 )
             updated = msgspec.structs.replace(message, parts=tuple(parts))
         conversation = session.conversation.replaced(index, updated)  # O(1): shares structure
+        history = history.replaced(index, updated)
         return derive_session(session, conversation=conversation, index=history)
 
 

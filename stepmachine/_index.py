@@ -29,6 +29,11 @@ the next session's index from the previous one in their pure ``apply``:
   list shared by later sessions), so an operation reads only its own records.
 * ``SetVisibility`` and ``ReplaceConversation`` rebuild (O(n)); they are rare
   (repairs, compaction).
+* Once a message is hidden, the index also carries the visible messages
+  (:attr:`HistoryIndex.visible`, a :class:`~stepmachine.Conversation`
+  sharing structure), extended by :meth:`~HistoryIndex.appended` and updated
+  by :meth:`~HistoryIndex.replaced` in O(1), through a per-line table of each
+  position's place among the visible messages.
 
 The small per-session state (open calls, repeated call ids, problem counters)
 is copied per change, O(open calls). ``tests/test_session_index.py`` checks
@@ -40,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Final, TypeAlias
 
+from ._conversation import Conversation
 from ._messages import Message, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 
 __all__ = ["HistoryIndex", "estimate_tokens", "is_empty_assistant", "message_tokens"]
@@ -126,7 +132,14 @@ class _Line:
     extend them and how a session of length ``n`` reads them (entries < n).
     """
 
-    __slots__ = ("call_positions", "first_call", "first_result", "keys", "message_position")
+    __slots__ = (
+        "call_positions",
+        "first_call",
+        "first_result",
+        "keys",
+        "message_position",
+        "visible_at",
+    )
 
     def __init__(self) -> None:
         self.keys: list[_Key] = []  # position -> key of the message there
@@ -134,11 +147,14 @@ class _Line:
         self.call_positions: dict[str, tuple[int, ...]] = {}  # call id -> positions (all)
         self.first_call: dict[str, int] = {}  # call id -> first visible position holding it
         self.first_result: dict[str, int] = {}  # call id -> first visible position answering it
+        self.visible_at: list[int] = []  # position -> its place among the visible messages, or -1
 
-    def extend(self, position: int, key: _Key) -> None:
-        """Record the message ``key`` at ``position`` (== ``len(self.keys)``)."""
+    def extend(self, position: int, key: _Key, visible_at: int) -> None:
+        """Record the message ``key`` at ``position`` (== ``len(self.keys)``), the
+        ``visible_at``-th visible message (-1: hidden)."""
         message_id, visible, calls, results = key
         self.keys.append(key)
+        self.visible_at.append(visible_at)
         self.message_position.setdefault(message_id, position)  # the first, like Session.message
         for call_id in calls:
             positions = self.call_positions.get(call_id, ())
@@ -162,6 +178,7 @@ class _Line:
         line = _Line()
         dropped = self.keys[length:]
         line.keys = self.keys[:length]
+        line.visible_at = self.visible_at[:length]
         line.message_position = self.message_position.copy()
         line.call_positions = self.call_positions.copy()
         line.first_call = self.first_call.copy()
@@ -208,6 +225,7 @@ class HistoryIndex:
         "_open",
         "_tail",
         "_unanswered",
+        "_visible",
         "empty_assistants",
         "estimated_tokens",
         "hidden",
@@ -234,6 +252,7 @@ class HistoryIndex:
         self.empty_assistants: tuple[int, ...] = ()  # visible, no text/reasoning/calls
         self._noted: dict[str, _Noted] = _NO_NOTES  # namespace -> newest entry (copy on write)
         self.estimated_tokens = 0  # estimate_tokens of the visible messages
+        self._visible: Conversation | None = None  # the visible messages, when some are hidden
 
     def _clone(self) -> HistoryIndex:
         new = HistoryIndex.__new__(HistoryIndex)
@@ -251,6 +270,7 @@ class HistoryIndex:
         new.empty_assistants = self.empty_assistants
         new._noted = self._noted
         new.estimated_tokens = self.estimated_tokens
+        new._visible = self._visible
         return new
 
     # -- building -----------------------------------------------------------------
@@ -261,24 +281,46 @@ class HistoryIndex:
         index = cls()
         for message in conversation:
             index = index._extended(message, _key(message), write=True)
+        if index.hidden:
+            index._visible = Conversation(m for m in conversation if m.visible_to_model)
         return index
 
-    def appended(self, message: Message) -> HistoryIndex:
-        """The index of this one's conversation with ``message`` appended.
+    def appended(self, message: Message, conversation: Conversation) -> HistoryIndex:
+        """The index of ``conversation`` (the one this index indexes) with ``message`` appended.
 
         O(parts of ``message``) unless this session is not the newest of its
         line and the line holds another message at this position: then the
         tables are copied for a new line (dict copies, O(n) at C speed).
+        The visible messages (:attr:`visible`) are shared and extended, O(1).
         """
         key = _key(message)
         line, n = self._line, self.length
         if len(line.keys) == n:
-            return self._extended(message, key, write=True)
-        if line.keys[n] == key:
-            return self._extended(message, key, write=False)
-        branch = self._clone()  # a branch: this session's view of the line, as a line of its own
-        branch._line = line.prefix(n)
-        return branch._extended(message, key, write=True)
+            new = self._extended(message, key, write=True)
+        elif line.keys[n] == key:
+            new = self._extended(message, key, write=False)
+        else:
+            branch = self._clone()  # a branch: this session's view of the line, its own line
+            branch._line = line.prefix(n)
+            new = branch._extended(message, key, write=True)
+        if self._visible is not None:
+            if key[1]:
+                new._visible = self._visible.appended(message)
+        elif not key[1]:
+            new._visible = conversation  # the first hidden message: all before it are visible
+        return new
+
+    def replaced(self, position: int, message: Message) -> HistoryIndex:
+        """The index after ``Annotate`` replaced the message at ``position`` with ``message``
+        (the same message with other notes). O(1): only :attr:`visible` changes."""
+        if self._visible is None:
+            return self
+        at = self._line.visible_at[position]
+        if at < 0:
+            return self
+        new = self._clone()
+        new._visible = self._visible.replaced(at, message)
+        return new
 
     def annotated(self, position: int, part_position: int, part: ToolCallPart) -> HistoryIndex:
         """The index after ``Annotate`` replaced the call at ``part_position`` of the message
@@ -320,7 +362,7 @@ class HistoryIndex:
             new.last_assistant = n
         if not visible:
             if write:
-                line.extend(n, key)
+                line.extend(n, key, -1)
             new.hidden += 1
             return new
         new.last_visible = n
@@ -380,7 +422,7 @@ class HistoryIndex:
             if new_repeats - repeated:
                 repeated = repeated | new_repeats
         if write:
-            line.extend(n, key)
+            line.extend(n, key, n - self.hidden)
         new._open, new.repeated, new._bad, new._unanswered = open_calls, repeated, bad, unanswered
         new.in_order, new._tail = in_order, tail
         return new
@@ -402,6 +444,14 @@ class HistoryIndex:
             entry = entry[2]
 
     is_empty_assistant = staticmethod(is_empty_assistant)
+
+    @property
+    def visible(self) -> Conversation | None:
+        """The messages visible to the model, oldest first, when some are hidden; else ``None``
+        (they are the whole conversation). Kept up to date per effect, like the rest: a
+        request after a compaction (which hides what it summarised) does not filter the
+        whole history."""
+        return self._visible
 
     @property
     def valid(self) -> bool:

@@ -105,9 +105,8 @@ class Session(msgspec.Struct, Generic[D], frozen=True, dict=True):
     @property
     def visible_to_model(self) -> Sequence[Message]:
         """The messages a model request is built from (the conversation if none is hidden)."""
-        if self.history.hidden == 0:
-            return self.conversation
-        return tuple(m for m in self.conversation if m.visible_to_model)
+        visible = self.history.visible  # kept by the index: O(1)
+        return self.conversation if visible is None else visible
 
 
 def derive_session(

@@ -329,3 +329,35 @@ def test_direct_construction_still_names_the_bad_field() -> None:
             Session(id="s", revision=0, conversation=(), data=NoData()),
             conversation=("hi",),
         )
+
+
+def test_after_a_message_is_hidden_the_visible_messages_come_from_the_index() -> None:
+    """Invariant 10 after a compaction: a request's messages are not filtered from the history.
+
+    The conversation here counts every message read from it; appending, annotating
+    and reading ``visible_to_model`` read none of it, at any length.
+    """
+    from _scans import counted
+
+    from stepmachine.testing import make_session
+
+    for turns in (10, 500):
+        old = msgspec.structs.replace(Message.user("old", id="old"), visible_to_model=False)
+        messages = [old] + [Message.user(f"m{i}", id=f"m{i}") for i in range(turns)]
+        session, conversation = counted(make_session(*messages))
+        assert len(session.visible_to_model) == turns
+        after = apply_batch(
+            session,
+            [
+                AppendMessage(Message.user("new", id="new")),
+                Annotate("m0", "app", {"k": 1}),
+                AppendMessage(
+                    msgspec.structs.replace(Message.user("h", id="h"), visible_to_model=False)
+                ),
+            ],
+        )
+        visible = after.visible_to_model
+        assert conversation.read == 0
+        assert tuple(visible) == tuple(m for m in after.conversation if m.visible_to_model)
+        assert visible[0].notes == {"app": {"k": 1}}
+        assert visible[-1].id == "new"
