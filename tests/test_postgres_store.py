@@ -1,0 +1,261 @@
+"""PostgresStore on a real PostgreSQL server (a fresh database per test).
+
+The store conformance suite, plus what is PostgreSQL's own: a newer schema
+refused untouched, a damaged row failing closed with nothing rewritten, two
+stores (two pools) on one database never losing an update, the
+compare-and-set and the batch in one transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+
+from stepmachine import (
+    AppendMessage,
+    Batch,
+    Codec,
+    ConflictError,
+    Effect,
+    Message,
+    Session,
+    Store,
+    StoredDataError,
+    apply_batch,
+)
+from stepmachine.stores import PostgresStore
+from stepmachine.testing.conformance import ConformanceData, Increment, StoreConformance
+
+psycopg = pytest.importorskip("psycopg", reason="psycopg is not installed (the postgres extra)")
+
+
+def codec() -> Codec[ConformanceData]:
+    return Codec(ConformanceData, effects=[Increment])
+
+
+def batch_for(session: Session[Any], *effects: Effect) -> Batch[Effect]:
+    return Batch(
+        session_id=session.id,
+        revision=session.revision + 1,
+        step="test",
+        cycle=session.revision + 1,
+        timestamp=1_700_000_000.0 + session.revision,
+        effects=tuple(effects),
+    )
+
+
+async def advance(store: Store, session: Session[Any], *effects: Effect) -> Session[Any]:
+    await store.apply(batch_for(session, *effects))
+    return apply_batch(session, effects)
+
+
+def sql(dsn: str, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Run one statement on its own connection (autocommit); its rows, if any."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cursor = conn.execute(statement, params)
+        return list(cursor.fetchall()) if cursor.description else []
+
+
+def dump(dsn: str) -> list[Any]:
+    """Every row of every store table, in order: what "left unchanged" compares."""
+    tables = ["schema_version", "sessions", "batches", "effects", "snapshots"]
+    out: list[Any] = []
+    for table in tables:
+        rows = sql(dsn, f"SELECT * FROM stepmachine.{table} ORDER BY 1, 2")
+        out.append((table, [tuple(str(v) for v in row) for row in rows]))
+    return out
+
+
+class TestPostgresStore(StoreConformance):
+    @pytest.fixture
+    async def store(self, postgres_dsn: str) -> AsyncIterator[Store]:  # type: ignore[override]
+        made = await PostgresStore.open(postgres_dsn, codec())
+        try:
+            yield made
+        finally:
+            await made.aclose()
+
+
+@pytest.fixture
+def dsn(postgres_dsn: str) -> str:
+    return postgres_dsn
+
+
+# -- schema ----------------------------------------------------------------------
+
+
+async def test_a_newer_schema_is_refused_untouched(dsn: str) -> None:
+    async with await PostgresStore.open(dsn, codec()) as store:
+        session = await store.create("s")
+        await advance(store, session, Increment())
+    sql(dsn, "INSERT INTO stepmachine.schema_version (version) VALUES (2)")
+    before = dump(dsn)
+    with pytest.raises(StoredDataError, match="schema version 2") as info:
+        await PostgresStore.open(dsn, codec())
+    assert "left unchanged" in str(info.value)
+    assert dump(dsn) == before
+
+
+async def test_a_foreign_stepmachine_schema_is_refused_untouched(dsn: str) -> None:
+    sql(dsn, "CREATE SCHEMA stepmachine")
+    sql(dsn, "CREATE TABLE stepmachine.sessions (x int)")
+    with pytest.raises(StoredDataError, match="not a stepmachine store"):
+        await PostgresStore.open(dsn, codec())
+    tables = sql(dsn, "SELECT tablename FROM pg_tables WHERE schemaname = 'stepmachine'")
+    assert tables == [("sessions",)]
+
+
+async def test_stores_opening_a_new_database_at_once_create_the_schema_once(dsn: str) -> None:
+    stores: list[PostgresStore] = []
+
+    async def open_one() -> None:
+        stores.append(await PostgresStore.open(dsn, codec()))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(4):
+            tg.start_soon(open_one)
+    for store in stores:
+        await store.aclose()
+    assert sql(dsn, "SELECT version FROM stepmachine.schema_version") == [(1,)]
+
+
+async def test_import_needs_no_psycopg_until_open() -> None:
+    import sys
+
+    code = (
+        "import sys; sys.modules['psycopg'] = None; sys.modules['psycopg_pool'] = None\n"
+        "import anyio, stepmachine.stores as s\n"
+        "from stepmachine import ConfigurationError\n"
+        "async def main():\n"
+        "    try:\n"
+        "        await s.PostgresStore.open('postgresql://x/y')\n"
+        "    except ConfigurationError as exc:\n"
+        "        print('refused:', exc)\n"
+        "anyio.run(main)\n"
+    )
+    done = await anyio.run_process([sys.executable, "-c", code], check=True)
+    assert "stepmachine[postgres]" in done.stdout.decode()
+
+
+# -- damage --------------------------------------------------------------------
+
+
+async def test_a_damaged_effect_row_fails_closed_and_is_not_rewritten(dsn: str) -> None:
+    async with await PostgresStore.open(dsn, codec()) as store:
+        session = await store.create("s")
+        session = await advance(store, session, AppendMessage(Message.user("one", id="m1")))
+        await advance(store, session, AppendMessage(Message.user("two", id="m2")))
+    # One flipped bit in the body of revision 2's effect.
+    sql(
+        dsn,
+        "UPDATE stepmachine.effects SET body = set_byte(body, 3, get_byte(body, 3) # 1) "
+        "WHERE revision = 2",
+    )
+    before = dump(dsn)
+    async with await PostgresStore.open(dsn, codec()) as store:
+        for read in (store.load("s"), store.batches("s")):
+            with pytest.raises(StoredDataError) as info:
+                await read
+            message = str(info.value)
+            assert "session 's'" in message
+            assert "revision 2" in message
+            assert "checksum" in message
+        assert (await store.load_at("s", 1)).revision == 1  # before the damage: readable
+        with pytest.raises(StoredDataError):
+            await store.apply(batch_for(session, Increment()))
+    assert dump(dsn) == before
+
+
+async def test_a_damaged_session_row_fails_closed(dsn: str) -> None:
+    async with await PostgresStore.open(dsn, codec()) as store:
+        await store.create("s")
+    sql(dsn, "UPDATE stepmachine.sessions SET revision = 7")
+    before = dump(dsn)
+    async with await PostgresStore.open(dsn, codec()) as store:
+        with pytest.raises(StoredDataError, match=r"session 's'.*sessions"):
+            await store.load("s")
+        with pytest.raises(StoredDataError, match="checksum"):
+            await store.list_sessions()
+    assert dump(dsn) == before
+
+
+# -- two stores, one database ------------------------------------------------------
+
+
+async def test_two_stores_no_lost_update(dsn: str) -> None:
+    async with (
+        await PostgresStore.open(dsn, codec()) as first,
+        await PostgresStore.open(dsn, codec()) as second,
+    ):
+        session = await first.create("s")
+        assert await second.load("s") == session
+        mine = await advance(first, session, Increment(1))
+        with pytest.raises(ConflictError) as info:
+            await second.apply(batch_for(session, Increment(100)))
+        assert (info.value.expected, info.value.actual) == (0, 1)
+        assert await second.load("s") == mine
+        # The stale one, caught up, writes on top; the first sees it.
+        theirs = await advance(second, mine, Increment(10))
+        assert await first.load("s") == theirs
+        assert theirs.data.counter == 11
+
+
+async def test_two_stores_concurrent_writers_lose_nothing(dsn: str) -> None:
+    writers, per_writer = 6, 10
+    async with (
+        await PostgresStore.open(dsn, codec()) as first,
+        await PostgresStore.open(dsn, codec(), max_size=2) as second,
+    ):
+        await first.create("shared")
+        acknowledged: list[str] = []
+
+        async def writer(store: PostgresStore, number: int) -> None:
+            for index in range(per_writer):
+                while True:
+                    current = await store.load("shared")
+                    message = Message.user(f"{number}.{index}", id=f"m-{number}-{index}")
+                    try:
+                        await store.apply(batch_for(current, AppendMessage(message), Increment()))
+                    except ConflictError:
+                        continue
+                    acknowledged.append(message.id)
+                    break
+
+        async with anyio.create_task_group() as tg:
+            for number in range(writers):
+                tg.start_soon(writer, first if number % 2 else second, number)
+        final = await first.load("shared")
+        assert final == await second.load("shared")
+    total = writers * per_writer
+    assert final.revision == total
+    assert final.data.counter == total
+    assert sorted(m.id for m in final.conversation) == sorted(acknowledged)
+
+
+# -- one transaction ---------------------------------------------------------------
+
+
+async def test_the_compare_and_set_and_the_rows_are_one_transaction(dsn: str) -> None:
+    seen: dict[str, list[Any]] = {}
+
+    def hook(name: str) -> None:
+        if name == "apply.inserted":  # rows written, not committed: invisible outside
+            seen["revision"] = sql(dsn, "SELECT revision FROM stepmachine.sessions")
+            seen["batches"] = sql(dsn, "SELECT count(*) FROM stepmachine.batches")
+            seen["effects"] = sql(dsn, "SELECT count(*) FROM stepmachine.effects")
+            raise RuntimeError("killed before COMMIT")
+
+    async with await PostgresStore.open(dsn, codec(), boundary_hook=hook) as store:
+        session = await store.create("s")
+        with pytest.raises(RuntimeError, match="before COMMIT"):
+            await store.apply(batch_for(session, Increment(), Increment()))
+        assert seen == {"revision": [(0,)], "batches": [(0,)], "effects": [(0,)]}
+        assert await store.load("s") == session
+        assert await store.batches("s") == []
+    assert sql(dsn, "SELECT count(*) FROM stepmachine.effects") == [(0,)]
+    async with await PostgresStore.open(dsn, codec()) as store:
+        assert (await advance(store, session, Increment())).revision == 1
+        assert (await store.load("s")).revision == 1
