@@ -134,7 +134,7 @@ def transaction(conn: psycopg.Connection[Any], *, write: bool) -> Iterator[None]
     """One transaction on an autocommit connection; commits when the block ends normally,
     rolls back on any exception.
 
-    A write transaction runs at READ COMMITTED (PostgreSQL's default): the
+    A write transaction runs at READ COMMITTED (whatever the server's default): the
     store's compare-and-set is an ``UPDATE ... WHERE sid = %s AND revision =
     %s``, and a write that must read the session row first locks it (``SELECT
     ... FOR UPDATE``), so what it read stays current until it commits. A read
@@ -142,9 +142,14 @@ def transaction(conn: psycopg.Connection[Any], *, write: bool) -> Iterator[None]
     statement (a session row and the log it points to agree), and it never
     fails with a serialization error.
     """
+    from psycopg import IsolationLevel  # noqa: PLC0415 - psycopg is optional; it is here
+
+    # Set on the connection, these go into psycopg's BEGIN: no extra round trip.
+    conn.isolation_level = (
+        IsolationLevel.READ_COMMITTED if write else IsolationLevel.REPEATABLE_READ
+    )
+    conn.read_only = not write
     with conn.transaction():
-        if not write:
-            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         yield
 
 

@@ -259,3 +259,22 @@ async def test_the_compare_and_set_and_the_rows_are_one_transaction(dsn: str) ->
     async with await PostgresStore.open(dsn, codec()) as store:
         assert (await advance(store, session, Increment())).revision == 1
         assert (await store.load("s")).revision == 1
+
+
+def test_transactions_pick_their_isolation_whatever_the_server_default(dsn: str) -> None:
+    from stepmachine.stores._postgres_schema import transaction
+
+    sql(
+        dsn,
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %%I SET "
+        "default_transaction_isolation = serializable', current_database()); END $$",
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        settings = (
+            "SELECT current_setting('transaction_isolation'), "
+            "current_setting('transaction_read_only')"
+        )
+        with transaction(conn, write=False):
+            assert conn.execute(settings).fetchone() == ("repeatable read", "on")
+        with transaction(conn, write=True):
+            assert conn.execute(settings).fetchone() == ("read committed", "off")
