@@ -8,11 +8,13 @@ compare-and-set and the batch in one transaction.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stepmachine import (
     AppendMessage,
@@ -278,3 +280,108 @@ def test_transactions_pick_their_isolation_whatever_the_server_default(dsn: str)
             assert conn.execute(settings).fetchone() == ("repeatable read", "on")
         with transaction(conn, write=True):
             assert conn.execute(settings).fetchone() == ("read committed", "off")
+
+
+# -- damage, at random -------------------------------------------------------------
+
+# (table, key columns, the columns a flip may hit: name -> kind). Keys are not
+# flipped (the flip is undone by key); a row moved elsewhere fails the same crc.
+_DAMAGEABLE = {
+    "sessions": (("sid",), {"revision": "int", "snapshot_revision": "int", "pending_bytes": "int"}),
+    "batches": (("sid", "revision"), {"cycle": "int", "effect_count": "int", "ts": "float"}),
+    "effects": (("sid", "revision", "position"), {"body": "bytes", "schema_version": "int"}),
+    "snapshots": (("sid", "revision"), {"body": "bytes", "schema_version": "int"}),
+}
+
+
+def _flip(dsn: str, table: str, key: tuple[Any, ...], column: str, bit: int) -> int:
+    """XOR one bit of ``column`` in the row ``key`` of ``table`` (twice restores it)."""
+    names, kinds = _DAMAGEABLE[table]
+    where = " AND ".join(f"{name} = %s" for name in names)
+    if kinds[column] == "bytes":
+        change = f"{column} = set_bit({column}, mod(%s, 8 * length({column})), "
+        change += f"1 - get_bit({column}, mod(%s, 8 * length({column}))))"
+        params: tuple[Any, ...] = (bit, bit, *key)
+    elif kinds[column] == "float":  # a different float: the sign
+        change, params = f"{column} = -{column}", key
+    else:
+        change, params = f"{column} = {column} # %s", (1 << (bit % 20), *key)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(
+            f"UPDATE stepmachine.{table} SET {change} WHERE {where}", params
+        ).rowcount
+
+
+async def _reads(store: PostgresStore) -> dict[str, Any]:
+    """Everything readable, each read on its own: a value or "StoredDataError"."""
+    calls: dict[str, Callable[[], Awaitable[Any]]] = {
+        "list": store.list_sessions,
+        "load a": lambda: store.load("a"),
+        "load b": lambda: store.load("b"),
+        "batches a": lambda: store.batches("a"),
+        **{f"load_at a {r}": (lambda r=r: store.load_at("a", r)) for r in range(4)},
+    }
+    out: dict[str, Any] = {}
+    for name, call in calls.items():
+        try:
+            out[name] = await call()
+        except StoredDataError:
+            out[name] = "StoredDataError"
+    return out
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+def test_flipped_bits_never_read_as_different_data(dsn: str, anyio_backend: str) -> None:
+    """Invariant 8: one flipped bit in any checked column of any row is refused or harmless."""
+
+    async def setup() -> dict[str, Any]:
+        async with await PostgresStore.open(dsn, codec()) as store:
+            for session_id in ("a", "b"):
+                session = await store.create(session_id)
+                for index in range(3):
+                    message = Message.user(f"transfer {index}00 EUR " * 20, id=f"m{index}")
+                    session = await advance(store, session, AppendMessage(message), Increment())
+            return await _reads(store)
+
+    expected = anyio.run(setup, backend=anyio_backend)
+    keys = {
+        table: sql(dsn, f"SELECT {', '.join(names)} FROM stepmachine.{table} ORDER BY 1")
+        for table, (names, _) in _DAMAGEABLE.items()
+    }
+
+    async def read_all() -> dict[str, Any]:
+        async with await PostgresStore.open(dsn, codec()) as store:
+            return await _reads(store)
+
+    @settings(max_examples=25, deadline=None, derandomize=True)
+    @given(data=st.data())
+    def flip_one(data: st.DataObject) -> None:
+        table = data.draw(st.sampled_from(sorted(_DAMAGEABLE)))
+        key = data.draw(st.sampled_from(keys[table]))
+        column = data.draw(st.sampled_from(sorted(_DAMAGEABLE[table][1])))
+        bit = data.draw(st.integers(0, 4000))
+        assert _flip(dsn, table, key, column, bit) == 1
+        try:
+            got = anyio.run(read_all, backend=anyio_backend)
+        finally:
+            assert _flip(dsn, table, key, column, bit) == 1
+        for name, value in got.items():
+            assert value in (expected[name], "StoredDataError"), (table, key, column, name)
+        assert any(value == "StoredDataError" for value in got.values()), (table, key, column)
+
+    flip_one()
+    assert anyio.run(read_all, backend=anyio_backend) == expected
+
+
+async def test_fork_refuses_to_copy_a_damaged_row(dsn: str) -> None:
+    async with await PostgresStore.open(dsn, codec()) as store:
+        session = await store.create("a")
+        for _ in range(3):
+            session = await advance(store, session, Increment())
+    sql(dsn, "UPDATE stepmachine.effects SET body = body || '\\x20'::bytea WHERE revision = 1")
+    before = dump(dsn)
+    async with await PostgresStore.open(dsn, codec()) as store:
+        with pytest.raises(StoredDataError, match=r"'a' revision 1 effect 0 \(table effects\)"):
+            await store.fork("a", 3, "copy")
+        assert await store.list_sessions() == ["a"]
+    assert dump(dsn) == before
