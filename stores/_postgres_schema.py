@@ -141,6 +141,10 @@ def transaction(conn: psycopg.Connection[Any], *, write: bool) -> Iterator[None]
     transaction is ``REPEATABLE READ, READ ONLY``: one snapshot for every
     statement (a session row and the log it points to agree), and it never
     fails with a serialization error.
+
+    Both are set on the connection (psycopg puts them in its ``BEGIN``), and they
+    stay set when the connection goes back to the pool: every transaction of the
+    store goes through here, which sets them each time.
     """
     from psycopg import IsolationLevel  # noqa: PLC0415 - psycopg is optional; it is here
 
