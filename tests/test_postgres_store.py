@@ -15,6 +15,7 @@ import anyio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
 from stepmachine import (
     AppendMessage,
@@ -23,7 +24,9 @@ from stepmachine import (
     ConflictError,
     Effect,
     Message,
+    ReplaceConversation,
     Session,
+    SessionExistsError,
     Store,
     StoredDataError,
     apply_batch,
@@ -385,3 +388,74 @@ async def test_fork_refuses_to_copy_a_damaged_row(dsn: str) -> None:
             await store.fork("a", 3, "copy")
         assert await store.list_sessions() == ["a"]
     assert dump(dsn) == before
+
+
+# -- sessions across stores, fork, snapshots ------------------------------------------
+
+
+async def test_a_session_deleted_and_created_again_elsewhere_is_not_served_from_cache(
+    dsn: str,
+) -> None:
+    async with (
+        await PostgresStore.open(dsn, codec()) as first,
+        await PostgresStore.open(dsn, codec()) as second,
+    ):
+        old = await first.create("s")
+        for _ in range(3):
+            old = await advance(first, old, Increment(5))
+        await second.delete("s")
+        new = await second.create("s")
+        new = await advance(second, new, Increment(1))
+        assert await first.load("s") == new  # same revision would not do: another sid
+        with pytest.raises(ConflictError):
+            await first.apply(batch_for(old, Increment()))
+        assert [b.revision for b in await first.batches("s")] == [1]
+
+
+async def test_fork_copies_the_log_up_to_the_revision(dsn: str) -> None:
+    async with await PostgresStore.open(dsn, codec()) as store:
+        session = await store.create("a", ConformanceData(label="x"))
+        history = [session]
+        for index in range(5):
+            message = Message.user(f"m{index}", id=f"m{index}")
+            session = await advance(store, session, AppendMessage(message), Increment())
+            history.append(session)
+        forked = await store.fork("a", 3, "b")
+        assert forked.id == "b"
+        assert forked.revision == 3
+        assert forked.conversation == history[3].conversation
+        source = (await store.batches("a"))[:3]
+        assert await store.batches("b") == [replace(b, session_id="b") for b in source]
+        for revision in range(4):
+            at = await store.load_at("b", revision)
+            assert at.conversation == history[revision].conversation
+        # The fork goes its own way; the source is untouched.
+        await advance(store, forked, Increment(100))
+        assert (await store.load("a")) == history[-1]
+    async with await PostgresStore.open(dsn, codec()) as store:  # cold: from the rows
+        assert (await store.load("b")).data.counter == 103
+        with pytest.raises(SessionExistsError):
+            await store.fork("a", 1, "b")
+
+
+async def test_snapshots_bound_the_replay_and_prune_each_other(dsn: str) -> None:
+    def snapshot_revisions() -> list[int]:
+        rows = sql(dsn, "SELECT revision FROM stepmachine.snapshots ORDER BY revision")
+        return [revision for (revision,) in rows]
+
+    async with await PostgresStore.open(dsn, codec()) as store:
+        session = await store.create("s")
+        assert snapshot_revisions() == [0]
+        kept = Message.user("kept", id="kept")
+        session = await advance(store, session, ReplaceConversation((kept,)))
+        assert snapshot_revisions() == [0, 1]  # after a ReplaceConversation, always
+        for index in range(120):
+            message = Message.user(f"x{index} " * 50, id=f"x{index}")
+            session = await advance(store, session, AppendMessage(message))
+        newest = snapshot_revisions()
+        assert len(newest) == 2
+        assert newest[0] == 0
+        assert newest[1] > 1  # a periodic one replaced the one at 1
+    async with await PostgresStore.open(dsn, codec()) as store:
+        assert await store.load("s") == session
+        assert (await store.load_at("s", 1)).conversation == (kept,)
