@@ -8,6 +8,9 @@ conformance suite in :mod:`stepmachine.testing.conformance`.
 - :class:`MemoryStore`: in process, for tests and short-lived agents.
 - :class:`SQLiteStore`: the embedded default; one database file, WAL.
 - :class:`FileStore`: one append-only log file per session in a folder.
+- :class:`PostgresStore`: a PostgreSQL database shared by many processes and
+  machines (extra ``postgres``; psycopg is imported by its ``open``, so this
+  package imports without it).
 
 The durable stores share one log-and-snapshot core (``_core``: cache, replay,
 compare-and-set, snapshot policy, errors) over byte backends that implement a
@@ -24,12 +27,14 @@ and the BSDs; elsewhere (Windows) :meth:`FileStore.open` raises
 from ._file import FileStore
 from ._ids import MAX_SESSION_ID_LENGTH, validate_session_id
 from ._memory import MemoryStore
+from ._postgres import PostgresStore
 from ._sqlite import SQLiteStore
 
 __all__ = [
     "MAX_SESSION_ID_LENGTH",
     "FileStore",
     "MemoryStore",
+    "PostgresStore",
     "SQLiteStore",
     "validate_session_id",
 ]

@@ -64,6 +64,20 @@ def postgres_server() -> Iterator[str]:
 
 
 @pytest.fixture
+def store_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A harness ``--store`` kind, given as an indirect parameter.
+
+    For ``postgres`` (mark that parameter ``postgres``), the session's server is
+    exported in ``STEPMACHINE_TEST_POSTGRES``, so the harness and its child
+    processes use it instead of starting their own.
+    """
+    kind: str = request.param
+    if kind == "postgres":
+        monkeypatch.setenv(_postgres.ENV_VAR, request.getfixturevalue("postgres_server"))
+    return kind
+
+
+@pytest.fixture
 def postgres_dsn(postgres_server: str) -> Iterator[str]:
     """DSN of a new, empty database for this test only; dropped afterwards."""
     with _postgres.fresh_database(postgres_server) as dsn:

@@ -1,6 +1,6 @@
 """Invariants 2 and 3 across processes, via the concurrency harness.
 
-Runs ``tests/harness/concurrency.py`` for the SQLite and file stores: eight
+Runs ``tests/harness/concurrency.py`` for the SQLite, file and PostgreSQL stores: eight
 processes, released together, apply to the same session through their own
 store objects, retrying on conflicts. Every acknowledged batch must be in the
 final log exactly once, at the revision it was acknowledged with, also when
@@ -22,14 +22,19 @@ HARNESS = Path(__file__).resolve().parent / "harness"
 
 BROKEN = HARNESS / "_common.py"
 
+HARNESS_STORES = ["sqlite", "file", pytest.param("postgres", marks=pytest.mark.postgres)]
+"""The stores the harness runs against (``store_kind``, see conftest.py)."""
+
 
 def _report(summary: object) -> str:
     return "\n".join(summary.lines())  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("store", ["sqlite", "file"])
-def test_eight_writers_lose_nothing(store: str, tmp_path: Path) -> None:
-    summary = concurrency.run(store, writers=8, batches_per_writer=6, workdir=tmp_path, echo=False)
+@pytest.mark.parametrize("store_kind", HARNESS_STORES, indirect=True)
+def test_eight_writers_lose_nothing(store_kind: str, tmp_path: Path) -> None:
+    summary = concurrency.run(
+        store_kind, writers=8, batches_per_writer=6, workdir=tmp_path, echo=False
+    )
     report = _report(summary)
     assert summary.failed_writers == [], report
     assert summary.problems == [], report
@@ -39,10 +44,16 @@ def test_eight_writers_lose_nothing(store: str, tmp_path: Path) -> None:
     assert summary.ok
 
 
-@pytest.mark.parametrize("store", ["sqlite", "file"])
-def test_killed_writers_block_nobody_and_lose_nothing(store: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("store_kind", HARNESS_STORES, indirect=True)
+def test_killed_writers_block_nobody_and_lose_nothing(store_kind: str, tmp_path: Path) -> None:
     summary = concurrency.run(
-        store, writers=8, batches_per_writer=6, kill_writers=2, seed=4, workdir=tmp_path, echo=False
+        store_kind,
+        writers=8,
+        batches_per_writer=6,
+        kill_writers=2,
+        seed=4,
+        workdir=tmp_path,
+        echo=False,
     )
     report = _report(summary)
     assert summary.killed == 2, report

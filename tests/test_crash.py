@@ -1,6 +1,6 @@
 """Invariant 2 (nothing lost) under kill -9, via the crash-point harness.
 
-Runs ``tests/harness/crash.py`` for the SQLite and file stores with small
+Runs ``tests/harness/crash.py`` for the SQLite, file and PostgreSQL stores with small
 parameters: a child agent is SIGKILLed at (the first and last hit of) every
 persistence boundary the store lists, plus a few random kills; each crash is
 checked for lost acknowledged batches, half-applied batches and a history
@@ -22,15 +22,18 @@ HARNESS = Path(__file__).resolve().parent / "harness"
 
 BROKEN = HARNESS / "_common.py"
 
+HARNESS_STORES = ["sqlite", "file", pytest.param("postgres", marks=pytest.mark.postgres)]
+"""The stores the harness runs against (``store_kind``, see conftest.py)."""
+
 
 def _report(summary: object) -> str:
     return "\n".join(summary.lines())  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("store", ["sqlite", "file"])
-def test_every_boundary_crash_loses_nothing(store: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("store_kind", HARNESS_STORES, indirect=True)
+def test_every_boundary_crash_loses_nothing(store_kind: str, tmp_path: Path) -> None:
     summary = crash.run(
-        store,
+        store_kind,
         rounds=2,
         max_per_boundary=2,
         random_kills=2,

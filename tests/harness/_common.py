@@ -1,9 +1,14 @@
 """Shared helpers of the crash and concurrency harnesses (not a test module).
 
 - :func:`store_class` / :func:`boundaries_of` / :func:`open_store`: which store a
-  ``--store`` argument names (``sqlite``, ``file``, or ``module:Class`` /
+  ``--store`` argument names (``sqlite``, ``file``, ``postgres``, or ``module:Class`` /
   ``path/to/file.py:Class`` for any third-party store with the same ``open``),
   its persistence boundaries, and opening it with an optional boundary hook.
+- :func:`store_server`: what a store needs around a whole harness run: for
+  ``postgres``, a server (``_postgres.postgres_server``: ``$STEPMACHINE_TEST_POSTGRES``
+  or a throwaway one), exported in that variable so every child uses it too. Each
+  scratch folder then names its own database on it (created on first open,
+  dropped when the run ends), so every crash point starts from an empty one.
 - :class:`AckLog` / :func:`read_records`: the out-of-band record of what a child
   process was told, appended one JSON line at a time with flush + fsync, read
   back ignoring a torn last line (the child may die mid-write).
@@ -19,6 +24,7 @@ they work both as scripts and when a test imports them with importlib.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib
@@ -28,7 +34,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -60,6 +67,7 @@ __all__ = [
     "read_records",
     "store_class",
     "store_location",
+    "store_server",
 ]
 
 KNOWN_BOUNDARIES: dict[str, tuple[str, ...]] = {
@@ -92,9 +100,13 @@ def store_class(spec: str) -> type[Any]:
         from stepmachine.stores import FileStore
 
         return FileStore
+    if spec == "postgres":
+        from stepmachine.stores import PostgresStore
+
+        return PostgresStore
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise SystemExit(f"--store must be sqlite, file or module:Class, got {spec!r}")
+        raise SystemExit(f"--store must be sqlite, file, postgres or module:Class, got {spec!r}")
     if module_name.endswith(".py"):
         path = Path(module_name).resolve()
         name = f"_harness_store_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
@@ -125,9 +137,78 @@ def boundaries_of(spec: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def store_location(spec: str, folder: Path) -> Path:
-    """Where, inside a scratch ``folder``, the store lives: a database file or a folder."""
+def store_location(spec: str, folder: Path) -> Path | str:
+    """Where, inside a scratch ``folder``, the store lives: a database file or a folder;
+    for ``postgres``, the DSN of the folder's own database (see :func:`store_server`)."""
+    if spec == "postgres":
+        return _postgres_location(folder)
     return folder / ("store.db" if spec == "sqlite" else "store")
+
+
+_RUN_VAR = "STEPMACHINE_HARNESS_RUN"
+"""The environment variable naming a harness run: its databases share this prefix."""
+
+
+def _database_prefix() -> str:
+    return f"stepmachine_harness_{os.environ.get(_RUN_VAR, 'adhoc')}_"
+
+
+def _postgres_location(folder: Path) -> str:
+    """The DSN of the database of ``folder`` on the run's server, created if missing."""
+    import _postgres  # beside this file
+    import psycopg
+    from psycopg import errors, sql
+
+    server = os.environ.get(_postgres.ENV_VAR)
+    if not server:
+        raise SystemExit(f"--store postgres: run it from a harness, or set {_postgres.ENV_VAR}")
+    name = _database_prefix() + hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:12]
+    with psycopg.connect(server, autocommit=True) as admin:
+        exists = admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+        if exists is None:
+            with contextlib.suppress(errors.DuplicateDatabase, errors.UniqueViolation):
+                admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return _postgres.with_database(server, name)
+
+
+@contextlib.contextmanager
+def store_server(spec: str) -> Iterator[None]:
+    """Around a whole harness run: for ``postgres``, a server every process uses.
+
+    The server's DSN and a run id are exported in the environment (children
+    inherit them); on exit the run's databases are dropped and the
+    environment restored. Other stores need nothing.
+    """
+    if spec != "postgres":
+        yield
+        return
+    import _postgres  # beside this file
+    import psycopg
+    from psycopg import sql
+
+    saved = {name: os.environ.get(name) for name in (_postgres.ENV_VAR, _RUN_VAR)}
+    with _postgres.postgres_server() as server:
+        os.environ[_postgres.ENV_VAR] = server
+        os.environ[_RUN_VAR] = uuid.uuid4().hex[:8]
+        prefix = _database_prefix()
+        try:
+            yield
+        finally:
+            with psycopg.connect(server, autocommit=True) as admin:
+                names = admin.execute(
+                    "SELECT datname FROM pg_database WHERE starts_with(datname, %s)", (prefix,)
+                ).fetchall()
+                for (name,) in names:
+                    admin.execute(
+                        sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                            sql.Identifier(name)
+                        )
+                    )
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 async def open_store(

@@ -4,6 +4,7 @@ Usage::
 
     python tests/harness/concurrency.py --store sqlite
     python tests/harness/concurrency.py --store file --writers 8 --batches-per-writer 50
+    python tests/harness/concurrency.py --store postgres   # $STEPMACHINE_TEST_POSTGRES or its own
 
 The parent creates the session, then starts ``--writers`` child processes (this
 file, run with ``--child writer``), each with its own store object on the same
@@ -274,6 +275,7 @@ def run(
     summary = Summary(writers)
     rng = random.Random(seed)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(common.store_server(store))
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="conc-")))
         anyio.run(create_session, store, workdir)
@@ -360,7 +362,7 @@ def run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else "")
-    parser.add_argument("--store", required=True, help="sqlite, file, or module:Class")
+    parser.add_argument("--store", required=True, help="sqlite, file, postgres, or module:Class")
     parser.add_argument("--writers", type=int, default=8)
     parser.add_argument("--batches-per-writer", type=int, default=25)
     parser.add_argument(

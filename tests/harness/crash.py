@@ -5,6 +5,7 @@ Usage::
     python tests/harness/crash.py --store sqlite
     python tests/harness/crash.py --store file --rounds 4 --random-kills 20 --seed 7
     python tests/harness/crash.py --store sqlite --from-v1
+    python tests/harness/crash.py --store postgres   # $STEPMACHINE_TEST_POSTGRES or its own server
 
 A child process (this file, run with ``--child agent``) drives a scripted agent,
 ``StateMachine([Tools([record]), ModelInference()])`` with a stateless
@@ -679,6 +680,7 @@ def run(
     options = Options(store, rounds, snapshot_every, timeout, from_v1)
     boundaries = common.boundaries_of(store)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(common.store_server(store))
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="crash-")))
         baseline = crash_point(options, workdir / "baseline", "baseline")
@@ -732,7 +734,7 @@ def run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else "")
-    parser.add_argument("--store", required=True, help="sqlite, file, or module:Class")
+    parser.add_argument("--store", required=True, help="sqlite, file, postgres, or module:Class")
     parser.add_argument("--rounds", type=int, default=3, help="user turns in the script")
     parser.add_argument(
         "--max-per-boundary",

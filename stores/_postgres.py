@@ -1,0 +1,479 @@
+"""``PostgresStore``: sessions and their effect logs in a PostgreSQL database (extra ``postgres``).
+
+The store for many processes and machines on one database. Its rows are
+SQLiteStore's (one row per effect under a batch row, a session row holding
+the revision, at most two compressed snapshots per session, a CRC-32 on every
+row, a schema version that a newer database is refused by, untouched), in the
+PostgreSQL schema ``stepmachine`` (:mod:`._postgres_schema`). The cache,
+replay, compare-and-set, snapshot policy and errors are the durable stores'
+shared core (:mod:`._core`), over the byte backend of :mod:`._postgres_log`.
+
+Driver: psycopg 3's synchronous API and its connection pool
+(``psycopg_pool.ConnectionPool``), each call one hop to an anyio worker
+thread holding one pooled connection for one ``BEGIN ... COMMIT``: psycopg's
+async API runs only on asyncio, this works on asyncio and trio. Calls of one
+store run in parallel, up to the pool's ``max_size`` (the rest wait for a
+connection, cancellably); the core's cache is shared by them (a cache entry
+that falls behind only costs a read: every write proves its position).
+
+Applying a batch is one transaction: the compare-and-set ``UPDATE
+stepmachine.sessions ... WHERE sid = %s AND revision = %s`` (its row count says
+whether the session this store last read or wrote is still the stored one;
+PostgreSQL's row lock orders it against every other writer, in this process
+or another), then the batch row, the effect rows (one ``executemany``) and,
+when due, a snapshot with the ``DELETE`` of the one it supersedes.
+
+Leases (issue 10, next) are not here yet: the session row will carry
+``lease_owner``, ``lease_epoch`` and ``lease_expires_at`` outside its
+checksum, and the epoch joins the compare-and-set in one place,
+``_postgres_rows._ADVANCE_SESSION`` (``AND lease_owner = %s AND lease_epoch =
+%s``), used by :meth:`._postgres_log.PostgresTxn.append`, which will raise the
+lease error (not None) when the row exists at the revision but the epoch is
+stale. Until then two runners on one session are kept apart only by the
+compare-and-set (the stale one gets :class:`~stepmachine.ConflictError`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from stepmachine import (
+    Batch,
+    Codec,
+    ConfigurationError,
+    Effect,
+    Message,
+    Session,
+    StoreClosedError,
+)
+
+from . import _postgres_rows as _rows
+from ._backend import Cached
+from ._core import LogCore
+from ._ids import validate_session_id
+from ._postgres_log import PostgresTxn
+from ._postgres_schema import describe, prepare_schema, transaction
+from ._snapshot_policy import Weighted
+from ._sqlite_rows import SNAPSHOT_EVERY, SNAPSHOT_MAX_GAP, SessionRow, marks_of
+
+if TYPE_CHECKING:
+    import psycopg
+    from psycopg_pool import ConnectionPool
+
+__all__ = ["PostgresStore"]
+
+T = TypeVar("T")
+
+_CACHE_SIZE = 256
+"""How many sessions the store keeps decoded (least recently used ones are dropped)."""
+
+
+class _SharedCore(LogCore[SessionRow]):
+    """The core, with its cache updated under a lock: hops run in several threads."""
+
+    def __init__(self, codec: Codec[Any]) -> None:
+        policy = Weighted(SNAPSHOT_EVERY, SNAPSHOT_MAX_GAP)
+        super().__init__(codec, policy, PostgresTxn.FORM, cache_size=_CACHE_SIZE)
+        self._guard = threading.Lock()
+
+    def remember(self, session_id: str, cached: Cached[SessionRow]) -> None:
+        with self._guard:
+            super().remember(session_id, cached)
+
+    def forget(self, session_id: str) -> None:
+        with self._guard:
+            super().forget(session_id)
+
+    def clear(self) -> None:
+        with self._guard:
+            super().clear()
+
+
+def _no_hook(name: str) -> None:
+    """The default boundary hook: does nothing."""
+
+
+class PostgresStore:
+    """A store in a PostgreSQL database, shared safely by many processes and machines.
+
+    Build one with :meth:`open`; close it with :meth:`aclose` or ``async with``.
+
+    Durability: a batch is durable once :meth:`apply` returns, as PostgreSQL's
+    ``COMMIT`` is (with the server's defaults, ``fsync`` and
+    ``synchronous_commit`` on, it survives a crash of the server machine too).
+    A connection lost during ``COMMIT`` leaves the outcome unknown to the
+    caller (psycopg raises ``OperationalError``): the next :meth:`load` shows
+    whether the batch is there; re-applying it raises
+    :class:`~stepmachine.ConflictError` if it is.
+
+    Damage is detected as in :class:`~stepmachine.stores.SQLiteStore`: every
+    row carries a CRC-32 over its content and placement, checked before it is
+    decoded; a row that fails raises :class:`~stepmachine.StoredDataError`
+    naming the database, table, session and revision, and nothing is rewritten.
+
+    Schema: :meth:`open` creates the ``stepmachine`` schema in an empty
+    database and refuses, leaving it unchanged, a database whose
+    ``stepmachine`` schema was written by a newer schema version or is not a
+    store's.
+
+    Cancellation: a method cancelled while it waits for a connection does
+    nothing. Once its transaction is running in the worker thread it is not
+    interrupted: the method returns (or raises) exactly as it would have, and
+    the cancellation is delivered at the caller's next checkpoint. So an
+    :meth:`apply` cancelled in the worker thread either committed the whole
+    batch or wrote nothing. A process killed mid-transaction loses the
+    connection, and PostgreSQL rolls the transaction back.
+
+    Attributes:
+        BOUNDARIES: the persistence boundaries at which ``boundary_hook`` is
+            called, in the worker thread: ``"apply.begin"`` (in the
+            transaction, before any statement), ``"apply.inserted"`` (rows
+            written, before ``COMMIT``), ``"apply.committed"`` (after
+            ``COMMIT``, before :meth:`apply` returns) and ``"create.committed"``.
+    """
+
+    applies_batches: ClassVar[bool] = True
+    """``apply`` applies each batch once and returns the session (see ``EffectHandler``)."""
+
+    BOUNDARIES: ClassVar[tuple[str, ...]] = (
+        "apply.begin",
+        "apply.inserted",
+        "apply.committed",
+        "create.committed",
+    )
+
+    def __init__(
+        self,
+        pool: Any,
+        label: str,
+        codec: Codec[Any],
+        boundary_hook: Callable[[str], None],
+        connections: anyio.CapacityLimiter,
+    ) -> None:
+        """Wrap an open ``psycopg_pool.ConnectionPool``; use :meth:`open` instead.
+
+        (``pool`` is typed ``Any`` here so that the signature resolves without
+        psycopg installed.)
+        """
+        self._pool: ConnectionPool[Any] | None = pool
+        self._label = label
+        self._hook = boundary_hook
+        self._connections = connections
+        self._core = _SharedCore(codec)
+
+    @classmethod
+    async def open(
+        cls,
+        dsn: str,
+        codec: Codec[Any] | None = None,
+        *,
+        min_size: int = 1,
+        max_size: int = 4,
+        pool_timeout: float = 30.0,
+        boundary_hook: Callable[[str], None] | None = None,
+    ) -> PostgresStore:
+        """Connect to the database ``dsn`` names, and create or check its schema.
+
+        Args:
+            dsn: a libpq connection string or URI (``postgresql://user@host/db``).
+            codec: the application's codec (kernel effects and ``NoData`` by default).
+            min_size, max_size: the pool's connections kept open, and at most.
+            pool_timeout: seconds to wait for the first connection, and later
+                for a free one (then ``psycopg_pool.PoolTimeout``).
+            boundary_hook: called with each name of :attr:`BOUNDARIES` as the
+                store passes it (crash tests kill the process there).
+
+        Returns:
+            The open store; the database's schema is at the current version.
+
+        Raises:
+            ConfigurationError: psycopg or psycopg_pool is not installed (the
+                ``postgres`` extra), or a size is out of range.
+            StoredDataError: the database was written by a newer schema version,
+                or its ``stepmachine`` schema is not a store's; nothing was changed.
+            psycopg_pool.PoolTimeout: no connection within ``pool_timeout``.
+
+        Cancellation: once in the worker thread, opening runs to its end and
+        returns the open store (or raises); close what you got.
+        """
+        try:
+            # Imported here: the package imports without the postgres extra.
+            import psycopg  # noqa: F401, PLC0415 - the pool needs it; say so clearly
+            from psycopg_pool import ConnectionPool  # noqa: PLC0415
+        except ImportError as exc:
+            raise ConfigurationError(
+                "PostgresStore needs psycopg 3 and psycopg_pool: "
+                f"pip install 'stepmachine[postgres]' ({exc})"
+            ) from exc
+        if not 1 <= min_size <= max_size:
+            raise ConfigurationError(f"need 1 <= min_size <= max_size, not {min_size}, {max_size}")
+        pool: ConnectionPool[Any] = ConnectionPool(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            timeout=pool_timeout,
+            kwargs={"autocommit": True},
+            open=False,
+            name="stepmachine",
+        )
+
+        def start() -> str:
+            try:
+                pool.open(wait=True, timeout=pool_timeout)
+                with pool.connection() as conn:
+                    prepare_schema(conn)
+                    return describe(conn)
+            except BaseException:
+                pool.close()
+                raise
+
+        with anyio.CancelScope(shield=True):
+            label = await anyio.to_thread.run_sync(start)
+        hook = boundary_hook or _no_hook
+        return cls(pool, label, codec or Codec(), hook, anyio.CapacityLimiter(max_size))
+
+    @property
+    def codec(self) -> Codec[Any]:
+        """The codec the store encodes with."""
+        return self._core.codec
+
+    # -- plumbing -----------------------------------------------------------------
+
+    async def _run(self, function: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run ``function(connection)`` in a worker thread on a pooled connection."""
+        async with self._connections:
+            pool = self._pool
+            if pool is None:
+                raise StoreClosedError(f"PostgresStore on {self._label} is closed")
+
+            def hop() -> T:
+                with pool.connection() as connection:
+                    return function(connection)
+
+            # Shielded: a started transaction runs to its end, and its outcome
+            # (return or exception) reaches the caller; a pending cancellation
+            # is delivered at the caller's next checkpoint.
+            with anyio.CancelScope(shield=True):
+                result = await anyio.to_thread.run_sync(hop)
+        return result
+
+    def _txn(self, connection: psycopg.Connection[Any], *, write: bool) -> PostgresTxn:
+        return PostgresTxn(connection, self._label, write=write)
+
+    # -- the Store API -----------------------------------------------------------
+
+    async def create(
+        self,
+        session_id: str,
+        data: msgspec.Struct | None = None,
+        conversation: Sequence[Message] = (),
+    ) -> Session[Any]:
+        """Create a revision-0 session, stored as its first snapshot.
+
+        Raises:
+            InvalidSessionIdError: the id is not safe (see ``validate_session_id``).
+            SessionExistsError: the id is taken; nothing is written.
+            ConfigurationError: ``data`` is not the codec's data type.
+        """
+        validate_session_id(session_id)
+        session, record = self._core.new_session(session_id, data, conversation)
+
+        def run(connection: psycopg.Connection[Any]) -> Session[Any]:
+            with transaction(connection, write=True):
+                txn = self._txn(connection, write=True)
+                created = self._core.create(txn, session_id, session, record)
+            self._core.remember(session_id, created)
+            self._hook("create.committed")
+            return session
+
+        return await self._run(run)
+
+    async def load(self, session_id: str) -> Session[Any]:
+        """The current session: the session row, then only the rows written since the
+        session this store last read or wrote.
+
+        Raises:
+            InvalidSessionIdError: the id is not safe.
+            SessionNotFoundError: no session has this id.
+            StoredDataError: a stored row does not match its checksum, or a
+                record does not decode or apply; the message names the database,
+                table, session, revision and effect index.
+        """
+        validate_session_id(session_id)
+
+        def run(connection: psycopg.Connection[Any]) -> Session[Any]:
+            with transaction(connection, write=False):
+                txn = self._txn(connection, write=False)
+                return self._core.current(txn, session_id).session
+
+        return await self._run(run)
+
+    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
+        """Append ``batch`` if the session is at ``batch.revision - 1``; all rows or none.
+
+        Returns the session after the batch, as a load would give it. One
+        transaction (see the module docstring); on top of this store's cache
+        nothing is read.
+
+        Raises:
+            InvalidSessionIdError: ``batch.session_id`` is not safe.
+            ConflictError: the session is at another revision; nothing is written.
+            SessionNotFoundError: no session has this id.
+            EffectError: an effect does not apply; nothing is written.
+            ConfigurationError: an effect type is not registered in the codec.
+            StoredDataError: a stored row the session is rebuilt from does not
+                match its checksum or does not decode; nothing is written.
+        """
+        session_id = validate_session_id(batch.session_id)
+        prepared = self._core.prepare(batch, f"{self._label}: new batch for {session_id!r}")
+
+        def run(connection: psycopg.Connection[Any]) -> Session[Any]:
+            with transaction(connection, write=True):
+                self._hook("apply.begin")
+                written = self._core.apply(self._txn(connection, write=True), prepared)
+                self._hook("apply.inserted")
+            self._core.remember(session_id, written)
+            self._hook("apply.committed")
+            return written.session
+
+        return await self._run(run)
+
+    async def list_sessions(self) -> list[str]:
+        """The ids of all sessions, sorted.
+
+        Raises:
+            StoredDataError: a session row does not match its checksum.
+        """
+
+        def run(connection: psycopg.Connection[Any]) -> list[str]:
+            with transaction(connection, write=False):
+                return _rows.session_ids(connection, self._label)
+
+        return await self._run(run)
+
+    async def delete(self, session_id: str) -> None:
+        """Delete a session with its log and snapshots, in one transaction.
+
+        Raises:
+            InvalidSessionIdError: the id is not safe.
+            SessionNotFoundError: no session has this id.
+            StoredDataError: the session's row does not match its checksum;
+                nothing is deleted.
+        """
+        validate_session_id(session_id)
+
+        def run(connection: psycopg.Connection[Any]) -> None:
+            try:
+                with transaction(connection, write=True):
+                    self._txn(connection, write=True).delete(session_id)
+            finally:
+                self._core.forget(session_id)
+
+        await self._run(run)
+
+    async def load_at(self, session_id: str, revision: int) -> Session[Any]:
+        """The session as it was at ``revision``: the nearest snapshot, then its log.
+
+        Raises:
+            InvalidSessionIdError: the id is not safe.
+            SessionNotFoundError: no session has this id.
+            ValueError: ``revision`` is negative or beyond the current one.
+            StoredDataError: a stored row does not match its checksum, or a
+                record does not decode or apply.
+        """
+        validate_session_id(session_id)
+
+        def run(connection: psycopg.Connection[Any]) -> Session[Any]:
+            with transaction(connection, write=False):
+                txn = self._txn(connection, write=False)
+                return self._core.session_at(txn, session_id, revision)
+
+        return await self._run(run)
+
+    async def batches(self, session_id: str, after: int = 0) -> list[Batch[Effect]]:
+        """The audit log: every applied batch with ``revision > after``, in order.
+
+        Raises:
+            InvalidSessionIdError: the id is not safe.
+            SessionNotFoundError: no session has this id.
+            StoredDataError: a stored row does not match its checksum, or a
+                record does not decode.
+        """
+        validate_session_id(session_id)
+
+        def run(connection: psycopg.Connection[Any]) -> list[Batch[Effect]]:
+            with transaction(connection, write=False):
+                txn = self._txn(connection, write=False)
+                return self._core.batches(txn, session_id, after)
+
+        return await self._run(run)
+
+    async def fork(self, session_id: str, revision: int, new_session_id: str) -> Session[Any]:
+        """Create ``new_session_id`` as a copy of ``session_id`` at ``revision``.
+
+        The fork is at the same revision, with the same conversation and data,
+        and carries the source's batches ``1..revision``; rows are checked
+        against their checksums and copied with new ones, not re-encoded. One
+        transaction.
+
+        Raises:
+            InvalidSessionIdError: either id is not safe.
+            SessionNotFoundError: ``session_id`` does not exist.
+            SessionExistsError: ``new_session_id`` is taken.
+            ValueError: ``revision`` is negative or beyond the current one.
+            StoredDataError: a row to copy does not match its checksum, or a
+                record does not decode; nothing is written.
+        """
+        validate_session_id(session_id)
+        validate_session_id(new_session_id)
+
+        def run(connection: psycopg.Connection[Any]) -> Session[Any]:
+            with transaction(connection, write=True):
+                txn = self._txn(connection, write=True)
+                source = txn.row(session_id)
+                at = self._core.session_at(txn, session_id, revision)
+                forked = msgspec.structs.replace(at, id=new_session_id)
+                # The snapshots the source keeps: revision 0 and the fork point.
+                first = self._core.session_at(txn, session_id, 0)
+                first = msgspec.structs.replace(first, id=new_session_id)
+                encode = self._core.codec.encode_session
+                sid = self._core.create(txn, new_session_id, first, encode(first)).position.sid
+                _rows.copy_log(connection, self._label, session_id, source.sid, sid, revision)
+                record = encode(forked)
+                if revision > 0:
+                    _rows.insert_snapshot(connection, sid, revision, record)
+                row = SessionRow(sid, revision, revision, len(record), 0)
+                _rows.write_session_row(connection, new_session_id, row)
+            self._core.remember(new_session_id, Cached(forked, row, marks_of(row)))
+            return forked
+
+        return await self._run(run)
+
+    async def aclose(self) -> None:
+        """Close the pool (shielded from cancellation). Idempotent.
+
+        Any later call but :meth:`aclose` raises :class:`~stepmachine.StoreClosedError`.
+        """
+        with anyio.CancelScope(shield=True):
+            pool, self._pool = self._pool, None
+            self._core.clear()
+            if pool is not None:
+                await anyio.to_thread.run_sync(pool.close)
+
+    async def __aenter__(self) -> PostgresStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()

@@ -1,0 +1,343 @@
+"""Reading and writing the rows of :class:`~stepmachine.stores.PostgresStore`.
+
+The layout is in :mod:`._postgres_schema`; the rows, their checksums and the
+compression of bodies are SQLite's (:mod:`._sqlite_rows`), and so are the
+checks a row passes before any of its columns is used (checksum, row version,
+column types, a complete log, bodies that decompress): reading fails closed
+(invariant 8) with a :class:`~stepmachine.StoredDataError` naming the
+database, the table, the session, the revision and the effect index, and
+nothing here ever rewrites a row it read.
+
+Everything here is synchronous and runs in a worker thread, on a connection
+the caller holds, inside a transaction (:func:`._postgres_schema.transaction`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from stepmachine import StoredDataError
+
+from ._backend import EffectRows
+from ._postgres_schema import ROW_VERSIONS, SCHEMA, SCHEMA_VERSION
+from ._sqlite_rows import SessionRow, compact
+from ._sqlite_rows import _fail as fail  # the stores' shared row-check vocabulary
+from ._sqlite_rows import _stored_record as stored_record
+from ._sqlite_rows import _typed as typed
+from ._sqlite_rows import _verify as verify
+from ._sqlite_schema import checksum
+
+if TYPE_CHECKING:
+    import psycopg
+
+__all__ = [
+    "advance_session_row",
+    "copy_log",
+    "delete_session",
+    "insert_batch",
+    "insert_session",
+    "insert_snapshot",
+    "no_snapshot",
+    "prune_snapshots",
+    "read_log",
+    "read_snapshot",
+    "session_ids",
+    "session_row",
+    "write_session_row",
+]
+
+_JSON_START: Final = b"{"
+_EFFECTS_START: Final = b"["
+
+
+def _check_version(label: str, where: str, version: object) -> None:
+    if not isinstance(version, int) or version not in ROW_VERSIONS:
+        readable = " and ".join(map(str, ROW_VERSIONS))
+        problem = f"record schema version is {version!r}, this code reads {readable}"
+        raise fail(label, where, problem)
+
+
+# -- sessions ------------------------------------------------------------------
+
+_SESSION_COLUMNS = (
+    "session_id, sid, revision, schema_version, snapshot_revision, snapshot_bytes, "
+    "pending_bytes, crc"
+)
+_SESSION_NAMES = ("sid", "revision", "snapshot_revision", "snapshot_bytes", "pending_bytes")
+_SELECT_SESSION = f"SELECT {_SESSION_COLUMNS} FROM {SCHEMA}.sessions WHERE session_id = %s"  # noqa: S608 - fixed names
+_SET_SESSION = (
+    f"UPDATE {SCHEMA}.sessions SET revision = %s, schema_version = %s, "  # noqa: S608 - fixed names
+    "snapshot_revision = %s, snapshot_bytes = %s, pending_bytes = %s, crc = %s WHERE sid = %s"
+)
+# The compare-and-set. With leases (issue 10, next), "AND lease_owner = %s AND
+# lease_epoch = %s" joins this condition: a fenced-off holder's append writes nothing.
+_ADVANCE_SESSION = _SET_SESSION + " AND revision = %s"
+
+
+def _session_from(label: str, row: Sequence[Any], session_id: str | None = None) -> SessionRow:
+    """Check one ``sessions`` row (its :data:`_SESSION_COLUMNS`) and return it."""
+    stored_id = row[0]
+    name = stored_id if session_id is None else session_id
+    where = f"session {name!r} (table sessions, revision {row[2]!r} as stored)"
+    verify(label, where, "sessions", tuple(row[:7]), row[7])
+    if session_id is not None and stored_id != session_id:
+        raise fail(label, where, f"the row found for it holds session id {stored_id!r}")
+    _check_version(label, where, row[3])
+    values = [row[1], row[2], *row[4:7]]
+    for column, value in zip(_SESSION_NAMES, values, strict=True):
+        typed(label, where, column, value, int)
+    if min(values) < 0 or values[2] > values[1]:
+        raise fail(label, where, f"inconsistent session row {values!r} for {_SESSION_NAMES!r}")
+    return SessionRow(*values)
+
+
+def session_row(
+    conn: psycopg.Connection[Any], label: str, session_id: str, *, lock: bool
+) -> SessionRow | None:
+    """The checked row of ``session_id`` (locked ``FOR UPDATE`` when ``lock``), or ``None``."""
+    query = _SELECT_SESSION + (" FOR UPDATE" if lock else "")
+    row = conn.execute(query, (session_id,)).fetchone()
+    return None if row is None else _session_from(label, row, session_id)
+
+
+def session_ids(conn: psycopg.Connection[Any], label: str) -> list[str]:
+    """The ids of all sessions, sorted; every row is checked."""
+    ids: list[str] = []
+    for row in conn.execute(f"SELECT {_SESSION_COLUMNS} FROM {SCHEMA}.sessions"):  # noqa: S608 - fixed names
+        _session_from(label, row)
+        ids.append(typed(label, f"session {row[0]!r}", "session_id", row[0], str))
+    return sorted(ids)
+
+
+def _session_values(session_id: str, row: SessionRow) -> tuple[Any, ...]:
+    return (session_id, row.sid, row.revision, SCHEMA_VERSION, *row[2:])
+
+
+def insert_session(conn: psycopg.Connection[Any], session_id: str, record_bytes: int) -> int | None:
+    """Insert the revision-0 row of ``session_id`` (its snapshot ``record_bytes`` long);
+    its new ``sid``, or ``None`` when the id is taken (nothing is written then)."""
+    found = conn.execute(f"SELECT nextval(pg_get_serial_sequence('{SCHEMA}.sessions', 'sid'))")
+    (sid,) = found.fetchone() or (None,)
+    assert isinstance(sid, int)  # nextval always returns one
+    values = _session_values(session_id, SessionRow(sid, 0, 0, record_bytes, 0))
+    inserted = conn.execute(
+        f"INSERT INTO {SCHEMA}.sessions ({_SESSION_COLUMNS}) "  # noqa: S608 - fixed names
+        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (session_id) DO NOTHING",
+        (*values, checksum("sessions", values)),
+    )
+    return sid if inserted.rowcount == 1 else None
+
+
+def write_session_row(conn: psycopg.Connection[Any], session_id: str, row: SessionRow) -> None:
+    """Set every column of the row of ``row.sid`` (``session_id``), with its checksum."""
+    values = _session_values(session_id, row)
+    conn.execute(_SET_SESSION, (*values[2:], checksum("sessions", values), row.sid))
+
+
+def advance_session_row(
+    conn: psycopg.Connection[Any], session_id: str, expected: int, row: SessionRow
+) -> bool:
+    """Compare-and-set: write ``row`` (with its checksum) if ``row.sid`` is still at ``expected``.
+
+    One ``UPDATE ... WHERE sid = %s AND revision = %s``; whether it matched.
+    At READ COMMITTED a concurrent writer's ``UPDATE`` of the row makes this
+    one wait for its commit and then re-check the condition on the new row,
+    so two writers never both match. ``False`` leaves the database unchanged.
+    """
+    values = _session_values(session_id, row)
+    cursor = conn.execute(
+        _ADVANCE_SESSION, (*values[2:], checksum("sessions", values), row.sid, expected)
+    )
+    return cursor.rowcount == 1
+
+
+def delete_session(conn: psycopg.Connection[Any], sid: int) -> None:
+    """Delete the rows of ``sid`` in every table."""
+    for table in ("effects", "batches", "snapshots", "sessions"):
+        conn.execute(f"DELETE FROM {SCHEMA}.{table} WHERE sid = %s", (sid,))  # noqa: S608 - fixed names
+
+
+# -- snapshots -----------------------------------------------------------------
+
+_SELECT_SNAPSHOT = (
+    f"SELECT sid, revision, schema_version, body, crc FROM {SCHEMA}.snapshots "  # noqa: S608 - fixed names
+    "WHERE sid = %s AND revision <= %s ORDER BY revision DESC LIMIT 1"
+)
+_INSERT_SNAPSHOT = (
+    f"INSERT INTO {SCHEMA}.snapshots (sid, revision, schema_version, body, crc) "  # noqa: S608 - fixed names
+    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (sid, revision) DO UPDATE SET "
+    "schema_version = EXCLUDED.schema_version, body = EXCLUDED.body, crc = EXCLUDED.crc"
+)
+
+
+def read_snapshot(
+    conn: psycopg.Connection[Any], label: str, session_id: str, sid: int, upto: int
+) -> tuple[int, bytes, str] | None:
+    """The newest snapshot with ``revision <= upto``, checked: its revision, the codec's
+    session record (decompressed) and how errors name it; ``None`` if there is none."""
+    row = conn.execute(_SELECT_SNAPSHOT, (sid, upto)).fetchone()
+    if row is None:
+        return None
+    where = f"session {session_id!r} snapshot at revision {row[1]!r} (table snapshots)"
+    verify(label, where, "snapshots", tuple(row[:4]), row[4])
+    revision = typed(label, where, "revision", row[1], int)
+    _check_version(label, where, row[2])
+    body = stored_record(label, where, typed(label, where, "body", row[3], bytes), _JSON_START)
+    return revision, body, f"{where} in {label}"
+
+
+def insert_snapshot(conn: psycopg.Connection[Any], sid: int, revision: int, record: bytes) -> None:
+    """Store the codec's session ``record`` (compressed) as the snapshot of ``sid`` at
+    ``revision``, replacing one at the same revision."""
+    values = (sid, revision, SCHEMA_VERSION, compact(record))
+    conn.execute(_INSERT_SNAPSHOT, (*values, checksum("snapshots", values)))
+
+
+def prune_snapshots(conn: psycopg.Connection[Any], sid: int, newest: int) -> None:
+    """Delete the snapshots of ``sid`` that ``newest`` supersedes: all but 0 and ``newest``."""
+    conn.execute(
+        f"DELETE FROM {SCHEMA}.snapshots WHERE sid = %s AND revision > 0 AND revision < %s",  # noqa: S608 - fixed names
+        (sid, newest),
+    )
+
+
+# -- the log -------------------------------------------------------------------
+
+_BATCH_COLUMNS = "sid, revision, step, cycle, ts, effect_count, schema_version, crc"
+_EFFECT_COLUMNS = "sid, revision, position, schema_version, body, crc"
+_INSERT_BATCH = (
+    f"INSERT INTO {SCHEMA}.batches ({_BATCH_COLUMNS}) "  # noqa: S608 - fixed names
+    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
+)
+_INSERT_EFFECT = f"INSERT INTO {SCHEMA}.effects ({_EFFECT_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s)"  # noqa: S608 - fixed names
+_SELECT_BATCHES = (
+    f"SELECT {_BATCH_COLUMNS} FROM {SCHEMA}.batches "  # noqa: S608 - fixed names
+    "WHERE sid = %s AND revision > %s AND revision <= %s ORDER BY revision"
+)
+_SELECT_EFFECTS = (
+    f"SELECT {_EFFECT_COLUMNS} FROM {SCHEMA}.effects "  # noqa: S608 - fixed names
+    "WHERE sid = %s AND revision > %s AND revision <= %s ORDER BY revision, position"
+)
+
+
+def _log_rows(
+    conn: psycopg.Connection[Any], sid: int, after: int, upto: int
+) -> tuple[list[Any], list[Any]]:
+    """The batch rows and effect rows of ``sid`` with ``after < revision <= upto``, in order."""
+    batch_rows = conn.execute(_SELECT_BATCHES, (sid, after, upto)).fetchall()
+    effect_rows = conn.execute(_SELECT_EFFECTS, (sid, after, upto)).fetchall()
+    return batch_rows, effect_rows
+
+
+def read_log(
+    conn: psycopg.Connection[Any], label: str, session_id: str, sid: int, after: int, upto: int
+) -> list[EffectRows]:
+    """The batches with ``after < revision <= upto``, checked to be complete, not decoded.
+
+    Every row is checked against its checksum, row version and column types,
+    and each body decompressed; :class:`StoredDataError` for a row that does
+    not match, a missing batch or effect, or an orphan effect, naming the
+    table, revision and effect index.
+    """
+    batch_rows, effect_rows = _log_rows(conn, sid, after, upto)
+    log: list[EffectRows] = []
+    cursor = 0
+    for expected, row in enumerate(batch_rows, start=after + 1):
+        where = f"session {session_id!r} revision {row[1]!r}"
+        verify(label, f"{where} (table batches)", "batches", tuple(row[:7]), row[7])
+        revision = typed(label, where, "revision", row[1], int)
+        if revision != expected:
+            raise fail(label, f"session {session_id!r} revision {expected}", "the batch is missing")
+        _check_version(label, where, row[6])
+        count = typed(label, where, "effect_count", row[5], int)
+        records: list[bytes] = []
+        for position in range(count):
+            at = f"{where} effect {position}"
+            found = tuple(effect_rows[cursor][1:3]) if cursor < len(effect_rows) else None
+            if found != (revision, position):
+                raise fail(label, at, "the effect is missing")
+            effect_row = effect_rows[cursor]
+            cursor += 1
+            verify(label, f"{at} (table effects)", "effects", tuple(effect_row[:5]), effect_row[5])
+            _check_version(label, at, effect_row[3])
+            body = typed(label, at, "body", effect_row[4], bytes)
+            records.append(stored_record(label, at, body, _EFFECTS_START))
+        if cursor < len(effect_rows) and effect_rows[cursor][1] == revision:
+            raise fail(label, f"{where} effect {effect_rows[cursor][2]!r}", "orphan effect row")
+        log.append(
+            EffectRows(
+                revision=revision,
+                where=f"{label}: {where}",
+                step=typed(label, where, "step", row[2], str),
+                cycle=typed(label, where, "cycle", row[3], int),
+                timestamp=typed(label, where, "ts", row[4], float),
+                effects=tuple(records),
+            )
+        )
+    if len(log) != upto - after:
+        missing = after + len(log) + 1
+        raise fail(label, f"session {session_id!r} revision {missing}", "the batch is missing")
+    if cursor != len(effect_rows):
+        orphan = effect_rows[cursor]
+        raise fail(
+            label,
+            f"session {session_id!r} revision {orphan[1]!r} effect {orphan[2]!r}",
+            "orphan effect row",
+        )
+    return log
+
+
+def insert_batch(
+    conn: psycopg.Connection[Any],
+    sid: int,
+    revision: int,
+    step: str,
+    cycle: int,
+    timestamp: float,
+    bodies: Sequence[bytes],
+) -> None:
+    """Append one batch row and its effect rows (one ``executemany``), with their checksums."""
+    batch = (sid, revision, step, cycle, float(timestamp), len(bodies), SCHEMA_VERSION)
+    conn.execute(_INSERT_BATCH, (*batch, checksum("batches", batch)))
+    rows = []
+    for position, body in enumerate(bodies):
+        effect = (sid, revision, position, SCHEMA_VERSION, compact(body))
+        rows.append((*effect, checksum("effects", effect)))
+    with conn.cursor() as cursor:
+        cursor.executemany(_INSERT_EFFECT, rows)
+
+
+def copy_log(
+    conn: psycopg.Connection[Any], label: str, session_id: str, source: int, target: int, upto: int
+) -> None:
+    """Copy the batch and effect rows of ``source`` with ``revision <= upto`` to ``target``.
+
+    Each row is checked against its checksum, then written under ``target``
+    with a new one; bodies are not decoded. :class:`StoredDataError` for a row
+    that does not match (the caller's transaction rolls back: nothing written).
+    """
+    batch_rows, effect_rows = _log_rows(conn, source, 0, upto)
+    batches = []
+    for row in batch_rows:
+        where = f"session {session_id!r} revision {row[1]!r} (table batches)"
+        verify(label, where, "batches", tuple(row[:7]), row[7])
+        values = (target, *row[1:7])
+        batches.append((*values, checksum("batches", values)))
+    effects = []
+    for row in effect_rows:
+        where = f"session {session_id!r} revision {row[1]!r} effect {row[2]!r} (table effects)"
+        verify(label, where, "effects", tuple(row[:5]), row[5])
+        values = (target, *row[1:5])
+        effects.append((*values, checksum("effects", values)))
+    with conn.cursor() as cursor:
+        cursor.executemany(_INSERT_BATCH, batches)
+        cursor.executemany(_INSERT_EFFECT, effects)
+
+
+def no_snapshot(label: str, session_id: str) -> StoredDataError:
+    """The error for a session without its revision-0 snapshot."""
+    return StoredDataError(
+        f"invariant 8 (stored data is data): session {session_id!r} in {label} "
+        "has no snapshot at revision 0"
+    )

@@ -1,0 +1,221 @@
+"""The layout of :class:`~stepmachine.stores.PostgresStore`: schema, version check, transactions.
+
+Everything here is synchronous and runs in a worker thread, on a connection
+taken from the store's pool (``autocommit`` on, so every transaction is an
+explicit ``BEGIN ... COMMIT``). Reading and writing rows is :mod:`._postgres_rows`.
+
+Layout (schema version 1), in the PostgreSQL schema ``stepmachine`` (so the
+store shares a database with an application's own tables)::
+
+    schema_version(version PK, applied_at)        one row per migration applied
+    sessions(sid PK bigserial, session_id UNIQUE, revision, schema_version,
+             snapshot_revision, snapshot_bytes, pending_bytes, crc)
+    batches(sid, revision, step, cycle, ts, effect_count, schema_version, crc)
+    effects(sid, revision, position, schema_version, body, crc)
+    snapshots(sid, revision, schema_version, body, crc)
+
+The rows are those of :class:`~stepmachine.stores.SQLiteStore` (its schema
+version 3, see :mod:`._sqlite_schema`): ``sid`` is never reused (a sequence),
+effects are append-only, one row per effect, ``body`` is the codec's record,
+compressed with zlib when that pays (:func:`._sqlite_rows.compact`); every row
+carries ``crc``, the CRC-32 of :func:`._sqlite_schema.checksum` over the
+table's name and every other column, so a flipped bit or a row moved to
+another session, revision or position fails closed when read. The bodies are
+stored ``EXTERNAL`` (out of line, not compressed again by PostgreSQL).
+
+Versions: the database records each migration applied in
+``stepmachine.schema_version``; its version is the largest. A database of a
+newer version than :data:`SCHEMA_VERSION` is refused with
+:class:`~stepmachine.StoredDataError` before anything is written; so is a
+``stepmachine`` schema holding tables but no version table (not ours). A
+database without the schema gets it, in one transaction holding a
+transaction-level advisory lock (:data:`LOCK_KEY`), so stores opening one
+new database at once create it once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Final
+
+from stepmachine import StoredDataError
+
+if TYPE_CHECKING:
+    import psycopg
+
+__all__ = [
+    "LOCK_KEY",
+    "ROW_VERSIONS",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "describe",
+    "prepare_schema",
+    "transaction",
+]
+
+SCHEMA: Final = "stepmachine"
+"""The PostgreSQL schema (namespace) holding the store's tables."""
+
+SCHEMA_VERSION: Final = 1
+"""The schema version this code writes; it opens databases of this version or older."""
+
+ROW_VERSIONS: Final = (1,)
+"""The row versions this code reads."""
+
+LOCK_KEY: Final = 0x5354_4550_4D41_4348 >> 1  # "STEPMACH", kept positive for a bigint
+"""The advisory lock a migration holds for its transaction."""
+
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (
+        f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}",
+        f"""CREATE TABLE {SCHEMA}.schema_version (
+            version integer PRIMARY KEY,
+            applied_at timestamptz NOT NULL DEFAULT now()
+        )""",
+        # Leases (issue 10, next): lease_owner, lease_epoch and lease_expires_at
+        # join this row, outside its crc (they change without the log changing).
+        f"""CREATE TABLE {SCHEMA}.sessions (
+            sid bigserial PRIMARY KEY,
+            session_id text NOT NULL UNIQUE,
+            revision bigint NOT NULL,
+            schema_version integer NOT NULL,
+            snapshot_revision bigint NOT NULL,
+            snapshot_bytes bigint NOT NULL,
+            pending_bytes bigint NOT NULL,
+            crc bigint NOT NULL
+        )""",
+        f"""CREATE TABLE {SCHEMA}.batches (
+            sid bigint NOT NULL,
+            revision bigint NOT NULL,
+            step text NOT NULL,
+            cycle bigint NOT NULL,
+            ts double precision NOT NULL,
+            effect_count integer NOT NULL,
+            schema_version integer NOT NULL,
+            crc bigint NOT NULL,
+            PRIMARY KEY (sid, revision)
+        )""",
+        f"""CREATE TABLE {SCHEMA}.effects (
+            sid bigint NOT NULL,
+            revision bigint NOT NULL,
+            position integer NOT NULL,
+            schema_version integer NOT NULL,
+            body bytea NOT NULL,
+            crc bigint NOT NULL,
+            PRIMARY KEY (sid, revision, position)
+        )""",
+        f"""CREATE TABLE {SCHEMA}.snapshots (
+            sid bigint NOT NULL,
+            revision bigint NOT NULL,
+            schema_version integer NOT NULL,
+            body bytea NOT NULL,
+            crc bigint NOT NULL,
+            PRIMARY KEY (sid, revision)
+        )""",
+        # The store compresses bodies itself: PostgreSQL need not try again.
+        f"ALTER TABLE {SCHEMA}.effects ALTER COLUMN body SET STORAGE EXTERNAL",
+        f"ALTER TABLE {SCHEMA}.snapshots ALTER COLUMN body SET STORAGE EXTERNAL",
+    ),
+}
+"""The statements that bring a database from the previous version to each version."""
+
+_TABLES: Final = ("schema_version", "sessions", "batches", "effects", "snapshots")
+
+
+def describe(conn: psycopg.Connection[Any]) -> str:
+    """How errors name the database: its name, host and port (never a password)."""
+    info = conn.info
+    return f"PostgreSQL database {info.dbname!r} on {info.host}:{info.port}"
+
+
+@contextmanager
+def transaction(conn: psycopg.Connection[Any], *, write: bool) -> Iterator[None]:
+    """One transaction on an autocommit connection; commits when the block ends normally,
+    rolls back on any exception.
+
+    A write transaction runs at READ COMMITTED (whatever the server's default): the
+    store's compare-and-set is an ``UPDATE ... WHERE sid = %s AND revision =
+    %s``, and a write that must read the session row first locks it (``SELECT
+    ... FOR UPDATE``), so what it read stays current until it commits. A read
+    transaction is ``REPEATABLE READ, READ ONLY``: one snapshot for every
+    statement (a session row and the log it points to agree), and it never
+    fails with a serialization error.
+
+    Both are set on the connection (psycopg puts them in its ``BEGIN``), and they
+    stay set when the connection goes back to the pool: every transaction of the
+    store goes through here, which sets them each time.
+    """
+    from psycopg import IsolationLevel  # noqa: PLC0415 - psycopg is optional; it is here
+
+    # Set on the connection, these go into psycopg's BEGIN: no extra round trip.
+    conn.isolation_level = (
+        IsolationLevel.READ_COMMITTED if write else IsolationLevel.REPEATABLE_READ
+    )
+    conn.read_only = not write
+    with conn.transaction():
+        yield
+
+
+def prepare_schema(conn: psycopg.Connection[Any]) -> None:
+    """Refuse what is not ours or is newer; create the schema when it is missing.
+
+    Nothing is written before the version has been read and checked: a refused
+    database is left unchanged.
+
+    Raises:
+        StoredDataError: a ``stepmachine`` schema that is not a store's, or a
+            newer schema version.
+    """
+    label = describe(conn)
+    with transaction(conn, write=True):
+        if _stored_version(conn, label) == SCHEMA_VERSION:
+            return
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+        version = _stored_version(conn, label)  # another store may have migrated meanwhile
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            for statement in _MIGRATIONS[target]:
+                conn.execute(statement)
+            conn.execute(
+                f"INSERT INTO {SCHEMA}.schema_version (version) VALUES (%s)",  # noqa: S608 - fixed names
+                (target,),
+            )
+
+
+def _stored_version(conn: psycopg.Connection[Any], label: str) -> int:
+    """The database's schema version (0: no ``stepmachine`` schema yet), checked.
+
+    Raises:
+        StoredDataError: a newer version, or tables that are not a store's.
+    """
+    found = {
+        name
+        for (name,) in conn.execute(
+            "SELECT tablename FROM pg_catalog.pg_tables WHERE schemaname = %s", (SCHEMA,)
+        )
+    }
+    if "schema_version" not in found:
+        if found:
+            raise StoredDataError(
+                f"{label} has a {SCHEMA!r} schema that is not a stepmachine store: it has "
+                f"tables {sorted(found)!r} and no schema_version table; it was left unchanged"
+            )
+        return 0
+    query = f"SELECT max(version) FROM {SCHEMA}.schema_version"  # noqa: S608 - fixed names
+    row = conn.execute(query).fetchone()
+    version = None if row is None else row[0]
+    if not isinstance(version, int) or version < 1:
+        raise StoredDataError(f"{label} has a malformed schema_version table (max {version!r})")
+    if version > SCHEMA_VERSION:
+        raise StoredDataError(
+            f"{label} was written by stepmachine PostgreSQL schema version {version}; this "
+            f"version of stepmachine reads schema versions up to {SCHEMA_VERSION}. Upgrade "
+            "stepmachine to open it; the database was left unchanged"
+        )
+    missing = sorted(set(_TABLES) - found)
+    if missing:
+        raise StoredDataError(
+            f"{label}: its schema_version table says version {version}, but the tables "
+            f"{missing!r} are missing from schema {SCHEMA!r}; the database was left unchanged"
+        )
+    return version
