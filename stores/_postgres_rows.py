@@ -21,7 +21,7 @@ from stepmachine import StoredDataError
 
 from ._backend import EffectRows
 from ._postgres_schema import ROW_VERSIONS, SCHEMA, SCHEMA_VERSION
-from ._sqlite_rows import SessionRow, compact
+from ._sqlite_rows import SessionRow, assemble_log, check_row_version, compact
 from ._sqlite_rows import _fail as fail  # the stores' shared row-check vocabulary
 from ._sqlite_rows import _stored_record as stored_record
 from ._sqlite_rows import _typed as typed
@@ -52,10 +52,7 @@ _EFFECTS_START: Final = b"["
 
 
 def _check_version(label: str, where: str, version: object) -> None:
-    if not isinstance(version, int) or version not in ROW_VERSIONS:
-        readable = " and ".join(map(str, ROW_VERSIONS))
-        problem = f"record schema version is {version!r}, this code reads {readable}"
-        raise fail(label, where, problem)
+    check_row_version(label, where, version, ROW_VERSIONS)
 
 
 # -- sessions ------------------------------------------------------------------
@@ -235,57 +232,22 @@ def read_log(
 ) -> list[EffectRows]:
     """The batches with ``after < revision <= upto``, checked to be complete, not decoded.
 
-    Every row is checked against its checksum, row version and column types,
-    and each body decompressed; :class:`StoredDataError` for a row that does
-    not match, a missing batch or effect, or an orphan effect, naming the
-    table, revision and effect index.
+    Reads only those rows and checks them as SQLite's are
+    (:func:`._sqlite_rows.assemble_log`); every row version may hold a
+    compressed body.
     """
     batch_rows, effect_rows = _log_rows(conn, sid, after, upto)
-    log: list[EffectRows] = []
-    cursor = 0
-    for expected, row in enumerate(batch_rows, start=after + 1):
-        where = f"session {session_id!r} revision {row[1]!r}"
-        verify(label, f"{where} (table batches)", "batches", tuple(row[:7]), row[7])
-        revision = typed(label, where, "revision", row[1], int)
-        if revision != expected:
-            raise fail(label, f"session {session_id!r} revision {expected}", "the batch is missing")
-        _check_version(label, where, row[6])
-        count = typed(label, where, "effect_count", row[5], int)
-        records: list[bytes] = []
-        for position in range(count):
-            at = f"{where} effect {position}"
-            found = tuple(effect_rows[cursor][1:3]) if cursor < len(effect_rows) else None
-            if found != (revision, position):
-                raise fail(label, at, "the effect is missing")
-            effect_row = effect_rows[cursor]
-            cursor += 1
-            verify(label, f"{at} (table effects)", "effects", tuple(effect_row[:5]), effect_row[5])
-            _check_version(label, at, effect_row[3])
-            body = typed(label, at, "body", effect_row[4], bytes)
-            records.append(stored_record(label, at, body, _EFFECTS_START))
-        if cursor < len(effect_rows) and effect_rows[cursor][1] == revision:
-            raise fail(label, f"{where} effect {effect_rows[cursor][2]!r}", "orphan effect row")
-        log.append(
-            EffectRows(
-                revision=revision,
-                where=f"{label}: {where}",
-                step=typed(label, where, "step", row[2], str),
-                cycle=typed(label, where, "cycle", row[3], int),
-                timestamp=typed(label, where, "ts", row[4], float),
-                effects=tuple(records),
-            )
-        )
-    if len(log) != upto - after:
-        missing = after + len(log) + 1
-        raise fail(label, f"session {session_id!r} revision {missing}", "the batch is missing")
-    if cursor != len(effect_rows):
-        orphan = effect_rows[cursor]
-        raise fail(
-            label,
-            f"session {session_id!r} revision {orphan[1]!r} effect {orphan[2]!r}",
-            "orphan effect row",
-        )
-    return log
+    return assemble_log(
+        label,
+        session_id,
+        after,
+        upto,
+        batch_rows,
+        effect_rows,
+        row_versions=ROW_VERSIONS,
+        compressed_from=min(ROW_VERSIONS),
+        timestamp_column="ts",
+    )
 
 
 def insert_batch(

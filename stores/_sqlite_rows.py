@@ -86,14 +86,21 @@ def _verify(path: str, where: str, table: str, values: tuple[Any, ...], stored: 
         )
 
 
-def _check_version(path: str, where: str, version: object) -> int:
-    """The row's schema version, one of :data:`._sqlite_schema.ROW_VERSIONS`, or StoredDataError."""
-    if not isinstance(version, int) or version not in ROW_VERSIONS:
-        readable = " and ".join(map(str, ROW_VERSIONS))
+def check_row_version(
+    label: str, where: str, version: object, row_versions: tuple[int, ...]
+) -> int:
+    """The row's schema version, one of ``row_versions``, or StoredDataError."""
+    if not isinstance(version, int) or version not in row_versions:
+        readable = " and ".join(map(str, row_versions))
         raise _fail(
-            path, where, f"record schema version is {version!r}, this code reads {readable}"
+            label, where, f"record schema version is {version!r}, this code reads {readable}"
         )
     return version
+
+
+def _check_version(path: str, where: str, version: object) -> int:
+    """The row's schema version, one of :data:`._sqlite_schema.ROW_VERSIONS`, or StoredDataError."""
+    return check_row_version(path, where, version, ROW_VERSIONS)
 
 
 def _typed(path: str, where: str, column: str, value: Any, kind: type) -> Any:
@@ -325,61 +332,98 @@ def read_log(
 ) -> list[EffectRows]:
     """The batches with ``after < revision <= upto``, checked to be complete, not decoded.
 
-    Reads only those rows. Every row is checked against its checksum, schema
-    version and column types, and each effect body is decompressed (only a
-    row of version 3 or later may hold a compressed one);
-    :class:`StoredDataError` for a row that does not match, a missing batch or
-    effect, or an orphan effect, naming the table, revision and effect index.
-    Decoding the records is the core's (:mod:`._replay`).
+    Reads only those rows and checks them with :func:`assemble_log` (only a
+    row of version 3 or later may hold a compressed effect body). Decoding
+    the records is the core's (:mod:`._replay`).
     """
     batch_rows, effect_rows = _log_rows(conn, sid, after, upto)
+    return assemble_log(
+        path,
+        session_id,
+        after,
+        upto,
+        batch_rows,
+        effect_rows,
+        row_versions=ROW_VERSIONS,
+        compressed_from=COMPRESSED_EFFECTS_FROM,
+        timestamp_column="timestamp",
+    )
+
+
+def assemble_log(
+    label: str,
+    session_id: str,
+    after: int,
+    upto: int,
+    batch_rows: Sequence[Sequence[Any]],
+    effect_rows: Sequence[Sequence[Any]],
+    *,
+    row_versions: tuple[int, ...],
+    compressed_from: int,
+    timestamp_column: str,
+) -> list[EffectRows]:
+    """The batches in ``(after, upto]`` from their rows, as the SQL backends store them.
+
+    ``batch_rows`` are ``(sid, revision, step, cycle, timestamp, effect_count,
+    schema_version, crc)`` and ``effect_rows`` ``(sid, revision, position,
+    schema_version, body, crc)``, both in revision (and position) order. Every
+    row is checked against its checksum, row version (one of
+    ``row_versions``) and column types, and each effect body decompressed (a
+    row older than ``compressed_from`` may not hold a compressed one);
+    :class:`StoredDataError` for a row that does not match, a missing batch or
+    effect, or an orphan effect, naming ``label``, the table, revision and
+    effect index. Shared by SQLite and PostgreSQL.
+    """
     log: list[EffectRows] = []
     cursor = 0
     for expected, row in enumerate(batch_rows, start=after + 1):
         where = f"session {session_id!r} revision {row[1]!r}"
-        _verify(path, f"{where} (table batches)", "batches", tuple(row[:7]), row[7])
-        revision = _typed(path, where, "revision", row[1], int)
+        _verify(label, f"{where} (table batches)", "batches", tuple(row[:7]), row[7])
+        revision = _typed(label, where, "revision", row[1], int)
         if revision != expected:
-            raise _fail(path, f"session {session_id!r} revision {expected}", "the batch is missing")
-        _check_version(path, where, row[6])
-        count = _typed(path, where, "effect_count", row[5], int)
+            raise _fail(
+                label, f"session {session_id!r} revision {expected}", "the batch is missing"
+            )
+        check_row_version(label, where, row[6], row_versions)
+        count = _typed(label, where, "effect_count", row[5], int)
         records: list[bytes] = []
         for position in range(count):
             at = f"{where} effect {position}"
-            if cursor >= len(effect_rows) or effect_rows[cursor][1:3] != (revision, position):
-                raise _fail(path, at, "the effect is missing")
+            found = tuple(effect_rows[cursor][1:3]) if cursor < len(effect_rows) else None
+            if found != (revision, position):
+                raise _fail(label, at, "the effect is missing")
             effect_row = effect_rows[cursor]
             cursor += 1
-            _verify(path, f"{at} (table effects)", "effects", tuple(effect_row[:5]), effect_row[5])
-            version = _check_version(path, at, effect_row[3])
-            body = _typed(path, at, "body", effect_row[4], bytes)
-            if version < COMPRESSED_EFFECTS_FROM and body[:1] == _ZLIB_START:
+            _verify(label, f"{at} (table effects)", "effects", tuple(effect_row[:5]), effect_row[5])
+            version = check_row_version(label, at, effect_row[3], row_versions)
+            body = _typed(label, at, "body", effect_row[4], bytes)
+            if version < compressed_from and body[:1] == _ZLIB_START:
                 raise _fail(
-                    path,
+                    label,
                     at,
                     f"the effects row of schema version {version} holds a compressed body; "
-                    f"compressed effect records are written from version {COMPRESSED_EFFECTS_FROM}",
+                    f"compressed effect records are written from version {compressed_from}",
                 )
-            records.append(_stored_record(path, at, body, _EFFECTS_START))
+            records.append(_stored_record(label, at, body, _EFFECTS_START))
         if cursor < len(effect_rows) and effect_rows[cursor][1] == revision:
-            raise _fail(path, f"{where} effect {effect_rows[cursor][2]!r}", "orphan effect row")
+            raise _fail(label, f"{where} effect {effect_rows[cursor][2]!r}", "orphan effect row")
         log.append(
             EffectRows(
                 revision=revision,
-                where=f"{path}: {where}",
-                step=_typed(path, where, "step", row[2], str),
-                cycle=_typed(path, where, "cycle", row[3], int),
-                timestamp=_typed(path, where, "timestamp", row[4], float),
+                where=f"{label}: {where}",
+                step=_typed(label, where, "step", row[2], str),
+                cycle=_typed(label, where, "cycle", row[3], int),
+                timestamp=_typed(label, where, timestamp_column, row[4], float),
                 effects=tuple(records),
             )
         )
     if len(log) != upto - after:
         missing = after + len(log) + 1
-        raise _fail(path, f"session {session_id!r} revision {missing}", "the batch is missing")
+        raise _fail(label, f"session {session_id!r} revision {missing}", "the batch is missing")
     if cursor != len(effect_rows):
         orphan = effect_rows[cursor]
         raise _fail(
-            path,
+            label,
             f"session {session_id!r} revision {orphan[1]!r} effect {orphan[2]!r}",
             "orphan effect row",
         )
