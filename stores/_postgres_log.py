@@ -21,13 +21,13 @@ transaction the store opened (:func:`._postgres_schema.transaction`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from stepmachine import SessionExistsError, SessionNotFoundError
+from stepmachine import SessionExistsError
 
 from . import _postgres_rows as _rows
-from ._backend import Base, Cached, EffectRows, Marks, Moved, NewSnapshot, StoredBatch, Tail
+from ._backend import Marks
+from ._sql_txn import SQLTxn
 from ._sqlite_rows import SessionRow, marks_of
 
 if TYPE_CHECKING:
@@ -36,8 +36,11 @@ if TYPE_CHECKING:
 __all__ = ["PostgresTxn"]
 
 
-class PostgresTxn:
+class PostgresTxn(SQLTxn):
     """The core's view of one PostgreSQL transaction (see the module docstring).
+
+    Reading, the snapshot offered and the compare-and-set append are
+    :class:`._sql_txn.SQLTxn`'s, over :mod:`._postgres_rows`.
 
     Args:
         connection: a connection of the store's pool, inside a transaction.
@@ -45,88 +48,15 @@ class PostgresTxn:
         write: the transaction writes: session rows are read ``FOR UPDATE``.
     """
 
-    FORM: ClassVar[type[EffectRows]] = EffectRows
+    ROWS: ClassVar = _rows
+    STORE: ClassVar[str] = "PostgresStore"
 
     def __init__(self, connection: psycopg.Connection[Any], label: str, *, write: bool) -> None:
-        self.conn = connection
-        self.label = label
+        super().__init__(connection, label)
         self._write = write
-        self._rows: dict[str, SessionRow] = {}
 
-    def row(self, session_id: str) -> SessionRow:
-        """The checked session row, read once per transaction (locked when writing).
-
-        Raises:
-            SessionNotFoundError: no session has this id.
-        """
-        row = self._rows.get(session_id)
-        if row is None:
-            row = _rows.session_row(self.conn, self.label, session_id, lock=self._write)
-            if row is None:
-                raise SessionNotFoundError(session_id)
-            self._rows[session_id] = row
-        return row
-
-    def head(self, session_id: str) -> int | None:
-        """The revision in the session row."""
-        return self.row(session_id).revision
-
-    def tail(self, session_id: str, cached: Cached[SessionRow]) -> Tail[SessionRow] | Moved:
-        """The rows after the cached revision; Moved when the session was re-created."""
-        row = self.row(session_id)
-        if row.sid != cached.position.sid:
-            return Moved(rewritten=False)
-        if row.revision < cached.session.revision:  # revisions only grow: a restored backup
-            return Moved(rewritten=True, remedy="open a new PostgresStore")
-        return self.records(session_id, cached.session.revision, None, None)
-
-    def bases(self, session_id: str, upto: int | None) -> Iterator[Base[SessionRow]]:
-        """The newest snapshot at or before ``upto`` (there is always one at 0)."""
-        row = self.row(session_id)
-        last = row.revision if upto is None else upto
-        found = _rows.read_snapshot(self.conn, self.label, session_id, row.sid, last)
-        if found is None:
-            raise _rows.no_snapshot(self.label, session_id)
-        revision, record, where = found
-        yield Base(revision, record, where, row)
-
-    def records(
-        self, session_id: str, after: int, upto: int | None, start: SessionRow | None
-    ) -> Tail[SessionRow]:
-        """The batches in ``(after, upto]``, read from the batch and effect rows."""
-        del start  # rows are found by revision
-        row = self.row(session_id)
-        last = row.revision if upto is None else upto
-        log = _rows.read_log(self.conn, self.label, session_id, row.sid, after, last)
-        return Tail(log, row, marks_of(row), self.label)
-
-    def append(
-        self,
-        session_id: str,
-        at: SessionRow,
-        batch: StoredBatch,
-        marks: Marks,
-        snapshot: NewSnapshot | None,
-    ) -> SessionRow | None:
-        """The compare-and-set ``UPDATE``, the batch row, its effect rows and the snapshot.
-
-        Nothing is read: the ``UPDATE``'s row count proves the session row is
-        still ``at``. With leases (next), the same ``UPDATE`` will also name
-        the holder's owner and epoch, and a fenced-off holder will get the
-        lease error instead of None.
-        """
-        assert isinstance(batch, EffectRows)  # FORM says so
-        moved = SessionRow(at.sid, batch.revision, *marks)
-        if not _rows.advance_session_row(self.conn, session_id, at.revision, moved):
-            self._rows.pop(session_id, None)
-            return None
-        header = (batch.revision, batch.step, batch.cycle, batch.timestamp)
-        _rows.insert_batch(self.conn, at.sid, *header, batch.effects)
-        if snapshot is not None:
-            _rows.insert_snapshot(self.conn, at.sid, snapshot.revision, snapshot.record)
-            _rows.prune_snapshots(self.conn, at.sid, snapshot.revision)
-        self._rows[session_id] = moved
-        return moved
+    def _read_row(self, session_id: str) -> SessionRow | None:
+        return _rows.session_row(self.conn, self.label, session_id, lock=self._write)
 
     def create(self, session_id: str, record: bytes) -> tuple[SessionRow, Marks]:
         """The session row and its revision-0 snapshot."""
@@ -142,7 +72,3 @@ class PostgresTxn:
         """The session's rows in every table."""
         _rows.delete_session(self.conn, self.row(session_id).sid)
         self._rows.pop(session_id, None)
-
-    def unusable(self, session_id: str, base: Base[SessionRow], reason: str) -> None:
-        """Never called: the only base offered is the one a replay needs."""
-        del session_id, base, reason

@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from stepmachine import StoredDataError
-
 from ._backend import EffectRows
 from ._postgres_schema import ROW_VERSIONS, SCHEMA, SCHEMA_VERSION
 from ._sqlite_rows import SessionRow, assemble_log, check_row_version, compact
@@ -38,7 +36,6 @@ __all__ = [
     "insert_batch",
     "insert_session",
     "insert_snapshot",
-    "no_snapshot",
     "prune_snapshots",
     "read_log",
     "read_snapshot",
@@ -295,11 +292,3 @@ def copy_log(
     with conn.cursor() as cursor:
         cursor.executemany(_INSERT_BATCH, batches)
         cursor.executemany(_INSERT_EFFECT, effects)
-
-
-def no_snapshot(label: str, session_id: str) -> StoredDataError:
-    """The error for a session without its revision-0 snapshot."""
-    return StoredDataError(
-        f"invariant 8 (stored data is data): session {session_id!r} in {label} "
-        "has no snapshot at revision 0"
-    )
