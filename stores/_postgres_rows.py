@@ -19,8 +19,15 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ._backend import EffectRows
 from ._postgres_schema import ROW_VERSIONS, SCHEMA, SCHEMA_VERSION
-from ._sqlite_rows import SessionRow, assemble_log, check_row_version, compact
-from ._sqlite_rows import _fail as fail  # the stores' shared row-check vocabulary
+from ._sqlite_rows import (
+    SessionRow,
+    assemble_log,
+    batch_row_values,
+    check_row_version,
+    check_session_row,
+    compact,
+    copied_rows,
+)
 from ._sqlite_rows import _stored_record as stored_record
 from ._sqlite_rows import _typed as typed
 from ._sqlite_rows import _verify as verify
@@ -58,7 +65,6 @@ _SESSION_COLUMNS = (
     "session_id, sid, revision, schema_version, snapshot_revision, snapshot_bytes, "
     "pending_bytes, crc"
 )
-_SESSION_NAMES = ("sid", "revision", "snapshot_revision", "snapshot_bytes", "pending_bytes")
 _SELECT_SESSION = f"SELECT {_SESSION_COLUMNS} FROM {SCHEMA}.sessions WHERE session_id = %s"  # noqa: S608 - fixed names
 _SET_SESSION = (
     f"UPDATE {SCHEMA}.sessions SET revision = %s, schema_version = %s, "  # noqa: S608 - fixed names
@@ -70,20 +76,7 @@ _ADVANCE_SESSION = _SET_SESSION + " AND revision = %s"
 
 
 def _session_from(label: str, row: Sequence[Any], session_id: str | None = None) -> SessionRow:
-    """Check one ``sessions`` row (its :data:`_SESSION_COLUMNS`) and return it."""
-    stored_id = row[0]
-    name = stored_id if session_id is None else session_id
-    where = f"session {name!r} (table sessions, revision {row[2]!r} as stored)"
-    verify(label, where, "sessions", tuple(row[:7]), row[7])
-    if session_id is not None and stored_id != session_id:
-        raise fail(label, where, f"the row found for it holds session id {stored_id!r}")
-    _check_version(label, where, row[3])
-    values = [row[1], row[2], *row[4:7]]
-    for column, value in zip(_SESSION_NAMES, values, strict=True):
-        typed(label, where, column, value, int)
-    if min(values) < 0 or values[2] > values[1]:
-        raise fail(label, where, f"inconsistent session row {values!r} for {_SESSION_NAMES!r}")
-    return SessionRow(*values)
+    return check_session_row(label, row, session_id, ROW_VERSIONS)
 
 
 def session_row(
@@ -257,14 +250,10 @@ def insert_batch(
     bodies: Sequence[bytes],
 ) -> None:
     """Append one batch row and its effect rows (one ``executemany``), with their checksums."""
-    batch = (sid, revision, step, cycle, float(timestamp), len(bodies), SCHEMA_VERSION)
-    conn.execute(_INSERT_BATCH, (*batch, checksum("batches", batch)))
-    rows = []
-    for position, body in enumerate(bodies):
-        effect = (sid, revision, position, SCHEMA_VERSION, compact(body))
-        rows.append((*effect, checksum("effects", effect)))
+    batch, effects = batch_row_values(sid, revision, step, cycle, timestamp, bodies, SCHEMA_VERSION)
+    conn.execute(_INSERT_BATCH, batch)
     with conn.cursor() as cursor:
-        cursor.executemany(_INSERT_EFFECT, rows)
+        cursor.executemany(_INSERT_EFFECT, effects)
 
 
 def copy_log(
@@ -276,19 +265,7 @@ def copy_log(
     with a new one; bodies are not decoded. :class:`StoredDataError` for a row
     that does not match (the caller's transaction rolls back: nothing written).
     """
-    batch_rows, effect_rows = _log_rows(conn, source, 0, upto)
-    batches = []
-    for row in batch_rows:
-        where = f"session {session_id!r} revision {row[1]!r} (table batches)"
-        verify(label, where, "batches", tuple(row[:7]), row[7])
-        values = (target, *row[1:7])
-        batches.append((*values, checksum("batches", values)))
-    effects = []
-    for row in effect_rows:
-        where = f"session {session_id!r} revision {row[1]!r} effect {row[2]!r} (table effects)"
-        verify(label, where, "effects", tuple(row[:5]), row[5])
-        values = (target, *row[1:5])
-        effects.append((*values, checksum("effects", values)))
+    batches, effects = copied_rows(label, session_id, target, *_log_rows(conn, source, 0, upto))
     with conn.cursor() as cursor:
         cursor.executemany(_INSERT_BATCH, batches)
         cursor.executemany(_INSERT_EFFECT, effects)

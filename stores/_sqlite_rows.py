@@ -123,21 +123,28 @@ _SESSION_COLUMNS = (
 _SESSION_NAMES = ("sid", "revision", "snapshot_revision", "snapshot_bytes", "pending_bytes")
 
 
-def _session_from(path: str, row: Sequence[Any], session_id: str | None = None) -> SessionRow:
-    """Check one ``sessions`` row (its :data:`_SESSION_COLUMNS`) and return it."""
+def check_session_row(
+    label: str, row: Sequence[Any], session_id: str | None, row_versions: tuple[int, ...]
+) -> SessionRow:
+    """Check one ``sessions`` row (its :data:`_SESSION_COLUMNS`, the same in every SQL
+    backend) and return it; StoredDataError naming ``label`` otherwise."""
     stored_id = row[0]
     name = stored_id if session_id is None else session_id
     where = f"session {name!r} (table sessions, revision {row[2]!r} as stored)"
-    _verify(path, where, "sessions", tuple(row[:7]), row[7])
+    _verify(label, where, "sessions", tuple(row[:7]), row[7])
     if session_id is not None and stored_id != session_id:
-        raise _fail(path, where, f"the row found for it holds session id {stored_id!r}")
-    _check_version(path, where, row[3])
+        raise _fail(label, where, f"the row found for it holds session id {stored_id!r}")
+    check_row_version(label, where, row[3], row_versions)
     values = [row[1], row[2], *row[4:7]]
-    for name, value in zip(_SESSION_NAMES, values, strict=True):
-        _typed(path, where, name, value, int)
+    for column, value in zip(_SESSION_NAMES, values, strict=True):
+        _typed(label, where, column, value, int)
     if min(values) < 0 or values[2] > values[1]:
-        raise _fail(path, where, f"inconsistent session row {values!r} for {_SESSION_NAMES!r}")
+        raise _fail(label, where, f"inconsistent session row {values!r} for {_SESSION_NAMES!r}")
     return SessionRow(*values)
+
+
+def _session_from(path: str, row: Sequence[Any], session_id: str | None = None) -> SessionRow:
+    return check_session_row(path, row, session_id, ROW_VERSIONS)
 
 
 _SELECT_SESSION = f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE session_id = ?"  # noqa: S608
@@ -466,13 +473,29 @@ def insert_batch(
 
     The caller moves the session row to ``revision`` (:func:`write_session_row`).
     """
-    batch = (sid, revision, step, cycle, float(timestamp), len(bodies), SCHEMA_VERSION)
-    conn.execute(_INSERT_BATCH, (*batch, checksum("batches", batch)))
-    rows = []
+    batch, effects = batch_row_values(sid, revision, step, cycle, timestamp, bodies, SCHEMA_VERSION)
+    conn.execute(_INSERT_BATCH, batch)
+    conn.executemany(_INSERT_EFFECT, effects)
+
+
+def batch_row_values(
+    sid: int,
+    revision: int,
+    step: str,
+    cycle: int,
+    timestamp: float,
+    bodies: Sequence[bytes],
+    version: int,
+) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]]:
+    """The values of one batch row and of its effect rows (bodies as :func:`compact`
+    stores them), each with its checksum, written as row ``version``. Shared by the
+    SQL backends."""
+    batch = (sid, revision, step, cycle, float(timestamp), len(bodies), version)
+    effects = []
     for position, body in enumerate(bodies):
-        effect = (sid, revision, position, SCHEMA_VERSION, compact(body))
-        rows.append((*effect, checksum("effects", effect)))
-    conn.executemany(_INSERT_EFFECT, rows)
+        effect = (sid, revision, position, version, compact(body))
+        effects.append((*effect, checksum("effects", effect)))
+    return (*batch, checksum("batches", batch)), effects
 
 
 def copy_log(
@@ -485,18 +508,31 @@ def copy_log(
     for a row that does not match its checksum; nothing is then written (the
     caller's transaction rolls back).
     """
-    batch_rows, effect_rows = _log_rows(conn, source, 0, upto)
+    batches, effects = copied_rows(path, session_id, target, *_log_rows(conn, source, 0, upto))
+    conn.executemany(_INSERT_BATCH, batches)
+    conn.executemany(_INSERT_EFFECT, effects)
+
+
+def copied_rows(
+    label: str,
+    session_id: str,
+    target: int,
+    batch_rows: Sequence[Sequence[Any]],
+    effect_rows: Sequence[Sequence[Any]],
+) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """The batch and effect rows of a session, checked against their checksums and
+    moved to session ``target`` with new ones (bodies not decoded); StoredDataError
+    for a row that does not match. Shared by the SQL backends' ``copy_log``."""
     batches = []
     for row in batch_rows:
         where = f"session {session_id!r} revision {row[1]!r} (table batches)"
-        _verify(path, where, "batches", tuple(row[:7]), row[7])
+        _verify(label, where, "batches", tuple(row[:7]), row[7])
         values = (target, *row[1:7])
         batches.append((*values, checksum("batches", values)))
     effects = []
     for row in effect_rows:
         where = f"session {session_id!r} revision {row[1]!r} effect {row[2]!r} (table effects)"
-        _verify(path, where, "effects", tuple(row[:5]), row[5])
+        _verify(label, where, "effects", tuple(row[:5]), row[5])
         values = (target, *row[1:5])
         effects.append((*values, checksum("effects", values)))
-    conn.executemany(_INSERT_BATCH, batches)
-    conn.executemany(_INSERT_EFFECT, effects)
+    return batches, effects
