@@ -21,6 +21,8 @@ where::
         ├── EffectError               an effect does not apply to the session
         ├── HistoryError              conversation not provider-valid (invariant 4)
         ├── InvalidSessionIdError     an id a store cannot accept (also ValueError)
+        ├── LeaseLostError            a write with a lease that is no longer current
+        ├── SessionBusyError          another runner holds the session's lease
         ├── SessionExistsError
         ├── SessionNotFoundError      (also LookupError)
         ├── StoreClosedError          a store used after ``aclose()``
@@ -51,8 +53,10 @@ __all__ = [
     "HistoryError",
     "InvalidFieldError",
     "InvalidSessionIdError",
+    "LeaseLostError",
     "ModelError",
     "RunError",
+    "SessionBusyError",
     "SessionExistsError",
     "SessionNotFoundError",
     "StepContractError",
@@ -120,6 +124,49 @@ class ConflictError(RunError):
         super().__init__(
             f"invariant 3 (no lost updates): session {session_id!r} is at revision "
             f"{actual}, but the batch was computed from revision {expected}"
+        )
+
+
+class SessionBusyError(RunError):
+    """Another runner holds the session's lease, and the lease policy says not to wait.
+
+    Raised by ``run()`` with ``LeasePolicy(busy="fail")``, or with ``"wait"``
+    when ``wait_timeout`` passed. Nothing was written.
+
+    Attributes:
+        session_id: the session.
+        holder: who holds it (an owner string), and ``expires_in``: seconds until
+            its lease lapses without renewal (``None`` where leases do not lapse).
+    """
+
+    def __init__(self, session_id: str, holder: str, expires_in: float | None) -> None:
+        self.session_id = session_id
+        self.holder = holder
+        self.expires_in = expires_in
+        when = "" if expires_in is None else f" (lease expires in {expires_in:.1f} s)"
+        super().__init__(f"session {session_id!r} is being run by {holder!r}{when}")
+
+
+class LeaseLostError(RunError):
+    """A write carried a lease that is no longer the session's current one (fencing).
+
+    The lease expired and another runner claimed the session, or it was
+    released. Nothing of the refused write was stored; the run stops. Whatever
+    the new holder does next is decided from the stored session.
+
+    Attributes:
+        session_id: the session.
+        owner: the lost lease's owner; ``epoch``: its epoch.
+    """
+
+    def __init__(self, session_id: str, owner: str, epoch: int, why: str = "") -> None:
+        self.session_id = session_id
+        self.owner = owner
+        self.epoch = epoch
+        detail = f": {why}" if why else ""
+        super().__init__(
+            f"the lease of {owner!r} (epoch {epoch}) on session {session_id!r} is no longer "
+            f"current{detail}; nothing was written"
         )
 
 

@@ -24,6 +24,9 @@ from stepmachine import (
     Codec,
     ConflictError,
     Effect,
+    Lease,
+    LeaseHolder,
+    LeaseLostError,
     Message,
     Session,
     SessionExistsError,
@@ -33,6 +36,7 @@ from stepmachine import (
 
 from ._backend import BatchRecord, StoredBatch
 from ._ids import validate_session_id
+from ._memory_leases import MemoryLeases
 from ._replay import decode_batch, encode_batch, replay
 
 __all__ = ["MemoryStore"]
@@ -55,9 +59,13 @@ class MemoryStore:
     applies_batches: ClassVar[bool] = True
     """``apply`` applies each batch once and returns the session (see ``EffectHandler``)."""
 
+    leases_expire: ClassVar[bool] = True
+    """Leases lapse ``ttl`` seconds after the last claim or renewal (monotonic clock)."""
+
     def __init__(self, codec: Codec[Any] | None = None) -> None:
         self._codec: Codec[Any] = codec or Codec()
         self._sessions: dict[str, _Entry] = {}
+        self._leases = MemoryLeases()
 
     @property
     def codec(self) -> Codec[Any]:
@@ -94,12 +102,14 @@ class MemoryStore:
         await anyio.lowlevel.checkpoint()
         return self._entry(session_id).current
 
-    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
+    async def apply(self, batch: Batch[Effect], *, lease: Lease | None = None) -> Session[Any]:
         """Append ``batch`` if the session is at ``batch.revision - 1``; all or nothing.
 
-        Returns the session after the batch, rebuilt from the stored copy.
+        Returns the session after the batch, rebuilt from the stored copy. With
+        ``lease``, only while it is the session's current, unexpired lease.
 
         Raises:
+            LeaseLostError: ``lease`` is not current; nothing was written.
             ConflictError: the session is at another revision.
             SessionNotFoundError: no such session.
             EffectError: an effect does not apply.
@@ -107,6 +117,8 @@ class MemoryStore:
         """
         await anyio.lowlevel.checkpoint()
         entry = self._entry(batch.session_id)
+        if lease is not None:
+            self._leases.check(_for(lease, batch.session_id))
         if entry.current.revision != batch.revision - 1:
             raise ConflictError(batch.session_id, batch.revision - 1, entry.current.revision)
         where = f"session {batch.session_id!r} revision {batch.revision}"
@@ -126,6 +138,7 @@ class MemoryStore:
         await anyio.lowlevel.checkpoint()
         self._entry(session_id)
         del self._sessions[session_id]
+        self._leases.forget(session_id)
 
     async def load_at(self, session_id: str, revision: int) -> Session[Any]:
         """The session as it was at ``revision``, rebuilt from the stored log.
@@ -150,5 +163,44 @@ class MemoryStore:
         after = max(after, 0)
         return [decode_batch(self._codec, session_id, stored) for stored in entry.batches[after:]]
 
+    # -- leases (see stepmachine.Leases) --------------------------------------------
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
+        """Claim the session's lease for ``owner``, or say who holds it (``Leases.claim``)."""
+        await anyio.lowlevel.checkpoint()
+        self._entry(session_id)
+        return self._leases.claim(session_id, owner, ttl)
+
+    async def claim_next(self, owner: str, ttl: float) -> Lease | None:
+        """Claim a session with a pending run and no live lease (``Leases.claim_next``)."""
+        await anyio.lowlevel.checkpoint()
+        return self._leases.claim_next(sorted(self._sessions), owner, ttl)
+
+    async def request_run(self, session_id: str) -> None:
+        """Mark the session as having a pending run (``Leases.request_run``)."""
+        await anyio.lowlevel.checkpoint()
+        self._entry(session_id)
+        self._leases.request_run(session_id)
+
+    async def renew(self, lease: Lease) -> Lease:
+        """Extend ``lease`` by its ttl; ``LeaseLostError`` when it is not current."""
+        await anyio.lowlevel.checkpoint()
+        self._entry(lease.session_id)
+        return self._leases.renew(lease)
+
+    async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:
+        """Let go of ``lease`` (``Leases.release``)."""
+        await anyio.lowlevel.checkpoint()
+        return self._leases.release(lease, unless_requested=unless_requested)
+
     async def aclose(self) -> None:
         """Nothing to release."""
+
+
+def _for(lease: Lease, session_id: str) -> Lease:
+    """``lease``, when it is a lease of ``session_id``; a lease of another session is lost."""
+    if lease.session_id != session_id:
+        raise LeaseLostError(
+            session_id, lease.owner, lease.epoch, f"it is a lease of {lease.session_id!r}"
+        )
+    return lease

@@ -1,0 +1,215 @@
+"""Leases with fencing: at most one runner per session at a time, across processes.
+
+Two ``run()`` calls on one session used to race: the second read the first's
+in-flight tool intents as a crash and answered a call that was still running
+"outcome unknown". A *lease* keeps them apart. A runner *claims* the session
+before its first cycle and *releases* it (shielded) when the run returns; while
+it holds the lease, a second ``run()`` follows the caller's :class:`LeasePolicy`:
+wait, fail fast with :class:`~stepmachine.SessionBusyError`, or queue the turn
+for the holder.
+
+The store keeps the lease (the :class:`Leases` capability); the shipped stores
+have it:
+
+- :class:`~stepmachine.stores.PostgresStore`: columns of the session row
+  (owner, epoch, expiry on the server's clock). A lease *expires* unless renewed
+  (the machine renews every ``ttl / 3`` in the background), so a machine that
+  died or was partitioned away loses it and another takes over.
+- :class:`~stepmachine.stores.SQLiteStore`, :class:`~stepmachine.stores.FileStore`:
+  the operating system's lock on a lock file (one machine, several processes). It
+  is held exactly as long as the holding process lives: no clock, no expiry, and
+  renewing is free.
+- :class:`~stepmachine.stores.MemoryStore`: in this process, with expiry.
+
+*Fencing.* Every claim gets a new ``epoch`` (a number that only grows). The
+machine writes its batches through ``apply(batch, lease=lease)``: the store
+accepts the batch only while ``lease`` is the current one, in the same atomic
+step as the compare-and-set on the revision. A holder that was paused past its
+lease's expiry and wakes after another runner claimed the session is refused
+with :class:`~stepmachine.LeaseLostError`, whatever it had computed: it can
+never write after the takeover.
+
+Writes without a lease (``submit()``: user messages, approvals, events) are not
+fenced, only compare-and-set: they are what the holder's next cycle reads.
+
+*Queued turns.* :meth:`Leases.request_run` records that the session has work
+(a pending-run mark on the session). A claim takes the mark (the claimer will
+run); the holder's ``release(lease, unless_requested=True)`` refuses to release
+while the mark is set, and takes it, so a turn requested while the session was
+held is run by the holder before it lets go (the machine does this); a holder
+that dies leaves the mark, and :meth:`Leases.claim_next` (a worker pool's loop)
+finds the session once the lease is free or expired.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+import msgspec
+
+from ._codec import Batch
+from ._effects import Effect
+from ._errors import ConfigurationError
+from ._session import Session
+
+__all__ = ["Lease", "LeaseHolder", "LeasePolicy", "Leases", "new_owner"]
+
+Busy = Literal["wait", "fail", "queue"]
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """A runner's claim on a session; present it with every write (fencing).
+
+    Attributes:
+        session_id: the session leased.
+        owner: who holds it (one string per run; see :func:`new_owner`).
+        epoch: the claim's number; every claim of the session gets a greater one.
+        ttl: seconds the lease lasts without a renewal (stores whose lease is an
+            operating-system lock ignore it: theirs lasts as long as the process).
+    """
+
+    session_id: str
+    owner: str
+    epoch: int
+    ttl: float
+
+
+class LeaseHolder(msgspec.Struct, frozen=True):
+    """Who holds a session, as a failed claim sees it.
+
+    Attributes:
+        owner: the holder's owner string.
+        expires_in: seconds until the lease expires without a renewal, or
+            ``None`` where leases do not expire (an operating-system lock).
+    """
+
+    owner: str
+    expires_in: float | None = None
+
+
+@runtime_checkable
+class Leases(Protocol):
+    """The lease capability of a store (the shipped stores have it).
+
+    Every method raises :class:`~stepmachine.SessionNotFoundError` for a session
+    that does not exist (``claim_next`` excepted) and
+    :class:`~stepmachine.StoreClosedError` after ``aclose``. The
+    behaviour each promises is checked by
+    :class:`stepmachine.testing.leases.LeaseConformance`.
+    """
+
+    leases_expire: ClassVar[bool]
+    """Whether a lease lapses when not renewed (``ttl``); False for OS locks."""
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
+        """Claim the session for ``owner``: the new :class:`Lease`, or who holds it.
+
+        Succeeds when nobody holds the session or the holder's lease expired;
+        then the epoch grows and the session's pending-run mark is taken. A claim
+        by the current holder's own ``owner`` string is *not* a renewal: it gets
+        :class:`LeaseHolder` like any other (one owner string per run).
+        """
+        ...
+
+    async def claim_next(self, owner: str, ttl: float) -> Lease | None:
+        """Claim some session that has a pending-run mark and no live lease, or ``None``.
+
+        Sessions are taken without waiting on each other (``SKIP LOCKED`` or
+        the like); which one is unspecified, but a session is never given to two
+        claimers at once.
+        """
+        ...
+
+    async def request_run(self, session_id: str) -> None:
+        """Mark the session as having work: its holder, or the next claimer, runs it."""
+        ...
+
+    async def renew(self, lease: Lease) -> Lease:
+        """Extend ``lease`` by its ttl from now; the same lease (same epoch) back.
+
+        Raises:
+            LeaseLostError: ``lease`` is not the current lease (expired and
+                claimed by another, or released).
+        """
+        ...
+
+    async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:
+        """Let go of ``lease``; ``True`` when released.
+
+        With ``unless_requested``, a set pending-run mark is taken instead and
+        the lease kept (``False``): the holder runs the requested turn, then
+        releases again. Releasing a lease that is no longer current does nothing
+        and returns ``True`` (it was lost already; nothing can be written with it).
+        """
+        ...
+
+    async def apply(self, batch: Batch[Effect], *, lease: Lease | None = None) -> Session[Any]:
+        """``EffectHandler.apply``, fenced by ``lease`` when one is given.
+
+        Raises:
+            LeaseLostError: ``lease`` is not the session's current lease; nothing
+                was written. Checked with the compare-and-set, atomically.
+            ConflictError: the revision moved on (as without a lease).
+        """
+        ...
+
+
+def new_owner(prefix: str = "") -> str:
+    """A fresh owner string: host, process id and a random part (one per run)."""
+    host = socket.gethostname() or "host"
+    return f"{prefix}{host}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True, slots=True)
+class LeasePolicy:
+    """How ``run()`` claims its session when the store has leases.
+
+    Args:
+        busy: what a ``run()`` does when another runner holds the session:
+            ``"wait"`` until it is released (or expires), ``"fail"`` at once with
+            :class:`~stepmachine.SessionBusyError`, or ``"queue"``: mark the
+            session as having a pending turn and return at once with reason
+            ``queued`` (the holder runs the turn before it releases; if the
+            holder dies, the next claimer does).
+        ttl: seconds a lease lasts without renewal; the machine renews every
+            ``ttl / 3``. A runner that stops renewing (a dead or partitioned
+            machine) loses the session after ``ttl``.
+        wait_timeout: with ``busy="wait"``, seconds to wait at most before
+            :class:`~stepmachine.SessionBusyError`; ``None`` waits as long as it
+            takes (cancel the run to stop waiting).
+        poll: the longest pause, in seconds, between two claims while waiting
+            (the first pauses are shorter).
+
+    Raises:
+        ConfigurationError: ``busy`` is not one of the three, or a duration is not > 0.
+    """
+
+    busy: Busy = "wait"
+    ttl: float = 30.0
+    wait_timeout: float | None = None
+    poll: float = 0.5
+
+    WAIT: ClassVar[Busy] = "wait"
+    FAIL: ClassVar[Busy] = "fail"
+    QUEUE: ClassVar[Busy] = "queue"
+
+    def __post_init__(self) -> None:
+        if self.busy not in ("wait", "fail", "queue"):
+            raise ConfigurationError(
+                f"LeasePolicy.busy must be 'wait', 'fail' or 'queue', got {self.busy!r}"
+            )
+        for name in ("ttl", "poll"):
+            _positive(name, getattr(self, name))
+        if self.wait_timeout is not None:
+            _positive("wait_timeout", self.wait_timeout)
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigurationError(
+            f"LeasePolicy.{name} must be a number of seconds > 0, got {value!r}"
+        )

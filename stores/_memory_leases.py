@@ -1,0 +1,88 @@
+"""The lease table of :class:`~stepmachine.stores.MemoryStore`: one process, with expiry.
+
+Each session has at most one :class:`_Slot`: the current lease (owner, epoch,
+expiry on the monotonic clock) and the pending-run mark. The epoch of a
+session only grows (a released slot keeps it). Every method is synchronous
+and called by the store between two of its own checkpoints, so operations
+from concurrent tasks never interleave.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from stepmachine import Lease, LeaseHolder, LeaseLostError
+
+__all__ = ["MemoryLeases"]
+
+
+@dataclass(slots=True)
+class _Slot:
+    epoch: int = 0
+    owner: str | None = None
+    expires_at: float = 0.0
+    requested: bool = False
+
+
+class MemoryLeases:
+    """Leases of sessions in this process (see :class:`~stepmachine.Leases`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._slots: dict[str, _Slot] = {}
+
+    def _live(self, slot: _Slot) -> bool:
+        return slot.owner is not None and slot.expires_at > self._clock()
+
+    def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
+        slot = self._slots.setdefault(session_id, _Slot())
+        if self._live(slot):
+            assert slot.owner is not None
+            return LeaseHolder(slot.owner, max(0.0, slot.expires_at - self._clock()))
+        slot.epoch += 1
+        slot.owner = owner
+        slot.expires_at = self._clock() + ttl
+        slot.requested = False
+        return Lease(session_id, owner, slot.epoch, ttl)
+
+    def claim_next(self, candidates: Iterable[str], owner: str, ttl: float) -> Lease | None:
+        for session_id in candidates:
+            slot = self._slots.get(session_id)
+            if slot is not None and slot.requested and not self._live(slot):
+                claimed = self.claim(session_id, owner, ttl)
+                assert isinstance(claimed, Lease)
+                return claimed
+        return None
+
+    def request_run(self, session_id: str) -> None:
+        self._slots.setdefault(session_id, _Slot()).requested = True
+
+    def check(self, lease: Lease) -> None:
+        """Raise :class:`LeaseLostError` unless ``lease`` is current and live."""
+        slot = self._slots.get(lease.session_id)
+        if slot is None or slot.owner != lease.owner or slot.epoch != lease.epoch:
+            raise LeaseLostError(lease.session_id, lease.owner, lease.epoch, "taken or released")
+        if not self._live(slot):
+            raise LeaseLostError(lease.session_id, lease.owner, lease.epoch, "expired")
+
+    def renew(self, lease: Lease) -> Lease:
+        self.check(lease)
+        self._slots[lease.session_id].expires_at = self._clock() + lease.ttl
+        return lease
+
+    def release(self, lease: Lease, *, unless_requested: bool) -> bool:
+        slot = self._slots.get(lease.session_id)
+        if slot is None or slot.owner != lease.owner or slot.epoch != lease.epoch:
+            return True
+        if unless_requested and slot.requested and self._live(slot):
+            slot.requested = False
+            return False
+        slot.owner = None
+        slot.expires_at = 0.0
+        return True
+
+    def forget(self, session_id: str) -> None:
+        """The session was deleted: its slot goes (a new session of that id starts over)."""
+        self._slots.pop(session_id, None)
