@@ -30,7 +30,7 @@ from ._errors import LeaseLostError, SessionBusyError, StoreClosedError
 from ._lease import Lease, LeaseHolder, LeasePolicy, Leases
 from ._session import Session
 
-__all__ = ["Fence", "claim", "hold", "release"]
+__all__ = ["Fence", "claim", "has_leases", "hold", "release", "renew_interval"]
 
 T = TypeVar("T")
 
@@ -112,7 +112,9 @@ async def hold(
 ) -> T:
     """``await work(fence)`` while renewing ``lease`` every ``renew_every`` seconds.
 
-    Does not release the lease (see :func:`release`).
+    Does not release the lease (see :func:`release`). A store whose leases do
+    not expire (``leases_expire`` False: held until released or the process
+    ends) has nothing to renew: the work runs without a renewal task.
 
     Raises:
         LeaseLostError: the renewal found the lease gone (the work was
@@ -120,6 +122,8 @@ async def hold(
         Exception: whatever ``work`` raises.
     """
     fence = Fence(store, lease)
+    if not store.leases_expire:  # held until released or the process ends: nothing to renew
+        return await work(fence)
     results: list[T] = []
     failure: BaseException | None = None
     async with anyio.create_task_group() as tg:
@@ -192,6 +196,15 @@ async def release(store: Leases, lease: Lease, *, unless_requested: bool) -> boo
                 detail=str(exc),
             )
     return True
+
+
+def has_leases(store: object) -> bool:
+    """Whether ``store`` has the :class:`Leases` capability, in O(1).
+
+    A store with leases declares ``leases_expire`` (a bool); the protocol's
+    ``isinstance`` check would inspect every method, at each run.
+    """
+    return isinstance(getattr(store, "leases_expire", None), bool)
 
 
 def renew_interval(lease: Lease) -> float:

@@ -19,7 +19,8 @@ have it:
   the operating system's lock on a lock file (one machine, several processes). It
   is held exactly as long as the holding process lives: no clock, no expiry, and
   renewing is free.
-- :class:`~stepmachine.stores.MemoryStore`: in this process, with expiry.
+- :class:`~stepmachine.stores.MemoryStore`: in this process, held until released
+  (``MemoryStore(expiring_leases=True)``: with expiry, to test takeovers).
 
 *Fencing.* Every claim gets a new ``epoch`` (a number that only grows). The
 machine writes its batches through ``apply(batch, lease=lease)``: the store
@@ -102,8 +103,10 @@ class Leases(Protocol):
     :class:`stepmachine.testing.leases.LeaseConformance`.
     """
 
-    leases_expire: ClassVar[bool]
-    """Whether a lease lapses when not renewed (``ttl``); False for OS locks."""
+    leases_expire: bool
+    """Whether a lease lapses when not renewed (``ttl``); False where a lease is held
+    until released or the holding process ends (OS locks). A run renews only
+    leases that lapse."""
 
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
         """Claim the session for ``owner``: the new :class:`Lease`, or who holds it.
@@ -160,8 +163,10 @@ class Leases(Protocol):
 
 def new_owner(prefix: str = "") -> str:
     """A fresh owner string: host, process id and a random part (one per run)."""
-    host = socket.gethostname() or "host"
-    return f"{prefix}{host}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+    return f"{prefix}{_HOST}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+_HOST = socket.gethostname() or "host"
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from types import EllipsisType
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import anyio
 import msgspec
@@ -61,7 +61,7 @@ from ._cycle import Decision, Interrupted, commit, offer
 from ._emitter import Emitter, EventSink, NullEmitter
 from ._errors import ConfigurationError
 from ._finalize import FINALIZE_STEP, INTERRUPTED, finalize, keep_interrupted, shielded
-from ._hold import Fence, claim, hold, release, renew_interval
+from ._hold import Fence, claim, has_leases, hold, release, renew_interval
 from ._lease import Lease, LeasePolicy, Leases, new_owner
 from ._model import PromptPart, ToolDefinition
 from ._retry import Conflicts
@@ -246,7 +246,7 @@ class StateMachine(Generic[D]):
         chosen = self.lease if lease is ... else lease
         store = runtime.store if runtime.handler is None else None
         if isinstance(chosen, Lease):
-            if not isinstance(store, Leases):
+            if not has_leases(store):
                 raise ConfigurationError(
                     "run() got a Lease, but the runtime's store has no leases "
                     "(or the runtime names its own effect handler)"
@@ -255,14 +255,15 @@ class StateMachine(Generic[D]):
                 raise ConfigurationError(
                     f"run() got a lease of session {chosen.session_id!r} to run {session_id!r}"
                 )
-            return await self._run_holding(runtime, store, chosen, emitter)
-        if chosen is None or not isinstance(store, Leases):
+            return await self._run_holding(runtime, cast(Leases, store), chosen, emitter)
+        if chosen is None or not has_leases(store):
             return await self._run_unleased(runtime, session_id, emitter)
         if not isinstance(chosen, LeasePolicy):
             raise ConfigurationError(
                 f"lease must be a LeasePolicy, a Lease or None, got {chosen!r}"
             )
-        claimed = await claim(store, session_id, new_owner(), chosen)
+        leases = cast(Leases, store)  # has_leases said so (the protocol's isinstance is slow)
+        claimed = await claim(leases, session_id, new_owner(), chosen)
         if claimed is None:
             session: Session[D] = await runtime.session_loader().load(session_id)
             reason = YieldReason(
@@ -270,7 +271,7 @@ class StateMachine(Generic[D]):
                 "another runner holds the session; it runs the queued turn before it lets go",
             )
             return RunReport(session, reason)
-        return await self._run_holding(runtime, store, claimed, emitter)
+        return await self._run_holding(runtime, leases, claimed, emitter)
 
     async def _run_holding(
         self, runtime: Runtime, store: Leases, lease: Lease, emitter: Emitter | None

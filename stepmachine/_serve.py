@@ -65,7 +65,7 @@ async def serve(
             names its own effect handler (writes could not be fenced).
     """
     store = runtime.store
-    if not isinstance(store, Leases) or runtime.handler is not None:
+    if not isinstance(store, Leases) or runtime.handler is not None:  # once per serve()
         raise ConfigurationError(
             "serve() needs a runtime whose store has leases (the shipped stores do) "
             "and no separate effect handler"

@@ -54,18 +54,25 @@ class MemoryStore:
 
     Args:
         codec: the application's codec (kernel effects and ``NoData`` by default).
+        expiring_leases: leases lapse unless renewed (see ``leases_expire``).
     """
 
     applies_batches: ClassVar[bool] = True
     """``apply`` applies each batch once and returns the session (see ``EffectHandler``)."""
 
-    leases_expire: ClassVar[bool] = True
-    """Leases lapse ``ttl`` seconds after the last claim or renewal (monotonic clock)."""
-
-    def __init__(self, codec: Codec[Any] | None = None) -> None:
+    def __init__(self, codec: Codec[Any] | None = None, *, expiring_leases: bool = False) -> None:
         self._codec: Codec[Any] = codec or Codec()
         self._sessions: dict[str, _Entry] = {}
-        self._leases = MemoryLeases()
+        self._leases = MemoryLeases(expire=expiring_leases)
+        self.leases_expire = expiring_leases
+        """Whether leases lapse ``ttl`` seconds after the last claim or renewal.
+
+        False by default: in one process a lease is held until it is released (a
+        run releases it, shielded, however it ends), like the lock-file stores'
+        leases, and a run needs no renewal task. ``expiring_leases=True`` makes
+        them lapse on the monotonic clock, as PostgreSQL's do: for tests of
+        takeover and fencing.
+        """
 
     @property
     def codec(self) -> Codec[Any]:

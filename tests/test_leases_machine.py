@@ -177,7 +177,7 @@ async def test_busy_queue_returns_and_the_holder_runs_the_turn() -> None:
 
 
 async def test_a_queued_turn_survives_a_holder_that_dies() -> None:
-    store = MemoryStore()
+    store = MemoryStore(expiring_leases=True)
     await store.create("s", conversation=[Message.user("hi", id="u1")])
     held = await store.claim("s", "doomed", 0.2)
     assert isinstance(held, Lease)
@@ -198,7 +198,7 @@ async def test_a_lost_lease_stops_the_run_and_nothing_later_is_stored() -> None:
         async def renew(self, lease: Lease) -> Lease:
             return lease  # pretend: the renewal never reaches the store
 
-    store = NoRenew()
+    store = NoRenew(expiring_leases=True)
     await store.create("s", conversation=[Message.user("pay 5", id="u1")])
     slow = Slow()
     model = ScriptedModel([call(("charge", {"amount": 5})), reply("paid")])
@@ -232,7 +232,7 @@ async def test_a_lease_lost_while_renewing_cancels_the_run() -> None:
         async def renew(self, lease: Lease) -> Lease:
             raise LeaseLostError(lease.session_id, lease.owner, lease.epoch, "revoked")
 
-    store = Revoked()
+    store = Revoked(expiring_leases=True)
     await store.create("s", conversation=[Message.user("pay 5", id="u1")])
     slow = Slow()
     model = ScriptedModel([call(("charge", {"amount": 5})), reply("paid")])
