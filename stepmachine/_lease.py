@@ -44,6 +44,7 @@ finds the session once the lease is free or expired.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import uuid
@@ -57,7 +58,7 @@ from ._effects import Effect
 from ._errors import ConfigurationError
 from ._session import Session
 
-__all__ = ["Lease", "LeaseHolder", "LeasePolicy", "Leases", "new_owner"]
+__all__ = ["MAX_OWNER", "Lease", "LeaseHolder", "LeasePolicy", "Leases", "check_claim", "new_owner"]
 
 Busy = Literal["wait", "fail", "queue"]
 
@@ -161,6 +162,31 @@ class Leases(Protocol):
         ...
 
 
+MAX_OWNER = 256
+"""Characters an owner string may have at most."""
+
+
+def check_claim(owner: object, ttl: object) -> None:
+    """Raise :class:`ValueError` unless ``owner`` and ``ttl`` are fit for a claim.
+
+    ``owner``: a non-empty string of at most :data:`MAX_OWNER` printable
+    characters (no control characters: owners are stored and shown);
+    ``ttl``: a finite number of seconds > 0. Every store checks both before it
+    touches anything.
+    """
+    if not isinstance(owner, str) or not owner or len(owner) > MAX_OWNER:
+        raise ValueError(f"a lease owner is a string of 1..{MAX_OWNER} characters, got {owner!r}")
+    if not owner.isprintable():
+        raise ValueError(f"a lease owner has no control characters, got {owner!r}")
+    if (
+        isinstance(ttl, bool)
+        or not isinstance(ttl, int | float)
+        or not math.isfinite(ttl)
+        or not ttl > 0
+    ):
+        raise ValueError(f"a lease ttl is a finite number of seconds > 0, got {ttl!r}")
+
+
 def new_owner(prefix: str = "") -> str:
     """A fresh owner string: host, process id and a random part (one per run)."""
     return f"{prefix}{_HOST}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
@@ -190,7 +216,8 @@ class LeasePolicy:
             (the first pauses are shorter).
 
     Raises:
-        ConfigurationError: ``busy`` is not one of the three, or a duration is not > 0.
+        ConfigurationError: ``busy`` is not one of the three, or a duration is not a
+            finite number > 0.
     """
 
     busy: Busy = "wait"
@@ -214,7 +241,12 @@ class LeasePolicy:
 
 
 def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not value > 0
+    ):
         raise ConfigurationError(
             f"LeasePolicy.{name} must be a number of seconds > 0, got {value!r}"
         )

@@ -33,6 +33,7 @@ from stepmachine import (
     SessionNotFoundError,
     apply_batch,
 )
+from stepmachine._lease import check_claim
 
 from ._backend import BatchRecord, StoredBatch
 from ._ids import validate_session_id
@@ -175,12 +176,14 @@ class MemoryStore:
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
         """Claim the session's lease for ``owner``, or say who holds it (``Leases.claim``)."""
         await anyio.lowlevel.checkpoint()
+        check_claim(owner, ttl)
         self._entry(session_id)
         return self._leases.claim(session_id, owner, ttl)
 
     async def claim_next(self, owner: str, ttl: float) -> Lease | None:
         """Claim a session with a pending run and no live lease (``Leases.claim_next``)."""
         await anyio.lowlevel.checkpoint()
+        check_claim(owner, ttl)
         return self._leases.claim_next(sorted(self._sessions), owner, ttl)
 
     async def request_run(self, session_id: str) -> None:

@@ -105,6 +105,28 @@ class LeaseConformance:
         with pytest.raises(SessionNotFoundError):
             await store.request_run("missing")
 
+    @pytest.mark.parametrize(
+        ("owner", "ttl"),
+        [
+            ("", TTL),
+            ("a\x00b", TTL),
+            ("x" * 1000, TTL),
+            (None, TTL),
+            ("a", 0),
+            ("a", -1.0),
+            ("a", float("nan")),
+            ("a", float("inf")),
+            ("a", True),
+        ],
+    )
+    async def test_bad_claims_are_refused(self, store: Any, owner: Any, ttl: Any) -> None:
+        await store.create("s")
+        with pytest.raises(ValueError, match="lease"):
+            await store.claim("s", owner, ttl)
+        with pytest.raises(ValueError, match="lease"):
+            await store.claim_next(owner, ttl)
+        await self._claimed(store, "s", "a")  # nothing was taken
+
     async def test_sessions_are_leased_apart(self, store: Any) -> None:
         await store.create("s")
         await store.create("t")
