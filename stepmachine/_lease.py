@@ -40,6 +40,13 @@ while the mark is set, and takes it, so a turn requested while the session was
 held is run by the holder before it lets go (the machine does this); a holder
 that dies leaves the mark, and :meth:`Leases.claim_next` (a worker pool's loop)
 finds the session once the lease is free or expired.
+
+*Abandoned leases.* A lease that lapsed (or whose process died) without being
+released belonged to a run that was cut short: its session has work too, and
+``claim_next`` gives it out like a marked one. So a worker that dies mid-turn
+is replaced by whichever worker claims next, and the turn finishes from the
+stored session; a run that *returns* (normally or with an error) releases its
+lease, and its session waits for the next request.
 """
 
 from __future__ import annotations
@@ -120,7 +127,10 @@ class Leases(Protocol):
         ...
 
     async def claim_next(self, owner: str, ttl: float) -> Lease | None:
-        """Claim some session that has a pending-run mark and no live lease, or ``None``.
+        """Claim some session with work and no live lease, or ``None``.
+
+        A session has work when its pending-run mark is set, or when its last
+        lease was abandoned (lapsed, or its process died, without a release).
 
         Sessions are taken without waiting on each other (``SKIP LOCKED`` or
         the like); which one is unspecified, but a session is never given to two

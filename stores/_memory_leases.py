@@ -54,7 +54,7 @@ class MemoryLeases:
     def claim_next(self, candidates: Iterable[str], owner: str, ttl: float) -> Lease | None:
         for session_id in candidates:
             slot = self._slots.get(session_id)
-            if slot is not None and slot.requested and not self._live(slot):
+            if slot is not None and _pending(slot) and not self._live(slot):
                 claimed = self.claim(session_id, owner, ttl)
                 assert isinstance(claimed, Lease)
                 return claimed
@@ -90,3 +90,8 @@ class MemoryLeases:
     def forget(self, session_id: str) -> None:
         """The session was deleted: its slot goes (a new session of that id starts over)."""
         self._slots.pop(session_id, None)
+
+
+def _pending(slot: _Slot) -> bool:
+    """A run was requested, or a holder never let go (its run was cut short)."""
+    return slot.requested or slot.owner is not None

@@ -308,6 +308,21 @@ class LeaseConformance:
         assert isinstance(busy, LeaseHolder)
         assert busy.owner == "b"
 
+    async def test_an_abandoned_lease_is_work_for_claim_next(self, store: Any) -> None:
+        if not store.leases_expire:
+            pytest.skip(f"{type(store).__name__}'s leases are abandoned only by a dead process")
+        await store.create("s")
+        await store.create("t")
+        await self._claimed(store, "s", "a", ttl=0.3)  # never released: the run was cut short
+        released = await self._claimed(store, "t", "b", ttl=0.3)
+        await store.release(released)
+        assert await store.claim_next("w", TTL) is None  # s's holder may still be alive
+        await anyio.sleep(0.6)
+        got = await store.claim_next("w", TTL)
+        assert isinstance(got, Lease)
+        assert got.session_id == "s"
+        assert await store.claim_next("w2", TTL) is None
+
     async def test_renewal_keeps_an_expiring_lease(self, store: Any) -> None:
         if not store.leases_expire:
             pytest.skip(f"{type(store).__name__}'s leases last as long as the process")
