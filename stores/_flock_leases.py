@@ -1,0 +1,543 @@
+"""Leases as operating-system file locks: the :class:`~stepmachine.Leases` of
+:class:`~stepmachine.stores.SQLiteStore` and :class:`~stepmachine.stores.FileStore`.
+
+What a store with these leases does (one machine, any number of processes and
+store instances):
+
+- A lease is an exclusive ``fcntl.flock`` on the session's lock file, taken
+  without waiting. It is held exactly as long as the store instance that
+  claimed it keeps it: until ``release``, ``aclose``, or the death of the
+  process (the kernel drops the lock, ``SIGKILL`` included). There is no clock
+  and no expiry (``leases_expire = False``); ``renew`` only checks, in memory,
+  that this instance still holds the lease. ``flock`` belongs to an open file
+  description, so two instances in one process exclude each other exactly as
+  two processes do. A process that ``fork``\\ s without ``exec`` shares its
+  descriptors with the child: the lock is then released only when both are gone.
+- ``claim`` gives the next epoch of the session (the last one, kept in a small
+  record file beside the lock, plus one) and records the new owner there, so a
+  failed claim reads who holds the session (``LeaseHolder(owner, None)``). The
+  counter survives the death of any process; it keeps growing for the id even
+  across ``delete`` (the lease files of a session are never removed).
+- The pending-run mark is an empty file. Marking, taking the mark with a claim,
+  ``claim_next``, and a holder's ``release(unless_requested=True)`` (look at
+  the mark, then take it or unlock) each run under one short store-wide *meta
+  lock* (a second ``flock``), so a ``request_run`` that returned is either seen
+  by the holder's release (which then returns ``False`` and keeps the lease) or
+  made after the unlock (and the next claimer takes it): it is never lost.
+  ``claim_next`` takes the sessions with a mark in id order, skipping those
+  another claimer holds; under the meta lock no two claimers interleave, and
+  the ``flock`` itself could not be taken twice anyway.
+- Fencing: ``apply(batch, lease=...)`` writes only while this instance holds
+  the session's lock under that owner and epoch (:meth:`FlockLeases.fenced`).
+  Checking this instance's table is enough: while the process lives and keeps
+  the descriptor open, no other claim can take the lock, so no newer epoch can
+  exist; and a release of that lease in this instance waits for the write (and a
+  write after it is refused).
+
+Durability: the epoch record is written to a temporary file and renamed over
+the old one, and a mark is a created file: both survive the death of any
+process at any instant. Neither is fsynced: after an operating-system crash a
+mark may be gone (request the run again) and the epoch counter may be back at
+an earlier value. That cannot weaken fencing: a crash ends every holder, and
+only a live holder's own instance accepts its lease.
+
+Layout of the lease folder (``<database>-leases`` beside an SQLite database,
+``.leases`` inside a FileStore folder; created 0o700 at the first lease
+operation, files 0o600). ``<name>`` is the session id encoded as lowercase
+base32 without padding: reversible, unique on case-insensitive filesystems, at
+most 205 characters::
+
+    meta.lock               the meta lock (only ever locked, empty)
+    sessions/<name>.lock    the session's lock (only ever locked, empty; never removed)
+    sessions/<name>.lease   the last claim: {"session_id", "epoch", "owner"}
+    sessions/<name>.tmp     the next .lease while it is written
+    runs/<name>             the session's pending-run mark (empty)
+
+Do not remove the folder while a process uses the store: a lock file made anew
+could be locked while the old one still is.
+
+Every file operation runs in an anyio worker thread, on asyncio and trio. The
+meta lock is tried without blocking; while another process holds it (for a
+few system calls), the task sleeps (cancellably) and tries again. On a platform
+without ``fcntl`` (Windows) every lease operation raises
+:class:`~stepmachine.ConfigurationError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import msgspec
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): the stores import, leases refuse
+    fcntl = None  # type: ignore[assignment]
+
+from stepmachine import (
+    ConfigurationError,
+    Lease,
+    LeaseHolder,
+    LeaseLostError,
+    SessionNotFoundError,
+    StepmachineError,
+    StoreClosedError,
+    StoredDataError,
+)
+
+from ._ids import validate_session_id
+
+__all__ = ["FlockLeaseMethods", "FlockLeases"]
+
+T = TypeVar("T")
+
+
+class _Claim(msgspec.Struct, frozen=True):
+    """The ``.lease`` record: the session's last claim."""
+
+    session_id: str
+    epoch: int
+    owner: str
+
+
+_claim_decoder = msgspec.json.Decoder(_Claim)
+
+
+@dataclass(slots=True)
+class _Held:
+    """A lease this instance holds: the locked descriptor, and a guard that a
+    fenced write and the release hold, so neither runs inside the other."""
+
+    lease: Lease
+    fd: int
+    guard: threading.Lock
+
+
+class _Busy:
+    """Returned by an attempt that found the meta lock taken."""
+
+
+_BUSY = _Busy()
+
+
+class FlockLeases:
+    """The leases of one store instance, kept as file locks in ``folder``.
+
+    Args:
+        folder: the lease folder (created at the first lease operation).
+        exists: raises :class:`~stepmachine.SessionNotFoundError` (or
+            :class:`~stepmachine.StoreClosedError`) unless the session exists.
+        name: the store, for messages ("SQLiteStore on /path").
+    """
+
+    def __init__(
+        self, folder: str, exists: Callable[[str], Awaitable[None]], name: str
+    ) -> None:
+        self.folder = folder
+        self._exists = exists
+        self._name = name
+        self._held: dict[str, _Held] = {}
+        self._table = threading.Lock()  # guards _held and _closed
+        self._closed = False
+        self._made = False
+
+    # -- the Leases operations -------------------------------------------------------
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
+        """The new lease (next epoch, the mark taken), or who holds the session."""
+        await self._exists(session_id)
+        return await self._meta(lambda: self._claim(session_id, owner, ttl))
+
+    async def claim_next(self, owner: str, ttl: float) -> Lease | None:
+        """Claim the first session (by id) with a mark and no holder, or ``None``.
+
+        A mark left by a session deleted meanwhile is dropped (its claim is
+        released again) and the next one is tried.
+        """
+        while True:
+            lease = await self._meta(lambda: self._claim_marked(owner, ttl))
+            if lease is None:
+                return None
+            try:
+                await self._exists(lease.session_id)
+            except SessionNotFoundError:
+                with anyio.CancelScope(shield=True):
+                    await self.release(lease)
+                continue
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.release(lease)
+                raise
+            return lease
+
+    async def request_run(self, session_id: str) -> None:
+        """Set the session's pending-run mark (an empty file, made under the meta lock)."""
+        await self._exists(session_id)
+        await self._meta(lambda: self._mark(session_id))
+
+    async def renew(self, lease: Lease) -> Lease:
+        """``lease`` itself while this instance holds it; no file is touched.
+
+        Raises:
+            LeaseLostError: this instance does not hold ``lease`` (released,
+                or claimed by another instance or process).
+        """
+        await anyio.lowlevel.checkpoint()
+        self._require_flock()
+        self._holding(lease, lease.session_id)
+        return lease
+
+    async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:
+        """Unlock ``lease`` (``True``), or, with ``unless_requested`` and a mark set,
+        take the mark and keep the lease (``False``). A lease this instance does
+        not hold: ``True``, nothing done."""
+        return await self._meta(lambda: self._release(lease, unless_requested))
+
+    async def forget(self, session_id: str) -> None:
+        """The session was deleted: drop its mark. Its lease files stay (module docstring)."""
+        if fcntl is not None:  # a plain unlink: whoever looks at the mark next sees it gone
+            await anyio.to_thread.run_sync(_remove, self._run_path(session_id))
+
+    async def close(self) -> None:
+        """Release every lease this instance holds (marks stay); later claims are refused.
+
+        Shielded from cancellation. Idempotent.
+        """
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._close)
+
+    @contextlib.contextmanager
+    def fenced(self, lease: Lease | None, session_id: str) -> Iterator[None]:
+        """Run the body (a write of ``session_id``) only while ``lease`` is held here.
+
+        Called in the worker thread that writes. ``None``: no check. The
+        lease's guard is held until the body ends, so a release of the lease in
+        this instance waits for the write.
+
+        Raises:
+            LeaseLostError: ``lease`` is for another session, or this instance
+                does not hold it (released, never claimed here, or superseded).
+        """
+        if lease is None:
+            yield
+            return
+        if lease.session_id != session_id:
+            raise LeaseLostError(
+                session_id, lease.owner, lease.epoch, f"it is a lease of {lease.session_id!r}"
+            )
+        self._require_flock()
+        held = self._holding(lease, session_id)
+        with held.guard:
+            if held.fd < 0:
+                raise LeaseLostError(session_id, lease.owner, lease.epoch, "released")
+            yield
+
+    # -- under the meta lock (worker thread) -------------------------------------------
+
+    def _claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
+        with self._table:
+            held = self._held.get(session_id)
+        if held is not None:  # held by this instance (the same owner string included)
+            return LeaseHolder(held.lease.owner, None)
+        fd = os.open(
+            self._lock_path(session_id),
+            os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+            0o600,
+        )
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                last = self._read_claim(session_id)
+                return LeaseHolder(last.owner if last else "(unknown)", None)
+            last = self._read_claim(session_id)
+            lease = Lease(session_id, owner, (last.epoch if last else 0) + 1, ttl)
+            held = _Held(lease, fd, threading.Lock())
+            with self._table:
+                if self._closed:
+                    raise StoreClosedError(f"{self._name} is closed")
+                self._held[session_id] = held
+                fd = -1  # kept open by the table: the lease
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        try:
+            self._write_claim(_Claim(session_id, lease.epoch, owner))
+            _remove(self._run_path(session_id))
+        except BaseException:
+            self._unlock(session_id, held)
+            raise
+        return lease
+
+    def _claim_marked(self, owner: str, ttl: float) -> Lease | None:
+        for session_id in self._marked():
+            claimed = self._claim(session_id, owner, ttl)
+            if isinstance(claimed, Lease):
+                return claimed
+        return None
+
+    def _marked(self) -> list[str]:
+        """The ids with a mark, sorted; files that name no valid id are skipped."""
+        ids = []
+        for name in os.listdir(os.path.join(self.folder, "runs")):
+            try:
+                ids.append(_decode(name))
+            except (ValueError, StepmachineError):
+                continue  # not ours
+        return sorted(ids)
+
+    def _mark(self, session_id: str) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        os.close(os.open(self._run_path(session_id), flags, 0o600))
+
+    def _release(self, lease: Lease, unless_requested: bool) -> bool:
+        with self._table:
+            held = self._held.get(lease.session_id)
+        if held is None or (held.lease.owner, held.lease.epoch) != (lease.owner, lease.epoch):
+            return True  # lost already, or never ours: nothing to do
+        if unless_requested and _remove(self._run_path(lease.session_id)):
+            return False
+        self._unlock(lease.session_id, held)
+        return True
+
+    # -- plumbing --------------------------------------------------------------------
+
+    async def _meta(self, work: Callable[[], T]) -> T:
+        """Run ``work()`` in a worker thread holding the meta lock.
+
+        Cancellation: a cancel while waiting for the meta lock does nothing;
+        once ``work`` runs it finishes and its result is returned, the cancel
+        landing at the caller's next checkpoint.
+        """
+        self._require_flock()
+        delay = 0.0005
+        while True:
+            with anyio.CancelScope(shield=True):
+                result = await anyio.to_thread.run_sync(self._try_meta, work)
+            if not isinstance(result, _Busy):
+                return result
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def _try_meta(self, work: Callable[[], T]) -> T | _Busy:
+        if not self._made:
+            for sub in ("sessions", "runs"):
+                os.makedirs(os.path.join(self.folder, sub), mode=0o700, exist_ok=True)
+            self._made = True
+        fd = os.open(
+            os.path.join(self.folder, "meta.lock"),
+            os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+            0o600,
+        )
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _BUSY
+            return work()
+        finally:
+            os.close(fd)  # releases the meta lock
+
+    def _holding(self, lease: Lease, session_id: str) -> _Held:
+        with self._table:
+            held = self._held.get(session_id)
+        if held is None or (held.lease.owner, held.lease.epoch) != (lease.owner, lease.epoch):
+            raise LeaseLostError(
+                session_id, lease.owner, lease.epoch, "this store instance does not hold it"
+            )
+        return held
+
+    def _unlock(self, session_id: str, held: _Held) -> None:
+        with held.guard:  # waits for a fenced write in flight
+            with self._table:
+                if self._held.get(session_id) is held:
+                    del self._held[session_id]
+            fd, held.fd = held.fd, -1
+            if fd >= 0:
+                os.close(fd)  # the kernel drops the lock
+
+    def _close(self) -> None:
+        with self._table:
+            self._closed = True
+            held = list(self._held.items())
+        for session_id, entry in held:
+            self._unlock(session_id, entry)
+
+    def _require_flock(self) -> None:
+        if fcntl is None or not hasattr(fcntl, "flock"):
+            raise ConfigurationError(
+                f"leases of {self._name} need POSIX file locks (fcntl.flock), which this "
+                f"platform (sys.platform={sys.platform!r}) does not have"
+            )
+
+    def _lock_path(self, session_id: str) -> str:
+        return os.path.join(self.folder, "sessions", _encode(session_id) + ".lock")
+
+    def _claim_path(self, session_id: str) -> str:
+        return os.path.join(self.folder, "sessions", _encode(session_id) + ".lease")
+
+    def _run_path(self, session_id: str) -> str:
+        return os.path.join(self.folder, "runs", _encode(session_id))
+
+    def _read_claim(self, session_id: str) -> _Claim | None:
+        """The session's last claim (``None``: never claimed).
+
+        Raises:
+            StoredDataError: the record is damaged or names another session.
+        """
+        path = self._claim_path(session_id)
+        try:
+            with open(path, "rb") as file:
+                data = file.read()
+        except FileNotFoundError:
+            return None
+        try:
+            claim = _claim_decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            raise StoredDataError(
+                f"{path}: the lease record of session {session_id!r} is damaged ({exc}); "
+                "remove the file to restart the session's epochs at 1"
+            ) from None
+        if claim.session_id != session_id:
+            raise StoredDataError(
+                f"{path}: the lease record of session {session_id!r} names "
+                f"{claim.session_id!r}"
+            )
+        return claim
+
+    def _write_claim(self, claim: _Claim) -> None:
+        """Replace the ``.lease`` record whole (temporary file, then rename)."""
+        path = self._claim_path(claim.session_id)
+        temp = path[: -len(".lease")] + ".tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(temp, flags, 0o600)
+        try:
+            data = msgspec.json.encode(claim)
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+
+
+class FlockLeaseMethods:
+    """The :class:`~stepmachine.Leases` methods of a store whose leases are file locks.
+
+    A store inherits them, sets ``self._leases`` to its :class:`FlockLeases`
+    and defines ``_check_open`` (raising
+    :class:`~stepmachine.StoreClosedError` once closed); its ``apply`` wraps
+    the write in ``self._leases.fenced(lease, session_id)`` and its ``delete``
+    calls ``self._leases.forget``.
+    """
+
+    leases_expire: ClassVar[bool] = False
+    """Leases are file locks held as long as the holder's store instance (and process)."""
+
+    _leases: FlockLeases
+
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
+        """Claim the session for ``owner``: a :class:`~stepmachine.Lease`, or who holds it.
+
+        The lease is this instance's lock on the session's lock file, held
+        until :meth:`release`, ``aclose`` or the end of the process; ``ttl`` is
+        kept in the lease but nothing expires. Its epoch is one more than the
+        session's last claim, and the pending-run mark is taken. A session held
+        by anyone (this instance and the same ``owner`` included) gives
+        ``LeaseHolder(owner, expires_in=None)``.
+
+        Raises:
+            InvalidSessionIdError: the id is not safe.
+            SessionNotFoundError: no session has this id.
+            StoreClosedError: the store is closed.
+            ConfigurationError: the platform has no ``fcntl.flock`` (Windows).
+
+        Cancellation: a cancel while waiting for the store-wide lock claims
+        nothing; once the claim runs, the lease is returned and the cancel
+        lands at the caller's next checkpoint (release it in a shielded
+        ``finally``).
+        """
+        self._check_open()
+        return await self._leases.claim(session_id, owner, ttl)
+
+    async def claim_next(self, owner: str, ttl: float) -> Lease | None:
+        """Claim the first session, by id, with a pending-run mark and no holder; or ``None``.
+
+        Never gives one session to two claimers (of any process). Raises and
+        cancels as :meth:`claim`.
+        """
+        self._check_open()
+        return await self._leases.claim_next(owner, ttl)
+
+    async def request_run(self, session_id: str) -> None:
+        """Set the session's pending-run mark (a file; it survives the death of any process).
+
+        The holder's ``release(lease, unless_requested=True)`` then takes it and
+        keeps the lease; without a holder, the next :meth:`claim` or
+        :meth:`claim_next` takes it. Raises as :meth:`claim`.
+        """
+        self._check_open()
+        await self._leases.request_run(session_id)
+
+    async def renew(self, lease: Lease) -> Lease:
+        """``lease`` itself while this instance holds it (nothing expires; no file is read).
+
+        Raises:
+            LeaseLostError: this instance does not hold ``lease``.
+            StoreClosedError: the store is closed.
+        """
+        self._check_open()
+        return await self._leases.renew(lease)
+
+    async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:
+        """Unlock ``lease``: ``True`` (see :meth:`stepmachine.Leases.release`).
+
+        With ``unless_requested`` and the pending-run mark set, the mark is
+        taken and the lease kept: ``False``. Looking at the mark and unlocking
+        are one step for every other process (a store-wide lock), so a
+        :meth:`request_run` that returned is never lost. A lease this instance
+        does not hold: ``True``, nothing done.
+
+        Raises:
+            StoreClosedError: the store is closed (its leases were released).
+
+        Cancellation: a cancel while waiting for the store-wide lock releases
+        nothing (call it shielded); once it runs, it finishes.
+        """
+        self._check_open()
+        return await self._leases.release(lease, unless_requested=unless_requested)
+
+
+def _encode(session_id: str) -> str:
+    """The file name of a (validated) session id: lowercase base32, no padding."""
+    return base64.b32encode(session_id.encode()).decode("ascii").rstrip("=").lower()
+
+
+def _decode(name: str) -> str:
+    """The session id a file name encodes; ``ValueError`` or an id error if none."""
+    raw = base64.b32decode(name.upper() + "=" * (-len(name) % 8))
+    session_id = validate_session_id(raw.decode("ascii"))
+    if _encode(session_id) != name:
+        raise ValueError(f"{name!r} is not the name of {session_id!r}")
+    return session_id
+
+
+def _remove(path: str) -> bool:
+    """Remove ``path``; whether it was there."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return False
+    return True
