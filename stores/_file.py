@@ -194,7 +194,10 @@ class FileStore(FlockLeaseMethods):
         self._core: LogCore[FilePos] = LogCore(codec, EveryN(snapshot_every), FileTxn.FORM)
         self._closed = False
         self._leases = FlockLeases(
-            os.path.join(folder, ".leases"), self._exists, f"FileStore on {folder}"
+            os.path.join(folder, ".leases"),
+            hop=_hop,
+            check=self._check_session,
+            name=f"FileStore on {folder}",
         )
 
     @classmethod
@@ -522,11 +525,10 @@ class FileStore(FlockLeaseMethods):
 
     # -- small helpers ----------------------------------------------------------
 
-    async def _exists(self, session_id: str) -> None:
-        """Raise :class:`~stepmachine.SessionNotFoundError` unless the session's log exists."""
-        self._check_open()
-        path = self._backend.log_path(session_id)
-        if not await anyio.to_thread.run_sync(os.path.lexists, path):
+    def _check_session(self, session_id: str) -> None:
+        """Raise :class:`~stepmachine.SessionNotFoundError` unless the session's log
+        exists (in a worker thread)."""
+        if not os.path.lexists(self._backend.log_path(session_id)):
             raise SessionNotFoundError(session_id)
 
     def _check_open(self) -> None:
@@ -538,6 +540,12 @@ class FileStore(FlockLeaseMethods):
         (:meth:`._file_backend.FileBackend.locked`)."""
         self._check_open()
         return await self._backend.locked(session_id, exclusive=exclusive, work=work)
+
+
+async def _hop(work: Callable[[], T]) -> T:
+    """Run ``work()`` in a worker thread (the leases' file work). Once started it
+    runs to its end and its result is returned; a cancel lands at the next checkpoint."""
+    return await anyio.to_thread.run_sync(work)
 
 
 def _make_folder(folder: str, fsync: bool) -> str:

@@ -13,11 +13,12 @@ store instances):
   description, so two instances in one process exclude each other exactly as
   two processes do. A process that ``fork``\\ s without ``exec`` shares its
   descriptors with the child: the lock is then released only when both are gone.
-- ``claim`` gives the next epoch of the session (the last one, kept in a small
-  record file beside the lock, plus one) and records the new owner there, so a
-  failed claim reads who holds the session (``LeaseHolder(owner, None)``). The
-  counter survives the death of any process; it keeps growing for the id even
-  across ``delete`` (the lease files of a session are never removed).
+- ``claim`` gives the next epoch of the session (the last one plus one) and
+  records it with the new owner in the lock file itself, so a failed claim
+  reads who holds the session (``LeaseHolder(owner, None)``). The counter
+  survives the death of any process; it keeps growing for the id even across
+  ``delete`` (lock files are never removed). An owner string must fit that
+  record (4 KiB with the session id; a longer one raises ``ValueError``).
 - The pending-run mark is an empty file. Marking, taking the mark with a claim,
   ``claim_next``, and a holder's ``release(unless_requested=True)`` (look at
   the mark, then take it or unlock) each run under one short store-wide *meta
@@ -34,12 +35,16 @@ store instances):
   exist; and a release of that lease in this instance waits for the write (and a
   write after it is refused).
 
-Durability: the epoch record is written to a temporary file and renamed over
-the old one, and a mark is a created file: both survive the death of any
-process at any instant. Neither is fsynced: after an operating-system crash a
-mark may be gone (request the run again) and the epoch counter may be back at
-an earlier value. That cannot weaken fencing: a crash ends every holder, and
-only a live holder's own instance accepts its lease.
+Durability: the record is one JSON line at the start of the lock file,
+overwritten by a single ``pwrite`` of at most one page (a process killed
+during it leaves the old record or the new one, never a mix; what a longer
+old record leaves after the newline is ignored), read and written only under
+the meta lock. A mark is a created file. Both survive the death of any process
+at any instant. Neither is fsynced: after an operating-system crash a mark may
+be gone (request the run again) and a record may be back at an earlier epoch,
+or damaged (:class:`~stepmachine.StoredDataError` naming the file; removing it
+restarts that session's epochs at 1). That cannot weaken fencing: a crash ends
+every holder, and only a live holder's own instance accepts its lease.
 
 Layout of the lease folder (``<database>-leases`` beside an SQLite database,
 ``.leases`` inside a FileStore folder; created 0o700 at the first lease
@@ -47,10 +52,9 @@ operation, files 0o600). ``<name>`` is the session id encoded as lowercase
 base32 without padding: reversible, unique on case-insensitive filesystems, at
 most 205 characters::
 
-    meta.lock               the meta lock (only ever locked, empty)
-    sessions/<name>.lock    the session's lock (only ever locked, empty; never removed)
-    sessions/<name>.lease   the last claim: {"session_id", "epoch", "owner"}
-    sessions/<name>.tmp     the next .lease while it is written
+    meta.lock               the meta lock (empty)
+    sessions/<name>.lock    the session's lock; holds {"session_id","epoch","owner"}
+                            of its last claim (never removed, never replaced)
     runs/<name>             the session's pending-run mark (empty)
 
 Do not remove the folder while a process uses the store: a lock file made anew
@@ -72,7 +76,7 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -95,22 +99,26 @@ from stepmachine import (
     StoredDataError,
 )
 
-from ._ids import validate_session_id
+from ._ids import MAX_SESSION_ID_LENGTH, validate_session_id
 
 __all__ = ["FlockLeaseMethods", "FlockLeases"]
 
 T = TypeVar("T")
 
 
-class _Claim(msgspec.Struct, frozen=True):
-    """The ``.lease`` record: the session's last claim."""
+RECORD_LIMIT = 4096
+"""The most bytes a lock file's record takes: one page, written by one ``pwrite``."""
+
+
+class _Record(msgspec.Struct, frozen=True):
+    """A lock file's content: the session's last claim, as one JSON line."""
 
     session_id: str
     epoch: int
     owner: str
 
 
-_claim_decoder = msgspec.json.Decoder(_Claim)
+_record_decoder = msgspec.json.Decoder(_Record)
 
 
 @dataclass(slots=True)
@@ -130,21 +138,29 @@ class _Busy:
 _BUSY = _Busy()
 
 
+class Hop(Protocol):
+    """The store's way into its worker thread: ``await hop(work)`` runs ``work()`` there."""
+
+    def __call__(self, work: Callable[[], T], /) -> Awaitable[T]: ...
+
+
 class FlockLeases:
     """The leases of one store instance, kept as file locks in ``folder``.
 
     Args:
         folder: the lease folder (created at the first lease operation).
-        exists: raises :class:`~stepmachine.SessionNotFoundError` (or
-            :class:`~stepmachine.StoreClosedError`) unless the session exists.
+        hop: runs a function in the store's worker thread and returns its
+            result (once started, to its end, whatever the cancellation);
+            raises :class:`~stepmachine.StoreClosedError` once the store is closed.
+        check: called inside ``hop`` with a session id; raises
+            :class:`~stepmachine.SessionNotFoundError` unless the session exists.
         name: the store, for messages ("SQLiteStore on /path").
     """
 
-    def __init__(
-        self, folder: str, exists: Callable[[str], Awaitable[None]], name: str
-    ) -> None:
+    def __init__(self, folder: str, *, hop: Hop, check: Callable[[str], None], name: str) -> None:
         self.folder = folder
-        self._exists = exists
+        self._hop = hop
+        self._check = check
         self._name = name
         self._held: dict[str, _Held] = {}
         self._table = threading.Lock()  # guards _held and _closed
@@ -155,35 +171,21 @@ class FlockLeases:
 
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
         """The new lease (next epoch, the mark taken), or who holds the session."""
-        await self._exists(session_id)
-        return await self._meta(lambda: self._claim(session_id, owner, ttl))
+        _check_owner(owner)
+        return await self._meta(lambda: self._claim(session_id, owner, ttl), session_id)
 
     async def claim_next(self, owner: str, ttl: float) -> Lease | None:
         """Claim the first session (by id) with a mark and no holder, or ``None``.
 
-        A mark left by a session deleted meanwhile is dropped (its claim is
-        released again) and the next one is tried.
+        A mark left by a session deleted meanwhile is dropped, and the next
+        one is tried.
         """
-        while True:
-            lease = await self._meta(lambda: self._claim_marked(owner, ttl))
-            if lease is None:
-                return None
-            try:
-                await self._exists(lease.session_id)
-            except SessionNotFoundError:
-                with anyio.CancelScope(shield=True):
-                    await self.release(lease)
-                continue
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await self.release(lease)
-                raise
-            return lease
+        _check_owner(owner)
+        return await self._meta(lambda: self._claim_marked(owner, ttl))
 
     async def request_run(self, session_id: str) -> None:
         """Set the session's pending-run mark (an empty file, made under the meta lock)."""
-        await self._exists(session_id)
-        await self._meta(lambda: self._mark(session_id))
+        await self._meta(lambda: self._mark(session_id), session_id)
 
     async def renew(self, lease: Lease) -> Lease:
         """``lease`` itself while this instance holds it; no file is touched.
@@ -249,41 +251,42 @@ class FlockLeases:
             held = self._held.get(session_id)
         if held is not None:  # held by this instance (the same owner string included)
             return LeaseHolder(held.lease.owner, None)
-        fd = os.open(
-            self._lock_path(session_id),
-            os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-            0o600,
-        )
+        path = self._lock_path(session_id)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                last = self._read_claim(session_id)
+                last = _read_record(fd, path, session_id)
                 return LeaseHolder(last.owner if last else "(unknown)", None)
-            last = self._read_claim(session_id)
+            last = _read_record(fd, path, session_id)
             lease = Lease(session_id, owner, (last.epoch if last else 0) + 1, ttl)
-            held = _Held(lease, fd, threading.Lock())
+            _write_record(fd, path, _Record(session_id, lease.epoch, owner))
             with self._table:
                 if self._closed:
                     raise StoreClosedError(f"{self._name} is closed")
-                self._held[session_id] = held
+                self._held[session_id] = _Held(lease, fd, threading.Lock())
                 fd = -1  # kept open by the table: the lease
         finally:
             if fd >= 0:
-                os.close(fd)
-        try:
-            self._write_claim(_Claim(session_id, lease.epoch, owner))
-            _remove(self._run_path(session_id))
-        except BaseException:
-            self._unlock(session_id, held)
-            raise
+                os.close(fd)  # unlocks, if locked
+        _remove(self._run_path(session_id))
         return lease
 
     def _claim_marked(self, owner: str, ttl: float) -> Lease | None:
         for session_id in self._marked():
             claimed = self._claim(session_id, owner, ttl)
-            if isinstance(claimed, Lease):
-                return claimed
+            if not isinstance(claimed, Lease):
+                continue  # held by another
+            try:
+                self._check(session_id)
+            except SessionNotFoundError:  # deleted (its mark is taken by the claim)
+                self._unlock(session_id, self._held[session_id])
+                continue
+            except BaseException:
+                self._unlock(session_id, self._held[session_id])
+                raise
+            return claimed
         return None
 
     def _marked(self) -> list[str]:
@@ -312,27 +315,33 @@ class FlockLeases:
 
     # -- plumbing --------------------------------------------------------------------
 
-    async def _meta(self, work: Callable[[], T]) -> T:
-        """Run ``work()`` in a worker thread holding the meta lock.
+    async def _meta(self, work: Callable[[], T], session_id: str | None = None) -> T:
+        """Run ``work()`` in the store's worker thread holding the meta lock,
+        after checking that ``session_id`` (if given) exists.
 
         Cancellation: a cancel while waiting for the meta lock does nothing;
         once ``work`` runs it finishes and its result is returned, the cancel
         landing at the caller's next checkpoint.
         """
         self._require_flock()
+        if session_id is not None:
+            validate_session_id(session_id)
         delay = 0.0005
         while True:
-            with anyio.CancelScope(shield=True):
-                result = await anyio.to_thread.run_sync(self._try_meta, work)
+            result = await self._hop(lambda: self._try_meta(work, session_id))
             if not isinstance(result, _Busy):
                 return result
             await anyio.sleep(delay)
             delay = min(delay * 2, 0.02)
 
-    def _try_meta(self, work: Callable[[], T]) -> T | _Busy:
+    def _try_meta(self, work: Callable[[], T], session_id: str | None) -> T | _Busy:
+        if session_id is not None:
+            self._check(session_id)
         if not self._made:
-            for sub in ("sessions", "runs"):
-                os.makedirs(os.path.join(self.folder, sub), mode=0o700, exist_ok=True)
+            subfolders = [os.path.join(self.folder, name) for name in ("sessions", "runs")]
+            for path in (self.folder, *subfolders):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(path, 0o700)  # owner-only (the umask can only narrow it)
             self._made = True
         fd = os.open(
             os.path.join(self.folder, "meta.lock"),
@@ -383,51 +392,8 @@ class FlockLeases:
     def _lock_path(self, session_id: str) -> str:
         return os.path.join(self.folder, "sessions", _encode(session_id) + ".lock")
 
-    def _claim_path(self, session_id: str) -> str:
-        return os.path.join(self.folder, "sessions", _encode(session_id) + ".lease")
-
     def _run_path(self, session_id: str) -> str:
         return os.path.join(self.folder, "runs", _encode(session_id))
-
-    def _read_claim(self, session_id: str) -> _Claim | None:
-        """The session's last claim (``None``: never claimed).
-
-        Raises:
-            StoredDataError: the record is damaged or names another session.
-        """
-        path = self._claim_path(session_id)
-        try:
-            with open(path, "rb") as file:
-                data = file.read()
-        except FileNotFoundError:
-            return None
-        try:
-            claim = _claim_decoder.decode(data)
-        except msgspec.DecodeError as exc:
-            raise StoredDataError(
-                f"{path}: the lease record of session {session_id!r} is damaged ({exc}); "
-                "remove the file to restart the session's epochs at 1"
-            ) from None
-        if claim.session_id != session_id:
-            raise StoredDataError(
-                f"{path}: the lease record of session {session_id!r} names "
-                f"{claim.session_id!r}"
-            )
-        return claim
-
-    def _write_claim(self, claim: _Claim) -> None:
-        """Replace the ``.lease`` record whole (temporary file, then rename)."""
-        path = self._claim_path(claim.session_id)
-        temp = path[: -len(".lease")] + ".tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
-        fd = os.open(temp, flags, 0o600)
-        try:
-            data = msgspec.json.encode(claim)
-            while data:
-                data = data[os.write(fd, data) :]
-        finally:
-            os.close(fd)
-        os.replace(temp, path)
 
 
 class FlockLeaseMethods:
@@ -462,6 +428,8 @@ class FlockLeaseMethods:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
             StoreClosedError: the store is closed.
+            ValueError: ``owner`` is too long for the lock file's record
+                (about 3.8 KB; :func:`~stepmachine.new_owner` gives ~50 bytes).
             ConfigurationError: the platform has no ``fcntl.flock`` (Windows).
 
         Cancellation: a cancel while waiting for the store-wide lock claims
@@ -541,3 +509,56 @@ def _remove(path: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def _read_record(fd: int, path: str, session_id: str) -> _Record | None:
+    """The record of the lock file open at ``fd`` (``None``: the session was never claimed).
+
+    Raises:
+        StoredDataError: the record does not decode or names another session.
+    """
+    line = os.pread(fd, RECORD_LIMIT, 0).split(b"\n", 1)[0]
+    if not line:
+        return None
+    try:
+        record = _record_decoder.decode(line)
+    except msgspec.DecodeError as exc:
+        raise StoredDataError(
+            f"{path}: the lease record of session {session_id!r} is damaged ({exc}); "
+            "remove the file (when no process holds the session) to restart its epochs at 1"
+        ) from None
+    if record.session_id != session_id:
+        raise StoredDataError(
+            f"{path}: the lease record of session {session_id!r} names {record.session_id!r}"
+        )
+    return record
+
+
+def _write_record(fd: int, path: str, record: _Record) -> None:
+    """Overwrite the record at the start of the lock file with one ``pwrite``.
+
+    What a longer record written before leaves after the newline is ignored.
+    """
+    data = _record_bytes(record)
+    if os.pwrite(fd, data, 0) != len(data):
+        raise OSError(f"{path}: the lease record was written short")
+
+
+def _check_owner(owner: str) -> None:
+    """Raise ``ValueError`` unless ``owner`` fits a record with any session id and epoch."""
+    _record_bytes(_Record("x" * MAX_SESSION_ID_LENGTH, 2**63, owner))
+
+
+def _record_bytes(record: _Record) -> bytes:
+    """The record as written: a JSON line of at most :data:`RECORD_LIMIT` bytes.
+
+    Raises:
+        ValueError: the owner string is too long for that.
+    """
+    data = msgspec.json.encode(record) + b"\n"
+    if len(data) > RECORD_LIMIT:
+        raise ValueError(
+            f"the owner string is too long for a lease record ({len(data)} bytes encoded with "
+            f"the session id, at most {RECORD_LIMIT}): {record.owner[:80]!r}..."
+        )
+    return data

@@ -212,7 +212,10 @@ class SQLiteStore(FlockLeaseMethods):
             codec, _SQLitePolicy(), SQLiteTxn.FORM, cache_size=_CACHE_SIZE
         )
         self._leases = FlockLeases(
-            os.path.abspath(path) + "-leases", self._exists, f"SQLiteStore on {path}"
+            os.path.abspath(path) + "-leases",
+            hop=self._hop,
+            check=self._check_session,
+            name=f"SQLiteStore on {path}",
         )
 
     @classmethod
@@ -581,15 +584,18 @@ class SQLiteStore(FlockLeaseMethods):
         if self._conn is None:
             raise StoreClosedError(f"SQLiteStore on {self._path} is closed")
 
-    async def _exists(self, session_id: str) -> None:
-        """Raise :class:`~stepmachine.SessionNotFoundError` unless the session exists."""
-        validate_session_id(session_id)
+    async def _hop(self, work: Callable[[], T]) -> T:
+        """Run ``work()`` as :meth:`_run` runs a transaction (the leases' file work)."""
+        return await self._run(lambda connection: work())
 
-        def run(connection: sqlite3.Connection) -> None:
-            with transaction(connection, write=False):
-                SQLiteTxn(connection, self._path).row(session_id)
-
-        await self._run(run)
+    def _check_session(self, session_id: str) -> None:
+        """Raise :class:`~stepmachine.SessionNotFoundError` unless the session exists
+        (in the worker thread, inside :meth:`_hop`)."""
+        connection = self._conn
+        if connection is None:
+            raise StoreClosedError(f"SQLiteStore on {self._path} is closed")
+        with transaction(connection, write=False):
+            SQLiteTxn(connection, self._path).row(session_id)
 
     async def __aenter__(self) -> SQLiteStore:
         return self
