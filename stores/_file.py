@@ -149,8 +149,16 @@ class FileStore(FlockLeaseMethods):
     is an exclusive ``fcntl.flock`` on the session's lock file in the folder's
     ``.leases`` subfolder (never the log's lock), held until :meth:`release`,
     :meth:`aclose` or the end of the process (the kernel releases it even on
-    ``SIGKILL``): no clock, no expiry. Epochs and pending-run marks are small
-    files there (layout and guarantees in :mod:`._flock_leases`).
+    ``SIGKILL``): no clock, no expiry; two store instances exclude each other
+    as two processes do. The lock file also holds the session's last epoch
+    and owner (so a failed claim names the holder, and epochs keep growing
+    across processes, and across ``delete``: lock files are never removed);
+    a pending-run mark is a file of its own, and a store-wide lock makes
+    looking at a mark and unlocking one step for every other process. All of
+    it survives the death of any process; nothing is fsynced (after an
+    operating-system crash a mark may be gone and an epoch may repeat, which
+    cannot weaken fencing: only the live holder's own store instance accepts
+    its lease).
 
     Attributes:
         BOUNDARIES: the persistence boundaries passed to ``boundary_hook``:
@@ -378,7 +386,7 @@ class FileStore(FlockLeaseMethods):
         the lease here waits for the write to end. That check is sound without
         reading a file: the lease is this instance's lock on the session's
         lock file, which no other claim can take while it is held, so no newer
-        lease can exist (see :mod:`._flock_leases`).
+        lease can exist.
 
         Raises:
             LeaseLostError: ``lease`` is not held by this store instance, or
@@ -530,6 +538,10 @@ class FileStore(FlockLeaseMethods):
         exists (in a worker thread)."""
         if not os.path.lexists(self._backend.log_path(session_id)):
             raise SessionNotFoundError(session_id)
+
+    def _open_leases(self) -> FlockLeases:
+        self._check_open()
+        return self._leases
 
     def _check_open(self) -> None:
         if self._closed:

@@ -259,18 +259,18 @@ class FlockLeases:
             except BlockingIOError:
                 last = _read_record(fd, path, session_id)
                 return LeaseHolder(last.owner if last else "(unknown)", None)
+            self._refuse_if_closed()
             last = _read_record(fd, path, session_id)
             lease = Lease(session_id, owner, (last.epoch if last else 0) + 1, ttl)
             _write_record(fd, path, _Record(session_id, lease.epoch, owner))
+            _remove(self._run_path(session_id))  # the claimer runs the requested turn
             with self._table:
-                if self._closed:
-                    raise StoreClosedError(f"{self._name} is closed")
+                self._refuse_if_closed()
                 self._held[session_id] = _Held(lease, fd, threading.Lock())
                 fd = -1  # kept open by the table: the lease
         finally:
             if fd >= 0:
                 os.close(fd)  # unlocks, if locked
-        _remove(self._run_path(session_id))
         return lease
 
     def _claim_marked(self, owner: str, ttl: float) -> Lease | None:
@@ -281,10 +281,10 @@ class FlockLeases:
             try:
                 self._check(session_id)
             except SessionNotFoundError:  # deleted (its mark is taken by the claim)
-                self._unlock(session_id, self._held[session_id])
+                self._drop(claimed)
                 continue
             except BaseException:
-                self._unlock(session_id, self._held[session_id])
+                self._drop(claimed)
                 raise
             return claimed
         return None
@@ -304,13 +304,10 @@ class FlockLeases:
         os.close(os.open(self._run_path(session_id), flags, 0o600))
 
     def _release(self, lease: Lease, unless_requested: bool) -> bool:
-        with self._table:
-            held = self._held.get(lease.session_id)
-        if held is None or (held.lease.owner, held.lease.epoch) != (lease.owner, lease.epoch):
-            return True  # lost already, or never ours: nothing to do
-        if unless_requested and _remove(self._run_path(lease.session_id)):
-            return False
-        self._unlock(lease.session_id, held)
+        held = self._holds(lease) is not None
+        if unless_requested and held and _remove(self._run_path(lease.session_id)):
+            return False  # the mark is taken: the holder runs the requested turn
+        self._drop(lease)
         return True
 
     # -- plumbing --------------------------------------------------------------------
@@ -357,20 +354,31 @@ class FlockLeases:
         finally:
             os.close(fd)  # releases the meta lock
 
-    def _holding(self, lease: Lease, session_id: str) -> _Held:
+    def _holds(self, lease: Lease) -> _Held | None:
+        """This instance's entry for ``lease`` (same session, owner and epoch), if any."""
         with self._table:
-            held = self._held.get(session_id)
+            held = self._held.get(lease.session_id)
         if held is None or (held.lease.owner, held.lease.epoch) != (lease.owner, lease.epoch):
+            return None
+        return held
+
+    def _holding(self, lease: Lease, session_id: str) -> _Held:
+        held = self._holds(lease)
+        if held is None:
             raise LeaseLostError(
                 session_id, lease.owner, lease.epoch, "this store instance does not hold it"
             )
         return held
 
-    def _unlock(self, session_id: str, held: _Held) -> None:
-        with held.guard:  # waits for a fenced write in flight
+    def _drop(self, lease: Lease) -> None:
+        """Unlock ``lease`` if this instance holds it; waits for a fenced write in flight."""
+        held = self._holds(lease)
+        if held is None:
+            return  # lost already, or never ours: nothing to do
+        with held.guard:
             with self._table:
-                if self._held.get(session_id) is held:
-                    del self._held[session_id]
+                if self._held.get(lease.session_id) is held:
+                    del self._held[lease.session_id]
             fd, held.fd = held.fd, -1
             if fd >= 0:
                 os.close(fd)  # the kernel drops the lock
@@ -378,9 +386,13 @@ class FlockLeases:
     def _close(self) -> None:
         with self._table:
             self._closed = True
-            held = list(self._held.items())
-        for session_id, entry in held:
-            self._unlock(session_id, entry)
+            leases = [held.lease for held in self._held.values()]
+        for lease in leases:
+            self._drop(lease)
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self._name} is closed")
 
     def _require_flock(self) -> None:
         if fcntl is None or not hasattr(fcntl, "flock"):
@@ -399,19 +411,17 @@ class FlockLeases:
 class FlockLeaseMethods:
     """The :class:`~stepmachine.Leases` methods of a store whose leases are file locks.
 
-    A store inherits them, sets ``self._leases`` to its :class:`FlockLeases`
-    and defines ``_check_open`` (raising
-    :class:`~stepmachine.StoreClosedError` once closed); its ``apply`` wraps
-    the write in ``self._leases.fenced(lease, session_id)`` and its ``delete``
-    calls ``self._leases.forget``.
+    A store inherits them and defines ``_open_leases`` (its
+    :class:`FlockLeases`, or :class:`~stepmachine.StoreClosedError` once
+    closed); its ``apply`` wraps the write in ``fenced(lease, session_id)``,
+    its ``delete`` calls ``forget`` and its ``aclose`` calls ``close``.
     """
 
     leases_expire: ClassVar[bool] = False
     """Leases are file locks held as long as the holder's store instance (and process)."""
 
-    _leases: FlockLeases
-
-    def _check_open(self) -> None:
+    def _open_leases(self) -> FlockLeases:
+        """The store's leases; raises :class:`~stepmachine.StoreClosedError` once closed."""
         raise NotImplementedError
 
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
@@ -437,8 +447,7 @@ class FlockLeaseMethods:
         lands at the caller's next checkpoint (release it in a shielded
         ``finally``).
         """
-        self._check_open()
-        return await self._leases.claim(session_id, owner, ttl)
+        return await self._open_leases().claim(session_id, owner, ttl)
 
     async def claim_next(self, owner: str, ttl: float) -> Lease | None:
         """Claim the first session, by id, with a pending-run mark and no holder; or ``None``.
@@ -446,8 +455,7 @@ class FlockLeaseMethods:
         Never gives one session to two claimers (of any process). Raises and
         cancels as :meth:`claim`.
         """
-        self._check_open()
-        return await self._leases.claim_next(owner, ttl)
+        return await self._open_leases().claim_next(owner, ttl)
 
     async def request_run(self, session_id: str) -> None:
         """Set the session's pending-run mark (a file; it survives the death of any process).
@@ -456,8 +464,7 @@ class FlockLeaseMethods:
         keeps the lease; without a holder, the next :meth:`claim` or
         :meth:`claim_next` takes it. Raises as :meth:`claim`.
         """
-        self._check_open()
-        await self._leases.request_run(session_id)
+        await self._open_leases().request_run(session_id)
 
     async def renew(self, lease: Lease) -> Lease:
         """``lease`` itself while this instance holds it (nothing expires; no file is read).
@@ -466,8 +473,7 @@ class FlockLeaseMethods:
             LeaseLostError: this instance does not hold ``lease``.
             StoreClosedError: the store is closed.
         """
-        self._check_open()
-        return await self._leases.renew(lease)
+        return await self._open_leases().renew(lease)
 
     async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:
         """Unlock ``lease``: ``True`` (see :meth:`stepmachine.Leases.release`).
@@ -484,8 +490,7 @@ class FlockLeaseMethods:
         Cancellation: a cancel while waiting for the store-wide lock releases
         nothing (call it shielded); once it runs, it finishes.
         """
-        self._check_open()
-        return await self._leases.release(lease, unless_requested=unless_requested)
+        return await self._open_leases().release(lease, unless_requested=unless_requested)
 
 
 def _encode(session_id: str) -> str:

@@ -172,11 +172,17 @@ class SQLiteStore(FlockLeaseMethods):
     exclusive ``fcntl.flock`` on the session's lock file in the folder
     ``<path>-leases`` beside the database, held until :meth:`release`,
     :meth:`aclose` or the end of the process (the kernel releases it even on
-    ``SIGKILL``): no clock, no expiry. Epochs and pending-run marks are small
-    files there (layout and guarantees in :mod:`._flock_leases`); a
-    :meth:`backup` does not copy them (a restored database starts its epochs
-    at 1 again, which cannot weaken fencing: only the live holder's own
-    instance accepts its lease).
+    ``SIGKILL``): no clock, no expiry; two store instances exclude each other
+    as two processes do. The lock file also holds the session's last epoch
+    and owner (so a failed claim names the holder, and epochs keep growing
+    across processes, and across ``delete``: lock files are never removed);
+    a pending-run mark is a file of its own, and a store-wide lock makes
+    looking at a mark and unlocking one step for every other process. All of
+    it survives the death of any process; nothing is fsynced (after an
+    operating-system crash a mark may be gone and an epoch may repeat, which
+    cannot weaken fencing: only the live holder's own store instance accepts
+    its lease). A :meth:`backup` does not copy the lease folder: a
+    copy opened at another path starts its sessions' epochs at 1 again.
 
     Attributes:
         BOUNDARIES: the persistence boundaries at which ``boundary_hook`` is
@@ -379,7 +385,7 @@ class SQLiteStore(FlockLeaseMethods):
         release of the lease here waits for the transaction to end. That check
         is sound without reading the database: the lease is this instance's
         lock on the session's lock file, which no other claim can take while
-        it is held, so no newer lease can exist (see :mod:`._flock_leases`).
+        it is held, so no newer lease can exist.
 
         Raises:
             LeaseLostError: ``lease`` is not held by this store instance, or
@@ -579,6 +585,10 @@ class SQLiteStore(FlockLeaseMethods):
                 await self._leases.close()
                 if connection is not None:
                     await anyio.to_thread.run_sync(connection.close)
+
+    def _open_leases(self) -> FlockLeases:
+        self._check_open()
+        return self._leases
 
     def _check_open(self) -> None:
         if self._conn is None:
