@@ -150,8 +150,9 @@ class FlockLeases:
     Args:
         folder: the lease folder (created at the first lease operation).
         hop: runs a function in the store's worker thread and returns its
-            result (once started, to its end, whatever the cancellation);
-            raises :class:`~stepmachine.StoreClosedError` once the store is closed.
+            result (once started, to its end, whatever the cancellation); it
+            may raise :class:`~stepmachine.StoreClosedError` once the store is
+            closed (a claim that races ``close`` is refused here too).
         check: called inside ``hop`` with a session id; raises
             :class:`~stepmachine.SessionNotFoundError` unless the session exists.
         name: the store, for messages ("SQLiteStore on /path").
