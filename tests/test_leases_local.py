@@ -10,12 +10,16 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -567,3 +571,43 @@ def test_sqlite_without_fcntl_refuses_leases_and_works(tmp_path: Path) -> None:
     assert len([line for line in lines if line.startswith("refused:")]) == 3, lines
     assert "fcntl.flock" in lines[0]
     assert lines[-1] == "sessions: ['s']"
+
+
+async def test_a_release_waits_for_the_fenced_write_in_flight(tmp_path: Path) -> None:
+    """FileStore runs applies and releases in separate worker threads: the release of
+    a lease whose write is under way finishes after the write, and nothing written
+    after it passes the fence."""
+    token = anyio.lowlevel.current_token()
+    seen: dict[str, object] = {}
+    lease_box: list[Lease] = []
+
+    def hook(name: str) -> None:
+        if name != "apply.locked" or "release" in seen:
+            return
+
+        def release() -> None:
+            seen["released"] = anyio.from_thread.run(store.release, lease_box[0], token=token)
+
+        releaser = threading.Thread(target=release)
+        seen["release"] = releaser
+        releaser.start()
+        releaser.join(0.2)  # it cannot end while this write holds the lease's guard
+        seen["alive_during_write"] = releaser.is_alive()
+
+    store = await FileStore.open(tmp_path / "files", fsync="never", boundary_hook=hook)
+    try:
+        session = await store.create("s")
+        lease = await store.claim("s", "a", 30.0)
+        assert isinstance(lease, Lease)
+        lease_box.append(lease)
+        session = await store.apply(_batch(session, "in flight"), lease=lease)
+        assert session.revision == 1
+        releaser = seen["release"]
+        assert isinstance(releaser, threading.Thread)
+        await anyio.to_thread.run_sync(releaser.join)
+        assert seen["alive_during_write"] is True
+        assert seen["released"] is True
+        with pytest.raises(LeaseLostError):
+            await store.apply(_batch(session, "after the release"), lease=lease)
+    finally:
+        await store.aclose()
