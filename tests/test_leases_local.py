@@ -5,6 +5,7 @@ process while the holder runs is never lost."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -611,3 +612,23 @@ async def test_a_release_waits_for_the_fenced_write_in_flight(tmp_path: Path) ->
             await store.apply(_batch(session, "after the release"), lease=lease)
     finally:
         await store.aclose()
+
+
+def test_the_lease_benchmark_runs(tmp_path: Path) -> None:
+    """``benchmarks/leases.py --quick`` ends with its summary line (values measured,
+    never asserted)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "leases.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--quick"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,  # a guard against a hang
+    )
+    assert done.returncode == 0, done.stderr
+    names = ["claim_release_us", "renew_us", "apply_us", "apply_leased_us"]
+    pattern = "store=sqlite " + " ".join(rf"{name}=\d+\.\d" for name in names)
+    assert re.fullmatch(
+        pattern + r" claim_release_over_apply=\d+\.\d\d", done.stdout.splitlines()[-1]
+    )
