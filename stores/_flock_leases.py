@@ -2,7 +2,7 @@
 :class:`~stepmachine.stores.SQLiteStore` and :class:`~stepmachine.stores.FileStore`.
 
 What a store with these leases does (one machine, any number of processes and
-store instances):
+store instances, the files on a local filesystem):
 
 - A lease is an exclusive ``fcntl.flock`` on the session's lock file, taken
   without waiting. It is held exactly as long as the store instance that
