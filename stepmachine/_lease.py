@@ -185,7 +185,12 @@ def check_claim(owner: object, ttl: object) -> None:
     touches anything.
     """
     if not isinstance(owner, str) or not owner or len(owner) > MAX_OWNER:
-        raise ValueError(f"a lease owner is a string of 1..{MAX_OWNER} characters, got {owner!r}")
+        shown = (
+            repr(owner[:40]) + f"... ({len(owner)} characters)"
+            if isinstance(owner, str) and len(owner) > 40
+            else repr(owner)
+        )
+        raise ValueError(f"a lease owner is a string of 1..{MAX_OWNER} characters, got {shown}")
     if not owner.isprintable():
         raise ValueError(f"a lease owner has no control characters, got {owner!r}")
     if (

@@ -28,6 +28,10 @@ store instances, the files on a local filesystem):
   ``claim_next`` takes the sessions with a mark in id order, skipping those
   another claimer holds; under the meta lock no two claimers interleave, and
   the ``flock`` itself could not be taken twice anyway.
+- Abandoned leases: a claim also creates the session's *held* file, and a
+  release removes it before it unlocks. A held file whose lock can be taken
+  was left by a process that died holding the lease (its run cut short), so
+  ``claim_next`` gives that session out too, like a marked one.
 - Fencing: ``apply(batch, lease=...)`` writes only while this instance holds
   the session's lock under that owner and epoch (:meth:`FlockLeases.fenced`).
   Checking this instance's table is enough: while the process lives and keeps
@@ -56,6 +60,7 @@ most 205 characters::
     sessions/<name>.lock    the session's lock; holds {"session_id","epoch","owner"}
                             of its last claim (never removed, never replaced)
     runs/<name>             the session's pending-run mark (empty)
+    held/<name>             a claim not yet released (empty; see "abandoned leases")
 
 Do not remove the folder while a process uses the store: a lock file made anew
 could be locked while the old one still is.
@@ -98,8 +103,9 @@ from stepmachine import (
     StoreClosedError,
     StoredDataError,
 )
+from stepmachine._lease import check_claim
 
-from ._ids import MAX_SESSION_ID_LENGTH, validate_session_id
+from ._ids import validate_session_id
 
 __all__ = ["FlockLeaseMethods", "FlockLeases"]
 
@@ -172,7 +178,7 @@ class FlockLeases:
 
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
         """The new lease (next epoch, the mark taken), or who holds the session."""
-        _check_owner(owner)
+        check_claim(owner, ttl)
         return await self._meta(lambda: self._claim(session_id, owner, ttl), session_id)
 
     async def claim_next(self, owner: str, ttl: float) -> Lease | None:
@@ -181,7 +187,7 @@ class FlockLeases:
         A mark left by a session deleted meanwhile is dropped, and the next
         one is tried.
         """
-        _check_owner(owner)
+        check_claim(owner, ttl)
         return await self._meta(lambda: self._claim_marked(owner, ttl))
 
     async def request_run(self, session_id: str) -> None:
@@ -265,6 +271,7 @@ class FlockLeases:
             lease = Lease(session_id, owner, (last.epoch if last else 0) + 1, ttl)
             _write_record(fd, path, _Record(session_id, lease.epoch, owner))
             _remove(self._run_path(session_id))  # the claimer runs the requested turn
+            _touch(self._held_path(session_id))
             with self._table:
                 self._refuse_if_closed()
                 self._held[session_id] = _Held(lease, fd, threading.Lock())
@@ -291,18 +298,18 @@ class FlockLeases:
         return None
 
     def _marked(self) -> list[str]:
-        """The ids with a mark, sorted; files that name no valid id are skipped."""
-        ids = []
-        for name in os.listdir(os.path.join(self.folder, "runs")):
-            try:
-                ids.append(_decode(name))
-            except (ValueError, StepmachineError):
-                continue  # not ours
+        """The ids with a mark or a held file, sorted; names of no valid id are skipped."""
+        ids = set()
+        for folder in ("runs", "held"):
+            for name in os.listdir(os.path.join(self.folder, folder)):
+                try:
+                    ids.add(_decode(name))
+                except (ValueError, StepmachineError):
+                    continue  # not ours
         return sorted(ids)
 
     def _mark(self, session_id: str) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-        os.close(os.open(self._run_path(session_id), flags, 0o600))
+        _touch(self._run_path(session_id))
 
     def _release(self, lease: Lease, unless_requested: bool) -> bool:
         held = self._holds(lease) is not None
@@ -336,7 +343,9 @@ class FlockLeases:
         if session_id is not None:
             self._check(session_id)
         if not self._made:
-            subfolders = [os.path.join(self.folder, name) for name in ("sessions", "runs")]
+            subfolders = [
+                os.path.join(self.folder, name) for name in ("sessions", "runs", "held")
+            ]
             for path in (self.folder, *subfolders):
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(path, 0o700)  # owner-only (the umask can only narrow it)
@@ -382,6 +391,7 @@ class FlockLeases:
                     del self._held[lease.session_id]
             fd, held.fd = held.fd, -1
             if fd >= 0:
+                _remove(self._held_path(lease.session_id))  # released, not abandoned
                 os.close(fd)  # the kernel drops the lock
 
     def _close(self) -> None:
@@ -407,6 +417,9 @@ class FlockLeases:
 
     def _run_path(self, session_id: str) -> str:
         return os.path.join(self.folder, "runs", _encode(session_id))
+
+    def _held_path(self, session_id: str) -> str:
+        return os.path.join(self.folder, "held", _encode(session_id))
 
 
 class FlockLeaseMethods:
@@ -439,8 +452,8 @@ class FlockLeaseMethods:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
             StoreClosedError: the store is closed.
-            ValueError: ``owner`` is too long for the lock file's record
-                (about 3.8 KB; :func:`~stepmachine.new_owner` gives ~50 bytes).
+            ValueError: ``owner`` is empty, longer than 256 characters or has
+                control characters, or ``ttl`` is not a finite number > 0.
             ConfigurationError: the platform has no ``fcntl.flock`` (Windows).
 
         Cancellation: a cancel while waiting for the store-wide lock claims
@@ -508,6 +521,12 @@ def _decode(name: str) -> str:
     return session_id
 
 
+def _touch(path: str) -> None:
+    """Create ``path`` (empty) if it does not exist."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    os.close(os.open(path, flags, 0o600))
+
+
 def _remove(path: str) -> bool:
     """Remove ``path``; whether it was there."""
     try:
@@ -548,11 +567,6 @@ def _write_record(fd: int, path: str, record: _Record) -> None:
     data = _record_bytes(record)
     if os.pwrite(fd, data, 0) != len(data):
         raise OSError(f"{path}: the lease record was written short")
-
-
-def _check_owner(owner: str) -> None:
-    """Raise ``ValueError`` unless ``owner`` fits a record with any session id and epoch."""
-    _record_bytes(_Record("x" * MAX_SESSION_ID_LENGTH, 2**63, owner))
 
 
 def _record_bytes(record: _Record) -> bytes:

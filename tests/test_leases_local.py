@@ -322,12 +322,17 @@ CHILD = textwrap.dedent(
         else:
             store = await FileStore.open(folder + "/files", fsync="never")
         print("ready", flush=True)
+        held = {}
         for line in sys.stdin:
             command, *args = line.split()
             if command == "claim":
                 got = await store.claim(args[0], args[1], 30.0)
                 kept = isinstance(got, Lease)
                 reply = f"lease {got.epoch}" if kept else f"holder {got.owner}"
+                if kept:
+                    held[args[0]] = got
+            elif command == "release":
+                reply = f"released {await store.release(held.pop(args[0]))}"
             elif command == "request":
                 await store.request_run(args[0])
                 reply = "requested"
@@ -421,6 +426,26 @@ async def test_a_sigkilled_holder_frees_the_session(store: Any, children: Any) -
     assert (await store.apply(_batch(session, "taken over"), lease=lease)).revision == 1
 
 
+async def test_a_holder_that_died_leaves_work_for_claim_next(store: Any, children: Any) -> None:
+    """No mark was set: the unreleased claim alone says the run was cut short."""
+    await store.create("s")
+    await store.create("t")
+    child = await children()
+    assert (await child.ask("claim s child")).startswith("lease ")
+    assert (await child.ask("claim t child2")).startswith("lease ")
+    assert await child.ask("release t") == "released True"
+    assert await store.claim_next("worker", 30.0) is None  # s is held by a live process
+
+    child.process.send_signal(signal.SIGKILL)
+    assert child.process.wait() == -signal.SIGKILL
+
+    lease = await store.claim_next("worker", 30.0)
+    assert isinstance(lease, Lease)
+    assert lease.session_id == "s"  # not t: its lease was released
+    assert await store.release(lease) is True
+    assert await store.claim_next("worker", 30.0) is None  # released: no longer abandoned
+
+
 async def test_racing_processes_never_share_a_session(store: Any, children: Any) -> None:
     names = [f"s{i:02}" for i in range(40)]
     for name in names:
@@ -469,13 +494,13 @@ async def test_a_request_from_another_process_is_not_lost(store: Any, children: 
 # -- edges -------------------------------------------------------------------------------
 
 
-async def test_an_owner_too_long_for_the_record_is_refused(store: Any) -> None:
+async def test_an_overlong_owner_is_refused(store: Any) -> None:
     await store.create("s")
-    with pytest.raises(ValueError, match="owner string is too long"):
+    with pytest.raises(ValueError, match="lease owner is a string"):
         await store.claim("s", "o" * 5000, 30.0)
-    with pytest.raises(ValueError, match="owner string is too long"):
+    with pytest.raises(ValueError, match="lease owner is a string"):
         await store.claim_next("o" * 5000, 30.0)
-    long_owner = "é" * 1800  # 3,600 bytes of UTF-8: fits
+    long_owner = "é" * 256  # the longest owner, in two-byte characters: fits the record
     lease = await store.claim("s", long_owner, 30.0)
     assert isinstance(lease, Lease)
     assert await store.claim("s", "b", 30.0) == LeaseHolder(long_owner, None)
@@ -521,7 +546,12 @@ async def test_where_the_lease_files_are(kind: str, tmp_path: Path) -> None:
         assert not expected.exists()  # made at the first lease operation only
         await store.request_run("s")
         assert Path(store._leases.folder) == expected
-        assert sorted(p.name for p in expected.iterdir()) == ["meta.lock", "runs", "sessions"]
+        assert sorted(p.name for p in expected.iterdir()) == [
+            "held",
+            "meta.lock",
+            "runs",
+            "sessions",
+        ]
         assert expected.stat().st_mode & 0o777 == 0o700
     finally:
         await store.aclose()
