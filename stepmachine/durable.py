@@ -179,7 +179,8 @@ class DurableTurnError(RunError):
 class MsgspecSerializer(Serializer):
     """DBOS's serializer hook, with msgspec JSON instead of pickle.
 
-    ``serialize`` encodes builtins and msgspec Structs (tuples become arrays);
+    ``serialize`` encodes builtins and msgspec Structs (tuples become arrays;
+    JSON has no NaN or infinity, and msgspec writes them as ``null``);
     an exception becomes ``{"stepmachine.error": {"type": ..., "message": ...}}``.
     ``deserialize`` decodes to builtins only (it constructs no class from the
     data), and such an error record to a :class:`DurableTurnError`.

@@ -64,6 +64,7 @@ import _common as common  # beside this file: on sys.path as a script and in pyt
 import _postgres  # beside this file
 import anyio
 
+import stepmachine
 from stepmachine import (
     OUTCOME_UNKNOWN,
     AppendMessage,
@@ -296,7 +297,11 @@ class Supervisor:
         command += ["--dir", str(self.folder)]
         command += self.agent.flags()
         log = (self.folder / f"worker-{number}.log").open("ab")
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        # The workers import the stepmachine this process imported.
+        here = str(Path(stepmachine.__file__).resolve().parents[1])
+        paths = [here, *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         slot = Slot(number, process, self.folder / f"ready-{number}-{process.pid}")
         self.slots[number] = slot
