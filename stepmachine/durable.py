@@ -363,10 +363,13 @@ class DurableMachine:
         self.queue_name = queue_name or f"{name}.turns"
         self.workflow_name = f"{name}.turn"
         limit = max_cycles if max_cycles is not None else machine.max_cycles
-        self.max_cycles: int = DEFAULT_MAX_CYCLES if limit is None else limit
-        if isinstance(self.max_cycles, bool) or self.max_cycles < 1:
+        limit = DEFAULT_MAX_CYCLES if limit is None else limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ConfigurationError(f"max_cycles must be a positive integer, got {max_cycles!r}")
-        if not polling_interval > 0:
+        self.max_cycles: int = limit
+        if isinstance(polling_interval, bool) or not (
+            isinstance(polling_interval, int | float) and polling_interval > 0
+        ):
             raise ConfigurationError(f"polling_interval must be > 0, got {polling_interval!r}")
         self.polling_interval = polling_interval
         self._queue: Queue | None = None

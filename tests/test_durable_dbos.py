@@ -10,6 +10,7 @@ mid-turn) and are synchronous: the harness runs its own event loops.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -197,12 +198,30 @@ async def add(a: int, b: int, ctx: ToolContext) -> str:
     return str(a + b)
 
 
+ACTIVE: Counter[str] = Counter()  # turns of each session inside ``hold`` now
+MOST: Counter[str] = Counter()  # the most ever at once
+
+
+@tool(side_effects="idempotent", thread=False)
+async def hold(ctx: ToolContext) -> str:
+    """Stay busy a moment (long enough for a second turn of the session to overlap)."""
+    ACTIVE[ctx.session_id] += 1
+    MOST[ctx.session_id] = max(MOST[ctx.session_id], ACTIVE[ctx.session_id])
+    try:
+        await anyio.sleep(0.1)
+    finally:
+        ACTIVE[ctx.session_id] -= 1
+    return "held"
+
+
 def adder(request: ModelRequest) -> ModelResponse:
-    """Per user message: call ``add`` once, then answer with the tool's result."""
+    """Per user message: call ``add`` (or ``hold``) once, then answer with the tool's result."""
     last = request.messages[-1]
     if last.role == "user":
         if last.text == "fail":
             raise ModelError("the model is down")
+        if last.text == "hold":
+            return call(("hold", {}))
         return call(("add", {"a": 2, "b": 3}))
     return reply(f"the sum is {last.tool_results[0].content}")
 
@@ -230,9 +249,9 @@ async def launched(
     store = await PostgresStore.open(postgres_dsn)
     handler = ConflictOnce(store)
     runtime = Runtime(loader=store, handler=handler, model=FunctionModel(adder))
-    machine = StateMachine([Tools([add]), ModelInference()])
+    machine = StateMachine([Tools([add, hold]), ModelInference()])
     DBOS(config=dbos_config("durable-test", postgres_dsn, log_level="ERROR"))
-    durable = DurableMachine(machine, runtime, name="test", polling_interval=0.05)
+    durable = DurableMachine(machine, lambda: runtime, name="test", polling_interval=0.05)
     await durable.launch()
     try:
         yield durable, store, handler
@@ -363,3 +382,28 @@ def test_the_harness_reports_a_tool_that_ran_twice(postgres_server: str) -> None
     assert counts.duplicate_side_effects == 1
     assert any("send ran 2 times" in problem for problem in counts.problems)
     assert not counts.ok
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # DBOS is asyncio-only
+async def test_two_turns_of_one_session_run_one_after_the_other(
+    launched: tuple[DurableMachine, PostgresStore, ConflictOnce],
+) -> None:
+    """Asyncio only (DBOS). The queue's partition is the session: the second turn waits.
+
+    Both turns are enqueued at once on a worker with room for both; the later one
+    starts from the revision the earlier one ended at, finds nothing to do, and
+    the two were never inside ``hold`` together.
+    """
+    durable, store, _ = launched
+    await store.create("busy")
+    await submit(store, "busy", [AppendMessage(Message.user("hold", id="u1"))])
+    first, second = [await durable.enqueue_turn("busy") for _ in range(2)]
+    reports = sorted(
+        [await durable.result(first), await durable.result(second)],
+        key=lambda r: r.start_revision,
+    )
+    assert reports[1].start_revision == reports[0].revision
+    assert [c.status for c in reports[0].cycles] == ["continue", "continue", "yielded"]
+    assert [(c.status, c.reason) for c in reports[1].cycles] == [("idle", "idle")]
+    assert MOST["busy"] == 1
+    assert (await store.load("busy")).conversation[-1].text == "the sum is held"

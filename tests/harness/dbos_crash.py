@@ -38,9 +38,19 @@ step it names, the last report's revision is the store's) (``invalid``);
 ``outcome_unknown`` counts calls answered "outcome unknown", each of which must
 be a ``send`` whose process was killed (else it is counted invalid).
 
-Last line: ``workers=K sessions=M kills=N lost=0 duplicate_side_effects=0
-invalid=0 outcome_unknown=0``; exit status 1 if a check failed or fewer than N
-kills landed. Import it and call :func:`run_dbos` for the counts.
+Two options make a crash point deterministic (the tests use them): ``--self-kill
+TOOL`` makes the first run of TOOL in the whole run SIGKILL its own worker right
+after its side effect; ``--mislabel`` declares ``send`` idempotent although it
+does not dedupe, a broken agent whose second ``send`` the harness must report.
+
+Without ``$STEPMACHINE_TEST_POSTGRES`` a throwaway server is started (see
+``_postgres.py``); either way the run gets a fresh database, dropped at the end.
+
+Output: ``problem: ...`` lines, then ``seed=... turns=... cut_by_a_kill=...
+finished_on_another_slot=... reruns=... seconds=...``, then the last line
+``workers=K sessions=M kills=N lost=0 duplicate_side_effects=0 invalid=0
+outcome_unknown=0``; exit status 1 if a check failed or fewer than N kills
+landed. Import it and call :func:`run_dbos` (or ``main(argv)``) for the counts.
 """
 
 from __future__ import annotations
@@ -136,6 +146,8 @@ class Counts:
     outcome_unknown: int = 0
     turns: int = 0
     reruns: int = 0
+    cut: dict[str, str] = field(default_factory=dict)  # turn cut by a kill -> executor killed
+    finished_elsewhere: int = 0  # of those, turns a worker of another slot finished
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
 
@@ -441,6 +453,7 @@ async def kill_one(client: Any, supervisor: Supervisor, counts: Counts, rng: ran
     )
     if after:  # the dead process still owned a running turn: a kill mid-turn
         counts.kills += 1
+        counts.cut.update((w.workflow_id, f"worker-{number}") for w in after)
     supervisor.start(number)  # its DBOS.launch() recovers worker-<number>'s PENDING turns
 
 
@@ -523,6 +536,8 @@ async def check(
             [status] = await client.list_workflows_async(workflow_ids=[wid])
             if status.status != "SUCCESS":
                 continue  # already counted
+            if wid in counts.cut and status.executor_id != counts.cut[wid]:
+                counts.finished_elsewhere += 1
             report = report_type.from_output(status.output)
             bad = []
             if report.start_revision != submitted or submitted != previous_end + 1:
@@ -599,7 +614,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     for problem in counts.problems[:20]:
         print(f"problem: {problem}")
-    print(f"seed={seed} turns={counts.turns} reruns={counts.reruns} seconds={counts.seconds:.1f}")
+    print(
+        f"seed={seed} turns={counts.turns} cut_by_a_kill={len(counts.cut)} "
+        f"finished_on_another_slot={counts.finished_elsewhere} reruns={counts.reruns} "
+        f"seconds={counts.seconds:.1f}"
+    )
     print(counts.line())
     return 0 if counts.ok and counts.kills >= args.kills else 1
 
