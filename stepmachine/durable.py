@@ -58,8 +58,11 @@ recipe without DBOS Conductor is: give each worker slot a stable executor id
 the replacement's launch hands the dead worker's turns back to the queue, and
 whichever worker dequeues a turn resumes it from its last recorded cycle.
 Two live processes must never share an executor id: the second one's launch
-would hand the first one's running turns to another worker. (DBOS Conductor,
-the hosted control plane, instead detects dead executors and recovers their
+would hand the first one's running turns to another worker. DBOS recovers and
+dequeues only the workflows of its own application version (hashed from the
+registered workflows' source unless ``dbos_config(application_version=...)``
+pins it), so a replacement must run the same version. (DBOS Conductor, the
+hosted control plane, instead detects dead executors and recovers their
 workflows on live ones.)
 
 Leases. The store leases (``Leases``, claimed by ``StateMachine.run()``) and
@@ -70,6 +73,13 @@ durable turn therefore does not claim a store lease; mixing ``run()`` callers
 with durable turns on one session is unsupported (the queue does not see
 them). Writes that are not a runner's (``submit()``: user messages,
 approvals) are compare-and-set, and a cycle that loses such a race reloads.
+The partition does not *fence*: if the turns of an executor that is still
+alive are recovered (its id reused by a second live process, or an
+operator's recovery of a worker that was only slow), two runners advance the
+session at once. The store's compare-and-set still loses no update, but the
+second runner reads the first one's in-flight non-idempotent calls as
+crashed ("outcome unknown"). A lease's epoch is what fences a stale runner;
+holding one for the turn's duration is the natural next step.
 
 Serialization: msgspec, never pickle. DBOS pickles workflow inputs, outputs,
 step outputs and errors unless its config names another serializer.
@@ -104,14 +114,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import anyio
 import msgspec
 
 from ._cycle import Decision, check_progress, idle_reason, stops_the_run
 from ._emitter import EventSink, NullEmitter
-from ._errors import ConfigurationError, ConflictError, RunError
+from ._errors import ConfigurationError, ConflictError
 from ._machine import DEFAULT_MAX_CYCLES, StateMachine
 from ._outcomes import StepResult
 from ._runtime import Runtime
@@ -121,10 +131,8 @@ from ._steps import YieldReason
 try:
     from dbos import (
         DBOS,
-        DBOSConfig,
         EnqueueOptions,
         Queue,
-        Serializer,
         SetEnqueueOptions,
         SetWorkflowID,
         WorkflowHandleAsync,
@@ -133,6 +141,16 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in the t
     raise ImportError(
         f"stepmachine.durable needs DBOS Transact: pip install 'stepmachine[dbos]' ({exc})"
     ) from exc
+
+from ._durable_codec import (
+    SERIALIZER_NAME,
+    CycleSummary,
+    DurableTurnError,
+    MsgspecSerializer,
+    TurnReport,
+    check_serializer,
+    dbos_config,
+)
 
 __all__ = [
     "CYCLE_STEP",
@@ -151,171 +169,6 @@ CYCLE_STEP = "stepmachine.cycle"
 
 TURN_START_STEP = "stepmachine.turn_start"
 """The DBOS step name that records the revision a turn started at."""
-
-SERIALIZER_NAME = "stepmachine.msgspec_json"
-"""What DBOS records in its ``serialization`` column for values :class:`MsgspecSerializer` wrote."""
-
-_ERROR_KEY = "stepmachine.error"
-
-
-class DurableTurnError(RunError):
-    """An exception DBOS recorded for a durable turn or step, read back from its tables.
-
-    DBOS records the exception a step or workflow raised; :class:`MsgspecSerializer`
-    keeps its type name and message (never the object), and reading the record
-    gives this error.
-
-    Attributes:
-        error_type: the recorded exception's class name (``"ModelError"``, ...).
-        message: its ``str()``.
-    """
-
-    def __init__(self, error_type: str, message: str) -> None:
-        super().__init__(f"{error_type}: {message}")
-        self.error_type = error_type
-        self.message = message
-
-
-class MsgspecSerializer(Serializer):
-    """DBOS's serializer hook, with msgspec JSON instead of pickle.
-
-    ``serialize`` encodes builtins and msgspec Structs (tuples become arrays;
-    JSON has no NaN or infinity, and msgspec writes them as ``null``);
-    an exception becomes ``{"stepmachine.error": {"type": ..., "message": ...}}``.
-    ``deserialize`` decodes to builtins only (it constructs no class from the
-    data), and such an error record to a :class:`DurableTurnError`.
-
-    Raises (``serialize``): ``TypeError`` for a value msgspec cannot encode.
-    """
-
-    def __init__(self) -> None:
-        self._encoder = msgspec.json.Encoder()
-        self._decoder = msgspec.json.Decoder()
-
-    def serialize(self, data: Any) -> str:
-        """``data`` as msgspec JSON text (an exception as its error record)."""
-        if isinstance(data, BaseException):
-            error_type = (
-                data.error_type if isinstance(data, DurableTurnError) else type(data).__name__
-            )
-            message = data.message if isinstance(data, DurableTurnError) else str(data)
-            data = {_ERROR_KEY: {"type": error_type, "message": message}}
-        try:
-            return self._encoder.encode(data).decode()
-        except (TypeError, msgspec.EncodeError) as exc:
-            raise TypeError(
-                f"MsgspecSerializer encodes builtins and msgspec Structs, not {type(data)!r}: {exc}"
-            ) from exc
-
-    def deserialize(self, serialized_data: str) -> Any:
-        """The builtins ``serialized_data`` holds (an error record as :class:`DurableTurnError`)."""
-        value = self._decoder.decode(serialized_data)
-        if isinstance(value, dict) and set(value) == {_ERROR_KEY}:
-            record = value[_ERROR_KEY]
-            if isinstance(record, dict):
-                return DurableTurnError(str(record.get("type")), str(record.get("message")))
-        return value
-
-    def name(self) -> str:
-        """:data:`SERIALIZER_NAME`."""
-        return SERIALIZER_NAME
-
-
-def dbos_config(
-    name: str,
-    system_database_url: str,
-    *,
-    executor_id: str | None = None,
-    application_version: str | None = None,
-    **options: Any,
-) -> DBOSConfig:
-    """A DBOS config for durable turns: ``DBOS(config=dbos_config(...))``.
-
-    Args:
-        name: the DBOS application name (workers and submitters of one
-            application use the same).
-        system_database_url: where DBOS keeps its tables, e.g. the store's
-            PostgreSQL database (``postgresql://user@host/db``; DBOS uses the
-            ``dbos`` schema, the store the ``stepmachine`` schema).
-        executor_id: this process's executor id; stable per worker slot and
-            never shared by two live processes (see the module docs). ``None``
-            keeps DBOS's default (``DBOS__VMID``, else ``"local"``).
-        application_version: the version DBOS recovers and dequeues workflows
-            for; ``None`` lets DBOS hash the registered workflows' source.
-        options: any other :class:`dbos.DBOSConfig` key.
-
-    Returns:
-        The config, with :class:`MsgspecSerializer` as its serializer.
-
-    Raises:
-        ConfigurationError: ``options`` names another serializer.
-    """
-    given = options.pop("serializer", None)
-    if given is not None and not isinstance(given, MsgspecSerializer):
-        raise ConfigurationError(
-            f"durable turns serialize with msgspec (MsgspecSerializer), not {given!r}"
-        )
-    config: dict[str, Any] = {
-        **options,
-        "name": name,
-        "system_database_url": system_database_url,
-        "serializer": MsgspecSerializer(),
-    }
-    if executor_id is not None:
-        config["executor_id"] = executor_id
-    if application_version is not None:
-        config["application_version"] = application_version
-    return cast(DBOSConfig, config)  # the keys are DBOSConfig's own
-
-
-class CycleSummary(msgspec.Struct, frozen=True, kw_only=True):
-    """What one cycle step did, as DBOS records it.
-
-    Attributes:
-        cycle: the cycle's number in its turn (1, 2, ...).
-        revision: the session's revision after the cycle.
-        status: ``"continue"`` (a step applied and continued), ``"yielded"``
-            (a step yielded) or ``"idle"`` (no step applied).
-        step: the name of the step that applied (``""`` when idle).
-        reason: the yield reason's kind (``"done"``, ``"idle"``,
-            ``"call_held"``, ...); ``""`` for ``"continue"``.
-        conflicts: compare-and-set conflicts the cycle reloaded after.
-    """
-
-    cycle: int
-    revision: int
-    status: Literal["continue", "yielded", "idle"]
-    step: str = ""
-    reason: str = ""
-    conflicts: int = 0
-
-
-class TurnReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What a durable turn did: the workflow's result.
-
-    Attributes:
-        session_id: the session.
-        start_revision: its revision when the turn started.
-        revision: its revision when the turn ended.
-        reason: why the turn ended: the last cycle's reason, or ``"cycle_limit"``.
-        cycles: the cycles, in order.
-    """
-
-    session_id: str
-    start_revision: int
-    revision: int
-    reason: str
-    cycles: tuple[CycleSummary, ...] = ()
-
-    @classmethod
-    def from_output(cls, value: object) -> TurnReport:
-        """The report from a turn workflow's output as DBOS returns it (a dict), or itself.
-
-        Raises:
-            msgspec.ValidationError: ``value`` is not a turn's output.
-        """
-        return value if isinstance(value, TurnReport) else msgspec.convert(value, cls)
-
 
 RuntimeSource = Runtime | Callable[[], Runtime]
 
@@ -398,7 +251,7 @@ class DurableMachine:
                 serializer is not a :class:`MsgspecSerializer`.
         """
         _require_asyncio("DurableMachine.launch")
-        _check_serializer()
+        check_serializer()
         DBOS.launch()  # blocks the loop while DBOS connects and migrates its tables
         self._queue = await DBOS.register_queue_async(
             self.queue_name, partition_concurrency=1, polling_interval_sec=self.polling_interval
@@ -562,22 +415,4 @@ def _require_asyncio(where: str) -> None:
             "workflows on an asyncio event loop and waits with asyncio.to_thread (under trio "
             "it fails with 'no running event loop'); run durable workers with asyncio.run() "
             "or anyio.run(..., backend='asyncio')"
-        )
-
-
-def _check_serializer() -> None:
-    """Refuse a DBOS whose serializer is not msgspec (it would pickle)."""
-    from dbos import _dbos  # noqa: PLC0415 - DBOS keeps its instance there; no public accessor
-
-    instance = getattr(_dbos, "_dbos_global_instance", None)
-    if instance is None:
-        raise ConfigurationError(
-            "DurableMachine.launch() needs DBOS(config=stepmachine.durable.dbos_config(...)) first"
-        )
-    serializer = getattr(instance, "_serializer", None)
-    if serializer is not None and not isinstance(serializer, MsgspecSerializer):
-        raise ConfigurationError(
-            f"DBOS is configured with {type(serializer).__name__} ({serializer.name()!r}), "
-            "which pickles; durable turns serialize with msgspec: build the config with "
-            "stepmachine.durable.dbos_config(...)"
         )
