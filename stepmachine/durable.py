@@ -1,7 +1,24 @@
 """Durable turns on DBOS Transact: a worker that dies mid-turn is resumed by another.
 
 Needs the ``dbos`` extra (``pip install 'stepmachine[dbos]'``) and runs on
-**asyncio only** (see *Trio* below).
+**asyncio only** (see *Trio* below). A worker process::
+
+    async def serve(slot: int) -> None:
+        store = await PostgresStore.open(dsn)
+        DBOS(config=dbos_config("support-bot", dsn, executor_id=f"worker-{slot}"))
+        durable = DurableMachine(machine, Runtime(store=store, model=model))
+        await durable.launch()  # recovers this slot's turns, serves the queue
+        await asyncio.Event().wait()
+
+    asyncio.run(serve(3))
+
+and, in a worker or anywhere else that launched DBOS, a turn::
+
+    await submit(store, session_id, [AppendMessage(Message.user(text, id=message_id))])
+    report = await durable.result(await durable.enqueue_turn(session_id))
+
+(a process that does not serve turns enqueues with ``dbos.DBOSClient``, see
+:meth:`DurableMachine.enqueue_options`).
 
 What a durable turn is. :class:`DurableMachine` registers one DBOS workflow per
 machine (named ``<name>.turn``) that runs one *turn* of a session: a loop of
