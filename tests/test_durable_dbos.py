@@ -407,3 +407,27 @@ async def test_two_turns_of_one_session_run_one_after_the_other(
     assert [(c.status, c.reason) for c in reports[1].cycles] == [("idle", "idle")]
     assert MOST["busy"] == 1
     assert (await store.load("busy")).conversation[-1].text == "the sum is held"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # DBOS is asyncio-only
+async def test_a_turn_ends_at_max_cycles_and_a_missing_session_fails(
+    launched: tuple[DurableMachine, PostgresStore, ConflictOnce],
+) -> None:
+    """Asyncio only (DBOS). A second machine launched in the same process gets its own queue."""
+    durable, store, _ = launched
+    limited = DurableMachine(
+        durable.machine, durable.runtime, name="limited", max_cycles=1, polling_interval=0.05
+    )
+    await limited.launch()  # DBOS is launched already: only the queue is registered
+    await store.create("long")
+    await submit(store, "long", [AppendMessage(Message.user("add 2 and 3", id="u1"))])
+    report = await limited.result(await limited.enqueue_turn("long"))
+    assert (report.reason, len(report.cycles)) == ("cycle_limit", 1)
+    assert report.revision == (await store.load("long")).revision  # the model's call, stored
+    again = await limited.result(await limited.enqueue_turn("long"))  # the next turn goes on
+    assert again.start_revision == report.revision
+    assert [c.step for c in again.cycles] == ["tools"]
+
+    with pytest.raises(DurableTurnError) as caught:
+        await durable.result(await durable.enqueue_turn("no-such-session"))
+    assert caught.value.error_type == "SessionNotFoundError"
