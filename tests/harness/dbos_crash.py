@@ -100,6 +100,7 @@ APP = "stepmachine-dbos-harness"
 NAME = "harness"  # DurableMachine name: workflow harness.turn, queue harness.turns
 VERSION = "harness-1"
 READY_TIMEOUT = 120  # seconds a worker may take to import and launch DBOS
+STALL_TIMEOUT = 180  # seconds without any turn ending before the run is declared stuck
 SCHEMA = """
 CREATE SCHEMA IF NOT EXISTS harness;
 CREATE TABLE IF NOT EXISTS harness.runs (
@@ -403,11 +404,15 @@ async def supervise(
         for sid in ids:
             await next_turn(sid)
         next_kill = time.monotonic() + rng.uniform(0.05, 0.6)
+        progress = time.monotonic()
         while active:
+            if time.monotonic() - progress > STALL_TIMEOUT:
+                raise RuntimeError(f"no turn ended for {STALL_TIMEOUT}s; waiting for {active}")
             statuses = await client.list_workflows_async(workflow_ids=list(active))
             for status in statuses:
                 if status.status in {"PENDING", "ENQUEUED"}:
                     continue
+                progress = time.monotonic()
                 sid = active.pop(status.workflow_id)
                 if status.status != "SUCCESS":
                     counts.problems.append(f"{status.workflow_id}: {status.status} {status.error}")
