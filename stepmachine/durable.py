@@ -312,7 +312,7 @@ class DurableMachine:
         return options
 
     async def result(self, workflow_id: str) -> TurnReport:
-        """Wait for the turn ``workflow_id`` to end; return its report.
+        """Wait for the turn ``workflow_id`` to end; return its report (DBOS launched here).
 
         Raises:
             ConfigurationError: not on asyncio.
