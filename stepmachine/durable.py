@@ -82,21 +82,21 @@ pins it), so a replacement must run the same version. (DBOS Conductor, the
 hosted control plane, instead detects dead executors and recovers their
 workflows on live ones.)
 
-Leases. The store leases (``Leases``, claimed by ``StateMachine.run()``) and
-the DBOS queue serve the same invariant 11, one runner per session, by
-different means: here the queue's partition is the lock, and it is held as
-long as the turn is PENDING in DBOS, across crashes, without a clock. A
-durable turn therefore does not claim a store lease; mixing ``run()`` callers
-with durable turns on one session is unsupported (the queue does not see
-them). Writes that are not a runner's (``submit()``: user messages,
-approvals) are compare-and-set, and a cycle that loses such a race reloads.
-The partition does not *fence*: if the turns of an executor that is still
-alive are recovered (its id reused by a second live process, or an
-operator's recovery of a worker that was only slow), two runners advance the
-session at once. The store's compare-and-set still loses no update, but the
-second runner reads the first one's in-flight non-idempotent calls as
-crashed ("outcome unknown"). A lease's epoch is what fences a stale runner;
-holding one for the turn's duration is the natural next step.
+Leases. The DBOS queue's partition keeps one *turn* per session across the
+cluster, held as long as the turn is PENDING in DBOS, across crashes, without
+a clock. It does not *fence*: if the turns of an executor that is still alive
+are recovered (its id reused by a second live process, or an operator's
+recovery of a worker that was only slow), two runners could advance the
+session at once. So each cycle also holds the store's lease (invariant 11)
+when the store has leases (the shipped stores do) and the machine a lease
+policy: the cycle claims it (waiting while another runner, a ``run()`` caller
+included, holds it), writes every batch fenced by it, renews it while a tool
+runs, and releases it when the step ends. A stale runner's write is refused
+(:class:`~stepmachine.LeaseLostError`, recorded by DBOS as the step's error),
+and a waiting one sees the first one's results instead of reading its
+in-flight calls as crashed. ``StateMachine(lease=None)`` turns this off.
+Writes that are not a runner's (``submit()``: user messages, approvals) are
+compare-and-set only, and a cycle that loses such a race reloads.
 
 Serialization: msgspec, never pickle. DBOS pickles workflow inputs, outputs,
 step outputs and errors unless its config names another serializer.
@@ -130,8 +130,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import anyio
 import msgspec
@@ -139,6 +140,8 @@ import msgspec
 from ._cycle import Decision, check_progress, idle_reason, stops_the_run
 from ._emitter import EventSink, NullEmitter
 from ._errors import ConfigurationError, ConflictError
+from ._hold import claim, has_leases, hold, release, renew_interval
+from ._lease import Leases, new_owner
 from ._machine import DEFAULT_MAX_CYCLES, StateMachine
 from ._outcomes import StepResult
 from ._runtime import Runtime
@@ -360,11 +363,41 @@ class DurableMachine:
     async def _cycle(self, session_id: str, number: int, start: int) -> dict[str, Any]:
         """Step ``stepmachine.cycle``: one cycle from the stored session, as a summary dict.
 
+        When the store has leases (and the machine a lease policy), the cycle
+        holds the session's lease, waiting for it as ``LeasePolicy(busy="wait")``
+        does, and writes fenced by it; it releases the lease when the step ends.
+
         Raises:
+            LeaseLostError: the lease was lost during the cycle (another runner
+                took the session over); nothing of this cycle after the loss
+                was stored.
             ConflictError: more than the machine's ``max_conflicts`` conflicts.
             Exception: whatever a step raises (DBOS records it; the turn fails).
         """
         runtime = self.runtime()
+        policy = self.machine.lease
+        store = runtime.store if runtime.handler is None else None
+        if policy is None or not has_leases(store):
+            return await self._cycle_in(runtime, session_id, number, start)
+        leases = cast(Leases, store)  # has_leases said so
+        waiting = dataclasses.replace(policy, busy="wait")  # a cycle never fails or queues
+        lease = await claim(leases, session_id, new_owner(), waiting)
+        assert lease is not None
+        try:
+            return await hold(
+                leases,
+                lease,
+                lambda fence: self._cycle_in(
+                    dataclasses.replace(runtime, handler=fence), session_id, number, start
+                ),
+                renew_every=renew_interval(lease),
+            )
+        finally:
+            await release(leases, lease, unless_requested=False)
+
+    async def _cycle_in(
+        self, runtime: Runtime, session_id: str, number: int, start: int
+    ) -> dict[str, Any]:
         machine = self.machine
         conflicts = 0
         while True:
