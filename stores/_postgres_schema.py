@@ -9,7 +9,8 @@ store shares a database with an application's own tables)::
 
     schema_version(version PK, applied_at)        one row per migration applied
     sessions(sid PK bigserial, session_id UNIQUE, revision, schema_version,
-             snapshot_revision, snapshot_bytes, pending_bytes, crc)
+             snapshot_revision, snapshot_bytes, pending_bytes, crc,
+             lease_owner, lease_epoch, lease_expires_at, run_requested_at)
     batches(sid, revision, step, cycle, ts, effect_count, schema_version, crc)
     effects(sid, revision, position, schema_version, body, crc)
     snapshots(sid, revision, schema_version, body, crc)
@@ -22,6 +23,12 @@ carries ``crc``, the CRC-32 of :func:`._sqlite_schema.checksum` over the
 table's name and every other column, so a flipped bit or a row moved to
 another session, revision or position fails closed when read. The bodies are
 stored ``EXTERNAL`` (out of line, not compressed again by PostgreSQL).
+
+The session row also carries the session's lease (:mod:`._postgres_leases`):
+``lease_owner``, ``lease_epoch`` (only grows), ``lease_expires_at`` (the
+server's clock) and the pending-run mark ``run_requested_at`` (NULL: none),
+indexed for ``claim_next``. They are outside ``crc``: a claim or a renewal
+changes them without the log changing, and no read of the log depends on them.
 
 Versions: the database records each migration applied in
 ``stepmachine.schema_version``; its version is the largest. A database of a
@@ -73,8 +80,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
             version integer PRIMARY KEY,
             applied_at timestamptz NOT NULL DEFAULT now()
         )""",
-        # Leases (issue 10, next): lease_owner, lease_epoch and lease_expires_at
-        # join this row, outside its crc (they change without the log changing).
+        # The lease columns (lease_owner .. run_requested_at) are outside the
+        # crc: they change without the log changing (see _postgres_leases).
         f"""CREATE TABLE {SCHEMA}.sessions (
             sid bigserial PRIMARY KEY,
             session_id text NOT NULL UNIQUE,
@@ -83,8 +90,15 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
             snapshot_revision bigint NOT NULL,
             snapshot_bytes bigint NOT NULL,
             pending_bytes bigint NOT NULL,
-            crc bigint NOT NULL
+            crc bigint NOT NULL,
+            lease_owner text,
+            lease_epoch bigint NOT NULL DEFAULT 0 CHECK (lease_epoch >= 0),
+            lease_expires_at timestamptz,
+            run_requested_at timestamptz
         )""",
+        # claim_next finds the sessions with a pending run without a scan.
+        f"""CREATE INDEX sessions_run_requested ON {SCHEMA}.sessions (run_requested_at, sid)
+            WHERE run_requested_at IS NOT NULL""",
         f"""CREATE TABLE {SCHEMA}.batches (
             sid bigint NOT NULL,
             revision bigint NOT NULL,
