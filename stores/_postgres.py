@@ -106,6 +106,29 @@ def _no_hook(name: str) -> None:
     """The default boundary hook: does nothing."""
 
 
+def _idle_limit(seconds: float | None) -> Callable[[psycopg.Connection[Any]], None] | None:
+    """The pool's ``configure``: set ``idle_in_transaction_session_timeout`` on each
+    new connection (``None``: leave the server's setting).
+
+    Raises:
+        ConfigurationError: ``seconds`` is not > 0.
+    """
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+        raise ConfigurationError(
+            f"idle_in_transaction_timeout must be a number of seconds > 0 or None, not {seconds!r}"
+        )
+    milliseconds = str(max(1, round(seconds * 1000)))
+
+    def configure(connection: psycopg.Connection[Any]) -> None:
+        # A session setting (is_local false); the connection is in autocommit.
+        query = "SELECT set_config('idle_in_transaction_session_timeout', %s, false)"
+        connection.execute(query, (milliseconds,))
+
+    return configure
+
+
 class PostgresStore:
     """A store in a PostgreSQL database, shared safely by many processes and machines.
 
@@ -186,6 +209,7 @@ class PostgresStore:
         min_size: int = 1,
         max_size: int = 4,
         pool_timeout: float = 30.0,
+        idle_in_transaction_timeout: float | None = 60.0,
         boundary_hook: Callable[[str], None] | None = None,
     ) -> PostgresStore:
         """Connect to the database ``dsn`` names, and create or check its schema.
@@ -196,6 +220,14 @@ class PostgresStore:
             min_size, max_size: the pool's connections kept open, and at most.
             pool_timeout: seconds to wait for the first connection, and later
                 for a free one (then ``psycopg_pool.PoolTimeout``).
+            idle_in_transaction_timeout: seconds one of this store's
+                transactions may sit idle on the server (its process paused or
+                partitioned away between two statements) before the server ends
+                its connection, rolling it back and freeing the session rows it
+                locked; so such a process holds up a lease's takeover for at most
+                this long. ``None`` keeps the server's setting (often: forever).
+                The store's own transactions are never idle longer than their
+                decoding takes.
             boundary_hook: called with each name of :attr:`BOUNDARIES` as the
                 store passes it (crash tests kill the process there).
 
@@ -223,12 +255,14 @@ class PostgresStore:
             ) from exc
         if not 1 <= min_size <= max_size:
             raise ConfigurationError(f"need 1 <= min_size <= max_size, not {min_size}, {max_size}")
+        configure = _idle_limit(idle_in_transaction_timeout)
         pool: ConnectionPool[Any] = ConnectionPool(
             dsn,
             min_size=min_size,
             max_size=max_size,
             timeout=pool_timeout,
             kwargs={"autocommit": True},
+            configure=configure,
             open=False,
             name="stepmachine",
         )

@@ -262,11 +262,18 @@ def insert_batch(
     timestamp: float,
     bodies: Sequence[bytes],
 ) -> None:
-    """Append one batch row and its effect rows (one ``executemany``), with their checksums."""
+    """Append one batch row and its effect rows (one ``executemany``), with their checksums.
+
+    The effect rows go first: psycopg runs ``executemany`` in pipeline mode,
+    after which the server does not arm ``idle_in_transaction_session_timeout``
+    until the next statement; the batch row's plain ``INSERT`` is that
+    statement, so a process stalled after it, holding the session row
+    locked, is still cut off (see ``PostgresStore.open``).
+    """
     batch, effects = batch_row_values(sid, revision, step, cycle, timestamp, bodies, SCHEMA_VERSION)
-    conn.execute(_INSERT_BATCH, batch)
     with conn.cursor() as cursor:
         cursor.executemany(_INSERT_EFFECT, effects)
+    conn.execute(_INSERT_BATCH, batch)
 
 
 def copy_log(
