@@ -65,7 +65,7 @@ from ._backend import Cached
 from ._core import LogCore
 from ._ids import validate_session_id
 from ._postgres_log import PostgresTxn
-from ._postgres_schema import describe, prepare_schema, transaction
+from ._postgres_schema import describe, idle_limit, prepare_schema, transaction
 from ._snapshot_policy import Weighted
 from ._sqlite_rows import SNAPSHOT_EVERY, SNAPSHOT_MAX_GAP, SessionRow, marks_of
 
@@ -104,29 +104,6 @@ class _SharedCore(LogCore[SessionRow]):
 
 def _no_hook(name: str) -> None:
     """The default boundary hook: does nothing."""
-
-
-def _idle_limit(seconds: float | None) -> Callable[[psycopg.Connection[Any]], None] | None:
-    """The pool's ``configure``: set ``idle_in_transaction_session_timeout`` on each
-    new connection (``None``: leave the server's setting).
-
-    Raises:
-        ConfigurationError: ``seconds`` is not > 0.
-    """
-    if seconds is None:
-        return None
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
-        raise ConfigurationError(
-            f"idle_in_transaction_timeout must be a number of seconds > 0 or None, not {seconds!r}"
-        )
-    milliseconds = str(max(1, round(seconds * 1000)))
-
-    def configure(connection: psycopg.Connection[Any]) -> None:
-        # A session setting (is_local false); the connection is in autocommit.
-        query = "SELECT set_config('idle_in_transaction_session_timeout', %s, false)"
-        connection.execute(query, (milliseconds,))
-
-    return configure
 
 
 class PostgresStore:
@@ -236,7 +213,8 @@ class PostgresStore:
 
         Raises:
             ConfigurationError: psycopg or psycopg_pool is not installed (the
-                ``postgres`` extra), or a size is out of range.
+                ``postgres`` extra), a size is out of range, or
+                ``idle_in_transaction_timeout`` is not > 0.
             StoredDataError: the database was written by a newer schema version,
                 or its ``stepmachine`` schema is not a store's; nothing was changed.
             psycopg_pool.PoolTimeout: no connection within ``pool_timeout``.
@@ -255,7 +233,7 @@ class PostgresStore:
             ) from exc
         if not 1 <= min_size <= max_size:
             raise ConfigurationError(f"need 1 <= min_size <= max_size, not {min_size}, {max_size}")
-        configure = _idle_limit(idle_in_transaction_timeout)
+        configure = idle_limit(idle_in_transaction_timeout)
         pool: ConnectionPool[Any] = ConnectionPool(
             dsn,
             min_size=min_size,

@@ -1,4 +1,5 @@
-"""The layout of :class:`~stepmachine.stores.PostgresStore`: schema, version check, transactions.
+"""The layout of :class:`~stepmachine.stores.PostgresStore`: schema, version check, transactions
+and the settings of its connections.
 
 Everything here is synchronous and runs in a worker thread, on a connection
 taken from the store's pool (``autocommit`` on, so every transaction is an
@@ -42,11 +43,11 @@ new database at once create it once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Final
 
-from stepmachine import StoredDataError
+from stepmachine import ConfigurationError, StoredDataError
 
 if TYPE_CHECKING:
     import psycopg
@@ -57,6 +58,7 @@ __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
     "describe",
+    "idle_limit",
     "prepare_schema",
     "transaction",
 ]
@@ -169,6 +171,29 @@ def transaction(conn: psycopg.Connection[Any], *, write: bool) -> Iterator[None]
     conn.read_only = not write
     with conn.transaction():
         yield
+
+
+def idle_limit(seconds: float | None) -> Callable[[psycopg.Connection[Any]], None] | None:
+    """The pool's ``configure``: set ``idle_in_transaction_session_timeout`` on each
+    new connection (``None``: leave the server's setting).
+
+    Raises:
+        ConfigurationError: ``seconds`` is not > 0.
+    """
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+        raise ConfigurationError(
+            f"idle_in_transaction_timeout must be a number of seconds > 0 or None, not {seconds!r}"
+        )
+    milliseconds = str(max(1, round(seconds * 1000)))
+
+    def configure(connection: psycopg.Connection[Any]) -> None:
+        # A session setting (is_local false); the connection is in autocommit.
+        query = "SELECT set_config('idle_in_transaction_session_timeout', %s, false)"
+        connection.execute(query, (milliseconds,))
+
+    return configure
 
 
 def prepare_schema(conn: psycopg.Connection[Any]) -> None:

@@ -34,20 +34,25 @@ import anyio.lowlevel
 import pytest
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stepmachine import (
     AppendMessage,
     Batch,
     Codec,
     ConfigurationError,
+    ConflictError,
     Effect,
     Lease,
     LeaseHolder,
+    LeaseLostError,
     Message,
     Session,
     new_owner,
 )
 from stepmachine.stores import PostgresStore
+from stepmachine.stores._memory_leases import MemoryLeases
 from stepmachine.testing.leases import LeaseConformance
 
 pytest.importorskip("psycopg", reason="psycopg is not installed (the postgres extra)")
@@ -271,3 +276,160 @@ async def test_a_stalled_transaction_holds_the_session_only_until_the_idle_limit
 async def test_the_idle_limit_must_be_positive(postgres_dsn: str, seconds: Any) -> None:
     with pytest.raises(ConfigurationError, match="idle_in_transaction_timeout"):
         await PostgresStore.open(postgres_dsn, idle_in_transaction_timeout=seconds)
+
+
+# -- fencing and the compare-and-set --------------------------------------------------
+
+
+async def test_a_lost_lease_is_said_before_a_conflict(postgres_dsn: str) -> None:
+    """A stale holder whose store's cache is behind too gets LeaseLostError, not a conflict."""
+    async with (
+        await PostgresStore.open(postgres_dsn) as old_store,
+        await PostgresStore.open(postgres_dsn) as new_store,
+    ):
+        session = await old_store.create("s")
+        old = await old_store.claim("s", "old", 30.0)
+        assert isinstance(old, Lease)
+        await old_store.release(old)
+        new = await new_store.claim("s", "new", 30.0)
+        assert isinstance(new, Lease)
+        await new_store.apply(batch_for(await new_store.load("s"), "new"), lease=new)
+        for stale in (session, await old_store.load("s")):  # wrong revision, then right
+            with pytest.raises(LeaseLostError, match="'new' holds the session now"):
+                await old_store.apply(batch_for(stale, "old"), lease=old)
+        assert [batch.step for batch in await new_store.batches("s")] == ["new"]
+
+
+async def test_a_current_lease_still_gets_conflicts(postgres_dsn: str) -> None:
+    async with await PostgresStore.open(postgres_dsn) as store:
+        session = await store.create("s")
+        lease = await store.claim("s", "a", 30.0)
+        assert isinstance(lease, Lease)
+        await store.apply(batch_for(session, "submitted"))  # unfenced: submit()
+        with pytest.raises(ConflictError):
+            await store.apply(batch_for(session, "runner"), lease=lease)
+        after = await store.apply(batch_for(await store.load("s"), "runner"), lease=lease)
+        assert after.revision == 2
+
+
+# -- the same answers as the reference (MemoryStore's lease table) ---------------------
+
+OWNERS = ("a", "b", "c")
+Op = tuple[Any, ...]
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("claim"), st.sampled_from(OWNERS)),
+        st.tuples(st.just("claim_next"), st.sampled_from(OWNERS)),
+        st.tuples(st.just("request_run")),
+        st.tuples(st.just("renew"), st.integers(0, 5)),
+        st.tuples(st.just("release"), st.integers(0, 5), st.booleans()),
+        st.tuples(st.just("apply"), st.none() | st.integers(0, 5)),
+        st.tuples(st.just("expire")),
+    ),
+    max_size=14,
+)
+
+
+def _answer(got: object) -> object:
+    """What a call returned, comparable across stores (holders' expiry left out)."""
+    if isinstance(got, Lease):
+        return ("lease", got.session_id, got.owner, got.epoch)
+    if isinstance(got, LeaseHolder):
+        return ("busy", got.owner)
+    if isinstance(got, Session):
+        return ("applied", got.revision)
+    return got
+
+
+async def _reference(ops: list[Op]) -> list[object]:
+    """The answers of MemoryLeases (``expire``: its clock jumps past every ttl)."""
+    now = [0.0]
+    leases = MemoryLeases(clock=lambda: now[0])
+    revision = 0
+    held: list[Lease] = []
+    answers: list[object] = []
+    for op in ops:
+        try:
+            got: object = None
+            if op[0] == "claim":
+                got = leases.claim("s", op[1], 30.0)
+            elif op[0] == "claim_next":
+                got = leases.claim_next(["s"], op[1], 30.0)
+            elif op[0] == "request_run":
+                leases.request_run("s")
+            elif op[0] == "expire":
+                now[0] += 1000.0
+            elif op[0] == "apply":
+                if op[1] is not None and held:
+                    leases.check(held[op[1] % len(held)])
+                revision += 1
+                got = ("applied", revision)
+            elif held:
+                lease = held[op[1] % len(held)]
+                if op[0] == "renew":
+                    got = leases.renew(lease)
+                else:
+                    got = leases.release(lease, unless_requested=op[2])
+            if isinstance(got, Lease):
+                held.append(got)
+            answers.append(_answer(got))
+        except LeaseLostError:
+            answers.append("LeaseLostError")
+    return answers
+
+
+async def _postgres(dsn: str, ops: list[Op]) -> list[object]:
+    """The answers of PostgresStore (``expire``: the lease's expiry is set in the past)."""
+    import psycopg
+
+    async with await PostgresStore.open(dsn, min_size=1, max_size=1) as store:
+        await store.create("s")
+        held: list[Lease] = []
+        answers: list[object] = []
+        try:
+            for op in ops:
+                try:
+                    got: object = None
+                    if op[0] == "claim":
+                        got = await store.claim("s", op[1], 30.0)
+                    elif op[0] == "claim_next":
+                        got = await store.claim_next(op[1], 30.0)
+                    elif op[0] == "request_run":
+                        await store.request_run("s")
+                    elif op[0] == "expire":
+                        with psycopg.connect(dsn, autocommit=True) as conn:
+                            conn.execute(
+                                "UPDATE stepmachine.sessions "
+                                "SET lease_expires_at = now() - interval '1 second' "
+                                "WHERE lease_owner IS NOT NULL"
+                            )
+                    elif op[0] == "apply":
+                        lease = held[op[1] % len(held)] if op[1] is not None and held else None
+                        got = await store.apply(batch_for(await store.load("s"), "op"), lease=lease)
+                    elif held:
+                        lease = held[op[1] % len(held)]
+                        if op[0] == "renew":
+                            got = await store.renew(lease)
+                        else:
+                            got = await store.release(lease, unless_requested=op[2])
+                    if isinstance(got, Lease):
+                        held.append(got)
+                    answers.append(_answer(got))
+                except LeaseLostError:
+                    answers.append("LeaseLostError")
+        finally:
+            await store.delete("s")
+    return answers
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+def test_the_same_answers_as_the_reference(postgres_dsn: str, anyio_backend: str) -> None:
+    """Any sequence of lease calls on one session answers as MemoryStore's lease table does."""
+
+    @settings(max_examples=200, deadline=None, derandomize=True)
+    @given(ops=operations)
+    def same(ops: list[Op]) -> None:
+        expected = anyio.run(_reference, ops, backend=anyio_backend)
+        assert anyio.run(_postgres, postgres_dsn, ops, backend=anyio_backend) == expected
+
+    same()
