@@ -20,7 +20,7 @@ Applying a batch is one transaction: the compare-and-set ``UPDATE
 stepmachine.sessions ... WHERE sid = %s AND revision = %s`` (its row count says
 whether the session this store last read or wrote is still the stored one;
 PostgreSQL's row lock orders it against every other writer, in this process
-or another), then the batch row, the effect rows (one ``executemany``) and,
+or another), then the effect rows (one ``executemany``), the batch row and,
 when due, a snapshot with the ``DELETE`` of the one it supersedes.
 
 Leases (:class:`~stepmachine.Leases`, :mod:`._postgres_leases`): the session
