@@ -201,10 +201,13 @@ async def release(store: Leases, lease: Lease, *, unless_requested: bool) -> boo
 def has_leases(store: object) -> bool:
     """Whether ``store`` has the :class:`Leases` capability, in O(1).
 
-    A store with leases declares ``leases_expire`` (a bool); the protocol's
-    ``isinstance`` check would inspect every method, at each run.
+    A store with leases declares ``leases_expire`` (a bool) on its class; the
+    protocol's ``isinstance`` check would inspect every method, at each run.
+    Read from the class, like ``applies_batches``, so that a wrapper forwarding
+    attributes to a store (``__getattr__``) is not taken for one with leases:
+    its ``apply`` would not take the lease.
     """
-    return isinstance(getattr(store, "leases_expire", None), bool)
+    return isinstance(getattr(type(store), "leases_expire", None), bool)
 
 
 def renew_interval(lease: Lease) -> float:

@@ -61,6 +61,9 @@ class MemoryStore:
     applies_batches: ClassVar[bool] = True
     """``apply`` applies each batch once and returns the session (see ``EffectHandler``)."""
 
+    leases_expire: bool = False
+    """Whether leases lapse unless renewed (see ``expiring_leases``); declared on the class."""
+
     def __init__(self, codec: Codec[Any] | None = None, *, expiring_leases: bool = False) -> None:
         self._codec: Codec[Any] = codec or Codec()
         self._sessions: dict[str, _Entry] = {}

@@ -346,3 +346,26 @@ async def test_serve_needs_a_store_with_leases() -> None:
 
     with pytest.raises(ConfigurationError, match="leases"):
         await serve(StateMachine([ModelInference()]), Runtime(store=Plain()))  # type: ignore[arg-type]
+
+
+async def test_a_wrapper_forwarding_attributes_runs_without_a_lease() -> None:
+    """Leases are read from the store's class: a forwarding wrapper's apply takes no lease."""
+
+    class Forwarding:
+        def __init__(self, inner: MemoryStore) -> None:
+            self.inner = inner
+
+        async def apply(self, batch: Any) -> Any:  # no lease keyword
+            return await self.inner.apply(batch)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    inner = MemoryStore()
+    await inner.create("s", conversation=[Message.user("hi", id="u1")])
+    store: Any = Forwarding(inner)
+    assert store.leases_expire is False  # forwarded, but not declared by the class
+    session = await StateMachine([ModelInference()]).run(
+        Runtime(store=store, model=ScriptedModel([reply("a")])), "s"
+    )
+    assert session.revision == 1
