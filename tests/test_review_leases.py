@@ -1,0 +1,436 @@
+"""An outside review of issue 10's leases (fencing, queued turns, cancellation, serve).
+
+Each test states what a careful user would expect. Known defects are marked
+``xfail(strict=True)`` with the reason: they fail today and flip to a failure of
+the suite once fixed, so the mark must be removed with the fix. The rest are
+attacks that held up, kept as regression tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from stepmachine import (
+    ConfigurationError,
+    Lease,
+    LeaseHolder,
+    LeaseLostError,
+    LeasePolicy,
+    Message,
+    ModelInference,
+    Runtime,
+    SessionBusyError,
+    StateMachine,
+    StoredDataError,
+    YieldReason,
+    new_owner,
+    serve,
+)
+from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
+from stepmachine.testing import FunctionModel, reply
+
+KINDS = ["memory", "memory-expiring", "sqlite", "file", "postgres"]
+
+
+async def open_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    if kind == "memory":
+        return MemoryStore()
+    if kind == "memory-expiring":
+        return MemoryStore(expiring_leases=True)
+    if kind == "sqlite":
+        return await SQLiteStore.open(tmp_path / "db.sqlite3")
+    if kind == "file":
+        return await FileStore.open(tmp_path / "files", fsync="never")
+    pytest.importorskip("psycopg", reason="psycopg is not installed (the postgres extra)")
+    from stepmachine.stores import PostgresStore  # noqa: PLC0415 - the extra
+
+    dsn = request.getfixturevalue("postgres_dsn")
+    return await PostgresStore.open(dsn)
+
+
+@pytest.fixture(params=KINDS)
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    made = await open_store(str(request.param), tmp_path, request)
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+class Proxy:
+    """A store that forwards everything to ``inner``; tests override single methods."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def counting_model() -> FunctionModel:
+    """Answers every request with "ok"; ``model.calls`` counts the requests."""
+
+    def answer(_request: Any) -> Any:
+        return reply("ok")
+
+    return FunctionModel(answer)
+
+
+async def make_session(store: Any, session_id: str = "s") -> None:
+    await store.create(session_id, conversation=[Message.user("hi", id=f"{session_id}-u1")])
+
+
+def machine(**kwargs: Any) -> StateMachine[Any]:
+    return StateMachine([ModelInference()], **kwargs)
+
+
+async def pending_work(store: Any) -> Lease | None:
+    """What ``claim_next`` gives out now (released again at once)."""
+    lease = await store.claim_next(new_owner("probe:"), 30.0)
+    if lease is not None:
+        await store.release(lease)
+    return lease
+
+
+# -- (2) lost turns ---------------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a cancel landing after release(unless_requested=True) took the pending-run mark "
+    "releases the lease without the mark: the queued turn is never run",
+)
+async def test_a_turn_queued_while_held_survives_a_cancel_after_the_mark_was_taken(
+    store: Any,
+) -> None:
+    await make_session(store)
+    proxy = Proxy(store)
+    scope = anyio.CancelScope()
+
+    async def release(lease: Lease, *, unless_requested: bool = False) -> bool:
+        if unless_requested:
+            await store.request_run(lease.session_id)  # a busy="queue" run() arrives just now
+        released: bool = await store.release(lease, unless_requested=unless_requested)
+        if not released:  # the holder took the mark: it promised to run the turn
+            scope.cancel()  # ... and is cancelled (Ctrl-C, a shutdown) before it starts
+        return released
+
+    proxy.release = release
+    model = counting_model()
+    with scope:
+        await machine().run(Runtime(store=proxy, model=model), "s")
+    assert model.calls == 1  # the queued turn did not run in the cancelled holder
+    # So it must still be work for whoever claims next (as for a cancelled run):
+    assert await pending_work(store) is not None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a holder whose next round fails before it starts (here: a load error) has taken "
+    "the pending-run mark; its release drops the queued turn",
+)
+async def test_a_turn_queued_while_held_survives_a_failing_second_round(store: Any) -> None:
+    await make_session(store)
+    proxy = Proxy(store)
+    took_mark = False
+
+    async def release(lease: Lease, *, unless_requested: bool = False) -> bool:
+        nonlocal took_mark
+        if unless_requested and not took_mark:
+            await store.request_run(lease.session_id)
+        released: bool = await store.release(lease, unless_requested=unless_requested)
+        took_mark = took_mark or not released
+        return released
+
+    async def load(session_id: str) -> Any:
+        if took_mark:
+            raise OSError("the database went away for a moment")
+        return await store.load(session_id)
+
+    proxy.release = release
+    proxy.load = load
+    with pytest.raises(OSError, match="went away"):
+        await machine().run(Runtime(store=proxy, model=counting_model()), "s")
+    assert await pending_work(store) is not None  # the queued turn is still work
+
+
+async def test_a_queued_turn_survives_a_holder_whose_first_round_raises(store: Any) -> None:
+    """Held up: the mark set during a round that raises stays for the next claimer."""
+    await make_session(store)
+
+    async def answer(_request: Any) -> Any:
+        await store.request_run("s")  # a busy="queue" run() arrives while the model answers
+        raise RuntimeError("the model fell over")
+
+    with pytest.raises(RuntimeError, match="fell over"):
+        await machine().run(Runtime(store=store, model=FunctionModel(answer)), "s")
+    assert await pending_work(store) is not None
+
+
+# -- (5) hostile input: a damaged lock-file record -----------------------------------------
+
+
+LOCAL_KINDS = ["sqlite", "file"]
+
+
+@pytest.fixture(params=LOCAL_KINDS)
+async def local_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    made = await open_store(str(request.param), tmp_path, request)
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+def lock_path(store: Any, session_id: str) -> str:
+    path: str = store._open_leases()._lock_path(session_id)
+    return path
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="claim_next raises StoredDataError for one damaged lock file: every worker's "
+    "serve() dies and no other session is ever served",
+)
+async def test_one_damaged_lock_file_does_not_stop_claim_next(local_store: Any) -> None:
+    store = local_store
+    for session_id in ("a", "b"):
+        await make_session(store, session_id)
+    lease = await store.claim("a", new_owner(), 30.0)  # makes a's lock file
+    assert isinstance(lease, Lease)
+    await store.release(lease)
+    with open(lock_path(store, "a"), "r+b") as file:
+        file.write(b"\x00garbage\n")
+    for session_id in ("a", "b"):
+        await store.request_run(session_id)
+    with pytest.raises(StoredDataError):
+        await store.claim("a", new_owner(), 30.0)  # a itself is reported (that is right)
+    got = await store.claim_next(new_owner(), 30.0)  # but b is still served
+    assert got is not None
+    assert got.session_id == "b"
+
+
+# -- (4)/(5) a release that fails once leaves the session busy for good ---------------------
+
+
+NON_EXPIRING = ["memory", "sqlite", "file"]
+
+
+@pytest.fixture(params=NON_EXPIRING)
+async def held_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    made = await open_store(str(request.param), tmp_path, request)
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hold.release logs a failed release and counts it as released; a lease that does "
+    "not expire (memory, lock files) then stays held by this live process for good",
+)
+async def test_a_release_that_fails_once_does_not_leave_the_session_busy_forever(
+    held_store: Any,
+) -> None:
+    store = held_store
+    await make_session(store)
+    proxy = Proxy(store)
+    failures = [OSError("EINTR: interrupted system call")]
+
+    async def release(lease: Lease, *, unless_requested: bool = False) -> bool:
+        if failures:
+            raise failures.pop()
+        released: bool = await store.release(lease, unless_requested=unless_requested)
+        return released
+
+    proxy.release = release
+    await machine().run(Runtime(store=proxy, model=counting_model()), "s")  # returns normally
+    # The same process, later: the session should not be busy (nobody runs it).
+    got = await store.claim("s", new_owner(), 30.0)
+    assert isinstance(got, Lease), got
+
+
+# -- (2)/(5) a claim that fails half-way on the lock-file stores ---------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FlockLeases._claim removes the pending-run mark before it creates the held file: "
+    "a claim that fails (or a process that dies) between the two loses the requested turn",
+)
+async def test_a_claim_that_fails_half_way_keeps_the_requested_turn(
+    local_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stepmachine.stores import _flock_leases  # noqa: PLC0415 - patched below
+
+    store = local_store
+    await make_session(store)
+    await store.request_run("s")
+    real_touch = _flock_leases._touch
+
+    def touch(path: str) -> None:
+        if f"{os.sep}held{os.sep}" in path:
+            raise OSError(28, "No space left on device")
+        real_touch(path)
+
+    monkeypatch.setattr(_flock_leases, "_touch", touch)
+    with pytest.raises(OSError, match="No space"):
+        await store.claim_next(new_owner(), 30.0)
+    monkeypatch.setattr(_flock_leases, "_touch", real_touch)
+    assert await pending_work(store) is not None  # nobody ran it: it is still work
+
+
+# -- (4) asyncio's own cancellation (task.cancel(): asyncio.timeout, a web server's
+# disconnect, asyncio.run's Ctrl-C handler) is not stopped by anyio's shield -----------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a native asyncio task.cancel() pierces the shield around the claim's worker-thread "
+    "hop: the thread takes the lock, the run never learns of its lease, and the session stays "
+    "busy in this process until the store is closed",
+)
+async def test_a_native_asyncio_cancel_during_the_claim_leaks_no_lease(
+    local_store: Any, anyio_backend: str
+) -> None:
+    if anyio_backend != "asyncio":
+        pytest.skip("task.cancel() is asyncio's; trio has only cancel scopes (which held up)")
+    import asyncio  # noqa: PLC0415 - asyncio only
+    import threading  # noqa: PLC0415
+
+    store = local_store
+    await make_session(store)
+    leases = store._open_leases()
+    entered, proceed, claimed = threading.Event(), threading.Event(), threading.Event()
+    real_check, real_claim = leases._check, leases._claim
+
+    def check(session_id: str) -> None:
+        entered.set()
+        proceed.wait(10)
+        real_check(session_id)
+
+    def claim(*args: Any) -> Any:
+        try:
+            return real_claim(*args)
+        finally:
+            claimed.set()
+
+    leases._check, leases._claim = check, claim
+    task = asyncio.get_running_loop().create_task(
+        machine().run(Runtime(store=store, model=counting_model()), "s")
+    )
+    await anyio.to_thread.run_sync(entered.wait, 10)
+    task.cancel()  # what asyncio.timeout() or a cancelled request handler does
+    proceed.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await anyio.to_thread.run_sync(claimed.wait, 10)
+    leases._check, leases._claim = real_check, real_claim
+    got = await store.claim("s", new_owner(), 30.0)
+    assert isinstance(got, Lease), got  # the cancelled run holds nothing any more
+
+
+# -- (4) a cancel scope or KeyboardInterrupt at every store call of a run -----------------
+
+
+class Interrupting(Proxy):
+    """Counts the store's async calls; at call number ``at`` it runs ``hit`` before or
+    after forwarding (a cancel landing at that await, or Ctrl-C raised there)."""
+
+    def __init__(self, inner: Any, at: int, hit: Callable[[], None], *, after: bool) -> None:
+        super().__init__(inner)
+        self.at, self.hit, self.after = at, hit, after
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        if not callable(value) or name.startswith("_") or name in ("session_loader",):
+            return value
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            number = len(self.calls)
+            self.calls.append(name)
+            if number == self.at and not self.after:
+                self.hit()
+                await anyio.lowlevel.checkpoint()
+            result = await value(*args, **kwargs)
+            if number == self.at and self.after:
+                self.hit()
+                await anyio.lowlevel.checkpoint()
+            return result
+
+        return call
+
+
+# Call 0 is the claim; a hit *after* it returned is the two xfail tests below.
+POINTS = [(at, after) for at in range(6) for after in (False, True) if (at, after) != (0, True)]
+POINT_IDS = [f"{at}-{'after' if after else 'before'}" for at, after in POINTS]
+
+
+@pytest.mark.parametrize(("at", "after"), POINTS, ids=POINT_IDS)
+async def test_a_cancel_at_any_store_call_leaks_no_lease(store: Any, at: int, after: bool) -> None:
+    """Held up: the run releases its lease whichever store call a cancel lands at."""
+    await make_session(store)
+    scope = anyio.CancelScope()
+    proxy = Interrupting(store, at, scope.cancel, after=after)
+    with scope:
+        await machine().run(Runtime(store=proxy, model=counting_model()), "s")
+    got = await store.claim("s", new_owner(), 30.0)
+    assert isinstance(got, Lease), (proxy.calls, got)
+    await store.release(got)
+
+
+def interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(("at", "after"), POINTS, ids=POINT_IDS)
+async def test_ctrl_c_at_any_store_call_leaks_no_lease(store: Any, at: int, after: bool) -> None:
+    """Held up: KeyboardInterrupt at any other store call; the run releases its lease."""
+    await make_session(store)
+    proxy = Interrupting(store, at, interrupt, after=after)
+    try:
+        await machine().run(Runtime(store=proxy, model=counting_model()), "s")
+    except KeyboardInterrupt:
+        pass
+    got = await store.claim("s", new_owner(), 30.0)
+    assert isinstance(got, Lease), (proxy.calls, got)
+    await store.release(got)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Ctrl-C raised just after store.claim() returned (trio raises KeyboardInterrupt in "
+    "unprotected code at once) is outside run_report's try: the lease is never released",
+)
+async def test_ctrl_c_right_after_the_claim_leaks_no_lease(store: Any) -> None:
+    await make_session(store)
+    proxy = Interrupting(store, 0, interrupt, after=True)
+    with pytest.raises(KeyboardInterrupt):
+        await machine().run(Runtime(store=proxy, model=counting_model()), "s")
+    got = await store.claim("s", new_owner(), 30.0)
+    assert isinstance(got, Lease), got
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the Leases protocol does not say a claim that took effect returns its lease despite "
+    "a cancel, and run_report does not guard the claim: a store whose claim checkpoints after "
+    "committing (an async driver) leaks the lease on a cancel there",
+)
+async def test_a_cancel_right_after_the_claim_leaks_no_lease(store: Any) -> None:
+    await make_session(store)
+    scope = anyio.CancelScope()
+    proxy = Interrupting(store, 0, scope.cancel, after=True)
+    with scope:
+        await machine().run(Runtime(store=proxy, model=counting_model()), "s")
+    got = await store.claim("s", new_owner(), 30.0)
+    assert isinstance(got, Lease), got
