@@ -434,3 +434,147 @@ async def test_a_cancel_right_after_the_claim_leaks_no_lease(store: Any) -> None
         await machine().run(Runtime(store=proxy, model=counting_model()), "s")
     got = await store.claim("s", new_owner(), 30.0)
     assert isinstance(got, Lease), got
+
+
+# -- (5) hostile durations -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ttl", [1e300, 1e18])
+async def test_a_huge_ttl_is_refused_or_works(
+    store: Any, ttl: float, request: pytest.FixtureRequest
+) -> None:
+    """``check_claim`` accepts any finite ttl > 0, so every store must take it (or say no
+    with ValueError before touching anything); a lease must then renew and release."""
+    if type(store).__name__ == "PostgresStore":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="PostgresStore: now() + ttl overflows the timestamp range (ttl > ~9e12 s): "
+                "psycopg's DatetimeFieldOverflow, not ValueError; LeasePolicy accepts such a ttl",
+            )
+        )
+    await make_session(store)
+    try:
+        got = await store.claim("s", new_owner(), ttl)
+    except ValueError:
+        return
+    assert isinstance(got, Lease)
+    assert await store.renew(got) == got
+    assert await store.release(got)
+    assert isinstance(await store.claim("s", new_owner(), 30.0), Lease)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="LeasePolicy takes any ttl > 0: with 1e-9 a PostgreSQL or expiring lease is born "
+    "expired (every write LeaseLostError) and the renewal task renews every 3e-10 s (a hot loop)",
+)
+def test_a_ttl_too_short_to_renew_is_refused() -> None:
+    with pytest.raises(ConfigurationError):
+        LeasePolicy(ttl=1e-9)
+
+
+# -- (5) a renewal that fails: random errors, a closed store, Ctrl-C -------------------------
+
+EXPIRING = ["memory-expiring", "postgres"]
+
+
+@pytest.fixture(params=EXPIRING)
+async def expiring_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    made = await open_store(str(request.param), tmp_path, request)
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+def renewing_run(
+    store: Any, renew: Callable[[Lease, int], Any], renewals: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Proxy, FunctionModel]:
+    """A proxy whose renew calls ``renew(lease, n)``; the run renews every millisecond (the
+    lease keeps its 30 s ttl, so nothing lapses on any clock) and the model answers once
+    ``renewals`` renewals were attempted."""
+    import stepmachine._machine  # noqa: PLC0415 - patched
+
+    monkeypatch.setattr(stepmachine._machine, "renew_interval", lambda lease: 0.001)
+    proxy = Proxy(store)
+    attempts = [0]
+    enough = anyio.Event()
+
+    async def proxy_renew(lease: Lease) -> Lease:
+        attempts[0] += 1
+        if attempts[0] >= renewals:
+            enough.set()
+        result: Lease = await renew(lease, attempts[0])
+        return result
+
+    async def answer(_request: Any) -> Any:
+        await enough.wait()
+        return reply("ok")
+
+    proxy.renew = proxy_renew
+    return proxy, FunctionModel(answer)
+
+
+async def test_renewals_that_fail_now_and_then_keep_the_run_going(
+    expiring_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held up: errors of a renewal are retried while the lease cannot have lapsed."""
+    store = expiring_store
+    await make_session(store)
+
+    async def renew(lease: Lease, n: int) -> Lease:
+        if n % 3:
+            raise [OSError("reset"), TimeoutError("slow"), RuntimeError("?")][n % 3]
+        result: Lease = await store.renew(lease)
+        return result
+
+    proxy, model = renewing_run(store, renew, 12, monkeypatch)
+    session = await machine().run(Runtime(store=proxy, model=model), "s")
+    assert session.revision == 1
+    assert isinstance(await store.claim("s", new_owner(), 30.0), Lease)  # released
+
+
+async def test_a_store_closed_under_the_renewal_stops_the_run(
+    expiring_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held up: StoreClosedError from renew is a lost lease; the run writes nothing more."""
+    from stepmachine import StoreClosedError  # noqa: PLC0415
+
+    store = expiring_store
+    await make_session(store)
+
+    async def renew(lease: Lease, n: int) -> Lease:
+        raise StoreClosedError("closed under the run")
+
+    proxy, model = renewing_run(store, renew, 1, monkeypatch)
+    with pytest.raises(LeaseLostError, match="closed under the run"):
+        await machine().run(Runtime(store=proxy, model=model), "s")
+    assert (await store.load("s")).revision == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="trio: a KeyboardInterrupt raised in the renewal task leaves hold() inside a "
+    "BaseExceptionGroup: `except KeyboardInterrupt` around run() does not catch it "
+    "(work's own KeyboardInterrupt is unwrapped, the renewal's is not)",
+)
+async def test_ctrl_c_in_the_renewal_is_a_keyboard_interrupt(
+    expiring_store: Any, monkeypatch: pytest.MonkeyPatch, anyio_backend: str
+) -> None:
+    if anyio_backend != "trio":
+        pytest.skip("asyncio lets a KeyboardInterrupt of any task leave the event loop at once")
+    store = expiring_store
+    await make_session(store)
+
+    async def renew(lease: Lease, n: int) -> Lease:
+        raise KeyboardInterrupt
+
+    proxy, model = renewing_run(store, renew, 1, monkeypatch)
+    try:
+        await machine().run(Runtime(store=proxy, model=model), "s")
+    except KeyboardInterrupt:
+        return
+    except BaseExceptionGroup as group:  # kept from pytest, which stops the session on a KI
+        raise AssertionError(f"the KeyboardInterrupt came wrapped: {group!r}") from None
+    raise AssertionError("no KeyboardInterrupt")
