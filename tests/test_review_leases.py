@@ -736,3 +736,144 @@ async def test_a_run_given_a_released_lease_writes_nothing(store: Any) -> None:
     with pytest.raises(LeaseLostError):
         await machine().run(Runtime(store=store, model=counting_model()), "s", lease=lease)
     assert (await store.load("s")).revision == 2
+
+
+# -- (3) durable cycles and run() callers on one session --------------------------------------
+
+
+class Gate:
+    """A non-idempotent ``charge`` tool that waits for ``go``; counts its charges."""
+
+    def __init__(self) -> None:
+        self.started = anyio.Event()
+        self.go = anyio.Event()
+        self.charges = 0
+
+    def tool(self) -> Any:
+        from stepmachine import tool  # noqa: PLC0415
+
+        async def charge(amount: int) -> str:
+            """Charge the card."""
+            self.started.set()
+            await self.go.wait()
+            self.charges += 1
+            return f"charged {amount}"
+
+        return tool(charge)
+
+
+def charging_model() -> FunctionModel:
+    from stepmachine.testing import call  # noqa: PLC0415
+
+    def answer(request: Any) -> Any:
+        if request.messages[-1].role == "user":
+            return call(("charge", {"amount": 5}))
+        return reply("paid")
+
+    return FunctionModel(answer)
+
+
+def tool_results(session: Any) -> list[str]:
+    return [
+        str(part.content)
+        for message in session.conversation
+        for part in message.parts
+        if type(part).__name__ == "ToolResultPart"
+    ]
+
+
+@pytest.fixture
+def durable_machine() -> Any:
+    dbos = pytest.importorskip("dbos", reason="DBOS is not installed (the dbos extra)")
+    from stepmachine.durable import DurableMachine  # noqa: PLC0415
+
+    dbos.DBOS.destroy(destroy_registry=True)
+    yield DurableMachine
+    dbos.DBOS.destroy(destroy_registry=True)
+
+
+async def durable_cycles(durable: Any, session_id: str) -> None:
+    """A durable turn's cycles, run in place (what the DBOS workflow does, without DBOS)."""
+    start = await durable._start(session_id)
+    for number in range(1, 10):
+        summary = await durable._cycle(session_id, number, start)
+        if summary["status"] != "continue":
+            return
+
+
+@pytest.mark.parametrize("second", ["run", "durable"])
+async def test_a_durable_cycle_and_a_second_runner_never_call_a_tool_unknown(
+    store: Any, durable_machine: Any, second: str
+) -> None:
+    """Held up: a durable cycle holds the lease while its tool runs; a run() or a second
+    (recovered) durable turn waits for it and finds the call answered."""
+    from stepmachine import OUTCOME_UNKNOWN, Tools, history_problems  # noqa: PLC0415
+
+    await make_session(store)
+    gate = Gate()
+    steps = [Tools([gate.tool()]), ModelInference()]
+    runtime = Runtime(store=store, model=charging_model())
+    durable = durable_machine(StateMachine(steps), runtime, name="review")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(durable_cycles, durable, "s")
+        await gate.started.wait()
+        done = anyio.Event()
+
+        async def other() -> None:
+            if second == "run":
+                await StateMachine(steps).run(runtime, "s")
+            else:
+                await durable_cycles(durable, "s")
+            done.set()
+
+        tg.start_soon(other)
+        for _ in range(50):  # give the second runner every chance to read the call as crashed
+            await anyio.lowlevel.checkpoint()
+        assert not done.is_set()
+        gate.go.set()
+    session = await store.load("s")
+    assert gate.charges == 1
+    assert OUTCOME_UNKNOWN not in " ".join(tool_results(session))
+    assert history_problems(session.conversation) == []
+
+
+DURABLE_LOSES_IT = pytest.mark.xfail(
+    strict=True,
+    reason="a durable cycle releases with unless_requested=False: a run(busy='queue') that "
+    "queued behind the turn's last cycle is told the holder runs its turn, but nobody does "
+    "(only a serve() worker would); run()'s holder runs it",
+)
+
+
+@pytest.mark.parametrize("holder", ["run", pytest.param("durable", marks=DURABLE_LOSES_IT)])
+async def test_a_turn_queued_behind_the_last_cycle_is_run(
+    store: Any, durable_machine: Any, holder: str
+) -> None:
+    """``run``: the reference (held up): the holder takes the mark and runs again."""
+    from stepmachine import AppendMessage, submit  # noqa: PLC0415
+
+    await make_session(store)
+    proxy = Proxy(store)
+    queued: list[str] = []
+
+    async def release(lease: Lease, *, unless_requested: bool = False) -> bool:
+        session = await store.load("s")
+        if not queued and session.conversation[-1].role == "assistant":  # the turn is done
+            # A user writes now and queues a turn: the holder still holds the session.
+            await submit(store, "s", [AppendMessage(Message.user("and more", id="u2"))])
+            report = await StateMachine(
+                [ModelInference()], lease=LeasePolicy(busy="queue")
+            ).run_report(Runtime(store=store, model=counting_model()), "s")
+            queued.append(report.reason.kind)
+        released: bool = await store.release(lease, unless_requested=unless_requested)
+        return released
+
+    proxy.release = release
+    runtime = Runtime(store=proxy, model=counting_model())
+    if holder == "run":
+        await machine().run(runtime, "s")
+    else:
+        await durable_cycles(durable_machine(machine(), runtime, name="review"), "s")
+    assert queued == [YieldReason.QUEUED]
+    session = await store.load("s")
+    assert session.conversation[-1].role == "assistant"  # "and more" was answered
