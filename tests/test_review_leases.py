@@ -766,7 +766,7 @@ def charging_model() -> FunctionModel:
     from stepmachine.testing import call  # noqa: PLC0415
 
     def answer(request: Any) -> Any:
-        if request.messages[-1].role == "user":
+        if request.messages[-1].role == "user" and request.messages[-1].id == "s-u1":
             return call(("charge", {"amount": 5}))
         return reply("paid")
 
@@ -877,3 +877,29 @@ async def test_a_turn_queued_behind_the_last_cycle_is_run(
     assert queued == [YieldReason.QUEUED]
     session = await store.load("s")
     assert session.conversation[-1].role == "assistant"  # "and more" was answered
+
+
+@pytest.mark.parametrize("runner", ["run", "durable"])
+async def test_a_user_message_during_a_tool_keeps_the_tools_result(
+    store: Any, durable_machine: Any, runner: str
+) -> None:
+    """A submit() while the holder's tool runs makes the tool cycle's write conflict; the
+    holder must keep the result it has, not read its own intent as a crash."""
+    from stepmachine import OUTCOME_UNKNOWN, AppendMessage, Tools, submit  # noqa: PLC0415
+
+    await make_session(store)
+    gate = Gate()
+    steps = [Tools([gate.tool()]), ModelInference()]
+    runtime = Runtime(store=store, model=charging_model())
+    async with anyio.create_task_group() as tg:
+        if runner == "run":
+            tg.start_soon(StateMachine(steps).run, runtime, "s")
+        else:
+            tg.start_soon(durable_cycles, durable_machine(StateMachine(steps), runtime), "s")
+        await gate.started.wait()
+        await submit(store, "s", [AppendMessage(Message.user("also this", id="u2"))])
+        gate.go.set()
+    session = await store.load("s")
+    assert gate.charges == 1
+    assert tool_results(session) == ["charged 5"], tool_results(session)
+    assert OUTCOME_UNKNOWN not in " ".join(tool_results(session))
