@@ -903,3 +903,27 @@ async def test_a_user_message_during_a_tool_keeps_the_tools_result(
     assert gate.charges == 1
     assert tool_results(session) == ["charged 5"], tool_results(session)
     assert OUTCOME_UNKNOWN not in " ".join(tool_results(session))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="renew() takes the ttl from the Lease it is given, unchecked: a Lease with ttl "
+    "NaN, inf or < 0 (Lease is a public struct; run_report accepts any) sets MemoryStore's "
+    "expiry to NaN/inf/the past; PostgreSQL raises psycopg errors (NaN, inf) or ends the "
+    "lease at once (< 0)",
+)
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), -1.0])
+async def test_renew_refuses_a_lease_with_a_bad_ttl(expiring_store: Any, ttl: float) -> None:
+    import msgspec  # noqa: PLC0415
+
+    store = expiring_store
+    await make_session(store)
+    lease = await store.claim("s", new_owner(), 30.0)
+    assert isinstance(lease, Lease)
+    with pytest.raises(ValueError, match="ttl"):
+        await store.renew(msgspec.structs.replace(lease, ttl=ttl))
+    assert await store.renew(lease) == lease  # the lease as it was
+    other = await store.claim("s", new_owner(), 30.0)
+    assert isinstance(other, LeaseHolder)
+    assert other.expires_in is not None
+    assert 0 < other.expires_in <= 30.0
