@@ -927,3 +927,35 @@ async def test_renew_refuses_a_lease_with_a_bad_ttl(expiring_store: Any, ttl: fl
     assert isinstance(other, LeaseHolder)
     assert other.expires_in is not None
     assert 0 < other.expires_in <= 30.0
+
+
+# -- (4)/(5) a process stopped inside the store-wide meta lock (SIGSTOP, `docker pause`) ----
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FlockLeases waits for the store-wide meta lock without bound: while one process "
+    "is stopped inside it, every lease call of every process hangs, busy='fail' and "
+    "wait_timeout included",
+)
+async def test_a_stopped_process_in_the_meta_lock_does_not_hang_busy_fail(
+    local_store: Any,
+) -> None:
+    import fcntl  # noqa: PLC0415 - POSIX, as the lock-file leases
+
+    store = local_store
+    await make_session(store)
+    await store.request_run("s")  # makes the lease folder
+    await store.claim_next(new_owner(), 30.0)  # the session is now held (by this process)
+    meta = os.path.join(store._open_leases().folder, "meta.lock")
+    fd = os.open(meta, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a process stopped inside it
+        busy = machine(lease=LeasePolicy(busy="fail"))
+        with anyio.move_on_after(1.0):  # a hang guard only: fail fast means at once
+            with pytest.raises(SessionBusyError):
+                await busy.run(Runtime(store=store, model=counting_model()), "s")
+            return
+        raise AssertionError("busy='fail' hung on the meta lock")
+    finally:
+        os.close(fd)
