@@ -959,3 +959,35 @@ async def test_a_stopped_process_in_the_meta_lock_does_not_hang_busy_fail(
         raise AssertionError("busy='fail' hung on the meta lock")
     finally:
         os.close(fd)
+
+
+async def test_lease_calls_after_aclose(store: Any, request: pytest.FixtureRequest) -> None:
+    """The Leases protocol: every method raises StoreClosedError after aclose."""
+    from stepmachine import StoreClosedError  # noqa: PLC0415
+
+    if type(store).__name__ == "MemoryStore":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="MemoryStore.aclose does nothing: its leases stay held and every lease "
+                "call still works, against the Leases protocol's StoreClosedError",
+            )
+        )
+    await make_session(store)
+    lease = await store.claim("s", new_owner(), 30.0)
+    assert isinstance(lease, Lease)
+    await store.aclose()
+    calls = {
+        "claim": lambda: store.claim("s", new_owner(), 30.0),
+        "claim_next": lambda: store.claim_next(new_owner(), 30.0),
+        "request_run": lambda: store.request_run("s"),
+        "renew": lambda: store.renew(lease),
+        "release": lambda: store.release(lease),
+    }
+    answered = {}
+    for name, call in calls.items():
+        try:
+            answered[name] = repr(await call())
+        except StoreClosedError:
+            answered[name] = "StoreClosedError"
+    assert answered == dict.fromkeys(calls, "StoreClosedError")
