@@ -8,16 +8,30 @@ attacks that held up, kept as regression tests.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
+import json
 import os
-from collections.abc import AsyncIterator, Callable
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
+import msgspec
 import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
 
+import stepmachine._machine
 from stepmachine import (
+    OUTCOME_UNKNOWN,
+    AppendMessage,
+    Batch,
     CancelToken,
     ConfigurationError,
     Lease,
@@ -26,16 +40,23 @@ from stepmachine import (
     LeasePolicy,
     Message,
     ModelInference,
+    Refuse,
     Runtime,
     SessionBusyError,
     StateMachine,
+    StoreClosedError,
     StoredDataError,
+    Tools,
+    Yield,
     YieldReason,
+    history_problems,
     new_owner,
     serve,
+    submit,
+    tool,
 )
-from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
-from stepmachine.testing import FunctionModel, reply
+from stepmachine.stores import FileStore, MemoryStore, SQLiteStore, _flock_leases
+from stepmachine.testing import FunctionModel, call, reply
 
 KINDS = ["memory", "memory-expiring", "sqlite", "file", "postgres"]
 
@@ -50,7 +71,7 @@ async def open_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) 
     if kind == "file":
         return await FileStore.open(tmp_path / "files", fsync="never")
     pytest.importorskip("psycopg", reason="psycopg is not installed (the postgres extra)")
-    from stepmachine.stores import PostgresStore  # noqa: PLC0415 - the extra
+    from stepmachine.stores import PostgresStore
 
     dsn = request.getfixturevalue("postgres_dsn")
     return await PostgresStore.open(dsn)
@@ -94,7 +115,7 @@ def machine(**kwargs: Any) -> StateMachine[Any]:
 
 async def pending_work(store: Any) -> Lease | None:
     """What ``claim_next`` gives out now (released again at once)."""
-    lease = await store.claim_next(new_owner("probe:"), 30.0)
+    lease: Lease | None = await store.claim_next(new_owner("probe:"), 30.0)
     if lease is not None:
         await store.release(lease)
     return lease
@@ -112,7 +133,7 @@ async def test_a_turn_queued_while_held_survives_a_cancel_after_the_mark_was_tak
     store: Any,
 ) -> None:
     await make_session(store)
-    proxy = Proxy(store)
+    proxy: Any = Proxy(store)
     scope = anyio.CancelScope()
 
     async def release(lease: Lease, *, unless_requested: bool = False) -> bool:
@@ -139,7 +160,7 @@ async def test_a_turn_queued_while_held_survives_a_cancel_after_the_mark_was_tak
 )
 async def test_a_turn_queued_while_held_survives_a_failing_second_round(store: Any) -> None:
     await make_session(store)
-    proxy = Proxy(store)
+    proxy: Any = Proxy(store)
     took_mark = False
 
     async def release(lease: Lease, *, unless_requested: bool = False) -> bool:
@@ -207,8 +228,7 @@ async def test_one_damaged_lock_file_does_not_stop_claim_next(local_store: Any) 
     lease = await store.claim("a", new_owner(), 30.0)  # makes a's lock file
     assert isinstance(lease, Lease)
     await store.release(lease)
-    with open(lock_path(store, "a"), "r+b") as file:
-        file.write(b"\x00garbage\n")
+    await anyio.Path(lock_path(store, "a")).write_bytes(b"\x00garbage\n")
     for session_id in ("a", "b"):
         await store.request_run(session_id)
     with pytest.raises(StoredDataError):
@@ -243,7 +263,7 @@ async def test_a_release_that_fails_once_does_not_leave_the_session_busy_forever
 ) -> None:
     store = held_store
     await make_session(store)
-    proxy = Proxy(store)
+    proxy: Any = Proxy(store)
     failures = [OSError("EINTR: interrupted system call")]
 
     async def release(lease: Lease, *, unless_requested: bool = False) -> bool:
@@ -270,8 +290,6 @@ async def test_a_release_that_fails_once_does_not_leave_the_session_busy_forever
 async def test_a_claim_that_fails_half_way_keeps_the_requested_turn(
     local_store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from stepmachine.stores import _flock_leases  # noqa: PLC0415 - patched below
-
     store = local_store
     await make_session(store)
     await store.request_run("s")
@@ -304,8 +322,6 @@ async def test_a_native_asyncio_cancel_during_the_claim_leaks_no_lease(
 ) -> None:
     if anyio_backend != "asyncio":
         pytest.skip("task.cancel() is asyncio's; trio has only cancel scopes (which held up)")
-    import asyncio  # noqa: PLC0415 - asyncio only
-    import threading  # noqa: PLC0415
 
     store = local_store
     await make_session(store)
@@ -398,10 +414,8 @@ async def test_ctrl_c_at_any_store_call_leaks_no_lease(store: Any, at: int, afte
     """Held up: KeyboardInterrupt at any other store call; the run releases its lease."""
     await make_session(store)
     proxy = Interrupting(store, at, interrupt, after=after)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         await machine().run(Runtime(store=proxy, model=counting_model()), "s")
-    except KeyboardInterrupt:
-        pass
     got = await store.claim("s", new_owner(), 30.0)
     assert isinstance(got, Lease), (proxy.calls, got)
     await store.release(got)
@@ -495,10 +509,8 @@ def renewing_run(
     """A proxy whose renew calls ``renew(lease, n)``; the run renews every millisecond (the
     lease keeps its 30 s ttl, so nothing lapses on any clock) and the model answers once
     ``renewals`` renewals were attempted."""
-    import stepmachine._machine  # noqa: PLC0415 - patched
-
     monkeypatch.setattr(stepmachine._machine, "renew_interval", lambda lease: 0.001)
-    proxy = Proxy(store)
+    proxy: Any = Proxy(store)
     attempts = [0]
     enough = anyio.Event()
 
@@ -540,7 +552,6 @@ async def test_a_store_closed_under_the_renewal_stops_the_run(
     expiring_store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Held up: StoreClosedError from renew is a lost lease; the run writes nothing more."""
-    from stepmachine import StoreClosedError  # noqa: PLC0415
 
     store = expiring_store
     await make_session(store)
@@ -594,7 +605,6 @@ class Again:
         self.store, self.left, self.ran = store, times, 0
 
     async def run(self, ctx: Any) -> Any:
-        from stepmachine import AppendMessage, Refuse, Yield  # noqa: PLC0415
 
         if ctx.session.id != "a" or self.left == 0 or ctx.session.revision > self.ran:
             return Refuse()
@@ -626,10 +636,13 @@ async def test_serve_gives_every_requested_session_a_turn(store: Any) -> None:
         return reply("ok")
 
     stop = CancelToken()
-    worker = StateMachine([again, ModelInference()])
+    worker: StateMachine[Any] = StateMachine([again, ModelInference()])
     async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: serve(worker, Runtime(store=store, model=FunctionModel(answer)),
-                                    stop=stop, poll=0.001))
+        tg.start_soon(
+            lambda: serve(
+                worker, Runtime(store=store, model=FunctionModel(answer)), stop=stop, poll=0.001
+            )
+        )
         await served_b.wait()
         stop.cancel()
     assert runs_of_a_before_b[0] <= 2, runs_of_a_before_b
@@ -639,7 +652,7 @@ async def test_serve_does_not_retry_a_failing_session_in_a_loop(store: Any) -> N
     """Held up: a run that raises takes its mark; serve polls on and runs it no more."""
     await make_session(store)
     await store.request_run("s")
-    proxy = Proxy(store)
+    proxy: Any = Proxy(store)
     polls = [0]
     enough = anyio.Event()
 
@@ -658,8 +671,9 @@ async def test_serve_does_not_retry_a_failing_session_in_a_loop(store: Any) -> N
     model = FunctionModel(answer)
     stop = CancelToken()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: serve(machine(), Runtime(store=proxy, model=model),
-                                    stop=stop, poll=0.001))
+        tg.start_soon(
+            lambda: serve(machine(), Runtime(store=proxy, model=model), stop=stop, poll=0.001)
+        )
         await enough.wait()
         stop.cancel()
     assert model.calls == 1
@@ -670,7 +684,6 @@ async def test_serve_does_not_retry_a_failing_session_in_a_loop(store: Any) -> N
 
 
 def one_message_batch(session: Any, text: str) -> Any:
-    from stepmachine import AppendMessage, Batch  # noqa: PLC0415
 
     return Batch(
         session_id=session.id,
@@ -697,7 +710,6 @@ async def test_no_lease_but_the_current_one_writes(store: Any) -> None:
     assert isinstance(holder, LeaseHolder)
     foreign = await store.claim("other", new_owner(), 30.0)
     assert isinstance(foreign, Lease)
-    import msgspec  # noqa: PLC0415
 
     stale = [
         first,
@@ -730,7 +742,6 @@ async def test_a_run_given_a_released_lease_writes_nothing(store: Any) -> None:
     assert isinstance(lease, Lease)
     await machine().run(Runtime(store=store, model=counting_model()), "s", lease=lease)
     assert (await store.load("s")).revision == 1
-    from stepmachine import AppendMessage, submit  # noqa: PLC0415
 
     await submit(store, "s", [AppendMessage(Message.user("again", id="u2"))])
     with pytest.raises(LeaseLostError):
@@ -750,7 +761,6 @@ class Gate:
         self.charges = 0
 
     def tool(self) -> Any:
-        from stepmachine import tool  # noqa: PLC0415
 
         async def charge(amount: int) -> str:
             """Charge the card."""
@@ -763,7 +773,6 @@ class Gate:
 
 
 def charging_model() -> FunctionModel:
-    from stepmachine.testing import call  # noqa: PLC0415
 
     def answer(request: Any) -> Any:
         if request.messages[-1].role == "user" and request.messages[-1].id == "s-u1":
@@ -785,7 +794,7 @@ def tool_results(session: Any) -> list[str]:
 @pytest.fixture
 def durable_machine() -> Any:
     dbos = pytest.importorskip("dbos", reason="DBOS is not installed (the dbos extra)")
-    from stepmachine.durable import DurableMachine  # noqa: PLC0415
+    from stepmachine.durable import DurableMachine
 
     dbos.DBOS.destroy(destroy_registry=True)
     yield DurableMachine
@@ -807,7 +816,6 @@ async def test_a_durable_cycle_and_a_second_runner_never_call_a_tool_unknown(
 ) -> None:
     """Held up: a durable cycle holds the lease while its tool runs; a run() or a second
     (recovered) durable turn waits for it and finds the call answered."""
-    from stepmachine import OUTCOME_UNKNOWN, Tools, history_problems  # noqa: PLC0415
 
     await make_session(store)
     gate = Gate()
@@ -850,10 +858,9 @@ async def test_a_turn_queued_behind_the_last_cycle_is_run(
     store: Any, durable_machine: Any, holder: str
 ) -> None:
     """``run``: the reference (held up): the holder takes the mark and runs again."""
-    from stepmachine import AppendMessage, submit  # noqa: PLC0415
 
     await make_session(store)
-    proxy = Proxy(store)
+    proxy: Any = Proxy(store)
     queued: list[str] = []
 
     async def release(lease: Lease, *, unless_requested: bool = False) -> bool:
@@ -885,7 +892,6 @@ async def test_a_user_message_during_a_tool_keeps_the_tools_result(
 ) -> None:
     """A submit() while the holder's tool runs makes the tool cycle's write conflict; the
     holder must keep the result it has, not read its own intent as a crash."""
-    from stepmachine import OUTCOME_UNKNOWN, AppendMessage, Tools, submit  # noqa: PLC0415
 
     await make_session(store)
     gate = Gate()
@@ -914,7 +920,6 @@ async def test_a_user_message_during_a_tool_keeps_the_tools_result(
 )
 @pytest.mark.parametrize("ttl", [float("nan"), float("inf"), -1.0])
 async def test_renew_refuses_a_lease_with_a_bad_ttl(expiring_store: Any, ttl: float) -> None:
-    import msgspec  # noqa: PLC0415
 
     store = expiring_store
     await make_session(store)
@@ -941,7 +946,6 @@ async def test_renew_refuses_a_lease_with_a_bad_ttl(expiring_store: Any, ttl: fl
 async def test_a_stopped_process_in_the_meta_lock_does_not_hang_busy_fail(
     local_store: Any,
 ) -> None:
-    import fcntl  # noqa: PLC0415 - POSIX, as the lock-file leases
 
     store = local_store
     await make_session(store)
@@ -963,7 +967,6 @@ async def test_a_stopped_process_in_the_meta_lock_does_not_hang_busy_fail(
 
 async def test_lease_calls_after_aclose(store: Any, request: pytest.FixtureRequest) -> None:
     """The Leases protocol: every method raises StoreClosedError after aclose."""
-    from stepmachine import StoreClosedError  # noqa: PLC0415
 
     if type(store).__name__ == "MemoryStore":
         request.applymarker(
@@ -977,7 +980,7 @@ async def test_lease_calls_after_aclose(store: Any, request: pytest.FixtureReque
     lease = await store.claim("s", new_owner(), 30.0)
     assert isinstance(lease, Lease)
     await store.aclose()
-    calls = {
+    calls: dict[str, Callable[[], Awaitable[Any]]] = {
         "claim": lambda: store.claim("s", new_owner(), 30.0),
         "claim_next": lambda: store.claim_next(new_owner(), 30.0),
         "request_run": lambda: store.request_run("s"),
@@ -985,9 +988,109 @@ async def test_lease_calls_after_aclose(store: Any, request: pytest.FixtureReque
         "release": lambda: store.release(lease),
     }
     answered = {}
-    for name, call in calls.items():
+    for name, lease_call in calls.items():
         try:
-            answered[name] = repr(await call())
+            answered[name] = repr(await lease_call())
         except StoreClosedError:
             answered[name] = "StoreClosedError"
     assert answered == dict.fromkeys(calls, "StoreClosedError")
+
+
+# -- (1) a real holder process paused (SIGSTOP) while its tool runs ---------------------------
+
+PAUSED_CHILD = Path(__file__).with_name("_review_paused_child.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def start_paused_child(kind: str, where: str, backend: str) -> Any:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    return await anyio.open_process(
+        [sys.executable, str(PAUSED_CHILD), kind, where, backend], env=env
+    )
+
+
+async def read_line(stream: Any) -> dict[str, Any]:
+
+    line: dict[str, Any] = json.loads(await stream.receive_until(b"\n", 1 << 16))
+    return line
+
+
+@pytest.mark.parametrize("kind", ["postgres", "sqlite", "file"])
+async def test_a_holder_paused_mid_tool_is_fenced_off_or_waited_for(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest, anyio_backend: str
+) -> None:
+    """Held up. PostgreSQL: the paused holder's lease lapses, a second runner takes over
+    (the call is "outcome unknown": its holder is not live), and the holder, woken, writes
+    nothing. Lock files: no expiry, the second runner (busy="fail") is refused."""
+
+    if kind == "postgres":
+        where = request.getfixturevalue("postgres_dsn")
+    else:
+        where = str(tmp_path / ("db.sqlite3" if kind == "sqlite" else "files"))
+    store = await open_store(kind, tmp_path, request)
+    runs_here = [0]
+
+    def charge(amount: int) -> str:
+        """Charge the card."""
+        runs_here[0] += 1
+        return "charged here"
+
+    def answer(request: Any) -> Any:
+
+        if request.messages[-1].role == "user":
+            return call(("charge", {"amount": 5}))
+        return reply("paid")
+
+    steps = [Tools([tool(charge)]), ModelInference()]
+    try:
+        await make_session(store)
+        process = await start_paused_child(kind, where, anyio_backend)
+        out = BufferedByteReceiveStream(process.stdout)
+        try:
+            with anyio.fail_after(60):  # a hang guard only
+                assert await read_line(out) == {"started": True}
+                process.send_signal(signal.SIGSTOP)
+                second = Runtime(store=store, model=FunctionModel(answer))
+                if kind == "postgres":
+                    while not await pending_free(store):  # noqa: ASYNC110 - polls the store
+                        await anyio.sleep(0.05)
+                    await StateMachine(steps, lease=LeasePolicy(busy="fail")).run(second, "s")
+                else:
+                    with pytest.raises(SessionBusyError):
+                        await StateMachine(steps, lease=LeasePolicy(busy="fail")).run(second, "s")
+                before = await store.load("s")
+                process.send_signal(signal.SIGCONT)
+                await process.stdin.send(b"go\n")
+                assert await read_line(out) == {"charged": True}
+                ended = await read_line(out)
+                await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                with anyio.CancelScope(shield=True):
+                    await process.wait()
+            await process.aclose()
+        after = await store.load("s")
+        results = tool_results(after)
+        assert history_problems(after.conversation) == []
+        assert runs_here == [0]  # the second runner never ran the call itself
+        if kind == "postgres":
+            assert ended == {"ended": "LeaseLostError"}
+            assert after == before  # the woken holder wrote nothing
+            assert len(results) == 1
+            assert OUTCOME_UNKNOWN in results[0]
+        else:
+            assert ended == {"ended": "returned"}
+            assert results == ["charged 5"]
+    finally:
+        await store.aclose()
+
+
+async def pending_free(store: Any) -> bool:
+    """Whether the session's lease can be claimed now (claimed and released again)."""
+    got = await store.claim("s", new_owner("probe:"), 30.0)
+    if isinstance(got, Lease):
+        await store.release(got)
+        return True
+    return False
