@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 import msgspec
@@ -1094,3 +1095,53 @@ async def pending_free(store: Any) -> bool:
         await store.release(got)
         return True
     return False
+
+
+# -- (2) PostgreSQL: a queue-run between the two statements of a holder's release ----------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="PostgresStore.release(unless_requested=True) looks at the mark with an UPDATE that "
+    "locks nothing when no mark is set, then releases in a second statement: a request_run "
+    "and claim committed in between are answered 'queued', and the holder lets go without "
+    "running the turn",
+)
+async def test_postgres_a_turn_queued_during_the_holders_release_is_run(
+    postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("psycopg", reason="psycopg is not installed (the postgres extra)")
+    from stepmachine.stores import PostgresStore  # noqa: PLC0415 - needs the postgres extra
+    from stepmachine.stores import _postgres_leases as leases  # noqa: PLC0415
+
+    store = await PostgresStore.open(postgres_dsn)
+    other = await PostgresStore.open(postgres_dsn)  # another process's store, in effect
+    queued: list[str] = []
+
+    async def queue_a_turn() -> None:
+        await submit(other, "s", [AppendMessage(Message.user("and more", id="u2"))])
+        runner = StateMachine([ModelInference()], lease=LeasePolicy(busy="queue"))
+        report = await runner.run_report(Runtime(store=other, model=counting_model()), "s")
+        queued.append(report.reason.kind)
+
+    def release(conn: Any, lease: Lease, *, unless_requested: bool) -> bool:
+        """``_postgres_leases.release`` as it is, with the other runner's turn between its
+        two statements (the worker thread calls back into the event loop)."""
+        params = {"session_id": lease.session_id, "owner": lease.owner, "epoch": lease.epoch}
+        if unless_requested and conn.execute(leases._TAKE_REQUEST, params).fetchone() is not None:
+            return False
+        if not queued:
+            anyio.from_thread.run(queue_a_turn)
+        conn.execute(leases._RELEASE, params)
+        return True
+
+    monkeypatch.setattr(leases, "release", release)
+    try:
+        await make_session(store)
+        await machine().run(Runtime(store=store, model=counting_model()), "s")
+        assert queued == [YieldReason.QUEUED]
+        session = await store.load("s")
+        assert session.conversation[-1].role == "assistant"  # "and more" was answered
+    finally:
+        await other.aclose()
+        await store.aclose()
