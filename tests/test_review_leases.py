@@ -1111,8 +1111,8 @@ async def test_postgres_a_turn_queued_during_the_holders_release_is_run(
     postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("psycopg", reason="psycopg is not installed (the postgres extra)")
-    from stepmachine.stores import PostgresStore  # noqa: PLC0415 - needs the postgres extra
-    from stepmachine.stores import _postgres_leases as leases  # noqa: PLC0415
+    from stepmachine.stores import PostgresStore
+    from stepmachine.stores import _postgres_leases as leases
 
     store = await PostgresStore.open(postgres_dsn)
     other = await PostgresStore.open(postgres_dsn)  # another process's store, in effect
