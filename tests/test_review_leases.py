@@ -1210,3 +1210,23 @@ async def test_lease_errors_never_show_the_database_password(
     seen.append(str(closed.value))
     seen.extend(record.getMessage() for record in caplog.records)
     assert all(secret not in text for text in seen), seen
+
+
+@pytest.mark.parametrize("hit", ["cancel", "ctrl-c"])
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+async def test_a_waiting_run_interrupted_between_claims_leaks_nothing(
+    store: Any, hit: str, after: bool
+) -> None:
+    """Held up: a run waiting for a busy session (busy="wait") is cancelled, or gets Ctrl-C,
+    at its third claim; the holder's release then frees the session for anyone."""
+    await make_session(store)
+    holder = await store.claim("s", new_owner("holder:"), 30.0)
+    assert isinstance(holder, Lease)
+    scope = anyio.CancelScope()
+    proxy = Interrupting(store, 2, scope.cancel if hit == "cancel" else interrupt, after=after)
+    with scope, contextlib.suppress(KeyboardInterrupt):
+        await machine().run(Runtime(store=proxy, model=counting_model()), "s")
+    assert proxy.calls == ["claim"] * 3
+    assert await store.release(holder)
+    got = await store.claim("s", new_owner(), 30.0)
+    assert isinstance(got, Lease), got
