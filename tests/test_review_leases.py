@@ -1230,3 +1230,40 @@ async def test_a_waiting_run_interrupted_between_claims_leaks_nothing(
     assert await store.release(holder)
     got = await store.claim("s", new_owner(), 30.0)
     assert isinstance(got, Lease), got
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "file"])
+async def test_a_store_closed_mid_run_frees_the_session_for_another_instance(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Held up: aclose() while a run holds the lock-file lease: the run fails with
+    StoreClosedError or LeaseLostError, writes nothing more, and another store instance
+    on the same files can claim the session at once."""
+    store = await open_store(kind, tmp_path, request)
+    other = await open_store(kind, tmp_path, request)
+    try:
+        await make_session(store)
+        inside = anyio.Event()
+        closed = anyio.Event()
+
+        async def answer(_request: Any) -> Any:
+            inside.set()
+            await closed.wait()
+            return reply("too late")
+
+        async def run() -> None:
+            with pytest.raises((StoreClosedError, LeaseLostError)):
+                await machine().run(Runtime(store=store, model=FunctionModel(answer)), "s")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await inside.wait()
+            assert isinstance(await other.claim("s", new_owner(), 30.0), LeaseHolder)
+            await store.aclose()
+            closed.set()
+        got = await other.claim("s", new_owner(), 30.0)
+        assert isinstance(got, Lease), got
+        assert (await other.load("s")).revision == 0
+    finally:
+        await other.aclose()
+        await store.aclose()
