@@ -90,6 +90,7 @@ _TAKE_REQUEST = (
     f"WHERE session_id = %(session_id)s AND {_HELD_BY} AND run_requested_at IS NOT NULL "
     "RETURNING sid"
 )
+_LOCK_ROW = f"SELECT sid FROM {_SESSIONS} WHERE session_id = %(session_id)s FOR UPDATE"  # noqa: S608 - fixed names
 _RELEASE = (
     f"UPDATE {_SESSIONS} SET lease_owner = NULL, lease_expires_at = NULL "  # noqa: S608 - fixed names
     "WHERE session_id = %(session_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s"
@@ -205,7 +206,12 @@ def release(conn: psycopg.Connection[Any], lease: Lease, *, unless_requested: bo
     not the current one (or a session that is gone) is left alone: ``True``.
     """
     params = _params(lease)
-    if unless_requested and conn.execute(_TAKE_REQUEST, params).fetchone() is not None:
-        return False
+    if unless_requested:
+        # Lock the row first: without it, a request_run (and a claim that then
+        # finds the session held and says "queued") could commit between the
+        # look at the mark and the release, and the requested turn would be lost.
+        conn.execute(_LOCK_ROW, params)
+        if conn.execute(_TAKE_REQUEST, params).fetchone() is not None:
+            return False
     conn.execute(_RELEASE, params)
     return True

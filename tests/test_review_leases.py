@@ -1100,50 +1100,60 @@ async def pending_free(store: Any) -> bool:
 # -- (2) PostgreSQL: a queue-run between the two statements of a holder's release ----------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PostgresStore.release(unless_requested=True) looks at the mark with an UPDATE that "
-    "locks nothing when no mark is set, then releases in a second statement: a request_run "
-    "and claim committed in between are answered 'queued', and the holder lets go without "
-    "running the turn",
-)
 async def test_postgres_a_turn_queued_during_the_holders_release_is_run(
     postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Another runner queues a turn between the release's look at the mark and its unlock.
+
+    The other runner runs in a thread with its own event loop and store (another
+    process, in effect), started right after the release looked at the mark; the
+    release then pauses before it goes on. Either the other runner's request is seen
+    by the holder (which runs the turn), or it waits for the release and then claims
+    the session itself: never "queued" with nobody to run the turn.
+    """
     pytest.importorskip("psycopg", reason="psycopg is not installed (the postgres extra)")
+    import threading
+    import time
+
     from stepmachine.stores import PostgresStore
     from stepmachine.stores import _postgres_leases as leases
 
     store = await PostgresStore.open(postgres_dsn)
-    other = await PostgresStore.open(postgres_dsn)  # another process's store, in effect
-    queued: list[str] = []
+    outcome: list[str] = []
 
     async def queue_a_turn() -> None:
-        await submit(other, "s", [AppendMessage(Message.user("and more", id="u2"))])
-        runner = StateMachine([ModelInference()], lease=LeasePolicy(busy="queue"))
-        report = await runner.run_report(Runtime(store=other, model=counting_model()), "s")
-        queued.append(report.reason.kind)
+        async with await PostgresStore.open(postgres_dsn) as other:
+            await submit(other, "s", [AppendMessage(Message.user("and more", id="u2"))])
+            runner = StateMachine([ModelInference()], lease=LeasePolicy(busy="queue"))
+            report = await runner.run_report(Runtime(store=other, model=counting_model()), "s")
+            outcome.append(report.reason.kind)
+
+    other = threading.Thread(target=lambda: anyio.run(queue_a_turn, backend="asyncio"))
+    real_release = leases.release
+
+    class Interleaving:
+        def __init__(self, conn: Any) -> None:
+            self.conn = conn
+
+        def execute(self, query: Any, params: Any = None) -> Any:
+            result = self.conn.execute(query, params)
+            if query == leases._TAKE_REQUEST and not other.is_alive() and not outcome:
+                other.start()
+                time.sleep(0.5)  # the other runner commits now, unless the row is locked
+            return result
 
     def release(conn: Any, lease: Lease, *, unless_requested: bool) -> bool:
-        """``_postgres_leases.release`` as it is, with the other runner's turn between its
-        two statements (the worker thread calls back into the event loop)."""
-        params = {"session_id": lease.session_id, "owner": lease.owner, "epoch": lease.epoch}
-        if unless_requested and conn.execute(leases._TAKE_REQUEST, params).fetchone() is not None:
-            return False
-        if not queued:
-            anyio.from_thread.run(queue_a_turn)
-        conn.execute(leases._RELEASE, params)
-        return True
+        return real_release(Interleaving(conn), lease, unless_requested=unless_requested)
 
     monkeypatch.setattr(leases, "release", release)
     try:
         await make_session(store)
         await machine().run(Runtime(store=store, model=counting_model()), "s")
-        assert queued == [YieldReason.QUEUED]
+        await anyio.to_thread.run_sync(other.join, 60)
+        assert len(outcome) == 1
         session = await store.load("s")
         assert session.conversation[-1].role == "assistant"  # "and more" was answered
     finally:
-        await other.aclose()
         await store.aclose()
 
 
@@ -1288,12 +1298,6 @@ class Instrumented:
         return getattr(self._inner, name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="has_leases() sees leases_expire through the wrapper's __getattr__, so the default "
-    "LeasePolicy claims and then writes apply(batch, lease=...): TypeError from every wrapper "
-    "whose apply takes no lease (tests/test_crash.py fails this way on main)",
-)
 async def test_a_store_wrapper_from_before_leases_still_runs(store: Any) -> None:
     await make_session(store)
     wrapper = Instrumented(store)
