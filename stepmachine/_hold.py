@@ -17,6 +17,7 @@ would lapse: then the work is cancelled, and :func:`hold` raises
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
@@ -26,11 +27,20 @@ import structlog
 
 from ._codec import Batch
 from ._effects import Effect
-from ._errors import LeaseLostError, SessionBusyError, StoreClosedError
+from ._errors import ConfigurationError, LeaseLostError, SessionBusyError, StoreClosedError
 from ._lease import Lease, LeaseHolder, LeasePolicy, Leases
 from ._session import Session
 
-__all__ = ["Fence", "claim", "has_leases", "hold", "release", "renew_interval"]
+__all__ = [
+    "Fence",
+    "check_fenceable",
+    "claim",
+    "has_leases",
+    "hold",
+    "release",
+    "renew_interval",
+    "request_again",
+]
 
 T = TypeVar("T")
 
@@ -126,22 +136,45 @@ async def hold(
         return await work(fence)
     results: list[T] = []
     failure: BaseException | None = None
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_renew, fence, renew_every, tg.cancel_scope)
-        try:
-            results.append(await work(fence))
-        except anyio.get_cancelled_exc_class():
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_renew, fence, renew_every, tg.cancel_scope)
+            try:
+                results.append(await work(fence))
+            except anyio.get_cancelled_exc_class():
+                raise
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, outside the group
+                failure = exc  # (a KeyboardInterrupt too): raised as itself, not in a group
+            finally:
+                tg.cancel_scope.cancel()  # stops the renewal
+    except BaseExceptionGroup as group:  # Ctrl-C landed in the renewal task (trio)
+        interrupt = _interrupt_in(group)
+        if interrupt is None:
             raise
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, outside the task group
-            failure = exc  # (a KeyboardInterrupt too): raised as itself, not in a group
-        finally:
-            tg.cancel_scope.cancel()  # stops the renewal
+        raise interrupt from None
     if failure is not None:
         raise failure
     if not results:  # the renewal cancelled the work
         assert fence.lost is not None
         raise fence.lost
     return results[0]
+
+
+def _interrupt_in(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The first ``KeyboardInterrupt`` / ``SystemExit`` of ``group`` when it holds only
+    those (and cancellations), else ``None``."""
+    interrupts: list[BaseException] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            inner = _interrupt_in(exc)
+            if inner is None:
+                return None
+            interrupts.append(inner)
+        elif isinstance(exc, KeyboardInterrupt | SystemExit):
+            interrupts.append(exc)
+        elif not isinstance(exc, anyio.get_cancelled_exc_class()):
+            return None
+    return interrupts[0] if interrupts else None
 
 
 async def _renew(fence: Fence, every: float, work: anyio.CancelScope) -> None:
@@ -198,6 +231,21 @@ async def release(store: Leases, lease: Lease, *, unless_requested: bool) -> boo
     return True
 
 
+async def request_again(store: Leases, lease: Lease) -> None:
+    """Set the session's pending-run mark again, shielded and bounded (a turn a holder
+    took and did not finish goes back to whoever claims next). Errors are logged."""
+    with anyio.move_on_after(RELEASE_TIMEOUT, shield=True):
+        try:
+            await store.request_run(lease.session_id)
+        except Exception as exc:  # noqa: BLE001 - the run's own outcome must propagate
+            _log.warning(
+                "could not request the unfinished turn again",
+                session_id=lease.session_id,
+                error=type(exc).__name__,
+                detail=str(exc),
+            )
+
+
 def has_leases(store: object) -> bool:
     """Whether ``store`` has the :class:`Leases` capability, in O(1).
 
@@ -208,6 +256,36 @@ def has_leases(store: object) -> bool:
     its ``apply`` would not take the lease.
     """
     return isinstance(getattr(type(store), "leases_expire", None), bool)
+
+
+_FENCEABLE: dict[type, bool] = {}
+
+
+def check_fenceable(store: object) -> None:
+    """Raise :class:`ConfigurationError` unless ``store.apply`` takes ``lease=`` (cached per class).
+
+    A subclass of a store with leases whose ``apply`` override predates them
+    (``apply(self, batch)``) would fail at its first write with a ``TypeError``;
+    this says what to change instead, before the run claims anything.
+    """
+    cls = type(store)
+    known = _FENCEABLE.get(cls)
+    if known is None:
+        try:
+            parameters = inspect.signature(cls.apply).parameters  # type: ignore[attr-defined]
+        except (AttributeError, TypeError, ValueError):
+            known = False
+        else:
+            known = "lease" in parameters or any(
+                p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+            )
+        _FENCEABLE[cls] = known
+    if not known:
+        raise ConfigurationError(
+            f"{cls.__name__} declares leases (leases_expire) but its apply() takes no lease=: "
+            "give it a keyword-only `lease=None` passed on to the store it extends, or run "
+            "with lease=None"
+        )
 
 
 def renew_interval(lease: Lease) -> float:

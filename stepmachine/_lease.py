@@ -65,7 +65,17 @@ from ._effects import Effect
 from ._errors import ConfigurationError
 from ._session import Session
 
-__all__ = ["MAX_OWNER", "Lease", "LeaseHolder", "LeasePolicy", "Leases", "check_claim", "new_owner"]
+__all__ = [
+    "MAX_OWNER",
+    "MAX_TTL",
+    "MIN_TTL",
+    "Lease",
+    "LeaseHolder",
+    "LeasePolicy",
+    "Leases",
+    "check_claim",
+    "new_owner",
+]
 
 Busy = Literal["wait", "fail", "queue"]
 
@@ -175,14 +185,20 @@ class Leases(Protocol):
 MAX_OWNER = 256
 """Characters an owner string may have at most."""
 
+MIN_TTL = 0.1
+"""Seconds a lease lasts at least: a shorter one would lapse before its first renewal."""
+
+MAX_TTL = 7 * 24 * 3600.0
+"""Seconds a lease lasts at most (a week): every store can represent its expiry."""
+
 
 def check_claim(owner: object, ttl: object) -> None:
     """Raise :class:`ValueError` unless ``owner`` and ``ttl`` are fit for a claim.
 
     ``owner``: a non-empty string of at most :data:`MAX_OWNER` printable
     characters (no control characters: owners are stored and shown);
-    ``ttl``: a finite number of seconds > 0. Every store checks both before it
-    touches anything.
+    ``ttl``: seconds from :data:`MIN_TTL` to :data:`MAX_TTL`. Every store checks
+    both before it touches anything (``renew`` checks the lease it is given).
     """
     if not isinstance(owner, str) or not owner or len(owner) > MAX_OWNER:
         shown = (
@@ -197,9 +213,11 @@ def check_claim(owner: object, ttl: object) -> None:
         isinstance(ttl, bool)
         or not isinstance(ttl, int | float)
         or not math.isfinite(ttl)
-        or not ttl > 0
+        or not MIN_TTL <= ttl <= MAX_TTL
     ):
-        raise ValueError(f"a lease ttl is a finite number of seconds > 0, got {ttl!r}")
+        raise ValueError(
+            f"a lease ttl is a number of seconds from {MIN_TTL} to {MAX_TTL:.0f}, got {ttl!r}"
+        )
 
 
 def new_owner(prefix: str = "") -> str:
@@ -251,6 +269,10 @@ class LeasePolicy:
             )
         for name in ("ttl", "poll"):
             _positive(name, getattr(self, name))
+        if not MIN_TTL <= self.ttl <= MAX_TTL:
+            raise ConfigurationError(
+                f"LeasePolicy.ttl must be from {MIN_TTL} to {MAX_TTL:.0f} seconds, got {self.ttl!r}"
+            )
         if self.wait_timeout is not None:
             _positive("wait_timeout", self.wait_timeout)
 

@@ -61,8 +61,17 @@ from ._cycle import Decision, Interrupted, commit, offer
 from ._emitter import Emitter, EventSink, NullEmitter
 from ._errors import ConfigurationError
 from ._finalize import FINALIZE_STEP, INTERRUPTED, finalize, keep_interrupted, shielded
-from ._hold import Fence, claim, has_leases, hold, release, renew_interval
-from ._lease import Lease, LeasePolicy, Leases, new_owner
+from ._hold import (
+    Fence,
+    check_fenceable,
+    claim,
+    has_leases,
+    hold,
+    release,
+    renew_interval,
+    request_again,
+)
+from ._lease import Lease, LeasePolicy, Leases, check_claim, new_owner
 from ._model import PromptPart, ToolDefinition
 from ._retry import Conflicts
 from ._run import Run, RunReport
@@ -255,6 +264,11 @@ class StateMachine(Generic[D]):
                 raise ConfigurationError(
                     f"run() got a lease of session {chosen.session_id!r} to run {session_id!r}"
                 )
+            try:
+                check_claim(chosen.owner, chosen.ttl)
+            except ValueError as exc:
+                raise ConfigurationError(f"run() got an unusable lease: {exc}") from None
+            check_fenceable(store)
             return await self._run_holding(runtime, cast(Leases, store), chosen, emitter)
         if chosen is None or not has_leases(store):
             return await self._run_unleased(runtime, session_id, emitter)
@@ -262,6 +276,7 @@ class StateMachine(Generic[D]):
             raise ConfigurationError(
                 f"lease must be a LeasePolicy, a Lease or None, got {chosen!r}"
             )
+        check_fenceable(store)
         leases = cast(Leases, store)  # has_leases said so (the protocol's isinstance is slow)
         claimed = await claim(leases, session_id, new_owner(), chosen)
         if claimed is None:
@@ -274,24 +289,54 @@ class StateMachine(Generic[D]):
         return await self._run_holding(runtime, leases, claimed, emitter)
 
     async def _run_holding(
-        self, runtime: Runtime, store: Leases, lease: Lease, emitter: Emitter | None
+        self,
+        runtime: Runtime,
+        store: Leases,
+        lease: Lease,
+        emitter: Emitter | None,
+        *,
+        max_rounds: int | None = None,
     ) -> RunReport[D]:
-        """Run while holding ``lease``; again while turns were requested; then release it."""
+        """Run while holding ``lease``; again while turns were requested; then release it.
+
+        A requested turn is never dropped: once a release took the pending-run
+        mark (this holder owes a round), the mark is set again before the lease
+        is let go if that round does not complete (cancelled, failed), or when
+        ``max_rounds`` rounds were run (``serve`` runs one round per claim, so
+        a session requested again and again does not keep its worker).
+        """
         results: list[StepResult] = []
+        owed = False  # a release took the mark: the next round is a requested turn
 
         async def rounds(fence: Fence) -> RunReport[D]:
+            nonlocal owed
             fenced = dataclasses.replace(runtime, handler=fence)
+            done = 0
             while True:
                 report = await self._run_unleased(fenced, lease.session_id, emitter)
+                done += 1
                 results.extend(report.results)
-                # A cancelled run leaves a requested turn to whoever claims next.
-                again = report.reason.kind != YieldReason.CANCELLED
-                if await release(store, lease, unless_requested=again):
+                if report.reason.kind == YieldReason.CANCELLED:
+                    break  # a requested turn is left to whoever claims next
+                owed = False
+                if max_rounds is not None and done >= max_rounds:
+                    owed = not await release(store, lease, unless_requested=True)
+                    if owed:
+                        break
                     return dataclasses.replace(report, results=tuple(results))
+                if await release(store, lease, unless_requested=True):
+                    return dataclasses.replace(report, results=tuple(results))
+                owed = True
+            if owed:
+                await request_again(store, lease)
+            await release(store, lease, unless_requested=False)
+            return dataclasses.replace(report, results=tuple(results))
 
         try:
             return await hold(store, lease, rounds, renew_every=renew_interval(lease))
         except BaseException:
+            if owed:
+                await request_again(store, lease)
             await release(store, lease, unless_requested=False)
             raise
 

@@ -12,6 +12,7 @@ stores: at once, the process being gone).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ import anyio
 import structlog
 
 from ._errors import ConfigurationError
-from ._lease import Leases, new_owner
+from ._lease import Leases, check_claim, new_owner
 from ._machine import StateMachine
 from ._run import RunReport
 from ._runtime import Runtime
@@ -62,8 +63,21 @@ async def serve(
 
     Raises:
         ConfigurationError: the runtime's store has no leases, or the runtime
-            names its own effect handler (writes could not be fenced).
+            names its own effect handler (writes could not be fenced); ``poll``
+            is not a number > 0, or ``ttl`` or ``owner_prefix`` is unfit for a
+            claim (see :data:`~stepmachine.LeasePolicy`).
     """
+    if (
+        isinstance(poll, bool)
+        or not isinstance(poll, int | float)
+        or not math.isfinite(poll)
+        or not poll > 0
+    ):
+        raise ConfigurationError(f"serve() needs a poll of seconds > 0, got {poll!r}")
+    try:
+        check_claim(new_owner(owner_prefix), ttl)
+    except ValueError as exc:
+        raise ConfigurationError(f"serve(): {exc}") from None
     store = runtime.store
     if not isinstance(store, Leases) or runtime.handler is not None:  # once per serve()
         raise ConfigurationError(
@@ -79,8 +93,8 @@ async def serve(
                 else:
                     await stop.wait()
             continue
-        try:
-            report = await machine.run_report(runtime, lease.session_id, lease=lease)
+        try:  # one round per claim: a session requested again goes back in the queue
+            report = await machine._run_holding(runtime, store, lease, None, max_rounds=1)
         except Exception as exc:  # noqa: BLE001 - one session's failure does not stop the worker
             _log.warning(
                 "served run failed",

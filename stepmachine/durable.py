@@ -140,7 +140,7 @@ import msgspec
 from ._cycle import Decision, check_progress, idle_reason, stops_the_run
 from ._emitter import EventSink, NullEmitter
 from ._errors import ConfigurationError, ConflictError
-from ._hold import claim, has_leases, hold, release, renew_interval
+from ._hold import check_fenceable, claim, has_leases, hold, release, renew_interval
 from ._lease import Leases, new_owner
 from ._machine import DEFAULT_MAX_CYCLES, StateMachine
 from ._outcomes import StepResult
@@ -379,6 +379,7 @@ class DurableMachine:
         store = runtime.store if runtime.handler is None else None
         if policy is None or not has_leases(store):
             return await self._cycle_in(runtime, session_id, number, start)
+        check_fenceable(store)
         leases = cast(Leases, store)  # has_leases said so
         waiting = dataclasses.replace(policy, busy="wait")  # a cycle never fails or queues
         lease = await claim(leases, session_id, new_owner(), waiting)

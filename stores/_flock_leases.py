@@ -87,6 +87,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import msgspec
+import structlog
 
 try:
     import fcntl
@@ -110,6 +111,8 @@ from ._ids import validate_session_id
 __all__ = ["FlockLeaseMethods", "FlockLeases"]
 
 T = TypeVar("T")
+
+_log = structlog.stdlib.get_logger("stepmachine")
 
 
 RECORD_LIMIT = 4096
@@ -270,8 +273,8 @@ class FlockLeases:
             last = _read_record(fd, path, session_id)
             lease = Lease(session_id, owner, (last.epoch if last else 0) + 1, ttl)
             _write_record(fd, path, _Record(session_id, lease.epoch, owner))
+            _touch(self._held_path(session_id))  # first: a claim cut short leaves work behind
             _remove(self._run_path(session_id))  # the claimer runs the requested turn
-            _touch(self._held_path(session_id))
             with self._table:
                 self._refuse_if_closed()
                 self._held[session_id] = _Held(lease, fd, threading.Lock())
@@ -283,7 +286,11 @@ class FlockLeases:
 
     def _claim_marked(self, owner: str, ttl: float) -> Lease | None:
         for session_id in self._marked():
-            claimed = self._claim(session_id, owner, ttl)
+            try:
+                claimed = self._claim(session_id, owner, ttl)
+            except StoredDataError:  # one damaged lock file does not stop every worker
+                _log.warning("lease record damaged; session skipped", session_id=session_id)
+                continue
             if not isinstance(claimed, Lease):
                 continue  # held by another
             try:
@@ -298,15 +305,20 @@ class FlockLeases:
         return None
 
     def _marked(self) -> list[str]:
-        """The ids with a mark or a held file, sorted; names of no valid id are skipped."""
-        ids = set()
+        """The ids with a mark or a held file, the longest-waiting first (by the file's
+        modification time, then id); names of no valid id are skipped."""
+        waiting: dict[str, tuple[int, str]] = {}
         for folder in ("runs", "held"):
-            for name in os.listdir(os.path.join(self.folder, folder)):
-                try:
-                    ids.add(_decode(name))
-                except (ValueError, StepmachineError):
-                    continue  # not ours
-        return sorted(ids)
+            with os.scandir(os.path.join(self.folder, folder)) as entries:
+                for entry in entries:
+                    try:
+                        session_id = _decode(entry.name)
+                        since = entry.stat().st_mtime_ns
+                    except (ValueError, StepmachineError, FileNotFoundError):
+                        continue  # not ours, or gone meanwhile
+                    key = (since, session_id)
+                    waiting[session_id] = min(waiting.get(session_id, key), key)
+        return [session_id for _, session_id in sorted(waiting.values())]
 
     def _mark(self, session_id: str) -> None:
         _touch(self._run_path(session_id))
@@ -487,6 +499,7 @@ class FlockLeaseMethods:
             LeaseLostError: this instance does not hold ``lease``.
             StoreClosedError: the store is closed.
         """
+        check_claim(lease.owner, lease.ttl)
         return await self._open_leases().renew(lease)
 
     async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:

@@ -31,6 +31,7 @@ from stepmachine import (
     Session,
     SessionExistsError,
     SessionNotFoundError,
+    StoreClosedError,
     apply_batch,
 )
 from stepmachine._lease import check_claim
@@ -68,6 +69,7 @@ class MemoryStore:
         self._codec: Codec[Any] = codec or Codec()
         self._sessions: dict[str, _Entry] = {}
         self._leases = MemoryLeases(expire=expiring_leases)
+        self._closed = False
         self.leases_expire = expiring_leases
         """Whether leases lapse ``ttl`` seconds after the last claim or renewal.
 
@@ -179,6 +181,7 @@ class MemoryStore:
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
         """Claim the session's lease for ``owner``, or say who holds it (``Leases.claim``)."""
         await anyio.lowlevel.checkpoint()
+        self._refuse_if_closed()
         check_claim(owner, ttl)
         self._entry(session_id)
         return self._leases.claim(session_id, owner, ttl)
@@ -186,28 +189,42 @@ class MemoryStore:
     async def claim_next(self, owner: str, ttl: float) -> Lease | None:
         """Claim a session with a pending run and no live lease (``Leases.claim_next``)."""
         await anyio.lowlevel.checkpoint()
+        self._refuse_if_closed()
         check_claim(owner, ttl)
         return self._leases.claim_next(sorted(self._sessions), owner, ttl)
 
     async def request_run(self, session_id: str) -> None:
         """Mark the session as having a pending run (``Leases.request_run``)."""
         await anyio.lowlevel.checkpoint()
+        self._refuse_if_closed()
         self._entry(session_id)
         self._leases.request_run(session_id)
 
     async def renew(self, lease: Lease) -> Lease:
         """Extend ``lease`` by its ttl; ``LeaseLostError`` when it is not current."""
         await anyio.lowlevel.checkpoint()
+        self._refuse_if_closed()
         self._entry(lease.session_id)
+        check_claim(lease.owner, lease.ttl)
         return self._leases.renew(lease)
 
     async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:
         """Let go of ``lease`` (``Leases.release``)."""
         await anyio.lowlevel.checkpoint()
+        self._refuse_if_closed()
         return self._leases.release(lease, unless_requested=unless_requested)
 
     async def aclose(self) -> None:
-        """Nothing to release."""
+        """Release every lease; lease calls raise ``StoreClosedError`` afterwards.
+
+        The sessions stay readable and writable (nothing else is held).
+        """
+        self._closed = True
+        self._leases = MemoryLeases(expire=self.leases_expire)
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise StoreClosedError("this MemoryStore was closed: its leases were released")
 
 
 def _for(lease: Lease, session_id: str) -> Lease:

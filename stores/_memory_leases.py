@@ -24,6 +24,7 @@ class _Slot:
     owner: str | None = None
     expires_at: float = 0.0
     requested: bool = False
+    since: int = 0  # when the mark was set (a counter): claim_next serves the oldest first
 
 
 class MemoryLeases:
@@ -33,6 +34,7 @@ class MemoryLeases:
         self._expire = expire
         self._clock = clock
         self._slots: dict[str, _Slot] = {}
+        self._requests = 0
 
     def _live(self, slot: _Slot) -> bool:
         if slot.owner is None:
@@ -52,16 +54,23 @@ class MemoryLeases:
         return Lease(session_id, owner, slot.epoch, ttl)
 
     def claim_next(self, candidates: Iterable[str], owner: str, ttl: float) -> Lease | None:
+        waiting = []
         for session_id in candidates:
             slot = self._slots.get(session_id)
             if slot is not None and _pending(slot) and not self._live(slot):
-                claimed = self.claim(session_id, owner, ttl)
-                assert isinstance(claimed, Lease)
-                return claimed
-        return None
+                waiting.append((slot.since, session_id))
+        if not waiting:
+            return None
+        claimed = self.claim(min(waiting)[1], owner, ttl)
+        assert isinstance(claimed, Lease)
+        return claimed
 
     def request_run(self, session_id: str) -> None:
-        self._slots.setdefault(session_id, _Slot()).requested = True
+        slot = self._slots.setdefault(session_id, _Slot())
+        if not slot.requested:
+            self._requests += 1
+            slot.requested = True
+            slot.since = self._requests
 
     def check(self, lease: Lease) -> None:
         """Raise :class:`LeaseLostError` unless ``lease`` is current and live."""

@@ -550,6 +550,7 @@ class PostgresStore:
             SessionNotFoundError: no session has this id.
         """
         validate_session_id(lease.session_id)
+        check_claim(lease.owner, lease.ttl)
         return await self._write(lambda conn: _leases.renew(conn, lease))
 
     async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:

@@ -88,10 +88,22 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
 
 
 class Proxy:
-    """A store that forwards everything to ``inner``; tests override single methods."""
+    """A store that forwards everything to ``inner``; tests override single methods.
+
+    It declares leases on its class (``has_leases`` reads the class, so that a
+    wrapper written before leases is not taken for one with them) and forwards
+    ``lease=`` with every apply, as a wrapper written for leases does.
+    """
+
+    leases_expire: bool = False  # declared: this wrapper takes leases; the instance's is inner's
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.leases_expire = inner.leases_expire
+
+    async def apply(self, batch: Any, *, lease: Lease | None = None) -> Any:
+        """Forwarded through ``__getattr__`` (so subclasses that wrap calls see it)."""
+        return await self.__getattr__("apply")(batch, lease=lease)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -125,11 +137,6 @@ async def pending_work(store: Any) -> Lease | None:
 # -- (2) lost turns ---------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a cancel landing after release(unless_requested=True) took the pending-run mark "
-    "releases the lease without the mark: the queued turn is never run",
-)
 async def test_a_turn_queued_while_held_survives_a_cancel_after_the_mark_was_taken(
     store: Any,
 ) -> None:
@@ -154,11 +161,6 @@ async def test_a_turn_queued_while_held_survives_a_cancel_after_the_mark_was_tak
     assert await pending_work(store) is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a holder whose next round fails before it starts (here: a load error) has taken "
-    "the pending-run mark; its release drops the queued turn",
-)
 async def test_a_turn_queued_while_held_survives_a_failing_second_round(store: Any) -> None:
     await make_session(store)
     proxy: Any = Proxy(store)
@@ -217,11 +219,6 @@ def lock_path(store: Any, session_id: str) -> str:
     return path
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="claim_next raises StoredDataError for one damaged lock file: every worker's "
-    "serve() dies and no other session is ever served",
-)
 async def test_one_damaged_lock_file_does_not_stop_claim_next(local_store: Any) -> None:
     store = local_store
     for session_id in ("a", "b"):
@@ -283,11 +280,6 @@ async def test_a_release_that_fails_once_does_not_leave_the_session_busy_forever
 # -- (2)/(5) a claim that fails half-way on the lock-file stores ---------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FlockLeases._claim removes the pending-run mark before it creates the held file: "
-    "a claim that fails (or a process that dies) between the two loses the requested turn",
-)
 async def test_a_claim_that_fails_half_way_keeps_the_requested_turn(
     local_store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -461,14 +453,6 @@ async def test_a_huge_ttl_is_refused_or_works(
 ) -> None:
     """``check_claim`` accepts any finite ttl > 0, so every store must take it (or say no
     with ValueError before touching anything); a lease must then renew and release."""
-    if type(store).__name__ == "PostgresStore":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="PostgresStore: now() + ttl overflows the timestamp range (ttl > ~9e12 s): "
-                "psycopg's DatetimeFieldOverflow, not ValueError; LeasePolicy accepts such a ttl",
-            )
-        )
     await make_session(store)
     try:
         got = await store.claim("s", new_owner(), ttl)
@@ -480,11 +464,6 @@ async def test_a_huge_ttl_is_refused_or_works(
     assert isinstance(await store.claim("s", new_owner(), 30.0), Lease)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LeasePolicy takes any ttl > 0: with 1e-9 a PostgreSQL or expiring lease is born "
-    "expired (every write LeaseLostError) and the renewal task renews every 3e-10 s (a hot loop)",
-)
 def test_a_ttl_too_short_to_renew_is_refused() -> None:
     with pytest.raises(ConfigurationError):
         LeasePolicy(ttl=1e-9)
@@ -566,12 +545,6 @@ async def test_a_store_closed_under_the_renewal_stops_the_run(
     assert (await store.load("s")).revision == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trio: a KeyboardInterrupt raised in the renewal task leaves hold() inside a "
-    "BaseExceptionGroup: `except KeyboardInterrupt` around run() does not catch it "
-    "(work's own KeyboardInterrupt is unwrapped, the renewal's is not)",
-)
 async def test_ctrl_c_in_the_renewal_is_a_keyboard_interrupt(
     expiring_store: Any, monkeypatch: pytest.MonkeyPatch, anyio_backend: str
 ) -> None:
@@ -616,12 +589,6 @@ class Again:
         return Yield([AppendMessage(note)], "done")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve(): a session requested again during each of its runs keeps its worker "
-    "(run_report runs again before releasing, without bound; the local stores' claim_next "
-    "also takes sessions in id order): another session waits for all of them",
-)
 async def test_serve_gives_every_requested_session_a_turn(store: Any) -> None:
     for session_id in ("a", "b"):
         await make_session(store, session_id)
@@ -912,13 +879,6 @@ async def test_a_user_message_during_a_tool_keeps_the_tools_result(
     assert OUTCOME_UNKNOWN not in " ".join(tool_results(session))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="renew() takes the ttl from the Lease it is given, unchecked: a Lease with ttl "
-    "NaN, inf or < 0 (Lease is a public struct; run_report accepts any) sets MemoryStore's "
-    "expiry to NaN/inf/the past; PostgreSQL raises psycopg errors (NaN, inf) or ends the "
-    "lease at once (< 0)",
-)
 @pytest.mark.parametrize("ttl", [float("nan"), float("inf"), -1.0])
 async def test_renew_refuses_a_lease_with_a_bad_ttl(expiring_store: Any, ttl: float) -> None:
 
@@ -969,14 +929,6 @@ async def test_a_stopped_process_in_the_meta_lock_does_not_hang_busy_fail(
 async def test_lease_calls_after_aclose(store: Any, request: pytest.FixtureRequest) -> None:
     """The Leases protocol: every method raises StoreClosedError after aclose."""
 
-    if type(store).__name__ == "MemoryStore":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="MemoryStore.aclose does nothing: its leases stay held and every lease "
-                "call still works, against the Leases protocol's StoreClosedError",
-            )
-        )
     await make_session(store)
     lease = await store.claim("s", new_owner(), 30.0)
     assert isinstance(lease, Lease)
@@ -1157,12 +1109,6 @@ async def test_postgres_a_turn_queued_during_the_holders_release_is_run(
         await store.aclose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve() does not check poll (nor ttl before its first claim): with poll=0 or < 0 "
-    "an idle worker asks claim_next in a hot loop; NaN fails only once idle, with anyio's "
-    "ValueError",
-)
 @pytest.mark.parametrize("poll", [0.0, -1.0, float("nan")])
 async def test_serve_refuses_a_poll_that_would_spin(poll: float) -> None:
     store = MemoryStore()
@@ -1317,12 +1263,6 @@ class CountingMemoryStore(MemoryStore):
         return await super().apply(batch)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a store subclass whose apply override takes no lease: the default LeasePolicy "
-    "writes apply(batch, lease=...) and gets TypeError instead of a ConfigurationError "
-    "saying what to change (tests/test_durable_dbos.py's crash tests fail this way on main)",
-)
 async def test_a_store_subclass_from_before_leases_gets_a_clear_error() -> None:
     store = CountingMemoryStore()
     await make_session(store)
