@@ -355,9 +355,7 @@ class FlockLeases:
         if session_id is not None:
             self._check(session_id)
         if not self._made:
-            subfolders = [
-                os.path.join(self.folder, name) for name in ("sessions", "runs", "held")
-            ]
+            subfolders = [os.path.join(self.folder, name) for name in ("sessions", "runs", "held")]
             for path in (self.folder, *subfolders):
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(path, 0o700)  # owner-only (the umask can only narrow it)
