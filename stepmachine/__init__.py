@@ -137,6 +137,7 @@ from ._model import (
 )
 from ._records import TAG_FIELD, Record, note_value, read_record, record_types
 from ._runtime import Runtime, counter_ids, uuid_ids
+from ._serve import serve
 from ._session import NoData, Session
 from ._steps import (
     CancelToken,
@@ -316,6 +317,7 @@ __all__ = [
     "record_types",
     "request_order",
     "resolve_unknown_outcome",
+    "serve",
     "starts_turn",
     "submit",
     "tool",

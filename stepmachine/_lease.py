@@ -19,7 +19,8 @@ have it:
   the operating system's lock on a lock file (one machine, several processes). It
   is held exactly as long as the holding process lives: no clock, no expiry, and
   renewing is free.
-- :class:`~stepmachine.stores.MemoryStore`: in this process, with expiry.
+- :class:`~stepmachine.stores.MemoryStore`: in this process, held until released
+  (``MemoryStore(expiring_leases=True)``: with expiry, to test takeovers).
 
 *Fencing.* Every claim gets a new ``epoch`` (a number that only grows). The
 machine writes its batches through ``apply(batch, lease=lease)``: the store
@@ -39,10 +40,18 @@ while the mark is set, and takes it, so a turn requested while the session was
 held is run by the holder before it lets go (the machine does this); a holder
 that dies leaves the mark, and :meth:`Leases.claim_next` (a worker pool's loop)
 finds the session once the lease is free or expired.
+
+*Abandoned leases.* A lease that lapsed (or whose process died) without being
+released belonged to a run that was cut short: its session has work too, and
+``claim_next`` gives it out like a marked one. So a worker that dies mid-turn
+is replaced by whichever worker claims next, and the turn finishes from the
+stored session; a run that *returns* (normally or with an error) releases its
+lease, and its session waits for the next request.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import uuid
@@ -56,7 +65,7 @@ from ._effects import Effect
 from ._errors import ConfigurationError
 from ._session import Session
 
-__all__ = ["Lease", "LeaseHolder", "LeasePolicy", "Leases", "new_owner"]
+__all__ = ["MAX_OWNER", "Lease", "LeaseHolder", "LeasePolicy", "Leases", "check_claim", "new_owner"]
 
 Busy = Literal["wait", "fail", "queue"]
 
@@ -102,8 +111,10 @@ class Leases(Protocol):
     :class:`stepmachine.testing.leases.LeaseConformance`.
     """
 
-    leases_expire: ClassVar[bool]
-    """Whether a lease lapses when not renewed (``ttl``); False for OS locks."""
+    leases_expire: bool
+    """Whether a lease lapses when not renewed (``ttl``); False where a lease is held
+    until released or the holding process ends (OS locks). A run renews only
+    leases that lapse."""
 
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
         """Claim the session for ``owner``: the new :class:`Lease`, or who holds it.
@@ -116,7 +127,10 @@ class Leases(Protocol):
         ...
 
     async def claim_next(self, owner: str, ttl: float) -> Lease | None:
-        """Claim some session that has a pending-run mark and no live lease, or ``None``.
+        """Claim some session with work and no live lease, or ``None``.
+
+        A session has work when its pending-run mark is set, or when its last
+        lease was abandoned (lapsed, or its process died, without a release).
 
         Sessions are taken without waiting on each other (``SKIP LOCKED`` or
         the like); which one is unspecified, but a session is never given to two
@@ -158,10 +172,42 @@ class Leases(Protocol):
         ...
 
 
+MAX_OWNER = 256
+"""Characters an owner string may have at most."""
+
+
+def check_claim(owner: object, ttl: object) -> None:
+    """Raise :class:`ValueError` unless ``owner`` and ``ttl`` are fit for a claim.
+
+    ``owner``: a non-empty string of at most :data:`MAX_OWNER` printable
+    characters (no control characters: owners are stored and shown);
+    ``ttl``: a finite number of seconds > 0. Every store checks both before it
+    touches anything.
+    """
+    if not isinstance(owner, str) or not owner or len(owner) > MAX_OWNER:
+        shown = (
+            repr(owner[:40]) + f"... ({len(owner)} characters)"
+            if isinstance(owner, str) and len(owner) > 40
+            else repr(owner)
+        )
+        raise ValueError(f"a lease owner is a string of 1..{MAX_OWNER} characters, got {shown}")
+    if not owner.isprintable():
+        raise ValueError(f"a lease owner has no control characters, got {owner!r}")
+    if (
+        isinstance(ttl, bool)
+        or not isinstance(ttl, int | float)
+        or not math.isfinite(ttl)
+        or not ttl > 0
+    ):
+        raise ValueError(f"a lease ttl is a finite number of seconds > 0, got {ttl!r}")
+
+
 def new_owner(prefix: str = "") -> str:
     """A fresh owner string: host, process id and a random part (one per run)."""
-    host = socket.gethostname() or "host"
-    return f"{prefix}{host}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+    return f"{prefix}{_HOST}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+_HOST = socket.gethostname() or "host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +231,8 @@ class LeasePolicy:
             (the first pauses are shorter).
 
     Raises:
-        ConfigurationError: ``busy`` is not one of the three, or a duration is not > 0.
+        ConfigurationError: ``busy`` is not one of the three, or a duration is not a
+            finite number > 0.
     """
 
     busy: Busy = "wait"
@@ -209,7 +256,12 @@ class LeasePolicy:
 
 
 def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not value > 0
+    ):
         raise ConfigurationError(
             f"LeasePolicy.{name} must be a number of seconds > 0, got {value!r}"
         )

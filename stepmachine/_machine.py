@@ -48,8 +48,10 @@ just after a tool returned), which then propagate.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Generic, TypeVar
+from types import EllipsisType
+from typing import Generic, TypeVar, cast
 
 import anyio
 import msgspec
@@ -59,12 +61,14 @@ from ._cycle import Decision, Interrupted, commit, offer
 from ._emitter import Emitter, EventSink, NullEmitter
 from ._errors import ConfigurationError
 from ._finalize import FINALIZE_STEP, INTERRUPTED, finalize, keep_interrupted, shielded
+from ._hold import Fence, claim, has_leases, hold, release, renew_interval
+from ._lease import Lease, LeasePolicy, Leases, new_owner
 from ._model import PromptPart, ToolDefinition
 from ._retry import Conflicts
 from ._run import Run, RunReport
 from ._runtime import Runtime
 from ._session import Session
-from ._steps import CancelToken, StepResult, Yield
+from ._steps import CancelToken, StepResult, Yield, YieldReason
 
 __all__ = [
     "DEFAULT_MAX_CYCLES",
@@ -105,9 +109,14 @@ class StateMachine(Generic[D]):
         max_cycles: cycles one ``run()`` applies at most before it returns
             with reason ``cycle_limit`` (see :data:`DEFAULT_MAX_CYCLES`);
             ``None`` for no cap. A later ``run()`` continues with a fresh count.
+        lease: how ``run()`` claims the session's lease when the runtime's
+            store has leases (:class:`~stepmachine.Leases`; the shipped stores
+            do): a :class:`LeasePolicy` (default: wait for a busy session), or
+            ``None`` to run without a lease. See :meth:`run_report`.
 
     Raises:
         ConfigurationError: no steps, two steps share a name,
+            ``lease`` is not a ``LeasePolicy`` or ``None``,
             ``max_cycles`` is not ``None`` or a positive integer,
             ``max_conflicts`` is not an int >= 0, or ``finalize_timeout`` is
             not a number > 0.
@@ -121,6 +130,7 @@ class StateMachine(Generic[D]):
         max_conflicts: int = 16,
         finalize_timeout: float = 10.0,
         max_cycles: int | None = DEFAULT_MAX_CYCLES,
+        lease: LeasePolicy | None = LeasePolicy(),  # noqa: B008 - frozen, shared safely
     ) -> None:
         self.steps: tuple[Step[D], ...] = tuple(steps)
         if not self.steps:
@@ -156,11 +166,19 @@ class StateMachine(Generic[D]):
                 f"max_cycles must be None or a positive integer, got {max_cycles!r}"
             )
         self.max_cycles = max_cycles
+        if lease is not None and not isinstance(lease, LeasePolicy):
+            raise ConfigurationError(f"lease must be a LeasePolicy or None, got {lease!r}")
+        self.lease = lease
 
     # -- the loop -------------------------------------------------------------------
 
     async def run(
-        self, runtime: Runtime, session_id: str, emitter: Emitter | None = None
+        self,
+        runtime: Runtime,
+        session_id: str,
+        emitter: Emitter | None = None,
+        *,
+        lease: LeasePolicy | Lease | EllipsisType | None = ...,
     ) -> Session[D]:
         """Run cycles until a step yields or none applies; return the session.
 
@@ -180,13 +198,106 @@ class StateMachine(Generic[D]):
         Cancellation: see the module docs. From outside, finalize runs
         shielded for at most ``finalize_timeout`` seconds, then the
         cancellation propagates.
+
+        Leases: see :meth:`run_report`.
         """
-        return (await self.run_report(runtime, session_id, emitter)).session
+        report = await self.run_report(runtime, session_id, emitter, lease=lease)
+        return report.session
 
     async def run_report(
-        self, runtime: Runtime, session_id: str, emitter: Emitter | None = None
+        self,
+        runtime: Runtime,
+        session_id: str,
+        emitter: Emitter | None = None,
+        *,
+        lease: LeasePolicy | Lease | EllipsisType | None = ...,
     ) -> RunReport[D]:
-        """Like :meth:`run`, and also say why the run returned and what each cycle did."""
+        """Like :meth:`run`, and also say why the run returned and what each cycle did.
+
+        Leases (see :class:`~stepmachine.Leases`). When the runtime's store has leases
+        (and the runtime names no separate effect handler), the run holds the
+        session's lease from before its first cycle until it returns: it
+        claims it under ``lease`` (default: the machine's policy), renews it
+        every ``ttl / 3`` in the background, writes every batch fenced by it,
+        and releases it, shielded, when it returns. Before releasing, it takes
+        the session's pending-run mark, if a ``run()`` queued a turn or
+        ``store.request_run`` was called meanwhile, and runs again; the report
+        then covers every round. ``lease`` may also be a :class:`Lease` the
+        caller claimed (``store.claim_next`` in a worker loop, see
+        :func:`~stepmachine.serve`): the run holds, renews and releases it the
+        same way. ``lease=None`` runs without one; ``...`` (the default) uses
+        the machine's policy.
+
+        A run that queued its turn (``LeasePolicy(busy="queue")`` while another
+        runner held the session) returns at once with reason ``queued`` and the
+        stored session, having written nothing.
+
+        Raises:
+            SessionBusyError: the session is held and the policy is ``fail``,
+                or ``wait`` and its ``wait_timeout`` passed; nothing was written.
+            LeaseLostError: the lease was lost while the run held it (it
+                expired and another runner claimed the session, or it could
+                not be renewed before it lapsed); no write of this run after
+                the loss was stored. The batches before it stay.
+            ConfigurationError: ``lease`` is not a ``LeasePolicy``, a ``Lease``
+                of this session or ``None``, or a ``Lease`` was given for a
+                store without leases.
+        """
+        chosen = self.lease if lease is ... else lease
+        store = runtime.store if runtime.handler is None else None
+        if isinstance(chosen, Lease):
+            if not has_leases(store):
+                raise ConfigurationError(
+                    "run() got a Lease, but the runtime's store has no leases "
+                    "(or the runtime names its own effect handler)"
+                )
+            if chosen.session_id != session_id:
+                raise ConfigurationError(
+                    f"run() got a lease of session {chosen.session_id!r} to run {session_id!r}"
+                )
+            return await self._run_holding(runtime, cast(Leases, store), chosen, emitter)
+        if chosen is None or not has_leases(store):
+            return await self._run_unleased(runtime, session_id, emitter)
+        if not isinstance(chosen, LeasePolicy):
+            raise ConfigurationError(
+                f"lease must be a LeasePolicy, a Lease or None, got {chosen!r}"
+            )
+        leases = cast(Leases, store)  # has_leases said so (the protocol's isinstance is slow)
+        claimed = await claim(leases, session_id, new_owner(), chosen)
+        if claimed is None:
+            session: Session[D] = await runtime.session_loader().load(session_id)
+            reason = YieldReason(
+                YieldReason.QUEUED,
+                "another runner holds the session; it runs the queued turn before it lets go",
+            )
+            return RunReport(session, reason)
+        return await self._run_holding(runtime, leases, claimed, emitter)
+
+    async def _run_holding(
+        self, runtime: Runtime, store: Leases, lease: Lease, emitter: Emitter | None
+    ) -> RunReport[D]:
+        """Run while holding ``lease``; again while turns were requested; then release it."""
+        results: list[StepResult] = []
+
+        async def rounds(fence: Fence) -> RunReport[D]:
+            fenced = dataclasses.replace(runtime, handler=fence)
+            while True:
+                report = await self._run_unleased(fenced, lease.session_id, emitter)
+                results.extend(report.results)
+                # A cancelled run leaves a requested turn to whoever claims next.
+                again = report.reason.kind != YieldReason.CANCELLED
+                if await release(store, lease, unless_requested=again):
+                    return dataclasses.replace(report, results=tuple(results))
+
+        try:
+            return await hold(store, lease, rounds, renew_every=renew_interval(lease))
+        except BaseException:
+            await release(store, lease, unless_requested=False)
+            raise
+
+    async def _run_unleased(
+        self, runtime: Runtime, session_id: str, emitter: Emitter | None
+    ) -> RunReport[D]:
         session: Session[D] = await runtime.session_loader().load(session_id)
         sink = EventSink(emitter or NullEmitter(), session_id, session.revision)
         run = Run(self, runtime, sink, start_revision=session.revision)

@@ -52,6 +52,13 @@ class YieldReason(msgspec.Struct, frozen=True):
     session changes (a decision recorded, an error result appended) and
     ``run()`` is called again.
     """
+    QUEUED: ClassVar[str] = "queued"
+    """Another runner held the session's lease; the turn was queued for it.
+
+    Returned by a ``run()`` with ``LeasePolicy(busy="queue")``: it wrote nothing.
+    The holder runs the turn before it releases the session (or, if it dies,
+    whoever claims the session next: a worker's ``claim_next``).
+    """
     CYCLE_LIMIT: ClassVar[str] = "cycle_limit"
     """The run reached the machine's ``max_cycles``; ``run()`` again continues.
 

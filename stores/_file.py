@@ -17,12 +17,16 @@ Layout of the folder (created 0o700; every file 0o600):
   batches and after any batch holding a ``ReplaceConversation``, to a temporary
   file that is fsynced, ``os.replace``d into place, then the folder is fsynced.
 - ``.<id>...tmp``: temporary files (names starting with ``.`` are never session ids).
+- ``.leases/``: the leases (lock files, epochs, pending-run marks; layout in
+  :mod:`._flock_leases`), made at the first lease operation.
 
 Concurrency: writers (``apply``, ``delete``) hold an exclusive ``fcntl.flock`` on
 the log, readers a shared one, so several processes (each with its own
 ``FileStore``) can use one folder without losing an update; the
 compare-and-set on the revision happens inside the lock. Within one instance,
-operations on one session are also serialised with an ``anyio.Lock``.
+operations on one session are also serialised with an ``anyio.Lock``. Leases
+(one runner per session across those processes) are file locks too, on
+separate lock files (:mod:`._flock_leases`).
 
 Structure: the cache, replay, compare-and-set, snapshot policy and errors
 are the durable stores' shared core (:mod:`._core`); this module is the public
@@ -66,8 +70,10 @@ from stepmachine import (
     Codec,
     ConfigurationError,
     Effect,
+    Lease,
     Message,
     Session,
+    SessionNotFoundError,
     StoreClosedError,
 )
 
@@ -76,6 +82,7 @@ from ._core import LogCore
 from ._file_backend import FileBackend, FileLockTimeoutError
 from ._file_log import TAG_BATCH, TAG_CREATE, encode_packed, fsync_dir
 from ._file_txn import FilePos, FileTxn
+from ._flock_leases import FlockLeaseMethods, FlockLeases
 from ._ids import validate_session_id
 from ._snapshot_policy import EveryN
 
@@ -94,7 +101,7 @@ def _require_flock() -> None:
         )
 
 
-class FileStore:
+class FileStore(FlockLeaseMethods):
     """A durable store: one append-only log file per session in ``folder``. POSIX only.
 
     Supported platforms: Linux, macOS and the BSDs, on a local filesystem. On a
@@ -138,6 +145,21 @@ class FileStore:
     the instance already read raises. Decoding goes through the codec only:
     stored data never names a class to import (invariant 8).
 
+    Leases (:class:`~stepmachine.Leases`, ``leases_expire = False``): a lease
+    is an exclusive ``fcntl.flock`` on the session's lock file in the folder's
+    ``.leases`` subfolder (never the log's lock), held until :meth:`release`,
+    :meth:`aclose` or the end of the process (the kernel releases it even on
+    ``SIGKILL``): no clock, no expiry; two store instances exclude each other
+    as two processes do. The lock file also holds the session's last epoch
+    and owner (so a failed claim names the holder, and epochs keep growing
+    across processes, and across ``delete``: lock files are never removed);
+    a pending-run mark is a file of its own, and a store-wide lock makes
+    looking at a mark and unlocking one step for every other process. All of
+    it survives the death of any process; nothing is fsynced (after an
+    operating-system crash a mark may be gone and an epoch may repeat, which
+    cannot weaken fencing: only the live holder's own store instance accepts
+    its lease).
+
     Attributes:
         BOUNDARIES: the persistence boundaries passed to ``boundary_hook``:
             ``apply.locked`` (lock held, nothing written), ``apply.written``
@@ -179,6 +201,12 @@ class FileStore:
         self._backend = FileBackend(folder, fsync == "always", lock_timeout, boundary_hook)
         self._core: LogCore[FilePos] = LogCore(codec, EveryN(snapshot_every), FileTxn.FORM)
         self._closed = False
+        self._leases = FlockLeases(
+            os.path.join(folder, ".leases"),
+            hop=_hop,
+            check=self._check_session,
+            name=f"FileStore on {folder}",
+        )
 
     @classmethod
     async def open(
@@ -255,12 +283,16 @@ class FileStore:
         return len(self._backend.torn_seen)
 
     async def aclose(self) -> None:
-        """Forget the caches; later calls raise :class:`~stepmachine.StoreClosedError`.
+        """Release every lease this instance holds and forget the caches.
 
-        Operations already running finish normally. Idempotent.
+        Later calls raise :class:`~stepmachine.StoreClosedError`. Operations
+        already running finish normally (a fenced :meth:`apply` in flight ends
+        before its lease is released). Pending-run marks stay. Shielded from
+        cancellation. Idempotent.
         """
         self._closed = True
         self._core.clear()
+        await self._leases.close()
 
     async def __aenter__(self) -> FileStore:
         """Return the store itself."""
@@ -331,7 +363,7 @@ class FileStore:
 
         return await self._locked(session_id, exclusive=False, work=work)
 
-    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
+    async def apply(self, batch: Batch[Effect], *, lease: Lease | None = None) -> Session[Any]:
         """Append ``batch`` if the session is at ``batch.revision - 1``; all or nothing.
 
         Returns the session after the batch, as a load would give it: the batch
@@ -348,7 +380,17 @@ class FileStore:
         snapshot is written too; if that fails the batch stays applied and a
         warning is logged.
 
+        With ``lease`` (fencing), inside the same lock hold and before
+        anything else: the batch is written only while this instance holds
+        that lease of ``batch.session_id`` (same owner and epoch); a release of
+        the lease here waits for the write to end. That check is sound without
+        reading a file: the lease is this instance's lock on the session's
+        lock file, which no other claim can take while it is held, so no newer
+        lease can exist.
+
         Raises:
+            LeaseLostError: ``lease`` is not held by this store instance, or
+                is a lease of another session; nothing is written.
             InvalidSessionIdError: ``batch.session_id`` is not safe as a file name.
             ConflictError: the session is at another revision; nothing is written.
             SessionNotFoundError: no session has this id.
@@ -373,8 +415,9 @@ class FileStore:
         prepared = self._core.prepare(batch, where)
 
         def work(txn: FileTxn) -> Session[Any]:
-            self._backend.boundary("apply.locked")
-            written = self._core.apply(txn, prepared)
+            with self._leases.fenced(lease, session_id):
+                self._backend.boundary("apply.locked")
+                written = self._core.apply(txn, prepared)
             self._core.remember(session_id, written)
             return written.session
 
@@ -391,6 +434,12 @@ class FileStore:
     async def delete(self, session_id: str) -> None:
         """Delete a session: its snapshot, then its log (under the exclusive lock).
 
+        Then its pending-run mark is removed. A lease on it is not touched: the
+        holder keeps it until it releases (its writes meet
+        :class:`~stepmachine.SessionNotFoundError`), and a session created
+        later with the same id has the same lock, its epochs continuing above
+        the old ones.
+
         Raises:
             SessionNotFoundError: no session has this id.
 
@@ -403,6 +452,7 @@ class FileStore:
             self._core.forget(session_id)
 
         await self._locked(session_id, exclusive=True, work=work)
+        await self._leases.forget(session_id)
 
     async def load_at(self, session_id: str, revision: int) -> Session[Any]:
         """The session as it was at ``revision`` (time travel).
@@ -483,6 +533,16 @@ class FileStore:
 
     # -- small helpers ----------------------------------------------------------
 
+    def _check_session(self, session_id: str) -> None:
+        """Raise :class:`~stepmachine.SessionNotFoundError` unless the session's log
+        exists (in a worker thread)."""
+        if not os.path.lexists(self._backend.log_path(session_id)):
+            raise SessionNotFoundError(session_id)
+
+    def _open_leases(self) -> FlockLeases:
+        self._check_open()
+        return self._leases
+
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"FileStore on {self.folder} is closed")
@@ -492,6 +552,12 @@ class FileStore:
         (:meth:`._file_backend.FileBackend.locked`)."""
         self._check_open()
         return await self._backend.locked(session_id, exclusive=exclusive, work=work)
+
+
+async def _hop(work: Callable[[], T]) -> T:
+    """Run ``work()`` in a worker thread (the leases' file work). Once started it
+    runs to its end and its result is returned; a cancel lands at the next checkpoint."""
+    return await anyio.to_thread.run_sync(work)
 
 
 def _make_folder(folder: str, fsync: bool) -> str:

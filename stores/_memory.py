@@ -33,6 +33,7 @@ from stepmachine import (
     SessionNotFoundError,
     apply_batch,
 )
+from stepmachine._lease import check_claim
 
 from ._backend import BatchRecord, StoredBatch
 from ._ids import validate_session_id
@@ -54,18 +55,25 @@ class MemoryStore:
 
     Args:
         codec: the application's codec (kernel effects and ``NoData`` by default).
+        expiring_leases: leases lapse unless renewed (see ``leases_expire``).
     """
 
     applies_batches: ClassVar[bool] = True
     """``apply`` applies each batch once and returns the session (see ``EffectHandler``)."""
 
-    leases_expire: ClassVar[bool] = True
-    """Leases lapse ``ttl`` seconds after the last claim or renewal (monotonic clock)."""
-
-    def __init__(self, codec: Codec[Any] | None = None) -> None:
+    def __init__(self, codec: Codec[Any] | None = None, *, expiring_leases: bool = False) -> None:
         self._codec: Codec[Any] = codec or Codec()
         self._sessions: dict[str, _Entry] = {}
-        self._leases = MemoryLeases()
+        self._leases = MemoryLeases(expire=expiring_leases)
+        self.leases_expire = expiring_leases
+        """Whether leases lapse ``ttl`` seconds after the last claim or renewal.
+
+        False by default: in one process a lease is held until it is released (a
+        run releases it, shielded, however it ends), like the lock-file stores'
+        leases, and a run needs no renewal task. ``expiring_leases=True`` makes
+        them lapse on the monotonic clock, as PostgreSQL's do: for tests of
+        takeover and fencing.
+        """
 
     @property
     def codec(self) -> Codec[Any]:
@@ -168,12 +176,14 @@ class MemoryStore:
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
         """Claim the session's lease for ``owner``, or say who holds it (``Leases.claim``)."""
         await anyio.lowlevel.checkpoint()
+        check_claim(owner, ttl)
         self._entry(session_id)
         return self._leases.claim(session_id, owner, ttl)
 
     async def claim_next(self, owner: str, ttl: float) -> Lease | None:
         """Claim a session with a pending run and no live lease (``Leases.claim_next``)."""
         await anyio.lowlevel.checkpoint()
+        check_claim(owner, ttl)
         return self._leases.claim_next(sorted(self._sessions), owner, ttl)
 
     async def request_run(self, session_id: str) -> None:

@@ -1,4 +1,4 @@
-"""The lease table of :class:`~stepmachine.stores.MemoryStore`: one process, with expiry.
+"""The lease table of :class:`~stepmachine.stores.MemoryStore`: one process, expiry optional.
 
 Each session has at most one :class:`_Slot`: the current lease (owner, epoch,
 expiry on the monotonic clock) and the pending-run mark. The epoch of a
@@ -29,18 +29,22 @@ class _Slot:
 class MemoryLeases:
     """Leases of sessions in this process (see :class:`~stepmachine.Leases`)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, expire: bool, clock: Callable[[], float] = time.monotonic) -> None:
+        self._expire = expire
         self._clock = clock
         self._slots: dict[str, _Slot] = {}
 
     def _live(self, slot: _Slot) -> bool:
-        return slot.owner is not None and slot.expires_at > self._clock()
+        if slot.owner is None:
+            return False
+        return not self._expire or slot.expires_at > self._clock()
 
     def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
         slot = self._slots.setdefault(session_id, _Slot())
         if self._live(slot):
             assert slot.owner is not None
-            return LeaseHolder(slot.owner, max(0.0, slot.expires_at - self._clock()))
+            left = max(0.0, slot.expires_at - self._clock()) if self._expire else None
+            return LeaseHolder(slot.owner, left)
         slot.epoch += 1
         slot.owner = owner
         slot.expires_at = self._clock() + ttl
@@ -50,7 +54,7 @@ class MemoryLeases:
     def claim_next(self, candidates: Iterable[str], owner: str, ttl: float) -> Lease | None:
         for session_id in candidates:
             slot = self._slots.get(session_id)
-            if slot is not None and slot.requested and not self._live(slot):
+            if slot is not None and _pending(slot) and not self._live(slot):
                 claimed = self.claim(session_id, owner, ttl)
                 assert isinstance(claimed, Lease)
                 return claimed
@@ -86,3 +90,8 @@ class MemoryLeases:
     def forget(self, session_id: str) -> None:
         """The session was deleted: its slot goes (a new session of that id starts over)."""
         self._slots.pop(session_id, None)
+
+
+def _pending(slot: _Slot) -> bool:
+    """A run was requested, or a holder never let go (its run was cut short)."""
+    return slot.requested or slot.owner is not None

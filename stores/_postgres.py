@@ -20,17 +20,18 @@ Applying a batch is one transaction: the compare-and-set ``UPDATE
 stepmachine.sessions ... WHERE sid = %s AND revision = %s`` (its row count says
 whether the session this store last read or wrote is still the stored one;
 PostgreSQL's row lock orders it against every other writer, in this process
-or another), then the batch row, the effect rows (one ``executemany``) and,
+or another), then the effect rows (one ``executemany``), the batch row and,
 when due, a snapshot with the ``DELETE`` of the one it supersedes.
 
-Leases (issue 10, next) are not here yet: the session row will carry
-``lease_owner``, ``lease_epoch`` and ``lease_expires_at`` outside its
-checksum, and the epoch joins the compare-and-set in one place,
-``_postgres_rows._ADVANCE_SESSION`` (``AND lease_owner = %s AND lease_epoch =
-%s``), used by :meth:`._postgres_log.PostgresTxn.append`, which will raise the
-lease error (not None) when the row exists at the revision but the epoch is
-stale. Until then two runners on one session are kept apart only by the
-compare-and-set (the stale one gets :class:`~stepmachine.ConflictError`).
+Leases (:class:`~stepmachine.Leases`, :mod:`._postgres_leases`): the session
+row carries the lease (owner, an epoch that only grows, an expiry on the
+server's clock) and the pending-run mark, outside its checksum. Claims,
+renewals and releases are ``UPDATE`` statements on that row; ``claim_next`` picks a
+requested session with ``FOR UPDATE SKIP LOCKED``. An apply with a lease is
+fenced in the compare-and-set itself (``AND lease_owner = %s AND lease_epoch
+= %s AND lease_expires_at > now()``): a holder that was paused or partitioned
+past its lease's expiry, and woke after another runner claimed the session,
+gets :class:`~stepmachine.LeaseLostError`, with nothing written.
 """
 
 from __future__ import annotations
@@ -48,18 +49,23 @@ from stepmachine import (
     Batch,
     Codec,
     ConfigurationError,
+    ConflictError,
     Effect,
+    Lease,
+    LeaseHolder,
+    LeaseLostError,
     Message,
     Session,
     StoreClosedError,
 )
 
+from . import _postgres_leases as _leases
 from . import _postgres_rows as _rows
 from ._backend import Cached
 from ._core import LogCore
 from ._ids import validate_session_id
 from ._postgres_log import PostgresTxn
-from ._postgres_schema import describe, prepare_schema, transaction
+from ._postgres_schema import describe, idle_limit, prepare_schema, transaction
 from ._snapshot_policy import Weighted
 from ._sqlite_rows import SNAPSHOT_EVERY, SNAPSHOT_MAX_GAP, SessionRow, marks_of
 
@@ -142,6 +148,9 @@ class PostgresStore:
     applies_batches: ClassVar[bool] = True
     """``apply`` applies each batch once and returns the session (see ``EffectHandler``)."""
 
+    leases_expire: ClassVar[bool] = True
+    """Leases lapse ``ttl`` seconds after the last claim or renewal (the server's clock)."""
+
     BOUNDARIES: ClassVar[tuple[str, ...]] = (
         "apply.begin",
         "apply.inserted",
@@ -177,6 +186,7 @@ class PostgresStore:
         min_size: int = 1,
         max_size: int = 4,
         pool_timeout: float = 30.0,
+        idle_in_transaction_timeout: float | None = 60.0,
         boundary_hook: Callable[[str], None] | None = None,
     ) -> PostgresStore:
         """Connect to the database ``dsn`` names, and create or check its schema.
@@ -187,6 +197,14 @@ class PostgresStore:
             min_size, max_size: the pool's connections kept open, and at most.
             pool_timeout: seconds to wait for the first connection, and later
                 for a free one (then ``psycopg_pool.PoolTimeout``).
+            idle_in_transaction_timeout: seconds one of this store's
+                transactions may sit idle on the server (its process paused or
+                partitioned away between two statements) before the server ends
+                its connection, rolling it back and freeing the session rows it
+                locked; so such a process holds up a lease's takeover for at most
+                this long. ``None`` keeps the server's setting (often: forever).
+                The store's own transactions are never idle longer than their
+                decoding takes.
             boundary_hook: called with each name of :attr:`BOUNDARIES` as the
                 store passes it (crash tests kill the process there).
 
@@ -195,7 +213,8 @@ class PostgresStore:
 
         Raises:
             ConfigurationError: psycopg or psycopg_pool is not installed (the
-                ``postgres`` extra), or a size is out of range.
+                ``postgres`` extra), a size is out of range, or
+                ``idle_in_transaction_timeout`` is not > 0.
             StoredDataError: the database was written by a newer schema version,
                 or its ``stepmachine`` schema is not a store's; nothing was changed.
             psycopg_pool.PoolTimeout: no connection within ``pool_timeout``.
@@ -214,12 +233,14 @@ class PostgresStore:
             ) from exc
         if not 1 <= min_size <= max_size:
             raise ConfigurationError(f"need 1 <= min_size <= max_size, not {min_size}, {max_size}")
+        configure = idle_limit(idle_in_transaction_timeout)
         pool: ConnectionPool[Any] = ConnectionPool(
             dsn,
             min_size=min_size,
             max_size=max_size,
             timeout=pool_timeout,
             kwargs={"autocommit": True},
+            configure=configure,
             open=False,
             name="stepmachine",
         )
@@ -266,6 +287,15 @@ class PostgresStore:
 
     def _txn(self, connection: psycopg.Connection[Any], *, write: bool) -> PostgresTxn:
         return PostgresTxn(connection, self._label, write=write)
+
+    async def _write(self, function: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run ``function(connection)`` in one write transaction (see :meth:`_run`)."""
+
+        def run(connection: psycopg.Connection[Any]) -> T:
+            with transaction(connection, write=True):
+                return function(connection)
+
+        return await self._run(run)
 
     # -- the Store API -----------------------------------------------------------
 
@@ -315,14 +345,18 @@ class PostgresStore:
 
         return await self._run(run)
 
-    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
+    async def apply(self, batch: Batch[Effect], *, lease: Lease | None = None) -> Session[Any]:
         """Append ``batch`` if the session is at ``batch.revision - 1``; all rows or none.
 
         Returns the session after the batch, as a load would give it. One
         transaction (see the module docstring); on top of this store's cache
-        nothing is read.
+        nothing is read. With ``lease``, only while it is the session's live
+        lease, checked in the same ``UPDATE`` as the revision (no extra statement).
 
         Raises:
+            LeaseLostError: ``lease`` is not the session's live lease (expired,
+                released, claimed by another, or a lease of another session);
+                nothing is written. Said rather than a conflict when both hold.
             InvalidSessionIdError: ``batch.session_id`` is not safe.
             ConflictError: the session is at another revision; nothing is written.
             SessionNotFoundError: no session has this id.
@@ -332,12 +366,21 @@ class PostgresStore:
                 match its checksum or does not decode; nothing is written.
         """
         session_id = validate_session_id(batch.session_id)
+        if lease is not None and lease.session_id != session_id:
+            why = f"it is a lease of {lease.session_id!r}"
+            raise LeaseLostError(session_id, lease.owner, lease.epoch, why)
         prepared = self._core.prepare(batch, f"{self._label}: new batch for {session_id!r}")
 
         def run(connection: psycopg.Connection[Any]) -> Session[Any]:
             with transaction(connection, write=True):
                 self._hook("apply.begin")
-                written = self._core.apply(self._txn(connection, write=True), prepared)
+                txn = PostgresTxn(connection, self._label, write=True, lease=lease)
+                try:
+                    written = self._core.apply(txn, prepared)
+                except ConflictError:
+                    if lease is not None:
+                        _leases.check(connection, lease)  # a lost lease is said first
+                    raise
                 self._hook("apply.inserted")
             self._core.remember(session_id, written)
             self._hook("apply.committed")
@@ -455,6 +498,65 @@ class PostgresStore:
             return forked
 
         return await self._run(run)
+
+    # -- leases (see stepmachine.Leases and ._postgres_leases) -----------------------
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
+        """Claim the session's lease for ``owner``, or say who holds it (``Leases.claim``).
+
+        Succeeds when nobody holds the session or the holder's lease expired
+        (the server's clock); the epoch grows by one and the pending-run mark is
+        taken. A live lease, even ``owner``'s own, gives :class:`LeaseHolder`.
+
+        Raises:
+            InvalidSessionIdError: the id is not safe.
+            SessionNotFoundError: no session has this id.
+        """
+        validate_session_id(session_id)
+        return await self._write(lambda conn: _leases.claim(conn, session_id, owner, ttl))
+
+    async def claim_next(self, owner: str, ttl: float) -> Lease | None:
+        """Claim the session whose pending run waits longest and has no live lease, or ``None``.
+
+        Rows that another transaction holds locked at that moment are skipped
+        (``SKIP LOCKED``), never waited for: a session is never given to two
+        claimers, and ``None`` may be answered while a session is only busy
+        being written (a worker polls again).
+        """
+        return await self._write(lambda conn: _leases.claim_next(conn, owner, ttl))
+
+    async def request_run(self, session_id: str) -> None:
+        """Mark the session as having a pending run (``Leases.request_run``).
+
+        Raises:
+            InvalidSessionIdError: the id is not safe.
+            SessionNotFoundError: no session has this id.
+        """
+        validate_session_id(session_id)
+        await self._write(lambda conn: _leases.request_run(conn, session_id))
+
+    async def renew(self, lease: Lease) -> Lease:
+        """Extend ``lease`` by its ttl from now (the server's clock); the same lease back.
+
+        Raises:
+            LeaseLostError: ``lease`` is not the session's live lease.
+            SessionNotFoundError: no session has this id.
+        """
+        validate_session_id(lease.session_id)
+        return await self._write(lambda conn: _leases.renew(conn, lease))
+
+    async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:
+        """Let go of ``lease``; ``True`` when released (``Leases.release``).
+
+        With ``unless_requested``, a set pending-run mark is taken instead and
+        the lease kept (``False``). A lease that is no longer current is left
+        alone (``True``). Call it shielded from cancellation: once running in
+        the worker thread it completes anyway (see the class docstring).
+        """
+        validate_session_id(lease.session_id)
+        return await self._write(
+            lambda conn: _leases.release(conn, lease, unless_requested=unless_requested)
+        )
 
     async def aclose(self) -> None:
         """Close the pool (shielded from cancellation). Idempotent.

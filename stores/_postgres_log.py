@@ -15,6 +15,15 @@ fail twice. An apply on top of this store's cache reads nothing at all: its
 ``UPDATE`` is the compare-and-set, and PostgreSQL's row lock orders it against
 any other writer's. A read transaction is ``REPEATABLE READ``: one snapshot.
 
+Fencing. A txn made with a :class:`~stepmachine.Lease` appends only while
+that lease is the session's live lease: its owner, epoch and expiry join the
+compare-and-set ``UPDATE`` (:func:`._postgres_rows.advance_session_row`), so
+the check and the write are one statement under the row lock. When that
+``UPDATE`` matches nothing, the row is read again, locked, in the same
+transaction: a lost lease raises :class:`~stepmachine.LeaseLostError` (nothing
+was written); otherwise the revision moved on, and ``append`` returns None as
+without a lease (the core reads the log again: a conflict, or a retry).
+
 Everything here is synchronous and runs in a worker thread, inside the
 transaction the store opened (:func:`._postgres_schema.transaction`).
 """
@@ -23,8 +32,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from stepmachine import SessionExistsError
+from stepmachine import Lease, SessionExistsError
 
+from . import _postgres_leases as _leases
 from . import _postgres_rows as _rows
 from ._backend import Marks
 from ._sql_txn import SQLTxn
@@ -46,17 +56,40 @@ class PostgresTxn(SQLTxn):
         connection: a connection of the store's pool, inside a transaction.
         label: how errors name the database.
         write: the transaction writes: session rows are read ``FOR UPDATE``.
+        lease: the lease that fences this transaction's appends, if any.
     """
 
     ROWS: ClassVar = _rows
     STORE: ClassVar[str] = "PostgresStore"
 
-    def __init__(self, connection: psycopg.Connection[Any], label: str, *, write: bool) -> None:
+    def __init__(
+        self,
+        connection: psycopg.Connection[Any],
+        label: str,
+        *,
+        write: bool,
+        lease: Lease | None = None,
+    ) -> None:
         super().__init__(connection, label)
         self._write = write
+        self._lease = lease
 
     def _read_row(self, session_id: str) -> SessionRow | None:
         return _rows.session_row(self.conn, self.label, session_id, lock=self._write)
+
+    def _advance(self, session_id: str, expected: int, row: SessionRow) -> bool:
+        """The compare-and-set, fenced by the lease when there is one.
+
+        Raises:
+            LeaseLostError: the lease is not the session's live lease; nothing written.
+        """
+        lease = self._lease
+        if lease is None:
+            return super()._advance(session_id, expected, row)
+        if _rows.advance_session_row(self.conn, session_id, expected, row, lease):
+            return True
+        _leases.check(self.conn, lease)  # a lost lease raises; else the revision moved
+        return False
 
     def create(self, session_id: str, record: bytes) -> tuple[SessionRow, Marks]:
         """The session row and its revision-0 snapshot."""

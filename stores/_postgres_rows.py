@@ -17,7 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
+from stepmachine import Lease
+
 from ._backend import EffectRows
+from ._postgres_leases import fenced_condition
 from ._postgres_schema import ROW_VERSIONS, SCHEMA, SCHEMA_VERSION
 from ._sqlite_rows import (
     SessionRow,
@@ -70,9 +73,10 @@ _SET_SESSION = (
     f"UPDATE {SCHEMA}.sessions SET revision = %s, schema_version = %s, "  # noqa: S608 - fixed names
     "snapshot_revision = %s, snapshot_bytes = %s, pending_bytes = %s, crc = %s WHERE sid = %s"
 )
-# The compare-and-set. With leases (issue 10, next), "AND lease_owner = %s AND
-# lease_epoch = %s" joins this condition: a fenced-off holder's append writes nothing.
+# The compare-and-set; fenced by a lease, the lease's owner and epoch join the
+# condition (and its expiry): a fenced-off holder's append writes nothing.
 _ADVANCE_SESSION = _SET_SESSION + " AND revision = %s"
+_ADVANCE_LEASED_SESSION = _ADVANCE_SESSION + fenced_condition
 
 
 def _session_from(label: str, row: Sequence[Any], session_id: str | None = None) -> SessionRow:
@@ -123,19 +127,28 @@ def write_session_row(conn: psycopg.Connection[Any], session_id: str, row: Sessi
 
 
 def advance_session_row(
-    conn: psycopg.Connection[Any], session_id: str, expected: int, row: SessionRow
+    conn: psycopg.Connection[Any],
+    session_id: str,
+    expected: int,
+    row: SessionRow,
+    lease: Lease | None = None,
 ) -> bool:
-    """Compare-and-set: write ``row`` (with its checksum) if ``row.sid`` is still at ``expected``.
+    """Compare-and-set: write ``row`` (with its checksum) if ``row.sid`` is still at ``expected``
+    (and, with ``lease``, while it is the session's live lease).
 
-    One ``UPDATE ... WHERE sid = %s AND revision = %s``; whether it matched.
-    At READ COMMITTED a concurrent writer's ``UPDATE`` of the row makes this
-    one wait for its commit and then re-check the condition on the new row,
-    so two writers never both match. ``False`` leaves the database unchanged.
+    One ``UPDATE ... WHERE sid = %s AND revision = %s`` (with ``lease``: ``AND
+    lease_owner = %s AND lease_epoch = %s AND lease_expires_at > now()``);
+    whether it matched. At READ COMMITTED a concurrent writer's (or claimer's)
+    ``UPDATE`` of the row makes this one wait for its commit and then re-check
+    the condition on the new row, so two writers never both match, and a
+    holder fenced off meanwhile does not. ``False`` leaves the database unchanged.
     """
     values = _session_values(session_id, row)
-    cursor = conn.execute(
-        _ADVANCE_SESSION, (*values[2:], checksum("sessions", values), row.sid, expected)
-    )
+    params = (*values[2:], checksum("sessions", values), row.sid, expected)
+    if lease is None:
+        cursor = conn.execute(_ADVANCE_SESSION, params)
+    else:
+        cursor = conn.execute(_ADVANCE_LEASED_SESSION, (*params, lease.owner, lease.epoch))
     return cursor.rowcount == 1
 
 
@@ -249,11 +262,18 @@ def insert_batch(
     timestamp: float,
     bodies: Sequence[bytes],
 ) -> None:
-    """Append one batch row and its effect rows (one ``executemany``), with their checksums."""
+    """Append one batch row and its effect rows (one ``executemany``), with their checksums.
+
+    The effect rows go first: psycopg runs ``executemany`` in pipeline mode,
+    after which the server does not arm ``idle_in_transaction_session_timeout``
+    until the next statement; the batch row's plain ``INSERT`` is that
+    statement, so a process stalled after it, holding the session row
+    locked, is still cut off (see ``PostgresStore.open``).
+    """
     batch, effects = batch_row_values(sid, revision, step, cycle, timestamp, bodies, SCHEMA_VERSION)
-    conn.execute(_INSERT_BATCH, batch)
     with conn.cursor() as cursor:
         cursor.executemany(_INSERT_EFFECT, effects)
+    conn.execute(_INSERT_BATCH, batch)
 
 
 def copy_log(

@@ -1,4 +1,5 @@
-"""The layout of :class:`~stepmachine.stores.PostgresStore`: schema, version check, transactions.
+"""The layout of :class:`~stepmachine.stores.PostgresStore`: schema, version check, transactions
+and the settings of its connections.
 
 Everything here is synchronous and runs in a worker thread, on a connection
 taken from the store's pool (``autocommit`` on, so every transaction is an
@@ -9,7 +10,8 @@ store shares a database with an application's own tables)::
 
     schema_version(version PK, applied_at)        one row per migration applied
     sessions(sid PK bigserial, session_id UNIQUE, revision, schema_version,
-             snapshot_revision, snapshot_bytes, pending_bytes, crc)
+             snapshot_revision, snapshot_bytes, pending_bytes, crc,
+             lease_owner, lease_epoch, lease_expires_at, run_requested_at)
     batches(sid, revision, step, cycle, ts, effect_count, schema_version, crc)
     effects(sid, revision, position, schema_version, body, crc)
     snapshots(sid, revision, schema_version, body, crc)
@@ -23,6 +25,12 @@ table's name and every other column, so a flipped bit or a row moved to
 another session, revision or position fails closed when read. The bodies are
 stored ``EXTERNAL`` (out of line, not compressed again by PostgreSQL).
 
+The session row also carries the session's lease (:mod:`._postgres_leases`):
+``lease_owner``, ``lease_epoch`` (only grows), ``lease_expires_at`` (the
+server's clock) and the pending-run mark ``run_requested_at`` (NULL: none),
+indexed for ``claim_next``. They are outside ``crc``: a claim or a renewal
+changes them without the log changing, and no read of the log depends on them.
+
 Versions: the database records each migration applied in
 ``stepmachine.schema_version``; its version is the largest. A database of a
 newer version than :data:`SCHEMA_VERSION` is refused with
@@ -35,11 +43,11 @@ new database at once create it once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Final
 
-from stepmachine import StoredDataError
+from stepmachine import ConfigurationError, StoredDataError
 
 if TYPE_CHECKING:
     import psycopg
@@ -50,6 +58,7 @@ __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
     "describe",
+    "idle_limit",
     "prepare_schema",
     "transaction",
 ]
@@ -73,8 +82,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
             version integer PRIMARY KEY,
             applied_at timestamptz NOT NULL DEFAULT now()
         )""",
-        # Leases (issue 10, next): lease_owner, lease_epoch and lease_expires_at
-        # join this row, outside its crc (they change without the log changing).
+        # The lease columns (lease_owner .. run_requested_at) are outside the
+        # crc: they change without the log changing (see _postgres_leases).
         f"""CREATE TABLE {SCHEMA}.sessions (
             sid bigserial PRIMARY KEY,
             session_id text NOT NULL UNIQUE,
@@ -83,8 +92,15 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
             snapshot_revision bigint NOT NULL,
             snapshot_bytes bigint NOT NULL,
             pending_bytes bigint NOT NULL,
-            crc bigint NOT NULL
+            crc bigint NOT NULL,
+            lease_owner text,
+            lease_epoch bigint NOT NULL DEFAULT 0 CHECK (lease_epoch >= 0),
+            lease_expires_at timestamptz,
+            run_requested_at timestamptz
         )""",
+        # claim_next finds the sessions with a pending run without a scan.
+        f"""CREATE INDEX sessions_run_requested ON {SCHEMA}.sessions (run_requested_at, sid)
+            WHERE run_requested_at IS NOT NULL""",
         f"""CREATE TABLE {SCHEMA}.batches (
             sid bigint NOT NULL,
             revision bigint NOT NULL,
@@ -155,6 +171,29 @@ def transaction(conn: psycopg.Connection[Any], *, write: bool) -> Iterator[None]
     conn.read_only = not write
     with conn.transaction():
         yield
+
+
+def idle_limit(seconds: float | None) -> Callable[[psycopg.Connection[Any]], None] | None:
+    """The pool's ``configure``: set ``idle_in_transaction_session_timeout`` on each
+    new connection (``None``: leave the server's setting).
+
+    Raises:
+        ConfigurationError: ``seconds`` is not > 0.
+    """
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+        raise ConfigurationError(
+            f"idle_in_transaction_timeout must be a number of seconds > 0 or None, not {seconds!r}"
+        )
+    milliseconds = str(max(1, round(seconds * 1000)))
+
+    def configure(connection: psycopg.Connection[Any]) -> None:
+        # A session setting (is_local false); the connection is in autocommit.
+        query = "SELECT set_config('idle_in_transaction_session_timeout', %s, false)"
+        connection.execute(query, (milliseconds,))
+
+    return configure
 
 
 def prepare_schema(conn: psycopg.Connection[Any]) -> None:

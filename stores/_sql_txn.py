@@ -115,14 +115,13 @@ class SQLTxn:
 
         Nothing is read: the ``UPDATE``'s row count proves the session row is
         still ``at`` (a ``sid`` is never reused, the revision only grows).
-        With leases (next), the same ``UPDATE`` will also name the holder's
-        owner and epoch, and a fenced-off holder will get the lease error
-        instead of None.
+        A backend that fences writes with a lease adds its condition in
+        :meth:`_advance`, which raises its lease error instead of returning False.
         """
         assert isinstance(batch, EffectRows)  # FORM says so
         rows = self.ROWS
         moved = SessionRow(at.sid, batch.revision, *marks)
-        if not rows.advance_session_row(self.conn, session_id, at.revision, moved):
+        if not self._advance(session_id, at.revision, moved):
             self._rows.pop(session_id, None)
             return None
         header = (batch.revision, batch.step, batch.cycle, batch.timestamp)
@@ -132,6 +131,11 @@ class SQLTxn:
             rows.prune_snapshots(self.conn, at.sid, snapshot.revision)
         self._rows[session_id] = moved
         return moved
+
+    def _advance(self, session_id: str, expected: int, row: SessionRow) -> bool:
+        """The compare-and-set ``UPDATE`` of the session row to ``row``: whether it matched
+        (False writes nothing). A subclass may add a condition (a lease) here."""
+        return bool(self.ROWS.advance_session_row(self.conn, session_id, expected, row))
 
     def unusable(self, session_id: str, base: Base[SessionRow], reason: str) -> None:
         """Never called: the only base offered is the one a replay needs."""

@@ -31,7 +31,9 @@ All IO runs in a worker thread (:func:`anyio.to_thread.run_sync`, one hop per
 transaction) on a single connection guarded by an :class:`anyio.Lock`, so the
 store works on asyncio and trio. Several processes, each with its own
 ``SQLiteStore``, may share one file: SQLite's locks serialise the writers, and a
-stale batch raises :class:`~stepmachine.ConflictError`.
+stale batch raises :class:`~stepmachine.ConflictError`. Leases (one runner per
+session across those processes) are file locks beside the database
+(:mod:`._flock_leases`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from stepmachine import (
     Batch,
     Codec,
     Effect,
+    Lease,
     Message,
     Session,
     StoreClosedError,
@@ -60,6 +63,7 @@ from . import _sqlite_rows as _rows
 from . import _sqlite_schema as _schema
 from ._backend import Cached, Marks
 from ._core import LogCore
+from ._flock_leases import FlockLeaseMethods, FlockLeases
 from ._ids import validate_session_id
 from ._snapshot_policy import Weighted
 from ._sqlite_log import SQLiteTxn
@@ -87,7 +91,7 @@ def _no_hook(name: str) -> None:
     """The default boundary hook: does nothing."""
 
 
-class SQLiteStore:
+class SQLiteStore(FlockLeaseMethods):
     """A store in one SQLite database file, shared safely by several processes.
 
     Build one with :meth:`open`; close it with :meth:`aclose` or ``async with``.
@@ -163,6 +167,23 @@ class SQLiteStore:
     Readers never wait for writers (WAL). The store keeps the last session it
     read or wrote for up to 256 session ids, least recently used dropped first.
 
+    Leases (:class:`~stepmachine.Leases`, ``leases_expire = False``; POSIX
+    only, :class:`~stepmachine.ConfigurationError` on Windows): a lease is an
+    exclusive ``fcntl.flock`` on the session's lock file in the folder
+    ``<path>-leases`` beside the database, held until :meth:`release`,
+    :meth:`aclose` or the end of the process (the kernel releases it even on
+    ``SIGKILL``): no clock, no expiry; two store instances exclude each other
+    as two processes do. The lock file also holds the session's last epoch
+    and owner (so a failed claim names the holder, and epochs keep growing
+    across processes, and across ``delete``: lock files are never removed);
+    a pending-run mark is a file of its own, and a store-wide lock makes
+    looking at a mark and unlocking one step for every other process. All of
+    it survives the death of any process; nothing is fsynced (after an
+    operating-system crash a mark may be gone and an epoch may repeat, which
+    cannot weaken fencing: only the live holder's own store instance accepts
+    its lease). A :meth:`backup` does not copy the lease folder: a
+    copy opened at another path starts its sessions' epochs at 1 again.
+
     Attributes:
         BOUNDARIES: the persistence boundaries at which ``boundary_hook`` is
             called, in the worker thread: ``"apply.begin"`` (after ``BEGIN
@@ -195,6 +216,12 @@ class SQLiteStore:
         self._lock = anyio.Lock()
         self._core: LogCore[SessionRow] = LogCore(
             codec, _SQLitePolicy(), SQLiteTxn.FORM, cache_size=_CACHE_SIZE
+        )
+        self._leases = FlockLeases(
+            os.path.abspath(path) + "-leases",
+            hop=self._hop,
+            check=self._check_session,
+            name=f"SQLiteStore on {path}",
         )
 
     @classmethod
@@ -328,7 +355,7 @@ class SQLiteStore:
 
         return await self._run(run)
 
-    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
+    async def apply(self, batch: Batch[Effect], *, lease: Lease | None = None) -> Session[Any]:
         """Append ``batch`` if the session is at ``batch.revision - 1``; all rows or none.
 
         Returns the session after the batch, as a load would give it.
@@ -352,7 +379,17 @@ class SQLiteStore:
         since the cached session are replayed first; a failed
         compare-and-set is diagnosed the same way, on that path only.
 
+        With ``lease`` (fencing), the batch is written only while this store
+        instance holds that lease of ``batch.session_id`` (same owner and
+        epoch), checked in the worker thread just before the transaction; a
+        release of the lease here waits for the transaction to end. That check
+        is sound without reading the database: the lease is this instance's
+        lock on the session's lock file, which no other claim can take while
+        it is held, so no newer lease can exist.
+
         Raises:
+            LeaseLostError: ``lease`` is not held by this store instance, or
+                is a lease of another session; nothing is written.
             InvalidSessionIdError: ``batch.session_id`` is not safe.
             ConflictError: the session is at another revision; nothing is written.
             SessionNotFoundError: no session has this id.
@@ -368,7 +405,7 @@ class SQLiteStore:
         prepared = self._core.prepare(batch, f"{self._path}: new batch for session {session_id!r}")
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
-            with transaction(connection, write=True):
+            with self._leases.fenced(lease, session_id), transaction(connection, write=True):
                 self._hook("apply.begin")
                 written = self._core.apply(SQLiteTxn(connection, self._path), prepared)
                 self._hook("apply.inserted")
@@ -394,6 +431,12 @@ class SQLiteStore:
     async def delete(self, session_id: str) -> None:
         """Delete a session with its log and snapshots, in one transaction.
 
+        Then its pending-run mark is removed. A lease on it is not touched: the
+        holder keeps it until it releases (its writes meet
+        :class:`~stepmachine.SessionNotFoundError`), and a session created
+        later with the same id has the same lock, its epochs continuing above
+        the old ones.
+
         Raises:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
@@ -410,6 +453,7 @@ class SQLiteStore:
                 self._core.forget(session_id)
 
         await self._run(run)
+        await self._leases.forget(session_id)
 
     async def load_at(self, session_id: str, revision: int) -> Session[Any]:
         """The session as it was at ``revision``: the nearest snapshot, then its log.
@@ -529,16 +573,39 @@ class SQLiteStore:
         await self._run(run)
 
     async def aclose(self) -> None:
-        """Close the connection (shielded from cancellation). Idempotent.
+        """Release every lease this instance holds, and close the connection.
 
-        Any later call but :meth:`aclose` raises :class:`~stepmachine.StoreClosedError`.
+        Shielded from cancellation. Idempotent. Pending-run marks stay. Any
+        later call but :meth:`aclose` raises :class:`~stepmachine.StoreClosedError`.
         """
         with anyio.CancelScope(shield=True):
             async with self._lock:
                 connection, self._conn = self._conn, None
                 self._core.clear()
+                await self._leases.close()
                 if connection is not None:
                     await anyio.to_thread.run_sync(connection.close)
+
+    def _open_leases(self) -> FlockLeases:
+        self._check_open()
+        return self._leases
+
+    def _check_open(self) -> None:
+        if self._conn is None:
+            raise StoreClosedError(f"SQLiteStore on {self._path} is closed")
+
+    async def _hop(self, work: Callable[[], T]) -> T:
+        """Run ``work()`` as :meth:`_run` runs a transaction (the leases' file work)."""
+        return await self._run(lambda connection: work())
+
+    def _check_session(self, session_id: str) -> None:
+        """Raise :class:`~stepmachine.SessionNotFoundError` unless the session exists
+        (in the worker thread, inside :meth:`_hop`)."""
+        connection = self._conn
+        if connection is None:
+            raise StoreClosedError(f"SQLiteStore on {self._path} is closed")
+        with transaction(connection, write=False):
+            SQLiteTxn(connection, self._path).row(session_id)
 
     async def __aenter__(self) -> SQLiteStore:
         return self

@@ -11,3 +11,8 @@ from stepmachine.testing.leases import LeaseConformance
 class TestMemoryStoreLeases(LeaseConformance):
     def make_store(self, codec: Codec[Any], path: Path) -> MemoryStore:
         return MemoryStore(codec=codec)
+
+
+class TestMemoryStoreExpiringLeases(LeaseConformance):
+    def make_store(self, codec: Codec[Any], path: Path) -> MemoryStore:
+        return MemoryStore(codec=codec, expiring_leases=True)

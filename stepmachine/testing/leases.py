@@ -105,6 +105,28 @@ class LeaseConformance:
         with pytest.raises(SessionNotFoundError):
             await store.request_run("missing")
 
+    @pytest.mark.parametrize(
+        ("owner", "ttl"),
+        [
+            ("", TTL),
+            ("a\x00b", TTL),
+            ("x" * 1000, TTL),
+            (None, TTL),
+            ("a", 0),
+            ("a", -1.0),
+            ("a", float("nan")),
+            ("a", float("inf")),
+            ("a", True),
+        ],
+    )
+    async def test_bad_claims_are_refused(self, store: Any, owner: Any, ttl: Any) -> None:
+        await store.create("s")
+        with pytest.raises(ValueError, match="lease"):
+            await store.claim("s", owner, ttl)
+        with pytest.raises(ValueError, match="lease"):
+            await store.claim_next(owner, ttl)
+        await self._claimed(store, "s", "a")  # nothing was taken
+
     async def test_sessions_are_leased_apart(self, store: Any) -> None:
         await store.create("s")
         await store.create("t")
@@ -285,6 +307,21 @@ class LeaseConformance:
         busy = await store.claim("s", "c", TTL)
         assert isinstance(busy, LeaseHolder)
         assert busy.owner == "b"
+
+    async def test_an_abandoned_lease_is_work_for_claim_next(self, store: Any) -> None:
+        if not store.leases_expire:
+            pytest.skip(f"{type(store).__name__}'s leases are abandoned only by a dead process")
+        await store.create("s")
+        await store.create("t")
+        await self._claimed(store, "s", "a", ttl=0.3)  # never released: the run was cut short
+        released = await self._claimed(store, "t", "b", ttl=0.3)
+        await store.release(released)
+        assert await store.claim_next("w", TTL) is None  # s's holder may still be alive
+        await anyio.sleep(0.6)
+        got = await store.claim_next("w", TTL)
+        assert isinstance(got, Lease)
+        assert got.session_id == "s"
+        assert await store.claim_next("w2", TTL) is None
 
     async def test_renewal_keeps_an_expiring_lease(self, store: Any) -> None:
         if not store.leases_expire:

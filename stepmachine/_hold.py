@@ -1,0 +1,213 @@
+"""A run's side of a lease: claim by policy, renew in the background, fence, release.
+
+:func:`claim` gets the lease the way the caller's :class:`LeasePolicy` says
+(wait, fail fast, or queue the turn). :func:`hold` runs work while holding it:
+a background task renews it every ``ttl / 3`` and every write of the work goes
+through a :class:`Fence` (``apply(batch, lease=lease)``). :func:`release` lets
+go, shielded and bounded. The machine (``StateMachine.run_report``) strings
+them together; see ``stepmachine._lease`` for what a lease promises.
+
+A lost lease stops the work. Either a write is refused (the store raises
+:class:`LeaseLostError` from ``apply``; the fence remembers it and refuses
+every later write at once, so a finalize after the loss writes nothing), or
+the renewal finds the lease gone, or cannot reach the store before the lease
+would lapse: then the work is cancelled, and :func:`hold` raises
+:class:`LeaseLostError` once the work has unwound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, TypeVar
+
+import anyio
+import structlog
+
+from ._codec import Batch
+from ._effects import Effect
+from ._errors import LeaseLostError, SessionBusyError, StoreClosedError
+from ._lease import Lease, LeaseHolder, LeasePolicy, Leases
+from ._session import Session
+
+__all__ = ["Fence", "claim", "has_leases", "hold", "release", "renew_interval"]
+
+T = TypeVar("T")
+
+_log = structlog.stdlib.get_logger("stepmachine")
+
+FIRST_POLL = 0.01
+"""Seconds before the second claim while waiting; each pause doubles, up to ``poll``."""
+
+RELEASE_TIMEOUT = 10.0
+"""Seconds a release may take (shielded) before it is abandoned to the lease's expiry."""
+
+
+class Fence:
+    """An effect handler that writes with a lease: ``store.apply(batch, lease=lease)``.
+
+    Once one write was refused for a lost lease, every later one is refused at
+    once with the same error, without asking the store.
+    """
+
+    applies_batches: ClassVar[bool] = True
+    """The store applies each batch once and returns the session (see ``EffectHandler``)."""
+
+    def __init__(self, store: Leases, lease: Lease) -> None:
+        self.store = store
+        self.lease = lease
+        self.lost: LeaseLostError | None = None
+
+    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
+        """Write ``batch`` with the lease; :class:`LeaseLostError` once it is lost."""
+        if self.lost is not None:
+            raise LeaseLostError(
+                self.lease.session_id, self.lease.owner, self.lease.epoch, "lost earlier"
+            )
+        try:
+            return await self.store.apply(batch, lease=self.lease)
+        except LeaseLostError as exc:
+            self.lost = exc
+            raise
+
+
+async def claim(store: Leases, session_id: str, owner: str, policy: LeasePolicy) -> Lease | None:
+    """The session's lease for ``owner`` under ``policy``; ``None`` when the turn was queued.
+
+    - ``wait``: claim again after pauses growing from :data:`FIRST_POLL` to
+      ``policy.poll`` until the claim succeeds (or ``wait_timeout`` passes:
+      :class:`SessionBusyError`);
+    - ``fail``: :class:`SessionBusyError` at once;
+    - ``queue``: set the session's pending-run mark, then claim once more (the
+      holder may have let go meanwhile); ``None`` if it is still held. The
+      holder runs the turn before it releases, or, if it dies, whoever claims next.
+
+    Raises:
+        SessionNotFoundError: no such session.
+        SessionBusyError: see above.
+    """
+    pause = FIRST_POLL
+    deadline = None if policy.wait_timeout is None else anyio.current_time() + policy.wait_timeout
+    while True:
+        got = await store.claim(session_id, owner, policy.ttl)
+        if isinstance(got, Lease):
+            return got
+        holder: LeaseHolder = got
+        if policy.busy == "fail":
+            raise SessionBusyError(session_id, holder.owner, holder.expires_in)
+        if policy.busy == "queue":
+            await store.request_run(session_id)
+            again = await store.claim(session_id, owner, policy.ttl)
+            return again if isinstance(again, Lease) else None
+        now = anyio.current_time()
+        if deadline is not None and now >= deadline:
+            raise SessionBusyError(session_id, holder.owner, holder.expires_in)
+        wake = now + pause if deadline is None else min(now + pause, deadline)
+        await anyio.sleep_until(wake)
+        pause = min(pause * 2, policy.poll)
+
+
+async def hold(
+    store: Leases, lease: Lease, work: Callable[[Fence], Awaitable[T]], *, renew_every: float
+) -> T:
+    """``await work(fence)`` while renewing ``lease`` every ``renew_every`` seconds.
+
+    Does not release the lease (see :func:`release`). A store whose leases do
+    not expire (``leases_expire`` False: held until released or the process
+    ends) has nothing to renew: the work runs without a renewal task.
+
+    Raises:
+        LeaseLostError: the renewal found the lease gone (the work was
+            cancelled), or the work's write was refused.
+        Exception: whatever ``work`` raises.
+    """
+    fence = Fence(store, lease)
+    if not store.leases_expire:  # held until released or the process ends: nothing to renew
+        return await work(fence)
+    results: list[T] = []
+    failure: BaseException | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_renew, fence, renew_every, tg.cancel_scope)
+        try:
+            results.append(await work(fence))
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, outside the task group
+            failure = exc  # (a KeyboardInterrupt too): raised as itself, not in a group
+        finally:
+            tg.cancel_scope.cancel()  # stops the renewal
+    if failure is not None:
+        raise failure
+    if not results:  # the renewal cancelled the work
+        assert fence.lost is not None
+        raise fence.lost
+    return results[0]
+
+
+async def _renew(fence: Fence, every: float, work: anyio.CancelScope) -> None:
+    """Renew until cancelled; on a loss, record it on the fence and cancel ``work``.
+
+    A renewal that fails for another reason (the database unreachable) is tried
+    again until the lease would lapse (``ttl`` after the last success, on this
+    process's clock, which a lease on the store's clock never outlives).
+    """
+    lease = fence.lease
+    lapses = anyio.current_time() + lease.ttl
+    while True:
+        await anyio.sleep(every)
+        try:
+            await fence.store.renew(lease)
+            lapses = anyio.current_time() + lease.ttl
+        except LeaseLostError as exc:
+            fence.lost = exc
+        except StoreClosedError as exc:
+            fence.lost = LeaseLostError(lease.session_id, lease.owner, lease.epoch, str(exc))
+        except Exception as exc:  # noqa: BLE001 - retried until the lease would lapse
+            _log.warning(
+                "lease renewal failed",
+                session_id=lease.session_id,
+                error=type(exc).__name__,
+                detail=str(exc),
+            )
+            if anyio.current_time() + every >= lapses:
+                fence.lost = LeaseLostError(
+                    lease.session_id, lease.owner, lease.epoch, f"could not renew: {exc}"
+                )
+        if fence.lost is not None:
+            work.cancel()
+            return
+
+
+async def release(store: Leases, lease: Lease, *, unless_requested: bool) -> bool:
+    """``store.release(...)``, shielded and bounded; ``True`` when let go.
+
+    Errors are logged, not raised: what the run wrote is stored either way, and
+    a lease that was not released lapses (PostgreSQL, memory) or goes with the
+    process (the lock-file stores). So a failed release counts as released.
+    """
+    with anyio.move_on_after(RELEASE_TIMEOUT, shield=True):
+        try:
+            return await store.release(lease, unless_requested=unless_requested)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            _log.warning(
+                "lease release failed",
+                session_id=lease.session_id,
+                error=type(exc).__name__,
+                detail=str(exc),
+            )
+    return True
+
+
+def has_leases(store: object) -> bool:
+    """Whether ``store`` has the :class:`Leases` capability, in O(1).
+
+    A store with leases declares ``leases_expire`` (a bool); the protocol's
+    ``isinstance`` check would inspect every method, at each run.
+    """
+    return isinstance(getattr(store, "leases_expire", None), bool)
+
+
+def renew_interval(lease: Lease) -> float:
+    """How often to renew ``lease``: a third of its ttl (never zero or infinite)."""
+    third = lease.ttl / 3
+    return third if math.isfinite(third) and third > 0 else 1.0

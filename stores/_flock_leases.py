@@ -1,0 +1,584 @@
+"""Leases as operating-system file locks: the :class:`~stepmachine.Leases` of
+:class:`~stepmachine.stores.SQLiteStore` and :class:`~stepmachine.stores.FileStore`.
+
+What a store with these leases does (one machine, any number of processes and
+store instances, the files on a local filesystem):
+
+- A lease is an exclusive ``fcntl.flock`` on the session's lock file, taken
+  without waiting. It is held exactly as long as the store instance that
+  claimed it keeps it: until ``release``, ``aclose``, or the death of the
+  process (the kernel drops the lock, ``SIGKILL`` included). There is no clock
+  and no expiry (``leases_expire = False``); ``renew`` only checks, in memory,
+  that this instance still holds the lease. ``flock`` belongs to an open file
+  description, so two instances in one process exclude each other exactly as
+  two processes do. A process that ``fork``\\ s without ``exec`` shares its
+  descriptors with the child: the lock is then released only when both are gone.
+- ``claim`` gives the next epoch of the session (the last one plus one) and
+  records it with the new owner in the lock file itself, so a failed claim
+  reads who holds the session (``LeaseHolder(owner, None)``). The counter
+  survives the death of any process; it keeps growing for the id even across
+  ``delete`` (lock files are never removed). An owner string must fit that
+  record (4 KiB with the session id; a longer one raises ``ValueError``).
+- The pending-run mark is an empty file. Marking, taking the mark with a claim,
+  ``claim_next``, and a holder's ``release(unless_requested=True)`` (look at
+  the mark, then take it or unlock) each run under one short store-wide *meta
+  lock* (a second ``flock``), so a ``request_run`` that returned is either seen
+  by the holder's release (which then returns ``False`` and keeps the lease) or
+  made after the unlock (and the next claimer takes it): it is never lost.
+  ``claim_next`` takes the sessions with a mark in id order, skipping those
+  another claimer holds; under the meta lock no two claimers interleave, and
+  the ``flock`` itself could not be taken twice anyway.
+- Abandoned leases: a claim also creates the session's *held* file, and a
+  release removes it before it unlocks. A held file whose lock can be taken
+  was left by a process that died holding the lease (its run cut short), so
+  ``claim_next`` gives that session out too, like a marked one.
+- Fencing: ``apply(batch, lease=...)`` writes only while this instance holds
+  the session's lock under that owner and epoch (:meth:`FlockLeases.fenced`).
+  Checking this instance's table is enough: while the process lives and keeps
+  the descriptor open, no other claim can take the lock, so no newer epoch can
+  exist; and a release of that lease in this instance waits for the write (and a
+  write after it is refused).
+
+Durability: the record is one JSON line at the start of the lock file,
+overwritten by a single ``pwrite`` of at most one page (a process killed
+during it leaves the old record or the new one, never a mix; what a longer
+old record leaves after the newline is ignored), read and written only under
+the meta lock. A mark is a created file. Both survive the death of any process
+at any instant. Neither is fsynced: after an operating-system crash a mark may
+be gone (request the run again) and a record may be back at an earlier epoch,
+or damaged (:class:`~stepmachine.StoredDataError` naming the file; removing it
+restarts that session's epochs at 1). That cannot weaken fencing: a crash ends
+every holder, and only a live holder's own instance accepts its lease.
+
+Layout of the lease folder (``<database>-leases`` beside an SQLite database,
+``.leases`` inside a FileStore folder; created 0o700 at the first lease
+operation, files 0o600). ``<name>`` is the session id encoded as lowercase
+base32 without padding: reversible, unique on case-insensitive filesystems, at
+most 205 characters::
+
+    meta.lock               the meta lock (empty)
+    sessions/<name>.lock    the session's lock; holds {"session_id","epoch","owner"}
+                            of its last claim (never removed, never replaced)
+    runs/<name>             the session's pending-run mark (empty)
+    held/<name>             a claim not yet released (empty; see "abandoned leases")
+
+Do not remove the folder while a process uses the store: a lock file made anew
+could be locked while the old one still is.
+
+Every file operation runs in an anyio worker thread, on asyncio and trio. The
+meta lock is tried without blocking; while another process holds it (for a
+few system calls), the task sleeps (cancellably) and tries again. On a platform
+without ``fcntl`` (Windows) every lease operation raises
+:class:`~stepmachine.ConfigurationError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, TypeVar
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import msgspec
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): the stores import, leases refuse
+    fcntl = None  # type: ignore[assignment]
+
+from stepmachine import (
+    ConfigurationError,
+    Lease,
+    LeaseHolder,
+    LeaseLostError,
+    SessionNotFoundError,
+    StepmachineError,
+    StoreClosedError,
+    StoredDataError,
+)
+from stepmachine._lease import check_claim
+
+from ._ids import validate_session_id
+
+__all__ = ["FlockLeaseMethods", "FlockLeases"]
+
+T = TypeVar("T")
+
+
+RECORD_LIMIT = 4096
+"""The most bytes a lock file's record takes: one page, written by one ``pwrite``."""
+
+
+class _Record(msgspec.Struct, frozen=True):
+    """A lock file's content: the session's last claim, as one JSON line."""
+
+    session_id: str
+    epoch: int
+    owner: str
+
+
+_record_decoder = msgspec.json.Decoder(_Record)
+
+
+@dataclass(slots=True)
+class _Held:
+    """A lease this instance holds: the locked descriptor, and a guard that a
+    fenced write and the release hold, so neither runs inside the other."""
+
+    lease: Lease
+    fd: int
+    guard: threading.Lock
+
+
+class _Busy:
+    """Returned by an attempt that found the meta lock taken."""
+
+
+_BUSY = _Busy()
+
+
+class Hop(Protocol):
+    """The store's way into its worker thread: ``await hop(work)`` runs ``work()`` there."""
+
+    def __call__(self, work: Callable[[], T], /) -> Awaitable[T]: ...
+
+
+class FlockLeases:
+    """The leases of one store instance, kept as file locks in ``folder``.
+
+    Args:
+        folder: the lease folder (created at the first lease operation).
+        hop: runs a function in the store's worker thread and returns its
+            result (once started, to its end, whatever the cancellation); it
+            may raise :class:`~stepmachine.StoreClosedError` once the store is
+            closed (a claim that races ``close`` is refused here too).
+        check: called inside ``hop`` with a session id; raises
+            :class:`~stepmachine.SessionNotFoundError` unless the session exists.
+        name: the store, for messages ("SQLiteStore on /path").
+    """
+
+    def __init__(self, folder: str, *, hop: Hop, check: Callable[[str], None], name: str) -> None:
+        self.folder = folder
+        self._hop = hop
+        self._check = check
+        self._name = name
+        self._held: dict[str, _Held] = {}
+        self._table = threading.Lock()  # guards _held and _closed
+        self._closed = False
+        self._made = False
+
+    # -- the Leases operations -------------------------------------------------------
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
+        """The new lease (next epoch, the mark taken), or who holds the session."""
+        check_claim(owner, ttl)
+        return await self._meta(lambda: self._claim(session_id, owner, ttl), session_id)
+
+    async def claim_next(self, owner: str, ttl: float) -> Lease | None:
+        """Claim the first session (by id) with a mark and no holder, or ``None``.
+
+        A mark left by a session deleted meanwhile is dropped, and the next
+        one is tried.
+        """
+        check_claim(owner, ttl)
+        return await self._meta(lambda: self._claim_marked(owner, ttl))
+
+    async def request_run(self, session_id: str) -> None:
+        """Set the session's pending-run mark (an empty file, made under the meta lock)."""
+        await self._meta(lambda: self._mark(session_id), session_id)
+
+    async def renew(self, lease: Lease) -> Lease:
+        """``lease`` itself while this instance holds it; no file is touched.
+
+        Raises:
+            LeaseLostError: this instance does not hold ``lease`` (released,
+                or claimed by another instance or process).
+        """
+        await anyio.lowlevel.checkpoint()
+        self._require_flock()
+        self._holding(lease, lease.session_id)
+        return lease
+
+    async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:
+        """Unlock ``lease`` (``True``), or, with ``unless_requested`` and a mark set,
+        take the mark and keep the lease (``False``). A lease this instance does
+        not hold: ``True``, nothing done."""
+        return await self._meta(lambda: self._release(lease, unless_requested))
+
+    async def forget(self, session_id: str) -> None:
+        """The session was deleted: drop its mark. Its lease files stay (module docstring)."""
+        if fcntl is not None:  # a plain unlink: whoever looks at the mark next sees it gone
+            await anyio.to_thread.run_sync(_remove, self._run_path(session_id))
+
+    async def close(self) -> None:
+        """Release every lease this instance holds (marks stay); later claims are refused.
+
+        Shielded from cancellation. Idempotent.
+        """
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._close)
+
+    @contextlib.contextmanager
+    def fenced(self, lease: Lease | None, session_id: str) -> Iterator[None]:
+        """Run the body (a write of ``session_id``) only while ``lease`` is held here.
+
+        Called in the worker thread that writes. ``None``: no check. The
+        lease's guard is held until the body ends, so a release of the lease in
+        this instance waits for the write.
+
+        Raises:
+            LeaseLostError: ``lease`` is for another session, or this instance
+                does not hold it (released, never claimed here, or superseded).
+        """
+        if lease is None:
+            yield
+            return
+        if lease.session_id != session_id:
+            raise LeaseLostError(
+                session_id, lease.owner, lease.epoch, f"it is a lease of {lease.session_id!r}"
+            )
+        self._require_flock()
+        held = self._holding(lease, session_id)
+        with held.guard:
+            if held.fd < 0:
+                raise LeaseLostError(session_id, lease.owner, lease.epoch, "released")
+            yield
+
+    # -- under the meta lock (worker thread) -------------------------------------------
+
+    def _claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
+        with self._table:
+            held = self._held.get(session_id)
+        if held is not None:  # held by this instance (the same owner string included)
+            return LeaseHolder(held.lease.owner, None)
+        path = self._lock_path(session_id)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                last = _read_record(fd, path, session_id)
+                return LeaseHolder(last.owner if last else "(unknown)", None)
+            self._refuse_if_closed()
+            last = _read_record(fd, path, session_id)
+            lease = Lease(session_id, owner, (last.epoch if last else 0) + 1, ttl)
+            _write_record(fd, path, _Record(session_id, lease.epoch, owner))
+            _remove(self._run_path(session_id))  # the claimer runs the requested turn
+            _touch(self._held_path(session_id))
+            with self._table:
+                self._refuse_if_closed()
+                self._held[session_id] = _Held(lease, fd, threading.Lock())
+                fd = -1  # kept open by the table: the lease
+        finally:
+            if fd >= 0:
+                os.close(fd)  # unlocks, if locked
+        return lease
+
+    def _claim_marked(self, owner: str, ttl: float) -> Lease | None:
+        for session_id in self._marked():
+            claimed = self._claim(session_id, owner, ttl)
+            if not isinstance(claimed, Lease):
+                continue  # held by another
+            try:
+                self._check(session_id)
+            except SessionNotFoundError:  # deleted (its mark is taken by the claim)
+                self._drop(claimed)
+                continue
+            except BaseException:
+                self._drop(claimed)
+                raise
+            return claimed
+        return None
+
+    def _marked(self) -> list[str]:
+        """The ids with a mark or a held file, sorted; names of no valid id are skipped."""
+        ids = set()
+        for folder in ("runs", "held"):
+            for name in os.listdir(os.path.join(self.folder, folder)):
+                try:
+                    ids.add(_decode(name))
+                except (ValueError, StepmachineError):
+                    continue  # not ours
+        return sorted(ids)
+
+    def _mark(self, session_id: str) -> None:
+        _touch(self._run_path(session_id))
+
+    def _release(self, lease: Lease, unless_requested: bool) -> bool:
+        held = self._holds(lease) is not None
+        if unless_requested and held and _remove(self._run_path(lease.session_id)):
+            return False  # the mark is taken: the holder runs the requested turn
+        self._drop(lease)
+        return True
+
+    # -- plumbing --------------------------------------------------------------------
+
+    async def _meta(self, work: Callable[[], T], session_id: str | None = None) -> T:
+        """Run ``work()`` in the store's worker thread holding the meta lock,
+        after checking that ``session_id`` (if given) exists.
+
+        Cancellation: a cancel while waiting for the meta lock does nothing;
+        once ``work`` runs it finishes and its result is returned, the cancel
+        landing at the caller's next checkpoint.
+        """
+        self._require_flock()
+        if session_id is not None:
+            validate_session_id(session_id)
+        delay = 0.0005
+        while True:
+            result = await self._hop(lambda: self._try_meta(work, session_id))
+            if not isinstance(result, _Busy):
+                return result
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def _try_meta(self, work: Callable[[], T], session_id: str | None) -> T | _Busy:
+        if session_id is not None:
+            self._check(session_id)
+        if not self._made:
+            subfolders = [
+                os.path.join(self.folder, name) for name in ("sessions", "runs", "held")
+            ]
+            for path in (self.folder, *subfolders):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(path, 0o700)  # owner-only (the umask can only narrow it)
+            self._made = True
+        fd = os.open(
+            os.path.join(self.folder, "meta.lock"),
+            os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+            0o600,
+        )
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _BUSY
+            return work()
+        finally:
+            os.close(fd)  # releases the meta lock
+
+    def _holds(self, lease: Lease) -> _Held | None:
+        """This instance's entry for ``lease`` (same session, owner and epoch), if any."""
+        with self._table:
+            held = self._held.get(lease.session_id)
+        if held is None or (held.lease.owner, held.lease.epoch) != (lease.owner, lease.epoch):
+            return None
+        return held
+
+    def _holding(self, lease: Lease, session_id: str) -> _Held:
+        held = self._holds(lease)
+        if held is None:
+            raise LeaseLostError(
+                session_id, lease.owner, lease.epoch, "this store instance does not hold it"
+            )
+        return held
+
+    def _drop(self, lease: Lease) -> None:
+        """Unlock ``lease`` if this instance holds it; waits for a fenced write in flight."""
+        held = self._holds(lease)
+        if held is None:
+            return  # lost already, or never ours: nothing to do
+        with held.guard:
+            with self._table:
+                if self._held.get(lease.session_id) is held:
+                    del self._held[lease.session_id]
+            fd, held.fd = held.fd, -1
+            if fd >= 0:
+                _remove(self._held_path(lease.session_id))  # released, not abandoned
+                os.close(fd)  # the kernel drops the lock
+
+    def _close(self) -> None:
+        with self._table:
+            self._closed = True
+            leases = [held.lease for held in self._held.values()]
+        for lease in leases:
+            self._drop(lease)
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self._name} is closed")
+
+    def _require_flock(self) -> None:
+        if fcntl is None or not hasattr(fcntl, "flock"):
+            raise ConfigurationError(
+                f"leases of {self._name} need POSIX file locks (fcntl.flock), which this "
+                f"platform (sys.platform={sys.platform!r}) does not have"
+            )
+
+    def _lock_path(self, session_id: str) -> str:
+        return os.path.join(self.folder, "sessions", _encode(session_id) + ".lock")
+
+    def _run_path(self, session_id: str) -> str:
+        return os.path.join(self.folder, "runs", _encode(session_id))
+
+    def _held_path(self, session_id: str) -> str:
+        return os.path.join(self.folder, "held", _encode(session_id))
+
+
+class FlockLeaseMethods:
+    """The :class:`~stepmachine.Leases` methods of a store whose leases are file locks.
+
+    A store inherits them and defines ``_open_leases`` (its
+    :class:`FlockLeases`, or :class:`~stepmachine.StoreClosedError` once
+    closed); its ``apply`` wraps the write in ``fenced(lease, session_id)``,
+    its ``delete`` calls ``forget`` and its ``aclose`` calls ``close``.
+    """
+
+    leases_expire: ClassVar[bool] = False
+    """Leases are file locks held as long as the holder's store instance (and process)."""
+
+    def _open_leases(self) -> FlockLeases:
+        """The store's leases; raises :class:`~stepmachine.StoreClosedError` once closed."""
+        raise NotImplementedError
+
+    async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
+        """Claim the session for ``owner``: a :class:`~stepmachine.Lease`, or who holds it.
+
+        The lease is this instance's lock on the session's lock file, held
+        until :meth:`release`, ``aclose`` or the end of the process; ``ttl`` is
+        kept in the lease but nothing expires. Its epoch is one more than the
+        session's last claim, and the pending-run mark is taken. A session held
+        by anyone (this instance and the same ``owner`` included) gives
+        ``LeaseHolder(owner, expires_in=None)``.
+
+        Raises:
+            InvalidSessionIdError: the id is not safe.
+            SessionNotFoundError: no session has this id.
+            StoreClosedError: the store is closed.
+            ValueError: ``owner`` is empty, longer than 256 characters or has
+                control characters, or ``ttl`` is not a finite number > 0.
+            ConfigurationError: the platform has no ``fcntl.flock`` (Windows).
+
+        Cancellation: a cancel while waiting for the store-wide lock claims
+        nothing; once the claim runs, the lease is returned and the cancel
+        lands at the caller's next checkpoint (release it in a shielded
+        ``finally``).
+        """
+        return await self._open_leases().claim(session_id, owner, ttl)
+
+    async def claim_next(self, owner: str, ttl: float) -> Lease | None:
+        """Claim the first session, by id, with a pending-run mark and no holder; or ``None``.
+
+        Never gives one session to two claimers (of any process). Raises and
+        cancels as :meth:`claim`.
+        """
+        return await self._open_leases().claim_next(owner, ttl)
+
+    async def request_run(self, session_id: str) -> None:
+        """Set the session's pending-run mark (a file; it survives the death of any process).
+
+        The holder's ``release(lease, unless_requested=True)`` then takes it and
+        keeps the lease; without a holder, the next :meth:`claim` or
+        :meth:`claim_next` takes it. Raises as :meth:`claim`.
+        """
+        await self._open_leases().request_run(session_id)
+
+    async def renew(self, lease: Lease) -> Lease:
+        """``lease`` itself while this instance holds it (nothing expires; no file is read).
+
+        Raises:
+            LeaseLostError: this instance does not hold ``lease``.
+            StoreClosedError: the store is closed.
+        """
+        return await self._open_leases().renew(lease)
+
+    async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:
+        """Unlock ``lease``: ``True`` (see :meth:`stepmachine.Leases.release`).
+
+        With ``unless_requested`` and the pending-run mark set, the mark is
+        taken and the lease kept: ``False``. Looking at the mark and unlocking
+        are one step for every other process (a store-wide lock), so a
+        :meth:`request_run` that returned is never lost. A lease this instance
+        does not hold: ``True``, nothing done.
+
+        Raises:
+            StoreClosedError: the store is closed (its leases were released).
+
+        Cancellation: a cancel while waiting for the store-wide lock releases
+        nothing (call it shielded); once it runs, it finishes.
+        """
+        return await self._open_leases().release(lease, unless_requested=unless_requested)
+
+
+def _encode(session_id: str) -> str:
+    """The file name of a (validated) session id: lowercase base32, no padding."""
+    return base64.b32encode(session_id.encode()).decode("ascii").rstrip("=").lower()
+
+
+def _decode(name: str) -> str:
+    """The session id a file name encodes; ``ValueError`` or an id error if none."""
+    raw = base64.b32decode(name.upper() + "=" * (-len(name) % 8))
+    session_id = validate_session_id(raw.decode("ascii"))
+    if _encode(session_id) != name:
+        raise ValueError(f"{name!r} is not the name of {session_id!r}")
+    return session_id
+
+
+def _touch(path: str) -> None:
+    """Create ``path`` (empty) if it does not exist."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    os.close(os.open(path, flags, 0o600))
+
+
+def _remove(path: str) -> bool:
+    """Remove ``path``; whether it was there."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _read_record(fd: int, path: str, session_id: str) -> _Record | None:
+    """The record of the lock file open at ``fd`` (``None``: the session was never claimed).
+
+    Raises:
+        StoredDataError: the record does not decode or names another session.
+    """
+    line = os.pread(fd, RECORD_LIMIT, 0).split(b"\n", 1)[0]
+    if not line:
+        return None
+    try:
+        record = _record_decoder.decode(line)
+    except msgspec.DecodeError as exc:
+        raise StoredDataError(
+            f"{path}: the lease record of session {session_id!r} is damaged ({exc}); "
+            "remove the file (when no process holds the session) to restart its epochs at 1"
+        ) from None
+    if record.session_id != session_id:
+        raise StoredDataError(
+            f"{path}: the lease record of session {session_id!r} names {record.session_id!r}"
+        )
+    return record
+
+
+def _write_record(fd: int, path: str, record: _Record) -> None:
+    """Overwrite the record at the start of the lock file with one ``pwrite``.
+
+    What a longer record written before leaves after the newline is ignored.
+    """
+    data = _record_bytes(record)
+    if os.pwrite(fd, data, 0) != len(data):
+        raise OSError(f"{path}: the lease record was written short")
+
+
+def _record_bytes(record: _Record) -> bytes:
+    """The record as written: a JSON line of at most :data:`RECORD_LIMIT` bytes.
+
+    Raises:
+        ValueError: the owner string is too long for that.
+    """
+    data = msgspec.json.encode(record) + b"\n"
+    if len(data) > RECORD_LIMIT:
+        raise ValueError(
+            f"the owner string is too long for a lease record ({len(data)} bytes encoded with "
+            f"the session id, at most {RECORD_LIMIT}): {record.owner[:80]!r}..."
+        )
+    return data

@@ -1,0 +1,632 @@
+"""Crash harness for durable turns on DBOS: SIGKILL workers mid-turn, check nothing went wrong.
+
+    python tests/harness/dbos_crash.py [--workers K] [--sessions M] [--turns T]
+                                       [--kills N] [--seed S] [--non-idempotent]
+
+K worker processes serve one PostgreSQL database (the stepmachine store, DBOS's
+tables and this harness's side-effect tables, each in its own schema). Each
+worker is a :class:`stepmachine.durable.DurableMachine` with a stable executor
+id ``worker-<slot>``. The supervisor (this process) appends a user message to
+each of M sessions and enqueues a turn (``dbos.DBOSClient``); when a turn ends
+it appends the next message and enqueues the next turn, at least T turns per
+session, and more until N kills have landed.
+
+Meanwhile it SIGKILLs, at random moments, a worker that has a turn PENDING
+(mid-turn, then: in a model call, in a tool, between a store commit and DBOS's
+record of the step, ...), and starts a fresh process for the slot with the same
+executor id: its ``DBOS.launch()`` hands the dead process's PENDING turns back
+to the queue, and whichever worker dequeues a turn resumes it from its last
+recorded cycle. A kill counts only if the turn was still PENDING under the dead
+process afterwards (it really was mid-turn).
+
+The scripted model makes each turn two rounds of two parallel calls of the
+idempotent tool ``work`` (it dedupes by idempotency key, and counts every raw
+execution), then a reply. With ``--non-idempotent`` each first round also calls
+``send``, a non-idempotent tool (a kill between its intent and its result makes
+it "outcome unknown", by design). Every tool run also checks, before acting,
+whether its call already has a result in the store: a run after that is a tool
+run twice.
+
+Checks at the end: every acknowledged batch is in the store with the same bytes
+and each session's revisions are 1..N with no gap (``lost``); no side effect
+applied twice and no tool run after its result was stored
+(``duplicate_side_effects``); every history is provider-valid
+(``history_problems == []``), each call has exactly one result, the last turn
+was answered, and DBOS's record agrees with the store (every turn SUCCESS, turn
+reports chain revision to revision, each cycle's revision was written by the
+step it names, the last report's revision is the store's) (``invalid``);
+``outcome_unknown`` counts calls answered "outcome unknown", each of which must
+be a ``send`` whose process was killed (else it is counted invalid).
+
+Two options make a crash point deterministic (the tests use them): ``--self-kill
+TOOL`` makes the first run of TOOL in the whole run SIGKILL its own worker right
+after its side effect; ``--mislabel`` declares ``send`` idempotent although it
+does not dedupe, a broken agent whose second ``send`` the harness must report.
+
+Without ``$STEPMACHINE_TEST_POSTGRES`` a throwaway server is started (see
+``_postgres.py``); either way the run gets a fresh database, dropped at the end.
+
+Output: ``problem: ...`` lines, then ``seed=... turns=... cut_by_a_kill=...
+finished_on_another_slot=... reruns=... seconds=...``, then the last line
+``workers=K sessions=M kills=N lost=0 duplicate_side_effects=0 invalid=0
+outcome_unknown=0``; exit status 1 if a check failed or fewer than N kills
+landed. Import it and call :func:`run_dbos` (or ``main(argv)``) for the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import _common as common  # beside this file: on sys.path as a script and in pytest
+import _postgres  # beside this file
+import anyio
+
+import stepmachine
+from stepmachine import (
+    OUTCOME_UNKNOWN,
+    AppendMessage,
+    Batch,
+    Effect,
+    Message,
+    ModelInference,
+    ModelRequest,
+    ModelResponse,
+    Runtime,
+    Session,
+    StateMachine,
+    ToolContext,
+    Tools,
+    history_problems,
+    submit,
+    tool,
+)
+from stepmachine.stores import PostgresStore
+from stepmachine.testing import FunctionModel, call, reply
+
+APP = "stepmachine-dbos-harness"
+NAME = "harness"  # DurableMachine name: workflow harness.turn, queue harness.turns
+VERSION = "harness-1"
+READY_TIMEOUT = 120  # seconds a worker may take to import and launch DBOS
+STALL_TIMEOUT = 180  # seconds without any turn ending before the run is declared stuck
+SCHEMA = """
+CREATE SCHEMA IF NOT EXISTS harness;
+CREATE TABLE IF NOT EXISTS harness.runs (
+    key text NOT NULL, tool text NOT NULL, pid integer NOT NULL, after_result boolean NOT NULL,
+    session text NOT NULL, call_id text NOT NULL
+);
+CREATE TABLE IF NOT EXISTS harness.applied (key text PRIMARY KEY, tool text NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class Agent:
+    """How the workers' agent behaves (the same in every worker of a run).
+
+    Attributes:
+        non_idempotent: each turn's first round also calls ``send``.
+        self_kill: a tool name: the first run of that tool in the whole run
+            SIGKILLs its own worker right after its side effect (a deterministic
+            crash point, on top of the random kills).
+        mislabel: ``send`` is declared idempotent although it does not dedupe
+            (a broken agent: the harness must report its duplicate side effects).
+    """
+
+    non_idempotent: bool = False
+    self_kill: str | None = None
+    mislabel: bool = False
+
+    def flags(self) -> list[str]:
+        flags = ["--non-idempotent"] if self.non_idempotent else []
+        flags += ["--self-kill", self.self_kill] if self.self_kill else []
+        return flags + (["--mislabel"] if self.mislabel else [])
+
+
+@dataclass
+class Counts:
+    """What a run saw; ``ok`` when nothing went wrong."""
+
+    workers: int
+    sessions: int
+    kills: int = 0
+    lost: int = 0
+    duplicate_side_effects: int = 0
+    invalid: int = 0
+    outcome_unknown: int = 0
+    turns: int = 0
+    reruns: int = 0
+    cut: dict[str, str] = field(default_factory=dict)  # turn cut by a kill -> executor killed
+    finished_elsewhere: int = 0  # of those, turns a worker of another slot finished
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        return (
+            f"workers={self.workers} sessions={self.sessions} kills={self.kills} "
+            f"lost={self.lost} duplicate_side_effects={self.duplicate_side_effects} "
+            f"invalid={self.invalid} outcome_unknown={self.outcome_unknown}"
+        )
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost or self.duplicate_side_effects or self.invalid)
+
+
+# -- the agent every worker runs ----------------------------------------------------------
+
+
+def decide(non_idempotent: bool) -> Any:
+    """A stateless scripted model: per user turn, two rounds of tool calls, then a reply."""
+
+    async def answer(request: ModelRequest) -> ModelResponse:
+        await asyncio.sleep(random.uniform(0, 0.03))  # kills land inside model calls too
+        messages = request.messages
+        turn = sum(1 for m in messages if m.role == "user")
+        last_user = max(i for i, m in enumerate(messages) if m.role == "user")
+        rounds = sum(1 for m in messages[last_user:] if m.role == "assistant")
+        if rounds >= 2:
+            return reply(f"turn {turn} done")
+        calls: list[tuple[str, dict[str, Any]]] = [
+            ("work", {"turn": turn, "step": rounds, "part": part}) for part in range(2)
+        ]
+        if non_idempotent and rounds == 0:
+            calls.append(("send", {"turn": turn}))
+        return call(*calls)
+
+    return answer
+
+
+async def act(ctx: ToolContext, name: str, idempotent: bool) -> str:
+    """One tool run: note whether its result is already stored, count it, apply once."""
+    store = ctx.runtime.store
+    assert store is not None
+    stored = await store.load(ctx.session_id)
+    done = any(r.call_id == ctx.call_id for m in stored.conversation for r in m.tool_results)
+    dsn = ctx.runtime.services["dsn"]
+
+    def write() -> bool:
+        import psycopg
+
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO harness.runs VALUES (%s, %s, %s, %s, %s, %s)",
+                (ctx.idempotency_key, name, os.getpid(), done, ctx.session_id, ctx.call_id),
+            )
+            if not idempotent:
+                conn.execute(
+                    "INSERT INTO harness.applied VALUES (%s, %s) ON CONFLICT DO NOTHING",
+                    (ctx.idempotency_key, name),
+                )
+                return True
+            inserted = conn.execute(
+                "INSERT INTO harness.applied VALUES (%s, %s) ON CONFLICT DO NOTHING RETURNING 1",
+                (ctx.idempotency_key, name),
+            ).fetchone()
+            return inserted is not None
+
+    applied = await anyio.to_thread.run_sync(write)
+    agent: Agent = ctx.runtime.services["agent"]
+    marker = ctx.runtime.services["folder"] / "self-killed"
+    if agent.self_kill == name and not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    await asyncio.sleep(random.uniform(0, 0.03))  # kills land between the effect and its result
+    return f"{name} {'applied' if applied else 'already applied'}"
+
+
+@tool(side_effects="idempotent", thread=False)
+async def work(turn: int, step: int, part: int, ctx: ToolContext) -> str:
+    """Do one piece of work (idempotent: deduplicated by the idempotency key)."""
+    return await act(ctx, "work", idempotent=True)
+
+
+async def send(turn: int, ctx: ToolContext) -> str:
+    """Send a message to the outside world (not idempotent)."""
+    return await act(ctx, "send", idempotent=False)
+
+
+def build_machine(agent: Agent) -> StateMachine[Any]:
+    labelled = "idempotent" if agent.mislabel else "non_idempotent"
+    send_tool = tool(side_effects=labelled, thread=False)(send)
+    return StateMachine([Tools([work, send_tool]), ModelInference()])
+
+
+class AckingStore(PostgresStore):
+    """A PostgresStore that logs every acknowledged batch (fsynced) to :attr:`acks`."""
+
+    acks: ClassVar[common.AckLog | None] = None
+
+    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
+        session = await super().apply(batch)
+        if AckingStore.acks is not None:
+            record = {
+                "session": batch.session_id,
+                "revision": batch.revision,
+                "digest": common.digest(self.codec, batch),
+            }
+            AckingStore.acks.write(record)
+        return session
+
+
+async def worker(dsn: str, slot: int, folder: Path, agent: Agent) -> None:
+    """Serve turns until killed."""
+    from dbos import DBOS
+
+    from stepmachine.durable import DurableMachine, dbos_config
+
+    AckingStore.acks = common.AckLog(folder / f"acks-{os.getpid()}.jsonl")
+    store = await AckingStore.open(dsn, max_size=8)
+    model = FunctionModel(decide(agent.non_idempotent))
+    services = {"dsn": dsn, "agent": agent, "folder": folder}
+    runtime = Runtime(store=store, model=model, services=services)
+    DBOS(
+        config=dbos_config(
+            APP,
+            dsn,
+            executor_id=f"worker-{slot}",
+            application_version=VERSION,
+            log_level="WARNING",
+        )
+    )
+    durable = DurableMachine(build_machine(agent), runtime, name=NAME, polling_interval=0.05)
+    await durable.launch()
+    (folder / f"ready-{slot}-{os.getpid()}").touch()
+    await asyncio.Event().wait()
+
+
+# -- the supervisor -----------------------------------------------------------------------
+
+
+@dataclass
+class Slot:
+    number: int
+    process: subprocess.Popen[bytes]
+    ready: Path
+
+
+class Supervisor:
+    def __init__(self, dsn: str, folder: Path, workers: int, agent: Agent) -> None:
+        self.dsn = dsn
+        self.folder = folder
+        self.workers = workers
+        self.agent = agent
+        self.slots: dict[int, Slot] = {}
+        self.killed: set[int] = set()
+
+    def start(self, number: int) -> Slot:
+        command = [sys.executable, __file__, "--worker", str(number), "--dsn", self.dsn]
+        command += ["--dir", str(self.folder)]
+        command += self.agent.flags()
+        log = (self.folder / f"worker-{number}.log").open("ab")
+        # The workers import the stepmachine this process imported.
+        here = str(Path(stepmachine.__file__).resolve().parents[1])
+        paths = [here, *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        slot = Slot(number, process, self.folder / f"ready-{number}-{process.pid}")
+        self.slots[number] = slot
+        return slot
+
+    async def wait_ready(self, slot: Slot) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not slot.ready.exists():
+            if slot.process.poll() is not None:
+                log = (self.folder / f"worker-{slot.number}.log").read_text()[-3000:]
+                raise RuntimeError(f"worker {slot.number} exited {slot.process.returncode}:\n{log}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker {slot.number} not ready after {READY_TIMEOUT}s")
+            await asyncio.sleep(0.05)
+
+    def kill(self, number: int) -> None:
+        slot = self.slots[number]
+        slot.process.send_signal(signal.SIGKILL)
+        slot.process.wait()
+        self.killed.add(slot.process.pid)
+
+    def died(self, slot: Slot) -> None:
+        """``slot``'s process exited by itself: it must have been SIGKILLed; restart the slot."""
+        if slot.process.returncode != -signal.SIGKILL:
+            log = (self.folder / f"worker-{slot.number}.log").read_text()[-3000:]
+            raise RuntimeError(f"worker {slot.number} exited {slot.process.returncode}:\n{log}")
+        self.killed.add(slot.process.pid)
+        self.start(slot.number)
+
+    def stop_all(self) -> None:
+        for slot in self.slots.values():
+            if slot.process.poll() is None:
+                slot.process.send_signal(signal.SIGKILL)
+                slot.process.wait()
+
+
+async def supervise(
+    dsn: str,
+    folder: Path,
+    workers: int,
+    sessions: int,
+    turns: int,
+    kills: int,
+    seed: int,
+    agent: Agent,
+) -> Counts:
+    import psycopg
+    from dbos import DBOSClient
+
+    from stepmachine.durable import DurableMachine, MsgspecSerializer, TurnReport
+
+    rng = random.Random(seed)
+    counts = Counts(workers, sessions)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SCHEMA)
+    store = await PostgresStore.open(dsn)
+    ids = [f"s{i}" for i in range(sessions)]
+    for sid in ids:
+        await store.create(sid)
+    supervisor = Supervisor(dsn, folder, workers, agent)
+    durable = DurableMachine(build_machine(agent), Runtime(store=store), name=NAME)
+    began = time.monotonic()
+    client: DBOSClient | None = None
+    try:
+        await supervisor.wait_ready(supervisor.start(0))  # the first launch creates DBOS's tables
+        for number in range(1, workers):
+            supervisor.start(number)
+        for number in range(1, workers):
+            await supervisor.wait_ready(supervisor.slots[number])
+        client = DBOSClient(
+            system_database_url=dsn, serializer=MsgspecSerializer(), application_name=APP
+        )
+        done_turns: dict[str, list[tuple[int, str]]] = {sid: [] for sid in ids}  # (rev, wid)
+        active: dict[str, str] = {}  # workflow id -> session
+
+        async def next_turn(sid: str) -> None:
+            number = len(done_turns[sid]) + 1
+            user = Message.user(f"please do turn {number}", id=f"{sid}-u{number}")
+            after = await submit(store, sid, [AppendMessage(user)])
+            wid = f"{sid}-turn-{number}"
+            options = durable.enqueue_options(sid, turn_id=wid)
+            assert client is not None
+            await client.enqueue_async(options, sid)
+            done_turns[sid].append((after.revision, wid))
+            active[wid] = sid
+
+        for sid in ids:
+            await next_turn(sid)
+        next_kill = time.monotonic() + rng.uniform(0.05, 0.6)
+        progress = time.monotonic()
+        while active:
+            if time.monotonic() - progress > STALL_TIMEOUT:
+                raise RuntimeError(f"no turn ended for {STALL_TIMEOUT}s; waiting for {active}")
+            statuses = await client.list_workflows_async(workflow_ids=list(active))
+            for status in statuses:
+                if status.status in {"PENDING", "ENQUEUED"}:
+                    continue
+                progress = time.monotonic()
+                sid = active.pop(status.workflow_id)
+                if status.status != "SUCCESS":
+                    counts.problems.append(f"{status.workflow_id}: {status.status} {status.error}")
+                    continue
+                finished = len(done_turns[sid])
+                if finished < turns or counts.kills < kills:
+                    await next_turn(sid)
+            for slot in list(supervisor.slots.values()):
+                if slot.process.poll() is not None:  # a worker that killed itself
+                    supervisor.died(slot)
+                    counts.kills += 1
+            if counts.kills < kills and time.monotonic() >= next_kill:
+                await kill_one(client, supervisor, counts, rng)
+                next_kill = time.monotonic() + rng.uniform(0.05, 0.6)
+            await asyncio.sleep(0.02)
+        counts.seconds = time.monotonic() - began
+        await check(store, client, folder, supervisor, done_turns, counts, TurnReport, dsn)
+    finally:
+        supervisor.stop_all()
+        if client is not None:
+            client.destroy()
+        await store.aclose()
+    return counts
+
+
+async def kill_one(client: Any, supervisor: Supervisor, counts: Counts, rng: random.Random) -> None:
+    """SIGKILL a worker with a PENDING turn; restart its slot (same executor id)."""
+    pending = await client.list_workflows_async(
+        status="PENDING", queue_name=f"{NAME}.turns", load_input=False, load_output=False
+    )
+    owners = sorted({w.executor_id for w in pending if (w.executor_id or "").startswith("worker-")})
+    alive = [
+        int(owner.removeprefix("worker-"))
+        for owner in owners
+        if supervisor.slots[int(owner.removeprefix("worker-"))].ready.exists()
+    ]
+    if not alive:
+        return
+    number = rng.choice(alive)
+    supervisor.kill(number)
+    after = await client.list_workflows_async(
+        status="PENDING", executor_id=f"worker-{number}", queue_name=f"{NAME}.turns"
+    )
+    if after:  # the dead process still owned a running turn: a kill mid-turn
+        counts.kills += 1
+        counts.cut.update((w.workflow_id, f"worker-{number}") for w in after)
+    supervisor.start(number)  # its DBOS.launch() recovers worker-<number>'s PENDING turns
+
+
+async def check(
+    store: PostgresStore,
+    client: Any,
+    folder: Path,
+    supervisor: Supervisor,
+    done_turns: dict[str, list[tuple[int, str]]],
+    counts: Counts,
+    report_type: Any,
+    dsn: str,
+) -> None:
+    import psycopg
+
+    problems = counts.problems
+    counts.invalid += len(problems)
+    # lost: every acknowledged batch is stored with the same bytes; revisions have no gap
+    stored: dict[tuple[str, int], str] = {}
+    batches: dict[str, list[Batch[Effect]]] = {}
+    for sid in done_turns:
+        batches[sid] = await store.batches(sid)
+        revisions = [b.revision for b in batches[sid]]
+        if revisions != list(range(1, len(revisions) + 1)):
+            counts.lost += 1
+            problems.append(f"{sid}: revisions {revisions} have a gap")
+        for batch in batches[sid]:
+            stored[batch.session_id, batch.revision] = common.digest(store.codec, batch)
+    for path in sorted(os.listdir(folder)):
+        if not path.startswith("acks-"):
+            continue
+        for ack in common.read_records(folder / path):
+            if stored.get((ack["session"], ack["revision"])) != ack["digest"]:
+                counts.lost += 1
+                problems.append(f"acknowledged batch lost or changed: {ack}")
+    # side effects
+    with psycopg.connect(dsn) as conn:
+        runs = conn.execute(
+            "SELECT key, tool, pid, after_result, session, call_id FROM harness.runs"
+        ).fetchall()
+    per_key = Counter(key for key, *_ in runs)
+    tools = {key: name for key, name, *_ in runs}
+    late = [(key, name) for key, name, _, after, *_ in runs if after]
+    counts.duplicate_side_effects += len(late)
+    problems += [f"tool {name} ran after its result was stored ({key})" for key, name in late]
+    twice = [key for key, n in per_key.items() if n > 1 and tools[key] == "send"]
+    counts.duplicate_side_effects += len(twice)
+    problems += [f"non-idempotent send ran {per_key[key]} times ({key})" for key in twice]
+    counts.reruns = sum(n - 1 for key, n in per_key.items() if tools[key] == "work")
+    pids_of: dict[tuple[str, str], set[int]] = {}  # (session, call id) -> pids that ran it
+    for _, _, pid, _, session_id, call_id in runs:
+        pids_of.setdefault((session_id, call_id), set()).add(pid)
+    # histories, and DBOS's record against the store
+    for sid, turns in done_turns.items():
+        session = await store.load(sid)
+        conversation = session.conversation
+        found = history_problems(conversation)
+        calls = [c for m in conversation for c in m.tool_calls]
+        results = Counter(r.call_id for m in conversation for r in m.tool_results)
+        if found or any(results[c.call_id] != 1 for c in calls) or len(results) != len(calls):
+            counts.invalid += 1
+            problems.append(f"{sid}: history problems {found} or a call without one result")
+        if conversation[-1].text != f"turn {len(turns)} done":
+            counts.invalid += 1
+            problems.append(f"{sid}: ends with {conversation[-1].text!r}")
+        for message in conversation:
+            for result in message.tool_results:
+                if result.content != OUTCOME_UNKNOWN:
+                    continue
+                counts.outcome_unknown += 1
+                name = next(c.name for c in calls if c.call_id == result.call_id)
+                ran_in = pids_of.get((sid, result.call_id), set())
+                if name != "send" or not ran_in <= supervisor.killed:
+                    counts.invalid += 1
+                    problems.append(f"{sid}: {result.call_id} ({name}) unknown, ran in {ran_in}")
+        counts.turns += len(turns)
+        by_revision = {b.revision: b for b in batches[sid]}
+        previous_end = 0
+        for index, (submitted, wid) in enumerate(turns):
+            [status] = await client.list_workflows_async(workflow_ids=[wid])
+            if status.status != "SUCCESS":
+                continue  # already counted
+            if wid in counts.cut and status.executor_id != counts.cut[wid]:
+                counts.finished_elsewhere += 1
+            report = report_type.from_output(status.output)
+            bad = []
+            if report.start_revision != submitted or submitted != previous_end + 1:
+                bad.append(f"started at {report.start_revision}, message at {submitted}")
+            last = report.start_revision
+            for cycle in report.cycles:
+                if cycle.revision < last:
+                    bad.append(f"cycle {cycle.cycle} went back to {cycle.revision}")
+                named = cycle.status != "idle"  # an idle cycle names no step
+                if (
+                    named
+                    and cycle.revision > last
+                    and by_revision[cycle.revision].step != cycle.step
+                ):
+                    bad.append(f"cycle {cycle.cycle} names {cycle.step}")
+                last = cycle.revision
+            if index == len(turns) - 1 and report.revision != session.revision:
+                bad.append(f"last report at {report.revision}, store at {session.revision}")
+            if bad:
+                counts.invalid += 1
+                problems.append(f"{wid}: DBOS and the store disagree: {bad}")
+            previous_end = report.revision
+
+
+def run_dbos(
+    *,
+    workers: int = 3,
+    sessions: int = 4,
+    turns: int = 2,
+    kills: int = 50,
+    seed: int | None = None,
+    agent: Agent | None = None,
+    dsn: str | None = None,
+) -> Counts:
+    """Run the harness (on ``dsn``'s server, or ``$STEPMACHINE_TEST_POSTGRES``, or a
+    throwaway server) in a fresh database; return the counts."""
+    seed = random.randrange(2**32) if seed is None else seed
+    with contextlib.ExitStack() as stack:
+        server = dsn or stack.enter_context(_postgres.postgres_server())
+        database = stack.enter_context(_postgres.fresh_database(server, prefix="stepmachine_dbos"))
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dbos-crash-")))
+        return asyncio.run(
+            supervise(database, folder, workers, sessions, turns, kills, seed, agent or Agent())
+        )
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=2, help="at least this many per session")
+    parser.add_argument("--kills", type=int, default=50, help="mid-turn kills to land")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--non-idempotent", action="store_true", help="also call send")
+    parser.add_argument("--self-kill", choices=["work", "send"], help="see Agent.self_kill")
+    parser.add_argument("--mislabel", action="store_true", help="see Agent.mislabel")
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--dsn", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        agent = Agent(args.non_idempotent, args.self_kill, args.mislabel)
+        asyncio.run(worker(args.dsn, args.worker, args.dir, agent))
+        return 0
+    seed = random.randrange(2**32) if args.seed is None else args.seed
+    counts = run_dbos(
+        workers=args.workers,
+        sessions=args.sessions,
+        turns=args.turns,
+        kills=args.kills,
+        seed=seed,
+        agent=Agent(args.non_idempotent, args.self_kill, args.mislabel),
+    )
+    for problem in counts.problems[:20]:
+        print(f"problem: {problem}")
+    print(
+        f"seed={seed} turns={counts.turns} cut_by_a_kill={len(counts.cut)} "
+        f"finished_on_another_slot={counts.finished_elsewhere} reruns={counts.reruns} "
+        f"seconds={counts.seconds:.1f}"
+    )
+    print(counts.line())
+    return 0 if counts.ok and counts.kills >= args.kills else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
