@@ -293,7 +293,8 @@ def drive(
             )
         elif submitter_process.returncode != 0:
             summary.problems.append(processes.failed("the submitter", submitter_process))
-        say(f"t={time.monotonic() - start:5.1f}s every session done; stopping the workers")
+        if submitter_process.returncode == 0:
+            say(f"t={time.monotonic() - start:5.1f}s every session done; stopping the workers")
     finally:
         for process in [*workers.values(), submitter_process]:
             if process.poll() is None:
@@ -392,7 +393,11 @@ def run(options: argparse.Namespace, say: Callable[[str], None] = print) -> Summ
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(_postgres.postgres_server())
         dsn = stack.enter_context(_postgres.fresh_database(server, prefix="stepmachine_workers"))
-        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="workers-")))
+        if options.workdir is not None:
+            workdir = options.workdir
+            workdir.mkdir(parents=True, exist_ok=True)
+        else:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="workers-")))
         anyio.run(setup, dsn, options.sessions)
         env = {**os.environ, agent_kit.DSN_VAR: dsn}
         common_options = [
@@ -458,6 +463,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--ttl", type=float, default=3.0, help="lease seconds (renewed ttl/3)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds more to finish")
     parser.add_argument("--poll", type=float, default=0.2, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, help="keep the processes' files here")
     parser.add_argument("--durable", choices=["dbos"], help="durable turns (another module)")
     parser.add_argument(
         "--unleased",
