@@ -2,9 +2,9 @@
 
 Usage::
 
-    python benchmarks/leases_postgres.py            # $STEPMACHINE_TEST_POSTGRES, or a throwaway server
+    python benchmarks/leases_postgres.py             # $STEPMACHINE_TEST_POSTGRES or a new server
     python benchmarks/leases_postgres.py --quick    # a few rounds only (checks that it runs)
-    python benchmarks/leases_postgres.py --fsync-off  # a throwaway server without fsync: no disk wait
+    python benchmarks/leases_postgres.py --fsync-off # a new server without fsync
 
 With ``STEPMACHINE_TEST_POSTGRES`` unset, a throwaway server is started with
 PostgreSQL's durable defaults (``fsync`` on), as ``benchmarks/store.py`` does; a

@@ -58,6 +58,7 @@ from stepmachine import (
     Session,
     StoreClosedError,
 )
+from stepmachine._lease import check_claim
 
 from . import _postgres_leases as _leases
 from . import _postgres_rows as _rows
@@ -511,18 +512,24 @@ class PostgresStore:
         Raises:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
+            ValueError: ``owner`` or ``ttl`` is unfit (see ``check_claim``).
         """
         validate_session_id(session_id)
+        check_claim(owner, ttl)
         return await self._write(lambda conn: _leases.claim(conn, session_id, owner, ttl))
 
     async def claim_next(self, owner: str, ttl: float) -> Lease | None:
         """Claim the session whose pending run waits longest and has no live lease, or ``None``.
+
+        A session whose lease lapsed without a release (its holder died or was
+        cut off mid-run) has work too, and is given out like a marked one.
 
         Rows that another transaction holds locked at that moment are skipped
         (``SKIP LOCKED``), never waited for: a session is never given to two
         claimers, and ``None`` may be answered while a session is only busy
         being written (a worker polls again).
         """
+        check_claim(owner, ttl)
         return await self._write(lambda conn: _leases.claim_next(conn, owner, ttl))
 
     async def request_run(self, session_id: str) -> None:

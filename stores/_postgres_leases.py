@@ -10,7 +10,9 @@ row's checksum:
   *live* while ``lease_expires_at > now()``;
 - ``run_requested_at``: the pending-run mark (NULL: none), the time of the
   first :meth:`request_run` since a claim last took it, so ``claim_next``
-  serves the longest-waiting session first.
+  serves the longest-waiting session first. A lease that lapsed without a
+  release (``lease_owner`` still set) is work for ``claim_next`` too: its run
+  was cut short.
 
 Clock: every expiry is computed and compared with the server's ``now()`` (the
 transaction's start time), never a client's clock, so machines whose clocks
@@ -68,10 +70,13 @@ _LEASE_OF = (
     f"FROM {_SESSIONS} WHERE session_id = %(session_id)s FOR UPDATE"
 )
 _PICK = (
-    f"SELECT session_id FROM {_SESSIONS} WHERE run_requested_at IS NOT NULL "  # noqa: S608 - fixed names
-    "AND (lease_owner IS NULL OR lease_expires_at <= now()) "
-    "ORDER BY run_requested_at, sid LIMIT 1 FOR UPDATE SKIP LOCKED"
+    f"SELECT session_id FROM {_SESSIONS} "  # noqa: S608 - fixed names
+    "WHERE (run_requested_at IS NOT NULL AND lease_owner IS NULL) "
+    "OR (lease_owner IS NOT NULL AND lease_expires_at <= now()) "
+    "ORDER BY coalesce(run_requested_at, lease_expires_at), sid LIMIT 1 FOR UPDATE SKIP LOCKED"
 )
+"""A session with work and no live lease: a pending-run mark and nobody holding it, or
+a lease that lapsed without a release (its run was cut short: abandoned)."""
 _REQUEST = (
     f"UPDATE {_SESSIONS} SET run_requested_at = coalesce(run_requested_at, now()) "  # noqa: S608 - fixed names
     "WHERE session_id = %(session_id)s RETURNING sid"

@@ -101,6 +101,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         # claim_next finds the sessions with a pending run without a scan.
         f"""CREATE INDEX sessions_run_requested ON {SCHEMA}.sessions (run_requested_at, sid)
             WHERE run_requested_at IS NOT NULL""",
+        f"""CREATE INDEX sessions_leased ON {SCHEMA}.sessions (lease_expires_at, sid)
+            WHERE lease_owner IS NOT NULL""",
         f"""CREATE TABLE {SCHEMA}.batches (
             sid bigint NOT NULL,
             revision bigint NOT NULL,

@@ -344,7 +344,7 @@ def _answer(got: object) -> object:
 async def _reference(ops: list[Op]) -> list[object]:
     """The answers of MemoryLeases (``expire``: its clock jumps past every ttl)."""
     now = [0.0]
-    leases = MemoryLeases(clock=lambda: now[0])
+    leases = MemoryLeases(expire=True, clock=lambda: now[0])
     revision = 0
     held: list[Lease] = []
     answers: list[object] = []
