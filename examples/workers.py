@@ -10,14 +10,15 @@ turns with ``submit`` and approvals with ``approve``, and after each calls
 ``store.request_run`` so that some worker picks the session up. Nothing is
 sent to a particular worker: the database is the queue.
 
-Then it SIGKILLs the worker that is in the middle of a tool call. Its lease
+Then it SIGKILLs a worker in the middle of a tool call: the tool's effect
+took place, its answer has not come back, nothing of it is stored. Its lease
 is no longer renewed and lapses after ``--ttl`` seconds; a lease that lapsed
 without being released is work, so the next ``claim_next`` of another worker
 takes the session (with a new epoch: the dead worker could not write any more
 even if it woke up) and finishes the turn. The tool is idempotent: the new
 worker runs the call again with the same idempotency key, and the side-effect
-table (``INSERT ... ON CONFLICT DO NOTHING`` on that key) keeps the effect
-single. Every line a worker prints starts with its name.
+table (``INSERT ... ON CONFLICT DO NOTHING`` on that key) tells it the effect
+took place already. Every line a worker prints starts with its name.
 
 PostgreSQL: ``--dsn`` (or ``$STEPMACHINE_POSTGRES``) names a database to use;
 without one the example starts a throwaway server of its own (``initdb`` in a
@@ -155,11 +156,16 @@ def agent(worker: str, dsn: str) -> tuple[StateMachine[Any], Approval, Any]:
         wrote = await anyio.to_thread.run_sync(
             record_effect, dsn, ctx.idempotency_key, ctx.session_id, what, worker
         )
+        if not wrote:
+            print(
+                f"[{worker}] {ctx.session_id}: {what} had taken effect already "
+                "(same idempotency key): not repeated",
+                flush=True,
+            )
+            return f"{what}: done (already, deduplicated)"
+        print(f"[{worker}] {ctx.session_id}: {what} took effect; awaiting the answer", flush=True)
         await anyio.sleep(TOOL_SECONDS)  # the slow answer of an external API
-        if wrote:
-            return f"{what}: done"
-        print(f"[{worker}] {ctx.session_id}: {what} was done already (same key)", flush=True)
-        return f"{what}: done (already, deduplicated)"
+        return f"{what}: done"
 
     @tool(side_effects="idempotent")
     async def file_report(title: str, ctx: ToolContext) -> str:
@@ -253,11 +259,11 @@ class Workers:
         assert process.stdout is not None
         for line in process.stdout:
             print(line, end="", flush=True)
-            if ": running file_report" in line:
+            if "took effect; awaiting the answer" in line:
                 self.tool_starts.put((name, line.split("]", 1)[1].split(":", 1)[0].strip()))
 
     def kill_one_in_a_tool(self) -> None:
-        """SIGKILL the first worker seen starting a tool call (once)."""
+        """SIGKILL the first worker seen waiting for a tool's answer (once)."""
         with contextlib.suppress(queue.Empty):
             name, session_id = self.tool_starts.get_nowait()
             process = self.processes[name]
@@ -267,7 +273,7 @@ class Workers:
                 process.wait()
                 print(
                     f"[main] SIGKILL {name} (pid {process.pid}) in the middle of {session_id}'s "
-                    f"tool call; its lease on {session_id} lapses in {self.ttl:.0f} s at most, "
+                    f"tool call; its lease on {session_id} lapses within {self.ttl:.0f} s, "
                     "then another worker claims the session",
                     flush=True,
                 )

@@ -105,6 +105,8 @@ def check_workers_output(out: str) -> None:
     others = re.findall(rf"\[(w\d+)\] {re.escape(session_id)}: running", after)
     assert others, out
     assert victim not in others
+    # ... and runs the interrupted call again, which the idempotency key deduplicates.
+    assert re.search(rf"{re.escape(session_id)}: .* had taken effect already", after), out
     assert "every session is done:" in out
     effects = re.search(r"side effects: (\d+) rows for (\d+) idempotency keys", out)
     assert effects is not None, out

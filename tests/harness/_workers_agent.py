@@ -249,10 +249,7 @@ class AckingStore(PostgresStore):
     worker: str = ""
 
     async def apply(self, batch: Batch[Effect], *, lease: Lease | None = None) -> Session[Any]:
-        if lease is None:
-            session = await super().apply(batch)
-        else:
-            session = await super().apply(batch, lease=lease)  # type: ignore[call-arg, unused-ignore]
+        session = await super().apply(batch, lease=lease)
         if self.acks is not None:
             self.acks.write(
                 {
@@ -267,7 +264,7 @@ class AckingStore(PostgresStore):
         return session
 
     async def claim_next(self, owner: str, ttl: float) -> Lease | None:
-        lease: Lease | None = await super().claim_next(owner, ttl)  # type: ignore[misc, unused-ignore]
+        lease = await super().claim_next(owner, ttl)
         if lease is not None and self.acks is not None:
             self.acks.write(
                 {
@@ -287,7 +284,7 @@ async def _unleased(
     ids = session_ids(sessions)
     rng = random.Random(os.getpid())
     while not stop.cancelled:
-        await machine.run_report(runtime, rng.choice(ids), lease=None)  # type: ignore[call-arg, unused-ignore]
+        await machine.run_report(runtime, rng.choice(ids), lease=None)
         await anyio.sleep(poll * rng.random())
 
 
@@ -303,6 +300,7 @@ async def worker(
     dsn = os.environ[DSN_VAR]
     name = f"worker{index}"
     store = await AckingStore.open(dsn, Codec(), max_size=3)
+    assert isinstance(store, AckingStore)  # open() builds cls
     store.acks = common.AckLog(log)
     store.worker = f"{name}/{os.getpid()}"
     machine, _, _ = agent(SideEffects(dsn, store.worker))

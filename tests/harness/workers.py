@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/harness/workers.py                  # 3 workers, 8 sessions of 4 turns, ~30 s
+    python tests/harness/workers.py                  # 3 workers, 10 sessions of 6 turns, ~30 s
     python tests/harness/workers.py --workers 4 --sessions 10 --seconds 40 --seed 7
     python tests/harness/workers.py --durable dbos   # durable turns: tests/harness/dbos_crash.py
 
@@ -456,8 +456,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
     parser.add_argument("--workers", type=int, default=3, help="worker processes (K)")
-    parser.add_argument("--sessions", type=int, default=8, help="sessions (M)")
-    parser.add_argument("--turns", type=int, default=4, help="user turns per session")
+    parser.add_argument("--sessions", type=int, default=10, help="sessions (M)")
+    parser.add_argument("--turns", type=int, default=6, help="user turns per session")
     parser.add_argument("--seconds", type=float, default=30.0, help="seconds of random kills")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ttl", type=float, default=3.0, help="lease seconds (renewed ttl/3)")
