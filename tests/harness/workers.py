@@ -255,10 +255,7 @@ def drive(
 ) -> None:
     """Run the workers and the submitter to the end, killing workers at random."""
     rng = random.Random(options.seed)
-    workers = {
-        i: processes.start("worker", "--index", str(i), "--ttl", str(options.ttl))
-        for i in range(options.workers)
-    }
+    workers = {i: processes.start("worker", "--index", str(i)) for i in range(options.workers)}
     submitter_process = processes.start("submitter")
     start = time.monotonic()
     next_kill = start + rng.uniform(*FIRST_KILL)
@@ -274,16 +271,12 @@ def drive(
                     process.wait()
                     summary.kills += 1
                     say(f"t={now - start:5.1f}s SIGKILL worker {index} (pid {process.pid})")
-                workers[index] = processes.start(
-                    "worker", "--index", str(index), "--ttl", str(options.ttl)
-                )
+                workers[index] = processes.start("worker", "--index", str(index))
                 next_kill = now + rng.uniform(*KILL_GAP)
             for index, process in list(workers.items()):
                 if process.poll() is not None:  # died by itself: a failure; replace it
                     summary.problems.append(processes.failed(f"worker {index}", process))
-                    workers[index] = processes.start(
-                        "worker", "--index", str(index), "--ttl", str(options.ttl)
-                    )
+                    workers[index] = processes.start("worker", "--index", str(index))
             time.sleep(0.05)
         if submitter_process.poll() is None:
             submitter_process.kill()
