@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/harness/workers.py                  # 3 workers, 10 sessions of 6 turns, ~30 s
+    python tests/harness/workers.py                  # 3 workers, 10 sessions of 6 turns, 20-30 s
     python tests/harness/workers.py --workers 4 --sessions 10 --seconds 40 --seed 7
     python tests/harness/workers.py --durable dbos   # durable turns: tests/harness/dbos_crash.py
 
