@@ -8,7 +8,7 @@ tool, the tool turn, the model turn that answers: four messages, three
 machine steps); a **tool step** is a model turn that calls tools plus the
 tool turn that runs them.
 
-For each store (MemoryStore, SQLiteStore, FileStore), in one run:
+For each store (MemoryStore, SQLiteStore, FileStore, PostgresStore), in one run:
 
 * steps/s: a long scripted session driven by the machine (every turn the
   user's message is appended with ``submit``, then ``machine.run()`` goes
@@ -29,11 +29,17 @@ For each store (MemoryStore, SQLiteStore, FileStore), in one run:
   ``(sid, revision, body)`` WITHOUT ROWID table, one transaction (BEGIN,
   INSERT, COMMIT), the store's PRAGMAs (WAL, synchronous=NORMAL), run through
   the same worker-thread hop as the store uses (``anyio.to_thread``).
+  On PostgreSQL likewise, with a raw commit of a comparable transaction (see
+  ``benchmarks/_pg.py``): BEGIN, an UPDATE of one row (the revision), an
+  INSERT of the same encoded effects as one ``bytea`` row, COMMIT, on a
+  connection of a ``psycopg_pool`` pool with the store's settings, through
+  one worker-thread hop, in the store's database.
 * reload: median microseconds of ``store.load`` on an instance that has the
   session loaded already, when nothing is new, and right after ANOTHER
   instance of the store (same file or folder) applied one batch. Cold load (a
   fresh instance loading the session) is printed too.
-* bytes: bytes of the files on disk after the long session (store closed)
+* bytes: bytes of the files on disk after the long session (store closed;
+  for PostgreSQL, the size of the store's tables with their TOAST and indexes)
   per byte of message content (the text, tool call arguments and tool
   results of every message, UTF-8) after ``--session-rounds`` (200) turns;
   and, as before, per byte of encoded effects,
@@ -41,13 +47,26 @@ For each store (MemoryStore, SQLiteStore, FileStore), in one run:
 
 And, in the same run, raw ``sqlite3`` throughput: commits per second of the
 same raw transaction, called directly and through one worker-thread hop per
-commit (as the store does).
+commit (as the store does); the same for PostgreSQL's raw transaction.
+
+PostgreSQL: the server is ``$STEPMACHINE_TEST_POSTGRES`` when set, else a
+throwaway server that ``tests/harness/_postgres.py`` starts (initdb in a
+temporary folder, a free loopback port; run as root, as the ``postgres``
+system user) with PostgreSQL's durable defaults (``fsync`` on), removed
+afterwards. Each measurement gets a database of its own, dropped at the end.
+Where no server can be had (psycopg or the binaries missing) PostgreSQL is
+skipped with a note.
 
 Samples are taken round-robin over several sessions of the given size, so no
 session grows by more than 5% of its size while it is measured. Machines are
 shared and noisy: compare the ratios printed, not absolute figures.
 
-Run:  python benchmarks/store.py [--quick] [--backend trio] [--stores memory,sqlite,file]
+Run:  python benchmarks/store.py [--quick] [--backend trio] [--stores memory,sqlite,file,postgres]
+
+The line before the last holds the PostgreSQL figures: ``postgres_batch_us=<f>
+postgres_raw_commit_us=<f> postgres_batch_over_raw=<f>`` (the median apply at
+20 messages, the median raw commit interleaved with it, and their ratio;
+``n/a`` when PostgreSQL was not measured).
 
 The last line holds the SQLite figures: ``batch_us=<f> raw_commit_us=<f>
 batches_per_step=<f> apply_2000_over_20=<f> reload_2000_over_20=<f>
@@ -62,6 +81,7 @@ their names).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -75,6 +95,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import _pg  # benchmarks/_pg.py, beside this file
 import anyio
 import anyio.to_thread
 
@@ -98,14 +119,15 @@ from stepmachine import (
     submit,
     tool,
 )
-from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
+from stepmachine.stores import FileStore, MemoryStore, PostgresStore, SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
 
-STORE_KINDS = ("memory", "sqlite", "file")
-DURABLE = ("sqlite", "file")
+STORE_KINDS = ("memory", "sqlite", "file", "postgres")
+DURABLE = ("sqlite", "file", "postgres")
 SIZES = [20, 2_000]  # the second is set from --large (200 with --quick)
 MESSAGE_BYTES = 500  # user messages of the long session (as in cycle.py and peers.py)
 FILE_FSYNC: list[Literal["always", "never"]] = ["always"]  # set from --file-fsync
+SERVER: list[str] = []  # the PostgreSQL server's DSN, set in main() when postgres is measured
 CLOCK = 1_700_000_000.0
 FILLER = (
     "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor "
@@ -208,10 +230,14 @@ def one_message_batch(session_id: str, index: int) -> Batch[Effect]:
 # -- stores ------------------------------------------------------------------------
 
 
-def available(kind: str) -> bool:
-    """Whether the store class is implemented (not a placeholder)."""
+def available(kind: str) -> str | None:
+    """Why the store cannot be measured here (a placeholder, no PostgreSQL), or None."""
+    if kind == "postgres":
+        return _pg.unavailable()
     cls = {"memory": MemoryStore, "sqlite": SQLiteStore, "file": FileStore}[kind]
-    return kind == "memory" or callable(getattr(cls, "open", None))
+    if kind == "memory" or callable(getattr(cls, "open", None)):
+        return None
+    return "still a placeholder (no open())"
 
 
 def location(kind: str, folder: Path) -> Path:
@@ -226,12 +252,23 @@ async def open_store(kind: str, folder: Path, codec: Codec[Any]) -> Store:
     await anyio.Path(folder).mkdir(parents=True, exist_ok=True)
     if kind == "sqlite":
         return await SQLiteStore.open(location(kind, folder), codec)
+    if kind == "postgres":
+        dsn = await anyio.to_thread.run_sync(_pg.database, SERVER[0], folder)
+        return await PostgresStore.open(dsn, codec)
     return await FileStore.open(location(kind, folder), codec, fsync=FILE_FSYNC[0])
 
 
 def disk_bytes(folder: Path) -> int:
     """Bytes of every file under ``folder``."""
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+async def stored_bytes(kind: str, folder: Path) -> int:
+    """Bytes the store of ``kind`` in ``folder`` takes: its files, or its PostgreSQL tables."""
+    if kind == "postgres":
+        dsn = await anyio.to_thread.run_sync(_pg.database, SERVER[0], folder)
+        return await anyio.to_thread.run_sync(_pg.stored_bytes, dsn)
+    return disk_bytes(folder)
 
 
 # -- measurements ------------------------------------------------------------------
@@ -333,11 +370,11 @@ async def long_session(kind: str, folder: Path, opts: Options, figures: Figures)
                 batches = await store.batches("long")
                 figures.batch_count = len(batches)
                 figures.encoded = sum(len(codec.encode_effects(b.effects)) for b in batches)
-                figures.disk_open = disk_bytes(folder)
+                figures.disk_open = await stored_bytes(kind, folder)
     finally:
         await store.aclose()
     if first and kind in DURABLE:
-        figures.disk = disk_bytes(folder)
+        figures.disk = await stored_bytes(kind, folder)
     if first:
         pure = await open_store(kind, folder / "pure", codec)
         try:
@@ -366,8 +403,12 @@ async def per_size(kind: str, folder: Path, size: int, opts: Options, figures: F
             for i in range(size):
                 await store.apply(one_message_batch(name, i))
         raw: sqlite3.Connection | None = None
+        raw_pg: _pg.RawPostgres | None = None
         if kind == "sqlite" and size == SIZES[0]:
             raw = await anyio.to_thread.run_sync(raw_connection, folder / "raw.db")
+        if kind == "postgres" and size == SIZES[0]:
+            dsn = await anyio.to_thread.run_sync(_pg.database, SERVER[0], folder)
+            raw_pg = await _pg.RawPostgres.open(dsn)  # in the store's database
         applies: list[float] = []
         try:
             for k in range(opts.samples):
@@ -376,15 +417,20 @@ async def per_size(kind: str, folder: Path, size: int, opts: Options, figures: F
                 start = time.perf_counter_ns()
                 await store.apply(batch)
                 applies.append((time.perf_counter_ns() - start) / 1e3)
-                if raw is not None:
-                    row = (k, codec.encode_effects(batch.effects))
+                if raw is not None or raw_pg is not None:
+                    body = codec.encode_effects(batch.effects)
                     start = time.perf_counter_ns()
-                    await anyio.to_thread.run_sync(raw_commit, raw, row)
+                    if raw is not None:
+                        await anyio.to_thread.run_sync(raw_commit, raw, (k, body))
+                    elif raw_pg is not None:
+                        await raw_pg.commit_hop(k + 1, body)
                     figures.raw_us.append((time.perf_counter_ns() - start) / 1e3)
                 lengths[name] += 1
         finally:
             if raw is not None:
                 raw.close()
+            if raw_pg is not None:
+                await raw_pg.aclose()
         figures.apply_us[size] = applies
         for name in names:
             await store.load(name)
@@ -496,6 +542,8 @@ class Raw:
     direct: list[float] = field(default_factory=list)
     threaded: list[float] = field(default_factory=list)
     hops_us: list[float] = field(default_factory=list)
+    pg_direct: list[float] = field(default_factory=list)
+    pg_threaded: list[float] = field(default_factory=list)
 
 
 async def measure(opts: Options) -> tuple[dict[str, Figures], Raw]:
@@ -518,10 +566,25 @@ async def measure(opts: Options) -> tuple[dict[str, Figures], Raw]:
             await raw_commits_threaded(opts.folder / f"raw-t-{rep}.db", opts.commits, payload)
         )
         raw.hops_us.extend(await thread_hops(opts.commits // 3))
+        if "postgres" in opts.kinds:
+            await raw_postgres_commits(
+                opts.folder / f"raw-pg-{rep}", opts.commits // 3, payload, raw
+            )
     for size in SIZES:
         for kind in opts.kinds:
             await per_size(kind, opts.folder / f"size-{size}-{kind}", size, opts, figures[kind])
     return figures, raw
+
+
+async def raw_postgres_commits(folder: Path, count: int, payload: bytes, raw: Raw) -> None:
+    """Raw PostgreSQL commits per second, called directly and through a thread hop each."""
+    dsn = await anyio.to_thread.run_sync(_pg.database, SERVER[0], folder)
+    connection = await _pg.RawPostgres.open(dsn)
+    try:
+        raw.pg_direct.append(await connection.commits_per_s(1, count, payload, hop=False))
+        raw.pg_threaded.append(await connection.commits_per_s(1 + count, count, payload, hop=True))
+    finally:
+        await connection.aclose()
 
 
 def med(samples: list[float] | None) -> float:
@@ -561,19 +624,26 @@ def report(opts: Options, figures: dict[str, Figures], raw: Raw) -> None:
         if "memory" in figures and f.kind != "memory":
             extra = f", {per_batch - 1e6 / med(figures['memory'].batches_per_s):.1f} over memory"
         print(
-            f"  {f.kind:7s} steps/s {steps:9.1f}   batches/s {med(f.batches_per_s):9.1f}{versus}"
+            f"  {f.kind:8s} steps/s {steps:9.1f}   batches/s {med(f.batches_per_s):9.1f}{versus}"
             f"   us per batch {per_batch:.1f}{extra}"
         )
     print("batches per tool step (model turn calling the tool + tool turn), from the audit log:")
     for f in figures.values():
         print(
-            f"  {f.kind:7s} default tool (non_idempotent) {fmt(f.batches_per_step, 2)}   "
+            f"  {f.kind:8s} default tool (non_idempotent) {fmt(f.batches_per_step, 2)}   "
             f"pure tool {fmt(f.batches_per_step_pure, 2)}"
         )
     print(f"raw sqlite3 commits/s (WAL, synchronous=NORMAL), {opts.commits} per run:")
     print(f"  direct        {med(raw.direct):9.1f}")
     print(f"  thread hop    {med(raw.threaded):9.1f}")
     print(f"one worker-thread hop running nothing, us: {spread(raw.hops_us)}")
+    if "postgres" in figures:
+        print(
+            f"raw PostgreSQL commits/s (UPDATE + INSERT, pooled connection), "
+            f"{opts.commits // 3} per run:"
+        )
+        print(f"  direct        {med(raw.pg_direct):9.1f}")
+        print(f"  thread hop    {med(raw.pg_threaded):9.1f}")
     for title, attr in (
         ("apply, us", "apply_us"),
         ("load, nothing new, us", "load_same_us"),
@@ -584,21 +654,18 @@ def report(opts: Options, figures: dict[str, Figures], raw: Raw) -> None:
         for f in figures.values():
             samples: dict[int, list[float]] = getattr(f, attr)
             for size in SIZES:
-                print(f"  {f.kind:7s} {size:5d} msgs {spread(samples.get(size))}")
+                print(f"  {f.kind:8s} {size:5d} msgs {spread(samples.get(size))}")
             ratio = med(samples.get(SIZES[1])) / med(samples.get(SIZES[0]))
-            print(f"  {f.kind:7s} {SIZES[1]}/{SIZES[0]} ratio {fmt(ratio, 2)}")
+            print(f"  {f.kind:8s} {SIZES[1]}/{SIZES[0]} ratio {fmt(ratio, 2)}")
     sqlite = figures.get("sqlite")
     if sqlite is None:
         print("SQLiteStore was not measured (placeholder or --stores); its figures read n/a")
         sqlite = Figures("sqlite")
-    batch_us, raw_us = med(sqlite.apply_us.get(SIZES[0])), med(sqlite.raw_us)
-    print(
-        f"sqlite apply at {SIZES[0]} msgs vs a raw sqlite3 commit of the same effects through "
-        f"the same thread hop, interleaved, us:"
-    )
-    print(f"  apply         {spread(sqlite.apply_us.get(SIZES[0]))}")
-    print(f"  raw commit    {spread(sqlite.raw_us)}")
-    print(f"  apply / raw commit: {fmt(batch_us / raw_us, 2)}x")
+    batch_us, raw_us = versus_raw(sqlite, "a raw sqlite3 commit")
+    postgres = figures.get("postgres") or Figures("postgres")
+    pg_batch_us, pg_raw_us = math.nan, math.nan
+    if "postgres" in figures:
+        pg_batch_us, pg_raw_us = versus_raw(postgres, "a raw PostgreSQL transaction")
     print(
         f"bytes on disk (long session, {opts.session_rounds} turns, store closed) per byte of "
         "message content, and per byte of encoded effects:"
@@ -607,7 +674,7 @@ def report(opts: Options, figures: dict[str, Figures], raw: Raw) -> None:
         if f.kind not in DURABLE:
             continue
         print(
-            f"  {f.kind:7s} {f.disk} B on disk ({f.disk_open} B while open) / {f.content} B of "
+            f"  {f.kind:8s} {f.disk} B on disk ({f.disk_open} B while open) / {f.content} B of "
             f"message content = {f.disk / f.content:.2f}; / {f.encoded} B of effects in "
             f"{f.batch_count} batches = {f.disk / f.encoded:.2f}"
         )
@@ -621,11 +688,31 @@ def report(opts: Options, figures: dict[str, Figures], raw: Raw) -> None:
     )
     print(f"batches_per_step_pure={fmt(sqlite.batches_per_step_pure, 2)}")
     print(
+        f"postgres_batch_us={fmt(pg_batch_us)} postgres_raw_commit_us={fmt(pg_raw_us)} "
+        f"postgres_batch_over_raw={fmt(pg_batch_us / pg_raw_us, 2)}"
+    )
+    print(
         f"batch_us={fmt(batch_us)} raw_commit_us={fmt(raw_us)} "
         f"batches_per_step={fmt(sqlite.batches_per_step, 2)} "
         f"apply_2000_over_20={fmt(apply_ratio, 2)} reload_2000_over_20={fmt(reload_ratio, 2)} "
         f"bytes_ratio={fmt(bytes_ratio, 2)}"
     )
+
+
+def versus_raw(f: Figures, what: str) -> tuple[float, float]:
+    """Print the store's apply at the small size beside the raw commit interleaved with it.
+
+    Returns the two medians (microseconds).
+    """
+    batch_us, raw_us = med(f.apply_us.get(SIZES[0])), med(f.raw_us)
+    print(
+        f"{f.kind} apply at {SIZES[0]} msgs vs {what} of the same effects through "
+        f"the same thread hop, interleaved, us:"
+    )
+    print(f"  apply         {spread(f.apply_us.get(SIZES[0]))}")
+    print(f"  raw commit    {spread(f.raw_us)}")
+    print(f"  apply / raw commit: {fmt(batch_us / raw_us, 2)}x")
+    return batch_us, raw_us
 
 
 def parse(argv: list[str]) -> Options:
@@ -634,7 +721,9 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument("--quick", action="store_true", help="a short run (a few seconds)")
     parser.add_argument(
-        "--stores", default=",".join(STORE_KINDS), help="comma-separated: memory,sqlite,file"
+        "--stores",
+        default=",".join(STORE_KINDS),
+        help="comma-separated: memory,sqlite,file,postgres",
     )
     parser.add_argument(
         "--session-rounds", type=int, default=None, help="rounds of the long session"
@@ -662,9 +751,10 @@ def parse(argv: list[str]) -> Options:
     unknown = sorted(set(kinds) - set(STORE_KINDS))
     if unknown:
         parser.error(f"unknown stores {unknown}; choose from {STORE_KINDS}")
-    skipped = [k for k in kinds if not available(k)]
+    reasons = {k: available(k) for k in kinds}
+    skipped = [k for k in kinds if reasons[k] is not None]
     for kind in skipped:
-        print(f"note: {kind} store is still a placeholder (no open()); skipped")
+        print(f"note: {kind} store skipped: {reasons[kind]}")
     kinds = tuple(k for k in kinds if k not in skipped)
     if not kinds:
         parser.error("no store to measure")
@@ -701,7 +791,12 @@ def main(argv: list[str]) -> None:
         f"files in {opts.folder} (fs of {os.path.dirname(opts.folder)})"
     )
     try:
-        figures, raw = run_async(lambda: measure(opts), opts.backend)
+        with contextlib.ExitStack() as stack:
+            if "postgres" in opts.kinds:
+                given = _pg.given()
+                SERVER[:] = [stack.enter_context(_pg.server())]
+                print(f"postgres: {given or 'a throwaway server (fsync on)'}")
+            figures, raw = run_async(lambda: measure(opts), opts.backend)
     finally:
         shutil.rmtree(opts.folder, ignore_errors=True)
     report(opts, figures, raw)

@@ -8,11 +8,13 @@ parses as a float), never the values: timings are measured, not asserted.
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import _postgres
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +28,7 @@ STORE_NAMES = (
     "reload_2000_over_20",
     "bytes_ratio",
 )
+POSTGRES_NAMES = ("postgres_batch_us", "postgres_raw_commit_us", "postgres_batch_over_raw")
 
 
 def last_line_pattern(names: tuple[str, ...]) -> re.Pattern[str]:
@@ -33,8 +36,10 @@ def last_line_pattern(names: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile(" ".join(rf"{name}=(?P<{name}>\S+)" for name in names))
 
 
-def run_benchmark(script: str, *args: str, cwd: Path) -> str:
-    """Run ``benchmarks/<script> --quick *args``; its last output line."""
+def run_benchmark(
+    script: str, *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> list[str]:
+    """Run ``benchmarks/<script> --quick *args``; its output lines (at least one)."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args],
         cwd=cwd,
@@ -42,11 +47,12 @@ def run_benchmark(script: str, *args: str, cwd: Path) -> str:
         text=True,
         timeout=600,  # a guard against a hang, not a timing threshold
         check=False,
+        env={**os.environ, **(env or {})},
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines, f"{script} printed nothing; stderr: {done.stderr}"
-    return lines[-1]
+    return lines
 
 
 def check_last_line(line: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -78,11 +84,40 @@ def test_pattern_rejects_other_lines() -> None:
 
 @pytest.mark.slow
 def test_cycle_benchmark_last_line(tmp_path: Path) -> None:
-    check_last_line(run_benchmark("cycle.py", cwd=tmp_path), CYCLE_NAMES)
+    check_last_line(run_benchmark("cycle.py", cwd=tmp_path)[-1], CYCLE_NAMES)
 
 
 @pytest.mark.slow
 def test_store_benchmark_last_line(tmp_path: Path) -> None:
     # FileStore without fsync keeps the quick run to seconds; the figures checked are SQLite's.
-    line = run_benchmark("store.py", "--file-fsync", "never", "--dir", str(tmp_path), cwd=tmp_path)
-    check_last_line(line, STORE_NAMES)
+    # PostgreSQL has its own test below (skipped where no server can be started).
+    lines = run_benchmark(
+        "store.py",
+        "--stores",
+        "memory,sqlite,file",
+        "--file-fsync",
+        "never",
+        "--dir",
+        str(tmp_path),
+        cwd=tmp_path,
+    )
+    check_last_line(lines[-1], STORE_NAMES)
+    unmeasured = "postgres_batch_us=n/a postgres_raw_commit_us=n/a postgres_batch_over_raw=n/a"
+    assert lines[-2] == unmeasured
+
+
+@pytest.mark.slow
+def test_store_benchmark_measures_postgres(postgres_server: str, tmp_path: Path) -> None:
+    # The session's server (postgres_server) is passed on: the benchmark starts none of its own.
+    lines = run_benchmark(
+        "store.py",
+        "--stores",
+        "sqlite,postgres",
+        "--dir",
+        str(tmp_path),
+        cwd=tmp_path,
+        env={_postgres.ENV_VAR: postgres_server},
+    )
+    check_last_line(lines[-1], STORE_NAMES)
+    check_last_line(lines[-2], POSTGRES_NAMES)
+    assert "postgres apply at 20 msgs vs a raw PostgreSQL transaction" in "\n".join(lines)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import _postgres
 import pytest
 from _public_names import is_private, private_uses
 from hypothesis import given
@@ -16,7 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
-PROVIDER_VARIABLES = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_COMPATIBLE_BASE_URL")
+PROVIDER_VARIABLES = (
+    "OPENAI_API_KEY",
+    "ANTHROPIC_API_KEY",
+    "OPENAI_COMPATIBLE_BASE_URL",
+    "STEPMACHINE_POSTGRES",  # examples/workers.py's database: each test says which it uses
+)
 
 
 def run(
@@ -79,7 +86,54 @@ def test_hello_world_uses_a_configured_provider(tmp_path: Path) -> None:
 
 
 def test_there_are_examples() -> None:
-    assert {p.name for p in EXAMPLES} >= {"hello_world.py", "approval.py", "compaction.py"}
+    assert {p.name for p in EXAMPLES} >= {
+        "hello_world.py",
+        "approval.py",
+        "compaction.py",
+        "workers.py",
+    }
+
+
+def check_workers_output(out: str) -> None:
+    """What examples/workers.py must show: a kill, a takeover, every session done, no duplicate."""
+    assert "model: scripted (no provider configured)" in out
+    killed = re.search(r"\[main\] SIGKILL (w\d+) \(pid \d+\) in the middle of (\S+)'s", out)
+    assert killed is not None, out
+    victim, session_id = killed.groups()
+    after = out[killed.end() :]
+    # Another worker runs the killed worker's session afterwards.
+    others = re.findall(rf"\[(w\d+)\] {re.escape(session_id)}: running", after)
+    assert others, out
+    assert victim not in others
+    # ... and runs the interrupted call again, which the idempotency key deduplicates.
+    assert re.search(rf"{re.escape(session_id)}: .* had taken effect already", after), out
+    assert "every session is done:" in out
+    effects = re.search(r"side effects: (\d+) rows for (\d+) idempotency keys", out)
+    assert effects is not None, out
+    assert effects[1] == effects[2]
+
+
+@pytest.mark.slow
+def test_workers_example_runs_as_written(tmp_path: Path) -> None:
+    # As written: no DSN, so the example starts (and removes) a PostgreSQL server of its own.
+    without = {k: v for k, v in os.environ.items() if k != _postgres.ENV_VAR}
+    reason = _postgres.unavailable_reason(without)
+    if reason is not None:
+        pytest.skip(f"no PostgreSQL server can be started here: {reason}")
+    pytest.importorskip("psycopg", reason="the postgres extra is not installed")
+    done = run([str(ROOT / "examples" / "workers.py")], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[main] started a throwaway PostgreSQL server" in done.stdout
+    check_workers_output(done.stdout)
+
+
+@pytest.mark.slow
+def test_workers_example_on_trio_with_a_given_database(postgres_dsn: str, tmp_path: Path) -> None:
+    command = [str(ROOT / "examples" / "workers.py"), "--backend", "trio", "--workers", "2"]
+    done = run([*command, "--dsn", postgres_dsn], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "throwaway" not in done.stdout
+    check_workers_output(done.stdout)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)

@@ -178,7 +178,7 @@ class AckingStore:
         session: Session[Any] = await self._store.load(session_id)
         return session
 
-    async def apply(self, batch: Batch[Effect]) -> Session[Any] | None:
+    async def apply(self, batch: Batch[Effect], *, lease: Any = None) -> Session[Any] | None:
         facts = {
             "session": batch.session_id,
             "rev": batch.revision,
@@ -186,7 +186,12 @@ class AckingStore:
             "effects": len(batch.effects),
         }
         self._log.write({"kind": "intent", **facts})
-        stored: Session[Any] | None = await self._store.apply(batch)
+        # A store with leases gets the lease the run writes with (fenced), others none.
+        stored: Session[Any] | None = (
+            await self._store.apply(batch)
+            if lease is None
+            else await self._store.apply(batch, lease=lease)
+        )
         self._log.write({"kind": "ack", **facts})
         return stored
 

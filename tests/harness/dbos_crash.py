@@ -80,6 +80,7 @@ from stepmachine import (
     AppendMessage,
     Batch,
     Effect,
+    Lease,
     Message,
     ModelInference,
     ModelRequest,
@@ -248,8 +249,8 @@ class AckingStore(PostgresStore):
 
     acks: ClassVar[common.AckLog | None] = None
 
-    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
-        session = await super().apply(batch)
+    async def apply(self, batch: Batch[Effect], *, lease: Lease | None = None) -> Session[Any]:
+        session = await super().apply(batch, lease=lease)
         if AckingStore.acks is not None:
             record = {
                 "session": batch.session_id,
