@@ -94,10 +94,10 @@ included, holds it), writes every batch fenced by it, renews it while a tool
 runs, and releases it when the step ends. A stale runner's write is refused
 (:class:`~stepmachine.LeaseLostError`, recorded by DBOS as the step's error),
 and a waiting one sees the first one's results instead of reading its
-in-flight calls as crashed. ``StateMachine(lease=None)`` turns this off. A cycle releases its lease plainly: a
-turn a ``run(..., lease=LeasePolicy(busy="queue"))`` queued meanwhile stays marked
-for ``stepmachine.serve`` workers (or the next durable turn enqueued for the
-session); a durable worker alone does not run it.
+in-flight calls as crashed. ``StateMachine(lease=None)`` turns this off. A cycle
+releases its lease plainly: a turn a ``run(..., lease=LeasePolicy(busy="queue"))``
+queued meanwhile stays marked for ``stepmachine.serve`` workers (or the next
+durable turn enqueued for the session); a durable worker alone does not run it.
 Writes that are not a runner's (``submit()``: user messages, approvals) are
 compare-and-set only, and a cycle that loses such a race reloads.
 
