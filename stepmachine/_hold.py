@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import anyio
 import structlog
@@ -31,12 +31,16 @@ from ._errors import ConfigurationError, LeaseLostError, SessionBusyError, Store
 from ._lease import Lease, LeaseHolder, LeasePolicy, Leases
 from ._session import Session
 
+if TYPE_CHECKING:
+    from ._runtime import Runtime
+
 __all__ = [
     "Fence",
     "check_fenceable",
     "claim",
     "has_leases",
     "hold",
+    "leasing_store",
     "release",
     "renew_interval",
     "request_again",
@@ -218,32 +222,52 @@ async def release(store: Leases, lease: Lease, *, unless_requested: bool) -> boo
     a lease that was not released lapses (PostgreSQL, memory) or goes with the
     process (the lock-file stores). So a failed release counts as released.
     """
-    with anyio.move_on_after(RELEASE_TIMEOUT, shield=True):
-        try:
-            return await store.release(lease, unless_requested=unless_requested)
-        except Exception as exc:  # noqa: BLE001 - see the docstring
-            _log.warning(
-                "lease release failed",
-                session_id=lease.session_id,
-                error=type(exc).__name__,
-                detail=str(exc),
-            )
-    return True
+    released = await _quietly(
+        "lease release failed",
+        lease,
+        lambda: store.release(lease, unless_requested=unless_requested),
+    )
+    return True if released is None else released
 
 
 async def request_again(store: Leases, lease: Lease) -> None:
     """Set the session's pending-run mark again, shielded and bounded (a turn a holder
     took and did not finish goes back to whoever claims next). Errors are logged."""
+    await _quietly(
+        "could not request the unfinished turn again",
+        lease,
+        lambda: store.request_run(lease.session_id),
+    )
+
+
+async def _quietly(failure: str, lease: Lease, work: Callable[[], Awaitable[T]]) -> T | None:
+    """``await work()`` shielded, for at most :data:`RELEASE_TIMEOUT` seconds; ``None`` when
+    it timed out or raised (logged as ``failure``: the run's own outcome must propagate)."""
     with anyio.move_on_after(RELEASE_TIMEOUT, shield=True):
         try:
-            await store.request_run(lease.session_id)
-        except Exception as exc:  # noqa: BLE001 - the run's own outcome must propagate
+            return await work()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
             _log.warning(
-                "could not request the unfinished turn again",
-                session_id=lease.session_id,
-                error=type(exc).__name__,
-                detail=str(exc),
+                failure, session_id=lease.session_id, error=type(exc).__name__, detail=str(exc)
             )
+    return None
+
+
+def leasing_store(runtime: Runtime) -> Leases | None:
+    """The store a run on ``runtime`` holds leases in, or ``None`` when it runs unleased.
+
+    That is ``runtime.store`` when it is also the effect handler (no separate
+    ``handler``) and its class declares leases (:func:`has_leases`).
+
+    Raises:
+        ConfigurationError: the store declares leases but its ``apply`` takes no
+            ``lease=`` (see :func:`check_fenceable`).
+    """
+    store = runtime.store if runtime.handler is None else None
+    if not has_leases(store):
+        return None
+    check_fenceable(store)
+    return cast(Leases, store)  # has_leases said so (the protocol's isinstance is slow)
 
 
 def has_leases(store: object) -> bool:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from types import EllipsisType
-from typing import Generic, TypeVar, cast
+from typing import Generic, TypeVar
 
 import anyio
 import msgspec
@@ -61,16 +61,7 @@ from ._cycle import Decision, Interrupted, commit, offer
 from ._emitter import Emitter, EventSink, NullEmitter
 from ._errors import ConfigurationError
 from ._finalize import FINALIZE_STEP, INTERRUPTED, finalize, keep_interrupted, shielded
-from ._hold import (
-    Fence,
-    check_fenceable,
-    claim,
-    has_leases,
-    hold,
-    release,
-    renew_interval,
-    request_again,
-)
+from ._hold import Fence, claim, hold, leasing_store, release, renew_interval, request_again
 from ._lease import Lease, LeasePolicy, Leases, check_claim, new_owner
 from ._model import PromptPart, ToolDefinition
 from ._retry import Conflicts
@@ -253,9 +244,11 @@ class StateMachine(Generic[D]):
                 store without leases.
         """
         chosen = self.lease if lease is ... else lease
-        store = runtime.store if runtime.handler is None else None
+        if chosen is None:
+            return await self._run_unleased(runtime, session_id, emitter)
+        leases = leasing_store(runtime)
         if isinstance(chosen, Lease):
-            if not has_leases(store):
+            if leases is None:
                 raise ConfigurationError(
                     "run() got a Lease, but the runtime's store has no leases "
                     "(or the runtime names its own effect handler)"
@@ -268,16 +261,13 @@ class StateMachine(Generic[D]):
                 check_claim(chosen.owner, chosen.ttl)
             except ValueError as exc:
                 raise ConfigurationError(f"run() got an unusable lease: {exc}") from None
-            check_fenceable(store)
-            return await self._run_holding(runtime, cast(Leases, store), chosen, emitter)
-        if chosen is None or not has_leases(store):
-            return await self._run_unleased(runtime, session_id, emitter)
+            return await self._run_holding(runtime, leases, chosen, emitter)
         if not isinstance(chosen, LeasePolicy):
             raise ConfigurationError(
                 f"lease must be a LeasePolicy, a Lease or None, got {chosen!r}"
             )
-        check_fenceable(store)
-        leases = cast(Leases, store)  # has_leases said so (the protocol's isinstance is slow)
+        if leases is None:
+            return await self._run_unleased(runtime, session_id, emitter)
         claimed = await claim(leases, session_id, new_owner(), chosen)
         if claimed is None:
             session: Session[D] = await runtime.session_loader().load(session_id)
@@ -319,14 +309,11 @@ class StateMachine(Generic[D]):
                 if report.reason.kind == YieldReason.CANCELLED:
                     break  # a requested turn is left to whoever claims next
                 owed = False
-                if max_rounds is not None and done >= max_rounds:
-                    owed = not await release(store, lease, unless_requested=True)
-                    if owed:
-                        break
-                    return dataclasses.replace(report, results=tuple(results))
                 if await release(store, lease, unless_requested=True):
                     return dataclasses.replace(report, results=tuple(results))
-                owed = True
+                owed = True  # a turn was requested meanwhile: ours to run
+                if max_rounds is not None and done >= max_rounds:
+                    break  # ... or to hand back (see the docstring)
             if owed:
                 await request_again(store, lease)
             await release(store, lease, unless_requested=False)

@@ -20,7 +20,8 @@ import anyio
 import structlog
 
 from ._errors import ConfigurationError
-from ._lease import Leases, check_claim, new_owner
+from ._hold import leasing_store
+from ._lease import check_claim, new_owner
 from ._machine import StateMachine
 from ._run import RunReport
 from ._runtime import Runtime
@@ -78,8 +79,8 @@ async def serve(
         check_claim(new_owner(owner_prefix), ttl)
     except ValueError as exc:
         raise ConfigurationError(f"serve(): {exc}") from None
-    store = runtime.store
-    if not isinstance(store, Leases) or runtime.handler is not None:  # once per serve()
+    store = leasing_store(runtime)
+    if store is None:
         raise ConfigurationError(
             "serve() needs a runtime whose store has leases (the shipped stores do) "
             "and no separate effect handler"

@@ -135,7 +135,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -143,8 +143,8 @@ import msgspec
 from ._cycle import Decision, check_progress, idle_reason, stops_the_run
 from ._emitter import EventSink, NullEmitter
 from ._errors import ConfigurationError, ConflictError
-from ._hold import check_fenceable, claim, has_leases, hold, release, renew_interval
-from ._lease import Leases, new_owner
+from ._hold import claim, hold, leasing_store, release, renew_interval
+from ._lease import new_owner
 from ._machine import DEFAULT_MAX_CYCLES, StateMachine
 from ._outcomes import StepResult
 from ._runtime import Runtime
@@ -379,11 +379,9 @@ class DurableMachine:
         """
         runtime = self.runtime()
         policy = self.machine.lease
-        store = runtime.store if runtime.handler is None else None
-        if policy is None or not has_leases(store):
+        leases = None if policy is None else leasing_store(runtime)
+        if policy is None or leases is None:
             return await self._cycle_in(runtime, session_id, number, start)
-        check_fenceable(store)
-        leases = cast(Leases, store)  # has_leases said so
         waiting = dataclasses.replace(policy, busy="wait")  # a cycle never fails or queues
         lease = await claim(leases, session_id, new_owner(), waiting)
         assert lease is not None
