@@ -32,7 +32,7 @@ from ._capabilities import (
     Step,
     VetsCalls,
 )
-from ._codec import KERNEL_EFFECTS, Batch, Codec
+from ._codec import KERNEL_EFFECTS, Batch, Codec, Refusal
 from ._conversation import Conversation
 from ._effects import (
     Annotate,
@@ -247,6 +247,7 @@ __all__ = [
     "ReasoningPart",
     "Record",
     "RecordingEmitter",
+    "Refusal",
     "Refuse",
     "ReplaceConversation",
     "Role",

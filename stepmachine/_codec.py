@@ -51,7 +51,7 @@ from ._errors import ConfigurationError, StoredDataError
 from ._messages import Message, ToolCallPart, parse_arguments
 from ._session import NoData, Session
 
-__all__ = ["KERNEL_EFFECTS", "Batch", "Codec"]
+__all__ = ["KERNEL_EFFECTS", "MAX_WHY", "Batch", "Codec", "Refusal", "refusal"]
 
 KERNEL_EFFECTS: tuple[type[Effect], ...] = (
     AppendMessage,
@@ -79,6 +79,29 @@ class _StoredSession(msgspec.Struct, Generic[D], frozen=True):
     data: D
 
 
+class Refusal(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A step that refused in the cycle that wrote a batch, and why (stored as ``[step, why]``).
+
+    Attributes:
+        step: the step's name.
+        why: its ``Refuse.why``, cut to :data:`MAX_WHY` characters.
+    """
+
+    step: str
+    why: str
+
+
+MAX_WHY: Final = 200
+"""Characters of a ``Refuse.why`` the audit log keeps (the rest is cut, ending in ``...``)."""
+
+
+def refusal(step: str, why: str) -> Refusal:
+    """The :class:`Refusal` the audit log keeps for ``step`` refusing with ``why``."""
+    if len(why) > MAX_WHY:
+        why = why[: MAX_WHY - 3] + "..."
+    return Refusal(step, why)
+
+
 class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     """One applied batch of effects: the unit of the audit trail.
 
@@ -90,6 +113,14 @@ class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
         cycle: the machine cycle within the run (0 outside a machine run).
         timestamp: seconds since the epoch, from the Runtime's clock.
         effects: the effects, in the order they were applied.
+        refused: the steps that refused, in order, before ``step`` decided
+            in that cycle, with why (the decision trace: "why did step X not
+            run" is answered from the store). Empty outside a machine run.
+        trace: the W3C ``traceparent`` of the span that wrote the batch, when
+            the run was traced (OpenTelemetry); a later run links to it.
+
+    ``refused`` and ``trace`` came later (schema evolution: defaulted fields
+    after the others), so a record without them decodes with their defaults.
     """
 
     session_id: str
@@ -98,6 +129,8 @@ class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     cycle: int
     timestamp: float
     effects: tuple[E, ...]
+    refused: tuple[Refusal, ...] = ()
+    trace: str | None = None
 
 
 def _tag_of(effect_type: type[Effect]) -> str:
@@ -196,13 +229,25 @@ def _last_field(kind: type) -> str | None:
     return layout[1][-1][0] if layout is not None and layout[1] else None
 
 
+def _batch_trail() -> bytes:
+    """How a batch's encoding ends after its effects when ``refused`` and ``trace`` are defaults."""
+    empty = msgspec.json.encode(
+        Batch(session_id="", revision=0, step="", cycle=0, timestamp=0.0, effects=())
+    )
+    return empty[empty.index(b'"effects":[]') + len(b'"effects":[]') :]
+
+
+_BATCH_TRAIL: Final = _batch_trail()
+"""``,"refused":[],"trace":null}`` today."""
+
 _TAILS: Final[dict[type, tuple[bytes, bytes]]] = (
     {
         Message: (_DEFAULT_TAIL, b"}"),
         tuple: (_DEFAULT_TAIL + b"}]", b"}}]"),
-        Batch: (_DEFAULT_TAIL + b"}]}", b"}}]}"),
+        Batch: (_DEFAULT_TAIL + b"}]" + _BATCH_TRAIL, b"}}]" + _BATCH_TRAIL),
     }
-    if _last_field(AppendMessage) == "message" and _last_field(Batch) == "effects"
+    if _last_field(AppendMessage) == "message"
+    and Batch.__struct_fields__[-3:] == ("effects", "refused", "trace")
     else {}
 )
 """How a message, a one-``AppendMessage`` effects record and such a batch end when
@@ -371,8 +416,40 @@ class Codec(Generic[D]):
         exactly msgspec's own encoding of it (else it is stored as msgspec
         encodes it).
         """
-        encoded = self._encoder.encode(value)
         kind = type(value)
+        if kind is Batch:
+            return self._encode_batch(value)
+        return self._encode_value(value, kind)
+
+    def _encode_batch(self, batch: Batch[Effect]) -> bytes:
+        """A batch record: ``refused`` and ``trace`` are left out while they hold their defaults.
+
+        The batch is encoded with both at their defaults (so the fast path of
+        :meth:`_encode_value` applies), which ends in :data:`_BATCH_TRAIL`;
+        that trail is then replaced by the real one, or dropped. A decoder
+        gives the defaults back for fields that are absent.
+        """
+        plain = batch
+        if batch.refused or batch.trace is not None:
+            plain = msgspec.structs.replace(batch, refused=(), trace=None)
+        body = self._encode_value(plain, Batch)
+        if not body.endswith(_BATCH_TRAIL):  # pragma: no cover - msgspec keeps field order
+            return self._encoder.encode(batch)
+        head = body[: -len(_BATCH_TRAIL)]
+        if plain is batch:
+            return head + b"}"
+        encode = self._encoder.encode
+        trail = [head]
+        if batch.refused:
+            trail += [b',"refused":', encode(batch.refused)]
+        if batch.trace is not None:
+            trail += [b',"trace":', encode(batch.trace)]
+        trail.append(b"}")
+        return b"".join(trail)
+
+    def _encode_value(self, value: Any, kind: type) -> bytes:
+        """:meth:`_encode` of anything; batches end in :data:`_BATCH_TRAIL` here."""
+        encoded = self._encoder.encode(value)
         tails = _TAILS.get(kind)
         if tails is not None:
             # The usual record: one AppendMessage (or a message) without tool calls.

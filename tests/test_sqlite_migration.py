@@ -127,7 +127,9 @@ async def read_everything(path: Path) -> None:
             assert as_json(await store.load(session_id)) == revisions[-1]
             for revision, session in enumerate(revisions):
                 assert as_json(await store.load_at(session_id, revision)) == session
-            assert as_json(await store.batches(session_id)) == content["batches"]
+            assert as_json(await store.batches(session_id)) == [
+                {**b, "refused": [], "trace": None} for b in content["batches"]
+            ]  # fields added later decode as their defaults
 
 
 def test_the_golden_database_is_version_1_without_checksums() -> None:

@@ -840,7 +840,9 @@ async def test_golden_fixture_still_reads_exactly(
             for revision, session in enumerate(revisions):
                 loaded = await store.load_at(session_id, revision)
                 assert as_json(loaded) == session, (session_id, revision)
-            assert as_json(await store.batches(session_id)) == content["batches"]
+            assert as_json(await store.batches(session_id)) == [
+                {**b, "refused": [], "trace": None} for b in content["batches"]
+            ]  # fields added later decode as their defaults
         assert {len(c["revisions"]) for c in expected["sessions"].values()} >= {1, 103}
     assert digest(fixture) == before
 
