@@ -11,16 +11,17 @@ returns them as an :class:`Interrupted`.
 
 from __future__ import annotations
 
-import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import anyio
 import msgspec
-import structlog
 
+from . import _log, _tracing
 from ._capabilities import Capabilities, Step
+from ._codec import Refusal, refusal
 from ._effects import Effect
 from ._emitter import EventSink, StepApplied
 from ._errors import StepContractError
@@ -41,6 +42,7 @@ from ._store import EffectHandler, store_batch
 
 __all__ = [
     "Decision",
+    "Idle",
     "Interrupted",
     "check_progress",
     "commit",
@@ -53,13 +55,6 @@ __all__ = [
 
 D = TypeVar("D", bound=msgspec.Struct)
 
-_stdlib_logger = logging.getLogger("stepmachine")
-_log = structlog.wrap_logger(
-    _stdlib_logger,
-    wrapper_class=structlog.stdlib.BoundLogger,
-    processors=[structlog.processors.KeyValueRenderer(key_order=["event"])],
-)
-
 
 @dataclass(frozen=True, slots=True)
 class Decision(Generic[D]):
@@ -69,13 +64,25 @@ class Decision(Generic[D]):
         step: the step that applied.
         outcome: its ``Continue`` or ``Yield``.
         ctx: the context it ran with (its ``scratch`` included).
-        refused: the names of the steps that refused before it.
+        refusals: the steps that refused before it, with why, in order.
     """
 
     step: Step[D]
     outcome: Continue | Yield
     ctx: StepContext[D]
-    refused: tuple[str, ...] = ()
+    refusals: tuple[Refusal, ...] = ()
+
+    @property
+    def refused(self) -> tuple[str, ...]:
+        """The names of the steps that refused before it."""
+        return tuple(r.step for r in self.refusals)
+
+
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """Every step refused: why each one did, in step order."""
+
+    refusals: tuple[Refusal, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +136,11 @@ async def offer(
     *,
     token: CancelToken | None,
     on_cancel: OnCancel[D],
-) -> Decision[D] | Interrupted[D] | None:
+) -> Decision[D] | Interrupted[D] | Idle:
     """Offer ``session`` to ``capabilities.steps`` in order; the first that does not refuse decides.
 
     Returns:
-        The :class:`Decision`; ``None`` when every step refused; the
+        The :class:`Decision`; :class:`Idle` when every step refused; the
         :class:`Interrupted` step when ``token`` fired while it ran.
 
     A step that committed batches of its own and then refused counts as
@@ -150,7 +157,7 @@ async def offer(
     then propagates.
     """
     collected = capabilities.collect(session)
-    refused: list[str] = []
+    refused: list[Refusal] = []
     for step in capabilities.steps:
         ctx = context(
             capabilities,
@@ -159,7 +166,7 @@ async def offer(
             sink,
             cycle,
             run_start_revision,
-            _committer(runtime, step.name, cycle, sink),
+            _committer(runtime, step.name, cycle, sink, tuple(refused)),
             collected,
         )
         try:
@@ -177,14 +184,14 @@ async def offer(
         if isinstance(outcome, Refuse) and ctx.session.revision != session.revision:
             outcome = Continue(())
         if isinstance(outcome, Refuse):
-            refused.append(step.name)
+            refused.append(refusal(step.name, outcome.why))
             continue
         if not isinstance(outcome, Continue | Yield):
             raise StepContractError(
                 f"step {step.name!r} returned {outcome!r}; a step returns Refuse, Continue or Yield"
             )
         return Decision(step, outcome, ctx, tuple(refused))
-    return None
+    return Idle(tuple(refused))
 
 
 async def _run_under(token: CancelToken, step: Step[D], ctx: StepContext[D]) -> Outcome | None:
@@ -256,26 +263,44 @@ def idle_reason(
 
 
 async def commit(
-    runtime: Runtime, session: Session[D], step_name: str, cycle: int, effects: Sequence[Effect]
+    runtime: Runtime,
+    session: Session[D],
+    step_name: str,
+    cycle: int,
+    effects: Sequence[Effect],
+    refused: tuple[Refusal, ...] = (),
 ) -> Session[D]:
     """Persist ``effects`` as one batch, compare-and-set on ``session.revision``.
 
     The batch is applied once (by the store, or here: see
-    :func:`~stepmachine._store.store_batch`).
+    :func:`~stepmachine._store.store_batch`). It records ``refused`` (the
+    steps that refused before ``step_name`` in this cycle) and the current
+    span's ``traceparent`` when the run is traced.
 
     Raises:
         ConflictError: the stored session moved on; nothing was written.
         EffectError: an effect does not apply; nothing was written.
     """
     handler: EffectHandler = runtime.effect_handler()
-    return await store_batch(handler, session, step_name, cycle, runtime.clock(), tuple(effects))
+    return await store_batch(
+        handler,
+        session,
+        step_name,
+        cycle,
+        runtime.clock(),
+        tuple(effects),
+        refused=refused,
+        trace=_tracing.traceparent(),
+    )
 
 
-def _committer(runtime: Runtime, step_name: str, cycle: int, sink: EventSink) -> Committer[Any]:
+def _committer(
+    runtime: Runtime, step_name: str, cycle: int, sink: EventSink, refused: tuple[Refusal, ...]
+) -> Committer[Any]:
     """What ``StepContext.commit`` calls: one batch now, under the step's name."""
 
     async def commit_now(current: Session[Any], effects: Sequence[Effect]) -> Session[Any]:
-        after = await commit(runtime, current, step_name, cycle, effects)
+        after = await commit(runtime, current, step_name, cycle, effects, refused)
         await sink.emit(StepApplied(step_name, after.revision, "committed", len(effects)))
         return after
 
@@ -283,24 +308,53 @@ def _committer(runtime: Runtime, step_name: str, cycle: int, sink: EventSink) ->
 
 
 def log_cycle(
-    session: Session[Any], cycle: int, applied: str | None, refused: Sequence[str], status: str
+    session: Session[Any],
+    cycle: int,
+    step: str | None,
+    refusals: Sequence[Refusal],
+    outcome: str,
+    *,
+    effects: int = 0,
+    started: float | None = None,
+    span: Any = None,
 ) -> None:
-    """One debug line per cycle (logger ``stepmachine``), when debug logging is on."""
-    if _stdlib_logger.isEnabledFor(logging.DEBUG):
-        _log.debug(
+    """Report one cycle: the ``cycle`` event (logger ``stepmachine``) and its span's attributes.
+
+    ``session`` is the session after the cycle; ``started`` its
+    ``time.perf_counter()`` at the start; ``span`` the cycle's span (``None``
+    when the run is not traced).
+    """
+    if span is not None:
+        span.update_name(f"cycle {step}" if step else "cycle")
+        _tracing.set_attributes(
+            span,
+            {
+                "stepmachine.step": step,
+                "stepmachine.refused": [r.step for r in refusals],
+                "stepmachine.outcome": outcome,
+                "stepmachine.revision": session.revision,
+                "stepmachine.effects": effects,
+            },
+        )
+    if _log.enabled(_log.DEBUG):
+        duration = None if started is None else round((time.perf_counter() - started) * 1000, 3)
+        _log.event(
+            _log.DEBUG,
             "cycle",
             session_id=session.id,
             revision=session.revision,
             cycle=cycle,
-            applied=applied,
-            refused=list(refused),
-            status=status,
+            step=step,
+            refused=[{"step": r.step, "why": r.why} for r in refusals],
+            outcome=outcome,
+            effects=effects,
+            duration_ms=duration,
         )
 
 
 def log_failure(message: str, session_id: str) -> None:
     """Log the exception being handled (logger ``stepmachine``), for a session."""
-    _log.exception(message, session_id=session_id)
+    _log.failure(message, session_id=session_id)
 
 
 def stops_the_run(exc: BaseException) -> bool:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar, cast
 import anyio
 import msgspec
 
+from . import _log
 from ._capabilities import Capabilities, Finalizes, step_name
 from ._cycle import Interrupted, commit, context, log_failure
 from ._effects import AppendMessage, Effect
@@ -64,6 +65,7 @@ async def finalize(
     """
     loader = runtime.session_loader()
     session: Session[D] = await loader.load(session_id)
+    before = session.revision
     sink.follow(session.revision)
     session = await keep_interrupted(runtime, session, interrupted, cycle, max_conflicts)
     kept: object = None if interrupted is None else interrupted.step  # finalized above
@@ -88,10 +90,20 @@ async def finalize(
             for call in open_tool_calls(current)
         ]
 
+    answered = len(open_tool_calls(session))
     session = await _commit_fresh(
         runtime, session, FINALIZE_STEP, cycle, answer_open_calls, max_conflicts
     )
     sink.follow(session.revision)
+    _log.event(
+        _log.INFO,
+        "finalize",
+        session_id=session_id,
+        revision=session.revision,
+        interrupted=None if interrupted is None else interrupted.step.name,
+        batches=session.revision - before,
+        answered=answered,
+    )
     return session
 
 

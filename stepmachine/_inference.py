@@ -23,11 +23,14 @@ they are the same with ``stream=True`` or ``False`` (invariant 9).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
+from . import _log, _tracing
+from ._conversation import Conversation
 from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ReasoningDelta, TextDelta, ToolArgumentsDelta
 from ._errors import ContextLengthError, HistoryError
@@ -35,7 +38,10 @@ from ._history import check_history, history_problems, open_tool_calls, request_
 from ._ledger import Ledger, next_ledger
 from ._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart
 from ._model import (
+    ChunkSink,
+    Model,
     ModelRequest,
+    ModelResponse,
     ModelSettings,
     PromptPart,
     ReasoningChunk,
@@ -163,6 +169,82 @@ def _without_notes(parts: tuple[Part, ...]) -> tuple[Part, ...]:
     )
 
 
+def _model_id(model: Model) -> str:
+    """The model's own id (``gpt-4.1``) when it has one, else its name."""
+    own = getattr(model, "model", None)
+    return own if isinstance(own, str) and own else model.name
+
+
+async def _observed_request(
+    ctx: StepContext[Any], model: Model, request: ModelRequest, on_chunk: ChunkSink | None
+) -> ModelResponse:
+    """``model.request(...)`` under a ``chat`` span, reported as a ``model_call`` event.
+
+    Attributes follow the OpenTelemetry GenAI conventions (see ``_tracing``);
+    the request's messages and the reply go into the span and the event only
+    with content capture on.
+    """
+    telemetry = ctx.runtime.telemetry
+    requested = _model_id(model)
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": getattr(model, "provider", None) or "stepmachine",
+        "gen_ai.request.model": requested,
+        "gen_ai.conversation.id": ctx.session.id,
+    }
+    started = time.perf_counter()
+    with _tracing.span(telemetry, f"chat {requested}", attributes, client=True) as span:
+        capture = telemetry.captures_content
+        if span is not None and capture:
+            span.set_attribute("gen_ai.input.messages", _content(request.messages))
+        try:
+            response = await model.request(request, on_chunk=on_chunk)
+        except Exception as exc:
+            _log.event(
+                _log.WARNING,
+                "model_call",
+                session_id=ctx.session.id,
+                model=model.name,
+                attempts=int(getattr(exc, "attempts", 1) or 1),
+                duration_ms=round((time.perf_counter() - started) * 1000, 3),
+                error_type=type(exc).__name__,
+            )
+            raise
+        usage = response.usage
+        _tracing.set_attributes(
+            span,
+            {
+                "gen_ai.response.model": response.model or requested,
+                "gen_ai.usage.input_tokens": usage.input_tokens,
+                "gen_ai.usage.output_tokens": usage.output_tokens,
+                "gen_ai.response.finish_reasons": (
+                    [response.finish_reason] if response.finish_reason else None
+                ),
+                "stepmachine.attempts": response.attempts,
+                "gen_ai.output.messages": _content(response.parts) if capture else None,
+            },
+        )
+    if _log.enabled(_log.DEBUG):
+        fields: dict[str, Any] = {
+            "session_id": ctx.session.id,
+            "model": model.name,
+            "attempts": response.attempts,
+            "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "finish_reason": response.finish_reason,
+        }
+        if capture:
+            fields["reply"] = _content(response.parts)
+        _log.event(_log.DEBUG, "model_call", **fields)
+    return response
+
+
+def _content(value: object) -> str:
+    """``value`` (messages or parts) as JSON text, for content capture."""
+    return msgspec.json.encode(value, enc_hook=Conversation.enc_hook).decode()
+
+
 class _Partial:
     """What streamed in before an interruption."""
 
@@ -258,7 +340,9 @@ class ModelInference(Inference[Any]):
                 )
 
         try:
-            response = await model.request(request, on_chunk=on_chunk if self._stream else None)
+            response = await _observed_request(
+                ctx, model, request, on_chunk if self._stream else None
+            )
         except ContextLengthError as exc:
             last = visible[-1]
             earlier = self._attempts_on(last, session)

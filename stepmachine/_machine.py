@@ -51,13 +51,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from types import EllipsisType
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import msgspec
 
+from . import _log, _tracing
 from ._capabilities import Capabilities, Step
-from ._cycle import Decision, Interrupted, commit, offer
+from ._cycle import Decision, Interrupted, commit, log_failure, offer
 from ._emitter import Emitter, EventSink, NullEmitter
 from ._errors import ConfigurationError
 from ._finalize import FINALIZE_STEP, INTERRUPTED, finalize, keep_interrupted, shielded
@@ -330,14 +331,33 @@ class StateMachine(Generic[D]):
     async def _run_unleased(
         self, runtime: Runtime, session_id: str, emitter: Emitter | None
     ) -> RunReport[D]:
-        session: Session[D] = await runtime.session_loader().load(session_id)
-        sink = EventSink(emitter or NullEmitter(), session_id, session.revision)
-        run = Run(self, runtime, sink, start_revision=session.revision)
-        conflicts = Conflicts(self.max_conflicts)  # for the whole run, not per cycle
-        while True:
-            session, report = await conflicts.retry(session, run.cycle, run.reload)
-            if report is not None:
-                return report
+        """One run, under an ``invoke_agent`` span when the runtime's telemetry traces."""
+        attributes = {
+            "gen_ai.operation.name": "invoke_agent",
+            "gen_ai.agent.name": _tracing.AGENT_NAME,
+            "gen_ai.conversation.id": session_id,
+        }
+        name = f"invoke_agent {_tracing.AGENT_NAME}"
+        with _log.session(session_id), _tracing.span(runtime.telemetry, name, attributes) as span:
+            session: Session[D] = await runtime.session_loader().load(session_id)
+            if span is not None:
+                await _link_to_previous(runtime, session, span)
+            sink = EventSink(emitter or NullEmitter(), session_id, session.revision)
+            run = Run(self, runtime, sink, start_revision=session.revision)
+            conflicts = Conflicts(self.max_conflicts)  # for the whole run, not per cycle
+            while True:
+                session, report = await conflicts.retry(session, run.cycle, run.reload)
+                if report is not None:
+                    _tracing.set_attributes(
+                        span,
+                        {
+                            "stepmachine.revision.start": run.start_revision,
+                            "stepmachine.revision.end": report.session.revision,
+                            "stepmachine.yield.kind": report.reason.kind,
+                            "stepmachine.cycles": run.cycles,
+                        },
+                    )
+                    return report
 
     # -- driving cycles by hand -------------------------------------------------------
 
@@ -413,7 +433,9 @@ class StateMachine(Generic[D]):
             session = decision.ctx.session  # the step committed batches of its own
         after = session
         if outcome.effects:
-            after = await commit(runtime, session, decision.step.name, cycle, outcome.effects)
+            after = await commit(
+                runtime, session, decision.step.name, cycle, outcome.effects, decision.refusals
+            )
         if isinstance(outcome, Yield):
             result = StepResult(
                 decision.step.name, outcome.effects, "yielded", after.revision, outcome.reason
@@ -458,3 +480,22 @@ class StateMachine(Generic[D]):
                 max_conflicts=self.max_conflicts,
             )
         raise AssertionError("unreachable: a shielded scope is never cancelled")  # pragma: no cover
+
+
+async def _link_to_previous(runtime: Runtime, session: Session[Any], span: Any) -> None:
+    """Link ``span`` to the span that wrote the session's last stored batch, if it was traced.
+
+    Reads that one batch through the loader's ``batches`` (the shipped stores
+    have it); a loader without it, or a failing read, gives no link (logged).
+    """
+    batches = getattr(runtime.session_loader(), "batches", None)
+    if session.revision < 1 or batches is None:
+        return
+    try:
+        last = await batches(session.id, session.revision - 1)
+    except Exception:  # noqa: BLE001 - a link is worth less than the run
+        log_failure("could not read the last batch to link the run's span", session.id)
+        return
+    link = _tracing.link_to(last[-1].trace if last else None)
+    if link is not None:
+        span.add_link(link.context, link.attributes)

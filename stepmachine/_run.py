@@ -17,6 +17,7 @@ interrupted one.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -24,8 +25,11 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import anyio
 import msgspec
 
+from . import _log, _tracing
+from ._codec import Refusal
 from ._cycle import (
     Decision,
+    Idle,
     Interrupted,
     check_progress,
     idle_reason,
@@ -94,39 +98,43 @@ class Run(Generic[D]):
                 "run() again continues",
                 {"max_cycles": machine.max_cycles},
             )
-            log_cycle(session, self.cycles, None, [], reason.kind)
+            log_cycle(session, self.cycles, None, (), reason.kind)
             return session, await self._guarded(self._yielded(session, reason), None)
         self.cycles += 1
-        try:
-            offered = await offer(
-                machine.capabilities,
-                self.runtime,
-                session,
-                self.sink,
-                self.cycles,
-                self.start_revision,
-                token=machine.cancel,
-                on_cancel=self._finalize_cancelled,
-            )
-        except ConflictError:  # a step's own commit lost the race
-            log_cycle(session, self.cycles, None, [], "conflict")
-            raise
-        if isinstance(offered, Interrupted):
-            return session, await self._cancelled(session, offered)
-        return await self._settle(session, offered)
+        started = time.perf_counter()
+        attributes = {"stepmachine.cycle": self.cycles, "stepmachine.revision": session.revision}
+        with _tracing.span(self.runtime.telemetry, "cycle", attributes) as span:
+            try:
+                offered = await offer(
+                    machine.capabilities,
+                    self.runtime,
+                    session,
+                    self.sink,
+                    self.cycles,
+                    self.start_revision,
+                    token=machine.cancel,
+                    on_cancel=self._finalize_cancelled,
+                )
+            except ConflictError:  # a step's own commit lost the race
+                self._conflict(session, None, (), started, span)
+                raise
+            if isinstance(offered, Interrupted):
+                return session, await self._cancelled(session, offered, started, span)
+            if isinstance(offered, Idle):
+                idle = self._idle(session, offered.refusals, started, span)
+                return session, await self._guarded(idle, None)
+            return await self._settle(session, offered, started, span)
 
     async def _settle(
-        self, session: Session[D], decision: Decision[D] | None
+        self, session: Session[D], decision: Decision[D], started: float, span: object
     ) -> tuple[Session[D], RunReport[D] | None]:
-        """Apply what the steps decided, or yield when none applied.
+        """Apply what the steps decided.
 
         Cancellation from outside finalizes first; while the decision's batch is
         being applied, with the deciding step as the interrupted one.
         """
-        applying = decision
+        applying: Decision[D] | None = decision
         try:
-            if decision is None:
-                return session, await self._idle(session)
             check_progress(decision, session)
             name = decision.step.name
             try:
@@ -134,14 +142,23 @@ class Run(Generic[D]):
                     self.runtime, session, decision, cycle=self.cycles
                 )
             except ConflictError:
-                log_cycle(session, self.cycles, name, decision.refused, "conflict")
+                self._conflict(session, name, decision.refusals, started, span)
                 raise
             applying = None
             self.results.append(result)
-            log_cycle(after, self.cycles, name, decision.refused, result.status)
             outcome = decision.outcome
-            if outcome.effects:
-                count = len(outcome.effects)
+            count = len(outcome.effects)
+            log_cycle(
+                after,
+                self.cycles,
+                name,
+                decision.refusals,
+                result.status,
+                effects=count,
+                started=started,
+                span=span,
+            )
+            if count:
                 await self.sink.emit(StepApplied(name, after.revision, result.status, count))
                 self.sink.follow(after.revision)
             report = (
@@ -155,14 +172,34 @@ class Run(Generic[D]):
             raise
         return after, report
 
-    async def _idle(self, session: Session[D]) -> RunReport[D]:
+    def _conflict(
+        self,
+        session: Session[D],
+        step: str | None,
+        refusals: tuple[Refusal, ...],
+        started: float,
+        span: object,
+    ) -> None:
+        """Report a commit that lost the compare-and-set race (the run reloads and re-steps)."""
+        log_cycle(session, self.cycles, step, refusals, "conflict", started=started, span=span)
+        _log.event(
+            _log.INFO,
+            "conflict",
+            session_id=session.id,
+            revision=session.revision,
+            step=step,
+            cycle=self.cycles,
+        )
+
+    async def _idle(
+        self, session: Session[D], refusals: tuple[Refusal, ...], started: float, span: object
+    ) -> RunReport[D]:
         """No step applied: yield ``call_held`` or ``idle`` (see :func:`idle_reason`)."""
         machine = self.machine
         reason = idle_reason(
             machine.capabilities, self.runtime, session, self.sink, self.cycles, self.start_revision
         )
-        refused = [step.name for step in machine.steps]  # every step refused
-        log_cycle(session, self.cycles, None, refused, reason.kind)
+        log_cycle(session, self.cycles, None, refusals, reason.kind, started=started, span=span)
         return await self._yielded(session, reason)
 
     async def reload(self, session_id: str) -> Session[D]:
@@ -171,14 +208,28 @@ class Run(Generic[D]):
             self.runtime.session_loader().load(session_id), None
         )
         self.sink.follow(session.revision)
+        _log.event(_log.DEBUG, "reload", session_id=session_id, revision=session.revision)
         return session
 
     async def _yielded(self, session: Session[D], reason: YieldReason) -> RunReport[D]:
+        _log.event(
+            _log.INFO,
+            "yield",
+            session_id=session.id,
+            revision=session.revision,
+            kind=reason.kind,
+            message=reason.message,
+            cycles=len(self.results),
+        )
         await self.sink.emit(Yielded(reason.kind, reason.message))
         return RunReport(session, reason, tuple(self.results))
 
     async def _cancelled(
-        self, session: Session[D], interrupted: Interrupted[D] | None
+        self,
+        session: Session[D],
+        interrupted: Interrupted[D] | None,
+        started: float | None = None,
+        span: object = None,
     ) -> RunReport[D]:
         """The machine's token fired: finalize (shielded, bounded), then return ``cancelled``."""
         machine = self.machine
@@ -188,7 +239,7 @@ class Run(Generic[D]):
         token = machine.cancel
         reason = YieldReason(YieldReason.CANCELLED, token.reason if token is not None else "")
         self.results.append(StepResult(name, (), "cancelled", session.revision, reason))
-        log_cycle(session, self.cycles, name or None, [], "cancelled")
+        log_cycle(session, self.cycles, name or None, (), "cancelled", started=started, span=span)
         return await self._yielded(session, reason)
 
     async def _guarded(self, work: Awaitable[T], interrupted: Interrupted[D] | None) -> T:

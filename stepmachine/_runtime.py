@@ -9,17 +9,25 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import httpx
 
 from ._errors import ConfigurationError
 from ._model import Model
 from ._store import EffectHandler, SessionLoader, Store
+from ._telemetry import Telemetry
 
-__all__ = ["Runtime", "counter_ids", "uuid_ids"]
+if TYPE_CHECKING:
+    from ._messages import ToolCallPart, ToolResultPart
+    from ._tools import ToolContext
+
+ToolCaller: TypeAlias = "Callable[[ToolCallPart, ToolContext], Awaitable[ToolResultPart]]"
+"""How the ``Tools`` step answers a call instead of running its tool (``Runtime.tool_caller``)."""
+
+__all__ = ["Runtime", "ToolCaller", "counter_ids", "uuid_ids"]
 
 
 def uuid_ids() -> str:
@@ -53,6 +61,13 @@ class Runtime:
         clock: seconds since the epoch; stamps every applied batch.
         ids: returns a new unique message id on each call.
         services: anything else the application's steps and tools need.
+        telemetry: what the run tells logs and traces (:class:`Telemetry`:
+            content capture off, the global OpenTelemetry tracer provider).
+        tool_caller: ``None`` (the default): the ``Tools`` step runs each
+            call's tool. Otherwise it awaits ``tool_caller(call, context)``
+            for the call's result instead, and runs nothing (the journal,
+            approvals and budgets still apply): :func:`~stepmachine.replay`
+            answers calls from the stored history this way.
     """
 
     store: Store | None = None
@@ -64,6 +79,8 @@ class Runtime:
     clock: Callable[[], float] = time.time
     ids: Callable[[], str] = uuid_ids
     services: Mapping[str, Any] = field(default_factory=dict)
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    tool_caller: ToolCaller | None = None
 
     def session_loader(self) -> SessionLoader:
         """The loader to use. Raises :class:`ConfigurationError` if there is none."""

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from ._codec import Batch, Codec
+from ._codec import Batch, Codec, Refusal
 from ._effects import Effect, apply_batch
 from ._errors import ConfigurationError
 from ._messages import Message
@@ -173,8 +173,14 @@ async def store_batch(
     cycle: int,
     timestamp: float,
     effects: tuple[Effect, ...],
+    *,
+    refused: tuple[Refusal, ...] = (),
+    trace: str | None = None,
 ) -> Session[D]:
     """Persist ``effects`` as the batch after ``session``; return the session after it.
+
+    ``refused`` and ``trace`` go into the batch (the audit log's decision
+    trace, and the span that wrote it).
 
     Applies the batch exactly once: in the handler when it declares
     ``applies_batches`` (see :class:`EffectHandler`), else here, before the
@@ -195,6 +201,8 @@ async def store_batch(
         cycle=cycle,
         timestamp=timestamp,
         effects=effects,
+        refused=refused,
+        trace=trace,
     )
     if getattr(type(handler), "applies_batches", False) is True:  # declared by the class
         stored = await handler.apply(batch)

@@ -52,13 +52,14 @@ a lease); the store's compare-and-set keeps the data right either way.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, Literal
 
 import anyio
 import msgspec
 
-from . import _json
+from . import _json, _log, _tracing
 from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ToolFinished, ToolStarted
 from ._errors import ConfigurationError, ConflictError, ToolAbortError, ToolArgumentsError
@@ -310,11 +311,14 @@ class Tools(Operation[Any]):
             if impl is None or effective_arguments(call) is None:
                 answers.append(self._precheck_error(ctx, call))
             elif journal is not None and journal.intent and not self._may_rerun(impl, journal):
+                _log_journal(ctx, call, journal, "outcome_unknown")
                 if self._on_unknown == "yield":
                     unknown.append(call)
                 else:
                     answers.append(_error(call, OUTCOME_UNKNOWN))
             else:
+                if journal is not None and journal.intent:
+                    _log_journal(ctx, call, journal, "rerun")
                 to_run.append(call)
 
         # Results that exist but are not yet committed, for finalize (see _run_batch).
@@ -528,27 +532,96 @@ class Tools(Operation[Any]):
             call_id=call.call_id,
             idempotency_key=idempotency_key(ctx.session.id, call.call_id, message_id),
         )
+        telemetry = ctx.runtime.telemetry
+        attributes = {
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.name": call.name,
+            "gen_ai.tool.call.id": call.call_id,
+            "gen_ai.tool.type": "function",
+            "stepmachine.tool.side_effects": impl.side_effects,
+        }
+        started = time.perf_counter()
+        with _tracing.span(telemetry, f"execute_tool {call.name}", attributes) as span:
+            if span is not None and telemetry.captures_content:
+                span.set_attribute("gen_ai.tool.call.arguments", call.raw_arguments)
+            caller = ctx.runtime.tool_caller
+            if caller is not None:
+                result, aborted, outcome = await caller(call, context), None, "recorded"
+            else:
+                result, aborted, outcome = await self._call_tool(impl, call, context)
+            _tracing.set_attributes(span, {"stepmachine.tool.outcome": outcome})
+            if span is not None:
+                if result.is_error:
+                    span.set_attribute("error.type", outcome)
+                if telemetry.captures_content:
+                    span.set_attribute("gen_ai.tool.call.result", result.content)
+        if _log.enabled(_log.DEBUG):
+            fields: dict[str, Any] = {
+                "session_id": ctx.session.id,
+                "tool": call.name,
+                "call_id": call.call_id,
+                "side_effects": impl.side_effects,
+                "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+                "outcome": outcome,
+            }
+            if telemetry.captures_content:
+                fields["arguments"] = call.raw_arguments
+                fields["result"] = result.content
+            _log.event(_log.DEBUG, "tool_call", **fields)
+        # No await between the tool returning and the caller recording the result:
+        # a cancellation pending by now must not lose it (the caller emits ToolFinished).
+        return result, aborted
+
+    async def _call_tool(
+        self, impl: Tool, call: ToolCallPart, context: ToolContext
+    ) -> tuple[ToolResultPart, str | None, str]:
+        """Run the tool: its result, the abort reason if it failed closed, and the outcome name.
+
+        Outcomes: ``ok``, ``invalid_arguments``, ``timeout``, ``aborted``, ``error``.
+        """
         timeout = impl.timeout if impl.timeout is not None else self._timeout
         aborted: str | None = None
         try:
             with anyio.fail_after(timeout):
                 content = await impl.call(effective_arguments(call), context)
         except ToolArgumentsError as exc:
-            result = _error(call, str(exc))
+            return _error(call, str(exc)), None, "invalid_arguments"
         except TimeoutError:
-            result = _error(
-                call, f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
+            return (
+                _error(
+                    call, f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
+                ),
+                None,
+                "timeout",
             )
         except ToolAbortError as exc:
             aborted = f"{call.name}: {exc}"
             result = _error(call, f"tool {call.name!r} failed and stopped the run: {exc}")
+            return result, aborted, "aborted"
         except Exception as exc:  # noqa: BLE001 - a tool error becomes an error result
             result = _error(call, f"tool {call.name!r} failed: {type(exc).__name__}: {exc}")
-        else:
-            result = ToolResultPart.for_call(call, content)
-        # No await between the tool returning and the caller recording the result:
-        # a cancellation pending by now must not lose it (the caller emits ToolFinished).
-        return result, aborted
+            return result, None, "error"
+        return ToolResultPart.for_call(call, content), None, "ok"
+
+
+def _log_journal(
+    ctx: StepContext[Any], call: ToolCallPart, journal: JournalEntry, decision: str
+) -> None:
+    """A ``journal`` event: a call with an intent and no result, found after a crash.
+
+    ``outcome_unknown`` (WARNING): it is not run again; ``rerun`` (INFO): it
+    runs again (its tool is pure or idempotent, or an operator allowed it).
+    """
+    _log.event(
+        _log.WARNING if decision == "outcome_unknown" else _log.INFO,
+        "journal",
+        session_id=ctx.session.id,
+        tool=call.name,
+        call_id=call.call_id,
+        decision=decision,
+        attempt=journal.attempt,
+        side_effects=journal.side_effects,
+    )
 
 
 def _error(call: ToolCallPart, content: str) -> ToolResultPart:

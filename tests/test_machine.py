@@ -239,12 +239,15 @@ async def test_one_debug_log_record_per_cycle(caplog: pytest.LogCaptureFixture) 
     machine = StateMachine([Mark("a", offers), Mark("b", offers)])
     with caplog.at_level(logging.DEBUG, logger="stepmachine"):
         await machine.run(Runtime(store=store), "s")
-    records = [r.getMessage() for r in caplog.records if r.name == "stepmachine"]
-    assert len(records) == 3  # a applies, b applies, nobody applies
-    assert "applied='a'" in records[0]
-    assert "applied='b'" in records[1]
-    assert "refused=['a']" in records[1]
-    assert "status='idle'" in records[2]
+    # Each record's message is the event dict (structlog's wrap_for_formatter form).
+    events = [r.msg for r in caplog.records if r.name == "stepmachine" and isinstance(r.msg, dict)]
+    cycles = [e for e in events if e["event"] == "cycle"]
+    assert len(cycles) == 3  # a applies, b applies, nobody applies
+    assert cycles[0]["step"] == "a"
+    assert cycles[1]["step"] == "b"
+    assert [r["step"] for r in cycles[1]["refused"]] == ["a"]
+    assert cycles[2]["outcome"] == "idle"
+    assert [r["step"] for r in cycles[2]["refused"]] == ["a", "b"]
 
 
 # -- invariant 1: a fresh machine per cycle decides the same --------------------------------

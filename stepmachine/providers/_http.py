@@ -45,6 +45,7 @@ import httpx
 import httpx_sse
 import msgspec
 
+from .. import _log, _tracing
 from .._errors import ConfigurationError
 from .._messages import ReasoningPart, TextPart, ToolCallPart
 from .._model import (
@@ -306,6 +307,7 @@ class HTTPModel:
                 if exc.retryable and not streamed.value and attempt < limit:
                     delay = self._retry_delay(exc, attempt, started)
                     if delay is not None:
+                        _report_retry(self.name, attempt, delay, exc)
                         await self._sleep(delay)
                         continue
             except Exception as exc:  # noqa: BLE001 - any other error: re-raised, redacted
@@ -468,3 +470,20 @@ async def _emit_whole(response: ModelResponse, emit: ChunkSink) -> None:
         elif isinstance(part, ToolCallPart):
             await emit(ToolCallChunk(index, part.call_id, part.name, part.raw_arguments))
             index += 1
+
+
+def _report_retry(model: str, attempt: int, delay: float, error: ProviderError) -> None:
+    """A ``model_retry`` event, and a ``gen_ai.retry`` event on the current (``chat``) span.
+
+    Only the error's type, status and ``retry_after``: never its message (a
+    server may echo the request in it).
+    """
+    fields = {
+        "attempt": attempt,
+        "delay_s": round(delay, 3),
+        "error_type": type(error).__name__,
+        "status": error.status,
+        "retry_after": getattr(error, "retry_after", None),
+    }
+    _log.event(_log.INFO, "model_retry", model=model, **fields)
+    _tracing.add_event("gen_ai.retry", {f"stepmachine.retry.{k}": v for k, v in fields.items()})

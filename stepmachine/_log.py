@@ -1,0 +1,129 @@
+"""Structured log events: every decision of a run as a structlog event with fields.
+
+The library never configures logging. It logs through the standard-library
+logger ``stepmachine`` with its fields intact, using structlog's standard-library
+integration:
+
+- when structlog is configured (``structlog.configure``, and inside
+  ``structlog.testing.capture_logs()``), an event goes through the configured
+  wrapper class and processors, then to the logger ``stepmachine``: a chain
+  ending in ``structlog.stdlib.ProcessorFormatter.wrap_for_formatter`` keeps the
+  fields for a ``ProcessorFormatter`` (JSON lines with ``JSONRenderer``);
+- otherwise, an event whose level the logger ``stepmachine`` has enabled is
+  handed to it with the event dict as the record's message (exactly what
+  ``wrap_for_formatter`` produces), so a ``structlog.stdlib.ProcessorFormatter``
+  on a handler renders it, and a plain ``logging.Formatter`` prints the dict.
+  An event the logger has not enabled costs one level check.
+
+Events (``event`` is the name; every one has ``session_id`` where a session is known):
+
+===============  =========  ===============================================================
+event            level      fields
+===============  =========  ===============================================================
+``cycle``        DEBUG      revision, cycle, step (applied, or None), refused (list of
+                            ``{"step", "why"}``), outcome (continue / yielded / idle /
+                            conflict / cancelled / ...), effects, duration_ms
+``yield``        INFO       revision, kind, message, cycles
+``conflict``     INFO       revision (read), step, cycle
+``reload``       DEBUG      revision (now stored)
+``finalize``     INFO       revision, interrupted (step or None), effects, answered
+                            (calls answered "interrupted")
+``model_call``   DEBUG      model, attempts, duration_ms, input_tokens, output_tokens,
+                            finish_reason; on failure (WARNING) error_type
+``model_retry``  INFO       model, attempt (the one that failed), delay_s, error_type,
+                            status, retry_after
+``tool_call``    DEBUG      tool, call_id, side_effects, duration_ms, outcome (ok / error /
+                            timeout / aborted / invalid_arguments)
+``journal``      WARNING    tool, call_id, decision (``outcome_unknown``: an intent without
+                 / INFO     a result after a crash, not re-run; ``rerun``: run again, its
+                            tool being idempotent or an operator allowed it), attempt
+===============  =========  ===============================================================
+
+No event carries an API key, a prompt, a reply, tool arguments or a tool
+result, unless content capture is on (:class:`~stepmachine.Telemetry`): then
+``model_call`` has ``reply`` and ``tool_call`` has ``arguments`` and ``result``.
+Refusal reasons (``Refuse.why``) and yield messages are written by step
+authors and are logged as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any, Final
+
+import structlog
+
+__all__ = ["LOGGER", "enabled", "event", "failure", "logger", "session"]
+
+LOGGER: Final = "stepmachine"
+"""The standard-library logger every event goes to."""
+
+DEBUG: Final = logging.DEBUG
+INFO: Final = logging.INFO
+WARNING: Final = logging.WARNING
+
+_stdlib: Final = logging.getLogger(LOGGER)
+
+_plain = structlog.wrap_logger(
+    _stdlib,
+    wrapper_class=structlog.stdlib.BoundLogger,
+    processors=[
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+    ],
+)
+"""Used while structlog is not configured: the event dict becomes the record's message."""
+
+_configured = structlog.wrap_logger(_stdlib)
+"""Used once structlog is configured: its wrapper class and processors, read at each call."""
+
+
+_session: ContextVar[str | None] = ContextVar("stepmachine_session", default=None)
+
+
+@contextlib.contextmanager
+def session(session_id: str) -> Iterator[None]:
+    """Within the block, events that name no session name ``session_id`` (a run's scope).
+
+    A model's ``model_retry`` events, for instance, happen below the step and
+    know no session; inside a run they carry the run's.
+    """
+    token = _session.set(session_id)
+    try:
+        yield
+    finally:
+        _session.reset(token)
+
+
+def logger() -> logging.Logger:
+    """The standard-library logger ``stepmachine``."""
+    return _stdlib
+
+
+def enabled(level: int) -> bool:
+    """Whether an event at ``level`` would go anywhere (cheap: check before building fields)."""
+    return structlog.is_configured() or _stdlib.isEnabledFor(level)
+
+
+def event(level: int, name: str, **fields: Any) -> None:
+    """Log event ``name`` at ``level`` with ``fields`` (see the module docs for the route)."""
+    if "session_id" not in fields:
+        current = _session.get()
+        if current is not None:
+            fields["session_id"] = current
+    if structlog.is_configured():
+        _configured.log(level, name, **fields)
+    elif _stdlib.isEnabledFor(level):
+        _plain.log(level, name, **fields)
+
+
+def failure(message: str, **fields: Any) -> None:
+    """Log the exception being handled at ERROR, with ``fields``."""
+    if structlog.is_configured():
+        _configured.exception(message, **fields)
+    elif _stdlib.isEnabledFor(logging.ERROR):
+        _plain.exception(message, **fields)
