@@ -136,7 +136,8 @@ from ._model import (
     Usage,
 )
 from ._records import TAG_FIELD, Record, note_value, read_record, record_types
-from ._runtime import Runtime, counter_ids, uuid_ids
+from ._runtime import Runtime, ToolCaller, counter_ids, uuid_ids
+from ._telemetry import Telemetry
 from ._serve import serve
 from ._session import NoData, Session
 from ._steps import (
@@ -275,6 +276,7 @@ __all__ = [
     "StoredDataError",
     "StreamChunk",
     "StreamEmitter",
+    "Telemetry",
     "TextChunk",
     "TextDelta",
     "TextPart",
@@ -284,6 +286,7 @@ __all__ = [
     "ToolArgumentsError",
     "ToolCallChunk",
     "ToolCallPart",
+    "ToolCaller",
     "ToolContext",
     "ToolDefinition",
     "ToolFinished",
