@@ -137,7 +137,6 @@ from ._model import (
 )
 from ._records import TAG_FIELD, Record, note_value, read_record, record_types
 from ._runtime import Runtime, ToolCaller, counter_ids, uuid_ids
-from ._telemetry import Telemetry
 from ._serve import serve
 from ._session import NoData, Session
 from ._steps import (
@@ -153,6 +152,7 @@ from ._steps import (
     YieldReason,
 )
 from ._store import EffectHandler, SessionLoader, Store, submit
+from ._telemetry import Telemetry
 from ._tool_step import (
     JOURNAL,
     NOT_EXECUTED,

@@ -185,6 +185,15 @@ async def _observed_request(
     with content capture on.
     """
     telemetry = ctx.runtime.telemetry
+    started = time.perf_counter()
+    if not _tracing.active():
+        try:
+            response = await model.request(request, on_chunk=on_chunk)
+        except Exception as exc:
+            _log_model_failure(ctx, model, started, exc)
+            raise
+        _log_model_call(ctx, model, started, response, telemetry.captures_content)
+        return response
     requested = _model_id(model)
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": "chat",
@@ -192,23 +201,14 @@ async def _observed_request(
         "gen_ai.request.model": requested,
         "gen_ai.conversation.id": ctx.session.id,
     }
-    started = time.perf_counter()
+    capture = telemetry.captures_content
     with _tracing.span(telemetry, f"chat {requested}", attributes, client=True) as span:
-        capture = telemetry.captures_content
         if span is not None and capture:
             span.set_attribute("gen_ai.input.messages", _content(request.messages))
         try:
             response = await model.request(request, on_chunk=on_chunk)
         except Exception as exc:
-            _log.event(
-                _log.WARNING,
-                "model_call",
-                session_id=ctx.session.id,
-                model=model.name,
-                attempts=int(getattr(exc, "attempts", 1) or 1),
-                duration_ms=round((time.perf_counter() - started) * 1000, 3),
-                error_type=type(exc).__name__,
-            )
+            _log_model_failure(ctx, model, started, exc)
             raise
         usage = response.usage
         _tracing.set_attributes(
@@ -224,20 +224,44 @@ async def _observed_request(
                 "gen_ai.output.messages": _content(response.parts) if capture else None,
             },
         )
-    if _log.enabled(_log.DEBUG):
-        fields: dict[str, Any] = {
-            "session_id": ctx.session.id,
-            "model": model.name,
-            "attempts": response.attempts,
-            "duration_ms": round((time.perf_counter() - started) * 1000, 3),
-            "input_tokens": usage.input_tokens,
-            "output_tokens": usage.output_tokens,
-            "finish_reason": response.finish_reason,
-        }
-        if capture:
-            fields["reply"] = _content(response.parts)
-        _log.event(_log.DEBUG, "model_call", **fields)
+    _log_model_call(ctx, model, started, response, capture)
     return response
+
+
+def _log_model_call(
+    ctx: StepContext[Any], model: Model, started: float, response: ModelResponse, capture: bool
+) -> None:
+    """The ``model_call`` event of a reply (DEBUG)."""
+    if not _log.enabled(_log.DEBUG):
+        return
+    usage = response.usage
+    fields: dict[str, Any] = {
+        "session_id": ctx.session.id,
+        "model": model.name,
+        "attempts": response.attempts,
+        "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "finish_reason": response.finish_reason,
+    }
+    if capture:
+        fields["reply"] = _content(response.parts)
+    _log.event(_log.DEBUG, "model_call", **fields)
+
+
+def _log_model_failure(
+    ctx: StepContext[Any], model: Model, started: float, exc: BaseException
+) -> None:
+    """The ``model_call`` event of a call that failed (WARNING): its error type, never its text."""
+    _log.event(
+        _log.WARNING,
+        "model_call",
+        session_id=ctx.session.id,
+        model=model.name,
+        attempts=int(getattr(exc, "attempts", 1) or 1),
+        duration_ms=round((time.perf_counter() - started) * 1000, 3),
+        error_type=type(exc).__name__,
+    )
 
 
 def _content(value: object) -> str:

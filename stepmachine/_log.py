@@ -48,9 +48,7 @@ authors and are logged as they are.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any, Final
 
@@ -85,18 +83,23 @@ _configured = structlog.wrap_logger(_stdlib)
 _session: ContextVar[str | None] = ContextVar("stepmachine_session", default=None)
 
 
-@contextlib.contextmanager
-def session(session_id: str) -> Iterator[None]:
+class session:  # noqa: N801 - used like a function: ``with session(id):``
     """Within the block, events that name no session name ``session_id`` (a run's scope).
 
     A model's ``model_retry`` events, for instance, happen below the step and
     know no session; inside a run they carry the run's.
     """
-    token = _session.set(session_id)
-    try:
-        yield
-    finally:
-        _session.reset(token)
+
+    __slots__ = ("_session_id", "_token")
+
+    def __init__(self, session_id: str) -> None:
+        self._session_id = session_id
+
+    def __enter__(self) -> None:
+        self._token = _session.set(self._session_id)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _session.reset(self._token)
 
 
 def logger() -> logging.Logger:

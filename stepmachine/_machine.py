@@ -338,7 +338,10 @@ class StateMachine(Generic[D]):
             "gen_ai.conversation.id": session_id,
         }
         name = f"invoke_agent {_tracing.AGENT_NAME}"
-        with _log.session(session_id), _tracing.span(runtime.telemetry, name, attributes) as span:
+        with (
+            _log.session(session_id),
+            _tracing.run_span(runtime.telemetry, name, attributes) as span,
+        ):
             session: Session[D] = await runtime.session_loader().load(session_id)
             if span is not None:
                 await _link_to_previous(runtime, session, span)

@@ -533,15 +533,18 @@ class Tools(Operation[Any]):
             idempotency_key=idempotency_key(ctx.session.id, call.call_id, message_id),
         )
         telemetry = ctx.runtime.telemetry
-        attributes = {
-            "gen_ai.operation.name": "execute_tool",
-            "gen_ai.tool.name": call.name,
-            "gen_ai.tool.call.id": call.call_id,
-            "gen_ai.tool.type": "function",
-            "stepmachine.tool.side_effects": impl.side_effects,
-        }
         started = time.perf_counter()
-        with _tracing.span(telemetry, f"execute_tool {call.name}", attributes) as span:
+        traced = _tracing.NO_SPAN
+        if _tracing.active():
+            attributes = {
+                "gen_ai.operation.name": "execute_tool",
+                "gen_ai.tool.name": call.name,
+                "gen_ai.tool.call.id": call.call_id,
+                "gen_ai.tool.type": "function",
+                "stepmachine.tool.side_effects": impl.side_effects,
+            }
+            traced = _tracing.span(telemetry, f"execute_tool {call.name}", attributes)
+        with traced as span:
             if span is not None and telemetry.captures_content:
                 span.set_attribute("gen_ai.tool.call.arguments", call.raw_arguments)
             caller = ctx.runtime.tool_caller
@@ -549,8 +552,8 @@ class Tools(Operation[Any]):
                 result, aborted, outcome = await caller(call, context), None, "recorded"
             else:
                 result, aborted, outcome = await self._call_tool(impl, call, context)
-            _tracing.set_attributes(span, {"stepmachine.tool.outcome": outcome})
             if span is not None:
+                span.set_attribute("stepmachine.tool.outcome", outcome)
                 if result.is_error:
                     span.set_attribute("error.type", outcome)
                 if telemetry.captures_content:

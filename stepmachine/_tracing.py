@@ -40,7 +40,8 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
@@ -56,9 +57,11 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
 __all__ = [
+    "active",
     "add_event",
     "available",
     "link_to",
+    "run_span",
     "set_attributes",
     "span",
     "traceparent",
@@ -67,8 +70,11 @@ __all__ = [
 
 AGENT_NAME: Final = "stepmachine"
 _TRACEPARENT: Final = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
-_NO_SPAN: Final[contextlib.nullcontext[None]] = contextlib.nullcontext(None)
+NO_SPAN: Final[contextlib.AbstractContextManager[Any]] = contextlib.nullcontext(None)
+"""What :func:`span` returns outside a traced run (reusable)."""
 _tracers: dict[int, tuple[Any, Any]] = {}
+_run_tracer: ContextVar[Any] = ContextVar("stepmachine_run_tracer", default=None)
+"""The tracer of the traced run the caller is in (``None``: not in one)."""
 
 
 def available() -> bool:
@@ -100,23 +106,43 @@ def _version() -> str:
         return "0"
 
 
+def run_span(
+    telemetry: Telemetry, name: str, attributes: Mapping[str, Any]
+) -> contextlib.AbstractContextManager[Span | None]:
+    """A run's span (``invoke_agent``), made current for the ``with`` block; ``None`` when off.
+
+    Inside the block, :func:`span` makes child spans with the same tracer;
+    outside any traced run it makes none. So the one check whether tracing is
+    configured (which reads an environment variable in the OpenTelemetry API)
+    is made once per run, not per cycle.
+    """
+    made = tracer(telemetry)
+    if made is None:
+        return NO_SPAN
+    return _current(made, telemetry, name, attributes, False)
+
+
 def span(
     telemetry: Telemetry,
     name: str,
     attributes: Mapping[str, Any],
     *,
     client: bool = False,
-    links: Sequence[Any] = (),
 ) -> contextlib.AbstractContextManager[Span | None]:
-    """A span named ``name`` made current for the ``with`` block; ``None`` when tracing is off.
+    """A span inside a traced run, made current for the ``with`` block; ``None`` outside one.
 
     An exception leaving the block marks the span (see the module docs) and
     propagates; the span ends either way.
     """
-    made = tracer(telemetry)
+    made = _run_tracer.get()
     if made is None:
-        return _NO_SPAN
-    return _current(made, telemetry, name, attributes, client, links)
+        return NO_SPAN
+    return _current(made, telemetry, name, attributes, client)
+
+
+def active() -> bool:
+    """Whether the caller is inside a traced run (cheap: one context variable)."""
+    return _run_tracer.get() is not None
 
 
 @contextlib.contextmanager
@@ -126,19 +152,22 @@ def _current(
     name: str,
     attributes: Mapping[str, Any],
     client: bool,
-    links: Sequence[Any],
 ) -> Iterator[Span]:
     assert _trace is not None
     kind = _trace.SpanKind.CLIENT if client else _trace.SpanKind.INTERNAL
-    started = made.start_span(name, kind=kind, attributes=dict(attributes), links=list(links))
-    with _trace.use_span(
-        started, end_on_exit=True, record_exception=False, set_status_on_exception=False
-    ):
-        try:
-            yield started
-        except BaseException as exc:
-            mark_error(started, exc, telemetry)
-            raise
+    started = made.start_span(name, kind=kind, attributes=dict(attributes))
+    token = _run_tracer.set(made)
+    try:
+        with _trace.use_span(
+            started, end_on_exit=True, record_exception=False, set_status_on_exception=False
+        ):
+            try:
+                yield started
+            except BaseException as exc:
+                mark_error(started, exc, telemetry)
+                raise
+    finally:
+        _run_tracer.reset(token)
 
 
 def mark_error(target: Span, exc: BaseException, telemetry: Telemetry) -> None:
@@ -168,8 +197,8 @@ def set_attributes(target: Span | None, attributes: Mapping[str, Any]) -> None:
 
 
 def add_event(name: str, attributes: Mapping[str, Any]) -> None:
-    """Add a span event to the current span, if one is recording (``None`` values skipped)."""
-    if _trace is None:
+    """Add a span event to the current span in a traced run (``None`` values skipped)."""
+    if _trace is None or _run_tracer.get() is None:
         return
     current = _trace.get_current_span()
     if current.is_recording():
@@ -177,8 +206,8 @@ def add_event(name: str, attributes: Mapping[str, Any]) -> None:
 
 
 def traceparent() -> str | None:
-    """The W3C ``traceparent`` of the current span, or ``None`` when there is none."""
-    if _trace is None:
+    """The W3C ``traceparent`` of the current span in a traced run, else ``None``."""
+    if _trace is None or _run_tracer.get() is None:
         return None
     context = _trace.get_current_span().get_span_context()
     if not context.is_valid:
