@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import anyio
-import structlog
 
+from . import _log
 from ._codec import Batch
 from ._effects import Effect
 from ._errors import ConfigurationError, LeaseLostError, SessionBusyError, StoreClosedError
@@ -48,7 +48,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-_log = structlog.stdlib.get_logger("stepmachine")
 
 FIRST_POLL = 0.01
 """Seconds before the second claim while waiting; each pause doubles, up to ``poll``."""
@@ -200,10 +199,11 @@ async def _renew(fence: Fence, every: float, work: anyio.CancelScope) -> None:
         except StoreClosedError as exc:
             fence.lost = LeaseLostError(lease.session_id, lease.owner, lease.epoch, str(exc))
         except Exception as exc:  # noqa: BLE001 - retried until the lease would lapse
-            _log.warning(
-                "lease renewal failed",
+            _log.event(
+                _log.WARNING,
+                "lease_renewal_failed",
                 session_id=lease.session_id,
-                error=type(exc).__name__,
+                error_type=type(exc).__name__,
                 detail=str(exc),
             )
             if anyio.current_time() + every >= lapses:
@@ -223,7 +223,7 @@ async def release(store: Leases, lease: Lease, *, unless_requested: bool) -> boo
     process (the lock-file stores). So a failed release counts as released.
     """
     released = await _quietly(
-        "lease release failed",
+        "lease_release_failed",
         lease,
         lambda: store.release(lease, unless_requested=unless_requested),
     )
@@ -234,7 +234,7 @@ async def request_again(store: Leases, lease: Lease) -> None:
     """Set the session's pending-run mark again, shielded and bounded (a turn a holder
     took and did not finish goes back to whoever claims next). Errors are logged."""
     await _quietly(
-        "could not request the unfinished turn again",
+        "lease_request_again_failed",
         lease,
         lambda: store.request_run(lease.session_id),
     )
@@ -247,8 +247,12 @@ async def _quietly(failure: str, lease: Lease, work: Callable[[], Awaitable[T]])
         try:
             return await work()
         except Exception as exc:  # noqa: BLE001 - see the docstring
-            _log.warning(
-                failure, session_id=lease.session_id, error=type(exc).__name__, detail=str(exc)
+            _log.event(
+                _log.WARNING,
+                failure,
+                session_id=lease.session_id,
+                error_type=type(exc).__name__,
+                detail=str(exc),
             )
     return None
 

@@ -26,8 +26,8 @@ event            level      fields
 ``yield``        INFO       revision, kind, message, cycles
 ``conflict``     INFO       revision (read), step, cycle
 ``reload``       DEBUG      revision (now stored)
-``finalize``     INFO       revision, interrupted (step or None), effects, answered
-                            (calls answered "interrupted")
+``finalize``     INFO       revision, interrupted (step or None), batches (written),
+                            answered (calls answered "interrupted")
 ``model_call``   DEBUG      model, attempts, duration_ms, input_tokens, output_tokens,
                             finish_reason; on failure (WARNING) error_type
 ``model_retry``  INFO       model, attempt (the one that failed), delay_s, error_type,
@@ -36,7 +36,12 @@ event            level      fields
                             timeout / aborted / invalid_arguments)
 ``journal``      WARNING    tool, call_id, decision (``outcome_unknown``: an intent without
                  / INFO     a result after a crash, not re-run; ``rerun``: run again, its
-                            tool being idempotent or an operator allowed it), attempt
+                            tool being idempotent or an operator allowed it), attempt,
+                            side_effects
+``lease_*``      WARNING    ``lease_renewal_failed``, ``lease_release_failed``,
+                            ``lease_request_again_failed``: error_type, detail (a store error)
+``serve_run_``   WARNING    ``serve_run_failed``: error_type (a run of ``serve()`` raised)
+``failed``
 ===============  =========  ===============================================================
 
 No event carries an API key, a prompt, a reply, tool arguments or a tool

@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
-import structlog
 
+from . import _log
 from ._errors import ConfigurationError
 from ._hold import leasing_store
 from ._lease import check_claim, new_owner
@@ -28,8 +28,6 @@ from ._runtime import Runtime
 from ._steps import CancelToken
 
 __all__ = ["serve"]
-
-_log = structlog.stdlib.get_logger("stepmachine")
 
 
 async def serve(
@@ -97,11 +95,11 @@ async def serve(
         try:  # one round per claim: a session requested again goes back in the queue
             report = await machine._run_holding(runtime, store, lease, None, max_rounds=1)
         except Exception as exc:  # noqa: BLE001 - one session's failure does not stop the worker
-            _log.warning(
-                "served run failed",
+            _log.event(
+                _log.WARNING,
+                "serve_run_failed",
                 session_id=lease.session_id,
-                error=type(exc).__name__,
-                detail=str(exc),
+                error_type=type(exc).__name__,
             )
             continue
         if on_report is not None:
