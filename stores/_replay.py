@@ -69,9 +69,9 @@ def decode_refused(text: str, where: str) -> tuple[Refusal, ...]:
     try:
         pairs = _REFUSED_DECODER.decode(text)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise _fail(f"the refused column of {where} is not a list of [step, why]: {exc}") from None
+        raise _fail(f"{where}: the refused column is not a list of [step, why]: {exc}") from None
     if not pairs:
-        raise _fail(f"the refused column of {where} holds an empty list (none is stored as NULL)")
+        raise _fail(f"{where}: the refused column holds an empty list (none is stored as NULL)")
     return tuple(Refusal(step, why) for step, why in pairs)
 
 

@@ -163,6 +163,7 @@ def columns_at(version: int) -> dict[str, tuple[str, ...]]:
     """The columns (without ``crc``) of each table in a database of schema ``version`` >= 2."""
     return {table: row_columns(table, version) for table in COLUMNS}
 
+
 _HEADER = b"SQLite format 3\x00"
 
 _TEXT_COLUMNS = frozenset({"session_id", "step"})
