@@ -9,8 +9,9 @@ Every row is written with its ``crc`` (:func:`._sqlite_schema.checksum`) in
 the same statement, and every row read is checked against it before any of
 its columns is used. Reading fails closed (invariant 8): a row whose checksum
 does not match, a row of an unknown schema version, a column of the wrong
-type, a gap in the log, a compressed effect body in a version-2 row or a
-compressed body that does not decompress raises
+type, a gap in the log, a compressed effect body in a version-2 row, ``refused``
+or ``trace`` in a batch row older than version 4, or a compressed body that
+does not decompress raises
 :class:`~stepmachine.StoredDataError` naming the file, the table, the
 session, the revision and the effect index. Nothing here ever rewrites a row
 it read. Records are handed to the stores' core (:mod:`._core`) as bytes; it
