@@ -42,8 +42,8 @@ digest of the last record read).
 Batches travel as one of two record forms, chosen by the backend (the store
 passes it to the core; the backends here name it ``FORM``):
 :class:`BatchRecord` (one codec batch record: the file log) or
-:class:`EffectRows` (step, cycle and timestamp apart, then one codec effects
-record per effect: SQLite, and PostgreSQL).
+:class:`EffectRows` (step, cycle, timestamp, refusals and trace apart, then one
+codec effects record per effect: SQLite, and PostgreSQL).
 
 How PostgreSQL fits (issue 10): psycopg's sync API in an anyio worker thread,
 one ``BEGIN ... COMMIT`` per hop, the connection taken from its pool; the txn
@@ -129,6 +129,10 @@ class EffectRows(msgspec.Struct, frozen=True):
         step, cycle, timestamp: the batch's header.
         effects: one codec effects record (``Codec.encode_effects``) per effect,
             each holding exactly one effect.
+        refused: the batch's ``refused`` as compact JSON text
+            (``[["step","why"],...]``), None when it is empty; decoded by the
+            core (:func:`._replay.decode_batch`), never by the backend.
+        trace: the batch's ``trace`` (a W3C ``traceparent``), or None.
     """
 
     revision: int
@@ -137,6 +141,8 @@ class EffectRows(msgspec.Struct, frozen=True):
     cycle: int
     timestamp: float
     effects: tuple[bytes, ...]
+    refused: str | None = None
+    trace: str | None = None
 
     @property
     def size(self) -> int:

@@ -21,7 +21,7 @@ from stepmachine import Lease
 
 from ._backend import EffectRows
 from ._postgres_leases import fenced_condition
-from ._postgres_schema import ROW_VERSIONS, SCHEMA, SCHEMA_VERSION
+from ._postgres_schema import ROW_VERSIONS, SCHEMA, SCHEMA_VERSION, TRAIL_FROM
 from ._sqlite_rows import (
     SessionRow,
     assemble_log,
@@ -204,11 +204,11 @@ def prune_snapshots(conn: psycopg.Connection[Any], sid: int, newest: int) -> Non
 
 # -- the log -------------------------------------------------------------------
 
-_BATCH_COLUMNS = "sid, revision, step, cycle, ts, effect_count, schema_version, crc"
+_BATCH_COLUMNS = "sid, revision, step, cycle, ts, effect_count, schema_version, refused, trace, crc"
 _EFFECT_COLUMNS = "sid, revision, position, schema_version, body, crc"
 _INSERT_BATCH = (
     f"INSERT INTO {SCHEMA}.batches ({_BATCH_COLUMNS}) "  # noqa: S608 - fixed names
-    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
+    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 )
 _INSERT_EFFECT = f"INSERT INTO {SCHEMA}.effects ({_EFFECT_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s)"  # noqa: S608 - fixed names
 _SELECT_BATCHES = (
@@ -249,6 +249,7 @@ def read_log(
         effect_rows,
         row_versions=ROW_VERSIONS,
         compressed_from=min(ROW_VERSIONS),
+        trail_from=TRAIL_FROM,
         timestamp_column="ts",
     )
 
@@ -261,8 +262,12 @@ def insert_batch(
     cycle: int,
     timestamp: float,
     bodies: Sequence[bytes],
+    refused: str | None,
+    trace: str | None,
 ) -> None:
     """Append one batch row and its effect rows (one ``executemany``), with their checksums.
+
+    ``refused`` and ``trace`` are the batch's, as :class:`._backend.EffectRows` holds them.
 
     The effect rows go first: psycopg runs ``executemany`` in pipeline mode,
     after which the server does not arm ``idle_in_transaction_session_timeout``
@@ -270,7 +275,8 @@ def insert_batch(
     statement, so a process stalled after it, holding the session row
     locked, is still cut off (see ``PostgresStore.open``).
     """
-    batch, effects = batch_row_values(sid, revision, step, cycle, timestamp, bodies, SCHEMA_VERSION)
+    header = (sid, revision, step, cycle, timestamp)
+    batch, effects = batch_row_values(*header, bodies, refused, trace, SCHEMA_VERSION)
     with conn.cursor() as cursor:
         cursor.executemany(_INSERT_EFFECT, effects)
     conn.execute(_INSERT_BATCH, batch)
@@ -285,7 +291,8 @@ def copy_log(
     with a new one; bodies are not decoded. :class:`StoredDataError` for a row
     that does not match (the caller's transaction rolls back: nothing written).
     """
-    batches, effects = copied_rows(label, session_id, target, *_log_rows(conn, source, 0, upto))
+    rows = _log_rows(conn, source, 0, upto)
+    batches, effects = copied_rows(label, session_id, target, *rows, trail_from=TRAIL_FROM)
     with conn.cursor() as cursor:
         cursor.executemany(_INSERT_BATCH, batches)
         cursor.executemany(_INSERT_EFFECT, effects)

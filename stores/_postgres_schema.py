@@ -5,19 +5,20 @@ Everything here is synchronous and runs in a worker thread, on a connection
 taken from the store's pool (``autocommit`` on, so every transaction is an
 explicit ``BEGIN ... COMMIT``). Reading and writing rows is :mod:`._postgres_rows`.
 
-Layout (schema version 1), in the PostgreSQL schema ``stepmachine`` (so the
+Layout (schema version 2), in the PostgreSQL schema ``stepmachine`` (so the
 store shares a database with an application's own tables)::
 
     schema_version(version PK, applied_at)        one row per migration applied
     sessions(sid PK bigserial, session_id UNIQUE, revision, schema_version,
              snapshot_revision, snapshot_bytes, pending_bytes, crc,
              lease_owner, lease_epoch, lease_expires_at, run_requested_at)
-    batches(sid, revision, step, cycle, ts, effect_count, schema_version, crc)
+    batches(sid, revision, step, cycle, ts, effect_count, schema_version, crc,
+            refused, trace)
     effects(sid, revision, position, schema_version, body, crc)
     snapshots(sid, revision, schema_version, body, crc)
 
 The rows are those of :class:`~stepmachine.stores.SQLiteStore` (its schema
-version 3, see :mod:`._sqlite_schema`): ``sid`` is never reused (a sequence),
+version 4, see :mod:`._sqlite_schema`): ``sid`` is never reused (a sequence),
 effects are append-only, one row per effect, ``body`` is the codec's record,
 compressed with zlib when that pays (:func:`._sqlite_rows.compact`); every row
 carries ``crc``, the CRC-32 of :func:`._sqlite_schema.checksum` over the
@@ -38,7 +39,16 @@ newer version than :data:`SCHEMA_VERSION` is refused with
 ``stepmachine`` schema holding tables but no version table (not ours). A
 database without the schema gets it, in one transaction holding a
 transaction-level advisory lock (:data:`LOCK_KEY`), so stores opening one
-new database at once create it once.
+new database at once create it once. An older database is migrated the
+same way (one transaction under the lock, each version in turn):
+
+- 1 to 2: adds the nullable ``text`` columns ``refused`` (the batch's
+  refusals as compact JSON, NULL when there are none; ``text``, not
+  ``jsonb``, so the checksum covers the exact bytes written) and ``trace``
+  (the W3C ``traceparent``, or NULL) to ``batches``. No row is read or
+  rewritten: the rows of version 1 keep their checksum (which does not cover
+  the new columns) and read with both NULL; a version-2 row's covers both
+  (:data:`TRAIL_FROM`).
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ __all__ = [
     "ROW_VERSIONS",
     "SCHEMA",
     "SCHEMA_VERSION",
+    "TRAIL_FROM",
     "describe",
     "idle_limit",
     "prepare_schema",
@@ -66,11 +77,14 @@ __all__ = [
 SCHEMA: Final = "stepmachine"
 """The PostgreSQL schema (namespace) holding the store's tables."""
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 """The schema version this code writes; it opens databases of this version or older."""
 
-ROW_VERSIONS: Final = (1,)
+ROW_VERSIONS: Final = (1, 2)
 """The row versions this code reads."""
+
+TRAIL_FROM: Final = 2
+"""The first schema (and row) version whose ``batches`` rows hold ``refused`` and ``trace``."""
 
 LOCK_KEY: Final = 0x5354_4550_4D41_4348 >> 1  # "STEPMACH", kept positive for a bigint
 """The advisory lock a migration holds for its transaction."""
@@ -135,6 +149,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         f"ALTER TABLE {SCHEMA}.effects ALTER COLUMN body SET STORAGE EXTERNAL",
         f"ALTER TABLE {SCHEMA}.snapshots ALTER COLUMN body SET STORAGE EXTERNAL",
     ),
+    # The decision trail: nullable, so no row is rewritten (the old ones read NULL).
+    2: (f"ALTER TABLE {SCHEMA}.batches ADD COLUMN refused text, ADD COLUMN trace text",),
 }
 """The statements that bring a database from the previous version to each version."""
 

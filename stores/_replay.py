@@ -12,17 +12,67 @@ revisions follow each other.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
-from stepmachine import Batch, Codec, Effect, EffectError, Session, StoredDataError, apply_batch
+import msgspec
+
+from stepmachine import (
+    Batch,
+    Codec,
+    Effect,
+    EffectError,
+    Refusal,
+    Session,
+    StoredDataError,
+    apply_batch,
+)
 
 from ._backend import Base, BatchRecord, EffectRows, StoredBatch
 
-__all__ = ["decode_base", "decode_batch", "encode_batch", "lost", "replay"]
+__all__ = [
+    "decode_base",
+    "decode_batch",
+    "decode_refused",
+    "encode_batch",
+    "encode_refused",
+    "lost",
+    "replay",
+]
+
+_REFUSED_ENCODER: Final = msgspec.json.Encoder()
+_REFUSED_DECODER: Final = msgspec.json.Decoder(tuple[tuple[str, str], ...])
+"""Exactly ``[[step, why], ...]``: a pair of strings each, nothing more (an
+array-like Struct would skip extra elements)."""
 
 
 def _fail(problem: str) -> StoredDataError:
     return StoredDataError(f"invariant 8 (stored data is data): {problem}")
+
+
+def encode_refused(refused: tuple[Refusal, ...]) -> str | None:
+    """A batch's ``refused`` as the SQL backends store it: compact JSON text
+    ``[["step","why"],...]`` (the codec's form of :class:`~stepmachine.Refusal`),
+    None when there are none."""
+    if not refused:
+        return None
+    return _REFUSED_ENCODER.encode(refused).decode("utf-8")
+
+
+def decode_refused(text: str, where: str) -> tuple[Refusal, ...]:
+    """The refusals :func:`encode_refused` wrote, read strictly.
+
+    Raises:
+        StoredDataError: ``text`` is not a non-empty JSON array of
+            ``[step, why]`` string pairs (an empty one is stored as NULL);
+            the message names ``where`` (the session and revision).
+    """
+    try:
+        pairs = _REFUSED_DECODER.decode(text)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _fail(f"{where}: the refused column is not a list of [step, why]: {exc}") from None
+    if not pairs:
+        raise _fail(f"{where}: the refused column holds an empty list (none is stored as NULL)")
+    return tuple(Refusal(step, why) for step, why in pairs)
 
 
 def encode_batch(
@@ -49,6 +99,8 @@ def encode_batch(
             batch.cycle,
             float(batch.timestamp),
             tuple(codec.encode_effects((effect,)) for effect in batch.effects),
+            encode_refused(batch.refused),
+            batch.trace,
         )
     return stored, decode_batch(codec, batch.session_id, stored)
 
@@ -59,7 +111,8 @@ def decode_batch(codec: Codec[Any], session_id: str, stored: StoredBatch) -> Bat
 
     Raises:
         StoredDataError: it does not decode, an effects record does not hold
-            exactly one effect, or it names another session or revision.
+            exactly one effect, its refusals are malformed, or it names
+            another session or revision.
     """
     if isinstance(stored, BatchRecord):
         batch = codec.decode_batch(
@@ -79,6 +132,7 @@ def decode_batch(codec: Codec[Any], session_id: str, stored: StoredBatch) -> Bat
         if len(decoded) != 1:
             raise _fail(f"{where}: the record holds {len(decoded)} effects, not 1")
         effects.append(decoded[0])
+    refused = () if stored.refused is None else decode_refused(stored.refused, stored.where)
     return Batch(
         session_id=session_id,
         revision=stored.revision,
@@ -86,6 +140,8 @@ def decode_batch(codec: Codec[Any], session_id: str, stored: StoredBatch) -> Bat
         cycle=stored.cycle,
         timestamp=stored.timestamp,
         effects=tuple(effects),
+        refused=refused,
+        trace=stored.trace,
     )
 
 

@@ -125,7 +125,7 @@ class SQLTxn:
             self._rows.pop(session_id, None)
             return None
         header = (batch.revision, batch.step, batch.cycle, batch.timestamp)
-        rows.insert_batch(self.conn, at.sid, *header, batch.effects)
+        rows.insert_batch(self.conn, at.sid, *header, batch.effects, batch.refused, batch.trace)
         if snapshot is not None:
             rows.insert_snapshot(self.conn, at.sid, snapshot.revision, snapshot.record)
             rows.prune_snapshots(self.conn, at.sid, snapshot.revision)

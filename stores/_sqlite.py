@@ -13,7 +13,8 @@ when it fails, to say why). Snapshots (at revision 0, after a
 what a cold load replays; each new one prunes the one before (revision 0
 stays), so a session holds at most two, compressed; long effect records are
 compressed too (schema version 3). Every row carries a CRC-32 checked on load
-(since schema version 2). The on-disk layout, its migrations
+(since schema version 2). A batch row keeps the batch's ``refused`` and
+``trace`` (schema version 4). The on-disk layout, its migrations
 and the checksums live in :mod:`._sqlite_schema`; reading and writing rows in
 :mod:`._sqlite_rows`. The cache, replay, compare-and-set, snapshot policy and
 errors are the durable stores' shared core (:mod:`._core`), over the byte
@@ -146,10 +147,13 @@ class SQLiteStore(FlockLeaseMethods):
     Schema: a database written by an older schema version is migrated when
     opened (one transaction: whole or not at all); version 1 (no checksums)
     gets the checksum of every row as it is stored; version 2 is marked
-    version 3 (its rows are read as they are). A database of a newer version
-    than this code knows is refused and left unchanged: version 3 stores
-    long effect records compressed, so code that knows only version 2
-    refuses a version-3 database on open instead of failing on such a row.
+    version 3 (its rows are read as they are); version 3 gets the batch
+    columns ``refused`` and ``trace`` (its rows read with the defaults: no
+    refusals, no trace). A database of a newer version than this code knows
+    is refused and left unchanged: version 3 stores long effect records
+    compressed, so code that knows only version 2 refuses a version-3
+    database on open instead of failing on such a row (and code of version 3
+    refuses version 4 rather than drop the batches' refusals and traces).
 
     Cancellation: a method cancelled while it waits for the store's lock does
     nothing. Once its transaction is running in the worker thread it is not

@@ -9,8 +9,9 @@ Every row is written with its ``crc`` (:func:`._sqlite_schema.checksum`) in
 the same statement, and every row read is checked against it before any of
 its columns is used. Reading fails closed (invariant 8): a row whose checksum
 does not match, a row of an unknown schema version, a column of the wrong
-type, a gap in the log, a compressed effect body in a version-2 row or a
-compressed body that does not decompress raises
+type, a gap in the log, a compressed effect body in a version-2 row, ``refused``
+or ``trace`` in a batch row older than version 4, or a compressed body that
+does not decompress raises
 :class:`~stepmachine.StoredDataError` naming the file, the table, the
 session, the revision and the effect index. Nothing here ever rewrites a row
 it read. Records are handed to the stores' core (:mod:`._core`) as bytes; it
@@ -30,7 +31,13 @@ from stepmachine import StoredDataError
 from ._backend import EffectRows, Marks
 from ._inflate import compressed, inflate
 from ._snapshot_policy import Weighted
-from ._sqlite_schema import COMPRESSED_EFFECTS_FROM, ROW_VERSIONS, SCHEMA_VERSION, checksum
+from ._sqlite_schema import (
+    COMPRESSED_EFFECTS_FROM,
+    ROW_VERSIONS,
+    SCHEMA_VERSION,
+    TRAIL_FROM,
+    checksum,
+)
 
 __all__ = [
     "COMPRESS_FROM",
@@ -311,9 +318,11 @@ def prune_snapshots(conn: sqlite3.Connection, sid: int, newest: int) -> None:
 
 # -- the log -------------------------------------------------------------------
 
-_BATCH_COLUMNS = "sid, revision, step, cycle, timestamp, effect_count, schema_version, crc"
+_BATCH_COLUMNS = (
+    "sid, revision, step, cycle, timestamp, effect_count, schema_version, refused, trace, crc"
+)
 _EFFECT_COLUMNS = "sid, revision, position, schema_version, body, crc"
-_INSERT_BATCH = f"INSERT INTO batches ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
+_INSERT_BATCH = f"INSERT INTO batches ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
 _INSERT_EFFECT = f"INSERT INTO effects ({_EFFECT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)"  # noqa: S608
 _SELECT_BATCHES = (
     f"SELECT {_BATCH_COLUMNS} FROM batches "  # noqa: S608 - fixed names
@@ -353,8 +362,30 @@ def read_log(
         effect_rows,
         row_versions=ROW_VERSIONS,
         compressed_from=COMPRESSED_EFFECTS_FROM,
+        trail_from=TRAIL_FROM,
         timestamp_column="timestamp",
     )
+
+
+def _checked_batch_row(label: str, where: str, row: Sequence[Any], trail_from: int) -> bool:
+    """Check one ``batches`` row (:data:`_BATCH_COLUMNS`) against its checksum; whether
+    the checksum covers ``refused`` and ``trace``.
+
+    A row of version ``trail_from`` or later has ``crc`` over ``refused`` and
+    ``trace`` too; an older row (written before the columns were added) has
+    it over the others, and must hold NULL in both.
+    """
+    version = row[6]
+    trail = isinstance(version, int) and not isinstance(version, bool) and version >= trail_from
+    _verify(label, f"{where} (table batches)", "batches", tuple(row[: 9 if trail else 7]), row[9])
+    if not trail and (row[7] is not None or row[8] is not None):
+        raise _fail(
+            label,
+            where,
+            f"the batches row of schema version {version!r} holds refused {row[7]!r} and "
+            f"trace {row[8]!r}; rows hold them from version {trail_from}",
+        )
+    return trail
 
 
 def assemble_log(
@@ -367,16 +398,19 @@ def assemble_log(
     *,
     row_versions: tuple[int, ...],
     compressed_from: int,
+    trail_from: int,
     timestamp_column: str,
 ) -> list[EffectRows]:
     """The batches in ``(after, upto]`` from their rows, as the SQL backends store them.
 
     ``batch_rows`` are ``(sid, revision, step, cycle, timestamp, effect_count,
-    schema_version, crc)`` and ``effect_rows`` ``(sid, revision, position,
-    schema_version, body, crc)``, both in revision (and position) order. Every
-    row is checked against its checksum, row version (one of
-    ``row_versions``) and column types, and each effect body decompressed (a
-    row older than ``compressed_from`` may not hold a compressed one);
+    schema_version, refused, trace, crc)`` and ``effect_rows`` ``(sid,
+    revision, position, schema_version, body, crc)``, both in revision (and
+    position) order. Every row is checked against its checksum, row version
+    (one of ``row_versions``) and column types, and each effect body
+    decompressed (a row older than ``compressed_from`` may not hold a
+    compressed one; a batch row older than ``trail_from`` holds neither
+    ``refused`` nor ``trace``, and its checksum does not cover them);
     :class:`StoredDataError` for a row that does not match, a missing batch or
     effect, or an orphan effect, naming ``label``, the table, revision and
     effect index. Shared by SQLite and PostgreSQL.
@@ -385,7 +419,7 @@ def assemble_log(
     cursor = 0
     for expected, row in enumerate(batch_rows, start=after + 1):
         where = f"session {session_id!r} revision {row[1]!r}"
-        _verify(label, f"{where} (table batches)", "batches", tuple(row[:7]), row[7])
+        _checked_batch_row(label, where, row, trail_from)
         revision = _typed(label, where, "revision", row[1], int)
         if revision != expected:
             raise _fail(
@@ -422,6 +456,8 @@ def assemble_log(
                 cycle=_typed(label, where, "cycle", row[3], int),
                 timestamp=_typed(label, where, timestamp_column, row[4], float),
                 effects=tuple(records),
+                refused=None if row[7] is None else _typed(label, where, "refused", row[7], str),
+                trace=None if row[8] is None else _typed(label, where, "trace", row[8], str),
             )
         )
     if len(log) != upto - after:
@@ -468,12 +504,17 @@ def insert_batch(
     cycle: int,
     timestamp: float,
     bodies: Sequence[bytes],
+    refused: str | None,
+    trace: str | None,
 ) -> None:
     """Append one batch row and its effect rows, with their checksums.
 
-    The caller moves the session row to ``revision`` (:func:`write_session_row`).
+    ``refused`` is the batch's refusals as :func:`._replay.encode_refused`
+    wrote them (None: none), ``trace`` its traceparent. The caller moves the
+    session row to ``revision`` (:func:`write_session_row`).
     """
-    batch, effects = batch_row_values(sid, revision, step, cycle, timestamp, bodies, SCHEMA_VERSION)
+    header = (sid, revision, step, cycle, timestamp)
+    batch, effects = batch_row_values(*header, bodies, refused, trace, SCHEMA_VERSION)
     conn.execute(_INSERT_BATCH, batch)
     conn.executemany(_INSERT_EFFECT, effects)
 
@@ -485,12 +526,15 @@ def batch_row_values(
     cycle: int,
     timestamp: float,
     bodies: Sequence[bytes],
+    refused: str | None,
+    trace: str | None,
     version: int,
 ) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]]:
-    """The values of one batch row and of its effect rows (bodies as :func:`compact`
-    stores them), each with its checksum, written as row ``version``. Shared by the
-    SQL backends."""
-    batch = (sid, revision, step, cycle, float(timestamp), len(bodies), version)
+    """The values of one batch row (:data:`_BATCH_COLUMNS`) and of its effect rows
+    (bodies as :func:`compact` stores them), each with its checksum, written as row
+    ``version`` (one that holds ``refused`` and ``trace``). Shared by the SQL
+    backends."""
+    batch = (sid, revision, step, cycle, float(timestamp), len(bodies), version, refused, trace)
     effects = []
     for position, body in enumerate(bodies):
         effect = (sid, revision, position, version, compact(body))
@@ -508,7 +552,8 @@ def copy_log(
     for a row that does not match its checksum; nothing is then written (the
     caller's transaction rolls back).
     """
-    batches, effects = copied_rows(path, session_id, target, *_log_rows(conn, source, 0, upto))
+    rows = _log_rows(conn, source, 0, upto)
+    batches, effects = copied_rows(path, session_id, target, *rows, trail_from=TRAIL_FROM)
     conn.executemany(_INSERT_BATCH, batches)
     conn.executemany(_INSERT_EFFECT, effects)
 
@@ -519,16 +564,21 @@ def copied_rows(
     target: int,
     batch_rows: Sequence[Sequence[Any]],
     effect_rows: Sequence[Sequence[Any]],
+    *,
+    trail_from: int,
 ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
     """The batch and effect rows of a session, checked against their checksums and
     moved to session ``target`` with new ones (bodies not decoded); StoredDataError
-    for a row that does not match. Shared by the SQL backends' ``copy_log``."""
+    for a row that does not match. Each row keeps its version, so a batch row
+    older than ``trail_from`` keeps a checksum without ``refused`` and ``trace``
+    (both NULL). Shared by the SQL backends' ``copy_log``."""
     batches = []
     for row in batch_rows:
-        where = f"session {session_id!r} revision {row[1]!r} (table batches)"
-        _verify(label, where, "batches", tuple(row[:7]), row[7])
-        values = (target, *row[1:7])
-        batches.append((*values, checksum("batches", values)))
+        where = f"session {session_id!r} revision {row[1]!r}"
+        trail = _checked_batch_row(label, where, row, trail_from)
+        covered = (target, *row[1:9])
+        crc = checksum("batches", covered if trail else covered[:7])
+        batches.append((*covered, crc))
     effects = []
     for row in effect_rows:
         where = f"session {session_id!r} revision {row[1]!r} effect {row[2]!r} (table effects)"

@@ -4,12 +4,13 @@ Everything here is synchronous and runs in the store's worker thread, on a
 connection the caller holds exclusively. Reading and writing rows is
 :mod:`._sqlite_rows`.
 
-Layout (schema version 3; the tables have not changed since version 2)::
+Layout (schema version 4)::
 
     schema_version(version PK, applied_at)        one row per migration applied
     sessions(sid PK AUTOINCREMENT, session_id UNIQUE, revision, schema_version,
              snapshot_revision, snapshot_bytes, pending_bytes, crc)
-    batches(sid, revision, step, cycle, timestamp, effect_count, schema_version, crc)
+    batches(sid, revision, step, cycle, timestamp, effect_count, schema_version,
+            crc, refused, trace)
     effects(sid, revision, position, schema_version, body, crc)
     snapshots(sid, revision, schema_version, body, crc)
 
@@ -44,7 +45,8 @@ Checksums (since schema version 2): every row of ``sessions``, ``batches``,
 :func:`checksum` over the table's name and every other column of the row, in
 the order above: the payload (``body``, ``step``, ...) *and* the columns that
 say where it belongs (``sid``, ``session_id``, ``revision``, ``position``) and
-the row's ``schema_version``. A
+the row's ``schema_version``; a ``batches`` row of version 4 or later also
+``refused`` and ``trace``, after ``schema_version`` (:func:`row_columns`). A
 flipped bit, or a row moved to another session, revision or position, no
 longer matches its ``crc``; the reader then raises
 :class:`~stepmachine.StoredDataError` naming the table, the session and the
@@ -70,6 +72,13 @@ middle leaves the old version), through each version in turn:
   compressed effect bodies, which code of version 2 cannot read: the version
   bump makes that code refuse the whole database on open, untouched, instead
   of failing on the first compressed row it reads.
+- 3 to 4: adds the nullable columns ``refused`` (the batch's refusals as
+  compact JSON text ``[["step","why"],...]``, NULL when there are none) and
+  ``trace`` (the W3C ``traceparent`` of the span that wrote the batch, or NULL)
+  to ``batches`` (``ALTER TABLE ... ADD COLUMN``: no row is read or rewritten).
+  The rows written before keep their version and checksum and read with both
+  NULL (the batch's defaults); such a row holding either is damage. A
+  version-4 row's ``crc`` covers both columns.
 """
 
 from __future__ import annotations
@@ -90,22 +99,32 @@ __all__ = [
     "COMPRESSED_EFFECTS_FROM",
     "ROW_VERSIONS",
     "SCHEMA_VERSION",
+    "TRAIL_COLUMNS",
+    "TRAIL_FROM",
     "checksum",
+    "columns_at",
     "create_owner_only",
     "open_connection",
+    "row_columns",
     "transaction",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The schema version this code writes; it opens databases of this version or older."""
 
-ROW_VERSIONS = (2, 3)
+ROW_VERSIONS = (2, 3, 4)
 """The row versions this code reads: every row of a migrated database is one of these."""
 
 COMPRESSED_EFFECTS_FROM = 3
 """The first row version whose effect bodies may be compressed."""
 
-COLUMNS: dict[str, tuple[str, ...]] = {
+TRAIL_FROM = 4
+"""The first schema (and row) version whose ``batches`` rows hold ``refused`` and ``trace``."""
+
+TRAIL_COLUMNS = ("refused", "trace")
+"""The ``batches`` columns that schema version 4 added (the decision trail)."""
+
+_COLUMNS_2: dict[str, tuple[str, ...]] = {
     "sessions": (
         "session_id",
         "sid",
@@ -119,7 +138,31 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "effects": ("sid", "revision", "position", "schema_version", "body"),
     "snapshots": ("sid", "revision", "schema_version", "body"),
 }
-"""The columns each table's ``crc`` covers, in the order :func:`checksum` takes them."""
+"""The columns of each table from schema version 2 to 3, which a row's ``crc`` covers."""
+
+COLUMNS: dict[str, tuple[str, ...]] = {
+    **_COLUMNS_2,
+    "batches": (*_COLUMNS_2["batches"], *TRAIL_COLUMNS),
+}
+"""The columns each table's ``crc`` covers in a row of :data:`SCHEMA_VERSION`, in the
+order :func:`checksum` takes them (a row of an older version: :func:`row_columns`)."""
+
+
+def row_columns(table: str, version: int, trail_from: int = TRAIL_FROM) -> tuple[str, ...]:
+    """The columns ``crc`` covers in a row of ``table`` written as row ``version``.
+
+    A ``batches`` row older than ``trail_from`` (the version that added
+    ``refused`` and ``trace``; PostgreSQL passes its own) leaves them out.
+    """
+    if table == "batches" and version < trail_from:
+        return _COLUMNS_2[table]
+    return COLUMNS[table]
+
+
+def columns_at(version: int) -> dict[str, tuple[str, ...]]:
+    """The columns (without ``crc``) of each table in a database of schema ``version`` >= 2."""
+    return {table: row_columns(table, version) for table in COLUMNS}
+
 
 _HEADER = b"SQLite format 3\x00"
 
@@ -183,7 +226,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     2: tuple(
         statement
-        for table, columns in COLUMNS.items()
+        for table, columns in _COLUMNS_2.items()
         for statement in (
             f"ALTER TABLE {table} ADD COLUMN crc INTEGER",
             # Every column as stored, but the row's new version: 2.
@@ -194,6 +237,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     # Nothing to change: version 3 only allows compressed effect bodies in new rows.
     3: (),
+    # The decision trail; the rows written before keep NULL (the defaults).
+    4: tuple(f"ALTER TABLE batches ADD COLUMN {column} TEXT" for column in TRAIL_COLUMNS),
 }
 """The statements that bring a database from the previous version to each version.
 
@@ -243,7 +288,7 @@ def _sql_checksum(table: str, *values: object) -> int:
     """
     decoded = tuple(
         _decode_text(value) if name in _TEXT_COLUMNS and isinstance(value, bytes) else value
-        for name, value in zip(COLUMNS[table], values, strict=True)
+        for name, value in zip(_COLUMNS_2[table], values, strict=True)
     )
     return checksum(table, decoded)
 
@@ -380,7 +425,7 @@ def _read_version(conn: sqlite3.Connection, path: str) -> int:
             f"stepmachine reads schema versions up to {SCHEMA_VERSION}. Upgrade stepmachine "
             "to open it; the file was left unchanged"
         )
-    for table, names in COLUMNS.items():
+    for table, names in columns_at(max(version, 2)).items():
         columns = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         expected = {*names, "crc"} if version >= 2 else set(names)  # version 2 added crc
         if columns != expected:
@@ -388,8 +433,8 @@ def _read_version(conn: sqlite3.Connection, path: str) -> int:
             raise StoredDataError(
                 f"{path}: its schema_version table says version {version}, but table {table!r} "
                 f"{found}, not {sorted(expected)!r} (schema version 2 added a crc column "
-                "to every table): the schema_version table or the schema is damaged; the "
-                "file was left unchanged"
+                "to every table, version 4 refused and trace to batches): the "
+                "schema_version table or the schema is damaged; the file was left unchanged"
             )
     return version
 

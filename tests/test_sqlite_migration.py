@@ -1,7 +1,8 @@
-"""SQLiteStore migrates databases of schema versions 1 and 2 to version 3 (issue 8, item 2).
+"""SQLiteStore migrates databases of schema versions 1 and 2 to the current version (issue 8,
+item 2; version 3 to 4, the batches' refused and trace columns: ``test_batch_trail.py``).
 
 The golden database written by schema version 1 (``golden/sqlite/store-v1.db``,
-no checksums) is opened by the current code: it is migrated (through 2 to 3)
+no checksums) is opened by the current code: it is migrated (through 2 and 3 to 4)
 in one transaction, reads exactly the expected content, carries a valid
 checksum on every row, accepts new batches, and reads the same after
 reopening. A failing migration leaves version 1 as it was; a newer version is
@@ -30,13 +31,20 @@ import pytest
 from stepmachine import Batch, Conversation, Session, StoredDataError, apply_batch
 from stepmachine.stores import SQLiteStore
 from stepmachine.stores import _sqlite_schema as schema
-from stepmachine.stores._sqlite_schema import COLUMNS, ROW_VERSIONS, SCHEMA_VERSION, checksum
+from stepmachine.stores._sqlite_schema import (
+    COLUMNS,
+    ROW_VERSIONS,
+    SCHEMA_VERSION,
+    checksum,
+    columns_at,
+    row_columns,
+)
 
 GOLDEN = Path(golden.__file__).resolve().parent / "golden" / "sqlite"
 V1 = GOLDEN / golden.db_name(1)
 V2 = GOLDEN / golden.db_name(2)
 V3 = GOLDEN / golden.db_name(3)
-MIGRATED = [1, 2, 3]
+MIGRATED = [1, 2, 3, 4]
 """The schema_version table of a database at the current version."""
 EXPECTED: dict[str, Any] = json.loads((GOLDEN / "expected.json").read_text(encoding="utf-8"))
 
@@ -87,11 +95,11 @@ def bad_checksums(path: Path) -> dict[str, int]:
         for table, names in COLUMNS.items():
             rows = connection.execute(f"SELECT {', '.join(names)}, crc FROM {table}").fetchall()
             assert rows, table
-            bad[table] = sum(
-                row[names.index("schema_version")] not in ROW_VERSIONS
-                or checksum(table, row[:-1]) != row[-1]
-                for row in rows
-            )
+            bad[table] = 0
+            for row in rows:
+                version = row[names.index("schema_version")]
+                covered = tuple(row[names.index(c)] for c in row_columns(table, version))
+                bad[table] += version not in ROW_VERSIONS or checksum(table, covered) != row[-1]
     return bad
 
 
@@ -110,11 +118,13 @@ def row_versions(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def every_row(path: Path) -> dict[str, list[tuple[Any, ...]]]:
-    """Every row of every store table, in a fixed order."""
+    """Every row of every store table (the columns of version 2), in a fixed order."""
     with raw(path) as connection:
         return {
-            table: connection.execute(f"SELECT * FROM {table} ORDER BY 1, 2, 3").fetchall()
-            for table in COLUMNS
+            table: connection.execute(
+                f"SELECT {', '.join(names)}, crc FROM {table} ORDER BY 1, 2, 3"
+            ).fetchall()
+            for table, names in columns_at(2).items()
         }
 
 
@@ -136,7 +146,7 @@ def test_the_golden_database_is_version_1_without_checksums() -> None:
     assert versions(V1) == [1]
     for table in COLUMNS:
         assert "crc" not in columns_of(V1, table)
-    assert SCHEMA_VERSION == 3
+    assert SCHEMA_VERSION == 4
 
 
 async def test_v1_is_migrated_verified_and_reopened(v1: Path) -> None:
@@ -171,9 +181,9 @@ async def test_a_migrated_database_takes_new_batches(v1: Path) -> None:
             "AND sid = (SELECT sid FROM sessions WHERE session_id = 'beta') ORDER BY position",
             (beta.revision + 1,),
         ).fetchall()
-    assert new_rows == [(3, b"["), (3, b"\x78")]
-    # Old rows keep version 2 (the copies a fork makes too); new ones are version 3.
-    assert row_versions(v1) == dict.fromkeys(COLUMNS, (2, 3))
+    assert new_rows == [(4, b"["), (4, b"\x78")]
+    # Old rows keep version 2 (the copies a fork makes too); new ones are version 4.
+    assert row_versions(v1) == dict.fromkeys(COLUMNS, (2, 4))
 
 
 async def test_a_failed_migration_leaves_version_1(
@@ -340,7 +350,7 @@ async def test_a_damaged_table_definition_is_stored_data_error_on_open(
 def test_the_golden_databases_of_versions_2_and_3() -> None:
     """Version 2 stores every effect record as it is; version 3 compresses the long ones."""
     assert versions(V2) == [1, 2]
-    assert versions(V3) == MIGRATED
+    assert versions(V3) == [1, 2, 3]
     with raw(V2) as connection:
         starts = connection.execute("SELECT DISTINCT substr(body, 1, 1) FROM effects").fetchall()
     assert starts == [(b"[",)]
@@ -355,7 +365,7 @@ async def test_v2_is_migrated_to_3_without_changing_a_row(v2: Path) -> None:
     before = every_row(v2)
     await read_everything(v2)  # the first open migrates
     assert versions(v2) == MIGRATED
-    assert every_row(v2) == before  # migration 3 only records the version
+    assert every_row(v2) == before  # migration 3 only records the version, 4 adds NULL columns
     assert row_versions(v2) == dict.fromkeys(COLUMNS, (2,))
     await read_everything(v2)  # reopened: nothing more to migrate
     assert versions(v2) == MIGRATED

@@ -1162,11 +1162,11 @@ async def test_uncompressed_long_effect_records_still_read(db: Path) -> None:
 
 
 @pytest.mark.parametrize("compressed", [False, True], ids=["as-is", "compressed"])
-@pytest.mark.parametrize("version", [1, 2, 3, 4])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
 async def test_which_effect_rows_read_by_row_version(
     db: Path, version: int, compressed: bool
 ) -> None:
-    """Rows of version 2 and 3 read; only version 3 may hold a compressed record.
+    """Rows of versions 2 to 4 read; only version 3 and later may hold a compressed record.
 
     A version-2 row with a compressed body, or a row of another version, is a
     corrupt row: StoredDataError naming session, revision and effect, and
@@ -1183,7 +1183,7 @@ async def test_which_effect_rows_read_by_row_version(
             (version, body, checksum("effects", (1, 1, 0, version, body))),
         )
     before = digest(db)
-    readable = version == 3 or (version == 2 and not compressed)
+    readable = version in (3, 4) or (version == 2 and not compressed)
     async with await SQLiteStore.open(db, codec()) as store:
         if readable:
             assert await store.load("s") == session

@@ -17,8 +17,9 @@ repository's root ``conftest.py``); otherwise mark the class ``anyio``.
 What is checked: create / load / list / delete; unknown ids; compare-and-set
 (stale and future revisions conflict and change nothing); atomic batches (a
 failing or unregistered effect writes nothing); application data and effects
-round-trip; reading at every earlier revision; the audit log; large sessions;
-many concurrent appliers losing no update.
+round-trip; reading at every earlier revision; the audit log, including each
+batch's ``refused`` (the steps that refused, and why) and ``trace`` exactly as
+applied; large sessions; many concurrent appliers losing no update.
 
 This module imports pytest; import it from tests only.
 """
@@ -46,6 +47,7 @@ from stepmachine import (
     Effect,
     EffectError,
     Message,
+    Refusal,
     Session,
     SessionExistsError,
     SessionNotFoundError,
@@ -254,6 +256,39 @@ class StoreConformance:
         assert await store.batches("s-1") == sent
         assert await store.batches("s-1", after=3) == sent[3:]
         assert await store.batches("s-1", after=5) == []
+
+    async def test_audit_log_keeps_refusals_and_trace(self, store: Store) -> None:
+        """``batches()`` returns each batch's ``refused`` and ``trace`` as applied, exactly."""
+        session = await store.create("s-1")
+        trails: list[tuple[tuple[Refusal, ...], str | None]] = [
+            ((Refusal("inference", "the conversation ends on an assistant message"),), None),
+            ((), "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            (
+                (
+                    Refusal("tools", 'no "open" calls, \\ none'),
+                    Refusal("approval ✓ 承認", 'ünïcödé 🚦 \n\t\x00 ["]'),
+                    Refusal("budget", "w" * 5000),
+                    Refusal("", ""),
+                ),
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+            ),
+            ((), None),
+        ]
+        sent = []
+        for index, (refused, trace) in enumerate(trails):
+            batch = msgspec.structs.replace(
+                _batch(session, [AppendMessage(_message(index))], step=f"step-{index}"),
+                refused=refused,
+                trace=trace,
+            )
+            await store.apply(batch)
+            sent.append(batch)
+            session = apply_batch(session, batch.effects)
+        got = await store.batches("s-1")
+        assert [(b.refused, b.trace) for b in got] == trails
+        assert got == sent
+        assert await store.batches("s-1", after=2) == sent[2:]
+        assert await store.load("s-1") == session
 
     async def test_large_session(self, store: Store) -> None:
         session = await store.create("big")
