@@ -48,6 +48,7 @@ from stepmachine import (
     ConflictError,
     Effect,
     Message,
+    Refusal,
     Session,
     SessionExistsError,
     SessionNotFoundError,
@@ -353,6 +354,8 @@ class JsonlStore:
                 cycle=heads[rev]["cycle"],
                 timestamp=heads[rev]["timestamp"],
                 effects=tuple(groups[rev]),
+                refused=tuple(Refusal(step, why) for step, why in heads[rev]["refused"]),
+                trace=heads[rev]["trace"],
             )
             for rev in sorted(groups)
         ]
@@ -428,6 +431,8 @@ class JsonlStore:
                             "step": batch.step,
                             "cycle": batch.cycle,
                             "timestamp": batch.timestamp,
+                            "refused": [[r.step, r.why] for r in batch.refused],
+                            "trace": batch.trace,
                             "effect": msgspec.json.decode(self._codec.encode_effects([effect]))[0],
                         }
                         file.write(msgspec.json.encode(record) + b"\n")
