@@ -134,7 +134,9 @@ class Never(Operation[Any]):
 
 async def test_an_idle_cycle_lists_every_refusing_step_with_why() -> None:
     store = MemoryStore()
-    await store.create("s", conversation=[Message.user("hi", id="u1"), Message.assistant("hello", id="a1")])
+    await store.create(
+        "s", conversation=[Message.user("hi", id="u1"), Message.assistant("hello", id="a1")]
+    )
     machine = StateMachine([Never(), Tools([add]), ModelInference()])
     with capture_logs() as captured:
         await machine.run(Runtime(store=store, model=ScriptedModel([])), "s")
@@ -190,7 +192,9 @@ class Interloper(Operation[Any]):
             return Refuse("answered")
         if not self.done:
             self.done = True
-            await submit(self.store, ctx.session.id, [AppendMessage(Message.user("meanwhile", id="u2"))])
+            await submit(
+                self.store, ctx.session.id, [AppendMessage(Message.user("meanwhile", id="u2"))]
+            )
         return Continue([AppendMessage(Message.assistant("ok", id="a1"))])
 
 
@@ -309,24 +313,24 @@ async def test_a_model_call_names_the_model_attempts_usage_and_finish_reason() -
         assert "reply" not in made  # content capture is off
 
 
-class ModelDown(Exception):
+class ModelDownError(Exception):
     """The stand-in model's failure."""
 
 
 async def test_a_failed_model_call_is_a_warning_with_the_error_type() -> None:
     def broken(request: ModelRequest) -> ModelResponse:
-        raise ModelDown("the model is down")
+        raise ModelDownError("the model is down")
 
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("hi", id="u1")])
     machine = StateMachine([ModelInference()])
     runtime = Runtime(store=store, model=FunctionModel(broken, name="down"))
-    with capture_logs() as captured, pytest.raises(ModelDown):
+    with capture_logs() as captured, pytest.raises(ModelDownError):
         await machine.run(runtime, "s")
     (failed,) = events(captured, "model_call")
     documented(failed)
     assert failed["log_level"] == "warning"
-    assert failed["error_type"] == "ModelDown"
+    assert failed["error_type"] == "ModelDownError"
     assert failed["model"] == "down"
     assert failed["attempts"] == 1
 
@@ -342,7 +346,9 @@ def answering(*responses: httpx.Response) -> Any:
 
 
 def json_response(code: int, body: bytes, **headers: str) -> httpx.Response:
-    return httpx.Response(code, content=body, headers={"content-type": "application/json", **headers})
+    return httpx.Response(
+        code, content=body, headers={"content-type": "application/json", **headers}
+    )
 
 
 @pytest.mark.parametrize("wire", wires.WIRES, ids=[w.name for w in wires.WIRES])
