@@ -89,7 +89,8 @@ async def resume(db: Path, session_id: str, out: Path) -> None:
             runtime(store, Telemetry(tracer_provider=provider)), session_id
         )
     spans = [as_json(s) for s in exporter.get_finished_spans()]
-    out.write_text(json.dumps({"kind": report.reason.kind, "spans": spans}), encoding="utf-8")
+    data = json.dumps({"kind": report.reason.kind, "spans": spans})
+    await anyio.Path(out).write_text(data, encoding="utf-8")
 
 
 if __name__ == "__main__":

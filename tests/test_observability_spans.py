@@ -298,24 +298,12 @@ async def test_approval_then_resume_in_a_second_process_links_the_two_runs(
     assert (first_agent.attributes or {})["stepmachine.yield.kind"] == "awaiting_approval"
     (wrote,) = spans.named("cycle approval")
     out = tmp_path / "spans.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(Path(child.__file__)),
-            str(db),
-            "pay",
-            str(out),
-            "--backend",
-            anyio_backend,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=child_env(),
+    command = [sys.executable, str(Path(child.__file__)), str(db), "pay", str(out)]
+    done = await anyio.run_process(
+        [*command, "--backend", anyio_backend], check=False, env=child_env()
     )
-    assert done.returncode == 0, done.stderr
-    exported = json.loads(out.read_text(encoding="utf-8"))
+    assert done.returncode == 0, done.stderr.decode()
+    exported = json.loads(await anyio.Path(out).read_text(encoding="utf-8"))
     assert exported["kind"] == "done"
     names = sorted(s["name"] for s in exported["spans"])
     assert names == [
