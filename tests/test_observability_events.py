@@ -11,7 +11,9 @@ run and checked field by field, on asyncio and trio:
   outside;
 * ``model_call`` (model, attempts, usage, finish reason; a failure is a
   WARNING with ``error_type``) and ``model_retry`` (an HTTP adapter over
-  ``httpx.MockTransport`` answering 429, then 503, then the reply);
+  ``httpx.MockTransport`` answering 429, then 503, then the reply; or 503
+  until the attempts run out); two concurrent runs each name their own
+  session in the retries their adapters report;
 * ``tool_call`` for each outcome (ok, error, timeout, invalid_arguments,
   aborted); ``journal`` after a crash (outcome_unknown, rerun).
 
@@ -60,6 +62,7 @@ from stepmachine import (
     tool,
 )
 from stepmachine.operations import Approval
+from stepmachine.providers import ProviderError, RetryPolicy
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 
@@ -633,3 +636,66 @@ async def test_with_logging_off_nothing_reaches_a_handler() -> None:
     finally:
         target.removeHandler(handler)
         target.setLevel(old_level)
+
+
+async def test_a_model_call_that_runs_out_of_attempts_reports_each_retry_then_the_failure() -> None:
+    wire = wires.WIRES[-1]
+    busy = [json_response(503, wire.error("overloaded_error", "busy")) for _ in range(3)]
+    model = wire.make(answering(*busy), retry=RetryPolicy(max_attempts=3))
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("hi", id="u1")])
+    try:
+        with capture_logs() as captured, pytest.raises(ProviderError):
+            await StateMachine([ModelInference()]).run(Runtime(store=store, model=model), "s")
+    finally:
+        await model.aclose()
+    assert [r["attempt"] for r in events(captured, "model_retry")] == [1, 2]
+    (failed,) = events(captured, "model_call")
+    assert (failed["log_level"], failed["attempts"]) == ("warning", 3)
+    assert failed["error_type"] in {"OverloadedError", "ServerError"}
+
+
+async def test_concurrent_runs_each_name_their_own_session_in_retry_events() -> None:
+    wire = wires.WIRES[0]
+    both_waiting = anyio.Event()
+    waiting = 0
+
+    def handler() -> Any:
+        """429 once both runs are inside their first model call, then the reply."""
+        answered = 0
+
+        async def answer(request: httpx.Request) -> httpx.Response:
+            nonlocal answered, waiting
+            answered += 1
+            if answered > 1:
+                return json_response(200, wire.ok_json)
+            waiting += 1
+            if waiting == 2:
+                both_waiting.set()
+            await both_waiting.wait()
+            return json_response(
+                429, wire.error("rate_limit_error", "slow"), **{"retry-after": "1"}
+            )
+
+        return answer
+
+    store = MemoryStore()
+    models = []
+    for session_id in ("left", "right"):
+        await store.create(session_id, conversation=[Message.user("hi", id="u1")])
+        models.append(wire.make(handler()))
+    try:
+        with capture_logs() as captured, anyio.fail_after(60):  # a deadlock guard
+            async with anyio.create_task_group() as group:
+                for session_id, model in zip(("left", "right"), models, strict=True):
+                    runtime = Runtime(store=store, model=model)
+                    group.start_soon(StateMachine([ModelInference()]).run, runtime, session_id)
+    finally:
+        for model in models:
+            await model.aclose()
+    retries = events(captured, "model_retry")
+    assert sorted((r["session_id"], r["model"]) for r in retries) == [
+        ("left", models[0].name),
+        ("right", models[1].name),
+    ]
+    assert {e["session_id"] for e in captured} == {"left", "right"}  # none without a session

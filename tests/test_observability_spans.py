@@ -6,9 +6,10 @@ asyncio and trio:
 
 * a tool loop is the tree ``invoke_agent -> cycle {step} -> chat {model} /
   execute_tool {tool}`` with the GenAI attributes; parallel tool calls of one
-  task group are each a child of their cycle;
+  task group are each a child of their cycle, and a span a tool starts in its
+  worker thread is a child of its ``execute_tool`` span;
 * a retry of an HTTP adapter is a ``gen_ai.retry`` span event on its ``chat``
-  span;
+  span (also when the attempts run out: then the span's status is ERROR);
 * an approval yield, then the resume in a second process on the SQLite file:
   the resumed ``invoke_agent`` links to the span that wrote the first run's
   last batch; a run resumed in-process links the same way;
@@ -54,6 +55,7 @@ from stepmachine import (
 )
 from stepmachine._tracing import tracer
 from stepmachine.operations import approve
+from stepmachine.providers import ProviderError, RetryPolicy
 from stepmachine.stores import MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 
@@ -576,3 +578,51 @@ def test_without_opentelemetry_installed_runs_work_and_make_no_spans(backend: st
         "[None, None, None, None]",
         "False",
     ]
+
+
+async def test_spans_made_inside_a_tool_in_a_worker_thread_are_children_of_its_span() -> None:
+    spans = Spans()
+    inner = spans.provider.get_tracer("a library the tool uses")
+
+    @tool  # runs in a worker thread (anyio copies the context into it)
+    def fetch(url: str) -> str:
+        """Fetches, under a span of its own."""
+        with inner.start_as_current_span("GET"):
+            return "ok"
+
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("fetch", id="u1")])
+    model = ScriptedModel([call(("fetch", {"url": "https://example.test"})), reply("done")])
+    runtime = Runtime(store=store, model=model, telemetry=spans.telemetry())
+    await StateMachine([Tools([fetch]), ModelInference()]).run(runtime, "s")
+    (get,) = spans.named("GET")
+    parent = spans.parent(get)
+    assert parent is not None
+    assert parent.name == "execute_tool fetch"
+
+
+async def test_a_model_call_out_of_attempts_has_its_retries_and_an_error_status() -> None:
+    wire = wires.WIRES[-1]
+    busy = [
+        httpx.Response(
+            503,
+            content=wire.error("overloaded_error", "busy"),
+            headers={"content-type": "application/json"},
+        )
+        for _ in range(3)
+    ]
+    model = wire.make(lambda request: busy.pop(0), retry=RetryPolicy(max_attempts=3))
+    spans = Spans()
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("hi", id="u1")])
+    try:
+        with pytest.raises(ProviderError):
+            await StateMachine([ModelInference()]).run(
+                Runtime(store=store, model=model, telemetry=spans.telemetry()), "s"
+            )
+    finally:
+        await model.aclose()
+    (chat,) = spans.named("chat")
+    assert [e.name for e in chat.events] == ["gen_ai.retry", "gen_ai.retry"]
+    assert chat.status.status_code is StatusCode.ERROR
+    assert (chat.attributes or {})["error.type"] in {"OverloadedError", "ServerError"}
