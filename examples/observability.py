@@ -164,7 +164,8 @@ def describe(span: dict[str, Any]) -> str:
             value = ",".join(str(v) for v in value) or "-"
         if value is not None:
             shown.append(f"{label}={value}")
-    return span["name"] + (f"  [{' '.join(shown)}]" if shown else "")
+    name = str(span["name"])
+    return name + (f"  [{' '.join(shown)}]" if shown else "")
 
 
 def print_tree(spans: list[dict[str, Any]]) -> None:

@@ -15,7 +15,7 @@ import contextlib
 import io
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +75,7 @@ class Spans:
         return lines
 
 
-def events(captured: Sequence[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+def events(captured: Sequence[Mapping[str, Any]], name: str) -> list[Mapping[str, Any]]:
     """The captured events named ``name``, in order."""
     return [e for e in captured if e.get("event") == name]
 

@@ -27,6 +27,7 @@ WARNING), nothing reaches a handler.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import _provider_wires as wires
@@ -80,7 +81,7 @@ DOCUMENTED = {
 }
 
 
-def documented(event: dict[str, Any]) -> None:
+def documented(event: Mapping[str, Any]) -> None:
     """``event`` carries every field the catalogue documents for its kind."""
     missing = DOCUMENTED[event["event"]] - event.keys()
     assert not missing, f"{event['event']} lacks {sorted(missing)}: {event}"
