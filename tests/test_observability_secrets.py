@@ -249,3 +249,21 @@ async def test_a_fail_closed_tools_message_stays_out_of_the_events() -> None:
     assert FIXED.argument in report.reason.message  # the application still reads it
     reported = json.dumps(captured) + "".join(s.to_json() for s in spans.finished)
     assert FIXED.argument not in reported
+
+
+async def test_captured_content_goes_into_the_documented_fields_and_attributes() -> None:
+    spans = Spans()
+    with capture_logs() as captured:
+        await tool_run(FIXED, spans.telemetry(capture_content=True))
+    replies = [e["reply"] for e in captured if e["event"] == "model_call"]
+    assert FIXED.reply in replies[-1]
+    lookup = next(e for e in captured if e["event"] == "tool_call" and e["tool"] == "lookup")
+    assert FIXED.argument in lookup["arguments"]
+    assert lookup["result"] == f"{FIXED.result} for {FIXED.argument}"
+    chats = [s for s in spans.finished if s.name.startswith("chat")]
+    assert FIXED.prompt in str((chats[0].attributes or {})["gen_ai.input.messages"])
+    assert FIXED.reply in str((chats[-1].attributes or {})["gen_ai.output.messages"])
+    (executed,) = [s for s in spans.finished if s.name == "execute_tool lookup"]
+    attributes = dict(executed.attributes or {})
+    assert FIXED.argument in str(attributes["gen_ai.tool.call.arguments"])
+    assert attributes["gen_ai.tool.call.result"] == f"{FIXED.result} for {FIXED.argument}"
