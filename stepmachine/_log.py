@@ -23,7 +23,8 @@ event            level      fields
 ``cycle``        DEBUG      revision, cycle, step (applied, or None), refused (list of
                             ``{"step", "why"}``), outcome (continue / yielded / idle /
                             conflict / cancelled / ...), effects, duration_ms
-``yield``        INFO       revision, kind, message, cycles
+``yield``        INFO       revision, kind, message (a ``tool_failed`` message quotes the
+                            tool's error: only with content capture on), cycles
 ``conflict``     INFO       revision (read), step, cycle
 ``reload``       DEBUG      revision (now stored)
 ``finalize``     INFO       revision, interrupted (step or None), batches (written),

@@ -485,20 +485,30 @@ class StateMachine(Generic[D]):
         raise AssertionError("unreachable: a shielded scope is never cancelled")  # pragma: no cover
 
 
-async def _link_to_previous(runtime: Runtime, session: Session[Any], span: Any) -> None:
-    """Link ``span`` to the span that wrote the session's last stored batch, if it was traced.
+LINK_WINDOW = 16
+"""Batches a traced run reads back to find the span it continues (see ``_link_to_previous``)."""
 
-    Reads that one batch through the loader's ``batches`` (the shipped stores
-    have it); a loader without it, or a failing read, gives no link (logged).
+
+async def _link_to_previous(runtime: Runtime, session: Session[Any], span: Any) -> None:
+    """Link ``span`` to the span that wrote the newest traced batch among the session's last
+    :data:`LINK_WINDOW`, if any.
+
+    The newest batch is often written outside any run (``approve()``,
+    ``submit()``: a user message, an operator's decision), so the run that
+    yielded is looked for a few batches back. Reads them through the loader's
+    ``batches`` (the shipped stores have it); a loader without it, or a failing
+    read, gives no link (logged). Only traced runs pay for this.
     """
     batches = getattr(runtime.session_loader(), "batches", None)
     if session.revision < 1 or batches is None:
         return
     try:
-        last = await batches(session.id, session.revision - 1)
+        recent = await batches(session.id, max(0, session.revision - LINK_WINDOW))
     except Exception:  # noqa: BLE001 - a link is worth less than the run
-        log_failure("could not read the last batch to link the run's span", session.id)
+        log_failure("could not read the last batches to link the run's span", session.id)
         return
-    link = _tracing.link_to(last[-1].trace if last else None)
-    if link is not None:
-        span.add_link(link.context, link.attributes)
+    for batch in reversed(recent):
+        link = _tracing.link_to(batch.trace)
+        if link is not None:
+            span.add_link(link.context, link.attributes)
+            return

@@ -228,7 +228,7 @@ class Run(Generic[D]):
                 session_id=session.id,
                 revision=session.revision,
                 kind=reason.kind,
-                message=reason.message,
+                message=_loggable_message(reason, self.runtime),
                 cycles=len(self.results),
             )
         await self.sink.emit(Yielded(reason.kind, reason.message))
@@ -284,3 +284,15 @@ class Run(Generic[D]):
             run_start_revision=self.start_revision,
             max_conflicts=self.machine.max_conflicts,
         )
+
+
+_CONTENT_KINDS = frozenset({"tool_failed"})
+"""Yield kinds whose message quotes a tool's error (``ToolAbortError``'s text: tool content)."""
+
+
+def _loggable_message(reason: YieldReason, runtime: Runtime) -> str:
+    """``reason.message`` for the ``yield`` event; a ``tool_failed`` message (the tool's
+    error text) only with content capture on, else a placeholder."""
+    if reason.kind in _CONTENT_KINDS and not runtime.telemetry.captures_content:
+        return "(the tool's error; content capture is off)"
+    return reason.message

@@ -548,37 +548,33 @@ class Tools(Operation[Any]):
             if span is not None and telemetry.captures_content:
                 span.set_attribute("gen_ai.tool.call.arguments", call.raw_arguments)
             caller = ctx.runtime.tool_caller
-            if caller is not None:
-                result, aborted, outcome = await caller(call, context), None, "recorded"
-            else:
-                result, aborted, outcome = await self._call_tool(impl, call, context)
+            try:
+                if caller is not None:
+                    result, aborted, outcome = await caller(call, context), None, "recorded"
+                    error_type = None
+                else:
+                    result, aborted, outcome, error_type = await self._call_tool(
+                        impl, call, context
+                    )
+            except BaseException as exc:  # cancelled (or Ctrl-C): no result exists
+                _log_tool_call(ctx, call, impl, started, _tracing.error_type(exc), None)
+                raise
             if span is not None:
                 span.set_attribute("stepmachine.tool.outcome", outcome)
-                if result.is_error:
-                    span.set_attribute("error.type", outcome)
+                if error_type is not None:
+                    _tracing.mark_type(span, error_type)
                 if telemetry.captures_content:
                     span.set_attribute("gen_ai.tool.call.result", result.content)
-        if _log.enabled(_log.DEBUG):
-            fields: dict[str, Any] = {
-                "session_id": ctx.session.id,
-                "tool": call.name,
-                "call_id": call.call_id,
-                "side_effects": impl.side_effects,
-                "duration_ms": round((time.perf_counter() - started) * 1000, 3),
-                "outcome": outcome,
-            }
-            if telemetry.captures_content:
-                fields["arguments"] = call.raw_arguments
-                fields["result"] = result.content
-            _log.event(_log.DEBUG, "tool_call", **fields)
+        _log_tool_call(ctx, call, impl, started, outcome, result)
         # No await between the tool returning and the caller recording the result:
         # a cancellation pending by now must not lose it (the caller emits ToolFinished).
         return result, aborted
 
     async def _call_tool(
         self, impl: Tool, call: ToolCallPart, context: ToolContext
-    ) -> tuple[ToolResultPart, str | None, str]:
-        """Run the tool: its result, the abort reason if it failed closed, and the outcome name.
+    ) -> tuple[ToolResultPart, str | None, str, str | None]:
+        """Run the tool: its result, the abort reason if it failed closed, the outcome name,
+        and the error's type name (``None`` when it succeeded).
 
         Outcomes: ``ok``, ``invalid_arguments``, ``timeout``, ``aborted``, ``error``.
         """
@@ -588,23 +584,44 @@ class Tools(Operation[Any]):
             with anyio.fail_after(timeout):
                 content = await impl.call(effective_arguments(call), context)
         except ToolArgumentsError as exc:
-            return _error(call, str(exc)), None, "invalid_arguments"
+            return _error(call, str(exc)), None, "invalid_arguments", type(exc).__name__
         except TimeoutError:
-            return (
-                _error(
-                    call, f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
-                ),
-                None,
-                "timeout",
-            )
+            message = f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
+            return _error(call, message), None, "timeout", "TimeoutError"
         except ToolAbortError as exc:
             aborted = f"{call.name}: {exc}"
             result = _error(call, f"tool {call.name!r} failed and stopped the run: {exc}")
-            return result, aborted, "aborted"
+            return result, aborted, "aborted", type(exc).__name__
         except Exception as exc:  # noqa: BLE001 - a tool error becomes an error result
             result = _error(call, f"tool {call.name!r} failed: {type(exc).__name__}: {exc}")
-            return result, None, "error"
-        return ToolResultPart.for_call(call, content), None, "ok"
+            return result, None, "error", type(exc).__name__
+        return ToolResultPart.for_call(call, content), None, "ok", None
+
+
+def _log_tool_call(
+    ctx: StepContext[Any],
+    call: ToolCallPart,
+    impl: Tool,
+    started: float,
+    outcome: str,
+    result: ToolResultPart | None,
+) -> None:
+    """The ``tool_call`` event (DEBUG); arguments and result only with content capture on."""
+    if not _log.enabled(_log.DEBUG):
+        return
+    fields: dict[str, Any] = {
+        "session_id": ctx.session.id,
+        "tool": call.name,
+        "call_id": call.call_id,
+        "side_effects": impl.side_effects,
+        "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+        "outcome": outcome,
+    }
+    if ctx.runtime.telemetry.captures_content:
+        fields["arguments"] = call.raw_arguments
+        if result is not None:
+            fields["result"] = result.content
+    _log.event(_log.DEBUG, "tool_call", **fields)
 
 
 def _log_journal(

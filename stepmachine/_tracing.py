@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import re
+import weakref
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final
@@ -61,6 +62,8 @@ __all__ = [
     "add_event",
     "available",
     "link_to",
+    "mark_error",
+    "mark_type",
     "run_span",
     "set_attributes",
     "span",
@@ -72,7 +75,7 @@ AGENT_NAME: Final = "stepmachine"
 _TRACEPARENT: Final = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 NO_SPAN: Final[contextlib.AbstractContextManager[Any]] = contextlib.nullcontext(None)
 """What :func:`span` returns outside a traced run (reusable)."""
-_tracers: dict[int, tuple[Any, Any]] = {}
+_tracers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _run_tracer: ContextVar[Any] = ContextVar("stepmachine_run_tracer", default=None)
 """The tracer of the traced run the caller is in (``None``: not in one)."""
 
@@ -91,11 +94,10 @@ def tracer(telemetry: Telemetry) -> Tracer | None:
         provider = _trace.get_tracer_provider()
         if isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider):
             return None  # nothing configured: the API would make non-recording spans
-    cached = _tracers.get(id(provider))
-    if cached is not None and cached[0] is provider:
-        return cached[1]  # type: ignore[no-any-return]
-    made = provider.get_tracer("stepmachine", _version())
-    _tracers[id(provider)] = (provider, made)
+    made = _tracers.get(provider)
+    if made is None:
+        made = provider.get_tracer("stepmachine", _version())
+        _tracers[provider] = made
     return made
 
 
@@ -172,12 +174,16 @@ def _current(
 
 def mark_error(target: Span, exc: BaseException, telemetry: Telemetry) -> None:
     """Set ``error.type`` and an ERROR status on ``target`` (the message only with capture on)."""
-    assert _trace is not None
-    kind = error_type(exc)
-    target.set_attribute("error.type", kind)
-    target.set_status(_trace.Status(_trace.StatusCode.ERROR, kind))
+    mark_type(target, error_type(exc))
     if telemetry.captures_content:
         target.record_exception(exc)
+
+
+def mark_type(target: Span, kind: str) -> None:
+    """Set ``error.type`` to ``kind`` and an ERROR status described by ``kind`` on ``target``."""
+    assert _trace is not None
+    target.set_attribute("error.type", kind)
+    target.set_status(_trace.Status(_trace.StatusCode.ERROR, kind))
 
 
 def error_type(exc: BaseException) -> str:

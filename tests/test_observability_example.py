@@ -140,11 +140,6 @@ def test_no_content_is_in_the_events_or_spans(output: str) -> None:
         assert text not in reported
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no link yet: the SQLite store does not keep Batch.trace (h-trail), and approve()'s "
-    "untraced batch is the last one _link_to_previous reads",
-)
 def test_the_resumed_run_links_to_the_span_that_wrote_the_first_runs_last_batch(
     output: str,
 ) -> None:

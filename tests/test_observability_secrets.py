@@ -227,11 +227,6 @@ async def test_any_content_is_reported_exactly_when_capture_is_on(
 # -- a fail-closed tool's message ------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stepmachine/_run.py Run._yielded logs reason.message verbatim; for tool_failed it "
-    "holds the ToolAbortError text (the call's result content) with capture off",
-)
 async def test_a_fail_closed_tools_message_stays_out_of_the_events() -> None:
     @tool
     def guard(text: str) -> str:

@@ -251,11 +251,6 @@ async def test_a_resumed_run_links_to_the_span_that_wrote_the_last_batch() -> No
     assert second_agent.context.trace_id != wrote.context.trace_id  # a new trace, linked
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="approve() writes a batch outside any span (trace None) after the yield, and "
-    "stepmachine/_machine.py _link_to_previous reads only the last batch: no link",
-)
 async def test_a_run_resumed_after_an_approval_links_to_the_run_that_yielded() -> None:
     spans = Spans()
     store = MemoryStore()
@@ -274,11 +269,6 @@ async def test_a_run_resumed_after_an_approval_links_to_the_run_that_yielded() -
     assert link_ids(resumed) == [(wrote.context.trace_id, wrote.context.span_id)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the SQLite store does not persist Batch.trace yet (in progress on h-trail), and "
-    "approve()'s untraced batch hides the run's last traced batch (see the test above)",
-)
 async def test_approval_then_resume_in_a_second_process_links_the_two_runs(
     tmp_path: Path, anyio_backend: str
 ) -> None:
@@ -438,11 +428,6 @@ async def test_a_tool_that_raises_is_an_error_result_and_its_span_says_so() -> N
     assert agent.status.status_code is StatusCode.UNSET  # the run itself went on
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stepmachine/_tool_step.py Tools._run_call sets error.type to the outcome name "
-    "('error') and leaves the execute_tool span's status UNSET for a failed call",
-)
 async def test_a_tool_that_raises_has_an_error_status_and_its_exception_type() -> None:
     @tool
     def fails(x: int) -> int:
