@@ -55,6 +55,8 @@ authors and are logged as they are.
 from __future__ import annotations
 
 import logging
+import sys
+import traceback
 from contextvars import ContextVar
 from typing import Any, Final
 
@@ -124,15 +126,34 @@ def event(level: int, name: str, **fields: Any) -> None:
         current = _session.get()
         if current is not None:
             fields["session_id"] = current
-    if structlog.is_configured():
-        _configured.log(level, name, **fields)
-    elif _stdlib.isEnabledFor(level):
-        _plain.log(level, name, **fields)
+    try:
+        if structlog.is_configured():
+            _configured.log(level, name, **fields)
+        elif _stdlib.isEnabledFor(level):
+            _plain.log(level, name, **fields)
+    except Exception:  # noqa: BLE001 - see _report_broken_logging
+        _report_broken_logging(name)
 
 
 def failure(message: str, **fields: Any) -> None:
     """Log the exception being handled at ERROR, with ``fields``."""
-    if structlog.is_configured():
-        _configured.exception(message, **fields)
-    elif _stdlib.isEnabledFor(logging.ERROR):
-        _plain.exception(message, **fields)
+    try:
+        if structlog.is_configured():
+            _configured.exception(message, **fields)
+        elif _stdlib.isEnabledFor(logging.ERROR):
+            _plain.exception(message, **fields)
+    except Exception:  # noqa: BLE001 - see _report_broken_logging
+        _report_broken_logging(message)
+
+
+def _report_broken_logging(name: str) -> None:
+    """A processor or handler raised while logging event ``name``: never the run's problem.
+
+    Logging must not change what a run does (an exception here could land
+    between a tool returning and its result being recorded). Like the standard
+    library's ``Handler.handleError``, the failure is written to stderr (with
+    its traceback when ``logging.raiseExceptions`` is on) and dropped.
+    """
+    if logging.raiseExceptions:
+        sys.stderr.write(f"--- stepmachine: logging event {name!r} failed ---\n")
+        traceback.print_exc(file=sys.stderr)
