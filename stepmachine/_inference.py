@@ -38,7 +38,6 @@ from ._history import check_history, history_problems, open_tool_calls, request_
 from ._ledger import Ledger, next_ledger
 from ._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart
 from ._model import (
-    ChunkSink,
     Model,
     ModelRequest,
     ModelResponse,
@@ -175,57 +174,73 @@ def _model_id(model: Model) -> str:
     return own if isinstance(own, str) and own else model.name
 
 
-async def _observed_request(
-    ctx: StepContext[Any], model: Model, request: ModelRequest, on_chunk: ChunkSink | None
-) -> ModelResponse:
-    """``model.request(...)`` under a ``chat`` span, reported as a ``model_call`` event.
+class _ModelCall:
+    """One model call, observed: a ``chat`` span around it (in a traced run) and a
+    ``model_call`` event after it.
 
-    Attributes follow the OpenTelemetry GenAI conventions (see ``_tracing``);
-    the request's messages and the reply go into the span and the event only
-    with content capture on.
+    A plain context manager (not a wrapping coroutine: every resume of the
+    step would pass through one more frame). Attributes follow the
+    OpenTelemetry GenAI conventions (see ``_tracing``); the request's messages
+    and the reply go into the span and the event only with content capture on.
     """
-    telemetry = ctx.runtime.telemetry
-    started = time.perf_counter()
-    if not _tracing.active():
-        try:
-            response = await model.request(request, on_chunk=on_chunk)
-        except Exception as exc:
-            _log_model_failure(ctx, model, started, exc)
-            raise
-        _log_model_call(ctx, model, started, response, telemetry.captures_content)
-        return response
-    requested = _model_id(model)
-    attributes: dict[str, Any] = {
-        "gen_ai.operation.name": "chat",
-        "gen_ai.provider.name": getattr(model, "provider", None) or "stepmachine",
-        "gen_ai.request.model": requested,
-        "gen_ai.conversation.id": ctx.session.id,
-    }
-    capture = telemetry.captures_content
-    with _tracing.span(telemetry, f"chat {requested}", attributes, client=True) as span:
-        if span is not None and capture:
-            span.set_attribute("gen_ai.input.messages", _content(request.messages))
-        try:
-            response = await model.request(request, on_chunk=on_chunk)
-        except Exception as exc:
-            _log_model_failure(ctx, model, started, exc)
-            raise
-        usage = response.usage
-        _tracing.set_attributes(
-            span,
-            {
-                "gen_ai.response.model": response.model or requested,
-                "gen_ai.usage.input_tokens": usage.input_tokens,
-                "gen_ai.usage.output_tokens": usage.output_tokens,
-                "gen_ai.response.finish_reasons": (
-                    [response.finish_reason] if response.finish_reason else None
-                ),
-                "stepmachine.attempts": response.attempts,
-                "gen_ai.output.messages": _content(response.parts) if capture else None,
-            },
-        )
-    _log_model_call(ctx, model, started, response, capture)
-    return response
+
+    __slots__ = ("_capture", "_ctx", "_model", "_request", "_span", "_started", "_traced")
+
+    def __init__(self, ctx: StepContext[Any], model: Model, request: ModelRequest) -> None:
+        self._ctx = ctx
+        self._model = model
+        self._request = request
+        self._capture = ctx.runtime.telemetry.captures_content
+        self._span: Any = None
+        self._traced: Any = None
+        self._started = 0.0
+
+    def __enter__(self) -> _ModelCall:
+        self._started = time.perf_counter()
+        if _tracing.active():
+            model, ctx = self._model, self._ctx
+            requested = _model_id(model)
+            attributes: dict[str, Any] = {
+                "gen_ai.operation.name": "chat",
+                "gen_ai.provider.name": getattr(model, "provider", None) or "stepmachine",
+                "gen_ai.request.model": requested,
+                "gen_ai.conversation.id": ctx.session.id,
+            }
+            self._traced = _tracing.span(
+                ctx.runtime.telemetry, f"chat {requested}", attributes, client=True
+            )
+            self._span = self._traced.__enter__()
+            if self._span is not None and self._capture:
+                self._span.set_attribute("gen_ai.input.messages", _content(self._request.messages))
+        return self
+
+    def replied(self, response: ModelResponse) -> None:
+        """Record the reply on the span and log the ``model_call`` event."""
+        span = self._span
+        if span is not None:
+            usage = response.usage
+            _tracing.set_attributes(
+                span,
+                {
+                    "gen_ai.response.model": response.model or _model_id(self._model),
+                    "gen_ai.usage.input_tokens": usage.input_tokens,
+                    "gen_ai.usage.output_tokens": usage.output_tokens,
+                    "gen_ai.response.finish_reasons": (
+                        [response.finish_reason] if response.finish_reason else None
+                    ),
+                    "stepmachine.attempts": response.attempts,
+                    "gen_ai.output.messages": (_content(response.parts) if self._capture else None),
+                },
+            )
+        _log_model_call(self._ctx, self._model, self._started, response, self._capture)
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        if isinstance(exc, Exception):
+            _log_model_failure(self._ctx, self._model, self._started, exc)
+        if self._traced is not None:
+            self._traced.__exit__(kind, exc, tb)
 
 
 def _log_model_call(
@@ -364,9 +379,9 @@ class ModelInference(Inference[Any]):
                 )
 
         try:
-            response = await _observed_request(
-                ctx, model, request, on_chunk if self._stream else None
-            )
+            with _ModelCall(ctx, model, request) as observed:  # a span, the model_call event
+                response = await model.request(request, on_chunk=on_chunk if self._stream else None)
+                observed.replied(response)
         except ContextLengthError as exc:
             last = visible[-1]
             earlier = self._attempts_on(last, session)

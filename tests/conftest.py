@@ -16,6 +16,7 @@ from pathlib import Path
 
 import _postgres
 import pytest
+import structlog
 
 from stepmachine import Store
 from stepmachine.stores import MemoryStore, SQLiteStore
@@ -82,3 +83,15 @@ def postgres_dsn(postgres_server: str) -> Iterator[str]:
     """DSN of a new, empty database for this test only; dropped afterwards."""
     with _postgres.fresh_database(postgres_server) as dsn:
         yield dsn
+
+
+@pytest.fixture(autouse=True)
+def _structlog_unconfigured() -> Iterator[None]:
+    """Each test starts with structlog unconfigured, as a library user's process does.
+
+    ``structlog.testing.capture_logs()`` restores the processors it replaced but
+    leaves structlog marked configured, which changes the route of stepmachine's
+    events (see ``stepmachine._log``) for every later test.
+    """
+    yield
+    structlog.reset_defaults()
