@@ -13,23 +13,22 @@ a step other than ``stepmachine.finalize``. Batches written outside a machine
 history, not decisions: they are not replayed, and every later cycle starts
 from the session they left. A step that commits batches itself
 (``ctx.commit``: the Tools step commits its intents, then one batch per
-result) writes several batches with one cycle number; consecutive batches
-with the same cycle number and step are one cycle, replayed once, from the
-session before the first of them, and compared batch by batch. A batch with
-the cycle number of the cycle before it and another step's name was written
-by a ``finalize`` after a cancellation: it is not replayed (nor is the
-interrupted step's own finalize batch told apart from its cycle: cycles a
-cancellation cut short usually differ).
+result) writes several batches in one cycle: consecutive batches with the
+same cycle number and step, nothing from outside between them, are one
+cycle, replayed once from the session before the first of them. After a
+cancellation the interrupted step's finalize batch joins its cycle, so that
+cycle usually differs; the ``stepmachine.finalize`` batch is not replayed.
 
-Runs. Cycle numbers restart at 1 with each ``run()``. A machine batch starts a
-new run when its cycle number is below that of the machine batch before it,
-or equal to it with a batch from outside the machine in between; otherwise
-it belongs to the same run. A run's start revision (``ctx.run_start_revision``,
-from which per-run budgets count) is the revision just before the run's first
-stored batch. Two consequences: a run whose first cycles lost a
-compare-and-set race began a little earlier than that; and two runs whose
-batches meet with the same cycle number and step and nothing in between
-(a run that wrote one batch and yielded, run again at once) read as one.
+Runs. Cycle numbers restart at 1 with each ``run()``. A machine batch that
+does not continue a cycle starts a new run when its cycle number is not above
+that of the run's last cycle. A run's start revision
+(``ctx.run_start_revision``, from which per-run budgets count) is the revision
+just before its first stored batch. The log does not record runs, so this is
+a reading of it: a run whose first cycles lost a compare-and-set race began a
+little earlier; a run that wrote one cycle and yielded, run again at once with
+the same step writing in its first cycle, reads as one cycle; and a step's own
+``finalize`` batch after a cancellation (no built-in step writes one) reads as
+a new run's cycle.
 
 The sandbox. Each replayed cycle gets a fresh runtime whose loader and
 effect handler are an in-memory copy of the session before the cycle (a step
@@ -220,6 +219,11 @@ class _StoredCycle:
     run_start: int
     batches: list[Batch[Effect]] = field(default_factory=list)
 
+    @property
+    def decided(self) -> tuple[int, str]:
+        """The cycle number and the step that decided it."""
+        return self.batches[0].cycle, self.batches[0].step
+
 
 async def _stored_cycles(
     store: Any, session_id: str, log: Sequence[Batch[Effect]]
@@ -234,9 +238,8 @@ async def _stored_cycles(
     if not log:
         return cycles
     session: Session[Any] = await store.load_at(session_id, log[0].revision - 1)
-    last: Batch[Effect] | None = None  # the last machine batch (finalize included)
-    outside = False  # a batch from outside the machine since ``last``
-    current: _StoredCycle | None = None
+    current: _StoredCycle | None = None  # the cycle the next batch may continue
+    last_cycle: int | None = None  # the number of the run's last cycle
     run_start = 0
     stamp = float("-inf")  # the timestamp of the batch before ``batch``
     for batch in log:
@@ -244,26 +247,16 @@ async def _stored_cycles(
             session = await store.load_at(session_id, batch.revision - 1)
         before, session = session, apply_batch(session, batch.effects)
         previous, stamp = stamp, batch.timestamp
-        if batch.cycle < 1:
-            outside, current = True, None
-            continue
-        same_run = last is not None and (
-            batch.cycle > last.cycle or (batch.cycle == last.cycle and not outside)
-        )
-        same_cycle = same_run and last is not None and batch.cycle == last.cycle
-        if not same_run:
-            run_start = batch.revision - 1
-        last, outside = batch, False
-        if batch.step == FINALIZE_STEP or (same_cycle and current is None):
+        if batch.cycle < 1 or batch.step == FINALIZE_STEP:  # outside a machine, or finalize
             current = None
-        elif same_cycle and current is not None:
-            if current.batches[-1].step == batch.step:
-                current.batches.append(batch)
-            else:
-                current = None  # another step's finalize after a cancellation
+        elif current is not None and (batch.cycle, batch.step) == current.decided:
+            current.batches.append(batch)
         else:
+            if last_cycle is None or batch.cycle <= last_cycle:
+                run_start = batch.revision - 1
             current = _StoredCycle(before, previous, run_start, [batch])
             cycles.append(current)
+            last_cycle = batch.cycle
     return cycles
 
 
@@ -507,6 +500,6 @@ def _difference(
     if found:
         found[0] += f": {first_change(old, new, readings)}"
     if sandbox.unrecorded:
-        calls = ", ".join(sandbox.unrecorded)
+        calls = ", ".join(sorted(sandbox.unrecorded))
         found.append(f"no recorded result for tool call(s) {calls} (answered with an error)")
     return "; ".join(found)

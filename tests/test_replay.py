@@ -10,19 +10,22 @@ the same steps: they must all be the same.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
+    FINALIZE_STEP,
+    INTERRUPTED,
+    Annotate,
     AppendMessage,
-    Batch,
+    CancelToken,
     ConfigurationError,
-    Effect,
     Message,
     ModelInference,
     ModelRequest,
@@ -41,11 +44,13 @@ from stepmachine import (
     Tool,
     ToolCallPart,
     Tools,
+    Yield,
+    YieldReason,
     counter_ids,
     submit,
     tool,
 )
-from stepmachine._replay import ReplayCycle, ReplayReport, replay
+from stepmachine._replay import ReplayReport, replay
 from stepmachine.operations import Approval, Budget, Limits, approve
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
@@ -172,8 +177,8 @@ async def test_run_boundaries_come_from_the_cycle_numbers(store: Store) -> None:
     await recorded(store, calls)
     log = await store.batches("s")
     report = await replay(store, "s", pipeline(calls))
-    run_one = [c for c in report.cycles[:4]]
-    run_two = [c for c in report.cycles[4:]]
+    run_one = report.cycles[:4]
+    run_two = report.cycles[4:]
     assert {c.run_start_revision for c in run_one} == {log[0].revision}  # after the user message
     approved = next(b for b in log if b.step == "approval" and b.cycle == 0)
     assert {c.run_start_revision for c in run_two} == {approved.revision}
@@ -274,3 +279,294 @@ async def test_a_model_answering_the_same_is_the_same(store: Store) -> None:
     await recorded(store, calls)
     report = await replay(store, "s", pipeline(calls), model=ScriptedModel(TURNS))
     assert report.same, str(report)
+
+
+# -- what a replay cannot reproduce ---------------------------------------------------
+
+
+class Raises(Operation[Any]):
+    """Raises in the cycle that starts from revision ``at``; refuses otherwise."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        if ctx.session.revision == self.at:
+            raise ValueError("boom")
+        return Refuse("not now")
+
+
+class AsksTheModel(Operation[Any]):
+    """Asks the model for a word whenever a tool call is open (and appends nothing)."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        if not ctx.session.history.has_open_calls:
+            return Refuse("no open call")
+        request = ModelRequest(messages=(Message.user("a word?", id="q"),))
+        await ctx.runtime.get_model().request(request)
+        return Refuse("asked")
+
+
+async def test_a_step_that_raises_is_that_cycles_difference_and_the_replay_goes_on(
+    store: Store,
+) -> None:
+    calls = Calls()
+    await recorded(store, calls)
+
+    report = await replay(store, "s", [Raises(at=2), *pipeline(calls)])
+
+    assert [c.same for c in report.cycles] == [True, False, True, True, True, True]
+    first = report.first_difference
+    assert first is not None
+    assert first.revision == 3
+    assert first.new_step is None
+    assert first.difference == "the new pipeline raises ValueError: boom"
+
+
+async def test_a_model_call_where_the_history_has_none_is_a_difference(store: Store) -> None:
+    calls = Calls()
+    await recorded(store, calls)
+
+    report = await replay(store, "s", [AsksTheModel(), *pipeline(calls)])
+
+    first = report.first_difference
+    assert first is not None
+    assert (first.cycle, first.stored_step) == (2, "tools")
+    assert "calls the model here" in first.difference
+    assert "'tools'" in first.difference
+    assert report.cycles[0].same
+
+
+async def test_a_tool_call_without_a_recorded_result_is_answered_with_an_error(
+    store: Store,
+) -> None:
+    calls = Calls()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("clean up", id="u1"))])
+    runtime = Runtime(store=store, model=ScriptedModel(TURNS), clock=Clock(), ids=counter_ids())
+    report = await StateMachine(pipeline(calls)).run_report(runtime, "s")
+    assert report.reason.kind == "awaiting_approval"  # delete never ran, lookup b neither
+    executed = list(calls.made)
+
+    replayed = await replay(store, "s", pipeline(calls, approve_tools=()))
+
+    first = replayed.first_difference
+    assert first is not None
+    assert (first.cycle, first.stored_step, first.new_step) == (4, "approval", "tools")
+    assert "no recorded result for tool call(s) 'call-1-0' (lookup), 'call-1-1' (delete)" in (
+        first.difference  # in call id order, whatever order they ran in
+    )
+    assert calls.made == executed
+
+
+async def test_an_unknown_session_and_a_store_without_a_log_are_refused(store: Store) -> None:
+    with pytest.raises(SessionNotFoundError):
+        await replay(store, "missing", pipeline(Calls()))
+
+    class LoadOnly:
+        async def load(self, session_id: str) -> Session[Any]:
+            return await store.load(session_id)
+
+    await store.create("s")
+    with pytest.raises(ConfigurationError, match="batches"):
+        await replay(LoadOnly(), "s", pipeline(Calls()))
+
+
+async def test_a_session_without_machine_cycles_replays_to_an_empty_same_report(
+    store: Store,
+) -> None:
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))])
+    report = await replay(store, "s", pipeline(Calls()))
+    assert report.cycles == ()
+    assert report.same
+
+
+class NoteTaker(Operation[Any]):
+    """After the model's final reply: commits a hidden note message, then annotates it.
+
+    The annotation names the message the step added earlier in the same cycle,
+    so the replay must give it the id the stored cycle gave it.
+    """
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        last = ctx.session.conversation[-1]
+        if last.role != "assistant" or last.tool_calls:
+            return Refuse("not after a final reply")
+        note = Message(
+            id=ctx.new_id(), role="user", parts=(TextPart("noted"),), visible_to_model=False
+        )
+        await ctx.commit([AppendMessage(note)])
+        return Yield([Annotate(note.id, "notes", {"seen": last.id})], YieldReason("done"))
+
+
+async def test_a_step_referring_to_a_message_it_added_in_the_cycle_replays_the_same(
+    store: Store,
+) -> None:
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))])
+    runtime = Runtime(store=store, model=ScriptedModel(["hello"]), clock=Clock(), ids=counter_ids())
+    machine: StateMachine[Any] = StateMachine([NoteTaker(), ModelInference()])
+    await machine.run(runtime, "s")  # inference yields done: the note comes in the next run
+    await machine.run(runtime, "s")
+
+    report = await replay(store, "s", [NoteTaker(), ModelInference()])
+
+    assert [(c.stored_step, len(c.stored)) for c in report.cycles] == [
+        ("inference", 1),
+        ("NoteTaker", 2),
+    ]
+    assert report.same, str(report)
+
+
+async def test_a_cancelled_cycle_differs_and_its_finalize_batch_is_not_replayed(
+    store: Store,
+) -> None:
+    token = CancelToken()
+
+    @tool
+    async def slow() -> str:
+        """Never finishes: cancels its own run."""
+        token.cancel("enough")
+        await anyio.sleep_forever()
+        return "unreachable"
+
+    def steps() -> list[Step[Any]]:
+        return [Tools([slow]), ModelInference()]
+
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("go", id="u1"))])
+    turns = [call(("slow", {})), reply("fine")]
+    runtime = Runtime(store=store, model=ScriptedModel(turns), clock=Clock(), ids=counter_ids())
+    cancelled = await StateMachine(steps(), cancel=token).run_report(runtime, "s")
+    assert cancelled.reason.kind == "cancelled"
+    done = await StateMachine(steps()).run_report(runtime, "s")
+    assert done.reason.kind == "done"
+    log = await store.batches("s")
+    assert [b.step for b in log] == [
+        "application",
+        "inference",
+        "tools",  # the intent
+        FINALIZE_STEP,  # "interrupted" answers the call
+        "inference",
+    ]
+
+    report = await replay(store, "s", steps())
+
+    assert [(c.cycle, c.stored_step, c.same) for c in report.cycles] == [
+        (1, "inference", True),
+        (2, "tools", False),  # the replayed tool "returns" its recorded (interrupted) result
+        (1, "inference", True),
+    ]
+    assert "an extra batch 2" in report.cycles[1].difference
+    assert INTERRUPTED[:20] in report.cycles[1].difference
+
+
+# -- invariant: the same steps replay the same ---------------------------------------
+
+
+def planned_model(plan: list[list[tuple[str, int]]]) -> FunctionModel:
+    """Answers the n-th assistant turn with plan[n]'s tool calls, then "done"."""
+
+    def answer(request: ModelRequest) -> ModelResponse:
+        turn = sum(1 for m in request.messages if m.role == "assistant")
+        if turn >= len(plan):
+            return reply(f"done after {turn} turns")
+        parts: list[ToolCallPart] = []
+        for index, (name, value) in enumerate(plan[turn]):
+            call_id = f"t{turn}-{index}"
+            if name == "broken":
+                parts.append(ToolCallPart.parse(call_id, "pure", "{not json"))
+            else:
+                parts.append(ToolCallPart.of(call_id, name, {"n": value}))
+        return ModelResponse(parts=(TextPart(f"turn {turn}"), *parts), finish_reason="tool_calls")
+
+    return FunctionModel(answer)
+
+
+def random_tools(made: list[str]) -> list[Tool]:
+    @tool(side_effects="pure")
+    async def pure(n: int) -> str:
+        """Pure."""
+        made.append("pure")
+        return f"pure {n}"
+
+    @tool(side_effects="idempotent")
+    def idem(n: int) -> str:
+        """Idempotent."""
+        made.append("idem")
+        return f"idem {n}"
+
+    @tool
+    def once(n: int) -> str:
+        """Not idempotent."""
+        made.append("once")
+        return f"once {n}"
+
+    @tool(side_effects="pure")
+    def fails(n: int) -> str:
+        """Raises."""
+        made.append("fails")
+        raise RuntimeError(f"fails {n}")
+
+    return [pure, idem, once, fails]
+
+
+TOOL_NAMES = ["pure", "idem", "once", "fails", "nope", "broken"]
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    plan=st.lists(
+        st.lists(st.tuples(st.sampled_from(TOOL_NAMES), st.integers(0, 9)), max_size=3),
+        min_size=1,
+        max_size=4,
+    ),
+    concurrency=st.sampled_from([1, 8]),
+    model_calls=st.integers(1, 6),
+    approve_once=st.booleans(),
+    turns=st.integers(1, 3),
+)
+async def test_random_histories_replay_the_same_with_the_same_steps(
+    anyio_backend: str,
+    plan: list[list[tuple[str, int]]],
+    concurrency: int,
+    model_calls: int,
+    approve_once: bool,
+    turns: int,
+) -> None:
+    store = MemoryStore()
+    made: list[str] = []
+
+    def steps() -> list[Step[Any]]:
+        return [
+            Budget(per_run=Limits(model_calls=model_calls)),
+            Approval(["once"] if approve_once else []),
+            Tools(random_tools(made), max_concurrency=concurrency),
+            ModelInference(),
+        ]
+
+    runtime = Runtime(store=store, model=planned_model(plan), clock=Clock(), ids=counter_ids())
+    await store.create("p")
+    for turn in range(turns):
+        await submit(store, "p", [AppendMessage(Message.user(f"go {turn}", id=f"u{turn}"))])
+        for _ in range(4):  # runs until done, resuming after budgets and approvals
+            report = await StateMachine(steps()).run_report(runtime, "p")
+            if report.reason.kind == "done":
+                break
+            if report.reason.kind == "awaiting_approval":
+                for pending in report.reason.data["calls"]:
+                    await approve(store, "p", pending["call_id"], by="ops", clock=Clock())
+    executed = list(made)
+    log = await store.batches("p")
+
+    replayed = await replay(store, "p", steps())
+
+    assert replayed.same, str(replayed)
+    assert replayed.cycles
+    assert made == executed
+    assert await store.batches("p") == log
