@@ -67,31 +67,25 @@ difference naming the exception; the replay goes on with the next cycle.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from ._capabilities import Step
 from ._codec import Batch, Refusal
 from ._effects import AppendMessage, Effect, ReplaceConversation, apply_batch
-from ._errors import ConfigurationError, ConflictError, ModelError, SessionNotFoundError
+from ._errors import ConfigurationError
 from ._finalize import FINALIZE_STEP
 from ._inference import InferenceReceipt
 from ._machine import StateMachine
-from ._messages import Message, ToolCallPart, ToolResultPart
-from ._model import ChunkSink, Model, ModelRequest, ModelResponse
+from ._messages import Message, ToolResultPart
+from ._model import Model, ModelResponse
 from ._records import TAG_FIELD, read_record
 from ._replay_compare import Readings, first_change, same_batches
-from ._runtime import Runtime
+from ._replay_sandbox import Sandbox
 from ._session import Session
 from ._steps import Continue, Yield
-from ._telemetry import Telemetry
-from ._tools import ToolContext
-
-try:
-    from opentelemetry.trace import NoOpTracerProvider as _NoSpans
-except ImportError:  # pragma: no cover - without OpenTelemetry there are no spans anyway
-    _NoSpans = None  # type: ignore[assignment,misc]
+from ._store import Store
 
 __all__ = ["ReplayCycle", "ReplayReport", "replay"]
 
@@ -162,7 +156,7 @@ class ReplayReport:
 
 
 async def replay(
-    store: Any,
+    store: Store,
     session_id: str,
     steps: Sequence[Step[Any]],
     *,
@@ -314,104 +308,6 @@ def _added_ids(stored: _StoredCycle) -> list[str]:
     return ids
 
 
-# -- the sandbox ----------------------------------------------------------------------
-
-
-class _NoRecordedReplyError(ModelError):
-    """The replay model was asked where the stored cycle holds no model reply."""
-
-
-class _Sandbox:
-    """Loader, effect handler, clock, id source, model and tool caller of one replayed cycle."""
-
-    applies_batches: ClassVar[bool] = True
-
-    def __init__(
-        self,
-        stored: _StoredCycle,
-        results: Mapping[str, ToolResultPart],
-        reply: ModelResponse | None,
-    ) -> None:
-        self.session = stored.before
-        self.batches: list[Batch[Effect]] = []
-        self.unrecorded: list[str] = []  # calls answered "no recorded result"
-        self.asked_model = False  # asked for a reply the stored cycle does not hold
-        self.readings: set[float] = set()  # what the clock returned
-        self._timestamps = [b.timestamp for b in stored.batches]
-        self._ids: Iterator[str] = iter(_added_ids(stored))
-        self._fresh = 0
-        self._results = results
-        self._reply = reply
-
-    @property
-    def name(self) -> str:
-        return "replay"
-
-    async def load(self, session_id: str) -> Session[Any]:
-        if session_id != self.session.id:
-            raise SessionNotFoundError(session_id)
-        return self.session
-
-    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
-        if batch.session_id != self.session.id:
-            raise SessionNotFoundError(batch.session_id)
-        if batch.revision != self.session.revision + 1:
-            raise ConflictError(batch.session_id, batch.revision - 1, self.session.revision)
-        self.session = apply_batch(self.session, batch.effects)
-        self.batches.append(batch)
-        return self.session
-
-    def clock(self) -> float:
-        reading = self._timestamps[min(len(self.batches), len(self._timestamps) - 1)]
-        self.readings.add(reading)
-        return reading
-
-    def new_id(self) -> str:
-        recorded = next(self._ids, None)
-        if recorded is not None:
-            return recorded
-        self._fresh += 1
-        return f"replay-{self.session.revision}-{self._fresh}"
-
-    async def request(
-        self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
-    ) -> ModelResponse:
-        reply, self._reply = self._reply, None
-        if reply is None:
-            self.asked_model = True
-            raise _NoRecordedReplyError("replay: the stored cycle holds no (further) model reply")
-        return reply  # no chunks: streaming only adds events (invariant 9)
-
-    async def call_tool(self, call: ToolCallPart, context: ToolContext) -> ToolResultPart:
-        result = self._results.get(call.call_id)
-        if result is not None:
-            return result
-        self.unrecorded.append(f"{call.call_id!r} ({call.name})")
-        return ToolResultPart.for_call(
-            call, f"replay: tool call {call.call_id!r} has no recorded result", is_error=True
-        )
-
-
-class _EveryName(Mapping[str, Model]):
-    """``Runtime.models`` in a replay: the one answering model under every name."""
-
-    def __init__(self, model: Model) -> None:
-        self._model = model
-
-    def __getitem__(self, name: str) -> Model:
-        return self._model
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-_QUIET = Telemetry() if _NoSpans is None else Telemetry(tracer_provider=_NoSpans())
-"""A replay is not a run to trace: its telemetry makes no spans."""
-
-
 # -- one cycle ------------------------------------------------------------------------
 
 
@@ -423,19 +319,14 @@ async def _replay_cycle(
     services: Mapping[str, Any],
 ) -> ReplayCycle:
     first = stored.batches[0]
-    sandbox = _Sandbox(stored, results, None if model is not None else _recorded_reply(stored))
-    answering: Model = model if model is not None else sandbox
-    runtime = Runtime(
-        loader=sandbox,
-        handler=sandbox,
-        model=answering,
-        models=_EveryName(answering),
-        clock=sandbox.clock,
-        ids=sandbox.new_id,
-        services=services,
-        telemetry=_QUIET,
-        tool_caller=sandbox.call_tool,
+    sandbox = Sandbox(
+        stored.before,
+        [b.timestamp for b in stored.batches],
+        _added_ids(stored),
+        results,
+        None if model is not None else _recorded_reply(stored),
     )
+    runtime = sandbox.runtime(model, services)
     error = ""
     decision = None
     try:
@@ -486,7 +377,7 @@ def _wrote_nothing(step: str, outcome: Continue | Yield, stored_step: str) -> st
 
 
 def _difference(
-    stored: _StoredCycle, new_step: str, new: Sequence[tuple[Effect, ...]], sandbox: _Sandbox
+    stored: _StoredCycle, new_step: str, new: Sequence[tuple[Effect, ...]], sandbox: Sandbox
 ) -> str:
     """What differs between the stored batches and the new ones; ``""`` when nothing does."""
     stored_step = stored.batches[0].step

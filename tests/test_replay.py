@@ -118,13 +118,14 @@ async def recorded(store: Store, calls: Calls) -> Session[Any]:
     lookup b and delete a), approval yields. ``approve()``. Run 2: tools (the
     intent of lookup b, then both results, in parallel), inference ("done").
     """
+    clock = Clock()
     await store.create("s")
-    await submit(store, "s", [AppendMessage(Message.user("clean up", id="u1"))])
-    runtime = Runtime(store=store, model=ScriptedModel(TURNS), clock=Clock(), ids=counter_ids())
+    await submit(store, "s", [AppendMessage(Message.user("clean up", id="u1"))], clock=clock)
+    runtime = Runtime(store=store, model=ScriptedModel(TURNS), clock=clock, ids=counter_ids())
     machine: StateMachine[Any] = StateMachine(pipeline(calls))
     first = await machine.run_report(runtime, "s")
     assert first.reason.kind == "awaiting_approval"
-    await approve(store, "s", "call-1-1", by="ops", clock=Clock())
+    await approve(store, "s", "call-1-1", by="ops", clock=clock)
     second = await machine.run_report(runtime, "s")
     assert second.reason.kind == "done"
     assert sorted(calls.made) == ["delete", "lookup", "lookup"]
@@ -341,9 +342,10 @@ async def test_a_tool_call_without_a_recorded_result_is_answered_with_an_error(
     store: Store,
 ) -> None:
     calls = Calls()
+    clock = Clock()
     await store.create("s")
-    await submit(store, "s", [AppendMessage(Message.user("clean up", id="u1"))])
-    runtime = Runtime(store=store, model=ScriptedModel(TURNS), clock=Clock(), ids=counter_ids())
+    await submit(store, "s", [AppendMessage(Message.user("clean up", id="u1"))], clock=clock)
+    runtime = Runtime(store=store, model=ScriptedModel(TURNS), clock=clock, ids=counter_ids())
     report = await StateMachine(pipeline(calls)).run_report(runtime, "s")
     assert report.reason.kind == "awaiting_approval"  # delete never ran, lookup b neither
     executed = list(calls.made)
@@ -375,8 +377,9 @@ async def test_an_unknown_session_and_a_store_without_a_log_are_refused(store: S
 async def test_a_session_without_machine_cycles_replays_to_an_empty_same_report(
     store: Store,
 ) -> None:
+    clock = Clock()
     await store.create("s")
-    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))])
+    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))], clock=clock)
     report = await replay(store, "s", pipeline(Calls()))
     assert report.cycles == ()
     assert report.same
@@ -403,9 +406,10 @@ class NoteTaker(Operation[Any]):
 async def test_a_step_referring_to_a_message_it_added_in_the_cycle_replays_the_same(
     store: Store,
 ) -> None:
+    clock = Clock()
     await store.create("s")
-    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))])
-    runtime = Runtime(store=store, model=ScriptedModel(["hello"]), clock=Clock(), ids=counter_ids())
+    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))], clock=clock)
+    runtime = Runtime(store=store, model=ScriptedModel(["hello"]), clock=clock, ids=counter_ids())
     machine: StateMachine[Any] = StateMachine([NoteTaker(), ModelInference()])
     await machine.run(runtime, "s")  # inference yields done: the note comes in the next run
     await machine.run(runtime, "s")
@@ -434,10 +438,11 @@ async def test_a_cancelled_cycle_differs_and_its_finalize_batch_is_not_replayed(
     def steps() -> list[Step[Any]]:
         return [Tools([slow]), ModelInference()]
 
+    clock = Clock()
     await store.create("s")
-    await submit(store, "s", [AppendMessage(Message.user("go", id="u1"))])
+    await submit(store, "s", [AppendMessage(Message.user("go", id="u1"))], clock=clock)
     turns = [call(("slow", {})), reply("fine")]
-    runtime = Runtime(store=store, model=ScriptedModel(turns), clock=Clock(), ids=counter_ids())
+    runtime = Runtime(store=store, model=ScriptedModel(turns), clock=clock, ids=counter_ids())
     cancelled = await StateMachine(steps(), cancel=token).run_report(runtime, "s")
     assert cancelled.reason.kind == "cancelled"
     done = await StateMachine(steps()).run_report(runtime, "s")
@@ -550,17 +555,20 @@ async def test_random_histories_replay_the_same_with_the_same_steps(
             ModelInference(),
         ]
 
-    runtime = Runtime(store=store, model=planned_model(plan), clock=Clock(), ids=counter_ids())
+    clock = Clock()
+    runtime = Runtime(store=store, model=planned_model(plan), clock=clock, ids=counter_ids())
     await store.create("p")
     for turn in range(turns):
-        await submit(store, "p", [AppendMessage(Message.user(f"go {turn}", id=f"u{turn}"))])
+        await submit(
+            store, "p", [AppendMessage(Message.user(f"go {turn}", id=f"u{turn}"))], clock=clock
+        )
         for _ in range(4):  # runs until done, resuming after budgets and approvals
             report = await StateMachine(steps()).run_report(runtime, "p")
             if report.reason.kind == "done":
                 break
             if report.reason.kind == "awaiting_approval":
                 for pending in report.reason.data["calls"]:
-                    await approve(store, "p", pending["call_id"], by="ops", clock=Clock())
+                    await approve(store, "p", pending["call_id"], by="ops", clock=clock)
     executed = list(made)
     log = await store.batches("p")
 
