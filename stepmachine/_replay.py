@@ -109,8 +109,8 @@ class ReplayCycle:
         stored: the effects of each stored batch of the cycle (one tuple per batch).
         new: the effects of each batch the new steps would write.
         stored_refused: the steps that refused before ``stored_step``.
-        new_refused: the steps that refused before ``new_step`` (every step,
-            when none applied).
+        new_refused: the steps that refused before the new deciding step
+            (empty when no step applied: ``StateMachine.step`` returns ``None`` then).
     """
 
     revision: int
@@ -343,7 +343,9 @@ async def _replay_cycle(
         new_step = decision.step.name if decision is not None else sandbox.batches[0].step
     refused = decision.refusals if decision is not None else ()
     if sandbox.asked_model:
-        difference = f"the new pipeline calls the model here; the stored cycle is {first.step!r}"
+        difference = (
+            "the new pipeline calls the model here; the stored history has step " + repr(first.step)
+        )
     elif error:
         difference = error
     elif decision is None:
