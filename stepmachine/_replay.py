@@ -343,9 +343,8 @@ async def _replay_cycle(
         new_step = decision.step.name if decision is not None else sandbox.batches[0].step
     refused = decision.refusals if decision is not None else ()
     if sandbox.asked_model:
-        difference = (
-            "the new pipeline calls the model here; the stored history has step " + repr(first.step)
-        )
+        had = first.step
+        difference = f"the new pipeline calls the model here; the stored history has step {had!r}"
     elif error:
         difference = error
     elif decision is None:
