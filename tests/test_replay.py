@@ -26,6 +26,7 @@ from stepmachine import (
     AppendMessage,
     CancelToken,
     ConfigurationError,
+    Continue,
     Message,
     ModelInference,
     ModelRequest,
@@ -359,6 +360,39 @@ async def test_a_tool_call_without_a_recorded_result_is_answered_with_an_error(
         first.difference  # in call id order, whatever order they ran in
     )
     assert calls.made == executed
+
+
+class Greets(Operation[Any]):
+    """Before the model answers, appends the greeting ``services["greeting"]`` (once)."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        if len(ctx.session.conversation) != 1:
+            return Refuse("greets the first message only")
+        text = ctx.runtime.services["greeting"]
+        return Continue([AppendMessage(Message.user(text, id=ctx.new_id()))])
+
+
+async def test_services_reach_the_replayed_steps(store: Store) -> None:
+    clock = Clock()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))], clock=clock)
+    runtime = Runtime(
+        store=store,
+        model=ScriptedModel(["hello"]),
+        clock=clock,
+        ids=counter_ids(),
+        services={"greeting": "welcome"},
+    )
+    await StateMachine([Greets(), ModelInference()]).run(runtime, "s")
+
+    same = await replay(store, "s", [Greets(), ModelInference()], services={"greeting": "welcome"})
+    other = await replay(store, "s", [Greets(), ModelInference()], services={"greeting": "hey"})
+
+    assert same.same, str(same)
+    first = other.first_difference
+    assert first is not None
+    assert first.stored_step == "Greets"
+    assert "'welcome' -> 'hey'" in first.difference
 
 
 async def test_an_unknown_session_and_a_store_without_a_log_are_refused(store: Store) -> None:
