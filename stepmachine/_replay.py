@@ -1,0 +1,397 @@
+"""``replay``: try a changed step list on a stored session's decisions, with no side effects.
+
+:func:`replay` walks a session's audit log. For every cycle a machine decided,
+it offers the session as it was just before that cycle to the *new* steps,
+once, in a sandbox, and compares what they would write with what was
+written. The :class:`ReplayReport` says, per cycle, whether the new pipeline
+decides the same, and where it first does not. Nothing is written to the
+store, no tool runs, and no model is called unless one is given.
+
+Which batches are replayed. Those a machine cycle wrote: ``cycle >= 1`` and
+a step other than ``stepmachine.finalize``. Batches written outside a machine
+(cycle 0: ``submit``, ``approve``/``deny``, ``resolve_unknown_outcome``) are
+history, not decisions: they are not replayed, and every later cycle starts
+from the session they left. A step that commits batches itself
+(``ctx.commit``: the Tools step commits its intents, then one batch per
+result) writes several batches in one cycle: consecutive batches with the
+same cycle number and step, nothing from outside between them, are one
+cycle, replayed once from the session before the first of them. After a
+cancellation the interrupted step's finalize batch joins its cycle, so that
+cycle usually differs; the ``stepmachine.finalize`` batch is not replayed.
+
+Runs. Cycle numbers restart at 1 with each ``run()``. A machine batch that
+does not continue a cycle starts a new run when its cycle number is not above
+that of the run's last cycle. A run's start revision
+(``ctx.run_start_revision``, from which per-run budgets count) is the revision
+just before its first stored batch. The log does not record runs, so this is
+a reading of it: a run whose first cycles lost a compare-and-set race began a
+little earlier; a run that wrote one cycle and yielded, run again at once with
+the same step writing in its first cycle, reads as one cycle; and a step's own
+``finalize`` batch after a cancellation (no built-in step writes one) reads as
+a new run's cycle.
+
+The sandbox. Each replayed cycle gets a fresh runtime whose loader and
+effect handler are an in-memory copy of the session before the cycle (a step
+that commits writes there, never to the store), and:
+
+- ``clock``: the stored timestamp of the batch the cycle is about to write
+  (so approval expiry is judged at the moment it was);
+- ``ids``: the ids of the messages the stored cycle added, in order, then
+  fresh ``replay-<revision>-<n>`` ids;
+- ``tool_caller``: the stored result of the call (the first result recorded
+  for its call id anywhere in the log), or, when none is stored, an error
+  result saying so; that cycle then counts as a difference;
+- ``model``: a model answering with the assistant reply the stored cycle
+  appended (its parts; usage, model, finish reason and attempts from its
+  :class:`~stepmachine.InferenceReceipt`), once. Asked where the stored cycle
+  holds no reply, it raises and the cycle is a difference ("the new pipeline
+  calls the model here"). Other model calls (a compaction's summary) have
+  no recorded reply either. With ``model=``, that model answers every call
+  (under every model name) instead;
+- ``telemetry``: no spans (structured log events still go to the
+  ``stepmachine`` logger); ``services``: as given.
+
+Comparing (``_replay_compare``). A cycle is the same when the same step
+applies and writes equal effects: the same number of batches, each with
+equal effects, leaving out what the runtime rather than a decision makes
+(the ids of appended messages, and clock readings a step records, which the
+log does not keep exactly). Batches a step commits itself are compared in
+order, or else as a set: concurrent tool calls finish, and commit, in any
+order. Which steps refused before the deciding one is reported
+(``stored_refused``, ``new_refused``) but does not decide ``same``: a
+reordered list that decides the same way behaves the same. A cycle where no
+step applies, or where the deciding step writes nothing (a yield without
+effects), has ``new_step=None``. A step that raises makes its cycle a
+difference naming the exception; the replay goes on with the next cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._capabilities import Step
+from ._codec import Batch, Refusal
+from ._effects import AppendMessage, Effect, ReplaceConversation, apply_batch
+from ._errors import ConfigurationError
+from ._finalize import FINALIZE_STEP
+from ._inference import InferenceReceipt
+from ._machine import StateMachine
+from ._messages import Message, ToolResultPart
+from ._model import Model, ModelResponse
+from ._records import TAG_FIELD, read_record
+from ._replay_compare import Readings, first_change, same_batches
+from ._replay_sandbox import Sandbox
+from ._session import Session
+from ._steps import Continue, Yield
+from ._store import Store
+
+__all__ = ["ReplayCycle", "ReplayReport", "replay"]
+
+_RECEIPT_TAG = InferenceReceipt.__struct_config__.tag
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayCycle:
+    """One stored cycle, replayed against the new steps.
+
+    Attributes:
+        revision: the revision the stored cycle's first batch produced (the
+            replay started from ``revision - 1``).
+        cycle: the stored cycle number, within its run.
+        run_start_revision: the start of the stored run (see the module docs).
+        stored_step: the step that wrote the stored batches.
+        new_step: the step of the new list that writes in this cycle;
+            ``None`` when no step applies or the deciding step writes nothing.
+        same: the new steps decide the same (see the module docs).
+        difference: what differs, for a human; ``""`` when ``same``.
+        stored: the effects of each stored batch of the cycle (one tuple per batch).
+        new: the effects of each batch the new steps would write.
+        stored_refused: the steps that refused before ``stored_step``.
+        new_refused: the steps that refused before the new deciding step
+            (empty when no step applied: ``StateMachine.step`` returns ``None`` then).
+    """
+
+    revision: int
+    cycle: int
+    run_start_revision: int
+    stored_step: str
+    new_step: str | None
+    same: bool
+    difference: str
+    stored: tuple[tuple[Effect, ...], ...]
+    new: tuple[tuple[Effect, ...], ...]
+    stored_refused: tuple[Refusal, ...] = ()
+    new_refused: tuple[Refusal, ...] = ()
+
+    def __str__(self) -> str:
+        where = f"revision {self.revision} (cycle {self.cycle})"
+        if self.same:
+            return f"{where}: same ({self.stored_step})"
+        return f"{where}: {self.difference}"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayReport:
+    """What :func:`replay` found, one :class:`ReplayCycle` per replayed cycle, in log order."""
+
+    session_id: str
+    cycles: tuple[ReplayCycle, ...]
+
+    @property
+    def first_difference(self) -> ReplayCycle | None:
+        """The first cycle the new steps decide differently, or ``None``."""
+        return next((c for c in self.cycles if not c.same), None)
+
+    @property
+    def same(self) -> bool:
+        """True when every replayed cycle is the same (also when there was none)."""
+        return self.first_difference is None
+
+    def __str__(self) -> str:
+        lines = [f"replay of session {self.session_id!r}: {len(self.cycles)} cycle(s)"]
+        lines.extend(f"  {c}" for c in self.cycles)
+        return "\n".join(lines)
+
+
+async def replay(
+    store: Store,
+    session_id: str,
+    steps: Sequence[Step[Any]],
+    *,
+    model: Model | None = None,
+    services: Mapping[str, Any] | None = None,
+) -> ReplayReport:
+    """Replay every machine cycle of a stored session against ``steps``; see the module docs.
+
+    Args:
+        store: where the session is stored; it needs ``load``, ``load_at``
+            and ``batches`` (the shipped stores have them).
+        session_id: the session.
+        steps: the new step list (a fresh ``StateMachine(steps)`` decides).
+        model: answers every model call instead of the recorded replies.
+        services: ``Runtime.services`` for the steps.
+
+    Returns:
+        The report. The store is unchanged; no tool ran.
+
+    Raises:
+        SessionNotFoundError: no such session.
+        ConfigurationError: the store lacks ``batches`` or ``load_at``, or the
+            step list is invalid (no steps, repeated names).
+        StoredDataError: a stored record does not decode.
+
+    Cancellation: the replay stops; nothing was written anywhere but the sandbox.
+    """
+    for method in ("load", "load_at", "batches"):
+        if not callable(getattr(store, method, None)):
+            raise ConfigurationError(
+                f"replay reads the audit log: {type(store).__name__} has no {method}(); "
+                "use a store with load_at() and batches() (the shipped stores have them)"
+            )
+    machine: StateMachine[Any] = StateMachine(steps, max_cycles=None, lease=None)
+    await store.load(session_id)  # SessionNotFoundError for an unknown id
+    log: list[Batch[Effect]] = await store.batches(session_id)
+    results = _recorded_results(log)
+    replayed = [
+        await _replay_cycle(machine, stored, results, model, services or {})
+        for stored in await _stored_cycles(store, session_id, log)
+    ]
+    return ReplayReport(session_id, tuple(replayed))
+
+
+# -- the stored cycles --------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _StoredCycle:
+    """Consecutive batches of one machine cycle, the session before them, their run's start."""
+
+    before: Session[Any]
+    after: float  # the timestamp of the batch before the cycle
+    run_start: int
+    batches: list[Batch[Effect]] = field(default_factory=list)
+
+    @property
+    def decided(self) -> tuple[int, str]:
+        """The cycle number and the step that decided it."""
+        return self.batches[0].cycle, self.batches[0].step
+
+
+async def _stored_cycles(
+    store: Any, session_id: str, log: Sequence[Batch[Effect]]
+) -> list[_StoredCycle]:
+    """The log's machine cycles, grouped by the rules of the module docs.
+
+    The session before each cycle is the stored session at the log's first
+    revision, with the stored batches applied in order (what the stores do
+    to load it): O(log) for the whole replay.
+    """
+    cycles: list[_StoredCycle] = []
+    if not log:
+        return cycles
+    session: Session[Any] = await store.load_at(session_id, log[0].revision - 1)
+    current: _StoredCycle | None = None  # the cycle the next batch may continue
+    last_cycle: int | None = None  # the number of the run's last cycle
+    run_start = 0
+    stamp = float("-inf")  # the timestamp of the batch before ``batch``
+    for batch in log:
+        if batch.revision != session.revision + 1:  # a gap in the log: load what it skipped
+            session = await store.load_at(session_id, batch.revision - 1)
+        before, session = session, apply_batch(session, batch.effects)
+        previous, stamp = stamp, batch.timestamp
+        if batch.cycle < 1 or batch.step == FINALIZE_STEP:  # outside a machine, or finalize
+            current = None
+        elif current is not None and (batch.cycle, batch.step) == current.decided:
+            current.batches.append(batch)
+        else:
+            if last_cycle is None or batch.cycle <= last_cycle:
+                run_start = batch.revision - 1
+            current = _StoredCycle(before, previous, run_start, [batch])
+            cycles.append(current)
+            last_cycle = batch.cycle
+    return cycles
+
+
+def _recorded_results(log: Sequence[Batch[Effect]]) -> dict[str, ToolResultPart]:
+    """The first result recorded for each call id anywhere in the log."""
+    results: dict[str, ToolResultPart] = {}
+    for batch in log:
+        for effect in batch.effects:
+            for message in _messages_in(effect):
+                for result in message.tool_results:
+                    results.setdefault(result.call_id, result)
+    return results
+
+
+def _messages_in(effect: Effect) -> tuple[Message, ...]:
+    if isinstance(effect, AppendMessage):
+        return (effect.message,)
+    if isinstance(effect, ReplaceConversation):
+        return effect.conversation
+    return ()
+
+
+def _recorded_reply(stored: _StoredCycle) -> ModelResponse | None:
+    """The model reply the stored cycle appended (an assistant message with a receipt)."""
+    for batch in stored.batches:
+        for effect in batch.effects:
+            if not isinstance(effect, AppendMessage) or effect.message.role != "assistant":
+                continue
+            message = effect.message
+            for namespace, value in message.notes.items():
+                if isinstance(value, dict) and value.get(TAG_FIELD) == _RECEIPT_TAG:
+                    where = f"session {batch.session_id!r}, revision {batch.revision}"
+                    receipt = read_record(message.notes, namespace, InferenceReceipt, where=where)
+                    assert receipt is not None  # the namespace holds a receipt
+                    return ModelResponse(
+                        parts=message.parts,
+                        usage=receipt.usage,
+                        finish_reason=receipt.finish_reason,
+                        model=receipt.model,
+                        attempts=receipt.attempts,
+                    )
+    return None
+
+
+def _added_ids(stored: _StoredCycle) -> list[str]:
+    """Ids of the messages the stored cycle added, in order."""
+    known = {m.id for m in stored.before.conversation}
+    ids: list[str] = []
+    for batch in stored.batches:
+        for effect in batch.effects:
+            for message in _messages_in(effect):
+                if message.id not in known:
+                    known.add(message.id)
+                    ids.append(message.id)
+    return ids
+
+
+# -- one cycle ------------------------------------------------------------------------
+
+
+async def _replay_cycle(
+    machine: StateMachine[Any],
+    stored: _StoredCycle,
+    results: Mapping[str, ToolResultPart],
+    model: Model | None,
+    services: Mapping[str, Any],
+) -> ReplayCycle:
+    first = stored.batches[0]
+    sandbox = Sandbox(
+        stored.before,
+        [b.timestamp for b in stored.batches],
+        _added_ids(stored),
+        results,
+        None if model is not None else _recorded_reply(stored),
+    )
+    runtime = sandbox.runtime(model, services)
+    error = ""
+    decision = None
+    try:
+        decision = await machine.step(
+            runtime, stored.before, cycle=first.cycle, run_start_revision=stored.run_start
+        )
+    except Exception as exc:  # noqa: BLE001 - a failing step is this cycle's difference
+        error = f"the new pipeline raises {type(exc).__name__}: {exc}"
+    new = [b.effects for b in sandbox.batches]
+    if decision is not None and decision.outcome.effects:
+        new.append(tuple(decision.outcome.effects))
+    new_step: str | None = None
+    if new:
+        new_step = decision.step.name if decision is not None else sandbox.batches[0].step
+    refused = decision.refusals if decision is not None else ()
+    if sandbox.asked_model:
+        had = first.step
+        difference = f"the new pipeline calls the model here; the stored history has step {had!r}"
+    elif error:
+        difference = error
+    elif decision is None:
+        difference = f"no step applies (stored: {first.step!r})"
+    elif new_step is None:
+        difference = _wrote_nothing(decision.step.name, decision.outcome, first.step)
+    else:
+        difference = _difference(stored, new_step, new, sandbox)
+    return ReplayCycle(
+        revision=first.revision,
+        cycle=first.cycle,
+        run_start_revision=stored.run_start,
+        stored_step=first.step,
+        new_step=new_step,
+        same=not difference,
+        difference=difference,
+        stored=tuple(b.effects for b in stored.batches),
+        new=tuple(new),
+        stored_refused=first.refused,
+        new_refused=refused,
+    )
+
+
+def _wrote_nothing(step: str, outcome: Continue | Yield, stored_step: str) -> str:
+    if isinstance(outcome, Yield):
+        reason = outcome.reason
+        what = f"yields {reason.kind}" + (f" ({reason.message})" if reason.message else "")
+    else:
+        what = "continues without effects"
+    return f"step {step!r} {what} and writes nothing (stored: {stored_step!r})"
+
+
+def _difference(
+    stored: _StoredCycle, new_step: str, new: Sequence[tuple[Effect, ...]], sandbox: Sandbox
+) -> str:
+    """What differs between the stored batches and the new ones; ``""`` when nothing does."""
+    stored_step = stored.batches[0].step
+    old = [b.effects for b in stored.batches]
+    readings = Readings(stored.after, stored.batches[-1].timestamp, frozenset(sandbox.readings))
+    found: list[str] = []
+    if new_step != stored_step:
+        found.append(f"step {new_step!r} applies instead of {stored_step!r}")
+    elif not same_batches(old, new, readings):
+        found.append(f"step {new_step!r} writes other effects")
+    if found:
+        found[0] += f": {first_change(old, new, readings)}"
+    if sandbox.unrecorded:
+        calls = ", ".join(sorted(sandbox.unrecorded))
+        found.append(f"no recorded result for tool call(s) {calls} (answered with an error)")
+    return "; ".join(found)

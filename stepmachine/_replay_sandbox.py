@@ -1,0 +1,170 @@
+"""The sandbox of one replayed cycle: a runtime that writes, runs and calls nothing outside.
+
+:func:`~stepmachine.replay` offers each stored cycle's session to the new
+steps with :meth:`Sandbox.runtime`. The :class:`Sandbox` is that runtime's
+loader and effect handler (an in-memory copy of the session, so a step that
+commits writes there), its clock, its id source, its tool caller and, unless
+the caller gave a model, its model. It records what happened that the
+comparison must know: the batches committed, the clock readings, the calls
+answered without a recorded result, and a model call it had no reply for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, ClassVar
+
+from ._codec import Batch
+from ._effects import Effect, apply_batch
+from ._errors import ConflictError, ModelError, SessionNotFoundError
+from ._messages import ToolCallPart, ToolResultPart
+from ._model import ChunkSink, Model, ModelRequest, ModelResponse
+from ._runtime import Runtime
+from ._session import Session
+from ._telemetry import Telemetry
+from ._tools import ToolContext
+
+try:
+    from opentelemetry.trace import NoOpTracerProvider as _NoSpans
+except ImportError:  # pragma: no cover - without OpenTelemetry there are no spans anyway
+    _NoSpans = None  # type: ignore[assignment,misc]
+
+__all__ = ["NoRecordedReplyError", "Sandbox"]
+
+_QUIET = Telemetry() if _NoSpans is None else Telemetry(tracer_provider=_NoSpans())
+"""A replay is not a run to trace: its telemetry makes no spans."""
+
+
+class NoRecordedReplyError(ModelError):
+    """The replay's model was asked where the stored cycle holds no (further) model reply."""
+
+
+class Sandbox:
+    """Loader, effect handler, clock, id source, tool caller and model of one replayed cycle.
+
+    Args:
+        session: the session before the stored cycle.
+        timestamps: the stored cycle's batch timestamps; the clock returns the
+            one of the batch about to be written (the last one after that).
+        ids: the ids of the messages the stored cycle added, in order; the
+            id source returns them, then ``replay-<revision>-<n>``.
+        results: call id -> the stored result the tool caller answers with.
+        reply: the model reply the stored cycle holds, answered once.
+
+    Attributes:
+        batches: the batches committed to the sandbox, in order.
+        readings: every value the clock returned.
+        unrecorded: the calls (``'id' (tool)``) answered "no recorded result".
+        asked_model: the model was asked for a reply it did not have.
+    """
+
+    applies_batches: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        session: Session[Any],
+        timestamps: list[float],
+        ids: Iterable[str],
+        results: Mapping[str, ToolResultPart],
+        reply: ModelResponse | None,
+    ) -> None:
+        self.session = session
+        self.batches: list[Batch[Effect]] = []
+        self.readings: set[float] = set()
+        self.unrecorded: list[str] = []
+        self.asked_model = False
+        self._timestamps = timestamps
+        self._ids: Iterator[str] = iter(ids)
+        self._fresh = 0
+        self._results = results
+        self._reply = reply
+
+    def runtime(self, model: Model | None, services: Mapping[str, Any]) -> Runtime:
+        """The runtime the new steps get: ``model`` (or the sandbox) answers under every name."""
+        answering: Model = self if model is None else model
+        return Runtime(
+            loader=self,
+            handler=self,
+            model=answering,
+            models=_EveryName(answering),
+            clock=self.clock,
+            ids=self.new_id,
+            services=services,
+            telemetry=_QUIET,
+            tool_caller=self.call_tool,
+        )
+
+    # -- loader and effect handler ----------------------------------------------------
+
+    async def load(self, session_id: str) -> Session[Any]:
+        if session_id != self.session.id:
+            raise SessionNotFoundError(session_id)
+        return self.session
+
+    async def apply(self, batch: Batch[Effect]) -> Session[Any]:
+        """Apply ``batch`` to the copy (compare-and-set on its revision) and record it."""
+        if batch.session_id != self.session.id:
+            raise SessionNotFoundError(batch.session_id)
+        if batch.revision != self.session.revision + 1:
+            raise ConflictError(batch.session_id, batch.revision - 1, self.session.revision)
+        self.session = apply_batch(self.session, batch.effects)
+        self.batches.append(batch)
+        return self.session
+
+    # -- clock, ids, tools, model -----------------------------------------------------
+
+    def clock(self) -> float:
+        reading = self._timestamps[min(len(self.batches), len(self._timestamps) - 1)]
+        self.readings.add(reading)
+        return reading
+
+    def new_id(self) -> str:
+        recorded = next(self._ids, None)
+        if recorded is not None:
+            return recorded
+        self._fresh += 1
+        return f"replay-{self.session.revision}-{self._fresh}"
+
+    async def call_tool(self, call: ToolCallPart, context: ToolContext) -> ToolResultPart:
+        """The stored result of ``call``, or an error result saying there is none."""
+        result = self._results.get(call.call_id)
+        if result is not None:
+            return result
+        self.unrecorded.append(f"{call.call_id!r} ({call.name})")
+        return ToolResultPart.for_call(
+            call, f"replay: tool call {call.call_id!r} has no recorded result", is_error=True
+        )
+
+    @property
+    def name(self) -> str:
+        return "replay"
+
+    async def request(
+        self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
+    ) -> ModelResponse:
+        """The stored reply, once; no chunks (streaming only adds events, invariant 9).
+
+        Raises:
+            NoRecordedReplyError: there is no (further) stored reply.
+        """
+        reply, self._reply = self._reply, None
+        if reply is None:
+            self.asked_model = True
+            raise NoRecordedReplyError("replay: the stored cycle holds no (further) model reply")
+        return reply
+
+
+class _EveryName(Mapping[str, Model]):
+    """``Runtime.models`` in a replay: the one answering model under every name."""
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+
+    def __getitem__(self, name: str) -> Model:
+        return self._model
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
