@@ -136,6 +136,7 @@ from ._model import (
     Usage,
 )
 from ._records import TAG_FIELD, Record, note_value, read_record, record_types
+from ._replay import ReplayCycle, ReplayReport, replay
 from ._runtime import Runtime, ToolCaller, counter_ids, uuid_ids
 from ._serve import serve
 from ._session import NoData, Session
@@ -251,6 +252,8 @@ __all__ = [
     "Refusal",
     "Refuse",
     "ReplaceConversation",
+    "ReplayCycle",
+    "ReplayReport",
     "Role",
     "RunError",
     "RunReport",
@@ -319,6 +322,7 @@ __all__ = [
     "open_tool_calls",
     "read_record",
     "record_types",
+    "replay",
     "request_order",
     "resolve_unknown_outcome",
     "serve",
