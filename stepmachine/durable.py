@@ -134,13 +134,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 import anyio
 import msgspec
 
-from ._cycle import Decision, check_progress, idle_reason, stops_the_run
+from ._cycle import Decision, check_progress, idle_reason, log_cycle, stops_the_run
 from ._emitter import EventSink, NullEmitter
 from ._errors import ConfigurationError, ConflictError
 from ._hold import claim, hold, leasing_store, release, renew_interval
@@ -420,11 +421,13 @@ class DurableMachine:
         """Decide and apply once from ``session`` (mirrors ``Run.cycle`` of ``run()``)."""
         machine = self.machine
         applying: Decision[Any] | None = None
+        started = time.perf_counter()
         try:
             decision = await machine.step(runtime, session, cycle=number, run_start_revision=start)
             if decision is None:
                 sink = EventSink(NullEmitter(), session.id, session.revision)
                 reason = idle_reason(machine.capabilities, runtime, session, sink, number, start)
+                log_cycle(session, number, None, (), reason.kind, started=started)
                 return CycleSummary(
                     cycle=number, revision=session.revision, status="idle", reason=reason.kind
                 )
@@ -432,6 +435,16 @@ class DurableMachine:
             applying = decision
             after, result = await machine.apply(runtime, session, decision, cycle=number)
             applying = None
+            effects = len(decision.outcome.effects)
+            log_cycle(
+                after,
+                number,
+                result.step,
+                decision.refusals,
+                result.status,
+                effects=effects,
+                started=started,
+            )
         except BaseException as exc:
             if not stops_the_run(exc):
                 raise

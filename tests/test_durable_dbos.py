@@ -18,6 +18,7 @@ import anyio
 import dbos_crash  # tests/harness, on sys.path
 import msgspec
 import pytest
+import structlog
 from dbos import DBOS, DBOSConfig
 from dbos._serialization import DefaultSerializer
 from hypothesis import given
@@ -268,10 +269,19 @@ async def test_a_turn_runs_as_one_dbos_step_per_cycle(
     durable, store, handler = launched
     await store.create("s1")
     start = await submit(store, "s1", [AppendMessage(Message.user("add 2 and 3", id="u1"))])
-    workflow_id = await durable.enqueue_turn("s1", turn_id="s1-turn-1")
-    assert workflow_id == "s1-turn-1"
-    assert await durable.enqueue_turn("s1", turn_id="s1-turn-1") == workflow_id  # idempotent
-    report = await durable.result(workflow_id)
+    with structlog.testing.capture_logs() as events:
+        workflow_id = await durable.enqueue_turn("s1", turn_id="s1-turn-1")
+        assert workflow_id == "s1-turn-1"
+        assert await durable.enqueue_turn("s1", turn_id="s1-turn-1") == workflow_id  # idempotent
+        report = await durable.result(workflow_id)
+    # Each durable cycle is a `cycle` event, with the steps that refused before it and why.
+    cycles = [e for e in events if e["event"] == "cycle" and e["session_id"] == "s1"]
+    assert [(e["step"], e["outcome"]) for e in cycles] == [
+        ("inference", "continue"),
+        ("tools", "continue"),
+        ("inference", "yielded"),
+    ]
+    assert cycles[0]["refused"] == [{"step": "tools", "why": "no open tool calls"}]
 
     session = await store.load("s1")
     assert session.conversation[-1].text == "the sum is 5"
