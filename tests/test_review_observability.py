@@ -37,6 +37,7 @@ from stepmachine import (
     Runtime,
     StateMachine,
     StepContext,
+    StoredDataError,
     Store,
     Telemetry,
     Tools,
@@ -826,3 +827,96 @@ async def test_the_summarisers_model_call_is_a_chat_span_and_a_model_call_event(
     assert [r.step for r in report.results] == ["compaction", "inference"]  # two model calls
     assert len([e for e in captured if e["event"] == "model_call"]) == 2
     assert len(spans.named("chat")) == 2
+
+
+# -- a batch the store accepts is a batch the store can read back -------------------------------
+
+
+def mistyped_trace_batch() -> Batch[Any]:
+    """A public Batch built by hand with a trace that is not a str (msgspec does not check
+    types when a Struct is made)."""
+    return Batch(
+        session_id="s",
+        revision=1,
+        step="application",
+        cycle=0,
+        timestamp=1.0,
+        effects=(AppendMessage(Message.user("x", id="u1")),),
+        trace=123,  # type: ignore[arg-type]
+    )
+
+
+async def apply_then_reopen(kind: str, where: Path) -> str:
+    """Apply the mistyped batch; ``refused`` if apply said no, else what a reopened store reads."""
+    store = await open_store(kind, where)
+    await store.create("s", conversation=[])
+    try:
+        await store.apply(mistyped_trace_batch())
+    except StoredDataError:
+        return "refused"
+    finally:
+        await store.aclose()
+    reopened = await open_store(kind, where)
+    try:
+        session = await reopened.load("s")
+        await reopened.batches("s")
+        return f"readable at revision {session.revision}"
+    finally:
+        await reopened.aclose()
+
+
+async def test_memory_and_file_stores_refuse_a_trace_that_is_not_a_str(tmp_path: Path) -> None:
+    assert await apply_then_reopen("memory", tmp_path) == "refused"
+    assert await apply_then_reopen("file", tmp_path) == "refused"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/stores/_sqlite.py apply (via _replay.encode_batch and "
+        "_sqlite_rows.batch_row_values) checks `refused` but writes `trace` as given: a Batch "
+        "with trace=123 is acknowledged, and from then on load(), batches() and submit() of "
+        "the session fail with StoredDataError 'the batches row does not match its checksum "
+        "... damaged': one acknowledged apply bricks the session (invariants 2 and 8). The "
+        "memory and file stores refuse it at apply with StoredDataError; SQLite should too "
+        "(check isinstance(batch.trace, str | None) before writing)."
+    ),
+)
+async def test_sqlite_refuses_a_trace_that_is_not_a_str_instead_of_bricking_the_session(
+    tmp_path: Path,
+) -> None:
+    outcome = await apply_then_reopen("sqlite", tmp_path)
+    assert outcome in ("refused", "readable at revision 1")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/stores/_postgres.py apply: the same as SQLite (shared "
+        "_sqlite_rows.batch_row_values): a Batch with trace=123 is acknowledged, then "
+        "load() of the session fails at once with StoredDataError 'the batches row does not "
+        "match its checksum': the session is bricked. Refuse a non-str trace at apply."
+    ),
+)
+async def test_postgres_refuses_a_trace_that_is_not_a_str_or_reads_it_back(
+    postgres_dsn: str,
+) -> None:
+    from stepmachine.stores import PostgresStore
+
+    store = await PostgresStore.open(postgres_dsn)
+    try:
+        await store.create("s", conversation=[])
+        try:
+            await store.apply(mistyped_trace_batch())
+        except StoredDataError:
+            return
+        assert (await store.load("s")).revision == 1
+        await store.batches("s")
+    finally:
+        await store.aclose()
+    reopened = await PostgresStore.open(postgres_dsn)
+    try:
+        assert (await reopened.load("s")).revision == 1
+        await reopened.batches("s")
+    finally:
+        await reopened.aclose()
