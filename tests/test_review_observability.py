@@ -1040,3 +1040,47 @@ async def test_a_traced_runs_link_does_not_read_the_whole_file_log(
         traced = await bytes_a_run_reads(folder, traced=True, monkeypatch=monkeypatch)
         extra[batches] = traced - plain
     assert extra[500] <= 2 * extra[50], extra
+
+
+# -- a run inside a tool (a sub-agent) -----------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_tracing.py:115-118 run_span returns NO_SPAN for a run whose telemetry "
+        "has no tracer, but leaves _run_tracer as the enclosing run set it: a sub-agent run "
+        "inside a traced run's tool (its own Runtime, default Telemetry) gets `cycle` and "
+        "`chat` spans from the OUTER tracer, hung under execute_tool with no invoke_agent "
+        "span of its own, and its batches get traceparents. Either trace it fully (an "
+        "invoke_agent span with the outer tracer) or not at all (reset _run_tracer to None "
+        "inside an untraced run)."
+    ),
+)
+async def test_a_sub_agent_run_inside_a_traced_tool_is_traced_fully_or_not_at_all() -> None:
+    spans = Spans()
+    inner_store = MemoryStore()
+
+    @tool
+    async def ask_helper(question: str) -> str:
+        """Runs a helper agent of its own (untraced runtime)."""
+        await inner_store.create("inner", conversation=[Message.user(question, id="u1")])
+        runtime = Runtime(store=inner_store, model=ScriptedModel([reply("inner answer")]))
+        report = await StateMachine([ModelInference()]).run_report(runtime, "inner")
+        return report.session.conversation[-1].text or ""
+
+    store = MemoryStore()
+    await store.create("outer", conversation=[Message.user("go", id="u1")])
+    model = ScriptedModel([call(("ask_helper", {"question": "x"})), reply("done")])
+    runtime = Runtime(store=store, model=model, telemetry=spans.telemetry())
+    await StateMachine([Tools([ask_helper]), ModelInference()]).run(runtime, "outer")
+    inner_spans = [
+        s for s in spans.finished if (s.attributes or {}).get("gen_ai.conversation.id") == "inner"
+    ]
+    inner_agents = [s for s in inner_spans if s.name.startswith("invoke_agent")]
+    inner_traces = [b.trace for b in await inner_store.batches("inner")]
+    untraced = inner_spans == [] and inner_traces == [None]
+    fully_traced = len(inner_agents) == 1 and all(
+        spans.parent(s) is not None for s in inner_spans if s not in inner_agents
+    )
+    assert untraced or fully_traced, spans.tree()
