@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import _provider_wires as wires
 import anyio
+import anyio.lowlevel
 import httpx
 import msgspec
 import pytest
@@ -30,6 +35,7 @@ from stepmachine import (
     Batch,
     CancelToken,
     Codec,
+    Effect,
     Message,
     ModelInference,
     NoData,
@@ -39,21 +45,22 @@ from stepmachine import (
     Runtime,
     StateMachine,
     StepContext,
-    StoredDataError,
     Store,
+    StoredDataError,
     Telemetry,
     Tools,
+    _tracing,
     counter_ids,
     submit,
     tool,
 )
-from stepmachine import _tracing
 from stepmachine._codec import MAX_WHY
 from stepmachine.operations import Approval, Compaction, HistoryGuard, InvalidCalls, approve
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.testing import ScriptedModel, call, reply
 
 KEY = wires.KEY
+ROOT = Path(__file__).resolve().parent.parent
 STORE_KINDS = ["memory", "sqlite", "file"]
 
 
@@ -149,12 +156,10 @@ async def test_a_refusal_reason_that_is_not_a_str_is_kept_as_text(
 
 @pytest.mark.parametrize(
     "why",
-    ["a\x00b", "é" * 100_000, "\U0001f600" * 1_000, "line\nbreak\r\t\"quoted\"\\", ""],
+    ["a\x00b", "é" * 100_000, "\U0001f600" * 1_000, 'line\nbreak\r\t"quoted"\\', ""],
     ids=["nul", "huge", "astral", "controls", "empty"],
 )
-async def test_odd_refusal_reasons_are_stored_cut_and_read_back(
-    any_store: Store, why: str
-) -> None:
+async def test_odd_refusal_reasons_are_stored_cut_and_read_back(any_store: Store, why: str) -> None:
     await any_store.create("s", conversation=[Message.user("hi", id="u1")])
     with capture_logs() as captured:
         report = await StateMachine([Refuses(why), ModelInference()]).run_report(
@@ -263,7 +268,7 @@ class LoaderWithOddBatches:
 )
 @pytest.mark.parametrize(
     "answer",
-    [lambda: (b for b in ()), lambda: [{"trace": None}], lambda: None],
+    [lambda: iter(()), lambda: [{"trace": None}], lambda: None],
     ids=["generator", "dicts", "none"],
 )
 async def test_a_loader_with_an_odd_batches_answer_never_breaks_a_traced_run(
@@ -277,7 +282,7 @@ async def test_a_loader_with_an_odd_batches_answer_never_breaks_a_traced_run(
     await submit(store, "s", [AppendMessage(Message.user("again", id="u2"))])
     spans = Spans()
     runtime = Runtime(
-        loader=LoaderWithOddBatches(store, answer),  # type: ignore[arg-type]
+        loader=LoaderWithOddBatches(store, answer),
         handler=store,
         model=ScriptedModel([reply("two")]),
         telemetry=spans.telemetry(),
@@ -473,7 +478,8 @@ async def test_after_a_cancelled_run_the_next_run_in_the_task_is_a_root_without_
     # The old session is whole: its call was answered (interrupted), exactly once.
     old = await store.load("old")
     results = [r for m in old.conversation for r in m.tool_results]
-    assert len(results) == 1 and results[0].is_error
+    assert len(results) == 1
+    assert results[0].is_error
 
 
 # -- concurrency: many traced runs in one task group ---------------------------------------------
@@ -487,7 +493,7 @@ async def test_concurrent_traced_runs_keep_their_spans_and_events_apart() -> Non
     @tool
     async def slow_add(a: int, b: int) -> int:
         """Add, yielding to the others first."""
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         return a + b
 
     async def one(session_id: str) -> None:
@@ -501,7 +507,7 @@ async def test_concurrent_traced_runs_keep_their_spans_and_events_apart() -> Non
             for session_id in names:
                 group.start_soon(one, session_id)
     agents = spans.named("invoke_agent")
-    assert sorted((a.attributes or {})["gen_ai.conversation.id"] for a in agents) == names
+    assert sorted(str((a.attributes or {})["gen_ai.conversation.id"]) for a in agents) == names
     by_trace = {a.context.trace_id: (a.attributes or {})["gen_ai.conversation.id"] for a in agents}
     assert len(by_trace) == len(names)
     for span in spans.finished:
@@ -513,7 +519,8 @@ async def test_concurrent_traced_runs_keep_their_spans_and_events_apart() -> Non
             assert span.parent is None
         else:
             parent = spans.parent(span)
-            assert parent is not None and parent.context.trace_id == span.context.trace_id
+            assert parent is not None
+            assert parent.context.trace_id == span.context.trace_id
     assert len(spans.named("execute_tool")) == len(names)
     for session_id in names:
         mine = [e for e in captured if e.get("session_id") == session_id]
@@ -526,7 +533,9 @@ async def test_concurrent_traced_runs_keep_their_spans_and_events_apart() -> Non
     for session_id in names:
         batches = await store.batches(session_id)
         traces = {b.trace.split("-")[1] for b in batches if b.trace}
-        (agent,) = [a for a in agents if (a.attributes or {})["gen_ai.conversation.id"] == session_id]
+        (agent,) = [
+            a for a in agents if (a.attributes or {})["gen_ai.conversation.id"] == session_id
+        ]
         assert traces == {f"{agent.context.trace_id:032x}"}
 
 
@@ -589,7 +598,11 @@ async def test_with_structlog_unconfigured_and_no_logging_setup_nothing_is_print
 ) -> None:
     structlog.reset_defaults()
     store = MemoryStore()
-    await tool_loop(store, "s", Runtime(store=store, model=ScriptedModel([call(("add", {"a": 1, "b": 2})), reply("3")])))
+    await tool_loop(
+        store,
+        "s",
+        Runtime(store=store, model=ScriptedModel([call(("add", {"a": 1, "b": 2})), reply("3")])),
+    )
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == ""
@@ -667,18 +680,14 @@ print(sorted({e["event"] for e in captured}))
     ),
 )
 def test_a_cached_structlog_configuration_does_not_pin_the_librarys_logger_forever() -> None:
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parent.parent
     done = subprocess.run(
         [sys.executable, "-c", CACHED_THEN_CAPTURED],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
-        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
-        cwd=root,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
     first, then = done.stdout.splitlines()
@@ -983,13 +992,11 @@ async def test_a_tracer_provider_that_is_not_one_is_a_configuration_error() -> N
 # -- cost: a traced run's link costs the same at turn 500 as at turn 50 ------------------------
 
 
-async def bytes_a_run_reads(
-    folder: Path, *, traced: bool, monkeypatch: pytest.MonkeyPatch
-) -> int:
+async def bytes_a_run_reads(folder: Path, *, traced: bool, monkeypatch: pytest.MonkeyPatch) -> int:
     from stepmachine.stores import _file_txn
 
     read: list[int] = []
-    original = _file_txn.read_range
+    original = _file_txn.read_range  # type: ignore[attr-defined]
 
     def counted(fd: int, start: int, end: int) -> bytes:
         data: bytes = original(fd, start, end)
@@ -1133,7 +1140,7 @@ async def test_a_cycle_cancelled_from_outside_has_its_cycle_event_and_outcome() 
 # -- the decision trail round-trips whatever text it holds (hypothesis) -------------------------
 
 
-TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=400)
+TEXT = st.text(st.characters(exclude_categories=["Cs"]), max_size=400)
 
 
 @settings(max_examples=200, deadline=None)
@@ -1151,8 +1158,10 @@ def test_any_refusals_and_trace_round_trip_through_the_codec(
     for kept, (_, why) in zip(refused, whys, strict=True):
         assert len(kept.why) <= MAX_WHY
         assert kept.why == why or (kept.why.endswith("...") and why.startswith(kept.why[:-3]))
-    for effects in ((), (AppendMessage(Message.user("x", id="u1")),)):
-        batch = Batch(
+    nothing: tuple[Effect, ...] = ()
+    one: tuple[Effect, ...] = (AppendMessage(Message.user("x", id="u1")),)
+    for effects in (nothing, one):
+        batch: Batch[Effect] = Batch(
             session_id="s",
             revision=1,
             step="inference",
@@ -1177,11 +1186,11 @@ def test_any_refusals_and_trace_round_trip_through_the_codec(
     ),
 )
 @settings(max_examples=50, deadline=None)
-@given(why=st.text(st.characters(whitelist_categories=("Cs",)), min_size=1, max_size=5))
+@given(why=st.text(st.characters(categories=["Cs"]), min_size=1, max_size=5))
 def test_any_refusal_reason_at_all_gives_an_encodable_batch(why: str) -> None:
     from stepmachine._codec import refusal
 
-    batch = Batch(
+    batch: Batch[Effect] = Batch(
         session_id="s",
         revision=1,
         step="inference",
@@ -1256,29 +1265,18 @@ anyio.run(main)
 async def test_a_run_after_a_kill_mid_tool_links_to_the_killed_run_and_reports_the_journal(
     tmp_path: Path,
 ) -> None:
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parent.parent
-    db, marker = tmp_path / "crash.sqlite3", tmp_path / "running"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
-    errors = tmp_path / "child.err"
-    with errors.open("wb") as sink:
-        child = subprocess.Popen(
-            [sys.executable, "-c", CRASHING_CHILD, str(db), str(marker)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=sink,
-        )
+    db, marker = tmp_path / "crash.sqlite3", anyio.Path(tmp_path / "running")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    async with await anyio.open_process(
+        [sys.executable, "-c", CRASHING_CHILD, str(db), str(marker)], env=env, stdout=None
+    ) as child:
         try:
-            while not marker.exists():
-                assert child.poll() is None, errors.read_text()
+            while not await marker.exists():
+                assert child.returncode is None, "the child died before its tool ran"
                 await anyio.sleep(0.05)
         finally:
             child.send_signal(signal.SIGKILL)
-            child.wait()
+            await child.wait()
     store = await SQLiteStore.open(db)
     try:
         stored = [b.trace for b in await store.batches("s")]
@@ -1301,7 +1299,8 @@ async def test_a_run_after_a_kill_mid_tool_links_to_the_killed_run_and_reports_t
         await store.aclose()
     assert report.reason.kind == "done"
     (journal,) = [e for e in captured if e["event"] == "journal"]
-    assert journal["decision"] == "outcome_unknown" and journal["session_id"] == "s"
+    assert journal["decision"] == "outcome_unknown"
+    assert journal["session_id"] == "s"
     (agent,) = spans.named("invoke_agent")
     (link,) = agent.links
     _, trace_hex, span_hex, _ = killed[-1].split("-")
