@@ -1305,3 +1305,53 @@ async def test_a_run_after_a_kill_mid_tool_links_to_the_killed_run_and_reports_t
     (link,) = agent.links
     _, trace_hex, span_hex, _ = killed[-1].split("-")
     assert (link.context.trace_id, link.context.span_id) == (int(trace_hex, 16), int(span_hex, 16))
+
+
+# -- a sync tool that finishes after the cancellation: one result, one event, one span ----------
+
+
+@pytest.mark.parametrize("how", ["token", "outside"])
+async def test_a_thread_tool_finishing_after_a_cancel_is_recorded_reported_and_traced_once(
+    how: str,
+) -> None:
+    import threading
+
+    release = threading.Event()
+    scope = anyio.CancelScope()
+    token = CancelToken()
+
+    @tool
+    def slow_lookup(key: str) -> str:
+        """Runs in a worker thread; the run is cancelled while it runs."""
+        anyio.from_thread.run_sync(token.cancel if how == "token" else scope.cancel)
+        release.wait(timeout=30)
+        return f"value of {key}"
+
+    async def let_it_finish() -> None:
+        # The cancel is in: let the thread finish (it cannot be interrupted).
+        await anyio.lowlevel.checkpoint()
+        release.set()
+
+    spans = Spans()
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("look up k", id="u1")])
+    runtime = Runtime(
+        store=store,
+        model=ScriptedModel([call(("slow_lookup", {"key": "k"}))]),
+        telemetry=spans.telemetry(),
+    )
+    machine = StateMachine(
+        [Tools([slow_lookup]), ModelInference()], cancel=token if how == "token" else None
+    )
+    with capture_logs() as captured:
+        async with anyio.create_task_group() as group:
+            group.start_soon(let_it_finish)
+            with scope:
+                await machine.run(runtime, "s")
+            release.set()
+    session = await store.load("s")
+    results = [r for m in session.conversation for r in m.tool_results]
+    assert [(r.content, r.is_error) for r in results] == [("value of k", False)]
+    calls = [e for e in captured if e["event"] == "tool_call"]
+    assert [e["outcome"] for e in calls] == ["ok"]
+    assert len(spans.named("execute_tool slow_lookup")) == 1
