@@ -48,6 +48,8 @@ from stepmachine import (
     Store,
     StoredDataError,
     Telemetry,
+    ToolCallPart,
+    ToolResultPart,
     Tools,
     _tracing,
     counter_ids,
@@ -1355,3 +1357,74 @@ async def test_a_thread_tool_finishing_after_a_cancel_is_recorded_reported_and_t
     calls = [e for e in captured if e["event"] == "tool_call"]
     assert [e["outcome"] for e in calls] == ["ok"]
     assert len(spans.named("execute_tool slow_lookup")) == 1
+
+
+# -- Runtime.tool_caller (untested elsewhere) ----------------------------------------------------
+
+
+@tool
+def must_not_run(a: int, b: int) -> int:
+    """A tool the caller stands in for."""
+    raise AssertionError("the tool ran although a tool_caller answers its calls")
+
+
+async def run_with_caller(caller: Any) -> tuple[Any, list[Any]]:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    model = ScriptedModel([call(("must_not_run", {"a": 2, "b": 3})), reply("5")])
+    runtime = Runtime(store=store, model=model, tool_caller=caller)
+    machine = StateMachine([Tools([must_not_run]), ModelInference()], max_cycles=10)
+    with capture_logs() as captured:
+        report = await machine.run_report(runtime, "s")
+    return report, captured
+
+
+async def test_a_tool_caller_answers_the_call_and_is_reported() -> None:
+    async def caller(part: ToolCallPart, context: Any) -> ToolResultPart:
+        return ToolResultPart.for_call(part, "5")
+
+    report, captured = await run_with_caller(caller)
+    assert report.reason.kind == "done"
+    assert report.session.conversation[2].tool_results[0].content == "5"
+    assert [e["outcome"] for e in captured if e["event"] == "tool_call"] == ["recorded"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_tool_step.py:551-553 trusts what Runtime.tool_caller returns: a result "
+        "for ANOTHER call id is silently dropped by _commit_results (not open), the call "
+        "stays open with its intent, and the next cycle reports a `journal` WARNING "
+        "decision=outcome_unknown ('the process stopped after this call was started') and "
+        "answers it 'outcome unknown' -- a crash that never happened. The result's call_id "
+        "(and type) should be checked: a StepContractError naming both ids."
+    ),
+)
+async def test_a_tool_callers_result_for_another_call_is_an_error_not_a_phantom_crash() -> None:
+    async def caller(part: ToolCallPart, context: Any) -> ToolResultPart:
+        return ToolResultPart.for_call(msgspec.structs.replace(part, call_id="other"), "5")
+
+    from stepmachine import StepContractError
+
+    with capture_logs() as captured, pytest.raises(StepContractError, match="other"):
+        await run_with_caller(caller)
+    assert not [e for e in captured if e["event"] == "journal"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_tool_step.py:551 a Runtime.tool_caller returning something other than "
+        "a ToolResultPart (a str, as a tool would) fails the run with a bare AttributeError "
+        "('str' object has no attribute 'is_error') after the intent was recorded; it should "
+        "be a StepContractError saying tool_caller must return a ToolResultPart."
+    ),
+)
+async def test_a_tool_caller_returning_text_is_a_clear_error() -> None:
+    async def caller(part: ToolCallPart, context: Any) -> Any:
+        return "5"
+
+    from stepmachine import StepContractError
+
+    with pytest.raises(StepContractError, match="ToolResultPart"):
+        await run_with_caller(caller)
