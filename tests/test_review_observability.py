@@ -1428,3 +1428,45 @@ async def test_a_tool_caller_returning_text_is_a_clear_error() -> None:
 
     with pytest.raises(StepContractError, match="ToolResultPart"):
         await run_with_caller(caller)
+
+
+# -- captured arguments are the ones the tool ran with -------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_tool_step.py:548 (span gen_ai.tool.call.arguments) and :618 (tool_call "
+        "event `arguments`) capture call.raw_arguments, what the MODEL sent: after an "
+        "approval with edited_arguments the tool runs with the edit (effective_arguments), "
+        "so with capture on the span and the event show arguments that were never executed "
+        "-- an auditor reading the trace is misled about what was paid/deleted. Capture "
+        "effective_arguments(call) (and say when they were edited)."
+    ),
+)
+async def test_with_capture_on_an_edited_calls_span_and_event_show_the_arguments_that_ran() -> None:
+    ran: list[int] = []
+
+    @tool
+    def pay(amount_eur: int) -> str:
+        """Pay (needs approval)."""
+        ran.append(amount_eur)
+        return f"paid {amount_eur}"
+
+    spans = Spans()
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("pay 9999", id="u1")])
+    model = ScriptedModel([call(("pay", {"amount_eur": 9999})), reply("done")])
+    runtime = Runtime(store=store, model=model, telemetry=spans.telemetry(capture_content=True))
+    machine = StateMachine([Approval(["pay"]), Tools([pay]), ModelInference()])
+    report = await machine.run_report(runtime, "s")
+    (pending,) = report.reason.data["calls"]
+    edit = {"amount_eur": 10}
+    await approve(store, "s", pending["call_id"], by="operator", edited_arguments=edit, tool=pay)
+    with capture_logs() as captured:
+        await machine.run(runtime, "s")
+    assert ran == [10]
+    (event,) = [e for e in captured if e["event"] == "tool_call"]
+    (executed,) = spans.named("execute_tool pay")
+    arguments = [event["arguments"], (executed.attributes or {})["gen_ai.tool.call.arguments"]]
+    assert all("9999" not in str(a) and "10" in str(a) for a in arguments), arguments
