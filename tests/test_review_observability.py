@@ -372,7 +372,7 @@ def raising_processor() -> Any:
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "stepmachine/_log.py:157-158 _report_broken_logging writes to sys.stderr "
+        "stepmachine/_log.py:158-159 _report_broken_logging writes to sys.stderr "
         "unguarded: with sys.stderr None (pythonw, some daemons) it raises AttributeError, "
         "with a closed pipe BrokenPipeError -- from inside the except block of event(), so "
         "a broken log processor DOES change the run: it dies at its first event (here the "
@@ -671,7 +671,7 @@ print(sorted({e["event"] for e in captured}))
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "stepmachine/_log.py:81 `_configured = structlog.wrap_logger(_stdlib)` is a "
+        "stepmachine/_log.py:87 `_configured = structlog.wrap_logger(_stdlib)` is a "
         "module-global lazy proxy that obeys the application's cache_logger_on_first_use: "
         "after one event under such a configuration, every later structlog.configure() "
         "and capture_logs() is ignored by the library for the life of the process (its "
@@ -953,7 +953,7 @@ class SlottedProvider:
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "stepmachine/_tracing.py:102-105 caches tracers in a WeakKeyDictionary keyed by the "
+        "stepmachine/_tracing.py:97-100 caches tracers in a WeakKeyDictionary keyed by the "
         "provider: a provider object that cannot be weakly referenced (a __slots__ wrapper) "
         "makes every run fail with TypeError 'cannot create weak reference to ... object' "
         "before the session is loaded. Fall back to no caching (or a per-Telemetry "
@@ -974,7 +974,7 @@ async def test_a_provider_that_cannot_be_weakly_referenced_still_traces() -> Non
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "stepmachine/_tracing.py:102 a Telemetry whose tracer_provider is not a provider "
+        "stepmachine/_tracing.py:97 a Telemetry whose tracer_provider is not a provider "
         "(a Tracer passed by mistake, a string) fails every run with a bare TypeError "
         "'cannot create weak reference to str object' (or AttributeError 'get_tracer'): it "
         "should be a ConfigurationError saying tracer_provider needs a TracerProvider."
@@ -1059,7 +1059,7 @@ async def test_a_traced_runs_link_does_not_read_the_whole_file_log(
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "stepmachine/_tracing.py:115-118 run_span returns NO_SPAN for a run whose telemetry "
+        "stepmachine/_tracing.py:121-123 run_span returns NO_SPAN for a run whose telemetry "
         "has no tracer, but leaves _run_tracer as the enclosing run set it: a sub-agent run "
         "inside a traced run's tool (its own Runtime, default Telemetry) gets `cycle` and "
         "`chat` spans from the OUTER tracer, hung under execute_tool with no invoke_agent "
@@ -1103,13 +1103,13 @@ async def test_a_sub_agent_run_inside_a_traced_tool_is_traced_fully_or_not_at_al
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "stepmachine/_run.py:118-123/_settle: a cycle cancelled from OUTSIDE (an enclosing "
-        "cancel scope, a task group cancelled, a timeout) finalizes and re-raises without "
-        "log_cycle: there is no `cycle` event for it and its span keeps the bare name "
-        "`cycle` with no stepmachine.step/outcome, whereas the same cut by the CancelToken "
-        "gives `cycle tools` with outcome=cancelled. Call log_cycle(..., 'cancelled', "
-        "span=span) before re-raising (the finalize event alone does not say which step "
-        "or cycle was cut)."
+        "stepmachine/_cycle.py:180 (offer) and _run.py:176-181 (_settle): a cycle "
+        "cancelled from OUTSIDE (an enclosing cancel scope, a task group cancelled, a "
+        "timeout) finalizes and re-raises without log_cycle: there is no `cycle` event for "
+        "it and its span keeps the bare name `cycle` with no stepmachine.step/outcome, "
+        "whereas the same cut by the CancelToken gives `cycle tools` with "
+        "outcome=cancelled. Call log_cycle(..., 'cancelled', span=span) before re-raising "
+        "(the finalize event alone does not say which step or cycle was cut)."
     ),
 )
 async def test_a_cycle_cancelled_from_outside_has_its_cycle_event_and_outcome() -> None:
@@ -1392,7 +1392,7 @@ async def test_a_tool_caller_answers_the_call_and_is_reported() -> None:
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "stepmachine/_tool_step.py:551-553 trusts what Runtime.tool_caller returns: a result "
+        "stepmachine/_tool_step.py:553 trusts what Runtime.tool_caller returns: a result "
         "for ANOTHER call id is silently dropped by _commit_results (not open), the call "
         "stays open with its intent, and the next cycle reports a `journal` WARNING "
         "decision=outcome_unknown ('the process stopped after this call was started') and "
@@ -1414,7 +1414,7 @@ async def test_a_tool_callers_result_for_another_call_is_an_error_not_a_phantom_
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "stepmachine/_tool_step.py:551 a Runtime.tool_caller returning something other than "
+        "stepmachine/_tool_step.py:553 a Runtime.tool_caller returning something other than "
         "a ToolResultPart (a str, as a tool would) fails the run with a bare AttributeError "
         "('str' object has no attribute 'is_error') after the intent was recorded; it should "
         "be a StepContractError saying tool_caller must return a ToolResultPart."
@@ -1436,7 +1436,7 @@ async def test_a_tool_caller_returning_text_is_a_clear_error() -> None:
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "stepmachine/_tool_step.py:548 (span gen_ai.tool.call.arguments) and :618 (tool_call "
+        "stepmachine/_tool_step.py:549 (span gen_ai.tool.call.arguments) and :621 (tool_call "
         "event `arguments`) capture call.raw_arguments, what the MODEL sent: after an "
         "approval with edited_arguments the tool runs with the edit (effective_arguments), "
         "so with capture on the span and the event show arguments that were never executed "
