@@ -320,7 +320,7 @@ class Compaction(Operation[Any]):
             purpose="summary",
         )
         request = ctx.shape_request(request)
-        response = await model.request(request)
+        response = await ctx.request_model(model, request)
         text = "".join(p.text for p in response.parts if isinstance(p, TextPart)).strip()
         spent = Usage(response.usage.input_tokens, response.usage.output_tokens)
         ledger = next_ledger(session, response.attempts, spent, on=last)

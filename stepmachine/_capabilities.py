@@ -57,7 +57,8 @@ from ._effects import Effect
 from ._emitter import EventData, EventSink
 from ._errors import ConfigurationError
 from ._messages import ToolCallPart
-from ._model import ModelRequest, PromptPart, ToolDefinition
+from ._model import ChunkSink, Model, ModelRequest, ModelResponse, PromptPart, ToolDefinition
+from ._model_call import ModelCall
 from ._outcomes import Outcome
 from ._runtime import Runtime
 from ._session import Session
@@ -453,3 +454,21 @@ class StepContext(Generic[D]):
     async def emit(self, data: EventData) -> None:
         """Send a display event for this session."""
         await self.events.emit(data)
+
+    async def request_model(
+        self, model: Model, request: ModelRequest, *, on_chunk: ChunkSink | None = None
+    ) -> ModelResponse:
+        """``model.request(request, on_chunk=...)``, observed: every step that calls a model
+        calls it through here.
+
+        In a traced run the call is a ``chat`` span (OpenTelemetry GenAI
+        attributes; retries as span events), and it is logged as a
+        ``model_call`` event (see the README, "Seeing inside a run"); the request and the
+        reply appear in them only with content capture on.
+
+        Raises and cancels exactly as ``model.request`` does.
+        """
+        with ModelCall(self.session.id, self.runtime.telemetry, model, request) as observed:
+            response = await model.request(request, on_chunk=on_chunk)
+            observed.replied(response)
+        return response

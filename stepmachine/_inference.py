@@ -23,14 +23,11 @@ they are the same with ``stream=True`` or ``False`` (invariant 9).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
-from . import _log, _tracing
-from ._conversation import Conversation
 from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ReasoningDelta, TextDelta, ToolArgumentsDelta
 from ._errors import ContextLengthError, HistoryError
@@ -38,9 +35,7 @@ from ._history import check_history, history_problems, open_tool_calls, request_
 from ._ledger import Ledger, next_ledger
 from ._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart
 from ._model import (
-    Model,
     ModelRequest,
-    ModelResponse,
     ModelSettings,
     PromptPart,
     ReasoningChunk,
@@ -168,122 +163,6 @@ def _without_notes(parts: tuple[Part, ...]) -> tuple[Part, ...]:
     )
 
 
-def _model_id(model: Model) -> str:
-    """The model's own id (``gpt-4.1``) when it has one, else its name."""
-    own = getattr(model, "model", None)
-    return own if isinstance(own, str) and own else model.name
-
-
-class _ModelCall:
-    """One model call, observed: a ``chat`` span around it (in a traced run) and a
-    ``model_call`` event after it.
-
-    A plain context manager (not a wrapping coroutine: every resume of the
-    step would pass through one more frame). Attributes follow the
-    OpenTelemetry GenAI conventions (see ``_tracing``); the request's messages
-    and the reply go into the span and the event only with content capture on.
-    """
-
-    __slots__ = ("_capture", "_ctx", "_model", "_request", "_span", "_started", "_traced")
-
-    def __init__(self, ctx: StepContext[Any], model: Model, request: ModelRequest) -> None:
-        self._ctx = ctx
-        self._model = model
-        self._request = request
-        self._capture = ctx.runtime.telemetry.captures_content
-        self._span: Any = None
-        self._traced: Any = None
-        self._started = 0.0
-
-    def __enter__(self) -> _ModelCall:
-        self._started = time.perf_counter()
-        if _tracing.active():
-            model, ctx = self._model, self._ctx
-            requested = _model_id(model)
-            attributes: dict[str, Any] = {
-                "gen_ai.operation.name": "chat",
-                "gen_ai.provider.name": getattr(model, "provider", None) or "stepmachine",
-                "gen_ai.request.model": requested,
-                "gen_ai.conversation.id": ctx.session.id,
-            }
-            self._traced = _tracing.span(
-                ctx.runtime.telemetry, f"chat {requested}", attributes, client=True
-            )
-            self._span = self._traced.__enter__()
-            if self._span is not None and self._capture:
-                self._span.set_attribute("gen_ai.input.messages", _content(self._request.messages))
-        return self
-
-    def replied(self, response: ModelResponse) -> None:
-        """Record the reply on the span and log the ``model_call`` event."""
-        span = self._span
-        if span is not None:
-            usage = response.usage
-            _tracing.set_attributes(
-                span,
-                {
-                    "gen_ai.response.model": response.model or _model_id(self._model),
-                    "gen_ai.usage.input_tokens": usage.input_tokens,
-                    "gen_ai.usage.output_tokens": usage.output_tokens,
-                    "gen_ai.response.finish_reasons": (
-                        [response.finish_reason] if response.finish_reason else None
-                    ),
-                    "stepmachine.attempts": response.attempts,
-                    "gen_ai.output.messages": (_content(response.parts) if self._capture else None),
-                },
-            )
-        _log_model_call(self._ctx, self._model, self._started, response, self._capture)
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
-    ) -> None:
-        if isinstance(exc, Exception):
-            _log_model_failure(self._ctx, self._model, self._started, exc)
-        if self._traced is not None:
-            self._traced.__exit__(kind, exc, tb)
-
-
-def _log_model_call(
-    ctx: StepContext[Any], model: Model, started: float, response: ModelResponse, capture: bool
-) -> None:
-    """The ``model_call`` event of a reply (DEBUG)."""
-    if not _log.enabled(_log.DEBUG):
-        return
-    usage = response.usage
-    fields: dict[str, Any] = {
-        "session_id": ctx.session.id,
-        "model": model.name,
-        "attempts": response.attempts,
-        "duration_ms": round((time.perf_counter() - started) * 1000, 3),
-        "input_tokens": usage.input_tokens,
-        "output_tokens": usage.output_tokens,
-        "finish_reason": response.finish_reason,
-    }
-    if capture:
-        fields["reply"] = _content(response.parts)
-    _log.event(_log.DEBUG, "model_call", **fields)
-
-
-def _log_model_failure(
-    ctx: StepContext[Any], model: Model, started: float, exc: BaseException
-) -> None:
-    """The ``model_call`` event of a call that failed (WARNING): its error type, never its text."""
-    _log.event(
-        _log.WARNING,
-        "model_call",
-        session_id=ctx.session.id,
-        model=model.name,
-        attempts=int(getattr(exc, "attempts", 1) or 1),
-        duration_ms=round((time.perf_counter() - started) * 1000, 3),
-        error_type=type(exc).__name__,
-    )
-
-
-def _content(value: object) -> str:
-    """``value`` (messages or parts) as JSON text, for content capture."""
-    return msgspec.json.encode(value, enc_hook=Conversation.enc_hook).decode()
-
-
 class _Partial:
     """What streamed in before an interruption."""
 
@@ -379,9 +258,9 @@ class ModelInference(Inference[Any]):
                 )
 
         try:
-            with _ModelCall(ctx, model, request) as observed:  # a span, the model_call event
-                response = await model.request(request, on_chunk=on_chunk if self._stream else None)
-                observed.replied(response)
+            response = await ctx.request_model(
+                model, request, on_chunk=on_chunk if self._stream else None
+            )
         except ContextLengthError as exc:
             last = visible[-1]
             earlier = self._attempts_on(last, session)

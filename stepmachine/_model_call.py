@@ -1,0 +1,146 @@
+"""``ModelCall``: one model call, observed (a ``chat`` span and a ``model_call`` event).
+
+Every model call a step makes goes through :meth:`StepContext.request_model
+<stepmachine.StepContext.request_model>`, which uses this: the inference
+step's reply, a compaction's summary, an application step's own call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from . import _log, _tracing
+from ._conversation import Conversation
+from ._model import Model, ModelRequest, ModelResponse
+from ._telemetry import Telemetry
+
+__all__ = ["ModelCall"]
+
+
+def _model_id(model: Model) -> str:
+    """The model's own id (``gpt-4.1``) when it has one, else its name."""
+    own = getattr(model, "model", None)
+    return own if isinstance(own, str) and own else model.name
+
+
+class ModelCall:
+    """One model call, observed: a ``chat`` span around it (in a traced run) and a
+    ``model_call`` event after it.
+
+    A plain context manager (not a wrapping coroutine: every resume of the
+    step would pass through one more frame). Attributes follow the
+    OpenTelemetry GenAI conventions (see ``_tracing``); the request's messages
+    and the reply go into the span and the event only with content capture on.
+    """
+
+    __slots__ = (
+        "_capture",
+        "_model",
+        "_request",
+        "_session_id",
+        "_span",
+        "_started",
+        "_telemetry",
+        "_traced",
+    )
+
+    def __init__(
+        self, session_id: str, telemetry: Telemetry, model: Model, request: ModelRequest
+    ) -> None:
+        self._session_id = session_id
+        self._telemetry = telemetry
+        self._model = model
+        self._request = request
+        self._capture = telemetry.captures_content
+        self._span: Any = None
+        self._traced: Any = None
+        self._started = 0.0
+
+    def __enter__(self) -> ModelCall:
+        self._started = time.perf_counter()
+        if _tracing.active():
+            model = self._model
+            requested = _model_id(model)
+            attributes: dict[str, Any] = {
+                "gen_ai.operation.name": "chat",
+                "gen_ai.provider.name": getattr(model, "provider", None) or "stepmachine",
+                "gen_ai.request.model": requested,
+                "gen_ai.conversation.id": self._session_id,
+            }
+            self._traced = _tracing.span(
+                self._telemetry, f"chat {requested}", attributes, client=True
+            )
+            self._span = self._traced.__enter__()
+            if self._span is not None and self._capture:
+                self._span.set_attribute("gen_ai.input.messages", _content(self._request.messages))
+        return self
+
+    def replied(self, response: ModelResponse) -> None:
+        """Record the reply on the span and log the ``model_call`` event."""
+        span = self._span
+        if span is not None:
+            usage = response.usage
+            _tracing.set_attributes(
+                span,
+                {
+                    "gen_ai.response.model": response.model or _model_id(self._model),
+                    "gen_ai.usage.input_tokens": usage.input_tokens,
+                    "gen_ai.usage.output_tokens": usage.output_tokens,
+                    "gen_ai.response.finish_reasons": (
+                        [response.finish_reason] if response.finish_reason else None
+                    ),
+                    "stepmachine.attempts": response.attempts,
+                    "gen_ai.output.messages": (_content(response.parts) if self._capture else None),
+                },
+            )
+        _log_model_call(self._session_id, self._model, self._started, response, self._capture)
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        if isinstance(exc, Exception):
+            _log_model_failure(self._session_id, self._model, self._started, exc)
+        if self._traced is not None:
+            self._traced.__exit__(kind, exc, tb)
+
+
+def _log_model_call(
+    session_id: str, model: Model, started: float, response: ModelResponse, capture: bool
+) -> None:
+    """The ``model_call`` event of a reply (DEBUG)."""
+    if not _log.enabled(_log.DEBUG):
+        return
+    usage = response.usage
+    fields: dict[str, Any] = {
+        "session_id": session_id,
+        "model": model.name,
+        "attempts": response.attempts,
+        "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "finish_reason": response.finish_reason,
+    }
+    if capture:
+        fields["reply"] = _content(response.parts)
+    _log.event(_log.DEBUG, "model_call", **fields)
+
+
+def _log_model_failure(session_id: str, model: Model, started: float, exc: BaseException) -> None:
+    """The ``model_call`` event of a call that failed (WARNING): its error type, never its text."""
+    _log.event(
+        _log.WARNING,
+        "model_call",
+        session_id=session_id,
+        model=model.name,
+        attempts=int(getattr(exc, "attempts", 1) or 1),
+        duration_ms=round((time.perf_counter() - started) * 1000, 3),
+        error_type=type(exc).__name__,
+    )
+
+
+def _content(value: object) -> str:
+    """``value`` (messages or parts) as JSON text, for content capture."""
+    return msgspec.json.encode(value, enc_hook=Conversation.enc_hook).decode()
