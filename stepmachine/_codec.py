@@ -95,11 +95,28 @@ MAX_WHY: Final = 200
 """Characters of a ``Refuse.why`` the audit log keeps (the rest is cut, ending in ``...``)."""
 
 
-def refusal(step: str, why: str) -> Refusal:
-    """The :class:`Refusal` the audit log keeps for ``step`` refusing with ``why``."""
+def refusal(step: str, why: object) -> Refusal:
+    """The :class:`Refusal` the audit log keeps for ``step`` refusing with ``why``.
+
+    ``why`` is cut to :data:`MAX_WHY` characters; what is not a str is kept as
+    its ``str()``, and characters UTF-8 cannot encode (lone surrogates, as in
+    a file name read with ``os.listdir``) as ``?``: a reason must never stop
+    the batch it belongs to from being stored.
+    """
+    if type(why) is not str:
+        why = _text(why)
     if len(why) > MAX_WHY:
         why = why[: MAX_WHY - 3] + "..."
+    if not why.isascii():
+        why = why.encode("utf-8", "replace").decode("utf-8")
     return Refusal(step, why)
+
+
+def _text(value: object) -> str:
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the batch
+        return f"<{type(value).__name__} whose str() failed>"
 
 
 class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):

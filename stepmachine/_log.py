@@ -72,6 +72,8 @@ INFO: Final = logging.INFO
 WARNING: Final = logging.WARNING
 
 _stdlib: Final = logging.getLogger(LOGGER)
+_stdlib.addHandler(logging.NullHandler())  # as the standard library advises libraries: no
+# "last resort" output of WARNING events to stderr while the application configured nothing
 
 _plain = structlog.wrap_logger(
     _stdlib,
@@ -84,7 +86,7 @@ _plain = structlog.wrap_logger(
 )
 """Used while structlog is not configured: the event dict becomes the record's message."""
 
-_configured = structlog.wrap_logger(_stdlib)
+_configured = structlog.wrap_logger(_stdlib, cache_logger_on_first_use=False)
 """Used once structlog is configured: its wrapper class and processors, read at each call."""
 
 
@@ -154,6 +156,11 @@ def _report_broken_logging(name: str) -> None:
     library's ``Handler.handleError``, the failure is written to stderr (with
     its traceback when ``logging.raiseExceptions`` is on) and dropped.
     """
-    if logging.raiseExceptions:
-        sys.stderr.write(f"--- stepmachine: logging event {name!r} failed ---\n")
-        traceback.print_exc(file=sys.stderr)
+    stream = sys.stderr
+    if not logging.raiseExceptions or stream is None:
+        return
+    try:
+        stream.write(f"--- stepmachine: logging event {name!r} failed ---\n")
+        traceback.print_exc(file=stream)
+    except Exception:  # noqa: BLE001, S110 - stderr is gone (a broken pipe): nothing more to do
+        pass

@@ -504,11 +504,10 @@ async def _link_to_previous(runtime: Runtime, session: Session[Any], span: Any) 
         return
     try:
         recent = await batches(session.id, max(0, session.revision - LINK_WINDOW))
+        for batch in reversed(recent):
+            link = _tracing.link_to(getattr(batch, "trace", None))
+            if link is not None:
+                span.add_link(link.context, link.attributes)
+                return
     except Exception:  # noqa: BLE001 - a link is worth less than the run
         log_failure("could not read the last batches to link the run's span", session.id)
-        return
-    for batch in reversed(recent):
-        link = _tracing.link_to(batch.trace)
-        if link is not None:
-            span.add_link(link.context, link.attributes)
-            return

@@ -79,6 +79,7 @@ class Run(Generic[D]):
     start_revision: int
     cycles: int = 0
     results: list[StepResult] = field(default_factory=list)
+    cut_step: str | None = None  # the step a cancellation from outside interrupted (for the log)
 
     async def cycle(self, session: Session[D]) -> tuple[Session[D], RunReport[D] | None]:
         """One cycle from ``session``: the session after it, and the report if the run ends.
@@ -111,25 +112,33 @@ class Run(Generic[D]):
             traced = _tracing.span(self.runtime.telemetry, "cycle", attributes)
         with traced as span:
             try:
-                offered = await offer(
-                    machine.capabilities,
-                    self.runtime,
-                    session,
-                    self.sink,
-                    self.cycles,
-                    self.start_revision,
-                    token=machine.cancel,
-                    on_cancel=self._finalize_cancelled,
-                )
-            except ConflictError:  # a step's own commit lost the race
-                self._conflict(session, None, (), started, span)
+                try:
+                    offered = await offer(
+                        machine.capabilities,
+                        self.runtime,
+                        session,
+                        self.sink,
+                        self.cycles,
+                        self.start_revision,
+                        token=machine.cancel,
+                        on_cancel=self._finalize_cancelled,
+                    )
+                except ConflictError:  # a step's own commit lost the race
+                    self._conflict(session, None, (), started, span)
+                    raise
+                if isinstance(offered, Interrupted):
+                    return session, await self._cancelled(session, offered, started, span)
+                if isinstance(offered, Idle):
+                    idle = self._idle(session, offered.refusals, started, span)
+                    return session, await self._guarded(idle, None)
+                return await self._settle(session, offered, started, span)
+            except BaseException as exc:
+                if stops_the_run(exc):  # cancelled from outside: reported like the token's
+                    cut = self.cut_step
+                    log_cycle(
+                        session, self.cycles, cut, (), "cancelled", started=started, span=span
+                    )
                 raise
-            if isinstance(offered, Interrupted):
-                return session, await self._cancelled(session, offered, started, span)
-            if isinstance(offered, Idle):
-                idle = self._idle(session, offered.refusals, started, span)
-                return session, await self._guarded(idle, None)
-            return await self._settle(session, offered, started, span)
 
     async def _settle(
         self, session: Session[D], decision: Decision[D], started: float, span: object
@@ -261,6 +270,8 @@ class Run(Generic[D]):
 
     async def _finalize_cancelled(self, interrupted: Interrupted[D] | None) -> None:
         """Finalize, shielded and bounded, while an outside cancellation is pending."""
+        if interrupted is not None:
+            self.cut_step = interrupted.step.name
         session_id = self.sink.session_id
         await shielded(
             self.machine.finalize_timeout,

@@ -62,7 +62,13 @@ import msgspec
 from . import _json, _log, _tracing
 from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ToolFinished, ToolStarted
-from ._errors import ConfigurationError, ConflictError, ToolAbortError, ToolArgumentsError
+from ._errors import (
+    ConfigurationError,
+    ConflictError,
+    StepContractError,
+    ToolAbortError,
+    ToolArgumentsError,
+)
 from ._history import open_tool_calls
 from ._messages import Message, ToolCallPart, ToolResultPart
 from ._model import ToolDefinition
@@ -73,6 +79,7 @@ from ._session import Session
 from ._steps import Continue, Operation, Outcome, Refuse, StepContext, Yield, YieldReason
 from ._store import Store, submit
 from ._tools import (
+    EDITED_ARGUMENTS,
     Tool,
     ToolContext,
     check_timeout,
@@ -546,12 +553,13 @@ class Tools(Operation[Any]):
             traced = _tracing.span(telemetry, f"execute_tool {call.name}", attributes)
         with traced as span:
             if span is not None and telemetry.captures_content:
-                span.set_attribute("gen_ai.tool.call.arguments", call.raw_arguments)
+                span.set_attribute("gen_ai.tool.call.arguments", _arguments_text(call))
             caller = ctx.runtime.tool_caller
             try:
                 if caller is not None:
                     result, aborted, outcome = await caller(call, context), None, "recorded"
                     error_type = None
+                    _check_recorded(result, call)
                 else:
                     result, aborted, outcome, error_type = await self._call_tool(
                         impl, call, context
@@ -598,6 +606,27 @@ class Tools(Operation[Any]):
         return ToolResultPart.for_call(call, content), None, "ok", None
 
 
+def _arguments_text(call: ToolCallPart) -> str:
+    """The arguments the tool runs with, as JSON text (edited ones when an approval edited them)."""
+    if EDITED_ARGUMENTS in call.notes:
+        return msgspec.json.encode(effective_arguments(call)).decode()
+    return call.raw_arguments
+
+
+def _check_recorded(result: object, call: ToolCallPart) -> None:
+    """Raise :class:`StepContractError` unless ``result`` is a result answering ``call``."""
+    if not isinstance(result, ToolResultPart) or result.call_id != call.call_id:
+        got = (
+            f"a result for call {result.call_id!r}"
+            if isinstance(result, ToolResultPart)
+            else repr(result)[:200]
+        )
+        raise StepContractError(
+            f"Runtime.tool_caller must return a ToolResultPart answering call "
+            f"{call.call_id!r} ({call.name}); it returned {got}"
+        )
+
+
 def _log_tool_call(
     ctx: StepContext[Any],
     call: ToolCallPart,
@@ -618,7 +647,7 @@ def _log_tool_call(
         "outcome": outcome,
     }
     if ctx.runtime.telemetry.captures_content:
-        fields["arguments"] = call.raw_arguments
+        fields["arguments"] = _arguments_text(call)
         if result is not None:
             fields["result"] = result.content
     _log.event(_log.DEBUG, "tool_call", **fields)

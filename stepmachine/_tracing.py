@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
+from ._errors import ConfigurationError
 from ._telemetry import Telemetry
 
 try:
@@ -94,11 +95,21 @@ def tracer(telemetry: Telemetry) -> Tracer | None:
         provider = _trace.get_tracer_provider()
         if isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider):
             return None  # nothing configured: the API would make non-recording spans
-    made = _tracers.get(provider)
+    try:
+        made = _tracers.get(provider)
+    except TypeError:  # cannot be weakly referenced: not cached
+        made = None
     if made is None:
-        made = provider.get_tracer("stepmachine", _version())
-        _tracers[provider] = made
-    return made
+        get_tracer = getattr(provider, "get_tracer", None)
+        if not callable(get_tracer):
+            raise ConfigurationError(
+                "Telemetry.tracer_provider must be an OpenTelemetry TracerProvider (it has "
+                f"get_tracer), got {type(provider).__name__}"
+            )
+        made = get_tracer("stepmachine", _version())
+        with contextlib.suppress(TypeError):
+            _tracers[provider] = made
+    return made  # type: ignore[no-any-return]
 
 
 def _version() -> str:
@@ -120,8 +131,19 @@ def run_span(
     """
     made = tracer(telemetry)
     if made is None:
-        return NO_SPAN
+        # A run of an untraced runtime inside a traced run (an agent called by a
+        # tool): not traced at all, rather than half (cycles with no run span).
+        return NO_SPAN if _run_tracer.get() is None else _untraced()
     return _current(made, telemetry, name, attributes, False)
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    token = _run_tracer.set(None)
+    try:
+        yield None
+    finally:
+        _run_tracer.reset(token)
 
 
 def span(

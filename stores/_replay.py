@@ -19,6 +19,7 @@ import msgspec
 from stepmachine import (
     Batch,
     Codec,
+    ConfigurationError,
     Effect,
     EffectError,
     Refusal,
@@ -85,9 +86,12 @@ def encode_batch(
     batch is encoded and decoded, never the history.
 
     Raises:
-        ConfigurationError: an effect type is not registered in the codec.
+        ConfigurationError: an effect type is not registered in the codec, or
+            ``refused`` / ``trace`` are not what a batch holds (nothing is
+            written: a store must never acknowledge what it cannot read back).
         StoredDataError: the codec cannot read back what it wrote.
     """
+    _check_trail(batch)
     stored: StoredBatch
     if form is BatchRecord:
         stored = BatchRecord(batch.revision, where, codec.encode_batch(batch))
@@ -103,6 +107,24 @@ def encode_batch(
             batch.trace,
         )
     return stored, decode_batch(codec, batch.session_id, stored)
+
+
+def _check_trail(batch: Batch[Effect]) -> None:
+    """Raise :class:`ConfigurationError` unless ``batch.refused`` is a tuple of
+    :class:`~stepmachine.Refusal` of strings and ``batch.trace`` a str or None."""
+    refused, trace = batch.refused, batch.trace
+    if trace is not None and type(trace) is not str:
+        raise ConfigurationError(
+            f"batch {batch.revision} of session {batch.session_id!r}: trace must be a str "
+            f"(a W3C traceparent) or None, got {type(trace).__name__}"
+        )
+    if type(refused) is not tuple or not all(
+        type(r) is Refusal and type(r.step) is str and type(r.why) is str for r in refused
+    ):
+        raise ConfigurationError(
+            f"batch {batch.revision} of session {batch.session_id!r}: refused must be a tuple "
+            f"of Refusal(step: str, why: str), got {refused!r:.200}"
+        )
 
 
 def decode_batch(codec: Codec[Any], session_id: str, stored: StoredBatch) -> Batch[Effect]:

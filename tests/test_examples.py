@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keyword
 import os
 import re
 import subprocess
@@ -161,7 +162,9 @@ def test_private_uses_reports_each_form() -> None:
     ]
 
 
-COMPONENT = st.from_regex(r"_{0,2}[a-z][a-z0-9]{0,6}(__)?", fullmatch=True)
+COMPONENT = st.from_regex(r"_{0,2}[a-z][a-z0-9]{0,6}(__)?", fullmatch=True).filter(
+    lambda name: not keyword.iskeyword(name)  # `import if` is a SyntaxError, not a name
+)
 
 
 @given(

@@ -35,6 +35,7 @@ from stepmachine import (
     Batch,
     CancelToken,
     Codec,
+    ConfigurationError,
     Effect,
     Message,
     ModelInference,
@@ -105,17 +106,6 @@ def everything(captured: list[Any], spans: Spans) -> str:
 # -- refusal reasons: the batch is stored whatever the step author wrote ----------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_codec.py:98 refusal() keeps a Refuse.why holding a lone surrogate "
-        "(e.g. a file name from os.listdir, surrogateescape) as it is; _encode_batch "
-        "(_codec.py:444) then raises UnicodeEncodeError in every store's apply, AFTER the "
-        "model was called: the reply is lost, the run dies with a non-stepmachine error, and "
-        "every later run pays for the same call and dies again. refusal() should replace "
-        "unencodable characters (e.g. encode('utf-8', 'replace'))."
-    ),
-)
 async def test_a_refusal_reason_with_a_lone_surrogate_does_not_lose_the_models_reply(
     any_store: Store,
 ) -> None:
@@ -131,17 +121,6 @@ async def test_a_refusal_reason_with_a_lone_surrogate_does_not_lose_the_models_r
     assert kept.why.startswith("no file a")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_codec.py:100 refusal() calls len(why): a Refuse whose why is not a str "
-        "(None, an int, an exception object; Refuse is an unchecked dataclass and why was "
-        "never read before issue 11) crashes the run with a bare TypeError "
-        "('object of type NoneType has no len()') after the next step's model call. It "
-        "should keep str(why), or raise a StepContractError naming the step before any "
-        "later step runs."
-    ),
-)
 @pytest.mark.parametrize("why", [None, 42, ValueError("no")], ids=["none", "int", "exception"])
 async def test_a_refusal_reason_that_is_not_a_str_is_kept_as_text(
     any_store: Store, why: Any
@@ -257,17 +236,6 @@ class LoaderWithOddBatches:
         return self._answer()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_machine.py:510 _link_to_previous guards only the await of the loader's "
-        "batches(): a loader (third-party SessionLoader; batches is not part of that "
-        "protocol) answering a generator or rows without .trace crashes every TRACED run "
-        "with TypeError/AttributeError, while the docstring says a failing read gives no "
-        "link ('a link is worth less than the run'). The loop over the answer should be "
-        "inside the try (or the answer checked)."
-    ),
-)
 @pytest.mark.parametrize(
     "answer",
     [lambda: iter(()), lambda: [{"trace": None}], lambda: None],
@@ -312,19 +280,6 @@ def echoing_reply(wire: wires.Wire) -> Callable[[httpx.Request], httpx.Response]
     return handler
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_inference.py:214-222 and :245 put server-supplied text of a successful "
-        "reply (response.model, response.finish_reason) into the chat span "
-        "(gen_ai.response.model, gen_ai.response.finish_reasons) and the model_call event "
-        "(finish_reason) unredacted, even with capture off; a server (proxy, gateway) that "
-        "echoes the credential puts the API key into spans and logs (invariant 12). The "
-        "errors path treats every server text as untrusted (redact_error); the reply's "
-        "model/finish_reason should get the same redaction against the adapter's secrets "
-        "(or be length/charset-checked)."
-    ),
-)
 @pytest.mark.parametrize("wire", wires.WIRES, ids=[w.name for w in wires.WIRES])
 async def test_a_reply_echoing_the_key_does_not_put_it_into_spans_or_events(
     wire: wires.Wire,
@@ -369,18 +324,6 @@ def raising_processor() -> Any:
         structlog.reset_defaults()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_log.py:158-159 _report_broken_logging writes to sys.stderr "
-        "unguarded: with sys.stderr None (pythonw, some daemons) it raises AttributeError, "
-        "with a closed pipe BrokenPipeError -- from inside the except block of event(), so "
-        "a broken log processor DOES change the run: it dies at its first event (here the "
-        "model_call right after the model was paid; a tool_call event lands between a tool "
-        "returning and its result being recorded). The stdlib's Handler.handleError "
-        "checks `if raiseExceptions and sys.stderr` and swallows OSError; do the same."
-    ),
-)
 @pytest.mark.usefixtures("raising_processor")
 @pytest.mark.parametrize("stderr", [None, BrokenPipe()], ids=["none", "broken-pipe"])
 async def test_a_broken_log_processor_changes_nothing_even_without_a_usable_stderr(
@@ -668,19 +611,6 @@ print(sorted({e["event"] for e in captured}))
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_log.py:87 `_configured = structlog.wrap_logger(_stdlib)` is a "
-        "module-global lazy proxy that obeys the application's cache_logger_on_first_use: "
-        "after one event under such a configuration, every later structlog.configure() "
-        "and capture_logs() is ignored by the library for the life of the process (its "
-        "events keep going to the first configuration's processors), contrary to the "
-        "docstring ('its wrapper class and processors, read at each call'). Pass "
-        "cache_logger_on_first_use=False to wrap_logger (the library cannot know when the "
-        "application is done configuring)."
-    ),
-)
 def test_a_cached_structlog_configuration_does_not_pin_the_librarys_logger_forever() -> None:
     done = subprocess.run(
         [sys.executable, "-c", CACHED_THEN_CAPTURED],
@@ -809,17 +739,6 @@ async def test_with_capture_on_the_same_scenario_does_report_content() -> None:
 # -- every model call is a chat span and a model_call event --------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "operations/_compaction.py:323 calls model.request() directly, not through "
-        "_inference._observed_request: the summariser's model call (tokens paid, may fail "
-        "or retry) has no `chat` span and no `model_call` event, and an HTTP adapter's "
-        "retries during it land as gen_ai.retry events on the *cycle* span. The issue "
-        "asks for a chat span per model call; expose _observed_request (e.g. "
-        "ctx.request_model()) and use it in Compaction."
-    ),
-)
 async def test_the_summarisers_model_call_is_a_chat_span_and_a_model_call_event() -> None:
     store = MemoryStore()
     conversation = []
@@ -865,7 +784,7 @@ async def apply_then_reopen(kind: str, where: Path) -> str:
     await store.create("s", conversation=[])
     try:
         await store.apply(mistyped_trace_batch())
-    except StoredDataError:
+    except (StoredDataError, ConfigurationError):
         return "refused"
     finally:
         await store.aclose()
@@ -883,18 +802,6 @@ async def test_memory_and_file_stores_refuse_a_trace_that_is_not_a_str(tmp_path:
     assert await apply_then_reopen("file", tmp_path) == "refused"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/stores/_sqlite.py apply (via _replay.encode_batch and "
-        "_sqlite_rows.batch_row_values) checks `refused` but writes `trace` as given: a Batch "
-        "with trace=123 is acknowledged, and from then on load(), batches() and submit() of "
-        "the session fail with StoredDataError 'the batches row does not match its checksum "
-        "... damaged': one acknowledged apply bricks the session (invariants 2 and 8). The "
-        "memory and file stores refuse it at apply with StoredDataError; SQLite should too "
-        "(check isinstance(batch.trace, str | None) before writing)."
-    ),
-)
 async def test_sqlite_refuses_a_trace_that_is_not_a_str_instead_of_bricking_the_session(
     tmp_path: Path,
 ) -> None:
@@ -902,15 +809,6 @@ async def test_sqlite_refuses_a_trace_that_is_not_a_str_instead_of_bricking_the_
     assert outcome in ("refused", "readable at revision 1")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/stores/_postgres.py apply: the same as SQLite (shared "
-        "_sqlite_rows.batch_row_values): a Batch with trace=123 is acknowledged, then "
-        "load() of the session fails at once with StoredDataError 'the batches row does not "
-        "match its checksum': the session is bricked. Refuse a non-str trace at apply."
-    ),
-)
 async def test_postgres_refuses_a_trace_that_is_not_a_str_or_reads_it_back(
     postgres_dsn: str,
 ) -> None:
@@ -921,7 +819,7 @@ async def test_postgres_refuses_a_trace_that_is_not_a_str_or_reads_it_back(
         await store.create("s", conversation=[])
         try:
             await store.apply(mistyped_trace_batch())
-        except StoredDataError:
+        except (StoredDataError, ConfigurationError):
             return
         assert (await store.load("s")).revision == 1
         await store.batches("s")
@@ -950,16 +848,6 @@ class SlottedProvider:
         return self.inner.get_tracer(*args, **kwargs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_tracing.py:97-100 caches tracers in a WeakKeyDictionary keyed by the "
-        "provider: a provider object that cannot be weakly referenced (a __slots__ wrapper) "
-        "makes every run fail with TypeError 'cannot create weak reference to ... object' "
-        "before the session is loaded. Fall back to no caching (or a per-Telemetry "
-        "cache) for such providers."
-    ),
-)
 async def test_a_provider_that_cannot_be_weakly_referenced_still_traces() -> None:
     spans = Spans()
     store = MemoryStore()
@@ -971,15 +859,6 @@ async def test_a_provider_that_cannot_be_weakly_referenced_still_traces() -> Non
     assert spans.named("invoke_agent")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_tracing.py:97 a Telemetry whose tracer_provider is not a provider "
-        "(a Tracer passed by mistake, a string) fails every run with a bare TypeError "
-        "'cannot create weak reference to str object' (or AttributeError 'get_tracer'): it "
-        "should be a ConfigurationError saying tracer_provider needs a TracerProvider."
-    ),
-)
 async def test_a_tracer_provider_that_is_not_one_is_a_configuration_error() -> None:
     from stepmachine import ConfigurationError
 
@@ -1056,18 +935,6 @@ async def test_a_traced_runs_link_does_not_read_the_whole_file_log(
 # -- a run inside a tool (a sub-agent) -----------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_tracing.py:121-123 run_span returns NO_SPAN for a run whose telemetry "
-        "has no tracer, but leaves _run_tracer as the enclosing run set it: a sub-agent run "
-        "inside a traced run's tool (its own Runtime, default Telemetry) gets `cycle` and "
-        "`chat` spans from the OUTER tracer, hung under execute_tool with no invoke_agent "
-        "span of its own, and its batches get traceparents. Either trace it fully (an "
-        "invoke_agent span with the outer tracer) or not at all (reset _run_tracer to None "
-        "inside an untraced run)."
-    ),
-)
 async def test_a_sub_agent_run_inside_a_traced_tool_is_traced_fully_or_not_at_all() -> None:
     spans = Spans()
     inner_store = MemoryStore()
@@ -1100,18 +967,6 @@ async def test_a_sub_agent_run_inside_a_traced_tool_is_traced_fully_or_not_at_al
 # -- a cycle cancelled from outside is reported like one cancelled by the token -----------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_cycle.py:180 (offer) and _run.py:176-181 (_settle): a cycle "
-        "cancelled from OUTSIDE (an enclosing cancel scope, a task group cancelled, a "
-        "timeout) finalizes and re-raises without log_cycle: there is no `cycle` event for "
-        "it and its span keeps the bare name `cycle` with no stepmachine.step/outcome, "
-        "whereas the same cut by the CancelToken gives `cycle tools` with "
-        "outcome=cancelled. Call log_cycle(..., 'cancelled', span=span) before re-raising "
-        "(the finalize event alone does not say which step or cycle was cut)."
-    ),
-)
 async def test_a_cycle_cancelled_from_outside_has_its_cycle_event_and_outcome() -> None:
     scope = anyio.CancelScope()
 
@@ -1180,13 +1035,6 @@ def test_any_refusals_and_trace_round_trip_through_the_codec(
         assert ("trace" in fields) == (trace is not None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_codec.py:98 refusal(): see the lone-surrogate test; any Refuse.why "
-        "holding a surrogate (category Cs) gives a Refusal no codec can encode."
-    ),
-)
 @settings(max_examples=50, deadline=None)
 @given(why=st.text(st.characters(categories=["Cs"]), min_size=1, max_size=5))
 def test_any_refusal_reason_at_all_gives_an_encodable_batch(why: str) -> None:
@@ -1389,17 +1237,6 @@ async def test_a_tool_caller_answers_the_call_and_is_reported() -> None:
     assert [e["outcome"] for e in captured if e["event"] == "tool_call"] == ["recorded"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_tool_step.py:553 trusts what Runtime.tool_caller returns: a result "
-        "for ANOTHER call id is silently dropped by _commit_results (not open), the call "
-        "stays open with its intent, and the next cycle reports a `journal` WARNING "
-        "decision=outcome_unknown ('the process stopped after this call was started') and "
-        "answers it 'outcome unknown' -- a crash that never happened. The result's call_id "
-        "(and type) should be checked: a StepContractError naming both ids."
-    ),
-)
 async def test_a_tool_callers_result_for_another_call_is_an_error_not_a_phantom_crash() -> None:
     async def caller(part: ToolCallPart, context: Any) -> ToolResultPart:
         return ToolResultPart.for_call(msgspec.structs.replace(part, call_id="other"), "5")
@@ -1411,15 +1248,6 @@ async def test_a_tool_callers_result_for_another_call_is_an_error_not_a_phantom_
     assert not [e for e in captured if e["event"] == "journal"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_tool_step.py:553 a Runtime.tool_caller returning something other than "
-        "a ToolResultPart (a str, as a tool would) fails the run with a bare AttributeError "
-        "('str' object has no attribute 'is_error') after the intent was recorded; it should "
-        "be a StepContractError saying tool_caller must return a ToolResultPart."
-    ),
-)
 async def test_a_tool_caller_returning_text_is_a_clear_error() -> None:
     async def caller(part: ToolCallPart, context: Any) -> Any:
         return "5"
@@ -1433,17 +1261,6 @@ async def test_a_tool_caller_returning_text_is_a_clear_error() -> None:
 # -- captured arguments are the ones the tool ran with -------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_tool_step.py:549 (span gen_ai.tool.call.arguments) and :621 (tool_call "
-        "event `arguments`) capture call.raw_arguments, what the MODEL sent: after an "
-        "approval with edited_arguments the tool runs with the edit (effective_arguments), "
-        "so with capture on the span and the event show arguments that were never executed "
-        "-- an auditor reading the trace is misled about what was paid/deleted. Capture "
-        "effective_arguments(call) (and say when they were edited)."
-    ),
-)
 async def test_with_capture_on_an_edited_calls_span_and_event_show_the_arguments_that_ran() -> None:
     ran: list[int] = []
 

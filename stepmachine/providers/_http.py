@@ -63,6 +63,7 @@ from ._errors import (
     ProviderError,
     error_from_response,
     redact_error,
+    redact_text,
 )
 from ._wire import PARSE_ERRORS, decode_body
 
@@ -314,7 +315,21 @@ class HTTPModel:
                 failure = self._redacted(exc)
             if failure is not None:
                 raise failure  # outside the except blocks: no unredacted implicit context
-            return msgspec.structs.replace(response, attempts=attempt)
+            return self._cleaned(response, attempt)
+
+    def _cleaned(self, response: ModelResponse, attempts: int) -> ModelResponse:
+        """``response`` with ``attempts`` set, and no secret in the fields a server fills
+        that are logged, traced and stored with capture off (``model``, ``finish_reason``):
+        a gateway that echoes the credential there must not leak it (invariant 12)."""
+        model, finish = response.model, response.finish_reason
+        secrets = self._secrets()
+        if model:
+            model = redact_text(model, secrets)
+        if finish:
+            finish = redact_text(finish, secrets)
+        return msgspec.structs.replace(
+            response, attempts=attempts, model=model, finish_reason=finish
+        )
 
     def _retry_delay(self, error: ProviderError, attempt: int, started: float) -> float | None:
         """The wait before the next attempt, or None when the policy's time is up."""
