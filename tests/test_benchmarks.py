@@ -28,6 +28,7 @@ STORE_NAMES = (
     "reload_2000_over_20",
     "bytes_ratio",
 )
+OBSERVABILITY_NAMES = ("off_us", "events_over_off", "spans_over_off", "both_over_off")
 POSTGRES_NAMES = ("postgres_batch_us", "postgres_raw_commit_us", "postgres_batch_over_raw")
 
 
@@ -85,6 +86,11 @@ def test_pattern_rejects_other_lines() -> None:
 @pytest.mark.slow
 def test_cycle_benchmark_last_line(tmp_path: Path) -> None:
     check_last_line(run_benchmark("cycle.py", cwd=tmp_path)[-1], CYCLE_NAMES)
+
+
+@pytest.mark.slow
+def test_observability_benchmark_last_line(tmp_path: Path) -> None:
+    check_last_line(run_benchmark("observability.py", cwd=tmp_path)[-1], OBSERVABILITY_NAMES)
 
 
 @pytest.mark.slow
