@@ -1,0 +1,364 @@
+"""An outside review of ``replay()`` and ``Runtime.tool_caller``, as a hostile user tries them.
+
+Each test states a promise of the replay (no side effects; the same steps
+replay the same; a changed pipeline differs where it changes; bad input
+fails clearly) and tries to break it with a history from real runs. A
+defect found stays here as a strict ``xfail`` naming where it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from stepmachine import (
+    AppendMessage,
+    ConfigurationError,
+    Continue,
+    Message,
+    ModelInference,
+    Operation,
+    Outcome,
+    Refuse,
+    Runtime,
+    Session,
+    SessionNotFoundError,
+    SetVisibility,
+    StateMachine,
+    Step,
+    StepContext,
+    Store,
+    Tool,
+    Tools,
+    counter_ids,
+    submit,
+    tool,
+)
+from stepmachine._replay import replay
+from stepmachine.operations import Approval, Budget, Limits, approve
+from stepmachine.stores import MemoryStore, SQLiteStore
+from stepmachine.testing import ScriptedModel, call, reply
+
+pytestmark = pytest.mark.anyio
+
+
+class Clock:
+    """A clock that moves one second per reading."""
+
+    def __init__(self) -> None:
+        self._ticks = itertools.count(1_000)
+
+    def __call__(self) -> float:
+        return float(next(self._ticks))
+
+
+class Made:
+    """Every tool execution, by tool name."""
+
+    def __init__(self) -> None:
+        self.made: list[str] = []
+
+    def tools(self) -> list[Tool]:
+        @tool
+        def lookup(key: str) -> str:
+            """Look a key up."""
+            self.made.append("lookup")
+            return f"value of {key}"
+
+        @tool(side_effects="idempotent")
+        def delete(key: str) -> str:
+            """Delete a key."""
+            self.made.append("delete")
+            return f"deleted {key}"
+
+        return [lookup, delete]
+
+
+def agent(made: Made, *, approve_tools: Sequence[str] = ("delete",)) -> list[Step[Any]]:
+    return [
+        Budget(per_run=Limits(model_calls=10)),
+        Approval(list(approve_tools)),
+        Tools(made.tools()),
+        ModelInference(),
+    ]
+
+
+RUNS = itertools.count(1)
+
+
+async def run_turns(
+    store: Store, session_id: str, turns: list[Any], steps: list[Step[Any]], clock: Clock
+) -> None:
+    ids = counter_ids(f"{session_id}-r{next(RUNS)}-")
+    runtime = Runtime(store=store, model=ScriptedModel(turns), clock=clock, ids=ids)
+    await StateMachine(steps).run_report(runtime, session_id)
+
+
+async def tool_session(store: Store, made: Made, session_id: str = "s") -> Session[Any]:
+    """A user message, a lookup, a reply: stored by a real run."""
+    clock = Clock()
+    await store.create(session_id)
+    user = Message.user("look a up", id=f"{session_id}-u1")
+    await submit(store, session_id, [AppendMessage(user)], clock=clock)
+    turns = [call(("lookup", {"key": "a"})), reply("a is a value")]
+    await run_turns(store, session_id, turns, agent(made), clock)
+    return await store.load(session_id)
+
+
+# -- no side effects ----------------------------------------------------------------
+
+
+async def test_a_replay_leaves_the_sqlite_file_byte_for_byte_unchanged(tmp_path: Path) -> None:
+    """Not only the batches: nothing at all is written to the database (no snapshot, no lease)."""
+    path = tmp_path / "db.sqlite3"
+    store = await SQLiteStore.open(path)
+    made = Made()
+    try:
+        await tool_session(store, made)
+    finally:
+        await store.aclose()
+
+    def digest() -> dict[str, str]:
+        return {
+            p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(tmp_path.iterdir())
+            if p.is_file()
+        }
+
+    before = digest()
+    store = await SQLiteStore.open(path)
+    try:
+        opened = digest()
+        report = await replay(store, "s", agent(made))
+        assert report.same, str(report)
+        assert digest() == opened
+    finally:
+        await store.aclose()
+    assert made.made == ["lookup"]
+    assert set(before) <= set(digest())
+
+
+async def test_a_step_committing_through_ctx_commit_writes_only_to_the_sandbox(
+    store: Store,
+) -> None:
+    made = Made()
+    session = await tool_session(store, made)
+    log = await store.batches("s")
+
+    class Noter(Operation[Any]):
+        name = "noter"
+
+        async def run(self, ctx: StepContext[Any]) -> Outcome:
+            await ctx.commit([AppendMessage(Message.user("sneaked in", id=ctx.new_id()))])
+            return Continue([])
+
+    report = await replay(store, "s", [Noter(), *agent(made)])
+    assert not report.same
+    assert all(c.new_step == "noter" for c in report.cycles)
+    assert (await store.load("s")).revision == session.revision
+    assert await store.batches("s") == log
+    assert made.made == ["lookup"]
+
+
+async def test_a_step_reaching_for_runtime_store_finds_none(store: Store) -> None:
+    """A step writing through ``ctx.runtime.store`` directly cannot reach the real store."""
+    made = Made()
+    session = await tool_session(store, made)
+
+    class Direct(Operation[Any]):
+        name = "direct"
+
+        async def run(self, ctx: StepContext[Any]) -> Outcome:
+            assert ctx.runtime.store is None
+            assert ctx.runtime.http is None
+            return Refuse("looked")
+
+    report = await replay(store, "s", [Direct(), *agent(made)])
+    assert report.same, str(report)
+    assert (await store.load("s")).revision == session.revision
+
+
+async def test_a_thread_tool_and_an_async_tool_never_run(store: Store) -> None:
+    ran: list[str] = []
+
+    @tool(thread=True)
+    def lookup(key: str) -> str:
+        """Look a key up (in a worker thread)."""
+        ran.append("thread")
+        return f"value of {key}"
+
+    clock = Clock()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("go", id="u1"))], clock=clock)
+    steps: list[Step[Any]] = [Tools([lookup]), ModelInference()]
+    await run_turns(store, "s", [call(("lookup", {"key": "a"})), reply("ok")], steps, clock)
+    assert ran == ["thread"]
+
+    report = await replay(store, "s", [Tools([lookup]), ModelInference()])
+    assert report.same, str(report)
+    assert ran == ["thread"]
+
+
+async def test_a_hanging_step_is_cancelled_from_outside_and_nothing_is_written(
+    store: Store,
+) -> None:
+    made = Made()
+    session = await tool_session(store, made)
+    log = await store.batches("s")
+    entered = anyio.Event()
+
+    class Hangs(Operation[Any]):
+        name = "hangs"
+
+        async def run(self, ctx: StepContext[Any]) -> Outcome:
+            await ctx.commit([AppendMessage(Message.user("half", id=ctx.new_id()))])
+            entered.set()
+            await anyio.sleep_forever()
+            raise AssertionError("unreachable")
+
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_when_entered() -> None:
+                await entered.wait()
+                scope.cancel()
+
+            tg.start_soon(cancel_when_entered)
+            await replay(store, "s", [Hangs(), *agent(made)])
+    assert scope.cancelled_caught
+    assert (await store.load("s")).revision == session.revision
+    assert await store.batches("s") == log
+
+
+# -- bad input --------------------------------------------------------------------
+
+
+async def test_an_empty_or_repeated_step_list_is_a_configuration_error(store: Store) -> None:
+    made = Made()
+    await tool_session(store, made)
+    with pytest.raises(ConfigurationError):
+        await replay(store, "s", [])
+    with pytest.raises(ConfigurationError):
+        await replay(store, "s", [Tools(made.tools()), Tools(made.tools())])
+
+
+async def test_an_unknown_session_is_not_found(store: Store) -> None:
+    with pytest.raises(SessionNotFoundError):
+        await replay(store, "nope", [ModelInference()])
+
+
+# -- false "different" / false "same" ------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_replay.py:264 _recorded_results keeps the FIRST result per call id in the "
+        "whole log, so a later call reusing the id (models do, after hiding/compaction; see "
+        "idempotency_key's docstring) is answered with the earlier call's result and the cycle "
+        "reads as 'writes other effects'; it should answer with the result the stored cycle "
+        "itself wrote for that call (or key results by message id and call id)"
+    ),
+)
+async def test_a_call_id_reused_after_the_first_was_hidden_replays_the_same(
+    store: Store,
+) -> None:
+    """Providers that number calls per turn reuse ids; hidden history allows it.
+
+    Run 1 calls lookup("a") as ``call-0-0``; the application hides that
+    exchange from the model; run 2 (a new process: a new model) calls
+    lookup("b"), again as ``call-0-0``. The tool step of run 2 must be
+    answered with run 2's stored result, not run 1's.
+    """
+    made = Made()
+    clock = Clock()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("a?", id="u1"))], clock=clock)
+    await run_turns(store, "s", [call(("lookup", {"key": "a"})), reply("a")], agent(made), clock)
+    first = await store.load("s")
+    hide = SetVisibility(tuple(m.id for m in first.conversation), to_model=False)
+    await submit(store, "s", [hide, AppendMessage(Message.user("b?", id="u2"))], clock=clock)
+    await run_turns(store, "s", [call(("lookup", {"key": "b"})), reply("b")], agent(made), clock)
+    assert made.made == ["lookup", "lookup"]
+    results = [p for m in (await store.load("s")).conversation for p in m.tool_results]
+    assert [p.content for p in results] == ["value of a", "value of b"]
+    assert results[0].call_id == results[1].call_id  # the same id, answered twice, legally
+
+    report = await replay(store, "s", agent(made))
+    assert report.same, str(report)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_replay_compare.py:105 blanks the id of every appended message, so a step "
+        "that chooses its message ids itself (dedupe by id, events) and changes them is reported "
+        "'same'; only ids the replay's id source returned should be left out of the comparison"
+    ),
+)
+async def test_a_step_that_changes_the_id_it_gives_a_message_is_a_difference(
+    store: Store,
+) -> None:
+    """A message id the step chooses (not one from ``ctx.new_id()``) is its decision.
+
+    Events and other dedupe-by-id schemes depend on it, so a new version
+    that names its message differently does not behave the same.
+    """
+    made = Made()
+    await tool_session(store, made)
+
+    class Marker(Operation[Any]):
+        def __init__(self, prefix: str) -> None:
+            self.prefix = prefix
+
+        @property
+        def name(self) -> str:
+            return "marker"
+
+        async def run(self, ctx: StepContext[Any]) -> Outcome:
+            if ctx.session.conversation[-1].id != "u2":
+                return Refuse("not after u2")
+            return Continue([AppendMessage(Message.user("mark", id=f"{self.prefix}:1"))])
+
+    clock = Clock()
+    await submit(store, "s", [AppendMessage(Message.user("again", id="u2"))], clock=clock)
+    await run_turns(store, "s", [reply("fine")], [Marker("old"), *agent(made)], clock)
+
+    same = await replay(store, "s", [Marker("old"), *agent(made)])
+    assert same.same, str(same)
+    changed = await replay(store, "s", [Marker("new"), *agent(made)])
+    assert not changed.same, str(changed)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_replay.py:_replay_cycle replays a forked session's copied batches under the "
+        "fork's id, so the Tools journal's idempotency_key (hash of the session id, "
+        "_tool_step.py:417) differs for every non-idempotent call before the fork and the same "
+        "steps read as 'writes other effects'; the replay should treat the idempotency key as "
+        "runtime-made (compare it recomputed for the batch's original session) or the fork "
+        "should record its origin so replay can use it"
+    ),
+)
+async def test_a_forked_session_replays_like_its_source(tmp_path: Path) -> None:
+    store = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    try:
+        made = Made()
+        source = await tool_session(store, made)
+        await store.fork("s", source.revision, "f")
+        original = await replay(store, "s", agent(made))
+        forked = await replay(store, "f", agent(made))
+        assert original.same and forked.same, str(forked)
+        assert [(c.revision, c.stored_step) for c in forked.cycles] == [
+            (c.revision, c.stored_step) for c in original.cycles
+        ]
+        assert len(forked.cycles) >= 3
+    finally:
+        await store.aclose()
