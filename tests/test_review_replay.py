@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,11 +38,12 @@ from stepmachine import (
     Tool,
     Tools,
     counter_ids,
+    resolve_unknown_outcome,
     submit,
     tool,
 )
 from stepmachine._replay import replay
-from stepmachine.operations import Approval, Budget, Limits, approve
+from stepmachine.operations import Approval, Budget, Limits, deny
 from stepmachine.stores import MemoryStore, SQLiteStore
 from stepmachine.testing import ScriptedModel, call, reply
 
@@ -51,8 +53,8 @@ pytestmark = pytest.mark.anyio
 class Clock:
     """A clock that moves one second per reading."""
 
-    def __init__(self) -> None:
-        self._ticks = itertools.count(1_000)
+    def __init__(self, start: float = 1_000) -> None:
+        self._ticks = itertools.count(start)
 
     def __call__(self) -> float:
         return float(next(self._ticks))
@@ -362,3 +364,92 @@ async def test_a_forked_session_replays_like_its_source(tmp_path: Path) -> None:
         assert len(forked.cycles) >= 3
     finally:
         await store.aclose()
+
+
+# -- histories from crashes, operators and denials -----------------------------------
+
+
+class Crash(BaseException):
+    """Stands for kill -9 in the middle of a tool: nothing after it runs."""
+
+
+async def crashed_session(store: Store, *, rerun: bool | None) -> list[str]:
+    """Run 1 crashes inside a non-idempotent tool after its intent was committed.
+
+    ``rerun=None``: run 2 answers the call "outcome unknown" (the default
+    policy). Otherwise an operator decides first with ``resolve_unknown_outcome``.
+    """
+    ran: list[str] = []
+    crash = [True]
+    # resolve_unknown_outcome() takes no clock= (approve and deny do): it stamps with
+    # time.time, so the runs' clock starts there too, as in an application.
+    clock = Clock(start=time.time())
+
+    @tool
+    def pay(amount: int) -> str:
+        """Pay an amount (not idempotent)."""
+        ran.append("pay")
+        if crash[0]:
+            raise Crash
+        return f"paid {amount}"
+
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("pay 5", id="u1"))], clock=clock)
+    steps: list[Step[Any]] = [Tools([pay]), ModelInference()]
+    with pytest.raises(Crash):
+        await run_turns(store, "s", [call(("pay", {"amount": 5}))], steps, clock)
+    crash[0] = False
+    session = await store.load("s")
+    (open_call,) = [p for m in session.conversation for p in m.tool_calls]
+    if rerun is not None:
+        await resolve_unknown_outcome(store, "s", open_call.call_id, rerun=rerun, by="ops")
+    await run_turns(store, "s", [reply("sorted out")], [Tools([pay]), ModelInference()], clock)
+    return ran
+
+
+@pytest.mark.parametrize("rerun", [None, True, False])
+async def test_a_crashed_run_replays_the_same_after_the_crash(
+    store: Store, rerun: bool | None
+) -> None:
+    """The cycle the crash cut is incomplete; every cycle after it replays the same."""
+    ran = await crashed_session(store, rerun=rerun)
+    before = list(ran)
+    report = await replay(store, "s", [Tools([_no_pay()]), ModelInference()])
+    assert ran == before
+    crashed = [c for c in report.cycles if c.stored_step == "tools"][0]
+    after = [c for c in report.cycles if c.revision > crashed.revision]
+    assert after, str(report)
+    assert all(c.same for c in after), str(report)
+
+
+def _no_pay() -> Tool:
+    @tool
+    def pay(amount: int) -> str:
+        """Pay an amount (not idempotent)."""
+        raise AssertionError("a replay ran a tool")
+
+    return pay
+
+
+async def test_a_denied_call_replays_the_same_and_an_approving_policy_differs(
+    store: Store,
+) -> None:
+    made = Made()
+    clock = Clock()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("delete a", id="u1"))], clock=clock)
+    turns = [call(("delete", {"key": "a"}))]
+    await run_turns(store, "s", turns, agent(made), clock)
+    session = await store.load("s")
+    (pending,) = [p for m in session.conversation for p in m.tool_calls]
+    await deny(store, "s", pending.call_id, by="ops", message="no", clock=clock)
+    await run_turns(store, "s", [reply("ok, not deleted")], agent(made), clock)
+    assert made.made == []
+
+    same = await replay(store, "s", agent(made))
+    assert same.same, str(same)
+    assert made.made == []
+    no_approval = await replay(store, "s", agent(made, approve_tools=()))
+    first = no_approval.first_difference
+    assert first is not None and first.stored_step == "approval", str(no_approval)
+    assert made.made == []
