@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
+import make_golden_sqlite as golden
 import pytest
 
 from stepmachine import (
@@ -24,6 +26,8 @@ from stepmachine import (
     Continue,
     Message,
     ModelInference,
+    ModelRequest,
+    ModelResponse,
     Operation,
     Outcome,
     Refuse,
@@ -36,6 +40,7 @@ from stepmachine import (
     StepContext,
     Store,
     Tool,
+    ToolCallPart,
     Tools,
     counter_ids,
     resolve_unknown_outcome,
@@ -43,9 +48,17 @@ from stepmachine import (
     tool,
 )
 from stepmachine._replay import replay
-from stepmachine.operations import Approval, Budget, Limits, deny
+from stepmachine.operations import (
+    Approval,
+    Budget,
+    Compaction,
+    HistoryGuard,
+    InvalidCalls,
+    Limits,
+    deny,
+)
 from stepmachine.stores import MemoryStore, SQLiteStore
-from stepmachine.testing import ScriptedModel, call, reply
+from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 
 pytestmark = pytest.mark.anyio
 
@@ -453,3 +466,101 @@ async def test_a_denied_call_replays_the_same_and_an_approving_policy_differs(
     first = no_approval.first_difference
     assert first is not None and first.stored_step == "approval", str(no_approval)
     assert made.made == []
+
+
+# -- histories written before the feature --------------------------------------------
+
+
+class Declines(Operation[Any]):
+    """Refuses every cycle."""
+
+    name = "declines"
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse("never")
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+async def test_golden_databases_of_every_schema_version_replay(
+    tmp_path: Path, version: int
+) -> None:
+    """Batches without refusals (and v1 rows without checksums) replay; nothing is written."""
+    path = tmp_path / "store.db"
+    shutil.copyfile(golden.HERE / golden.db_name(version), path)
+    async with await SQLiteStore.open(path, golden.make_codec()) as store:  # migrates here
+        opened = hashlib.sha256(path.read_bytes()).hexdigest()
+        for session_id in await store.list_sessions():
+            log = await store.batches(session_id)
+            report = await replay(store, session_id, [Declines()])
+            machine_batches = [b for b in log if b.cycle >= 1]
+            assert len(report.cycles) <= len(machine_batches)
+            assert all(c.stored_refused == () for c in report.cycles)
+            assert all(not c.same and c.new_step is None for c in report.cycles), str(report)
+            assert await store.batches(session_id) == log
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == opened
+
+
+# -- a full agent: repairs, parallel tools, budgets per run and session, compaction ---
+
+
+def scripted(request: ModelRequest) -> ModelResponse:
+    """A deterministic model: the answer depends on the request only."""
+    if request.purpose != ModelRequest.TURN:
+        return reply("summary: keys were looked up")
+    answered = sum(len(m.tool_results) for m in request.messages)
+    users = sum(m.role == "user" for m in request.messages)
+    if users == 1:  # a malformed call first, that InvalidCalls handles
+        return call(ToolCallPart.parse("bad-1", "lookup", "{not json"))
+    if answered < 4 and users < 4:
+        return call(("lookup", {"key": f"k{answered}"}), ("delete", {"key": f"k{answered}"}))
+    return reply(f"done after {answered} results")
+
+
+def full_agent(made: Made, *, threshold: int = 10_000) -> list[Step[Any]]:
+    return [
+        InvalidCalls("retry"),
+        HistoryGuard(),
+        Budget(per_run=Limits(model_calls=20), per_session=Limits(model_calls=50)),
+        Compaction(threshold=threshold, keep_turns=1, on_stuck="proceed"),
+        Tools(made.tools(), max_concurrency=4),
+        ModelInference(),
+    ]
+
+
+async def full_session(store: Store, made: Made, *, threshold: int) -> None:
+    clock = Clock()
+    await store.create("s")
+    for turn in range(2):
+        user = Message.user(f"tidy up round {turn} " + "x" * 200, id=f"u{turn}")
+        await submit(store, "s", [AppendMessage(user)], clock=clock)
+        runtime = Runtime(
+            store=store,
+            model=FunctionModel(scripted),
+            clock=clock,
+            ids=counter_ids(f"r{turn}-"),
+        )
+        result = await StateMachine(full_agent(made, threshold=threshold)).run_report(
+            runtime, "s"
+        )
+        assert result.reason.kind == "done", result.reason
+
+
+@pytest.mark.parametrize("threshold", [10_000, 120])
+async def test_a_full_agent_replays_the_same_with_its_model(store: Store, threshold: int) -> None:
+    """With compaction (threshold 120) the model must be given; then every cycle is the same."""
+    made = Made()
+    await full_session(store, made, threshold=threshold)
+    executed = list(made.made)
+    log = await store.batches("s")
+    steps_seen = {b.step for b in log}
+    assert {"invalid_calls", "tools", "inference"} <= steps_seen
+    if threshold == 120:
+        assert "compaction" in steps_seen
+
+    report = await replay(store, "s", full_agent(made, threshold=threshold), model=FunctionModel(scripted))
+    assert report.same, str(report)
+    assert made.made == executed
+    assert await store.batches("s") == log
+    if threshold == 10_000:  # no compaction: the stored replies are enough
+        recorded = await replay(store, "s", full_agent(made, threshold=threshold))
+        assert recorded.same, str(recorded)
