@@ -23,6 +23,7 @@ import pytest
 from stepmachine import (
     AppendMessage,
     ConfigurationError,
+    ContextLengthError,
     Continue,
     Message,
     ModelInference,
@@ -564,3 +565,44 @@ async def test_a_full_agent_replays_the_same_with_its_model(store: Store, thresh
     if threshold == 10_000:  # no compaction: the stored replies are enough
         recorded = await replay(store, "s", full_agent(made, threshold=threshold))
         assert recorded.same, str(recorded)
+
+
+# -- model calls that produced no reply ---------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_replay.py:272 _recorded_reply knows only replies (an assistant message "
+        "with an InferenceReceipt); a stored cycle whose model call failed with "
+        "ContextLengthError (recorded as an InferenceAttempts Annotate) gets no answer, so "
+        "_replay_sandbox.py:151 sets asked_model and the same steps read as 'the new pipeline "
+        "calls the model here'; the sandbox should raise the recorded failure "
+        "(ContextLengthError, with the recorded attempts)"
+    ),
+)
+async def test_a_context_length_error_the_model_gave_replays_the_same(store: Store) -> None:
+    """The stored cycle called the model and got ``ContextLengthError``; the same steps do too.
+
+    ModelInference recorded the failed attempt (an ``Annotate``) and
+    continued; the next cycle's call succeeded. The replay should answer the
+    first call with the recorded failure, not call it "an extra model call".
+    """
+    answers: list[ModelResponse | Exception] = [ContextLengthError("too long"), reply("short")]
+
+    def model_fn(request: ModelRequest) -> ModelResponse:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    clock = Clock()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))], clock=clock)
+    runtime = Runtime(store=store, model=FunctionModel(model_fn), clock=clock, ids=counter_ids())
+    result = await StateMachine([ModelInference()]).run_report(runtime, "s")
+    assert result.reason.kind == "done"
+    assert [b.step for b in await store.batches("s")] == ["application", "inference", "inference"]
+
+    report = await replay(store, "s", [ModelInference()])
+    assert report.same, str(report)
