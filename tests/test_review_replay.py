@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import make_golden_sqlite as golden
 import pytest
 
@@ -606,3 +607,46 @@ async def test_a_context_length_error_the_model_gave_replays_the_same(store: Sto
 
     report = await replay(store, "s", [ModelInference()])
     assert report.same, str(report)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_replay_sandbox.py:142 Sandbox.request returns the stored reply whatever "
+        "the request's max_attempts: a reply that took 3 attempts is handed to a pipeline "
+        "whose budget allows 2 model calls (Budget sets max_attempts=2), so the cycle reads "
+        "'same' although the real model would have given up (invariant 7); the sandbox should "
+        "fail that request (or flag the cycle) when reply.attempts > request.max_attempts"
+    ),
+)
+async def test_a_reply_that_took_more_attempts_than_the_new_budget_allows_differs(
+    store: Store,
+) -> None:
+    def model_fn(request: ModelRequest) -> ModelResponse:
+        return msgspec.structs.replace(reply("after two retries"), attempts=3)
+
+    clock = Clock()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))], clock=clock)
+    runtime = Runtime(store=store, model=FunctionModel(model_fn), clock=clock, ids=counter_ids())
+    steps: list[Step[Any]] = [Budget(per_run=Limits(model_calls=10)), ModelInference()]
+    assert (await StateMachine(steps).run_report(runtime, "s")).reason.kind == "done"
+    session = await store.load("s")
+    assert [m.role for m in session.conversation] == ["user", "assistant"]
+
+    seen: list[int | None] = []
+
+    def strict_fn(request: ModelRequest) -> ModelResponse:
+        seen.append(request.max_attempts)
+        return reply("unused")
+
+    # What a live run of the new pipeline asks of the model: at most 2 attempts.
+    await store.create("probe")
+    await submit(store, "probe", [AppendMessage(Message.user("hi", id="u1"))], clock=clock)
+    tight: list[Step[Any]] = [Budget(per_run=Limits(model_calls=2)), ModelInference()]
+    probe = Runtime(store=store, model=FunctionModel(strict_fn), clock=clock, ids=counter_ids())
+    await StateMachine(tight).run_report(probe, "probe")
+    assert seen == [2]
+
+    report = await replay(store, "s", [Budget(per_run=Limits(model_calls=2)), ModelInference()])
+    assert not report.same, str(report)
