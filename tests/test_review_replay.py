@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from _scans import CountingConversation, counted, tool_loop
 import msgspec
 import make_golden_sqlite as golden
 import pytest
@@ -41,9 +42,12 @@ from stepmachine import (
     Step,
     StepContext,
     Store,
+    TextPart,
     Tool,
     ToolCallPart,
     Tools,
+    Yield,
+    YieldReason,
     counter_ids,
     resolve_unknown_outcome,
     submit,
@@ -650,3 +654,53 @@ async def test_a_reply_that_took_more_attempts_than_the_new_budget_allows_differ
 
     report = await replay(store, "s", [Budget(per_run=Limits(model_calls=2)), ModelInference()])
     assert not report.same, str(report)
+
+
+# -- cost ---------------------------------------------------------------------------
+
+
+class CountingStore(MemoryStore):
+    """A memory store whose ``load_at`` hands out conversations that count their reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conversations: list[CountingConversation] = []
+
+    async def load_at(self, session_id: str, revision: int) -> Session[Any]:
+        session, conversation = counted(await super().load_at(session_id, revision))
+        self.conversations.append(conversation)
+        return session
+
+
+class Acknowledges(Operation[Any]):
+    """Appends one note after each user message."""
+
+    name = "acknowledges"
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        if ctx.session.conversation[-1].role != "user":
+            return Refuse("nothing to acknowledge")
+        note = Message(id=ctx.new_id(), role="assistant", parts=(TextPart("noted"),))
+        return Yield([AppendMessage(note)], YieldReason(YieldReason.DONE))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_replay.py:300 _added_ids builds a set of every message id of the "
+        "session before each cycle: O(history) per cycle, O(n^2) per replay (1.0 s of 2.6 s "
+        "at 5,000 cycles), against invariant 10; ask the history index instead "
+        "(stored.before.history.message_position(id) is None)"
+    ),
+)
+async def test_replaying_a_cycle_does_not_read_the_whole_history() -> None:
+    store = CountingStore()
+    history = [*tool_loop(200), Message.user("one more", id="last")]
+    await store.create("s", conversation=history)
+    runtime = Runtime(store=store, ids=counter_ids())
+    await StateMachine([Acknowledges()]).run_report(runtime, "s")
+
+    report = await replay(store, "s", [Acknowledges()])
+    assert report.same and len(report.cycles) == 1, str(report)
+    (conversation,) = store.conversations
+    assert conversation.read < 20, f"the replay read {conversation.read} messages"
