@@ -673,14 +673,15 @@ class CountingStore(MemoryStore):
 
 
 class Acknowledges(Operation[Any]):
-    """Appends one note after each user message."""
+    """Appends one note (a user message the model answers) after each other user message."""
 
     name = "acknowledges"
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
-        if ctx.session.conversation[-1].role != "user":
+        last = ctx.session.conversation[-1]
+        if last.role != "user" or last.id.startswith("ack-"):
             return Refuse("nothing to acknowledge")
-        note = Message(id=ctx.new_id(), role="assistant", parts=(TextPart("noted"),))
+        note = Message(id=f"ack-{ctx.new_id()}", role="user", parts=(TextPart("noted"),))
         return Yield([AppendMessage(note)], YieldReason(YieldReason.DONE))
 
 
@@ -704,3 +705,45 @@ async def test_replaying_a_cycle_does_not_read_the_whole_history() -> None:
     assert report.same and len(report.cycles) == 1, str(report)
     (conversation,) = store.conversations
     assert conversation.read < 20, f"the replay read {conversation.read} messages"
+
+
+# -- yield or continue ------------------------------------------------------------------
+
+
+class AcknowledgesAndGoesOn(Acknowledges):
+    """The same note, but the run goes on (the model answers next)."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        outcome = await super().run(ctx)
+        return Continue(outcome.effects) if isinstance(outcome, Yield) else outcome
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_replay.py:_replay_cycle compares effects only: a new step that writes "
+        "the same effects but continues where the stored one yielded (the run then calls the "
+        "model) is reported 'same', and ReplayCycle has no field for the new outcome; a stored "
+        "cycle that ended its run (next batch starts a new run, or the log ends) followed by a "
+        "new Continue should be a difference (or the replay should offer the next cycle)"
+    ),
+)
+async def test_a_step_that_now_continues_where_it_yielded_differs(store: Store) -> None:
+    clock = Clock()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))], clock=clock)
+    runtime = Runtime(store=store, model=ScriptedModel([]), clock=clock, ids=counter_ids())
+    stored = await StateMachine([Acknowledges(), ModelInference()]).run_report(runtime, "s")
+    assert stored.reason.kind == "done"
+
+    live = MemoryStore()
+    await live.create("s")
+    await submit(live, "s", [AppendMessage(Message.user("hi", id="u1"))], clock=clock)
+    model = ScriptedModel([reply("hello")])
+    rt = Runtime(store=live, model=model, clock=clock, ids=counter_ids())
+    await StateMachine([AcknowledgesAndGoesOn(), ModelInference()]).run_report(rt, "s")
+    assert [m.role for m in (await live.load("s")).conversation][-1] == "assistant"
+    assert len((await live.load("s")).conversation) == 3  # the new pipeline also calls the model
+
+    report = await replay(store, "s", [AcknowledgesAndGoesOn(), ModelInference()])
+    assert not report.same, str(report)
