@@ -24,8 +24,13 @@ import pytest
 
 from stepmachine import (
     AppendMessage,
+    Batch,
     ConfigurationError,
     ContextLengthError,
+    Effect,
+    InferenceReceipt,
+    Lease,
+    LeaseHolder,
     Continue,
     Message,
     ModelInference,
@@ -41,6 +46,7 @@ from stepmachine import (
     StateMachine,
     Step,
     StepContext,
+    StoredDataError,
     Store,
     TextPart,
     Tool,
@@ -53,6 +59,7 @@ from stepmachine import (
     submit,
     tool,
 )
+from stepmachine._records import TAG_FIELD
 from stepmachine._replay import replay
 from stepmachine.operations import (
     Approval,
@@ -747,3 +754,55 @@ async def test_a_step_that_now_continues_where_it_yielded_differs(store: Store) 
 
     report = await replay(store, "s", [AcknowledgesAndGoesOn(), ModelInference()])
     assert not report.same, str(report)
+
+
+# -- leases -------------------------------------------------------------------------
+
+
+async def test_a_replay_neither_needs_nor_touches_the_sessions_lease(store: Store) -> None:
+    """A worker holds the lease: the replay reads anyway, claims nothing, requests no run."""
+    made = Made()
+    await tool_session(store, made)
+    leases: Any = store
+    lease = await leases.claim("s", "worker-1", 60.0)
+    assert isinstance(lease, Lease)
+
+    report = await replay(store, "s", agent(made))
+    assert report.same, str(report)
+
+    assert isinstance(await leases.claim("s", "worker-2", 60.0), LeaseHolder)
+    assert await leases.renew(lease) is not None  # still the holder, same epoch
+    assert await leases.release(lease) is True
+    assert await leases.claim_next("worker-3", 60.0) is None  # no run was requested
+
+
+# -- damaged data -------------------------------------------------------------------
+
+
+async def test_a_damaged_receipt_fails_clearly_naming_session_and_revision(store: Store) -> None:
+    clock = Clock()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))], clock=clock)
+    tag = InferenceReceipt.__struct_config__.tag
+    broken = Message(
+        id="a1",
+        role="assistant",
+        parts=(TextPart("hello"),),
+        notes={"inference": {TAG_FIELD: tag, "attempts": "three"}},
+    )
+    session = await store.load("s")
+    batch: Batch[Effect] = Batch(
+        session_id="s",
+        revision=session.revision + 1,
+        step="inference",
+        cycle=1,
+        timestamp=clock(),
+        effects=(AppendMessage(broken),),
+    )
+    await store.apply(batch)
+    log = await store.batches("s")
+
+    with pytest.raises(StoredDataError) as caught:
+        await replay(store, "s", [ModelInference()])
+    assert "'s'" in str(caught.value) and "revision 2" in str(caught.value), str(caught.value)
+    assert await store.batches("s") == log
