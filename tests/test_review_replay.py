@@ -65,10 +65,12 @@ from stepmachine.operations import (
     Approval,
     Budget,
     Compaction,
+    ExternalEvents,
     HistoryGuard,
     InvalidCalls,
     Limits,
     deny,
+    submit_event,
 )
 from stepmachine.stores import MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
@@ -806,3 +808,24 @@ async def test_a_damaged_receipt_fails_clearly_naming_session_and_revision(store
         await replay(store, "s", [ModelInference()])
     assert "'s'" in str(caught.value) and "revision 2" in str(caught.value), str(caught.value)
     assert await store.batches("s") == log
+
+
+# -- external events ------------------------------------------------------------------
+
+
+async def test_external_events_replay_the_same_and_a_new_rendering_differs(store: Store) -> None:
+    clock = Clock()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("wait for it", id="u1"))], clock=clock)
+    await run_turns(store, "s", [reply("waiting")], [ExternalEvents(), ModelInference()], clock)
+    await submit_event(store, "s", "webhook", {"x": 1}, event_id="e1", clock=clock)
+    await run_turns(store, "s", [reply("got it")], [ExternalEvents(), ModelInference()], clock)
+    assert "events" in {b.step for b in await store.batches("s")}
+
+    same = await replay(store, "s", [ExternalEvents(), ModelInference()])
+    assert same.same, str(same)
+    other = await replay(
+        store, "s", [ExternalEvents(render=lambda e: f"EVENT {e.kind}"), ModelInference()]
+    )
+    first = other.first_difference
+    assert first is not None and first.stored_step == "events", str(other)
