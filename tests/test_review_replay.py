@@ -923,3 +923,60 @@ async def test_a_step_with_its_own_model_calls_no_model_in_a_replay(store: Store
 
     await replay(store, "s", [Judge(judge), ModelInference()])
     assert judge.calls == 1
+
+
+# -- a message submitted while a tool runs ---------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_replay.py:244 _stored_cycles ends a cycle at any batch from outside a "
+        "machine, so a user message submitted while a tool ran splits the Tools cycle: the "
+        "first half reads 'extra batch' (the replay also writes the result), the second half "
+        "starts a new run (cycle 2 <= 2: wrong run_start_revision, per-run budgets miscounted) "
+        "and reads the open call as a crash ('outcome unknown'); batches with the same cycle "
+        "and step should stay one cycle, with the outside batches applied to the sandbox where "
+        "they came (the step's commit then conflicts and retries as it did)"
+    ),
+)
+async def test_a_message_submitted_while_a_tool_ran_replays_the_same(store: Store) -> None:
+    """The user steers while a tool runs: the tool step's result commit conflicts and retries.
+
+    The tool step's intent batch and its result batch are then split by the
+    user's batch; they are still one cycle of one run.
+    """
+    clock = Clock()
+
+    @tool
+    async def lookup(key: str) -> str:
+        """Look a key up (slowly: the user writes meanwhile)."""
+        steer = AppendMessage(Message.user("also look up b", id="steer"))
+        if "steer" not in {m.id for m in (await store.load("s")).conversation}:
+            await submit(store, "s", [steer], clock=clock)
+        return f"value of {key}"
+
+    steps: list[Step[Any]] = [
+        Budget(per_run=Limits(model_calls=3)),
+        Tools([lookup]),
+        ModelInference(),
+    ]
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("look up a", id="u1"))], clock=clock)
+    turns = [call(("lookup", {"key": "a"})), reply("a and b")]
+    await run_turns(store, "s", turns, steps, clock)
+    log = await store.batches("s")
+    assert [b.step for b in log] == [
+        "application",
+        "inference",
+        "tools",
+        "application",
+        "tools",
+        "inference",
+    ]
+
+    report = await replay(
+        store, "s", [Budget(per_run=Limits(model_calls=3)), Tools([lookup]), ModelInference()]
+    )
+    assert len({c.run_start_revision for c in report.cycles}) == 1, str(report)
+    assert report.same, str(report)
