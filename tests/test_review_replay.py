@@ -980,3 +980,34 @@ async def test_a_message_submitted_while_a_tool_ran_replays_the_same(store: Stor
     )
     assert len({c.run_start_revision for c in report.cycles}) == 1, str(report)
     assert report.same, str(report)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_tool_step.py:560 the tool's timeout (anyio.fail_after in _call_tool) does "
+        "not bound Runtime.tool_caller: a caller that never answers hangs the run (and a "
+        "replay's step) forever; the caller should run under the same timeout and give the "
+        "same 'timed out' error result"
+    ),
+)
+async def test_a_tool_caller_that_never_answers_is_bounded_by_the_tools_timeout() -> None:
+    @tool(timeout=0.05)
+    async def lookup(key: str) -> str:
+        """Look a key up."""
+        return key
+
+    async def never(call_part: ToolCallPart, context: Any) -> ToolResultPart:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    store = MemoryStore()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("go", id="u1"))])
+    model = ScriptedModel([call(("lookup", {"key": "a"})), reply("sorry")])
+    runtime = Runtime(store=store, model=model, ids=counter_ids(), tool_caller=never)
+    with anyio.move_on_after(2):  # only so that the defect fails instead of hanging the suite
+        await StateMachine([Tools([lookup]), ModelInference()]).run_report(runtime, "s")
+    results = [p for m in (await store.load("s")).conversation for p in m.tool_results]
+    assert [r.is_error for r in results] == [True]
+    assert "timed out" in results[0].content
