@@ -1011,3 +1011,27 @@ async def test_a_tool_caller_that_never_answers_is_bounded_by_the_tools_timeout(
     results = [p for m in (await store.load("s")).conversation for p in m.tool_results]
     assert [r.is_error for r in results] == [True]
     assert "timed out" in results[0].content
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_replay.py:336 _replay_cycle catches every Exception, so a step list whose "
+        "steps advertise one tool name twice (a ConfigurationError the machine raises before any "
+        "step runs) becomes 'the new pipeline raises ConfigurationError' on every cycle; replay() "
+        "should raise it, as its docstring promises for an invalid step list"
+    ),
+)
+async def test_two_steps_advertising_one_tool_name_is_a_configuration_error(
+    store: Store,
+) -> None:
+    """A configuration error before anything runs (DESIGN section 2), not a cycle's difference."""
+    made = Made()
+    await tool_session(store, made)
+    steps: list[Step[Any]] = [
+        Tools(made.tools()),
+        Tools(made.tools(), name="more_tools"),
+        ModelInference(),
+    ]
+    with pytest.raises(ConfigurationError):
+        await replay(store, "s", steps)
