@@ -907,7 +907,7 @@ class Judge(Operation[Any]):
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "stepmachine/_capabilities.py:471 StepContext.request_model calls whatever model the "
+        "stepmachine/_capabilities.py:472 StepContext.request_model calls whatever model the "
         "step passes; a step holding its own model (a judge, a classifier) reaches the real "
         "provider during replay() although no model= was given; the replay's runtime should "
         "route every ctx.request_model through the sandbox (or refuse it) when no model is given"
