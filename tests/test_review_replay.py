@@ -734,7 +734,7 @@ class AcknowledgesAndGoesOn(Acknowledges):
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "stepmachine/_replay.py:_replay_cycle compares effects only: a new step that writes "
+        "stepmachine/_replay.py:388 _difference compares the step and its effects only: a new step that writes "
         "the same effects but continues where the stored one yielded (the run then calls the "
         "model) is reported 'same', and ReplayCycle has no field for the new outcome; a stored "
         "cycle that ended its run (next batch starts a new run, or the log ends) followed by a "
