@@ -735,8 +735,8 @@ class AcknowledgesAndGoesOn(Acknowledges):
     strict=True,
     reason=(
         "stepmachine/_replay.py:388 _difference compares the step and its effects only: a "
-        "new step that writes the same effects but continues where the stored one yielded (the run then calls the "
-        "model) is reported 'same', and ReplayCycle has no field for the new outcome; a stored "
+        "new step that writes the same effects but continues where the stored one yielded "
+        "(the run then calls the model) is reported 'same', and ReplayCycle has no field for the new outcome; a stored "
         "cycle that ended its run (next batch starts a new run, or the log ends) followed by a "
         "new Continue should be a difference (or the replay should offer the next cycle)"
     ),
