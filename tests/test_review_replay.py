@@ -734,11 +734,12 @@ class AcknowledgesAndGoesOn(Acknowledges):
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "stepmachine/_replay.py:388 _difference compares the step and its effects only: a "
-        "new step that writes the same effects but continues where the stored one yielded "
-        "(the run then calls the model) is reported 'same', and ReplayCycle has no field for the new outcome; a stored "
-        "cycle that ended its run (next batch starts a new run, or the log ends) followed by a "
-        "new Continue should be a difference (or the replay should offer the next cycle)"
+        "stepmachine/_replay.py:388 _difference compares the step and its effects only: "
+        "a new step that writes the same effects but continues where the stored one "
+        "yielded (the run then calls the model) is reported 'same', and ReplayCycle has "
+        "no field for the new outcome; a stored cycle that ended its run (the next batch "
+        "starts a new run, or the log ends) followed by a new Continue should be a "
+        "difference (or the replay should offer the next cycle)"
     ),
 )
 async def test_a_step_that_now_continues_where_it_yielded_differs(store: Store) -> None:
