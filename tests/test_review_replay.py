@@ -70,6 +70,7 @@ from stepmachine.operations import (
     HistoryGuard,
     InvalidCalls,
     Limits,
+    approve,
     deny,
     submit_event,
 )
@@ -1036,3 +1037,43 @@ async def test_two_steps_advertising_one_tool_name_is_a_configuration_error(
     ]
     with pytest.raises(ConfigurationError):
         await replay(store, "s", steps)
+
+
+# -- the clock a replayed cycle sees -------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "stepmachine/_replay_sandbox.py:117 the clock returns the stamp of the batch the cycle "
+        "is about to write; for a Tools cycle of idempotent tools (no intent batch) that is "
+        "the RESULT's stamp, after the tool ran, so an approval that was valid when the call "
+        "was vetted but expired while the tool ran reads as expired: the replay holds the "
+        "call back and reports a false difference; the first reading of a cycle should be "
+        "the moment the stored cycle started (e.g. the previous batch's stamp)"
+    ),
+)
+async def test_an_approval_that_expired_while_its_tool_ran_replays_the_same(store: Store) -> None:
+    clock = Clock()
+
+    @tool(side_effects="idempotent")
+    def delete(key: str) -> str:
+        """Delete a key (it takes a while: 100 clock seconds)."""
+        for _ in range(100):
+            clock()
+        return f"deleted {key}"
+
+    def steps() -> list[Step[Any]]:
+        return [Approval(["delete"]), Tools([delete]), ModelInference()]
+
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("delete a", id="u1"))], clock=clock)
+    await run_turns(store, "s", [call(("delete", {"key": "a"}))], steps(), clock)
+    (pending,) = [p for m in (await store.load("s")).conversation for p in m.tool_calls]
+    await approve(store, "s", pending.call_id, by="ops", expires_at=clock() + 10, clock=clock)
+    await run_turns(store, "s", [reply("deleted")], steps(), clock)
+    results = [p for m in (await store.load("s")).conversation for p in m.tool_results]
+    assert [r.content for r in results] == ["deleted a"]
+
+    report = await replay(store, "s", steps())
+    assert report.same, str(report)
