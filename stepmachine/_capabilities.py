@@ -466,8 +466,13 @@ class StepContext(Generic[D]):
         ``model_call`` event (see the README, "Seeing inside a run"); the request and the
         reply appear in them only with content capture on.
 
+        ``Runtime.model_override``, when set, answers instead of ``model``.
+
         Raises and cancels exactly as ``model.request`` does.
         """
+        override = self.runtime.model_override
+        if override is not None:
+            model = override
         with ModelCall(self.session.id, self.runtime.telemetry, model, request) as observed:
             response = await model.request(request, on_chunk=on_chunk)
             observed.replied(response)

@@ -296,15 +296,21 @@ def _recorded_reply(stored: _StoredCycle) -> ModelResponse | None:
 
 
 def _added_ids(stored: _StoredCycle) -> list[str]:
-    """Ids of the messages the stored cycle added, in order."""
-    known = {m.id for m in stored.before.conversation}
+    """Ids of the messages the stored cycle added, in order.
+
+    O(the cycle's effects): whether a message was there before is asked of the
+    session's history index, never by collecting every id of the history.
+    """
+    index = stored.before.history
+    seen: set[str] = set()
     ids: list[str] = []
     for batch in stored.batches:
         for effect in batch.effects:
             for message in _messages_in(effect):
-                if message.id not in known:
-                    known.add(message.id)
-                    ids.append(message.id)
+                mid = message.id
+                if mid not in seen and index.message_position(mid) is None:
+                    seen.add(mid)
+                    ids.append(mid)
     return ids
 
 
@@ -333,6 +339,8 @@ async def _replay_cycle(
         decision = await machine.step(
             runtime, stored.before, cycle=first.cycle, run_start_revision=stored.run_start
         )
+    except ConfigurationError:
+        raise  # the step list itself is wrong (two steps advertise one tool): say so once
     except Exception as exc:  # noqa: BLE001 - a failing step is this cycle's difference
         error = f"the new pipeline raises {type(exc).__name__}: {exc}"
     new = [b.effects for b in sandbox.batches]

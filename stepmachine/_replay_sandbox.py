@@ -92,6 +92,7 @@ class Sandbox:
             services=services,
             telemetry=_QUIET,
             tool_caller=self.call_tool,
+            model_override=answering,  # a step's own model (a judge) is answered here too
         )
 
     # -- loader and effect handler ----------------------------------------------------
@@ -151,6 +152,13 @@ class Sandbox:
         if reply is None:
             self.asked_model = True
             raise NoRecordedReplyError("replay: the stored cycle holds no (further) model reply")
+        allowed = request.max_attempts
+        if allowed is not None and reply.attempts > allowed:
+            # A budget allows fewer model calls than the stored reply took (invariant 7).
+            raise NoRecordedReplyError(
+                f"replay: the stored reply took {reply.attempts} model calls; the new "
+                f"pipeline's request allows {allowed}"
+            )
         return reply
 
 

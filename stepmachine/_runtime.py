@@ -63,6 +63,11 @@ class Runtime:
         services: anything else the application's steps and tools need.
         telemetry: what the run tells logs and traces (:class:`Telemetry`:
             content capture off, the global OpenTelemetry tracer provider).
+        model_override: ``None`` (the default), or the model that answers
+            every model call a step makes through ``ctx.request_model``
+            (inference, a compaction's summary, a step's own judge model),
+            whatever model the step names: :func:`~stepmachine.replay` uses it
+            so that no step reaches a real model.
         tool_caller: ``None`` (the default): the ``Tools`` step runs each
             call's tool. Otherwise it awaits ``tool_caller(call, context)``
             for the call's result instead, and runs nothing (the journal,
@@ -81,6 +86,7 @@ class Runtime:
     services: Mapping[str, Any] = field(default_factory=dict)
     telemetry: Telemetry = field(default_factory=Telemetry)
     tool_caller: ToolCaller | None = None
+    model_override: Model | None = None
 
     def session_loader(self) -> SessionLoader:
         """The loader to use. Raises :class:`ConfigurationError` if there is none."""

@@ -74,7 +74,7 @@ from ._messages import Message, ToolCallPart, ToolResultPart
 from ._model import ToolDefinition
 from ._records import Record, note_value, read_record
 from ._retry import retry_conflicts
-from ._runtime import uuid_ids
+from ._runtime import ToolCaller, uuid_ids
 from ._session import Session
 from ._steps import Continue, Operation, Outcome, Refuse, StepContext, Yield, YieldReason
 from ._store import Store, submit
@@ -557,9 +557,10 @@ class Tools(Operation[Any]):
             caller = ctx.runtime.tool_caller
             try:
                 if caller is not None:
-                    result, aborted, outcome = await caller(call, context), None, "recorded"
-                    error_type = None
-                    _check_recorded(result, call)
+                    aborted = None
+                    result, outcome, error_type = await self._ask_caller(
+                        caller, impl, call, context
+                    )
                 else:
                     result, aborted, outcome, error_type = await self._call_tool(
                         impl, call, context
@@ -577,6 +578,32 @@ class Tools(Operation[Any]):
         # No await between the tool returning and the caller recording the result:
         # a cancellation pending by now must not lose it (the caller emits ToolFinished).
         return result, aborted
+
+    async def _ask_caller(
+        self, caller: ToolCaller, impl: Tool, call: ToolCallPart, context: ToolContext
+    ) -> tuple[ToolResultPart, str, str | None]:
+        """``Runtime.tool_caller``'s answer: the result, the outcome name, the error type.
+
+        Bounded and contained like a tool: the tool's ``timeout`` (or the
+        step's) bounds it, and an exception from it becomes an error result
+        (outcome ``error``), so an intent always gets its result.
+
+        Raises:
+            StepContractError: it answered something other than a
+                ``ToolResultPart`` for this call (a bug in the caller).
+        """
+        timeout = impl.timeout if impl.timeout is not None else self._timeout
+        try:
+            with anyio.fail_after(timeout):
+                result = await caller(call, context)
+        except TimeoutError:
+            message = f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
+            return _error(call, message), "timeout", "TimeoutError"
+        except Exception as exc:  # noqa: BLE001 - as a tool's error: an error result
+            message = f"tool {call.name!r} failed: {type(exc).__name__}: {exc}"
+            return _error(call, message), "error", type(exc).__name__
+        _check_recorded(result, call)
+        return result, "recorded", None
 
     async def _call_tool(
         self, impl: Tool, call: ToolCallPart, context: ToolContext

@@ -626,16 +626,6 @@ async def test_a_context_length_error_the_model_gave_replays_the_same(store: Sto
     assert report.same, str(report)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_replay_sandbox.py:142 Sandbox.request returns the stored reply whatever "
-        "the request's max_attempts: a reply that took 3 attempts is handed to a pipeline "
-        "whose budget allows 2 model calls (Budget sets max_attempts=2), so the cycle reads "
-        "'same' although the real model would have given up (invariant 7); the sandbox should "
-        "fail that request (or flag the cycle) when reply.attempts > request.max_attempts"
-    ),
-)
 async def test_a_reply_that_took_more_attempts_than_the_new_budget_allows_differs(
     store: Store,
 ) -> None:
@@ -698,15 +688,6 @@ class Acknowledges(Operation[Any]):
         return Yield([AppendMessage(note)], YieldReason(YieldReason.DONE))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_replay.py:300 _added_ids builds a set of every message id of the "
-        "session before each cycle: O(history) per cycle, O(n^2) per replay (1.0 s of 2.6 s "
-        "at 5,000 cycles), against invariant 10; ask the history index instead "
-        "(stored.before.history.message_position(id) is None)"
-    ),
-)
 async def test_replaying_a_cycle_does_not_read_the_whole_history() -> None:
     store = CountingStore()
     history = [*tool_loop(200), Message.user("one more", id="last")]
@@ -842,17 +823,6 @@ async def test_external_events_replay_the_same_and_a_new_rendering_differs(store
 # -- Runtime.tool_caller in a live run ----------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_tool_step.py:560 _run_call awaits tool_caller outside the error handling "
-        "of _call_tool: a caller that raises crashes the run, leaving an intent without a "
-        "result (the next run answers 'outcome unknown'); the module promises that everything "
-        "that goes wrong with one call becomes an error result the model can read, so a "
-        "raising caller should give an error result like a raising tool (and the tool's "
-        "timeout should bound the caller too)"
-    ),
-)
 async def test_a_tool_caller_that_raises_gives_an_error_result_not_a_crash(store: Store) -> None:
     @tool
     def lookup(key: str) -> str:
@@ -906,15 +876,6 @@ class Judge(Operation[Any]):
         return Refuse("judged fine")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_capabilities.py:472 StepContext.request_model calls whatever model the "
-        "step passes; a step holding its own model (a judge, a classifier) reaches the real "
-        "provider during replay() although no model= was given; the replay's runtime should "
-        "route every ctx.request_model through the sandbox (or refuse it) when no model is given"
-    ),
-)
 async def test_a_step_with_its_own_model_calls_no_model_in_a_replay(store: Store) -> None:
     judge = CountingModel()
     clock = Clock()
@@ -984,15 +945,6 @@ async def test_a_message_submitted_while_a_tool_ran_replays_the_same(store: Stor
     assert report.same, str(report)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_tool_step.py:560 the tool's timeout (anyio.fail_after in _call_tool) does "
-        "not bound Runtime.tool_caller: a caller that never answers hangs the run (and a "
-        "replay's step) forever; the caller should run under the same timeout and give the "
-        "same 'timed out' error result"
-    ),
-)
 async def test_a_tool_caller_that_never_answers_is_bounded_by_the_tools_timeout() -> None:
     @tool(timeout=0.05)
     async def lookup(key: str) -> str:
@@ -1015,15 +967,6 @@ async def test_a_tool_caller_that_never_answers_is_bounded_by_the_tools_timeout(
     assert "timed out" in results[0].content
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_replay.py:336 _replay_cycle catches every Exception, so a step list whose "
-        "steps advertise one tool name twice (a ConfigurationError the machine raises before any "
-        "step runs) becomes 'the new pipeline raises ConfigurationError' on every cycle; replay() "
-        "should raise it, as its docstring promises for an invalid step list"
-    ),
-)
 async def test_two_steps_advertising_one_tool_name_is_a_configuration_error(
     store: Store,
 ) -> None:
