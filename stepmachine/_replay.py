@@ -67,7 +67,7 @@ difference naming the exception; the replay goes on with the next cycle.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,15 +254,41 @@ async def _stored_cycles(
     return cycles
 
 
-def _recorded_results(log: Sequence[Batch[Effect]]) -> dict[str, ToolResultPart]:
-    """The first result recorded for each call id anywhere in the log."""
-    results: dict[str, ToolResultPart] = {}
+def _recorded_results(log: Sequence[Batch[Effect]]) -> dict[str, list[tuple[int, ToolResultPart]]]:
+    """Every result recorded in the log, per call id: ``(revision, result)``, oldest first."""
+    results: dict[str, list[tuple[int, ToolResultPart]]] = {}
     for batch in log:
         for effect in batch.effects:
             for message in _messages_in(effect):
                 for result in message.tool_results:
-                    results.setdefault(result.call_id, result)
+                    results.setdefault(result.call_id, []).append((batch.revision, result))
     return results
+
+
+class _ResultsFrom(Mapping[str, ToolResultPart]):
+    """The results a cycle's calls are answered with: for each call id, the first result
+    recorded at or after the cycle's first revision.
+
+    A model may use a call id again later (after a compaction hid the first
+    call): each call is answered with the result recorded after it, never
+    with an earlier call's.
+    """
+
+    def __init__(self, recorded: dict[str, list[tuple[int, ToolResultPart]]], revision: int):
+        self._recorded = recorded
+        self._revision = revision
+
+    def __getitem__(self, call_id: str) -> ToolResultPart:
+        for revision, result in self._recorded.get(call_id, ()):
+            if revision >= self._revision:
+                return result
+        raise KeyError(call_id)
+
+    def __iter__(self) -> Iterator[str]:
+        return (call_id for call_id in self._recorded if call_id in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _messages_in(effect: Effect) -> tuple[Message, ...]:
@@ -320,7 +346,7 @@ def _added_ids(stored: _StoredCycle) -> list[str]:
 async def _replay_cycle(
     machine: StateMachine[Any],
     stored: _StoredCycle,
-    results: Mapping[str, ToolResultPart],
+    results: dict[str, list[tuple[int, ToolResultPart]]],
     model: Model | None,
     services: Mapping[str, Any],
 ) -> ReplayCycle:
@@ -329,7 +355,7 @@ async def _replay_cycle(
         stored.before,
         [b.timestamp for b in stored.batches],
         _added_ids(stored),
-        results,
+        _ResultsFrom(results, first.revision),
         None if model is not None else _recorded_reply(stored),
     )
     runtime = sandbox.runtime(model, services)

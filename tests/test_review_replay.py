@@ -288,16 +288,6 @@ async def test_an_unknown_session_is_not_found(store: Store) -> None:
 # -- false "different" / false "same" ------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_replay.py:264 _recorded_results keeps the FIRST result per call id in the "
-        "whole log, so a later call reusing the id (models do, after hiding/compaction; see "
-        "idempotency_key's docstring) is answered with the earlier call's result and the cycle "
-        "reads as 'writes other effects'; it should answer with the result the stored cycle "
-        "itself wrote for that call (or key results by message id and call id)"
-    ),
-)
 async def test_a_call_id_reused_after_the_first_was_hidden_replays_the_same(
     store: Store,
 ) -> None:
