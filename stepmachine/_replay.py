@@ -73,10 +73,10 @@ from typing import Any
 
 from ._capabilities import Step
 from ._codec import Batch, Refusal
-from ._effects import AppendMessage, Effect, ReplaceConversation, apply_batch
-from ._errors import ConfigurationError
+from ._effects import Annotate, AppendMessage, Effect, ReplaceConversation, apply_batch
+from ._errors import ConfigurationError, ContextLengthError
 from ._finalize import FINALIZE_STEP
-from ._inference import InferenceReceipt
+from ._inference import InferenceAttempts, InferenceReceipt
 from ._machine import StateMachine
 from ._messages import Message, ToolResultPart
 from ._model import Model, ModelResponse
@@ -90,6 +90,7 @@ from ._store import Store
 __all__ = ["ReplayCycle", "ReplayReport", "replay"]
 
 _RECEIPT_TAG = InferenceReceipt.__struct_config__.tag
+_ATTEMPTS_TAG = InferenceAttempts.__struct_config__.tag
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,10 +300,16 @@ def _messages_in(effect: Effect) -> tuple[Message, ...]:
     return ()
 
 
-def _recorded_reply(stored: _StoredCycle) -> ModelResponse | None:
-    """The model reply the stored cycle appended (an assistant message with a receipt)."""
+def _recorded_reply(stored: _StoredCycle) -> ModelResponse | ContextLengthError | None:
+    """The model reply the stored cycle appended (an assistant message with a receipt),
+    or the context-length error it recorded (an ``InferenceAttempts`` note marking one)."""
     for batch in stored.batches:
         for effect in batch.effects:
+            if isinstance(effect, Annotate):
+                failure = _recorded_overflow(stored, effect)
+                if failure is not None:
+                    return failure
+                continue
             if not isinstance(effect, AppendMessage) or effect.message.role != "assistant":
                 continue
             message = effect.message
@@ -319,6 +326,33 @@ def _recorded_reply(stored: _StoredCycle) -> ModelResponse | None:
                         attempts=receipt.attempts,
                     )
     return None
+
+
+def _recorded_overflow(stored: _StoredCycle, effect: Annotate) -> ContextLengthError | None:
+    """The ``ContextLengthError`` an inference step recorded with ``effect``, if it is one.
+
+    Its ``attempts`` are the calls that failure made: the note's count less
+    what the message carried before the cycle.
+    """
+    values = effect.values
+    if not (isinstance(values, dict) and values.get(TAG_FIELD) == _ATTEMPTS_TAG):
+        return None
+    where = f"session {stored.before.id!r}, message {effect.message_id!r}"
+    after = read_record(
+        {effect.namespace: values}, effect.namespace, InferenceAttempts, where=where
+    )
+    if after is None or not after.context_length_exceeded:
+        return None
+    position = stored.before.history.message_position(effect.message_id)
+    made = after.attempts
+    if position is not None:
+        notes = stored.before.conversation[position].notes
+        before = read_record(notes, effect.namespace, InferenceAttempts, where=where)
+        if before is not None:
+            made = after.attempts - before.attempts
+    error = ContextLengthError("replay: the stored cycle recorded a context-length error")
+    error.attempts = max(1, made)  # type: ignore[attr-defined]
+    return error
 
 
 def _added_ids(stored: _StoredCycle) -> list[str]:

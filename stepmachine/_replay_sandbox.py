@@ -49,7 +49,8 @@ class Sandbox:
         ids: the ids of the messages the stored cycle added, in order; the
             id source returns them, then ``replay-<revision>-<n>``.
         results: call id -> the stored result the tool caller answers with.
-        reply: the model reply the stored cycle holds, answered once.
+        reply: the model reply the stored cycle holds, answered once (or the failure
+            it recorded, raised once).
 
     Attributes:
         batches: the batches committed to the sandbox, in order.
@@ -66,7 +67,7 @@ class Sandbox:
         timestamps: list[float],
         ids: Iterable[str],
         results: Mapping[str, ToolResultPart],
-        reply: ModelResponse | None,
+        reply: ModelResponse | BaseException | None,
     ) -> None:
         self.session = session
         self.batches: list[Batch[Effect]] = []
@@ -149,6 +150,8 @@ class Sandbox:
             NoRecordedReplyError: there is no (further) stored reply.
         """
         reply, self._reply = self._reply, None
+        if isinstance(reply, BaseException):
+            raise reply  # the failure the stored cycle recorded (a context-length error)
         if reply is None:
             self.asked_model = True
             raise NoRecordedReplyError("replay: the stored cycle holds no (further) model reply")

@@ -578,17 +578,6 @@ async def test_a_full_agent_replays_the_same_with_its_model(store: Store, thresh
 # -- model calls that produced no reply ---------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_replay.py:276 _recorded_reply knows only replies (an assistant message "
-        "with an InferenceReceipt); a stored cycle whose model call failed with "
-        "ContextLengthError (recorded as an InferenceAttempts Annotate) gets no answer, so "
-        "_replay_sandbox.py:152 sets asked_model and the same steps read as 'the new pipeline "
-        "calls the model here'; the sandbox should raise the recorded failure "
-        "(ContextLengthError, with the recorded attempts)"
-    ),
-)
 async def test_a_context_length_error_the_model_gave_replays_the_same(store: Store) -> None:
     """The stored cycle called the model and got ``ContextLengthError``; the same steps do too.
 
