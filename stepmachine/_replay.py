@@ -391,6 +391,7 @@ async def _replay_cycle(
         _added_ids(stored),
         _ResultsFrom(results, first.revision),
         None if model is not None else _recorded_reply(stored),
+        start=stored.after,
     )
     runtime = sandbox.runtime(model, services)
     error = ""

@@ -11,6 +11,7 @@ answered without a recorded result, and a model call it had no reply for.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -45,7 +46,10 @@ class Sandbox:
     Args:
         session: the session before the stored cycle.
         timestamps: the stored cycle's batch timestamps; the clock returns the
-            one of the batch about to be written (the last one after that).
+            one of the batch about to be written (the last one after that), once
+            the cycle wrote a batch.
+        start: the stamp of the batch before the cycle (``-inf``: none): the
+            clock's reading before the cycle wrote anything.
         ids: the ids of the messages the stored cycle added, in order; the
             id source returns them, then ``replay-<revision>-<n>``.
         results: call id -> the stored result the tool caller answers with.
@@ -68,6 +72,7 @@ class Sandbox:
         ids: Iterable[str],
         results: Mapping[str, ToolResultPart],
         reply: ModelResponse | BaseException | None,
+        start: float = float("-inf"),
     ) -> None:
         self.session = session
         self.batches: list[Batch[Effect]] = []
@@ -75,6 +80,7 @@ class Sandbox:
         self.unrecorded: list[str] = []
         self.asked_model = False
         self._timestamps = timestamps
+        self._start = start if math.isfinite(start) else None
         self._ids: Iterator[str] = iter(ids)
         self._fresh = 0
         self._results = results
@@ -116,7 +122,13 @@ class Sandbox:
     # -- clock, ids, tools, model -----------------------------------------------------
 
     def clock(self) -> float:
-        reading = self._timestamps[min(len(self.batches), len(self._timestamps) - 1)]
+        """Before the cycle wrote anything: when the stored cycle began (the stamp of the
+        batch before it), so a decision taken then (an approval's expiry) is taken at the
+        same moment; afterwards, the stamp of the batch about to be written."""
+        if not self.batches and self._start is not None:
+            reading = self._start
+        else:
+            reading = self._timestamps[min(len(self.batches), len(self._timestamps) - 1)]
         self.readings.add(reading)
         return reading
 

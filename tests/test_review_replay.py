@@ -964,17 +964,6 @@ async def test_two_steps_advertising_one_tool_name_is_a_configuration_error(
 # -- the clock a replayed cycle sees -------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_replay_sandbox.py:117 the clock returns the stamp of the batch the cycle "
-        "is about to write; for a Tools cycle of idempotent tools (no intent batch) that is "
-        "the RESULT's stamp, after the tool ran, so an approval that was valid when the call "
-        "was vetted but expired while the tool ran reads as expired: the replay holds the "
-        "call back and reports a false difference; the first reading of a cycle should be "
-        "the moment the stored cycle started (e.g. the previous batch's stamp)"
-    ),
-)
 async def test_an_approval_that_expired_while_its_tool_ran_replays_the_same(store: Store) -> None:
     clock = Clock()
 
