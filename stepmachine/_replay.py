@@ -77,12 +77,13 @@ from ._effects import Annotate, AppendMessage, Effect, ReplaceConversation, appl
 from ._errors import ConfigurationError, ContextLengthError
 from ._finalize import FINALIZE_STEP
 from ._inference import InferenceAttempts, InferenceReceipt
-from ._machine import StateMachine
+from ._machine import Decision, StateMachine
 from ._messages import Message, ToolResultPart
 from ._model import Model, ModelResponse
 from ._records import TAG_FIELD, read_record
 from ._replay_compare import Readings, first_change, same_batches
 from ._replay_sandbox import Sandbox
+from ._runtime import Runtime
 from ._session import Session
 from ._steps import Continue, Yield
 from ._store import Store
@@ -213,6 +214,7 @@ class _StoredCycle:
     after: float  # the timestamp of the batch before the cycle
     run_start: int
     batches: list[Batch[Effect]] = field(default_factory=list)
+    went_on: bool | None = None  # the run had another cycle; None: cancelled, not known
 
     @property
     def decided(self) -> tuple[int, str]:
@@ -252,7 +254,37 @@ async def _stored_cycles(
             current = _StoredCycle(before, previous, run_start, [batch])
             cycles.append(current)
             last_cycle = batch.cycle
+    _mark_flow(cycles, log)
     return cycles
+
+
+def _mark_flow(cycles: list[_StoredCycle], log: Sequence[Batch[Effect]]) -> None:
+    """Set each cycle's ``went_on``: whether its run had a next machine cycle.
+
+    Batches from outside a machine in between are passed over (a user message
+    may arrive while a run goes on). A finalize batch first means the run was
+    cancelled there: not known. No later machine batch, or one that starts
+    another run: the run ended with this cycle (it yielded, or no step applied,
+    or the process died).
+    """
+    position = {batch.revision: index for index, batch in enumerate(log)}
+    starts = {id(c.batches[0]): c for c in cycles}
+    for cycle in cycles:
+        last = cycle.batches[-1]
+        cycle.went_on = False
+        for batch in log[position[last.revision] + 1 :]:
+            if batch.step == FINALIZE_STEP:
+                cycle.went_on = None
+                break
+            if batch.cycle < 1:
+                continue  # from outside a machine
+            following = starts.get(id(batch))
+            cycle.went_on = (
+                following is not None
+                and following.run_start == cycle.run_start
+                and batch.cycle == last.cycle + 1
+            )
+            break
 
 
 def _recorded_results(log: Sequence[Batch[Effect]]) -> dict[str, list[tuple[int, ToolResultPart]]]:
@@ -422,6 +454,8 @@ async def _replay_cycle(
         difference = _wrote_nothing(decision.step.name, decision.outcome, first.step)
     else:
         difference = _difference(stored, new_step, new, sandbox)
+    if not difference and decision is not None:
+        difference = await _flow(machine, runtime, sandbox, stored, decision)
     return ReplayCycle(
         revision=first.revision,
         cycle=first.cycle,
@@ -434,6 +468,55 @@ async def _replay_cycle(
         new=tuple(new),
         stored_refused=first.refused,
         new_refused=refused,
+    )
+
+
+async def _flow(
+    machine: StateMachine[Any],
+    runtime: Runtime,
+    sandbox: Sandbox,
+    stored: _StoredCycle,
+    decision: Decision[Any],
+) -> str:
+    """Whether the new step goes on where the stored run went on; ``""`` when it does.
+
+    A new ``Yield`` where the stored run had another cycle differs. A new
+    ``Continue`` where the stored run ended differs only if the new pipeline
+    would then act again (offered the session after this cycle once, in the
+    sandbox): a run that continues into a cycle where no step applies, or
+    where a step yields writing nothing, ends the same way.
+    """
+    name = decision.step.name
+    outcome = decision.outcome
+    if stored.went_on is None:
+        return ""
+    if isinstance(outcome, Yield):
+        if stored.went_on:
+            return f"step {name!r} yields {outcome.reason.kind} where the stored run went on"
+        return ""
+    if stored.went_on:
+        return ""
+    after = apply_batch(sandbox.session, outcome.effects)
+    cycle = stored.batches[0].cycle + 1
+    written = len(sandbox.batches)
+    try:
+        following = await machine.step(
+            runtime, after, cycle=cycle, run_start_revision=stored.run_start
+        )
+    except Exception as exc:  # noqa: BLE001 - it would act: that is the difference
+        what = "calls the model" if sandbox.asked_model else f"raises {type(exc).__name__}: {exc}"
+        return f"step {name!r} continues where the stored run ended, and the new pipeline {what}"
+    if following is None:
+        return ""  # no step applies: the run ends here, as the stored one did
+    if (
+        isinstance(following.outcome, Yield)
+        and not following.outcome.effects
+        and len(sandbox.batches) == written
+    ):
+        return ""  # it yields writing nothing (a budget spent): the run ends here too
+    return (
+        f"step {name!r} continues where the stored run ended, and step "
+        f"{following.step.name!r} applies next"
     )
 
 

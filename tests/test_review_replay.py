@@ -692,17 +692,6 @@ class AcknowledgesAndGoesOn(Acknowledges):
         return Continue(outcome.effects) if isinstance(outcome, Yield) else outcome
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_replay.py:388 _difference compares the step and its effects only: "
-        "a new step that writes the same effects but continues where the stored one "
-        "yielded (the run then calls the model) is reported 'same', and ReplayCycle has "
-        "no field for the new outcome; a stored cycle that ended its run (the next batch "
-        "starts a new run, or the log ends) followed by a new Continue should be a "
-        "difference (or the replay should offer the next cycle)"
-    ),
-)
 async def test_a_step_that_now_continues_where_it_yielded_differs(store: Store) -> None:
     clock = Clock()
     await store.create("s")
