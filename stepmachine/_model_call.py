@@ -130,12 +130,13 @@ def _log_model_call(
 
 def _log_model_failure(session_id: str, model: Model, started: float, exc: BaseException) -> None:
     """The ``model_call`` event of a call that failed (WARNING): its error type, never its text."""
+    attempts = getattr(exc, "attempts", 1)
     _log.event(
         _log.WARNING,
         "model_call",
         session_id=session_id,
         model=model.name,
-        attempts=int(getattr(exc, "attempts", 1) or 1),
+        attempts=attempts if type(attempts) is int else 1,
         duration_ms=round((time.perf_counter() - started) * 1000, 3),
         error_type=type(exc).__name__,
     )
