@@ -49,7 +49,6 @@ __all__ = [
     "context",
     "idle_reason",
     "log_cycle",
-    "log_failure",
     "offer",
 ]
 
@@ -350,11 +349,6 @@ def log_cycle(
             effects=effects,
             duration_ms=duration,
         )
-
-
-def log_failure(message: str, session_id: str) -> None:
-    """Log the exception being handled (logger ``stepmachine``), for a session."""
-    _log.failure(message, session_id=session_id)
 
 
 def stops_the_run(exc: BaseException) -> bool:

@@ -21,7 +21,7 @@ import msgspec
 
 from . import _log
 from ._capabilities import Capabilities, Finalizes, step_name
-from ._cycle import Interrupted, commit, context, log_failure
+from ._cycle import Interrupted, commit, context
 from ._effects import AppendMessage, Effect
 from ._emitter import EventSink
 from ._history import open_tool_calls
@@ -142,7 +142,7 @@ async def shielded(seconds: float, session_id: str, work: Callable[[], Awaitable
         try:
             await work()
         except Exception:  # noqa: BLE001 - the cancellation must still propagate
-            log_failure("finalize failed after a cancellation", session_id)
+            _log.failure("finalize failed after a cancellation", session_id=session_id)
 
 
 async def _commit_fresh(

@@ -62,7 +62,7 @@ from typing import Any, Final
 
 import structlog
 
-__all__ = ["LOGGER", "enabled", "event", "failure", "logger", "session"]
+__all__ = ["LOGGER", "enabled", "event", "failure", "session"]
 
 LOGGER: Final = "stepmachine"
 """The standard-library logger every event goes to."""
@@ -110,11 +110,6 @@ class session:  # noqa: N801 - used like a function: ``with session(id):``
 
     def __exit__(self, *exc_info: object) -> None:
         _session.reset(self._token)
-
-
-def logger() -> logging.Logger:
-    """The standard-library logger ``stepmachine``."""
-    return _stdlib
 
 
 def enabled(level: int) -> bool:

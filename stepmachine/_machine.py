@@ -58,7 +58,7 @@ import msgspec
 
 from . import _log, _tracing
 from ._capabilities import Capabilities, Step
-from ._cycle import Decision, Interrupted, commit, log_failure, offer
+from ._cycle import Decision, Interrupted, commit, offer
 from ._emitter import Emitter, EventSink, NullEmitter
 from ._errors import ConfigurationError
 from ._finalize import FINALIZE_STEP, INTERRUPTED, finalize, keep_interrupted, shielded
@@ -510,4 +510,5 @@ async def _link_to_previous(runtime: Runtime, session: Session[Any], span: Any) 
                 span.add_link(link.context, link.attributes)
                 return
     except Exception:  # noqa: BLE001 - a link is worth less than the run
-        log_failure("could not read the last batches to link the run's span", session.id)
+        message = "could not read the last batches to link the run's span"
+        _log.failure(message, session_id=session.id)
