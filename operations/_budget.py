@@ -527,16 +527,31 @@ class Budget(Operation[Any]):
         if needs_answer(session):
             exhausted = self._exhausted(session, run_start, _MODEL_LIMITS)
             if exhausted is not None:
+                why = (
+                    f"{exhausted['limit']} budget per {exhausted['scope']} exhausted "
+                    f"({exhausted['used']} of {exhausted['allowed']})"
+                )
                 return Yield(
-                    [],
-                    YieldReason(
-                        YieldReason.BUDGET_EXHAUSTED,
-                        f"{exhausted['limit']} budget per {exhausted['scope']} exhausted "
-                        f"({exhausted['used']} of {exhausted['allowed']})",
-                        exhausted,
-                    ),
+                    self._mark_exhausted(session, why),
+                    YieldReason(YieldReason.BUDGET_EXHAUSTED, why, exhausted),
                 )
         return Refuse("within budget")
+
+    def _mark_exhausted(self, session: Session[Any], why: str) -> list[Effect]:
+        """Record the refusal on the last message the model sees, once (key ``"exhausted"``).
+
+        So the store says why the session stopped (an inspector reads it); a
+        repeated yield for the same reason writes nothing.
+        """
+        last = next((m for m in reversed(session.conversation) if m.visible_to_model), None)
+        if last is None:
+            return []
+        where = f"session {session.id!r}, message {last.id!r}"
+        recorded = read_record(last.notes, self._name, BudgetRefusal, key="exhausted", where=where)
+        if recorded is not None and recorded.refused == why:
+            return []
+        value = {"exhausted": note_value(BudgetRefusal(refused=why))}
+        return [Annotate(last.id, self._name, value)]
 
     def _refuse_calls(
         self,

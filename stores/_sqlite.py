@@ -39,6 +39,7 @@ session across those processes) are file locks beside the database
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 from collections.abc import Callable, Sequence
@@ -237,6 +238,7 @@ class SQLiteStore(FlockLeaseMethods):
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
         busy_timeout: float = 30.0,
         boundary_hook: Callable[[str], None] | None = None,
+        read_only: bool = False,
     ) -> SQLiteStore:
         """Open (creating if needed) the database at ``path`` and migrate it to this schema.
 
@@ -251,6 +253,9 @@ class SQLiteStore(FlockLeaseMethods):
                 before SQLite gives up with ``database is locked``.
             boundary_hook: called with each name of :attr:`BOUNDARIES` as the
                 store passes it (crash tests kill the process there).
+            read_only: open an existing database without writing to it
+                (SQLite's ``mode=ro``; for inspection): nothing is created or
+                migrated, and every write raises ``sqlite3.OperationalError``.
 
         Returns:
             The open store; its schema is at the current ``SCHEMA_VERSION``.
@@ -262,6 +267,7 @@ class SQLiteStore(FlockLeaseMethods):
             ValueError: ``synchronous`` or ``busy_timeout`` is out of range.
             sqlite3.OperationalError: the file cannot be opened at all (a
                 missing folder, no permission).
+            FileNotFoundError: ``read_only`` and no file at ``path``.
 
         Cancellation: once in the worker thread, opening runs to its end and
         returns the open store (or raises); the cancellation is delivered at
@@ -275,7 +281,9 @@ class SQLiteStore(FlockLeaseMethods):
         file = os.fspath(path)
         with anyio.CancelScope(shield=True):
             connection = await anyio.to_thread.run_sync(
-                _schema.open_connection, file, synchronous, busy_timeout
+                functools.partial(
+                    _schema.open_connection, file, synchronous, busy_timeout, read_only=read_only
+                )
             )
         return cls(connection, file, codec or Codec(), boundary_hook or _no_hook)
 

@@ -87,6 +87,7 @@ import os
 import sqlite3
 import struct
 import time
+import urllib.parse
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -302,9 +303,18 @@ def _decode_text(raw: bytes) -> str:
 
 
 def open_connection(
-    path: str, synchronous: Literal["NORMAL", "FULL"], busy_timeout: float
+    path: str,
+    synchronous: Literal["NORMAL", "FULL"],
+    busy_timeout: float,
+    *,
+    read_only: bool = False,
 ) -> sqlite3.Connection:
     """Open ``path``, refuse what is not ours, enable WAL and migrate to :data:`SCHEMA_VERSION`.
+
+    With ``read_only`` the file is opened through SQLite's ``mode=ro`` and
+    nothing is written: a missing file is :class:`FileNotFoundError`, a file
+    of an older schema version (which a writable open would migrate) is
+    :class:`StoredDataError`, and the journal mode is left as it is.
 
     Nothing is written to the file before its schema version has been checked,
     so a refused file keeps its exact bytes. A missing file is created
@@ -319,6 +329,8 @@ def open_connection(
         sqlite3.OperationalError: the file cannot be opened at all.
     """
     _check_header(path)
+    if read_only:
+        return _open_read_only(path, busy_timeout)
     create_owner_only(path)
     conn = sqlite3.connect(
         path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
@@ -344,6 +356,34 @@ def open_connection(
         raise StoredDataError(
             f"{path} is not a readable SQLite database: its schema is damaged ({exc})"
         ) from exc
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _open_read_only(path: str, busy_timeout: float) -> sqlite3.Connection:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no SQLite database at {path}")
+    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
+    conn = sqlite3.connect(
+        uri, uri=True, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+    )
+    conn.text_factory = _decode_text
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {round(busy_timeout * 1000)}")
+        version = _stored_version(conn, path)
+        if version < SCHEMA_VERSION:
+            raise StoredDataError(
+                f"{path} is at stepmachine schema version {version}; this stepmachine reads "
+                f"version {SCHEMA_VERSION} and a read-only open does not migrate: open it "
+                "for writing once (SQLiteStore.open) to migrate it"
+            )
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        if isinstance(exc, sqlite3.OperationalError):
+            raise
+        raise StoredDataError(f"{path} is not a readable SQLite database: {exc}") from exc
     except BaseException:
         conn.close()
         raise

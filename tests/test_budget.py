@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
+    Annotate,
     AppendMessage,
     Message,
     ModelError,
@@ -95,7 +96,16 @@ async def test_refuses_within_budget_and_yields_when_the_run_has_used_its_calls(
     )
     check = await run_step(budget, spent)
     assert check.yielded
-    assert not check.effects
+    # The refusal is recorded on the last message the model sees (an inspector reads
+    # it), once: a session that already carries it yields without writing.
+    (mark,) = check.effects
+    assert isinstance(mark, Annotate)
+    assert (mark.message_id, mark.namespace) == ("u2", "budget")
+    assert mark.values["exhausted"]["refused"] == "model_calls budget per run exhausted (2 of 2)"
+    marked = mark.apply(spent)
+    again = await run_step(budget, marked)
+    assert again.yielded
+    assert not again.effects
     assert check.outcome.reason.kind == YieldReason.BUDGET_EXHAUSTED  # type: ignore[union-attr]
     assert check.outcome.reason.data == {  # type: ignore[union-attr]
         "scope": "run",

@@ -198,8 +198,8 @@ async def test_a_smaller_budget_differs_where_it_now_stops(store: Store) -> None
     first = report.first_difference
     assert first is not None
     assert (first.cycle, first.stored_step) == (3, "inference")
-    assert first.new_step is None
-    assert "budget_exhausted" in first.difference
+    assert first.new_step == "budget"  # its yield records the refusal on the last message
+    assert "annotate budget" in first.difference
     assert all(c.same for c in report.cycles[:2])
     # Run 2 starts a new per-run count: its one model call is within the budget.
     assert report.cycles[-1].same, str(report)
