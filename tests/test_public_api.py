@@ -25,7 +25,12 @@ PUBLIC_PACKAGES = [
 ]
 # Public modules: the packages, and modules users import by name that define
 # their own names (their other attributes are imports, not exports).
-PUBLIC_MODULES = [*PUBLIC_PACKAGES, "stepmachine.testing.conformance", "stepmachine.durable"]
+PUBLIC_MODULES = [
+    *PUBLIC_PACKAGES,
+    "stepmachine.testing.conformance",
+    "stepmachine.durable",
+    "stepmachine.inspector",
+]
 
 
 def ruf022_key(name: str) -> tuple[int, list[str | int]]:

@@ -1,0 +1,74 @@
+"""What a stored session is waiting for, read from the session alone.
+
+:func:`session_status` looks only at the stored session (no step list, no
+configuration), at what the built-in operations record, in this order:
+
+1. ``awaiting approval``: an open tool call carries an approval request and
+   no decision (the :class:`~stepmachine.operations.Approval` step noted it
+   when it yielded);
+2. ``outcome unknown``: an open call has a journal intent and no result (a
+   crash while it ran, or a run in progress right now); an operator decides
+   with ``resolve-unknown``;
+3. ``budget exhausted``: the last message the model sees carries the
+   budget's record of a refusal (tool calls refused, or a model call it did not
+   make);
+4. ``awaiting event``: a wait marker is set and not satisfied;
+5. ``done``: the last message the model sees is the assistant's, with no
+   tool call left open;
+6. ``idle``: anything else (a user message or tool results waiting for the
+   next ``run()``, an empty session).
+
+It is a reading for people, not a decision: the machine decides from its
+steps. An approval policy that needed no request, for instance, leaves
+nothing to read, and such a session reads ``idle``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from stepmachine import Session
+
+from ._records import find, records_in
+
+__all__ = ["STATUSES", "session_status"]
+
+AWAITING_APPROVAL: Final = "awaiting approval"
+OUTCOME_UNKNOWN: Final = "outcome unknown"
+BUDGET_EXHAUSTED: Final = "budget exhausted"
+AWAITING_EVENT: Final = "awaiting event"
+DONE: Final = "done"
+IDLE: Final = "idle"
+STATUSES: Final = (AWAITING_APPROVAL, OUTCOME_UNKNOWN, BUDGET_EXHAUSTED, AWAITING_EVENT, DONE, IDLE)
+"""Every status :func:`session_status` returns, in the order it checks them."""
+
+_REQUEST: Final = "stepmachine.approval.request"
+_DECISION: Final = "stepmachine.approval.decision"
+_JOURNAL: Final = "stepmachine.journal"
+_BUDGET: Final = "stepmachine.budget.refusal"
+_WAIT: Final = "stepmachine.events.wait"
+
+
+def _awaits_approval(notes: dict[str, Any]) -> bool:
+    return find(notes, _REQUEST) is not None and find(notes, _DECISION) is None
+
+
+def session_status(session: Session[Any]) -> str:
+    """The status of ``session``: one of :data:`STATUSES` (see the module docstring)."""
+    open_calls = session.history.open_calls()
+    if any(_awaits_approval(call.notes) for call in open_calls):
+        return AWAITING_APPROVAL
+    for call in open_calls:
+        journal = find(call.notes, _JOURNAL)
+        if journal is not None and journal.get("intent"):
+            return OUTCOME_UNKNOWN
+    last = next((m for m in reversed(session.conversation) if m.visible_to_model), None)
+    if last is not None and find(last.notes, _BUDGET) is not None:
+        return BUDGET_EXHAUSTED
+    for message in session.conversation:
+        for _, _, record in records_in(message.notes):
+            if record.get("record") == _WAIT and not record.get("satisfied_by"):
+                return AWAITING_EVENT
+    if last is not None and last.role == "assistant" and not open_calls:
+        return DONE
+    return IDLE

@@ -1,0 +1,292 @@
+"""A stored session as plain data: what ``show --json``, the HTML timeline and the live view read.
+
+:func:`session_view` turns a session and its audit log into JSON builtins
+(dicts, lists, strings, numbers), in a documented shape (``FORMAT``), so the
+three readers agree and a script can read ``show --json`` without importing
+stepmachine:
+
+``session_view`` ->
+    ``{"format", "id", "revision", "status", "totals", "problems", "messages", "batches"}``
+
+- ``messages``: the stored conversation at ``revision``, hidden messages
+  included, each a :func:`message_view`: ``{"id", "role", "visible_to_model",
+  "visible_to_user", "added_at", "parts", "notes", "records", "usage"}``.
+  A tool call part also says what became of it: ``"state"`` (``"answered"``,
+  ``"error"``, ``"awaiting approval"``, ``"outcome unknown"``, ``"open"``),
+  its ``"journal"`` entry, its approval ``"decision"`` (who, why) and the id
+  of the message holding its ``"result"``.
+- ``batches``: the audit log up to ``revision``, each a :func:`batch_view`:
+  ``{"revision", "step", "cycle", "timestamp", "elapsed", "refused",
+  "trace", "effects", "summary"}``; ``elapsed`` is the seconds since the
+  batch before (``None`` for the first), ``effects`` the effects as data
+  with a one-line ``"summary"`` each.
+- ``totals``: model calls and token counts from the replies' receipts.
+- ``problems``: what :func:`~stepmachine.operations.fsck` finds.
+
+Nothing here runs application code or decodes records into classes: notes
+and records are shown as they are stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+import msgspec
+
+from stepmachine import (
+    Annotate,
+    AppendMessage,
+    Batch,
+    Effect,
+    Message,
+    ReasoningPart,
+    ReplaceConversation,
+    Session,
+    SetVisibility,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    UpdateData,
+)
+from stepmachine.operations import fsck
+
+from ._records import find, records_in
+from ._status import session_status
+
+__all__ = ["FORMAT", "batch_view", "effect_summary", "message_view", "session_view"]
+
+FORMAT: Final = "stepmachine.inspector.session/1"
+
+_RECEIPT: Final = "stepmachine.inference.reply"
+_JOURNAL: Final = "stepmachine.journal"
+_REQUEST: Final = "stepmachine.approval.request"
+_DECISION: Final = "stepmachine.approval.decision"
+_SUMMARY_CUT: Final = 80
+
+
+def _builtins(value: Any) -> Any:
+    return msgspec.to_builtins(value, str_keys=True)
+
+
+def _short(text: str, limit: int = _SUMMARY_CUT) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _call_state(call: ToolCallPart, result: ToolResultPart | None) -> str:
+    if result is not None:
+        return "error" if result.is_error else "answered"
+    if find(call.notes, _REQUEST) is not None and find(call.notes, _DECISION) is None:
+        return "awaiting approval"
+    journal = find(call.notes, _JOURNAL)
+    if journal is not None and journal.get("intent"):
+        return "outcome unknown"
+    return "open"
+
+
+def _part_view(part: Any, results: dict[str, tuple[str, ToolResultPart]] | None) -> dict[str, Any]:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    if isinstance(part, ReasoningPart):
+        return {"type": "reasoning", "text": part.text}
+    if isinstance(part, ToolCallPart):
+        found = None if results is None else results.get(part.call_id)
+        view: dict[str, Any] = {
+            "type": "tool_call",
+            "call_id": part.call_id,
+            "name": part.name,
+            "arguments": _builtins(part.arguments),
+            "raw_arguments": part.raw_arguments,
+            "notes": _builtins(part.notes),
+            "journal": find(part.notes, _JOURNAL),
+            "decision": find(part.notes, _DECISION),
+        }
+        if results is not None:
+            view["state"] = _call_state(part, None if found is None else found[1])
+            view["result"] = None if found is None else found[0]
+        return view
+    if isinstance(part, ToolResultPart):
+        return {
+            "type": "tool_result",
+            "call_id": part.call_id,
+            "name": part.name,
+            "content": part.content,
+            "is_error": part.is_error,
+        }
+    value = _builtins(part)
+    return value if isinstance(value, dict) else {"type": type(part).__name__, "value": value}
+
+
+def message_view(
+    message: Message,
+    *,
+    added_at: int | None = None,
+    results: dict[str, tuple[str, ToolResultPart]] | None = None,
+) -> dict[str, Any]:
+    """``message`` as data (see the module docstring).
+
+    ``results`` (call id -> (message id, result)) lets tool calls say what
+    became of them; without it they carry no ``state``.
+    """
+    receipt = find(message.notes, _RECEIPT)
+    return {
+        "id": message.id,
+        "role": message.role,
+        "visible_to_model": message.visible_to_model,
+        "visible_to_user": message.visible_to_user,
+        "added_at": added_at,
+        "parts": [_part_view(part, results) for part in message.parts],
+        "notes": _builtins(message.notes),
+        "records": [
+            {"namespace": namespace, "key": key, **record}
+            for namespace, key, record in records_in(message.notes)
+        ],
+        "usage": None if receipt is None else receipt.get("usage"),
+        "model": None if receipt is None else receipt.get("model"),
+    }
+
+
+def _message_summary(message: dict[str, Any]) -> str:
+    pieces = []
+    for part in message["parts"]:
+        kind = part.get("type")
+        if kind == "text":
+            pieces.append(repr(_short(part["text"], 60)))
+        elif kind == "tool_call":
+            pieces.append(f"call {part['name']}({_short(part['raw_arguments'], 40)})")
+        elif kind == "tool_result":
+            error = " error" if part["is_error"] else ""
+            pieces.append(f"result{error} {_short(part['content'], 40)!r}")
+        elif kind == "reasoning":
+            pieces.append("reasoning")
+        else:
+            pieces.append(str(kind))
+    hidden = "" if message["visible_to_model"] else " (hidden)"
+    return f"{message['role']}{hidden} " + "; ".join(pieces)
+
+
+def effect_summary(effect: dict[str, Any]) -> str:
+    """One line saying what the effect (as data) did."""
+    kind = effect.get("type")
+    if kind == "append_message":
+        return "append " + _message_summary(effect["message"])
+    if kind == "annotate":
+        on = effect["message_id"] + (f" call {effect['call_id']}" if effect.get("call_id") else "")
+        tags = sorted(
+            {str(v.get("record")) for v in _values_records(effect.get("values", {}))} - {"None"}
+        )
+        what = f" ({', '.join(tags)})" if tags else ""
+        return f"note {effect['namespace']} on {on}{what}"
+    if kind == "set_visibility":
+        return (
+            f"visibility of {len(effect.get('message_ids', []))} message(s): "
+            f"to model {effect.get('to_model')}, to user {effect.get('to_user')}"
+        )
+    if kind == "replace_conversation":
+        return f"replace the conversation ({len(effect.get('conversation', []))} messages)"
+    if kind == "update_data":
+        return f"update data {sorted(effect.get('changes', {}) or {})}"
+    return f"{kind}"
+
+
+def _values_records(values: Any) -> Iterable[dict[str, Any]]:
+    if not isinstance(values, dict):
+        return []
+    return [record for _, _, record in records_in({"_": values})]
+
+
+def _effect_view(effect: Effect, added: dict[str, int], revision: int) -> dict[str, Any]:
+    if isinstance(effect, AppendMessage):
+        added.setdefault(effect.message.id, revision)
+        view: dict[str, Any] = {
+            "type": "append_message",
+            "message": message_view(effect.message, added_at=revision),
+        }
+    elif isinstance(effect, ReplaceConversation):
+        for message in effect.conversation:
+            added.setdefault(message.id, revision)
+        view = {
+            "type": "replace_conversation",
+            "conversation": [
+                message_view(m, added_at=added.get(m.id)) for m in effect.conversation
+            ],
+        }
+    elif isinstance(effect, Annotate | SetVisibility | UpdateData):
+        view = _builtins(effect)
+    else:
+        view = _builtins(effect)
+        if not isinstance(view, dict):
+            view = {"type": type(effect).__name__, "value": view}
+    view["summary"] = effect_summary(view)
+    return view
+
+
+def batch_view(
+    batch: Batch[Effect], *, previous: float | None = None, added: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """``batch`` as data (see the module docstring); ``previous`` is the timestamp before it."""
+    added = {} if added is None else added
+    effects = [_effect_view(effect, added, batch.revision) for effect in batch.effects]
+    return {
+        "revision": batch.revision,
+        "step": batch.step,
+        "cycle": batch.cycle,
+        "timestamp": batch.timestamp,
+        "elapsed": None if previous is None else round(batch.timestamp - previous, 6),
+        "refused": [{"step": r.step, "why": r.why} for r in batch.refused],
+        "trace": batch.trace,
+        "effects": effects,
+        "summary": "; ".join(e["summary"] for e in effects) or "(no effects)",
+    }
+
+
+def _results(session: Session[Any]) -> dict[str, tuple[str, ToolResultPart]]:
+    results: dict[str, tuple[str, ToolResultPart]] = {}
+    for message in session.conversation:
+        for part in message.parts:
+            if isinstance(part, ToolResultPart):
+                results.setdefault(part.call_id, (message.id, part))
+    return results
+
+
+def _totals(messages: Sequence[dict[str, Any]]) -> dict[str, int]:
+    totals = {"model_replies": 0, "input_tokens": 0, "output_tokens": 0}
+    for message in messages:
+        usage = message["usage"]
+        if isinstance(usage, dict):
+            totals["model_replies"] += 1
+            for key in ("input_tokens", "output_tokens"):
+                value = usage.get(key, 0)
+                totals[key] += value if isinstance(value, int) else 0
+    return totals
+
+
+def session_view(session: Session[Any], batches: Sequence[Batch[Effect]]) -> dict[str, Any]:
+    """``session`` and its audit log (the batches up to its revision) as data.
+
+    Batches after ``session.revision`` are left out, so a view of
+    ``load_at(id, n)`` with the whole log shows the session as it was at ``n``.
+    """
+    added: dict[str, int] = {}
+    batch_views = []
+    previous: float | None = None
+    for batch in batches:
+        if batch.revision > session.revision:
+            break
+        batch_views.append(batch_view(batch, previous=previous, added=added))
+        previous = batch.timestamp
+    results = _results(session)
+    messages = [
+        message_view(m, added_at=added.get(m.id, 0), results=results) for m in session.conversation
+    ]
+    return {
+        "format": FORMAT,
+        "id": session.id,
+        "revision": session.revision,
+        "status": session_status(session),
+        "totals": _totals(messages),
+        "problems": [_builtins(problem) for problem in fsck(session)],
+        "messages": messages,
+        "batches": batch_views,
+    }
