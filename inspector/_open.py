@@ -36,7 +36,14 @@ import anyio
 from stepmachine import Codec, ConfigurationError, NoData, StepmachineError
 from stepmachine.stores import FileStore, PostgresStore, SQLiteStore
 
-__all__ = ["StoreNotFoundError", "UsageError", "inspection_codec", "load_codec", "open_store"]
+__all__ = [
+    "StoreNotFoundError",
+    "UsageError",
+    "inspection_codec",
+    "load_codec",
+    "load_object",
+    "open_store",
+]
 
 SCHEMES = "sqlite:///PATH, file:///FOLDER, postgresql://..."
 
@@ -64,30 +71,39 @@ def inspection_codec() -> Codec[Any]:
     return Codec(_StrictNoData)
 
 
-def load_codec(spec: str) -> Codec[Any]:
-    """The :class:`~stepmachine.Codec` named ``module:attribute`` (the cwd is on the import path).
-
-    The attribute may be a codec or a function of no arguments returning one.
+def load_object(spec: str, option: str) -> Any:
+    """The object ``module:attribute`` names, imported (the cwd is on the import path).
 
     Raises:
-        UsageError: the spec is malformed, the module or the attribute is
-            missing, or it is not a codec.
+        UsageError: the spec is malformed, or the module or the attribute is
+            missing; the message names ``option``.
     """
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        raise UsageError(f"--codec takes module:attribute (like myapp.agent:codec), not {spec!r}")
+        raise UsageError(f"{option} takes module:attribute (like myapp.agent:codec), not {spec!r}")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        value: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise UsageError(f"--codec {spec}: cannot import {module_name!r}: {exc}") from exc
-    value: Any = module
+        raise UsageError(f"{option} {spec}: cannot import {module_name!r}: {exc}") from exc
     for name in attribute.split("."):
         try:
             value = getattr(value, name)
         except AttributeError:
-            raise UsageError(f"--codec {spec}: {module_name} has no {attribute!r}") from None
+            raise UsageError(f"{option} {spec}: {module_name} has no {attribute!r}") from None
+    return value
+
+
+def load_codec(spec: str) -> Codec[Any]:
+    """The :class:`~stepmachine.Codec` named ``module:attribute`` (see :func:`load_object`).
+
+    The attribute may be a codec or a function of no arguments returning one.
+
+    Raises:
+        UsageError: see :func:`load_object`; or it is not a codec.
+    """
+    value = load_object(spec, "--codec")
     if callable(value) and not isinstance(value, Codec):
         value = value()
     if not isinstance(value, Codec):

@@ -21,7 +21,8 @@ stepmachine:
   batch before (``None`` for the first), ``effects`` the effects as data
   with a one-line ``"summary"`` each.
 - ``totals``: model calls and token counts from the replies' receipts.
-- ``problems``: what :func:`~stepmachine.operations.fsck` finds.
+- ``problems``: what :func:`~stepmachine.operations.fsck` finds, but pending
+  calls (:func:`history_problems`).
 
 Nothing here runs application code or decodes records into classes: notes
 and records are shown as they are stored.
@@ -49,12 +50,20 @@ from stepmachine import (
     ToolResultPart,
     UpdateData,
 )
-from stepmachine.operations import fsck
+from stepmachine.operations import Problem, fsck
+from stepmachine.operations._history_guard import OPEN_CALL
 
 from ._records import find, records_in
 from ._status import session_status
 
-__all__ = ["FORMAT", "batch_view", "effect_summary", "message_view", "session_view"]
+__all__ = [
+    "FORMAT",
+    "batch_view",
+    "effect_summary",
+    "history_problems",
+    "message_view",
+    "session_view",
+]
 
 FORMAT: Final = "stepmachine.inspector.session/1"
 
@@ -262,6 +271,12 @@ def _totals(messages: Sequence[dict[str, Any]]) -> dict[str, int]:
     return totals
 
 
+def history_problems(session: Session[Any]) -> list[Problem]:
+    """What :func:`~stepmachine.operations.fsck` finds, but pending calls (``open_call``):
+    a call waiting for its tool or an approval is a state, not damage."""
+    return [problem for problem in fsck(session) if problem.kind != OPEN_CALL]
+
+
 def session_view(session: Session[Any], batches: Sequence[Batch[Effect]]) -> dict[str, Any]:
     """``session`` and its audit log (the batches up to its revision) as data.
 
@@ -286,7 +301,7 @@ def session_view(session: Session[Any], batches: Sequence[Batch[Effect]]) -> dic
         "revision": session.revision,
         "status": session_status(session),
         "totals": _totals(messages),
-        "problems": [_builtins(problem) for problem in fsck(session)],
+        "problems": [_builtins(problem) for problem in history_problems(session)],
         "messages": messages,
         "batches": batch_views,
     }
