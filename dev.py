@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command == "demo":
-        ensure_env("")
+        ensure_env("cli")  # the demo ends by showing how to inspect its database
         return run("python", "examples/hello_world.py", *rest)
     if command == "test":
         ensure_env("test")
@@ -90,6 +90,7 @@ def main(argv: list[str]) -> int:
             "stepmachine",
             "operations",
             "stores",
+            "inspector",
             "tests",
             "examples",
             "benchmarks",

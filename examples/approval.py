@@ -4,6 +4,8 @@
     python examples/approval.py start --db PATH            (run until the approval; exits)
     python examples/approval.py approve --db PATH --session ID [--by NAME] [--amount N]
     python examples/approval.py deny --db PATH --session ID --message TEXT [--by NAME]
+    python examples/approval.py resume --db PATH --session ID   (after a decision made elsewhere,
+                                                                 e.g. with `stepmachine approve`)
 
 The agent may pay people with ``send_payment``, which needs approval. ``start``
 runs until the model asks to pay, prints the pending call and exits: the run
@@ -118,6 +120,15 @@ async def decide(
         print(f"final answer: {report.session.conversation[-1].text}")
 
 
+async def resume(db: Path, session_id: str) -> None:
+    """Run again: after a decision recorded by another process (``stepmachine approve``)."""
+    async with await SQLiteStore.open(db) as store:
+        machine, _ = agent()
+        report = await machine.run_report(runtime(store), session_id)
+        print(f"run returned: {report.reason.kind}")
+        print(f"final answer: {report.session.conversation[-1].text}")
+
+
 def demo() -> None:
     """Both steps as two separate processes sharing one SQLite file."""
     here = Path(__file__).resolve()
@@ -161,12 +172,17 @@ def main() -> None:
             sub.add_argument("--amount", type=int, help="approve with this amount instead")
         else:
             sub.add_argument("--message", required=True, help="what the model is told")
+    resume_cmd = commands.add_parser("resume", help="resume the run after a decision")
+    resume_cmd.add_argument("--db", type=Path, required=True)
+    resume_cmd.add_argument("--session", required=True)
     args = parser.parse_args()
     backend: Literal["asyncio", "trio"] = args.backend
     if args.command == "demo":
         demo()
     elif args.command == "start":
         anyio.run(start, args.db, args.session, backend=backend)
+    elif args.command == "resume":
+        anyio.run(resume, args.db, args.session, backend=backend)
     else:
         amount = getattr(args, "amount", None)
         denial = getattr(args, "message", None)

@@ -92,6 +92,11 @@ async def main(db: Path) -> None:
             print(f"session {session_id}: {report.reason.kind} at revision {revision}\n")
             for message in report.session.conversation:
                 print_message(message)
+            print(
+                f"\ninspect it: python -m stepmachine --store sqlite:///{db} show {session_id}"
+                "\n(or run examples/inspector.py; the command needs the extra cli, which"
+                " dev.py demo installs)"
+            )
     finally:
         if isinstance(model, HTTPModel):
             await model.aclose()

@@ -9,12 +9,13 @@ Values are only read (JSON builtins); nothing is decoded into classes.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from stepmachine import TAG_FIELD
 
-__all__ = ["find", "records_in"]
+__all__ = ["describe", "find", "records_in"]
 
 
 def records_in(notes: Mapping[str, Any]) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
@@ -36,3 +37,65 @@ def find(notes: Mapping[str, Any], tag: str) -> dict[str, Any] | None:
         if record[TAG_FIELD] == tag:
             return record
     return None
+
+
+def _payload(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, sort_keys=True)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def describe(record: Mapping[str, Any]) -> str:
+    """One line saying what a record of a built-in operation means (its tag for the others)."""
+    tag = record.get(TAG_FIELD)
+    if tag == "stepmachine.approval.decision":
+        why = record.get("reason") or record.get("message") or ""
+        edited = " (edited arguments)" if record.get("edited") else ""
+        always = " (and later calls of this tool)" if record.get("always") else ""
+        return f"{record.get('outcome')} by {record.get('by')}{': ' + str(why) if why else ''}" + (
+            edited + always
+        )
+    if tag == "stepmachine.approval.request":
+        return "approval requested"
+    if tag == "stepmachine.journal":
+        if record.get("decided_by"):
+            verdict = "re-run allowed" if record.get("rerun_approved") else "not re-run"
+            note = record.get("decision_note")
+            return f"journal: {verdict} by {record.get('decided_by')}" + (
+                f": {note}" if note else ""
+            )
+        if record.get("intent"):
+            return (
+                f"journal: intent, attempt {record.get('attempt')} "
+                f"({record.get('side_effects')}, key {record.get('idempotency_key')})"
+            )
+        return "journal"
+    if tag == "stepmachine.compaction.summary":
+        return (
+            f"compaction: summary of {len(record.get('summarised') or [])} message(s), "
+            f"~{record.get('tokens_before')} -> ~{record.get('tokens_after')} tokens "
+            f"({record.get('trigger')})"
+        )
+    if tag == "stepmachine.compaction.mark":
+        if record.get("summarised_into"):
+            return f"compacted into {record.get('summarised_into')}"
+        return f"compaction: {record.get('stuck') or 'mark'}"
+    if tag == "stepmachine.budget.refusal":
+        return f"budget: {record.get('refused')}"
+    if tag == "stepmachine.events.event":
+        return f"event {record.get('kind')} {record.get('id')}: {_payload(record.get('payload'))}"
+    if tag == "stepmachine.events.wait":
+        satisfied = record.get("satisfied_by")
+        kinds = ", ".join(map(str, record.get("awaiting") or [])) or "any event"
+        return f"waits for {kinds}" + (f" (satisfied by {satisfied})" if satisfied else "")
+    if tag == "stepmachine.events.consumed":
+        return "event delivered" if record.get("consumed") else "event"
+    if tag == "stepmachine.inference.reply":
+        found = record.get("usage")
+        usage: Mapping[str, Any] = found if isinstance(found, dict) else {}
+        return (
+            f"reply from {record.get('model')}: {usage.get('input_tokens', 0)} in / "
+            f"{usage.get('output_tokens', 0)} out tokens, {record.get('attempts')} call(s)"
+        )
+    return str(tag)

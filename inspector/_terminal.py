@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ._records import describe
+
 __all__ = ["clean", "print_log", "print_sessions", "print_show", "when"]
 
 _CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
@@ -82,36 +84,10 @@ def _call_lines(part: dict[str, Any], results: dict[str, dict[str, Any]]) -> lis
     if state:
         line.append(f"  [{state}]", style=_STATE_STYLE.get(state, ""))
     lines = [line]
-    journal = part.get("journal")
-    if isinstance(journal, dict) and journal.get("intent"):
-        lines.append(
-            _text(
-                f"    journal: intent attempt {journal.get('attempt')}, "
-                f"{journal.get('side_effects')}, key {journal.get('idempotency_key')}"
-                + (
-                    f", re-run by {journal.get('decided_by')}"
-                    if journal.get("rerun_approved")
-                    else ""
-                )
-                + (
-                    f", decided by {journal.get('decided_by')}: {journal.get('decision_note')}"
-                    if journal.get("decided_by") and not journal.get("rerun_approved")
-                    else ""
-                ),
-                "dim",
-            )
-        )
-    decision = part.get("decision")
-    if isinstance(decision, dict):
-        why = decision.get("reason") or decision.get("message") or ""
-        lines.append(
-            _text(
-                f"    {decision.get('outcome')} by {decision.get('by')}"
-                + (f": {why}" if why else "")
-                + (" (edited arguments)" if decision.get("edited") else ""),
-                "yellow",
-            )
-        )
+    for key, style in (("journal", "dim"), ("decision", "yellow")):
+        record = part.get(key)
+        if isinstance(record, dict):
+            lines.append(_text(f"    {describe(record)}", style))
     result = results.get(str(part["call_id"]))
     if result is not None:
         style = "red" if result["is_error"] else "green"
@@ -134,25 +110,20 @@ _ROLE_STYLE: Final = {
 }
 
 
+_SHOWN_RECORDS: Final = frozenset(
+    {
+        "stepmachine.compaction.summary",
+        "stepmachine.compaction.mark",
+        "stepmachine.budget.refusal",
+        "stepmachine.events.event",
+        "stepmachine.events.wait",
+    }
+)
+"""Records shown under their message (calls show their journal and decision themselves)."""
+
+
 def _record_line(record: dict[str, Any]) -> str | None:
-    tag = record.get("record")
-    if tag == "stepmachine.compaction.summary":
-        return (
-            f"compaction: summary of {len(record.get('summarised') or [])} message(s), "
-            f"~{record.get('tokens_before')} -> ~{record.get('tokens_after')} tokens "
-            f"({record.get('trigger')})"
-        )
-    if tag == "stepmachine.compaction.mark" and record.get("summarised_into"):
-        return f"compacted into {record.get('summarised_into')}"
-    if tag == "stepmachine.budget.refusal":
-        return f"budget: {record.get('refused')}"
-    if tag == "stepmachine.events.event":
-        return f"event {record.get('kind')} {record.get('id')}: {json.dumps(record.get('payload'))}"
-    if tag == "stepmachine.events.wait":
-        satisfied = record.get("satisfied_by")
-        kinds = ", ".join(map(str, record.get("awaiting") or [])) or "any event"
-        return f"waits for {kinds}" + (f" (satisfied by {satisfied})" if satisfied else "")
-    return None
+    return describe(record) if record.get("record") in _SHOWN_RECORDS else None
 
 
 def print_show(
@@ -207,8 +178,10 @@ def print_show(
                 for line in _call_lines(part, results):
                     console.print(line)
             elif kind == "tool_result":
-                if message["role"] == "tool" and results.get(str(part["call_id"])) is part:
-                    continue  # shown under its call
+                call_id = str(part["call_id"])
+                if message["role"] == "tool" and results.get(call_id) is part:
+                    console.print(_text(f"  (the result of {call_id}, under its call)", "dim"))
+                    continue
                 style = "red" if part["is_error"] else ""
                 console.print(_text(f"  result for {part['call_id']}: {part['content']}", style))
             else:

@@ -53,7 +53,7 @@ from stepmachine import (
 from stepmachine.operations import Problem, fsck
 from stepmachine.operations._history_guard import OPEN_CALL
 
-from ._records import find, records_in
+from ._records import describe, find, records_in
 from ._status import session_status
 
 __all__ = [
@@ -182,11 +182,8 @@ def effect_summary(effect: dict[str, Any]) -> str:
         return "append " + _message_summary(effect["message"])
     if kind == "annotate":
         on = effect["message_id"] + (f" call {effect['call_id']}" if effect.get("call_id") else "")
-        tags = sorted(
-            {str(v.get("record")) for v in _values_records(effect.get("values", {}))} - {"None"}
-        )
-        what = f" ({', '.join(tags)})" if tags else ""
-        return f"note {effect['namespace']} on {on}{what}"
+        said = [describe(record) for record in _values_records(effect.get("values", {}))]
+        return f"note {effect['namespace']} on {on}" + (f": {'; '.join(said)}" if said else "")
     if kind == "set_visibility":
         return (
             f"visibility of {len(effect.get('message_ids', []))} message(s): "
