@@ -1,6 +1,6 @@
 """The inspector on the demo's database: list, show, log, check, approve and export sessions.
 
-    python examples/inspector.py [--db PATH]    (needs the extra cli: pip install 'stepmachine[cli]')
+    python examples/inspector.py [--db PATH]   (the extra cli: pip install 'stepmachine[cli]')
 
 (Not ``inspect.py``: a script's folder comes first on ``sys.path``, and a
 file named like a standard-library module hides it from every example here.)

@@ -11,8 +11,9 @@ One function, :func:`open_store`, turns a URL into an open shipped store:
 
 A store opened to read (``write=False``) is never created or changed: a
 missing SQLite file or store folder is a :class:`StoreNotFoundError`; SQLite
-is opened read-only (``mode=ro``, no migration); the file store's reads take
-shared locks and write nothing.
+is opened read-only (``mode=ro``, no migration); a PostgreSQL schema is
+neither created nor migrated; the file store's reads take shared locks and
+write nothing.
 
 The codec decides which stored data can be read. Without one, the
 inspector's codec reads sessions that keep no application data and only the
@@ -167,7 +168,7 @@ async def open_store(url: str, *, codec: Codec[Any] | None = None, write: bool =
         return await FileStore.open(path, codec)
     if scheme in ("postgresql", "postgres"):
         try:
-            return await PostgresStore.open(url, codec)
+            return await PostgresStore.open(url, codec, read_only=not write)
         except ConfigurationError:
             raise
         except ImportError as exc:  # the extra is missing

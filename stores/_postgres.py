@@ -189,6 +189,7 @@ class PostgresStore:
         pool_timeout: float = 30.0,
         idle_in_transaction_timeout: float | None = 60.0,
         boundary_hook: Callable[[str], None] | None = None,
+        read_only: bool = False,
     ) -> PostgresStore:
         """Connect to the database ``dsn`` names, and create or check its schema.
 
@@ -208,6 +209,10 @@ class PostgresStore:
                 decoding takes.
             boundary_hook: called with each name of :attr:`BOUNDARIES` as the
                 store passes it (crash tests kill the process there).
+            read_only: open for reading (inspection): opening writes nothing,
+                so the schema is neither created nor migrated (a missing or
+                older one is :class:`StoredDataError`). The store's own write
+                methods still write: do not call them.
 
         Returns:
             The open store; the database's schema is at the current version.
@@ -250,7 +255,7 @@ class PostgresStore:
             try:
                 pool.open(wait=True, timeout=pool_timeout)
                 with pool.connection() as conn:
-                    prepare_schema(conn)
+                    prepare_schema(conn, read_only=read_only)
                     return describe(conn)
             except BaseException:
                 pool.close()

@@ -214,20 +214,28 @@ def idle_limit(seconds: float | None) -> Callable[[psycopg.Connection[Any]], Non
     return configure
 
 
-def prepare_schema(conn: psycopg.Connection[Any]) -> None:
+def prepare_schema(conn: psycopg.Connection[Any], *, read_only: bool = False) -> None:
     """Refuse what is not ours or is newer; create the schema when it is missing.
 
     Nothing is written before the version has been read and checked: a refused
-    database is left unchanged.
+    database is left unchanged. With ``read_only`` nothing is written at all:
+    a missing or older schema is refused instead of created or migrated.
 
     Raises:
         StoredDataError: a ``stepmachine`` schema that is not a store's, or a
-            newer schema version.
+            newer schema version; with ``read_only``, a missing or older one.
     """
     label = describe(conn)
-    with transaction(conn, write=True):
-        if _stored_version(conn, label) == SCHEMA_VERSION:
+    with transaction(conn, write=not read_only):
+        version = _stored_version(conn, label)
+        if version == SCHEMA_VERSION:
             return
+        if read_only:
+            what = "holds no stepmachine store" if version == 0 else f"is at schema {version}"
+            raise StoredDataError(
+                f"{label} {what}; this stepmachine reads schema {SCHEMA_VERSION} and a "
+                "read-only open creates and migrates nothing: open it for writing once"
+            )
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
         version = _stored_version(conn, label)  # another store may have migrated meanwhile
         for target in range(version + 1, SCHEMA_VERSION + 1):

@@ -561,3 +561,39 @@ def test_python_dash_m_stepmachine(db: Path, backend: str) -> None:
     assert missing.returncode == 1
     assert "no session with id 'nope'" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_postgres_store(postgres_dsn: str, backend: str) -> None:
+    from stepmachine.stores import PostgresStore
+
+    empty = run(postgres_dsn, "sessions", "list", backend=backend)
+    assert empty.exit_code == 1
+    assert "holds no stepmachine store" in empty.output  # a read creates no schema
+
+    async def check_untouched() -> None:
+        import psycopg
+
+        async with await psycopg.AsyncConnection.connect(postgres_dsn) as conn:
+            cursor = await conn.execute(
+                "SELECT count(*) FROM information_schema.schemata WHERE schema_name = 'stepmachine'"
+            )
+            assert await cursor.fetchone() == (0,)
+
+    anyio.run(check_untouched)
+
+    async def write() -> None:
+        store = await PostgresStore.open(postgres_dsn)
+        try:
+            await store.create("p1", conversation=[Message.user("hello from postgres", id="u1")])
+        finally:
+            await store.aclose()
+
+    anyio.run(write)
+    shown = run(postgres_dsn, "show", "p1", backend=backend)
+    assert shown.exit_code == 0, shown.output
+    assert "hello from postgres" in shown.output
+    assert (
+        run(postgres_dsn, "fork", "p1", "--at", "0", "--as", "p2", backend=backend).exit_code == 0
+    )
+    listed = run(postgres_dsn, "sessions", "list", "--json", backend=backend)
+    assert [json.loads(x)["id"] for x in listed.output.splitlines()] == ["p1", "p2"]

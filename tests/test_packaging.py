@@ -1,6 +1,6 @@
 """How stepmachine is built and installed.
 
-The repository keeps ``operations/`` and ``stores/`` beside ``stepmachine/``;
+The repository keeps ``operations/``, ``stores/`` and ``inspector/`` beside ``stepmachine/``;
 relative symlinks put them inside the ``stepmachine`` namespace. These tests
 build the sdist and the wheel with the build backend and look inside, and
 install the checkout into a fresh virtual environment the way a user would
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SUBPACKAGES = ("operations", "stores")
+SUBPACKAGES = ("operations", "stores", "inspector")
 
 
 def build(kind: str, source: Path, out: Path) -> Path:
@@ -98,9 +98,13 @@ def test_wheel_holds_everything_under_stepmachine_and_nothing_generic(tmp_path: 
         )
     top_level = {name.split("/", 1)[0] for name in names}
     assert top_level == {"stepmachine", wheel.name.split("-py3")[0] + ".dist-info"}
-    assert not any(name.startswith(("operations/", "stores/")) for name in names)
+    assert not any(name.startswith(tuple(f"{p}/" for p in SUBPACKAGES)) for name in names)
     assert package_files(names) == expected_wheel_files()
     assert "stepmachine/py.typed" in names
+    entry_points = zipfile.ZipFile(wheel).read(
+        next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    )
+    assert b"stepmachine = stepmachine.__main__:main" in entry_points  # the console script
     # The README is the package's long description.
     assert metadata["Description-Content-Type"] == "text/markdown"
     description = metadata.get_payload()
