@@ -362,6 +362,15 @@ def open_connection(
     return conn
 
 
+def _refuse_older(version: int, path: str) -> None:
+    if version < SCHEMA_VERSION:
+        raise StoredDataError(
+            f"{path} is at stepmachine schema version {version}; this stepmachine reads "
+            f"version {SCHEMA_VERSION} and a read-only open does not migrate: open it "
+            "for writing once (SQLiteStore.open) to migrate it"
+        )
+
+
 def _open_read_only(path: str, busy_timeout: float) -> sqlite3.Connection:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no SQLite database at {path}")
@@ -372,13 +381,7 @@ def _open_read_only(path: str, busy_timeout: float) -> sqlite3.Connection:
     conn.text_factory = _decode_text
     try:
         conn.execute(f"PRAGMA busy_timeout = {round(busy_timeout * 1000)}")
-        version = _stored_version(conn, path)
-        if version < SCHEMA_VERSION:
-            raise StoredDataError(
-                f"{path} is at stepmachine schema version {version}; this stepmachine reads "
-                f"version {SCHEMA_VERSION} and a read-only open does not migrate: open it "
-                "for writing once (SQLiteStore.open) to migrate it"
-            )
+        _refuse_older(_stored_version(conn, path), path)
     except sqlite3.DatabaseError as exc:
         conn.close()
         if isinstance(exc, sqlite3.OperationalError):
