@@ -51,7 +51,17 @@ def test_hello_world_prints_the_conversation(tmp_path: Path) -> None:
     assert "store: SQLite" in out
     assert "-> get_weather(" in out
     assert "<- Sunny, 21 degrees C in Paris" in out
-    assert out.rstrip().endswith("It is sunny in Paris, 21 °C. Enjoy your day!")
+    conversation, hint = out.split("\ninspect it: ", 1)
+    assert conversation.rstrip().endswith("It is sunny in Paris, 21 °C. Enjoy your day!")
+    # The command it prints to inspect the session works as printed.
+    command = hint.splitlines()[0].split()
+    assert command[:3] == ["python", "-m", "stepmachine"]
+    shown = subprocess.run(
+        [sys.executable, *command[1:]], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "Weather in Paris?" in shown.stdout
+    assert "[answered]" in shown.stdout
     # Running it again adds a second session to the same database.
     again = run([str(ROOT / "examples" / "hello_world.py"), "--db", str(tmp_path / "db")], tmp_path)
     assert again.returncode == 0, again.stderr
