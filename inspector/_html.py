@@ -51,7 +51,6 @@ from ._html_parts import (
     notes_html,
     pretty_json,
 )
-from ._records import records_in
 
 __all__ = ["CSP", "render_batch", "render_html", "render_page"]
 
@@ -60,6 +59,14 @@ CSP: Final = (
     "img-src data:; base-uri 'none'; form-action 'none'"
 )
 """The page's Content-Security-Policy: inline style and script, nothing fetched."""
+
+MAX_NEW: Final = 20
+"""A replaced conversation shows this many new messages in full, the others as lines.
+
+New: ``added_at`` is the batch's revision (or unknown). Without the ``added``
+map threaded through :func:`~stepmachine.inspector.batch_view`, every
+message of a replacement counts as new.
+"""
 
 _LIVE_CSP: Final = CSP + "; connect-src 'self'"
 
@@ -124,18 +131,13 @@ def _replacement(effect: Mapping[str, Any], revision: object) -> str:
         f"model, {hidden} hidden; {len(new)} new</div>"
     )
     out = [head]
-    for message in new:
-        out.append(message_html(message))
-        for _, _, record in records_in(message.get("notes") or {}):
-            summarised = record.get("summarised")
-            if isinstance(summarised, list):
-                lines = "".join(
-                    message_line(by_id[i]) for i in summarised if isinstance(by_id.get(i), dict)
-                )
-                out.append(
-                    f'<details class="summarised"><summary>what it summarised and hid '
-                    f"({len(summarised)})</summary><ul>{lines}</ul></details>"
-                )
+    out.extend(message_html(message, lookup=by_id) for message in new[:MAX_NEW])
+    if len(new) > MAX_NEW:
+        lines = "".join(message_line(m) for m in new[MAX_NEW:])
+        out.append(
+            f"<details><summary>{len(new) - MAX_NEW} more new message(s)</summary>"
+            f"<ul>{lines}</ul></details>"
+        )
     out.append("</div>")
     return "".join(out)
 
@@ -186,7 +188,7 @@ def _seconds(elapsed: object) -> str:
     if not isinstance(elapsed, int | float) or isinstance(elapsed, bool):
         return ""
     text = f"+{elapsed * 1000:.1f} ms" if elapsed < 1 else f"+{elapsed:,.3f} s"
-    return f'<span class="elapsed" title="since the batch before">{esc(text)}</span>'
+    return f'<span class="elapsed">{esc(text)}</span>'
 
 
 def render_batch(batch: Mapping[str, Any]) -> str:
@@ -210,7 +212,7 @@ def render_batch(batch: Mapping[str, Any]) -> str:
         f'<div class="batch-head"><a class="rev" href="#rev-{rev}">#{rev}</a> '
         f'<span class="step">{esc(batch.get("step"))}</span> '
         f'<span class="cycle">cycle {esc(batch.get("cycle"))}</span> '
-        f'<time datetime="{esc(when)}">{esc(when)}</time> {_seconds(batch.get("elapsed"))} '
+        f"<time>{esc(when)}</time> {_seconds(batch.get('elapsed'))} "
         f"{trace_html}</div>{_refusals(batch.get('refused') or [])}"
         f'<div class="effects">{body}</div></section>'
     )
@@ -260,7 +262,8 @@ def _header(view: Mapping[str, Any]) -> str:
 def _conversation(view: Mapping[str, Any]) -> str:
     messages = [m for m in view.get("messages") or [] if isinstance(m, dict)]
     hidden = sum(1 for m in messages if not m.get("visible_to_model", True))
-    body = "".join(message_html(m, in_conversation=True) for m in messages)
+    by_id = {m.get("id"): m for m in messages}
+    body = "".join(message_html(m, in_conversation=True, lookup=by_id) for m in messages)
     return (
         f'<section id="conversation"><h2>Conversation <span class="meta">at revision '
         f"{esc(view.get('revision'))}: {len(messages)} message(s), {hidden} hidden from the "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -44,6 +44,7 @@ _JOURNAL: Final = "stepmachine.journal"
 _SUMMARY: Final = "stepmachine.compaction.summary"
 _MARK: Final = "stepmachine.compaction.mark"
 _BUDGET: Final = "stepmachine.budget.refusal"
+_SKIP: Final = frozenset({_RECEIPT})
 _SKIPPED_FIELDS: Final = frozenset({"record", "namespace", "key", "ledger"})
 
 
@@ -164,8 +165,29 @@ _DECISION_FIELDS: Final = (
 )
 
 
-def record_html(record: Mapping[str, Any], where: str = "") -> str:
-    """One tagged record (an operation's note) as a readable line; ``where``: its namespace."""
+Lookup = Mapping[Any, Mapping[str, Any]]
+"""Message views by id, to show the messages a compaction summarised as lines."""
+
+
+def _summarised(ids: Sequence[Any], lookup: Lookup | None) -> str:
+    if lookup is None:
+        return '<div class="ids">' + " ".join(_link("msg", ident) for ident in ids) + "</div>"
+    lines = "".join(
+        message_line(lookup[ident]) if ident in lookup else f"<li>{_link('msg', ident)}</li>"
+        for ident in ids
+    )
+    return (
+        f'<details class="summarised"><summary>what it summarised and hid ({len(ids)})'
+        f"</summary><ul>{lines}</ul></details>"
+    )
+
+
+def record_html(record: Mapping[str, Any], where: str = "", lookup: Lookup | None = None) -> str:
+    """One tagged record (an operation's note) as a readable line; ``where``: its namespace.
+
+    A compaction summary lists the messages it summarised: as lines with an
+    excerpt when ``lookup`` has them, else as links.
+    """
     tag = str(record.get("record"))
     if tag == _DECISION:
         outcome = str(record.get("outcome"))
@@ -181,12 +203,9 @@ def record_html(record: Mapping[str, Any], where: str = "") -> str:
     if tag == _SUMMARY:
         summarised = record.get("summarised")
         ids = summarised if isinstance(summarised, list) else []
-        links = " ".join(_link("msg", ident) for ident in ids)
         fields = ("tokens_before", "tokens_after", "trigger", "cut", "model", "summarised_into")
-        body = (
-            f"summarised {len(ids)} message(s) {_fields(record, fields)}"
-            f'<div class="ids">{links}</div>'
-        )
+        body = f"summarised {len(ids)} message(s) {_fields(record, fields)}"
+        body += _summarised(ids, lookup)
         return _line("compaction", "compaction summary", body, where)
     if tag == _MARK:
         into = record.get("summarised_into")
@@ -216,12 +235,14 @@ def loose_notes(notes: Mapping[str, Any]) -> dict[str, Any]:
     return loose
 
 
-def notes_html(notes: Any, *, skip: frozenset[str] = frozenset()) -> str:
+def notes_html(
+    notes: Any, *, skip: frozenset[str] = frozenset(), lookup: Lookup | None = None
+) -> str:
     """The records and the other notes of a message or a call."""
     if not isinstance(notes, dict) or not notes:
         return ""
     out = [
-        record_html(record, f"{namespace}/{key}" if key else namespace)
+        record_html(record, f"{namespace}/{key}" if key else namespace, lookup)
         for namespace, key, record in records_in(notes)
         if record.get("record") not in skip
     ]
@@ -329,8 +350,13 @@ def _usage(message: Mapping[str, Any]) -> str:
     return f'<span class="usage">{esc(" · ".join(bits))}</span>'
 
 
-def message_html(message: Mapping[str, Any], *, in_conversation: bool = False) -> str:
+def message_html(
+    message: Mapping[str, Any], *, in_conversation: bool = False, lookup: Lookup | None = None
+) -> str:
     """A whole message: role, id, visibility, usage, parts, records and notes.
+
+    ``lookup`` (message views by id) lets a compaction summary list what it
+    summarised with excerpts.
 
     In the conversation (``in_conversation``) it carries ``id="msg-<id>"``, its
     calls ``id="call-<call id>"``, and links to the batch that added it.
@@ -360,5 +386,5 @@ def message_html(message: Mapping[str, Any], *, in_conversation: bool = False) -
     )
     return (
         f'<article class="{" ".join(css)}"{attribute}><div class="head">{" ".join(head)}</div>'
-        f"{parts}{notes_html(message.get('notes'), skip=frozenset({_RECEIPT}))}</article>"
+        f"{parts}{notes_html(message.get('notes'), skip=_SKIP, lookup=lookup)}</article>"
     )
