@@ -20,12 +20,18 @@ view's revision (``<section id="conversation">``; a message is
 link to its result; hidden messages are marked ``class="msg hidden"``).
 
 Self-contained and safe to open: no external URL of any kind (inline style
-and script only, a Content-Security-Policy that allows nothing else:
-``default-src 'none'``), every stored value escaped (text, tool names,
-arguments, notes, step names, ids, refusal reasons), nothing from the session
-inside a ``<script>``. All text is in the markup: without JavaScript the page
-reads the same (collapsed parts open with a click, ``<details>``); only the
-search box needs JavaScript, and stays hidden without it.
+and script only, and a Content-Security-Policy that allows nothing else:
+``default-src 'none'``, the page's own style and script allowed by their
+hashes, so injected markup would not run even if it got in); every stored
+value escaped (text, tool names, arguments, notes, step names, ids, refusal
+reasons); nothing from the session inside a ``<script>``. All text is in the
+markup: without JavaScript the page reads the same (collapsed parts open
+with a click, ``<details>``); only the search box needs JavaScript, and stays
+hidden without it.
+
+Size and time: about 1-2 KB per batch (refusals and long texts collapsed,
+each note rendered once, a compaction lists only what it summarised); a
+2,300-batch session with 224 compactions renders in about 0.3 s to 5 MB.
 
 For the live view, the page's script exposes ``window.stepmachineTimeline``:
 ``append(html)`` adds a :func:`render_batch` fragment to ``#timeline``
@@ -37,7 +43,9 @@ the revision and the status as text.
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import importlib.resources
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -52,13 +60,7 @@ from ._html_parts import (
     pretty_json,
 )
 
-__all__ = ["CSP", "render_batch", "render_html", "render_page"]
-
-CSP: Final = (
-    "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
-    "img-src data:; base-uri 'none'; form-action 'none'"
-)
-"""The page's Content-Security-Policy: inline style and script, nothing fetched."""
+__all__ = ["content_security_policy", "render_batch", "render_html", "render_page"]
 
 MAX_NEW: Final = 20
 """A replaced conversation shows this many new messages in full, the others as lines.
@@ -68,7 +70,27 @@ map threaded through :func:`~stepmachine.inspector.batch_view`, every
 message of a replacement counts as new.
 """
 
-_LIVE_CSP: Final = CSP + "; connect-src 'self'"
+
+def _sha256(source: str) -> str:
+    digest = hashlib.sha256(source.encode("utf-8")).digest()
+    return f"'sha256-{base64.b64encode(digest).decode('ascii')}'"
+
+
+def content_security_policy(*scripts: str) -> str:
+    """The page's Content-Security-Policy: only the page's own style and ``scripts``.
+
+    Nothing is fetched (``default-src 'none'``); the inline style and scripts
+    are allowed by their SHA-256 hashes, so markup that slipped into the page
+    (an inline script, an ``onerror`` attribute) would not run. With more
+    than the page's own script (the live view's), ``connect-src 'self'``
+    lets it open server-sent events to the serving origin.
+    """
+    allowed = " ".join(_sha256(script) for script in scripts)
+    policy = (
+        f"default-src 'none'; style-src {_sha256(_asset('timeline.css'))}; "
+        f"script-src {allowed}; base-uri 'none'; form-action 'none'"
+    )
+    return policy + "; connect-src 'self'" if len(scripts) > 1 else policy
 
 
 @functools.cache
@@ -275,17 +297,18 @@ def render_page(view: Mapping[str, Any], *, live_script: str = "") -> str:
     """The whole HTML document for ``view``, plus ``live_script`` (inline JavaScript).
 
     ``live_script`` is trusted code (the live view's), run after the page's
-    own script; when given, the Content-Security-Policy also allows
-    ``connect-src 'self'`` (server-sent events from the serving origin).
+    own script; the Content-Security-Policy allows it by its hash and, when
+    it is given, ``connect-src 'self'`` (server-sent events from the serving
+    origin). See :func:`content_security_policy`.
 
     Raises:
         ValueError: ``live_script`` contains ``</`` (it would end the script element).
     """
     if "</" in live_script:
         raise ValueError("live_script must not contain '</' (it would close the <script>)")
-    csp = _LIVE_CSP if live_script else CSP
+    scripts = [_asset("timeline.js"), *([live_script] if live_script else [])]
+    csp = content_security_policy(*scripts)
     timeline = "".join(render_batch(b) for b in view.get("batches") or [] if isinstance(b, dict))
-    extra = f"<script>{live_script}</script>" if live_script else ""
     document = (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
@@ -300,7 +323,7 @@ def render_page(view: Mapping[str, Any], *, live_script: str = "") -> str:
         'placeholder="Search the timeline and the conversation" aria-label="Search" '
         'autocomplete="off"> <span id="search-count"></span></nav>'
         f'<main><h2>Timeline</h2><div id="timeline">{timeline}</div>{_conversation(view)}</main>'
-        f"<script>{_asset('timeline.js')}</script>{extra}</body></html>\n"
+        f"{''.join(f'<script>{script}</script>' for script in scripts)}</body></html>\n"
     )
     return _clean(document)
 

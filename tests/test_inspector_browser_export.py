@@ -16,10 +16,10 @@ from typing import Any
 
 import anyio
 import pytest
-from _html_sessions import record_demo
+from _html_sessions import XSS, record_demo, record_hostile
 from browser import browser, page  # noqa: F401 - fixtures
 
-from stepmachine.inspector import render_html, session_view
+from stepmachine.inspector import render_batch, render_html, session_view
 
 
 def _record(path: Path) -> dict[str, Any]:
@@ -177,3 +177,78 @@ def test_without_javascript_every_text_is_still_there(
         assert requests == [uri]
     finally:
         context.close()
+
+
+def test_a_hostile_session_runs_no_script_and_fetches_nothing(
+    page: Any,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        view = pool.submit(anyio.run, record_hostile, tmp_path / "hostile.sqlite3").result()
+    out = tmp_path / "hostile.html"
+    out.write_text(render_html(view), encoding="utf-8")
+    dialogs: list[str] = []
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    requests, errors = _open(page, out.as_uri())
+    page.locator("details").evaluate_all("all => all.forEach(d => { d.open = true; })")
+    shown = page.inner_text("body")
+    for attack in XSS:
+        assert attack in shown
+    assert page.locator("img, iframe, object, embed").count() == 0
+    assert page.locator("script").count() == 1
+    assert dialogs == []
+    assert errors == []
+    assert requests == [out.as_uri()]
+
+
+def test_the_live_view_hook_appends_entries_once(
+    page: Any,  # noqa: F811 - the fixture
+    exported: tuple[str, dict[str, Any]],
+) -> None:
+    uri, view = exported
+    _open(page, uri)
+    last = view["batches"][-1]
+    extra = {**last, "revision": last["revision"] + 1, "step": "appended_live"}
+    fragment = render_batch(extra)
+    append = "html => window.stepmachineTimeline.append(html)"
+    page.evaluate(append, fragment)
+    page.evaluate(append, fragment)  # a replay after a reconnect adds nothing
+    page.evaluate(append, render_batch(last))
+    ids = page.locator("#timeline > section.batch").evaluate_all("all => all.map(s => s.id)")
+    assert ids == [f"rev-{b['revision']}" for b in view["batches"]] + [f"rev-{extra['revision']}"]
+    page.fill("#search-box", "appended_live")
+    assert [i for i, (shown, _) in _entries(page).items() if shown] == [ids[-1]]
+    page.evaluate(append, render_batch({**extra, "revision": extra["revision"] + 1}))
+    shown_now = [i for i, (shown, _) in _entries(page).items() if shown]
+    assert shown_now == [ids[-1], f"rev-{extra['revision'] + 1}"]
+
+
+def test_markup_that_slipped_in_would_not_run(
+    page: Any,  # noqa: F811 - the fixture
+    exported: tuple[str, dict[str, Any]],
+    tmp_path: Path,
+) -> None:
+    """Defence in depth: the page's policy allows only its own script, by hash."""
+    _, view = exported
+    injected = (
+        "<script>window.pwned = 1; alert(1)</script>"
+        '<img src="pixel.png" onerror="window.pwned = 2; alert(2)">'
+        '<div onclick="alert(3)" id="bait">bait</div>'
+    )
+    out = tmp_path / "injected.html"
+    out.write_text(render_html(view).replace("<main>", "<main>" + injected, 1), encoding="utf-8")
+    dialogs: list[str] = []
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    blocked: list[tuple[str, str]] = []
+    page.on("requestfailed", lambda request: blocked.append((request.url, request.failure)))
+    loaded: list[str] = []
+    page.on("response", lambda response: loaded.append(response.url))
+    requests, _ = _open(page, out.as_uri())
+    page.click("#bait")
+    assert page.evaluate("() => window.pwned") is None
+    assert dialogs == []
+    assert loaded == [out.as_uri()]
+    # chromium reports the image's request, then blocks it for the policy
+    assert requests == [out.as_uri(), (tmp_path / "pixel.png").as_uri()]
+    assert blocked == [((tmp_path / "pixel.png").as_uri(), "csp")]
+    assert page.locator("#search-box").is_visible()  # the page's own script ran

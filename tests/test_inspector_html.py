@@ -9,7 +9,9 @@ compaction is there, and nothing stored becomes markup.
 
 from __future__ import annotations
 
+import base64
 import copy
+import hashlib
 import importlib.resources
 import re
 from pathlib import Path
@@ -25,11 +27,15 @@ from hypothesis import strategies as st
 from stepmachine import (
     AppendMessage,
     Batch,
+    Effect,
     Message,
     Refusal,
+    Session,
+    SetVisibility,
     TextPart,
     ToolCallPart,
     ToolResultPart,
+    UpdateData,
 )
 from stepmachine.inspector import (
     render_batch,
@@ -276,6 +282,12 @@ def test_the_page_fetches_nothing(demo: dict[str, Any]) -> None:
     policy = csp.attrs["content"] or ""
     assert "default-src 'none'" in policy
     assert "connect-src" not in policy
+    assert "unsafe" not in policy
+    script = root.find_all("script")[0].text(skip=frozenset())
+    style = root.find_all("style")[0].text(skip=frozenset())
+    for source in (script, style):
+        digest = base64.b64encode(hashlib.sha256(source.encode()).digest()).decode()
+        assert f"'sha256-{digest}'" in policy
     for name in ("timeline.css", "timeline.js"):
         asset = _asset(name)
         assert not re.search(r"https?:|//[a-z]|url\(|@import", asset, re.IGNORECASE), name
@@ -385,3 +397,38 @@ def test_a_long_session_grows_linearly(demo: dict[str, Any]) -> None:
     large = len(render_html(scaled(120)))
     per_batch = (large - small) / (110 * len(demo["batches"]))
     assert per_batch < 3000, per_batch
+
+
+# -- the other effects ------------------------------------------------------------------------
+
+
+class Shipped(Effect, frozen=True, tag="test.html.shipped"):
+    """An application's effect: the timeline shows it generically."""
+
+    parcel: str
+    weight: int
+
+    def apply(self, session: Session[Any]) -> Session[Any]:
+        return session
+
+
+def test_visibility_data_and_application_effects_are_shown() -> None:
+    session = make_session("hello", "<b>again</b>", session_id="fx", revision=3)
+    batches: list[Batch[Any]] = [
+        Batch("fx", 1, "app", 0, 1.0, (SetVisibility(("u0", "u1"), to_model=False),)),
+        Batch("fx", 2, "app", 0, 2.5, (UpdateData({"cwd": "/tmp/<x>", "n": 2}),)),
+        Batch("fx", 3, "app", 0, 2.5, (Shipped("<img src=x>", 3),)),
+    ]
+    root = _assert_inert(render_html(session_view(session, batches)))
+    visibility = root.by_id("rev-1")
+    assert "hidden from the model" in visibility.text()
+    assert {a.attrs["href"] for a in visibility.find_all("a", "ref")} == {"#msg-u0", "#msg-u1"}
+    data = root.by_id("rev-2").text()
+    assert '"cwd": "/tmp/<x>"' in data
+    assert "+1,500.0 ms" not in data
+    assert "+1.500 s" in data
+    shipped = root.by_id("rev-3").text()
+    assert "test.html.shipped" in shipped
+    assert '"parcel": "<img src=x>"' in shipped
+    assert '"weight": 3' in shipped
+    assert "+0.0 ms" in shipped
