@@ -139,9 +139,24 @@ def _fields(record: Mapping[str, Any], names: Iterable[str]) -> str:
     return " ".join(items)
 
 
-def _line(css: str, label: str, body: str, where: str) -> str:
+def _ledger(record: Mapping[str, Any]) -> str:
+    ledger = record.get("ledger")
+    totals = ledger.get("session") if isinstance(ledger, dict) else None
+    if not (isinstance(totals, list) and len(totals) == 3):
+        return ""
+    calls, tokens_in, tokens_out = totals
+    return (
+        f'<span class="field"><span class="k">model calls so far</span> {esc(calls)} '
+        f"({esc(tokens_in)} in / {esc(tokens_out)} out tokens)</span>"
+    )
+
+
+def _line(css: str, label: str, body: str, where: str, after: str = "") -> str:
     origin = f' <span class="meta">{esc(where)}</span>' if where else ""
-    return f'<div class="record {css}"><span class="tag">{esc(label)}</span> {body}{origin}</div>'
+    return (
+        f'<div class="record {css}"><span class="tag">{esc(label)}</span> {body}{origin}'
+        f"{after}</div>"
+    )
 
 
 _JOURNAL_FIELDS: Final = (
@@ -205,12 +220,11 @@ def record_html(record: Mapping[str, Any], where: str = "", lookup: Lookup | Non
         ids = summarised if isinstance(summarised, list) else []
         fields = ("tokens_before", "tokens_after", "trigger", "cut", "model", "summarised_into")
         body = f"summarised {len(ids)} message(s) {_fields(record, fields)}"
-        body += _summarised(ids, lookup)
-        return _line("compaction", "compaction summary", body, where)
+        return _line("compaction", "compaction summary", body, where, _summarised(ids, lookup))
     if tag == _MARK:
         into = record.get("summarised_into")
         what = f"hidden, summarised into {_link('msg', into)} " if into else ""
-        body = what + _fields(record, ("stuck", "attempts"))
+        body = what + _fields(record, ("stuck", "attempts")) + _ledger(record)
         return _line("compaction", "compaction mark", body, where)
     if tag == _BUDGET:
         return _line("budget", "budget refusal", _fields(record, ("refused",)), where)
