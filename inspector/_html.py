@@ -99,7 +99,7 @@ def _asset(name: str) -> str:
 
 
 def _clean(document: str) -> str:
-    # Lone surrogates cannot be written as UTF-8; they become U+FFFD.
+    # Lone surrogates cannot be written as UTF-8; they become "?".
     try:
         document.encode("utf-8")
     except UnicodeEncodeError:

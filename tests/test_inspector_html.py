@@ -432,3 +432,10 @@ def test_visibility_data_and_application_effects_are_shown() -> None:
     assert '"parcel": "<img src=x>"' in shipped
     assert '"weight": 3' in shipped
     assert "+0.0 ms" in shipped
+
+
+def test_a_lone_surrogate_does_not_stop_the_export() -> None:
+    session = make_session(Message.user("bad \ud800 text", id="u0"), session_id="s")
+    document = render_html(session_view(session, []))
+    document.encode("utf-8")  # what writing the file needs
+    assert "bad ? text" in parse(document).by_id("msg-u0").text()
