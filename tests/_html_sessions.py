@@ -10,8 +10,12 @@ and refusal reason are all HTML/JS injection attempts.
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import anyio
 
 from stepmachine import (
     Message,
@@ -45,6 +49,26 @@ XSS = (
 """Injection attempts; each must come out as text, never as markup."""
 
 HOSTILE = " ".join(XSS)
+
+T = TypeVar("T")
+
+
+def run_in_thread(fn: Callable[..., Awaitable[T]], *args: Any, backend: str = "asyncio") -> T:
+    """``anyio.run(fn, *args)`` in a thread of its own.
+
+    Module-scoped fixtures are sync; once the browser tests have started
+    Playwright, its event loop is current in the main thread and a plain
+    ``anyio.run`` there fails.
+    """
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: anyio.run(fn, *args, backend=backend)).result()
+
+
+async def demo_view(path: Path) -> dict[str, Any]:
+    """The view of :func:`record_demo`'s session."""
+    store, session_id = await record_demo(path)
+    async with store:
+        return session_view(await store.load(session_id), await store.batches(session_id))
 
 
 @tool(thread=False)

@@ -10,34 +10,21 @@ but itself, and with JavaScript off every text is still there.
 
 from __future__ import annotations
 
-import concurrent.futures
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
-from _html_sessions import XSS, record_demo, record_hostile
+from _html_sessions import XSS, demo_view, record_hostile, run_in_thread
 from browser import browser, page  # noqa: F401 - fixtures
 
-from stepmachine.inspector import render_batch, render_html, session_view
-
-
-def _record(path: Path) -> dict[str, Any]:
-    async def main() -> dict[str, Any]:
-        store, session_id = await record_demo(path)
-        async with store:
-            return session_view(await store.load(session_id), await store.batches(session_id))
-
-    return anyio.run(main)
+from stepmachine.inspector import render_batch, render_html
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
     """(file URI of the exported page, the session's view)."""
     folder = tmp_path_factory.mktemp("export")
-    # Its own thread: the browser fixture's event loop may be current in this one.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        view = pool.submit(_record, folder / "agent.sqlite3").result()
+    view = run_in_thread(demo_view, folder / "agent.sqlite3")
     out = folder / "session.html"
     out.write_text(render_html(view), encoding="utf-8")
     return out.as_uri(), view
@@ -183,8 +170,7 @@ def test_a_hostile_session_runs_no_script_and_fetches_nothing(
     page: Any,  # noqa: F811 - the fixture
     tmp_path: Path,
 ) -> None:
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        view = pool.submit(anyio.run, record_hostile, tmp_path / "hostile.sqlite3").result()
+    view = run_in_thread(record_hostile, tmp_path / "hostile.sqlite3")
     out = tmp_path / "hostile.html"
     out.write_text(render_html(view), encoding="utf-8")
     dialogs: list[str] = []

@@ -14,13 +14,11 @@ import copy
 import hashlib
 import importlib.resources
 import re
-from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 from _html_dom import Node, parse
-from _html_sessions import HOSTILE, XSS, record_demo, record_hostile
+from _html_sessions import HOSTILE, XSS, demo_view, record_hostile, run_in_thread
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -48,27 +46,19 @@ from stepmachine.testing import make_session
 BACKENDS = ["asyncio", "trio"]
 
 
-def _demo_view(path: Path, backend: str) -> dict[str, Any]:
-    async def main() -> dict[str, Any]:
-        store, session_id = await record_demo(path)
-        async with store:
-            return session_view(await store.load(session_id), await store.batches(session_id))
-
-    return anyio.run(main, backend=backend)
-
-
 @pytest.fixture(scope="module", params=BACKENDS)
 def demo(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     """The demo session's view, recorded on each backend."""
-    return _demo_view(tmp_path_factory.mktemp("demo") / "db.sqlite3", request.param)
+    path = tmp_path_factory.mktemp("demo") / "db.sqlite3"
+    return run_in_thread(demo_view, path, backend=request.param)
 
 
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("hostile") / "db.sqlite3"
-    view: dict[str, Any] = anyio.run(record_hostile, path)
+    view: dict[str, Any] = run_in_thread(record_hostile, path)
     return view
 
 
