@@ -56,8 +56,8 @@ T = TypeVar("T")
 def run_in_thread(fn: Callable[..., Awaitable[T]], *args: Any, backend: str = "asyncio") -> T:
     """``anyio.run(fn, *args)`` in a thread of its own.
 
-    Module-scoped fixtures are sync; once the browser tests have started
-    Playwright, its event loop is current in the main thread and a plain
+    Module-scoped fixtures are sync; while a browser test module runs,
+    Playwright's event loop is the main thread's running loop and a plain
     ``anyio.run`` there fails.
     """
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
