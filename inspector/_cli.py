@@ -42,7 +42,7 @@ from stepmachine.operations import approve, deny, submit_event
 from ._open import UsageError, load_codec, load_object, open_store
 from ._status import STATUSES, session_status
 from ._terminal import clean, print_log, print_sessions, print_show
-from ._view import batch_view, history_problems, session_view
+from ._view import History, batch_view, history_problems, session_view
 
 __all__ = ["cli", "main"]
 
@@ -223,7 +223,8 @@ def sessions_list(
 async def _view(store: Any, session_id: str, at: int | None) -> dict[str, Any]:
     session = await (store.load(session_id) if at is None else store.load_at(session_id, at))
     batches = await store.batches(session_id)
-    return session_view(session, batches)
+    created = await store.load_at(session_id, 0)
+    return session_view(session, batches, created=created.conversation)
 
 
 @cli.command()
@@ -262,8 +263,9 @@ def log(ctx: click.Context, session_id: str, after: int, as_json: bool) -> None:
         await store.load(session_id)  # an unknown session is an error, not an empty log
         views = []
         previous = None
-        for batch in await store.batches(session_id, after=max(after - 1, 0)):
-            view = batch_view(batch, previous=previous)
+        history = History((await store.load_at(session_id, 0)).conversation)
+        for batch in await store.batches(session_id):
+            view = batch_view(batch, previous=previous, history=history)
             previous = batch.timestamp
             if batch.revision > after:
                 views.append(view)

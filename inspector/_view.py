@@ -41,6 +41,7 @@ from stepmachine import (
     Batch,
     Effect,
     Message,
+    Part,
     ReasoningPart,
     ReplaceConversation,
     Session,
@@ -58,6 +59,7 @@ from ._status import session_status
 
 __all__ = [
     "FORMAT",
+    "History",
     "batch_view",
     "effect_summary",
     "history_problems",
@@ -202,22 +204,62 @@ def _values_records(values: Any) -> Iterable[dict[str, Any]]:
     return [record for _, _, record in records_in({"_": values})]
 
 
-def _effect_view(effect: Effect, added: dict[str, int], revision: int) -> dict[str, Any]:
+class History:
+    """What the batches before the one being viewed did: when each message was added, and
+    each message's role and parts as they are now (to tell the messages a replacement
+    brings or rewrites from the ones it keeps; notes and visibility are shown on the stub
+    or by the effects that changed them).
+
+    Args:
+        created: the conversation the session was created with (revision 0); without
+            it, a message no batch appended counts as new where a replacement first
+            shows it.
+    """
+
+    def __init__(self, created: Sequence[Message] = ()) -> None:
+        self.added: dict[str, int] = {m.id: 0 for m in created}
+        self.current: dict[str, tuple[str, tuple[Part, ...]]] = {
+            m.id: (m.role, m.parts) for m in created
+        }
+
+
+def _replacement_view(
+    effect: ReplaceConversation, history: History, revision: int
+) -> dict[str, Any]:
+    """The replaced conversation: new or changed messages in full, kept ones as a stub
+    (id, role, visibility, ``added_at``, ``"kept": true``), so a view of a long session
+    with many compactions does not grow with messages x compactions."""
+    messages = []
+    for message in effect.conversation:
+        history.added.setdefault(message.id, revision)
+        added_at = history.added[message.id]
+        if history.current.get(message.id) == (message.role, message.parts):
+            messages.append(
+                {
+                    "id": message.id,
+                    "role": message.role,
+                    "visible_to_model": message.visible_to_model,
+                    "visible_to_user": message.visible_to_user,
+                    "added_at": added_at,
+                    "kept": True,
+                }
+            )
+        else:
+            messages.append(message_view(message, added_at=added_at))
+    history.current = {m.id: (m.role, m.parts) for m in effect.conversation}
+    return {"type": "replace_conversation", "conversation": messages}
+
+
+def _effect_view(effect: Effect, history: History, revision: int) -> dict[str, Any]:
     if isinstance(effect, AppendMessage):
-        added.setdefault(effect.message.id, revision)
+        history.added.setdefault(effect.message.id, revision)
+        history.current[effect.message.id] = (effect.message.role, effect.message.parts)
         view: dict[str, Any] = {
             "type": "append_message",
             "message": message_view(effect.message, added_at=revision),
         }
     elif isinstance(effect, ReplaceConversation):
-        for message in effect.conversation:
-            added.setdefault(message.id, revision)
-        view = {
-            "type": "replace_conversation",
-            "conversation": [
-                message_view(m, added_at=added.get(m.id)) for m in effect.conversation
-            ],
-        }
+        view = _replacement_view(effect, history, revision)
     elif isinstance(effect, Annotate | SetVisibility | UpdateData):
         view = _builtins(effect)
     else:
@@ -229,11 +271,12 @@ def _effect_view(effect: Effect, added: dict[str, int], revision: int) -> dict[s
 
 
 def batch_view(
-    batch: Batch[Effect], *, previous: float | None = None, added: dict[str, int] | None = None
+    batch: Batch[Effect], *, previous: float | None = None, history: History | None = None
 ) -> dict[str, Any]:
-    """``batch`` as data (see the module docstring); ``previous`` is the timestamp before it."""
-    added = {} if added is None else added
-    effects = [_effect_view(effect, added, batch.revision) for effect in batch.effects]
+    """``batch`` as data (see the module docstring); ``previous`` is the timestamp before it,
+    ``history`` what the batches before it did (updated)."""
+    history = History() if history is None else history
+    effects = [_effect_view(effect, history, batch.revision) for effect in batch.effects]
     return {
         "revision": batch.revision,
         "step": batch.step,
@@ -274,23 +317,32 @@ def history_problems(session: Session[Any]) -> list[Problem]:
     return [problem for problem in fsck(session) if problem.kind != OPEN_CALL]
 
 
-def session_view(session: Session[Any], batches: Sequence[Batch[Effect]]) -> dict[str, Any]:
+def session_view(
+    session: Session[Any],
+    batches: Sequence[Batch[Effect]],
+    *,
+    created: Sequence[Message] | None = None,
+) -> dict[str, Any]:
     """``session`` and its audit log (the batches up to its revision) as data.
 
     Batches after ``session.revision`` are left out, so a view of
     ``load_at(id, n)`` with the whole log shows the session as it was at ``n``.
+    ``created`` is the conversation at revision 0 (``load_at(id, 0)``): with it,
+    the messages the session was created with read ``added_at`` 0 where a
+    replacement shows them, not as new there.
     """
-    added: dict[str, int] = {}
+    history = History(created or ())
     batch_views = []
     previous: float | None = None
     for batch in batches:
         if batch.revision > session.revision:
             break
-        batch_views.append(batch_view(batch, previous=previous, added=added))
+        batch_views.append(batch_view(batch, previous=previous, history=history))
         previous = batch.timestamp
     results = _results(session)
     messages = [
-        message_view(m, added_at=added.get(m.id, 0), results=results) for m in session.conversation
+        message_view(m, added_at=history.added.get(m.id, 0), results=results)
+        for m in session.conversation
     ]
     return {
         "format": FORMAT,

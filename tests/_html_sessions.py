@@ -68,7 +68,10 @@ async def demo_view(path: Path) -> dict[str, Any]:
     """The view of :func:`record_demo`'s session."""
     store, session_id = await record_demo(path)
     async with store:
-        return session_view(await store.load(session_id), await store.batches(session_id))
+        created = (await store.load_at(session_id, 0)).conversation
+        return session_view(
+            await store.load(session_id), await store.batches(session_id), created=created
+        )
 
 
 @tool(thread=False)
@@ -191,4 +194,7 @@ async def record_hostile(path: Path, session_id: str = "hostile") -> Any:
         )
         runtime = Runtime(store=store, model=ScriptedModel(turns, name=HOSTILE))
         await machine.run_report(runtime, session_id)
-        return session_view(await store.load(session_id), await store.batches(session_id))
+        created = (await store.load_at(session_id, 0)).conversation
+        return session_view(
+            await store.load(session_id), await store.batches(session_id), created=created
+        )

@@ -158,13 +158,13 @@ def test_the_approval_says_who_and_why_in_the_timeline_and_on_the_call(
     (decided,) = [c for c in _parts(demo, "tool_call") if c["decision"]]
     decision = decided["decision"]
     assert (decision["by"], decision["reason"]) == ("carol", "invoice INV-7 checked")
-    (batch,) = [b for b in demo["batches"] if "approval.decision" in b["summary"]]
+    (batch,) = [b for b in demo["batches"] if "approved by carol" in b["summary"]]
     for node in (root.by_id(f"rev-{batch['revision']}"), root.by_id(f"call-{decided['call_id']}")):
         (line,) = node.find_all(css="decision")
         assert "approved" in line.classes
         assert line.find_all("b")[0].text() == "carol"
         assert "invoice INV-7 checked" in line.text()
-    request_batches = [b for b in demo["batches"] if "approval.request" in b["summary"]]
+    request_batches = [b for b in demo["batches"] if "approval requested" in b["summary"]]
     assert len(request_batches) == 1
     assert "approval requested" in root.by_id(f"rev-{request_batches[0]['revision']}").text()
 
@@ -214,7 +214,7 @@ def test_a_compaction_shows_its_summary_and_what_it_hid(demo: dict[str, Any]) ->
     summaries = [
         r
         for m in replaced["conversation"]
-        for r in m["records"]
+        for r in m.get("records", [])  # kept messages are stubs
         if r["record"] == "stepmachine.compaction.summary"
     ]
     (summary,) = summaries
