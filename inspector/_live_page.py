@@ -1,9 +1,11 @@
 """The session page's live script: follow the event stream, append the new entries.
 
-Inline (no network, no CDN). It opens ``EventSource(events?after=REV&seq=N)``
+Inline (no network, no CDN), passed to ``render_page(view, live_script=...)``,
+which runs it after the page's own script. It opens ``EventSource(events?after=REV&seq=N)``
 at the revision the page was rendered at, appends each ``batch`` event's
 ``html`` (rendered and escaped by the server's ``render_batch``) to
-``#timeline`` unless an element ``#rev-N`` is already there, writes the
+``#timeline`` (through the page's ``window.stepmachineTimeline.append``
+when there is one) unless an element ``#rev-N`` is already there, writes the
 ``status`` into ``#session-status`` and the revision into
 ``#session-revision``, and shows ``live`` events' text in a ``<pre>`` (as
 text) until the next batch. A badge ``#live-indicator`` says ``live``,
@@ -19,16 +21,13 @@ position it saw. ``window.stepmachineLive.reconnect()`` does that at once.
 from __future__ import annotations
 
 import json
-from typing import Any, Final
+from typing import Final
 
-__all__ = ["LIVE_SCRIPT", "script_tag"]
+__all__ = ["live_script"]
 
-CONFIG_ID: Final = "stepmachine-live"
-
-LIVE_SCRIPT: Final = """
-(function () {
+_SCRIPT: Final = """
+(function (config) {
   "use strict";
-  var config = JSON.parse(document.getElementById("stepmachine-live").textContent);
   var timeline = document.getElementById("timeline");
   var position = {revision: config.revision, seq: 0};
   var source = null, timer = null, delay = 1000;
@@ -58,8 +57,10 @@ LIVE_SCRIPT: Final = """
     deltas.hidden = true;
     setText("session-revision", String(data.revision));
     if (document.getElementById("rev-" + data.revision)) { return; }
+    // data.html is the server's render_batch output, escaped there.
+    if (window.stepmachineTimeline) { window.stepmachineTimeline.append(data.html); return; }
     var template = document.createElement("template");
-    template.innerHTML = data.html;  // the server's render_batch output, escaped there
+    template.innerHTML = data.html;
     timeline.appendChild(template.content);
   }
   function onStatus(data) {
@@ -110,22 +111,17 @@ LIVE_SCRIPT: Final = """
   };
   show("connecting");
   connect();
-})();
+})(__CONFIG__);
 """
 
 
-def script_tag(script: str, config: dict[str, Any]) -> str:
-    """``script`` as an inline ``<script>``, after its ``config`` as a JSON data block.
+def live_script(events_url: str, revision: int) -> str:
+    """The script for a page rendered at ``revision``, following ``events_url``.
 
-    The JSON is escaped so that nothing in it can close the block (``<``,
-    ``>`` and ``&`` become ``\\u`` escapes).
+    The settings go in as JSON whose ``<``, ``>`` and ``&`` are escaped, so the
+    script never holds ``</`` (it could not end its element).
     """
-    data = (
-        json.dumps(config, separators=(",", ":"))
-        .replace("<", "\\u003c")
-        .replace(">", "\\u003e")
-        .replace("&", "\\u0026")
-    )
-    return (
-        f'<script type="application/json" id="{CONFIG_ID}">{data}</script><script>{script}</script>'
-    )
+    config = json.dumps({"events": events_url, "revision": revision}, separators=(",", ":"))
+    for character, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026")):
+        config = config.replace(character, escape)
+    return _SCRIPT.replace("__CONFIG__", config)

@@ -5,7 +5,7 @@ reads. :func:`serve` opens a store by URL read-only and serves the app with
 uvicorn (what ``stepmachine serve`` runs). The routes:
 
 - ``GET /``: the sessions (id, revision, status, last activity), linked;
-- ``GET /sessions/{id}``: the session's timeline (``render_html``), with a
+- ``GET /sessions/{id}``: the session's timeline (``render_page``), with a
   small inline script that follows ``/sessions/{id}/events``;
 - ``GET /sessions/{id}/events``: the resumable event stream
   (``text/event-stream``, see :mod:`._sse` for the events and the resume
@@ -37,7 +37,7 @@ from stepmachine import (
     StoredDataError,
 )
 
-from ._live_page import LIVE_SCRIPT, script_tag
+from ._live_page import live_script
 from ._open import open_store
 from ._sse import LiveSource, parse_cursor, session_events
 from ._status import session_status
@@ -55,7 +55,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is installed where tests run
     raise missing_web_extra(exc) from exc
 
-from ._html import render_batch, render_html
+from ._html import render_batch, render_page
 
 __all__ = ["Streams", "create_app", "serve"]
 
@@ -219,8 +219,8 @@ def create_app(
     async def session_page(request: Request) -> Response:
         session_id = request.path_params["session_id"]
         view = await view_of(session_id)
-        config = {"events": f"/sessions/{session_id}/events", "revision": view["revision"]}
-        return HTMLResponse(render_html(view, live_script=script_tag(LIVE_SCRIPT, config)))
+        script = live_script(f"/sessions/{session_id}/events", view["revision"])
+        return HTMLResponse(render_page(view, live_script=script))
 
     async def events(request: Request) -> Response:
         session_id = request.path_params["session_id"]

@@ -85,7 +85,7 @@ async def test_the_session_page_is_the_timeline_with_the_live_script(stores: Sto
         assert f'id="rev-{revision}"' in page.text
     assert 'id="timeline"' in page.text
     assert "new EventSource(" in page.text
-    assert f'"events":"/sessions/{SESSION}/events","revision":{stores.revision}' in page.text
+    assert f'({{"events":"/sessions/{SESSION}/events","revision":{stores.revision}}})' in page.text
     assert "Weather in <Paris>" not in page.text  # escaped by the renderer
 
 
