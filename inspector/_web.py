@@ -308,7 +308,11 @@ def serve(
     poll_interval: float = 0.25,
     log_level: str = "info",
 ) -> None:
-    """Serve the live view of the store ``store_url`` names until interrupted (Ctrl-C).
+    """Serve the live view of the store ``store_url`` names until interrupted.
+
+    Returns after Ctrl-C (SIGINT), once the server has stopped; on SIGTERM
+    the process ends with that signal once the server has stopped (uvicorn's
+    behaviour).
 
     Opens the store read-only (:func:`~stepmachine.inspector.open_store`),
     runs uvicorn on ``host:port`` (loopback by default: the view shows every
@@ -329,4 +333,7 @@ def serve(
         finally:
             await store.aclose()
 
-    anyio.run(main, backend="asyncio")
+    try:
+        anyio.run(main, backend="asyncio")
+    except KeyboardInterrupt:
+        return  # uvicorn stopped cleanly and re-raised the Ctrl-C it handled

@@ -36,6 +36,7 @@ from stepmachine.stores import SQLiteStore
 from stepmachine.testing import ScriptedModel, call, reply
 
 SESSION = "weather"
+HANG = 30.0  # seconds: a stream silent this long is stuck (not a timing threshold)
 
 
 @tool(thread=False)
@@ -94,11 +95,17 @@ class EventReader:
         self.headers = {k.decode(): v.decode() for k, v in message["headers"]}
 
     async def next(self) -> dict[str, Any] | None:
-        """The next event block, or ``None`` when the response ended."""
+        """The next event block, or ``None`` when the response ended.
+
+        Raises:
+            TimeoutError: nothing came for :data:`HANG` seconds (a hang guard,
+                so a stream that never sends fails its test instead of stalling it).
+        """
         while "\n\n" not in self._buffer:
             if self.ended:
                 return None
-            message = await self._messages.receive()
+            with anyio.fail_after(HANG):
+                message = await self._messages.receive()
             self._buffer += message.get("body", b"").decode()
             self.ended = not message.get("more_body", False)
         block, self._buffer = self._buffer.split("\n\n", 1)

@@ -1,0 +1,186 @@
+"""The live view in a real headless chromium, against a real uvicorn server.
+
+The server is ``stepmachine.inspector``'s ``serve`` in a child process,
+reading an SQLite store read-only on a free loopback port, while this process
+writes to the store (a batch at a time with ``stepmachine.submit``, and a
+machine run with a scripted model), as an agent would. Checked: new entries
+appear as they land; after the server is stopped and started again on the
+same port (the browser's ``EventSource`` reconnects by itself, sending
+``Last-Event-ID``) and after a reconnect forced by the page's own code, the
+page catches up on what was written meanwhile: every revision's entry once,
+in order. The server shuts down cleanly with a stream open.
+
+Writes run in a worker thread (``anyio.run`` there): Playwright's sync API
+keeps its own event loop in this thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from _web_sessions import SESSION, add_user_message, record
+from browser import browser, page  # noqa: F401 - the shared fixtures
+
+from stepmachine import ModelInference, Runtime, StateMachine
+from stepmachine.stores import SQLiteStore
+from stepmachine.testing import ScriptedModel
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTUP_LIMIT = 60.0  # seconds before a server that never answers fails the test
+
+
+def in_thread(function: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+    """``anyio.run(function, *args)`` in a worker thread; its result."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(anyio.run, function, *args).result()
+
+
+async def append(path: Path, text: str) -> int:
+    async with await SQLiteStore.open(path) as store:
+        return await add_user_message(store, text)
+
+
+async def answer(path: Path, text: str) -> int:
+    """Run the agent once: the model answers the last user message with ``text``."""
+    async with await SQLiteStore.open(path) as store:
+        machine = StateMachine([ModelInference(instructions="Be brief.")])
+        session = await machine.run(Runtime(store=store, model=ScriptedModel([text])), SESSION)
+        return session.revision
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Server:
+    """``serve(store_url, port=...)`` in a child process; :meth:`stop` interrupts it."""
+
+    def __init__(self, db: Path, port: int, log: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = log
+        code = (
+            "from stepmachine.inspector._web import serve\n"
+            f"serve({f'sqlite:///{db}'!r}, port={port}, poll_interval=0.05, "
+            "log_level='warning')\n"
+        )
+        paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        with log.open("ab") as sink:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=sink, stderr=sink, env=env, cwd=ROOT
+            )
+        self._wait_until_up()
+
+    def _wait_until_up(self) -> None:
+        deadline = time.monotonic() + STARTUP_LIMIT
+        while True:
+            assert self._process.poll() is None, self._log.read_text()
+            try:
+                if httpx.get(self.url + "/api/sessions", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server never answered"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Ctrl-C the server and wait for it to exit; it must exit cleanly."""
+        self._process.send_signal(signal.SIGINT)
+        returncode = self._process.wait(timeout=STARTUP_LIMIT)
+        log = self._log.read_text()
+        assert returncode == 0, log
+        assert "Traceback" not in log, log
+        assert "ERROR" not in log, log
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    path = tmp_path / "agent.sqlite3"
+    in_thread(record, path)
+    return path
+
+
+@pytest.fixture
+def server(db: Path, tmp_path: Path) -> Iterator[Callable[[], Server]]:
+    """Starts servers on one port (``start()`` again after ``stop()``); stops what is left."""
+    port = free_port()
+    started: list[Server] = []
+
+    def start() -> Server:
+        started.append(Server(db, port, tmp_path / "server.log"))
+        return started[-1]
+
+    yield start
+    for each in started:
+        if each._process.poll() is None:
+            each.stop()
+
+
+def entries(tab: Any) -> list[str]:
+    """The ids of the timeline's entries, in page order."""
+    ids: list[str] = tab.eval_on_selector_all("#timeline section.batch", "es => es.map(e => e.id)")
+    return ids
+
+
+def wait_for_state(tab: Any, state: str) -> None:
+    tab.wait_for_selector(f'#live-indicator[data-state="{state}"]')
+
+
+def test_the_page_follows_a_run_and_catches_up_after_reconnects(
+    page: Any,  # noqa: F811 - the fixture
+    db: Path,
+    server: Callable[[], Server],
+) -> None:
+    running = server()
+    page.goto(f"{running.url}/sessions/{SESSION}")
+    recorded = len(entries(page))
+    assert entries(page) == [f"rev-{n}" for n in range(1, recorded + 1)]
+    assert page.text_content("#session-status") == "done"
+    wait_for_state(page, "live")
+
+    # Batches land while the page watches.
+    first = in_thread(append, db, "And <b>tomorrow</b>?")
+    page.wait_for_selector(f"#rev-{first}")
+    page.wait_for_function("document.getElementById('session-status').textContent === 'idle'")
+    assert page.text_content(f"#rev-{first}") is not None
+    assert "<b>tomorrow</b>" in (page.text_content(f"#rev-{first}") or "")  # text, not markup
+    reply = in_thread(answer, db, "Rain tomorrow.")
+    page.wait_for_selector(f"#rev-{reply}")
+    page.wait_for_function("document.getElementById('session-status').textContent === 'done'")
+
+    # The server goes away; the agent goes on; the server comes back on the same port.
+    running.stop()
+    wait_for_state(page, "reconnecting")
+    missed = [in_thread(append, db, f"while down {n}") for n in range(2)]
+    missed.append(in_thread(answer, db, "Still rain."))
+    running = server()
+    page.wait_for_selector(f"#rev-{missed[-1]}")
+    wait_for_state(page, "live")
+    assert entries(page) == [f"rev-{n}" for n in range(1, missed[-1] + 1)]
+
+    # A reconnect by the page's own code, with a batch written around it.
+    page.evaluate("window.stepmachineLive.reconnect()")
+    late = in_thread(append, db, "one more")
+    page.wait_for_selector(f"#rev-{late}")
+    wait_for_state(page, "live")
+    final = in_thread(append, db, "and the last")
+    page.wait_for_selector(f"#rev-{final}")
+    assert entries(page) == [f"rev-{n}" for n in range(1, final + 1)]
+    assert page.text_content("#session-revision") == str(final)
+    assert page.evaluate("window.stepmachineLive.position()") == {"revision": final, "seq": 0}
+    running.stop()  # with the page's stream still open
