@@ -12,9 +12,12 @@ The pieces, usable from Python too:
   approval, awaiting event, budget exhausted, outcome unknown, idle);
 - :func:`session_view`: a session and its audit log as JSON builtins (what
   ``show --json``, the HTML timeline and the live view read);
-- :func:`render_html`: the self-contained HTML timeline of a view.
+- :func:`render_html`: the self-contained HTML timeline of a view;
+  :func:`render_page` (the same page with the live view's script) and
+  :func:`render_batch` (one timeline entry) for the live view.
 """
 
+from ._html import render_batch, render_html, render_page
 from ._open import StoreNotFoundError, UsageError, inspection_codec, load_codec, open_store
 from ._status import STATUSES, session_status
 from ._view import FORMAT, batch_view, message_view, session_view
@@ -29,6 +32,9 @@ __all__ = [
     "load_codec",
     "message_view",
     "open_store",
+    "render_batch",
+    "render_html",
+    "render_page",
     "session_status",
     "session_view",
 ]
