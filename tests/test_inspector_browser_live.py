@@ -146,6 +146,14 @@ def test_the_page_follows_a_run_and_catches_up_after_reconnects(
     db: Path,
     server: Callable[[], Server],
 ) -> None:
+    problems: list[str] = []
+    page.on("pageerror", lambda error: problems.append(f"script error: {error}"))
+    page.on(
+        "console",
+        lambda message: (
+            problems.append(message.text) if "Content Security Policy" in message.text else None
+        ),
+    )
     running = server()
     page.goto(f"{running.url}/sessions/{SESSION}")
     recorded = len(entries(page))
@@ -183,4 +191,6 @@ def test_the_page_follows_a_run_and_catches_up_after_reconnects(
     assert entries(page) == [f"rev-{n}" for n in range(1, final + 1)]
     assert page.text_content("#session-revision") == str(final)
     assert page.evaluate("window.stepmachineLive.position()") == {"revision": final, "seq": 0}
+    # The page's scripts ran without an error, and the page's policy blocked none of them.
+    assert problems == []
     running.stop()  # with the page's stream still open
