@@ -97,7 +97,7 @@ def sse(
     lines = [f"id: {event_id}"] if event_id is not None else []
     if event is not None:
         lines.append(f"event: {event}")
-    lines.append("data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")))
+    lines.append("data: " + json.dumps(data, separators=(",", ":")))
     return "\n".join(lines) + "\n\n"
 
 

@@ -65,6 +65,7 @@ async def test_the_list_page_links_every_session_with_its_status(stores: Stores)
         listed = (await http.get("/api/sessions")).json()
     assert page.status_code == 200
     assert page.headers["content-type"].startswith("text/html")
+    assert page.headers["content-security-policy"].startswith("default-src 'none'")
     assert f'href="/sessions/{SESSION}"' in page.text
     assert 'href="/sessions/empty"' in page.text
     assert "done" in page.text
