@@ -37,7 +37,15 @@ from typing import Any, Final, Protocol
 import anyio
 import msgspec
 
-from stepmachine import Batch, Effect, Event, SessionNotFoundError, Store, StoredDataError
+from stepmachine import (
+    Batch,
+    Effect,
+    Event,
+    SessionNotFoundError,
+    Store,
+    StoreClosedError,
+    StoredDataError,
+)
 
 from ._status import session_status
 from ._view import batch_view
@@ -131,7 +139,8 @@ async def session_events(
     """The event stream of ``session_id`` for a client at ``cursor`` (see the module docstring).
 
     Runs until the client goes away (the caller cancels it), ``closing()``
-    turns true (checked every poll), or the session is deleted. Only reads
+    turns true (checked every poll), the session is deleted, or the store
+    is closed. Only reads
     the store. The first chunk (``retry: retry_ms``) is yielded at once.
 
     Raises:
@@ -195,6 +204,8 @@ async def session_events(
             session = await store.load(session_id)
     except SessionNotFoundError:
         return  # deleted while watched: the reconnect gets a 404
+    except StoreClosedError:
+        return  # the application closed its store: it is shutting down
     except StoredDataError as exc:
         yield sse(event="error", data={"message": str(exc)})
 

@@ -10,6 +10,9 @@ same port (the browser's ``EventSource`` reconnects by itself, sending
 page catches up on what was written meanwhile: every revision's entry once,
 in order. The server shuts down cleanly with a stream open.
 
+Waits use selectors, not ``wait_for_function``: the page's
+Content-Security-Policy forbids evaluating strings, which that needs.
+
 Writes run in a worker thread (``anyio.run`` there): Playwright's sync API
 keeps its own event loop in this thread.
 """
@@ -22,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -30,12 +34,15 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+import uvicorn
 from _web_sessions import SESSION, add_user_message, record
 from browser import browser, page  # noqa: F401 - the shared fixtures
 
-from stepmachine import ModelInference, Runtime, StateMachine
+from stepmachine import ModelInference, Runtime, StateMachine, ToolCallPart, Tools, tool
+from stepmachine.inspector._live import LiveHub
+from stepmachine.inspector._web import create_app
 from stepmachine.stores import SQLiteStore
-from stepmachine.testing import ScriptedModel
+from stepmachine.testing import ScriptedModel, call
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_LIMIT = 60.0  # seconds before a server that never answers fails the test
@@ -164,12 +171,12 @@ def test_the_page_follows_a_run_and_catches_up_after_reconnects(
     # Batches land while the page watches.
     first = in_thread(append, db, "And <b>tomorrow</b>?")
     page.wait_for_selector(f"#rev-{first}")
-    page.wait_for_function("document.getElementById('session-status').textContent === 'idle'")
+    page.wait_for_selector("#session-status:text-is('idle')")
     assert page.text_content(f"#rev-{first}") is not None
     assert "<b>tomorrow</b>" in (page.text_content(f"#rev-{first}") or "")  # text, not markup
     reply = in_thread(answer, db, "Rain tomorrow.")
     page.wait_for_selector(f"#rev-{reply}")
-    page.wait_for_function("document.getElementById('session-status').textContent === 'done'")
+    page.wait_for_selector("#session-status:text-is('done')")
 
     # The server goes away; the agent goes on; the server comes back on the same port.
     running.stop()
@@ -194,3 +201,101 @@ def test_the_page_follows_a_run_and_catches_up_after_reconnects(
     # The page's scripts ran without an error, and the page's policy blocked none of them.
     assert problems == []
     running.stop()  # with the page's stream still open
+
+
+class InProcess:
+    """An application serving the live view in the process (a thread here) where its agent runs.
+
+    The agent's run passes a :class:`LiveHub` as its emitter and the app reads
+    the same hub, so the page gets ``live`` events (a tool running) between
+    batches. ``start_run`` starts the run, ``tool_may_finish`` lets its slow
+    tool return, ``stop`` ends the server.
+    """
+
+    def __init__(self, db: Path, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.start_run = threading.Event()
+        self.tool_may_finish = threading.Event()
+        self.stop = threading.Event()
+        self.final_revision: int | None = None
+        self._db = db
+        self._port = port
+        self._thread = threading.Thread(target=anyio.run, args=(self._main,), daemon=True)
+        self._thread.start()
+
+    async def _main(self) -> None:
+        hub = LiveHub()
+
+        @tool()
+        def slow_forecast(city: str) -> str:
+            """Tomorrow's weather, slowly (it waits for the test)."""
+            assert self.tool_may_finish.wait(STARTUP_LIMIT)
+            return f"hail in {city}"
+
+        async with (
+            await SQLiteStore.open(self._db) as writer,
+            await SQLiteStore.open(self._db, read_only=True) as reader,
+        ):
+            await add_user_message(writer, "And in Lyon?")
+            app = create_app(reader, poll_interval=0.05, live=hub)
+            config = uvicorn.Config(
+                app, host="127.0.0.1", port=self._port, log_level="warning", lifespan="off"
+            )
+            server = uvicorn.Server(config)
+            async with anyio.create_task_group() as group:
+                group.start_soon(server.serve)
+                await anyio.to_thread.run_sync(self.start_run.wait)
+                machine = StateMachine(
+                    [Tools([slow_forecast]), ModelInference(instructions="Be brief.")]
+                )
+                asked = ToolCallPart(
+                    call_id="lyon-1",  # the recorded run used the scripted model's ids
+                    name="slow_forecast",
+                    arguments={"city": "Lyon"},
+                    raw_arguments='{"city": "Lyon"}',
+                )
+                model = ScriptedModel([call(asked, text="Checking."), "Hail."])
+                runtime = Runtime(store=writer, model=model)
+                session = await machine.run(runtime, SESSION, emitter=hub)
+                self.final_revision = session.revision
+                await anyio.to_thread.run_sync(self.stop.wait)
+                app.state.streams.close()
+                server.should_exit = True
+
+    def join(self) -> None:
+        self.tool_may_finish.set()
+        self.start_run.set()
+        self.stop.set()
+        self._thread.join(STARTUP_LIMIT)
+        assert not self._thread.is_alive()
+
+
+def test_an_app_running_its_agent_in_process_streams_live_events(
+    page: Any,  # noqa: F811 - the fixture
+    db: Path,
+) -> None:
+    served = InProcess(db, free_port())
+    try:
+        deadline = time.monotonic() + STARTUP_LIMIT
+        while True:
+            try:
+                httpx.get(served.url + "/api/sessions", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the server never answered"
+                time.sleep(0.05)
+        page.goto(f"{served.url}/sessions/{SESSION}")
+        wait_for_state(page, "live")
+        served.start_run.set()
+        # While the tool runs, no batch lands: only the live event says so.
+        page.wait_for_selector("#live-deltas:has-text('[slow_forecast running]')")
+        assert page.is_visible("#live-deltas")
+        served.tool_may_finish.set()
+        page.wait_for_selector("#session-status:text-is('done')")
+    finally:
+        served.join()
+    final = served.final_revision
+    assert final is not None
+    page.wait_for_selector(f"#rev-{final}")
+    assert entries(page) == [f"rev-{n}" for n in range(1, final + 1)]
+    assert not page.is_visible("#live-deltas")  # a batch clears the live text
