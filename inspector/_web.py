@@ -42,7 +42,7 @@ from ._open import open_store
 from ._sse import LiveSource, parse_cursor, session_events
 from ._status import session_status
 from ._view import session_view
-from ._web_extra import missing_web_extra
+from ._web_extra import web_extra_message
 
 try:
     import uvicorn
@@ -53,7 +53,7 @@ try:
     from starlette.routing import Route
     from starlette.types import Receive, Scope, Send
 except ImportError as exc:  # pragma: no cover - the extra is installed where tests run
-    raise missing_web_extra(exc) from exc
+    raise ImportError(web_extra_message(exc)) from exc
 
 from ._html import render_batch, render_page
 

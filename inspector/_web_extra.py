@@ -1,7 +1,8 @@
 """Whether the live view's extra (``web``: Starlette and uvicorn) is installed.
 
 Importable without the extra, so a command line can say what to install
-before it imports :mod:`._web`.
+before it imports :mod:`._web` (:func:`require_web`); importing :mod:`._web`
+without the extra raises ``ImportError`` with the same message.
 """
 
 from __future__ import annotations
@@ -10,17 +11,16 @@ import importlib.util
 
 from stepmachine import ConfigurationError
 
-__all__ = ["missing_web_extra", "require_web"]
+__all__ = ["require_web", "web_extra_message"]
 
 _MODULES = ("starlette", "uvicorn")
 
 
-def missing_web_extra(cause: BaseException | None = None) -> ConfigurationError:
-    """The error saying the live view needs ``pip install 'stepmachine[web]'``."""
-    detail = f" ({cause})" if cause is not None else ""
-    return ConfigurationError(
+def web_extra_message(cause: BaseException) -> str:
+    """What to say when the live view's extra is missing: install ``stepmachine[web]``."""
+    return (
         "the live view (stepmachine serve) needs Starlette and uvicorn: "
-        f"install stepmachine[web] (pip install 'stepmachine[web]'){detail}"
+        f"install stepmachine[web] (pip install 'stepmachine[web]') ({cause})"
     )
 
 
@@ -33,4 +33,5 @@ def require_web() -> None:
     """
     missing = [name for name in _MODULES if importlib.util.find_spec(name) is None]
     if missing:
-        raise missing_web_extra(ModuleNotFoundError(f"no module named {', '.join(missing)}"))
+        cause = ModuleNotFoundError(f"no module named {', '.join(missing)}")
+        raise ConfigurationError(web_extra_message(cause))

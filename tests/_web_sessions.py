@@ -5,6 +5,8 @@ user question, a tool call, its result, the answer: four batches) into an
 SQLite file. :func:`add_user_message` appends one more batch from outside a
 machine, as an application does between runs.
 
+:class:`Server` runs ``serve`` (uvicorn) in a child process on a free port.
+
 :func:`open_events` drives an ASGI app directly (scope, receive, send), so a
 never-ending ``text/event-stream`` response can be read event by event on
 asyncio and trio alike (httpx's ``ASGITransport`` buffers a whole response
@@ -15,11 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from stepmachine import (
@@ -37,6 +46,8 @@ from stepmachine.testing import ScriptedModel, call, reply
 
 SESSION = "weather"
 HANG = 30.0  # seconds: a stream silent this long is stuck (not a timing threshold)
+STARTUP_LIMIT = 60.0  # seconds before a server that never answers fails the test
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @tool(thread=False)
@@ -167,3 +178,51 @@ async def open_events(
             yield reader
         finally:
             disconnected.set()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Server:
+    """``serve(store_url, port=...)`` in a child process; :meth:`stop` interrupts it."""
+
+    def __init__(self, db: Path, port: int, log: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = log
+        code = (
+            "from stepmachine.inspector._web import serve\n"
+            f"serve({f'sqlite:///{db}'!r}, port={port}, poll_interval=0.05, "
+            "log_level='warning')\n"
+        )
+        paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        with log.open("ab") as sink:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=sink, stderr=sink, env=env, cwd=ROOT
+            )
+        self._wait_until_up()
+
+    def _wait_until_up(self) -> None:
+        deadline = time.monotonic() + STARTUP_LIMIT
+        while True:
+            assert self._process.poll() is None, self._log.read_text()
+            try:
+                if httpx.get(self.url + "/api/sessions", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server never answered"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Ctrl-C the server and wait for it to exit; it must exit cleanly."""
+        self._process.send_signal(signal.SIGINT)
+        returncode = self._process.wait(timeout=STARTUP_LIMIT)
+        log = self._log.read_text()
+        assert returncode == 0, log
+        assert "Traceback" not in log, log
+        assert "ERROR" not in log, log

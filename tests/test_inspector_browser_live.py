@@ -20,11 +20,6 @@ keeps its own event loop in this thread.
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -35,7 +30,7 @@ import anyio
 import httpx
 import pytest
 import uvicorn
-from _web_sessions import SESSION, add_user_message, record
+from _web_sessions import SESSION, STARTUP_LIMIT, Server, add_user_message, free_port, record
 from browser import browser, page  # noqa: F401 - the shared fixtures
 
 from stepmachine import ModelInference, Runtime, StateMachine, ToolCallPart, Tools, tool
@@ -43,9 +38,6 @@ from stepmachine.inspector._live import LiveHub
 from stepmachine.inspector._web import create_app
 from stepmachine.stores import SQLiteStore
 from stepmachine.testing import ScriptedModel, call
-
-ROOT = Path(__file__).resolve().parent.parent
-STARTUP_LIMIT = 60.0  # seconds before a server that never answers fails the test
 
 
 def in_thread(function: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
@@ -65,54 +57,6 @@ async def answer(path: Path, text: str) -> int:
         machine = StateMachine([ModelInference(instructions="Be brief.")])
         session = await machine.run(Runtime(store=store, model=ScriptedModel([text])), SESSION)
         return session.revision
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-class Server:
-    """``serve(store_url, port=...)`` in a child process; :meth:`stop` interrupts it."""
-
-    def __init__(self, db: Path, port: int, log: Path) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = log
-        code = (
-            "from stepmachine.inspector._web import serve\n"
-            f"serve({f'sqlite:///{db}'!r}, port={port}, poll_interval=0.05, "
-            "log_level='warning')\n"
-        )
-        paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-        with log.open("ab") as sink:
-            self._process = subprocess.Popen(
-                [sys.executable, "-c", code], stdout=sink, stderr=sink, env=env, cwd=ROOT
-            )
-        self._wait_until_up()
-
-    def _wait_until_up(self) -> None:
-        deadline = time.monotonic() + STARTUP_LIMIT
-        while True:
-            assert self._process.poll() is None, self._log.read_text()
-            try:
-                if httpx.get(self.url + "/api/sessions", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server never answered"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        """Ctrl-C the server and wait for it to exit; it must exit cleanly."""
-        self._process.send_signal(signal.SIGINT)
-        returncode = self._process.wait(timeout=STARTUP_LIMIT)
-        log = self._log.read_text()
-        assert returncode == 0, log
-        assert "Traceback" not in log, log
-        assert "ERROR" not in log, log
 
 
 @pytest.fixture

@@ -10,23 +10,40 @@ and trio.
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import logging
-from collections.abc import AsyncIterator
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import msgspec
 import pytest
-from _web_sessions import SESSION, add_user_message, open_events, record
+from _web_sessions import (
+    HANG,
+    ROOT,
+    SESSION,
+    Server,
+    add_user_message,
+    free_port,
+    open_events,
+    parse_event,
+    record,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stepmachine import Codec, Event, Message, TextDelta, ToolStarted
+from stepmachine import Codec, ConfigurationError, Event, Message, TextDelta, ToolStarted
 from stepmachine.inspector import inspection_codec, session_view
 from stepmachine.inspector._live import LiveHub
 from stepmachine.inspector._sse import parse_cursor
 from stepmachine.inspector._web import create_app
+from stepmachine.inspector._web_extra import require_web
 from stepmachine.stores import SQLiteStore
 
 
@@ -370,3 +387,84 @@ async def test_a_hub_fed_by_a_real_run_streams_its_text(stores: Stores) -> None:
     assert event["data"]["revision"] == before + 1
     message: Message = (await stores.reader.load(SESSION)).conversation[-1]
     assert message.text == text
+
+
+# -- serve(): uvicorn in a child process, over real HTTP -------------------------------
+
+
+def sse_blocks(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The events of a streaming httpx response, parsed as they arrive."""
+    lines: list[str] = []
+    for line in response.iter_lines():
+        if line:
+            lines.append(line)
+        elif lines:
+            yield parse_event("\n".join(lines))
+            lines = []
+
+
+def test_serve_streams_over_http_and_stops_cleanly_with_a_stream_open(tmp_path: Path) -> None:
+    db = tmp_path / "agent.sqlite3"
+    revision = anyio.run(record, db)
+    server = Server(db, free_port(), tmp_path / "server.log")
+    stopped = False
+    try:
+        with httpx.Client(base_url=server.url, timeout=HANG) as http:
+            assert http.get("/").status_code == 200
+            assert http.get("/sessions/nobody").status_code == 404
+            headers = {"Last-Event-ID": f"{revision - 1}.0"}
+            with http.stream("GET", f"/sessions/{SESSION}/events", headers=headers) as response:
+                assert response.headers["content-type"].startswith("text/event-stream")
+                events = sse_blocks(response)
+                got = list(itertools.takewhile(lambda e: e["event"] != "status", events))
+                assert [e["id"] for e in got if e["event"] == "batch"] == [f"{revision}.0"]
+                written = anyio.run(append_one, db)
+                batch = next(e for e in events if e["event"] == "batch")
+                assert batch["id"] == f"{written}.0"
+                server.stop()  # returns once the process exited cleanly (code 0, no error)
+                stopped = True
+                assert [e["event"] for e in events] in ([], ["status"])  # then the stream ended
+    finally:
+        if not stopped:
+            server.stop()
+
+
+async def append_one(db: Path) -> int:
+    async with await SQLiteStore.open(db) as store:
+        return await add_user_message(store, "over real HTTP")
+
+
+# -- without the web extra --------------------------------------------------------------
+
+
+def test_without_the_extra_require_web_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        return None if name == "uvicorn" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ConfigurationError, match=r"install stepmachine\[web\].*uvicorn"):
+        require_web()
+
+
+def test_importing_the_live_view_without_the_extra_says_what_to_install() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['starlette'] = None  # as if not installed\n"
+        "try:\n"
+        "    import stepmachine.inspector._web\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert "install stepmachine[web]" in done.stdout
+    require_web()  # here the extra is installed
