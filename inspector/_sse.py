@@ -1,7 +1,8 @@
 """A session's audit log as a resumable stream of server-sent events.
 
 :func:`session_events` yields the text of an ``text/event-stream`` response
-(no web framework needed; :mod:`._web` serves it). The events:
+(no web framework needed; :mod:`._web` serves it). It opens with
+``retry: 1000`` (the reconnection delay a browser should use), then:
 
 - ``batch``: one applied batch, ``id: <revision>.0``; ``data`` is the
   :func:`~stepmachine.inspector.batch_view` of the batch plus ``"html"``, its
@@ -12,8 +13,10 @@
   no ``id`` (so it never moves a client's position);
 - ``live`` (only with a :class:`~stepmachine.inspector.LiveHub`): a display
   event of a run in this process, ``id: <revision>.<seq + 1>`` where
-  ``revision`` and ``seq`` are the :class:`~stepmachine.Event`'s; ``data`` is
-  the event's data plus ``"revision"`` and ``"seq"``;
+  ``revision`` and ``seq`` are the :class:`~stepmachine.Event`'s (seq 0 of
+  the stream's ids is the batch); ``data`` is the event's data as JSON (its
+  ``"kind"``: ``text_delta``, ``tool_started``, ...) plus ``"revision"`` and
+  ``"seq"``;
 - ``error``: ``data: {"message"}``, stored data that does not decode; the
   stream ends after it;
 - a ``: keepalive`` comment after ``keepalive`` seconds without an event.
@@ -23,9 +26,10 @@ last ``id`` it saw). The stream sends every batch with a revision above the
 cursor's, read from the store, in order, then polls the store every
 ``poll_interval`` seconds and sends new batches as they land. So after a
 reconnect nothing is missed and nothing is sent twice. Live events are sent
-only for the revision the client has reached (after its batch), and only
-those after its ``seq``; a live event of an older revision is dropped (the
-batch it led to holds the truth).
+only for the revision the client has reached (after that revision's batch),
+only those after its ``seq``, and before the next batch when the stream
+still has them; a client that has moved past their revision does not get
+them (the batch they led to holds the truth).
 """
 
 from __future__ import annotations
@@ -139,9 +143,9 @@ async def session_events(
     """The event stream of ``session_id`` for a client at ``cursor`` (see the module docstring).
 
     Runs until the client goes away (the caller cancels it), ``closing()``
-    turns true (checked every poll), the session is deleted, or the store
-    is closed. Only reads
-    the store. The first chunk (``retry: retry_ms``) is yielded at once.
+    turns true (checked every poll), the session is deleted, or the store is
+    closed. Only reads the store. The first chunk (``retry: retry_ms``) is
+    yielded at once; close the generator (``aclose``) when done with it.
 
     Raises:
         SessionNotFoundError, InvalidSessionIdError: before the first chunk;
