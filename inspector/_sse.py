@@ -1,0 +1,232 @@
+"""A session's audit log as a resumable stream of server-sent events.
+
+:func:`session_events` yields the text of an ``text/event-stream`` response
+(no web framework needed; :mod:`._web` serves it). It opens with
+``retry: 1000`` (the reconnection delay a browser should use), then:
+
+- ``batch``: one applied batch, ``id: <revision>.0``; ``data`` is the
+  :func:`~stepmachine.inspector.batch_view` of the batch plus ``"html"``, its
+  timeline entry (``render_batch``, escaped there);
+- ``status``: ``data: {"revision", "status"}``, the session's
+  :func:`~stepmachine.inspector.session_status` at ``revision``; sent once
+  after the catch-up and after every poll that found new batches. It carries
+  no ``id`` (so it never moves a client's position);
+- ``live`` (only with a :class:`~stepmachine.inspector.LiveHub`): a display
+  event of a run in this process, ``id: <revision>.<seq + 1>`` where
+  ``revision`` and ``seq`` are the :class:`~stepmachine.Event`'s (seq 0 of
+  the stream's ids is the batch); ``data`` is the event's data as JSON (its
+  ``"kind"``: ``text_delta``, ``tool_started``, ...) plus ``"revision"`` and
+  ``"seq"``;
+- ``error``: ``data: {"message"}``, stored data that does not decode; the
+  stream ends after it;
+- a ``: keepalive`` comment after ``keepalive`` seconds without an event.
+
+Resuming: a client says where it is with a cursor ``(revision, seq)`` (the
+last ``id`` it saw). The stream sends every batch with a revision above the
+cursor's, read from the store, in order, then polls the store every
+``poll_interval`` seconds and sends new batches as they land. So after a
+reconnect nothing is missed and nothing is sent twice. Live events are sent
+only for the revision the client has reached (after that revision's batch),
+only those after its ``seq``, and before the next batch when the stream
+still has them; a client that has moved past their revision does not get
+them (the batch they led to holds the truth).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, Final, Protocol
+
+import anyio
+import msgspec
+
+from stepmachine import (
+    Batch,
+    Effect,
+    Event,
+    SessionNotFoundError,
+    Store,
+    StoreClosedError,
+    StoredDataError,
+)
+
+from ._status import session_status
+from ._view import batch_view
+
+__all__ = ["Cursor", "LiveSource", "parse_cursor", "session_events", "sse"]
+
+Cursor = tuple[int, int]
+"""A client's position: ``(revision, seq)``; seq 0 is the batch of that revision."""
+
+_MAX_CURSOR: Final = 40
+
+
+class LiveSource(Protocol):
+    """Where live display events come from (:class:`~stepmachine.inspector.LiveHub`)."""
+
+    def events_after(self, session_id: str, cursor: Cursor) -> list[Event]:
+        """The buffered events of ``session_id`` following ``cursor[0]`` with ids after it."""
+        ...
+
+    async def wait(self, session_id: str) -> None:
+        """Return when a new event of ``session_id`` arrives (cancel to stop waiting)."""
+        ...
+
+
+def parse_cursor(last_event_id: str | None, after: str | None, seq: str | None) -> Cursor:
+    """The cursor a request names: ``Last-Event-ID`` first, then ``?after=REV&seq=N``.
+
+    ``Last-Event-ID`` is ``REV.SEQ`` (or ``REV``); a browser's ``EventSource``
+    sends it on every reconnect, with the URL it first opened, so it wins over
+    the query. With neither, the cursor is ``(0, 0)``: every batch.
+
+    Raises:
+        ValueError: a value is not a non-negative integer (or ``REV.SEQ``).
+    """
+
+    def number(text: str, what: str) -> int:
+        if len(text) > _MAX_CURSOR or not text.isascii() or not text.isdigit():
+            raise ValueError(f"{what} must be a non-negative integer, not {text[:_MAX_CURSOR]!r}")
+        return int(text)
+
+    if last_event_id:
+        revision, _, position = last_event_id.partition(".")
+        return number(revision, "Last-Event-ID"), number(position or "0", "Last-Event-ID")
+    return number(after or "0", "after"), number(seq or "0", "seq")
+
+
+def sse(
+    *,
+    event: str | None = None,
+    data: Any = None,
+    event_id: str | None = None,
+    comment: str | None = None,
+) -> str:
+    """One server-sent event (``data`` as one line of JSON), or a comment line."""
+    if comment is not None:
+        return f": {comment}\n\n"
+    lines = [f"id: {event_id}"] if event_id is not None else []
+    if event is not None:
+        lines.append(f"event: {event}")
+    lines.append("data: " + json.dumps(data, separators=(",", ":")))
+    return "\n".join(lines) + "\n\n"
+
+
+class _Views:
+    """Batch views in log order, with what ``batch_view`` needs from the batches before."""
+
+    def __init__(self) -> None:
+        self.revision = 0
+        self._previous: float | None = None
+        self._added: dict[str, int] = {}
+
+    def view(self, batch: Batch[Effect]) -> dict[str, Any]:
+        view = batch_view(batch, previous=self._previous, added=self._added)
+        self._previous = batch.timestamp
+        self.revision = batch.revision
+        return view
+
+
+async def session_events(
+    store: Store,
+    session_id: str,
+    cursor: Cursor,
+    *,
+    render_batch: Callable[[dict[str, Any]], str],
+    poll_interval: float = 0.25,
+    keepalive: float = 15.0,
+    retry_ms: int | None = 1000,
+    live: LiveSource | None = None,
+    closing: Callable[[], bool] = lambda: False,
+) -> AsyncGenerator[str, None]:
+    """The event stream of ``session_id`` for a client at ``cursor`` (see the module docstring).
+
+    Runs until the client goes away (the caller cancels it), ``closing()``
+    turns true (checked every poll), the session is deleted, or the store is
+    closed. Only reads the store. The first chunk (``retry: retry_ms``) is
+    yielded at once; close the generator (``aclose``) when done with it.
+
+    Raises:
+        SessionNotFoundError, InvalidSessionIdError: before the first chunk;
+            the caller answers 404/400 instead of a stream.
+
+    Cancellation: stops at the next await; a store read in progress finishes
+    first (the stores shield their transactions).
+
+    Reading costs: the catch-up reads the whole log once (like the timeline
+    page); every poll after that reads the session row, and the new batches
+    when there are any.
+    """
+    session = await store.load(session_id)
+    views = _Views()
+    after, position = cursor
+    yield f"retry: {retry_ms}\n\n" if retry_ms is not None else ": open\n\n"
+    quiet_since = anyio.current_time()
+    first = True
+    try:
+        while True:
+            sent = False
+            if live is not None and after == views.revision:
+                # The deltas that led to the next batch go before it.
+                for chunk, reached in _live_events(live, session_id, after, position):
+                    yield chunk
+                    position = reached
+                    sent = True
+            if first or session.revision > views.revision:
+                first = False
+                for batch in await store.batches(session_id, after=views.revision):
+                    if batch.revision > session.revision:
+                        break
+                    view = views.view(batch)
+                    if batch.revision > after:
+                        after, position = batch.revision, 0
+                        payload = {**view, "html": render_batch(view)}
+                        yield sse(event="batch", event_id=f"{after}.0", data=payload)
+                        sent = True
+                status = {"revision": session.revision, "status": session_status(session)}
+                yield sse(event="status", data=status)
+                sent = True
+            if live is not None and after == views.revision:
+                for chunk, reached in _live_events(live, session_id, after, position):
+                    yield chunk
+                    position = reached
+                    sent = True
+            now = anyio.current_time()
+            if sent:
+                quiet_since = now
+            elif now - quiet_since >= keepalive:
+                yield sse(comment="keepalive")
+                quiet_since = now
+            if closing():
+                return
+            if live is None:
+                await anyio.sleep(poll_interval)
+            else:
+                with anyio.move_on_after(poll_interval):
+                    await live.wait(session_id)
+            session = await store.load(session_id)
+    except SessionNotFoundError:
+        return  # deleted while watched: the reconnect gets a 404
+    except StoreClosedError:
+        return  # the application closed its store: it is shutting down
+    except StoredDataError as exc:
+        yield sse(event="error", data={"message": str(exc)})
+
+
+def _live_events(
+    live: LiveSource, session_id: str, revision: int, position: int
+) -> list[tuple[str, int]]:
+    """The ``live`` events after ``(revision, position)``, each with the position it reaches."""
+    chunks = []
+    for event in live.events_after(session_id, (revision, position)):
+        position = event.seq + 1
+        payload = {"revision": event.revision, "seq": event.seq, **_builtins(event.data)}
+        chunk = sse(event="live", event_id=f"{revision}.{position}", data=payload)
+        chunks.append((chunk, position))
+    return chunks
+
+
+def _builtins(value: Any) -> dict[str, Any]:
+    data = msgspec.to_builtins(value)
+    return data if isinstance(data, dict) else {"value": data}

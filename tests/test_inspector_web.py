@@ -1,0 +1,470 @@
+"""The live view (stepmachine.inspector create_app): pages, JSON, errors, the resumable stream.
+
+The app reads an SQLite store opened read-only while a second connection
+writes to it, as ``stepmachine serve`` does while an agent runs. Pages and
+JSON go through httpx's ``ASGITransport``; the event stream through
+:func:`_web_sessions.open_events` (an ASGI driver: ``ASGITransport`` waits for
+a whole response, and an event stream never ends). Everything runs on asyncio
+and trio.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+import pytest
+from _web_sessions import (
+    HANG,
+    ROOT,
+    SESSION,
+    Server,
+    add_user_message,
+    free_port,
+    open_events,
+    parse_event,
+    record,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stepmachine import Codec, ConfigurationError, Event, Message, TextDelta, ToolStarted
+from stepmachine.inspector import inspection_codec, session_view
+from stepmachine.inspector._live import LiveHub
+from stepmachine.inspector._sse import parse_cursor
+from stepmachine.inspector._web import create_app
+from stepmachine.inspector._web_extra import require_web
+from stepmachine.stores import SQLiteStore
+
+
+class Stores(msgspec.Struct):
+    """A writer and a read-only reader on one database, and the recorded revision."""
+
+    writer: SQLiteStore
+    reader: SQLiteStore
+    revision: int
+
+
+@pytest.fixture
+async def stores(tmp_path: Path) -> AsyncIterator[Stores]:
+    path = tmp_path / "agent.sqlite3"
+    revision = await record(path)
+    writer = await SQLiteStore.open(path)
+    reader = await SQLiteStore.open(path, inspection_codec(), read_only=True)
+    try:
+        yield Stores(writer, reader, revision)
+    finally:
+        await reader.aclose()
+        await writer.aclose()
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+
+
+# -- pages and JSON ----------------------------------------------------------------
+
+
+async def test_the_list_page_links_every_session_with_its_status(stores: Stores) -> None:
+    await stores.writer.create("empty")
+    async with client(create_app(stores.reader)) as http:
+        page = await http.get("/")
+        listed = (await http.get("/api/sessions")).json()
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert page.headers["content-security-policy"].startswith("default-src 'none'")
+    assert f'href="/sessions/{SESSION}"' in page.text
+    assert 'href="/sessions/empty"' in page.text
+    assert "done" in page.text
+    assert [row["id"] for row in listed] == ["empty", SESSION]
+    empty, weather = listed
+    assert empty == {"id": "empty", "revision": 0, "status": "idle", "last_activity": None}
+    assert weather["revision"] == stores.revision
+    assert weather["status"] == "done"
+    (last,) = await stores.reader.batches(SESSION, after=stores.revision - 1)
+    assert weather["last_activity"] == last.timestamp
+
+
+async def test_the_session_page_is_the_timeline_with_the_live_script(stores: Stores) -> None:
+    async with client(create_app(stores.reader)) as http:
+        page = await http.get(f"/sessions/{SESSION}")
+    assert page.status_code == 200
+    for revision in range(1, stores.revision + 1):
+        assert f'id="rev-{revision}"' in page.text
+    assert 'id="timeline"' in page.text
+    assert "new EventSource(" in page.text
+    assert f'({{"events":"/sessions/{SESSION}/events","revision":{stores.revision}}})' in page.text
+    assert "Weather in <Paris>" not in page.text  # escaped by the renderer
+
+
+async def test_the_json_view_is_the_session_view(stores: Stores) -> None:
+    async with client(create_app(stores.reader)) as http:
+        got = (await http.get(f"/api/sessions/{SESSION}")).json()
+    session = await stores.reader.load(SESSION)
+    expected = session_view(session, await stores.reader.batches(SESSION))
+    assert got == msgspec.json.decode(msgspec.json.encode(expected))
+
+
+@pytest.mark.parametrize("prefix", ["/sessions/", "/api/sessions/"])
+async def test_an_unknown_session_is_a_404_page(stores: Stores, prefix: str) -> None:
+    async with client(create_app(stores.reader)) as http:
+        page = await http.get(prefix + "nobody")
+        events = await http.get("/sessions/nobody/events")
+    assert page.status_code == 404
+    assert events.status_code == 404
+    assert "Traceback" not in page.text
+    assert "nobody" in page.text
+
+
+HOSTILE = [
+    "%2e%2e",  # ..
+    "..%2F..%2Fetc%2Fpasswd",
+    "a" * 5000,
+    "%C3%A9t%C3%A9",  # été
+    "%E2%80%AEevil",  # right-to-left override
+    "%00nul",
+    "%3Cscript%3Ealert(1)%3C%2Fscript%3E",
+    "CON",
+]
+
+
+@pytest.mark.parametrize("raw", HOSTILE, ids=range(len(HOSTILE)))
+@pytest.mark.parametrize("suffix", ["", "/events"])
+async def test_a_hostile_session_id_is_a_clean_400_or_404(
+    stores: Stores, raw: str, suffix: str
+) -> None:
+    async with client(create_app(stores.reader)) as http:
+        for prefix in ("/sessions/", "/api/sessions/"):
+            if prefix.startswith("/api") and suffix:
+                continue
+            response = await http.get(prefix + raw + suffix)
+            assert response.status_code in (400, 404), (prefix, raw, response.text[:200])
+            assert "Traceback" not in response.text
+            assert "<script>" not in response.text
+
+
+async def test_undecodable_stored_data_is_a_500_page_with_the_message_escaped(
+    stores: Stores,
+) -> None:
+    class AppData(msgspec.Struct, frozen=True):
+        note: str = ""
+
+    path = stores.writer._path
+    async with await SQLiteStore.open(path, Codec(AppData)) as app_store:
+        await app_store.create("app", AppData(note="<script>alert(1)</script>"))
+    async with client(create_app(stores.reader)) as http:
+        page = await http.get("/sessions/app")
+        api = await http.get("/api/sessions/app")
+        listed = await http.get("/")
+    assert page.status_code == 500
+    assert "Stored data cannot be read" in page.text
+    assert "<script>alert" not in page.text
+    assert api.status_code == 500
+    assert api.json()["message"]
+    assert listed.status_code == 200  # the other sessions are still listed
+    assert "unreadable" in listed.text
+
+
+# -- the event stream ----------------------------------------------------------------
+
+
+async def read_batches(reader: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The ``batch`` events up to the next ``status`` event, and that status."""
+    batches = []
+    while True:
+        event = await reader.next_of("batch", "status")
+        assert event is not None
+        if event["event"] == "status":
+            return batches, event
+        batches.append(event)
+
+
+async def test_the_stream_sends_every_batch_in_order_then_the_status(stores: Stores) -> None:
+    app = create_app(stores.reader)
+    view = session_view(await stores.reader.load(SESSION), await stores.reader.batches(SESSION))
+    async with open_events(app, f"/sessions/{SESSION}/events") as reader:
+        assert reader.status == 200
+        assert reader.headers["content-type"].startswith("text/event-stream")
+        assert reader.headers["cache-control"] == "no-cache"
+        first = await reader.next()
+        assert first is not None
+        assert first["retry"] == "1000"
+        batches, status = await read_batches(reader)
+    assert [event["id"] for event in batches] == [f"{n}.0" for n in range(1, stores.revision + 1)]
+    for event, expected in zip(batches, view["batches"], strict=True):
+        data = dict(event["data"])
+        html = data.pop("html")
+        assert f'id="rev-{expected["revision"]}"' in html
+        assert data == msgspec.json.decode(msgspec.json.encode(expected))
+    assert status["id"] is None  # a status never moves the client's position
+    assert status["data"] == {"revision": stores.revision, "status": "done"}
+
+
+@pytest.mark.parametrize("how", ["last-event-id", "query", "both"])
+async def test_a_resumed_stream_sends_exactly_the_missing_batches(stores: Stores, how: str) -> None:
+    app = create_app(stores.reader)
+    for seen in range(stores.revision + 1):
+        headers = {"Last-Event-ID": f"{seen}.0"} if how != "query" else {}
+        # With both, the header wins: a browser reconnects with its first URL.
+        query = f"after={seen}&seq=0" if how == "query" else "after=0" if how == "both" else ""
+        async with open_events(app, f"/sessions/{SESSION}/events", query, headers) as reader:
+            batches, status = await read_batches(reader)
+        revisions = [event["data"]["revision"] for event in batches]
+        assert revisions == list(range(seen + 1, stores.revision + 1)), seen
+        assert status["data"]["revision"] == stores.revision
+
+
+async def test_batches_written_while_the_stream_is_open_arrive_once_in_order(
+    stores: Stores,
+) -> None:
+    app = create_app(stores.reader, poll_interval=0.01)
+    path = f"/sessions/{SESSION}/events"
+    async with open_events(app, path, f"after={stores.revision}") as reader:
+        caught_up, status = await read_batches(reader)
+        assert caught_up == []
+        assert status["data"] == {"revision": stores.revision, "status": "done"}
+        written = [await add_user_message(stores.writer, f"more <{n}>") for n in range(3)]
+        arrived = []
+        while len(arrived) < len(written):
+            event = await reader.next_of("batch", "status")
+            assert event is not None
+            if event["event"] == "batch":
+                arrived.append(event)
+            else:
+                assert event["data"]["status"] == "idle"  # a user message waits for a run
+    assert [event["id"] for event in arrived] == [f"{n}.0" for n in written]
+    texts = [event["data"]["effects"][0]["message"]["parts"][0]["text"] for event in arrived]
+    assert texts == ["more <0>", "more <1>", "more <2>"]
+    assert all("more &lt;" in event["data"]["html"] for event in arrived)
+    # The last id a client saw brings back nothing already seen, and what came after.
+    late = await add_user_message(stores.writer, "after the disconnect")
+    headers = {"Last-Event-ID": arrived[-1]["id"]}
+    async with open_events(app, path, headers=headers) as reader:
+        batches, _ = await read_batches(reader)
+    assert [event["id"] for event in batches] == [f"{late}.0"]
+
+
+async def test_a_quiet_stream_sends_keepalive_comments(stores: Stores) -> None:
+    app = create_app(stores.reader, poll_interval=0.01, keepalive=0.05)
+    async with open_events(app, f"/sessions/{SESSION}/events") as reader:
+        await read_batches(reader)
+        event = await reader.next()
+    assert event is not None
+    assert event["comments"] == ["keepalive"]
+    assert event["event"] is None
+
+
+async def test_closing_the_app_ends_its_streams(stores: Stores) -> None:
+    app = create_app(stores.reader, poll_interval=0.01)
+    async with open_events(app, f"/sessions/{SESSION}/events") as reader:
+        await read_batches(reader)
+        app.state.streams.close()
+        while (event := await reader.next()) is not None:
+            assert event["event"] != "batch"
+        assert reader.ended
+
+
+async def test_a_client_that_goes_away_ends_its_stream_quietly(
+    stores: Stores, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = create_app(stores.reader, poll_interval=0.01)
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(3):
+            async with open_events(app, f"/sessions/{SESSION}/events") as reader:
+                await reader.next()  # leaving the block disconnects, mid-stream
+    # open_events waits for the app's call to end: reaching here means it did.
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert (await stores.reader.load(SESSION)).revision == stores.revision
+
+
+@pytest.mark.parametrize(
+    ("headers", "query"),
+    [
+        ({"Last-Event-ID": "x.0"}, ""),
+        ({"Last-Event-ID": "-1.0"}, ""),
+        ({"Last-Event-ID": "1.2.3"}, ""),
+        ({}, "after=-3"),
+        ({}, "after=1&seq=z"),
+        ({}, "after=" + "9" * 100),
+    ],
+)
+async def test_a_malformed_position_is_a_400(
+    stores: Stores, headers: dict[str, str], query: str
+) -> None:
+    async with client(create_app(stores.reader)) as http:
+        response = await http.get(f"/sessions/{SESSION}/events?{query}", headers=headers)
+    assert response.status_code == 400
+
+
+@given(revision=st.integers(0, 10**30), seq=st.integers(0, 10**30))
+def test_an_event_id_reads_back_as_its_position(revision: int, seq: int) -> None:
+    assert parse_cursor(f"{revision}.{seq}", "7", "7") == (revision, seq)
+    assert parse_cursor(None, str(revision), str(seq)) == (revision, seq)
+    assert parse_cursor("", str(revision), None) == (revision, 0)
+
+
+# -- in-process live deltas ------------------------------------------------------------
+
+
+async def test_live_events_follow_the_batch_of_their_revision(stores: Stores) -> None:
+    hub = LiveHub()
+    app = create_app(stores.reader, poll_interval=0.01, live=hub)
+    path = f"/sessions/{SESSION}/events"
+    now = stores.revision
+    async with open_events(app, path, f"after={now}") as reader:
+        await read_batches(reader)
+        await hub.emit(Event(SESSION, now, 0, TextDelta("Hel")))
+        await hub.emit(Event(SESSION, now - 1, 5, TextDelta("stale")))  # dropped
+        await hub.emit(Event(SESSION, now, 1, TextDelta("lo")))
+        first = await reader.next_of("live")
+        second = await reader.next_of("live")
+    assert first is not None
+    assert second is not None
+    assert (first["id"], first["data"]) == (
+        f"{now}.1",
+        {"revision": now, "seq": 0, "kind": "text_delta", "text": "Hel"},
+    )
+    assert (second["id"], second["data"]["text"]) == (f"{now}.2", "lo")
+
+    # Resuming after the first delta sends the second only.
+    async with open_events(app, path, headers={"Last-Event-ID": f"{now}.1"}) as reader:
+        await read_batches(reader)
+        resumed = await reader.next_of("live")
+    assert resumed is not None
+    assert resumed["id"] == f"{now}.2"
+
+    # A delta of the next revision waits for that revision's batch.
+    async with open_events(app, path, f"after={now}&seq=2") as reader:
+        await read_batches(reader)
+        await hub.emit(Event(SESSION, now + 1, 0, ToolStarted("c1", "forecast")))
+        written = await add_user_message(stores.writer, "go on")
+        batch = await reader.next_of("batch", "live")
+        live = await reader.next_of("batch", "live")
+    assert written == now + 1
+    assert batch is not None
+    assert live is not None
+    assert (batch["event"], batch["id"]) == ("batch", f"{written}.0")
+    assert (live["event"], live["id"], live["data"]["kind"]) == (
+        "live",
+        f"{written}.1",
+        "tool_started",
+    )
+
+
+async def test_a_hub_fed_by_a_real_run_streams_its_text(stores: Stores) -> None:
+    from stepmachine import ModelInference, Runtime, StateMachine
+    from stepmachine.testing import ScriptedModel
+
+    hub = LiveHub()
+    app = create_app(stores.reader, poll_interval=0.01, live=hub)
+    await add_user_message(stores.writer, "And on Sunday?")
+    machine = StateMachine([ModelInference(instructions="Be brief.")])
+    model = ScriptedModel(["Rain on Sunday, take an umbrella."], chunk_size=4)
+    before = (await stores.reader.load(SESSION)).revision
+    async with open_events(app, f"/sessions/{SESSION}/events", f"after={before}") as reader:
+        await read_batches(reader)
+        await machine.run(Runtime(store=stores.writer, model=model), SESSION, emitter=hub)
+        text = ""
+        while True:
+            event = await reader.next_of("live", "batch")
+            assert event is not None
+            if event["event"] == "batch":
+                break
+            if event["data"]["kind"] == "text_delta":
+                text += event["data"]["text"]
+    # The deltas came before the batch they led to (they follow the revision before it).
+    assert text == "Rain on Sunday, take an umbrella."
+    assert event["data"]["revision"] == before + 1
+    message: Message = (await stores.reader.load(SESSION)).conversation[-1]
+    assert message.text == text
+
+
+# -- serve(): uvicorn in a child process, over real HTTP -------------------------------
+
+
+def sse_blocks(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The events of a streaming httpx response, parsed as they arrive."""
+    lines: list[str] = []
+    for line in response.iter_lines():
+        if line:
+            lines.append(line)
+        elif lines:
+            yield parse_event("\n".join(lines))
+            lines = []
+
+
+def test_serve_streams_over_http_and_stops_cleanly_with_a_stream_open(tmp_path: Path) -> None:
+    db = tmp_path / "agent.sqlite3"
+    revision = anyio.run(record, db)
+    server = Server(db, free_port(), tmp_path / "server.log")
+    stopped = False
+    try:
+        with httpx.Client(base_url=server.url, timeout=HANG) as http:
+            assert http.get("/").status_code == 200
+            assert http.get("/sessions/nobody").status_code == 404
+            headers = {"Last-Event-ID": f"{revision - 1}.0"}
+            with http.stream("GET", f"/sessions/{SESSION}/events", headers=headers) as response:
+                assert response.headers["content-type"].startswith("text/event-stream")
+                events = sse_blocks(response)
+                got = list(itertools.takewhile(lambda e: e["event"] != "status", events))
+                assert [e["id"] for e in got if e["event"] == "batch"] == [f"{revision}.0"]
+                written = anyio.run(append_one, db)
+                batch = next(e for e in events if e["event"] == "batch")
+                assert batch["id"] == f"{written}.0"
+                server.stop()  # returns once the process exited cleanly (code 0, no error)
+                stopped = True
+                assert [e["event"] for e in events] in ([], ["status"])  # then the stream ended
+    finally:
+        if not stopped:
+            server.stop()
+
+
+async def append_one(db: Path) -> int:
+    async with await SQLiteStore.open(db) as store:
+        return await add_user_message(store, "over real HTTP")
+
+
+# -- without the web extra --------------------------------------------------------------
+
+
+def test_without_the_extra_require_web_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        return None if name == "uvicorn" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ConfigurationError, match=r"install stepmachine\[web\].*uvicorn"):
+        require_web()
+
+
+def test_importing_the_live_view_without_the_extra_says_what_to_install() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['starlette'] = None  # as if not installed\n"
+        "try:\n"
+        "    import stepmachine.inspector._web\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert "install stepmachine[web]" in done.stdout
+    require_web()  # here the extra is installed
