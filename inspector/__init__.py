@@ -14,27 +14,55 @@ The pieces, usable from Python too:
   ``show --json``, the HTML timeline and the live view read);
 - :func:`render_html`: the self-contained HTML timeline of a view;
   :func:`render_page` (the same page with the live view's script) and
-  :func:`render_batch` (one timeline entry) for the live view.
+  :func:`render_batch` (one timeline entry) for the live view;
+- :func:`create_app` / :func:`serve` (extra ``web``, imported on first use):
+  the live view, a Starlette application over an open store and the server
+  ``stepmachine serve`` runs; :class:`LiveHub` (a :class:`LiveSource`) streams
+  an in-process run's display events to it.
 """
 
+from typing import Any
+
 from ._html import render_batch, render_html, render_page
+from ._live import LiveHub
 from ._open import StoreNotFoundError, UsageError, inspection_codec, load_codec, open_store
+from ._sse import LiveSource
 from ._status import STATUSES, session_status
-from ._view import FORMAT, batch_view, message_view, session_view
+from ._view import FORMAT, History, batch_view, load_view, message_view, session_view
 
 __all__ = [
     "FORMAT",
     "STATUSES",
+    "History",
+    "LiveHub",
+    "LiveSource",
     "StoreNotFoundError",
     "UsageError",
     "batch_view",
+    "create_app",
     "inspection_codec",
     "load_codec",
+    "load_view",
     "message_view",
     "open_store",
     "render_batch",
     "render_html",
     "render_page",
+    "serve",
     "session_status",
     "session_view",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``create_app`` and ``serve``, imported on first use: they need the extra ``web``.
+
+    Raises:
+        ImportError: Starlette or uvicorn is missing (the message says to install
+            ``stepmachine[web]``).
+    """
+    if name in ("create_app", "serve"):
+        from . import _web  # noqa: PLC0415 - the extra is optional
+
+        return getattr(_web, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -39,10 +39,12 @@ from stepmachine import (
 )
 from stepmachine.operations import approve, deny, submit_event
 
+from ._html import render_html
 from ._open import UsageError, load_codec, load_object, open_store
 from ._status import STATUSES, session_status
 from ._terminal import clean, print_log, print_sessions, print_show
-from ._view import History, batch_view, history_problems, session_view
+from ._view import History, batch_view, history_problems, load_view
+from ._web_extra import require_web
 
 __all__ = ["cli", "main"]
 
@@ -220,13 +222,6 @@ def sessions_list(
 # -- show, log --------------------------------------------------------------------------------
 
 
-async def _view(store: Any, session_id: str, at: int | None) -> dict[str, Any]:
-    session = await (store.load(session_id) if at is None else store.load_at(session_id, at))
-    batches = await store.batches(session_id)
-    created = await store.load_at(session_id, 0)
-    return session_view(session, batches, created=created.conversation)
-
-
 @cli.command()
 @click.argument("session_id", metavar="SESSION")
 @click.option("--at", type=click.IntRange(min=0), help="the session as it was at this revision")
@@ -244,7 +239,7 @@ def show(
 ) -> None:
     """The conversation: messages, tool calls with their journal state, approvals,
     compactions, notes; hidden messages marked."""
-    view = _run(ctx, lambda store: _view(store, session_id, at))
+    view = _run(ctx, lambda store: load_view(store, session_id, at))
     if as_json:
         click.echo(json.dumps(view, ensure_ascii=False, indent=2))
         return
@@ -498,11 +493,9 @@ def export(
     read it), or the view as JSON."""
     if html_file is None and json_file is None:
         raise click.UsageError("say what to write: --html FILE and/or --json FILE")
-    view = _run(ctx, lambda store: _view(store, session_id, at))
+    view = _run(ctx, lambda store: load_view(store, session_id, at))
     with _errors():
         if html_file is not None:
-            from ._html import render_html  # noqa: PLC0415 - until the module lands
-
             _write(html_file, render_html(view))
             click.echo(clean(f"wrote {html_file}"))
         if json_file is not None:
@@ -537,12 +530,9 @@ def serve(ctx: click.Context, store_url: str | None, host: str, port: int, poll:
     settings = _settings(ctx)
     url = store_url or settings.store or ""
     with _errors():
-        try:
-            from ._web import serve as serve_web  # noqa: PLC0415 - needs the web extra
-        except ImportError as exc:
-            raise click.ClickException(
-                f"the live view needs the extra web: pip install 'stepmachine[web]' ({exc})"
-            ) from exc
+        require_web()
+        from ._web import serve as serve_web  # noqa: PLC0415 - needs the web extra
+
         codec = load_codec(settings.codec) if settings.codec else None
         serve_web(url, host=host, port=port, codec=codec, poll_interval=poll)
 

@@ -35,7 +35,7 @@ them (the batch they led to holds the truth).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Final, Protocol
 
 import anyio
@@ -45,6 +45,7 @@ from stepmachine import (
     Batch,
     Effect,
     Event,
+    Message,
     SessionNotFoundError,
     Store,
     StoreClosedError,
@@ -52,7 +53,7 @@ from stepmachine import (
 )
 
 from ._status import session_status
-from ._view import batch_view
+from ._view import History, batch_view
 
 __all__ = ["Cursor", "LiveSource", "parse_cursor", "session_events", "sse"]
 
@@ -116,13 +117,13 @@ def sse(
 class _Views:
     """Batch views in log order, with what ``batch_view`` needs from the batches before."""
 
-    def __init__(self) -> None:
+    def __init__(self, created: Sequence[Message]) -> None:
         self.revision = 0
         self._previous: float | None = None
-        self._added: dict[str, int] = {}
+        self._history = History(created)
 
     def view(self, batch: Batch[Effect]) -> dict[str, Any]:
-        view = batch_view(batch, previous=self._previous, added=self._added)
+        view = batch_view(batch, previous=self._previous, history=self._history)
         self._previous = batch.timestamp
         self.revision = batch.revision
         return view
@@ -159,7 +160,7 @@ async def session_events(
     when there are any.
     """
     session = await store.load(session_id)
-    views = _Views()
+    views = _Views((await store.load_at(session_id, 0)).conversation)
     after, position = cursor
     yield f"retry: {retry_ms}\n\n" if retry_ms is not None else ": open\n\n"
     quiet_since = anyio.current_time()

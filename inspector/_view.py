@@ -46,6 +46,7 @@ from stepmachine import (
     ReplaceConversation,
     Session,
     SetVisibility,
+    Store,
     TextPart,
     ToolCallPart,
     ToolResultPart,
@@ -63,6 +64,7 @@ __all__ = [
     "batch_view",
     "effect_summary",
     "history_problems",
+    "load_view",
     "message_view",
     "session_view",
 ]
@@ -354,3 +356,17 @@ def session_view(
         "messages": messages,
         "batches": batch_views,
     }
+
+
+async def load_view(store: Store, session_id: str, at: int | None = None) -> dict[str, Any]:
+    """The :func:`session_view` of ``session_id`` in ``store`` (as it was at ``at``).
+
+    Raises:
+        SessionNotFoundError: no such session.
+        ValueError: ``at`` is beyond the session's revision.
+        StoredDataError: a record does not decode with the store's codec.
+    """
+    session = await (store.load(session_id) if at is None else store.load_at(session_id, at))
+    batches = await store.batches(session_id)
+    created = (await store.load_at(session_id, 0)).conversation
+    return session_view(session, batches, created=created)

@@ -41,7 +41,7 @@ from ._live_page import live_script
 from ._open import open_store
 from ._sse import LiveSource, parse_cursor, session_events
 from ._status import session_status
-from ._view import session_view
+from ._view import load_view
 from ._web_extra import web_extra_message
 
 try:
@@ -223,8 +223,7 @@ def create_app(
         return _page("stepmachine sessions", f"<h1>Sessions</h1>{table}")
 
     async def view_of(session_id: str) -> dict[str, Any]:
-        session = await store.load(session_id)
-        return session_view(session, await store.batches(session_id))
+        return await load_view(store, session_id)
 
     async def session_page(request: Request) -> Response:
         session_id = request.path_params["session_id"]

@@ -33,7 +33,7 @@ from stepmachine import (
     Usage,
     tool,
 )
-from stepmachine.inspector import session_view
+from stepmachine.inspector._view import load_view
 from stepmachine.operations import Approval, Compaction, HistoryGuard, approve
 from stepmachine.stores import SQLiteStore
 from stepmachine.testing import ScriptedModel, call, reply
@@ -68,10 +68,7 @@ async def demo_view(path: Path) -> dict[str, Any]:
     """The view of :func:`record_demo`'s session."""
     store, session_id = await record_demo(path)
     async with store:
-        created = (await store.load_at(session_id, 0)).conversation
-        return session_view(
-            await store.load(session_id), await store.batches(session_id), created=created
-        )
+        return await load_view(store, session_id)
 
 
 @tool(thread=False)
@@ -194,7 +191,4 @@ async def record_hostile(path: Path, session_id: str = "hostile") -> Any:
         )
         runtime = Runtime(store=store, model=ScriptedModel(turns, name=HOSTILE))
         await machine.run_report(runtime, session_id)
-        created = (await store.load_at(session_id, 0)).conversation
-        return session_view(
-            await store.load(session_id), await store.batches(session_id), created=created
-        )
+        return await load_view(store, session_id)
