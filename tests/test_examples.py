@@ -102,7 +102,24 @@ def test_there_are_examples() -> None:
         "approval.py",
         "compaction.py",
         "workers.py",
+        "inspector.py",
     }
+
+
+def test_inspector_runs_the_command_on_the_demos_database(tmp_path: Path) -> None:
+    db = tmp_path / "demo-data" / "hello_world.sqlite3"
+    done = run([str(ROOT / "examples" / "inspector.py"), "--db", str(db)], tmp_path)
+    assert done.returncode == 0, done.stderr + done.stdout
+    out = done.stdout
+    for command in ("sessions list", "show hello-", "log hello-", "fsck", "approve pay-"):
+        assert f"$ stepmachine {command}" in out
+    assert "awaiting approval" in out  # listed before the approval
+    assert "approved by you: invoice checked" in out  # the audit log after it
+    assert "final answer: Done: paid 120 EUR to Alice." in out
+    (html,) = db.parent.glob("pay-*.html")
+    page = html.read_text(encoding="utf-8")
+    assert "paid 120 EUR to Alice" in page
+    assert "invoice checked" in page
 
 
 def check_workers_output(out: str) -> None:

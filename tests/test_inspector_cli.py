@@ -4,11 +4,14 @@ the public API (tests/fixtures/inspector_agent.py: one session of every status).
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -597,3 +600,79 @@ def test_postgres_store(postgres_dsn: str, backend: str) -> None:
     )
     listed = run(postgres_dsn, "sessions", "list", "--json", backend=backend)
     assert [json.loads(x)["id"] for x in listed.output.splitlines()] == ["p1", "p2"]
+
+
+def test_export_html_writes_the_timeline(db: Path, tmp_path: Path, backend: str) -> None:
+    out = tmp_path / "out.html"
+    result = run(db, "export", "approval", "--html", str(out), backend=backend)
+    assert result.exit_code == 0, result.output
+    page = out.read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>")
+    session = load(db, "approval")
+    for message in session.conversation:
+        assert f'id="msg-{message.id}"' in page
+        if message.text:
+            assert html.escape(message.text) in page
+    (call,) = session.history.open_calls()
+    assert f'id="call-{call.call_id}"' in page
+    assert "awaiting approval" in page
+    assert "http://" not in page
+    assert "https://" not in page
+    # --at: the timeline as it was; the file is replaced whole
+    result = run(db, "export", "approval", "--html", str(out), "--at", "1", backend=backend)
+    assert result.exit_code == 0
+    assert 'id="rev-2"' not in out.read_text(encoding="utf-8")
+    assert 'id="rev-1"' in out.read_text(encoding="utf-8")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("out.html")] == ["out.html"]
+
+
+def test_serve_errors_before_listening(db: Path, tmp_path: Path, backend: str) -> None:
+    missing = run(f"sqlite:///{tmp_path / 'missing.sqlite3'}", "serve", backend=backend)
+    assert missing.exit_code == 1
+    assert "no SQLite store" in missing.output
+    memory = CliRunner().invoke(cli, ["serve", "memory:"])
+    assert memory.exit_code == 2
+
+
+def test_serve_serves_the_store_until_interrupted(db: Path, tmp_path: Path, backend: str) -> None:
+    if backend == "trio":
+        pytest.skip("serve runs uvicorn on asyncio whatever --backend says")
+    import socket
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("wb") as sink:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "stepmachine", "serve", f"sqlite:///{db}", "--port", str(port)],
+            stdout=sink,
+            stderr=sink,
+            env=env,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            assert server.poll() is None, log.read_text()
+            try:
+                listed = httpx.get(f"{url}/api/sessions", timeout=5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        else:
+            pytest.fail("the server never answered")
+        assert sorted(row["id"] for row in listed.json()) == sorted(
+            inspector_agent.SESSIONS.values()
+        )
+        page = httpx.get(f"{url}/sessions/approval", timeout=5)
+        assert page.status_code == 200
+        assert "pay Alice" in page.text
+        assert httpx.get(f"{url}/sessions/nope", timeout=5).status_code == 404
+    finally:
+        server.send_signal(signal.SIGINT)
+        code = server.wait(timeout=30)
+    assert code == 0, log.read_text()
+    assert "Traceback" not in log.read_text()
