@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -41,7 +42,7 @@ from stepmachine.operations import approve, deny, submit_event
 
 from ._open import UsageError, load_codec, load_object, open_store
 from ._status import STATUSES, session_status
-from ._terminal import clean, print_log, print_sessions, print_show
+from ._terminal import clean, json_text, print_log, print_sessions, print_show
 from ._view import batch_view, history_problems, session_view
 
 __all__ = ["cli", "main"]
@@ -102,12 +103,25 @@ def _run(ctx: click.Context, work: Callable[[Any], Awaitable[T]], *, write: bool
         return anyio.run(main, backend=settings.backend)
 
 
+def _not_json(token: str) -> float:
+    raise ValueError(f"{token} is not a JSON number")
+
+
+def _finite_number(token: str) -> float:
+    number = float(token)
+    if not math.isfinite(number):
+        raise ValueError(f"{token} is out of range")
+    return number
+
+
 def _json_argument(value: str | None, option: str) -> Any:
+    """``value`` parsed as strict JSON: no ``NaN``/``Infinity``, no number that overflows
+    (they would be stored as ``null``, not as given)."""
     if value is None:
         return None
     try:
-        return json.loads(value)
-    except json.JSONDecodeError as exc:
+        return json.loads(value, parse_constant=_not_json, parse_float=_finite_number)
+    except ValueError as exc:  # json.JSONDecodeError too
         raise click.BadParameter(f"not JSON: {exc}", param_hint=option) from exc
 
 
@@ -190,7 +204,7 @@ def sessions_list(
                 continue
             try:
                 rows.append(await _session_row(store, session_id))
-            except (StepmachineError, ValueError) as exc:
+            except (StepmachineError, ValueError, OSError) as exc:
                 rows.append(
                     {
                         "id": session_id,
@@ -209,7 +223,7 @@ def sessions_list(
         rows = sorted(rows, key=lambda r: r["last_activity"] or 0.0, reverse=True)[:limit]
     if as_json:
         for row in rows:
-            click.echo(json.dumps(row, ensure_ascii=False))
+            click.echo(json_text(row))
         return
     print_sessions(_console(), rows)
     for row in rows:
@@ -245,7 +259,7 @@ def show(
     compactions, notes; hidden messages marked."""
     view = _run(ctx, lambda store: _view(store, session_id, at))
     if as_json:
-        click.echo(json.dumps(view, ensure_ascii=False, indent=2))
+        click.echo(json_text(view, indent=2))
         return
     print_show(_console(), view, model_view=model_view, notes=notes)
 
@@ -272,7 +286,7 @@ def log(ctx: click.Context, session_id: str, after: int, as_json: bool) -> None:
     views = _run(ctx, work)
     if as_json:
         for view in views:
-            click.echo(json.dumps(view, ensure_ascii=False))
+            click.echo(json_text(view))
         return
     print_log(_console(), views)
 
@@ -298,7 +312,7 @@ def fsck(ctx: click.Context, session_id: str | None) -> None:
                 await store.batches(each)
             except SessionNotFoundError:
                 raise
-            except (StepmachineError, ValueError) as exc:
+            except (StepmachineError, ValueError, OSError) as exc:
                 found.append((each, f"unreadable: {exc}"))
                 continue
             found.extend(
@@ -356,6 +370,11 @@ def approve_command(
 ) -> None:
     """Approve the pending tool call CALL_ID (bound to its tool and arguments)."""
     edited = _json_argument(arguments, "--args")
+    if arguments is not None and not isinstance(edited, dict):
+        raise click.BadParameter(
+            f"the edited arguments must be a JSON object, not {type(edited).__name__}",
+            param_hint="--args",
+        )
     if arguments is not None and tool is None:
         raise click.UsageError(
             "--args are validated against the tool's schema: pass --tool module:attribute"
@@ -504,7 +523,7 @@ def export(
             _write(html_file, render_html(view))
             click.echo(clean(f"wrote {html_file}"))
         if json_file is not None:
-            _write(json_file, json.dumps(view, ensure_ascii=False, indent=2))
+            _write(json_file, json_text(view, indent=2))
             click.echo(clean(f"wrote {json_file}"))
 
 

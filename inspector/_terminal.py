@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import re
 from collections.abc import Sequence
 from typing import Any, Final
@@ -20,7 +21,7 @@ from rich.text import Text
 
 from ._records import describe
 
-__all__ = ["clean", "print_log", "print_sessions", "print_show", "when"]
+__all__ = ["clean", "json_text", "print_log", "print_sessions", "print_show", "when"]
 
 _CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 _STATUS_STYLE: Final = {
@@ -36,6 +37,31 @@ _STATUS_STYLE: Final = {
 def clean(text: object) -> str:
     """``text`` with control and bidirectional-override characters shown escaped."""
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every infinite or NaN float replaced by ``None`` (JSON has neither)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(inner) for key, inner in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(inner) for inner in value]
+    return value
+
+
+def json_text(value: Any, *, indent: int | None = None) -> str:
+    """``value`` as strict JSON that is safe to print.
+
+    Non-ASCII text stays readable, but the characters :func:`clean` escapes
+    (C1 controls, line and paragraph separators, bidirectional overrides) are
+    written as ``\\uXXXX`` escapes (JSON's own escapes already cover
+    ``\\x00``-``\\x1f``), so neither a terminal nor a line-splitting reader
+    sees them raw; an infinite or NaN number (which JSON cannot hold) is
+    written as ``null``.
+    """
+    text = json.dumps(_finite(value), ensure_ascii=False, indent=indent, allow_nan=False)
+    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _text(value: object, style: str = "") -> Text:

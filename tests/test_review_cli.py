@@ -1,0 +1,356 @@
+"""An outside review of the ``stepmachine`` command: hostile stored values, damaged stores,
+decisions given odd input, and real sessions whose status must read right.
+
+Each test reproduces what a user could meet; the ones marked ``xfail`` name what is
+still wrong and where.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import inspector_agent
+import msgspec
+import pytest
+from click.testing import CliRunner, Result
+
+from stepmachine import (
+    AppendMessage,
+    Message,
+    ModelInference,
+    ReasoningPart,
+    StateMachine,
+    StepmachineError,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    Tools,
+    submit,
+)
+from stepmachine.inspector._cli import cli
+from stepmachine.operations import Budget, Limits
+from stepmachine.stores import FileStore, SQLiteStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.parametrize("backend", ["asyncio", "trio"])
+
+HOSTILE = (
+    "\x1b[2J\x1b]8;;http://evil\x07link\x1b]8;;\x07[bold]mk[/]\r\x08"
+    "\u202eRTL\u2066\x9b31m\x85NEL\u2028LS\u2029PS\x7f"
+)
+"""Text that would drive a terminal or break a line-splitting reader if printed raw."""
+RAW = ("\x1b", "\x07", "\r", "\x08", "\u202e", "\u2066", "\x9b", "\x85", "\u2028", "\u2029", "\x7f")
+
+
+def run(store: Path | str, *args: str, backend: str) -> Result:
+    url = store if isinstance(store, str) else f"sqlite:///{store}"
+    return CliRunner().invoke(cli, ["--store", url, "--backend", backend, *args])
+
+
+def strict_json(text: str) -> Any:
+    def refuse(token: str) -> Any:
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    path = tmp_path / "agent.sqlite3"
+    anyio.run(inspector_agent.record, path)
+    return path
+
+
+def _hostile_session(db: Path) -> None:
+    async def main() -> None:
+        async with await SQLiteStore.open(db) as store:
+            call = ToolCallPart.of("c1", "tool" + HOSTILE, {"k": HOSTILE})
+            await store.create(
+                "hostile",
+                conversation=[
+                    Message.user(HOSTILE, id="u1"),
+                    Message(
+                        id="a1",
+                        role="assistant",
+                        parts=(ReasoningPart(HOSTILE), TextPart(HOSTILE), call),
+                    ),
+                    Message.tool_result(ToolResultPart("c1", HOSTILE, is_error=True), id="t1"),
+                ],
+            )
+            await submit(store, "hostile", [AppendMessage(Message.user(HOSTILE, id="u2"))])
+
+    anyio.run(main)
+
+
+# -- JSON output ----------------------------------------------------------------------------------
+
+
+def test_json_output_never_carries_terminal_controls_and_splits_into_lines(
+    db: Path, backend: str
+) -> None:
+    """Found: ``json.dumps(ensure_ascii=False)`` left C1 controls (``\\x9b`` is CSI), bidi
+    overrides and U+2028/U+0085 raw in ``--json`` output; ``log --json`` lines then split
+    apart under ``str.splitlines``. Fixed: ``_terminal.json_text`` escapes them."""
+    _hostile_session(db)
+    for command, one_document in (
+        (["show", "hostile", "--json"], True),
+        (["log", "hostile", "--json"], False),
+        (["sessions", "list", "--json"], False),
+    ):
+        result = run(db, *command, backend=backend)
+        assert result.exit_code == 0, result.output
+        assert [c for c in RAW if c in result.output] == [], command
+        documents = [result.output] if one_document else result.output.splitlines()
+        values = [strict_json(document) for document in documents]
+        if command[0] == "show":
+            (view,) = values
+            assert view["messages"][0]["parts"][0]["text"] == HOSTILE  # escaped, not altered
+        if command[0] == "log":
+            assert [v["revision"] for v in values] == [1]
+
+
+def test_json_output_is_strict_json_for_an_infinite_batch_timestamp(
+    tmp_path: Path, backend: str
+) -> None:
+    """Found: a batch stored with an infinite timestamp (SQLite keeps it) came out as
+    ``Infinity``, which is not JSON. Fixed: written as ``null``."""
+    path = tmp_path / "inf.sqlite3"
+
+    async def main() -> None:
+        async with await SQLiteStore.open(path) as store:
+            await store.create("inf", conversation=[Message.user("x", id="u0")])
+            await submit(
+                store,
+                "inf",
+                [AppendMessage(Message.user("y", id="u1"))],
+                clock=lambda: math.inf,
+            )
+
+    anyio.run(main)
+    log = run(path, "log", "inf", "--json", backend=backend)
+    assert log.exit_code == 0, log.output
+    assert strict_json(log.output)["timestamp"] is None
+    listed = run(path, "sessions", "list", "--json", backend=backend)
+    assert strict_json(listed.output)["last_activity"] is None
+    shown = run(path, "show", "inf", "--json", backend=backend)
+    assert strict_json(shown.output)["batches"][0]["timestamp"] is None
+    table = run(path, "log", "inf", backend=backend)
+    assert table.exit_code == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="stores/_sqlite_log.py: SQLiteStore stores a batch with an infinite timestamp "
+    "(FileStore refuses it) and a NaN one fails with a raw sqlite3.IntegrityError; both "
+    "should be refused before anything is written, with a StepmachineError naming the field",
+)
+def test_sqlite_store_refuses_a_non_finite_batch_timestamp(tmp_path: Path, backend: str) -> None:
+    async def main() -> None:
+        async with await SQLiteStore.open(tmp_path / "s.sqlite3") as store:
+            await store.create("s", conversation=[Message.user("x", id="u0")])
+            for value in (math.inf, math.nan):
+                with pytest.raises(StepmachineError):
+                    await submit(
+                        store,
+                        "s",
+                        [AppendMessage(Message.user("y", id="u1"))],
+                        clock=lambda value=value: value,  # type: ignore[misc]
+                    )
+            assert (await store.load("s")).revision == 0
+
+    anyio.run(main, backend=backend)
+
+
+# -- damaged file stores --------------------------------------------------------------------------
+
+
+def _fingerprint(folder: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(folder)): (p.read_bytes() if p.is_file() and not p.is_symlink() else b"")
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def test_file_store_folder_with_junk_still_lists_the_good_sessions(
+    tmp_path: Path, backend: str
+) -> None:
+    """Found: a ``*.log`` entry that is a directory or a symlink made ``sessions list``
+    and ``fsck`` fail whole (an OSError), hiding every good session. Fixed: it is listed
+    as unreadable and the others are still listed; nothing in the folder changes."""
+    folder = tmp_path / "files"
+
+    async def main() -> None:
+        async with await FileStore.open(folder) as store:
+            await store.create("good", conversation=[Message.user("hello", id="u1")])
+
+    anyio.run(main)
+    (folder / "junk.log").write_bytes(b"junk")
+    (folder / "dir.log").mkdir()
+    (folder / "link.log").symlink_to(tmp_path / "elsewhere.log")
+    (folder / "notes.txt").write_text("not a session")
+    before = _fingerprint(folder)
+    listed = run(f"file://{folder}", "sessions", "list", "--json", backend=backend)
+    assert listed.exit_code == 0, listed.output
+    rows = {row["id"]: row for row in map(json.loads, listed.output.splitlines())}
+    assert rows["good"]["status"] == "idle"
+    assert {rows[i]["status"] for i in ("junk", "dir", "link")} == {"unreadable"}
+    checked = run(f"file://{folder}", "fsck", backend=backend)
+    assert checked.exit_code == 1
+    assert "good:" not in checked.output
+    assert "dir: unreadable" in checked.output
+    assert "link: unreadable" in checked.output
+    assert run(f"file://{folder}", "show", "good", backend=backend).exit_code == 0
+    assert _fingerprint(folder) == before
+
+
+# -- decisions given odd input ---------------------------------------------------------------------
+
+
+def _pending(db: Path) -> str:
+    async def main() -> str:
+        async with await SQLiteStore.open(db) as store:
+            (call,) = (await store.load("approval")).history.open_calls()
+            return call.call_id
+
+    return anyio.run(main)
+
+
+def _revision(db: Path, session_id: str) -> int:
+    async def main() -> int:
+        async with await SQLiteStore.open(db) as store:
+            return (await store.load(session_id)).revision
+
+    return anyio.run(main)
+
+
+def test_edited_arguments_that_are_not_an_object_are_refused(db: Path, backend: str) -> None:
+    """Found: ``--args null`` parsed to ``None``, which the API reads as "no edit": the call
+    was approved with its original arguments, exit 0. Fixed: a usage error, nothing written."""
+    call_id = _pending(db)
+    before = _revision(db, "approval")
+    for value in ("null", "[1]", '"Alice"', "3"):
+        result = run(
+            db,
+            "approve",
+            "approval",
+            call_id,
+            "--by",
+            "me",
+            "--args",
+            value,
+            "--tool",
+            "inspector_agent:send_payment",
+            backend=backend,
+        )
+        assert result.exit_code == 2, (value, result.output)
+        assert "JSON object" in result.output
+    assert _revision(db, "approval") == before
+
+
+def test_json_options_refuse_numbers_json_cannot_hold(db: Path, backend: str) -> None:
+    """Found: ``--payload '{"x": NaN}'`` (and ``Infinity``, ``1e999``) was accepted and
+    stored as ``null``. Fixed: not JSON, a usage error, nothing written."""
+    before = _revision(db, "event")
+    for payload in ('{"x": NaN}', '{"x": -Infinity}', '{"x": 1e999}'):
+        result = run(db, "submit-event", "event", "job_done", "--payload", payload, backend=backend)
+        assert result.exit_code == 2, (payload, result.output)
+    assert _revision(db, "event") == before
+    ok = run(db, "submit-event", "event", "job_done", "--payload", '{"x": 1.5e3}', backend=backend)
+    assert ok.exit_code == 0, ok.output
+
+
+def test_racing_approve_and_deny_from_two_processes_one_wins(db: Path, backend: str) -> None:
+    """Holds: two processes deciding at once: exactly one decision is written; the other
+    exits 1 naming the decision it lost to, with no traceback."""
+    call_id = _pending(db)
+    before = _revision(db, "approval")
+    env = {
+        **os.environ,
+        "STEPMACHINE_STORE": f"sqlite:///{db}",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "fixtures")]),
+    }
+    base = [sys.executable, "-m", "stepmachine", "--backend", backend]
+    processes = [
+        subprocess.Popen(
+            [*base, "approve", "approval", call_id, "--by", "A"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        ),
+        subprocess.Popen(
+            [*base, "deny", "approval", call_id, "--by", "B", "--why", "no"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        ),
+    ]
+    outcomes = []
+    for process in processes:
+        _, err = process.communicate(timeout=120)
+        outcomes.append((process.returncode, err.decode()))
+    assert sorted(code for code, _ in outcomes) == [0, 1]
+    assert all("Traceback" not in err for _, err in outcomes)
+    assert _revision(db, "approval") == before + 1
+
+
+# -- status of sessions run by real machines ------------------------------------------------------
+
+
+def test_budget_exhaustion_recorded_on_its_own_refusal_result_is_shown(
+    tmp_path: Path, backend: str
+) -> None:
+    """Found: when the last message is the budget's own refused-call result, Budget merges
+    its ``exhausted`` note into that result's record; ``show`` printed only the call id
+    and never why the session stopped. Fixed: ``_records.records_in`` finds the nested
+    record of the same tag. The status reads "budget exhausted" throughout, and a second
+    run writes nothing new."""
+    path = tmp_path / "budget.sqlite3"
+    machine = StateMachine(
+        [
+            Budget(per_run=Limits(tool_calls=0), per_session=Limits(model_calls=1)),
+            Tools([inspector_agent.lookup]),
+            ModelInference(instructions="Help."),
+        ]
+    )
+
+    async def main() -> list[int]:
+        revisions = []
+        async with await SQLiteStore.open(path) as store:
+            await store.create("b", conversation=[Message.user("weather?", id="u1")])
+            runtime = inspector_agent.runtime(store)
+            for _ in range(3):
+                await machine.run(runtime, "b")
+                revisions.append((await store.load("b")).revision)
+        return revisions
+
+    revisions = anyio.run(main)
+    assert revisions[1] == revisions[2]  # the exhaustion is recorded once
+    listed = run(path, "sessions", "list", "--json", backend=backend)
+    assert json.loads(listed.output)["status"] == "budget exhausted"
+    shown = run(path, "show", "b", backend=backend)
+    assert "model_calls budget per session exhausted (1 of 1)" in shown.output
+    view = json.loads(run(path, "show", "b", "--json", backend=backend).output)
+    tags = [(r["key"], r["record"]) for r in view["messages"][-1]["records"]]
+    assert (None, "stepmachine.budget.refusal") in tags
+    assert ("exhausted", "stepmachine.budget.refusal") in tags
+
+
+def test_event_payload_shaped_like_a_record_does_not_change_the_status(
+    db: Path, backend: str
+) -> None:
+    """Holds: an event payload that looks like a budget refusal is data: the status of
+    the session waiting for that event is not "budget exhausted"."""
+    fake = json.dumps({"record": "stepmachine.budget.refusal", "refused": "x"})
+    result = run(db, "submit-event", "event", "other", "--payload", fake, backend=backend)
+    assert result.exit_code == 0, result.output
+    listed = run(db, "sessions", "list", "--match", "event", "--json", backend=backend)
+    assert json.loads(listed.output)["status"] != "budget exhausted"
+    assert msgspec.json.decode(listed.output.encode())["id"] == "event"
