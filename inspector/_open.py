@@ -76,8 +76,8 @@ def load_object(spec: str, option: str) -> Any:
     """The object ``module:attribute`` names, imported (the cwd is on the import path).
 
     Raises:
-        UsageError: the spec is malformed, or the module or the attribute is
-            missing; the message names ``option``.
+        UsageError: the spec is malformed, the module or the attribute is
+            missing, or importing the module raised; the message names ``option``.
     """
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
@@ -88,6 +88,10 @@ def load_object(spec: str, option: str) -> Any:
         value: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise UsageError(f"{option} {spec}: cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # the application's module failed while it was imported
+        raise UsageError(
+            f"{option} {spec}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
     for name in attribute.split("."):
         try:
             value = getattr(value, name)
@@ -102,11 +106,18 @@ def load_codec(spec: str) -> Codec[Any]:
     The attribute may be a codec or a function of no arguments returning one.
 
     Raises:
-        UsageError: see :func:`load_object`; or it is not a codec.
+        UsageError: see :func:`load_object`; or it is not a codec, or calling
+            it raised (a function that needs arguments, say).
     """
     value = load_object(spec, "--codec")
     if callable(value) and not isinstance(value, Codec):
-        value = value()
+        try:
+            value = value()
+        except Exception as exc:  # not a function of no arguments, or it failed
+            raise UsageError(
+                f"--codec {spec} is neither a Codec nor a function of no arguments returning "
+                f"one: calling it raised {type(exc).__name__}: {exc}"
+            ) from exc
     if not isinstance(value, Codec):
         raise UsageError(f"--codec {spec} is a {type(value).__name__}, not a stepmachine Codec")
     return value

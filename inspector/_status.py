@@ -7,8 +7,10 @@ configuration), at what the built-in operations record, in this order:
    no decision (the :class:`~stepmachine.operations.Approval` step noted it
    when it yielded);
 2. ``outcome unknown``: an open call has a journal intent and no result (a
-   crash while it ran, or a run in progress right now); an operator decides
-   with ``resolve-unknown``;
+   crash while it ran, or a run in progress right now), and no operator has
+   allowed that attempt to run again; an operator decides with
+   ``resolve-unknown`` (``--rerun`` leaves the call open for the next run, and the
+   session reads ``idle``);
 3. ``budget exhausted``: the last message the model sees carries the
    budget's record of a refusal (tool calls refused, or a model call it did not
    make);
@@ -31,7 +33,7 @@ from stepmachine import Session
 
 from ._records import find, records_in
 
-__all__ = ["STATUSES", "session_status"]
+__all__ = ["STATUSES", "outcome_unknown", "session_status"]
 
 AWAITING_APPROVAL: Final = "awaiting approval"
 OUTCOME_UNKNOWN: Final = "outcome unknown"
@@ -49,6 +51,15 @@ _BUDGET: Final = "stepmachine.budget.refusal"
 _WAIT: Final = "stepmachine.events.wait"
 
 
+def outcome_unknown(journal: dict[str, Any] | None) -> bool:
+    """Whether a call's journal record (as stored) leaves its outcome for an operator:
+    an intent, and no re-run allowed for that attempt."""
+    if journal is None or not journal.get("intent"):
+        return False
+    rerun = journal.get("rerun_approved") and journal.get("rerun_attempt") == journal.get("attempt")
+    return not rerun
+
+
 def _awaits_approval(notes: dict[str, Any]) -> bool:
     return find(notes, _REQUEST) is not None and find(notes, _DECISION) is None
 
@@ -58,10 +69,8 @@ def session_status(session: Session[Any]) -> str:
     open_calls = session.history.open_calls()
     if any(_awaits_approval(call.notes) for call in open_calls):
         return AWAITING_APPROVAL
-    for call in open_calls:
-        journal = find(call.notes, _JOURNAL)
-        if journal is not None and journal.get("intent"):
-            return OUTCOME_UNKNOWN
+    if any(outcome_unknown(find(call.notes, _JOURNAL)) for call in open_calls):
+        return OUTCOME_UNKNOWN
     last = next((m for m in reversed(session.conversation) if m.visible_to_model), None)
     if last is not None and find(last.notes, _BUDGET) is not None:
         return BUDGET_EXHAUSTED

@@ -54,7 +54,7 @@ from stepmachine.operations import Problem, fsck
 from stepmachine.operations._history_guard import OPEN_CALL
 
 from ._records import describe, find, records_in
-from ._status import session_status
+from ._status import outcome_unknown, session_status
 
 __all__ = [
     "FORMAT",
@@ -88,8 +88,7 @@ def _call_state(call: ToolCallPart, result: ToolResultPart | None) -> str:
         return "error" if result.is_error else "answered"
     if find(call.notes, _REQUEST) is not None and find(call.notes, _DECISION) is None:
         return "awaiting approval"
-    journal = find(call.notes, _JOURNAL)
-    if journal is not None and journal.get("intent"):
+    if outcome_unknown(find(call.notes, _JOURNAL)):
         return "outcome unknown"
     return "open"
 

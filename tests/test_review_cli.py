@@ -354,3 +354,123 @@ def test_event_payload_shaped_like_a_record_does_not_change_the_status(
     listed = run(db, "sessions", "list", "--match", "event", "--json", backend=backend)
     assert json.loads(listed.output)["status"] != "budget exhausted"
     assert msgspec.json.decode(listed.output.encode())["id"] == "event"
+
+
+_CHILD = """
+import sys, time, anyio
+from pathlib import Path
+from stepmachine import Message, ModelInference, Runtime, StateMachine, Tools, counter_ids, tool
+from stepmachine.stores import SQLiteStore
+from stepmachine.testing import FunctionModel, call, reply
+
+marker = Path(sys.argv[2])
+
+@tool(thread=False, side_effects="non_idempotent")
+async def pay(to: str) -> str:
+    marker.write_text("started")
+    await anyio.sleep(600)
+    return "paid"
+
+def model(request):
+    return call(("pay", {"to": "Bob"})) if request.messages[-1].role == "user" else reply("ok")
+
+async def main():
+    async with await SQLiteStore.open(sys.argv[1]) as store:
+        await store.create("k", conversation=[Message.user("pay Bob", id="u1")])
+        machine = StateMachine([Tools([pay], on_unknown_outcome="yield"), ModelInference()])
+        runtime = Runtime(store=store, model=FunctionModel(model), ids=counter_ids("m"))
+        await machine.run(runtime, "k")
+
+anyio.run(main)
+"""
+
+
+def test_a_real_crash_reads_outcome_unknown_until_an_operator_allows_a_rerun(
+    tmp_path: Path, backend: str
+) -> None:
+    """Found: after ``resolve-unknown --rerun`` the session still read "outcome unknown"
+    (and the call too), though the next run re-runs it. Fixed: a re-run allowed for the
+    attempt reads "idle" (the call "open"). The crash is real: the agent process is
+    killed (SIGKILL) inside a non-idempotent tool."""
+    import signal
+    import time
+
+    from stepmachine import Runtime, counter_ids, tool
+    from stepmachine.testing import FunctionModel, call, reply
+
+    path, marker = tmp_path / "k.sqlite3", tmp_path / "started"
+    child = tmp_path / "child.py"
+    child.write_text(_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, str(child), str(path), str(marker)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert process.poll() is None, "the agent exited before its tool started"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait()
+
+    def status() -> str:
+        listed = run(path, "sessions", "list", "--json", backend=backend)
+        assert listed.exit_code == 0, listed.output
+        return str(json.loads(listed.output)["status"])
+
+    assert status() == "outcome unknown"
+    paid: list[str] = []
+
+    @tool(thread=False, side_effects="non_idempotent")
+    def pay(to: str) -> str:
+        paid.append(to)
+        return "paid"
+
+    def model(request: Any) -> Any:
+        return call(("pay", {"to": "Bob"})) if request.messages[-1].role == "user" else reply("ok")
+
+    async def resume() -> None:
+        async with await SQLiteStore.open(path) as store:
+            machine = StateMachine([Tools([pay], on_unknown_outcome="yield"), ModelInference()])
+            runtime = Runtime(store=store, model=FunctionModel(model), ids=counter_ids("r"))
+            await machine.run(runtime, "k")
+
+    anyio.run(resume)
+    assert paid == []  # never blindly re-run
+    assert status() == "outcome unknown"
+    view = json.loads(run(path, "show", "k", "--json", backend=backend).output)
+    (call_id,) = [
+        p["call_id"] for m in view["messages"] for p in m["parts"] if p["type"] == "tool_call"
+    ]
+    decided = run(path, "resolve-unknown", "k", call_id, "--by", "ops", "--rerun", backend=backend)
+    assert decided.exit_code == 0, decided.output
+    assert status() == "idle"
+    shown = json.loads(run(path, "show", "k", "--json", backend=backend).output)
+    assert shown["messages"][1]["parts"][0]["state"] == "open"
+    anyio.run(resume)
+    assert paid == ["Bob"]
+    assert status() == "done"
+
+
+def test_codec_and_tool_specs_that_fail_are_one_line_errors(
+    db: Path, tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found: ``--codec json:loads`` (a function that needs arguments) and a module that
+    raises while it is imported ended in a traceback. Fixed: a usage error naming the spec
+    and what was raised; nothing written."""
+    (tmp_path / "broken_app.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.chdir(tmp_path)  # the cwd is on the import path, as for an application
+    before = _revision(db, "approval")
+    for args in (
+        ["--codec", "json:loads", "sessions", "list"],
+        ["--codec", "broken_app:codec", "show", "done"],
+        ["approve", "approval", "x", "--by", "me", "--args", "{}", "--tool", "broken_app:t"],
+    ):
+        result = CliRunner().invoke(
+            cli, ["--store", f"sqlite:///{db}", "--backend", backend, *args]
+        )
+        assert result.exit_code == 2, (args, result.output)
+        assert result.exception is None or isinstance(result.exception, SystemExit), args
+        assert "raised" in result.output
+    assert _revision(db, "approval") == before
