@@ -22,6 +22,7 @@ import fnmatch
 import json
 import math
 import os
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -76,7 +77,7 @@ def _errors() -> Iterator[None]:
         raise click.UsageError(clean(exc)) from exc
     except SessionNotFoundError as exc:
         raise click.ClickException(clean(f"SessionNotFoundError: {exc}")) from exc
-    except (StepmachineError, OSError, ValueError) as exc:
+    except (StepmachineError, OSError, ValueError, sqlite3.Error) as exc:
         raise click.ClickException(clean(f"{type(exc).__name__}: {exc}")) from exc
 
 

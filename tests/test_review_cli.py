@@ -474,3 +474,49 @@ def test_codec_and_tool_specs_that_fail_are_one_line_errors(
         assert result.exception is None or isinstance(result.exception, SystemExit), args
         assert "raised" in result.output
     assert _revision(db, "approval") == before
+
+
+def _read_only_mount(folder: Path, command: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` with ``folder`` bind-mounted read-only over itself (a private mount
+    namespace: ``unshare -m``, which needs root or user namespaces)."""
+    import shlex
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here to make a read-only mount")
+    script = (
+        f"mount --bind {shlex.quote(str(folder))} {shlex.quote(str(folder))} && "
+        f"mount -o remount,ro,bind {shlex.quote(str(folder))} || exit 77; " + shlex.join(command)
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=env, check=False
+    )
+    if done.returncode == 77 or "unshare failed" in done.stderr:
+        pytest.skip(f"cannot make a read-only mount here: {done.stderr.strip()}")
+    return done
+
+
+def test_a_sqlite_store_on_read_only_media_reads(db: Path, tmp_path: Path, backend: str) -> None:
+    """Found: a WAL database on a read-only mount (a backup, a read-only volume) could not
+    be read: SQLite's ``mode=ro`` still creates the ``-shm`` file, and the failure was a raw
+    ``sqlite3.OperationalError`` traceback; writes failed the same way. Fixed: with no
+    ``-wal`` content to lose it is opened ``immutable``; otherwise, and for writes, one line,
+    exit 1."""
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "agent.sqlite3").write_bytes(db.read_bytes())  # the writer closed: no -wal
+    url = f"sqlite:///{media / 'agent.sqlite3'}"
+    base = [sys.executable, "-m", "stepmachine", "--store", url, "--backend", backend]
+    listed = _read_only_mount(media, [*base, "sessions", "list", "--json"])
+    assert listed.returncode == 0, listed.stderr
+    assert len(listed.stdout.splitlines()) == len(inspector_agent.SESSIONS)
+    write = _read_only_mount(media, [*base, "approve", "approval", "x", "--by", "me"])
+    assert write.returncode == 1
+    assert "Traceback" not in write.stderr
+    (media / "agent.sqlite3-wal").write_bytes(b"not empty")
+    unreadable = _read_only_mount(media, [*base, "show", "done"])
+    assert unreadable.returncode == 1
+    assert "Traceback" not in unreadable.stderr
+    assert "-shm" in unreadable.stderr
+    assert sorted(p.name for p in media.iterdir()) == ["agent.sqlite3", "agent.sqlite3-wal"]
