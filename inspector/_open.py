@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import urllib.parse
-from typing import Any
+from typing import Any, Final
 
 import anyio
 
@@ -138,6 +139,31 @@ def _path_of(url: str, scheme: str) -> str:
     return path
 
 
+CONNECT_TIMEOUT: Final = 10
+"""Seconds to wait for a PostgreSQL server before saying it cannot be reached."""
+
+
+def _reach_postgres(url: str) -> None:
+    """Connect once (``connect_timeout``), so an unreachable server or a refused login is
+    said at once, in libpq's words, instead of after the pool's timeout.
+
+    Raises:
+        ConnectionError: the server cannot be reached or refused the connection.
+    """
+    try:
+        import psycopg  # noqa: PLC0415 - the postgres extra; PostgresStore.open says so
+    except ImportError:
+        return
+    try:
+        psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT, autocommit=True).close()
+    except psycopg.Error as exc:
+        said = str(exc)
+        secret = re.search(r"://[^/@:]*:([^@/]+)@", url)
+        if secret is not None:  # libpq may quote the URL, password and all (invariant 12)
+            said = said.replace(secret.group(1), "***")
+        raise ConnectionError(f"cannot connect to the PostgreSQL store: {said}") from None
+
+
 async def open_store(url: str, *, codec: Codec[Any] | None = None, write: bool = False) -> Any:
     """Open the store ``url`` names (see the module docstring for the forms).
 
@@ -153,6 +179,7 @@ async def open_store(url: str, *, codec: Codec[Any] | None = None, write: bool =
     Raises:
         UsageError: an unknown scheme, ``memory:``, or a malformed URL.
         StoreNotFoundError: no database file or store folder there.
+        ConnectionError: the PostgreSQL server cannot be reached, or refused us.
         StoredDataError: the file is not a stepmachine store, or was written
             by a newer schema version.
     """
@@ -179,6 +206,7 @@ async def open_store(url: str, *, codec: Codec[Any] | None = None, write: bool =
         return await FileStore.open(path, codec)
     if scheme in ("postgresql", "postgres"):
         try:
+            await anyio.to_thread.run_sync(_reach_postgres, url)
             return await PostgresStore.open(url, codec, read_only=not write)
         except ConfigurationError:
             raise

@@ -520,3 +520,65 @@ def test_a_sqlite_store_on_read_only_media_reads(db: Path, tmp_path: Path, backe
     assert "Traceback" not in unreadable.stderr
     assert "-shm" in unreadable.stderr
     assert sorted(p.name for p in media.iterdir()) == ["agent.sqlite3", "agent.sqlite3-wal"]
+
+
+# -- PostgreSQL -----------------------------------------------------------------------------------
+
+
+def test_an_unreachable_postgres_server_is_one_line_at_once(backend: str) -> None:
+    """Found: an unreachable server was a ``psycopg_pool.PoolTimeout`` traceback after the
+    pool's 30 s. Fixed: one connection attempt first, libpq's reason on one error, exit 1,
+    and a password in the URL is never repeated (invariant 12)."""
+    pytest.importorskip("psycopg")
+    for url in ("postgresql://ops:s3cr3t-pw@127.0.0.1:1/agent", "postgresql://ops:s3cr3t-pw@[::1"):
+        result = run(url, "sessions", "list", backend=backend)
+        assert result.exit_code == 1, result.output
+        assert "cannot connect to the PostgreSQL store" in result.output
+        assert "s3cr3t-pw" not in result.output
+        assert "Traceback" not in result.output
+
+
+def test_postgres_read_commands_change_no_row(postgres_dsn: str, backend: str) -> None:
+    """Holds: every read command on a PostgreSQL store leaves every row of every table of
+    the store's schema as it was (leases included)."""
+    import psycopg
+
+    from stepmachine.stores import PostgresStore
+
+    async def write() -> None:
+        store = await PostgresStore.open(postgres_dsn)
+        try:
+            await store.create("p1", conversation=[Message.user("hello", id="u1")])
+            await submit(store, "p1", [AppendMessage(Message.assistant("hi", id="a1"))])
+        finally:
+            await store.aclose()
+
+    anyio.run(write)
+
+    def dump() -> list[Any]:
+        with psycopg.connect(postgres_dsn) as conn:
+            tables = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT table_name FROM information_schema.tables "
+                    "WHERE table_schema = 'stepmachine' ORDER BY table_name"
+                )
+            ]
+            assert tables
+            return [
+                (table, sorted(map(repr, conn.execute(f'SELECT * FROM stepmachine."{table}"'))))
+                for table in tables
+            ]
+
+    before = dump()
+    for command in (
+        ["sessions", "list"],
+        ["show", "p1", "--json"],
+        ["show", "p1", "--at", "0"],
+        ["log", "p1"],
+        ["fsck"],
+        ["show", "nope"],
+    ):
+        result = run(postgres_dsn, *command, backend=backend)
+        assert result.exit_code == (1 if "nope" in command else 0), (command, result.output)
+    assert dump() == before
