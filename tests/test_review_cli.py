@@ -582,3 +582,58 @@ def test_postgres_read_commands_change_no_row(postgres_dsn: str, backend: str) -
         result = run(postgres_dsn, *command, backend=backend)
         assert result.exit_code == (1 if "nope" in command else 0), (command, result.output)
     assert dump() == before
+
+
+_WRITER = """
+import sys, anyio
+from stepmachine import AppendMessage, Message, submit
+from stepmachine.stores import FileStore, SQLiteStore
+
+async def main(kind, path, ready):
+    opened = SQLiteStore.open(path) if kind == "sqlite" else FileStore.open(path)
+    async with await opened as store:
+        await store.create("w", conversation=[Message.user("start", id="u0")])
+        open(ready, "w").close()
+        for i in range(100_000):
+            await submit(store, "w", [AppendMessage(Message.user(f"msg {i}", id=f"m{i}"))])
+
+anyio.run(main, *sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "file"])
+def test_reads_while_another_process_writes(tmp_path: Path, kind: str, backend: str) -> None:
+    """Holds: ``sessions list``, ``show --json`` and ``log --json`` on a session another
+    process is appending to: every read succeeds and is consistent (the view's batches are
+    exactly its revisions), and the reads take no lock that stops the writer."""
+    import time
+
+    path = tmp_path / ("w.sqlite3" if kind == "sqlite" else "files")
+    url = f"sqlite:///{path}" if kind == "sqlite" else f"file://{path}"
+    ready = tmp_path / "ready"
+    writer = tmp_path / "writer.py"
+    writer.write_text(_WRITER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, str(writer), kind, str(path), str(ready)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert process.poll() is None
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        seen = []
+        for _ in range(4):
+            for command in (["sessions", "list", "--json"], ["log", "w", "--json"]):
+                result = run(url, *command, backend=backend)
+                assert result.exit_code == 0, (command, result.output)
+            shown = run(url, "show", "w", "--json", backend=backend)
+            assert shown.exit_code == 0, shown.output
+            view = json.loads(shown.output)
+            assert [b["revision"] for b in view["batches"]] == list(range(1, view["revision"] + 1))
+            assert len(view["messages"]) == view["revision"] + 1
+            seen.append(view["revision"])
+        assert process.poll() is None  # still writing: the reads never stopped it
+        assert seen == sorted(seen)
+    finally:
+        process.kill()
+        process.wait()
