@@ -656,3 +656,32 @@ def test_a_decision_under_a_step_name_that_did_not_ask_is_refused(db: Path, back
     )
     assert typo.exit_code == 1, typo.output
     assert _revision(db, "approval") == before
+
+
+def _status(db: Path, session_id: str, backend: str) -> str:
+    listed = run(db, "sessions", "list", "--match", session_id, "--json", backend=backend)
+    assert listed.exit_code == 0, listed.output
+    return str(json.loads(listed.output)["status"])
+
+
+def test_a_submitted_event_moves_the_status_on_before_the_next_run(db: Path, backend: str) -> None:
+    """Found: after ``submit-event`` of the kind a session waits for, it still read
+    "awaiting event" (and, once delivered would be next, a session could read "done" with an
+    event undelivered). Fixed: an awaited event stored and not yet delivered reads "idle":
+    the next run() has work; an event of another kind leaves it waiting."""
+    assert _status(db, "event", backend) == "awaiting event"
+    other = run(db, "submit-event", "event", "unrelated", "--id", "x1", backend=backend)
+    assert other.exit_code == 0, other.output
+    assert _status(db, "event", backend) == "awaiting event"
+    awaited = run(db, "submit-event", "event", "job_done", "--id", "e1", backend=backend)
+    assert awaited.exit_code == 0, awaited.output
+    assert _status(db, "event", backend) == "idle"
+
+    async def resume() -> None:
+        async with await SQLiteStore.open(db) as store:
+            await inspector_agent.agent().run(inspector_agent.runtime(store), "event")
+
+    anyio.run(resume)
+    assert _status(db, "event", backend) == "done"
+    assert run(db, "submit-event", "done", "later", backend=backend).exit_code == 0
+    assert _status(db, "done", backend) == "idle"  # an undelivered event: not done
