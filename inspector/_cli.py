@@ -91,8 +91,8 @@ def _run(ctx: click.Context, work: Callable[[Any], Awaitable[T]], *, write: bool
         try:
             return await work(store)
         except StoredDataError as exc:
-            if codec is not None:
-                raise
+            if codec is not None or "does not validate" not in str(exc):
+                raise  # damage (a checksum, a torn or malformed record) is not the codec's
             raise StoredDataError(
                 f"{exc} (a session that keeps its own data or effects reads with the "
                 "application's codec: --codec module:attribute)"

@@ -685,3 +685,21 @@ def test_a_submitted_event_moves_the_status_on_before_the_next_run(db: Path, bac
     assert _status(db, "event", backend) == "done"
     assert run(db, "submit-event", "done", "later", backend=backend).exit_code == 0
     assert _status(db, "done", backend) == "idle"  # an undelivered event: not done
+
+
+def test_damage_is_not_blamed_on_the_codec(tmp_path: Path, backend: str) -> None:
+    """Found: every StoredDataError got the hint "reads with the application's codec:
+    --codec", a malformed record header too. Fixed: only records that do not validate
+    (what a codec decides) get it."""
+    folder = tmp_path / "files"
+
+    async def main() -> None:
+        async with await FileStore.open(folder) as store:
+            await store.create("good", conversation=[Message.user("hello", id="u1")])
+
+    anyio.run(main)
+    (folder / "junk.log").write_bytes(b"junk")
+    damaged = run(f"file://{folder}", "show", "junk", backend=backend)
+    assert damaged.exit_code == 1
+    assert "malformed" in damaged.output
+    assert "--codec" not in damaged.output
