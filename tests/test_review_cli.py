@@ -701,5 +701,5 @@ def test_damage_is_not_blamed_on_the_codec(tmp_path: Path, backend: str) -> None
     (folder / "junk.log").write_bytes(b"junk")
     damaged = run(f"file://{folder}", "show", "junk", backend=backend)
     assert damaged.exit_code == 1
-    assert "malformed" in damaged.output
+    assert "junk.log" in damaged.output
     assert "--codec" not in damaged.output
