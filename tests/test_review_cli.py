@@ -703,3 +703,17 @@ def test_damage_is_not_blamed_on_the_codec(tmp_path: Path, backend: str) -> None
     assert damaged.exit_code == 1
     assert "junk.log" in damaged.output
     assert "--codec" not in damaged.output
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="stepmachine/_tool_step.py resolve_unknown_outcome records a decision with an empty "
+    "or blank `by` (approve and deny refuse it: 'a decision names who made it'); it should "
+    "raise the same way and write nothing",
+)
+@pytest.mark.parametrize("by", ["", "   "])
+def test_resolve_unknown_names_who_decided(db: Path, by: str, backend: str) -> None:
+    before = _revision(db, "unknown")
+    result = run(db, "resolve-unknown", "unknown", "c1", "--by", by, "--no-rerun", backend=backend)
+    assert result.exit_code == 1, result.output
+    assert _revision(db, "unknown") == before
