@@ -124,6 +124,8 @@ def _json_argument(value: str | None, option: str) -> Any:
         return json.loads(value, parse_constant=_not_json, parse_float=_finite_number)
     except ValueError as exc:  # json.JSONDecodeError too
         raise click.BadParameter(f"not JSON: {exc}", param_hint=option) from exc
+    except RecursionError:
+        raise click.BadParameter("nested too deeply to read", param_hint=option) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

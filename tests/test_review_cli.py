@@ -717,3 +717,28 @@ def test_resolve_unknown_names_who_decided(db: Path, by: str, backend: str) -> N
     result = run(db, "resolve-unknown", "unknown", "c1", "--by", by, "--no-rerun", backend=backend)
     assert result.exit_code == 1, result.output
     assert _revision(db, "unknown") == before
+
+
+def test_deeply_nested_json_options_are_usage_errors(db: Path, backend: str) -> None:
+    """Found: ``--payload`` / ``--args`` nested 50,000 deep ended in a RecursionError
+    traceback. Fixed: a usage error; nothing written."""
+    before = (_revision(db, "event"), _revision(db, "approval"))
+    deep = "[" * 50_000 + "]" * 50_000
+    event = run(db, "submit-event", "event", "k", "--payload", deep, backend=backend)
+    assert event.exit_code == 2, event.output
+    assert "nested too deeply" in event.output
+    approval = run(
+        db,
+        "approve",
+        "approval",
+        _pending(db),
+        "--by",
+        "me",
+        "--args",
+        '{"to": ' + deep + "}",
+        "--tool",
+        "inspector_agent:send_payment",
+        backend=backend,
+    )
+    assert approval.exit_code == 2, approval.output
+    assert (_revision(db, "event"), _revision(db, "approval")) == before
