@@ -44,7 +44,7 @@ from stepmachine.operations import approve, deny, submit_event
 from ._open import UsageError, load_codec, load_object, open_store
 from ._status import STATUSES, session_status
 from ._terminal import clean, json_text, print_log, print_sessions, print_show
-from ._view import batch_view, history_problems, session_view
+from ._view import batch_view, finite, history_problems, session_view
 
 __all__ = ["cli", "main"]
 
@@ -170,7 +170,7 @@ async def _session_row(store: Any, session_id: str) -> dict[str, Any]:
     return {
         "id": session.id,
         "revision": session.revision,
-        "last_activity": last[-1].timestamp if last else None,
+        "last_activity": finite(last[-1].timestamp) if last else None,
         "status": session_status(session),
     }
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import re
 from collections.abc import Sequence
 from typing import Any, Final
@@ -39,17 +38,6 @@ def clean(text: object) -> str:
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
 
 
-def _finite(value: Any) -> Any:
-    """``value`` with every infinite or NaN float replaced by ``None`` (JSON has neither)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(inner) for key, inner in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(inner) for inner in value]
-    return value
-
-
 def json_text(value: Any, *, indent: int | None = None) -> str:
     """``value`` as strict JSON that is safe to print.
 
@@ -57,10 +45,13 @@ def json_text(value: Any, *, indent: int | None = None) -> str:
     (C1 controls, line and paragraph separators, bidirectional overrides) are
     written as ``\\uXXXX`` escapes (JSON's own escapes already cover
     ``\\x00``-``\\x1f``), so neither a terminal nor a line-splitting reader
-    sees them raw; an infinite or NaN number (which JSON cannot hold) is
-    written as ``null``.
+    sees them raw. The views hold no infinite or NaN number (JSON has neither:
+    :func:`~._view.finite` turns them into ``None`` where a store can hold one).
+
+    Raises:
+        ValueError: ``value`` holds an infinite or NaN number.
     """
-    text = json.dumps(_finite(value), ensure_ascii=False, indent=indent, allow_nan=False)
+    text = json.dumps(value, ensure_ascii=False, indent=indent, allow_nan=False)
     return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 

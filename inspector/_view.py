@@ -30,6 +30,7 @@ and records are shown as they are stored.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
@@ -60,6 +61,7 @@ __all__ = [
     "FORMAT",
     "batch_view",
     "effect_summary",
+    "finite",
     "history_problems",
     "message_view",
     "session_view",
@@ -72,6 +74,12 @@ _JOURNAL: Final = "stepmachine.journal"
 _REQUEST: Final = "stepmachine.approval.request"
 _DECISION: Final = "stepmachine.approval.decision"
 _SUMMARY_CUT: Final = 80
+
+
+def finite(value: float | None) -> float | None:
+    """``value``, or ``None`` when it is infinite or NaN (a batch timestamp a clock got wrong:
+    SQLite keeps one; JSON cannot hold it)."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _builtins(value: Any) -> Any:
@@ -237,8 +245,8 @@ def batch_view(
         "revision": batch.revision,
         "step": batch.step,
         "cycle": batch.cycle,
-        "timestamp": batch.timestamp,
-        "elapsed": None if previous is None else round(batch.timestamp - previous, 6),
+        "timestamp": finite(batch.timestamp),
+        "elapsed": finite(None if previous is None else round(batch.timestamp - previous, 6)),
         "refused": [{"step": r.step, "why": r.why} for r in batch.refused],
         "trace": batch.trace,
         "effects": effects,

@@ -742,3 +742,15 @@ def test_deeply_nested_json_options_are_usage_errors(db: Path, backend: str) -> 
     )
     assert approval.exit_code == 2, approval.output
     assert (_revision(db, "event"), _revision(db, "approval")) == before
+
+
+def test_a_deeply_nested_stored_payload_reads_in_every_form(db: Path, backend: str) -> None:
+    """Holds: an event payload nested 900 deep (as deep as the option takes) is shown,
+    logged and exported as JSON (a recursive clean-up of the view would hit the recursion
+    limit here)."""
+    deep = "[" * 900 + "]" * 900
+    stored = run(db, "submit-event", "event", "k", "--payload", deep, backend=backend)
+    assert stored.exit_code == 0, stored.output
+    for command in (["show", "event", "--json"], ["log", "event", "--json"], ["show", "event"]):
+        result = run(db, *command, backend=backend)
+        assert result.exit_code == 0, (command, result.output[-500:])
