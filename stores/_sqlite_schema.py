@@ -363,6 +363,11 @@ def open_connection(
 
 
 def _refuse_older(version: int, path: str) -> None:
+    if version == 0:
+        raise StoredDataError(
+            f"{path} holds no stepmachine store (an empty SQLite database: no tables); a "
+            "read-only open creates none"
+        )
     if version < SCHEMA_VERSION:
         raise StoredDataError(
             f"{path} is at stepmachine schema version {version}; this stepmachine reads "

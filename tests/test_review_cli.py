@@ -754,3 +754,16 @@ def test_a_deeply_nested_stored_payload_reads_in_every_form(db: Path, backend: s
     for command in (["show", "event", "--json"], ["log", "event", "--json"], ["show", "event"]):
         result = run(db, *command, backend=backend)
         assert result.exit_code == 0, (command, result.output[-500:])
+
+
+def test_an_empty_file_is_not_called_an_old_store(tmp_path: Path, backend: str) -> None:
+    """Found: reading a zero-byte file (or an empty SQLite database) said "schema version 0
+    ... open it for writing once to migrate it", advice that would turn any empty file into a
+    store. Fixed: it holds no store; the file is left as it was."""
+    empty = tmp_path / "empty.sqlite3"
+    empty.write_bytes(b"")
+    result = run(empty, "sessions", "list", backend=backend)
+    assert result.exit_code == 1
+    assert "holds no stepmachine store" in result.output
+    assert "migrate" not in result.output
+    assert empty.read_bytes() == b""
