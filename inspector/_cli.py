@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -42,8 +44,8 @@ from stepmachine.operations import approve, deny, submit_event
 from ._html import render_html
 from ._open import UsageError, load_codec, load_object, open_store
 from ._status import STATUSES, session_status
-from ._terminal import clean, print_log, print_sessions, print_show
-from ._view import History, batch_view, history_problems, load_view
+from ._terminal import clean, json_text, print_log, print_sessions, print_show
+from ._view import History, batch_view, finite, history_problems, load_view
 from ._web_extra import require_web
 
 __all__ = ["cli", "main"]
@@ -77,7 +79,7 @@ def _errors() -> Iterator[None]:
         raise click.UsageError(clean(exc)) from exc
     except SessionNotFoundError as exc:
         raise click.ClickException(clean(f"SessionNotFoundError: {exc}")) from exc
-    except (StepmachineError, OSError, ValueError) as exc:
+    except (StepmachineError, OSError, ValueError, sqlite3.Error) as exc:
         raise click.ClickException(clean(f"{type(exc).__name__}: {exc}")) from exc
 
 
@@ -91,8 +93,8 @@ def _run(ctx: click.Context, work: Callable[[Any], Awaitable[T]], *, write: bool
         try:
             return await work(store)
         except StoredDataError as exc:
-            if codec is not None:
-                raise
+            if codec is not None or "does not validate" not in str(exc):
+                raise  # damage (a checksum, a torn or malformed record) is not the codec's
             raise StoredDataError(
                 f"{exc} (a session that keeps its own data or effects reads with the "
                 "application's codec: --codec module:attribute)"
@@ -104,13 +106,28 @@ def _run(ctx: click.Context, work: Callable[[Any], Awaitable[T]], *, write: bool
         return anyio.run(main, backend=settings.backend)
 
 
+def _not_json(token: str) -> float:
+    raise ValueError(f"{token} is not a JSON number")
+
+
+def _finite_number(token: str) -> float:
+    number = float(token)
+    if not math.isfinite(number):
+        raise ValueError(f"{token} is out of range")
+    return number
+
+
 def _json_argument(value: str | None, option: str) -> Any:
+    """``value`` parsed as strict JSON: no ``NaN``/``Infinity``, no number that overflows
+    (they would be stored as ``null``, not as given)."""
     if value is None:
         return None
     try:
-        return json.loads(value)
-    except json.JSONDecodeError as exc:
+        return json.loads(value, parse_constant=_not_json, parse_float=_finite_number)
+    except ValueError as exc:  # json.JSONDecodeError too
         raise click.BadParameter(f"not JSON: {exc}", param_hint=option) from exc
+    except RecursionError:
+        raise click.BadParameter("nested too deeply to read", param_hint=option) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -155,7 +172,7 @@ async def _session_row(store: Any, session_id: str) -> dict[str, Any]:
     return {
         "id": session.id,
         "revision": session.revision,
-        "last_activity": last[-1].timestamp if last else None,
+        "last_activity": finite(last[-1].timestamp) if last else None,
         "status": session_status(session),
     }
 
@@ -192,7 +209,7 @@ def sessions_list(
                 continue
             try:
                 rows.append(await _session_row(store, session_id))
-            except (StepmachineError, ValueError) as exc:
+            except (StepmachineError, ValueError, OSError) as exc:
                 rows.append(
                     {
                         "id": session_id,
@@ -211,7 +228,7 @@ def sessions_list(
         rows = sorted(rows, key=lambda r: r["last_activity"] or 0.0, reverse=True)[:limit]
     if as_json:
         for row in rows:
-            click.echo(json.dumps(row, ensure_ascii=False))
+            click.echo(json_text(row))
         return
     print_sessions(_console(), rows)
     for row in rows:
@@ -241,7 +258,7 @@ def show(
     compactions, notes; hidden messages marked."""
     view = _run(ctx, lambda store: load_view(store, session_id, at))
     if as_json:
-        click.echo(json.dumps(view, ensure_ascii=False, indent=2))
+        click.echo(json_text(view, indent=2))
         return
     print_show(_console(), view, model_view=model_view, notes=notes)
 
@@ -269,7 +286,7 @@ def log(ctx: click.Context, session_id: str, after: int, as_json: bool) -> None:
     views = _run(ctx, work)
     if as_json:
         for view in views:
-            click.echo(json.dumps(view, ensure_ascii=False))
+            click.echo(json_text(view))
         return
     print_log(_console(), views)
 
@@ -295,7 +312,7 @@ def fsck(ctx: click.Context, session_id: str | None) -> None:
                 await store.batches(each)
             except SessionNotFoundError:
                 raise
-            except (StepmachineError, ValueError) as exc:
+            except (StepmachineError, ValueError, OSError) as exc:
                 found.append((each, f"unreadable: {exc}"))
                 continue
             found.extend(
@@ -353,6 +370,11 @@ def approve_command(
 ) -> None:
     """Approve the pending tool call CALL_ID (bound to its tool and arguments)."""
     edited = _json_argument(arguments, "--args")
+    if arguments is not None and not isinstance(edited, dict):
+        raise click.BadParameter(
+            f"the edited arguments must be a JSON object, not {type(edited).__name__}",
+            param_hint="--args",
+        )
     if arguments is not None and tool is None:
         raise click.UsageError(
             "--args are validated against the tool's schema: pass --tool module:attribute"
@@ -499,7 +521,7 @@ def export(
             _write(html_file, render_html(view))
             click.echo(clean(f"wrote {html_file}"))
         if json_file is not None:
-            _write(json_file, json.dumps(view, ensure_ascii=False, indent=2))
+            _write(json_file, json_text(view, indent=2))
             click.echo(clean(f"wrote {json_file}"))
 
 

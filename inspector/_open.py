@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import urllib.parse
-from typing import Any
+from typing import Any, Final
 
 import anyio
 
@@ -76,8 +77,8 @@ def load_object(spec: str, option: str) -> Any:
     """The object ``module:attribute`` names, imported (the cwd is on the import path).
 
     Raises:
-        UsageError: the spec is malformed, or the module or the attribute is
-            missing; the message names ``option``.
+        UsageError: the spec is malformed, the module or the attribute is
+            missing, or importing the module raised; the message names ``option``.
     """
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
@@ -88,6 +89,10 @@ def load_object(spec: str, option: str) -> Any:
         value: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise UsageError(f"{option} {spec}: cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # the application's module failed while it was imported
+        raise UsageError(
+            f"{option} {spec}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
     for name in attribute.split("."):
         try:
             value = getattr(value, name)
@@ -102,11 +107,18 @@ def load_codec(spec: str) -> Codec[Any]:
     The attribute may be a codec or a function of no arguments returning one.
 
     Raises:
-        UsageError: see :func:`load_object`; or it is not a codec.
+        UsageError: see :func:`load_object`; or it is not a codec, or calling
+            it raised (a function that needs arguments, say).
     """
     value = load_object(spec, "--codec")
     if callable(value) and not isinstance(value, Codec):
-        value = value()
+        try:
+            value = value()
+        except Exception as exc:  # not a function of no arguments, or it failed
+            raise UsageError(
+                f"--codec {spec} is neither a Codec nor a function of no arguments returning "
+                f"one: calling it raised {type(exc).__name__}: {exc}"
+            ) from exc
     if not isinstance(value, Codec):
         raise UsageError(f"--codec {spec} is a {type(value).__name__}, not a stepmachine Codec")
     return value
@@ -127,6 +139,31 @@ def _path_of(url: str, scheme: str) -> str:
     return path
 
 
+CONNECT_TIMEOUT: Final = 10
+"""Seconds to wait for a PostgreSQL server before saying it cannot be reached."""
+
+
+def _reach_postgres(url: str) -> None:
+    """Connect once (``connect_timeout``), so an unreachable server or a refused login is
+    said at once, in libpq's words, instead of after the pool's timeout.
+
+    Raises:
+        ConnectionError: the server cannot be reached or refused the connection.
+    """
+    try:
+        import psycopg  # noqa: PLC0415 - the postgres extra; PostgresStore.open says so
+    except ImportError:
+        return
+    try:
+        psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT, autocommit=True).close()
+    except psycopg.Error as exc:
+        said = str(exc)
+        secret = re.search(r"://[^/@:]*:([^@/]+)@", url)
+        if secret is not None:  # libpq may quote the URL, password and all (invariant 12)
+            said = said.replace(secret.group(1), "***")
+        raise ConnectionError(f"cannot connect to the PostgreSQL store: {said}") from None
+
+
 async def open_store(url: str, *, codec: Codec[Any] | None = None, write: bool = False) -> Any:
     """Open the store ``url`` names (see the module docstring for the forms).
 
@@ -142,6 +179,7 @@ async def open_store(url: str, *, codec: Codec[Any] | None = None, write: bool =
     Raises:
         UsageError: an unknown scheme, ``memory:``, or a malformed URL.
         StoreNotFoundError: no database file or store folder there.
+        ConnectionError: the PostgreSQL server cannot be reached, or refused us.
         StoredDataError: the file is not a stepmachine store, or was written
             by a newer schema version.
     """
@@ -168,6 +206,7 @@ async def open_store(url: str, *, codec: Codec[Any] | None = None, write: bool =
         return await FileStore.open(path, codec)
     if scheme in ("postgresql", "postgres"):
         try:
+            await anyio.to_thread.run_sync(_reach_postgres, url)
             return await PostgresStore.open(url, codec, read_only=not write)
         except ConfigurationError:
             raise

@@ -19,15 +19,23 @@ __all__ = ["describe", "find", "records_in"]
 
 
 def records_in(notes: Mapping[str, Any]) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
-    """Every tagged record in ``notes``: (namespace, key or ``None``, the record's fields)."""
+    """Every tagged record in ``notes``: (namespace, key or ``None``, the record's fields).
+
+    A keyed record of the same tag merged into a namespace that already holds
+    a record directly (the budget's ``"exhausted"`` note on its own refusal
+    result) is found too, after the record that holds it; other values inside a
+    record (an event's payload, say) are its data, never records.
+    """
     for namespace, value in notes.items():
         if not isinstance(value, dict):
             continue
-        if isinstance(value.get(TAG_FIELD), str):
+        tag = value.get(TAG_FIELD)
+        if isinstance(tag, str):
             yield namespace, None, value
-            continue
         for key, inner in value.items():
-            if isinstance(inner, dict) and isinstance(inner.get(TAG_FIELD), str):
+            if not isinstance(inner, dict) or not isinstance(inner.get(TAG_FIELD), str):
+                continue
+            if tag is None or inner[TAG_FIELD] == tag:
                 yield namespace, key, inner
 
 

@@ -7,16 +7,19 @@ configuration), at what the built-in operations record, in this order:
    no decision (the :class:`~stepmachine.operations.Approval` step noted it
    when it yielded);
 2. ``outcome unknown``: an open call has a journal intent and no result (a
-   crash while it ran, or a run in progress right now); an operator decides
-   with ``resolve-unknown``;
+   crash while it ran, or a run in progress right now), and no operator has
+   allowed that attempt to run again; an operator decides with
+   ``resolve-unknown`` (``--rerun`` leaves the call open for the next run, and the
+   session reads ``idle``);
 3. ``budget exhausted``: the last message the model sees carries the
    budget's record of a refusal (tool calls refused, or a model call it did not
    make);
-4. ``awaiting event``: a wait marker is set and not satisfied;
+4. ``awaiting event``: a wait marker is set and not satisfied, and no event
+   it waits for has been submitted;
 5. ``done``: the last message the model sees is the assistant's, with no
-   tool call left open;
-6. ``idle``: anything else (a user message or tool results waiting for the
-   next ``run()``, an empty session).
+   tool call left open, and no submitted event is waiting for delivery;
+6. ``idle``: anything else (a user message, tool results or a submitted event
+   waiting for the next ``run()``, an empty session).
 
 It is a reading for people, not a decision: the machine decides from its
 steps. An approval policy that needed no request, for instance, leaves
@@ -27,11 +30,11 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from stepmachine import Session
+from stepmachine import TAG_FIELD, Session
 
 from ._records import find, records_in
 
-__all__ = ["STATUSES", "session_status"]
+__all__ = ["STATUSES", "outcome_unknown", "session_status"]
 
 AWAITING_APPROVAL: Final = "awaiting approval"
 OUTCOME_UNKNOWN: Final = "outcome unknown"
@@ -47,6 +50,17 @@ _DECISION: Final = "stepmachine.approval.decision"
 _JOURNAL: Final = "stepmachine.journal"
 _BUDGET: Final = "stepmachine.budget.refusal"
 _WAIT: Final = "stepmachine.events.wait"
+_EVENT: Final = "stepmachine.events.event"
+_CONSUMED: Final = "stepmachine.events.consumed"
+
+
+def outcome_unknown(journal: dict[str, Any] | None) -> bool:
+    """Whether a call's journal record (as stored) leaves its outcome for an operator:
+    an intent, and no re-run allowed for that attempt."""
+    if journal is None or not journal.get("intent"):
+        return False
+    rerun = journal.get("rerun_approved") and journal.get("rerun_attempt") == journal.get("attempt")
+    return not rerun
 
 
 def _awaits_approval(notes: dict[str, Any]) -> bool:
@@ -58,17 +72,38 @@ def session_status(session: Session[Any]) -> str:
     open_calls = session.history.open_calls()
     if any(_awaits_approval(call.notes) for call in open_calls):
         return AWAITING_APPROVAL
-    for call in open_calls:
-        journal = find(call.notes, _JOURNAL)
-        if journal is not None and journal.get("intent"):
-            return OUTCOME_UNKNOWN
+    if any(outcome_unknown(find(call.notes, _JOURNAL)) for call in open_calls):
+        return OUTCOME_UNKNOWN
     last = next((m for m in reversed(session.conversation) if m.visible_to_model), None)
     if last is not None and find(last.notes, _BUDGET) is not None:
         return BUDGET_EXHAUSTED
+    pending = _pending_event_kinds(session)
     for message in session.conversation:
         for _, _, record in records_in(message.notes):
             if record.get("record") == _WAIT and not record.get("satisfied_by"):
+                awaiting = {str(kind) for kind in record.get("awaiting") or []}
+                if pending and (not awaiting or awaiting & pending):
+                    return IDLE  # the next run delivers it
                 return AWAITING_EVENT
-    if last is not None and last.role == "assistant" and not open_calls:
+    if last is not None and last.role == "assistant" and not open_calls and not pending:
         return DONE
     return IDLE
+
+
+def _pending_event_kinds(session: Session[Any]) -> set[str]:
+    """The kinds of the events submitted (``submit-event``) and not yet delivered.
+
+    An event is stored as ``notes[namespace]["event"]``; its delivery marks the
+    namespace itself with a ``consumed`` record.
+    """
+    kinds: set[str] = set()
+    for message in session.conversation:
+        for value in message.notes.values():
+            if not isinstance(value, dict):
+                continue
+            event = value.get("event")
+            if not isinstance(event, dict) or event.get(TAG_FIELD) != _EVENT:
+                continue
+            if not (value.get(TAG_FIELD) == _CONSUMED and value.get("consumed")):
+                kinds.add(str(event.get("kind")))
+    return kinds

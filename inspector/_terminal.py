@@ -20,7 +20,7 @@ from rich.text import Text
 
 from ._records import describe
 
-__all__ = ["clean", "print_log", "print_sessions", "print_show", "when"]
+__all__ = ["clean", "json_text", "print_log", "print_sessions", "print_show", "when"]
 
 _CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 _STATUS_STYLE: Final = {
@@ -36,6 +36,23 @@ _STATUS_STYLE: Final = {
 def clean(text: object) -> str:
     """``text`` with control and bidirectional-override characters shown escaped."""
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+
+
+def json_text(value: Any, *, indent: int | None = None) -> str:
+    """``value`` as strict JSON that is safe to print.
+
+    Non-ASCII text stays readable, but the characters :func:`clean` escapes
+    (C1 controls, line and paragraph separators, bidirectional overrides) are
+    written as ``\\uXXXX`` escapes (JSON's own escapes already cover
+    ``\\x00``-``\\x1f``), so neither a terminal nor a line-splitting reader
+    sees them raw. The views hold no infinite or NaN number (JSON has neither:
+    :func:`~._view.finite` turns them into ``None`` where a store can hold one).
+
+    Raises:
+        ValueError: ``value`` holds an infinite or NaN number.
+    """
+    text = json.dumps(value, ensure_ascii=False, indent=indent, allow_nan=False)
+    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _text(value: object, style: str = "") -> Text:

@@ -30,6 +30,7 @@ and records are shown as they are stored.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
@@ -56,13 +57,14 @@ from stepmachine.operations import Problem, fsck
 from stepmachine.operations._history_guard import OPEN_CALL
 
 from ._records import describe, find, records_in
-from ._status import session_status
+from ._status import outcome_unknown, session_status
 
 __all__ = [
     "FORMAT",
     "History",
     "batch_view",
     "effect_summary",
+    "finite",
     "history_problems",
     "load_view",
     "message_view",
@@ -76,6 +78,12 @@ _JOURNAL: Final = "stepmachine.journal"
 _REQUEST: Final = "stepmachine.approval.request"
 _DECISION: Final = "stepmachine.approval.decision"
 _SUMMARY_CUT: Final = 80
+
+
+def finite(value: float | None) -> float | None:
+    """``value``, or ``None`` when it is infinite or NaN (a batch timestamp a clock got wrong:
+    SQLite keeps one; JSON cannot hold it)."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _builtins(value: Any) -> Any:
@@ -92,8 +100,7 @@ def _call_state(call: ToolCallPart, result: ToolResultPart | None) -> str:
         return "error" if result.is_error else "answered"
     if find(call.notes, _REQUEST) is not None and find(call.notes, _DECISION) is None:
         return "awaiting approval"
-    journal = find(call.notes, _JOURNAL)
-    if journal is not None and journal.get("intent"):
+    if outcome_unknown(find(call.notes, _JOURNAL)):
         return "outcome unknown"
     return "open"
 
@@ -283,8 +290,8 @@ def batch_view(
         "revision": batch.revision,
         "step": batch.step,
         "cycle": batch.cycle,
-        "timestamp": batch.timestamp,
-        "elapsed": None if previous is None else round(batch.timestamp - previous, 6),
+        "timestamp": finite(batch.timestamp),
+        "elapsed": finite(None if previous is None else round(batch.timestamp - previous, 6)),
         "refused": [{"step": r.step, "why": r.why} for r in batch.refused],
         "trace": batch.trace,
         "effects": effects,

@@ -363,6 +363,11 @@ def open_connection(
 
 
 def _refuse_older(version: int, path: str) -> None:
+    if version == 0:
+        raise StoredDataError(
+            f"{path} holds no stepmachine store (an empty SQLite database: no tables); a "
+            "read-only open creates none"
+        )
     if version < SCHEMA_VERSION:
         raise StoredDataError(
             f"{path} is at stepmachine schema version {version}; this stepmachine reads "
@@ -371,10 +376,47 @@ def _refuse_older(version: int, path: str) -> None:
         )
 
 
+def _on_read_only_media(path: str) -> bool:
+    """Whether ``path`` sits in a folder nobody can write (a read-only mount) and holds
+    every committed page itself (no ``-wal`` file with content beside it)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        wal = os.path.getsize(path + "-wal")
+    except FileNotFoundError:
+        wal = 0
+    return wal == 0 and not os.access(folder, os.W_OK)
+
+
 def _open_read_only(path: str, busy_timeout: float) -> sqlite3.Connection:
+    """Open ``path`` with ``mode=ro``; see :func:`open_connection`.
+
+    A WAL database needs its ``-shm`` file, which SQLite creates beside it even
+    to read. On read-only media (no folder write access, no ``-wal`` content)
+    the file is opened ``immutable`` instead: nothing can change it there.
+
+    Raises:
+        StoredDataError: see :func:`open_connection`; or the database cannot be
+            read where it is (read-only media holding a ``-wal`` file).
+    """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no SQLite database at {path}")
-    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
+    try:
+        return _connect_read_only(path, busy_timeout, immutable=False)
+    except sqlite3.OperationalError as exc:
+        if _on_read_only_media(path):
+            return _connect_read_only(path, busy_timeout, immutable=True)
+        if "unable to open" not in str(exc):
+            raise
+        raise StoredDataError(
+            f"cannot read {path} ({exc}): SQLite needs to create or write its "
+            f"{os.path.basename(path)}-shm file beside it even to read; on read-only media "
+            "copy the database (with its -wal file) somewhere writable"
+        ) from exc
+
+
+def _connect_read_only(path: str, busy_timeout: float, *, immutable: bool) -> sqlite3.Connection:
+    query = "?mode=ro&immutable=1" if immutable else "?mode=ro"
+    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + query
     conn = sqlite3.connect(
         uri, uri=True, timeout=busy_timeout, isolation_level=None, check_same_thread=False
     )
