@@ -48,6 +48,7 @@ import msgspec
 
 from stepmachine import (
     EDITED_ARGUMENTS,
+    TAG_FIELD,
     Annotate,
     AppendMessage,
     ConfigurationError,
@@ -413,6 +414,7 @@ def _find_pending(
     for message_id, call in _open_calls(session):
         if call.call_id == call_id:
             where = f"session {session.id!r}, message {message_id!r}"
+            _check_step_name(call, name, where)
             return message_id, call, recorded_decision(call, name=name, where=where)
     if session.history.call_position(call_id) is not None:
         raise ApprovalError(
@@ -423,6 +425,30 @@ def _find_pending(
         f"invariant 5 (approval bound to the exact call): session {session.id!r} holds no "
         f"tool call {call_id!r}"
     )
+
+
+def _check_step_name(call: ToolCallPart, name: str, where: str) -> None:
+    """Refuse a decision under ``name`` when another Approval step asked for this call.
+
+    A decision is read only by the step of that name: one written under a name
+    no step asked under (a typo) would be ignored while the step still waits.
+    A call nobody asked about yet (decided ahead of the run) is left alone.
+    """
+    if read_record(call.notes, name, ApprovalRequest, key="request", where=where) is not None:
+        return
+    askers = sorted(
+        namespace
+        for namespace, value in call.notes.items()
+        if isinstance(value, dict)
+        and isinstance(value.get("request"), dict)
+        and value["request"].get(TAG_FIELD) == ApprovalRequest.__struct_config__.tag
+    )
+    if askers:
+        raise ApprovalError(
+            f"invariant 5 (approval bound to the exact call): tool call {call.call_id!r} "
+            f"({where}) awaits approval from the step named {askers[0]!r}, not {name!r}: "
+            "a decision under another name would never be read (pass name=)"
+        )
 
 
 def _check_by(by: str) -> None:

@@ -722,9 +722,11 @@ async def resolve_unknown_outcome(
     (who, note) is recorded on the call.
 
     Raises:
-        ConfigurationError: the call does not exist, already has a result, or
-            has no recorded intent.
+        ConfigurationError: ``by`` is empty; the call does not exist, already
+            has a result, or has no recorded intent. Nothing was written.
     """
+    if not isinstance(by, str) or not by.strip():
+        raise ConfigurationError(f"a decision names who made it: by={by!r}")
     session = await store.load(session_id)
     where = _call_locations(session)
     open_calls = {c.call_id: c for c in open_tool_calls(session)}

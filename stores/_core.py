@@ -36,6 +36,7 @@ How a PostgreSQL backend fits is in :mod:`._backend`'s docstring.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
@@ -47,6 +48,7 @@ from stepmachine import (
     Codec,
     ConflictError,
     Effect,
+    InvalidFieldError,
     Message,
     ReplaceConversation,
     Session,
@@ -151,7 +153,14 @@ class LogCore(Generic[P]):
 
         Raises:
             ConfigurationError: an effect type is not registered in the codec.
+            InvalidFieldError: the timestamp is not a finite number (JSON has
+                no infinity or NaN; a store would keep what it cannot give back).
         """
+        timestamp = batch.timestamp
+        if isinstance(timestamp, bool) or not isinstance(timestamp, int | float) or not (
+            math.isfinite(timestamp)
+        ):
+            raise InvalidFieldError("Batch", "timestamp", "a finite number of seconds", timestamp)
         stored, decoded = encode_batch(self.codec, batch, self._form, where)
         replaces = any(isinstance(effect, ReplaceConversation) for effect in decoded.effects)
         return Prepared(stored, decoded, replaces)

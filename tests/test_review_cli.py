@@ -146,12 +146,6 @@ def test_json_output_is_strict_json_for_an_infinite_batch_timestamp(
     assert table.exit_code == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stores/_sqlite_log.py: SQLiteStore stores a batch with an infinite timestamp "
-    "(FileStore refuses it) and a NaN one fails with a raw sqlite3.IntegrityError; both "
-    "should be refused before anything is written, with a StepmachineError naming the field",
-)
 def test_sqlite_store_refuses_a_non_finite_batch_timestamp(tmp_path: Path, backend: str) -> None:
     async def main() -> None:
         async with await SQLiteStore.open(tmp_path / "s.sqlite3") as store:
@@ -639,15 +633,6 @@ def test_reads_while_another_process_writes(tmp_path: Path, kind: str, backend: 
         process.wait()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="operations/_approval.py:_find_pending reads the decision under `name` only: "
-    "approve/deny with a --name no step requested approval under (a typo) records a decision "
-    "the Approval step never reads, even on a call already denied under 'approval', and exits "
-    "0 ('approved'); the inspector then reads the call as decided (status idle) while the "
-    "machine still waits. A call whose approval request sits under another namespace should "
-    "be refused, naming the step that asked",
-)
 def test_a_decision_under_a_step_name_that_did_not_ask_is_refused(db: Path, backend: str) -> None:
     call_id = _pending(db)
     before = _revision(db, "approval")
@@ -705,12 +690,6 @@ def test_damage_is_not_blamed_on_the_codec(tmp_path: Path, backend: str) -> None
     assert "--codec" not in damaged.output
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stepmachine/_tool_step.py resolve_unknown_outcome records a decision with an empty "
-    "or blank `by` (approve and deny refuse it: 'a decision names who made it'); it should "
-    "raise the same way and write nothing",
-)
 @pytest.mark.parametrize("by", ["", "   "])
 def test_resolve_unknown_names_who_decided(db: Path, by: str, backend: str) -> None:
     before = _revision(db, "unknown")
