@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from ._records import records_in
+from ._records import BUDGET, DECISION, JOURNAL, MARK, RECEIPT, REQUEST, SUMMARY, records_in
 
 __all__ = [
     "LONG_CHARS",
@@ -37,14 +37,7 @@ EXCERPT: Final = 120
 SHORT_JSON: Final = 72
 ROLES: Final = frozenset({"user", "assistant", "tool", "system"})
 
-_RECEIPT: Final = "stepmachine.inference.reply"
-_REQUEST: Final = "stepmachine.approval.request"
-_DECISION: Final = "stepmachine.approval.decision"
-_JOURNAL: Final = "stepmachine.journal"
-_SUMMARY: Final = "stepmachine.compaction.summary"
-_MARK: Final = "stepmachine.compaction.mark"
-_BUDGET: Final = "stepmachine.budget.refusal"
-_SKIP: Final = frozenset({_RECEIPT})
+_SKIP: Final = frozenset({RECEIPT})
 _SKIPPED_FIELDS: Final = frozenset({"record", "namespace", "key", "ledger"})
 
 
@@ -204,29 +197,29 @@ def record_html(record: Mapping[str, Any], where: str = "", lookup: Lookup | Non
     excerpt when ``lookup`` has them, else as links.
     """
     tag = str(record.get("record"))
-    if tag == _DECISION:
+    if tag == DECISION:
         outcome = str(record.get("outcome"))
         css = "decision approved" if outcome == "approved" else "decision denied"
         by = f'by <b class="by">{esc(record.get("by"))}</b> '
         return _line(css, outcome, by + _fields(record, _DECISION_FIELDS), where)
-    if tag == _REQUEST:
+    if tag == REQUEST:
         body = _fields(record, ("fingerprint", "requested_at"))
         return _line("request", "approval requested", body, where)
-    if tag == _JOURNAL:
+    if tag == JOURNAL:
         label = "journal intent" if record.get("intent") else "journal entry"
         return _line("journal", label, _fields(record, _JOURNAL_FIELDS), where)
-    if tag == _SUMMARY:
+    if tag == SUMMARY:
         summarised = record.get("summarised")
         ids = summarised if isinstance(summarised, list) else []
         fields = ("tokens_before", "tokens_after", "trigger", "cut", "model", "summarised_into")
         body = f"summarised {len(ids)} message(s) {_fields(record, fields)}"
         return _line("compaction", "compaction summary", body, where, _summarised(ids, lookup))
-    if tag == _MARK:
+    if tag == MARK:
         into = record.get("summarised_into")
         what = f"hidden, summarised into {_link('msg', into)} " if into else ""
         body = what + _fields(record, ("stuck", "attempts")) + _ledger(record)
         return _line("compaction", "compaction mark", body, where)
-    if tag == _BUDGET:
+    if tag == BUDGET:
         return _line("budget", "budget refusal", _fields(record, ("refused",)), where)
     names = [name for name in record if name not in _SKIPPED_FIELDS]
     return _line("other", tag, _fields(record, names), where)
@@ -355,7 +348,7 @@ def _usage(message: Mapping[str, Any]) -> str:
             if usage.get(key)
         )
     for record in message.get("records", []):
-        if isinstance(record, dict) and record.get("record") == _RECEIPT:
+        if isinstance(record, dict) and record.get("record") == RECEIPT:
             if record.get("finish_reason"):
                 bits.append(f"finish {record['finish_reason']}")
             attempts = record.get("attempts")

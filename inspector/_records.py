@@ -11,11 +11,53 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Final
 
-from stepmachine import TAG_FIELD
+from stepmachine import TAG_FIELD, InferenceReceipt, JournalEntry, Record
+from stepmachine.operations import (
+    ApprovalDecision,
+    ApprovalRequest,
+    BudgetRefusal,
+    CompactionMark,
+    CompactionReceipt,
+    EventConsumed,
+    EventRecord,
+    WaitMarker,
+)
 
-__all__ = ["describe", "find", "records_in"]
+__all__ = [
+    "BUDGET",
+    "CONSUMED",
+    "DECISION",
+    "EVENT",
+    "JOURNAL",
+    "MARK",
+    "RECEIPT",
+    "REQUEST",
+    "SUMMARY",
+    "WAIT",
+    "describe",
+    "find",
+    "records_in",
+]
+
+
+def _tag(record_type: type[Record]) -> str:
+    tag = record_type.__struct_config__.tag
+    assert isinstance(tag, str)  # every Record has a str tag
+    return tag
+
+
+RECEIPT: Final = _tag(InferenceReceipt)
+JOURNAL: Final = _tag(JournalEntry)
+REQUEST: Final = _tag(ApprovalRequest)
+DECISION: Final = _tag(ApprovalDecision)
+BUDGET: Final = _tag(BudgetRefusal)
+SUMMARY: Final = _tag(CompactionReceipt)
+MARK: Final = _tag(CompactionMark)
+EVENT: Final = _tag(EventRecord)
+CONSUMED: Final = _tag(EventConsumed)
+WAIT: Final = _tag(WaitMarker)
 
 
 def records_in(notes: Mapping[str, Any]) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
@@ -57,16 +99,16 @@ def _payload(value: Any) -> str:
 def describe(record: Mapping[str, Any]) -> str:
     """One line saying what a record of a built-in operation means (its tag for the others)."""
     tag = record.get(TAG_FIELD)
-    if tag == "stepmachine.approval.decision":
+    if tag == DECISION:
         why = record.get("reason") or record.get("message") or ""
         edited = " (edited arguments)" if record.get("edited") else ""
         always = " (and later calls of this tool)" if record.get("always") else ""
         return f"{record.get('outcome')} by {record.get('by')}{': ' + str(why) if why else ''}" + (
             edited + always
         )
-    if tag == "stepmachine.approval.request":
+    if tag == REQUEST:
         return "approval requested"
-    if tag == "stepmachine.journal":
+    if tag == JOURNAL:
         if record.get("decided_by"):
             verdict = "re-run allowed" if record.get("rerun_approved") else "not re-run"
             note = record.get("decision_note")
@@ -79,27 +121,27 @@ def describe(record: Mapping[str, Any]) -> str:
                 f"({record.get('side_effects')}, key {record.get('idempotency_key')})"
             )
         return "journal"
-    if tag == "stepmachine.compaction.summary":
+    if tag == SUMMARY:
         return (
             f"compaction: summary of {len(record.get('summarised') or [])} message(s), "
             f"~{record.get('tokens_before')} -> ~{record.get('tokens_after')} tokens "
             f"({record.get('trigger')})"
         )
-    if tag == "stepmachine.compaction.mark":
+    if tag == MARK:
         if record.get("summarised_into"):
             return f"compacted into {record.get('summarised_into')}"
         return f"compaction: {record.get('stuck') or 'mark'}"
-    if tag == "stepmachine.budget.refusal":
+    if tag == BUDGET:
         return f"budget: {record.get('refused')}"
-    if tag == "stepmachine.events.event":
+    if tag == EVENT:
         return f"event {record.get('kind')} {record.get('id')}: {_payload(record.get('payload'))}"
-    if tag == "stepmachine.events.wait":
+    if tag == WAIT:
         satisfied = record.get("satisfied_by")
         kinds = ", ".join(map(str, record.get("awaiting") or [])) or "any event"
         return f"waits for {kinds}" + (f" (satisfied by {satisfied})" if satisfied else "")
-    if tag == "stepmachine.events.consumed":
+    if tag == CONSUMED:
         return "event delivered" if record.get("consumed") else "event"
-    if tag == "stepmachine.inference.reply":
+    if tag == RECEIPT:
         found = record.get("usage")
         usage: Mapping[str, Any] = found if isinstance(found, dict) else {}
         return (

@@ -32,7 +32,7 @@ from typing import Any, Final
 
 from stepmachine import TAG_FIELD, Session
 
-from ._records import find, records_in
+from ._records import BUDGET, CONSUMED, DECISION, EVENT, JOURNAL, REQUEST, WAIT, find, records_in
 
 __all__ = ["STATUSES", "outcome_unknown", "session_status"]
 
@@ -45,14 +45,6 @@ IDLE: Final = "idle"
 STATUSES: Final = (AWAITING_APPROVAL, OUTCOME_UNKNOWN, BUDGET_EXHAUSTED, AWAITING_EVENT, DONE, IDLE)
 """Every status :func:`session_status` returns, in the order it checks them."""
 
-_REQUEST: Final = "stepmachine.approval.request"
-_DECISION: Final = "stepmachine.approval.decision"
-_JOURNAL: Final = "stepmachine.journal"
-_BUDGET: Final = "stepmachine.budget.refusal"
-_WAIT: Final = "stepmachine.events.wait"
-_EVENT: Final = "stepmachine.events.event"
-_CONSUMED: Final = "stepmachine.events.consumed"
-
 
 def outcome_unknown(journal: dict[str, Any] | None) -> bool:
     """Whether a call's journal record (as stored) leaves its outcome for an operator:
@@ -64,7 +56,7 @@ def outcome_unknown(journal: dict[str, Any] | None) -> bool:
 
 
 def _awaits_approval(notes: dict[str, Any]) -> bool:
-    return find(notes, _REQUEST) is not None and find(notes, _DECISION) is None
+    return find(notes, REQUEST) is not None and find(notes, DECISION) is None
 
 
 def session_status(session: Session[Any]) -> str:
@@ -72,15 +64,15 @@ def session_status(session: Session[Any]) -> str:
     open_calls = session.history.open_calls()
     if any(_awaits_approval(call.notes) for call in open_calls):
         return AWAITING_APPROVAL
-    if any(outcome_unknown(find(call.notes, _JOURNAL)) for call in open_calls):
+    if any(outcome_unknown(find(call.notes, JOURNAL)) for call in open_calls):
         return OUTCOME_UNKNOWN
     last = next((m for m in reversed(session.conversation) if m.visible_to_model), None)
-    if last is not None and find(last.notes, _BUDGET) is not None:
+    if last is not None and find(last.notes, BUDGET) is not None:
         return BUDGET_EXHAUSTED
     pending = _pending_event_kinds(session)
     for message in session.conversation:
         for _, _, record in records_in(message.notes):
-            if record.get("record") == _WAIT and not record.get("satisfied_by"):
+            if record.get("record") == WAIT and not record.get("satisfied_by"):
                 awaiting = {str(kind) for kind in record.get("awaiting") or []}
                 if pending and (not awaiting or awaiting & pending):
                     return IDLE  # the next run delivers it
@@ -102,8 +94,8 @@ def _pending_event_kinds(session: Session[Any]) -> set[str]:
             if not isinstance(value, dict):
                 continue
             event = value.get("event")
-            if not isinstance(event, dict) or event.get(TAG_FIELD) != _EVENT:
+            if not isinstance(event, dict) or event.get(TAG_FIELD) != EVENT:
                 continue
-            if not (value.get(TAG_FIELD) == _CONSUMED and value.get("consumed")):
+            if not (value.get(TAG_FIELD) == CONSUMED and value.get("consumed")):
                 kinds.add(str(event.get("kind")))
     return kinds

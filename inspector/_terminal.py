@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ._records import describe
+from ._records import BUDGET, EVENT, MARK, SUMMARY, WAIT, describe
 
 __all__ = ["clean", "json_text", "print_log", "print_sessions", "print_show", "when"]
 
@@ -129,11 +129,11 @@ _ROLE_STYLE: Final = {
 
 _SHOWN_RECORDS: Final = frozenset(
     {
-        "stepmachine.compaction.summary",
-        "stepmachine.compaction.mark",
-        "stepmachine.budget.refusal",
-        "stepmachine.events.event",
-        "stepmachine.events.wait",
+        SUMMARY,
+        MARK,
+        BUDGET,
+        EVENT,
+        WAIT,
     }
 )
 """Records shown under their message (calls show their journal and decision themselves)."""

@@ -56,7 +56,7 @@ from stepmachine import (
 from stepmachine.operations import Problem, fsck
 from stepmachine.operations._history_guard import OPEN_CALL
 
-from ._records import describe, find, records_in
+from ._records import DECISION, JOURNAL, RECEIPT, REQUEST, describe, find, records_in
 from ._status import outcome_unknown, session_status
 
 __all__ = [
@@ -73,10 +73,6 @@ __all__ = [
 
 FORMAT: Final = "stepmachine.inspector.session/1"
 
-_RECEIPT: Final = "stepmachine.inference.reply"
-_JOURNAL: Final = "stepmachine.journal"
-_REQUEST: Final = "stepmachine.approval.request"
-_DECISION: Final = "stepmachine.approval.decision"
 _SUMMARY_CUT: Final = 80
 
 
@@ -98,9 +94,9 @@ def _short(text: str, limit: int = _SUMMARY_CUT) -> str:
 def _call_state(call: ToolCallPart, result: ToolResultPart | None) -> str:
     if result is not None:
         return "error" if result.is_error else "answered"
-    if find(call.notes, _REQUEST) is not None and find(call.notes, _DECISION) is None:
+    if find(call.notes, REQUEST) is not None and find(call.notes, DECISION) is None:
         return "awaiting approval"
-    if outcome_unknown(find(call.notes, _JOURNAL)):
+    if outcome_unknown(find(call.notes, JOURNAL)):
         return "outcome unknown"
     return "open"
 
@@ -119,8 +115,8 @@ def _part_view(part: Any, results: dict[str, tuple[str, ToolResultPart]] | None)
             "arguments": _builtins(part.arguments),
             "raw_arguments": part.raw_arguments,
             "notes": _builtins(part.notes),
-            "journal": find(part.notes, _JOURNAL),
-            "decision": find(part.notes, _DECISION),
+            "journal": find(part.notes, JOURNAL),
+            "decision": find(part.notes, DECISION),
         }
         if results is not None:
             view["state"] = _call_state(part, None if found is None else found[1])
@@ -149,7 +145,7 @@ def message_view(
     ``results`` (call id -> (message id, result)) lets tool calls say what
     became of them; without it they carry no ``state``.
     """
-    receipt = find(message.notes, _RECEIPT)
+    receipt = find(message.notes, RECEIPT)
     return {
         "id": message.id,
         "role": message.role,
