@@ -60,10 +60,16 @@ from ._html_parts import (
     pretty_json,
 )
 
-__all__ = ["content_security_policy", "render_batch", "render_html", "render_page"]
+__all__ = [
+    "content_security_policy",
+    "page_policy",
+    "render_batch",
+    "render_html",
+    "render_page",
+]
 
 MAX_NEW: Final = 20
-"""A replaced conversation shows this many new messages in full, the others as lines.
+"""A replaced conversation shows this many new or rewritten messages in full, the others as lines.
 
 New: ``added_at`` is the batch's revision (or unknown). Without the ``added``
 map threaded through :func:`~stepmachine.inspector.batch_view`, every
@@ -91,6 +97,14 @@ def content_security_policy(*scripts: str) -> str:
         f"script-src {allowed}; base-uri 'none'; form-action 'none'"
     )
     return policy + "; connect-src 'self'" if len(scripts) > 1 else policy
+
+
+def page_policy(live_script: str = "") -> str:
+    """The Content-Security-Policy of ``render_page(view, live_script=live_script)``.
+
+    The same text as the page's ``<meta>`` policy, for a server to send as a header.
+    """
+    return content_security_policy(_asset("timeline.js"), *([live_script] if live_script else []))
 
 
 @functools.cache
@@ -145,20 +159,27 @@ def _visibility(effect: Mapping[str, Any]) -> str:
 def _replacement(effect: Mapping[str, Any], revision: object) -> str:
     conversation = [m for m in effect.get("conversation") or [] if isinstance(m, dict)]
     by_id = {m.get("id"): m for m in conversation}
-    new = [m for m in conversation if m.get("added_at") in (revision, None)]
+    # Kept messages are stubs ("kept": true); the others are new or rewritten (an
+    # earlier message whose role or parts changed): both are shown whole.
+    shown = [m for m in conversation if not m.get("kept")]
+    new = [m for m in shown if m.get("added_at") in (revision, None)]
+    rewritten = len(shown) - len(new)
     hidden = sum(1 for m in conversation if not m.get("visible_to_model", True))
     head = (
         f'<div class="effect replace"><div class="head"><span class="kw">conversation replaced'
         f"</span> {len(conversation)} message(s): {len(conversation) - hidden} visible to the "
-        f"model, {hidden} hidden; {len(new)} new</div>"
+        f"model, {hidden} hidden; {len(new)} new, {rewritten} rewritten</div>"
     )
     out = [head]
-    out.extend(message_html(message, lookup=by_id) for message in new[:MAX_NEW])
-    if len(new) > MAX_NEW:
-        lines = "".join(message_line(m) for m in new[MAX_NEW:])
+    for message in shown[:MAX_NEW]:
+        if message.get("added_at") not in (revision, None):
+            out.append('<div class="meta rewritten">rewritten:</div>')
+        out.append(message_html(message, lookup=by_id))
+    if len(shown) > MAX_NEW:
+        lines = "".join(message_line(m) for m in shown[MAX_NEW:])
         out.append(
-            f"<details><summary>{len(new) - MAX_NEW} more new message(s)</summary>"
-            f"<ul>{lines}</ul></details>"
+            f"<details><summary>{len(shown) - MAX_NEW} more new or rewritten message(s)"
+            f"</summary><ul>{lines}</ul></details>"
         )
     out.append("</div>")
     return "".join(out)
@@ -307,7 +328,7 @@ def render_page(view: Mapping[str, Any], *, live_script: str = "") -> str:
     if "</" in live_script:
         raise ValueError("live_script must not contain '</' (it would close the <script>)")
     scripts = [_asset("timeline.js"), *([live_script] if live_script else [])]
-    csp = content_security_policy(*scripts)
+    csp = page_policy(live_script)
     timeline = "".join(render_batch(b) for b in view.get("batches") or [] if isinstance(b, dict))
     document = (
         "<!DOCTYPE html>\n"

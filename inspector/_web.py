@@ -55,7 +55,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is installed where tests run
     raise ImportError(web_extra_message(exc)) from exc
 
-from ._html import render_batch, render_page
+from ._html import page_policy, render_batch, render_page
 
 __all__ = ["Streams", "create_app", "serve"]
 
@@ -229,7 +229,10 @@ def create_app(
         session_id = request.path_params["session_id"]
         view = await view_of(session_id)
         script = live_script(f"/sessions/{session_id}/events", view["revision"])
-        return HTMLResponse(render_page(view, live_script=script))
+        # The page's meta policy, sent as a header as well (a header is not lost
+        # to markup before the meta element, and tools that read headers see it).
+        headers = {**_PAGE_HEADERS, "Content-Security-Policy": page_policy(script)}
+        return HTMLResponse(render_page(view, live_script=script), headers=headers)
 
     async def events(request: Request) -> Response:
         session_id = request.path_params["session_id"]
@@ -271,7 +274,10 @@ def create_app(
     def not_found(request: Request, exc: Exception) -> Response:
         detail = exc.detail if isinstance(exc, HTTPException) else str(exc)
         code = exc.status_code if isinstance(exc, HTTPException) else 404
-        return _error(request, code, "Not found" if code == 404 else "Error", str(detail))
+        response = _error(request, code, "Not found" if code == 404 else "Error", str(detail))
+        if isinstance(exc, HTTPException) and exc.headers:
+            response.headers.update(exc.headers)  # a 405's Allow
+        return response
 
     app = Starlette(
         routes=[
