@@ -98,6 +98,19 @@ _SCRIPT: Final = """
     source.addEventListener("batch", handler(onBatch));
     source.addEventListener("status", handler(onStatus));
     source.addEventListener("live", handler(onLive));
+    source.addEventListener("reset", function () {
+      // The session is not the one this page shows (recreated, restored): start over.
+      source.close();
+      show("reloading");
+      window.location.reload();
+    });
+    source.addEventListener("failure", handler(function (data) {
+      // The store could not be read: reconnecting would read the same records again.
+      source.close();
+      show("stopped");
+      deltas.hidden = false;
+      deltas.textContent = "The store could not be read: " + String(data.message);
+    }));
   }
   function reconnect() {
     if (source) { source.close(); }

@@ -17,8 +17,13 @@
   the stream's ids is the batch); ``data`` is the event's data as JSON (its
   ``"kind"``: ``text_delta``, ``tool_started``, ...) plus ``"revision"`` and
   ``"seq"``;
-- ``error``: ``data: {"message"}``, stored data that does not decode; the
-  stream ends after it;
+- ``reset``: ``data: {"revision"}``, sent (after ``status``) when the
+  client's cursor is beyond the session's revision: the session it showed is
+  gone (deleted and recreated, or the store restored from a backup), so it
+  must start over from revision 0; the stream ends after it (the page reloads);
+- ``failure``: ``data: {"message"}``, stored data that does not decode; the
+  stream ends after it (not ``error``: a browser's ``EventSource`` would take
+  that for a lost connection and reconnect to the same records);
 - a ``: keepalive`` comment after ``keepalive`` seconds without an event.
 
 Resuming: a client says where it is with a cursor ``(revision, seq)`` (the
@@ -188,6 +193,12 @@ async def session_events(
                 status = {"revision": session.revision, "status": session_status(session)}
                 yield sse(event="status", data=status)
                 sent = True
+                if after > session.revision:
+                    # The client saw revisions this session does not have (it was
+                    # recreated, or the store restored from a backup): what it shows
+                    # is not this session's history. Say so and end; it starts over.
+                    yield sse(event="reset", data={"revision": session.revision})
+                    return
             if live is not None and after == views.revision:
                 for chunk, reached in _live_events(live, session_id, after, position):
                     yield chunk
@@ -212,7 +223,8 @@ async def session_events(
     except StoreClosedError:
         return  # the application closed its store: it is shutting down
     except StoredDataError as exc:
-        yield sse(event="error", data={"message": str(exc)})
+        # Not "error": EventSource also fires its onerror (a lost connection) for that name.
+        yield sse(event="failure", data={"message": str(exc)})
 
 
 def _live_events(
