@@ -38,7 +38,7 @@ from _web_sessions import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stepmachine import Codec, ConfigurationError, Event, Message, TextDelta, ToolStarted
+from stepmachine import Codec, ConfigurationError, Event, Message, TextDelta, ToolStarted, submit
 from stepmachine.inspector import inspection_codec, session_view
 from stepmachine.inspector._live import LiveHub
 from stepmachine.inspector._sse import parse_cursor
@@ -468,3 +468,32 @@ def test_importing_the_live_view_without_the_extra_says_what_to_install() -> Non
     )
     assert "install stepmachine[web]" in done.stdout
     require_web()  # here the extra is installed
+
+
+async def test_stored_data_that_stops_decoding_is_a_failure_event_not_an_error(
+    tmp_path: Path,
+) -> None:
+    """``event: error`` would read as a lost connection to a browser's EventSource (its
+    onerror fires for that name) and the page would reconnect to the same records forever:
+    the stream names it ``failure`` and ends."""
+    from stepmachine import Effect
+
+    class Flag(Effect, frozen=True, tag="myapp.flag"):
+        raised: bool = True
+
+        def apply(self, session: Any) -> Any:
+            return session
+
+    path = tmp_path / "agent.sqlite3"
+    await record(path)
+    async with await SQLiteStore.open(path, inspection_codec(), read_only=True) as reader:
+        app = create_app(reader, poll_interval=0.01, keepalive=60.0)
+        async with open_events(app, f"/sessions/{SESSION}/events") as events:
+            assert await events.next_of("status") is not None
+            async with await SQLiteStore.open(path, Codec(effects=[Flag])) as writer:
+                await submit(writer, SESSION, [Flag()])
+            failure = await events.next_of("failure", "error")
+            assert failure is not None
+            assert failure["event"] == "failure"
+            assert "myapp.flag" in failure["data"]["message"]
+            assert await events.next() is None  # the stream ended
