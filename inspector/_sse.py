@@ -40,7 +40,7 @@ them (the batch they led to holds the truth).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, Final, Protocol
 
 import anyio
@@ -51,6 +51,7 @@ from stepmachine import (
     Effect,
     Event,
     Message,
+    Session,
     SessionNotFoundError,
     Store,
     StoreClosedError,
@@ -145,6 +146,7 @@ async def session_events(
     retry_ms: int | None = 1000,
     live: LiveSource | None = None,
     closing: Callable[[], bool] = lambda: False,
+    load: Callable[[str], Awaitable[Session[Any]]] | None = None,
 ) -> AsyncGenerator[str, None]:
     """The event stream of ``session_id`` for a client at ``cursor`` (see the module docstring).
 
@@ -161,9 +163,12 @@ async def session_events(
     first (the stores shield their transactions).
 
     Reading costs: the catch-up reads the whole log once (like the timeline
-    page); every poll after that reads the session row, and the new batches
-    when there are any.
+    page); every poll after that reads the session's head, through ``load``
+    when given (the live view passes :class:`~._heads.SharedHeads`, so every
+    stream of one session shares one read per poll), and the new batches when
+    there are any.
     """
+    poll = store.load if load is None else load
     session = await store.load(session_id)
     views = _Views((await store.load_at(session_id, 0)).conversation)
     after, position = cursor
@@ -217,7 +222,7 @@ async def session_events(
             else:
                 with anyio.move_on_after(poll_interval):
                     await live.wait(session_id)
-            session = await store.load(session_id)
+            session = await poll(session_id)
     except SessionNotFoundError:
         return  # deleted while watched: the reconnect gets a 404
     except StoreClosedError:

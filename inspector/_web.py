@@ -37,6 +37,7 @@ from stepmachine import (
     StoredDataError,
 )
 
+from ._heads import SharedHeads
 from ._live_page import live_script
 from ._open import open_store
 from ._sse import LiveSource, parse_cursor, session_events
@@ -179,6 +180,7 @@ def create_app(
     if not poll_interval > 0:
         raise ValueError(f"poll_interval must be a number of seconds > 0, not {poll_interval}")
     streams = Streams()
+    heads = SharedHeads(store, poll_interval)  # one head read per session per poll
 
     async def summary(session_id: str) -> dict[str, Any]:
         session = await store.load(session_id)
@@ -256,6 +258,7 @@ def create_app(
             retry_ms=retry_ms,
             live=live,
             closing=lambda: streams.closing,
+            load=heads.load,
         )
         return _EventStream(stream)
 
