@@ -182,6 +182,10 @@ async def open_store(url: str, *, codec: Codec[Any] | None = None, write: bool =
         ConnectionError: the PostgreSQL server cannot be reached, or refused us.
         StoredDataError: the file is not a stepmachine store, or was written
             by a newer schema version.
+
+    Cancellation: as the store's own ``open``: an open that started runs to its
+    end and the cancellation arrives at the next checkpoint, so close what you
+    got (``async with``).
     """
     if not isinstance(url, str) or not url.strip():
         raise UsageError(f"no store given: pass --store URL or set STEPMACHINE_STORE ({SCHEMES})")

@@ -368,6 +368,8 @@ async def load_view(store: Store, session_id: str, at: int | None = None) -> dic
         SessionNotFoundError: no such session.
         ValueError: ``at`` is beyond the session's revision.
         StoredDataError: a record does not decode with the store's codec.
+
+    Cancellation: only reads; a cancelled call leaves nothing behind.
     """
     session = await (store.load(session_id) if at is None else store.load_at(session_id, at))
     batches = await store.batches(session_id)
