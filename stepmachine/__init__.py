@@ -28,6 +28,7 @@ from ._capabilities import (
     ContributesTools,
     Finalizes,
     Objection,
+    OpensForRun,
     ShapesRequests,
     Step,
     VetsCalls,
@@ -81,6 +82,7 @@ from ._errors import (
     StoredDataError,
     ToolAbortError,
     ToolArgumentsError,
+    ToolError,
     UnexpectedModelCallError,
 )
 from ._history import check_history, history_problems, open_tool_calls, request_order
@@ -240,6 +242,7 @@ __all__ = [
     "Notes",
     "NullEmitter",
     "Objection",
+    "OpensForRun",
     "Operation",
     "Outcome",
     "Part",
@@ -292,6 +295,7 @@ __all__ = [
     "ToolCaller",
     "ToolContext",
     "ToolDefinition",
+    "ToolError",
     "ToolFinished",
     "ToolResultPart",
     "ToolStarted",

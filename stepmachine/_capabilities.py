@@ -30,7 +30,10 @@ that have one:
   after a cancellation;
 * :class:`AnswersUnknownTools` -- ``answers_unknown_tools = True``: the step
   answers a tool call naming a tool no step advertises (``Tools`` does, with an
-  "unknown tool" error result).
+  "unknown tool" error result);
+* :class:`OpensForRun` -- ``open_for_run(runtime)``: an async context manager
+  ``run()`` holds open around its cycles (``McpTools`` connects to its
+  servers in it).
 
 Tools and prompt parts are collected from the steps that contribute them
 before each cycle, whether or not their own ``run`` applies. Steps never
@@ -48,6 +51,7 @@ overrides only ``run`` costs nothing in the hooks it does not override.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -70,6 +74,7 @@ __all__ = [
     "ContributesTools",
     "Finalizes",
     "Objection",
+    "OpensForRun",
     "ShapesRequests",
     "Step",
     "StepContext",
@@ -201,6 +206,24 @@ class AnswersUnknownTools(Protocol):
         ...
 
 
+class OpensForRun(Protocol):
+    """A step that holds something open (connections, processes) while a run goes on."""
+
+    def open_for_run(self, runtime: Runtime) -> AbstractAsyncContextManager[None]:
+        """What ``run()`` enters before its first cycle and exits when it returns.
+
+        :meth:`~stepmachine.StateMachine.run` enters the context of every step
+        that has one, in step order, before it loads the session, and exits
+        them in reverse order when it returns, raises or is cancelled (each
+        round of a leased run opens them again). Callers that drive ``step``
+        themselves enter :meth:`~stepmachine.StateMachine.opened`. Entering may
+        raise (a :class:`~stepmachine.ConfigurationError` stops the run before
+        any model call); a step whose resources are already open (shared by
+        the application) enters a no-op. Exiting must not raise.
+        """
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Objection:
     """Why a tool call may not run now, and which step says so.
@@ -236,12 +259,14 @@ class Capabilities(Generic[D]):
         shapers: the steps that shape requests.
         vetters: the steps that vet tool calls.
         finalizers: the steps that finalize.
+        openers: the steps that hold something open while a run goes on.
         answers_unknown_tools: some step answers calls of unadvertised tools.
     """
 
     __slots__ = (
         "answers_unknown_tools",
         "finalizers",
+        "openers",
         "prompt_steps",
         "shapers",
         "steps",
@@ -258,6 +283,7 @@ class Capabilities(Generic[D]):
         self.shapers = cast("tuple[ShapesRequests[D], ...]", self._having("shape_request"))
         self.vetters = cast("tuple[VetsCalls[D], ...]", self._having("check_call"))
         self.finalizers = cast("tuple[Finalizes[D], ...]", self._having("finalize"))
+        self.openers = cast("tuple[OpensForRun, ...]", self._having("open_for_run"))
         self.answers_unknown_tools = any(
             getattr(step, "answers_unknown_tools", False) is True for step in self.steps
         )

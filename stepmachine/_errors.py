@@ -29,6 +29,7 @@ where::
         ├── StoredDataError           a record does not decode (invariant 8)
         ├── ToolAbortError            a tool failed closed
         ├── ToolArgumentsError        tool arguments fail their schema
+        ├── ToolError                 a tool's error result, worded by the tool
         ├── ModelError                a model call failed
         │   ├── ContextLengthError
         │   │   └── providers.ContextLengthExceededError (also BadRequestError)
@@ -65,6 +66,7 @@ __all__ = [
     "StoredDataError",
     "ToolAbortError",
     "ToolArgumentsError",
+    "ToolError",
     "UnexpectedModelCallError",
 ]
 
@@ -220,6 +222,17 @@ class HistoryError(RunError):
 
 class ToolArgumentsError(RunError):
     """A tool's arguments failed validation against its schema."""
+
+
+class ToolError(RunError):
+    """Raised by a tool to answer its call with an error result saying exactly this.
+
+    The model reads the message as the call's error result (``is_error``),
+    without the ``"tool 'x' failed: ValueError: "`` prefix any other exception
+    gets; the run goes on. For a problem the model can fix (a file that does
+    not exist, a date in the past) or an error a remote tool reported (an MCP
+    result with ``isError``).
+    """
 
 
 class ToolAbortError(RunError):

@@ -27,6 +27,11 @@ locally -- the same value: the compare-and-set proved that nobody wrote in
 between, and applying effects is pure. On a conflict the machine reloads and re-steps (at most
 ``max_conflicts`` times per run) and never overwrites.
 
+Steps that hold something open while a run goes on (``open_for_run``, e.g.
+``McpTools``' server connections) are opened by ``run()`` before its first
+cycle and closed when it returns; callers driving ``step`` enter
+:meth:`StateMachine.opened` themselves.
+
 The loop is here; one cycle is ``_run.Run.cycle`` (built from ``_cycle``),
 cancellation and finalize are ``_finalize``, and every compare-and-set retry
 is ``_retry``.
@@ -49,7 +54,8 @@ just after a tool returned), which then propagate.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from types import EllipsisType
 from typing import Any, Generic, TypeVar
 
@@ -338,6 +344,19 @@ class StateMachine(Generic[D]):
             "gen_ai.conversation.id": session_id,
         }
         name = f"invoke_agent {_tracing.AGENT_NAME}"
+        if not self.capabilities.openers:
+            return await self._run_opened(runtime, session_id, emitter, name, attributes)
+        async with self.opened(runtime):
+            return await self._run_opened(runtime, session_id, emitter, name, attributes)
+
+    async def _run_opened(
+        self,
+        runtime: Runtime,
+        session_id: str,
+        emitter: Emitter | None,
+        name: str,
+        attributes: dict[str, Any],
+    ) -> RunReport[D]:
         with (
             _log.session(session_id),
             _tracing.run_span(runtime.telemetry, name, attributes) as span,
@@ -361,6 +380,26 @@ class StateMachine(Generic[D]):
                         },
                     )
                     return report
+
+    @asynccontextmanager
+    async def opened(self, runtime: Runtime) -> AsyncIterator[None]:
+        """Hold open what the steps hold open during a run (their ``open_for_run``).
+
+        ``run()`` does this itself; enter it when driving :meth:`step` by hand
+        (``async with machine.opened(runtime): ...``). The steps' contexts are
+        entered in step order and exited in reverse order, also when the body
+        raises or is cancelled; an exception from the body propagates as it is.
+        Nesting is harmless: a step already open in this context (or shared by
+        the application) opens nothing more.
+
+        Raises:
+            Exception: whatever a step's ``open_for_run`` raises on entering
+                (those entered before it are closed first).
+        """
+        async with AsyncExitStack() as stack:
+            for step in self.capabilities.openers:
+                await stack.enter_async_context(step.open_for_run(runtime))
+            yield
 
     # -- driving cycles by hand -------------------------------------------------------
 

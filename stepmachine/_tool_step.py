@@ -53,7 +53,7 @@ a lease); the store's compare-and-set keeps the data right either way.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import anyio
@@ -68,6 +68,7 @@ from ._errors import (
     StepContractError,
     ToolAbortError,
     ToolArgumentsError,
+    ToolError,
 )
 from ._history import open_tool_calls
 from ._messages import Message, ToolCallPart, ToolResultPart
@@ -82,6 +83,7 @@ from ._tools import (
     EDITED_ARGUMENTS,
     Tool,
     ToolContext,
+    ToolLike,
     check_timeout,
     effective_arguments,
     fingerprint,
@@ -290,7 +292,7 @@ class Tools(Operation[Any]):
         open_calls = open_tool_calls(ctx.session)
         if not open_calls:
             return Refuse("no open tool calls")
-        own = self._tools
+        own = self._own_tools(ctx)
         advertised: set[str] | None = None
         candidates: list[ToolCallPart] = []
         for c in open_calls:
@@ -314,9 +316,9 @@ class Tools(Operation[Any]):
         to_run: list[ToolCallPart] = []
         for call in calls:
             journal = journal_entry(call, where=f"session {ctx.session.id!r}")
-            impl = self._tools.get(call.name)
+            impl = own.get(call.name)
             if impl is None or effective_arguments(call) is None:
-                answers.append(self._precheck_error(ctx, call))
+                answers.append(self._precheck_error(ctx, call, own))
             elif journal is not None and journal.intent and not self._may_rerun(impl, journal):
                 _log_journal(ctx, call, journal, "outcome_unknown")
                 if self._on_unknown == "yield":
@@ -337,8 +339,8 @@ class Tools(Operation[Any]):
                 uncommitted.pop(answer.call_id, None)
         if to_run:
             where = _call_locations(ctx.session)  # call id -> message id, read once
-            await self._record_intents(ctx, to_run, where)
-            abort = await self._run_batch(ctx, to_run, where)
+            await self._record_intents(ctx, to_run, where, own)
+            abort = await self._run_batch(ctx, to_run, where, own)
             if abort is not None:
                 return Yield([], YieldReason("tool_failed", abort))
         if unknown:
@@ -374,15 +376,25 @@ class Tools(Operation[Any]):
 
     # -- the journal ---------------------------------------------------------------
 
+    def _own_tools(self, ctx: StepContext[Any]) -> Mapping[str, ToolLike]:
+        """The tools this step runs in this cycle, by name (read once per ``run``).
+
+        A fixed set here; a subclass whose tools come from elsewhere (MCP
+        servers) returns the set it advertised for this cycle.
+        """
+        return self._tools
+
     @staticmethod
-    def _may_rerun(impl: Tool, journal: JournalEntry) -> bool:
+    def _may_rerun(impl: ToolLike, journal: JournalEntry) -> bool:
         if impl.side_effects in ("pure", "idempotent"):
             return True
         # An operator's decision covers the attempt it was made about, not later crashes.
         return journal.rerun_approved and journal.rerun_attempt == journal.attempt
 
-    def _precheck_error(self, ctx: StepContext[Any], call: ToolCallPart) -> ToolResultPart:
-        if call.name not in self._tools:
+    def _precheck_error(
+        self, ctx: StepContext[Any], call: ToolCallPart, own: Mapping[str, ToolLike]
+    ) -> ToolResultPart:
+        if call.name not in own:
             known = ", ".join(sorted(d.name for d in ctx.tools)) or "none"
             return _error(call, f"unknown tool {call.name!r}; available tools: {known}")
         try:
@@ -397,7 +409,11 @@ class Tools(Operation[Any]):
         )
 
     async def _record_intents(
-        self, ctx: StepContext[Any], calls: Sequence[ToolCallPart], where: dict[str, str]
+        self,
+        ctx: StepContext[Any],
+        calls: Sequence[ToolCallPart],
+        where: dict[str, str],
+        own: Mapping[str, ToolLike],
     ) -> None:
         """Commit one batch of intents for the calls whose tool is ``non_idempotent``.
 
@@ -406,7 +422,7 @@ class Tools(Operation[Any]):
         """
         effects: list[Effect] = []
         for call in calls:
-            impl = self._tools[call.name]
+            impl = own[call.name]
             if impl.side_effects != "non_idempotent":
                 continue
             journal = journal_entry(call, where=f"session {ctx.session.id!r}") or JournalEntry()
@@ -426,7 +442,11 @@ class Tools(Operation[Any]):
             await ctx.commit(effects)
 
     async def _run_batch(
-        self, ctx: StepContext[Any], calls: Sequence[ToolCallPart], where: dict[str, str]
+        self,
+        ctx: StepContext[Any],
+        calls: Sequence[ToolCallPart],
+        where: dict[str, str],
+        own: Mapping[str, ToolLike],
     ) -> str | None:
         """Run ``calls``, committing each result as it comes; the abort reason.
 
@@ -439,7 +459,9 @@ class Tools(Operation[Any]):
         abort: list[str] = []
         if len(calls) == 1 or self._max_concurrency == 1:
             for call in calls:  # one after another, in call order (deterministic)
-                await self._run_one(ctx, call, where[call.call_id], uncommitted, abort, None)
+                await self._run_one(
+                    ctx, call, own[call.name], where[call.call_id], uncommitted, abort, None
+                )
             return abort[0] if abort else None
 
         limiter = anyio.CapacityLimiter(self._max_concurrency)
@@ -447,7 +469,9 @@ class Tools(Operation[Any]):
 
         async def run_limited(call: ToolCallPart) -> None:
             async with limiter:
-                await self._run_one(ctx, call, where[call.call_id], uncommitted, abort, commit_lock)
+                await self._run_one(
+                    ctx, call, own[call.name], where[call.call_id], uncommitted, abort, commit_lock
+                )
 
         try:
             async with anyio.create_task_group() as tg:
@@ -463,6 +487,7 @@ class Tools(Operation[Any]):
         self,
         ctx: StepContext[Any],
         call: ToolCallPart,
+        impl: ToolLike,
         message_id: str,
         uncommitted: dict[str, ToolResultPart],
         abort: list[str],
@@ -478,7 +503,7 @@ class Tools(Operation[Any]):
             result = _error(call, NOT_EXECUTED.format(reason=abort[0]))
             uncommitted[call.call_id] = result
         else:
-            result, aborted = await self._run_call(ctx, call, message_id)
+            result, aborted = await self._run_call(ctx, call, impl, message_id)
             # The result exists. Before any checkpoint (where a pending
             # cancellation fires: the emit, the lock, the commit), hand it to
             # finalize, which commits it if this step's own commit does not
@@ -519,7 +544,7 @@ class Tools(Operation[Any]):
         await retry_conflicts(ctx.session, attempt, reload, attempts=_MAX_RESULT_RETRIES)
 
     async def _run_call(
-        self, ctx: StepContext[Any], call: ToolCallPart, message_id: str
+        self, ctx: StepContext[Any], call: ToolCallPart, impl: ToolLike, message_id: str
     ) -> tuple[ToolResultPart, str | None]:
         """Run one call. Returns its result, and the abort reason if it failed closed.
 
@@ -531,7 +556,6 @@ class Tools(Operation[Any]):
         its result is returned, the cancellation firing at the caller's next
         checkpoint.
         """
-        impl = self._tools[call.name]
         await ctx.emit(ToolStarted(call_id=call.call_id, name=call.name))
         context = ToolContext(
             runtime=ctx.runtime,
@@ -580,7 +604,7 @@ class Tools(Operation[Any]):
         return result, aborted
 
     async def _ask_caller(
-        self, caller: ToolCaller, impl: Tool, call: ToolCallPart, context: ToolContext
+        self, caller: ToolCaller, impl: ToolLike, call: ToolCallPart, context: ToolContext
     ) -> tuple[ToolResultPart, str, str | None]:
         """``Runtime.tool_caller``'s answer: the result, the outcome name, the error type.
 
@@ -599,6 +623,8 @@ class Tools(Operation[Any]):
         except TimeoutError:
             message = f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
             return _error(call, message), "timeout", "TimeoutError"
+        except ToolError as exc:
+            return _error(call, str(exc)), "error", type(exc).__name__
         except Exception as exc:  # noqa: BLE001 - as a tool's error: an error result
             message = f"tool {call.name!r} failed: {type(exc).__name__}: {exc}"
             return _error(call, message), "error", type(exc).__name__
@@ -606,12 +632,14 @@ class Tools(Operation[Any]):
         return result, "recorded", None
 
     async def _call_tool(
-        self, impl: Tool, call: ToolCallPart, context: ToolContext
+        self, impl: ToolLike, call: ToolCallPart, context: ToolContext
     ) -> tuple[ToolResultPart, str | None, str, str | None]:
         """Run the tool: its result, the abort reason if it failed closed, the outcome name,
         and the error's type name (``None`` when it succeeded).
 
-        Outcomes: ``ok``, ``invalid_arguments``, ``timeout``, ``aborted``, ``error``.
+        Outcomes: ``ok``, ``invalid_arguments``, ``timeout``, ``aborted``, ``error``
+        (a :class:`ToolError`'s message is the result as it is; any other
+        exception is named in it).
         """
         timeout = impl.timeout if impl.timeout is not None else self._timeout
         aborted: str | None = None
@@ -623,6 +651,8 @@ class Tools(Operation[Any]):
         except TimeoutError:
             message = f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
             return _error(call, message), None, "timeout", "TimeoutError"
+        except ToolError as exc:
+            return _error(call, str(exc)), None, "error", type(exc).__name__
         except ToolAbortError as exc:
             aborted = f"{call.name}: {exc}"
             result = _error(call, f"tool {call.name!r} failed and stopped the run: {exc}")
@@ -657,7 +687,7 @@ def _check_recorded(result: object, call: ToolCallPart) -> None:
 def _log_tool_call(
     ctx: StepContext[Any],
     call: ToolCallPart,
-    impl: Tool,
+    impl: ToolLike,
     started: float,
     outcome: str,
     result: ToolResultPart | None,

@@ -17,7 +17,7 @@ import hashlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias, overload
+from typing import Any, Literal, Protocol, TypeAlias, overload
 
 import anyio
 import msgspec
@@ -32,6 +32,7 @@ __all__ = [
     "SideEffects",
     "Tool",
     "ToolContext",
+    "ToolLike",
     "effective_arguments",
     "fingerprint",
     "idempotency_key",
@@ -113,6 +114,47 @@ def check_timeout(owner: str, timeout: object) -> float | None:
             f"{owner}: timeout must be None or a number of seconds > 0, got {timeout!r}"
         )
     return timeout
+
+
+class ToolLike(Protocol):
+    """What the :class:`~stepmachine.Tools` step runs: :class:`Tool` is one.
+
+    Anything with these attributes and ``call`` can be run by a step built on
+    ``Tools`` (``McpTools`` runs the tools of MCP servers this way): the
+    journal reads ``side_effects``, the step bounds ``call`` by ``timeout``,
+    and the model is shown ``definition``.
+    """
+
+    @property
+    def name(self) -> str:
+        """The name the model calls it by."""
+        ...
+
+    @property
+    def definition(self) -> ToolDefinition:
+        """What models are shown: name, description, JSON schema of the arguments."""
+        ...
+
+    @property
+    def side_effects(self) -> SideEffects:
+        """What may happen if it runs twice (see :class:`Tool`)."""
+        ...
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds a call may take, or ``None`` (then the step's timeout applies)."""
+        ...
+
+    async def call(self, arguments: Any, context: ToolContext) -> str:
+        """Run the call; its result as text.
+
+        Raises:
+            ToolArgumentsError: the arguments are not acceptable.
+            ToolError: the result is an error result with exactly this text.
+            ToolAbortError: fail closed (see ``Tools``).
+            Exception: anything else; an error result naming it.
+        """
+        ...
 
 
 class Tool:
