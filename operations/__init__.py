@@ -84,6 +84,8 @@ from ._invalid_calls import (
     InvalidToolCallError,
     schema_errors,
 )
+from ._mcp import McpTools
+from ._mcp_servers import McpHttp, McpStdio
 from ._output import (
     OUTPUT_INVALID,
     NoOutputError,
@@ -134,6 +136,9 @@ __all__ = [
     "InvalidCallsSkipped",
     "InvalidToolCallError",
     "Limits",
+    "McpHttp",
+    "McpStdio",
+    "McpTools",
     "NoOutputError",
     "OutputAnswer",
     "OutputError",
