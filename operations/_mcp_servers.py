@@ -200,6 +200,9 @@ class McpHttp(_Common):
             object.__setattr__(self, "name", re.sub(r"[^A-Za-z0-9_-]", "_", fallback)[:64])
         self._check_common("McpHttp")
 
+    def __repr__(self) -> str:
+        return f"McpHttp(name={self.name!r}, url={redact_url(self.url)!r})"
+
     def describe(self) -> str:
         """How errors and logs name it (no headers, no credentials)."""
         return f"MCP server {self.name!r} ({redact_url(self.url)})"

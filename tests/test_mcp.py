@@ -1,0 +1,521 @@
+"""McpTools against real MCP servers (tests/fixtures/mcp_server.py, written with the SDK).
+
+Every server here is a real process: stdio servers started by McpTools, an
+HTTP server started by the test on a loopback port. Each async test runs on
+asyncio and trio.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stepmachine import (
+    ConfigurationError,
+    Message,
+    ModelInference,
+    ModelRequest,
+    ModelResponse,
+    Runtime,
+    StateMachine,
+    ToolResultPart,
+)
+from stepmachine.operations import Approval, McpHttp, McpStdio, McpTools, approve
+from stepmachine.stores import MemoryStore
+from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
+
+SERVER = Path(__file__).parent / "fixtures" / "mcp_server.py"
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    return {"ledger": tmp_path / "ledger.txt", "events": tmp_path / "events.txt"}
+
+
+def stdio(files: dict[str, Path], **kwargs: Any) -> McpStdio:
+    env = {"MCP_LEDGER": str(files["ledger"]), "MCP_EVENTS": str(files["events"])}
+    kwargs.setdefault("name", "fx")
+    return McpStdio(command=sys.executable, args=[str(SERVER), "stdio"], env=env, **kwargs)
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def results(session: Any) -> list[ToolResultPart]:
+    return [r for m in session.conversation for r in m.tool_results]
+
+
+async def run(steps: list[Any], model: Any, text: str = "go") -> tuple[Any, MemoryStore]:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user(text, id="u1")])
+    machine = StateMachine(steps)
+    session = await machine.run(Runtime(store=store, model=model), "s")
+    return session, store
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def started_pids(files: dict[str, Path]) -> list[int]:
+    return [int(x.split()[1]) for x in lines(files["events"]) if x.startswith("start ")]
+
+
+# -- listing -------------------------------------------------------------------------
+
+
+async def test_lists_tools_with_their_schemas_and_side_effect_classes(
+    files: dict[str, Path],
+) -> None:
+    async with McpTools([stdio(files, side_effects={"record": "idempotent"})]) as mcp:
+        definitions = {d.name: d for d in mcp.tools(None)}  # type: ignore[arg-type]
+        assert {"echo", "add", "record", "crash", "hang", "grow"} <= set(definitions)
+        assert definitions["echo"].description == "Say the text back."
+        assert definitions["add"].parameters["required"] == ["a", "b"]
+        assert definitions["add"].parameters["properties"]["a"]["type"] == "integer"
+        # readOnlyHint -> pure; idempotentHint -> idempotent; no hint -> configuration.
+        assert mcp.side_effects("echo") == "pure"
+        assert mcp.side_effects("add") == "idempotent"
+        assert mcp.side_effects("record") == "idempotent"
+        assert mcp.side_effects("crash") == "non_idempotent"
+        assert mcp.side_effects("nope") is None
+
+
+async def test_untrusted_annotations_leave_the_class_to_configuration(
+    files: dict[str, Path],
+) -> None:
+    server = stdio(files, trust_annotations=False, side_effects={"add": "pure"})
+    async with McpTools([server]) as mcp:
+        mcp.tools(None)  # type: ignore[arg-type]
+        assert mcp.side_effects("echo") == "non_idempotent"  # its readOnlyHint is ignored
+        assert mcp.side_effects("add") == "pure"
+
+
+async def test_namespace_prefixes_each_server_and_a_clash_is_a_configuration_error(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    a, b = stdio(files, name="a"), stdio(files, name="b")
+    model = ScriptedModel([])  # never called: the clash stops the run first
+    with pytest.raises(ConfigurationError, match="'echo' is given by both"):
+        await run([McpTools([a, b]), ModelInference()], model)
+    assert model.requests == []
+    async with McpTools([a, b], namespace=True) as mcp:
+        names = {d.name for d in mcp.tools(None)}  # type: ignore[arg-type]
+        assert {"a__echo", "b__echo"} <= names
+        assert "echo" not in names
+    async with McpTools([stdio(files, prefix="files_")]) as mcp:
+        assert "files_echo" in {d.name for d in mcp.tools(None)}  # type: ignore[arg-type]
+
+
+# -- calling -------------------------------------------------------------------------
+
+
+async def test_calls_map_text_structured_content_images_and_errors(
+    files: dict[str, Path],
+) -> None:
+    turns = [
+        call(
+            ("echo", {"text": "hi"}),
+            ("add", {"a": 2, "b": 3}),
+            ("image", {}),
+            ("fail", {"why": "no disk"}),
+            ("add", {"a": "x", "b": 1}),
+            ("nope", {}),
+        ),
+        reply("done"),
+    ]
+    model = ScriptedModel(turns)
+    session, _ = await run([McpTools([stdio(files)]), ModelInference()], model)
+    got = {r.call_id: r for r in results(session)}
+    by_call = [got[c.call_id] for m in session.conversation for c in m.tool_calls]
+    echo, add, image, fail, bad, nope = by_call
+    assert (echo.content, echo.is_error) == ("hi", False)
+    assert not add.is_error and '"total": 5' in add.content
+    assert image.content == "[image: image/png, 16 bytes; not shown]"
+    assert (fail.content, fail.is_error) == ("Error executing tool fail: cannot: no disk", True)
+    assert bad.is_error and "validation error" in bad.content
+    assert nope.is_error and nope.content.startswith("unknown tool 'nope'")
+    # The model's second request saw every result and the tools.
+    assert {"echo", "add"} <= {t.name for t in model.requests[1].tools}
+    assert session.conversation[-1].text == "done"
+
+
+async def test_non_object_arguments_are_an_invalid_call_error(files: dict[str, Path]) -> None:
+    from stepmachine import ToolCallPart
+
+    turns = [call(ToolCallPart.parse("c1", "echo", "[1, 2]")), reply("ok")]
+    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    (result,) = results(session)
+    assert result.is_error
+    assert "must be a JSON object" in result.content
+
+
+async def test_each_call_carries_its_idempotency_key(files: dict[str, Path]) -> None:
+    turns = [call(("record", {"note": "n1"})), reply("ok")]
+    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    (line,) = lines(files["ledger"])
+    note, key, _ = line.split("\t")
+    assert note == "n1"
+    journal = [c for m in session.conversation for c in m.tool_calls][0].notes["journal"]
+    assert key == journal["idempotency_key"] and key.startswith("sm-")
+
+
+async def test_parallel_calls_run_at_once(files: dict[str, Path]) -> None:
+    turns = [
+        call(*[("slow", {"seconds": 0.5, "label": str(i)}) for i in range(3)]),
+        reply("ok"),
+    ]
+    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    assert [r.content for r in results(session)] != []
+    order = [x.split("\t")[0].split()[0] for x in lines(files["ledger"])]
+    # All three started before any ended: they overlapped at the server.
+    assert order == ["start"] * 3 + ["end"] * 3, order
+    assert sorted(r.content for r in results(session)) == ["slept 0", "slept 1", "slept 2"]
+
+
+async def test_too_long_a_result_is_an_error_result_not_stored(files: dict[str, Path]) -> None:
+    turns = [call(("big", {"chars": 5000})), reply("ok")]
+    mcp = McpTools([stdio(files)], max_result_chars=1000)
+    session, _ = await run([mcp, ModelInference()], ScriptedModel(turns))
+    (result,) = results(session)
+    assert result.is_error and "5,000 characters" in result.content
+    assert "xxxx" not in result.content
+
+
+# -- governance ----------------------------------------------------------------------
+
+
+async def test_approval_holds_an_mcp_call_until_a_person_approves(files: dict[str, Path]) -> None:
+    def model(request: ModelRequest) -> ModelResponse:
+        if request.messages[-1].role == "user":
+            return call(("record", {"note": "pay"}))
+        return reply(f"result: {request.messages[-1].tool_results[0].content}")
+
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    steps = [Approval(["record"]), McpTools([stdio(files)]), ModelInference()]
+    machine = StateMachine(steps)
+    runtime = Runtime(store=store, model=FunctionModel(model))
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == "awaiting_approval"
+    assert lines(files["ledger"]) == []  # nothing ran
+    (pending,) = report.reason.data["calls"]
+    await approve(store, "s", pending["call_id"], by="ana", reason="ok")
+    session = await machine.run(runtime, "s")
+    assert len(lines(files["ledger"])) == 1
+    assert session.conversation[-1].text == "result: recorded pay"
+
+
+# -- faults --------------------------------------------------------------------------
+
+
+async def test_a_crash_mid_call_is_an_error_result_and_the_server_starts_again(
+    files: dict[str, Path],
+) -> None:
+    turns = [call(("pid", {})), call(("crash", {})), call(("pid", {})), reply("done")]
+    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    first, crashed, second = results(session)
+    assert crashed.is_error
+    assert "closed the connection during the call" in crashed.content
+    assert "outcome is unknown" in crashed.content
+    assert not second.is_error and second.content != first.content  # a new process
+    assert len(started_pids(files)) == 2
+    assert session.conversation[-1].text == "done"
+
+
+async def test_a_hang_hits_the_per_call_timeout_and_the_server_goes_on(
+    files: dict[str, Path],
+) -> None:
+    turns = [call(("hang", {}), ("echo", {"text": "still here"})), reply("done")]
+    mcp = McpTools([stdio(files, timeout=0.5)])
+    started = time.monotonic()
+    session, _ = await run([mcp, ModelInference()], ScriptedModel(turns))
+    assert time.monotonic() - started < 30  # not the hour the tool sleeps
+    got = {r.name: r for r in results(session)}
+    hang, echo = got["hang"], got["echo"]
+    assert hang.is_error and "timed out after 0.5 s" in hang.content
+    assert (echo.content, echo.is_error) == ("still here", False)
+
+
+async def test_a_server_that_does_not_start_leaves_the_run_going(tmp_path: Path) -> None:
+    missing = McpStdio(command=str(tmp_path / "no-such-server"), name="missing")
+    silent = McpStdio(
+        command=sys.executable,
+        args=["-c", "import time; time.sleep(60)"],
+        name="silent",
+        connect_timeout=1.0,
+    )
+    model = ScriptedModel([call(("echo", {"text": "x"})), reply("no tools")])
+    session, _ = await run([McpTools([missing, silent]), ModelInference()], model)
+    assert model.requests[0].tools == ()  # neither server listed anything
+    (result,) = results(session)
+    assert result.is_error and result.content.startswith("unknown tool 'echo'")
+    assert session.conversation[-1].text == "no tools"
+
+
+async def test_a_changed_tool_list_applies_from_a_later_cycle(files: dict[str, Path]) -> None:
+    seen: list[set[str]] = []
+
+    def model(request: ModelRequest) -> ModelResponse:
+        names = {t.name for t in request.tools}
+        seen.append(names)
+        last = request.messages[-1]
+        if last.role == "user":
+            return call(("grow", {}))
+        if "fresh" in names and not any(r.name == "fresh" for r in last.tool_results):
+            return call(("fresh", {}))
+        if last.tool_results and last.tool_results[0].name == "fresh":
+            return reply(last.tool_results[0].content)
+        if len(seen) > 10:
+            return reply("the list never changed")
+        return call(("echo", {"text": "wait"}))
+
+    session, _ = await run([McpTools([stdio(files)]), ModelInference()], FunctionModel(model))
+    assert "fresh" not in seen[0]
+    assert any("fresh" in names for names in seen)
+    assert session.conversation[-1].text == "fresh result"
+
+
+async def test_the_tool_list_is_stable_within_a_cycle(files: dict[str, Path]) -> None:
+    async with McpTools([stdio(files)]) as mcp:
+        machine = StateMachine([mcp, ModelInference()])
+        runtime = Runtime(store=MemoryStore(), model=ScriptedModel([]))
+        async with machine.opened(runtime):
+            before = mcp.tools(None)  # type: ignore[arg-type]  # the start of a cycle
+            link = mcp._shared.links[0]  # type: ignore[union-attr]
+            assert link.listing is not None
+            link._publish(link.listing[:1])  # the server's list shrank meanwhile
+            ctx: Any = None
+            assert set(mcp._own_tools(ctx)) == {d.name for d in before}  # this cycle: as advertised
+            after = mcp.tools(None)  # type: ignore[arg-type]  # the next cycle
+            assert [d.name for d in after] == [link.listing[0].name]
+
+
+# -- opening and closing ---------------------------------------------------------------
+
+
+async def test_driving_steps_by_hand_needs_the_machine_opened(files: dict[str, Path]) -> None:
+    machine = StateMachine([McpTools([stdio(files)]), ModelInference()])
+    store = MemoryStore()
+    session = await store.create("s", conversation=[Message.user("go", id="u1")])
+    runtime = Runtime(store=store, model=ScriptedModel([reply("hi")]))
+    with pytest.raises(ConfigurationError, match="is not open"):
+        await machine.step(runtime, session)
+    async with machine.opened(runtime):
+        decision = await machine.step(runtime, session)
+    assert decision is not None
+    assert "echo" in {t.name for t in decision.ctx.tools}  # type: ignore[attr-defined]
+
+
+async def test_a_run_stops_its_stdio_server_when_it_returns(files: dict[str, Path]) -> None:
+    turns = [call(("pid", {})), reply("done")]
+    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    (pid,) = started_pids(files)
+    assert results(session)[0].content == str(pid)
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        await anyio.sleep(0.05)
+    assert not _alive(pid)
+
+
+async def test_shared_connections_serve_several_runs_with_one_process(
+    files: dict[str, Path],
+) -> None:
+    async with McpTools([stdio(files)]) as mcp:
+        for _ in range(2):
+            turns = [call(("pid", {})), reply("done")]
+            await run([mcp, ModelInference()], ScriptedModel(turns))
+    assert len(started_pids(files)) == 1
+
+
+async def test_an_error_in_the_run_propagates_as_itself(files: dict[str, Path]) -> None:
+    class Boom(Exception):
+        pass
+
+    def model(request: ModelRequest) -> ModelResponse:
+        raise Boom("model down")
+
+    with pytest.raises(Boom, match="model down"):
+        await run([McpTools([stdio(files)]), ModelInference()], FunctionModel(model))
+
+
+async def test_cancelling_a_run_mid_call_stops_the_server_and_answers_the_call(
+    files: dict[str, Path],
+) -> None:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    machine = StateMachine([McpTools([stdio(files)]), ModelInference()])
+    runtime = Runtime(store=store, model=ScriptedModel([call(("hang", {}))]))
+    with anyio.move_on_after(3) as scope:
+        await machine.run(runtime, "s")
+    assert scope.cancelled_caught
+    (pid,) = started_pids(files)
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        await anyio.sleep(0.05)
+    assert not _alive(pid)
+    stored = await store.load("s")
+    (result,) = results(stored)
+    assert result.is_error and "interrupted" in result.content
+
+
+def test_the_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mcp" else real(name, *a)
+    )
+    with pytest.raises(ConfigurationError, match=r"pip install 'stepmachine\[mcp\]'"):
+        McpTools([McpStdio(command="x")])
+
+
+def test_configuration_is_checked_and_secrets_stay_out_of_repr() -> None:
+    with pytest.raises(ConfigurationError, match="non-empty"):
+        McpStdio(command="")
+    with pytest.raises(ConfigurationError, match="sequence of str"):
+        McpStdio(command="x", args="--flag")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="http"):
+        McpHttp(url="ftp://example.com/mcp")
+    with pytest.raises(ConfigurationError, match="side_effects"):
+        McpStdio(command="x", side_effects="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="unique"):
+        McpTools([McpStdio(command="x"), McpStdio(command="x")])
+    with pytest.raises(ConfigurationError, match="at least one"):
+        McpTools([])
+    secret = McpHttp(url="https://user:pw@example.com/mcp", headers={"Authorization": "Bearer S3"})
+    stdio_secret = McpStdio(command="x", env={"API_KEY": "S3"})
+    for text in (repr(secret), secret.describe(), repr(stdio_secret), stdio_secret.describe()):
+        assert "S3" not in text and "pw" not in text
+
+
+@given(
+    read_only=st.sampled_from([None, True, False]),
+    idempotent=st.sampled_from([None, True, False]),
+    destructive=st.sampled_from([None, True, False]),
+    configured=st.sampled_from([None, "pure", "idempotent", "non_idempotent"]),
+    trust=st.booleans(),
+)
+def test_side_effect_class_follows_annotations_then_configuration(
+    read_only: bool | None,
+    idempotent: bool | None,
+    destructive: bool | None,
+    configured: Any,
+    trust: bool,
+) -> None:
+    from mcp.types import Tool, ToolAnnotations
+
+    from stepmachine.operations._mcp_tool import side_effects_of
+
+    hints = ToolAnnotations(
+        readOnlyHint=read_only, idempotentHint=idempotent, destructiveHint=destructive
+    )
+    remote = Tool(name="t", input_schema={"type": "object"}, annotations=hints)
+    server = McpStdio(command="x", side_effects=configured, trust_annotations=trust)
+    got = side_effects_of(remote, server)
+    said = [h for h in (read_only, idempotent, destructive) if h is not None]
+    if trust and read_only is True:
+        assert got == "pure"
+    elif trust and idempotent is True:
+        assert got == "idempotent"
+    elif trust and said:
+        assert got == "non_idempotent"
+    else:
+        assert got == (configured or "non_idempotent")
+
+
+# -- streamable HTTP -----------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A streamable-HTTP server on a loopback port that wants ``Bearer t0ken``."""
+    ledger = tmp_path_factory.mktemp("mcp-http") / "ledger.txt"
+    port = _free_port()
+    env = {**os.environ, "MCP_LEDGER": str(ledger)}
+    process = subprocess.Popen(
+        [sys.executable, str(SERVER), "http", str(port), "t0ken"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the MCP HTTP server did not start") from None
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/mcp", ledger
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def test_http_server_with_a_bearer_token(http_server: tuple[str, Path]) -> None:
+    url, ledger = http_server
+    before = len(lines(ledger))
+    server = McpHttp(url=url, headers={"Authorization": "Bearer t0ken"}, name="remote")
+    turns = [call(("record", {"note": "over http"}), ("whoami", {})), reply("done")]
+    session, _ = await run([McpTools([server]), ModelInference()], ScriptedModel(turns))
+    recorded, whoami = results(session)
+    assert (recorded.content, recorded.is_error) == ("recorded over http", False)
+    assert whoami.content == "Bearer t0ken"
+    assert len(lines(ledger)) == before + 1
+
+
+async def test_http_server_refusing_a_wrong_token_is_an_error_result(
+    http_server: tuple[str, Path],
+) -> None:
+    url, ledger = http_server
+    before = len(lines(ledger))
+    server = McpHttp(url=url, headers={"Authorization": "Bearer wrong-S3CRET"}, name="remote")
+    turns = [call(("record", {"note": "nope"})), reply("done")]
+    session, _ = await run([McpTools([server]), ModelInference()], ScriptedModel(turns))
+    (result,) = results(session)
+    assert result.is_error and "bearer token" in result.content
+    assert "S3CRET" not in result.content
+    assert len(lines(ledger)) == before
+
+
+async def test_an_unreachable_http_server_leaves_the_run_going() -> None:
+    server = McpHttp(url=f"http://127.0.0.1:{_free_port()}/mcp", name="gone", connect_timeout=5)
+    model = ScriptedModel([reply("fine")])
+    session, _ = await run([McpTools([server]), ModelInference()], model)
+    assert model.requests[0].tools == ()
+    assert session.conversation[-1].text == "fine"
