@@ -152,11 +152,14 @@ async def test_calls_map_text_structured_content_images_and_errors(
     by_call = [got[c.call_id] for m in session.conversation for c in m.tool_calls]
     echo, add, image, fail, bad, nope = by_call
     assert (echo.content, echo.is_error) == ("hi", False)
-    assert not add.is_error and '"total": 5' in add.content
+    assert not add.is_error
+    assert '"total": 5' in add.content
     assert image.content == "[image: image/png, 16 bytes; not shown]"
     assert (fail.content, fail.is_error) == ("Error executing tool fail: cannot: no disk", True)
-    assert bad.is_error and "validation error" in bad.content
-    assert nope.is_error and nope.content.startswith("unknown tool 'nope'")
+    assert bad.is_error
+    assert "validation error" in bad.content
+    assert nope.is_error
+    assert nope.content.startswith("unknown tool 'nope'")
     # The model's second request saw every result and the tools.
     assert {"echo", "add"} <= {t.name for t in model.requests[1].tools}
     assert session.conversation[-1].text == "done"
@@ -178,8 +181,9 @@ async def test_each_call_carries_its_idempotency_key(files: dict[str, Path]) -> 
     (line,) = lines(files["ledger"])
     note, key, _ = line.split("\t")
     assert note == "n1"
-    journal = [c for m in session.conversation for c in m.tool_calls][0].notes["journal"]
-    assert key == journal["idempotency_key"] and key.startswith("sm-")
+    journal = next(c for m in session.conversation for c in m.tool_calls).notes["journal"]
+    assert key == journal["idempotency_key"]
+    assert key.startswith("sm-")
 
 
 async def test_parallel_calls_run_at_once(files: dict[str, Path]) -> None:
@@ -200,7 +204,8 @@ async def test_too_long_a_result_is_an_error_result_not_stored(files: dict[str, 
     mcp = McpTools([stdio(files)], max_result_chars=1000)
     session, _ = await run([mcp, ModelInference()], ScriptedModel(turns))
     (result,) = results(session)
-    assert result.is_error and "5,000 characters" in result.content
+    assert result.is_error
+    assert "5,000 characters" in result.content
     assert "xxxx" not in result.content
 
 
@@ -240,7 +245,8 @@ async def test_a_crash_mid_call_is_an_error_result_and_the_server_starts_again(
     assert crashed.is_error
     assert "closed the connection during the call" in crashed.content
     assert "outcome is unknown" in crashed.content
-    assert not second.is_error and second.content != first.content  # a new process
+    assert not second.is_error
+    assert second.content != first.content
     assert len(started_pids(files)) == 2
     assert session.conversation[-1].text == "done"
 
@@ -255,7 +261,8 @@ async def test_a_hang_hits_the_per_call_timeout_and_the_server_goes_on(
     assert time.monotonic() - started < 30  # not the hour the tool sleeps
     got = {r.name: r for r in results(session)}
     hang, echo = got["hang"], got["echo"]
-    assert hang.is_error and "timed out after 0.5 s" in hang.content
+    assert hang.is_error
+    assert "timed out after 0.5 s" in hang.content
     assert (echo.content, echo.is_error) == ("still here", False)
 
 
@@ -271,7 +278,8 @@ async def test_a_server_that_does_not_start_leaves_the_run_going(tmp_path: Path)
     session, _ = await run([McpTools([missing, silent]), ModelInference()], model)
     assert model.requests[0].tools == ()  # neither server listed anything
     (result,) = results(session)
-    assert result.is_error and result.content.startswith("unknown tool 'echo'")
+    assert result.is_error
+    assert result.content.startswith("unknown tool 'echo'")
     assert session.conversation[-1].text == "no tools"
 
 
@@ -326,7 +334,7 @@ async def test_driving_steps_by_hand_needs_the_machine_opened(files: dict[str, P
     async with machine.opened(runtime):
         decision = await machine.step(runtime, session)
     assert decision is not None
-    assert "echo" in {t.name for t in decision.ctx.tools}  # type: ignore[attr-defined]
+    assert "echo" in {t.name for t in decision.ctx.tools}
 
 
 async def test_a_run_stops_its_stdio_server_when_it_returns(files: dict[str, Path]) -> None:
@@ -335,7 +343,7 @@ async def test_a_run_stops_its_stdio_server_when_it_returns(files: dict[str, Pat
     (pid,) = started_pids(files)
     assert results(session)[0].content == str(pid)
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while _alive(pid) and time.monotonic() < deadline:  # noqa: ASYNC110 - a process has no event
         await anyio.sleep(0.05)
     assert not _alive(pid)
 
@@ -351,13 +359,13 @@ async def test_shared_connections_serve_several_runs_with_one_process(
 
 
 async def test_an_error_in_the_run_propagates_as_itself(files: dict[str, Path]) -> None:
-    class Boom(Exception):
+    class BoomError(Exception):
         pass
 
     def model(request: ModelRequest) -> ModelResponse:
-        raise Boom("model down")
+        raise BoomError("model down")
 
-    with pytest.raises(Boom, match="model down"):
+    with pytest.raises(BoomError, match="model down"):
         await run([McpTools([stdio(files)]), ModelInference()], FunctionModel(model))
 
 
@@ -373,12 +381,13 @@ async def test_cancelling_a_run_mid_call_stops_the_server_and_answers_the_call(
     assert scope.cancelled_caught
     (pid,) = started_pids(files)
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while _alive(pid) and time.monotonic() < deadline:  # noqa: ASYNC110 - a process has no event
         await anyio.sleep(0.05)
     assert not _alive(pid)
     stored = await store.load("s")
     (result,) = results(stored)
-    assert result.is_error and "interrupted" in result.content
+    assert result.is_error
+    assert "interrupted" in result.content
 
 
 def test_the_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -396,7 +405,7 @@ def test_configuration_is_checked_and_secrets_stay_out_of_repr() -> None:
     with pytest.raises(ConfigurationError, match="non-empty"):
         McpStdio(command="")
     with pytest.raises(ConfigurationError, match="sequence of str"):
-        McpStdio(command="x", args="--flag")  # type: ignore[arg-type]
+        McpStdio(command="x", args="--flag")
     with pytest.raises(ConfigurationError, match="http"):
         McpHttp(url="ftp://example.com/mcp")
     with pytest.raises(ConfigurationError, match="side_effects"):
@@ -408,7 +417,8 @@ def test_configuration_is_checked_and_secrets_stay_out_of_repr() -> None:
     secret = McpHttp(url="https://user:pw@example.com/mcp", headers={"Authorization": "Bearer S3"})
     stdio_secret = McpStdio(command="x", env={"API_KEY": "S3"})
     for text in (repr(secret), secret.describe(), repr(stdio_secret), stdio_secret.describe()):
-        assert "S3" not in text and "pw" not in text
+        assert "S3" not in text
+        assert "pw" not in text
 
 
 @given(
@@ -430,7 +440,7 @@ def test_side_effect_class_follows_annotations_then_configuration(
     from stepmachine.operations._mcp_tool import side_effects_of
 
     hints = ToolAnnotations(
-        readOnlyHint=read_only, idempotentHint=idempotent, destructiveHint=destructive
+        read_only_hint=read_only, idempotent_hint=idempotent, destructive_hint=destructive
     )
     remote = Tool(name="t", input_schema={"type": "object"}, annotations=hints)
     server = McpStdio(command="x", side_effects=configured, trust_annotations=trust)
@@ -508,7 +518,8 @@ async def test_http_server_refusing_a_wrong_token_is_an_error_result(
     turns = [call(("record", {"note": "nope"})), reply("done")]
     session, _ = await run([McpTools([server]), ModelInference()], ScriptedModel(turns))
     (result,) = results(session)
-    assert result.is_error and "bearer token" in result.content
+    assert result.is_error
+    assert "bearer token" in result.content
     assert "S3CRET" not in result.content
     assert len(lines(ledger)) == before
 
