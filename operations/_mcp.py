@@ -43,7 +43,7 @@ from typing import Any, Literal, Self
 import anyio
 
 from stepmachine import ConfigurationError, Runtime, Session, StepContext, ToolDefinition, Tools
-from stepmachine._tools import ToolLike
+from stepmachine._tools import SideEffects, ToolLike
 
 from ._mcp_link import Link
 from ._mcp_servers import McpHttp, McpServer, McpStdio
@@ -335,7 +335,33 @@ class McpTools(Tools):
             return view.catalog.tools
         return self._connections().catalog().tools
 
-    def side_effects(self, tool: str) -> str | None:
+    def status(self) -> dict[str, str]:
+        """Each server's state by name: ``"up"``, ``"connecting"``, or ``"down: <why>"``.
+
+        A server that does not start stops no run (its tools are missing from
+        the list, and a warning is logged); this says why, for a health check
+        or a start-up message.
+
+        Raises:
+            ConfigurationError: not open.
+        """
+        return {
+            link.server.name: (
+                f"down: {link.problem or 'stopped'}" if link.state == "down" else link.state
+            )
+            for link in self._connections().links
+        }
+
+    def listed(self) -> dict[str, SideEffects]:
+        """The tools of the open servers as they would be advertised now, with their
+        side-effect classes (for logs, dashboards, and approval policies).
+
+        Raises:
+            ConfigurationError: not open, or two servers give one tool name.
+        """
+        return {name: t.side_effects for name, t in self._connections().catalog().tools.items()}
+
+    def side_effects(self, tool: str) -> SideEffects | None:
         """The side-effect class of the advertised tool ``tool``, or ``None`` if unknown.
 
         For approval policies (``Approval(lambda call: mcp.side_effects(call.name)

@@ -103,7 +103,26 @@ def test_there_are_examples() -> None:
         "compaction.py",
         "workers.py",
         "inspector.py",
+        "mcp.py",
     }
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_mcp_example_runs_an_agent_on_its_own_stdio_server(tmp_path: Path, backend: str) -> None:
+    db = tmp_path / "demo-data" / "mcp.sqlite3"
+    command = [str(ROOT / "examples" / "mcp.py"), "--db", str(db), "--backend", backend]
+    done = run(command, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "model: scripted (no provider configured)" in out
+    assert "MCP server: {'notebook': 'up'}" in out
+    assert "tool add_note: non_idempotent" in out  # from its annotations
+    assert "tool count_words: pure" in out
+    assert "     tool: <- 7\n" in out  # count_words ran on the server
+    notes = db.with_suffix(".notes.txt").read_text().splitlines()
+    assert notes == ["MCP tools run through the stepmachine journal (7 words)"]
+    assert f"     tool: <- {notes[0]}" in out  # list_notes read what add_note wrote
+    assert ": done at revision" in out
 
 
 def test_inspector_runs_the_command_on_the_demos_database(tmp_path: Path) -> None:
