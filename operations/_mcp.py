@@ -42,8 +42,16 @@ from typing import Any, Literal, Self
 
 import anyio
 
-from stepmachine import ConfigurationError, Runtime, Session, StepContext, ToolDefinition, Tools
-from stepmachine._tools import SideEffects, ToolLike
+from stepmachine import (
+    ConfigurationError,
+    Runtime,
+    Session,
+    SideEffects,
+    StepContext,
+    ToolDefinition,
+    ToolLike,
+    Tools,
+)
 
 from ._mcp_link import Link
 from ._mcp_servers import McpHttp, McpServer, McpStdio

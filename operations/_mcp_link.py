@@ -133,7 +133,7 @@ class Link:
             if scope.cancelled_caught:
                 problem = f"it did not start and list its tools within {timeout} s"
         except Exception as exc:  # noqa: BLE001 - a server's failure is this link's state
-            problem = f"it failed: {describe_error(exc)}"
+            problem = self.server.redact(f"it failed: {describe_error(exc)}")
         finally:
             self._client = None
             self._lost = None
@@ -229,7 +229,9 @@ class Link:
                 if _connection_closed(exc):
                     lost.set()
                     return
-                self.problem = f"listing its tools again failed: {describe_error(exc)}"
+                self.problem = self.server.redact(
+                    f"listing its tools again failed: {describe_error(exc)}"
+                )
                 _log.event(
                     _log.WARNING, "mcp_server", server=self.server.name, problem=self.problem
                 )
@@ -245,7 +247,7 @@ class Link:
                 _log.WARNING,
                 "mcp_server",
                 server=self.server.name,
-                fault=describe_error(message),
+                fault=self.server.redact(describe_error(message)),
             )
         await anyio.lowlevel.checkpoint()
 

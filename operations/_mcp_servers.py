@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TypeAlias
 from urllib.parse import urlsplit, urlunsplit
 
-from stepmachine import ConfigurationError
-from stepmachine._tools import SideEffects, check_timeout
+from stepmachine import ConfigurationError, SideEffects
+from stepmachine._tools import check_timeout
 
 __all__ = ["McpHttp", "McpServer", "McpStdio", "redact_url"]
 
@@ -87,6 +87,18 @@ class _Common:
                 f"got {timeout!r}"
             )
 
+    def _secrets(self) -> list[str]:
+        return []
+
+    def redact(self, text: str) -> str:
+        """``text`` with this server's secrets (header and environment values,
+        URL credentials) replaced by ``[redacted]``: for errors and logs that
+        quote what a library said."""
+        for secret in sorted(self._secrets(), key=len, reverse=True):
+            if len(secret) >= 6:
+                text = text.replace(secret, "[redacted]")
+        return text
+
     def configured_side_effects(self, tool: str) -> SideEffects | None:
         """The side-effect class configured for ``tool`` (the server's own name), if any."""
         configured = self.side_effects
@@ -151,6 +163,9 @@ class McpStdio(_Common):
             object.__setattr__(self, "name", fallback)
         self._check_common("McpStdio")
 
+    def _secrets(self) -> list[str]:
+        return list((self.env or {}).values())
+
     def describe(self) -> str:
         """How errors and logs name it (no environment)."""
         return f"MCP server {self.name!r} (stdio: {os.path.basename(self.command)})"
@@ -202,6 +217,14 @@ class McpHttp(_Common):
 
     def __repr__(self) -> str:
         return f"McpHttp(name={self.name!r}, url={redact_url(self.url)!r})"
+
+    def _secrets(self) -> list[str]:
+        found = list(self.headers.values())
+        for value in self.headers.values():  # "Bearer <token>": the token alone, too
+            found.extend(value.split()[1:])
+        parts = urlsplit(self.url)
+        found.extend(x for x in (parts.password, parts.username) if x)
+        return found
 
     def describe(self) -> str:
         """How errors and logs name it (no headers, no credentials)."""

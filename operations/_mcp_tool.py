@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from stepmachine import ToolArgumentsError, ToolContext, ToolDefinition, ToolError
-from stepmachine._tools import SideEffects
+from stepmachine import SideEffects, ToolArgumentsError, ToolContext, ToolDefinition, ToolError
 
 from ._mcp_link import Link, McpUnavailableError, describe_error
 from ._mcp_servers import McpServer
@@ -156,7 +155,8 @@ class McpTool:
                 f"arguments for tool {self.name!r} must be a JSON object, got "
                 f"{type(arguments).__name__}"
             )
-        server = self.link.server.describe()
+        config = self.link.server
+        server = config.describe()
         meta = {IDEMPOTENCY_META: context.idempotency_key}
         try:
             result = await self.link.call(self.remote_name, arguments, meta)
@@ -167,10 +167,13 @@ class McpTool:
 
             if isinstance(exc, ValidationError):
                 raise ToolError(
-                    f"{server} answered with something that is not an MCP tool result: "
-                    f"{describe_error(exc)}"
+                    config.redact(
+                        f"{server} answered with something that is not an MCP tool result: "
+                        f"{describe_error(exc)}"
+                    )
                 ) from None
-            raise ToolError(f"{server} failed the call: {describe_error(exc)}") from None
+            message = config.redact(f"{server} failed the call: {describe_error(exc)}")
+            raise ToolError(message) from None
         text = result_text(result)
         if len(text) > self.max_result_chars:
             raise ToolError(

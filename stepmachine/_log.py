@@ -43,6 +43,11 @@ event            level      fields
                             ``lease_request_again_failed``: error_type, detail (a store error)
 ``serve_run_``   WARNING    ``serve_run_failed``: error_type (a run of ``serve()`` raised)
 ``failed``
+``mcp_server``   INFO       an MCP server of ``McpTools``: server (its name), state (``up`` /
+                 / WARNING  ``down``), problem (why it is down; WARNING); or fault (a
+                            transport fault the SDK reported), listen (a list-change
+                            subscription that ended). Header values, environment values
+                            and URL credentials are redacted.
 ===============  =========  ===============================================================
 
 No event carries an API key, a prompt, a reply, tool arguments or a tool

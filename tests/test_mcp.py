@@ -530,3 +530,35 @@ async def test_an_unreachable_http_server_leaves_the_run_going() -> None:
     session, _ = await run([McpTools([server]), ModelInference()], model)
     assert model.requests[0].tools == ()
     assert session.conversation[-1].text == "fine"
+
+
+async def test_an_unreachable_http_servers_problem_and_logs_name_no_secret() -> None:
+    import structlog
+
+    server = McpHttp(
+        url=f"http://user:hunter22@127.0.0.1:{_free_port()}/mcp",
+        headers={"Authorization": "Bearer S3CRET-TOKEN"},
+        name="gone",
+        connect_timeout=5,
+    )
+    with structlog.testing.capture_logs() as logs:
+        async with McpTools([server]) as mcp:
+            status = mcp.status()["gone"]
+    assert status.startswith("down: it failed")
+    assert any(e.get("event") == "mcp_server" and e.get("state") == "down" for e in logs)
+    text = repr(logs) + status
+    assert "hunter22" not in text
+    assert "S3CRET" not in text
+
+
+def test_redact_removes_header_values_tokens_and_url_credentials() -> None:
+    server = McpHttp(
+        url="https://ana:pa55word@example.com/mcp", headers={"X-Key": "Bearer tok-123456"}
+    )
+    said = "401 for https://ana:pa55word@example.com/mcp with Bearer tok-123456 (tok-123456)"
+    redacted = server.redact(said)
+    assert "pa55word" not in redacted
+    assert "tok-123456" not in redacted
+    assert redacted.count("[redacted]") >= 3
+    stdio_server = McpStdio(command="x", env={"API_KEY": "sk-live-abcdef"})
+    assert stdio_server.redact("bad key sk-live-abcdef") == "bad key [redacted]"

@@ -8,6 +8,7 @@ server, and resumes the session in a new process, on asyncio and on trio.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,10 +32,8 @@ def _kill_started_servers(events: Path) -> None:
     for line in events.read_text().splitlines() if events.exists() else []:
         kind, pid = line.split()
         if kind == "start":
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def _kill_mid_call(tmp_path: Path, tool: str, backend: str) -> dict[str, object]:
