@@ -123,7 +123,7 @@ class _Connections:
         """
         key = tuple(link.version for link in self.links)
         if self._catalog is None or self._catalog.key != key:
-            self._catalog = self._owner.build_catalog(self.links, key)
+            self._catalog = self._owner._build_catalog(self.links, key)
         return self._catalog
 
 
@@ -284,7 +284,7 @@ class McpTools(Tools):
 
     # -- the catalog -----------------------------------------------------------------
 
-    def build_catalog(self, links: Sequence[Link], key: tuple[int, ...]) -> _Catalog:
+    def _build_catalog(self, links: Sequence[Link], key: tuple[int, ...]) -> _Catalog:
         """The tools of ``links`` under their advertised names.
 
         Raises:
