@@ -375,10 +375,14 @@ async def test_cancelling_a_run_mid_call_stops_the_server_and_answers_the_call(
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
     machine = StateMachine([McpTools([stdio(files)]), ModelInference()])
-    runtime = Runtime(store=store, model=ScriptedModel([call(("hang", {}))]))
-    with anyio.move_on_after(3) as scope:
-        await machine.run(runtime, "s")
-    assert scope.cancelled_caught
+    turns = [call(("record", {"note": "slow", "delay": 3600}))]
+    runtime = Runtime(store=store, model=ScriptedModel(turns))
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(machine.run, runtime, "s")
+            while not lines(files["ledger"]):  # noqa: ASYNC110 - the call reached the server
+                await anyio.sleep(0.02)
+            tg.cancel_scope.cancel()
     (pid,) = started_pids(files)
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:  # noqa: ASYNC110 - a process has no event
