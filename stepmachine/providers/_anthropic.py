@@ -462,6 +462,8 @@ def _block(part: Part) -> dict[str, Any] | None:
             "content": content,
             "is_error": part.is_error,
         }
+    if not isinstance(part, ReasoningPart):
+        return None  # media: refused by check_media before any request
     data = part.provider_data
     if "redacted" in data:
         return {"type": "redacted_thinking", "data": data["redacted"]}

@@ -47,6 +47,7 @@ import msgspec
 
 from .. import _log, _tracing
 from .._errors import ConfigurationError
+from .._media import check_media
 from .._messages import ReasoningPart, TextPart, ToolCallPart
 from .._model import (
     ChunkSink,
@@ -186,6 +187,10 @@ class HTTPModel:
 
     provider = "http"
     path = ""
+    media: frozenset[type] = frozenset()
+    """The media part types the adapter sends in a message (see ``check_media``)."""
+    result_media: frozenset[type] = frozenset()
+    """The media part types the adapter sends in a tool result."""
 
     def __init__(
         self,
@@ -279,9 +284,16 @@ class HTTPModel:
                 a traceback that starts here (a note says where inside the
                 adapter it was raised).
 
+        Raises (before any request):
+            ConfigurationError: a message holds a media part this adapter
+                cannot send (:attr:`media`, :attr:`result_media`).
+
         Cancellation: the HTTP request is abandoned; chunks already handed to
         ``on_chunk`` stay delivered.
         """
+        check_media(
+            request.messages, accepts=self.media, in_results=self.result_media, who=self.name
+        )
         body = msgspec.json.encode(self.build_body(request, stream=on_chunk is not None))
         limit = self.retry.max_attempts
         if request.max_attempts is not None:

@@ -1,0 +1,231 @@
+"""Images, documents and audio in messages: by URL, or by bytes with a media type.
+
+Three part types join the message parts' tagged union (field ``"type"``):
+:class:`ImagePart` (``"image"``), :class:`DocumentPart` (``"document"``, a PDF
+or a text file) and :class:`AudioPart` (``"audio"``). Each holds exactly one
+source:
+
+* ``data`` -- the bytes themselves, with their ``media_type``
+  (``"image/png"``, ``"application/pdf"``, ``"audio/wav"``); or
+* ``url`` -- where the provider fetches them (``https://...``; a provider may
+  also take its own schemes, such as Gemini's ``gs://``), ``media_type``
+  optional.
+
+Optional hints: ``detail`` on an image (``"auto"``, ``"low"``, ``"high"``:
+OpenAI's resolution setting; other providers ignore it) and ``cache`` on any
+(Anthropic's ``cache_control``; other providers ignore it). A user message
+may hold them; a tool result may carry images and documents: they follow the
+result in its ``tool`` message (:meth:`~stepmachine.Message.tool_result`
+with ``media=``). Older readers, which do not know these tags, refuse such a
+message (a clear :class:`~stepmachine.StoredDataError`) instead of dropping
+the media. Which provider takes which part
+is the adapter's to say: a part it cannot send is a
+:class:`~stepmachine.ConfigurationError` before any request, never dropped.
+
+Bytes are a ``bytes`` value in memory; how a store keeps them is the store's
+(see the stores). ``digest`` names the bytes (``sha256:<hex>``), so the same
+image sent twice can be kept once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
+
+import msgspec
+
+from ._checks import check_bool, check_str, fail
+
+if TYPE_CHECKING:
+    from ._messages import Message
+
+__all__ = [
+    "AudioPart",
+    "DocumentPart",
+    "ImagePart",
+    "MediaPart",
+    "check_media",
+    "media_digest",
+]
+
+Detail: TypeAlias = Literal["auto", "low", "high"]
+_DETAILS: Final = (None, "auto", "low", "high")
+
+
+def media_digest(data: bytes) -> str:
+    """The content address of ``data``: ``"sha256:<64 hex digits>"``."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _check_source(
+    owner: str, media_type: Any, data: Any, url: Any, cache: Any, prefixes: tuple[str, ...]
+) -> None:
+    """Exactly one source; ``media_type`` required with bytes; the kind of media it names."""
+    check_str(owner, "media_type", media_type)
+    check_bool(owner, "cache", cache)
+    if data is not None and not isinstance(data, bytes):
+        fail(owner, "data", "bytes or None", data)
+    if url is not None:
+        check_str(owner, "url", url)
+    if data is None and url is None:
+        fail(owner, "data", "bytes, or a url= instead (exactly one of the two)", data)
+    if data is not None and url is not None:
+        fail(owner, "url", "None when data= is given (exactly one of the two)", url)
+    if url is not None and not url.strip():
+        fail(owner, "url", "a URL, not a blank str", url)
+    if data is not None and not media_type:
+        fail(owner, "media_type", "a media type with data= (e.g. 'image/png')", media_type)
+    if media_type and not media_type.startswith(prefixes):
+        kinds = " or ".join(repr(p + "...") for p in prefixes)
+        fail(owner, "media_type", kinds, media_type)
+
+
+def _short(part: ImagePart | DocumentPart | AudioPart) -> str:
+    if part.data is not None:
+        return f"{len(part.data):,} bytes {part.media_type}"
+    return f"url={part.url!r}" + (f" {part.media_type}" if part.media_type else "")
+
+
+class ImagePart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="image"):
+    """An image: bytes with their media type, or a URL.
+
+    Attributes:
+        media_type: ``"image/png"``, ``"image/jpeg"``, ``"image/gif"``,
+            ``"image/webp"``...; required with ``data``.
+        data: the image's bytes, or ``None`` for a URL.
+        url: where the provider fetches it, or ``None`` for bytes.
+        detail: OpenAI's resolution hint (``"auto"``, ``"low"``, ``"high"``).
+        cache: ask the provider to cache the prompt up to here (Anthropic).
+
+    Raises:
+        InvalidFieldError: not exactly one of ``data`` and ``url``, ``data``
+            without a ``media_type``, a ``media_type`` that is not ``image/...``,
+            an unknown ``detail``, or a field of the wrong type.
+    """
+
+    media_type: str = ""
+    data: bytes | None = None
+    url: str | None = None
+    detail: Detail | None = None
+    cache: bool = False
+
+    def __post_init__(self) -> None:
+        _check_source("ImagePart", self.media_type, self.data, self.url, self.cache, ("image/",))
+        if self.detail not in _DETAILS:
+            fail("ImagePart", "detail", "None, 'auto', 'low' or 'high'", self.detail)
+
+    def __repr__(self) -> str:
+        return f"ImagePart({_short(self)})"
+
+    @property
+    def digest(self) -> str:
+        """``sha256:<hex>`` of the bytes, or ``""`` for a URL."""
+        return "" if self.data is None else media_digest(self.data)
+
+
+class DocumentPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="document"):
+    """A document: a PDF (``application/pdf``) or a text file (``text/...``).
+
+    Attributes:
+        media_type: ``"application/pdf"`` or ``"text/plain"``...; required with ``data``.
+        data: the document's bytes, or ``None`` for a URL.
+        url: where the provider fetches it, or ``None`` for bytes.
+        title: a file name or title some providers show the model.
+        cache: ask the provider to cache the prompt up to here (Anthropic).
+
+    Raises:
+        InvalidFieldError: as :class:`ImagePart`, for ``application/...`` and
+            ``text/...`` media types.
+    """
+
+    media_type: str = ""
+    data: bytes | None = None
+    url: str | None = None
+    title: str | None = None
+    cache: bool = False
+
+    def __post_init__(self) -> None:
+        _check_source(
+            "DocumentPart",
+            self.media_type,
+            self.data,
+            self.url,
+            self.cache,
+            ("application/", "text/"),
+        )
+        if self.title is not None:
+            check_str("DocumentPart", "title", self.title)
+
+    def __repr__(self) -> str:
+        return f"DocumentPart({_short(self)})"
+
+    @property
+    def digest(self) -> str:
+        """``sha256:<hex>`` of the bytes, or ``""`` for a URL."""
+        return "" if self.data is None else media_digest(self.data)
+
+
+class AudioPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="audio"):
+    """Audio input (``audio/wav``, ``audio/mpeg``...), for providers that take it.
+
+    Attributes:
+        media_type: required with ``data``.
+        data: the audio's bytes, or ``None`` for a URL.
+        url: where the provider fetches it, or ``None`` for bytes.
+        cache: ask the provider to cache the prompt up to here.
+
+    Raises:
+        InvalidFieldError: as :class:`ImagePart`, for ``audio/...`` media types.
+    """
+
+    media_type: str = ""
+    data: bytes | None = None
+    url: str | None = None
+    cache: bool = False
+
+    def __post_init__(self) -> None:
+        _check_source("AudioPart", self.media_type, self.data, self.url, self.cache, ("audio/",))
+
+    def __repr__(self) -> str:
+        return f"AudioPart({_short(self)})"
+
+    @property
+    def digest(self) -> str:
+        """``sha256:<hex>`` of the bytes, or ``""`` for a URL."""
+        return "" if self.data is None else media_digest(self.data)
+
+
+MediaPart: TypeAlias = ImagePart | DocumentPart | AudioPart
+"""Any media part."""
+
+MEDIA_PARTS: Final = (ImagePart, DocumentPart, AudioPart)
+
+
+def check_media(
+    messages: Iterable[Message],
+    *,
+    accepts: frozenset[type] | tuple[type, ...],
+    in_results: frozenset[type] | tuple[type, ...],
+    who: str,
+) -> None:
+    """Refuse, before any request, a media part ``who`` cannot send (never drop it).
+
+    ``accepts``: the media part types ``who`` takes in a user message;
+    ``in_results``: those it takes in a ``tool`` message (after a result).
+
+    Raises:
+        ConfigurationError: a message holds a media part of another type,
+            naming the message, the part and ``who``.
+    """
+    from ._errors import ConfigurationError  # noqa: PLC0415 - _errors imports nothing from here
+
+    for message in messages:
+        allowed = in_results if message.role == "tool" else accepts
+        for part in message.parts:
+            if isinstance(part, ImagePart | DocumentPart | AudioPart) and type(part) not in allowed:
+                where = "a tool result" if message.role == "tool" else f"a {message.role} message"
+                raise ConfigurationError(
+                    f"{who} cannot send a {type(part).__name__} in {where} ({_short(part)}, "
+                    f"message {message.id!r}); remove it, or use a provider that takes it"
+                )
