@@ -114,6 +114,7 @@ from ._machine import (
     StateMachine,
 )
 from ._media import MediaPart, media_digest
+from ._media_tokens import media_tokens
 from ._messages import (
     AudioPart,
     DocumentPart,
@@ -329,6 +330,7 @@ __all__ = [
     "journal_entry",
     "latest_ledger",
     "media_digest",
+    "media_tokens",
     "message_tokens",
     "needs_answer",
     "new_owner",
