@@ -609,7 +609,8 @@ async def test_http_server_with_a_bearer_token(http_server: tuple[str, Path]) ->
     server = McpHttp(url=url, headers={"Authorization": "Bearer t0ken"}, name="remote")
     turns = [call(("record", {"note": "over http"}), ("whoami", {})), reply("done")]
     session, _ = await run([McpTools([server]), ModelInference()], ScriptedModel(turns))
-    recorded, whoami = results(session)
+    by_tool = {r.name: r for r in results(session)}  # the two calls finish in any order
+    recorded, whoami = by_tool["record"], by_tool["whoami"]
     assert (recorded.content, recorded.is_error) == ("recorded over http", False)
     assert whoami.content == "Bearer t0ken"
     assert len(lines(ledger)) == before + 1
