@@ -198,7 +198,9 @@ class ToolLike(Protocol):
     Anything with these attributes and ``call`` can be run by a step built on
     ``Tools`` (``McpTools`` runs the tools of MCP servers this way): the
     journal reads ``side_effects``, the step bounds ``call`` by ``timeout``,
-    and the model is shown ``definition``.
+    and the model is shown ``definition``. ``call`` returns ``str`` (as
+    before) or a :class:`ToolOutput` (text with images and documents): an
+    implementation that returns ``str`` keeps working unchanged.
     """
 
     @property
