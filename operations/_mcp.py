@@ -33,6 +33,7 @@ is no longer listed is answered "unknown tool".
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -51,6 +52,7 @@ from stepmachine import (
     ToolDefinition,
     ToolLike,
     Tools,
+    _log,
 )
 
 from ._mcp_link import Link
@@ -58,6 +60,14 @@ from ._mcp_servers import McpHttp, McpServer, McpStdio
 from ._mcp_tool import McpTool, side_effects_of
 
 __all__ = ["McpTools"]
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+"""Characters some provider refuses in a tool name."""
+
+
+def _left_out(problem: str) -> None:
+    _log.event(_log.WARNING, "mcp_catalog", problem=problem)
+
 
 EXTRA_HINT = "McpTools needs the mcp extra: pip install 'stepmachine[mcp]'"
 
@@ -95,7 +105,7 @@ class _Connections:
                 group.start_soon(link.host)
             for link in self.links:
                 await link.settled()
-            self.catalog()  # a clash of tool names stops the run before any model call
+            self.catalog(strict=True)  # a clash of tool names stops the run before any model call
         except BaseException:
             await self._close()
             raise
@@ -115,15 +125,16 @@ class _Connections:
             group.cancel_scope.cancel()
             await group.__aexit__(None, None, None)
 
-    def catalog(self) -> _Catalog:
+    def catalog(self, *, strict: bool = False) -> _Catalog:
         """The current catalog, rebuilt when a server has a new listing.
 
         Raises:
-            ConfigurationError: two servers give one tool name.
+            ConfigurationError: with ``strict`` (when opening), two servers
+                give one tool name.
         """
         key = tuple(link.version for link in self.links)
         if self._catalog is None or self._catalog.key != key:
-            self._catalog = self._owner.build_catalog(self.links, key)
+            self._catalog = self._owner._build_catalog(self.links, key, strict=strict)
         return self._catalog
 
 
@@ -210,6 +221,7 @@ class McpTools(Tools):
         self.namespace = namespace
         self.max_result_chars = max_result_chars
         self._shared: _Connections | None = None
+        self._opening = False
         self._view: ContextVar[_RunView | None] = ContextVar(
             f"stepmachine.mcp.{name}", default=None
         )
@@ -226,13 +238,18 @@ class McpTools(Tools):
         ``connect_timeout``).
 
         Raises:
-            ConfigurationError: already open, or two servers give one tool name.
+            ConfigurationError: already open (or being opened by another
+                task), or two servers give one tool name.
         """
-        if self._shared is not None:
+        if self._shared is not None or self._opening:
             raise ConfigurationError(f"{self.name!r} is already open")
-        connections = _Connections(self)
-        await connections.__aenter__()
-        self._shared = connections
+        self._opening = True
+        try:
+            connections = _Connections(self)
+            await connections.__aenter__()
+            self._shared = connections
+        finally:
+            self._opening = False
         return self
 
     async def __aexit__(
@@ -284,25 +301,52 @@ class McpTools(Tools):
 
     # -- the catalog -----------------------------------------------------------------
 
-    def build_catalog(self, links: Sequence[Link], key: tuple[int, ...]) -> _Catalog:
+    def _build_catalog(
+        self, links: Sequence[Link], key: tuple[int, ...], *, strict: bool
+    ) -> _Catalog:
         """The tools of ``links`` under their advertised names.
 
+        A name is the server's ``prefix`` (or ``"<server>__"`` with
+        ``namespace=True``) plus the tool's own name with every character
+        outside ``A-Z a-z 0-9 _ -`` made ``_``, cut to 64 characters: what
+        every provider takes (the call still goes to the server under its own
+        name). A tool whose name is empty is left out; so is the second of two
+        tools of one server that end with one name. Each is logged (WARNING,
+        event ``mcp_catalog``).
+
         Raises:
-            ConfigurationError: two servers (or one, twice) give one name.
+            ConfigurationError: with ``strict`` (when the tools are opened),
+                two servers give one name. Later (a server's list changed, or
+                a server started late), the tool listed first keeps the name
+                and the other is left out and logged: a server cannot stop a
+                running agent by adding a tool.
         """
         tools: dict[str, McpTool] = {}
         for link in links:
             server = link.server
             prefix = server.prefix or (f"{server.name}__" if self.namespace else "")
             for remote in link.listing or ():
-                advertised = prefix + remote.name
+                advertised = (prefix + _UNSAFE.sub("_", remote.name))[:64]
+                if not remote.name:
+                    _left_out(f"{server.describe()} lists a tool with an empty name")
+                    continue
                 if advertised in tools:
-                    other = tools[advertised].link.server.describe()
-                    raise ConfigurationError(
-                        f"tool name {advertised!r} is given by both {other} and "
-                        f"{server.describe()}; McpTools(namespace=True) or a server prefix= "
-                        "tells them apart"
+                    holder = tools[advertised]
+                    if holder.link is link:
+                        _left_out(
+                            f"{server.describe()} lists tools {holder.remote_name!r} and "
+                            f"{remote.name!r}, both advertised as {advertised!r}; the first is kept"
+                        )
+                        continue
+                    clash = (
+                        f"tool name {advertised!r} is given by both "
+                        f"{holder.link.server.describe()} and {server.describe()}; "
+                        "McpTools(namespace=True) or a server prefix= tells them apart"
                     )
+                    if strict:
+                        raise ConfigurationError(clash)
+                    _left_out(f"{clash}; the first is kept")
+                    continue
                 definition = ToolDefinition(
                     name=advertised,
                     description=remote.description or "",

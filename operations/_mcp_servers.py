@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeAlias
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from stepmachine import ConfigurationError, SideEffects
 from stepmachine._tools import check_timeout
@@ -28,17 +28,21 @@ _SIDE_EFFECTS = ("pure", "idempotent", "non_idempotent")
 
 
 def redact_url(url: str) -> str:
-    """``url`` without a user or password, for errors and logs."""
+    """``url`` for errors and logs: scheme, host, port and path only.
+
+    No user or password, and no query or fragment (hosted servers take keys
+    as ``?api_key=...``): a query is shown as ``?...``.
+    """
     try:
         parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port
     except ValueError:
         return "<invalid URL>"
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    if port is not None:
+        host = f"{host}:{port}"
+    shown = urlunsplit((parts.scheme, host, parts.path, "", ""))
+    return shown + ("?..." if parts.query else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,6 +228,9 @@ class McpHttp(_Common):
             found.extend(value.split()[1:])
         parts = urlsplit(self.url)
         found.extend(x for x in (parts.password, parts.username) if x)
+        found.extend(value for _, value in parse_qsl(parts.query) if value)
+        if parts.query:
+            found.append(parts.query)
         return found
 
     def describe(self) -> str:

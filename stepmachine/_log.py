@@ -48,6 +48,8 @@ event            level      fields
                             transport fault the SDK reported), listen (a list-change
                             subscription that ended). Header values, environment values
                             and URL credentials are redacted.
+``mcp_catalog``  WARNING    problem: a tool of an MCP server left out of the list (an
+                            empty name, a name given twice, a clash after a list change)
 ===============  =========  ===============================================================
 
 No event carries an API key, a prompt, a reply, tool arguments or a tool

@@ -405,7 +405,12 @@ class Tools(Operation[Any]):
 
     @staticmethod
     def _may_rerun(impl: ToolLike, journal: JournalEntry) -> bool:
-        if impl.side_effects in ("pure", "idempotent"):
+        # The class recorded with the intent decides (state is the session): a tool
+        # that was non-idempotent when it started is not re-run because it (or the
+        # server it lives on) now says otherwise. Entries without one (none are
+        # written today) fall back to the tool's class now.
+        recorded = journal.side_effects or impl.side_effects
+        if recorded in ("pure", "idempotent"):
             return True
         # An operator's decision covers the attempt it was made about, not later crashes.
         return journal.rerun_approved and journal.rerun_attempt == journal.attempt

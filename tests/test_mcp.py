@@ -481,10 +481,14 @@ async def test_cancelling_a_run_mid_call_stops_the_server_and_answers_the_call(
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
     machine = StateMachine([McpTools([stdio(files)]), ModelInference()])
-    runtime = Runtime(store=store, model=ScriptedModel([call(("hang", {}))]))
-    with anyio.move_on_after(3) as scope:
-        await machine.run(runtime, "s")
-    assert scope.cancelled_caught
+    turns = [call(("record", {"note": "slow", "delay": 3600}))]
+    runtime = Runtime(store=store, model=ScriptedModel(turns))
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(machine.run, runtime, "s")
+            while not lines(files["ledger"]):  # noqa: ASYNC110 - the call reached the server
+                await anyio.sleep(0.02)
+            tg.cancel_scope.cancel()
     (pid,) = started_pids(files)
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:  # noqa: ASYNC110 - a process has no event
@@ -669,3 +673,43 @@ def test_redact_removes_header_values_tokens_and_url_credentials() -> None:
     assert redacted.count("[redacted]") >= 3
     stdio_server = McpStdio(command="x", env={"API_KEY": "sk-live-abcdef"})
     assert stdio_server.redact("bad key sk-live-abcdef") == "bad key [redacted]"
+
+
+async def test_invalid_arguments_are_caught_by_the_servers_schema_before_any_call(
+    files: dict[str, Path],
+) -> None:
+    from stepmachine.operations import InvalidCalls
+
+    def model(request: ModelRequest) -> ModelResponse:
+        last = request.messages[-1]
+        if len(request.messages) == 1:
+            return call(("record", {"note": 42}))  # the schema wants a string
+        if last.role == "tool":
+            return reply("done")
+        return call(("record", {"note": "fixed"}))  # after InvalidCalls' feedback
+
+    steps = [InvalidCalls("retry"), McpTools([stdio(files)]), ModelInference()]
+    session, _ = await run(steps, FunctionModel(model))
+    notes = [x.split("\t")[0] for x in lines(files["ledger"])]
+    assert notes == ["fixed"]  # the invalid call never reached the server
+    feedback = session.conversation[2].text
+    assert "invalid arguments for tool 'record': $.note: expected string" in feedback
+    assert session.conversation[-1].text == "done"
+
+
+async def test_a_tool_call_budget_governs_mcp_calls(files: dict[str, Path]) -> None:
+    from stepmachine.operations import Budget, Limits
+
+    turns = [call(("record", {"note": "a"}), ("record", {"note": "b"})), reply("done")]
+    steps = [Budget(per_run=Limits(tool_calls=1)), McpTools([stdio(files)]), ModelInference()]
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    report = await StateMachine(steps).run_report(
+        Runtime(store=store, model=ScriptedModel(turns)), "s"
+    )
+    assert [x.split("\t")[0] for x in lines(files["ledger"])] == ["a"]  # one call ran
+    first, second = results(report.session)
+    assert (first.content, first.is_error) == ("recorded a", False)
+    assert second.is_error
+    assert second.content.startswith("not executed: tool-call budget exhausted")
+    assert report.reason.kind == "budget_exhausted"

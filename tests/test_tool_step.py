@@ -187,6 +187,20 @@ async def test_crashed_idempotent_or_pure_call_is_rerun_with_the_same_key(tool_o
         assert ran == [f"upsert k {idempotency_key('test-session', 'c1', 'a1')}"]
 
 
+async def test_the_class_recorded_with_the_intent_decides_a_rerun_not_the_tools_class_now() -> None:
+    # The intent was recorded while `upsert` was non-idempotent; it is declared
+    # idempotent now (a new version, or an MCP server's new annotations): the
+    # call may have run, so it is not run again blindly (invariants 1 and 6).
+    call = with_intent(ToolCallPart.of("c1", "upsert", {"key": "k"}))
+    journal = {**call.notes[JOURNAL], "side_effects": "non_idempotent"}
+    call = msgspec.structs.replace(call, notes={JOURNAL: journal})
+    check = await run_step(Tools([upsert]), make_session(calls_message(call)))
+    assert ran == []
+    (result,) = [r for m in check.new_messages for r in m.tool_results]
+    assert result.is_error
+    assert result.content == OUTCOME_UNKNOWN
+
+
 async def test_unknown_outcome_can_wait_for_an_operator() -> None:
     store = MemoryStore()
     call = with_intent(ToolCallPart.of("c1", "charge", {"amount": 5}))
