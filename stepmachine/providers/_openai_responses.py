@@ -71,7 +71,7 @@ import anyio
 import httpx
 import msgspec
 
-from .._media import AudioPart, DocumentPart, ImagePart
+from .._media import MEDIA_PARTS, AudioPart, DocumentPart, ImagePart
 from .._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 from .._model import (
     ChunkSink,
@@ -199,6 +199,9 @@ class OpenAIResponsesModel(HTTPModel):
         items: list[dict[str, Any]] = []
         for message in request.messages:
             if message.role == "system":
+                for part in message.parts:
+                    if isinstance(part, MEDIA_PARTS):  # instructions are text: never drop it
+                        raise unsendable(self.name, part, _USER_OR_RESULT_MEDIA)
                 if message.text:
                     system.append(message.text)
                 continue
