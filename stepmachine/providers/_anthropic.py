@@ -22,9 +22,10 @@ Request mapping (:meth:`AnthropicModel.build_body`):
   (bare base64; PNG, JPEG, GIF or WebP images, PDF documents), ``{type:
   "text", media_type: "text/plain", data}`` (a UTF-8 text document) or
   ``{type: "url", url}``, and ``cache_control: {type: "ephemeral"}`` when the
-  part's ``cache`` hint is set. The images and documents that follow a tool
-  result go inside its ``tool_result`` block, whose ``content`` becomes a
-  list (a text block with the result's content first, unless blank). Audio,
+  part's ``cache`` hint is set (at most four a request, as the API allows).
+  The images and documents that follow a tool result go inside its
+  ``tool_result`` block, whose ``content`` becomes a list (a text block with
+  the result's content first, unless blank). More cache hints, audio,
   other media types, and media in a system or assistant message are a
   :class:`~stepmachine.ConfigurationError` before any request;
 * ``tools``: ``{name, description, input_schema}``;
@@ -62,6 +63,7 @@ import anyio
 import httpx
 import msgspec
 
+from .._errors import ConfigurationError
 from .._media import MEDIA_PARTS, AudioPart, DocumentPart, ImagePart
 from .._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 from .._model import (
@@ -437,6 +439,8 @@ class _StreamState:
 _MEDIA_WHERE = (
     "the Messages API takes images and documents in user turns and tool results only, and no audio"
 )
+_CACHE_BREAKPOINTS = 4
+"""The most ``cache_control`` marks the API takes in one request."""
 _EMPTY_ERROR = "error"
 """The content sent for an ``is_error`` tool result whose content is blank."""
 
@@ -448,6 +452,14 @@ def _messages(messages: Sequence[Message], who: str) -> list[dict[str, Any]]:
         ConfigurationError: a media part the API cannot take where it is
             (``who`` names the adapter in the message).
     """
+    marked = sum(
+        isinstance(p, ImagePart | DocumentPart) and p.cache for m in messages for p in m.parts
+    )
+    if marked > _CACHE_BREAKPOINTS:
+        raise ConfigurationError(
+            f"{who} cannot send {marked} media parts with the cache hint: the Messages API "
+            f"takes at most {_CACHE_BREAKPOINTS} cache breakpoints (cache_control) a request"
+        )
     turns: list[dict[str, Any]] = []
     for message in messages:
         if message.role == "system":

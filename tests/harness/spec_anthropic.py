@@ -5,6 +5,11 @@ Messages API body back into a provider-neutral request, ``request_differences``
 compares the body the adapter sent with the recorded one on the fields that
 matter, and ``expect`` reads what the recorded reply says (its JSON, or its
 server-sent events with a small reader of its own) without calling the adapter.
+
+``image`` and ``document`` blocks (in a user turn or inside a ``tool_result``)
+become image and document parts -- a base64 source as bytes, a text source as
+UTF-8 bytes, a URL source as the URL, ``cache_control`` as the cache hint -- and
+bodies are compared on the decoded bytes.
 """
 
 from __future__ import annotations

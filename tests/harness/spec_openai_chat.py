@@ -7,6 +7,10 @@ compares the body the adapter sent with the recorded one on the fields that
 matter, and ``expect`` reads what the recorded reply says (its JSON, or its
 server-sent events with a small reader of its own) without calling the adapter.
 
+Media in a user message (``image_url``, ``file`` with ``file_data``, ``input_audio``)
+become image, document and audio parts -- inline base64 as bytes, remote URLs as URLs
+(``_media_spec``) -- and sent and recorded bodies are compared on the decoded bytes.
+
 Conventions of the adapter this spec relies on (documented in
 ``stepmachine/providers/_openai_chat.py``):
 
@@ -97,8 +101,9 @@ def _text_of(content: Any) -> str:
     """A message's ``content``: a string, ``null``, or a list of text parts.
 
     Raises:
-        UnsupportedPartError: a part that is not text (``image_url``, ``file``,
-            ``input_audio``, ...): the neutral request cannot carry it yet.
+        UnsupportedPartError: a part that is not text. A user message's media is read
+            by ``_user_parts``; media anywhere else (a tool, system or assistant
+            message) is nothing the adapter can send.
     """
     if isinstance(content, str):
         return content

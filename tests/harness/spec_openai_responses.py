@@ -5,6 +5,11 @@ Written independently of the adapter: ``decode_request`` reads a recorded
 compares two bodies on the fields that matter, and ``expect`` reads what a
 recorded reply says (a JSON ``response`` object, or an SSE stream whose
 text and argument *deltas* are concatenated here) without calling the adapter.
+
+Images and files (``input_image``, ``input_file``) in a user message or a
+``function_call_output`` become image and document parts -- inline base64 as
+bytes, remote URLs as URLs (``_media_spec``) -- and bodies are compared on the
+decoded bytes, ``detail`` absent equal to ``"auto"``.
 """
 
 from __future__ import annotations
@@ -80,8 +85,8 @@ def _content_text(content: Any) -> str:
     """A message's content: a string, or a list of text blocks.
 
     Raises:
-        UnsupportedPartError: a block that is not text (``input_image``,
-            ``input_file``, ...): the neutral request cannot carry it yet.
+        UnsupportedPartError: a block that is not text (the callers read images and
+            files with ``_content_parts`` / ``_media_part`` first).
     """
     if isinstance(content, str):
         return content
