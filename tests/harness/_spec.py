@@ -31,7 +31,8 @@ from stepmachine.providers import HTTPModel, ProviderError
 
 
 class UnsupportedPartError(ValueError):
-    """A recorded request holds a part the adapter cannot send (an image, a document, ...).
+    """A recorded request holds a part the neutral request cannot hold (a file named by an
+    upload id, a server-side block, ...); images, documents and audio are media parts.
 
     ``decode_request`` raises it instead of dropping the part: the harness then fails
     the file loudly, naming the part, since replaying the rest would test a request

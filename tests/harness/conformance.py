@@ -17,7 +17,7 @@ For every cassette (:func:`run_file`):
    not end with the spec's ``path_suffix``, e.g. a client's ``GET /models``
    before its first call) are skipped, each with a note, and counted in
    ``skipped=``; a file with no model call fails. A recorded request holding a
-   part the adapter cannot send (an image, a document: ``decode_request``
+   part the adapter cannot send (a file named by an upload id: ``decode_request``
    raises ``UnsupportedPartError``) fails the file, naming the part: nothing is
    dropped silently. The model calls are grouped into *logical calls*: an
    interaction whose request body repeats the previous one after a retryable
