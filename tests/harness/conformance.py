@@ -278,10 +278,19 @@ def _logical_calls(
     return groups
 
 
+def decode_call(spec: Any, interaction: Any) -> tuple[ModelRequest, bool]:
+    """The neutral request of a recorded call and whether it streamed: from the body, or
+    from the URL for specs that say so (``streamed_in_url``)."""
+    request, streamed = spec.decode_request(interaction.request_body)
+    if getattr(spec, "streamed_in_url", None) is not None:
+        streamed = spec.streamed_in_url(interaction.url)
+    return request, streamed
+
+
 def _retryable(spec: Any, interaction: Any) -> bool:
     if interaction.status < 400:
         return False
-    _, streamed = spec.decode_request(interaction.request_body)
+    _, streamed = decode_call(spec, interaction)
     body, headers = _served_body(interaction)
     error = spec.expect(interaction.status, body, headers, streamed).error
     return error is not None and bool(error.retryable)
@@ -334,6 +343,9 @@ class _Replay:
                 f"request {index}: path {request.url.path!r} does not end with "
                 f"{self.spec.path_suffix!r}"
             )
+        check = getattr(self.spec, "check_request", None)
+        if check is not None:
+            self.problems.extend(f"request {index}: {p}" for p in check(request, recorded))
         try:
             self.sent.append(json.loads(request.content))
         except ValueError:
@@ -385,7 +397,10 @@ async def _drive(
 
     model_name = str((group[0].request_body or {}).get("model") or "")
     async with httpx.AsyncClient(transport=httpx.MockTransport(replay)) as client:
-        model = spec.make_model(client, model_name)
+        if getattr(spec, "model_for", None) is not None:
+            model = spec.model_for(client, group[0])
+        else:
+            model = spec.make_model(client, model_name)
         model._sleep = no_sleep
         if len(group) > 1 and model.retry.max_attempts < len(group):
             # The recording shows the client retrying: the adapter must be allowed to as well
@@ -413,7 +428,7 @@ async def _check_call(
     )
     if not isinstance(first.request_body, dict):
         return [*problems, "the recorded request body is not a JSON object"], False
-    request, streamed = spec.decode_request(first.request_body)
+    request, streamed = decode_call(spec, first)
     if last.is_sse and not streamed:
         problems.append(
             "the recording streamed (text/event-stream) but decode_request says stream=False"
