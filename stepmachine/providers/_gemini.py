@@ -45,7 +45,9 @@ every adapter (a streaming request's error is one JSON body labelled
 ``text/event-stream``: decided by the status). A 429 ``RESOURCE_EXHAUSTED``
 is a :class:`~stepmachine.providers.RateLimitError` whose ``retry_after`` is
 ``google.rpc.RetryInfo.retryDelay`` when the reply has no ``Retry-After``
-header; an ``API_KEY_INVALID`` 400 is an
+header, unless its ``google.rpc.QuotaFailure`` names a quota of 0 (the plan has no
+access: a permanent :class:`~stepmachine.providers.QuotaExceededError`); an
+``API_KEY_INVALID`` 400 is an
 :class:`~stepmachine.providers.AuthenticationError`; a 400 saying the input
 token count exceeds the maximum is a
 :class:`~stepmachine.providers.ContextLengthExceededError`.
@@ -72,6 +74,7 @@ from ._errors import (
     MalformedResponseError,
     OverloadedError,
     ProviderError,
+    QuotaExceededError,
     RateLimitError,
     ServerError,
     error_from_response,
@@ -241,6 +244,8 @@ class GeminiModel(HTTPModel):
             if isinstance(chunk, dict) and "error" in chunk:
                 raise self.stream_error(chunk)
             assembler.feed(chunk)
+        if not assembler.answered:
+            raise ValueError("the reply has neither candidates nor a prompt block")
         return _response(assembler)
 
     async def parse_stream(self, events: AsyncIterator[SSEEvent], emit: ChunkSink) -> ModelResponse:
@@ -296,6 +301,8 @@ class GeminiModel(HTTPModel):
             return AuthenticationError(text, **common)
         if status == 400 and _TOO_LONG.search(message):
             return ContextLengthExceededError(text, **common)
+        if status == 429 and _no_quota_at_all(details):
+            return QuotaExceededError(text, **common)
         if (
             isinstance(error, RateLimitError | OverloadedError | ServerError)
             and error.retry_after is None
@@ -329,6 +336,18 @@ def _details(body: bytes) -> tuple[list[Any], set[str], str]:
     }
     message = error.get("message")
     return details, reasons, message if isinstance(message, str) else ""
+
+
+def _no_quota_at_all(details: list[Any]) -> bool:
+    """Whether a ``google.rpc.QuotaFailure`` names a quota of 0 (the plan has no access to
+    the model): waiting will not help, unlike a per-minute limit."""
+    for detail in details:
+        if isinstance(detail, dict) and str(detail.get("@type", "")).endswith("QuotaFailure"):
+            violations = detail.get("violations")
+            for violation in violations if isinstance(violations, list) else []:
+                if isinstance(violation, dict) and str(violation.get("quotaValue")) == "0":
+                    return True
+    return False
 
 
 def _retry_delay(details: list[Any]) -> float | None:

@@ -228,6 +228,8 @@ class Assembler:
         self.blocked: str | None = None
         self.usage: dict[str, Any] = {}
         self.model: str | None = None
+        self.answered = False
+        """Whether a chunk held a candidate or a prompt block (an empty reply is malformed)."""
 
     def feed(self, raw: Any) -> list[StreamChunk]:
         """Take one ``GenerateContentResponse``; return the deltas it adds."""
@@ -239,12 +241,14 @@ class Assembler:
         feedback = expect_object(chunk.get("promptFeedback") or {}, "promptFeedback")
         if feedback.get("blockReason") is not None:
             self.blocked = expect_str(feedback["blockReason"], "blockReason")
+            self.answered = True
         response_id = chunk.get("responseId")
         deltas: list[StreamChunk] = []
         for raw_candidate in expect_list(chunk.get("candidates") or [], "candidates"):
             candidate = expect_object(raw_candidate, "a candidate")
             if candidate.get("index", 0) != 0:
                 continue
+            self.answered = True
             if candidate.get("finishReason") is not None:
                 self.finish = expect_str(candidate["finishReason"], "finishReason")
             content = expect_object(candidate.get("content") or {}, "content")
