@@ -177,8 +177,9 @@ def test_results_are_function_responses_named_after_their_calls() -> None:
     history = [
         Message.user("go", id="u1"),
         calls,
-        Message.tool_result(ToolResultPart(made_up, "sunny"), id="t1", media=[shot]),
+        # finished in the other order (tools run in parallel): sent in the calls' order
         Message.tool_result(ToolResultPart("c9", "boom", is_error=True, name="f"), id="t2"),
+        Message.tool_result(ToolResultPart(made_up, "sunny"), id="t1", media=[shot]),
         Message.user("thanks", id="u2"),
     ]
     turns = contents(history)
@@ -189,8 +190,8 @@ def test_results_are_function_responses_named_after_their_calls() -> None:
     ]
     assert turns[2]["parts"] == [
         {"functionResponse": {"name": "weather", "response": {"output": "sunny"}}},
-        {"inlineData": {"mimeType": "image/png", "data": base64.b64encode(b"png").decode()}},
         {"functionResponse": {"name": "f", "response": {"error": "boom"}, "id": "c9"}},
+        {"inlineData": {"mimeType": "image/png", "data": base64.b64encode(b"png").decode()}},
         {"text": "thanks"},
     ]
 
@@ -686,3 +687,68 @@ def test_every_signature_goes_back_on_the_part_it_came_with(parts: list[dict[str
     response = model.parse_response(_reply(parts))
     [turn] = contents([Message(id="a1", role="assistant", parts=response.parts)]) or [{"parts": []}]
     assert turn["parts"] == parts
+
+
+# -- through the machine: parallel calls without ids, signatures, results by name ------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_agent_turn_with_parallel_calls_round_trips_through_a_store(stream: bool) -> None:
+    from stepmachine import ModelInference, Runtime, StateMachine, Tools, tool
+    from stepmachine.stores import MemoryStore
+
+    @tool
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    replies = [
+        _reply(
+            [
+                {"text": "Two cities.", "thought": True},
+                {
+                    "functionCall": {"name": "weather", "args": {"city": "Rome"}},
+                    "thoughtSignature": "c2lnMQ==",
+                },
+                {"functionCall": {"name": "weather", "args": {"city": "Oslo"}}},
+            ]
+        ),
+        _reply([{"text": "Both sunny.", "thoughtSignature": "c2lnMg=="}])
+        | {"responseId": "resp-2"},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        reply = replies[len(sent) - 1]
+        if request.url.params.get("alt") == "sse":
+            headers = {"content-type": "text/event-stream"}
+            return httpx.Response(200, content=_sse(reply), headers=headers)
+        return httpx.Response(200, json=reply)
+
+    model, _ = _model(handler)
+    store = MemoryStore()
+    await store.create("s1", conversation=[Message.user("Weather in Rome and Oslo?", id="u1")])
+    machine = StateMachine([Tools([weather]), ModelInference(stream=stream)])
+    report = await machine.run_report(Runtime(store=store, model=model), "s1")
+    assert report.reason.kind == "done"
+    assert len(sent) == 2
+    model_turn, results_turn = sent[1]["contents"][1:]
+    assert model_turn == {
+        "role": "model",
+        "parts": [
+            {
+                "functionCall": {"name": "weather", "args": {"city": "Rome"}},
+                "thoughtSignature": "c2lnMQ==",
+            },
+            {"functionCall": {"name": "weather", "args": {"city": "Oslo"}}},
+        ],
+    }
+    assert results_turn == {
+        "role": "user",
+        "parts": [
+            {"functionResponse": {"name": "weather", "response": {"output": "sunny in Rome"}}},
+            {"functionResponse": {"name": "weather", "response": {"output": "sunny in Oslo"}}},
+        ],
+    }
+    assert report.session.conversation[-1].text == "Both sunny."

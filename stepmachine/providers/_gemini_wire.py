@@ -79,27 +79,38 @@ def contents(messages: Sequence[Message]) -> list[dict[str, Any]]:
 
     ``system`` messages are left out (they go to ``systemInstruction``); tool
     messages become ``user`` turns of ``functionResponse`` parts (then the
-    images and documents a result carries, as ``inlineData``/``fileData``);
-    consecutive turns of one role are merged and empty turns dropped, as the
-    API requires.
+    images and documents the results carry, as ``inlineData``/``fileData``),
+    in the order of the calls they answer -- tools that ran in parallel may
+    have finished in any order, and without call ids the API pairs results
+    with calls by order and name; consecutive turns of one role are merged
+    and empty turns dropped, as the API requires.
     """
     names: dict[str, str] = {}
+    positions: dict[str, int] = {}
     turns: list[dict[str, Any]] = []
+    ranks: list[list[tuple[int, int]]] = []  # per turn, per part: its place once sorted
     for message in messages:
         if message.role == "system":
             continue
         if message.role == "assistant":
-            role, parts = "model", _model_parts(message.parts, names)
+            calls = [p.call_id for p in message.parts if isinstance(p, ToolCallPart)]
+            positions = {call_id: n for n, call_id in enumerate(calls)}
+            role, ranked = "model", [((0, 0), p) for p in _model_parts(message.parts, names)]
         elif message.role == "tool":
-            role, parts = "user", _result_parts(message.parts, names)
+            role, ranked = "user", _result_parts(message.parts, names, positions)
         else:
-            role, parts = "user", [p for part in message.parts if (p := _user_part(part))]
-        if not parts:
+            role = "user"
+            ranked = [((2, 0), p) for part in message.parts if (p := _user_part(part))]
+        if not ranked:
             continue
-        if turns and turns[-1]["role"] == role:
-            turns[-1]["parts"].extend(parts)
-        else:
-            turns.append({"role": role, "parts": parts})
+        if not (turns and turns[-1]["role"] == role):
+            turns.append({"role": role, "parts": []})
+            ranks.append([])
+        turns[-1]["parts"].extend(p for _, p in ranked)
+        ranks[-1].extend(rank for rank, _ in ranked)
+    for turn, rank in zip(turns, ranks, strict=True):
+        order = sorted(range(len(rank)), key=rank.__getitem__)  # stable
+        turn["parts"] = [turn["parts"][i] for i in order]
     return turns
 
 
@@ -167,12 +178,16 @@ def _alone(carrier: ReasoningPart) -> dict[str, Any]:
     return {"text": "", "thoughtSignature": carrier.provider_data["signature"]}
 
 
-def _result_parts(parts: Sequence[Part], names: dict[str, str]) -> list[dict[str, Any]]:
-    """A tool message: one ``functionResponse`` per result, then the media it carries."""
-    results: list[dict[str, Any]] = []
-    media: list[dict[str, Any]] = []
+def _result_parts(
+    parts: Sequence[Part], names: dict[str, str], positions: dict[str, int]
+) -> list[tuple[tuple[int, int], dict[str, Any]]]:
+    """A tool message: one ``functionResponse`` per result, then the media it carries,
+    each ranked by the position of the call it answers (unknown calls last)."""
+    out: list[tuple[tuple[int, int], dict[str, Any]]] = []
+    position = len(positions)
     for part in parts:
         if isinstance(part, ToolResultPart):
+            position = positions.get(part.call_id, len(positions))
             key = "error" if part.is_error else "output"
             response: dict[str, Any] = {
                 "name": part.name or names.get(part.call_id, ""),
@@ -180,10 +195,10 @@ def _result_parts(parts: Sequence[Part], names: dict[str, str]) -> list[dict[str
             }
             if not part.call_id.startswith(SYNTHETIC_ID_PREFIX):
                 response["id"] = part.call_id
-            results.append({"functionResponse": response})
+            out.append(((0, position), {"functionResponse": response}))
         elif isinstance(part, ImagePart | DocumentPart | AudioPart):
-            media.append(media_part(part))
-    return results + media
+            out.append(((1, position), media_part(part)))
+    return out
 
 
 def same_signature(a: str, b: str) -> bool:
