@@ -1,7 +1,7 @@
 """The contract between the conformance harness and each provider's spec.
 
 One spec module per provider folder of recordings (``spec_openai_chat.py``,
-``spec_openai_responses.py``, ``spec_anthropic.py``; ``openai_compatible``
+``spec_openai_responses.py``, ``spec_anthropic.py``, ``spec_gemini.py``; ``openai_compatible``
 uses a second spec object in ``spec_openai_chat.py``). Each defines
 ``SPECS: dict[str, ProviderSpec]`` keyed by folder name. The harness
 (``conformance.py``) loads every cassette, serves its interactions through

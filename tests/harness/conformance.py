@@ -24,14 +24,19 @@ For every cassette (:func:`run_file`):
    error (the spec expects an error whose class is ``retryable``) is a retry
    of the same call;
 3. per call, ``spec.decode_request`` gives the neutral request and whether the
-   recording streamed; a call whose recording ends in a retryable error gets
+   recording streamed (for a provider that says so in the URL, as Gemini's
+   ``:streamGenerateContent``, ``spec.streamed_in_url``); the adapter comes from
+   ``spec.make_model(client, body["model"])``, or ``spec.model_for(client,
+   interaction)`` for a provider whose URL names the model (Gemini, Vertex AI);
+   a call whose recording ends in a retryable error gets
    ``request.max_attempts`` = the number of recorded attempts (the client that
    recorded it gave up there); the adapter from ``spec.make_model`` sends it
    through an ``httpx.MockTransport`` that serves the recorded replies in
    order, matching method and path suffix, with a no-op ``sleep`` injected so
    backoff costs nothing;
 4. checks: exactly one request per recorded interaction (retries included);
-   every sent body matches the recorded one (``spec.request_differences``);
+   every sent body matches the recorded one (``spec.request_differences``), and
+   the URL and headers pass ``spec.check_request`` when the spec has one;
    the result matches ``spec.expect`` (text, tool calls with parsed
    arguments, reasoning, input/output/reasoning tokens, finish reason, attempts -- or
    the exact typed error class, its status and attempts);
