@@ -5,7 +5,9 @@ Endpoints: ``{base_url}/models/{model}:generateContent`` and, streaming,
 ``x-goog-api-key`` header, never in the URL. Vertex AI (``project=``) takes
 the same bodies at ``.../v1beta1/projects/{project}/locations/{location}/
 publishers/google/models/{model}:...`` with an OAuth ``access_token`` sent as
-a bearer token (or, in Vertex's express mode, an API key).
+a bearer token. Any other root of the same shape (a proxy, Vertex AI express
+mode's ``.../v1beta1/publishers/google``) is a ``base_url`` with an
+``api_key`` or an ``access_token``.
 
 Request mapping (:meth:`GeminiModel.build_body`):
 
