@@ -314,12 +314,9 @@ class Assembler:
             else:
                 digest = hashlib.sha256(f"{self.calls}\0{name}\0{raw}".encode()).hexdigest()
                 call_id = f"{SYNTHETIC_ID_PREFIX}{digest[:16]}"
-        return ToolCallPart(
-            call_id=expect_str(call_id, "functionCall.id"),
-            name=name,
-            arguments=arguments,
-            raw_arguments=raw,
-        )
+        # Parsed again from the compact JSON: arguments nested deeper than the kernel
+        # accepts are invalid (``arguments`` None), as from every adapter.
+        return ToolCallPart.parse(expect_str(call_id, "functionCall.id"), name, raw)
 
     def parts(self) -> tuple[Part, ...]:
         """The response's parts (see the module docs for signatures)."""
