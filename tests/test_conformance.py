@@ -318,6 +318,98 @@ async def test_a_request_part_the_adapter_cannot_send_fails_the_file(tmp_path: P
     assert result.calls == 0  # nothing was replayed
 
 
+# -- the Gemini recordings in next/ (they join cassettes/ once multimodal input lands) --------
+
+NEXT_GEMINI = [p for p in cassettes.cassette_files(NEXT) if p.parent.name == "gemini"]
+
+
+def test_the_gemini_recordings_are_there() -> None:
+    assert len(NEXT_GEMINI) == 12, f"expected the 12 Gemini recordings under {NEXT / 'gemini'}"
+
+
+@pytest.mark.parametrize("path", NEXT_GEMINI, ids=lambda p: f"gemini/{p.name}")
+async def test_gemini_cassette(path: Path) -> None:
+    result = await conformance.run_file(path, SPECS)
+    assert result.passed, result.line()
+    assert result.calls > 0
+
+
+async def test_the_cache_calls_around_gemini_model_calls_are_skipped() -> None:
+    result = await conformance.run_file(
+        NEXT / "gemini" / "test_google_model_cached_content.yaml", SPECS
+    )
+    assert result.passed, result.line()
+    assert (result.interactions, result.calls, result.skipped) == (4, 2, 2)
+    assert "POST /v1beta/cachedContents is not a model call" in result.notes[0]
+    assert "DELETE /v1beta/cachedContents/" in result.notes[1]
+
+
+async def test_the_harness_reports_a_gemini_url_that_shows_the_key() -> None:
+    spec = SPECS.get("gemini")
+
+    def leaky(client: httpx.AsyncClient, interaction: Any) -> Any:
+        model = spec.model_for(client, interaction)
+        url = model.url
+        model.url = lambda *, stream: url(stream=stream) + ("&" if stream else "?") + "key=k"
+        return model
+
+    result = await conformance.run_file(
+        NEXT / "gemini" / "test_google_model_stream.yaml", _with("gemini", model_for=leaky)
+    )
+    assert "request 0: the credential is in the URL" in result.line()
+
+
+async def test_the_harness_reports_a_dropped_gemini_signature() -> None:
+    spec = SPECS.get("gemini")
+
+    def forgetful(client: httpx.AsyncClient, interaction: Any) -> Any:
+        model = spec.model_for(client, interaction)
+        build = model.build_body
+
+        def build_body(request: Any, *, stream: bool) -> Any:
+            body = build(request, stream=stream)
+            for turn in body["contents"]:
+                for part in turn["parts"]:
+                    part.pop("thoughtSignature", None)
+            return body
+
+        model.build_body = build_body
+        return model
+
+    name = "chat_function_calling_gemini_gemini-2_5-flash_can_use_parallel_tool_calls.yml"
+    result = await conformance.run_file(
+        NEXT / "gemini" / name, _with("gemini", model_for=forgetful)
+    )
+    assert not result.passed
+    assert "call 1: request 0: contents:" in result.line()
+
+
+def test_command_line_over_the_gemini_recordings(tmp_path: Path) -> None:
+    (tmp_path / "gemini").symlink_to(NEXT / "gemini")
+    done = subprocess.run(
+        [sys.executable, str(HARNESS / "conformance.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "cassettes=12 passed=12", done.stdout + done.stderr
+
+
+def test_command_line_over_the_whole_next_folder() -> None:
+    """The issue's figure: every recording in next/ (Gemini, and the image and PDF ones)."""
+    done = subprocess.run(
+        [sys.executable, str(HARNESS / "conformance.py"), str(NEXT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "cassettes=21 passed=21", done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_command_line_over_the_synthetic_cassettes(backend: str) -> None:
     done = subprocess.run(
