@@ -225,8 +225,8 @@ class PostgresStore:
             max_media_bytes: the bytes one image, document or audio part may
                 hold (20 MiB by default); a larger one raises
                 :class:`~stepmachine.MediaTooLargeError` and nothing is written.
-                Media bytes are kept once per digest in the ``media`` table
-                (see :mod:`._media_blobs`).
+                Media bytes are kept once per digest in the ``media`` table,
+                apart from the effect rows, and checked against it when read.
 
         Returns:
             The open store; the database's schema is at the current version.
