@@ -373,12 +373,13 @@ class LogCore(Generic[P]):
         """
         unused: list[tuple[Base[P], str]] = []
         failure: StoredDataError | None = None
+        reader = self.reader(txn)  # one per replay: a blob is read once
         start: tuple[Base[P], Session[Any]] | None = None
         for base in txn.bases(session_id, upto):
             problem = base.problem
             if problem is None:
                 try:
-                    start = base, decode_base(self.codec, session_id, base, self.reader(txn))
+                    start = base, decode_base(self.codec, session_id, base, reader)
                     break
                 except StoredDataError as exc:
                     failure, problem = exc, str(exc)
@@ -390,7 +391,7 @@ class LogCore(Generic[P]):
             )
         base, session = start
         tail = txn.records(session_id, base.revision, upto, base.position)
-        session = replay(self.codec, session, tail.records, self.reader(txn))
+        session = replay(self.codec, session, tail.records, reader)
         if upto is None:
             seen = [*[(b.revision, b.holder, b.remedy) for b, _ in unused if b.holder], *claims]
             for claimed, holder, remedy in seen:

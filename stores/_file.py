@@ -455,6 +455,9 @@ class FileStore(FlockLeaseMethods):
     async def delete(self, session_id: str) -> None:
         """Delete a session: its snapshot, then its log (under the exclusive lock).
 
+        The media bytes its messages referred to are kept: they are stored
+        once for every session that holds the same bytes.
+
         Then its pending-run mark is removed. A lease on it is not touched: the
         holder keeps it until it releases (its writes meet
         :class:`~stepmachine.SessionNotFoundError`), and a session created

@@ -58,6 +58,7 @@ from typing import Any, Final
 import msgspec
 
 from stepmachine import (
+    AppendMessage,
     AudioPart,
     Batch,
     DocumentPart,
@@ -89,6 +90,9 @@ DEFAULT_MAX_MEDIA_BYTES: Final = 20 * 1024 * 1024
 BlobRead = Callable[[str], "bytes | None"]
 """A backend's read of one blob by digest: its bytes, or None when it holds none."""
 
+_MEMO_BYTES: Final = 64 * 1024 * 1024
+"""The bytes :class:`_Digests` may keep alive (most are held by cached sessions anyway)."""
+
 _TAG: Final = b'"media_ref"'
 _DIGEST: Final = re.compile(r"sha256:[0-9a-f]{64}\Z")
 _KINDS: Final[dict[str, type[ImagePart | DocumentPart | AudioPart]]] = {
@@ -97,6 +101,7 @@ _KINDS: Final[dict[str, type[ImagePart | DocumentPart | AudioPart]]] = {
     "audio": AudioPart,
 }
 _MEDIA: Final = frozenset(_KINDS.values())
+_WATCHED: Final = frozenset((*_KINDS.values(), MediaRef))
 _OWN: Final = {
     kind: frozenset(cls.__struct_fields__) - {"data", "url"} for kind, cls in _KINDS.items()
 }
@@ -169,7 +174,7 @@ class Media:
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_MEDIA_BYTES) -> None:
         self.max_bytes = check_max_media_bytes(max_bytes)
-        self.digests = _Digests(256 * 1024 * 1024)
+        self.digests = _Digests(_MEMO_BYTES)
 
     # -- writing -------------------------------------------------------------------
 
@@ -183,6 +188,8 @@ class Media:
             ConfigurationError: a message holds a ``MediaRef`` (only stores write them).
         """
         blobs: dict[str, bytes] = {}
+        if not any(map(_holds_media, batch.effects)):  # the usual batch: nothing built
+            return batch, blobs
         effects: list[Effect] = []
         changed = False
         for effect in batch.effects:
@@ -262,8 +269,29 @@ class Media:
         return MediaRef(kind=kind, digest=digest, size=len(data), **fields)
 
 
+def _holds_media(effect: Effect) -> bool:
+    """Whether a message in ``effect``'s message fields holds a media part or a reference."""
+    kind = type(effect)
+    if kind is AppendMessage:  # the usual effect, checked without a call (on every apply)
+        for part in effect.message.parts:  # type: ignore[attr-defined]  # noqa: SIM110 - no generator (hot path)
+            if type(part) in _WATCHED:
+                return True
+        return False
+    for name in _message_fields(kind):
+        value = getattr(effect, name)
+        for message in (value,) if type(value) is Message else value:
+            if type(message) is Message:
+                for part in message.parts:
+                    if type(part) in _WATCHED:
+                        return True
+    return False
+
+
 class Reader:
     """Puts the bytes back into what a backend read (see the module docstring).
+
+    Made for every read (cheap: it reads nothing until a reference is met);
+    a blob is read once per reader.
 
     Args:
         media: the store's :class:`Media`.
@@ -271,11 +299,13 @@ class Reader:
         label: how an error names the backend's blobs (``"the media table of x.db"``).
     """
 
+    __slots__ = ("_label", "_loaded", "_media", "_read")
+
     def __init__(self, media: Media, read: BlobRead, label: str) -> None:
         self._media = media
         self._read = read
         self._label = label
-        self._loaded: dict[str, bytes] = {}
+        self._loaded: dict[str, bytes] | None = None
 
     def batch(self, batch: Batch[Effect], where: str) -> Batch[Effect]:
         """``batch`` with its references resolved (call it when :func:`has_refs`).
@@ -336,6 +366,8 @@ class Reader:
         stray = [n for n in _REF_FIELDS if n not in own and getattr(ref, n) != _DEFAULTS[n]]
         if stray or not check_digest(ref.digest) or ref.size < 0:
             raise _fail(f"{said}, which is not a valid reference (digest {ref.digest!r})")
+        if self._loaded is None:
+            self._loaded = {}
         data = self._loaded.get(ref.digest)
         if data is None:
             data = self._read(ref.digest)

@@ -426,6 +426,9 @@ class PostgresStore:
     async def delete(self, session_id: str) -> None:
         """Delete a session with its log and snapshots, in one transaction.
 
+        The media bytes its messages referred to are kept: they are stored
+        once for every session that holds the same bytes.
+
         Raises:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.

@@ -16,6 +16,7 @@ store shares a database with an application's own tables)::
             refused, trace)
     effects(sid, revision, position, schema_version, body, crc)
     snapshots(sid, revision, schema_version, body, crc)
+    media(digest PK, body)                        made by a writing open when missing
 
 The rows are those of :class:`~stepmachine.stores.SQLiteStore` (its schema
 version 4, see :mod:`._sqlite_schema`): ``sid`` is never reused (a sequence),
@@ -25,6 +26,14 @@ carries ``crc``, the CRC-32 of :func:`._sqlite_schema.checksum` over the
 table's name and every other column, so a flipped bit or a row moved to
 another session, revision or position fails closed when read. The bodies are
 stored ``EXTERNAL`` (out of line, not compressed again by PostgreSQL).
+
+Media bytes live in ``media``, once per SHA-256 digest, written in the same
+transaction as the first record that refers to them (:mod:`._media_blobs`);
+the records hold a ``"media_ref"`` reference. A writing open makes the table
+when it is missing (under the migration lock), with no version change: code
+that does not know it never reads it, and refuses the records that refer to
+it by their tag. A row has no ``crc``: every body read is checked against its
+digest.
 
 The session row also carries the session's lease (:mod:`._postgres_leases`):
 ``lease_owner``, ``lease_epoch`` (only grows), ``lease_expires_at`` (the

@@ -14,7 +14,9 @@ what a cold load replays; each new one prunes the one before (revision 0
 stays), so a session holds at most two, compressed; long effect records are
 compressed too (schema version 3). Every row carries a CRC-32 checked on load
 (since schema version 2). A batch row keeps the batch's ``refused`` and
-``trace`` (schema version 4). The on-disk layout, its migrations
+``trace`` (schema version 4). Media bytes (images, documents, audio) are kept
+once per digest in a ``media`` table, apart from the effect rows
+(:mod:`._media_blobs`). The on-disk layout, its migrations
 and the checksums live in :mod:`._sqlite_schema`; reading and writing rows in
 :mod:`._sqlite_rows`. The cache, replay, compare-and-set, snapshot policy and
 errors are the durable stores' shared core (:mod:`._core`), over the byte
@@ -455,6 +457,9 @@ class SQLiteStore(FlockLeaseMethods):
 
     async def delete(self, session_id: str) -> None:
         """Delete a session with its log and snapshots, in one transaction.
+
+        The media bytes its messages referred to are kept: they are stored
+        once for every session that holds the same bytes.
 
         Then its pending-run mark is removed. A lease on it is not touched: the
         holder keeps it until it releases (its writes meet
