@@ -234,9 +234,9 @@ class LogCore(Generic[P]):
             if cached is not None:
                 found = txn.tail(session_id, cached)
                 if isinstance(found, Tail):
-                    session = replay(
-                        self.codec, cached.session, found.records, self.reader(txn)
-                    )
+                    session = cached.session
+                    if found.records:  # else nothing to read: no reader made
+                        session = replay(self.codec, session, found.records, self.reader(txn))
                     fresh = Cached(session, found.position, found.marks)
                     self.remember(session_id, fresh)
                     return fresh

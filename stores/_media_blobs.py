@@ -27,8 +27,8 @@ So the stores keep them apart:
   digest and size (:meth:`Reader.batch`, :meth:`Reader.session`). A missing,
   damaged or malformed blob is a :class:`~stepmachine.StoredDataError` naming
   the session, the record's position and the digest (invariant 8); never an
-  empty image. A record without ``"media_ref"`` in its bytes is not walked,
-  so records without media cost one substring search more.
+  empty image. Finding the references is a type check per message part of
+  what was decoded (records without media cost that, and nothing else).
 - **Where.** Only messages the codec stores as messages are walked: a
   session's conversation and the fields of an effect declared as ``Message``
   or ``tuple[Message, ...]`` (``AppendMessage``, ``ReplaceConversation``, an
@@ -78,10 +78,10 @@ __all__ = [
     "BlobRead",
     "Media",
     "Reader",
+    "batch_refers",
     "blobs_missing",
     "check_digest",
     "check_max_media_bytes",
-    "has_refs",
 ]
 
 DEFAULT_MAX_MEDIA_BYTES: Final = 20 * 1024 * 1024
@@ -109,9 +109,32 @@ _REF_FIELDS: Final = ("media_type", "detail", "title", "cache")
 _DEFAULTS: Final = {"detail": None, "title": None, "cache": False}
 
 
-def has_refs(record: bytes) -> bool:
-    """Whether an encoded record may hold a ``MediaRef`` (its tag occurs in it)."""
-    return _TAG in record
+def _refers(messages: Any) -> bool:
+    """Whether a message of ``messages`` holds a ``MediaRef``."""
+    for message in messages:
+        if type(message) is Message:
+            parts: tuple[Any, ...] = message.parts  # Any: a stored record's parts may be refs
+            for part in parts:
+                if type(part) is MediaRef:
+                    return True
+    return False
+
+
+def batch_refers(batch: Batch[Effect]) -> bool:
+    """Whether a decoded batch holds a ``MediaRef`` in its effects' message fields
+    (what :meth:`Reader.batch` resolves); a few type checks per message part."""
+    for effect in batch.effects:
+        kind = type(effect)
+        if kind is AppendMessage:  # the usual effect, checked without a call
+            for part in effect.message.parts:  # type: ignore[attr-defined]
+                if type(part) is MediaRef:
+                    return True
+            continue
+        for name in _message_fields(kind):
+            value = getattr(effect, name)
+            if _refers((value,) if type(value) is Message else value):
+                return True
+    return False
 
 
 def check_digest(digest: str) -> bool:
@@ -308,22 +331,26 @@ class Reader:
         self._loaded: dict[str, bytes] | None = None
 
     def batch(self, batch: Batch[Effect], where: str) -> Batch[Effect]:
-        """``batch`` with its references resolved (call it when :func:`has_refs`).
+        """``batch`` with its references resolved (``batch`` itself when it has none).
 
         Raises:
             StoredDataError: a blob is missing, damaged or named wrongly; the
                 message names ``where`` (the session and position) and the digest.
         """
+        if not batch_refers(batch):
+            return batch
         effects = tuple(self._effect_in(effect, where) for effect in batch.effects)
         return msgspec.structs.replace(batch, effects=effects)
 
     def session(self, session: Session[Any], where: str) -> Session[Any]:
-        """``session`` with its references resolved (call it when :func:`has_refs`).
+        """``session`` with its references resolved (``session`` itself when it has none).
 
         Raises:
             StoredDataError: as :meth:`batch`.
         """
         messages = session.conversation
+        if not _refers(messages):
+            return session
         out = self._messages_in(messages, where)
         return session if out is messages else _with_conversation(session, out)
 

@@ -40,7 +40,7 @@ from stepmachine._lease import check_claim
 
 from ._backend import BatchRecord, StoredBatch
 from ._ids import validate_session_id
-from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, Media, Reader, has_refs
+from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, Media, Reader
 from ._memory_leases import MemoryLeases
 from ._replay import decode_batch, encode_batch, replay
 
@@ -200,7 +200,7 @@ class MemoryStore:
         """The revision-0 session ``record`` holds, its media bytes put back."""
         where = f"session {session_id!r}"
         session = self._codec.decode_session(record, where=where)
-        return self._reader().session(session, where) if has_refs(record) else session
+        return self._reader().session(session, where)
 
     # -- leases (see stepmachine.Leases) --------------------------------------------
 

@@ -33,7 +33,7 @@ from stepmachine import (
 )
 
 from ._backend import Base, BatchRecord, EffectRows, StoredBatch
-from ._media_blobs import Media, Reader, has_refs
+from ._media_blobs import Media, Reader
 
 __all__ = [
     "decode_base",
@@ -118,7 +118,8 @@ def encode_batch(
             encode_refused(batch.refused),
             batch.trace,
         )
-    reader = Reader(media, blobs.get, "the batch's own media")
+    # Without bytes taken out, the record refers to none (MediaRef given is refused).
+    reader = Reader(media, blobs.get, "the batch's own media") if blobs else None
     return stored, decode_batch(codec, batch.session_id, stored, reader), blobs
 
 
@@ -141,10 +142,11 @@ def _check_trail(batch: Batch[Effect]) -> None:
 
 
 def decode_batch(
-    codec: Codec[Any], session_id: str, stored: StoredBatch, media: Reader
+    codec: Codec[Any], session_id: str, stored: StoredBatch, media: Reader | None
 ) -> Batch[Effect]:
     """The batch a stored record holds, checked against the session and revision it
-    was stored under, its media bytes read back through ``media``.
+    was stored under, its media bytes read back through ``media`` (None: the
+    caller knows the record refers to none).
 
     Raises:
         StoredDataError: it does not decode, an effects record does not hold
@@ -159,7 +161,7 @@ def decode_batch(
                 f"the batch in {stored.where} is for session {batch.session_id!r} revision "
                 f"{batch.revision}, expected {session_id!r} revision {stored.revision}"
             )
-        return media.batch(batch, where) if has_refs(stored.record) else batch
+        return batch if media is None else media.batch(batch, where)
     effects: list[Effect] = []
     for index, record in enumerate(stored.effects):
         at = f"{stored.where} effect {index}"
@@ -178,7 +180,7 @@ def decode_batch(
         refused=refused,
         trace=stored.trace,
     )
-    return media.batch(batch, stored.where) if any(map(has_refs, stored.effects)) else batch
+    return batch if media is None else media.batch(batch, stored.where)
 
 
 def decode_base(
@@ -198,7 +200,7 @@ def decode_base(
             f"{base.where} holds session {session.id!r} at revision {session.revision}, "
             f"but its header says {session_id!r} at revision {base.revision}"
         )
-    return media.session(session, where) if has_refs(base.record) else session
+    return media.session(session, where)
 
 
 def replay(
