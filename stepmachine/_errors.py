@@ -22,6 +22,7 @@ where::
         ├── HistoryError              conversation not provider-valid (invariant 4)
         ├── InvalidSessionIdError     an id a store cannot accept (also ValueError)
         ├── LeaseLostError            a write with a lease that is no longer current
+        ├── MediaTooLargeError        a media part over a store's limit (also ValueError)
         ├── SessionBusyError          another runner holds the session's lease
         ├── SessionExistsError
         ├── SessionNotFoundError      (also LookupError)
