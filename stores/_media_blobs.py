@@ -43,8 +43,19 @@ So the stores keep them apart:
   never reads a message without its media. Blobs are never deleted (a
   session's ``delete`` leaves the blobs it shared with others; see the store).
 - **Cost.** Only the batch's own media are hashed, written and read on the
-  cycle's path (invariant 10); load_at, fork and a cold load read the blobs of
-  the messages they return.
+  cycle's path (invariant 10); a snapshot asks the backend which of its
+  digests it holds (no bytes move); load_at, fork and a cold load read the
+  blobs of the messages they return, once per digest per read.
+- **Only stores write references.** A ``MediaRef`` given in a batch or a
+  conversation is refused (``ConfigurationError``), so every reference in a
+  record names bytes this store was given and wrote before it.
+
+Why references in the records rather than bytes in new record columns: the
+records stay what every backend already checks, replays, copies (a fork
+copies rows and log records unchanged, and the blobs they refer to are
+shared) and compresses; the only thing a backend adds is a content-addressed
+table or folder with three operations (``blob``, ``put_blobs``,
+``media_label``), and everything else is in this module, once for all stores.
 """
 
 from __future__ import annotations
