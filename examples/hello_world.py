@@ -6,8 +6,9 @@ Uses the SQLite store (a file under ./demo-data/ by default). With no provider
 configured it uses the scripted model from the testing kit -- no network, no
 API key -- and says so; set ``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY``,
 ``GEMINI_API_KEY`` or ``OPENAI_COMPATIBLE_BASE_URL`` (and optionally
-``STEPMACHINE_MODEL``) to talk to a real model. The conversation is printed as it is stored; run it again and
-a new session is added beside the old ones in the same database.
+``STEPMACHINE_MODEL``) to talk to a real model. The conversation is printed as
+it is stored; run it again and a new session is added beside the old ones in
+the same database.
 """
 
 from __future__ import annotations

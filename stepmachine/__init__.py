@@ -71,6 +71,7 @@ from ._errors import (
     InvalidFieldError,
     InvalidSessionIdError,
     LeaseLostError,
+    MediaTooLargeError,
     ModelError,
     RunError,
     SessionBusyError,
@@ -113,7 +114,7 @@ from ._machine import (
     RunReport,
     StateMachine,
 )
-from ._media import MediaPart, media_digest
+from ._media import MediaPart, MediaRef, media_digest
 from ._media_tokens import media_tokens
 from ._messages import (
     AudioPart,
@@ -242,6 +243,8 @@ __all__ = [
     "Ledger",
     "LedgerView",
     "MediaPart",
+    "MediaRef",
+    "MediaTooLargeError",
     "Message",
     "Model",
     "ModelError",

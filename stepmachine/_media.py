@@ -25,6 +25,16 @@ is the adapter's to say: a part it cannot send is a
 Bytes are a ``bytes`` value in memory; how a store keeps them is the store's
 (see the stores). ``digest`` names the bytes (``sha256:<hex>``), so the same
 image sent twice can be kept once.
+
+How the durable stores keep bytes: a stored record never holds them. Each
+media part with ``data`` is written as a :class:`MediaRef` (tag
+``"media_ref"``): the part's other fields, its kind, and the digest and size
+of its bytes, which the store keeps once, by digest, beside the records
+(``stepmachine.stores``); loading puts the bytes back, checked against the
+digest. A ``MediaRef`` exists only inside stored records: a session a store
+returns never holds one, and an adapter refuses one before any request
+(:func:`check_media`). A reader that does not know the tag refuses the record
+(:class:`~stepmachine.StoredDataError`) instead of losing the media.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ __all__ = [
     "DocumentPart",
     "ImagePart",
     "MediaPart",
+    "MediaRef",
     "check_media",
     "media_digest",
 ]
@@ -201,6 +212,37 @@ MediaPart: TypeAlias = ImagePart | DocumentPart | AudioPart
 
 MEDIA_PARTS: Final = (ImagePart, DocumentPart, AudioPart)
 
+MediaKind: TypeAlias = Literal["image", "document", "audio"]
+
+
+class MediaRef(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="media_ref"):
+    """How a durable store records a media part whose bytes it keeps apart (by digest).
+
+    Only stored records hold it: a store writes one in place of an
+    :class:`ImagePart`, :class:`DocumentPart` or :class:`AudioPart` with
+    ``data``, and replaces it by that part again (its bytes read back and
+    checked against ``digest`` and ``size``) when it loads the record. It holds
+    every field of the three part types except ``data`` and ``url``; the
+    fields a kind does not have stay at their defaults.
+
+    Attributes:
+        kind: the tag of the part it stands for (``"image"``, ``"document"``, ``"audio"``).
+        digest: ``sha256:<hex>`` of the bytes (:func:`media_digest`).
+        size: how many bytes.
+        media_type, detail, title, cache: the part's own fields.
+    """
+
+    kind: MediaKind
+    digest: str
+    size: int
+    media_type: str
+    detail: Detail | None = None
+    title: str | None = None
+    cache: bool = False
+
+    def __repr__(self) -> str:
+        return f"MediaRef({self.kind} {self.size:,} bytes {self.media_type} {self.digest[:19]})"
+
 
 def check_media(
     messages: Iterable[Message],
@@ -223,6 +265,12 @@ def check_media(
     for message in messages:
         allowed = in_results if message.role == "tool" else accepts
         for part in message.parts:
+            if isinstance(part, MediaRef):
+                raise ConfigurationError(
+                    f"{who} cannot send {part!r} (message {message.id!r}): a MediaRef is how a "
+                    "store records media, not media; load the session through its store, "
+                    "which puts the bytes back"
+                )
             if isinstance(part, ImagePart | DocumentPart | AudioPart) and type(part) not in allowed:
                 where = "a tool result" if message.role == "tool" else f"a {message.role} message"
                 raise ConfigurationError(

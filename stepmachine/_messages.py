@@ -26,7 +26,7 @@ reference cycle through them; do not put other objects in their JSON fields
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
 import msgspec
 
@@ -41,7 +41,7 @@ from ._checks import (
     str_keys,
     tuple_of,
 )
-from ._media import AudioPart, DocumentPart, ImagePart
+from ._media import AudioPart, DocumentPart, ImagePart, MediaRef
 
 __all__ = [
     "AudioPart",
@@ -260,7 +260,16 @@ _A_PART: Final = (
     "a part (TextPart, ToolCallPart, ToolResultPart, ReasoningPart, ImagePart, DocumentPart "
     "or AudioPart)"
 )
-_PART_TYPES: Final = frozenset(_PARTS)
+_PART_TYPES: Final = frozenset((*_PARTS, MediaRef))
+"""What ``Message.parts`` holds; a ``MediaRef`` only while a store decodes its record."""
+
+if TYPE_CHECKING:
+    _Parts: TypeAlias = tuple[Part, ...]
+else:
+    # What msgspec decodes: a stored record may hold a MediaRef (the stores keep
+    # media bytes apart, see stepmachine._media), which the store replaces by the
+    # media part before the message leaves it. Typed code never sees one.
+    _Parts = tuple[Part | MediaRef, ...]
 
 
 def _all_parts(parts: tuple[Any, ...]) -> bool:
@@ -289,7 +298,7 @@ class Message(msgspec.Struct, frozen=True, gc=False):
 
     id: str
     role: Role
-    parts: tuple[Part, ...]
+    parts: _Parts
     notes: Notes = msgspec.field(default_factory=dict)
     visible_to_model: bool = True
     visible_to_user: bool = True
