@@ -18,7 +18,10 @@ downscaling:
 * Gemini: 258 for an image of at most 384 x 384; a larger one is cut into
   768 x 768 tiles of 258 each.
 
-The estimate is **the largest of the three** for the image's size: a message
+The estimate is **the largest of the three** for the image's size, and never
+more than :data:`IMAGE_MAX_TOKENS` (64 Gemini tiles, 16,512, a 6,144 x 6,144
+image: the header's declared size is not trusted beyond that, so a forged
+33-byte header cannot make one image count billions): a message
 may go to any provider (the application can switch models, and a fallback
 model can take over a session), and compaction must start before the
 largest of them overflows, so over-counting is the safe error. ``detail``
@@ -32,13 +35,18 @@ counts 1,500 to 3,000 text tokens per page (and sends each page as an image
 too), Gemini 258 per page; OpenAI extracts the text and an image of each page.
 Pages are counted as ``/Type /Page`` objects; a PDF whose page objects are
 compressed (object streams) counts by its largest ``/Count``, else one page
-per 50,000 bytes (at least one). A text document counts like text: a quarter
+per 50,000 bytes (at least one). The count is never more than
+:data:`PDF_MAX_PAGES` (1,000: Gemini's limit per document, the highest), nor
+more than one page per 8 bytes of the file (a declared ``/Count`` is not
+trusted beyond what the bytes can hold). A text document counts like text: a quarter
 of its bytes. A document by URL counts :data:`DOCUMENT_UNKNOWN_TOKENS`.
 
 **Audio.** :data:`AUDIO_SECOND_TOKENS` (32, Gemini's published rate, the
 highest) per second: the duration from a WAV header, else from the size at
 4,000 bytes a second (32 kbit/s, a low speech bitrate, so a longer estimate
-than most files need). Audio by URL counts a minute.
+than most files need); a WAV header's byte rate is not trusted below 1,000
+bytes a second (a forged rate cannot stretch a second of audio to hours).
+Audio by URL counts a minute.
 """
 
 from __future__ import annotations
@@ -63,6 +71,10 @@ __all__ = [
 ]
 
 IMAGE_UNKNOWN_TOKENS: Final = 1_600
+IMAGE_MAX_TOKENS: Final = 64 * 258
+PDF_MAX_PAGES: Final = 1_000
+_PDF_MIN_BYTES_PER_PAGE: Final = 8
+_AUDIO_MIN_BYTES_PER_SECOND: Final = 1_000
 """An image whose size is unknown (a URL, a format or header not understood)."""
 PDF_PAGE_TOKENS: Final = 3_000
 """One PDF page."""
@@ -187,25 +199,33 @@ def image_tokens(width: int, height: int, detail: str | None = None) -> int:
     """
     if width <= 0 or height <= 0:
         return IMAGE_UNKNOWN_TOKENS
-    return max(
+    # Each side bounded first (what no provider takes costs no more), then the total.
+    width, height = min(width, 65_536), min(height, 65_536)
+    largest = max(
         _anthropic(width, height),
         _openai(width, height, low=detail == "low"),
         _gemini(width, height),
     )
+    return min(largest, IMAGE_MAX_TOKENS)
 
 
 # -- documents and audio ---------------------------------------------------------------------
 
 
 def pdf_pages(data: bytes) -> int:
-    """A cheap page count of a PDF, at least 1 (see the module docstring)."""
-    pages = len(_PAGE.findall(data))
+    """A cheap page count of a PDF, at least 1, at most :data:`PDF_MAX_PAGES` (module docs)."""
+    bound = max(1, min(PDF_MAX_PAGES, len(data) // _PDF_MIN_BYTES_PER_PAGE))
+    pages = 0
+    for _ in _PAGE.finditer(data):  # counted, not collected: no list of every match
+        pages += 1
+        if pages >= bound:
+            return bound
     if pages:
         return pages
     counts = [int(match) for match in _COUNT.findall(data)]
     if counts and max(counts) > 0:
-        return max(counts)
-    return max(1, math.ceil(len(data) / _PDF_BYTES_PER_PAGE))
+        return min(max(counts), bound)
+    return min(bound, max(1, math.ceil(len(data) / _PDF_BYTES_PER_PAGE)))
 
 
 def wav_seconds(data: bytes) -> float | None:
@@ -222,7 +242,7 @@ def wav_seconds(data: bytes) -> float | None:
             if byte_rate <= 0:
                 return None
             size = min(size, len(data) - at - 8)  # a streamed WAV may say 0xFFFFFFFF
-            return size / byte_rate
+            return size / max(byte_rate, _AUDIO_MIN_BYTES_PER_SECOND)
         at += 8 + size + (size & 1)
     return None
 
