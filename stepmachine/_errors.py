@@ -318,5 +318,7 @@ class InvalidFieldError(DefinitionError, ValueError):
 
 
 def _short_repr(value: object) -> str:
+    if isinstance(value, bytes | bytearray | memoryview) and len(value) > 32:
+        return f"<{len(value):,} bytes>"  # never the whole repr of an image's bytes
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

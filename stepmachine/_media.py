@@ -39,6 +39,8 @@ returns never holds one, and an adapter refuses one before any request
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
@@ -69,6 +71,30 @@ def media_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def _take_data_url(part: ImagePart | DocumentPart | AudioPart, owner: str) -> None:
+    """A ``data:`` URL given as ``url=`` becomes the bytes it holds (``data=``).
+
+    So it is stored once by digest, estimated, shown by size, and sent as
+    bytes (a provider fetches no ``data:`` URL); its media type fills an
+    empty ``media_type``. A malformed one is refused.
+    """
+    url = part.url
+    if not (type(url) is str and url[:5].lower() == "data:"):
+        return
+    header, comma, payload = url[5:].partition(",")
+    fields = header.split(";")
+    if not comma or fields[-1].strip().lower() != "base64":
+        fail(owner, "url", "a base64 data: URL (data:<type>;base64,<bytes>)", "data:...")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        fail(owner, "url", "a data: URL whose payload is valid base64", "data:...")
+    msgspec.structs.force_setattr(part, "url", None)
+    msgspec.structs.force_setattr(part, "data", data)
+    if not part.media_type:
+        msgspec.structs.force_setattr(part, "media_type", fields[0].strip().lower())
+
+
 def _check_source(
     owner: str, media_type: Any, data: Any, url: Any, cache: Any, prefixes: tuple[str, ...]
 ) -> None:
@@ -77,6 +103,8 @@ def _check_source(
     check_bool(owner, "cache", cache)
     if data is not None and not isinstance(data, bytes):
         fail(owner, "data", "bytes or None", data)
+    if data is not None and not data:
+        fail(owner, "data", "at least one byte (or url=)", data)
     if url is not None:
         check_str(owner, "url", url)
     if data is None and url is None:
@@ -122,6 +150,7 @@ class ImagePart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="im
     cache: bool = False
 
     def __post_init__(self) -> None:
+        _take_data_url(self, "ImagePart")
         _check_source("ImagePart", self.media_type, self.data, self.url, self.cache, ("image/",))
         if self.detail not in _DETAILS:
             fail("ImagePart", "detail", "None, 'auto', 'low' or 'high'", self.detail)
@@ -157,6 +186,7 @@ class DocumentPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag=
     cache: bool = False
 
     def __post_init__(self) -> None:
+        _take_data_url(self, "DocumentPart")
         _check_source(
             "DocumentPart",
             self.media_type,
@@ -196,6 +226,7 @@ class AudioPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="au
     cache: bool = False
 
     def __post_init__(self) -> None:
+        _take_data_url(self, "AudioPart")
         _check_source("AudioPart", self.media_type, self.data, self.url, self.cache, ("audio/",))
 
     def __repr__(self) -> str:

@@ -415,7 +415,7 @@ _IMAGE_TYPES = st.sampled_from(["image/png", "image/jpeg", "image/gif", "image/w
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.binary(max_size=2048), media_type=_IMAGE_TYPES)
+@given(data=st.binary(min_size=1, max_size=2048), media_type=_IMAGE_TYPES)
 def test_any_bytes_survive_the_data_url_and_the_base64(data: bytes, media_type: str) -> None:
     image = ImagePart(media_type=media_type, data=data)
     chat = _body(_chat(), _user(image))["messages"][0]["content"][0]["image_url"]["url"]

@@ -239,11 +239,6 @@ def test_a_data_url_is_never_dumped_into_reprs_result_text_or_errors() -> None:
     assert _B64[:200] not in str(caught.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (medium): the inspector's view and label of a data: URL part hold all "
-    "its base64 (the module promises no bytes in the JSON, the terminal or the HTML)",
-)
 def test_the_inspector_never_shows_the_base64_of_a_data_url() -> None:
     from inspector._view import media_label, media_view, message_view
 
@@ -253,12 +248,6 @@ def test_the_inspector_never_shows_the_base64_of_a_data_url() -> None:
     assert _B64[:200] not in msgspec.json.encode(message_view(message)).decode()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (medium): Anthropic gets a data: URL as {type: url, url: 'data:...'}, "
-    "which the Messages API refuses later; it should go as a base64 source or be a "
-    "ConfigurationError before the request",
-)
 def test_anthropic_never_sends_a_data_url_as_a_url_source() -> None:
     try:
         body = _body(_anthropic(), Message.user("look", id="u", media=[DATA_URL_IMAGE]))
@@ -269,12 +258,6 @@ def test_anthropic_never_sends_a_data_url_as_a_url_source() -> None:
     assert source["data"] == _B64
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): InvalidFieldError builds repr() of the whole bad value before "
-    "cutting it to 80 chars: a 10 MB bytearray costs ~40 MB, and the message keeps the "
-    "first bytes of the image",
-)
 def test_refusing_a_bytearray_does_not_repr_it_whole() -> None:
     data = bytearray(10_000_000)
     tracemalloc.start()
@@ -510,21 +493,13 @@ async def _refused_before_any_request(make: Any, messages: Sequence[Message]) ->
     assert recorder.sent == []
 
 
-_EMPTY = pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): empty bytes are a valid ImagePart and go out as "
-    "'data:image/png;base64,' (Anthropic: data ''), refused by the provider later; the "
-    "Responses adapter even skips its media-type check for them (image/tiff goes out)",
-)
-
-
 @pytest.mark.parametrize(
     ("make", "media_type"),
     [
-        pytest.param(_chat, "image/png", marks=_EMPTY, id="chat-png"),
-        pytest.param(_responses, "image/png", marks=_EMPTY, id="responses-png"),
-        pytest.param(_anthropic, "image/png", marks=_EMPTY, id="anthropic-png"),
-        pytest.param(_responses, "image/tiff", marks=_EMPTY, id="responses-tiff"),
+        pytest.param(_chat, "image/png", id="chat-png"),
+        pytest.param(_responses, "image/png", id="responses-png"),
+        pytest.param(_anthropic, "image/png", id="anthropic-png"),
+        pytest.param(_responses, "image/tiff", id="responses-tiff"),
         pytest.param(_chat, "image/tiff", id="chat-tiff"),
         pytest.param(_anthropic, "image/tiff", id="anthropic-tiff"),
     ],
@@ -537,11 +512,6 @@ async def test_an_empty_image_is_refused_before_any_request(make: Any, media_typ
     await _refused_before_any_request(make, [Message.user("look", id="u", media=[empty])])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): an MCP image block with empty data becomes an ImagePart of 0 bytes "
-    "in the tool message; every later request then fails at the provider",
-)
 def test_an_mcp_image_with_no_data_is_named_not_stored() -> None:
     from mcp.types import CallToolResult, ImageContent
 
