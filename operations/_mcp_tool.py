@@ -18,16 +18,17 @@ intent and no result), decided in this order:
 Results (:func:`result_output`): text blocks as they are, one per line; a
 structured result (``structuredContent``) as JSON when no text came with it;
 an embedded text resource as its text. An image block, and an embedded blob
-resource that is an image (``image/...``), a PDF (``application/pdf``) or a
-text file (``text/...``), become an :class:`~stepmachine.ImagePart` or a
-:class:`~stepmachine.DocumentPart` stored after the result in its ``tool``
-message (:class:`~stepmachine.ToolOutput`); when no text came with them, the
-result's text is one line per part saying it follows
-(``[image follows: image/png, 1,234 bytes]``). What a result cannot carry --
-audio, other binary resources, base64 that does not decode -- is named in a
-line (``[audio: audio/wav, 1,234 bytes; not shown]``) and not stored. An
-``isError`` result is an error result with the server's text
-(:class:`~stepmachine.ToolError`), its media named in lines, not stored.
+resource that is an image (PNG, JPEG, GIF or WebP: what every provider takes),
+a PDF (``application/pdf``) or a text file (``text/...``), become an
+:class:`~stepmachine.ImagePart` or a :class:`~stepmachine.DocumentPart` stored
+after the result in its ``tool`` message (:class:`~stepmachine.ToolOutput`);
+when no text came with them, the result's text is one line per part saying it
+follows (``[image follows: image/png, 1,234 bytes]``). What a result cannot
+carry -- audio, other images (SVG, BMP...), other binary resources, base64
+that does not decode, empty data -- is named in a line (``[audio: audio/wav,
+1,234 bytes; not shown]``) and not stored. An ``isError`` result is an error
+result with the server's text (:class:`~stepmachine.ToolError`), its media
+named in lines, not stored.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ def _size(data: bytes | None) -> str:
     return "undecodable base64" if data is None else f"{len(data):,} bytes"
 
 
+_SENDABLE_IMAGES = frozenset(("image/png", "image/jpeg", "image/gif", "image/webp"))
+"""The image types every provider takes; others (SVG, BMP, TIFF) are named in a line."""
+
+
 def _media(
     kind: type[ImagePart | DocumentPart], mime_type: str, data: bytes | None, title: str | None
 ) -> ImagePart | DocumentPart | None:
@@ -102,6 +107,8 @@ def _media(
         return None
     try:
         if kind is ImagePart:
+            if mime_type.lower() not in _SENDABLE_IMAGES:
+                return None  # an image no provider takes would break every later request
             return ImagePart(media_type=mime_type, data=data)
         return DocumentPart(media_type=mime_type, data=data, title=title)
     except InvalidFieldError:

@@ -30,8 +30,8 @@ import anyio
 import msgspec
 
 from ._checks import check_str, tuple_of
-from ._errors import ConfigurationError, ToolArgumentsError
-from ._media import DocumentPart, ImagePart
+from ._errors import ConfigurationError, ToolArgumentsError, ToolError
+from ._media import AudioPart, DocumentPart, ImagePart
 from ._messages import ToolCallPart
 from ._model import ToolDefinition
 from ._runtime import Runtime
@@ -163,16 +163,44 @@ def tool_output(result: object) -> str | ToolOutput:
     """What a tool function's return value is as a result (see the module docstring).
 
     A ``str`` or a :class:`ToolOutput` as it is; an ``ImagePart`` or
-    ``DocumentPart`` as a ``ToolOutput`` carrying it; anything else as JSON.
+    ``DocumentPart`` (or a list of them) as a ``ToolOutput`` carrying it;
+    anything else as JSON.
 
     Raises:
+        ToolError: it holds media otherwise (audio, an image inside a dict):
+            an error result saying so, never the bytes as base64 text.
         TypeError: the value does not encode as JSON (msgspec's error).
     """
     if isinstance(result, str | ToolOutput):
         return result
     if isinstance(result, ImagePart | DocumentPart):
         return ToolOutput(media=(result,))
+    if (
+        isinstance(result, list | tuple)
+        and result
+        and all(isinstance(item, ImagePart | DocumentPart) for item in result)
+    ):
+        return ToolOutput(media=tuple(result))
+    if _holds_media(result):
+        raise ToolError(
+            "the tool returned media a result cannot carry (audio, or images inside other "
+            "values); a tool returns an ImagePart, a DocumentPart, a list of them, or "
+            "ToolOutput(text, media)"
+        )
     return msgspec.json.encode(result).decode()
+
+
+def _holds_media(value: object, depth: int = 0) -> bool:
+    """Whether ``value`` holds a media part anywhere (lists, tuples, dicts; bounded depth)."""
+    if isinstance(value, ImagePart | DocumentPart | AudioPart):
+        return True
+    if depth > 32:
+        return False
+    if isinstance(value, dict):
+        return any(_holds_media(v, depth + 1) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_media(v, depth + 1) for v in value)
+    return False
 
 
 def check_timeout(owner: str, timeout: object) -> float | None:

@@ -317,13 +317,6 @@ def screenshots() -> list[ImagePart]:  # what a Runtime.tool_caller answers for 
 VOICE = AudioPart(media_type="audio/wav", data=b"RIFF" + bytes(range(256)) * 4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (medium): a tool returning media in anything but an ImagePart, a "
-    "DocumentPart or a ToolOutput (a list of images, an AudioPart, a dict holding an "
-    "image) gets it JSON-encoded into its result text: all the bytes as base64 for the "
-    "model to read; it should be kept as media or refused with a clear error result",
-)
 @pytest.mark.parametrize(
     ("returned", "media"),
     [([SHOT, OTHER], (SHOT, OTHER)), (VOICE, ()), ({"chart": SHOT}, (SHOT,))],
@@ -351,12 +344,6 @@ async def test_media_a_tool_returns_never_becomes_base64_text(
     assert result.is_error or message.result_media(result.call_id) == media
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low-medium): an MCP image no adapter can send (image/svg+xml, "
-    "image/bmp) is stored after the result; from then on every request of the session "
-    "is a ConfigurationError. result_output should name it in a line, as it does audio",
-)
 @pytest.mark.parametrize("mime_type", ["image/svg+xml", "image/bmp"])
 def test_an_mcp_image_no_adapter_can_send_is_named_not_stored(mime_type: str) -> None:
     from mcp.types import CallToolResult, ImageContent

@@ -101,7 +101,7 @@ def test_tool_output_holds_text_and_images_or_documents() -> None:
     with pytest.raises(InvalidFieldError, match="media"):
         ToolOutput("x", [b"raw bytes"])  # type: ignore[list-item]
     with pytest.raises(InvalidFieldError, match="media"):
-        ToolOutput("x", [__import__("stepmachine").AudioPart(media_type="audio/wav", data=b"")])
+        ToolOutput("x", [__import__("stepmachine").AudioPart(media_type="audio/wav", data=b"RIFF")])
     with pytest.raises(InvalidFieldError, match="text"):
         ToolOutput(None)  # type: ignore[arg-type]
 
