@@ -708,6 +708,12 @@ def _recorded(answer: object, call: ToolCallPart) -> _Answer:
     if isinstance(answer, Message) and answer.role == "tool" and len(answer.tool_results) == 1:
         result = answer.tool_results[0]
         media = answer.result_media(call.call_id)
+        if answer.parts != (result, *media):  # text after the result, audio, ...: not dropped
+            raise StepContractError(
+                f"Runtime.tool_caller answered call {call.call_id!r} ({call.name}) with a tool "
+                "message holding more than its result and the images and documents after it "
+                f"({[type(p).__name__ for p in answer.parts]}); nothing of it was recorded"
+            )
     if not isinstance(result, ToolResultPart) or result.call_id != call.call_id:
         got = (
             f"a result for call {result.call_id!r}"

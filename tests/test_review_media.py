@@ -271,12 +271,6 @@ def test_refusing_a_bytearray_does_not_repr_it_whole() -> None:
     assert peak < len(data) // 2, f"{peak:,} bytes allocated to refuse {len(data):,}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (medium): with content capture on, every chat span's "
-    "gen_ai.input.messages holds the base64 of every image and PDF in the history "
-    "(a 100 MB PDF: 133 MB per span, per model call)",
-)
 async def test_content_capture_describes_media_instead_of_dumping_their_bytes() -> None:
     image = ImagePart(media_type="image/png", data=png_header(64, 64) + _PAYLOAD[:2_000])
     spans = Spans()
@@ -358,12 +352,6 @@ def test_an_mcp_image_no_adapter_can_send_is_named_not_stored(mime_type: str) ->
     assert mime_type in output.content
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (medium): a Runtime.tool_caller answering with a tool message keeps only "
-    "the result and result_media(): a part after a text part, or audio, is silently "
-    "dropped (neither stored nor refused)",
-)
 @pytest.mark.parametrize(
     "extra",
     [
