@@ -389,12 +389,6 @@ def _tool_turn(*parts: Any) -> list[Message]:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (medium): HistoryGuard drops a bad result (orphan / second) but keeps the "
-    "media that followed it: they are re-attached to another call's result, or left "
-    "model-visible before any result",
-)
 @pytest.mark.parametrize("bad_first", [False, True], ids=["bad-last", "bad-first"])
 async def test_history_guard_drops_a_bad_results_media_with_it(bad_first: bool) -> None:
     good = (ToolResultPart("c1", "ok"), SHOT)
