@@ -403,12 +403,6 @@ async def test_history_guard_drops_a_bad_results_media_with_it(bad_first: bool) 
     assert OTHER not in copy.parts  # the orphan's image went with it (hidden, kept in history)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): the summariser's transcript leaves media out entirely, so the "
-    "summary cannot even say that an image or a PDF was given (the originals are hidden "
-    "from the model afterwards)",
-)
 def test_the_compaction_transcript_names_the_media_it_summarises() -> None:
     invoice = DocumentPart(media_type="application/pdf", data=b"%PDF-1.4", title="invoice.pdf")
     transcript = render_transcript([Message.user("", id="u", media=[SHOT, invoice])])
