@@ -4,10 +4,11 @@
 
 Uses the SQLite store (a file under ./demo-data/ by default). With no provider
 configured it uses the scripted model from the testing kit -- no network, no
-API key -- and says so; set ``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY`` or
-``OPENAI_COMPATIBLE_BASE_URL`` (and optionally ``STEPMACHINE_MODEL``) to talk
-to a real model. The conversation is printed as it is stored; run it again and
-a new session is added beside the old ones in the same database.
+API key -- and says so; set ``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY``,
+``GEMINI_API_KEY`` or ``OPENAI_COMPATIBLE_BASE_URL`` (and optionally
+``STEPMACHINE_MODEL``) to talk to a real model. The conversation is printed as
+it is stored; run it again and a new session is added beside the old ones in
+the same database.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from stepmachine import (
 )
 from stepmachine.providers import (
     AnthropicModel,
+    GeminiModel,
     HTTPModel,
     OpenAIChatModel,
     OpenAICompatibleModel,
@@ -63,7 +65,8 @@ def choose_model() -> Model:
     """A real provider when one is configured in the environment, else the scripted model.
 
     ``OPENAI_API_KEY`` -> OpenAI Chat Completions; ``ANTHROPIC_API_KEY`` ->
-    Anthropic; ``OPENAI_COMPATIBLE_BASE_URL`` -> an OpenAI-compatible server
+    Anthropic; ``GEMINI_API_KEY`` (or ``GOOGLE_API_KEY``) -> Gemini;
+    ``OPENAI_COMPATIBLE_BASE_URL`` -> an OpenAI-compatible server
     (Ollama, vLLM, llama.cpp, ...). ``STEPMACHINE_MODEL`` names the model.
     """
     chosen = os.environ.get("STEPMACHINE_MODEL")
@@ -71,6 +74,8 @@ def choose_model() -> Model:
         return OpenAIChatModel(chosen or "gpt-4.1-mini")
     if os.environ.get("ANTHROPIC_API_KEY"):
         return AnthropicModel(chosen or "claude-haiku-4-5")
+    if os.environ.get("GEMINI_API_KEY") or os.environ.get("GOOGLE_API_KEY"):
+        return GeminiModel(chosen or "gemini-2.5-flash")
     if os.environ.get("OPENAI_COMPATIBLE_BASE_URL"):
         return OpenAICompatibleModel(chosen or "qwen3")
     return scripted_model()

@@ -11,7 +11,9 @@ The pieces, usable from Python too:
 - :func:`session_status`: what a stored session waits for (done, awaiting
   approval, awaiting event, budget exhausted, outcome unknown, idle);
 - :func:`session_view`: a session and its audit log as JSON builtins (what
-  ``show --json``, the HTML timeline and the live view read);
+  ``show --json``, the HTML timeline and the live view read); images,
+  documents and audio as metadata (:func:`media_view`, :func:`media_label`),
+  never their bytes;
 - :func:`render_html`: the self-contained HTML timeline of a view;
   :func:`render_page` (the same page with the live view's script) and
   :func:`render_batch` (one timeline entry) for the live view;
@@ -28,7 +30,16 @@ from ._live import LiveHub
 from ._open import StoreNotFoundError, UsageError, inspection_codec, load_codec, open_store
 from ._sse import LiveSource
 from ._status import STATUSES, session_status
-from ._view import FORMAT, History, batch_view, load_view, message_view, session_view
+from ._view import (
+    FORMAT,
+    History,
+    batch_view,
+    load_view,
+    media_label,
+    media_view,
+    message_view,
+    session_view,
+)
 
 __all__ = [
     "FORMAT",
@@ -43,6 +54,8 @@ __all__ = [
     "inspection_codec",
     "load_codec",
     "load_view",
+    "media_label",
+    "media_view",
     "message_view",
     "open_store",
     "render_batch",

@@ -24,7 +24,12 @@ and script only, and a Content-Security-Policy that allows nothing else:
 ``default-src 'none'``, the page's own style and script allowed by their
 hashes, so injected markup would not run even if it got in); every stored
 value escaped (text, tool names, arguments, notes, step names, ids, refusal
-reasons); nothing from the session inside a ``<script>``. All text is in the
+reasons); nothing from the session inside a ``<script>``. Images, documents
+and audio are shown as metadata (kind, media type, size, digest, URL, hints;
+:func:`~stepmachine.inspector.media_label`), never as pixels or bytes: the
+view holds no bytes, and the policy has no ``img-src``, so no thumbnail
+(an inline ``data:`` image would be the whole image, not a thumbnail, with no
+image library to shrink it, and would grow the page by its size). All text is in the
 markup: without JavaScript the page reads the same (collapsed parts open
 with a click, ``<details>``); only the search box needs JavaScript, and stays
 hidden without it.

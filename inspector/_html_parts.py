@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from ._records import BUDGET, DECISION, JOURNAL, MARK, RECEIPT, REQUEST, SUMMARY, records_in
+from ._view import MEDIA_TYPES, media_label
 
 __all__ = [
     "LONG_CHARS",
@@ -107,6 +108,8 @@ def message_line(message: Mapping[str, Any]) -> str:
             pieces.append(f"call {part.get('name')}")
         elif kind == "tool_result":
             pieces.append(f"result {_excerpt(str(part.get('content', '')), 60)}")
+        elif kind in MEDIA_TYPES:
+            pieces.append(media_label(part))
         else:
             pieces.append(str(kind))
     hidden = "" if message.get("visible_to_model", True) else " hidden"
@@ -327,6 +330,15 @@ def part_html(part: Any, *, in_conversation: bool = False) -> str:
         return _call(part, in_conversation)
     if kind == "tool_result":
         return _result(part, in_conversation)
+    if kind in MEDIA_TYPES:
+        # Metadata only: the page's policy loads no image (default-src 'none', no img-src),
+        # and the view the page is made from holds no bytes.
+        tokens = part.get("estimated_tokens")
+        about = f" (~{tokens:,} tokens)" if isinstance(tokens, int) else ""
+        return (
+            f'<div class="part-other media"><span class="kw">{esc(kind)}</span> '
+            f'<span class="meta">{esc(media_label(part))}{esc(about)}</span></div>'
+        )
     return (
         f'<div class="part-other"><span class="kw">{esc(kind)}</span>'
         f"{block(pretty_json(part), 'json', pre=True)}</div>"

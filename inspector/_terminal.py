@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ._records import BUDGET, EVENT, MARK, SUMMARY, WAIT, describe
+from ._view import MEDIA_TYPES, media_label
 
 __all__ = ["clean", "json_text", "print_log", "print_sessions", "print_show", "when"]
 
@@ -201,6 +202,8 @@ def print_show(
                     continue
                 style = "red" if part["is_error"] else ""
                 console.print(_text(f"  result for {part['call_id']}: {part['content']}", style))
+            elif kind in MEDIA_TYPES:
+                console.print(_text(f"  [{media_label(part)}]", "cyan"))
             else:
                 console.print(_text(f"  {json.dumps(part, ensure_ascii=False)}", "dim"))
         for record in message.get("records", []):

@@ -24,6 +24,12 @@ stepmachine:
 - ``problems``: what :func:`~stepmachine.operations.fsck` finds, but pending
   calls (:func:`history_problems`).
 
+An image, document or audio part is shown by what it is, never by its bytes
+(no base64 in the JSON, the terminal or the HTML): :func:`media_view`
+``{"type", "media_type", "size", "digest", "url", "detail", "title", "cache",
+"estimated_tokens"}`` (``size`` and ``digest`` of the bytes, ``None`` for a
+URL), and :func:`media_label` says it in one line.
+
 Nothing here runs application code or decodes records into classes: notes
 and records are shown as they are stored.
 """
@@ -39,8 +45,11 @@ import msgspec
 from stepmachine import (
     Annotate,
     AppendMessage,
+    AudioPart,
     Batch,
+    DocumentPart,
     Effect,
+    ImagePart,
     Message,
     Part,
     ReasoningPart,
@@ -52,6 +61,7 @@ from stepmachine import (
     ToolCallPart,
     ToolResultPart,
     UpdateData,
+    media_tokens,
 )
 from stepmachine.operations import Problem, fsck
 from stepmachine.operations._history_guard import OPEN_CALL
@@ -67,6 +77,8 @@ __all__ = [
     "finite",
     "history_problems",
     "load_view",
+    "media_label",
+    "media_view",
     "message_view",
     "session_view",
 ]
@@ -101,6 +113,49 @@ def _call_state(call: ToolCallPart, result: ToolResultPart | None) -> str:
     return "open"
 
 
+MEDIA_TYPES: Final = frozenset(("image", "document", "audio"))
+"""The ``type`` of a media part's view."""
+
+
+def media_view(part: ImagePart | DocumentPart | AudioPart) -> dict[str, Any]:
+    """A media part as data: what it is, never its bytes (see the module docstring)."""
+    tag = "image" if isinstance(part, ImagePart) else "document"
+    if isinstance(part, AudioPart):
+        tag = "audio"
+    return {
+        "type": tag,
+        "media_type": part.media_type or None,
+        "size": None if part.data is None else len(part.data),
+        "digest": part.digest or None,
+        "url": part.url,
+        "detail": part.detail if isinstance(part, ImagePart) else None,
+        "title": part.title if isinstance(part, DocumentPart) else None,
+        "cache": part.cache,
+        "estimated_tokens": media_tokens(part),
+    }
+
+
+def media_label(view: dict[str, Any]) -> str:
+    """A media part's view in one line: ``image image/png, 12,345 bytes, sha256:0123abcd…``,
+    or ``document 'report.pdf' https://... (url)``; its detail and cache hints after."""
+    pieces = [str(view.get("type"))]
+    if view.get("title"):
+        pieces.append(repr(view["title"]))
+    where = [str(view["media_type"])] if view.get("media_type") else []
+    if isinstance(view.get("size"), int):
+        where.append(f"{view['size']:,} bytes")
+    digest = view.get("digest")
+    if isinstance(digest, str) and digest:
+        where.append(digest[:15] + "…")
+    if view.get("url"):
+        where.append(f"{view['url']} (url)")
+    if view.get("detail"):
+        where.append(f"detail {view['detail']}")
+    if view.get("cache"):
+        where.append("cache")
+    return " ".join(pieces) + (" " + ", ".join(where) if where else "")
+
+
 def _part_view(part: Any, results: dict[str, tuple[str, ToolResultPart]] | None) -> dict[str, Any]:
     if isinstance(part, TextPart):
         return {"type": "text", "text": part.text}
@@ -130,6 +185,8 @@ def _part_view(part: Any, results: dict[str, tuple[str, ToolResultPart]] | None)
             "content": part.content,
             "is_error": part.is_error,
         }
+    if isinstance(part, ImagePart | DocumentPart | AudioPart):
+        return media_view(part)
     value = _builtins(part)
     return value if isinstance(value, dict) else {"type": type(part).__name__, "value": value}
 
@@ -176,6 +233,8 @@ def _message_summary(message: dict[str, Any]) -> str:
             pieces.append(f"result{error} {_short(part['content'], 40)!r}")
         elif kind == "reasoning":
             pieces.append("reasoning")
+        elif kind in MEDIA_TYPES:
+            pieces.append(media_label(part))
         else:
             pieces.append(str(kind))
     hidden = "" if message["visible_to_model"] else " (hidden)"

@@ -72,9 +72,12 @@ import msgspec
 from stepmachine import (
     CONTEXT_LENGTH_EXCEEDED,
     Annotate,
+    AudioPart,
     ConfigurationError,
     Continue,
+    DocumentPart,
     Effect,
+    ImagePart,
     InferenceAttempts,
     Message,
     ModelRequest,
@@ -162,7 +165,7 @@ def _overflowed(message: Message) -> list[str]:
 
 
 def render_transcript(messages: Sequence[Message], *, summary_namespace: str = COMPACTION) -> str:
-    """The messages as a plain-text transcript for the summariser."""
+    """The messages as a plain-text transcript for the summariser (media named in a line)."""
     lines: list[str] = []
     for message in messages:
         if _summary_receipt(message, summary_namespace) is not None:
@@ -177,7 +180,18 @@ def render_transcript(messages: Sequence[Message], *, summary_namespace: str = C
             elif isinstance(part, ToolResultPart):
                 error = " (error)" if part.is_error else ""
                 lines.append(f"[result of {part.name or part.call_id}{error}] {part.content}")
+            elif isinstance(part, ImagePart | DocumentPart | AudioPart):
+                # named (the summariser cannot see it; the summary can say it was given)
+                lines.append(f"[{message.role} gave {_media_words(part)}]")
     return "\n".join(lines)
+
+
+def _media_words(part: ImagePart | DocumentPart | AudioPart) -> str:
+    kind = {ImagePart: "an image", DocumentPart: "a document", AudioPart: "audio"}[type(part)]
+    title = getattr(part, "title", None)
+    named = f" {title!r}" if title else ""
+    size = f"{len(part.data):,} bytes" if part.data is not None else "by URL"
+    return f"{kind}{named} ({part.media_type or 'unknown type'}, {size})"
 
 
 class _Plan(msgspec.Struct, frozen=True):

@@ -24,8 +24,10 @@ from stepmachine import (
     AppendMessage,
     Continue,
     Conversation,
+    DocumentPart,
     Effect,
     HistoryIndex,
+    ImagePart,
     Message,
     NoData,
     Operation,
@@ -410,11 +412,18 @@ class HistoryGuard(Operation[Any]):
         message = conversation[index]
         bad_ids = [p.call_id for p in mine]
         kept: list[Any] = []
+        following: list[Any] = []  # the images and documents after a result go with it
         for part in reversed(message.parts):
+            if isinstance(part, ImagePart | DocumentPart):
+                following.insert(0, part)
+                continue
             if isinstance(part, ToolResultPart) and part.call_id in bad_ids:
                 bad_ids.remove(part.call_id)
+                following = []
                 continue
-            kept.insert(0, part)
+            kept[0:0] = [part, *following]
+            following = []
+        kept[0:0] = following
         effects = self._hide(mine)
         if not kept:
             return effects

@@ -15,12 +15,20 @@ intent and no result), decided in this order:
 2. the server's configuration (``side_effects=``);
 3. ``"non_idempotent"``.
 
-Results (:func:`result_text`): text blocks as they are, one per line; a
+Results (:func:`result_output`): text blocks as they are, one per line; a
 structured result (``structuredContent``) as JSON when no text came with it;
-an embedded text resource as its text. stepmachine has no image part yet, so
-an image, audio or binary resource is named in a line
-(``[image: image/png, 1,234 bytes]``) and not stored. An ``isError`` result
-is an error result with the server's text (:class:`~stepmachine.ToolError`).
+an embedded text resource as its text. An image block, and an embedded blob
+resource that is an image (PNG, JPEG, GIF or WebP: what every provider takes),
+a PDF (``application/pdf``) or a text file (``text/...``), become an
+:class:`~stepmachine.ImagePart` or a :class:`~stepmachine.DocumentPart` stored
+after the result in its ``tool`` message (:class:`~stepmachine.ToolOutput`);
+when no text came with them, the result's text is one line per part saying it
+follows (``[image follows: image/png, 1,234 bytes]``). What a result cannot
+carry -- audio, other images (SVG, BMP...), other binary resources, base64
+that does not decode, empty data -- is named in a line (``[audio: audio/wav,
+1,234 bytes; not shown]``) and not stored. An ``isError`` result is an error
+result with the server's text (:class:`~stepmachine.ToolError`), its media
+named in lines, not stored.
 """
 
 from __future__ import annotations
@@ -32,7 +40,17 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from stepmachine import SideEffects, ToolArgumentsError, ToolContext, ToolDefinition, ToolError
+from stepmachine import (
+    DocumentPart,
+    ImagePart,
+    InvalidFieldError,
+    SideEffects,
+    ToolArgumentsError,
+    ToolContext,
+    ToolDefinition,
+    ToolError,
+    ToolOutput,
+)
 
 from ._mcp_link import Link, McpUnavailableError, describe_error
 from ._mcp_servers import McpServer
@@ -40,7 +58,7 @@ from ._mcp_servers import McpServer
 if TYPE_CHECKING:
     from mcp.types import CallToolResult, Tool
 
-__all__ = ["IDEMPOTENCY_META", "McpTool", "result_text", "side_effects_of"]
+__all__ = ["IDEMPOTENCY_META", "McpTool", "result_output", "result_text", "side_effects_of"]
 
 IDEMPOTENCY_META = "dev.stepmachine/idempotency-key"
 """The ``_meta`` key each ``tools/call`` carries the call's idempotency key under."""
@@ -63,16 +81,48 @@ def side_effects_of(tool: Tool, server: McpServer) -> SideEffects:
     return configured if configured is not None else "non_idempotent"
 
 
-def _size(data: str) -> str:
-    """The decoded size of base64 ``data``, for a line naming it."""
+def _decoded(data: str) -> bytes | None:
+    """The bytes of base64 ``data``, or ``None`` when it does not decode."""
     try:
-        return f"{len(base64.b64decode(data, validate=False)):,} bytes"
+        return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        return "undecodable base64"
+        return None
 
 
-def result_text(result: CallToolResult) -> str:
-    """What the model is shown of ``result`` (see the module docs)."""
+def _size(data: bytes | None) -> str:
+    """A decoded size, for a line naming what is not shown."""
+    return "undecodable base64" if data is None else f"{len(data):,} bytes"
+
+
+_SENDABLE_IMAGES = frozenset(("image/png", "image/jpeg", "image/gif", "image/webp"))
+"""The image types every provider takes; others (SVG, BMP, TIFF) are named in a line."""
+
+
+def _media(
+    kind: type[ImagePart | DocumentPart], mime_type: str, data: bytes | None, title: str | None
+) -> ImagePart | DocumentPart | None:
+    """A media part for decoded ``data``, or ``None`` when it is none (a media type of
+    another kind, undecodable base64)."""
+    if data is None:
+        return None
+    try:
+        if kind is ImagePart:
+            if mime_type.lower() not in _SENDABLE_IMAGES:
+                return None  # an image no provider takes would break every later request
+            return ImagePart(media_type=mime_type, data=data)
+        return DocumentPart(media_type=mime_type, data=data, title=title)
+    except InvalidFieldError:
+        return None
+
+
+def _not_shown(part: ImagePart | DocumentPart) -> str:
+    kind = "image" if isinstance(part, ImagePart) else "document"
+    return f"[{kind}: {part.media_type}, {_size(part.data)}; not shown]"
+
+
+def result_output(result: CallToolResult) -> ToolOutput:
+    """What the model is shown of ``result``: its text and the images and documents it
+    carries (see the module docs)."""
     from mcp.types import (  # noqa: PLC0415 - the extra is imported only when used
         AudioContent,
         BlobResourceContents,
@@ -84,15 +134,21 @@ def result_text(result: CallToolResult) -> str:
     )
 
     lines: list[str] = []
+    media: list[ImagePart | DocumentPart] = []
     texts = 0
     for block in result.content:
         if isinstance(block, TextContent):
             lines.append(block.text)
             texts += 1
         elif isinstance(block, ImageContent):
-            lines.append(f"[image: {block.mime_type}, {_size(block.data)}; not shown]")
+            data = _decoded(block.data)
+            part = _media(ImagePart, block.mime_type, data, None)
+            if part is not None:
+                media.append(part)
+            else:
+                lines.append(f"[image: {block.mime_type}, {_size(data)}; not shown]")
         elif isinstance(block, AudioContent):
-            lines.append(f"[audio: {block.mime_type}, {_size(block.data)}; not shown]")
+            lines.append(f"[audio: {block.mime_type}, {_size(_decoded(block.data))}; not shown]")
         elif isinstance(block, ResourceLink):
             lines.append(f"[resource link: {block.uri} ({block.name})]")
         elif isinstance(block, EmbeddedResource):
@@ -101,15 +157,31 @@ def result_text(result: CallToolResult) -> str:
                 lines.append(resource.text)
                 texts += 1
             elif isinstance(resource, BlobResourceContents):
-                kind = resource.mime_type or "binary"
-                lines.append(
-                    f"[resource {resource.uri}: {kind}, {_size(resource.blob)}; not shown]"
-                )
+                mime = resource.mime_type or ""
+                data = _decoded(resource.blob)
+                kind = ImagePart if mime.startswith("image/") else DocumentPart
+                document = mime == "application/pdf" or mime.startswith("text/")
+                part = None
+                if kind is ImagePart or document:
+                    part = _media(kind, mime, data, str(resource.uri))
+                if part is not None:
+                    media.append(part)
+                else:
+                    kind_name = mime or "binary"
+                    lines.append(
+                        f"[resource {resource.uri}: {kind_name}, {_size(data)}; not shown]"
+                    )
         else:
             lines.append(f"[{getattr(block, 'type', type(block).__name__)} content; not shown]")
     if result.structured_content is not None and texts == 0:
         lines.append(msgspec.json.encode(result.structured_content).decode())
-    return "\n".join(lines)
+    return ToolOutput("\n".join(lines), tuple(media))
+
+
+def result_text(result: CallToolResult) -> str:
+    """The text of :func:`result_output`: what the result says, the lines naming its
+    images and documents when no text came with them."""
+    return result_output(result).content
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -135,8 +207,9 @@ class McpTool:
     link: Link
     max_result_chars: int
 
-    async def call(self, arguments: Any, context: ToolContext) -> str:
-        """Call the tool on its server; the result as text.
+    async def call(self, arguments: Any, context: ToolContext) -> str | ToolOutput:
+        """Call the tool on its server; the result as text, or a
+        :class:`~stepmachine.ToolOutput` when it carries images or documents.
 
         Raises:
             ToolArgumentsError: ``arguments`` is not a JSON object (the server
@@ -174,12 +247,16 @@ class McpTool:
                 ) from None
             message = config.redact(f"{server} failed the call: {describe_error(exc)}")
             raise ToolError(message) from None
-        text = result_text(result)
+        output = result_output(result)
+        text = output.content
         if len(text) > self.max_result_chars:
             raise ToolError(
                 f"{server} returned {len(text):,} characters for {self.name!r}, more than "
                 f"the {self.max_result_chars:,} allowed (max_result_chars); not stored"
             )
         if result.is_error:
-            raise ToolError(text or f"{server} reported an error for {self.name!r}")
-        return text
+            # An error result carries no media: name them in lines instead.
+            lines = [output.text] if output.text else []
+            lines.extend(map(_not_shown, output.media))
+            raise ToolError("\n".join(lines) or f"{server} reported an error for {self.name!r}")
+        return output if output.media else text

@@ -22,6 +22,7 @@ where::
         ├── HistoryError              conversation not provider-valid (invariant 4)
         ├── InvalidSessionIdError     an id a store cannot accept (also ValueError)
         ├── LeaseLostError            a write with a lease that is no longer current
+        ├── MediaTooLargeError        a media part over a store's limit (also ValueError)
         ├── SessionBusyError          another runner holds the session's lease
         ├── SessionExistsError
         ├── SessionNotFoundError      (also LookupError)
@@ -55,6 +56,7 @@ __all__ = [
     "InvalidFieldError",
     "InvalidSessionIdError",
     "LeaseLostError",
+    "MediaTooLargeError",
     "ModelError",
     "RunError",
     "SessionBusyError",
@@ -204,6 +206,31 @@ class StoredDataError(RunError):
     """
 
 
+class MediaTooLargeError(RunError, ValueError):
+    """A media part holds more bytes than the store takes; nothing was written.
+
+    Attributes:
+        session_id: the session the batch or conversation was for.
+        message_id: the message holding the part.
+        size: the part's bytes.
+        limit: the store's ``max_media_bytes``.
+    """
+
+    def __init__(self, session_id: str, message_id: str, size: int, limit: int) -> None:
+        self.session_id = session_id
+        self.message_id = message_id
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"a media part of message {message_id!r} in session {session_id!r} holds "
+            f"{size:,} bytes; this store takes at most {limit:,} per part (max_media_bytes); "
+            "nothing was written"
+        )
+
+    def __reduce__(self) -> tuple[type[MediaTooLargeError], tuple[str, str, int, int]]:
+        return type(self), (self.session_id, self.message_id, self.size, self.limit)
+
+
 class EffectError(RunError):
     """An effect cannot be applied to the session it was computed for.
 
@@ -291,5 +318,7 @@ class InvalidFieldError(DefinitionError, ValueError):
 
 
 def _short_repr(value: object) -> str:
+    if isinstance(value, bytes | bytearray | memoryview) and len(value) > 32:
+        return f"<{len(value):,} bytes>"  # never the whole repr of an image's bytes
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

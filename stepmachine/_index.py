@@ -46,6 +46,8 @@ from collections.abc import Iterator, Sequence
 from typing import Final, TypeAlias
 
 from ._conversation import Conversation
+from ._media import AudioPart, DocumentPart, ImagePart
+from ._media_tokens import media_tokens
 from ._messages import Message, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 
 __all__ = ["HistoryIndex", "estimate_tokens", "is_empty_assistant", "message_tokens"]
@@ -72,12 +74,18 @@ def _key(message: Message) -> _Key:
 
 
 def message_tokens(message: Message) -> int:
-    """A cheap token estimate of one message: 4 plus a quarter of its characters.
+    """A cheap token estimate of one message: 4 plus a quarter of its characters,
+    plus the estimate of each image, document and audio part.
 
     Counts text, reasoning text, tool names and raw arguments, and tool result
-    content (rounded up).
+    content (rounded up); a media part counts
+    :func:`~stepmachine.media_tokens` (an image by its size read
+    from its header, the largest of Anthropic's, OpenAI's and Gemini's
+    published formulas; a PDF by pages; audio by duration), never by the
+    length of its bytes. O(size of the message) at most.
     """
     chars = 0
+    media = 0
     for part in message.parts:
         if isinstance(part, TextPart | ReasoningPart):
             chars += len(part.text)
@@ -85,7 +93,9 @@ def message_tokens(message: Message) -> int:
             chars += len(part.name) + len(part.raw_arguments)
         elif isinstance(part, ToolResultPart):
             chars += len(part.content)
-    return 4 + (chars + 3) // 4
+        elif isinstance(part, ImagePart | DocumentPart | AudioPart):
+            media += media_tokens(part)
+    return 4 + (chars + 3) // 4 + media
 
 
 def estimate_tokens(messages: Sequence[Message]) -> int:

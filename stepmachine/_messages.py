@@ -26,7 +26,7 @@ reference cycle through them; do not put other objects in their JSON fields
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
 import msgspec
 
@@ -41,8 +41,12 @@ from ._checks import (
     str_keys,
     tuple_of,
 )
+from ._media import AudioPart, DocumentPart, ImagePart, MediaRef
 
 __all__ = [
+    "AudioPart",
+    "DocumentPart",
+    "ImagePart",
     "Message",
     "Notes",
     "Part",
@@ -167,8 +171,18 @@ class ToolCallPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag=
         return cls(call_id=call_id, name=name, arguments=arguments, raw_arguments=raw)
 
 
+_RESULT_MEDIA: Final = (ImagePart, DocumentPart)
+_MEDIA: Final = (ImagePart, DocumentPart, AudioPart)
+
+
 class ToolResultPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="tool_result"):
     """The answer to one tool call.
+
+    Images and documents a result carries (a screenshot, a chart) are not in
+    it: they are the image and document parts that follow it in its ``tool``
+    message (:meth:`Message.tool_result` with ``media=``, read back with
+    :meth:`Message.result_media`), so a reader that does not know media parts
+    refuses such a message instead of dropping them.
 
     Attributes:
         call_id: the call this result answers.
@@ -229,11 +243,33 @@ class ReasoningPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag
             check_dict("ReasoningPart", "provider_data", self.provider_data)
 
 
-Part: TypeAlias = TextPart | ToolCallPart | ToolResultPart | ReasoningPart
+Part: TypeAlias = (
+    TextPart | ToolCallPart | ToolResultPart | ReasoningPart | ImagePart | DocumentPart | AudioPart
+)
 
-_PARTS: Final = (TextPart, ToolCallPart, ToolResultPart, ReasoningPart)
-_A_PART: Final = "a part (TextPart, ToolCallPart, ToolResultPart or ReasoningPart)"
-_PART_TYPES: Final = frozenset(_PARTS)
+_PARTS: Final = (
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    ReasoningPart,
+    ImagePart,
+    DocumentPart,
+    AudioPart,
+)
+_A_PART: Final = (
+    "a part (TextPart, ToolCallPart, ToolResultPart, ReasoningPart, ImagePart, DocumentPart "
+    "or AudioPart)"
+)
+_PART_TYPES: Final = frozenset((*_PARTS, MediaRef))
+"""What ``Message.parts`` holds; a ``MediaRef`` only while a store decodes its record."""
+
+if TYPE_CHECKING:
+    _Parts: TypeAlias = tuple[Part, ...]
+else:
+    # What msgspec decodes: a stored record may hold a MediaRef (the stores keep
+    # media bytes apart, see stepmachine._media), which the store replaces by the
+    # media part before the message leaves it. Typed code never sees one.
+    _Parts = tuple[Part | MediaRef, ...]
 
 
 def _all_parts(parts: tuple[Any, ...]) -> bool:
@@ -262,7 +298,7 @@ class Message(msgspec.Struct, frozen=True, gc=False):
 
     id: str
     role: Role
-    parts: tuple[Part, ...]
+    parts: _Parts
     notes: Notes = msgspec.field(default_factory=dict)
     visible_to_model: bool = True
     visible_to_user: bool = True
@@ -290,14 +326,29 @@ class Message(msgspec.Struct, frozen=True, gc=False):
             check_bool("Message", "visible_to_user", self.visible_to_user)
 
     @classmethod
-    def user(cls, text: str, *, id: str) -> Message:  # noqa: A002 - "id" is the field's name
-        """A user message holding one text part.
+    def user(
+        cls,
+        text: str,
+        *,
+        id: str,  # noqa: A002 - "id" is the field's name
+        media: Sequence[ImagePart | DocumentPart | AudioPart] = (),
+    ) -> Message:
+        """A user message holding one text part, then the ``media`` parts, in order.
+
+        ``Message.user("What is on this invoice?", id="u1",
+        media=[DocumentPart(media_type="application/pdf", data=pdf)])``.
 
         Raises:
-            InvalidFieldError: ``text`` or ``id`` is not a str.
+            InvalidFieldError: ``text`` or ``id`` is not a str, or an item of
+                ``media`` is not an image, document or audio part.
         """
         check_str("Message.user", "text", text)
-        return cls(id=id, role="user", parts=(TextPart(text),))
+        if not media:
+            return cls(id=id, role="user", parts=(TextPart(text),))
+        items = tuple_of(
+            "Message.user", "media", media, _MEDIA, "an ImagePart, DocumentPart or AudioPart"
+        )
+        return cls(id=id, role="user", parts=(TextPart(text), *items))
 
     @classmethod
     def system(cls, text: str, *, id: str) -> Message:  # noqa: A002 - "id" is the field's name
@@ -352,16 +403,36 @@ class Message(msgspec.Struct, frozen=True, gc=False):
         *,
         id: str,  # noqa: A002 - "id" is the field's name
         notes: Notes | None = None,
+        media: Sequence[ImagePart | DocumentPart] = (),
     ) -> Message:
-        """A ``tool`` message answering one call.
+        """A ``tool`` message answering one call: the result, then the images and
+        documents it carries (``media``), in order.
 
         Raises:
             InvalidFieldError: ``result`` is not a ``ToolResultPart``, ``id``
-                is not a str, or ``notes`` is not notes.
+                is not a str, ``notes`` is not notes, or an item of ``media``
+                is not an image or document part.
         """
         if not isinstance(result, ToolResultPart):
             fail("Message.tool_result", "result", "ToolResultPart", result)
-        return cls(id=id, role="tool", parts=(result,), notes={} if notes is None else notes)
+        items = tuple_of(
+            "Message.tool_result", "media", media, _RESULT_MEDIA, "an ImagePart or DocumentPart"
+        )
+        parts: tuple[Part, ...] = (result, *items) if items else (result,)
+        return cls(id=id, role="tool", parts=parts, notes={} if notes is None else notes)
+
+    def result_media(self, call_id: str) -> tuple[ImagePart | DocumentPart, ...]:
+        """The images and documents that follow the result of ``call_id`` in this message."""
+        found: list[ImagePart | DocumentPart] = []
+        inside = False
+        for part in self.parts:
+            if isinstance(part, ToolResultPart):
+                inside = part.call_id == call_id
+            elif inside and isinstance(part, ImagePart | DocumentPart):
+                found.append(part)
+            else:
+                inside = inside and isinstance(part, AudioPart)
+        return tuple(found)
 
     @property
     def text(self) -> str:

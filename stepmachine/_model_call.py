@@ -14,6 +14,8 @@ import msgspec
 
 from . import _log, _tracing
 from ._conversation import Conversation
+from ._media import AudioPart, DocumentPart, ImagePart
+from ._messages import Message
 from ._model import Model, ModelRequest, ModelResponse
 from ._telemetry import Telemetry
 
@@ -143,5 +145,36 @@ def _log_model_failure(session_id: str, model: Model, started: float, exc: BaseE
 
 
 def _content(value: object) -> str:
-    """``value`` (messages or parts) as JSON text, for content capture."""
+    """``value`` (messages or parts) as JSON text, for content capture.
+
+    A media part is described (kind, media type, size, digest or URL), never
+    its bytes: a span is not the place for an image.
+    """
+    messages = value if isinstance(value, list | tuple | Conversation) else None
+    if messages is not None and any(_has_media(m) for m in messages):
+        value = [_described(m) if isinstance(m, Message) else m for m in messages]
     return msgspec.json.encode(value, enc_hook=Conversation.enc_hook).decode()
+
+
+def _has_media(message: object) -> bool:
+    return isinstance(message, Message) and any(
+        isinstance(p, ImagePart | DocumentPart | AudioPart) for p in message.parts
+    )
+
+
+def _described(message: Message) -> Any:
+    """``message`` with each media part as a small description (content capture)."""
+    if not _has_media(message):
+        return message
+    parts: list[Any] = []
+    for part in message.parts:
+        if isinstance(part, ImagePart | DocumentPart | AudioPart):
+            source = (
+                {"url": part.url}
+                if part.data is None
+                else {"size": len(part.data), "digest": part.digest}
+            )
+            parts.append({"type": type(part).__name__, "media_type": part.media_type, **source})
+        else:
+            parts.append(part)
+    return {"id": message.id, "role": message.role, "parts": parts}

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from ._capabilities import Step
 from ._codec import Batch, Refusal
@@ -87,6 +87,9 @@ from ._runtime import Runtime
 from ._session import Session
 from ._steps import Continue, Yield
 from ._store import Store
+
+_Recorded: TypeAlias = "ToolResultPart | Message"
+"""A recorded result: the part, or (when it carries media) the tool message holding both."""
 
 __all__ = ["ReplayCycle", "ReplayReport", "replay"]
 
@@ -287,18 +290,23 @@ def _mark_flow(cycles: list[_StoredCycle], log: Sequence[Batch[Effect]]) -> None
             break
 
 
-def _recorded_results(log: Sequence[Batch[Effect]]) -> dict[str, list[tuple[int, ToolResultPart]]]:
-    """Every result recorded in the log, per call id: ``(revision, result)``, oldest first."""
-    results: dict[str, list[tuple[int, ToolResultPart]]] = {}
+def _recorded_results(log: Sequence[Batch[Effect]]) -> dict[str, list[tuple[int, _Recorded]]]:
+    """Every result recorded in the log, per call id: ``(revision, result)``, oldest first;
+    a result that carries images or documents as a ``tool`` message holding it and them."""
+    results: dict[str, list[tuple[int, _Recorded]]] = {}
     for batch in log:
         for effect in batch.effects:
             for message in _messages_in(effect):
                 for result in message.tool_results:
-                    results.setdefault(result.call_id, []).append((batch.revision, result))
+                    media = message.result_media(result.call_id)
+                    recorded: _Recorded = result
+                    if media:
+                        recorded = Message.tool_result(result, id=message.id, media=media)
+                    results.setdefault(result.call_id, []).append((batch.revision, recorded))
     return results
 
 
-class _ResultsFrom(Mapping[str, ToolResultPart]):
+class _ResultsFrom(Mapping[str, "ToolResultPart | Message"]):
     """The results a cycle's calls are answered with: for each call id, the first result
     recorded at or after the cycle's first revision.
 
@@ -307,11 +315,11 @@ class _ResultsFrom(Mapping[str, ToolResultPart]):
     with an earlier call's.
     """
 
-    def __init__(self, recorded: dict[str, list[tuple[int, ToolResultPart]]], revision: int):
+    def __init__(self, recorded: dict[str, list[tuple[int, _Recorded]]], revision: int):
         self._recorded = recorded
         self._revision = revision
 
-    def __getitem__(self, call_id: str) -> ToolResultPart:
+    def __getitem__(self, call_id: str) -> _Recorded:
         for revision, result in self._recorded.get(call_id, ()):
             if revision >= self._revision:
                 return result
@@ -412,7 +420,7 @@ def _added_ids(stored: _StoredCycle) -> list[str]:
 async def _replay_cycle(
     machine: StateMachine[Any],
     stored: _StoredCycle,
-    results: dict[str, list[tuple[int, ToolResultPart]]],
+    results: dict[str, list[tuple[int, _Recorded]]],
     model: Model | None,
     services: Mapping[str, Any],
 ) -> ReplayCycle:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from ._codec import Batch
 from ._effects import Effect, apply_batch
 from ._errors import ConflictError, ModelError, SessionNotFoundError
-from ._messages import ToolCallPart, ToolResultPart
+from ._messages import Message, ToolCallPart, ToolResultPart
 from ._model import ChunkSink, Model, ModelRequest, ModelResponse
 from ._runtime import Runtime
 from ._session import Session
@@ -70,7 +70,7 @@ class Sandbox:
         session: Session[Any],
         timestamps: list[float],
         ids: Iterable[str],
-        results: Mapping[str, ToolResultPart],
+        results: Mapping[str, ToolResultPart | Message],
         reply: ModelResponse | BaseException | None,
         start: float = float("-inf"),
     ) -> None:
@@ -139,8 +139,9 @@ class Sandbox:
         self._fresh += 1
         return f"replay-{self.session.revision}-{self._fresh}"
 
-    async def call_tool(self, call: ToolCallPart, context: ToolContext) -> ToolResultPart:
-        """The stored result of ``call``, or an error result saying there is none."""
+    async def call_tool(self, call: ToolCallPart, context: ToolContext) -> ToolResultPart | Message:
+        """The stored result of ``call`` (the tool message holding it when it carries
+        images or documents), or an error result saying there is none."""
         result = self._results.get(call.call_id)
         if result is not None:
             return result

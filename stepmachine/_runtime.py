@@ -21,11 +21,12 @@ from ._store import EffectHandler, SessionLoader, Store
 from ._telemetry import Telemetry
 
 if TYPE_CHECKING:
-    from ._messages import ToolCallPart, ToolResultPart
+    from ._messages import Message, ToolCallPart, ToolResultPart
     from ._tools import ToolContext
 
-ToolCaller: TypeAlias = "Callable[[ToolCallPart, ToolContext], Awaitable[ToolResultPart]]"
-"""How the ``Tools`` step answers a call instead of running its tool (``Runtime.tool_caller``)."""
+ToolCaller: TypeAlias = "Callable[[ToolCallPart, ToolContext], Awaitable[ToolResultPart | Message]]"
+"""How the ``Tools`` step answers a call instead of running its tool (``Runtime.tool_caller``):
+the result, or a ``tool`` message holding it and the images and documents it carries."""
 
 __all__ = ["Runtime", "ToolCaller", "counter_ids", "uuid_ids"]
 
@@ -70,7 +71,9 @@ class Runtime:
             so that no step reaches a real model.
         tool_caller: ``None`` (the default): the ``Tools`` step runs each
             call's tool. Otherwise it awaits ``tool_caller(call, context)``
-            for the call's result instead, and runs nothing (the journal,
+            for the call's result instead (a ``ToolResultPart``, or a
+            ``tool`` message holding it and the media it carries; that
+            message's id is not used), and runs nothing (the journal,
             approvals and budgets still apply): :func:`~stepmachine.replay`
             answers calls from the stored history this way.
     """

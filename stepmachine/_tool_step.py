@@ -29,6 +29,12 @@ history know it may or may not have happened; ``"yield"`` holds it back and
 yields with reason ``outcome_unknown`` until an operator decides with
 :func:`resolve_unknown_outcome`.
 
+A result is committed as a ``tool`` message: the result, then the images and
+documents the tool returned (an ``ImagePart``, a ``DocumentPart`` or a
+:class:`~stepmachine.ToolOutput`), in that one batch, so a crash never keeps a
+result without its media; ``finalize`` keeps them too. An error result
+(an exception, a timeout, "not executed", "interrupted") carries none.
+
 Everything that can go wrong with one call becomes an error result the model
 can read, never a crash of the run: unknown tool names, invalid JSON,
 arguments that fail validation, a tool that raises, a tool that times out. A
@@ -54,7 +60,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import anyio
 import msgspec
@@ -71,6 +77,7 @@ from ._errors import (
     ToolError,
 )
 from ._history import open_tool_calls
+from ._media import DocumentPart, ImagePart
 from ._messages import Message, ToolCallPart, ToolResultPart
 from ._model import ToolDefinition
 from ._records import Record, note_value, read_record
@@ -84,6 +91,7 @@ from ._tools import (
     Tool,
     ToolContext,
     ToolLike,
+    ToolOutput,
     check_timeout,
     effective_arguments,
     fingerprint,
@@ -111,6 +119,16 @@ OUTCOME_UNKNOWN = (
 NOT_EXECUTED = "not executed: another call of the same batch failed closed ({reason})"
 
 _MAX_RESULT_RETRIES = 16
+
+
+class _Answer(NamedTuple):
+    """A result and the images and documents it carries (stored after it in its message)."""
+
+    result: ToolResultPart
+    media: tuple[ImagePart | DocumentPart, ...] = ()
+
+    def message(self, message_id: str) -> Message:
+        return Message.tool_result(self.result, id=message_id, media=self.media)
 
 
 class JournalEntry(Record, frozen=True, tag="stepmachine.journal"):
@@ -311,32 +329,32 @@ class Tools(Operation[Any]):
         if not calls:
             return Refuse("no open tool calls for these tools that may run now")
 
-        answers: list[ToolResultPart] = []  # decided without running anything
+        answers: list[_Answer] = []  # decided without running anything
         unknown: list[ToolCallPart] = []  # crashed non-idempotent calls awaiting an operator
         to_run: list[ToolCallPart] = []
         for call in calls:
             journal = journal_entry(call, where=f"session {ctx.session.id!r}")
             impl = own.get(call.name)
             if impl is None or effective_arguments(call) is None:
-                answers.append(self._precheck_error(ctx, call, own))
+                answers.append(_Answer(self._precheck_error(ctx, call, own)))
             elif journal is not None and journal.intent and not self._may_rerun(impl, journal):
                 _log_journal(ctx, call, journal, "outcome_unknown")
                 if self._on_unknown == "yield":
                     unknown.append(call)
                 else:
-                    answers.append(_error(call, OUTCOME_UNKNOWN))
+                    answers.append(_Answer(_error(call, OUTCOME_UNKNOWN)))
             else:
                 if journal is not None and journal.intent:
                     _log_journal(ctx, call, journal, "rerun")
                 to_run.append(call)
 
         # Results that exist but are not yet committed, for finalize (see _run_batch).
-        uncommitted: dict[str, ToolResultPart] = ctx.scratch.setdefault("uncommitted", {})
+        uncommitted: dict[str, _Answer] = ctx.scratch.setdefault("uncommitted", {})
         if answers:
-            uncommitted.update((a.call_id, a) for a in answers)
+            uncommitted.update((a.result.call_id, a) for a in answers)
             await self._commit_results(ctx, answers)
             for answer in answers:
-                uncommitted.pop(answer.call_id, None)
+                uncommitted.pop(answer.result.call_id, None)
         if to_run:
             where = _call_locations(ctx.session)  # call id -> message id, read once
             await self._record_intents(ctx, to_run, where, own)
@@ -358,7 +376,8 @@ class Tools(Operation[Any]):
     async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
         """Keep every result that exists but whose commit had not returned at the cancellation.
 
-        A tool that ran to completion keeps its real result, never "interrupted",
+        A tool that ran to completion keeps its real result (with the images and
+        documents it returned), never "interrupted",
         even when the cancellation fired while its ``ToolFinished`` event was
         emitted or its result was being committed. A result is appended only while
         its call is still open in the session as stored now, so one whose commit
@@ -366,11 +385,11 @@ class Tools(Operation[Any]):
         """
         if not interrupted:
             return ()
-        finished: dict[str, ToolResultPart] = ctx.scratch.get("uncommitted", {})
+        finished: dict[str, _Answer] = ctx.scratch.get("uncommitted", {})
         open_ids = {c.call_id for c in open_tool_calls(ctx.session)}
         return [
-            AppendMessage(Message.tool_result(result, id=ctx.new_id()))
-            for call_id, result in finished.items()
+            AppendMessage(answer.message(ctx.new_id()))
+            for call_id, answer in finished.items()
             if call_id in open_ids
         ]
 
@@ -460,7 +479,7 @@ class Tools(Operation[Any]):
         they run concurrently in a task group, at most ``max_concurrency`` at
         a time, their result commits serialised by a lock.
         """
-        uncommitted: dict[str, ToolResultPart] = ctx.scratch.setdefault("uncommitted", {})
+        uncommitted: dict[str, _Answer] = ctx.scratch.setdefault("uncommitted", {})
         abort: list[str] = []
         if len(calls) == 1 or self._max_concurrency == 1:
             for call in calls:  # one after another, in call order (deterministic)
@@ -494,7 +513,7 @@ class Tools(Operation[Any]):
         call: ToolCallPart,
         impl: ToolLike,
         message_id: str,
-        uncommitted: dict[str, ToolResultPart],
+        uncommitted: dict[str, _Answer],
         abort: list[str],
         commit_lock: anyio.Lock | None,
     ) -> None:
@@ -505,43 +524,39 @@ class Tools(Operation[Any]):
         ``finalize`` records it exactly once if this commit does not happen.
         """
         if abort:
-            result = _error(call, NOT_EXECUTED.format(reason=abort[0]))
-            uncommitted[call.call_id] = result
+            answer = _Answer(_error(call, NOT_EXECUTED.format(reason=abort[0])))
+            uncommitted[call.call_id] = answer
         else:
-            result, aborted = await self._run_call(ctx, call, impl, message_id)
+            answer, aborted = await self._run_call(ctx, call, impl, message_id)
             # The result exists. Before any checkpoint (where a pending
             # cancellation fires: the emit, the lock, the commit), hand it to
             # finalize, which commits it if this step's own commit does not
             # happen. It is never replaced by "interrupted".
-            uncommitted[call.call_id] = result
+            uncommitted[call.call_id] = answer
             if aborted is not None:
                 abort.append(aborted)
             await ctx.emit(
-                ToolFinished(call_id=call.call_id, name=call.name, is_error=result.is_error)
+                ToolFinished(call_id=call.call_id, name=call.name, is_error=answer.result.is_error)
             )
         if commit_lock is None:
-            await self._commit_results(ctx, [result])
+            await self._commit_results(ctx, [answer])
         else:
             async with commit_lock:
-                await self._commit_results(ctx, [result])
+                await self._commit_results(ctx, [answer])
         # Only once the commit returned: if it was cancelled (before or after
         # the write), finalize commits the result unless the stored session
         # already holds it, so it is recorded exactly once either way.
         uncommitted.pop(call.call_id, None)
 
-    async def _commit_results(
-        self, ctx: StepContext[Any], results: Sequence[ToolResultPart]
-    ) -> None:
+    async def _commit_results(self, ctx: StepContext[Any], answers: Sequence[_Answer]) -> None:
         """Commit results as one batch; after a conflict, reload and commit what is still open."""
 
         async def attempt(session: Session[Any]) -> None:
             ctx.session = session
             open_ids = {c.call_id for c in open_tool_calls(session)}
-            pending = [r for r in results if r.call_id in open_ids]
+            pending = [a for a in answers if a.result.call_id in open_ids]
             if pending:
-                await ctx.commit(
-                    [AppendMessage(Message.tool_result(r, id=ctx.new_id())) for r in pending]
-                )
+                await ctx.commit([AppendMessage(a.message(ctx.new_id())) for a in pending])
 
         async def reload(session_id: str) -> Session[Any]:
             return await ctx.runtime.session_loader().load(session_id)
@@ -550,8 +565,9 @@ class Tools(Operation[Any]):
 
     async def _run_call(
         self, ctx: StepContext[Any], call: ToolCallPart, impl: ToolLike, message_id: str
-    ) -> tuple[ToolResultPart, str | None]:
-        """Run one call. Returns its result, and the abort reason if it failed closed.
+    ) -> tuple[_Answer, str | None]:
+        """Run one call. Returns its result (and media), and the abort reason if it failed
+        closed.
 
         Emits ``ToolStarted``; the caller emits ``ToolFinished`` after recording
         the result where ``finalize`` finds it.
@@ -602,16 +618,17 @@ class Tools(Operation[Any]):
                 if error_type is not None:
                     _tracing.mark_type(span, error_type)
                 if telemetry.captures_content:
-                    span.set_attribute("gen_ai.tool.call.result", result.content)
-        _log_tool_call(ctx, call, impl, started, outcome, result)
+                    span.set_attribute("gen_ai.tool.call.result", result.result.content)
+        _log_tool_call(ctx, call, impl, started, outcome, result.result)
         # No await between the tool returning and the caller recording the result:
         # a cancellation pending by now must not lose it (the caller emits ToolFinished).
         return result, aborted
 
     async def _ask_caller(
         self, caller: ToolCaller, impl: ToolLike, call: ToolCallPart, context: ToolContext
-    ) -> tuple[ToolResultPart, str, str | None]:
-        """``Runtime.tool_caller``'s answer: the result, the outcome name, the error type.
+    ) -> tuple[_Answer, str, str | None]:
+        """``Runtime.tool_caller``'s answer: the result (and media), the outcome name, the
+        error type.
 
         Bounded and contained like a tool: the tool's ``timeout`` (or the
         step's) bounds it, and an exception from it becomes an error result
@@ -619,7 +636,8 @@ class Tools(Operation[Any]):
 
         Raises:
             StepContractError: it answered something other than a
-                ``ToolResultPart`` for this call (a bug in the caller).
+                ``ToolResultPart`` or a ``tool`` message for this call (a bug in
+                the caller).
         """
         timeout = impl.timeout if impl.timeout is not None else self._timeout
         try:
@@ -627,24 +645,24 @@ class Tools(Operation[Any]):
                 result = await caller(call, context)
         except TimeoutError:
             message = f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
-            return _error(call, message), "timeout", "TimeoutError"
+            return _Answer(_error(call, message)), "timeout", "TimeoutError"
         except ToolError as exc:
-            return _error(call, str(exc)), "error", type(exc).__name__
+            return _Answer(_error(call, str(exc))), "error", type(exc).__name__
         except Exception as exc:  # noqa: BLE001 - as a tool's error: an error result
             message = f"tool {call.name!r} failed: {type(exc).__name__}: {exc}"
-            return _error(call, message), "error", type(exc).__name__
-        _check_recorded(result, call)
-        return result, "recorded", None
+            return _Answer(_error(call, message)), "error", type(exc).__name__
+        return _recorded(result, call), "recorded", None
 
     async def _call_tool(
         self, impl: ToolLike, call: ToolCallPart, context: ToolContext
-    ) -> tuple[ToolResultPart, str | None, str, str | None]:
-        """Run the tool: its result, the abort reason if it failed closed, the outcome name,
-        and the error's type name (``None`` when it succeeded).
+    ) -> tuple[_Answer, str | None, str, str | None]:
+        """Run the tool: its result (with the images and documents of a
+        :class:`~stepmachine.ToolOutput`), the abort reason if it failed closed, the
+        outcome name, and the error's type name (``None`` when it succeeded).
 
         Outcomes: ``ok``, ``invalid_arguments``, ``timeout``, ``aborted``, ``error``
         (a :class:`ToolError`'s message is the result as it is; any other
-        exception is named in it).
+        exception is named in it). An error result carries no media.
         """
         timeout = impl.timeout if impl.timeout is not None else self._timeout
         aborted: str | None = None
@@ -652,20 +670,23 @@ class Tools(Operation[Any]):
             with anyio.fail_after(timeout):
                 content = await impl.call(effective_arguments(call), context)
         except ToolArgumentsError as exc:
-            return _error(call, str(exc)), None, "invalid_arguments", type(exc).__name__
+            return _Answer(_error(call, str(exc))), None, "invalid_arguments", type(exc).__name__
         except TimeoutError:
             message = f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
-            return _error(call, message), None, "timeout", "TimeoutError"
+            return _Answer(_error(call, message)), None, "timeout", "TimeoutError"
         except ToolError as exc:
-            return _error(call, str(exc)), None, "error", type(exc).__name__
+            return _Answer(_error(call, str(exc))), None, "error", type(exc).__name__
         except ToolAbortError as exc:
             aborted = f"{call.name}: {exc}"
             result = _error(call, f"tool {call.name!r} failed and stopped the run: {exc}")
-            return result, aborted, "aborted", type(exc).__name__
+            return _Answer(result), aborted, "aborted", type(exc).__name__
         except Exception as exc:  # noqa: BLE001 - a tool error becomes an error result
             result = _error(call, f"tool {call.name!r} failed: {type(exc).__name__}: {exc}")
-            return result, None, "error", type(exc).__name__
-        return ToolResultPart.for_call(call, content), None, "ok", None
+            return _Answer(result), None, "error", type(exc).__name__
+        if isinstance(content, ToolOutput):
+            result = ToolResultPart.for_call(call, content.content)
+            return _Answer(result, tuple(content.media)), None, "ok", None
+        return _Answer(ToolResultPart.for_call(call, content)), None, "ok", None
 
 
 def _arguments_text(call: ToolCallPart) -> str:
@@ -675,18 +696,35 @@ def _arguments_text(call: ToolCallPart) -> str:
     return call.raw_arguments
 
 
-def _check_recorded(result: object, call: ToolCallPart) -> None:
-    """Raise :class:`StepContractError` unless ``result`` is a result answering ``call``."""
+def _recorded(answer: object, call: ToolCallPart) -> _Answer:
+    """A tool caller's answer to ``call``: a ``ToolResultPart``, or a ``tool`` message
+    holding one result and the images and documents after it.
+
+    Raises:
+        StepContractError: ``answer`` is neither, or answers another call.
+    """
+    result: object = answer
+    media: tuple[ImagePart | DocumentPart, ...] = ()
+    if isinstance(answer, Message) and answer.role == "tool" and len(answer.tool_results) == 1:
+        result = answer.tool_results[0]
+        media = answer.result_media(call.call_id)
+        if answer.parts != (result, *media):  # text after the result, audio, ...: not dropped
+            raise StepContractError(
+                f"Runtime.tool_caller answered call {call.call_id!r} ({call.name}) with a tool "
+                "message holding more than its result and the images and documents after it "
+                f"({[type(p).__name__ for p in answer.parts]}); nothing of it was recorded"
+            )
     if not isinstance(result, ToolResultPart) or result.call_id != call.call_id:
         got = (
             f"a result for call {result.call_id!r}"
             if isinstance(result, ToolResultPart)
-            else repr(result)[:200]
+            else repr(answer)[:200]
         )
         raise StepContractError(
-            f"Runtime.tool_caller must return a ToolResultPart answering call "
-            f"{call.call_id!r} ({call.name}); it returned {got}"
+            f"Runtime.tool_caller must return a ToolResultPart (or a tool message holding one) "
+            f"answering call {call.call_id!r} ({call.name}); it returned {got}"
         )
+    return _Answer(result, media)
 
 
 def _log_tool_call(

@@ -8,6 +8,13 @@ that Struct before the function is called. Describe a parameter with
 paragraph describes the tool. A parameter annotated :class:`ToolContext` is
 not part of the schema: it receives the runtime, the call id and a stable
 idempotency key. The :class:`stepmachine.Tools` step runs them.
+
+A tool's result is text: a ``str`` as it is, anything else as JSON. A tool
+whose result carries an image or a document (a screenshot, a chart, a PDF)
+returns an :class:`~stepmachine.ImagePart` or a
+:class:`~stepmachine.DocumentPart`, or a :class:`ToolOutput` with text and
+such parts; the ``Tools`` step stores them after the result in its ``tool``
+message (:meth:`~stepmachine.Message.tool_result` with ``media=``).
 """
 
 from __future__ import annotations
@@ -15,14 +22,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias, overload
 
 import anyio
 import msgspec
 
-from ._errors import ConfigurationError, ToolArgumentsError
+from ._checks import check_str, tuple_of
+from ._errors import ConfigurationError, ToolArgumentsError, ToolError
+from ._media import AudioPart, DocumentPart, ImagePart
 from ._messages import ToolCallPart
 from ._model import ToolDefinition
 from ._runtime import Runtime
@@ -33,6 +42,7 @@ __all__ = [
     "Tool",
     "ToolContext",
     "ToolLike",
+    "ToolOutput",
     "effective_arguments",
     "fingerprint",
     "idempotency_key",
@@ -99,6 +109,100 @@ class ToolContext:
     idempotency_key: str
 
 
+def media_line(part: ImagePart | DocumentPart) -> str:
+    """A short line naming a media part that follows a result:
+    ``[image follows: image/png, 1,234 bytes]``."""
+    kind = "image" if isinstance(part, ImagePart) else "document"
+    if part.data is not None:
+        where = f"{part.media_type}, {len(part.data):,} bytes"
+    else:
+        where = f"{part.url}" + (f", {part.media_type}" if part.media_type else "")
+    title = getattr(part, "title", None)
+    if title:
+        where = f"{title!r}, {where}"
+    return f"[{kind} follows: {where}]"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutput:
+    """A tool result that carries images or documents along with its text.
+
+    Return one from a tool (or ``ToolLike.call``): ``text`` is what the
+    result says (:attr:`content`), ``media`` the parts stored after it in its
+    ``tool`` message, in order. A tool returning just an ``ImagePart`` or a
+    ``DocumentPart`` returns ``ToolOutput(media=(part,))``.
+
+    Attributes:
+        text: the result's text; may be empty.
+        media: the images and documents it carries (a list becomes a tuple).
+
+    Raises:
+        InvalidFieldError: ``text`` is not a str, or an item of ``media`` is
+            not an ``ImagePart`` or ``DocumentPart``.
+    """
+
+    text: str = ""
+    media: Sequence[ImagePart | DocumentPart] = ()  # always a tuple once built
+
+    def __post_init__(self) -> None:
+        check_str("ToolOutput", "text", self.text)
+        expected = "ImagePart or DocumentPart"
+        items = tuple_of("ToolOutput", "media", self.media, (ImagePart, DocumentPart), expected)
+        object.__setattr__(self, "media", items)
+
+    @property
+    def content(self) -> str:
+        """The result's content: ``text``, or, when it is empty, one line per media part
+        saying it follows (:func:`media_line`), so no provider sees an empty result."""
+        if self.text or not self.media:
+            return self.text
+        return "\n".join(map(media_line, self.media))
+
+
+def tool_output(result: object) -> str | ToolOutput:
+    """What a tool function's return value is as a result (see the module docstring).
+
+    A ``str`` or a :class:`ToolOutput` as it is; an ``ImagePart`` or
+    ``DocumentPart`` (or a list of them) as a ``ToolOutput`` carrying it;
+    anything else as JSON.
+
+    Raises:
+        ToolError: it holds media otherwise (audio, an image inside a dict):
+            an error result saying so, never the bytes as base64 text.
+        TypeError: the value does not encode as JSON (msgspec's error).
+    """
+    if isinstance(result, str | ToolOutput):
+        return result
+    if isinstance(result, ImagePart | DocumentPart):
+        return ToolOutput(media=(result,))
+    if (
+        isinstance(result, list | tuple)
+        and result
+        and all(isinstance(item, ImagePart | DocumentPart) for item in result)
+    ):
+        return ToolOutput(media=tuple(result))
+    if _holds_media(result):
+        raise ToolError(
+            "the tool returned media a result cannot carry (audio, or images inside other "
+            "values); a tool returns an ImagePart, a DocumentPart, a list of them, or "
+            "ToolOutput(text, media)"
+        )
+    return msgspec.json.encode(result).decode()
+
+
+def _holds_media(value: object, depth: int = 0) -> bool:
+    """Whether ``value`` holds a media part anywhere (lists, tuples, dicts; bounded depth)."""
+    if isinstance(value, ImagePart | DocumentPart | AudioPart):
+        return True
+    if depth > 32:
+        return False
+    if isinstance(value, dict):
+        return any(_holds_media(v, depth + 1) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_media(v, depth + 1) for v in value)
+    return False
+
+
 def check_timeout(owner: str, timeout: object) -> float | None:
     """``timeout`` if it is ``None`` or a number of seconds > 0 (``inf`` included).
 
@@ -122,7 +226,9 @@ class ToolLike(Protocol):
     Anything with these attributes and ``call`` can be run by a step built on
     ``Tools`` (``McpTools`` runs the tools of MCP servers this way): the
     journal reads ``side_effects``, the step bounds ``call`` by ``timeout``,
-    and the model is shown ``definition``.
+    and the model is shown ``definition``. ``call`` returns ``str`` (as
+    before) or a :class:`ToolOutput` (text with images and documents): an
+    implementation that returns ``str`` keeps working unchanged.
     """
 
     @property
@@ -145,8 +251,9 @@ class ToolLike(Protocol):
         """Seconds a call may take, or ``None`` (then the step's timeout applies)."""
         ...
 
-    async def call(self, arguments: Any, context: ToolContext) -> str:
-        """Run the call; its result as text.
+    async def call(self, arguments: Any, context: ToolContext) -> str | ToolOutput:
+        """Run the call; its result as text, or a :class:`ToolOutput` when it
+        carries images or documents.
 
         Raises:
             ToolArgumentsError: the arguments are not acceptable.
@@ -221,11 +328,13 @@ class Tool:
             raise ToolArgumentsError(f"invalid arguments for tool {self.name!r}: {exc}") from exc
         return {f: getattr(value, f) for f in self.arguments_type.__struct_fields__}
 
-    async def call(self, arguments: Any, context: ToolContext) -> str:
-        """Validate ``arguments``, run the function, and return its result as text.
+    async def call(self, arguments: Any, context: ToolContext) -> str | ToolOutput:
+        """Validate ``arguments``, run the function, and return its result.
 
-        A ``str`` result is returned as is; anything else is JSON-encoded.
-        Sync functions run in a worker thread unless built with ``thread=False``.
+        A ``str`` or a :class:`ToolOutput` is returned as is; an
+        ``ImagePart`` or ``DocumentPart`` as a ``ToolOutput`` carrying it;
+        anything else is JSON-encoded. Sync functions run in a worker thread
+        unless built with ``thread=False``.
 
         Raises:
             ToolArgumentsError: the arguments do not validate.
@@ -243,9 +352,7 @@ class Tool:
             result = await anyio.to_thread.run_sync(functools.partial(self.fn, **kwargs))
         else:
             result = self.fn(**kwargs)
-        if isinstance(result, str):
-            return result
-        return msgspec.json.encode(result).decode()
+        return tool_output(result)
 
 
 @overload

@@ -30,6 +30,11 @@ backend's worker thread inside the backend's transaction:
   written, when it does not.
 - ``create(session_id, record) -> (position, marks)``, ``delete(session_id)``.
 - ``unusable(session_id, base, reason)``: report a base that was not used.
+- ``blob(digest) -> bytes | None`` and ``put_blobs(blobs)``: the media bytes
+  records refer to, kept once by digest (:mod:`._media_blobs`). ``put_blobs``
+  writes those it does not hold yet, durably before any record written after
+  it in the same transaction (lock hold) becomes visible; ``media_label``
+  names where they are kept, for errors.
 
 The records exchanged are frozen msgspec Structs (cheap to build: several
 are made per apply). A *position* (the type parameter ``P``) is the
@@ -63,7 +68,7 @@ which database it talks to.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import msgspec
@@ -290,4 +295,21 @@ class LogTxn(Protocol[P]):
 
     def unusable(self, session_id: str, base: Base[P], reason: str) -> None:
         """Report that ``base`` was not used, and why (the log was replayed instead)."""
+        ...
+
+    @property
+    def media_label(self) -> str:
+        """Where the media blobs are kept, as an error names it (``"/x/.media"``)."""
+        ...
+
+    def blob(self, digest: str) -> bytes | None:
+        """The media bytes stored under ``digest`` (a checked ``sha256:<hex>``), or None.
+
+        Not checked against the digest here: the core does that.
+        """
+        ...
+
+    def put_blobs(self, blobs: Mapping[str, bytes]) -> None:
+        """Store each of ``blobs`` (digest to bytes) that is not stored yet, so that
+        it is durable no later than any record this transaction writes after it."""
         ...

@@ -26,6 +26,12 @@ and returns the result, which the store keeps as its cache. Only when the
 backend reports the log moved under the cache (another writer) is the batch
 applied again, on the session read then.
 
+Media bytes (images, documents, audio) are kept apart from the records, once
+per digest (:mod:`._media_blobs`): :meth:`LogCore.prepare` takes them out of
+the batch (refusing a part over ``max_media_bytes`` before anything is
+written), :meth:`LogCore.apply` has the backend store them before the batch
+record in the same transaction, and every decode puts them back, checked.
+
 Backends implement the small protocol of :mod:`._backend` (read the tail
 after a position, list bases, read records, append with compare-and-set,
 create, delete); every method of the core runs inside one backend transaction
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -68,6 +74,7 @@ from ._backend import (
     StoredBatch,
     Tail,
 )
+from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, Media, Reader
 from ._replay import decode_base, decode_batch, encode_batch, lost, replay
 from ._snapshot_policy import SnapshotPolicy
 
@@ -83,11 +90,13 @@ class Prepared(msgspec.Struct, frozen=True):
         stored: the record the backend writes.
         batch: the batch as a later load decodes it.
         replaces: it holds a ``ReplaceConversation`` (a snapshot follows).
+        blobs: the media bytes the record refers to, by digest.
     """
 
     stored: StoredBatch
     batch: Batch[Effect]
     replaces: bool
+    blobs: Mapping[str, bytes] = msgspec.field(default_factory=dict)
 
 
 class LogCore(Generic[P]):
@@ -99,6 +108,7 @@ class LogCore(Generic[P]):
         form: the record form of the backend's batches.
         cache_size: how many sessions to keep (least recently used dropped
             first); None keeps every session read.
+        max_media_bytes: the bytes one media part may hold.
     """
 
     def __init__(
@@ -108,8 +118,10 @@ class LogCore(Generic[P]):
         form: type[BatchRecord] | type[EffectRows],
         *,
         cache_size: int | None = None,
+        max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
     ) -> None:
         self.codec = codec
+        self.media = Media(max_media_bytes)
         self.policy = policy
         self._form = form
         self._cache_size = cache_size
@@ -137,16 +149,37 @@ class LogCore(Generic[P]):
 
     def new_session(
         self, session_id: str, data: msgspec.Struct | None, conversation: Sequence[Message]
-    ) -> tuple[Session[Any], bytes]:
-        """A revision-0 session as a load will read it, and its codec record.
+    ) -> tuple[Session[Any], bytes, dict[str, bytes]]:
+        """A revision-0 session as a load will read it, its codec record, and the
+        media bytes the record refers to (by digest).
 
         Raises:
             ConfigurationError: ``data`` is not the codec's data type.
+            MediaTooLargeError: a media part is over ``max_media_bytes``.
         """
         session = self.codec.new_session(session_id, data, conversation)
-        record = self.codec.encode_session(session)
+        record, blobs = self.session_record(session)
         stored = self.codec.decode_session(record, where=f"new session {session_id!r}")
-        return stored, record
+        if blobs:
+            where = f"new session {session_id!r}"
+            stored = Reader(self.media, blobs.get, "its own media").session(stored, where)
+        return stored, record, blobs
+
+    def session_record(self, session: Session[Any]) -> tuple[bytes, dict[str, bytes]]:
+        """The codec's record of ``session``, its media bytes replaced by references,
+        and those bytes by digest (for the backend's ``put_blobs``, before the record)."""
+        out, blobs = self.media.session_out(session)
+        return self.codec.encode_session(out), blobs
+
+    def batch_record(self, batch: Batch[Effect]) -> tuple[bytes, dict[str, bytes]]:
+        """The codec's batch record of ``batch`` (a :class:`BatchRecord`), its media
+        bytes replaced by references, and those bytes by digest."""
+        out, blobs = self.media.batch_out(batch)
+        return self.codec.encode_batch(out), blobs
+
+    def reader(self, txn: LogTxn[P]) -> Reader:
+        """What puts media bytes back into records ``txn`` reads."""
+        return Reader(self.media, txn.blob, txn.media_label)
 
     def prepare(self, batch: Batch[Effect], where: str) -> Prepared:
         """``batch`` encoded once in the backend's form and decoded back (O(batch)).
@@ -155,26 +188,34 @@ class LogCore(Generic[P]):
             ConfigurationError: an effect type is not registered in the codec.
             InvalidFieldError: the timestamp is not a finite number (JSON has
                 no infinity or NaN; a store would keep what it cannot give back).
+            MediaTooLargeError: a media part is over ``max_media_bytes``.
         """
         timestamp = batch.timestamp
         if isinstance(timestamp, bool) or not isinstance(timestamp, int | float) or not (
             math.isfinite(timestamp)
         ):
             raise InvalidFieldError("Batch", "timestamp", "a finite number of seconds", timestamp)
-        stored, decoded = encode_batch(self.codec, batch, self._form, where)
+        stored, decoded, blobs = encode_batch(self.codec, batch, self._form, where, self.media)
         replaces = any(isinstance(effect, ReplaceConversation) for effect in decoded.effects)
-        return Prepared(stored, decoded, replaces)
+        return Prepared(stored, decoded, replaces, blobs)
 
     # -- inside the transaction ----------------------------------------------------------
 
     def create(
-        self, txn: LogTxn[P], session_id: str, session: Session[Any], record: bytes
+        self,
+        txn: LogTxn[P],
+        session_id: str,
+        session: Session[Any],
+        record: bytes,
+        blobs: Mapping[str, bytes],
     ) -> Cached[P]:
-        """Store a new log for ``session`` (revision 0); the cache entry to remember.
+        """Store a new log for ``session`` (revision 0), after the media bytes its
+        ``record`` refers to; the cache entry to remember.
 
         Raises:
             SessionExistsError: the id is taken.
         """
+        txn.put_blobs(blobs)
         position, marks = txn.create(session_id, record)
         return Cached(session, position, marks)
 
@@ -193,7 +234,9 @@ class LogCore(Generic[P]):
             if cached is not None:
                 found = txn.tail(session_id, cached)
                 if isinstance(found, Tail):
-                    session = replay(self.codec, cached.session, found.records)
+                    session = cached.session
+                    if found.records:  # else nothing to read: no reader made
+                        session = replay(self.codec, session, found.records, self.reader(txn))
                     fresh = Cached(session, found.position, found.marks)
                     self.remember(session_id, fresh)
                     return fresh
@@ -258,7 +301,8 @@ class LogCore(Generic[P]):
         if after >= head:
             return []
         tail = txn.records(session_id, max(after, 0), head, None)
-        return [decode_batch(self.codec, session_id, stored) for stored in tail.records]
+        reader = self.reader(txn)
+        return [decode_batch(self.codec, session_id, stored, reader) for stored in tail.records]
 
     def history(
         self, txn: LogTxn[P], session_id: str, revision: int
@@ -273,8 +317,9 @@ class LogCore(Generic[P]):
         _check_range(session_id, revision, head)
         first, tail = self._replay_from_base(txn, session_id, 0, [])
         records = txn.records(session_id, 0, revision, tail.position).records
-        batches = [decode_batch(self.codec, session_id, stored) for stored in records]
-        return first, batches, replay(self.codec, first, records)
+        reader = self.reader(txn)
+        batches = [decode_batch(self.codec, session_id, stored, reader) for stored in records]
+        return first, batches, replay(self.codec, first, records, reader)
 
     # -- the pieces ------------------------------------------------------------------
 
@@ -300,12 +345,15 @@ class LogCore(Generic[P]):
         marks = cached.marks
         size = prepared.stored.size
         snapshot = None
+        blobs = prepared.blobs
         if self.policy.due(marks, after.revision, size, prepared.replaces):
-            record = self.codec.encode_session(after)
+            record, held = self.session_record(after)
             snapshot = NewSnapshot(after.revision, record)
             marks = Marks(after.revision, len(record), 0)
+            blobs = {**held, **blobs} if held else blobs
         else:
             marks = Marks(marks.snapshot_revision, marks.snapshot_bytes, marks.pending_bytes + size)
+        txn.put_blobs(blobs)
         position = txn.append(after.id, cached.position, prepared.stored, marks, snapshot)
         return None if position is None else Cached(after, position, marks)
 
@@ -325,12 +373,13 @@ class LogCore(Generic[P]):
         """
         unused: list[tuple[Base[P], str]] = []
         failure: StoredDataError | None = None
+        reader = self.reader(txn)  # one per replay: a blob is read once
         start: tuple[Base[P], Session[Any]] | None = None
         for base in txn.bases(session_id, upto):
             problem = base.problem
             if problem is None:
                 try:
-                    start = base, decode_base(self.codec, session_id, base)
+                    start = base, decode_base(self.codec, session_id, base, reader)
                     break
                 except StoredDataError as exc:
                     failure, problem = exc, str(exc)
@@ -342,7 +391,7 @@ class LogCore(Generic[P]):
             )
         base, session = start
         tail = txn.records(session_id, base.revision, upto, base.position)
-        session = replay(self.codec, session, tail.records)
+        session = replay(self.codec, session, tail.records, reader)
         if upto is None:
             seen = [*[(b.revision, b.holder, b.remedy) for b, _ in unused if b.holder], *claims]
             for claimed, holder, remedy in seen:

@@ -17,6 +17,10 @@ Layout of the folder (created 0o700; every file 0o600):
   batches and after any batch holding a ``ReplaceConversation``, to a temporary
   file that is fsynced, ``os.replace``d into place, then the folder is fsynced.
 - ``.<id>...tmp``: temporary files (names starting with ``.`` are never session ids).
+- ``.media/<hex>``: the media bytes (images, documents, audio) the records
+  refer to, one file per SHA-256 digest, shared by every session (see
+  :mod:`._media_blobs`); written (temporary file, fsync, rename, folder fsync)
+  before the record that refers to them. ``delete`` leaves them.
 - ``.leases/``: the leases (lock files, epochs, pending-run marks; layout in
   :mod:`._flock_leases`), made at the first lease operation.
 
@@ -84,6 +88,7 @@ from ._file_log import TAG_BATCH, TAG_CREATE, encode_packed, fsync_dir
 from ._file_txn import FilePos, FileTxn
 from ._flock_leases import FlockLeaseMethods, FlockLeases
 from ._ids import validate_session_id
+from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, check_max_media_bytes
 from ._snapshot_policy import EveryN
 
 __all__ = ["FileLockTimeoutError", "FileStore"]
@@ -167,7 +172,10 @@ class FileStore(FlockLeaseMethods):
             still held), ``snapshot.written`` (temporary snapshot written and
             fsynced), ``snapshot.replaced`` (renamed into place, folder not yet
             fsynced), ``create.synced`` (a new log of :meth:`create` or
-            :meth:`fork` linked in place and the folder fsynced).
+            :meth:`fork` linked in place and the folder fsynced),
+            ``media.written`` (new media blob files renamed into place, before
+            the record referring to them) and ``media.synced`` (their folder
+            fsynced, the record not yet written).
     """
 
     applies_batches: ClassVar[bool] = True
@@ -180,6 +188,8 @@ class FileStore(FlockLeaseMethods):
         "snapshot.written",
         "snapshot.replaced",
         "create.synced",
+        "media.written",
+        "media.synced",
     )
 
     def __init__(
@@ -191,6 +201,7 @@ class FileStore(FlockLeaseMethods):
         snapshot_every: int,
         lock_timeout: float,
         boundary_hook: Callable[[str], None] | None,
+        max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
     ) -> None:
         """Use :meth:`open`, which checks the options and creates the folder.
 
@@ -199,7 +210,9 @@ class FileStore(FlockLeaseMethods):
         """
         _require_flock()
         self._backend = FileBackend(folder, fsync == "always", lock_timeout, boundary_hook)
-        self._core: LogCore[FilePos] = LogCore(codec, EveryN(snapshot_every), FileTxn.FORM)
+        self._core: LogCore[FilePos] = LogCore(
+            codec, EveryN(snapshot_every), FileTxn.FORM, max_media_bytes=max_media_bytes
+        )
         self._closed = False
         self._leases = FlockLeases(
             os.path.join(folder, ".leases"),
@@ -218,6 +231,7 @@ class FileStore(FlockLeaseMethods):
         snapshot_every: int = 100,
         lock_timeout: float = 30.0,
         boundary_hook: Callable[[str], None] | None = None,
+        max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
     ) -> FileStore:
         """Open the store kept in ``folder``, creating the folder (0o700) if needed.
 
@@ -232,6 +246,9 @@ class FileStore(FlockLeaseMethods):
                 before raising :class:`FileLockTimeoutError`.
             boundary_hook: called with each name of :attr:`BOUNDARIES`, in the
                 IO thread, at that point of persisting (for crash tests).
+            max_media_bytes: the bytes one image, document or audio part may
+                hold (20 MiB by default); a larger one raises
+                :class:`~stepmachine.MediaTooLargeError` and nothing is written.
 
         Raises:
             ConfigurationError: the platform has no ``fcntl.flock`` (Windows);
@@ -252,6 +269,7 @@ class FileStore(FlockLeaseMethods):
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
         if not lock_timeout >= 0:
             raise ValueError(f"lock_timeout must be >= 0 seconds, got {lock_timeout!r}")
+        check_max_media_bytes(max_media_bytes)
         path = await anyio.to_thread.run_sync(_make_folder, os.fspath(folder), fsync == "always")
         return cls(
             path,
@@ -260,6 +278,7 @@ class FileStore(FlockLeaseMethods):
             snapshot_every=snapshot_every,
             lock_timeout=lock_timeout,
             boundary_hook=boundary_hook,
+            max_media_bytes=max_media_bytes,
         )
 
     # -- properties and lifecycle -----------------------------------------------
@@ -331,10 +350,12 @@ class FileStore(FlockLeaseMethods):
         """
         self._check_open()
         validate_session_id(session_id)
-        session, record = self._core.new_session(session_id, data, conversation)
+        session, record, blobs = self._core.new_session(session_id, data, conversation)
         async with self._backend.session_lock(session_id):
             created = await anyio.to_thread.run_sync(
-                lambda: self._core.create(FileTxn(self._backend, -1), session_id, session, record)
+                lambda: self._core.create(
+                    FileTxn(self._backend, -1), session_id, session, record, blobs
+                )
             )
         self._core.remember(session_id, created)
         return session
@@ -434,6 +455,9 @@ class FileStore(FlockLeaseMethods):
     async def delete(self, session_id: str) -> None:
         """Delete a session: its snapshot, then its log (under the exclusive lock).
 
+        The media bytes its messages referred to are kept: they are stored
+        once for every session that holds the same bytes.
+
         Then its pending-run mark is removed. A lease on it is not touched: the
         holder keeps it until it releases (its writes meet
         :class:`~stepmachine.SessionNotFoundError`), and a session created
@@ -516,18 +540,28 @@ class FileStore(FlockLeaseMethods):
             exclusive=False,
             work=lambda txn: self._core.history(txn, session_id, revision),
         )
-        codec = self._core.codec
+        core = self._core
         first = msgspec.structs.replace(initial, id=new_session_id)
-        records = [encode_packed(TAG_CREATE, 0, codec.encode_session(first))]
+        record, blobs = core.session_record(first)
+        records = [encode_packed(TAG_CREATE, 0, record)]
         for batch in batches:
             renamed = msgspec.structs.replace(batch, session_id=new_session_id)
-            records.append(encode_packed(TAG_BATCH, batch.revision, codec.encode_batch(renamed)))
+            record, more = core.batch_record(renamed)
+            records.append(encode_packed(TAG_BATCH, batch.revision, record))
+            blobs.update(more)
         forked = msgspec.structs.replace(session, id=new_session_id)
-        snapshot = NewSnapshot(revision, codec.encode_session(forked)) if revision else None
+        snapshot = None
+        if revision:
+            record, more = core.session_record(forked)
+            snapshot = NewSnapshot(revision, record)
+            blobs.update(more)
+
+        def write() -> FilePos:
+            self._backend.put_blobs(blobs)  # the source's: held already, nothing written
+            return self._backend.new_log(new_session_id, records, snapshot)
+
         async with self._backend.session_lock(new_session_id):
-            position = await anyio.to_thread.run_sync(
-                self._backend.new_log, new_session_id, records, snapshot
-            )
+            position = await anyio.to_thread.run_sync(write)
         self._core.remember(new_session_id, Cached(forked, position, Marks()))
         return forked
 

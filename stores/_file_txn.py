@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -63,6 +63,13 @@ class Folder(Protocol):
     ) -> FilePos: ...
 
     def write_snapshot(self, session_id: str, at: FilePos, snapshot: NewSnapshot) -> None: ...
+
+    @property
+    def media_folder(self) -> str: ...
+
+    def blob(self, digest: str) -> bytes | None: ...
+
+    def put_blobs(self, blobs: Mapping[str, bytes]) -> None: ...
 
 
 __all__ = ["FilePos", "FileTxn", "Folder", "log"]
@@ -251,6 +258,19 @@ class FileTxn:
         os.unlink(backend.log_path(session_id))
         if backend.fsync:
             fsync_dir(backend.folder)
+
+    @property
+    def media_label(self) -> str:
+        """The folder of media blobs, as errors name it."""
+        return self._backend.media_folder
+
+    def blob(self, digest: str) -> bytes | None:
+        """The blob file's bytes (:meth:`._file_backend.FileBackend.blob`)."""
+        return self._backend.blob(digest)
+
+    def put_blobs(self, blobs: Mapping[str, bytes]) -> None:
+        """Write and fsync the missing blob files, before the record that refers to them."""
+        self._backend.put_blobs(blobs)
 
     def unusable(self, session_id: str, base: Base[FilePos], reason: str) -> None:
         """Report the snapshot not used: an unbound one (from an earlier version) at

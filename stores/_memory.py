@@ -5,6 +5,8 @@ kept encoded by the codec and the current session is rebuilt from the decoded
 batch, so an effect that does not round-trip through the codec fails here too.
 Encoding, decoding and replaying are the durable stores' (:mod:`._replay`):
 each batch is encoded once, decoded back and applied once.
+Media bytes are kept as the durable stores keep them: once per digest, apart
+from the records (:mod:`._media_blobs`), with the same size limit.
 Every method has one await (a checkpoint) before it reads or writes, so
 cancellation never leaves a half-applied batch, and operations from concurrent
 tasks never interleave.
@@ -38,6 +40,7 @@ from stepmachine._lease import check_claim
 
 from ._backend import BatchRecord, StoredBatch
 from ._ids import validate_session_id
+from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, Media, Reader
 from ._memory_leases import MemoryLeases
 from ._replay import decode_batch, encode_batch, replay
 
@@ -57,6 +60,9 @@ class MemoryStore:
     Args:
         codec: the application's codec (kernel effects and ``NoData`` by default).
         expiring_leases: leases lapse unless renewed (see ``leases_expire``).
+        max_media_bytes: the bytes one image, document or audio part may hold
+            (20 MiB by default); a larger one raises
+            :class:`~stepmachine.MediaTooLargeError` and nothing is kept.
     """
 
     applies_batches: ClassVar[bool] = True
@@ -65,8 +71,17 @@ class MemoryStore:
     leases_expire: bool = False
     """Whether leases lapse unless renewed (see ``expiring_leases``); declared on the class."""
 
-    def __init__(self, codec: Codec[Any] | None = None, *, expiring_leases: bool = False) -> None:
+    def __init__(
+        self,
+        codec: Codec[Any] | None = None,
+        *,
+        expiring_leases: bool = False,
+        max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
+    ) -> None:
         self._codec: Codec[Any] = codec or Codec()
+        self._media = Media(max_media_bytes)
+        self._blobs: dict[str, bytes] = {}
+        """The media bytes the records refer to, by digest (never dropped)."""
         self._sessions: dict[str, _Entry] = {}
         self._leases = MemoryLeases(expire=expiring_leases)
         self._closed = False
@@ -103,11 +118,11 @@ class MemoryStore:
         if session_id in self._sessions:
             raise SessionExistsError(session_id)
         session = self._codec.new_session(session_id, data, conversation)
-        encoded = self._codec.encode_session(session)
-        self._sessions[session_id] = _Entry(
-            initial=encoded,
-            current=self._codec.decode_session(encoded, where=f"session {session_id!r}"),
-        )
+        out, blobs = self._media.session_out(session)
+        encoded = self._codec.encode_session(out)
+        self._blobs.update(blobs)
+        current = self._initial(session_id, encoded)
+        self._sessions[session_id] = _Entry(initial=encoded, current=current)
         return self._sessions[session_id].current
 
     async def load(self, session_id: str) -> Session[Any]:
@@ -135,8 +150,9 @@ class MemoryStore:
         if entry.current.revision != batch.revision - 1:
             raise ConflictError(batch.session_id, batch.revision - 1, entry.current.revision)
         where = f"session {batch.session_id!r} revision {batch.revision}"
-        stored, decoded = encode_batch(self._codec, batch, BatchRecord, where)
+        stored, decoded, blobs = encode_batch(self._codec, batch, BatchRecord, where, self._media)
         after = apply_batch(entry.current, decoded.effects)
+        self._blobs.update(blobs)
         entry.batches.append(stored)
         entry.current = after
         return after
@@ -166,15 +182,25 @@ class MemoryStore:
             raise ValueError(
                 f"session {session_id!r} has revisions 0..{entry.current.revision}, not {revision}"
             )
-        session = self._codec.decode_session(entry.initial, where=f"session {session_id!r}")
-        return replay(self._codec, session, entry.batches[:revision])
+        session = self._initial(session_id, entry.initial)
+        return replay(self._codec, session, entry.batches[:revision], self._reader())
 
     async def batches(self, session_id: str, after: int = 0) -> list[Batch[Effect]]:
         """The audit log: every batch with ``revision > after``, in order."""
         await anyio.lowlevel.checkpoint()
         entry = self._entry(session_id)
         after = max(after, 0)
-        return [decode_batch(self._codec, session_id, stored) for stored in entry.batches[after:]]
+        reader = self._reader()
+        return [decode_batch(self._codec, session_id, s, reader) for s in entry.batches[after:]]
+
+    def _reader(self) -> Reader:
+        return Reader(self._media, self._blobs.get, "this MemoryStore's media")
+
+    def _initial(self, session_id: str, record: bytes) -> Session[Any]:
+        """The revision-0 session ``record`` holds, its media bytes put back."""
+        where = f"session {session_id!r}"
+        session = self._codec.decode_session(record, where=where)
+        return self._reader().session(session, where)
 
     # -- leases (see stepmachine.Leases) --------------------------------------------
 

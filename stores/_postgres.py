@@ -65,6 +65,7 @@ from . import _postgres_rows as _rows
 from ._backend import Cached
 from ._core import LogCore
 from ._ids import validate_session_id
+from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, check_max_media_bytes
 from ._postgres_log import PostgresTxn
 from ._postgres_schema import describe, idle_limit, prepare_schema, transaction
 from ._snapshot_policy import Weighted
@@ -85,9 +86,15 @@ _CACHE_SIZE = 256
 class _SharedCore(LogCore[SessionRow]):
     """The core, with its cache updated under a lock: hops run in several threads."""
 
-    def __init__(self, codec: Codec[Any]) -> None:
+    def __init__(self, codec: Codec[Any], max_media_bytes: int) -> None:
         policy = Weighted(SNAPSHOT_EVERY, SNAPSHOT_MAX_GAP)
-        super().__init__(codec, policy, PostgresTxn.FORM, cache_size=_CACHE_SIZE)
+        super().__init__(
+            codec,
+            policy,
+            PostgresTxn.FORM,
+            cache_size=_CACHE_SIZE,
+            max_media_bytes=max_media_bytes,
+        )
         self._guard = threading.Lock()
 
     def remember(self, session_id: str, cached: Cached[SessionRow]) -> None:
@@ -166,6 +173,7 @@ class PostgresStore:
         codec: Codec[Any],
         boundary_hook: Callable[[str], None],
         connections: anyio.CapacityLimiter,
+        max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
     ) -> None:
         """Wrap an open ``psycopg_pool.ConnectionPool``; use :meth:`open` instead.
 
@@ -176,7 +184,7 @@ class PostgresStore:
         self._label = label
         self._hook = boundary_hook
         self._connections = connections
-        self._core = _SharedCore(codec)
+        self._core = _SharedCore(codec, max_media_bytes)
 
     @classmethod
     async def open(
@@ -190,6 +198,7 @@ class PostgresStore:
         idle_in_transaction_timeout: float | None = 60.0,
         boundary_hook: Callable[[str], None] | None = None,
         read_only: bool = False,
+        max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
     ) -> PostgresStore:
         """Connect to the database ``dsn`` names, and create or check its schema.
 
@@ -213,6 +222,11 @@ class PostgresStore:
                 so the schema is neither created nor migrated (a missing or
                 older one is :class:`StoredDataError`). The store's own write
                 methods still write: do not call them.
+            max_media_bytes: the bytes one image, document or audio part may
+                hold (20 MiB by default); a larger one raises
+                :class:`~stepmachine.MediaTooLargeError` and nothing is written.
+                Media bytes are kept once per digest in the ``media`` table,
+                apart from the effect rows, and checked against it when read.
 
         Returns:
             The open store; the database's schema is at the current version.
@@ -239,6 +253,7 @@ class PostgresStore:
             ) from exc
         if not 1 <= min_size <= max_size:
             raise ConfigurationError(f"need 1 <= min_size <= max_size, not {min_size}, {max_size}")
+        check_max_media_bytes(max_media_bytes)
         configure = idle_limit(idle_in_transaction_timeout)
         pool: ConnectionPool[Any] = ConnectionPool(
             dsn,
@@ -264,7 +279,8 @@ class PostgresStore:
         with anyio.CancelScope(shield=True):
             label = await anyio.to_thread.run_sync(start)
         hook = boundary_hook or _no_hook
-        return cls(pool, label, codec or Codec(), hook, anyio.CapacityLimiter(max_size))
+        limiter = anyio.CapacityLimiter(max_size)
+        return cls(pool, label, codec or Codec(), hook, limiter, max_media_bytes)
 
     @property
     def codec(self) -> Codec[Any]:
@@ -319,12 +335,12 @@ class PostgresStore:
             ConfigurationError: ``data`` is not the codec's data type.
         """
         validate_session_id(session_id)
-        session, record = self._core.new_session(session_id, data, conversation)
+        session, record, blobs = self._core.new_session(session_id, data, conversation)
 
         def run(connection: psycopg.Connection[Any]) -> Session[Any]:
             with transaction(connection, write=True):
                 txn = self._txn(connection, write=True)
-                created = self._core.create(txn, session_id, session, record)
+                created = self._core.create(txn, session_id, session, record, blobs)
             self._core.remember(session_id, created)
             self._hook("create.committed")
             return session
@@ -410,6 +426,9 @@ class PostgresStore:
     async def delete(self, session_id: str) -> None:
         """Delete a session with its log and snapshots, in one transaction.
 
+        The media bytes its messages referred to are kept: they are stored
+        once for every session that holds the same bytes.
+
         Raises:
             InvalidSessionIdError: the id is not safe.
             SessionNotFoundError: no session has this id.
@@ -492,10 +511,11 @@ class PostgresStore:
                 # The snapshots the source keeps: revision 0 and the fork point.
                 first = self._core.session_at(txn, session_id, 0)
                 first = msgspec.structs.replace(first, id=new_session_id)
-                encode = self._core.codec.encode_session
-                sid = self._core.create(txn, new_session_id, first, encode(first)).position.sid
+                record, blobs = self._core.session_record(first)
+                sid = self._core.create(txn, new_session_id, first, record, blobs).position.sid
                 _rows.copy_log(connection, self._label, session_id, source.sid, sid, revision)
-                record = encode(forked)
+                record, blobs = self._core.session_record(forked)
+                txn.put_blobs(blobs)  # held already (the rows copied refer to them): no bytes
                 if revision > 0:
                     _rows.insert_snapshot(connection, sid, revision, record)
                 row = SessionRow(sid, revision, revision, len(record), 0)

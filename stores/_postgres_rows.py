@@ -43,10 +43,13 @@ __all__ = [
     "advance_session_row",
     "copy_log",
     "delete_session",
+    "held_blobs",
     "insert_batch",
+    "insert_blobs",
     "insert_session",
     "insert_snapshot",
     "prune_snapshots",
+    "read_blob",
     "read_log",
     "read_snapshot",
     "session_ids",
@@ -296,3 +299,38 @@ def copy_log(
     with conn.cursor() as cursor:
         cursor.executemany(_INSERT_BATCH, batches)
         cursor.executemany(_INSERT_EFFECT, effects)
+
+
+# -- media blobs ---------------------------------------------------------------
+
+
+def held_blobs(conn: psycopg.Connection[Any], digests: Sequence[str]) -> set[str]:
+    """Which of ``digests`` the media table holds (made by ``prepare_schema``)."""
+    rows = conn.execute(
+        f"SELECT digest FROM {SCHEMA}.media WHERE digest = ANY(%s)",  # noqa: S608 - fixed names
+        (list(digests),),
+    ).fetchall()
+    return {row[0] for row in rows}
+
+
+def insert_blobs(conn: psycopg.Connection[Any], blobs: dict[str, bytes]) -> None:
+    """Store ``blobs`` (digest to bytes) in the caller's transaction; one a
+    concurrent transaction stored first is kept (the same bytes)."""
+    with conn.cursor() as cursor:
+        cursor.executemany(
+            f"INSERT INTO {SCHEMA}.media (digest, body) VALUES (%s, %s) "  # noqa: S608 - fixed names
+            "ON CONFLICT (digest) DO NOTHING",
+            sorted(blobs.items()),
+        )
+
+
+def read_blob(conn: psycopg.Connection[Any], digest: str) -> bytes | None:
+    """The body stored under ``digest``, or None."""
+    row = conn.execute(
+        f"SELECT body FROM {SCHEMA}.media WHERE digest = %s",  # noqa: S608 - fixed names
+        (digest,),
+    ).fetchone()
+    if row is None:
+        return None
+    body = row[0]
+    return bytes(body) if isinstance(body, bytes | bytearray | memoryview) else b""

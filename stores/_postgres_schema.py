@@ -16,6 +16,7 @@ store shares a database with an application's own tables)::
             refused, trace)
     effects(sid, revision, position, schema_version, body, crc)
     snapshots(sid, revision, schema_version, body, crc)
+    media(digest PK, body)                        made by a writing open when missing
 
 The rows are those of :class:`~stepmachine.stores.SQLiteStore` (its schema
 version 4, see :mod:`._sqlite_schema`): ``sid`` is never reused (a sequence),
@@ -25,6 +26,14 @@ carries ``crc``, the CRC-32 of :func:`._sqlite_schema.checksum` over the
 table's name and every other column, so a flipped bit or a row moved to
 another session, revision or position fails closed when read. The bodies are
 stored ``EXTERNAL`` (out of line, not compressed again by PostgreSQL).
+
+Media bytes live in ``media``, once per SHA-256 digest, written in the same
+transaction as the first record that refers to them (:mod:`._media_blobs`);
+the records hold a ``"media_ref"`` reference. A writing open makes the table
+when it is missing (under the migration lock), with no version change: code
+that does not know it never reads it, and refuses the records that refer to
+it by their tag. A row has no ``crc``: every body read is checked against its
+digest.
 
 The session row also carries the session's lease (:mod:`._postgres_leases`):
 ``lease_owner``, ``lease_epoch`` (only grows), ``lease_expires_at`` (the
@@ -229,6 +238,8 @@ def prepare_schema(conn: psycopg.Connection[Any], *, read_only: bool = False) ->
     with transaction(conn, write=not read_only):
         version = _stored_version(conn, label)
         if version == SCHEMA_VERSION:
+            if not read_only:
+                _ensure_media(conn)
             return
         if read_only:
             what = "holds no stepmachine store" if version == 0 else f"is at schema {version}"
@@ -245,6 +256,30 @@ def prepare_schema(conn: psycopg.Connection[Any], *, read_only: bool = False) ->
                 f"INSERT INTO {SCHEMA}.schema_version (version) VALUES (%s)",  # noqa: S608 - fixed names
                 (target,),
             )
+        _ensure_media(conn)
+
+
+_MEDIA_TABLE: Final = (
+    f"CREATE TABLE IF NOT EXISTS {SCHEMA}.media (digest text PRIMARY KEY, body bytea NOT NULL)",
+    # Images and PDFs are compressed already: PostgreSQL need not try again.
+    f"ALTER TABLE {SCHEMA}.media ALTER COLUMN body SET STORAGE EXTERNAL",
+)
+
+
+def _ensure_media(conn: psycopg.Connection[Any]) -> None:
+    """Make the media table (the bytes media records refer to, one row per digest;
+    see :mod:`._media_blobs`) if it is missing, under the migration lock.
+
+    No schema version: code that does not know the table never reads it, and
+    refuses the records that refer to it by their tag (``"media_ref"``). A row
+    carries no ``crc``: the core checks every body read against its digest.
+    """
+    found = conn.execute("SELECT to_regclass(%s)", (f"{SCHEMA}.media",)).fetchone()
+    if found is not None and found[0] is not None:
+        return
+    conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+    for statement in _MEDIA_TABLE:
+        conn.execute(statement)
 
 
 def _stored_version(conn: psycopg.Connection[Any], label: str) -> int:

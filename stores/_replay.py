@@ -7,6 +7,10 @@ record's position (the backend's ``where``), and nothing is rewritten.
 
 Replay applies each batch exactly once, in revision order, and checks that the
 revisions follow each other.
+
+Media bytes never enter a record: :func:`encode_batch` replaces them by
+references (:mod:`._media_blobs`) and returns the bytes for the backend to
+keep by digest; decoding puts them back through a :class:`._media_blobs.Reader`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from stepmachine import (
 )
 
 from ._backend import Base, BatchRecord, EffectRows, StoredBatch
+from ._media_blobs import Media, Reader
 
 __all__ = [
     "decode_base",
@@ -77,21 +82,28 @@ def decode_refused(text: str, where: str) -> tuple[Refusal, ...]:
 
 
 def encode_batch(
-    codec: Codec[Any], batch: Batch[Effect], form: type[BatchRecord] | type[EffectRows], where: str
-) -> tuple[StoredBatch, Batch[Effect]]:
-    """``batch`` encoded once in the backend's record ``form``, and decoded back.
+    codec: Codec[Any],
+    batch: Batch[Effect],
+    form: type[BatchRecord] | type[EffectRows],
+    where: str,
+    media: Media,
+) -> tuple[StoredBatch, Batch[Effect], dict[str, bytes]]:
+    """``batch`` encoded once in the backend's record ``form``, decoded back, and the
+    media bytes it refers to, by digest (to be stored before the record).
 
     The decoded batch is what a later load reads, so the session a store
     returns from ``apply`` equals the one it will load. O(batch): only this
     batch is encoded and decoded, never the history.
 
     Raises:
+        MediaTooLargeError: a media part is over the store's limit.
         ConfigurationError: an effect type is not registered in the codec, or
             ``refused`` / ``trace`` are not what a batch holds (nothing is
             written: a store must never acknowledge what it cannot read back).
         StoredDataError: the codec cannot read back what it wrote.
     """
     _check_trail(batch)
+    batch, blobs = media.batch_out(batch)
     stored: StoredBatch
     if form is BatchRecord:
         stored = BatchRecord(batch.revision, where, codec.encode_batch(batch))
@@ -106,7 +118,9 @@ def encode_batch(
             encode_refused(batch.refused),
             batch.trace,
         )
-    return stored, decode_batch(codec, batch.session_id, stored)
+    # Without bytes taken out, the record refers to none (MediaRef given is refused).
+    reader = Reader(media, blobs.get, "the batch's own media") if blobs else None
+    return stored, decode_batch(codec, batch.session_id, stored, reader), blobs
 
 
 def _check_trail(batch: Batch[Effect]) -> None:
@@ -127,35 +141,36 @@ def _check_trail(batch: Batch[Effect]) -> None:
         )
 
 
-def decode_batch(codec: Codec[Any], session_id: str, stored: StoredBatch) -> Batch[Effect]:
+def decode_batch(
+    codec: Codec[Any], session_id: str, stored: StoredBatch, media: Reader | None
+) -> Batch[Effect]:
     """The batch a stored record holds, checked against the session and revision it
-    was stored under.
+    was stored under, its media bytes read back through ``media`` (None: the
+    caller knows the record refers to none).
 
     Raises:
         StoredDataError: it does not decode, an effects record does not hold
-            exactly one effect, its refusals are malformed, or it names
-            another session or revision.
+            exactly one effect, its refusals are malformed, it names another
+            session or revision, or a media blob it refers to is missing or damaged.
     """
+    where = f"{stored.where} (session {session_id!r}, revision {stored.revision})"
     if isinstance(stored, BatchRecord):
-        batch = codec.decode_batch(
-            stored.record,
-            where=f"{stored.where} (session {session_id!r}, revision {stored.revision})",
-        )
+        batch = codec.decode_batch(stored.record, where=where)
         if batch.session_id != session_id or batch.revision != stored.revision:
             raise _fail(
                 f"the batch in {stored.where} is for session {batch.session_id!r} revision "
                 f"{batch.revision}, expected {session_id!r} revision {stored.revision}"
             )
-        return batch
+        return batch if media is None else media.batch(batch, where)
     effects: list[Effect] = []
     for index, record in enumerate(stored.effects):
-        where = f"{stored.where} effect {index}"
-        decoded = codec.decode_effects(record, where=where)
+        at = f"{stored.where} effect {index}"
+        decoded = codec.decode_effects(record, where=at)
         if len(decoded) != 1:
-            raise _fail(f"{where}: the record holds {len(decoded)} effects, not 1")
+            raise _fail(f"{at}: the record holds {len(decoded)} effects, not 1")
         effects.append(decoded[0])
     refused = () if stored.refused is None else decode_refused(stored.refused, stored.where)
-    return Batch(
+    batch = Batch(
         session_id=session_id,
         revision=stored.revision,
         step=stored.step,
@@ -165,27 +180,31 @@ def decode_batch(codec: Codec[Any], session_id: str, stored: StoredBatch) -> Bat
         refused=refused,
         trace=stored.trace,
     )
+    return batch if media is None else media.batch(batch, stored.where)
 
 
-def decode_base(codec: Codec[Any], session_id: str, base: Base[Any]) -> Session[Any]:
-    """The session a base (a snapshot, the revision-0 record) holds, checked against it.
+def decode_base(
+    codec: Codec[Any], session_id: str, base: Base[Any], media: Reader
+) -> Session[Any]:
+    """The session a base (a snapshot, the revision-0 record) holds, checked against it,
+    its media bytes read back through ``media``.
 
     Raises:
-        StoredDataError: it does not decode, or holds another session or revision.
+        StoredDataError: it does not decode, holds another session or revision,
+            or a media blob it refers to is missing or damaged.
     """
-    session: Session[Any] = codec.decode_session(
-        base.record, where=f"{base.where} (session {session_id!r}, revision {base.revision})"
-    )
+    where = f"{base.where} (session {session_id!r}, revision {base.revision})"
+    session: Session[Any] = codec.decode_session(base.record, where=where)
     if session.id != session_id or session.revision != base.revision:
         raise _fail(
             f"{base.where} holds session {session.id!r} at revision {session.revision}, "
             f"but its header says {session_id!r} at revision {base.revision}"
         )
-    return session
+    return media.session(session, where)
 
 
 def replay(
-    codec: Codec[Any], session: Session[Any], records: Sequence[StoredBatch]
+    codec: Codec[Any], session: Session[Any], records: Sequence[StoredBatch], media: Reader
 ) -> Session[Any]:
     """``session`` with every batch of ``records`` applied once, in order.
 
@@ -199,7 +218,7 @@ def replay(
                 f"expected the batch for revision {session.revision + 1} of session "
                 f"{session.id!r} in {stored.where}, found revision {stored.revision}"
             )
-        batch = decode_batch(codec, session.id, stored)
+        batch = decode_batch(codec, session.id, stored, media)
         try:
             session = apply_batch(session, batch.effects)
         except EffectError as exc:

@@ -17,13 +17,14 @@ transaction the store opened.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any, ClassVar
 
 from stepmachine import SessionNotFoundError, StoredDataError
 
 from ._backend import Base, Cached, EffectRows, Marks, Moved, NewSnapshot, StoredBatch, Tail
+from ._media_blobs import blobs_missing
 from ._sqlite_rows import SessionRow, marks_of
 
 __all__ = ["SQLTxn"]
@@ -40,7 +41,8 @@ class SQLTxn:
     FORM: ClassVar[type[EffectRows]] = EffectRows
     ROWS: ClassVar[ModuleType]
     """The backend's row module: ``read_snapshot``, ``read_log``, ``advance_session_row``,
-    ``insert_batch``, ``insert_snapshot``, ``prune_snapshots`` with the same signatures."""
+    ``insert_batch``, ``insert_snapshot``, ``prune_snapshots``, ``held_blobs``,
+    ``insert_blobs``, ``read_blob`` with the same signatures."""
     STORE: ClassVar[str]
     """The store's class name, for remedies in error messages."""
 
@@ -140,3 +142,19 @@ class SQLTxn:
     def unusable(self, session_id: str, base: Base[SessionRow], reason: str) -> None:
         """Never called: the only base offered is the one a replay needs."""
         del session_id, base, reason
+
+    @property
+    def media_label(self) -> str:
+        """The media table, as errors name it."""
+        return f"the media table of {self.label}"
+
+    def blob(self, digest: str) -> bytes | None:
+        """The media row's body for ``digest``, or None."""
+        return self.ROWS.read_blob(self.conn, digest)  # type: ignore[no-any-return]
+
+    def put_blobs(self, blobs: Mapping[str, bytes]) -> None:
+        """Insert the media rows of ``blobs`` the table does not hold, in this
+        transaction (so with the batch or snapshot that refers to them, or not at all)."""
+        missing = blobs_missing(blobs, lambda digests: self.ROWS.held_blobs(self.conn, digests))
+        if missing:
+            self.ROWS.insert_blobs(self.conn, missing)

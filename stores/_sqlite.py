@@ -14,7 +14,9 @@ what a cold load replays; each new one prunes the one before (revision 0
 stays), so a session holds at most two, compressed; long effect records are
 compressed too (schema version 3). Every row carries a CRC-32 checked on load
 (since schema version 2). A batch row keeps the batch's ``refused`` and
-``trace`` (schema version 4). The on-disk layout, its migrations
+``trace`` (schema version 4). Media bytes (images, documents, audio) are kept
+once per digest in a ``media`` table, apart from the effect rows
+(:mod:`._media_blobs`). The on-disk layout, its migrations
 and the checksums live in :mod:`._sqlite_schema`; reading and writing rows in
 :mod:`._sqlite_rows`. The cache, replay, compare-and-set, snapshot policy and
 errors are the durable stores' shared core (:mod:`._core`), over the byte
@@ -67,6 +69,7 @@ from ._backend import Cached, Marks
 from ._core import LogCore
 from ._flock_leases import FlockLeaseMethods, FlockLeases
 from ._ids import validate_session_id
+from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, check_max_media_bytes
 from ._snapshot_policy import Weighted
 from ._sqlite_log import SQLiteTxn
 from ._sqlite_rows import SessionRow
@@ -213,6 +216,7 @@ class SQLiteStore(FlockLeaseMethods):
         path: str,
         codec: Codec[Any],
         boundary_hook: Callable[[str], None],
+        max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
     ) -> None:
         """Wrap an open connection; use :meth:`open` instead."""
         self._conn: sqlite3.Connection | None = connection
@@ -220,7 +224,11 @@ class SQLiteStore(FlockLeaseMethods):
         self._hook = boundary_hook
         self._lock = anyio.Lock()
         self._core: LogCore[SessionRow] = LogCore(
-            codec, _SQLitePolicy(), SQLiteTxn.FORM, cache_size=_CACHE_SIZE
+            codec,
+            _SQLitePolicy(),
+            SQLiteTxn.FORM,
+            cache_size=_CACHE_SIZE,
+            max_media_bytes=max_media_bytes,
         )
         self._leases = FlockLeases(
             os.path.abspath(path) + "-leases",
@@ -239,6 +247,7 @@ class SQLiteStore(FlockLeaseMethods):
         busy_timeout: float = 30.0,
         boundary_hook: Callable[[str], None] | None = None,
         read_only: bool = False,
+        max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
     ) -> SQLiteStore:
         """Open (creating if needed) the database at ``path`` and migrate it to this schema.
 
@@ -256,6 +265,11 @@ class SQLiteStore(FlockLeaseMethods):
             read_only: open an existing database without writing to it
                 (SQLite's ``mode=ro``; for inspection): nothing is created or
                 migrated, and every write raises ``sqlite3.OperationalError``.
+            max_media_bytes: the bytes one image, document or audio part may
+                hold (20 MiB by default); a larger one raises
+                :class:`~stepmachine.MediaTooLargeError` and nothing is written.
+                Media bytes are kept once per digest in the ``media`` table,
+                apart from the effect rows, and checked against it when read.
 
         Returns:
             The open store; its schema is at the current ``SCHEMA_VERSION``.
@@ -278,6 +292,7 @@ class SQLiteStore(FlockLeaseMethods):
             raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', not {synchronous!r}")
         if not busy_timeout >= 0:
             raise ValueError(f"busy_timeout must be a number of seconds >= 0, not {busy_timeout}")
+        check_max_media_bytes(max_media_bytes)
         file = os.fspath(path)
         with anyio.CancelScope(shield=True):
             connection = await anyio.to_thread.run_sync(
@@ -285,7 +300,7 @@ class SQLiteStore(FlockLeaseMethods):
                     _schema.open_connection, file, synchronous, busy_timeout, read_only=read_only
                 )
             )
-        return cls(connection, file, codec or Codec(), boundary_hook or _no_hook)
+        return cls(connection, file, codec or Codec(), boundary_hook or _no_hook, max_media_bytes)
 
     @property
     def codec(self) -> Codec[Any]:
@@ -334,12 +349,12 @@ class SQLiteStore(FlockLeaseMethods):
         creation commits whole (and returns) or not at all (and raises).
         """
         validate_session_id(session_id)
-        session, record = self._core.new_session(session_id, data, conversation)
+        session, record, blobs = self._core.new_session(session_id, data, conversation)
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
             with transaction(connection, write=True):
                 txn = SQLiteTxn(connection, self._path)
-                created = self._core.create(txn, session_id, session, record)
+                created = self._core.create(txn, session_id, session, record, blobs)
             self._core.remember(session_id, created)
             self._hook("create.committed")
             return session
@@ -442,6 +457,9 @@ class SQLiteStore(FlockLeaseMethods):
 
     async def delete(self, session_id: str) -> None:
         """Delete a session with its log and snapshots, in one transaction.
+
+        The media bytes its messages referred to are kept: they are stored
+        once for every session that holds the same bytes.
 
         Then its pending-run mark is removed. A lease on it is not touched: the
         holder keeps it until it releases (its writes meet
@@ -546,10 +564,11 @@ class SQLiteStore(FlockLeaseMethods):
                 # The snapshots the source keeps: revision 0 and the fork point.
                 first = self._core.session_at(txn, session_id, 0)
                 first = msgspec.structs.replace(first, id=new_session_id)
-                encode = self._core.codec.encode_session
-                sid = self._core.create(txn, new_session_id, first, encode(first)).position.sid
+                record, blobs = self._core.session_record(first)
+                sid = self._core.create(txn, new_session_id, first, record, blobs).position.sid
                 _rows.copy_log(connection, self._path, session_id, source.sid, sid, revision)
-                record = encode(forked)
+                record, blobs = self._core.session_record(forked)
+                txn.put_blobs(blobs)  # held already (the rows copied refer to them): no bytes
                 if revision > 0:
                     _rows.insert_snapshot(connection, sid, revision, record)
                 row = SessionRow(sid, revision, revision, len(record), 0)

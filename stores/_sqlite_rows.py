@@ -47,11 +47,14 @@ __all__ = [
     "advance_session_row",
     "compact",
     "copy_log",
+    "held_blobs",
     "insert_batch",
+    "insert_blobs",
     "insert_session",
     "insert_snapshot",
     "marks_of",
     "prune_snapshots",
+    "read_blob",
     "read_log",
     "read_snapshot",
     "session_ids",
@@ -586,3 +589,58 @@ def copied_rows(
         values = (target, *row[1:5])
         effects.append((*values, checksum("effects", values)))
     return batches, effects
+
+
+# -- media blobs ---------------------------------------------------------------
+
+_MEDIA_TABLE = "CREATE TABLE IF NOT EXISTS media (digest TEXT PRIMARY KEY, body BLOB NOT NULL)"
+"""The media bytes records refer to, one row per digest (see :mod:`._media_blobs`).
+
+Made by the first write of media (no schema version: code that does not know
+it never reads it, and refuses the records that refer to it by their tag). A
+row carries no ``crc``: the core checks every body read against its digest,
+a SHA-256, which covers the row and the column that places it."""
+
+_IN_CHUNK = 500
+"""Digests per ``IN (...)``: below SQLite's smallest limit on bound parameters."""
+
+
+def held_blobs(conn: sqlite3.Connection, digests: Sequence[str]) -> set[str]:
+    """Which of ``digests`` the media table holds (none when there is no table yet)."""
+    found: set[str] = set()
+    for start in range(0, len(digests), _IN_CHUNK):
+        chunk = digests[start : start + _IN_CHUNK]
+        marks = ",".join("?" * len(chunk))
+        try:
+            rows = conn.execute(
+                f"SELECT digest FROM media WHERE digest IN ({marks})",  # noqa: S608 - only ?s
+                tuple(chunk),
+            ).fetchall()
+        except sqlite3.OperationalError as exc:
+            if "no such table" not in str(exc):
+                raise
+            return set()
+        found.update(row[0] for row in rows)
+    return found
+
+
+def insert_blobs(conn: sqlite3.Connection, blobs: dict[str, bytes]) -> None:
+    """Store ``blobs`` (digest to bytes) that the table does not hold (the caller
+    checked), making the table first if needed; in the caller's transaction."""
+    conn.execute(_MEDIA_TABLE)
+    conn.executemany(
+        "INSERT OR IGNORE INTO media (digest, body) VALUES (?, ?)", sorted(blobs.items())
+    )
+
+
+def read_blob(conn: sqlite3.Connection, digest: str) -> bytes | None:
+    """The body stored under ``digest``, or None (also when there is no media table)."""
+    try:
+        row = conn.execute("SELECT body FROM media WHERE digest = ?", (digest,)).fetchone()
+    except sqlite3.OperationalError as exc:
+        if "no such table" not in str(exc):
+            raise
+        return None
+    if row is None or not isinstance(row[0], bytes):
+        return None if row is None else b""  # a body of another type: damaged (digest fails)
+    return row[0]

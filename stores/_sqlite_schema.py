@@ -13,6 +13,7 @@ Layout (schema version 4)::
             crc, refused, trace)
     effects(sid, revision, position, schema_version, body, crc)
     snapshots(sid, revision, schema_version, body, crc)
+    media(digest PK, body)                        made by the first write of media
 
 ``sid`` is never reused (``AUTOINCREMENT``), so a session deleted and created
 again under the same id is a different ``sid``, and a cache keyed by ``sid``
@@ -34,6 +35,16 @@ is the uncompressed record, as written before, and is read as it is (in a
 row of version 2 or 3: version 2 wrote both). The
 session row keeps the revision and encoded (uncompressed) size of the last
 snapshot and the effect bytes written since (``pending_bytes``).
+
+Media bytes (images, documents, audio in messages) are not in the effect or
+snapshot records: those hold a reference (``"media_ref"``, the digest and
+size), and ``media`` holds the bytes once per SHA-256 digest, written in the
+same transaction as the first record that refers to them
+(:mod:`._media_blobs`). The table is made by the first write of media, with no
+version change: code that does not know it never reads it, and refuses the
+records that refer to it by their tag, so a database without media stays
+readable by it. A ``media`` row has no ``crc``: every body read is checked
+against its digest, which covers the row and the column that places it.
 
 Row versions: every row carries the ``schema_version`` it was written with.
 Rows are written with :data:`SCHEMA_VERSION`; rows of version 2 written before

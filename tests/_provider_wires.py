@@ -19,6 +19,7 @@ import httpx
 from stepmachine import Message, ModelRequest
 from stepmachine.providers import (
     AnthropicModel,
+    GeminiModel,
     HTTPModel,
     OpenAIChatModel,
     OpenAICompatibleModel,
@@ -305,9 +306,39 @@ _ANTHROPIC = {
     "error": _anthropic_error,
 }
 
+
+def _gemini_error(kind: str, message: str) -> bytes:
+    return json.dumps({"error": {"code": 400, "message": message, "status": kind}}).encode()
+
+
+def _gemini_chunk(parts: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
+    candidate = {"content": {"role": "model", "parts": parts}, "index": 0, **more}
+    return {"candidates": [candidate], "modelVersion": "test-model", "responseId": "r1"}
+
+
+def _gemini_sse(*chunks: dict[str, Any]) -> bytes:
+    # Gemini separates events with CRLF and sends no event names and no [DONE].
+    return "".join(f"data: {json.dumps(c)}\r\n\r\n" for c in chunks).encode()
+
+
+_GEMINI_USAGE = {"promptTokenCount": 3, "candidatesTokenCount": 1, "totalTokenCount": 4}
+_GEMINI = {
+    "ok_json": json.dumps(
+        {**_gemini_chunk([{"text": "Hello"}], finishReason="STOP"), "usageMetadata": _GEMINI_USAGE}
+    ).encode(),
+    # No output yet: a chunk with usage only.
+    "stream_head": _gemini_sse({"usageMetadata": {"promptTokenCount": 3}, "responseId": "r1"}),
+    "stream_text": _gemini_sse(_gemini_chunk([{"text": "Hel"}]), _gemini_chunk([{"text": "lo"}])),
+    "stream_tail": _gemini_sse(
+        {**_gemini_chunk([{"text": ""}], finishReason="STOP"), "usageMetadata": _GEMINI_USAGE}
+    ),
+    "error": _gemini_error,
+}
+
 WIRES = [
     Wire("openai_chat", OpenAIChatModel, **_CHAT),
     Wire("openai_compatible", OpenAICompatibleModel, **_CHAT),
     Wire("openai_responses", OpenAIResponsesModel, **_RESPONSES),
     Wire("anthropic", AnthropicModel, **_ANTHROPIC),
+    Wire("gemini", GeminiModel, **_GEMINI),
 ]

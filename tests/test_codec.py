@@ -114,13 +114,14 @@ def test_unknown_effect_tag_names_tag_and_where_in_effects() -> None:
 
 
 def test_unknown_part_tag_in_a_session_names_tag_and_where() -> None:
+    # "image" was this test's unknown tag until image parts came (issue 14).
     buf = (
         b'{"id":"s","revision":0,"data":{},"conversation":[{"id":"m","role":"user",'
-        b'"parts":[{"type":"image","url":"x"}]}]}'
+        b'"parts":[{"type":"hologram","url":"x"}]}]}'
     )
     with pytest.raises(StoredDataError) as excinfo:
         CODEC.decode_session(buf, where="session 's' snapshot")
-    assert "'image'" in str(excinfo.value)
+    assert "'hologram'" in str(excinfo.value)
     assert "session 's' snapshot" in str(excinfo.value)
 
 

@@ -25,9 +25,11 @@ check). Here:
   ``tests/fixtures/make_conformance_cassettes.py``) cover real traffic shapes that no
   recording holds (tool-call deltas without ``index``, ``n`` > 1, a ``GET /models``
   first, ``[DONE]`` after a Responses stream, a ``developer`` item, ``strict`` absent,
-  signed ``reasoning_details``, thinking tokens, a streamed refusal); the real
-  recordings in ``../shared/conformance/next`` whose requests carry images or documents
-  fail loudly, naming the part, until multimodal input lands;
+  signed ``reasoning_details``, thinking tokens, a streamed refusal);
+* the real recordings in ``../shared/conformance/next`` whose requests carry images or
+  PDFs (``openai_chat``, ``openai_responses``, ``anthropic``) replay and pass too, and
+  the specs' comparison sees a changed or dropped image; a part the neutral request
+  cannot hold (a ``file_id``) still fails its file loudly, naming the part;
 * for every adapter, any reply streamed in any pieces gives chunks that add up exactly
   to the assembled reply (text, and each call's raw arguments).
 """
@@ -193,32 +195,219 @@ async def test_a_file_without_a_model_call_fails(tmp_path: Path) -> None:
     assert "no model call (POST .../chat/completions) recorded" in result.line()
 
 
-def _unsendable() -> list[Path]:
-    """The real recordings whose requests carry images or documents (``next/``)."""
-    return sorted(
-        p
-        for folder in ("openai_chat", "openai_responses", "anthropic")
-        for p in cassettes.cassette_files(NEXT)
-        if p.parent.name == folder
+# -- next/: the image and PDF recordings of the Chat, Responses and Anthropic adapters ------
+
+
+MEDIA_FOLDERS = ("openai_chat", "openai_responses", "anthropic")
+NEXT_MEDIA_FILES = sorted(
+    p for p in cassettes.cassette_files(NEXT) if p.parent.name in MEDIA_FOLDERS
+)
+
+
+def _model_calls(path: Path) -> int:
+    suffix = SPECS.get(path.parent.name).path_suffix
+    return sum(
+        i.method == "POST" and i.path.endswith(suffix) for i in cassettes.load_cassette(path)
     )
 
 
-@pytest.mark.parametrize("path", _unsendable(), ids=lambda p: f"{p.parent.name}/{p.name}")
-async def test_a_request_part_the_adapter_cannot_send_fails_the_file(path: Path) -> None:
-    """Images and documents are not dropped to replay the rest: the file fails, naming
-    the part (these recordings join ``cassettes/`` once multimodal input lands)."""
+@pytest.mark.parametrize(
+    "path",
+    NEXT_MEDIA_FILES or [None],
+    ids=[f"{p.parent.name}/{p.name}" for p in NEXT_MEDIA_FILES] or ["none"],
+)
+async def test_next_media_cassette(path: Path | None) -> None:
+    """Requests that carry images and PDFs (by bytes and by URL) replay like the rest:
+    decoded into media parts, sent again by the adapter, compared on the decoded bytes."""
+    assert path is not None, f"no image/PDF recordings under {NEXT}"
     result = await conformance.run_file(path, SPECS)
+    assert result.passed, result.line()
+    assert result.calls == _model_calls(path) > 0
+
+
+def test_the_next_folder_has_media_recordings_for_every_adapter() -> None:
+    assert {p.parent.name for p in NEXT_MEDIA_FILES} == set(MEDIA_FOLDERS)
+    assert len(NEXT_MEDIA_FILES) == 9
+
+
+def _first_media(body: Any) -> tuple[Any, Any] | None:
+    """The container and key of the first media value in a request body (an image or file
+    URL, a data URL, or Anthropic's bare base64 ``source.data``)."""
+    if isinstance(body, dict):
+        for key, value in body.items():
+            if key in ("url", "image_url", "file_data", "file_url") and isinstance(value, str):
+                return body, key
+            if key == "data" and body.get("type") == "base64":
+                return body, key
+            found = _first_media(value)
+            if found is not None:
+                return found
+    if isinstance(body, list):
+        for item in body:
+            found = _first_media(item)
+            if found is not None:
+                return found
+    return None
+
+
+@pytest.mark.parametrize("path", NEXT_MEDIA_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+async def test_the_specs_see_a_changed_image_or_document(path: Path) -> None:
+    """The comparison can fail: the adapter's body matches the recording, and the same
+    body with one media value changed (other bytes, another URL) or dropped does not."""
+    spec = SPECS.get(path.parent.name)
+    recorded = next(
+        i.request_body
+        for i in cassettes.load_cassette(path)
+        if i.method == "POST" and i.path.endswith(spec.path_suffix)
+    )
+    request, streamed = spec.decode_request(recorded)
+    async with httpx.AsyncClient() as client:
+        model = spec.make_model(client, str(recorded.get("model") or ""))
+        sent = json.loads(msgspec.json.encode(model.build_body(request, stream=streamed)))
+    assert spec.request_differences(sent, recorded) == []
+    found = _first_media(sent)
+    assert found is not None, "no media value in the body sent"
+    container, key = found
+    original = container[key]
+    for other in (
+        "https://example.invalid/other.png",
+        "data:image/png;base64,iVBORw0KGgo=",
+        "iVBORw0KGgo=",
+    ):
+        if other != original:
+            container[key] = other
+            assert spec.request_differences(sent, recorded), other
+    del container[key]
+    assert spec.request_differences(sent, recorded)
+
+
+_UNSENDABLE = """\
+interactions:
+- request:
+    body: '{"model": "gpt-4o", "messages": [{"role": "user", "content": [{"type": "text",
+      "text": "Summarise"}, {"type": "file", "file": {"file_id": "file-abc123"}}]}]}'
+    headers: {}
+    method: POST
+    uri: https://api.openai.com/v1/chat/completions
+  response:
+    body:
+      string: '{"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+        "finish_reason": "stop"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}'
+    headers:
+      Content-Type:
+      - application/json
+    status:
+      code: 200
+      message: OK
+version: 1
+"""
+
+
+async def test_a_request_part_the_adapter_cannot_send_fails_the_file(tmp_path: Path) -> None:
+    """A part the neutral request cannot hold (a file uploaded earlier, named by its
+    ``file_id``) is not dropped to replay the rest: the file fails, naming the part."""
+    folder = tmp_path / "openai_chat"
+    folder.mkdir()
+    (folder / "file_id.yaml").write_text(_UNSENDABLE)
+    result = await conformance.run_file(folder / "file_id.yaml", SPECS)
     assert not result.passed
-    assert "the request holds a part the adapter cannot send: a " in result.line()
+    assert (
+        "the request holds a part the adapter cannot send: a content part of type 'file'"
+        in result.line()
+    )
     assert result.calls == 0  # nothing was replayed
 
 
-def test_the_next_folder_has_unsendable_recordings_for_every_adapter() -> None:
-    assert {p.parent.name for p in _unsendable()} == {
-        "openai_chat",
-        "openai_responses",
-        "anthropic",
-    }
+# -- the Gemini recordings in next/ (they join cassettes/ once multimodal input lands) --------
+
+NEXT_GEMINI = [p for p in cassettes.cassette_files(NEXT) if p.parent.name == "gemini"]
+
+
+def test_the_gemini_recordings_are_there() -> None:
+    assert len(NEXT_GEMINI) == 12, f"expected the 12 Gemini recordings under {NEXT / 'gemini'}"
+
+
+@pytest.mark.parametrize("path", NEXT_GEMINI, ids=lambda p: f"gemini/{p.name}")
+async def test_gemini_cassette(path: Path) -> None:
+    result = await conformance.run_file(path, SPECS)
+    assert result.passed, result.line()
+    assert result.calls > 0
+
+
+async def test_the_cache_calls_around_gemini_model_calls_are_skipped() -> None:
+    result = await conformance.run_file(
+        NEXT / "gemini" / "test_google_model_cached_content.yaml", SPECS
+    )
+    assert result.passed, result.line()
+    assert (result.interactions, result.calls, result.skipped) == (4, 2, 2)
+    assert "POST /v1beta/cachedContents is not a model call" in result.notes[0]
+    assert "DELETE /v1beta/cachedContents/" in result.notes[1]
+
+
+async def test_the_harness_reports_a_gemini_url_that_shows_the_key() -> None:
+    spec = SPECS.get("gemini")
+
+    def leaky(client: httpx.AsyncClient, interaction: Any) -> Any:
+        model = spec.model_for(client, interaction)
+        url = model.url
+        model.url = lambda *, stream: url(stream=stream) + ("&" if stream else "?") + "key=k"
+        return model
+
+    result = await conformance.run_file(
+        NEXT / "gemini" / "test_google_model_stream.yaml", _with("gemini", model_for=leaky)
+    )
+    assert "request 0: the credential is in the URL" in result.line()
+
+
+async def test_the_harness_reports_a_dropped_gemini_signature() -> None:
+    spec = SPECS.get("gemini")
+
+    def forgetful(client: httpx.AsyncClient, interaction: Any) -> Any:
+        model = spec.model_for(client, interaction)
+        build = model.build_body
+
+        def build_body(request: Any, *, stream: bool) -> Any:
+            body = build(request, stream=stream)
+            for turn in body["contents"]:
+                for part in turn["parts"]:
+                    part.pop("thoughtSignature", None)
+            return body
+
+        model.build_body = build_body
+        return model
+
+    name = "chat_function_calling_gemini_gemini-2_5-flash_can_use_parallel_tool_calls.yml"
+    result = await conformance.run_file(
+        NEXT / "gemini" / name, _with("gemini", model_for=forgetful)
+    )
+    assert not result.passed
+    assert "call 1: request 0: contents:" in result.line()
+
+
+def test_command_line_over_the_gemini_recordings(tmp_path: Path) -> None:
+    (tmp_path / "gemini").symlink_to(NEXT / "gemini")
+    done = subprocess.run(
+        [sys.executable, str(HARNESS / "conformance.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "cassettes=12 passed=12", done.stdout + done.stderr
+
+
+def test_command_line_over_the_whole_next_folder() -> None:
+    """The issue's figure: every recording in next/ (Gemini, and the image and PDF ones)."""
+    done = subprocess.run(
+        [sys.executable, str(HARNESS / "conformance.py"), str(NEXT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "cassettes=21 passed=21", done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])

@@ -252,11 +252,26 @@ def _anthropic_stream(raw: str) -> bytes:
     )
 
 
+def _gemini_reply(raw: str) -> bytes:
+    # ``args`` is an object inside the body, as Anthropic's ``input``: built as text.
+    return (
+        '{"candidates": [{"content": {"role": "model", "parts": [{"functionCall": '
+        '{"name": "echo", "args": ' + raw + '}}]}, "finishReason": "STOP"}], '
+        '"usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 1}, '
+        '"modelVersion": "test-model", "responseId": "r1"}'
+    ).encode()
+
+
+def _gemini_stream(raw: str) -> bytes:
+    return b"data: " + _gemini_reply(raw) + b"\r\n\r\n"
+
+
 REPLIES: dict[str, tuple[Callable[[str], bytes], Callable[[str], bytes]]] = {
     "openai_chat": (_chat_reply, _chat_stream),
     "openai_compatible": (_chat_reply, _chat_stream),
     "openai_responses": (_responses_reply, _responses_stream),
     "anthropic": (_anthropic_reply, _anthropic_stream),
+    "gemini": (_gemini_reply, _gemini_stream),
 }
 
 
@@ -271,7 +286,9 @@ def _answer(provider: str, raw: str, *, stream: bool) -> httpx.Response:
 
 def _body_too_deep(provider: str, stream: bool, depth: int) -> bool:
     """Whether the reply's own JSON is deeper than the adapters read (the arguments
-    are an object inside Anthropic's blocking body)."""
+    are an object inside Anthropic's blocking body, and inside every Gemini chunk)."""
+    if provider == "gemini":
+        return depth + 7 > MAX_DEPTH + 32
     return provider == "anthropic" and not stream and depth + 3 > MAX_DEPTH + 32
 
 
@@ -301,8 +318,11 @@ async def test_every_adapter_makes_deep_arguments_an_invalid_call(
     (call,) = [p for p in outcome.parts if isinstance(p, ToolCallPart)]
     assert call.arguments is None
     assert call.name == "echo"
-    # the raw string is what was sent (Anthropic's blocking reply re-encodes valid input only)
-    if provider != "anthropic" or stream:
+    # the raw string is what was sent (Anthropic's blocking reply re-encodes valid input
+    # only; Gemini sends an object, always re-encoded compactly)
+    if provider == "gemini":
+        assert json.loads(call.raw_arguments) == json.loads(raw)
+    elif provider != "anthropic" or stream:
         assert call.raw_arguments == raw
 
 

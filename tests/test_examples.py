@@ -23,6 +23,8 @@ PROVIDER_VARIABLES = (
     "OPENAI_API_KEY",
     "ANTHROPIC_API_KEY",
     "OPENAI_COMPATIBLE_BASE_URL",
+    "GEMINI_API_KEY",
+    "GOOGLE_API_KEY",
     "STEPMACHINE_POSTGRES",  # examples/workers.py's database: each test says which it uses
 )
 
@@ -104,7 +106,35 @@ def test_there_are_examples() -> None:
         "workers.py",
         "inspector.py",
         "mcp.py",
+        "vision.py",
     }
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_vision_example_sends_an_image_and_a_pdf(tmp_path: Path, backend: str) -> None:
+    db = tmp_path / "demo-data" / "vision.sqlite3"
+    command = [str(ROOT / "examples" / "vision.py"), "--db", str(db), "--backend", backend]
+    done = run(command, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "model: scripted (no provider configured)" in out
+    assert "image and PDF stored intact: True" in out
+    assert "     user: [ImagePart image/png, " in out
+    assert "     user: [DocumentPart application/pdf, " in out
+    assert '-> lookup_invoice({"number":"INV-42"})' in out
+    assert "<- paid on 2026-11-20" in out
+
+
+def test_vision_example_uses_a_configured_gemini_key(tmp_path: Path) -> None:
+    # A Gemini server that is not there: the example must pick the real adapter, which
+    # takes images and PDFs (no ConfigurationError), and fail to connect.
+    env = {"GEMINI_API_KEY": "test-key", "GEMINI_BASE_URL": "http://127.0.0.1:9/v1beta"}
+    done = run([str(ROOT / "examples" / "vision.py"), "--db", str(tmp_path / "db")], tmp_path, env)
+    assert "model: gemini:gemini-2.5-flash" in done.stdout
+    assert done.returncode != 0
+    assert "ProviderConnectionError" in done.stderr
+    assert "ConfigurationError" not in done.stderr
+    assert "test-key" not in done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])

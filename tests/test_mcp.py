@@ -7,6 +7,7 @@ asyncio and trio.
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import socket
@@ -21,18 +22,32 @@ import anyio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from mcp.types import (
+    AudioContent,
+    BlobResourceContents,
+    CallToolResult,
+    EmbeddedResource,
+    ImageContent,
+    TextContent,
+)
 
 from stepmachine import (
     ConfigurationError,
+    DocumentPart,
+    ImagePart,
     Message,
     ModelInference,
     ModelRequest,
     ModelResponse,
     Runtime,
     StateMachine,
+    ToolContext,
+    ToolError,
+    ToolOutput,
     ToolResultPart,
 )
 from stepmachine.operations import Approval, McpHttp, McpStdio, McpTools, approve
+from stepmachine.operations._mcp_tool import McpTool, result_output, result_text
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 
@@ -154,7 +169,13 @@ async def test_calls_map_text_structured_content_images_and_errors(
     assert (echo.content, echo.is_error) == ("hi", False)
     assert not add.is_error
     assert '"total": 5' in add.content
-    assert image.content == "[image: image/png, 16 bytes; not shown]"
+    assert image.content == "[image follows: image/png, 16 bytes]"
+    (stored_image,) = next(
+        m.result_media(image.call_id) for m in session.conversation if image in m.tool_results
+    )
+    assert stored_image == ImagePart(
+        media_type="image/png", data=base64.b64decode("iVBORw0KGgoAAAANSUhEUg==")
+    )
     assert (fail.content, fail.is_error) == ("Error executing tool fail: cannot: no disk", True)
     assert bad.is_error
     assert "validation error" in bad.content
@@ -163,6 +184,91 @@ async def test_calls_map_text_structured_content_images_and_errors(
     # The model's second request saw every result and the tools.
     assert {"echo", "add"} <= {t.name for t in model.requests[1].tools}
     assert session.conversation[-1].text == "done"
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def test_result_blocks_become_text_and_media_parts() -> None:
+    png, pdf = b"\x89PNG\r\n\x1a\n-pixels", b"%PDF-1.4 pages"
+    blob = "file:///r/report.pdf"
+    result = CallToolResult(
+        content=[
+            TextContent(type="text", text="the chart"),
+            ImageContent(type="image", data=_b64(png), mime_type="image/png"),
+            EmbeddedResource(
+                type="resource",
+                resource=BlobResourceContents(
+                    uri=blob, mime_type="application/pdf", blob=_b64(pdf)
+                ),
+            ),
+            EmbeddedResource(
+                type="resource",
+                resource=BlobResourceContents(
+                    uri="file:///r/a.gif", mime_type="image/gif", blob=_b64(b"GIF89a")
+                ),
+            ),
+            EmbeddedResource(
+                type="resource",
+                resource=BlobResourceContents(
+                    uri="file:///r/x.bin", mime_type="application/zip", blob=_b64(b"PK")
+                ),
+            ),
+            AudioContent(type="audio", data=_b64(b"RIFF"), mime_type="audio/wav"),
+            ImageContent(type="image", data="not base64!", mime_type="image/png"),
+            ImageContent(type="image", data=_b64(png), mime_type="text/plain"),  # not an image
+        ]
+    )
+    output = result_output(result)
+    assert output.media == (
+        ImagePart(media_type="image/png", data=png),
+        DocumentPart(media_type="application/pdf", data=pdf, title=blob),
+        ImagePart(media_type="image/gif", data=b"GIF89a"),
+    )
+    assert output.text.splitlines() == [
+        "the chart",
+        "[resource file:///r/x.bin: application/zip, 2 bytes; not shown]",
+        "[audio: audio/wav, 4 bytes; not shown]",
+        "[image: image/png, undecodable base64; not shown]",
+        f"[image: text/plain, {len(png)} bytes; not shown]",
+    ]
+    assert result_text(result) == output.text
+    only_image = CallToolResult(
+        content=[ImageContent(type="image", data=_b64(png), mime_type="image/png")]
+    )
+    assert result_output(only_image) == ToolOutput(
+        "", (ImagePart(media_type="image/png", data=png),)
+    )
+    assert result_text(only_image) == f"[image follows: image/png, {len(png)} bytes]"
+
+
+async def test_an_error_result_names_its_images_and_stores_none() -> None:
+    class _Link:
+        server = McpStdio(command="unused", name="fx")
+
+        async def call(self, name: str, arguments: Any, meta: Any) -> CallToolResult:
+            return CallToolResult(
+                content=[
+                    TextContent(type="text", text="render failed"),
+                    ImageContent(type="image", data=_b64(b"\x89PNG"), mime_type="image/png"),
+                ],
+                is_error=True,
+            )
+
+    tool = McpTool(
+        name="draw",
+        remote_name="draw",
+        definition=None,  # type: ignore[arg-type]
+        side_effects="pure",
+        timeout=None,
+        link=_Link(),  # type: ignore[arg-type]
+        max_result_chars=10_000,
+    )
+    context = ToolContext(runtime=Runtime(), session_id="s", call_id="c", idempotency_key="k")
+    with pytest.raises(ToolError) as raised:
+        await tool.call({}, context)
+    assert str(raised.value) == "render failed\n[image: image/png, 4 bytes; not shown]"
 
 
 async def test_non_object_arguments_are_an_invalid_call_error(files: dict[str, Path]) -> None:

@@ -482,6 +482,22 @@ _QUOTA_EVENTS = {
         "error",
         {"type": "error", "error": {"type": "billing_error", "message": "credit"}},
     ),
+    "gemini": (
+        None,
+        {
+            "error": {
+                "code": 429,
+                "status": "RESOURCE_EXHAUSTED",
+                "message": "You exceeded your current quota ... limit: 0",
+                "details": [
+                    {
+                        "@type": "type.googleapis.com/google.rpc.QuotaFailure",
+                        "violations": [{"quotaId": "FreeTierRequests", "quotaValue": "0"}],
+                    }
+                ],
+            }
+        },
+    ),
 }
 
 

@@ -27,7 +27,13 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 CONTINUES = "<!-- continues the previous block -->"
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 PRINT = re.compile(r"^\s*print\(.*\)\s*#\s*(?P<expected>.+?)\s*$")
-PROVIDER_VARIABLES = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_COMPATIBLE_BASE_URL")
+PROVIDER_VARIABLES = (
+    "OPENAI_API_KEY",
+    "ANTHROPIC_API_KEY",
+    "OPENAI_COMPATIBLE_BASE_URL",
+    "GEMINI_API_KEY",
+    "GOOGLE_API_KEY",
+)
 
 
 @dataclass(frozen=True)

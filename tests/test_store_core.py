@@ -12,7 +12,7 @@ rewritten; each batch is applied once per ``apply``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -72,6 +72,7 @@ class MemoryBackend:
         self.logs: dict[str, _Log] = {}
         self.written: dict[str, dict[int, bytes]] = {}
         self.unused: list[tuple[int, str]] = []
+        self.blobs: dict[str, bytes] = {}
         self._incarnations = 0
 
     def txn(self) -> MemoryTxn:
@@ -159,6 +160,14 @@ class MemoryTxn:
     def unusable(self, session_id: str, base: Base[Pos], reason: str) -> None:
         self.backend.unused.append((base.revision, reason))
 
+    media_label = "the memory backend's media"
+
+    def blob(self, digest: str) -> bytes | None:
+        return self.backend.blobs.get(digest)
+
+    def put_blobs(self, blobs: Mapping[str, bytes]) -> None:
+        self.backend.blobs.update(blobs)
+
 
 def _moved(batch: StoredBatch, where: str) -> StoredBatch:
     """``batch`` as stored: named by where it now is."""
@@ -207,8 +216,8 @@ def _build(
     core: LogCore[Pos], backend: MemoryBackend, ops: list[tuple[str, int]]
 ) -> list[Session[Any]]:
     """Create "s" and apply one batch per op through the core; every revision's session."""
-    session, record = core.new_session("s", None, [Message.user("hello", id="m0")])
-    core.remember("s", core.create(backend.txn(), "s", session, record))
+    session, record, blobs = core.new_session("s", None, [Message.user("hello", id="m0")])
+    core.remember("s", core.create(backend.txn(), "s", session, record, blobs))
     history = [session]
     for index, op in enumerate(ops):
         batch = Batch("s", session.revision + 1, "test", index, 1.7e9, (_effect(op, index),))
@@ -246,9 +255,10 @@ def test_replay_from_any_snapshot_is_replay_from_zero(
     log = backend.logs["s"]
     for revision, record in backend.written["s"].items():
         base = Base(revision, record, f"snapshot {revision}", (log.incarnation, revision))
-        start = decode_base(CODEC, "s", base)
+        reader = core.reader(backend.txn())
+        start = decode_base(CODEC, "s", base, reader)
         assert start == history[revision]
-        assert replay(CODEC, start, log.batches[revision:]) == history[-1]
+        assert replay(CODEC, start, log.batches[revision:], reader) == history[-1]
 
 
 @settings(max_examples=60, deadline=None)
@@ -335,8 +345,8 @@ def test_a_corrupt_record_is_a_clear_error_and_nothing_is_rewritten(
 def test_each_batch_is_applied_once_per_apply(form: Any) -> None:
     backend = MemoryBackend()
     core: LogCore[Pos] = LogCore(COUNTING, EveryN(1000), form)
-    session, record = core.new_session("s", None, ())
-    core.remember("s", core.create(backend.txn(), "s", session, record))
+    session, record, blobs = core.new_session("s", None, ())
+    core.remember("s", core.create(backend.txn(), "s", session, record, blobs))
     Counted.applied.clear()
     for revision in range(1, 6):
         batch = _one(revision, Counted())

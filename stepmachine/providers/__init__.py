@@ -16,6 +16,8 @@ adapter                    key                         base URL
 ``OpenAIResponsesModel``   ``OPENAI_API_KEY``          ``OPENAI_BASE_URL``
 ``AnthropicModel``         ``ANTHROPIC_API_KEY``       ``ANTHROPIC_BASE_URL``
 ``OpenAICompatibleModel``  ``OPENAI_COMPATIBLE_API_KEY``  ``OPENAI_COMPATIBLE_BASE_URL``
+``GeminiModel``            ``GEMINI_API_KEY`` or       ``GEMINI_BASE_URL``
+                           ``GOOGLE_API_KEY``
 =========================  ==========================  ===============================
 """
 
@@ -35,6 +37,7 @@ from ._errors import (
     RedactedCauseError,
     ServerError,
 )
+from ._gemini import GeminiModel
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
 from ._openai_chat import OpenAIChatModel, OpenAICompatibleModel
 from ._openai_responses import OpenAIResponsesModel
@@ -45,6 +48,7 @@ __all__ = [
     "AuthenticationError",
     "BadRequestError",
     "ContextLengthExceededError",
+    "GeminiModel",
     "HTTPModel",
     "MalformedResponseError",
     "NotFoundError",

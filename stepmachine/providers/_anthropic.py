@@ -16,6 +16,18 @@ Request mapping (:meth:`AnthropicModel.build_body`):
   empty or only whitespace is sent as ``"error"`` (the API refuses an error
   result without content). Consecutive turns of one role are merged,
   as the API requires, with tool results first in a ``user`` turn;
+* media, in part order: :class:`~stepmachine.ImagePart` -> an ``image``
+  block, :class:`~stepmachine.DocumentPart` -> a ``document`` block (with
+  ``title``), each with ``source`` ``{type: "base64", media_type, data}``
+  (bare base64; PNG, JPEG, GIF or WebP images, PDF documents), ``{type:
+  "text", media_type: "text/plain", data}`` (a UTF-8 text document) or
+  ``{type: "url", url}``, and ``cache_control: {type: "ephemeral"}`` when the
+  part's ``cache`` hint is set (at most four a request, as the API allows).
+  The images and documents that follow a tool result go inside its
+  ``tool_result`` block, whose ``content`` becomes a list (a text block with
+  the result's content first, unless blank). More cache hints, audio,
+  other media types, and media in a system or assistant message are a
+  :class:`~stepmachine.ConfigurationError` before any request;
 * ``tools``: ``{name, description, input_schema}``;
 * ``output_config: {format: {type: "json_schema", schema}}`` for structured output;
 * ``max_tokens`` (required by the API): ``settings.max_tokens``, else the
@@ -51,6 +63,8 @@ import anyio
 import httpx
 import msgspec
 
+from .._errors import ConfigurationError
+from .._media import MEDIA_PARTS, AudioPart, DocumentPart, ImagePart
 from .._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 from .._model import (
     ChunkSink,
@@ -63,6 +77,7 @@ from .._model import (
 )
 from ._errors import MalformedResponseError, ProviderError, error_from_response
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
+from ._media_wire import IMAGE_TYPES, PDF, b64, image_type, unsendable
 from ._wire import (
     PARSE_ERRORS,
     decode_arguments,
@@ -125,6 +140,8 @@ class AnthropicModel(HTTPModel):
 
     provider = "anthropic"
     path = "/messages"
+    media = frozenset({ImagePart, DocumentPart})
+    result_media = frozenset({ImagePart, DocumentPart})
 
     def __init__(
         self,
@@ -175,7 +192,7 @@ class AnthropicModel(HTTPModel):
         system += [m.text for m in request.messages if m.role == "system" and m.text]
         if system:
             body["system"] = "\n\n".join(system)
-        body["messages"] = _messages(request.messages)
+        body["messages"] = _messages(request.messages, self.name)
         if request.tools:
             body["tools"] = [
                 {"name": t.name, "description": t.description, "input_schema": t.parameters}
@@ -419,18 +436,39 @@ class _StreamState:
 # -- messages ------------------------------------------------------------------------------
 
 
+_MEDIA_WHERE = (
+    "the Messages API takes images and documents in user turns and tool results only, and no audio"
+)
+_CACHE_BREAKPOINTS = 4
+"""The most ``cache_control`` marks the API takes in one request."""
 _EMPTY_ERROR = "error"
 """The content sent for an ``is_error`` tool result whose content is blank."""
 
 
-def _messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    """The conversation as alternating ``user``/``assistant`` turns of content blocks."""
+def _messages(messages: Sequence[Message], who: str) -> list[dict[str, Any]]:
+    """The conversation as alternating ``user``/``assistant`` turns of content blocks.
+
+    Raises:
+        ConfigurationError: a media part the API cannot take where it is
+            (``who`` names the adapter in the message).
+    """
+    marked = sum(
+        isinstance(p, ImagePart | DocumentPart) and p.cache for m in messages for p in m.parts
+    )
+    if marked > _CACHE_BREAKPOINTS:
+        raise ConfigurationError(
+            f"{who} cannot send {marked} media parts with the cache hint: the Messages API "
+            f"takes at most {_CACHE_BREAKPOINTS} cache breakpoints (cache_control) a request"
+        )
     turns: list[dict[str, Any]] = []
     for message in messages:
         if message.role == "system":
+            media = [p for p in message.parts if isinstance(p, MEDIA_PARTS)]
+            if media:  # the system prompt is text: never drop what it cannot hold
+                raise unsendable(who, media[0], _MEDIA_WHERE)
             continue
         role = "assistant" if message.role == "assistant" else "user"
-        blocks = [b for part in message.parts if (b := _block(part))]
+        blocks = _blocks(message, who)
         if not blocks:
             continue  # the API refuses empty turns
         if turns and turns[-1]["role"] == role:
@@ -442,6 +480,69 @@ def _messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
             # tool results must open the turn that answers the calls
             turn["content"].sort(key=lambda b: b["type"] != "tool_result")
     return turns
+
+
+def _blocks(message: Message, who: str) -> list[dict[str, Any]]:
+    """The content blocks of one message, in part order; the images and documents that
+    follow a tool result go inside its ``tool_result`` block."""
+    blocks: list[dict[str, Any]] = []
+    result: dict[str, Any] | None = None  # the tool_result the next media parts belong to
+    for part in message.parts:
+        if isinstance(part, ImagePart | DocumentPart | AudioPart):
+            if message.role == "assistant" or isinstance(part, AudioPart):
+                raise unsendable(who, part, _MEDIA_WHERE)
+            block = _media_block(part, who)
+            if result is None:
+                blocks.append(block)
+            else:
+                result["content"].append(block)
+            continue
+        result = None
+        b = _block(part)
+        if b is None:
+            continue
+        if isinstance(part, ToolResultPart) and message.result_media(part.call_id):
+            text = b["content"]
+            b["content"] = [{"type": "text", "text": text}] if text.strip() else []
+            result = b
+        blocks.append(b)
+    return blocks
+
+
+def _media_block(part: ImagePart | DocumentPart, who: str) -> dict[str, Any]:
+    """An ``image`` or ``document`` block: its source, ``title``, ``cache_control``."""
+    block: dict[str, Any]
+    if isinstance(part, ImagePart):
+        block = {"type": "image", "source": _image_source(part, who)}
+    else:
+        block = {"type": "document", "source": _document_source(part, who)}
+        if part.title:
+            block["title"] = part.title
+    if part.cache:
+        block["cache_control"] = {"type": "ephemeral"}
+    return block
+
+
+def _image_source(part: ImagePart, who: str) -> dict[str, Any]:
+    if part.data is None:
+        return {"type": "url", "url": part.url}
+    if image_type(part) not in IMAGE_TYPES:
+        raise unsendable(who, part, "the Messages API takes PNG, JPEG, GIF and WebP images")
+    return {"type": "base64", "media_type": image_type(part), "data": b64(part.data)}
+
+
+def _document_source(part: DocumentPart, who: str) -> dict[str, Any]:
+    if part.data is None:
+        return {"type": "url", "url": part.url}
+    if part.media_type == PDF:
+        return {"type": "base64", "media_type": PDF, "data": b64(part.data)}
+    if part.media_type == "text/plain":
+        try:
+            text = part.data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise unsendable(who, part, "a text/plain document must be UTF-8") from None
+        return {"type": "text", "media_type": "text/plain", "data": text}
+    raise unsendable(who, part, "the Messages API takes PDF and text/plain documents")
 
 
 def _block(part: Part) -> dict[str, Any] | None:
@@ -462,6 +563,8 @@ def _block(part: Part) -> dict[str, Any] | None:
             "content": content,
             "is_error": part.is_error,
         }
+    if not isinstance(part, ReasoningPart):
+        return None  # media parts are _media_block's
     data = part.provider_data
     if "redacted" in data:
         return {"type": "redacted_thinking", "data": data["redacted"]}

@@ -10,6 +10,10 @@ An adapter subclasses :class:`HTTPModel` and implements four pure methods:
   reply would give (invariant 9);
 * ``auth_headers() -> dict`` -- how the key is sent.
 
+and may override ``url(stream=)`` (where a request goes, when streaming changes
+the endpoint, as for Gemini) and ``reply_error(status, body, headers)`` (the
+typed error for an HTTP error reply, to read provider-specific details).
+
 :class:`HTTPModel` does the rest: one reused ``httpx.AsyncClient`` (injectable;
 model-appropriate timeouts, not httpx's 5 s default), typed errors from HTTP
 status and body, and retries with exponential backoff and jitter that honour
@@ -47,6 +51,7 @@ import msgspec
 
 from .. import _log, _tracing
 from .._errors import ConfigurationError
+from .._media import check_media
 from .._messages import ReasoningPart, TextPart, ToolCallPart
 from .._model import (
     ChunkSink,
@@ -186,6 +191,10 @@ class HTTPModel:
 
     provider = "http"
     path = ""
+    media: frozenset[type] = frozenset()
+    """The media part types the adapter sends in a message (see ``check_media``)."""
+    result_media: frozenset[type] = frozenset()
+    """The media part types the adapter sends in a tool result."""
 
     def __init__(
         self,
@@ -253,6 +262,14 @@ class HTTPModel:
         """Headers carrying the key."""
         return {"authorization": f"Bearer {self.api_key.reveal()}"} if self.api_key else {}
 
+    def url(self, *, stream: bool) -> str:
+        """Where a request goes: ``{base_url}{path}`` (override when streaming changes it)."""
+        return f"{self.base_url}{self.path}"
+
+    def reply_error(self, status: int, body: bytes, headers: httpx.Headers) -> ProviderError:
+        """The typed error for an HTTP error reply (override to read provider details)."""
+        return error_from_response(self.provider, status, body, headers)
+
     def stream_error(self, data: Any) -> ProviderError:
         """The typed error for an error event inside a stream (override per provider)."""
         body = msgspec.json.encode(data)
@@ -279,9 +296,16 @@ class HTTPModel:
                 a traceback that starts here (a note says where inside the
                 adapter it was raised).
 
+        Raises (before any request):
+            ConfigurationError: a message holds a media part this adapter
+                cannot send (:attr:`media`, :attr:`result_media`).
+
         Cancellation: the HTTP request is abandoned; chunks already handed to
         ``on_chunk`` stay delivered.
         """
+        check_media(
+            request.messages, accepts=self.media, in_results=self.result_media, who=self.name
+        )
         body = msgspec.json.encode(self.build_body(request, stream=on_chunk is not None))
         limit = self.retry.max_attempts
         if request.max_attempts is not None:
@@ -356,7 +380,8 @@ class HTTPModel:
         return redact_error(error, self._secrets())
 
     def _url(self) -> str:
-        return f"{self.base_url}{self.path}"
+        """The blocking request's URL (kept for callers of the former private name)."""
+        return self.url(stream=False)
 
     def _headers(self, *, stream: bool) -> dict[str, str]:
         return {
@@ -370,16 +395,17 @@ class HTTPModel:
         failure: ProviderError | None = None
         try:
             reply = await self.client.post(
-                self._url(), content=body, headers=self._headers(stream=False), timeout=self.timeout
+                self.url(stream=False),
+                content=body,
+                headers=self._headers(stream=False),
+                timeout=self.timeout,
             )
         except httpx.HTTPError as exc:
             failure = self._transport_error(exc, "the request failed")
         if failure is not None:
             raise failure  # outside the except block: no chained httpx request (and key)
         if reply.status_code >= 400:
-            raise error_from_response(
-                self.provider, reply.status_code, reply.content, reply.headers
-            )
+            raise self.reply_error(reply.status_code, reply.content, reply.headers)
         return self._parse_json(reply.content, reply.status_code)
 
     def _parse_json(self, content: bytes, status: int) -> ModelResponse:
@@ -407,7 +433,7 @@ class HTTPModel:
             async with httpx_sse.aconnect_sse(
                 self.client,
                 "POST",
-                self._url(),
+                self.url(stream=True),
                 content=body,
                 headers=self._headers(stream=True),
                 timeout=self.timeout,
@@ -415,9 +441,7 @@ class HTTPModel:
                 reply = source.response
                 if reply.status_code >= 400:
                     content = await reply.aread()
-                    raise error_from_response(
-                        self.provider, reply.status_code, content, reply.headers
-                    )
+                    raise self.reply_error(reply.status_code, content, reply.headers)
                 if "text/event-stream" not in reply.headers.get("content-type", ""):
                     # A server that ignored ``stream``: take the whole reply, emit it as chunks.
                     response = self._parse_json(await reply.aread(), reply.status_code)

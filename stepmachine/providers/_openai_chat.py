@@ -44,6 +44,27 @@ Mapping decisions (both adapters):
   ``strict_output`` says otherwise.
 * Only the first choice (``index`` 0) is read; with ``n`` > 1 the others are
   ignored, in a blocking reply and in a stream alike.
+
+Media (both adapters), in a ``user`` message only; the message's ``content``
+becomes a list of parts in the message's order:
+
+* :class:`~stepmachine.ImagePart` -> ``{type: "image_url", image_url: {url,
+  detail?}}``: its URL, or its bytes as a ``data:<media_type>;base64,...``
+  URL (PNG, JPEG, GIF or WebP); ``detail`` when the part sets one;
+* :class:`~stepmachine.DocumentPart` -> ``{type: "file", file: {file_data,
+  filename}}``: PDF bytes as a data URL, the part's ``title`` as the file
+  name (``document.pdf`` without one). Chat Completions takes no file URL and
+  no other file type;
+* :class:`~stepmachine.AudioPart` -> ``{type: "input_audio", input_audio:
+  {data, format}}``: WAV or MP3 bytes in base64 (audio-capable models only);
+* the ``cache`` hint has no wire field (OpenAI caches prompt prefixes itself).
+
+Anything else is a :class:`~stepmachine.ConfigurationError` before any
+request, naming the part: a document by URL or not a PDF, audio by URL or not
+WAV/MP3, an image type other than those four, media in a system or assistant
+message, and images or documents in a tool result (OpenAI refuses them in
+``tool`` messages: ``result_media`` is empty). Whether a compatible server's
+model reads images (or fetches remote URLs) is the server's to say.
 """
 
 from __future__ import annotations
@@ -60,6 +81,7 @@ import httpx
 import msgspec
 
 from .._errors import ConfigurationError
+from .._media import MEDIA_PARTS, AudioPart, DocumentPart, ImagePart
 from .._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart
 from .._model import (
     ChunkSink,
@@ -73,6 +95,15 @@ from .._model import (
 )
 from ._errors import MalformedResponseError, ProviderError, error_from_response
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
+from ._media_wire import (
+    IMAGE_TYPES,
+    PDF,
+    b64,
+    data_url,
+    default_filename,
+    image_type,
+    unsendable,
+)
 from ._wire import decode_arguments, decode_body, strict_compatible
 
 __all__ = ["OpenAIChatModel", "OpenAICompatibleModel"]
@@ -81,6 +112,28 @@ OPENAI_BASE_URL = "https://api.openai.com/v1"
 _REASONING_FIELDS = ("reasoning", "reasoning_content")
 _FINISH = {"function_call": "tool_calls"}
 _DETAIL_TEXT = frozenset({"text", "summary", "data", "signature"})  # streamed in pieces
+_AUDIO_FORMATS = {
+    "audio/wav": "wav",
+    "audio/x-wav": "wav",
+    "audio/wave": "wav",
+    "audio/vnd.wave": "wav",
+    "audio/mpeg": "mp3",
+    "audio/mp3": "mp3",
+}
+_ONLY_USER_MEDIA = (
+    "Chat Completions takes images, files and audio in user messages only (a tool result's "
+    "images are refused by OpenAI: use OpenAIResponsesModel or AnthropicModel for those)"
+)
+_IMAGE_TYPES_TAKEN = "Chat Completions takes PNG, JPEG, GIF and WebP images"
+_NO_FILE_URL = (
+    "Chat Completions takes files as bytes only (file_data), not by URL: fetch the bytes, "
+    "or use OpenAIResponsesModel (file_url)"
+)
+_PDF_ONLY = (
+    "Chat Completions takes PDF files only: send a text file's contents as text, "
+    "or use OpenAIResponsesModel"
+)
+_AUDIO_TAKEN = "Chat Completions takes audio as WAV or MP3 bytes (input_audio), not by URL"
 
 
 class OpenAIChatModel(HTTPModel):
@@ -100,6 +153,8 @@ class OpenAIChatModel(HTTPModel):
 
     provider = "openai"
     path = "/chat/completions"
+    media = frozenset({ImagePart, DocumentPart, AudioPart})
+    result_media: frozenset[type] = frozenset()  # OpenAI refuses images in tool messages
     max_tokens_field = "max_completion_tokens"
     #: ``content`` of an assistant turn that has no text (only tool calls).
     empty_assistant_content: str | None = None
@@ -190,6 +245,9 @@ class OpenAIChatModel(HTTPModel):
         if request.system_prompt:
             out.append({"role": self.system_role, "content": request.system_prompt})
         for message in request.messages:
+            media = [p for p in message.parts if isinstance(p, MEDIA_PARTS)]
+            if media and message.role != "user":
+                raise unsendable(self.name, media[0], _ONLY_USER_MEDIA)
             if message.role == "assistant":
                 out.append(self._assistant(message))
                 continue
@@ -197,11 +255,61 @@ class OpenAIChatModel(HTTPModel):
                 {"role": "tool", "tool_call_id": part.call_id, "content": part.content}
                 for part in message.tool_results
             )
+            if media:
+                content = [
+                    self._content_part(p)
+                    for p in message.parts
+                    if isinstance(p, TextPart | ImagePart | DocumentPart | AudioPart)
+                ]
+                out.append({"role": "user", "content": content})
+                continue
             texts = [p.text for p in message.parts if isinstance(p, TextPart)]
             if texts or (message.role != "tool" and not message.tool_results):
                 role = self.system_role if message.role == "system" else "user"
                 out.append({"role": role, "content": _content(texts)})
         return out
+
+    def _content_part(
+        self, part: TextPart | ImagePart | DocumentPart | AudioPart
+    ) -> dict[str, Any]:
+        """A text, image, PDF or audio part of a user message as a content part.
+
+        Raises:
+            ConfigurationError: a part Chat Completions cannot take in this form
+                (see the module docs).
+        """
+        if isinstance(part, ImagePart):
+            return {"type": "image_url", "image_url": self._image_url(part)}
+        if isinstance(part, DocumentPart):
+            return {"type": "file", "file": self._file(part)}
+        if isinstance(part, AudioPart):
+            return {"type": "input_audio", "input_audio": self._audio(part)}
+        return {"type": "text", "text": part.text}
+
+    def _image_url(self, part: ImagePart) -> dict[str, Any]:
+        if part.data is not None and image_type(part) not in IMAGE_TYPES:
+            raise unsendable(self.name, part, _IMAGE_TYPES_TAKEN)
+        url = part.url if part.data is None else data_url(image_type(part), part.data)
+        image: dict[str, Any] = {"url": url}
+        if part.detail is not None:
+            image["detail"] = part.detail
+        return image
+
+    def _file(self, part: DocumentPart) -> dict[str, Any]:
+        if part.data is None:
+            raise unsendable(self.name, part, _NO_FILE_URL)
+        if part.media_type != PDF:
+            raise unsendable(self.name, part, _PDF_ONLY)
+        return {
+            "file_data": data_url(PDF, part.data),
+            "filename": part.title or default_filename(PDF),
+        }
+
+    def _audio(self, part: AudioPart) -> dict[str, Any]:
+        audio_format = _AUDIO_FORMATS.get(part.media_type)
+        if part.data is None or audio_format is None:
+            raise unsendable(self.name, part, _AUDIO_TAKEN)
+        return {"data": b64(part.data), "format": audio_format}
 
     def _assistant(self, message: Message) -> dict[str, Any]:
         text = "".join(p.text for p in message.parts if isinstance(p, TextPart))

@@ -12,6 +12,17 @@ Request mapping (provider-neutral -> wire):
   content is sent as is); a reasoning part that came from this API
   -> the ``reasoning`` item it was (``id``, ``summary``, ``encrypted_content``),
   in the order the parts have in the message;
+* images and documents of a user message -> its ``content`` as a list of
+  blocks in part order: ``input_text``, ``input_image`` (``image_url``: the
+  URL, or the bytes as a ``data:<media_type>;base64,...`` URL -- PNG, JPEG,
+  GIF or WebP; ``detail``: the part's, else ``"auto"``) and ``input_file``
+  (bytes -> ``file_data`` data URL with ``filename``: the part's ``title``,
+  else ``document.pdf`` / ``document.txt`` / ...; a URL -> ``file_url``);
+  the images and documents that follow a tool result -> its ``output`` as
+  such a list (``input_text`` with the result's content first, when it has
+  any). The ``cache`` hint has no wire field. Audio, and media in a system
+  or assistant message, are a :class:`~stepmachine.ConfigurationError`
+  before any request;
 * tools -> flat ``{type: "function", name, description, parameters}``;
   ``max_tokens`` -> ``max_output_tokens``; ``output_schema`` ->
   ``text.format`` ``json_schema``; ``settings.extra`` is merged in last.
@@ -45,7 +56,8 @@ returns when ``include`` asks for it: that is asked automatically when
 ``reasoning`` is configured, or explicitly with
 ``include_encrypted_reasoning=True``. A reasoning item that cannot be resolved
 (no encrypted content while ``store`` is false) is left out of the next
-request rather than failing it.
+request rather than failing it; one that carries its encrypted content but no
+``id`` (as some clients send it back) is sent without an ``id``.
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ import anyio
 import httpx
 import msgspec
 
+from .._media import MEDIA_PARTS, AudioPart, DocumentPart, ImagePart
 from .._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 from .._model import (
     ChunkSink,
@@ -71,6 +84,7 @@ from .._model import (
 )
 from ._errors import MalformedResponseError, ProviderError, error_from_response
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
+from ._media_wire import IMAGE_TYPES, data_url, default_filename, image_type, unsendable
 from ._wire import (
     count,
     decode_body,
@@ -85,6 +99,10 @@ __all__ = ["OpenAIResponsesModel"]
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
+_USER_OR_RESULT_MEDIA = (
+    "the Responses API takes images and files in user messages and tool results only"
+)
+_IMAGE_TYPES_TAKEN = "the Responses API takes PNG, JPEG, GIF and WebP images"
 
 # Stream error codes -> the HTTP status whose typed error fits them best.
 _STREAM_ERROR_STATUS = {
@@ -135,6 +153,8 @@ class OpenAIResponsesModel(HTTPModel):
 
     provider = "openai"
     path = "/responses"
+    media = frozenset({ImagePart, DocumentPart})
+    result_media = frozenset({ImagePart, DocumentPart})
 
     def __init__(
         self,
@@ -179,6 +199,9 @@ class OpenAIResponsesModel(HTTPModel):
         items: list[dict[str, Any]] = []
         for message in request.messages:
             if message.role == "system":
+                for part in message.parts:
+                    if isinstance(part, MEDIA_PARTS):  # instructions are text: never drop it
+                        raise unsendable(self.name, part, _USER_OR_RESULT_MEDIA)
                 if message.text:
                     system.append(message.text)
                 continue
@@ -223,20 +246,39 @@ class OpenAIResponsesModel(HTTPModel):
         return tool
 
     def _items(self, message: Message) -> list[dict[str, Any]]:
-        """The input items of one message, in part order (consecutive text joined)."""
+        """The input items of one message, in part order (consecutive text joined).
+
+        Images and documents join the content of the message they are in (a
+        list of ``input_text`` / ``input_image`` / ``input_file`` blocks), or,
+        right after a tool result, that result's ``output``.
+        """
         items: list[dict[str, Any]] = []
-        text: list[str] = []
+        content: list[TextPart | ImagePart | DocumentPart] = []
+        output: dict[str, Any] | None = None  # the result the next media parts belong to
 
         def flush() -> None:
-            joined = "".join(text)
-            text.clear()
-            if joined:
-                role = "assistant" if message.role == "assistant" else "user"
-                items.append({"role": role, "content": joined})
+            parts = [p for p in content if not isinstance(p, TextPart) or p.text]
+            content.clear()
+            if not parts:
+                return
+            role = "assistant" if message.role == "assistant" else "user"
+            texts = [p.text for p in parts if isinstance(p, TextPart)]
+            if len(texts) == len(parts):
+                items.append({"role": role, "content": "".join(texts)})
+            else:
+                items.append({"role": role, "content": [self._block(p) for p in parts]})
 
         for part in message.parts:
+            if isinstance(part, ImagePart | DocumentPart | AudioPart):
+                media = self._check_media(message, part)
+                if output is not None:
+                    output["output"].append(self._block(media))
+                else:
+                    content.append(media)
+                continue
+            output = None
             if isinstance(part, TextPart):
-                text.append(part.text)
+                content.append(part)
                 continue
             flush()
             if isinstance(part, ToolCallPart):
@@ -250,29 +292,67 @@ class OpenAIResponsesModel(HTTPModel):
                     }
                 )
             elif isinstance(part, ToolResultPart):
-                items.append(
-                    {
-                        "type": "function_call_output",
-                        "call_id": part.call_id,
-                        "output": part.content,
-                    }
-                )
+                item: dict[str, Any] = {
+                    "type": "function_call_output",
+                    "call_id": part.call_id,
+                    "output": part.content,
+                }
+                if message.result_media(part.call_id):
+                    text = [{"type": "input_text", "text": part.content}] if part.content else []
+                    item["output"] = text
+                    output = item
+                items.append(item)
             elif isinstance(part, ReasoningPart):
-                item = self._reasoning_item(part)
-                if item is not None:
-                    items.append(item)
+                reasoning = self._reasoning_item(part)
+                if reasoning is not None:
+                    items.append(reasoning)
         flush()
         return items
+
+    def _check_media(
+        self, message: Message, part: ImagePart | DocumentPart | AudioPart
+    ) -> ImagePart | DocumentPart:
+        """Raise for media the API cannot take where it is (see the module docs)."""
+        if message.role in ("assistant", "system"):
+            raise unsendable(self.name, part, _USER_OR_RESULT_MEDIA)
+        if isinstance(part, AudioPart):
+            raise unsendable(self.name, part, "the Responses API takes no audio input")
+        if isinstance(part, ImagePart) and part.data and image_type(part) not in IMAGE_TYPES:
+            raise unsendable(self.name, part, _IMAGE_TYPES_TAKEN)
+        return part
+
+    def _block(self, part: TextPart | ImagePart | DocumentPart) -> dict[str, Any]:
+        """One content block of a message or of a tool result's output."""
+        if isinstance(part, TextPart):
+            return {"type": "input_text", "text": part.text}
+        if isinstance(part, ImagePart):
+            url = part.url if part.data is None else data_url(image_type(part), part.data)
+            return {"type": "input_image", "image_url": url, "detail": part.detail or "auto"}
+        if part.data is None:
+            block: dict[str, Any] = {"type": "input_file", "file_url": part.url}
+            if part.title:
+                block["filename"] = part.title
+            return block
+        return {
+            "type": "input_file",
+            "filename": part.title or default_filename(part.media_type),
+            "file_data": data_url(part.media_type, part.data),
+        }
 
     def _reasoning_item(self, part: ReasoningPart) -> dict[str, Any] | None:
         """The reasoning item to echo, or ``None`` when the part cannot be sent back."""
         data = part.provider_data
-        if data.get("type") != "reasoning" or not isinstance(data.get("id"), str):
-            return None  # reasoning from another provider, or without its item
+        if data.get("type") != "reasoning":
+            return None  # reasoning from another provider
+        item_id = data.get("id")
         encrypted = data.get("encrypted_content")
+        if not isinstance(item_id, str) and not encrypted:
+            return None  # neither an id the server knows nor the content itself
         if self.store is False and not encrypted:
             return None  # not stored server-side and not carried: unresolvable
-        item: dict[str, Any] = {"type": "reasoning", "id": data["id"]}
+        item: dict[str, Any] = {"type": "reasoning"}
+        if isinstance(item_id, str):
+            item["id"] = item_id
         item["summary"] = data.get("summary") or []
         if encrypted:
             item["encrypted_content"] = encrypted

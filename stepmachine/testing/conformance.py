@@ -39,20 +39,25 @@ import pytest
 from stepmachine import (
     Annotate,
     AppendMessage,
+    AudioPart,
     Batch,
     Codec,
     ConfigurationError,
     ConflictError,
     Conversation,
+    DocumentPart,
     Effect,
     EffectError,
+    ImagePart,
     Message,
     Refusal,
+    ReplaceConversation,
     Session,
     SessionExistsError,
     SessionNotFoundError,
     SetVisibility,
     Store,
+    ToolResultPart,
     UpdateData,
     apply_batch,
 )
@@ -98,6 +103,24 @@ def _batch(session: Session[Any], effects: list[Effect], step: str = "test") -> 
 
 def _message(index: int, text: str | None = None) -> Message:
     return Message.user(text if text is not None else f"message {index}", id=f"msg-{index}")
+
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4 + b"\x00\xff"
+"""Image bytes for the media tests (every byte value, a NUL, not valid UTF-8)."""
+
+
+def _media_message(index: int) -> Message:
+    """A user message holding an image, a PDF and audio by bytes, and an image by URL."""
+    return Message.user(
+        f"look {index}",
+        id=f"media-{index}",
+        media=[
+            ImagePart(media_type="image/png", data=PNG, detail="high", cache=True),
+            DocumentPart(media_type="application/pdf", data=b"%PDF-1.7 " + PNG, title="a.pdf"),
+            AudioPart(media_type="audio/wav", data=b"RIFF" + bytes(index)),
+            ImagePart(url="https://example.com/cat.png"),
+        ],
+    )
 
 
 class StoreConformance:
@@ -231,6 +254,43 @@ class StoreConformance:
         assert loaded.conversation[1].notes == {"approval": {"decided": True, "who": "ana"}}
         assert loaded.conversation[0].visible_to_model is False
         assert loaded.data == ConformanceData(counter=7, label="seen", tags=("a", "b"))
+
+    async def test_media_round_trip(self, store: Store) -> None:
+        """Images, documents and audio (by bytes and by URL) come back equal, byte for
+        byte, from load, load_at and the audit log; the same bytes twice are fine."""
+        session = await store.create("s-1", conversation=[_media_message(0)])
+        result = Message.tool_result(
+            ToolResultPart(call_id="c1", content="the chart"),
+            id="tool-1",
+            media=[ImagePart(media_type="image/png", data=PNG)],
+        )
+        batch = _batch(session, [AppendMessage(_media_message(1)), AppendMessage(result)])
+        await store.apply(batch)
+        after = apply_batch(session, batch.effects)
+        assert await store.load("s-1") == after
+        assert await store.load_at("s-1", 0) == session
+        assert await store.load_at("s-1", 1) == after
+        assert await store.batches("s-1") == [batch]
+        loaded = await store.load("s-1")
+        assert loaded.conversation[2].result_media("c1") == (ImagePart("image/png", PNG),)
+        parts = loaded.conversation[0].parts
+        assert isinstance(parts[1], ImagePart)
+        assert parts[1].data == PNG
+
+    async def test_media_survive_compaction(self, store: Store) -> None:
+        """A ReplaceConversation keeping a message with media keeps its bytes."""
+        session = await store.create("s-1", conversation=[_message(0), _media_message(1)])
+        session = await self._apply(store, session, AppendMessage(_message(2)))
+        kept = session.conversation[1]
+        session = await self._apply(
+            store, session, ReplaceConversation((_message(3, "summary"), kept))
+        )
+        session = await self._apply(store, session, AppendMessage(_media_message(4)))
+        assert await store.load("s-1") == session
+        assert await store.load_at("s-1", 2) == apply_batch(
+            await store.load_at("s-1", 1), (ReplaceConversation((_message(3, "summary"), kept)),)
+        )
+        assert (await store.load("s-1")).conversation[1] == kept
 
     async def test_load_at_every_revision(self, store: Store) -> None:
         session = await store.create("s-1")

@@ -1,7 +1,7 @@
 """The contract between the conformance harness and each provider's spec.
 
 One spec module per provider folder of recordings (``spec_openai_chat.py``,
-``spec_openai_responses.py``, ``spec_anthropic.py``; ``openai_compatible``
+``spec_openai_responses.py``, ``spec_anthropic.py``, ``spec_gemini.py``; ``openai_compatible``
 uses a second spec object in ``spec_openai_chat.py``). Each defines
 ``SPECS: dict[str, ProviderSpec]`` keyed by folder name. The harness
 (``conformance.py``) loads every cassette, serves its interactions through
@@ -31,7 +31,8 @@ from stepmachine.providers import HTTPModel, ProviderError
 
 
 class UnsupportedPartError(ValueError):
-    """A recorded request holds a part the adapter cannot send (an image, a document, ...).
+    """A recorded request holds a part the neutral request cannot hold (a file named by an
+    upload id, a server-side block, ...); images, documents and audio are media parts.
 
     ``decode_request`` raises it instead of dropping the part: the harness then fails
     the file loudly, naming the part, since replaying the rest would test a request
@@ -68,10 +69,21 @@ class ProviderSpec:
     """How to drive one provider's adapter from its recordings."""
 
     folder: str
-    # e.g. "/chat/completions": a model call's path ends with it; interactions to other
+    # e.g. "/chat/completions" (or several: Gemini's ":generateContent" and
+    # ":streamGenerateContent"): a model call's path ends with it; interactions to other
     # paths (``GET /models`` before the first call, ...) are not model calls and are skipped
-    path_suffix: str
+    path_suffix: str | tuple[str, ...]
     make_model: Callable[[httpx.AsyncClient, str], HTTPModel]
     decode_request: Callable[[dict[str, Any]], tuple[ModelRequest, bool]]
     request_differences: Callable[[dict[str, Any], dict[str, Any]], list[str]]
     expect: Callable[[int, bytes, httpx.Headers, bool], Expected]
+    # Optional, for providers that put the model and the streaming switch in the URL rather
+    # than the body (Gemini: ``.../models/<m>:streamGenerateContent?alt=sse``):
+    # the adapter for a recorded call, from its first interaction (model, Vertex project...);
+    # None: ``make_model(client, body["model"])``
+    model_for: Callable[[httpx.AsyncClient, Any], HTTPModel] | None = None
+    # whether a recorded call streamed, from its URL; None: as ``decode_request`` says
+    streamed_in_url: Callable[[str], bool] | None = None
+    # problems with the request the adapter sent (URL, headers) against the recorded
+    # interaction; None: only the body is compared
+    check_request: Callable[[httpx.Request, Any], list[str]] | None = None

@@ -17,21 +17,26 @@ For every cassette (:func:`run_file`):
    not end with the spec's ``path_suffix``, e.g. a client's ``GET /models``
    before its first call) are skipped, each with a note, and counted in
    ``skipped=``; a file with no model call fails. A recorded request holding a
-   part the adapter cannot send (an image, a document: ``decode_request``
+   part the adapter cannot send (a file named by an upload id: ``decode_request``
    raises ``UnsupportedPartError``) fails the file, naming the part: nothing is
    dropped silently. The model calls are grouped into *logical calls*: an
    interaction whose request body repeats the previous one after a retryable
    error (the spec expects an error whose class is ``retryable``) is a retry
    of the same call;
 3. per call, ``spec.decode_request`` gives the neutral request and whether the
-   recording streamed; a call whose recording ends in a retryable error gets
+   recording streamed (for a provider that says so in the URL, as Gemini's
+   ``:streamGenerateContent``, ``spec.streamed_in_url``); the adapter comes from
+   ``spec.make_model(client, body["model"])``, or ``spec.model_for(client,
+   interaction)`` for a provider whose URL names the model (Gemini, Vertex AI);
+   a call whose recording ends in a retryable error gets
    ``request.max_attempts`` = the number of recorded attempts (the client that
    recorded it gave up there); the adapter from ``spec.make_model`` sends it
    through an ``httpx.MockTransport`` that serves the recorded replies in
    order, matching method and path suffix, with a no-op ``sleep`` injected so
    backoff costs nothing;
 4. checks: exactly one request per recorded interaction (retries included);
-   every sent body matches the recorded one (``spec.request_differences``);
+   every sent body matches the recorded one (``spec.request_differences``), and
+   the URL and headers pass ``spec.check_request`` when the spec has one;
    the result matches ``spec.expect`` (text, tool calls with parsed
    arguments, reasoning, input/output/reasoning tokens, finish reason, attempts -- or
    the exact typed error class, its status and attempts);
@@ -278,10 +283,19 @@ def _logical_calls(
     return groups
 
 
+def decode_call(spec: Any, interaction: Any) -> tuple[ModelRequest, bool]:
+    """The neutral request of a recorded call and whether it streamed: from the body, or
+    from the URL for specs that say so (``streamed_in_url``)."""
+    request, streamed = spec.decode_request(interaction.request_body)
+    if getattr(spec, "streamed_in_url", None) is not None:
+        streamed = spec.streamed_in_url(interaction.url)
+    return request, streamed
+
+
 def _retryable(spec: Any, interaction: Any) -> bool:
     if interaction.status < 400:
         return False
-    _, streamed = spec.decode_request(interaction.request_body)
+    _, streamed = decode_call(spec, interaction)
     body, headers = _served_body(interaction)
     error = spec.expect(interaction.status, body, headers, streamed).error
     return error is not None and bool(error.retryable)
@@ -334,6 +348,9 @@ class _Replay:
                 f"request {index}: path {request.url.path!r} does not end with "
                 f"{self.spec.path_suffix!r}"
             )
+        check = getattr(self.spec, "check_request", None)
+        if check is not None:
+            self.problems.extend(f"request {index}: {p}" for p in check(request, recorded))
         try:
             self.sent.append(json.loads(request.content))
         except ValueError:
@@ -385,7 +402,10 @@ async def _drive(
 
     model_name = str((group[0].request_body or {}).get("model") or "")
     async with httpx.AsyncClient(transport=httpx.MockTransport(replay)) as client:
-        model = spec.make_model(client, model_name)
+        if getattr(spec, "model_for", None) is not None:
+            model = spec.model_for(client, group[0])
+        else:
+            model = spec.make_model(client, model_name)
         model._sleep = no_sleep
         if len(group) > 1 and model.retry.max_attempts < len(group):
             # The recording shows the client retrying: the adapter must be allowed to as well
@@ -413,7 +433,7 @@ async def _check_call(
     )
     if not isinstance(first.request_body, dict):
         return [*problems, "the recorded request body is not a JSON object"], False
-    request, streamed = spec.decode_request(first.request_body)
+    request, streamed = decode_call(spec, first)
     if last.is_sse and not streamed:
         problems.append(
             "the recording streamed (text/event-stream) but decode_request says stream=False"

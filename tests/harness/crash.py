@@ -84,6 +84,7 @@ from stepmachine import (
     Codec,
     Conversation,
     Effect,
+    ImagePart,
     Message,
     ModelInference,
     ModelRequest,
@@ -138,9 +139,11 @@ def user_turn(n: int, conversation: Sequence[Message]) -> list[Effect]:
 
     Even turns replace the conversation (with itself plus the message), as a
     compaction would: stores snapshot on ``ReplaceConversation``, so that
-    path is crashed at too.
+    path is crashed at too. Odd turns carry an image of their own (stores keep
+    its bytes apart, written before the batch: that path is crashed at too).
     """
-    message = Message.user(f"turn {n}", id=f"u{n}")
+    media = [ImagePart(media_type="image/png", data=bytes([n % 256]) * 3000)] if n % 2 else []
+    message = Message.user(f"turn {n}", id=f"u{n}", media=media)
     note = Annotate(message_id=message.id, namespace="harness", values={"turn": n})
     if n % 2 == 0:
         return [ReplaceConversation((*conversation, message)), note]

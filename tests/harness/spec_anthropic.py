@@ -5,6 +5,11 @@ Messages API body back into a provider-neutral request, ``request_differences``
 compares the body the adapter sent with the recorded one on the fields that
 matter, and ``expect`` reads what the recorded reply says (its JSON, or its
 server-sent events with a small reader of its own) without calling the adapter.
+
+``image`` and ``document`` blocks (in a user turn or inside a ``tool_result``)
+become image and document parts -- a base64 source as bytes, a text source as
+UTF-8 bytes, a URL source as the URL, ``cache_control`` as the cache hint -- and
+bodies are compared on the decoded bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import re
 from typing import Any
 
 import httpx
+from _media_spec import base64_key, decode_base64
 from _spec import (  # the harness contract, beside this file
     Expected,
     ExpectedCall,
@@ -22,7 +28,15 @@ from _spec import (  # the harness contract, beside this file
     UnsupportedPartError,
 )
 
-from stepmachine import Message, ModelRequest, ModelSettings, PromptPart, ToolDefinition
+from stepmachine import (
+    DocumentPart,
+    ImagePart,
+    Message,
+    ModelRequest,
+    ModelSettings,
+    PromptPart,
+    ToolDefinition,
+)
 from stepmachine._messages import Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 from stepmachine.providers import (
     AnthropicModel,
@@ -65,14 +79,63 @@ def _blocks(content: Any) -> list[dict[str, Any]]:
 
 
 def _result_text(content: Any) -> str:
-    """A tool_result's content: a string, or text blocks joined (``UnsupportedPartError``
-    for an image or document block in it)."""
+    """A tool_result's content: a string, or its text blocks joined (its image and
+    document blocks are ``_result_media``; ``UnsupportedPartError`` for any other)."""
     if isinstance(content, str):
         return content
     for block in content or []:
-        if block.get("type") != "text":
+        if block.get("type") not in ("text", *_MEDIA_BLOCKS):
             raise UnsupportedPartError(f"a block of type {block.get('type')!r} in a tool_result")
-    return "".join(b.get("text", "") for b in content or [])
+    return "".join(b.get("text", "") for b in content or [] if b.get("type") == "text")
+
+
+# -- media: image and document blocks ------------------------------------------------------
+
+_MEDIA_BLOCKS = ("image", "document")
+
+
+def _media_part(block: dict[str, Any]) -> ImagePart | DocumentPart:
+    """An ``image`` or ``document`` block as a neutral part: a ``base64`` source -> bytes,
+    a ``text`` source -> UTF-8 bytes (``text/plain``), a ``url`` source -> the URL;
+    ``cache_control`` -> the cache hint; a document's ``title``.
+
+    Raises:
+        UnsupportedPartError: another source (``file``, ``content``), or a document with
+            ``context`` or ``citations`` (the neutral part has neither).
+    """
+    source = block.get("source") or {}
+    kind = source.get("type")
+    cache = "cache_control" in block
+    fields: dict[str, Any]
+    if kind == "base64":
+        fields = {"media_type": source["media_type"], "data": decode_base64(source["data"])}
+    elif kind == "text" and block["type"] == "document":
+        fields = {"media_type": source.get("media_type"), "data": source["data"].encode()}
+    elif kind == "url":
+        fields = {"url": source["url"]}
+    else:
+        raise UnsupportedPartError(f"a {block['type']} block with a {kind!r} source")
+    if block["type"] == "image":
+        return ImagePart(**fields, cache=cache)
+    unknown = set(block) - {"type", "source", "cache_control", "title"}
+    if unknown:
+        raise UnsupportedPartError(f"a document block with {sorted(unknown)}")
+    return DocumentPart(**fields, title=block.get("title"), cache=cache)
+
+
+def _result_media(content: Any) -> list[ImagePart | DocumentPart]:
+    """The images and documents inside a tool_result's content."""
+    if not isinstance(content, list):
+        return []
+    return [_media_part(b) for b in content if b.get("type") in _MEDIA_BLOCKS]
+
+
+def _norm_media(b: dict[str, Any]) -> Any:
+    """An image or document block in a comparable form: base64 decoded to bytes."""
+    source = dict(b.get("source") or {})
+    if source.get("type") == "base64":
+        source["data"] = base64_key(source.get("data"))
+    return (b.get("type"), source, b.get("cache_control"), b.get("title"))
 
 
 def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
@@ -103,19 +166,28 @@ def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
             add("assistant", parts)
         else:
             for b in blocks:
-                if b["type"] not in ("text", "tool_result"):
+                if b["type"] not in ("text", "tool_result", *_MEDIA_BLOCKS):
                     raise UnsupportedPartError(f"a block of type {b['type']!r} in a user turn")
-            results: list[Part] = [
-                ToolResultPart(
-                    call_id=b["tool_use_id"],
-                    content=_result_text(b.get("content")),
-                    is_error=bool(b.get("is_error", False)),
-                )
-                for b in blocks
-                if b["type"] == "tool_result"
-            ]
+            results: list[Part] = []
+            for b in blocks:
+                if b["type"] == "tool_result":
+                    results.append(
+                        ToolResultPart(
+                            call_id=b["tool_use_id"],
+                            content=_result_text(b.get("content")),
+                            is_error=bool(b.get("is_error", False)),
+                        )
+                    )
+                    results.extend(_result_media(b.get("content")))
             add("tool", results)
-            add("user", [TextPart(b["text"]) for b in blocks if b["type"] == "text"])
+            add(
+                "user",
+                [
+                    TextPart(b["text"]) if b["type"] == "text" else _media_part(b)
+                    for b in blocks
+                    if b["type"] != "tool_result"
+                ],
+            )
     system = body.get("system")
     if isinstance(system, list):
         system = "\n\n".join(b["text"] for b in system if b.get("type") == "text")
@@ -155,12 +227,18 @@ def _norm_block(b: dict[str, Any]) -> Any:
     if kind == "tool_result":
         # content: a string or a list of text blocks (ruby_llm) say the same thing;
         # is_error: absent means false.
+        # images and documents inside it: compared as media blocks, in order
+        content = b.get("content")
+        blocks = content if isinstance(content, list) else []
         return (
             "tool_result",
             b.get("tool_use_id"),
-            _result_text(b.get("content")),
+            _result_text(content),
             bool(b.get("is_error", False)),
+            [_norm_media(m) for m in blocks if m.get("type") in _MEDIA_BLOCKS],
         )
+    if kind in _MEDIA_BLOCKS:
+        return _norm_media(b)
     return (kind, b)
 
 

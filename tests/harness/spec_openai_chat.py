@@ -7,6 +7,10 @@ compares the body the adapter sent with the recorded one on the fields that
 matter, and ``expect`` reads what the recorded reply says (its JSON, or its
 server-sent events with a small reader of its own) without calling the adapter.
 
+Media in a user message (``image_url``, ``file`` with ``file_data``, ``input_audio``)
+become image, document and audio parts -- inline base64 as bytes, remote URLs as URLs
+(``_media_spec``) -- and sent and recorded bodies are compared on the decoded bytes.
+
 Conventions of the adapter this spec relies on (documented in
 ``stepmachine/providers/_openai_chat.py``):
 
@@ -25,6 +29,7 @@ import json
 from typing import Any
 
 import httpx
+from _media_spec import base64_key, decode_base64, document_from_url, image_from_url, media_key
 from _spec import (  # the harness contract, beside this file
     Expected,
     ExpectedCall,
@@ -32,7 +37,14 @@ from _spec import (  # the harness contract, beside this file
     UnsupportedPartError,
 )
 
-from stepmachine import Message, ModelRequest, ModelSettings, PromptPart, ToolDefinition
+from stepmachine import (
+    AudioPart,
+    Message,
+    ModelRequest,
+    ModelSettings,
+    PromptPart,
+    ToolDefinition,
+)
 from stepmachine._messages import Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 from stepmachine.providers import (
     AuthenticationError,
@@ -89,8 +101,9 @@ def _text_of(content: Any) -> str:
     """A message's ``content``: a string, ``null``, or a list of text parts.
 
     Raises:
-        UnsupportedPartError: a part that is not text (``image_url``, ``file``,
-            ``input_audio``, ...): the neutral request cannot carry it yet.
+        UnsupportedPartError: a part that is not text. A user message's media is read
+            by ``_user_parts``; media anywhere else (a tool, system or assistant
+            message) is nothing the adapter can send.
     """
     if isinstance(content, str):
         return content
@@ -101,6 +114,75 @@ def _text_of(content: Any) -> str:
                 raise UnsupportedPartError(f"a content part of type {kind!r}")
         return "".join(str(p.get("text", "")) for p in content)
     return ""
+
+
+# -- media in a user message (images, PDFs, audio) ---------------------------------------------
+
+_AUDIO_TYPES = {"wav": "audio/wav", "mp3": "audio/mpeg"}
+
+
+def _has_media(content: Any) -> bool:
+    """Whether a message's ``content`` is a list holding a part that is not text."""
+    return isinstance(content, list) and any(
+        not isinstance(p, dict) or p.get("type") != "text" for p in content
+    )
+
+
+def _user_parts(content: list[Any]) -> list[Part]:
+    """A user message's content parts as neutral parts, in order: ``text``, ``image_url``
+    (URL, or a data URL -> bytes), ``file`` (``file_data`` -> bytes, ``filename`` ->
+    title) and ``input_audio`` (base64 -> bytes).
+
+    Raises:
+        UnsupportedPartError: any other part, or a file given by ``file_id`` (an upload
+            the neutral request cannot name).
+    """
+    parts: list[Part] = []
+    for wire in content:
+        kind = wire.get("type") if isinstance(wire, dict) else type(wire).__name__
+        if kind == "text":
+            parts.append(TextPart(str(wire.get("text", ""))))
+        elif kind == "image_url":
+            image = wire["image_url"]
+            url = image if isinstance(image, str) else image["url"]
+            detail = None if isinstance(image, str) else image.get("detail")
+            parts.append(image_from_url(url, detail))
+        elif kind == "file" and "file_data" in wire.get("file", {}):
+            file = wire["file"]
+            parts.append(document_from_url(file["file_data"], file.get("filename")))
+        elif kind == "input_audio" and wire["input_audio"].get("format") in _AUDIO_TYPES:
+            audio = wire["input_audio"]
+            media_type = _AUDIO_TYPES[audio["format"]]
+            parts.append(AudioPart(media_type=media_type, data=decode_base64(audio["data"])))
+        else:
+            raise UnsupportedPartError(f"a content part of type {kind!r}")
+    return parts
+
+
+def _norm_part(wire: Any) -> Any:
+    """One content part in a comparable form: inline bytes decoded (see ``media_key``)."""
+    kind = wire.get("type")
+    if kind == "text":
+        return ("text", wire.get("text"))
+    if kind == "image_url":
+        image = wire.get("image_url")
+        if isinstance(image, str):
+            image = {"url": image}
+        return ("image_url", media_key(image.get("url")), image.get("detail"))
+    if kind == "file":
+        file = wire.get("file") or {}
+        return ("file", media_key(file.get("file_data")), file.get("filename"), file.get("file_id"))
+    if kind == "input_audio":
+        audio = wire.get("input_audio") or {}
+        return ("input_audio", base64_key(audio.get("data")), audio.get("format"))
+    return (kind, wire)
+
+
+def _norm_content(content: Any) -> Any:
+    """Text content as its joined text; content with media as its normalised parts."""
+    if _has_media(content):
+        return [_norm_part(p) for p in content]
+    return _text_of(content)
 
 
 def _raw_arguments(value: Any) -> str:
@@ -119,6 +201,8 @@ def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
                 prompt_parts.append(PromptPart("recorded", _text_of(wire.get("content"))))
             else:
                 messages.append(Message.system(_text_of(wire.get("content")), id=mid))
+        elif role == "user" and _has_media(wire.get("content")):
+            messages.append(Message(id=mid, role="user", parts=tuple(_user_parts(wire["content"]))))
         elif role == "user":
             messages.append(Message.user(_text_of(wire.get("content")), id=mid))
         elif role == "tool":
@@ -188,8 +272,9 @@ def _norm_message(wire: dict[str, Any]) -> dict[str, Any]:
         # (``system_role="developer"`` on request).
         "role": "system" if role == "developer" else role,
         # ``content`` null, absent and "" are the same empty turn; a list of text parts
-        # (go-vcr / llama.cpp) is its joined text.
-        "content": _text_of(wire.get("content")),
+        # (go-vcr / llama.cpp) is its joined text; a list with media is compared part by
+        # part, inline bytes decoded (``_norm_content``).
+        "content": _norm_content(wire.get("content")),
     }
     if wire.get("tool_calls"):
         out["tool_calls"] = [

@@ -5,6 +5,11 @@ Written independently of the adapter: ``decode_request`` reads a recorded
 compares two bodies on the fields that matter, and ``expect`` reads what a
 recorded reply says (a JSON ``response`` object, or an SSE stream whose
 text and argument *deltas* are concatenated here) without calling the adapter.
+
+Images and files (``input_image``, ``input_file``) in a user message or a
+``function_call_output`` become image and document parts -- inline base64 as
+bytes, remote URLs as URLs (``_media_spec``) -- and bodies are compared on the
+decoded bytes, ``detail`` absent equal to ``"auto"``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import re
 from typing import Any
 
 import httpx
+from _media_spec import document_from_url, image_from_url, media_key
 from _spec import (  # the harness contract, beside this file
     Expected,
     ExpectedCall,
@@ -21,7 +27,15 @@ from _spec import (  # the harness contract, beside this file
     UnsupportedPartError,
 )
 
-from stepmachine import Message, ModelRequest, ModelSettings, PromptPart, ToolDefinition
+from stepmachine import (
+    DocumentPart,
+    ImagePart,
+    Message,
+    ModelRequest,
+    ModelSettings,
+    PromptPart,
+    ToolDefinition,
+)
 from stepmachine._messages import Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 from stepmachine.providers import (
     AuthenticationError,
@@ -71,8 +85,8 @@ def _content_text(content: Any) -> str:
     """A message's content: a string, or a list of text blocks.
 
     Raises:
-        UnsupportedPartError: a block that is not text (``input_image``,
-            ``input_file``, ...): the neutral request cannot carry it yet.
+        UnsupportedPartError: a block that is not text (the callers read images and
+            files with ``_content_parts`` / ``_media_part`` first).
     """
     if isinstance(content, str):
         return content
@@ -83,6 +97,65 @@ def _content_text(content: Any) -> str:
                 raise UnsupportedPartError(f"a content block of type {kind!r}")
         return "".join(str(block.get("text", "")) for block in content)
     return ""
+
+
+# -- media: input_image / input_file in a message or a function_call_output ------------------
+
+_MEDIA_BLOCKS = frozenset({"input_image", "input_file"})
+
+
+def _has_media(content: Any) -> bool:
+    """Whether ``content`` (or an ``output``) is a list holding an image or a file."""
+    return isinstance(content, list) and any(
+        isinstance(b, dict) and b.get("type") in _MEDIA_BLOCKS for b in content
+    )
+
+
+def _media_part(block: dict[str, Any]) -> ImagePart | DocumentPart:
+    """An ``input_image`` (URL or data URL -> bytes; ``detail``) or ``input_file``
+    (``file_data`` -> bytes, or ``file_url``; ``filename`` -> title) as a neutral part.
+
+    Raises:
+        UnsupportedPartError: a file given by ``file_id`` (an upload the neutral request
+            cannot name).
+    """
+    if block["type"] == "input_image" and isinstance(block.get("image_url"), str):
+        return image_from_url(block["image_url"], block.get("detail"))
+    if block["type"] == "input_file" and ("file_data" in block or "file_url" in block):
+        return document_from_url(block.get("file_data") or block["file_url"], block.get("filename"))
+    raise UnsupportedPartError(f"a {block['type']} block without a URL or data (a file_id?)")
+
+
+def _content_parts(content: list[Any]) -> list[Part]:
+    """Content blocks (text, images, files) as neutral parts, in order."""
+    parts: list[Part] = []
+    for block in content:
+        if block.get("type") in _MEDIA_BLOCKS:
+            parts.append(_media_part(block))
+        else:
+            parts.append(TextPart(_content_text([block])))
+    return parts
+
+
+def _normal_block(block: Any) -> Any:
+    """One content block in a comparable form: inline bytes decoded, ``detail`` absent
+    equal to ``"auto"`` (the API's default)."""
+    kind = block.get("type")
+    if kind in _TEXT_BLOCKS:
+        return ("text", block.get("text"))
+    if kind == "input_image":
+        return ("input_image", media_key(block.get("image_url")), block.get("detail") or "auto")
+    if kind == "input_file":
+        data = block.get("file_data") or block.get("file_url")
+        return ("input_file", media_key(data), block.get("filename"), block.get("file_id"))
+    return (kind, block)
+
+
+def _normal_content(content: Any) -> Any:
+    """Text content as its joined text; content with media as its normalised blocks."""
+    if _has_media(content):
+        return [_normal_block(b) for b in content]
+    return _content_text(content)
 
 
 def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
@@ -109,7 +182,9 @@ def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
             )
         elif kind == "reasoning":
             summary = item.get("summary") or []
-            data = {"type": "reasoning", "id": item["id"], "summary": summary}
+            data = {"type": "reasoning", "summary": summary}
+            if "id" in item:  # ruby_llm sends the encrypted content back without the id
+                data["id"] = item["id"]
             if item.get("encrypted_content"):
                 data["encrypted_content"] = item["encrypted_content"]
             text = "\n\n".join(s.get("text", "") for s in summary)
@@ -118,8 +193,17 @@ def decode_request(body: dict[str, Any]) -> tuple[ModelRequest, bool]:
             assistant.append(TextPart(_content_text(item.get("content"))))
         elif kind == "function_call_output":
             close_assistant()
-            result = ToolResultPart(call_id=item["call_id"], content=_content_text(item["output"]))
-            messages.append(Message(id=f"m{len(messages)}", role="tool", parts=(result,)))
+            output = item["output"]
+            media: list[ImagePart | DocumentPart] = []
+            if _has_media(output):
+                media = [_media_part(b) for b in output if b.get("type") in _MEDIA_BLOCKS]
+                output = [b for b in output if b.get("type") not in _MEDIA_BLOCKS]
+            result = ToolResultPart(call_id=item["call_id"], content=_content_text(output))
+            messages.append(Message.tool_result(result, id=f"m{len(messages)}", media=media))
+        elif role == "user" and _has_media(item.get("content")):
+            close_assistant()
+            parts = tuple(_content_parts(item["content"]))
+            messages.append(Message(id=f"m{len(messages)}", role="user", parts=parts))
         else:  # user / system / developer message
             close_assistant()
             who = "user" if role == "user" else "system"
@@ -212,10 +296,10 @@ def _normal_input(raw: Any) -> list[Any]:
         if kind == "message":
             if item.get("role") in ("system", "developer"):
                 continue  # part of the system prompt: compared as instructions
-            text = _content_text(item.get("content"))
-            if item.get("role") == "assistant" and not text:
+            content = _normal_content(item.get("content"))
+            if item.get("role") == "assistant" and not content:
                 continue
-            out.append({"role": item.get("role"), "content": text})
+            out.append({"role": item.get("role"), "content": content})
         elif kind == "function_call":
             try:
                 arguments: Any = json.loads(item.get("arguments") or "{}")
@@ -223,10 +307,16 @@ def _normal_input(raw: Any) -> list[Any]:
                 arguments = item.get("arguments")
             out.append(["function_call", item["call_id"], item["name"], arguments])
         elif kind == "function_call_output":
-            out.append(["function_call_output", item["call_id"], item["output"]])
+            output = _normal_content(item["output"])
+            out.append(["function_call_output", item["call_id"], output])
         elif kind == "reasoning":
             out.append(
-                ["reasoning", item["id"], item.get("summary") or [], item.get("encrypted_content")]
+                [
+                    "reasoning",
+                    item.get("id"),
+                    item.get("summary") or [],
+                    item.get("encrypted_content"),
+                ]
             )
         else:
             out.append(item)

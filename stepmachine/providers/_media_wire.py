@@ -1,0 +1,96 @@
+"""What every adapter needs to put media parts on the wire: base64, data URLs, refusals.
+
+The part types an adapter takes are its ``media`` / ``result_media`` class
+attributes (checked by :func:`~stepmachine._media.check_media` before any
+request). A part of an accepted type can still be one the provider cannot
+take in that form -- a document by URL where only bytes are accepted, an
+image media type the provider does not read, media in an assistant turn --
+and the adapter's ``build_body`` raises :func:`unsendable` for it. Both run
+before any HTTP request; nothing is ever dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Final
+
+from .._errors import ConfigurationError
+from .._media import AudioPart, DocumentPart, ImagePart
+
+__all__ = [
+    "IMAGE_TYPES",
+    "PDF",
+    "b64",
+    "data_url",
+    "default_filename",
+    "describe",
+    "from_data_url",
+    "image_type",
+    "unsendable",
+]
+
+PDF: Final = "application/pdf"
+
+_EXTENSIONS: Final = {
+    "application/pdf": ".pdf",
+    "application/json": ".json",
+    "text/plain": ".txt",
+    "text/markdown": ".md",
+    "text/csv": ".csv",
+    "text/html": ".html",
+}
+
+
+def default_filename(media_type: str) -> str:
+    """The file name sent for a document without a ``title``: ``document`` plus an extension
+    for the common types (``document.pdf``, ``document.txt``)."""
+    return "document" + _EXTENSIONS.get(media_type, "")
+
+
+IMAGE_TYPES: Final = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
+"""The image media types OpenAI and Anthropic both document (``image/jpg`` is read as JPEG)."""
+
+
+def b64(data: bytes) -> str:
+    """``data`` in standard base64 (``+`` and ``/``, padded), as every API here takes it."""
+    return base64.b64encode(data).decode("ascii")
+
+
+def data_url(media_type: str, data: bytes) -> str:
+    """``data:<media_type>;base64,<data>`` (RFC 2397), the form OpenAI takes inline bytes in."""
+    return f"data:{media_type};base64,{b64(data)}"
+
+
+def from_data_url(url: str) -> tuple[str, bytes] | None:
+    """``(media_type, bytes)`` of a base64 ``data:`` URL, or ``None`` for any other URL.
+
+    Raises:
+        ValueError: a ``data:`` URL that is not base64 or whose base64 is broken.
+    """
+    if not url.startswith("data:"):
+        return None
+    head, comma, payload = url[len("data:") :].partition(",")
+    media_type, _, encoding = head.partition(";")
+    if not comma or encoding != "base64":
+        raise ValueError(f"not a base64 data URL: {url[:40]!r}")
+    return media_type, base64.b64decode(payload, validate=True)
+
+
+def describe(part: ImagePart | DocumentPart | AudioPart) -> str:
+    """A short description of ``part`` for an error message (never its bytes)."""
+    kind = type(part).__name__
+    if part.data is not None:
+        return f"{kind}({len(part.data):,} bytes {part.media_type})"
+    return f"{kind}(url={part.url!r})"
+
+
+def image_type(part: ImagePart) -> str:
+    """The image's media type as the APIs spell it (``image/jpg`` -> ``image/jpeg``)."""
+    return "image/jpeg" if part.media_type == "image/jpg" else part.media_type
+
+
+def unsendable(
+    who: str, part: ImagePart | DocumentPart | AudioPart, why: str
+) -> ConfigurationError:
+    """The error for a part ``who`` cannot send in this form: names the part and the reason."""
+    return ConfigurationError(f"{who} cannot send {describe(part)}: {why}")

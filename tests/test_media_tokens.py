@@ -1,0 +1,247 @@
+"""Token estimates of media parts: sizes from headers, the providers' formulas, documents, audio."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stepmachine import (
+    AppendMessage,
+    AudioPart,
+    Conversation,
+    DocumentPart,
+    ImagePart,
+    Message,
+    NoData,
+    Session,
+    estimate_tokens,
+    media_tokens,
+    message_tokens,
+)
+from stepmachine._media_tokens import (
+    AUDIO_SECOND_TOKENS,
+    DOCUMENT_UNKNOWN_TOKENS,
+    IMAGE_UNKNOWN_TOKENS,
+    PDF_PAGE_TOKENS,
+    image_size,
+    image_tokens,
+    pdf_pages,
+    wav_seconds,
+)
+
+
+def png(width: int, height: int) -> bytes:
+    """A PNG header and IHDR chunk (what the size reader needs), with a valid CRC."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    return (
+        b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk))
+    )
+
+
+def jpeg(width: int, height: int) -> bytes:
+    """SOI, an APP0 segment, a DQT-like segment, then a baseline SOF0 frame header."""
+    app0 = b"\xff\xe0" + struct.pack(">H", 16) + b"JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00"
+    other = b"\xff\xdb" + struct.pack(">H", 4) + b"\x00\x00"
+    sof = b"\xff\xc0" + struct.pack(">HBHHB", 11, 8, height, width, 1) + b"\x01\x11\x00"
+    return b"\xff\xd8" + app0 + other + sof + b"\xff\xd9"
+
+
+def gif(width: int, height: int) -> bytes:
+    return b"GIF89a" + struct.pack("<HH", width, height) + b"\x00\x00\x00;"
+
+
+def webp_lossless(width: int, height: int) -> bytes:
+    bits = (width - 1) | ((height - 1) << 14)
+    body = b"VP8L" + struct.pack("<I", 5) + b"\x2f" + struct.pack("<I", bits) + b"\x00" * 8
+    return b"RIFF" + struct.pack("<I", 4 + len(body)) + b"WEBP" + body
+
+
+def webp_extended(width: int, height: int) -> bytes:
+    body = (
+        b"VP8X"
+        + struct.pack("<I", 10)
+        + b"\x00\x00\x00\x00"
+        + (width - 1).to_bytes(3, "little")
+        + (height - 1).to_bytes(3, "little")
+    )
+    return b"RIFF" + struct.pack("<I", 4 + len(body)) + b"WEBP" + body
+
+
+def wav(seconds: int, rate: int = 16_000) -> bytes:
+    data = b"\x00\x00" * rate * seconds
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(data))
+    return b"RIFF" + struct.pack("<I", len(body) + len(data)) + body + data
+
+
+def pdf(pages: int) -> bytes:
+    objects = b"".join(
+        b"%d 0 obj << /Type /Page /Parent 2 0 R >> endobj\n" % (3 + i) for i in range(pages)
+    )
+    return (
+        b"%PDF-1.4\n2 0 obj << /Type /Pages /Count "
+        + str(pages).encode()
+        + b" >> endobj\n"
+        + objects
+    )
+
+
+SIZES = st.tuples(st.integers(1, 20_000), st.integers(1, 20_000))
+
+
+# -- sizes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [png, jpeg, gif, webp_lossless, webp_extended])
+@given(size=st.tuples(st.integers(1, 16_000), st.integers(1, 16_000)))
+def test_the_size_is_read_from_every_header(make: object, size: tuple[int, int]) -> None:
+    assert callable(make)
+    assert image_size(make(*size)) == size
+
+
+def test_headers_it_cannot_read_give_no_size() -> None:
+    assert image_size(b"") is None
+    assert image_size(b"not an image at all") is None
+    assert image_size(png(10, 10)[:20]) is None  # truncated
+    assert image_size(png(0, 10)) is None
+    assert image_size(b"\xff\xd8\xff\xe0\x00") is None  # a JPEG cut inside a segment header
+    assert image_size(b"\xff\xd8\x00\x00\x00\x00\x00") is None  # not a marker where one must be
+
+
+def test_sizes_agree_with_a_real_encoder() -> None:
+    image_module = pytest.importorskip("PIL.Image")
+    for fmt, options in [
+        ("PNG", {}),
+        ("JPEG", {}),
+        ("GIF", {}),
+        ("WEBP", {}),
+        ("WEBP", {"lossless": True}),
+    ]:
+        for size in [(1, 1), (37, 1201), (1920, 1080)]:
+            out = io.BytesIO()
+            image_module.new("RGB", size, (200, 10, 10)).save(out, fmt, **options)
+            assert image_size(out.getvalue()) == size, (fmt, options, size)
+
+
+# -- the formulas ----------------------------------------------------------------------------------
+
+
+def test_the_estimate_is_the_largest_published_formula() -> None:
+    # small: Gemini's 258 and OpenAI's 85 + 170 dominate Anthropic's 14
+    assert image_tokens(100, 100) == 258
+    # 1024 x 1024: Anthropic 1024*1024/750 = 1399; OpenAI 768 x 768 -> 4 tiles = 765; Gemini 4 x 258
+    assert image_tokens(1024, 1024) == 1399
+    # 768 x 2048: OpenAI 2 x 4 tiles = 1445; Anthropic 588 x 1568 -> 1230; Gemini 3 tiles = 774
+    assert image_tokens(768, 2048) == 1445
+    # 4000 x 3000: Gemini cuts 6 x 4 tiles = 6192
+    assert image_tokens(4000, 3000) == 6192
+    # detail="low" lowers OpenAI's term only
+    assert image_tokens(768, 2048, detail="low") == 1230
+    assert image_tokens(100, 100, detail="low") == 258
+
+
+def test_an_image_counts_by_its_size_never_by_its_bytes() -> None:
+    big = png(1024, 1024) + b"\x00" * 2_000_000  # megabytes of pixels: still 1399
+    assert media_tokens(ImagePart(media_type="image/png", data=big)) == 1399
+    assert (
+        message_tokens(
+            Message.user("", id="u", media=[ImagePart(media_type="image/png", data=big)])
+        )
+        == 4 + 1399
+    )
+
+
+def test_an_image_of_unknown_size_counts_the_flat_figure() -> None:
+    assert media_tokens(ImagePart(url="https://example.com/a.png")) == IMAGE_UNKNOWN_TOKENS
+    assert media_tokens(ImagePart(media_type="image/bmp", data=b"BM....")) == IMAGE_UNKNOWN_TOKENS
+    # the flat figure covers OpenAI's and Anthropic's largest
+    assert max(image_tokens(768, 2048), image_tokens(1568, 733)) <= IMAGE_UNKNOWN_TOKENS
+
+
+@given(size=SIZES, detail=st.sampled_from([None, "auto", "low", "high"]))
+def test_an_image_never_counts_less_than_gemini_minimum(
+    size: tuple[int, int], detail: str | None
+) -> None:
+    assert image_tokens(*size, detail=detail) >= 258
+
+
+@given(size=SIZES, factor=st.integers(1, 8), detail=st.sampled_from([None, "low"]))
+def test_a_larger_image_of_the_same_shape_never_counts_less(
+    size: tuple[int, int], factor: int, detail: str | None
+) -> None:
+    width, height = size
+    assert image_tokens(width * factor, height * factor, detail=detail) >= image_tokens(
+        width, height, detail=detail
+    )
+
+
+@given(size=SIZES)
+def test_low_detail_never_counts_more(size: tuple[int, int]) -> None:
+    assert image_tokens(*size, detail="low") <= image_tokens(*size, detail="high")
+
+
+@given(st.binary(max_size=400))
+def test_any_bytes_give_a_positive_estimate(data: bytes) -> None:
+    for part in (
+        ImagePart(media_type="image/png", data=data),
+        DocumentPart(media_type="application/pdf", data=data),
+        DocumentPart(media_type="text/plain", data=data),
+        AudioPart(media_type="audio/wav", data=data),
+    ):
+        assert media_tokens(part) > 0
+
+
+# -- documents and audio ------------------------------------------------------------
+
+
+def test_a_pdf_counts_per_page() -> None:
+    assert pdf_pages(pdf(3)) == 3
+    assert (
+        media_tokens(DocumentPart(media_type="application/pdf", data=pdf(3))) == 3 * PDF_PAGE_TOKENS
+    )
+    compressed = (
+        b"%PDF-1.7\n2 0 obj << /Type /Pages /Kids [3 0 R] /Count 7 >> endobj\n"  # pages in streams
+    )
+    assert pdf_pages(compressed) == 7
+    assert pdf_pages(b"%PDF-1.7\n" + b"\x00" * 120_000) == 3  # one a 50,000 bytes
+    assert pdf_pages(b"%PDF-1.7\n") == 1
+    assert media_tokens(DocumentPart(url="https://example.com/a.pdf")) == DOCUMENT_UNKNOWN_TOKENS
+
+
+def test_a_text_document_counts_like_text() -> None:
+    assert media_tokens(DocumentPart(media_type="text/plain", data=b"x" * 400)) == 101
+
+
+def test_audio_counts_by_duration() -> None:
+    assert wav_seconds(wav(3)) == 3.0
+    assert media_tokens(AudioPart(media_type="audio/wav", data=wav(3))) == 3 * AUDIO_SECOND_TOKENS
+    assert wav_seconds(b"RIFF\x00\x00\x00\x00WAVE") is None
+    mp3 = b"\xff\xfb" + b"\x00" * 39_998  # 40,000 bytes at 4,000 a second: 10 s
+    assert media_tokens(AudioPart(media_type="audio/mpeg", data=mp3)) == 10 * AUDIO_SECOND_TOKENS
+    assert media_tokens(AudioPart(url="https://example.com/a.mp3")) == 60 * AUDIO_SECOND_TOKENS
+
+
+# -- in the session -----------------------------------------------------------------
+
+
+def test_the_session_index_counts_media_once_when_appended() -> None:
+    image = ImagePart(media_type="image/png", data=png(1024, 1024))
+    messages = (
+        Message.user(
+            "look", id="u1", media=[image, DocumentPart(media_type="application/pdf", data=pdf(2))]
+        ),
+    )
+    expected = 4 + 1 + 1399 + 2 * PDF_PAGE_TOKENS
+    empty: Session[NoData] = Session(id="s", revision=0, conversation=Conversation(), data=NoData())
+    appended = AppendMessage(messages[0]).apply(empty)  # the index extended, O(the message)
+    assert appended.history.estimated_tokens == estimate_tokens(messages) == expected
+    loaded = Session(
+        id="s", revision=1, conversation=Conversation(messages), data=NoData()
+    )  # rebuilt on load
+    assert loaded.history.estimated_tokens == expected
