@@ -158,17 +158,23 @@ class LogCore(Generic[P]):
             MediaTooLargeError: a media part is over ``max_media_bytes``.
         """
         session = self.codec.new_session(session_id, data, conversation)
-        record, blobs = self.session_record(session)
+        record, blobs = self.session_record(session, limit=True)
         stored = self.codec.decode_session(record, where=f"new session {session_id!r}")
         if blobs:
             where = f"new session {session_id!r}"
             stored = Reader(self.media, blobs.get, "its own media").session(stored, where)
         return stored, record, blobs
 
-    def session_record(self, session: Session[Any]) -> tuple[bytes, dict[str, bytes]]:
+    def session_record(
+        self, session: Session[Any], *, limit: bool = False
+    ) -> tuple[bytes, dict[str, bytes]]:
         """The codec's record of ``session``, its media bytes replaced by references,
-        and those bytes by digest (for the backend's ``put_blobs``, before the record)."""
-        out, blobs = self.media.session_out(session)
+        and those bytes by digest (for the backend's ``put_blobs``, before the record).
+
+        ``limit``: check the media against ``max_media_bytes`` (a new session);
+        a snapshot or a fork restates media the store already took, unchecked.
+        """
+        out, blobs = self.media.session_out(session, limit=limit)
         return self.codec.encode_session(out), blobs
 
     def batch_record(self, batch: Batch[Effect]) -> tuple[bytes, dict[str, bytes]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -86,10 +87,13 @@ class FileBackend:
         path = os.path.join(self.media_folder, digest.removeprefix("sha256:"))
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        except OSError:  # missing, or a symlink (ELOOP): no blob (the caller says so)
             return None
         try:
-            return read_range(fd, 0, os.fstat(fd).st_size)
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return None  # a directory or a device in its place is no blob
+            return read_range(fd, 0, info.st_size)
         finally:
             os.close(fd)
 

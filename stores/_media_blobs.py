@@ -227,48 +227,61 @@ class Media:
         effects: list[Effect] = []
         changed = False
         for effect in batch.effects:
-            replaced = self._effect_out(effect, batch.session_id, blobs)
+            replaced = self._effect_out(effect, batch.session_id, blobs, self.max_bytes)
             changed = changed or replaced is not effect
             effects.append(replaced)
         if not changed:
             return batch, blobs
         return msgspec.structs.replace(batch, effects=tuple(effects)), blobs
 
-    def session_out(self, session: Session[Any]) -> tuple[Session[Any], dict[str, bytes]]:
+    def session_out(
+        self, session: Session[Any], *, limit: bool = True
+    ) -> tuple[Session[Any], dict[str, bytes]]:
         """``session`` with its conversation's media bytes replaced by references, and
         the bytes by digest (``session`` itself when it holds none).
+
+        ``limit=False`` for a session whose media the store already took (a
+        snapshot, a fork): they are not checked against ``max_bytes`` again, so
+        reopening a store with a lower limit never stops a session that holds
+        larger media from advancing (the limit is for media coming in).
 
         Raises:
             MediaTooLargeError, ConfigurationError: as :meth:`batch_out`.
         """
         blobs: dict[str, bytes] = {}
         messages = session.conversation
-        out = self._messages_out(messages, session.id, blobs)
+        out = self._messages_out(messages, session.id, blobs, self.max_bytes if limit else None)
         if out is messages:
             return session, blobs
         return _with_conversation(session, out), blobs
 
-    def _effect_out(self, effect: Effect, session_id: str, blobs: dict[str, bytes]) -> Effect:
+    def _effect_out(
+        self, effect: Effect, session_id: str, blobs: dict[str, bytes], limit: int | None
+    ) -> Effect:
         changes: dict[str, Any] = {}
         for name in _message_fields(type(effect)):
             value = getattr(effect, name)
             if type(value) is Message:
-                out: Any = self._message_out(value, session_id, blobs)
+                out: Any = self._message_out(value, session_id, blobs, limit)
             elif type(value) is tuple:
-                out = self._messages_out(value, session_id, blobs)
+                out = self._messages_out(value, session_id, blobs, limit)
             else:
                 continue
             if out is not value:
                 changes[name] = out
         return msgspec.structs.replace(effect, **changes) if changes else effect
 
-    def _messages_out(self, messages: Any, session_id: str, blobs: dict[str, bytes]) -> Any:
-        out = [self._message_out(m, session_id, blobs) for m in messages]
+    def _messages_out(
+        self, messages: Any, session_id: str, blobs: dict[str, bytes], limit: int | None
+    ) -> Any:
+        out = [self._message_out(m, session_id, blobs, limit) for m in messages]
         if all(new is old for new, old in zip(out, messages, strict=True)):
             return messages
         return tuple(out)
 
-    def _message_out(self, message: Any, session_id: str, blobs: dict[str, bytes]) -> Any:
+    def _message_out(
+        self, message: Any, session_id: str, blobs: dict[str, bytes], limit: int | None
+    ) -> Any:
         if type(message) is not Message:
             return message  # not a message: the codec stores it as it is
         parts: tuple[Any, ...] = message.parts  # Any: a stored record's parts may be refs
@@ -278,11 +291,16 @@ class Media:
                 break
         else:
             return message
-        out = tuple(self._part_out(part, message.id, session_id, blobs) for part in parts)
+        out = tuple(self._part_out(part, message.id, session_id, blobs, limit) for part in parts)
         return msgspec.structs.replace(message, parts=out)
 
     def _part_out(
-        self, part: Any, message_id: str, session_id: str, blobs: dict[str, bytes]
+        self,
+        part: Any,
+        message_id: str,
+        session_id: str,
+        blobs: dict[str, bytes],
+        limit: int | None,
     ) -> Any:
         if type(part) is MediaRef:
             from stepmachine import ConfigurationError  # noqa: PLC0415 - error path only
@@ -294,8 +312,8 @@ class Media:
         if type(part) not in _MEDIA or part.data is None:
             return part
         data: bytes = part.data
-        if len(data) > self.max_bytes:
-            raise MediaTooLargeError(session_id, message_id, len(data), self.max_bytes)
+        if limit is not None and len(data) > limit:
+            raise MediaTooLargeError(session_id, message_id, len(data), limit)
         digest = self.digests.of(data)
         blobs[digest] = data
         kind = part.__struct_config__.tag

@@ -566,6 +566,8 @@ def _block(part: Part) -> dict[str, Any] | None:
     if not isinstance(part, ReasoningPart):
         return None  # media parts are _media_block's
     data = part.provider_data
+    if "gemini" in data:
+        return None  # Gemini's thought signatures mean nothing to Anthropic (a model switch)
     if "redacted" in data:
         return {"type": "redacted_thinking", "data": data["redacted"]}
     if "signature" in data:

@@ -226,6 +226,10 @@ def _positive(value: str) -> float | None:
     return number if math.isfinite(number) and number > 0 else None
 
 
+_MAX_MESSAGE = 2_000
+"""Characters of a provider's error message an error keeps."""
+
+
 def _error_fields(body: bytes) -> tuple[str, Any, Any]:
     """(message, kind, the error object) from an error body of any of the providers' shapes.
 
@@ -284,6 +288,8 @@ def error_from_response(
     status; then a context overflow; then the status decides.
     """
     message, kind, error = _error_fields(body)
+    if len(message) > _MAX_MESSAGE:  # a provider's (or a proxy's) 5 MB message stays a line
+        message = message[:_MAX_MESSAGE] + f"... ({len(message):,} characters)"
     request_id = headers.get(request_id_header) or headers.get("request-id")
     common: dict[str, Any] = {
         "provider": provider,

@@ -168,7 +168,7 @@ class GeminiModel(HTTPModel):
         else:
             secret = os.environ.get("GEMINI_API_KEY") or os.environ.get("GOOGLE_API_KEY")
         super().__init__(
-            model,
+            model.removeprefix("models/"),  # the resource name models.list gives
             api_key=secret,
             base_url=url,
             client=client,

@@ -42,6 +42,7 @@ import msgspec
 from .._media import AudioPart, DocumentPart, ImagePart
 from .._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 from .._model import ReasoningChunk, StreamChunk, TextChunk, ToolCallChunk, Usage
+from ._media_wire import unsendable
 from ._wire import count, expect_list, expect_object, expect_str
 
 __all__ = [
@@ -90,6 +91,14 @@ def contents(messages: Sequence[Message]) -> list[dict[str, Any]]:
     turns: list[dict[str, Any]] = []
     ranks: list[list[tuple[int, int]]] = []  # per turn, per part: its place once sorted
     for message in messages:
+        if message.role in ("system", "assistant"):
+            for part in message.parts:
+                if isinstance(part, ImagePart | DocumentPart | AudioPart):
+                    raise unsendable(
+                        "gemini",
+                        part,
+                        f"Gemini takes media in user turns, not in a {message.role} message",
+                    )
         if message.role == "system":
             continue
         if message.role == "assistant":
@@ -122,8 +131,20 @@ def _user_part(part: Part) -> dict[str, Any] | None:
     return None
 
 
+_IMAGE_TYPES = frozenset(
+    ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/heic", "image/heif")
+)
+"""The image types Gemini reads (its documentation); others are refused before the request."""
+
+
 def media_part(part: ImagePart | DocumentPart | AudioPart) -> dict[str, Any]:
-    """``inlineData`` (base64 of the bytes) or ``fileData`` (a URL) for a media part."""
+    """``inlineData`` (base64 of the bytes) or ``fileData`` (a URL) for a media part.
+
+    Raises:
+        ConfigurationError: an image of a type Gemini does not read.
+    """
+    if isinstance(part, ImagePart) and part.media_type and part.media_type not in _IMAGE_TYPES:
+        raise unsendable("gemini", part, "Gemini reads PNG, JPEG, WebP, HEIC and HEIF images")
     if part.data is not None:
         data = base64.b64encode(part.data).decode("ascii")
         return {"inlineData": {"mimeType": part.media_type, "data": data}}
@@ -143,6 +164,8 @@ def _model_parts(parts: Sequence[Part], names: dict[str, str]) -> list[dict[str,
                 out.append(_alone(pending))
                 pending = None
             data = part.provider_data
+            if data.get("gemini") == "signature" and not isinstance(data.get("signature"), str):
+                continue  # a carrier that lost its signature carries nothing to send back
             if data.get("gemini") == "signature":
                 if data.get("alone"):
                     out.append(_alone(part))
