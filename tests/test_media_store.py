@@ -436,7 +436,7 @@ PARTS: list[Callable[[bytes], ImagePart | DocumentPart | AudioPart]] = [
 
 @settings(max_examples=40, deadline=None)
 @given(
-    blobs=st.lists(st.binary(max_size=3000), min_size=1, max_size=4),
+    blobs=st.lists(st.binary(min_size=1, max_size=3000), min_size=1, max_size=4),
     kinds=st.lists(st.integers(0, 2), min_size=4, max_size=4),
 )
 def test_arbitrary_bytes_round_trip(

@@ -186,7 +186,7 @@ def test_low_detail_never_counts_more(size: tuple[int, int]) -> None:
     assert image_tokens(*size, detail="low") <= image_tokens(*size, detail="high")
 
 
-@given(st.binary(max_size=400))
+@given(st.binary(min_size=1, max_size=400))
 def test_any_bytes_give_a_positive_estimate(data: bytes) -> None:
     for part in (
         ImagePart(media_type="image/png", data=data),
