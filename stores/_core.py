@@ -197,8 +197,10 @@ class LogCore(Generic[P]):
             MediaTooLargeError: a media part is over ``max_media_bytes``.
         """
         timestamp = batch.timestamp
-        if isinstance(timestamp, bool) or not isinstance(timestamp, int | float) or not (
-            math.isfinite(timestamp)
+        if (
+            isinstance(timestamp, bool)
+            or not isinstance(timestamp, int | float)
+            or not (math.isfinite(timestamp))
         ):
             raise InvalidFieldError("Batch", "timestamp", "a finite number of seconds", timestamp)
         stored, decoded, blobs = encode_batch(self.codec, batch, self._form, where, self.media)

@@ -183,9 +183,7 @@ def decode_batch(
     return batch if media is None else media.batch(batch, stored.where)
 
 
-def decode_base(
-    codec: Codec[Any], session_id: str, base: Base[Any], media: Reader
-) -> Session[Any]:
+def decode_base(codec: Codec[Any], session_id: str, base: Base[Any], media: Reader) -> Session[Any]:
     """The session a base (a snapshot, the revision-0 record) holds, checked against it,
     its media bytes read back through ``media``.
 
