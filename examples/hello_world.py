@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import anyio
 
 from stepmachine import (
+    DocumentPart,
+    ImagePart,
     Message,
     Model,
     ModelInference,
@@ -39,6 +42,7 @@ from stepmachine.providers import (
     HTTPModel,
     OpenAIChatModel,
     OpenAICompatibleModel,
+    OpenAIResponsesModel,
 )
 from stepmachine.stores import SQLiteStore
 from stepmachine.testing import ScriptedModel, call, reply
@@ -61,16 +65,20 @@ def scripted_model() -> ScriptedModel:
     )
 
 
-def choose_model() -> Model:
-    """A real provider when one is configured in the environment, else the scripted model.
+def choose_model(fallback: Callable[[], Model] = scripted_model) -> Model:
+    """A real provider when one is configured in the environment, else ``fallback()``
+    (this example's scripted model; the other examples pass their own).
 
-    ``OPENAI_API_KEY`` -> OpenAI Chat Completions; ``ANTHROPIC_API_KEY`` ->
+    ``OPENAI_API_KEY`` -> OpenAI Chat Completions (the Responses API with
+    ``STEPMACHINE_OPENAI_API=responses``); ``ANTHROPIC_API_KEY`` ->
     Anthropic; ``GEMINI_API_KEY`` (or ``GOOGLE_API_KEY``) -> Gemini;
     ``OPENAI_COMPATIBLE_BASE_URL`` -> an OpenAI-compatible server
     (Ollama, vLLM, llama.cpp, ...). ``STEPMACHINE_MODEL`` names the model.
     """
     chosen = os.environ.get("STEPMACHINE_MODEL")
     if os.environ.get("OPENAI_API_KEY"):
+        if os.environ.get("STEPMACHINE_OPENAI_API") == "responses":
+            return OpenAIResponsesModel(chosen or "gpt-4.1-mini")
         return OpenAIChatModel(chosen or "gpt-4.1-mini")
     if os.environ.get("ANTHROPIC_API_KEY"):
         return AnthropicModel(chosen or "claude-haiku-4-5")
@@ -78,7 +86,7 @@ def choose_model() -> Model:
         return GeminiModel(chosen or "gemini-2.5-flash")
     if os.environ.get("OPENAI_COMPATIBLE_BASE_URL"):
         return OpenAICompatibleModel(chosen or "qwen3")
-    return scripted_model()
+    return fallback()
 
 
 async def main(db: Path) -> None:
@@ -108,7 +116,7 @@ async def main(db: Path) -> None:
 
 
 def print_message(message: Message) -> None:
-    """Print one message, one line per part."""
+    """Print one message, one line per part (media by kind and size, never their bytes)."""
     for part in message.parts:
         if isinstance(part, TextPart):
             print(f"{message.role:>9}: {part.text}")
@@ -116,6 +124,9 @@ def print_message(message: Message) -> None:
             print(f"{message.role:>9}: -> {part.name}({part.raw_arguments})")
         elif isinstance(part, ToolResultPart):
             print(f"{message.role:>9}: <- {part.content}")
+        elif isinstance(part, ImagePart | DocumentPart):
+            size = f"{len(part.data):,} bytes" if part.data is not None else part.url
+            print(f"{message.role:>9}: [{type(part).__name__} {part.media_type}, {size}]")
 
 
 if __name__ == "__main__":

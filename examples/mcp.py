@@ -31,7 +31,7 @@ from typing import Literal
 import anyio
 from hello_world import choose_model, print_message  # the example beside this one
 
-from stepmachine import Message, Model, ModelInference, Runtime, StateMachine
+from stepmachine import Message, ModelInference, Runtime, StateMachine
 from stepmachine.operations import McpStdio, McpTools
 from stepmachine.providers import HTTPModel
 from stepmachine.stores import SQLiteStore
@@ -90,8 +90,7 @@ def scripted_model() -> ScriptedModel:
 async def main(db: Path) -> None:
     db.parent.mkdir(parents=True, exist_ok=True)
     notebook = db.with_suffix(".notes.txt")
-    configured = choose_model()
-    model: Model = scripted_model() if isinstance(configured, ScriptedModel) else configured
+    model = choose_model(fallback=scripted_model)
     print(f"model: {model.name}")
     print(f"store: SQLite at {db}")
     server = McpStdio(

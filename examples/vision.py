@@ -21,7 +21,6 @@ server; ``STEPMACHINE_MODEL`` names the model.
 from __future__ import annotations
 
 import argparse
-import os
 import struct
 import time
 import zlib
@@ -29,29 +28,19 @@ from pathlib import Path
 from typing import Literal
 
 import anyio
+from hello_world import choose_model, print_message  # the example beside this one
 
 from stepmachine import (
     DocumentPart,
     ImagePart,
     Message,
-    Model,
     ModelInference,
     Runtime,
     StateMachine,
-    TextPart,
-    ToolCallPart,
-    ToolResultPart,
     Tools,
     tool,
 )
-from stepmachine.providers import (
-    AnthropicModel,
-    GeminiModel,
-    HTTPModel,
-    OpenAIChatModel,
-    OpenAICompatibleModel,
-    OpenAIResponsesModel,
-)
+from stepmachine.providers import HTTPModel
 from stepmachine.stores import SQLiteStore
 from stepmachine.testing import ScriptedModel, call, reply
 
@@ -121,39 +110,9 @@ def scripted_model() -> ScriptedModel:
     )
 
 
-def choose_model() -> Model:
-    """A real provider when one is configured in the environment, else the scripted model."""
-    chosen = os.environ.get("STEPMACHINE_MODEL")
-    if os.environ.get("GEMINI_API_KEY") or os.environ.get("GOOGLE_API_KEY"):
-        return GeminiModel(chosen or "gemini-2.5-flash")
-    if os.environ.get("ANTHROPIC_API_KEY"):
-        return AnthropicModel(chosen or "claude-haiku-4-5")
-    if os.environ.get("OPENAI_API_KEY"):
-        if os.environ.get("STEPMACHINE_OPENAI_API") == "responses":
-            return OpenAIResponsesModel(chosen or "gpt-4.1-mini")
-        return OpenAIChatModel(chosen or "gpt-4.1-mini")
-    if os.environ.get("OPENAI_COMPATIBLE_BASE_URL"):
-        return OpenAICompatibleModel(chosen or "qwen2.5-vl")
-    return scripted_model()
-
-
-def show(message: Message) -> None:
-    """Print one message, one line per part (media by kind and size, never their bytes)."""
-    for part in message.parts:
-        if isinstance(part, TextPart):
-            print(f"{message.role:>9}: {part.text}")
-        elif isinstance(part, ToolCallPart):
-            print(f"{message.role:>9}: -> {part.name}({part.raw_arguments})")
-        elif isinstance(part, ToolResultPart):
-            print(f"{message.role:>9}: <- {part.content}")
-        elif isinstance(part, ImagePart | DocumentPart):
-            size = f"{len(part.data):,} bytes" if part.data is not None else part.url
-            print(f"{message.role:>9}: [{type(part).__name__} {part.media_type}, {size}]")
-
-
 async def main(db: Path) -> None:
     db.parent.mkdir(parents=True, exist_ok=True)
-    model = choose_model()
+    model = choose_model(fallback=scripted_model)
     print(f"model: {model.name}")
     print(f"store: SQLite at {db}")
     try:
@@ -181,7 +140,7 @@ async def main(db: Path) -> None:
             revision = report.session.revision
             print(f"session {session_id}: {report.reason.kind} at revision {revision}\n")
             for message in report.session.conversation:
-                show(message)
+                print_message(message)
     finally:
         if isinstance(model, HTTPModel):
             await model.aclose()
