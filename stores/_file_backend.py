@@ -45,6 +45,7 @@ from ._file_log import (
 from ._file_txn import FilePos, FileTxn, log
 from ._ids import validate_session_id
 from ._media_blobs import check_digest
+from ._regular import open_regular
 
 __all__ = ["FileBackend", "FileLockTimeoutError"]
 
@@ -171,19 +172,24 @@ class FileBackend:
         ``lock_timeout``. The descriptor is closed (releasing the lock) by the
         worker thread when ``work`` ends, or here if the task is cancelled first.
 
+        The log is opened without blocking and must be a regular file (a FIFO
+        there would block a plain ``open()`` until some process wrote to it).
+
         Raises:
             SessionNotFoundError: no log, or it was deleted while we waited.
+            StoredDataError: the log is not a regular file (a FIFO, a directory,
+                a symbolic link, a device); nothing was read.
             FileLockTimeoutError: another process held the lock too long.
         """
         path = self.log_path(session_id)
         operation = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        flags = (os.O_RDWR | os.O_APPEND if exclusive else os.O_RDONLY) | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_APPEND if exclusive else os.O_RDONLY
         handle = _Handle()
 
         def attempt() -> T | _Busy:
             if handle.fd < 0:
                 try:
-                    handle.fd = os.open(path, flags | os.O_NOFOLLOW)
+                    handle.fd = open_regular(path, flags, f"the log of session {session_id!r}")
                 except FileNotFoundError:
                     raise SessionNotFoundError(session_id) from None
             try:

@@ -61,6 +61,7 @@ import msgspec
 from stepmachine import StoredDataError
 
 from ._inflate import compressed, inflate
+from ._regular import open_regular
 
 __all__ = [
     "PACK_FROM",
@@ -414,11 +415,12 @@ def read_snapshot(path: str, session_id: str, nonce: str) -> Snapshot | None:
     nonce or session id) comes back ``stale``.
 
     Raises:
-        StoredDataError: the file is damaged.
+        StoredDataError: the file is damaged, or is not a regular file (a FIFO
+            is refused without blocking; see :func:`._regular.open_regular`).
         OSError: it cannot be read.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = open_regular(path, os.O_RDONLY, f"the snapshot of session {session_id!r}")
     except FileNotFoundError:
         return None
     try:

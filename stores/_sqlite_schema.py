@@ -106,6 +106,8 @@ from typing import Literal
 
 from stepmachine import ConfigurationError, StoredDataError
 
+from ._regular import open_regular
+
 __all__ = [
     "COLUMNS",
     "COMPRESSED_EFFECTS_FROM",
@@ -470,13 +472,28 @@ def create_owner_only(path: str) -> None:
 
 
 def _check_header(path: str) -> None:
+    """Refuse what is not an SQLite database (or missing) at ``path``, reading its header.
+
+    The file is opened without blocking and must be a regular file: a FIFO
+    there would block a plain ``open()`` (and SQLite's) until some process
+    wrote to it. A symbolic link is followed (a database may be linked in).
+
+    Raises:
+        StoredDataError: a directory, a FIFO, a device or a socket is there,
+            or a file that is not an SQLite database.
+    """
     try:
-        with open(path, "rb") as file:
-            header = file.read(len(_HEADER))
+        fd = open_regular(path, os.O_RDONLY, "the SQLite store's database", follow=True)
     except FileNotFoundError:
         return
-    except IsADirectoryError:
-        raise StoredDataError(f"{path} is a directory, not an SQLite database") from None
+    except StoredDataError as exc:
+        if "a directory" in str(exc):
+            raise StoredDataError(f"{path} is a directory, not an SQLite database") from None
+        raise
+    try:
+        header = os.read(fd, len(_HEADER))
+    finally:
+        os.close(fd)
     if header and header != _HEADER:
         raise StoredDataError(
             f"{path} is not an SQLite database (it starts with {header!r}); "
