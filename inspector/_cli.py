@@ -42,7 +42,7 @@ from stepmachine import (
 from stepmachine.operations import approve, deny, submit_event
 
 from ._html import render_html
-from ._open import UsageError, load_codec, load_object, open_store
+from ._open import UsageError, list_entries, load_codec, load_object, open_store
 from ._status import STATUSES, session_status
 from ._terminal import clean, json_text, print_log, print_sessions, print_show
 from ._view import History, batch_view, finite, history_problems, load_view
@@ -204,21 +204,25 @@ def sessions_list(
 
     async def work(store: Any) -> list[dict[str, Any]]:
         rows = []
-        for session_id in await store.list_sessions():
+        for session_id, damage in await list_entries(store):
             if match is not None and not fnmatch.fnmatchcase(session_id, match):
                 continue
-            try:
-                rows.append(await _session_row(store, session_id))
-            except (StepmachineError, ValueError, OSError) as exc:
-                rows.append(
-                    {
-                        "id": session_id,
-                        "revision": None,
-                        "last_activity": None,
-                        "status": "unreadable",
-                        "error": str(exc),
-                    }
-                )
+            error = damage
+            if damage is None:
+                try:
+                    rows.append(await _session_row(store, session_id))
+                    continue
+                except (StepmachineError, ValueError, OSError) as exc:
+                    error = str(exc)
+            rows.append(
+                {
+                    "id": session_id,
+                    "revision": None,
+                    "last_activity": None,
+                    "status": "unreadable",
+                    "error": error,
+                }
+            )
         return rows
 
     rows = _run(ctx, work)
@@ -304,9 +308,13 @@ def fsck(ctx: click.Context, session_id: str | None) -> None:
     A call still waiting for its result (its tool, an approval) is a state, not a problem."""
 
     async def work(store: Any) -> list[tuple[str, str]]:
-        ids = [session_id] if session_id is not None else await store.list_sessions()
+        entries = [(session_id, None)] if session_id is not None else await list_entries(store)
+        ids = [each for each, _ in entries]
         found: list[tuple[str, str]] = []
-        for each in ids:
+        for each, damage in entries:
+            if damage is not None:
+                found.append((each, f"unreadable: {damage}"))
+                continue
             try:
                 session = await store.load(each)
                 await store.batches(each)

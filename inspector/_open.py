@@ -42,6 +42,7 @@ __all__ = [
     "StoreNotFoundError",
     "UsageError",
     "inspection_codec",
+    "list_entries",
     "load_codec",
     "load_object",
     "open_store",
@@ -122,6 +123,21 @@ def load_codec(spec: str) -> Codec[Any]:
     if not isinstance(value, Codec):
         raise UsageError(f"--codec {spec} is a {type(value).__name__}, not a stepmachine Codec")
     return value
+
+
+async def list_entries(store: Any) -> list[tuple[str, str | None]]:
+    """Every session of ``store``: ``(id, None)``, or ``(id, why)`` for one whose stored
+    row is damaged, sorted by id.
+
+    Uses the store's ``scan_sessions()`` (the shipped stores have it), which lists
+    a damaged session as unreadable instead of failing the whole listing; a
+    store without it is listed with ``list_sessions()``. Either way, loading a
+    listed session may still find it unreadable.
+    """
+    scan = getattr(store, "scan_sessions", None)
+    if scan is None:
+        return [(session_id, None) for session_id in await store.list_sessions()]
+    return [(entry.id, entry.unreadable) for entry in await scan()]
 
 
 def _path_of(url: str, scheme: str) -> str:

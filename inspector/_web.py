@@ -39,7 +39,7 @@ from stepmachine import (
 
 from ._heads import SharedHeads
 from ._live_page import live_script
-from ._open import open_store
+from ._open import list_entries, open_store
 from ._sse import LiveSource, parse_cursor, session_events
 from ._status import session_status
 from ._view import load_view
@@ -196,14 +196,18 @@ def create_app(
 
     async def summaries() -> list[dict[str, Any]]:
         rows = []
-        for session_id in await store.list_sessions():
-            try:
-                rows.append(await summary(session_id))
-            except SessionNotFoundError:
-                continue  # deleted meanwhile
-            except StoredDataError as exc:
-                rows.append({"id": session_id, "revision": None, "status": None,
-                             "last_activity": None, "error": str(exc)})  # fmt: skip
+        for session_id, damage in await list_entries(store):
+            error = damage
+            if damage is None:
+                try:
+                    rows.append(await summary(session_id))
+                    continue
+                except SessionNotFoundError:
+                    continue  # deleted meanwhile
+                except StoredDataError as exc:
+                    error = str(exc)
+            rows.append({"id": session_id, "revision": None, "status": None,
+                         "last_activity": None, "error": error})  # fmt: skip
         return rows
 
     async def index(request: Request) -> Response:

@@ -26,6 +26,7 @@ and the BSDs; elsewhere (Windows) :meth:`FileStore.open` raises
 
 from ._file import FileStore
 from ._ids import MAX_SESSION_ID_LENGTH, validate_session_id
+from ._listing import ListedSession
 from ._memory import MemoryStore
 from ._postgres import PostgresStore
 from ._sqlite import SQLiteStore
@@ -33,6 +34,7 @@ from ._sqlite import SQLiteStore
 __all__ = [
     "MAX_SESSION_ID_LENGTH",
     "FileStore",
+    "ListedSession",
     "MemoryStore",
     "PostgresStore",
     "SQLiteStore",

@@ -88,6 +88,7 @@ from ._file_log import TAG_BATCH, TAG_CREATE, encode_packed, fsync_dir
 from ._file_txn import FilePos, FileTxn
 from ._flock_leases import FlockLeaseMethods, FlockLeases
 from ._ids import validate_session_id
+from ._listing import ListedSession
 from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, check_max_media_bytes
 from ._snapshot_policy import EveryN
 
@@ -451,6 +452,16 @@ class FileStore(FlockLeaseMethods):
         """
         self._check_open()
         return await anyio.to_thread.run_sync(self._backend.list_sessions)
+
+    async def scan_sessions(self) -> list[ListedSession]:
+        """Every session, sorted by id, as :meth:`list_sessions` (the log files' names; a
+        name is listed whatever its file holds), each a :class:`ListedSession` with
+        ``unreadable`` None: the listing reads no log, so a damaged log (a FIFO or a
+        folder in its place, a bad checksum) is found by loading the session.
+
+        Cancellation: safe at any point.
+        """
+        return [ListedSession(session_id) for session_id in await self.list_sessions()]
 
     async def delete(self, session_id: str) -> None:
         """Delete a session: its snapshot, then its log (under the exclusive lock).

@@ -40,6 +40,7 @@ from stepmachine._lease import check_claim
 
 from ._backend import BatchRecord, StoredBatch
 from ._ids import validate_session_id
+from ._listing import ListedSession
 from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, Media, Reader
 from ._memory_leases import MemoryLeases
 from ._replay import decode_batch, encode_batch, replay
@@ -161,6 +162,11 @@ class MemoryStore:
         """The ids of all sessions, sorted."""
         await anyio.lowlevel.checkpoint()
         return sorted(self._sessions)
+
+    async def scan_sessions(self) -> list[ListedSession]:
+        """Every session, sorted by id, as :class:`ListedSession` entries (none is
+        unreadable: a memory store holds decoded values)."""
+        return [ListedSession(session_id) for session_id in await self.list_sessions()]
 
     async def delete(self, session_id: str) -> None:
         """Delete a session and its log. Raises ``SessionNotFoundError``."""

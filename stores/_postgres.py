@@ -65,6 +65,7 @@ from . import _postgres_rows as _rows
 from ._backend import Cached
 from ._core import LogCore
 from ._ids import validate_session_id
+from ._listing import ListedSession
 from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, check_max_media_bytes
 from ._postgres_log import PostgresTxn
 from ._postgres_schema import describe, idle_limit, prepare_schema, transaction
@@ -420,6 +421,21 @@ class PostgresStore:
         def run(connection: psycopg.Connection[Any]) -> list[str]:
             with transaction(connection, write=False):
                 return _rows.session_ids(connection, self._label)
+
+        return await self._run(run)
+
+    async def scan_sessions(self) -> list[ListedSession]:
+        """Every session, sorted by id; a damaged ``sessions`` row is listed
+        ``unreadable`` with the reason instead of failing the listing (as
+        :meth:`SQLiteStore.scan_sessions <stepmachine.stores.SQLiteStore.scan_sessions>`).
+
+        Raises:
+            StoredDataError: the database itself cannot be read.
+        """
+
+        def run(connection: psycopg.Connection[Any]) -> list[ListedSession]:
+            with transaction(connection, write=False):
+                return _rows.session_entries(connection, self._label)
 
         return await self._run(run)
 

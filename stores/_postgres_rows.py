@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 from stepmachine import Lease
 
 from ._backend import EffectRows
+from ._listing import ListedSession
 from ._postgres_leases import fenced_condition
 from ._postgres_schema import ROW_VERSIONS, SCHEMA, SCHEMA_VERSION, TRAIL_FROM
 from ._sqlite_rows import (
@@ -30,6 +31,7 @@ from ._sqlite_rows import (
     check_session_row,
     compact,
     copied_rows,
+    scan_session_rows,
 )
 from ._sqlite_rows import _stored_record as stored_record
 from ._sqlite_rows import _typed as typed
@@ -102,6 +104,12 @@ def session_ids(conn: psycopg.Connection[Any], label: str) -> list[str]:
         _session_from(label, row)
         ids.append(typed(label, f"session {row[0]!r}", "session_id", row[0], str))
     return sorted(ids)
+
+
+def session_entries(conn: psycopg.Connection[Any], label: str) -> list[ListedSession]:
+    """Every session, a damaged row marked unreadable (see :mod:`._listing`)."""
+    rows = conn.execute(f"SELECT {_SESSION_COLUMNS} FROM {SCHEMA}.sessions")  # noqa: S608 - fixed names
+    return scan_session_rows(rows, label, ROW_VERSIONS)
 
 
 def _session_values(session_id: str, row: SessionRow) -> tuple[Any, ...]:

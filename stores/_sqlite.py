@@ -69,6 +69,7 @@ from ._backend import Cached, Marks
 from ._core import LogCore
 from ._flock_leases import FlockLeaseMethods, FlockLeases
 from ._ids import validate_session_id
+from ._listing import ListedSession
 from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, check_max_media_bytes
 from ._snapshot_policy import Weighted
 from ._sqlite_log import SQLiteTxn
@@ -446,12 +447,33 @@ class SQLiteStore(FlockLeaseMethods):
         """The ids of all sessions, sorted.
 
         Raises:
-            StoredDataError: a session row does not match its checksum.
+            StoredDataError: a session row does not match its checksum (its id
+                cannot be trusted; :meth:`scan_sessions` lists the others and
+                marks it unreadable).
         """
 
         def run(connection: sqlite3.Connection) -> list[str]:
             with transaction(connection, write=False):
                 return _rows.session_ids(connection, self._path)
+
+        return await self._run(run)
+
+    async def scan_sessions(self) -> list[ListedSession]:
+        """Every session, sorted by id, each a :class:`ListedSession`; a session whose
+        row does not match its checksum (or is otherwise damaged) is listed
+        ``unreadable`` with the reason instead of failing the listing.
+
+        This is the listing for showing a whole store (the inspector's ``sessions
+        list``, ``fsck``, the web view); :meth:`list_sessions` stays strict.
+        Only the ``sessions`` rows are checked: loading a session checks the rest.
+
+        Raises:
+            StoredDataError: the database itself cannot be read.
+        """
+
+        def run(connection: sqlite3.Connection) -> list[ListedSession]:
+            with transaction(connection, write=False):
+                return _rows.session_entries(connection, self._path)
 
         return await self._run(run)
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import sqlite3
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from stepmachine import StoredDataError
 
 from ._backend import EffectRows, Marks
 from ._inflate import compressed, inflate
+from ._listing import ListedSession, scan_rows
 from ._snapshot_policy import Weighted
 from ._sqlite_schema import (
     COMPRESSED_EFFECTS_FROM,
@@ -178,6 +179,32 @@ def session_ids(conn: sqlite3.Connection, path: str) -> list[str]:
         _session_from(path, row)
         ids.append(_typed(path, f"session {row[0]!r}", "session_id", row[0], str))
     return sorted(ids)
+
+
+def scan_session_rows(
+    rows: Iterable[Sequence[Any]], label: str, row_versions: tuple[int, ...]
+) -> list[ListedSession]:
+    """Every ``sessions`` row (its :data:`_SESSION_COLUMNS`, the same in every SQL backend)
+    as a listed session, sorted: a row that fails its checks is marked unreadable with
+    the :class:`StoredDataError` message instead of failing the whole listing."""
+
+    def check(row: Sequence[Any]) -> None:
+        check_session_row(label, row, None, row_versions)
+        _typed(label, f"session {row[0]!r}", "session_id", row[0], str)
+
+    return scan_rows(rows, _listed_id, check)
+
+
+def _listed_id(row: Sequence[Any]) -> str:
+    """The id of a listed row: its ``session_id``, or a description when that is not text."""
+    stored = row[0]
+    return stored if isinstance(stored, str) else f"<a row whose session_id is {stored!r}>"
+
+
+def session_entries(conn: sqlite3.Connection, path: str) -> list[ListedSession]:
+    """Every session, a damaged row marked unreadable (see :mod:`._listing`)."""
+    rows = conn.execute(f"SELECT {_SESSION_COLUMNS} FROM sessions")  # noqa: S608 - fixed names
+    return scan_session_rows(rows, path, ROW_VERSIONS)
 
 
 def insert_session(conn: sqlite3.Connection, session_id: str) -> int:
