@@ -324,9 +324,9 @@ def open_connection(
 ) -> sqlite3.Connection:
     """Open ``path``, refuse what is not ours, enable WAL and migrate to :data:`SCHEMA_VERSION`.
 
-    With ``read_only`` the file is opened through SQLite's ``mode=ro`` and
-    nothing is written: a missing file is :class:`FileNotFoundError`, a file
-    of an older schema version (which a writable open would migrate) is
+    With ``read_only`` nothing is written through the connection (see
+    :func:`_open_read_only`): a missing file is :class:`FileNotFoundError`, a
+    file of an older schema version (which a writable open would migrate) is
     :class:`StoredDataError`, and the journal mode is left as it is.
 
     Nothing is written to the file before its schema version has been checked,
@@ -401,11 +401,38 @@ def _on_read_only_media(path: str) -> bool:
 
 
 def _open_read_only(path: str, busy_timeout: float) -> sqlite3.Connection:
-    """Open ``path`` with ``mode=ro``; see :func:`open_connection`.
+    """Open ``path`` to read only; see :func:`open_connection`.
 
-    A WAL database needs its ``-shm`` file, which SQLite creates beside it even
-    to read. On read-only media (no folder write access, no ``-wal`` content)
-    the file is opened ``immutable`` instead: nothing can change it there.
+    The connection is opened ``mode=rw`` (never created: a missing file is an
+    error) with ``PRAGMA query_only``, so no statement can write, rather than
+    ``mode=ro``. The reasons, from SQLite's documentation of WAL mode:
+
+    - a WAL database needs its ``-wal`` and ``-shm`` files while it is open,
+      and SQLite creates them even for a ``mode=ro`` reader;
+    - when the last connection closes, SQLite checkpoints the ``-wal`` into the
+      database and deletes both files, but only a connection that may write can
+      do that: a ``mode=ro`` reader closing last left both behind, beside a
+      store that had been closed cleanly. This connection removes them as a
+      writer's close would, so reading leaves the folder as it found it;
+    - ``immutable=1`` would need no files at all, but it tells SQLite that
+      nobody changes the database: with a live writer (the web view reads a
+      store a worker is writing) it would miss new commits and could read a
+      page mid-checkpoint. Correctness with a live writer comes first, so it is
+      used only where nobody can write (below).
+
+    What the close can write: when this reader is the last connection and a
+    ``-wal`` holds committed transactions (a writer closed while the reader was
+    open, or crashed), the close copies them into the database file before
+    deleting the ``-wal``, exactly as the next writer's open or close would.
+    The data stays the same; the database file's bytes change. A read while a
+    writer is live sees every transaction committed before it began (WAL
+    readers never block writers, nor writers readers).
+
+    A file the process may not write (its permissions, a read-only mount) is
+    opened read-only by SQLite: then the ``-shm`` it creates stays (there is
+    no checkpoint to run). On read-only media (no folder write access, no
+    ``-wal`` content), where SQLite cannot create the ``-shm`` at all, the file
+    is opened ``immutable``: nothing can change it there.
 
     Raises:
         StoredDataError: see :func:`open_connection`; or the database cannot be
@@ -428,13 +455,16 @@ def _open_read_only(path: str, busy_timeout: float) -> sqlite3.Connection:
 
 
 def _connect_read_only(path: str, busy_timeout: float, *, immutable: bool) -> sqlite3.Connection:
-    query = "?mode=ro&immutable=1" if immutable else "?mode=ro"
+    """A connection to ``path`` that writes nothing: ``mode=rw`` with ``query_only`` (see
+    :func:`_open_read_only` for why not ``mode=ro``), or ``mode=ro&immutable=1``."""
+    query = "?mode=ro&immutable=1" if immutable else "?mode=rw"
     uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + query
     conn = sqlite3.connect(
         uri, uri=True, timeout=busy_timeout, isolation_level=None, check_same_thread=False
     )
     conn.text_factory = _decode_text
     try:
+        conn.execute("PRAGMA query_only = ON")  # before anything is read: no statement writes
         conn.execute(f"PRAGMA busy_timeout = {round(busy_timeout * 1000)}")
         _refuse_older(_stored_version(conn, path), path)
     except sqlite3.DatabaseError as exc:
