@@ -11,7 +11,8 @@ One function, :func:`open_store`, turns a URL into an open shipped store:
 
 A store opened to read (``write=False``) is never created or changed: a
 missing SQLite file or store folder is a :class:`StoreNotFoundError`; SQLite
-is opened read-only (``mode=ro``, no migration); a PostgreSQL schema is
+is opened so that no statement writes (``query_only``, no migration, and no
+``-wal``/``-shm`` left behind); a PostgreSQL schema is
 neither created nor migrated; the file store's reads take shared locks and
 write nothing.
 
@@ -215,8 +216,9 @@ async def open_store(url: str, *, codec: Codec[Any] | None = None, write: bool =
         )
     if scheme == "sqlite":
         path = _path_of(url, "sqlite")
-        if not await anyio.Path(path).is_file():
-            where = "is a folder" if await anyio.Path(path).is_dir() else "does not exist"
+        there = anyio.Path(path)
+        if not await there.exists() or await there.is_dir():  # a FIFO, say: the store refuses it
+            where = "is a folder" if await there.is_dir() else "does not exist"
             raise StoreNotFoundError(f"no SQLite store at {path!r}: it {where}")
         return await SQLiteStore.open(path, codec, read_only=not write)
     if scheme == "file":

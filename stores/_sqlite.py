@@ -263,9 +263,12 @@ class SQLiteStore(FlockLeaseMethods):
                 before SQLite gives up with ``database is locked``.
             boundary_hook: called with each name of :attr:`BOUNDARIES` as the
                 store passes it (crash tests kill the process there).
-            read_only: open an existing database without writing to it
-                (SQLite's ``mode=ro``; for inspection): nothing is created or
-                migrated, and every write raises ``sqlite3.OperationalError``.
+            read_only: open an existing database without writing to it (for
+                inspection): nothing is created or migrated, and every write
+                raises ``sqlite3.OperationalError``. It still sees what a live
+                writer commits, and leaves no ``-wal`` or ``-shm`` file behind
+                when it closes last (it is ``mode=rw`` with ``query_only``,
+                not ``mode=ro``; see ``_sqlite_schema._open_read_only``).
             max_media_bytes: the bytes one image, document or audio part may
                 hold (20 MiB by default); a larger one raises
                 :class:`~stepmachine.MediaTooLargeError` and nothing is written.

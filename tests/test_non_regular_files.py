@@ -163,3 +163,14 @@ def test_sqlite_open_of_a_fifo_is_stored_data_error(tmp_path: Path, backend: str
     lines = done.stdout.splitlines()
     assert len(lines) == 2, done.stdout
     assert all("not a regular file" in line and str(path) in line for line in lines)
+
+
+def test_the_read_commands_refuse_a_fifo_sqlite_store(tmp_path: Path, backend: str) -> None:
+    path = tmp_path / "agent.sqlite3"
+    os.mkfifo(path)
+    for command in (("sessions", "list"), ("show", "s1"), ("fsck",)):
+        done = _cli(f"sqlite:///{path}", backend, *command)
+        assert done.returncode == 1, (command, done.stderr)
+        assert "FIFO" in done.stderr
+        assert "not a regular file" in done.stderr
+        assert "Traceback" not in done.stderr
