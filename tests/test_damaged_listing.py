@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import sqlite3
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ import anyio
 import httpx
 import pytest
 from click.testing import CliRunner, Result
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stepmachine import Message, StoredDataError
 from stepmachine.inspector._cli import cli
@@ -157,3 +160,34 @@ async def test_the_web_list_shows_the_damaged_session(
     assert "checksum" in rows["bad"]["error"]
     assert "unreadable" in page.text
     assert ">good<" in page.text
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@settings(max_examples=25, deadline=None)
+@given(damaged=st.lists(st.booleans(), min_size=1, max_size=6))
+def test_scan_lists_every_session_and_marks_exactly_the_damaged(
+    backend: str, damaged: list[bool]
+) -> None:
+    """Whichever rows are damaged, every session is listed once, and exactly the damaged
+    ones are unreadable."""
+    ids = [f"s{index}" for index in range(len(damaged))]
+
+    async def main(path: Path) -> list[ListedSession]:
+        async with await SQLiteStore.open(path) as store:
+            for session_id in ids:
+                await store.create(session_id)
+        with contextlib.closing(sqlite3.connect(path)) as raw, raw:
+            for session_id, bad in zip(ids, damaged, strict=True):
+                if bad:
+                    raw.execute(
+                        "UPDATE sessions SET revision = revision + 1 WHERE session_id = ?",
+                        (session_id,),
+                    )
+        async with await SQLiteStore.open(path, read_only=True) as reader:
+            return await reader.scan_sessions()
+
+    with tempfile.TemporaryDirectory() as folder:
+        listed = anyio.run(main, Path(folder) / "agent.sqlite3", backend=backend)
+    assert [entry.id for entry in listed] == sorted(ids)
+    unreadable = {entry.id for entry in listed if entry.unreadable is not None}
+    assert unreadable == {i for i, bad in zip(ids, damaged, strict=True) if bad}
