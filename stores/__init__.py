@@ -12,6 +12,11 @@ conformance suite in :mod:`stepmachine.testing.conformance`.
   machines (extra ``postgres``; psycopg is imported by its ``open``, so this
   package imports without it).
 
+Each shipped store also lists its sessions with ``scan_sessions()``: every
+session as a :class:`ListedSession`, one whose stored row is damaged marked
+``unreadable`` with the reason, where the strict ``list_sessions()`` raises
+:class:`~stepmachine.StoredDataError` (tools that show a whole store use it).
+
 The durable stores share one log-and-snapshot core (``_core``: cache, replay,
 compare-and-set, snapshot policy, errors) over byte backends that implement a
 small protocol (``_backend``), so a new durable store is a backend, not a copy.
