@@ -49,7 +49,7 @@ def not_regular(path: str, what: str, kind: str) -> StoredDataError:
     being ``kind`` instead of a regular file."""
     return StoredDataError(
         f"{path}, {what}, is {kind}, not a regular file: stored data is read only from "
-        "the regular files the store wrote, so it was not opened or read, and nothing was "
+        "the regular files the store wrote, so nothing was read from it and nothing was "
         "changed; move it out of the store's folder (or restore the file from a backup)"
     )
 

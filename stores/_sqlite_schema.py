@@ -428,9 +428,9 @@ def _open_read_only(path: str, busy_timeout: float) -> sqlite3.Connection:
     writer is live sees every transaction committed before it began (WAL
     readers never block writers, nor writers readers).
 
-    A file the process may not write (its permissions, a read-only mount) is
-    opened read-only by SQLite: then the ``-shm`` it creates stays (there is
-    no checkpoint to run). On read-only media (no folder write access, no
+    A database file the process may not write (its permissions) is opened
+    read-only by SQLite, as ``mode=ro`` would be: then the ``-wal`` and ``-shm``
+    it creates stay (it cannot run the checkpoint). On read-only media (no folder write access, no
     ``-wal`` content), where SQLite cannot create the ``-shm`` at all, the file
     is opened ``immutable``: nothing can change it there.
 
