@@ -929,15 +929,6 @@ def test_a_gemini_carrier_without_its_signature_is_not_a_bare_key_error(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "DEFECT (low): with an injected httpx client that follows redirects, a 307 from the "
-        "API root to another host re-sends x-goog-api-key there (httpx strips only "
-        "Authorization across origins); the adapter does not pass follow_redirects=False "
-        "for its own requests"
-    ),
-)
 async def test_the_key_does_not_follow_a_redirect_to_another_host(stream: bool) -> None:
     seen: list[httpx.Request] = []
 
