@@ -57,6 +57,7 @@ token count exceeds the maximum is a
 
 from __future__ import annotations
 
+import contextvars
 import os
 import random
 import re
@@ -81,7 +82,7 @@ from ._errors import (
     ServerError,
     error_from_response,
 )
-from ._gemini_wire import Assembler, contents, usage
+from ._gemini_wire import Assembler, contents, turn_of, usage
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
 from ._wire import decode_body, expect_list
 
@@ -90,6 +91,8 @@ __all__ = ["GeminiModel"]
 GEMINI_BASE_URL = "https://generativelanguage.googleapis.com/v1beta"
 _RETRY_DELAY = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s*$")
 _TOO_LONG = re.compile(r"input token count.*exceeds the maximum", re.IGNORECASE | re.DOTALL)
+_TURN: contextvars.ContextVar[str | None] = contextvars.ContextVar("gemini_turn", default=None)
+"""The turn of the request being parsed (seeds synthesised call ids; see ``_gemini_wire``)."""
 
 
 def vertex_base_url(project: str, location: str = "global") -> str:
@@ -196,6 +199,18 @@ class GeminiModel(HTTPModel):
             return {"authorization": f"Bearer {self.api_key.reveal()}"}
         return {"x-goog-api-key": self.api_key.reveal()}
 
+    async def request(
+        self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
+    ) -> ModelResponse:
+        """As :meth:`HTTPModel.request`; a call without an id in a reply without
+        ``responseId`` gets an id derived from the turn ``request`` continues
+        (unique per turn, the same for the same request: see ``_gemini_wire``)."""
+        token = _TURN.set(turn_of(request.messages))
+        try:
+            return await super().request(request, on_chunk=on_chunk)
+        finally:
+            _TURN.reset(token)
+
     # -- request ---------------------------------------------------------------------
 
     def build_body(self, request: ModelRequest, *, stream: bool) -> dict[str, Any]:
@@ -241,7 +256,7 @@ class GeminiModel(HTTPModel):
         """A ``GenerateContentResponse`` -- or the JSON array of them that
         ``:streamGenerateContent`` sends without ``alt=sse`` -- as a response."""
         chunks = expect_list(data, "the reply") if isinstance(data, list) else [data]
-        assembler = Assembler()
+        assembler = Assembler(_TURN.get())
         for chunk in chunks:
             if isinstance(chunk, dict) and "error" in chunk:
                 raise self.stream_error(chunk)
@@ -261,7 +276,7 @@ class GeminiModel(HTTPModel):
                 (or a prompt block): it was cut.
             ProviderError: a typed error for an ``{"error": ...}`` chunk.
         """
-        assembler = Assembler()
+        assembler = Assembler(_TURN.get())
         failure: Exception | None = None
         async for event in events:
             if failure is not None or not event.data.strip():
