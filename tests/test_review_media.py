@@ -482,12 +482,6 @@ def test_an_mcp_image_with_no_data_is_named_not_stored() -> None:
     assert all(part.data for part in output.media)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low, provider behaviour assumed): the Responses adapter checks no "
-    "document media type: application/zip or 'application/pdf; x' go out as input_file "
-    "with the file name 'document' (no extension), for OpenAI to refuse later",
-)
 @pytest.mark.parametrize("media_type", ["application/zip", "application/pdf; charset=binary"])
 async def test_responses_refuses_a_document_type_it_cannot_name(media_type: str) -> None:
     document = DocumentPart(media_type=media_type, data=b"PK\x03\x04")
