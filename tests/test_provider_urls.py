@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from stepmachine._messages import TextPart
-from stepmachine.providers import HTTPModel, ProviderError, RetryPolicy
+from stepmachine.providers import GeminiModel, HTTPModel, ProviderError, RetryPolicy
 
 KEY = wires.KEY
 USER_KEY = "userinfo-secret-DO-NOT-LEAK-42"
@@ -159,3 +159,30 @@ async def test_no_request_follows_a_redirect_with_the_key(
     assert caught.value.status == status
     assert not caught.value.retryable
     assert not [s for s in SECRETS if s in _shown(caught.value)]
+
+
+async def test_a_gemini_key_in_the_base_url_query_goes_in_its_header(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Google takes the key as ``?key=`` or ``x-goog-api-key``: the header keeps it out
+    of the URL (and of every log of it)."""
+    monkeypatch.delenv("GEMINI_API_KEY", raising=False)
+    monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
+    seen: list[httpx.Request] = []
+    gemini = next(w for w in WIRES if w.name == "gemini")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=gemini.ok_json)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    model = GeminiModel("m", base_url=f"https://g.test/v1beta?key={QUERY_KEY}", client=client)
+    caplog.set_level(logging.INFO, logger="httpx")
+    with anyio.fail_after(10):
+        await model.request(wires.REQUEST)
+    [request] = seen
+    assert request.headers["x-goog-api-key"] == QUERY_KEY
+    assert "key" not in request.url.params
+    assert QUERY_KEY not in str(request.url)
+    assert QUERY_KEY not in caplog.text
+    assert QUERY_KEY not in repr(model)

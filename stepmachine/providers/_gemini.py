@@ -2,7 +2,8 @@
 
 Endpoints: ``{base_url}/models/{model}:generateContent`` and, streaming,
 ``:streamGenerateContent?alt=sse``. The Gemini API's key travels in the
-``x-goog-api-key`` header, never in the URL. Vertex AI (``project=``) takes
+``x-goog-api-key`` header, never in the URL (a base URL's ``?key=`` is taken
+as the key when none is given, and sent in that header too). Vertex AI (``project=``) takes
 the same bodies at ``.../v1beta1/projects/{project}/locations/{location}/
 publishers/google/models/{model}:...`` with an OAuth ``access_token`` sent as
 a bearer token. Any other root of the same shape (a proxy, Vertex AI express
@@ -58,6 +59,7 @@ token count exceeds the maximum is a
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import os
 import random
 import re
@@ -182,6 +184,15 @@ class GeminiModel(HTTPModel):
             rng=rng,
         )
         self.bearer = access_token is not None
+        query = self._base.query
+        keys = [value for name, value in query if name == "key"]
+        if not self.api_key and not self.bearer and len(keys) == 1:
+            # ``?key=`` is how Google documents the key in a URL: sent as the header
+            # instead, it stays out of every URL httpx logs.
+            self.api_key = Secret(keys[0])
+            self._base = dataclasses.replace(
+                self._base, query=tuple(p for p in query if p[0] != "key")
+            )
         self.thinking = dict(thinking) if thinking is not None else None
         self.safety_settings = list(safety_settings) if safety_settings is not None else None
 
