@@ -57,6 +57,7 @@ from hypothesis import strategies as st
 
 from stepmachine import (
     Conversation,
+    DocumentPart,
     Message,
     ModelRequest,
     ModelResponse,
@@ -453,6 +454,27 @@ async def test_the_gemini_spec_expects_the_adapters_documented_error_mapping(
     result = await conformance.run_file(folder / f"{name}.yaml", SPECS)
     assert result.passed, result.line()
     assert f"error {status}" in " ".join(result.notes)
+
+
+@pytest.mark.parametrize("ttl", ["5m", "1h"])
+async def test_the_anthropic_spec_carries_the_cache_ttl(ttl: str, tmp_path: Path) -> None:
+    """A recorded ``cache_control`` with a ``ttl`` becomes the part's ``cache_ttl``, and
+    the adapter sends it back as recorded."""
+    name = "GenSyncMultiModal-Document-pdf-URL.yaml"
+    recorded = (NEXT / "anthropic" / name).read_text()
+    mark = '"cache_control":{"type":"ephemeral"}'
+    assert recorded.count(mark) == 1
+    folder = tmp_path / "anthropic"
+    folder.mkdir()
+    timed = mark.replace("}", f',"ttl":"{ttl}"}}')
+    (folder / name).write_text(recorded.replace(mark, timed))
+    result = await conformance.run_file(folder / name, SPECS)
+    assert result.passed, result.line()
+    spec = SPECS.get("anthropic")
+    body = cassettes.load_cassette(folder / name)[0].request_body
+    request, _ = spec.decode_request(body)
+    [document] = [p for m in request.messages for p in m.parts if isinstance(p, DocumentPart)]
+    assert (document.cache, document.cache_ttl) == (True, ttl)
 
 
 def test_command_line_over_the_gemini_recordings(tmp_path: Path) -> None:
