@@ -32,6 +32,7 @@ cannot read a call stored without ``arguments``.)
 
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import Iterable, Sequence
 from typing import Any, Final, Generic, TypeVar, Union
@@ -48,7 +49,7 @@ from ._effects import (
     UpdateData,
 )
 from ._errors import ConfigurationError, StoredDataError
-from ._messages import Message, ToolCallPart, parse_arguments
+from ._messages import Message, Part, ToolCallPart, parse_arguments
 from ._session import NoData, Session
 
 __all__ = ["KERNEL_EFFECTS", "MAX_WHY", "Batch", "Codec", "Refusal", "refusal"]
@@ -239,6 +240,8 @@ def _message_layout() -> tuple[tuple[tuple[str, bytes], ...], bytes]:
 
 
 _BEFORE_PARTS, _PARTS_KEY = _message_layout()
+_PART_TAGS: Final = sorted(str(part.__struct_config__.tag) for part in typing.get_args(Part))
+"""The tags of message parts, named when a stored part's tag is unknown."""
 
 
 def _last_field(kind: type) -> str | None:
@@ -603,7 +606,9 @@ class Codec(Generic[D]):
             return decoder.decode(buf)
         except msgspec.ValidationError as exc:
             detail = str(exc)
-            if "`" in detail and ".type`" in detail:
+            if re.search(r"\.parts\[\d+\]\.type`", detail):
+                detail += f" (the part tags: {_PART_TAGS!r})"
+            elif "`" in detail and ".type`" in detail:
                 detail += f" (registered effect tags: {sorted(self.effect_types)!r})"
             raise StoredDataError(
                 f"invariant 8 (stored data is data): {kind} in {where} does not validate: {detail}"

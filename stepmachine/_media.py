@@ -13,7 +13,11 @@ source:
 
 Optional hints: ``detail`` on an image (``"auto"``, ``"low"``, ``"high"``:
 OpenAI's resolution setting; other providers ignore it) and ``cache`` on any
-(Anthropic's ``cache_control``; other providers ignore it). A user message
+(Anthropic's ``cache_control``; other providers ignore it), with
+``cache_ttl`` for how long the cached prefix lives: ``"5m"`` or ``"1h"``, or
+``None`` for the provider's default (Anthropic: five minutes; OpenAI and
+Gemini have no per-part cache field and ignore both). ``cache_ttl`` came
+later, as a defaulted field: a part stored before it reads with ``None``. A user message
 may hold them; a tool result may carry images and documents: they follow the
 result in its ``tool`` message (:meth:`~stepmachine.Message.tool_result`
 with ``media=``). Older readers, which do not know these tags, refuse such a
@@ -64,6 +68,9 @@ __all__ = [
 
 Detail: TypeAlias = Literal["auto", "low", "high"]
 _DETAILS: Final = (None, "auto", "low", "high")
+CacheTTL: TypeAlias = Literal["5m", "1h"]
+"""How long a cached prompt prefix lives (Anthropic's ``cache_control.ttl``)."""
+_TTLS: Final = (None, "5m", "1h")
 
 
 def media_digest(data: bytes) -> str:
@@ -93,6 +100,14 @@ def _take_data_url(part: ImagePart | DocumentPart | AudioPart, owner: str) -> No
     msgspec.structs.force_setattr(part, "data", data)
     if not part.media_type:
         msgspec.structs.force_setattr(part, "media_type", fields[0].strip().lower())
+
+
+def _check_cache(owner: str, cache: Any, ttl: Any) -> None:
+    """``ttl`` None, or ``"5m"`` / ``"1h"`` with ``cache=True`` (``cache`` checked before)."""
+    if ttl is not None and (type(ttl) is not str or ttl not in _TTLS):
+        fail(owner, "cache_ttl", "None, '5m' or '1h'", ttl)
+    if ttl is not None and not cache:
+        fail(owner, "cache_ttl", "None unless cache=True (set cache=True with it)", ttl)
 
 
 def _check_source(
@@ -136,11 +151,13 @@ class ImagePart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="im
         url: where the provider fetches it, or ``None`` for bytes.
         detail: OpenAI's resolution hint (``"auto"``, ``"low"``, ``"high"``).
         cache: ask the provider to cache the prompt up to here (Anthropic).
+        cache_ttl: how long that cache lives, ``"5m"`` or ``"1h"`` (with
+            ``cache=True``); ``None``: the provider's default.
 
     Raises:
         InvalidFieldError: not exactly one of ``data`` and ``url``, ``data``
             without a ``media_type``, a ``media_type`` that is not ``image/...``,
-            an unknown ``detail``, or a field of the wrong type.
+            an unknown ``detail`` or ``cache_ttl``, or a field of the wrong type.
     """
 
     media_type: str = ""
@@ -148,10 +165,12 @@ class ImagePart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="im
     url: str | None = None
     detail: Detail | None = None
     cache: bool = False
+    cache_ttl: CacheTTL | None = None
 
     def __post_init__(self) -> None:
         _take_data_url(self, "ImagePart")
         _check_source("ImagePart", self.media_type, self.data, self.url, self.cache, ("image/",))
+        _check_cache("ImagePart", self.cache, self.cache_ttl)
         if self.detail not in _DETAILS:
             fail("ImagePart", "detail", "None, 'auto', 'low' or 'high'", self.detail)
 
@@ -173,6 +192,7 @@ class DocumentPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag=
         url: where the provider fetches it, or ``None`` for bytes.
         title: a file name or title some providers show the model.
         cache: ask the provider to cache the prompt up to here (Anthropic).
+        cache_ttl: as :class:`ImagePart`.
 
     Raises:
         InvalidFieldError: as :class:`ImagePart`, for ``application/...`` and
@@ -184,6 +204,7 @@ class DocumentPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag=
     url: str | None = None
     title: str | None = None
     cache: bool = False
+    cache_ttl: CacheTTL | None = None
 
     def __post_init__(self) -> None:
         _take_data_url(self, "DocumentPart")
@@ -195,6 +216,7 @@ class DocumentPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag=
             self.cache,
             ("application/", "text/"),
         )
+        _check_cache("DocumentPart", self.cache, self.cache_ttl)
         if self.title is not None:
             check_str("DocumentPart", "title", self.title)
 
@@ -215,6 +237,7 @@ class AudioPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="au
         data: the audio's bytes, or ``None`` for a URL.
         url: where the provider fetches it, or ``None`` for bytes.
         cache: ask the provider to cache the prompt up to here.
+        cache_ttl: as :class:`ImagePart`.
 
     Raises:
         InvalidFieldError: as :class:`ImagePart`, for ``audio/...`` media types.
@@ -224,10 +247,12 @@ class AudioPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="au
     data: bytes | None = None
     url: str | None = None
     cache: bool = False
+    cache_ttl: CacheTTL | None = None
 
     def __post_init__(self) -> None:
         _take_data_url(self, "AudioPart")
         _check_source("AudioPart", self.media_type, self.data, self.url, self.cache, ("audio/",))
+        _check_cache("AudioPart", self.cache, self.cache_ttl)
 
     def __repr__(self) -> str:
         return f"AudioPart({_short(self)})"
@@ -260,7 +285,7 @@ class MediaRef(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="med
         kind: the tag of the part it stands for (``"image"``, ``"document"``, ``"audio"``).
         digest: ``sha256:<hex>`` of the bytes (:func:`media_digest`).
         size: how many bytes.
-        media_type, detail, title, cache: the part's own fields.
+        media_type, detail, title, cache, cache_ttl: the part's own fields.
     """
 
     kind: MediaKind
@@ -270,6 +295,7 @@ class MediaRef(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="med
     detail: Detail | None = None
     title: str | None = None
     cache: bool = False
+    cache_ttl: CacheTTL | None = None
 
     def __repr__(self) -> str:
         return f"MediaRef({self.kind} {self.size:,} bytes {self.media_type} {self.digest[:19]})"

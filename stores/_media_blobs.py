@@ -116,8 +116,8 @@ _WATCHED: Final = frozenset((*_KINDS.values(), MediaRef))
 _OWN: Final = {
     kind: frozenset(cls.__struct_fields__) - {"data", "url"} for kind, cls in _KINDS.items()
 }
-_REF_FIELDS: Final = ("media_type", "detail", "title", "cache")
-_DEFAULTS: Final = {"detail": None, "title": None, "cache": False}
+_REF_FIELDS: Final = ("media_type", "detail", "title", "cache", "cache_ttl")
+_DEFAULTS: Final = {"detail": None, "title": None, "cache": False, "cache_ttl": None}
 
 
 def _refers(messages: Any) -> bool:

@@ -57,6 +57,7 @@ from hypothesis import strategies as st
 
 from stepmachine import (
     Conversation,
+    DocumentPart,
     Message,
     ModelRequest,
     ModelResponse,
@@ -382,6 +383,98 @@ async def test_the_harness_reports_a_dropped_gemini_signature() -> None:
     )
     assert not result.passed
     assert "call 1: request 0: contents:" in result.line()
+
+
+_GEMINI_ERRORS = {
+    "bad_key": (
+        400,
+        {
+            "code": 400,
+            "message": "API key not valid. Please pass a valid API key.",
+            "status": "INVALID_ARGUMENT",
+            "details": [
+                {
+                    "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                    "reason": "API_KEY_INVALID",
+                    "domain": "googleapis.com",
+                }
+            ],
+        },
+    ),
+    "too_long": (
+        400,
+        {
+            "code": 400,
+            "message": "The input token count (1200000) exceeds the maximum number of tokens "
+            "allowed (1048576).",
+            "status": "INVALID_ARGUMENT",
+        },
+    ),
+    "no_quota": (
+        429,
+        {
+            "code": 429,
+            "message": "You exceeded your current quota.",
+            "status": "RESOURCE_EXHAUSTED",
+            "details": [
+                {
+                    "@type": "type.googleapis.com/google.rpc.QuotaFailure",
+                    "violations": [{"quotaMetric": "m", "quotaValue": "0"}],
+                }
+            ],
+        },
+    ),
+    "bad_request": (
+        400,
+        {"code": 400, "message": "Invalid JSON payload", "status": "INVALID_ARGUMENT"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_GEMINI_ERRORS))
+async def test_the_gemini_spec_expects_the_adapters_documented_error_mapping(
+    name: str, tmp_path: Path
+) -> None:
+    """A 400 is not always a BadRequestError: a bad key (API_KEY_INVALID) is an
+    AuthenticationError, a too-long input a ContextLengthExceededError, a 429 naming a
+    quota of 0 a QuotaExceededError, as the adapter documents."""
+    status, error = _GEMINI_ERRORS[name]
+    recorded = (NEXT / "gemini" / "ErrorResponse.yaml").read_text()
+    body = json.dumps({"error": error}, indent=2)
+    start = recorded.index('            {\n              "error"')
+    end = recorded.index("        headers:", start)
+    text = recorded[:start] + "".join(f"            {line}\n" for line in body.splitlines())
+    text += recorded[end:]
+    text = text.replace("status: 404 Not Found", f"status: {status} Error")
+    text = text.replace("code: 404\n", f"code: {status}\n")
+    assert text.count(f"code: {status}\n") == 1
+    folder = tmp_path / "gemini"
+    folder.mkdir()
+    (folder / f"{name}.yaml").write_text(text)
+    result = await conformance.run_file(folder / f"{name}.yaml", SPECS)
+    assert result.passed, result.line()
+    assert f"error {status}" in " ".join(result.notes)
+
+
+@pytest.mark.parametrize("ttl", ["5m", "1h"])
+async def test_the_anthropic_spec_carries_the_cache_ttl(ttl: str, tmp_path: Path) -> None:
+    """A recorded ``cache_control`` with a ``ttl`` becomes the part's ``cache_ttl``, and
+    the adapter sends it back as recorded."""
+    name = "GenSyncMultiModal-Document-pdf-URL.yaml"
+    recorded = (NEXT / "anthropic" / name).read_text()
+    mark = '"cache_control":{"type":"ephemeral"}'
+    assert recorded.count(mark) == 1
+    folder = tmp_path / "anthropic"
+    folder.mkdir()
+    timed = mark.replace("}", f',"ttl":"{ttl}"}}')
+    (folder / name).write_text(recorded.replace(mark, timed))
+    result = await conformance.run_file(folder / name, SPECS)
+    assert result.passed, result.line()
+    spec = SPECS.get("anthropic")
+    body = cassettes.load_cassette(folder / name)[0].request_body
+    request, _ = spec.decode_request(body)
+    [document] = [p for m in request.messages for p in m.parts if isinstance(p, DocumentPart)]
+    assert (document.cache, document.cache_ttl) == (True, ttl)
 
 
 def test_command_line_over_the_gemini_recordings(tmp_path: Path) -> None:

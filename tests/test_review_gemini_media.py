@@ -39,9 +39,10 @@ from stepmachine import (
     ReplaceConversation,
     Session,
     StoredDataError,
+    history_problems,
     media_digest,
 )
-from stepmachine._messages import ReasoningPart, TextPart, ToolCallPart
+from stepmachine._messages import ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 from stepmachine._model import StreamChunk
 from stepmachine.providers import (
     AnthropicModel,
@@ -272,24 +273,55 @@ def test_anthropic_signatures_are_not_sent_to_gemini() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "DEFECT (medium): without responseId, a synthesised call id is a hash of (index, "
-        "name, args) only, so the same call in two turns of one conversation gets the same "
-        "id; tool results then pair ambiguously, and after a switch to Anthropic or OpenAI "
-        "(which require unique tool_use ids) the conversation is refused"
-    ),
-)
-async def test_synthesised_call_ids_differ_between_turns() -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+async def test_synthesised_call_ids_differ_between_turns(stream: bool) -> None:
+    """Without responseId, the same call (same tool, same arguments) in two turns of one
+    conversation gets two ids: results pair unambiguously, and the history stays valid
+    after a switch to a provider that requires unique ids (Anthropic)."""
     data = _reply([{"functionCall": {"name": "now", "args": {}}}])  # no responseId
+    history: list[Message] = [Message.user("hi", id="u1")]
     ids = []
-    for _ in range(2):
-        model, _ = _model(_served(data, stream=False))
-        response = await _ask(model, stream=False)
+    for turn in range(3):
+        model, _ = _model(_served(data, stream=stream))
+        with anyio.fail_after(10):
+            response = await model.request(
+                ModelRequest(messages=tuple(history)), on_chunk=_ignore if stream else None
+            )
         [call] = [p for p in response.parts if isinstance(p, ToolCallPart)]
         ids.append(call.call_id)
-    assert ids[0] != ids[1]
+        history.append(Message(id=f"a{turn}", role="assistant", parts=response.parts))
+        history.append(Message.tool_result(ToolResultPart.for_call(call, "12:00"), id=f"t{turn}"))
+    assert len(set(ids)) == 3, ids
+    assert history_problems(history) == []
+    body = AnthropicModel("claude-x", api_key=KEY).build_body(
+        ModelRequest(messages=(*history, Message.user("thanks", id="u2"))), stream=False
+    )
+    uses = [b["id"] for m in body["messages"] for b in m["content"] if b["type"] == "tool_use"]
+    assert uses == ids
+
+
+@pytest.mark.anyio
+async def test_synthesised_call_ids_are_the_same_for_the_same_request() -> None:
+    """Replay-safe: the same request and reply give the same ids, streamed or not (the
+    id is derived from the conversation the request continues, not drawn at random)."""
+    data = _reply(
+        [
+            {"functionCall": {"name": "now", "args": {}}},
+            {"functionCall": {"name": "now", "args": {}}},
+        ]
+    )
+    history = (Message.user("hi", id="u1"), Message.user("again", id="u2"))
+    ids = []
+    for stream in (False, True, False):
+        model, _ = _model(_served(data, stream=stream))
+        with anyio.fail_after(10):
+            response = await model.request(
+                ModelRequest(messages=history), on_chunk=_ignore if stream else None
+            )
+        ids.append([p.call_id for p in response.parts if isinstance(p, ToolCallPart)])
+    assert ids[0] == ids[1] == ids[2]
+    assert len(set(ids[0])) == 2
+    assert all(i.startswith("gemini-call-") for i in ids[0])
 
 
 # -- Gemini: errors and retries ----------------------------------------------------------------
@@ -929,15 +961,6 @@ def test_a_gemini_carrier_without_its_signature_is_not_a_bare_key_error(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "DEFECT (low): with an injected httpx client that follows redirects, a 307 from the "
-        "API root to another host re-sends x-goog-api-key there (httpx strips only "
-        "Authorization across origins); the adapter does not pass follow_redirects=False "
-        "for its own requests"
-    ),
-)
 async def test_the_key_does_not_follow_a_redirect_to_another_host(stream: bool) -> None:
     seen: list[httpx.Request] = []
 

@@ -482,12 +482,6 @@ def test_an_mcp_image_with_no_data_is_named_not_stored() -> None:
     assert all(part.data for part in output.media)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low, provider behaviour assumed): the Responses adapter checks no "
-    "document media type: application/zip or 'application/pdf; x' go out as input_file "
-    "with the file name 'document' (no extension), for OpenAI to refuse later",
-)
 @pytest.mark.parametrize("media_type", ["application/zip", "application/pdf; charset=binary"])
 async def test_responses_refuses_a_document_type_it_cannot_name(media_type: str) -> None:
     document = DocumentPart(media_type=media_type, data=b"PK\x03\x04")
@@ -637,16 +631,24 @@ def test_a_malformed_stored_media_part_is_a_clear_stored_data_error(
     assert "abc" not in str(caught.value).replace("YWJj", "")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): an unknown *part* tag is reported with 'registered effect tags: "
-    "[...]' appended, pointing the reader at the wrong union",
-)
 def test_an_unknown_part_tag_is_not_explained_with_the_effect_tags() -> None:
     bad = _GOOD.replace(b'"type":"image"', b'"type":"video"')
     with pytest.raises(StoredDataError) as caught:
         Codec().decode_message(bad, where="session 's' position 3")
     assert "effect tags" not in str(caught.value)
+    assert "'video'" in str(caught.value)
+    assert "part tags: ['audio', 'document', 'image'," in str(caught.value)
+
+
+def test_an_unknown_effect_tag_is_still_explained_with_the_effect_tags() -> None:
+    codec = Codec()
+    good = codec.encode_effects([AppendMessage(Message.user("hi", id="u1"))])
+    bad = good.replace(b'"append_message"', b'"append_video"')
+    assert bad != good
+    with pytest.raises(StoredDataError) as caught:
+        codec.decode_effects(bad, where="session 's' position 3")
+    assert "registered effect tags: ['annotate', 'append_message'" in str(caught.value)
+    assert "part tags" not in str(caught.value)
 
 
 # -- stores: fork and load_at keep media -------------------------------------------------------

@@ -22,7 +22,10 @@ Request mapping (:meth:`AnthropicModel.build_body`):
   (bare base64; PNG, JPEG, GIF or WebP images, PDF documents), ``{type:
   "text", media_type: "text/plain", data}`` (a UTF-8 text document) or
   ``{type: "url", url}``, and ``cache_control: {type: "ephemeral"}`` when the
-  part's ``cache`` hint is set (at most four a request, as the API allows).
+  part's ``cache`` hint is set (at most four a request, as the API allows),
+  with ``ttl: "5m"`` or ``"1h"`` from its ``cache_ttl`` (none without one: the
+  API's default, five minutes). The API wants longer-lived breakpoints first:
+  a ``"1h"`` one after a five-minute one is refused before any request.
   The images and documents that follow a tool result go inside its
   ``tool_result`` block, whose ``content`` becomes a list (a text block with
   the result's content first, unless blank). More cache hints, audio,
@@ -479,7 +482,30 @@ def _messages(messages: Sequence[Message], who: str) -> list[dict[str, Any]]:
         if turn["role"] == "user":
             # tool results must open the turn that answers the calls
             turn["content"].sort(key=lambda b: b["type"] != "tool_result")
+    _check_cache_order(turns, who)
     return turns
+
+
+def _check_cache_order(turns: list[dict[str, Any]], who: str) -> None:
+    """Raise :class:`ConfigurationError` for a one-hour cache breakpoint after a
+    five-minute one, in the order the blocks are sent (the API refuses it)."""
+    short = False
+    for turn in turns:
+        for block in turn["content"]:
+            inner = block.get("content") if block.get("type") == "tool_result" else None
+            for b in [block, *(inner if isinstance(inner, list) else [])]:
+                mark = b.get("cache_control")
+                if mark is None:
+                    continue
+                if mark.get("ttl", "5m") == "5m":
+                    short = True
+                elif short:
+                    raise ConfigurationError(
+                        f"{who} cannot send a media part with cache_ttl='1h' after one cached "
+                        "for five minutes: the Messages API takes longer-lived cache "
+                        "breakpoints before shorter ones; put the '1h' parts first, or give "
+                        "them the same cache_ttl"
+                    )
 
 
 def _blocks(message: Message, who: str) -> list[dict[str, Any]]:
@@ -520,6 +546,8 @@ def _media_block(part: ImagePart | DocumentPart, who: str) -> dict[str, Any]:
             block["title"] = part.title
     if part.cache:
         block["cache_control"] = {"type": "ephemeral"}
+        if part.cache_ttl is not None:
+            block["cache_control"]["ttl"] = part.cache_ttl
     return block
 
 

@@ -2,7 +2,8 @@
 
 Endpoints: ``{base_url}/models/{model}:generateContent`` and, streaming,
 ``:streamGenerateContent?alt=sse``. The Gemini API's key travels in the
-``x-goog-api-key`` header, never in the URL. Vertex AI (``project=``) takes
+``x-goog-api-key`` header, never in the URL (a base URL's ``?key=`` is taken
+as the key when none is given, and sent in that header too). Vertex AI (``project=``) takes
 the same bodies at ``.../v1beta1/projects/{project}/locations/{location}/
 publishers/google/models/{model}:...`` with an OAuth ``access_token`` sent as
 a bearer token. Any other root of the same shape (a proxy, Vertex AI express
@@ -57,6 +58,8 @@ token count exceeds the maximum is a
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import os
 import random
 import re
@@ -81,7 +84,7 @@ from ._errors import (
     ServerError,
     error_from_response,
 )
-from ._gemini_wire import Assembler, contents, usage
+from ._gemini_wire import Assembler, contents, turn_of, usage
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
 from ._wire import decode_body, expect_list
 
@@ -90,6 +93,8 @@ __all__ = ["GeminiModel"]
 GEMINI_BASE_URL = "https://generativelanguage.googleapis.com/v1beta"
 _RETRY_DELAY = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s*$")
 _TOO_LONG = re.compile(r"input token count.*exceeds the maximum", re.IGNORECASE | re.DOTALL)
+_TURN: contextvars.ContextVar[str | None] = contextvars.ContextVar("gemini_turn", default=None)
+"""The turn of the request being parsed (seeds synthesised call ids; see ``_gemini_wire``)."""
 
 
 def vertex_base_url(project: str, location: str = "global") -> str:
@@ -179,6 +184,15 @@ class GeminiModel(HTTPModel):
             rng=rng,
         )
         self.bearer = access_token is not None
+        query = self._base.query
+        keys = [value for name, value in query if name == "key"]
+        if not self.api_key and not self.bearer and len(keys) == 1:
+            # ``?key=`` is how Google documents the key in a URL: sent as the header
+            # instead, it stays out of every URL httpx logs.
+            self.api_key = Secret(keys[0])
+            self._base = dataclasses.replace(
+                self._base, query=tuple(p for p in query if p[0] != "key")
+            )
         self.thinking = dict(thinking) if thinking is not None else None
         self.safety_settings = list(safety_settings) if safety_settings is not None else None
 
@@ -195,6 +209,18 @@ class GeminiModel(HTTPModel):
         if self.bearer:
             return {"authorization": f"Bearer {self.api_key.reveal()}"}
         return {"x-goog-api-key": self.api_key.reveal()}
+
+    async def request(
+        self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
+    ) -> ModelResponse:
+        """As :meth:`HTTPModel.request`; a call without an id in a reply without
+        ``responseId`` gets an id derived from the turn ``request`` continues
+        (unique per turn, the same for the same request: see ``_gemini_wire``)."""
+        token = _TURN.set(turn_of(request.messages))
+        try:
+            return await super().request(request, on_chunk=on_chunk)
+        finally:
+            _TURN.reset(token)
 
     # -- request ---------------------------------------------------------------------
 
@@ -241,7 +267,7 @@ class GeminiModel(HTTPModel):
         """A ``GenerateContentResponse`` -- or the JSON array of them that
         ``:streamGenerateContent`` sends without ``alt=sse`` -- as a response."""
         chunks = expect_list(data, "the reply") if isinstance(data, list) else [data]
-        assembler = Assembler()
+        assembler = Assembler(_TURN.get())
         for chunk in chunks:
             if isinstance(chunk, dict) and "error" in chunk:
                 raise self.stream_error(chunk)
@@ -261,7 +287,7 @@ class GeminiModel(HTTPModel):
                 (or a prompt block): it was cut.
             ProviderError: a typed error for an ``{"error": ...}`` chunk.
         """
-        assembler = Assembler()
+        assembler = Assembler(_TURN.get())
         failure: Exception | None = None
         async for event in events:
             if failure is not None or not event.data.strip():

@@ -22,9 +22,15 @@ are sent back only when signed (the API needs signatures, not summaries).
 Reasoning from other providers is never sent.
 
 Call ids. Gemini 2.x sends no ``functionCall.id``; an id is then made
-from the reply's ``responseId`` and the call's position (``gemini-call-<responseId>-<n>``,
-or a digest of the call when the reply has no ``responseId``), the same
-streamed or not. Such a synthesised id is never sent back: the API pairs
+from the reply's ``responseId`` and the call's position
+(``gemini-call-<responseId>-<n>``). A reply without ``responseId`` (a proxy,
+an older API version) gets ``gemini-call-<digest>``, a digest of the turn the
+request continues (:func:`turn_of`: how many messages it sends and the id of
+the last one), the call's position, name and arguments: the same call in two
+turns of one conversation gets two ids (results pair with their call, and
+the history stays valid for a provider that wants unique ids), while the same
+request gives the same ids every time, streamed or not (replay, and
+invariant 9). Such a synthesised id is never sent back: the API pairs
 results with calls by order and name, so each ``functionResponse`` carries
 the call's name (taken from the call when the result has none).
 """
@@ -51,6 +57,7 @@ __all__ = [
     "contents",
     "finish_reason",
     "same_signature",
+    "turn_of",
     "usage",
 ]
 
@@ -250,16 +257,26 @@ class _Run:
     call: ToolCallPart | None = None
 
 
+def turn_of(messages: Sequence[Message]) -> str:
+    """What tells a request's turn from every other turn of its conversation: how many
+    messages it sends and the id of the last one (message ids are unique in a session).
+    The seed of synthesised call ids (see the module docs)."""
+    return f"{len(messages)}\0{messages[-1].id if messages else ''}"
+
+
 class Assembler:
     """Reads reply chunks in order; :meth:`parts` is the assembled response's parts.
 
     Text and thought parts that follow each other are joined (a stream cuts
     them anywhere), so a reply gives the same parts however it was chunked.
     Only the first candidate (``index`` 0) is read. The last ``usageMetadata``,
-    ``modelVersion`` and the last ``finishReason`` win.
+    ``modelVersion`` and the last ``finishReason`` win. ``turn`` (from
+    :func:`turn_of`) seeds the ids of calls without ``id`` in a reply without
+    ``responseId``; without it, they are a digest of the call alone.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, turn: str | None = None) -> None:
+        self.turn = turn
         self.runs: list[_Run] = []
         self.calls = 0
         self.finish: str | None = None
@@ -335,7 +352,10 @@ class Assembler:
             if isinstance(response_id, str) and response_id:
                 call_id = f"{SYNTHETIC_ID_PREFIX}{response_id}-{self.calls}"
             else:
-                digest = hashlib.sha256(f"{self.calls}\0{name}\0{raw}".encode()).hexdigest()
+                seed = f"{self.calls}\0{name}\0{raw}"
+                if self.turn is not None:
+                    seed = f"{self.turn}\0{seed}"
+                digest = hashlib.sha256(seed.encode()).hexdigest()
                 call_id = f"{SYNTHETIC_ID_PREFIX}{digest[:16]}"
         # Parsed again from the compact JSON: arguments nested deeper than the kernel
         # accepts are invalid (``arguments`` None), as from every adapter.

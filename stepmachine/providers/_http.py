@@ -33,6 +33,15 @@ its whole ``__cause__``/``__context__`` chain (see
 put in it: a reply that echoes the key, a cut message, a chained parser error.
 JSON from the server is decoded with a nesting limit: too deep is malformed,
 never a ``RecursionError``.
+
+A key in the base URL (``http://user:KEY@host/v1``, ``?api-key=KEY``) is sent
+as a Basic ``Authorization`` header and in the query after the endpoint path,
+and shown nowhere: not in ``repr``, ``base_url``, an error or httpx's log line
+(see :mod:`stepmachine.providers._urls`). The adapter's own requests never
+follow a redirect, whatever the injected client does (httpx drops only
+``Authorization`` across origins, not ``x-api-key`` or ``x-goog-api-key``): a
+3xx reply is a :class:`ProviderError` (``kind="redirect"``, not retried) that
+says where it pointed, without credentials.
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ from ._errors import (
     redact_error,
     redact_text,
 )
+from ._urls import hide_in_httpx_log, parse_base_url, redact_url
 from ._wire import PARSE_ERRORS, decode_body
 
 __all__ = ["DEFAULT_TIMEOUT", "HTTPModel", "RetryPolicy", "SSEEvent", "Secret"]
@@ -212,7 +222,9 @@ class HTTPModel:
         self.model = model
         self.api_key = api_key if isinstance(api_key, Secret) else Secret(api_key or "")
         _check_key(self.api_key.reveal())
-        self.base_url = base_url.rstrip("/")
+        self._base = parse_base_url(base_url)
+        self.base_url = self._base.root
+        hide_in_httpx_log(tuple(v for _, v in self._base.query if v in self._base.secrets))
         self._own_client = client is None
         self.client = client or httpx.AsyncClient(timeout=timeout)
         self.retry = retry or RetryPolicy()
@@ -222,7 +234,8 @@ class HTTPModel:
         self._rng = rng or random.Random()  # noqa: S311 - jitter, not security
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(model={self.model!r}, base_url={self.base_url!r})"
+        shown = self.base_url + ("?..." if self._base.query else "")
+        return f"{type(self).__name__}(model={self.model!r}, base_url={shown!r})"
 
     @property
     def name(self) -> str:
@@ -367,7 +380,7 @@ class HTTPModel:
 
     def _secrets(self) -> list[str]:
         """What must never appear in an error: the key and credential header values."""
-        secrets = [self.api_key.reveal()]
+        secrets = [self.api_key.reveal(), *self._base.secrets]
         secrets.extend(
             value
             for name, value in self.extra_headers.items()
@@ -384,21 +397,44 @@ class HTTPModel:
         return self.url(stream=False)
 
     def _headers(self, *, stream: bool) -> dict[str, str]:
-        return {
+        headers = {
             "content-type": "application/json",
             "accept": "text/event-stream" if stream else "application/json",
             **self.auth_headers(),
-            **self.extra_headers,
         }
+        if self._base.basic is not None:  # the base URL's userinfo, as httpx would send it
+            headers.pop("authorization", None)
+            headers["authorization"] = self._base.basic
+        return {**headers, **self.extra_headers}
+
+    def _target(self, *, stream: bool) -> httpx.URL:
+        """:meth:`url` with the base URL's query (see :mod:`._urls`)."""
+        return self._base.target(self.url(stream=stream))
+
+    def _redirected(self, reply: httpx.Response) -> ProviderError:
+        """The error for a redirect, which the adapter never follows."""
+        location = reply.headers.get("location")
+        if reply.next_request is not None:
+            location = str(reply.next_request.url)
+        where = f"to {redact_url(location)} " if location else ""
+        return ProviderError(
+            f"the server answered with a redirect {where}and the adapter never follows one "
+            "(no secret escapes: the key would go wherever it points); set base_url to the "
+            "API root the server expects (https:// rather than http://, the right path)",
+            provider=self.provider,
+            status=reply.status_code,
+            kind="redirect",
+        )
 
     async def _blocking(self, body: bytes) -> ModelResponse:
         failure: ProviderError | None = None
         try:
             reply = await self.client.post(
-                self.url(stream=False),
+                self._target(stream=False),
                 content=body,
                 headers=self._headers(stream=False),
                 timeout=self.timeout,
+                follow_redirects=False,
             )
         except httpx.HTTPError as exc:
             failure = self._transport_error(exc, "the request failed")
@@ -406,6 +442,8 @@ class HTTPModel:
             raise failure  # outside the except block: no chained httpx request (and key)
         if reply.status_code >= 400:
             raise self.reply_error(reply.status_code, reply.content, reply.headers)
+        if reply.status_code >= 300:
+            raise self._redirected(reply)
         return self._parse_json(reply.content, reply.status_code)
 
     def _parse_json(self, content: bytes, status: int) -> ModelResponse:
@@ -433,15 +471,19 @@ class HTTPModel:
             async with httpx_sse.aconnect_sse(
                 self.client,
                 "POST",
-                self.url(stream=True),
+                str(self._target(stream=True)),
                 content=body,
                 headers=self._headers(stream=True),
                 timeout=self.timeout,
+                follow_redirects=False,
             ) as source:
                 reply = source.response
                 if reply.status_code >= 400:
                     content = await reply.aread()
                     raise self.reply_error(reply.status_code, content, reply.headers)
+                if reply.status_code >= 300:
+                    await reply.aread()
+                    raise self._redirected(reply)
                 if "text/event-stream" not in reply.headers.get("content-type", ""):
                     # A server that ignored ``stream``: take the whole reply, emit it as chunks.
                     response = self._parse_json(await reply.aread(), reply.status_code)

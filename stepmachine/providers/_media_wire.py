@@ -12,6 +12,7 @@ before any HTTP request; nothing is ever dropped.
 from __future__ import annotations
 
 import base64
+import re
 from typing import Final
 
 from .._errors import ConfigurationError
@@ -19,6 +20,7 @@ from .._media import AudioPart, DocumentPart, ImagePart
 
 __all__ = [
     "IMAGE_TYPES",
+    "OPENAI_FILE_TYPES",
     "PDF",
     "b64",
     "data_url",
@@ -26,6 +28,7 @@ __all__ = [
     "describe",
     "from_data_url",
     "image_type",
+    "openai_file_type",
     "unsendable",
 ]
 
@@ -34,17 +37,46 @@ PDF: Final = "application/pdf"
 _EXTENSIONS: Final = {
     "application/pdf": ".pdf",
     "application/json": ".json",
+    "application/xml": ".xml",
+    "application/rtf": ".rtf",
+    "application/msword": ".doc",
+    "application/vnd.openxmlformats-officedocument.wordprocessingml.document": ".docx",
+    "application/vnd.oasis.opendocument.text": ".odt",
+    "application/vnd.ms-powerpoint": ".ppt",
+    "application/vnd.openxmlformats-officedocument.presentationml.presentation": ".pptx",
+    "application/vnd.ms-excel": ".xls",
+    "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet": ".xlsx",
     "text/plain": ".txt",
     "text/markdown": ".md",
     "text/csv": ".csv",
+    "text/tab-separated-values": ".tsv",
     "text/html": ".html",
+    "text/xml": ".xml",
+    "text/rtf": ".rtf",
 }
+
+OPENAI_FILE_TYPES: Final = frozenset(t for t in _EXTENSIONS if not t.startswith("text/"))
+"""The document types besides ``text/*`` that the Responses API documents for
+``input_file``: PDF, JSON and XML, Word, RTF, OpenDocument text, PowerPoint, Excel."""
+
+_TEXT_TYPE = re.compile(r"^text/[a-z0-9][a-z0-9.+-]*$")
+
+
+def openai_file_type(media_type: str) -> bool:
+    """Whether the Responses API reads a document of ``media_type`` (bare, no
+    parameters): one of :data:`OPENAI_FILE_TYPES` or any ``text/<subtype>`` (text,
+    markup and code files)."""
+    return media_type in OPENAI_FILE_TYPES or _TEXT_TYPE.match(media_type) is not None
 
 
 def default_filename(media_type: str) -> str:
-    """The file name sent for a document without a ``title``: ``document`` plus an extension
-    for the common types (``document.pdf``, ``document.txt``)."""
-    return "document" + _EXTENSIONS.get(media_type, "")
+    """The file name sent for a document without a ``title``: ``document`` plus the
+    extension of its type (``document.pdf``, ``document.docx``; ``.txt`` for another
+    ``text/*`` type), which is what OpenAI reads the type from."""
+    extension = _EXTENSIONS.get(media_type)
+    if extension is None and _TEXT_TYPE.match(media_type):
+        extension = ".txt"
+    return "document" + (extension or "")
 
 
 IMAGE_TYPES: Final = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})

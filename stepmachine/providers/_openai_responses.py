@@ -17,7 +17,10 @@ Request mapping (provider-neutral -> wire):
   URL, or the bytes as a ``data:<media_type>;base64,...`` URL -- PNG, JPEG,
   GIF or WebP; ``detail``: the part's, else ``"auto"``) and ``input_file``
   (bytes -> ``file_data`` data URL with ``filename``: the part's ``title``,
-  else ``document.pdf`` / ``document.txt`` / ...; a URL -> ``file_url``);
+  else ``document.pdf`` / ``document.txt`` / ...; a URL -> ``file_url``) --
+  PDF, ``text/*``, JSON, XML, Word, RTF, OpenDocument text, PowerPoint and
+  Excel (the types OpenAI documents; any other, or one with parameters, is a
+  :class:`~stepmachine.ConfigurationError` before any request);
   the images and documents that follow a tool result -> its ``output`` as
   such a list (``input_text`` with the result's content first, when it has
   any). The ``cache`` hint has no wire field. Audio, and media in a system
@@ -84,7 +87,14 @@ from .._model import (
 )
 from ._errors import MalformedResponseError, ProviderError, error_from_response
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
-from ._media_wire import IMAGE_TYPES, data_url, default_filename, image_type, unsendable
+from ._media_wire import (
+    IMAGE_TYPES,
+    data_url,
+    default_filename,
+    image_type,
+    openai_file_type,
+    unsendable,
+)
 from ._wire import (
     count,
     decode_body,
@@ -103,6 +113,11 @@ _USER_OR_RESULT_MEDIA = (
     "the Responses API takes images and files in user messages and tool results only"
 )
 _IMAGE_TYPES_TAKEN = "the Responses API takes PNG, JPEG, GIF and WebP images"
+_FILE_TYPES_TAKEN = (
+    "the Responses API reads PDF, text and code (text/*), JSON, XML, Word, RTF, "
+    "OpenDocument text, PowerPoint and Excel files, given by a bare media type (no "
+    "parameters); convert the document to one of them, e.g. to PDF"
+)
 
 # Stream error codes -> the HTTP status whose typed error fits them best.
 _STREAM_ERROR_STATUS = {
@@ -319,6 +334,8 @@ class OpenAIResponsesModel(HTTPModel):
             raise unsendable(self.name, part, "the Responses API takes no audio input")
         if isinstance(part, ImagePart) and part.data and image_type(part) not in IMAGE_TYPES:
             raise unsendable(self.name, part, _IMAGE_TYPES_TAKEN)
+        if isinstance(part, DocumentPart) and part.data and not openai_file_type(part.media_type):
+            raise unsendable(self.name, part, _FILE_TYPES_TAKEN)
         return part
 
     def _block(self, part: TextPart | ImagePart | DocumentPart) -> dict[str, Any]:

@@ -97,7 +97,7 @@ _MEDIA_BLOCKS = ("image", "document")
 def _media_part(block: dict[str, Any]) -> ImagePart | DocumentPart:
     """An ``image`` or ``document`` block as a neutral part: a ``base64`` source -> bytes,
     a ``text`` source -> UTF-8 bytes (``text/plain``), a ``url`` source -> the URL;
-    ``cache_control`` -> the cache hint; a document's ``title``.
+    ``cache_control`` -> the cache hint (its ``ttl`` -> ``cache_ttl``); a document's ``title``.
 
     Raises:
         UnsupportedPartError: another source (``file``, ``content``), or a document with
@@ -106,6 +106,7 @@ def _media_part(block: dict[str, Any]) -> ImagePart | DocumentPart:
     source = block.get("source") or {}
     kind = source.get("type")
     cache = "cache_control" in block
+    ttl = (block.get("cache_control") or {}).get("ttl")
     fields: dict[str, Any]
     if kind == "base64":
         fields = {"media_type": source["media_type"], "data": decode_base64(source["data"])}
@@ -116,11 +117,11 @@ def _media_part(block: dict[str, Any]) -> ImagePart | DocumentPart:
     else:
         raise UnsupportedPartError(f"a {block['type']} block with a {kind!r} source")
     if block["type"] == "image":
-        return ImagePart(**fields, cache=cache)
+        return ImagePart(**fields, cache=cache, cache_ttl=ttl)
     unknown = set(block) - {"type", "source", "cache_control", "title"}
     if unknown:
         raise UnsupportedPartError(f"a document block with {sorted(unknown)}")
-    return DocumentPart(**fields, title=block.get("title"), cache=cache)
+    return DocumentPart(**fields, title=block.get("title"), cache=cache, cache_ttl=ttl)
 
 
 def _result_media(content: Any) -> list[ImagePart | DocumentPart]:

@@ -44,12 +44,14 @@ from stepmachine._messages import Part, ReasoningPart, TextPart, ToolCallPart, T
 from stepmachine.providers import (
     AuthenticationError,
     BadRequestError,
+    ContextLengthExceededError,
     GeminiModel,
     HTTPModel,
     NotFoundError,
     OverloadedError,
     PermissionDeniedError,
     ProviderError,
+    QuotaExceededError,
     RateLimitError,
     RetryPolicy,
     ServerError,
@@ -405,6 +407,29 @@ _ERRORS: dict[int, type[ProviderError]] = {
 _BLOCKED = {"SAFETY", "RECITATION", "BLOCKLIST", "PROHIBITED_CONTENT", "SPII", "IMAGE_SAFETY"}
 
 
+def _error_class(status: int, error: dict[str, Any]) -> type[ProviderError]:
+    """The class the adapter documents for an error body, read here on its own: by HTTP
+    status, except a bad key (``ErrorInfo`` reason ``API_KEY_INVALID``, sent as a 400:
+    AuthenticationError), a 400 whose input token count exceeds the maximum
+    (ContextLengthExceededError) and a 429 whose ``QuotaFailure`` names a quota of 0
+    (QuotaExceededError: no waiting helps)."""
+    details = [d for d in error.get("details") or [] if isinstance(d, dict)]
+    if any(d.get("reason") == "API_KEY_INVALID" for d in details):
+        return AuthenticationError
+    message = str(error.get("message") or "")
+    if status == 400 and re.search(r"input token count.*exceeds the maximum", message, re.I | re.S):
+        return ContextLengthExceededError
+    if status == 429 and any(
+        str(v.get("quotaValue")) == "0"
+        for d in details
+        if str(d.get("@type", "")).endswith("QuotaFailure")
+        for v in d.get("violations") or []
+        if isinstance(v, dict)
+    ):
+        return QuotaExceededError
+    return _ERRORS.get(status, ServerError)
+
+
 def _chunks(body: bytes, headers: httpx.Headers) -> list[dict[str, Any]]:
     """The ``GenerateContentResponse`` objects of a reply: SSE, a JSON array or one object."""
     if "text/event-stream" in headers.get("content-type", ""):
@@ -423,8 +448,9 @@ def expect(status: int, body: bytes, headers: httpx.Headers, streamed: bool) -> 
         body = gzip.decompress(body)
     if status >= 400:
         error = json.loads(body).get("error", {})
-        cls = _ERRORS.get(status, ServerError)
-        return Expected(error=cls, notes=(f"error {status} {error.get('status')}",))
+        return Expected(
+            error=_error_class(status, error), notes=(f"error {status} {error.get('status')}",)
+        )
     text, calls, reasoning = "", [], False
     finish, blocked, usage = None, None, {}
     for chunk in _chunks(body, headers):
