@@ -245,7 +245,9 @@ def check_progress(decision: Decision[D], session: Session[D]) -> None:
     ):
         raise StepContractError(
             f"step {decision.step.name!r} returned Continue with no effects; the "
-            "session would not change and the next cycle would decide the same"
+            "session would not change and the next cycle would decide the same, forever. "
+            "Return Refuse(why) when the step has nothing to do, or Yield(effects, reason) "
+            "to hand control back"
         )
 
 

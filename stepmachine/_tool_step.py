@@ -280,7 +280,10 @@ class Tools(Operation[Any]):
         for item in tools:
             built = item if isinstance(item, Tool) else Tool(item)
             if built.name in self._tools:
-                raise ConfigurationError(f"tool name {built.name!r} is given twice to {name!r}")
+                raise ConfigurationError(
+                    f"tool name {built.name!r} is given twice to {name!r}; a model names a tool "
+                    "by its name, so give each tool its own (tool(name=...)(fn))"
+                )
             self._tools[built.name] = built
         self._definitions = tuple(t.definition for t in self._tools.values())
         if (
@@ -825,7 +828,8 @@ def _recorded(answer: object, call: ToolCallPart) -> _Answer:
             raise StepContractError(
                 f"Runtime.tool_caller answered call {call.call_id!r} ({call.name}) with a tool "
                 "message holding more than its result and the images and documents after it "
-                f"({[type(p).__name__ for p in answer.parts]}); nothing of it was recorded"
+                f"({[type(p).__name__ for p in answer.parts]}); nothing of it was recorded. "
+                "Return the ToolResultPart, or Message.tool_result(result, media=...)"
             )
     if not isinstance(result, ToolResultPart) or result.call_id != call.call_id:
         got = (
@@ -912,15 +916,33 @@ async def resolve_unknown_outcome(
             has a result, or has no recorded intent. Nothing was written.
     """
     if not isinstance(by, str) or not by.strip():
-        raise ConfigurationError(f"a decision names who made it: by={by!r}")
+        raise ConfigurationError(
+            f"a decision on an unknown outcome records who made it: got by={by!r}; pass "
+            "by='<the operator>'; nothing was written"
+        )
     session = await store.load(session_id)
     where = _call_locations(session)
     open_calls = {c.call_id: c for c in open_tool_calls(session)}
     call = open_calls.get(call_id)
     journal = None if call is None else journal_entry(call, where=f"session {session_id!r}")
     if call is None or journal is None or not journal.intent:
+        if call is None:
+            seen = (
+                "it has a result already"
+                if session.history.call_position(call_id) is not None
+                else "no call has this id"
+            )
+        else:
+            seen = "it has no recorded intent (its tool never started, or is not non-idempotent)"
+        waiting = [
+            c.call_id
+            for c in open_calls.values()
+            if (entry := journal_entry(c, where=f"session {session_id!r}")) and entry.intent
+        ]
         raise ConfigurationError(
-            f"session {session_id!r} has no open call {call_id!r} with a recorded intent"
+            f"session {session_id!r} has no open call {call_id!r} with a recorded intent: "
+            f"{seen}. Only a call a crash left open after its intent has an unknown outcome "
+            f"to decide; such calls in this session now: {waiting!r}. Nothing was written"
         )
     decided = msgspec.structs.replace(
         journal,

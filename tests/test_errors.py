@@ -213,9 +213,12 @@ async def test_a_step_returning_none_or_a_non_outcome_is_a_contract_error_naming
         await machine.run_report(Runtime(store=store), "s")
     message = str(raised.value)
     assert repr(step.name) in message
-    assert "Refuse" in message and "Continue" in message and "Yield" in message
+    assert "Refuse" in message
+    assert "Continue" in message
+    assert "Yield" in message
     if isinstance(step, ForgetsReturn):
-        assert "None" in message and "return" in message
+        assert "None" in message
+        assert "return" in message
     assert await store.batches("s") == []
 
 

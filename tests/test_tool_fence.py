@@ -177,7 +177,7 @@ def leaf_errors() -> st.SearchStrategy[BaseException]:
             lambda: LeaseLostError("s", "o", 1, "taken"),
             lambda: StoreClosedError("closed"),
             lambda: ValueError("bad"),
-            lambda: KeyboardInterrupt(),
+            KeyboardInterrupt,
         ]
     ).map(lambda make: make())
 
