@@ -251,7 +251,9 @@ class StateMachine(Generic[D]):
             LeaseLostError: the lease was lost while the run held it (it
                 expired and another runner claimed the session, or it could
                 not be renewed before it lapsed); no write of this run after
-                the loss was stored. The batches before it stay.
+                the loss was stored, and no non-idempotent tool was started
+                after it (the lease is confirmed with the store right before
+                each one starts). The batches before it stay.
             ConfigurationError: ``lease`` is not a ``LeasePolicy``, a ``Lease``
                 of this session or ``None``, or a ``Lease`` was given for a
                 store without leases.

@@ -54,6 +54,18 @@ while the first has tools in flight reads their intents as left by a crash
 result per call is ever committed).
 Applications that run several workers serialise runs per session (a queue or
 a lease); the store's compare-and-set keeps the data right either way.
+
+Under a lease (``run()`` holds the session's lease when the store has them),
+the lease is confirmed with the store right before each non-idempotent tool
+starts: a runner paused between the intent's commit and the tool's start,
+past its lease's ttl, finds that another runner took the session over (and
+may have answered the call "outcome unknown"), starts nothing, and ``run()``
+raises :class:`~stepmachine.LeaseLostError`. A pure or idempotent tool is
+checked against what the run already knows, at no cost. See
+``_confirm_lease`` for the check and what it costs.
+
+Errors of concurrent calls (a lost lease, a store's error) leave the step as
+one error, never an ``ExceptionGroup`` (see :func:`one_error`).
 """
 
 from __future__ import annotations
