@@ -70,6 +70,8 @@ one error, never an ``ExceptionGroup`` (see :func:`one_error`).
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -779,12 +781,13 @@ def one_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     Never a group: ``run()`` raises the documented error itself. Of the leaves
     of ``group`` (nested groups flattened, in order), the first of:
 
-    1. ``KeyboardInterrupt`` or ``SystemExit`` (the run must stop as asked);
-    2. any other ``Exception`` except :class:`ConflictError` (a lost lease, a
-       store's error, a contract error: what stops the run);
+    1. a ``BaseException`` that is not an ``Exception`` nor a cancellation
+       (``KeyboardInterrupt``, ``SystemExit``: the run must stop as asked);
+    2. any ``Exception`` but :class:`ConflictError` (a lost lease, a store's
+       error, a contract error: what stops the run);
     3. :class:`ConflictError` (the machine reloads and re-steps; it loses to an
        error that would stop the run anyway);
-    4. anything else (a cancellation: a group holding only those).
+    4. a cancellation (a group holding only those).
 
     Every other leaf but a cancellation is named, by type and message, in a
     note on the one returned (``__notes__``), so nothing is hidden.
@@ -792,7 +795,7 @@ def one_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     leaves = list(_leaves(group))
     chosen = min(leaves, key=_rank)  # min is stable: the first of the best rank
     for leaf in leaves:
-        if leaf is not chosen and _rank(leaf) < 3:
+        if leaf is not chosen and _rank(leaf) < _CANCELLATION:
             text = str(leaf)
             text = text if len(text) <= 300 else text[:300] + "..."
             chosen.add_note(f"a concurrent tool call also raised {type(leaf).__name__}: {text}")
@@ -807,14 +810,26 @@ def _leaves(exc: BaseException) -> Iterable[BaseException]:
         yield exc
 
 
+_CANCELLATION = 3
+
+
 def _rank(exc: BaseException) -> int:
-    if isinstance(exc, KeyboardInterrupt | SystemExit):
-        return 0
+    """Where ``exc`` stands in :func:`one_error`'s order (lower wins).
+
+    Cancellations are told by class, without asking the running backend, so
+    this works outside an event loop too (asyncio's ``CancelledError``, trio's
+    ``Cancelled`` once trio is imported).
+    """
     if isinstance(exc, ConflictError):
         return 2
     if isinstance(exc, Exception):
         return 1
-    return 3
+    trio = sys.modules.get("trio")
+    if isinstance(exc, asyncio.CancelledError) or (
+        trio is not None and isinstance(exc, trio.Cancelled)
+    ):
+        return _CANCELLATION
+    return 0
 
 
 def _arguments_text(call: ToolCallPart) -> str:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -178,6 +179,7 @@ def leaf_errors() -> st.SearchStrategy[BaseException]:
             lambda: StoreClosedError("closed"),
             lambda: ValueError("bad"),
             KeyboardInterrupt,
+            asyncio.CancelledError,
         ]
     ).map(lambda make: make())
 
@@ -206,7 +208,8 @@ def test_one_error_is_a_leaf_chosen_by_the_documented_order(
     group: BaseExceptionGroup[BaseException],
 ) -> None:
     """Ctrl-C / SystemExit first, then the first error that is not a conflict, then a
-    conflict; the other leaves are named in its notes."""
+    conflict, then a cancellation; the other leaves but cancellations are named in its
+    notes."""
     from stepmachine._tool_step import one_error
 
     found = leaves(group)
@@ -214,11 +217,13 @@ def test_one_error_is_a_leaf_chosen_by_the_documented_order(
     assert not isinstance(chosen, BaseExceptionGroup)
     assert any(chosen is leaf for leaf in found)
     interrupts = [e for e in found if isinstance(e, KeyboardInterrupt)]
-    others = [e for e in found if not isinstance(e, KeyboardInterrupt | ConflictError)]
+    cancels = [e for e in found if isinstance(e, asyncio.CancelledError)]
     conflicts = [e for e in found if isinstance(e, ConflictError)]
-    expected = (interrupts or others or conflicts)[0]
+    others = [e for e in found if isinstance(e, Exception) and e not in conflicts]
+    expected = (interrupts or others or conflicts or cancels)[0]
     assert chosen is expected
-    assert len(getattr(chosen, "__notes__", [])) == len(found) - 1
+    named = len(found) - len(cancels) - (0 if chosen in cancels else 1)
+    assert len(getattr(chosen, "__notes__", [])) == named
 
 
 # -- a real worker paused between the intent and the tool (PostgreSQL) -----------------------
