@@ -295,12 +295,16 @@ class Codec(Generic[D]):
         registry: dict[str, type[Effect]] = {}
         for effect_type in (*KERNEL_EFFECTS, *effects):
             if not (isinstance(effect_type, type) and issubclass(effect_type, Effect)):
-                raise ConfigurationError(f"{effect_type!r} is not an Effect subclass")
+                raise ConfigurationError(
+                    f"Codec(effects=[...]) takes Effect subclasses, got {effect_type!r}; "
+                    "define one as class MyEffect(Effect, tag='myapp.my_effect')"
+                )
             tag = _tag_of(effect_type)
             if tag in registry and registry[tag] is not effect_type:
                 raise ConfigurationError(
                     f"effect tag {tag!r} is used by both {registry[tag].__qualname__} and "
-                    f"{effect_type.__qualname__}"
+                    f"{effect_type.__qualname__}; a stored batch names its effects by tag, so "
+                    "give each effect type its own"
                 )
             registry[tag] = effect_type
         self.effect_types: dict[str, type[Effect]] = registry
@@ -321,16 +325,22 @@ class Codec(Generic[D]):
         conversation: Sequence[Message] = (),
     ) -> Session[D]:
         """A revision-0 session; ``data`` defaults to ``data_type()``."""
+        expected = self.data_type.__name__
         if data is None:
             try:
                 data = self.data_type()
             except TypeError as exc:
                 raise ConfigurationError(
-                    f"{self.data_type.__name__} has required fields; pass data= explicitly"
+                    f"session {session_id!r} needs data: {expected} has required fields, so "
+                    f"it has no default; pass data={expected}(...) explicitly"
                 ) from exc
         elif not isinstance(data, self.data_type):
+            got = type(data).__name__
             raise ConfigurationError(
-                f"data must be a {self.data_type.__name__}, got {type(data).__name__}"
+                f"session {session_id!r}: data must be a {expected} (this codec's data type), "
+                f"got a {got}; a store keeps the data type of the Codec it was opened with: "
+                f"open it with Codec({got}) (e.g. MemoryStore(codec=Codec({got})), "
+                f"SQLiteStore.open(path, Codec({got}))), or pass a {expected}"
             )
         # Session checks the id and every message (InvalidFieldError) before ids are read.
         items: Any = conversation
@@ -343,7 +353,8 @@ class Codec(Generic[D]):
         if len(set(ids)) != len(ids):
             raise ConfigurationError(
                 f"message ids are stable and unique: the conversation for {session_id!r} "
-                f"repeats ids {sorted({i for i in ids if ids.count(i) > 1})!r}"
+                f"repeats ids {sorted({i for i in ids if ids.count(i) > 1})!r}; give each "
+                "message its own id"
             )
         return session
 

@@ -44,6 +44,7 @@ __all__ = [
     "Decision",
     "Idle",
     "Interrupted",
+    "check_outcome",
     "check_progress",
     "commit",
     "context",
@@ -170,39 +171,64 @@ async def offer(
         )
         try:
             if token is None:
-                outcome: Outcome | None = await step.run(ctx)
+                returned: object = await step.run(ctx)
             else:
-                outcome = await _run_under(token, step, ctx)
+                returned = await _run_under(token, step, ctx)
         except BaseException as exc:
             if not stops_the_run(exc):
                 raise
             await on_cancel(Interrupted(step, ctx))
             raise
-        if outcome is None:
+        if returned is _CANCELLED:
             return Interrupted(step, ctx)
+        outcome = check_outcome(step.name, returned)
         if isinstance(outcome, Refuse) and ctx.session.revision != session.revision:
             outcome = Continue(())
         if isinstance(outcome, Refuse):
             refused.append(refusal(step.name, outcome.why))
             continue
-        if not isinstance(outcome, Continue | Yield):
-            raise StepContractError(
-                f"step {step.name!r} returned {outcome!r}; a step returns Refuse, Continue or Yield"
-            )
         return Decision(step, outcome, ctx, tuple(refused))
     return Idle(tuple(refused))
 
 
-async def _run_under(token: CancelToken, step: Step[D], ctx: StepContext[D]) -> Outcome | None:
-    """``step.run(ctx)`` in a scope ``token`` cancels; ``None`` when it did."""
-    outcome: Outcome | None = None
+_CANCELLED = object()
+"""What :func:`_run_under` returns when the token cancelled the step (``None`` is a
+step's own wrong return value: a contract error, see :func:`check_outcome`)."""
+
+
+async def _run_under(token: CancelToken, step: Step[D], ctx: StepContext[D]) -> object:
+    """What ``step.run(ctx)`` returned, run in a scope ``token`` cancels; :data:`_CANCELLED`
+    when it did."""
+    returned: object = _CANCELLED
     with anyio.CancelScope() as scope:
         token.bind(scope)
         try:
-            outcome = await step.run(ctx)
+            returned = await step.run(ctx)
         finally:
             token.unbind(scope)
-    return outcome
+    return returned
+
+
+def check_outcome(step_name: str, returned: object) -> Outcome:
+    """``returned`` when it is a step outcome (``Refuse``, ``Continue`` or ``Yield``).
+
+    Raises:
+        StepContractError: anything else, ``None`` included (a ``run`` that fell
+            off its end without a ``return``), naming the step, the value seen
+            and the fix. Nothing was written for the cycle.
+    """
+    if isinstance(returned, Refuse | Continue | Yield):
+        return returned
+    if returned is None:
+        seen = "returned None (is a `return` missing at the end of its run()?)"
+    else:
+        shown = repr(returned)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        seen = f"returned {shown} (a {type(returned).__name__})"
+    raise StepContractError(
+        f"step {step_name!r} {seen}; a step's run() returns Refuse(why) when it does not "
+        "apply, Continue(effects) or Yield(effects, reason); nothing was written for this cycle"
+    )
 
 
 def check_progress(decision: Decision[D], session: Session[D]) -> None:
@@ -219,7 +245,9 @@ def check_progress(decision: Decision[D], session: Session[D]) -> None:
     ):
         raise StepContractError(
             f"step {decision.step.name!r} returned Continue with no effects; the "
-            "session would not change and the next cycle would decide the same"
+            "session would not change and the next cycle would decide the same, forever. "
+            "Return Refuse(why) when the step has nothing to do, or Yield(effects, reason) "
+            "to hand control back"
         )
 
 

@@ -106,9 +106,10 @@ class StepContractError(DefinitionError):
     """A step's ``run`` broke its contract.
 
     It returned something other than ``Refuse()``, ``Continue(effects)`` or
-    ``Yield(effects, reason)``, or it returned ``Continue`` with no effects and
-    committed nothing (the session would not change, so the next cycle would
-    decide the same, forever). Nothing was written for that cycle.
+    ``Yield(effects, reason)`` (``None`` too: a ``run`` without its ``return``),
+    or it returned ``Continue`` with no effects and committed nothing (the
+    session would not change, so the next cycle would decide the same, forever).
+    Nothing was written for that cycle.
     """
 
 

@@ -141,11 +141,17 @@ class StateMachine(Generic[D]):
     ) -> None:
         self.steps: tuple[Step[D], ...] = tuple(steps)
         if not self.steps:
-            raise ConfigurationError("a StateMachine needs at least one step")
+            raise ConfigurationError(
+                f"a StateMachine needs at least one step, got {steps!r}; pass the steps in "
+                "priority order, e.g. StateMachine([Tools([...]), ModelInference()])"
+            )
         names = [s.name for s in self.steps]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise ConfigurationError(f"step names must be unique; repeated: {duplicates!r}")
+            raise ConfigurationError(
+                f"step names must be unique (results, logs and the audit log name steps); "
+                f"repeated: {duplicates!r}; give each its own (e.g. Tools(..., name='...'))"
+            )
         self.capabilities = Capabilities(self.steps)
         self.cancel = cancel
         if (
@@ -245,7 +251,9 @@ class StateMachine(Generic[D]):
             LeaseLostError: the lease was lost while the run held it (it
                 expired and another runner claimed the session, or it could
                 not be renewed before it lapsed); no write of this run after
-                the loss was stored. The batches before it stay.
+                the loss was stored, and no non-idempotent tool was started
+                after it (the lease is confirmed with the store right before
+                each one starts). The batches before it stay.
             ConfigurationError: ``lease`` is not a ``LeasePolicy``, a ``Lease``
                 of this session or ``None``, or a ``Lease`` was given for a
                 store without leases.
@@ -257,12 +265,16 @@ class StateMachine(Generic[D]):
         if isinstance(chosen, Lease):
             if leases is None:
                 raise ConfigurationError(
-                    "run() got a Lease, but the runtime's store has no leases "
-                    "(or the runtime names its own effect handler)"
+                    f"run() got a Lease ({chosen.owner!r}, epoch {chosen.epoch}), but the "
+                    "runtime's store has no leases (or the runtime names its own effect "
+                    "handler), so nothing could fence its writes; pass lease=None or a "
+                    "LeasePolicy, or run on the store that gave out the lease"
                 )
             if chosen.session_id != session_id:
                 raise ConfigurationError(
-                    f"run() got a lease of session {chosen.session_id!r} to run {session_id!r}"
+                    f"run() got a lease of session {chosen.session_id!r} to run "
+                    f"{session_id!r}; pass the lease claimed for {session_id!r}, or run "
+                    f"{chosen.session_id!r}"
                 )
             try:
                 check_claim(chosen.owner, chosen.ttl)

@@ -54,10 +54,24 @@ while the first has tools in flight reads their intents as left by a crash
 result per call is ever committed).
 Applications that run several workers serialise runs per session (a queue or
 a lease); the store's compare-and-set keeps the data right either way.
+
+Under a lease (``run()`` holds the session's lease when the store has them),
+the lease is confirmed with the store right before each non-idempotent tool
+starts: a runner paused between the intent's commit and the tool's start,
+past its lease's ttl, finds that another runner took the session over (and
+may have answered the call "outcome unknown"), starts nothing, and ``run()``
+raises :class:`~stepmachine.LeaseLostError`. A pure or idempotent tool is
+checked against what the run already knows, at no cost. See
+``_confirm_lease`` for the check and what it costs.
+
+Errors of concurrent calls (a lost lease, a store's error) leave the step as
+one error, never an ``ExceptionGroup`` (see :func:`one_error`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -71,12 +85,14 @@ from ._emitter import ToolFinished, ToolStarted
 from ._errors import (
     ConfigurationError,
     ConflictError,
+    LeaseLostError,
     StepContractError,
     ToolAbortError,
     ToolArgumentsError,
     ToolError,
 )
 from ._history import open_tool_calls
+from ._hold import Fence
 from ._media import DocumentPart, ImagePart
 from ._messages import Message, ToolCallPart, ToolResultPart
 from ._model import ToolDefinition
@@ -105,6 +121,7 @@ __all__ = [
     "JournalEntry",
     "Tools",
     "journal_entry",
+    "one_error",
     "resolve_unknown_outcome",
 ]
 
@@ -277,7 +294,10 @@ class Tools(Operation[Any]):
         for item in tools:
             built = item if isinstance(item, Tool) else Tool(item)
             if built.name in self._tools:
-                raise ConfigurationError(f"tool name {built.name!r} is given twice to {name!r}")
+                raise ConfigurationError(
+                    f"tool name {built.name!r} is given twice to {name!r}; a model names a tool "
+                    "by its name, so give each tool its own (tool(name=...)(fn))"
+                )
             self._tools[built.name] = built
         self._definitions = tuple(t.definition for t in self._tools.values())
         if (
@@ -478,6 +498,13 @@ class Tools(Operation[Any]):
         in call order, directly (no task group, limiter or lock). Otherwise
         they run concurrently in a task group, at most ``max_concurrency`` at
         a time, their result commits serialised by a lock.
+
+        Raises:
+            LeaseLostError: the run's lease is gone (a tool about to start found
+                it so, or a result write was refused); no later tool started.
+            ConflictError: a result commit lost the race too often.
+            Exception: a store's error writing a result. From concurrent calls,
+                one error, never an ``ExceptionGroup``: see :func:`one_error`.
         """
         uncommitted: dict[str, _Answer] = ctx.scratch.setdefault("uncommitted", {})
         abort: list[str] = []
@@ -497,14 +524,19 @@ class Tools(Operation[Any]):
                     ctx, call, own[call.name], where[call.call_id], uncommitted, abort, commit_lock
                 )
 
+        failure: BaseException | None = None
         try:
             async with anyio.create_task_group() as tg:
                 for call in calls:
                     tg.start_soon(run_limited, call)
-        except* ConflictError as group:
-            # A result commit lost the race too often: surface it as the machine
-            # expects (it reloads and re-steps), not wrapped in an ExceptionGroup.
-            raise group.exceptions[0] from None
+        except BaseExceptionGroup as group:
+            # Never an ExceptionGroup out of run(): the documented error itself
+            # (ConflictError: the machine reloads and re-steps; LeaseLostError, a
+            # store's error, ...), chosen by one_error. Raised outside this
+            # handler, so that its context stays its own, not the group.
+            failure = one_error(group)
+        if failure is not None:
+            raise failure
         return abort[0] if abort else None
 
     async def _run_one(
@@ -572,12 +604,19 @@ class Tools(Operation[Any]):
         Emits ``ToolStarted``; the caller emits ``ToolFinished`` after recording
         the result where ``finalize`` finds it.
 
+        Raises:
+            LeaseLostError: the run's lease is gone (see :func:`_confirm_lease`):
+                the tool was not started (after its ``ToolStarted`` event).
+
         Cancellation: an async tool is cancelled at its next await (then no
         result exists); a sync tool in a worker thread runs to completion and
         its result is returned, the cancellation firing at the caller's next
         checkpoint.
         """
         await ctx.emit(ToolStarted(call_id=call.call_id, name=call.name))
+        # Last, right before the tool: a pause anywhere before (the intent's
+        # commit, the limiter, a slow emitter) may have cost the lease.
+        await _confirm_lease(ctx, call, impl)
         context = ToolContext(
             runtime=ctx.runtime,
             session_id=ctx.session.id,
@@ -689,6 +728,110 @@ class Tools(Operation[Any]):
         return _Answer(ToolResultPart.for_call(call, content)), None, "ok", None
 
 
+async def _confirm_lease(ctx: StepContext[Any], call: ToolCallPart, impl: ToolLike) -> None:
+    """Raise :class:`LeaseLostError` unless the run still holds its lease, right before
+    ``call``'s tool starts (at most once where it matters).
+
+    The intent of a non-idempotent call is committed with the lease, but the
+    tool starts later: a worker paused in between (SIGSTOP, a long GC, a slow
+    emitter) past the lease's ttl finds on waking that another runner took the
+    session over and may already have answered the call "outcome unknown".
+    Starting the tool then would run it with nobody to record it.
+
+    The check, and its cost: a run holding a lease writes through a
+    :class:`~stepmachine._hold.Fence` (its effect handler). Before a
+    ``non_idempotent`` tool starts, the lease is confirmed with the store, by
+    ``renew`` (the store's fence read: the same atomic check of owner, epoch and
+    expiry that fences a write, plus an extension of the lease, harmless for its
+    holder): one round trip per non-idempotent call on PostgreSQL, an in-process
+    check on the lock-file and memory stores. A ``pure`` or ``idempotent`` tool
+    is not worth a round trip (running it twice is harmless by declaration): it
+    is checked against what the run already knows (a write refused, a renewal
+    that found the lease gone), which costs nothing. A run without a lease
+    checks nothing.
+
+    Raises:
+        LeaseLostError: the lease is gone; nothing was started. The run stops
+            (``run()`` raises it); the new holder decides from the stored session.
+        Exception: the store could not be asked (its error): the tool is not
+            started either, since the lease could not be confirmed.
+    """
+    fence = ctx.runtime.handler
+    if not isinstance(fence, Fence):
+        return
+    if fence.lost is None and impl.side_effects == "non_idempotent":
+        try:
+            await fence.store.renew(fence.lease)
+        except LeaseLostError as exc:
+            fence.lost = exc  # every later write of the run is refused at once too
+    if fence.lost is not None:
+        lease = fence.lease
+        raise LeaseLostError(
+            lease.session_id,
+            lease.owner,
+            lease.epoch,
+            f"found right before tool {call.name!r} (call {call.call_id!r}) would start, so it "
+            "was not started (at most once where it matters: another runner holds the session)",
+        ) from fence.lost
+
+
+def one_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception a failed batch of concurrent tool calls raises instead of ``group``.
+
+    Never a group: ``run()`` raises the documented error itself. Of the leaves
+    of ``group`` (nested groups flattened, in order), the first of:
+
+    1. a ``BaseException`` that is not an ``Exception`` nor a cancellation
+       (``KeyboardInterrupt``, ``SystemExit``: the run must stop as asked);
+    2. any ``Exception`` but :class:`ConflictError` (a lost lease, a store's
+       error, a contract error: what stops the run);
+    3. :class:`ConflictError` (the machine reloads and re-steps; it loses to an
+       error that would stop the run anyway);
+    4. a cancellation (a group holding only those).
+
+    Every other leaf but a cancellation is named, by type and message, in a
+    note on the one returned (``__notes__``), so nothing is hidden.
+    """
+    leaves = list(_leaves(group))
+    chosen = min(leaves, key=_rank)  # min is stable: the first of the best rank
+    for leaf in leaves:
+        if leaf is not chosen and _rank(leaf) < _CANCELLATION:
+            text = str(leaf)
+            text = text if len(text) <= 300 else text[:300] + "..."
+            chosen.add_note(f"a concurrent tool call also raised {type(leaf).__name__}: {text}")
+    return chosen
+
+
+def _leaves(exc: BaseException) -> Iterable[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+_CANCELLATION = 3
+
+
+def _rank(exc: BaseException) -> int:
+    """Where ``exc`` stands in :func:`one_error`'s order (lower wins).
+
+    Cancellations are told by class, without asking the running backend, so
+    this works outside an event loop too (asyncio's ``CancelledError``, trio's
+    ``Cancelled`` once trio is imported).
+    """
+    if isinstance(exc, ConflictError):
+        return 2
+    if isinstance(exc, Exception):
+        return 1
+    trio = sys.modules.get("trio")
+    if isinstance(exc, asyncio.CancelledError) or (
+        trio is not None and isinstance(exc, trio.Cancelled)
+    ):
+        return _CANCELLATION
+    return 0
+
+
 def _arguments_text(call: ToolCallPart) -> str:
     """The arguments the tool runs with, as JSON text (edited ones when an approval edited them)."""
     if EDITED_ARGUMENTS in call.notes:
@@ -712,7 +855,8 @@ def _recorded(answer: object, call: ToolCallPart) -> _Answer:
             raise StepContractError(
                 f"Runtime.tool_caller answered call {call.call_id!r} ({call.name}) with a tool "
                 "message holding more than its result and the images and documents after it "
-                f"({[type(p).__name__ for p in answer.parts]}); nothing of it was recorded"
+                f"({[type(p).__name__ for p in answer.parts]}); nothing of it was recorded. "
+                "Return the ToolResultPart, or Message.tool_result(result, media=...)"
             )
     if not isinstance(result, ToolResultPart) or result.call_id != call.call_id:
         got = (
@@ -799,15 +943,33 @@ async def resolve_unknown_outcome(
             has a result, or has no recorded intent. Nothing was written.
     """
     if not isinstance(by, str) or not by.strip():
-        raise ConfigurationError(f"a decision names who made it: by={by!r}")
+        raise ConfigurationError(
+            f"a decision on an unknown outcome records who made it: got by={by!r}; pass "
+            "by='<the operator>'; nothing was written"
+        )
     session = await store.load(session_id)
     where = _call_locations(session)
     open_calls = {c.call_id: c for c in open_tool_calls(session)}
     call = open_calls.get(call_id)
     journal = None if call is None else journal_entry(call, where=f"session {session_id!r}")
     if call is None or journal is None or not journal.intent:
+        if call is None:
+            seen = (
+                "it has a result already"
+                if session.history.call_position(call_id) is not None
+                else "no call has this id"
+            )
+        else:
+            seen = "it has no recorded intent (its tool never started, or is not non-idempotent)"
+        waiting = [
+            c.call_id
+            for c in open_calls.values()
+            if (entry := journal_entry(c, where=f"session {session_id!r}")) and entry.intent
+        ]
         raise ConfigurationError(
-            f"session {session_id!r} has no open call {call_id!r} with a recorded intent"
+            f"session {session_id!r} has no open call {call_id!r} with a recorded intent: "
+            f"{seen}. Only a call a crash left open after its intent has an unknown outcome "
+            f"to decide; such calls in this session now: {waiting!r}. Nothing was written"
         )
     decided = msgspec.structs.replace(
         journal,

@@ -356,7 +356,16 @@ class Tool:
 
 
 @overload
-def tool(fn: Callable[..., Any], /) -> Tool: ...
+def tool(
+    fn: Callable[..., Any],
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    thread: bool = True,
+    side_effects: SideEffects = "non_idempotent",
+    timeout: float | None = None,
+) -> Tool: ...
 @overload
 def tool(
     *,
@@ -378,14 +387,22 @@ def tool(
     side_effects: SideEffects = "non_idempotent",
     timeout: float | None = None,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
-    """Make a :class:`Tool` from a typed function; usable as ``@tool`` or ``@tool(...)``.
+    """Make a :class:`Tool` from a typed function; usable as ``@tool``, ``@tool(...)``, or
+    ``tool(fn, side_effects=..., ...)`` (the options count in every form).
 
     Raises:
         ConfigurationError: a parameter lacks a type annotation, is ``*args`` or
             ``**kwargs``, or its type has no JSON schema.
     """
     if fn is not None:
-        return Tool(fn)
+        return Tool(
+            fn,
+            name=name,
+            description=description,
+            thread=thread,
+            side_effects=side_effects,
+            timeout=timeout,
+        )
     return lambda f: Tool(
         f,
         name=name,
@@ -407,23 +424,26 @@ def _arguments_struct(
         hints = inspect.get_annotations(fn, eval_str=True)
     except Exception as exc:
         raise ConfigurationError(
-            f"cannot read the annotations of tool {tool_name!r}: {exc}"
+            f"cannot read the annotations of tool {tool_name!r}: {exc}; every name its "
+            "annotations use must be importable where the function is defined"
         ) from exc
     context_param: str | None = None
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for param in inspect.signature(fn).parameters.values():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ConfigurationError(
-                f"tool {tool_name!r}: *args and **kwargs have no schema ({param.name!r})"
+                f"tool {tool_name!r}: *args and **kwargs have no schema ({param.name!r}); "
+                "declare each argument as a named, annotated parameter"
             )
         if param.kind is param.POSITIONAL_ONLY:
             raise ConfigurationError(
                 f"tool {tool_name!r}: parameter {param.name!r} is positional-only; tools are "
-                "called with keyword arguments"
+                "called with keyword arguments: remove the '/' from its signature"
             )
         if param.name not in hints:
             raise ConfigurationError(
-                f"tool {tool_name!r}: parameter {param.name!r} needs a type annotation"
+                f"tool {tool_name!r}: parameter {param.name!r} needs a type annotation "
+                f"(e.g. {param.name}: str): the model is given a JSON schema built from them"
             )
         annotation = hints[param.name]
         if annotation is ToolContext:
@@ -445,7 +465,12 @@ def _schema(arguments_type: type[msgspec.Struct]) -> dict[str, Any]:
             [arguments_type], ref_template="#/$defs/{name}"
         )
     except TypeError as exc:
-        raise ConfigurationError(f"tool arguments have no JSON schema: {exc}") from exc
+        tool_name = arguments_type.__name__.removesuffix("_arguments")
+        raise ConfigurationError(
+            f"the arguments of tool {tool_name!r} have no JSON schema: {exc}; annotate its "
+            "parameters with types a JSON schema describes (str, int, float, bool, lists, "
+            "dicts, msgspec Structs, dataclasses, Literal, ...)"
+        ) from exc
     top_name = ref["$ref"].rsplit("/", 1)[-1]
     schema = dict(components.pop(top_name))
     schema.pop("title", None)

@@ -386,6 +386,16 @@ def test_new_session_defaults() -> None:
     assert Codec().new_session("s").data == NoData()
 
 
+def test_wrong_data_says_which_codec_the_store_needs() -> None:
+    """The value seen and the fix: open the store with Codec(<the data's type>)."""
+    with pytest.raises(ConfigurationError) as raised:
+        Codec().new_session("s", data=AppData())  # type: ignore[arg-type]
+    message = str(raised.value)
+    assert "NoData" in message
+    assert "AppData" in message
+    assert "Codec(AppData)" in message
+
+
 def test_new_session_refuses_wrong_data_and_required_fields() -> None:
     with pytest.raises(ConfigurationError, match="AppData"):
         CODEC.new_session("s", data=NoData())  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from stepmachine import (
+    CancelToken,
     ConfigurationError,
     Continue,
     DefinitionError,
@@ -189,6 +190,43 @@ async def test_a_step_breaking_its_contract_raises_step_contract_error(
     assert type(raised.value) is StepContractError
     assert isinstance(raised.value, TypeError)
     assert await store.batches("s") == []
+
+
+class ForgetsReturn(Operation[Any]):
+    """A step whose ``run`` lacks its ``return`` (it returns ``None``)."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        ctx.session.revision  # noqa: B018 - does its work, then forgets to return
+        return None  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("token", [False, True], ids=["no token", "with a cancel token"])
+@pytest.mark.parametrize("step", [ForgetsReturn(), NotAnOutcome()], ids=type)
+async def test_a_step_returning_none_or_a_non_outcome_is_a_contract_error_naming_it(
+    step: Operation[Any], token: bool
+) -> None:
+    """Not a silent ``cancelled``: the error names the step, the value and the fix."""
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("hi", id="u1")])
+    machine = StateMachine([step], cancel=CancelToken() if token else None)
+    with pytest.raises(StepContractError) as raised:
+        await machine.run_report(Runtime(store=store), "s")
+    message = str(raised.value)
+    assert repr(step.name) in message
+    assert "Refuse" in message
+    assert "Continue" in message
+    assert "Yield" in message
+    if isinstance(step, ForgetsReturn):
+        assert "None" in message
+        assert "return" in message
+    assert await store.batches("s") == []
+
+
+async def test_the_step_harness_names_a_step_returning_none() -> None:
+    from stepmachine.testing import make_session, run_step
+
+    with pytest.raises(StepContractError, match="'ForgetsReturn' returned None"):
+        await run_step(ForgetsReturn(), make_session(Message.user("hi", id="u1")))
 
 
 async def test_a_closed_store_raises_a_run_error_naming_the_store(tmp_path: pathlib.Path) -> None:

@@ -777,3 +777,16 @@ async def test_finalize_without_a_run_or_not_interrupted_does_nothing() -> None:
     assert await step.finalize(check.ctx, interrupted=False) == ()
     # a finished run committed everything: nothing left to keep
     assert list(await step.finalize(check.ctx, interrupted=True)) == []
+
+
+def test_tool_called_with_a_function_keeps_its_options() -> None:
+    """``tool(fn, side_effects=...)`` must not drop the options (the journal reads
+    ``side_effects``: a dropped one changes what a crash re-runs)."""
+
+    def lookup(key: str) -> str:
+        """Look a key up."""
+        return key
+
+    made = tool(lookup, side_effects="pure", name="find", timeout=5.0)
+    assert (made.name, made.side_effects, made.timeout) == ("find", "pure", 5.0)
+    assert tool(side_effects="pure")(lookup).side_effects == "pure"
