@@ -800,7 +800,7 @@ async def test_an_image_over_max_media_bytes_from_a_server_is_an_error_result(
     (result,) = results(session)
     assert result.is_error
     assert "max_media_bytes" in result.content and "16 bytes" in result.content
-    assert [m for m in session.conversation if m.media] == []
+    assert [p for m in session.conversation for p in m.parts if isinstance(p, ImagePart)] == []
     assert session.conversation[-1].text == "done"
 
 
