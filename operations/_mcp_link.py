@@ -66,12 +66,36 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _connection_closed(exc: BaseException) -> bool:
-    """Whether ``exc`` says the connection to the server is gone."""
+_PING_TIMEOUT = 5.0
+"""Seconds a ping may take to show a connection that reported ``-32000`` is alive."""
+
+
+def _says_closed(exc: BaseException) -> bool:
+    """Whether ``exc`` carries the code the SDK uses for a closed connection (``-32000``)."""
     from mcp import MCPError  # noqa: PLC0415 - the extra is imported only when used
     from mcp_types import CONNECTION_CLOSED  # noqa: PLC0415
 
     return isinstance(exc, MCPError) and exc.code == CONNECTION_CLOSED
+
+
+async def _connection_closed(client: Client, exc: BaseException) -> bool:
+    """Whether ``exc`` means the connection to the server is gone.
+
+    The SDK reports a closed connection as an error with code ``-32000``, the
+    first code JSON-RPC leaves to servers, so a live server may answer with it
+    too (``"quota exceeded"``). A ping tells them apart: on a closed
+    connection it fails at once, with the same code; a live server answers it
+    (or errs otherwise, or is slow to: alive all the same), and then the
+    error is the server's own, message and all.
+    """
+    if not _says_closed(exc):
+        return False
+    try:
+        with anyio.move_on_after(_PING_TIMEOUT):
+            await client.send_ping()
+    except Exception as ping_error:  # noqa: BLE001 - only a closed connection counts
+        return _says_closed(ping_error)
+    return False
 
 
 class Link:
@@ -214,7 +238,7 @@ class Link:
         except SubscriptionLost:
             lost.set()  # the stream dropped: so did the connection
         except Exception as exc:  # noqa: BLE001 - watching is best effort
-            if _connection_closed(exc):
+            if await _connection_closed(client, exc):
                 lost.set()
             _log.event(_log.INFO, "mcp_server", server=self.server.name, listen=describe_error(exc))
 
@@ -226,7 +250,7 @@ class Link:
                 with anyio.fail_after(self.server.connect_timeout):
                     self._publish(await self._list(client))
             except Exception as exc:  # noqa: BLE001 - the last good listing stays
-                if _connection_closed(exc):
+                if await _connection_closed(client, exc):
                     lost.set()
                     return
                 self.problem = self.server.redact(
@@ -314,7 +338,9 @@ class Link:
                 the connection closed during the call (it may have crashed;
                 the call's outcome is unknown).
             Exception: what the SDK raises (an error response, a result that
-                is not valid MCP).
+                is not valid MCP). An error response with code ``-32000`` is the
+                server's own when the connection is still alive (a ping
+                answers), not a closed connection.
 
         Cancellation: the SDK tells the server the request is cancelled.
         """
@@ -322,8 +348,8 @@ class Link:
         try:
             return await client.call_tool(name, arguments, meta=cast("RequestParamsMeta", meta))
         except Exception as exc:
-            if not _connection_closed(exc):
-                raise
+            if not await _connection_closed(client, exc):
+                raise  # the server's own error (a -32000 from a live server included)
             why = "it closed the connection during a call (it may have crashed)"
             self.lose(client, why)
             raise McpUnavailableError(
