@@ -66,8 +66,8 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-_PING_TIMEOUT = 5.0
-"""Seconds a ping may take to show a connection that reported ``-32000`` is alive."""
+_PROBE_TIMEOUT = 5.0
+"""Seconds a probe may take to show a connection that reported ``-32000`` is alive."""
 
 
 def _says_closed(exc: BaseException) -> bool:
@@ -83,18 +83,21 @@ async def _connection_closed(client: Client, exc: BaseException) -> bool:
 
     The SDK reports a closed connection as an error with code ``-32000``, the
     first code JSON-RPC leaves to servers, so a live server may answer with it
-    too (``"quota exceeded"``). A ping tells them apart: on a closed
-    connection it fails at once, with the same code; a live server answers it
-    (or errs otherwise, or is slow to: alive all the same), and then the
-    error is the server's own, message and all.
+    too (``"quota exceeded"``). A probe tells them apart: a ``tools/list``
+    request (every protocol version has it; ``ping`` is gone from
+    2026-07-28) fails at once on a closed connection, with the same code,
+    without being sent; a live server answers it (or errs otherwise, or is
+    slow to: alive all the same), and then the error is the server's own,
+    message and all. A server that answers the probe with ``-32000`` too is
+    taken as closed: the cautious reading (the call's outcome is unknown).
     """
     if not _says_closed(exc):
         return False
     try:
-        with anyio.move_on_after(_PING_TIMEOUT):
-            await client.send_ping()
-    except Exception as ping_error:  # noqa: BLE001 - only a closed connection counts
-        return _says_closed(ping_error)
+        with anyio.move_on_after(_PROBE_TIMEOUT):
+            await client.list_tools()
+    except Exception as probe_error:  # noqa: BLE001 - only a closed connection counts
+        return _says_closed(probe_error)
     return False
 
 
@@ -339,8 +342,8 @@ class Link:
                 the call's outcome is unknown).
             Exception: what the SDK raises (an error response, a result that
                 is not valid MCP). An error response with code ``-32000`` is the
-                server's own when the connection is still alive (a ping
-                answers), not a closed connection.
+                server's own when the connection is still alive (a probe
+                is answered), not a closed connection.
 
         Cancellation: the SDK tells the server the request is cancelled.
         """
