@@ -30,6 +30,7 @@ import pytest
 import structlog
 
 from stepmachine import (
+    ConfigurationError,
     ImagePart,
     Message,
     ModelInference,
@@ -786,6 +787,21 @@ async def test_a_list_change_adding_a_local_tools_name_leaves_it_out_and_logs_it
     assert [d.name for d in requests[-1].tools].count("shared") == 1
     notes = [str(e) for e in captured if e.get("event") == "mcp_catalog"]
     assert any("'shared'" in n and "left out" in n for n in notes), notes
+
+
+async def test_a_local_tools_name_listed_when_the_servers_open_is_a_configuration_error(
+    events: Path,
+) -> None:
+    """A clash there from the start is a configuration mistake, found before any model call."""
+
+    def echo(text: str) -> str:
+        """A local echo."""
+        return text
+
+    model = ScriptedModel([])
+    with pytest.raises(ConfigurationError, match="'echo' is advertised by both"):
+        await run([McpTools([hostile("plain", events)]), Tools([echo]), ModelInference()], model)
+    assert model.requests == []
 
 
 async def test_an_image_over_max_media_bytes_from_a_server_is_an_error_result(
