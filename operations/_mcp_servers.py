@@ -52,7 +52,7 @@ class _Common:
     name: str = ""
     prefix: str = ""
     side_effects: SideEffects | Mapping[str, SideEffects] | None = None
-    trust_annotations: bool = True
+    trust_annotations: bool = False
     timeout: float | None = None
     connect_timeout: float = 30.0
 
@@ -129,14 +129,17 @@ class McpStdio(_Common):
             tool names; default: the command's file name without suffix.
         prefix: put before each of its tool names (``"files_"``); overrides the
             namespace ``McpTools`` would give.
-        side_effects: the side-effect class of its tools whose annotations
-            say nothing (or all of them, with ``trust_annotations=False``):
-            one class for all, or a mapping of tool name (the server's) to
-            class; unlisted tools are ``"non_idempotent"``.
-        trust_annotations: take ``readOnlyHint`` / ``idempotentHint`` /
-            ``destructiveHint`` as the side-effect class (default). MCP calls
-            these hints untrusted: set ``False`` for a server you do not
-            control, so only your configuration counts.
+        side_effects: the side-effect class of its tools: one class for
+            all, or a mapping of tool name (the server's) to class; unlisted
+            tools are ``"non_idempotent"`` (never re-run after a crash). With
+            ``trust_annotations=True``, only for tools whose annotations say
+            nothing.
+        trust_annotations: ``True`` says this server is trusted: its
+            ``readOnlyHint`` / ``idempotentHint`` / ``destructiveHint`` set
+            the side-effect class. Default ``False``: MCP calls annotations
+            untrusted hints, and a server that falsely says ``readOnlyHint``
+            would have a call re-run after a crash (charged twice for one
+            idempotency key), so only your configuration counts.
         timeout: seconds per call of its tools (else ``McpTools``' timeout).
         connect_timeout: seconds to start, connect and list its tools.
 

@@ -6,8 +6,10 @@ budgets and invalid-call handling treat it exactly like a local tool.
 Side-effect class (what the journal does after a crash left a call with an
 intent and no result), decided in this order:
 
-1. the tool's annotations, when the server is trusted
-   (``trust_annotations=True``, the default) and they say anything:
+1. the tool's annotations, only when the server is trusted
+   (``trust_annotations=True``; not the default: annotations are the
+   server's hints, and by default they never lower a tool's class) and
+   they say anything:
    ``readOnlyHint: true`` is ``"pure"``; else ``idempotentHint: true`` is
    ``"idempotent"``; else any hint given (``readOnlyHint: false``,
    ``idempotentHint: false``, ``destructiveHint``) is ``"non_idempotent"``
