@@ -39,6 +39,7 @@ import anyio.lowlevel
 from stepmachine import __version__, _log
 
 from ._mcp_servers import McpHttp, McpServer
+from ._mcp_stderr import StderrPipe
 
 if TYPE_CHECKING:
     from mcp import Client
@@ -189,19 +190,31 @@ class Link:
             )
             target = streamable_http_client(server.url, http_client=http)
         else:
-            target = StdioServerParameters(
+            from mcp.client.stdio import stdio_client  # noqa: PLC0415
+
+            parameters = StdioServerParameters(
                 command=server.command,
                 args=list(server.args),
                 env=None if server.env is None else dict(server.env),
                 cwd=server.cwd,
             )
+            # Its stderr goes to the log, redacted and bounded, not to ours.
+            pipe = StderrPipe(server)
+            stack.callback(pipe.close_writer)
+            readers = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(readers.cancel_scope.cancel)  # runs first: the reader stops
+            readers.start_soon(pipe.forward)
+            target = stdio_client(parameters, errlog=pipe.writer)
         client = Client(
             target,
             message_handler=self._on_message,
             client_info=Implementation(name="stepmachine", version=__version__),
             cache=None,
         )
-        return await stack.enter_async_context(client)
+        entered = await stack.enter_async_context(client)
+        if not isinstance(server, McpHttp):
+            pipe.close_writer()  # the process holds its own copy
+        return entered
 
     async def _list(self, client: Client) -> tuple[Tool, ...]:
         """Every tool the server lists, page by page."""
@@ -243,7 +256,8 @@ class Link:
         except Exception as exc:  # noqa: BLE001 - watching is best effort
             if await _connection_closed(client, exc):
                 lost.set()
-            _log.event(_log.INFO, "mcp_server", server=self.server.name, listen=describe_error(exc))
+            listen = self.server.redact(describe_error(exc))
+            _log.event(_log.INFO, "mcp_server", server=self.server.name, listen=listen)
 
     async def _relist_when_dirty(self, client: Client, lost: anyio.Event) -> None:
         while True:

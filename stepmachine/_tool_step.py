@@ -570,7 +570,9 @@ class Tools(Operation[Any]):
                     return
                 ids = [ctx.new_id() for _ in pending]
                 try:
-                    await ctx.commit([AppendMessage(a.message(i)) for a, i in zip(pending, ids)])
+                    await ctx.commit(
+                        [AppendMessage(a.message(i)) for a, i in zip(pending, ids, strict=True)]
+                    )
                 except MediaTooLargeError as exc:
                     if exc.message_id not in ids:
                         raise
