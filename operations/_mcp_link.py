@@ -34,6 +34,7 @@ from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 
 from stepmachine import __version__, _log
@@ -125,6 +126,7 @@ class Link:
         self._dirty = anyio.Event()
         self._changed = anyio.Event()
         self._restart = anyio.Event()
+        self._readers: anyio.abc.TaskGroup | None = None
 
     # -- the host ------------------------------------------------------------------
 
@@ -133,10 +135,14 @@ class Link:
 
         Cancellation: ends the connection (shielded and bounded by the SDK).
         """
-        while True:
-            await self._serve_once()
-            await self._restart.wait()
-            self._restart = anyio.Event()
+        # The stderr readers of its connections run here, outside each connection's
+        # try: an error while connecting is then never mixed with their cancellation.
+        async with anyio.create_task_group() as readers:
+            self._readers = readers
+            while True:
+                await self._serve_once()
+                await self._restart.wait()
+                self._restart = anyio.Event()
 
     async def _serve_once(self) -> None:
         """One connection: start, list, then watch until it is lost. Never raises."""
@@ -200,10 +206,10 @@ class Link:
             )
             # Its stderr goes to the log, redacted and bounded, not to ours.
             pipe = StderrPipe(server)
+            stack.callback(pipe.stop)  # after the client closed (the process stopped)
             stack.callback(pipe.close_writer)
-            readers = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(readers.cancel_scope.cancel)  # runs first: the reader stops
-            readers.start_soon(pipe.forward)
+            assert self._readers is not None  # set by host(), which runs every connection
+            self._readers.start_soon(pipe.forward)
             target = stdio_client(parameters, errlog=pipe.writer)
         client = Client(
             target,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import IO
+from typing import TextIO, cast
 
 import anyio
 
@@ -52,22 +52,31 @@ class StderrPipe:
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
         self._read_fd: int | None = read_fd
-        self.writer: IO[str] = os.fdopen(write_fd, "w", encoding="utf-8")
+        self.writer = cast("TextIO", os.fdopen(write_fd, "w", encoding="utf-8"))
         self._logged = 0
+        self._scope = anyio.CancelScope()
 
     def close_writer(self) -> None:
         """Close this process's copy of the write end (idempotent)."""
         self.writer.close()
 
+    def stop(self) -> None:
+        """Stop :meth:`forward` (at once, or as soon as it starts); returns at once."""
+        self._scope.cancel()
+
     async def forward(self) -> None:
         """Log every line until the pipe ends; never raises.
 
-        Cancellation: stops reading (what is unread is dropped); the read end
-        is closed either way.
+        Cancellation (or :meth:`stop`): stops reading (what is unread is
+        dropped); the read end is closed either way.
         """
         fd = self._read_fd
         if fd is None:
             return
+        with self._scope:
+            await self._read(fd)
+
+    async def _read(self, fd: int) -> None:
         keep = (LINE_CHARS + self._server.longest_secret()) * 4  # bytes: 1-4 a character
         pending = b""
         skipping = False  # inside a line already logged cut short
