@@ -101,7 +101,8 @@ class _Connections:
         """Clashes with another step's tool already logged, by catalog."""
 
     async def __aenter__(self) -> Self:
-        self.links = tuple(Link(server) for server in self._owner.servers)
+        bound = self._owner.max_message_bytes
+        self.links = tuple(Link(server, bound) for server in self._owner.servers)
         group = anyio.create_task_group()
         await group.__aenter__()
         self._group = group
@@ -170,6 +171,11 @@ class McpTools(Tools):
         on_unknown_outcome: ``"error"`` or ``"yield"``, as ``Tools``.
         max_result_chars: a result longer than this is an error result (the
             server's text is not stored).
+        max_message_bytes: the bytes one message of a stdio server may take
+            as it is read (a result with its images and documents, base64;
+            default 32 MiB). A longer one is not read further (memory stays
+            bounded: the rest is dropped as it comes) and the call is an error
+            result naming the bound.
 
     Raises:
         ConfigurationError: the ``mcp`` extra is not installed, no servers, a
@@ -191,6 +197,7 @@ class McpTools(Tools):
         timeout: float | None = 60.0,
         on_unknown_outcome: Literal["error", "yield"] = "error",
         max_result_chars: int = 100_000,
+        max_message_bytes: int = 32 * 1024 * 1024,
     ) -> None:
         if importlib.util.find_spec("mcp") is None:
             raise ConfigurationError(EXTRA_HINT)
@@ -228,6 +235,15 @@ class McpTools(Tools):
         self.servers: tuple[McpServer, ...] = servers
         self.namespace = namespace
         self.max_result_chars = max_result_chars
+        if (
+            isinstance(max_message_bytes, bool)
+            or not isinstance(max_message_bytes, int)
+            or max_message_bytes < 1024
+        ):
+            raise ConfigurationError(
+                f"{name!r}: max_message_bytes must be an int >= 1024, got {max_message_bytes!r}"
+            )
+        self.max_message_bytes = max_message_bytes
         self._shared: _Connections | None = None
         self._opening = False
         self._view: ContextVar[_RunView | None] = ContextVar(

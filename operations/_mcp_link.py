@@ -41,6 +41,7 @@ from stepmachine import __version__, _log
 
 from ._mcp_servers import McpHttp, McpServer
 from ._mcp_stderr import StderrPipe
+from ._mcp_stdio import bounded_stdio_client
 
 if TYPE_CHECKING:
     from mcp import Client
@@ -114,8 +115,9 @@ class Link:
         problem: why it is down (or why its last listing failed), for errors.
     """
 
-    def __init__(self, server: McpServer) -> None:
+    def __init__(self, server: McpServer, max_message_bytes: int = 32 * 1024 * 1024) -> None:
         self.server = server
+        self.max_message_bytes = max_message_bytes
         self.state: Literal["connecting", "up", "down"] = "connecting"
         self.listing: tuple[Tool, ...] | None = None
         self.version = 0
@@ -196,8 +198,6 @@ class Link:
             )
             target = streamable_http_client(server.url, http_client=http)
         else:
-            from mcp.client.stdio import stdio_client  # noqa: PLC0415
-
             parameters = StdioServerParameters(
                 command=server.command,
                 args=list(server.args),
@@ -210,7 +210,9 @@ class Link:
             stack.callback(pipe.close_writer)
             assert self._readers is not None  # set by host(), which runs every connection
             self._readers.start_soon(pipe.forward)
-            target = stdio_client(parameters, errlog=pipe.writer)
+            target = bounded_stdio_client(
+                parameters, pipe.writer, self.max_message_bytes, server.name
+            )
         client = Client(
             target,
             message_handler=self._on_message,

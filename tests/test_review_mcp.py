@@ -863,3 +863,34 @@ async def test_a_server_echoing_its_environment_stores_no_secret(
     said = [e for e in captured if e.get("event") == "mcp_stderr"]
     assert any(e["line"] == "starting with [redacted]" for e in said), captured
     assert [e for e in captured if SECRET in repr(e)] == []
+
+
+async def test_a_result_over_max_message_bytes_is_not_read_and_the_server_goes_on(
+    tmp_path: Path,
+) -> None:
+    turns = [call(("big", {"chars": 2_000_000})), call(("echo", {"text": "after"})), reply("ok")]
+    mcp = McpTools([fixture_server(tmp_path)], max_message_bytes=65_536)
+    session = await run([mcp, ModelInference()], ScriptedModel(turns))
+    big, after = results(session)
+    assert big.is_error
+    assert "longer than 65,536 bytes" in big.content
+    assert "xxxx" not in big.content
+    assert (after.content, after.is_error) == ("after", False)
+    assert len(pids(tmp_path / "events.txt")) == 1  # the same server, not a restart
+
+
+def test_the_stdio_reader_holds_no_more_than_the_bound_of_a_long_line() -> None:
+    from stepmachine.operations._mcp_stdio import split_lines
+
+    lines = split_lines(1_000)
+    head = b'{"jsonrpc": "2.0", "id": 7, "result": {"content": [{"text": "'
+    assert lines.feed(head) == []
+    held = []
+    for _ in range(500):  # half a megabyte of one line, in reads of 1,000 bytes
+        assert lines.feed(b"x" * 1_000) == []
+        held.append(lines.held)
+    assert max(held) <= 2_000  # the bound and one read, never the line
+    ((first, over),) = lines.feed(b'"}]}}\n{"id": 8}\n'[:6])
+    assert over
+    assert first.startswith(head)
+    assert lines.feed(b'{"id": 8}\n') == [(b'{"id": 8}', False)]
