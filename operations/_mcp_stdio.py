@@ -6,7 +6,7 @@ result peaked at ten times its size in memory and took more than a minute,
 only to be refused by ``max_result_chars``. This transport is the SDK's
 (its process start, its shutdown: stdin closed, SIGTERM, SIGKILL of the
 process tree, each bounded) with another reader: a line longer than
-``max_line_bytes`` is not kept -- its first bytes name the request it
+``max_line_bytes`` (``McpTools(max_message_bytes=)``) is not kept -- its first bytes name the request it
 answers, the rest is read and dropped as it comes (the server never blocks
 on a full pipe) -- and that request gets an error response naming the
 bound (code ``-32603``), which the call turns into an error result. A line
@@ -106,10 +106,7 @@ def _too_long(head: bytes, limit: int, server: str) -> Any:
     ident: int | str = int(raw) if raw[:1] != b'"' else raw[1:-1].decode(errors="replace")
     error = types.ErrorData(
         code=TOO_LONG_CODE,
-        message=(
-            f"its answer is longer than {limit:,} bytes (the bound max_result_chars sets "
-            "on a message); it was not read"
-        ),
+        message=(f"its answer is longer than {limit:,} bytes (max_message_bytes); it was not read"),
     )
     return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=ident, error=error))
 
