@@ -2,14 +2,15 @@
 
 The SDK's stdio transport reads a server's stdout a line (one JSON-RPC
 message) at a time, and a line is read whole before it is parsed: a 50 MB
-result peaked at ten times its size in memory and took more than a minute,
-only to be refused by ``max_result_chars``. This transport is the SDK's
+result peaked at ten times its size in memory and took more than a minute
+(benchmarks/mcp_big_result.py), only to be refused by ``max_result_chars``. This transport is the SDK's
 (its process start, its shutdown: stdin closed, SIGTERM, SIGKILL of the
 process tree, each bounded) with another reader: a line longer than
-``max_line_bytes`` (``McpTools(max_message_bytes=)``) is not kept -- its first bytes name the request it
-answers, the rest is read and dropped as it comes (the server never blocks
-on a full pipe) -- and that request gets an error response naming the
-bound (code ``-32603``), which the call turns into an error result. A line
+``max_line_bytes`` (``McpTools(max_message_bytes=)``) is not kept -- its
+first bytes name the request it answers, the rest is read and dropped as
+it comes (the server never blocks on a full pipe) -- and that request gets
+an error response naming the bound (code ``-32603``), which the call turns
+into an error result. A line
 whose request cannot be told from its first bytes is dropped and logged
 (the call then ends at its timeout).
 
