@@ -3,7 +3,8 @@
 The SDK's stdio transport reads a server's stdout a line (one JSON-RPC
 message) at a time, and a line is read whole before it is parsed: a 50 MB
 result peaked at ten times its size in memory and took more than a minute
-(benchmarks/mcp_big_result.py), only to be refused by ``max_result_chars``. This transport is the SDK's
+(benchmarks/mcp_big_result.py), only to be refused by ``max_result_chars``.
+This transport is the SDK's
 (its process start, its shutdown: stdin closed, SIGTERM, SIGKILL of the
 process tree, each bounded) with another reader: a line longer than
 ``max_line_bytes`` (``McpTools(max_message_bytes=)``) is not kept -- its
