@@ -21,6 +21,13 @@ attempt. ``McpTools.tools()`` asks for a restart of a ``down`` link at the
 start of every cycle, so a server that crashed is running again by the next
 cycle's calls.
 
+A stdio server is spoken to through ``_mcp_stdio`` (each message bounded
+while it is read: ``max_message_bytes``), its stderr logged through
+``_mcp_stderr`` (redacted, bounded), never written to the agent's own. An
+error response with code ``-32000`` is a closed connection only when a
+probe finds the connection closed; from a live server it is the server's
+own error (an error result with its message; no restart).
+
 The tool listing is kept across restarts: the last good listing stays what
 is advertised while a server is down, and each new listing (after a start,
 or after the server said its list changed) gets a new ``version``; the
