@@ -94,7 +94,10 @@ async def main(db: Path) -> None:
     print(f"model: {model.name}")
     print(f"store: SQLite at {db}")
     server = McpStdio(
-        command=sys.executable, args=[str(HERE), "serve", str(notebook)], name="notebook"
+        command=sys.executable,
+        args=[str(HERE), "serve", str(notebook)],
+        name="notebook",
+        trust_annotations=True,  # our own server: its readOnlyHint etc. set the classes
     )
     try:
         async with await SQLiteStore.open(db) as store, McpTools([server]) as mcp_tools:

@@ -94,9 +94,15 @@ class _Connections:
         self.links: tuple[Link, ...] = ()
         self._catalog: _Catalog | None = None
         self._group: Any = None
+        self.opening: frozenset[str] = frozenset()
+        """The names advertised when the servers were opened (a clash of one of
+        them with another step's tool is a configuration error)."""
+        self.noted: set[tuple[str, str, tuple[int, ...]]] = set()
+        """Clashes with another step's tool already logged, by catalog."""
 
     async def __aenter__(self) -> Self:
-        self.links = tuple(Link(server) for server in self._owner.servers)
+        bound = self._owner.max_message_bytes
+        self.links = tuple(Link(server, bound) for server in self._owner.servers)
         group = anyio.create_task_group()
         await group.__aenter__()
         self._group = group
@@ -105,7 +111,8 @@ class _Connections:
                 group.start_soon(link.host)
             for link in self.links:
                 await link.settled()
-            self.catalog(strict=True)  # a clash of tool names stops the run before any model call
+            # A clash of tool names stops the run before any model call.
+            self.opening = frozenset(self.catalog(strict=True).tools)
         except BaseException:
             await self._close()
             raise
@@ -144,6 +151,8 @@ class _RunView:
 
     connections: _Connections
     catalog: _Catalog | None = field(default=None)
+    yielded: set[str] = field(default_factory=set)
+    """Names of this cycle's catalog left to another step's tool (see ``yields_tool``)."""
 
 
 class McpTools(Tools):
@@ -162,6 +171,11 @@ class McpTools(Tools):
         on_unknown_outcome: ``"error"`` or ``"yield"``, as ``Tools``.
         max_result_chars: a result longer than this is an error result (the
             server's text is not stored).
+        max_message_bytes: the bytes one message of a stdio server may take
+            as it is read (a result with its images and documents, base64;
+            default 32 MiB). A longer one is not read further (memory stays
+            bounded: the rest is dropped as it comes) and the call is an error
+            result naming the bound.
 
     Raises:
         ConfigurationError: the ``mcp`` extra is not installed, no servers, a
@@ -183,6 +197,7 @@ class McpTools(Tools):
         timeout: float | None = 60.0,
         on_unknown_outcome: Literal["error", "yield"] = "error",
         max_result_chars: int = 100_000,
+        max_message_bytes: int = 32 * 1024 * 1024,
     ) -> None:
         if importlib.util.find_spec("mcp") is None:
             raise ConfigurationError(EXTRA_HINT)
@@ -220,6 +235,15 @@ class McpTools(Tools):
         self.servers: tuple[McpServer, ...] = servers
         self.namespace = namespace
         self.max_result_chars = max_result_chars
+        if (
+            isinstance(max_message_bytes, bool)
+            or not isinstance(max_message_bytes, int)
+            or max_message_bytes < 1024
+        ):
+            raise ConfigurationError(
+                f"{name!r}: max_message_bytes must be an int >= 1024, got {max_message_bytes!r}"
+            )
+        self.max_message_bytes = max_message_bytes
         self._shared: _Connections | None = None
         self._opening = False
         self._view: ContextVar[_RunView | None] = ContextVar(
@@ -378,13 +402,48 @@ class McpTools(Tools):
         view = self._view.get()
         if view is not None:
             view.catalog = catalog
+            view.yielded = set()
         return catalog.definitions
 
+    def yields_tool(self, tool: str, other: str) -> bool:
+        """Whether the server tool ``tool`` gives way to step ``other``'s tool of that name.
+
+        Asked by the machine when it collects the tools of every step. A name
+        the servers listed when they were opened does not (``False``: the
+        clash is a configuration error, raised before any model call, as for
+        two servers). A name that came later -- a server's list changed, or a
+        server started late -- does: the other step's tool keeps the name,
+        the server's is left out of this cycle's list and its calls, and the
+        clash is logged once per listing (WARNING, event ``mcp_catalog``). A
+        server cannot stop a running agent by adding a tool.
+        """
+        connections = self._connections()
+        if tool in connections.opening:
+            return False
+        catalog = connections.catalog()
+        found = catalog.tools.get(tool)
+        if found is None:
+            return False
+        view = self._view.get()
+        if view is not None:
+            view.yielded.add(tool)
+        noted = (tool, other, catalog.key)
+        if noted not in connections.noted:
+            connections.noted.add(noted)
+            _left_out(
+                f"tool name {tool!r} of {found.link.server.describe()} is advertised by step "
+                f"{other!r} too; {other!r} keeps it and the server's tool is left out"
+            )
+        return True
+
     def _own_tools(self, ctx: StepContext[Any]) -> Mapping[str, ToolLike]:
-        """The tools advertised at the start of this cycle (in this run)."""
+        """The tools advertised at the start of this cycle (in this run), less those left
+        to another step's tool of the same name."""
         view = self._view.get()
         if view is not None and view.catalog is not None:
-            return view.catalog.tools
+            if not view.yielded:
+                return view.catalog.tools
+            return {n: t for n, t in view.catalog.tools.items() if n not in view.yielded}
         return self._connections().catalog().tools
 
     def status(self) -> dict[str, str]:
@@ -422,7 +481,7 @@ class McpTools(Tools):
         """
         view = self._view.get()
         if view is not None and view.catalog is not None:
-            found = view.catalog.tools.get(tool)
+            found = None if tool in view.yielded else view.catalog.tools.get(tool)
         elif self._shared is not None:
             found = self._shared.catalog().tools.get(tool)
         else:

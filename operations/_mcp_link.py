@@ -21,6 +21,13 @@ attempt. ``McpTools.tools()`` asks for a restart of a ``down`` link at the
 start of every cycle, so a server that crashed is running again by the next
 cycle's calls.
 
+A stdio server is spoken to through ``_mcp_stdio`` (each message bounded
+while it is read: ``max_message_bytes``), its stderr logged through
+``_mcp_stderr`` (redacted, bounded), never written to the agent's own. An
+error response with code ``-32000`` is a closed connection only when a
+probe finds the connection closed; from a live server it is the server's
+own error (an error result with its message; no restart).
+
 The tool listing is kept across restarts: the last good listing stays what
 is advertised while a server is down, and each new listing (after a start,
 or after the server said its list changed) gets a new ``version``; the
@@ -34,11 +41,14 @@ from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 
 from stepmachine import __version__, _log
 
 from ._mcp_servers import McpHttp, McpServer
+from ._mcp_stderr import StderrPipe
+from ._mcp_stdio import bounded_stdio_client
 
 if TYPE_CHECKING:
     from mcp import Client
@@ -66,12 +76,39 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _connection_closed(exc: BaseException) -> bool:
-    """Whether ``exc`` says the connection to the server is gone."""
+_PROBE_TIMEOUT = 5.0
+"""Seconds a probe may take to show a connection that reported ``-32000`` is alive."""
+
+
+def _says_closed(exc: BaseException) -> bool:
+    """Whether ``exc`` carries the code the SDK uses for a closed connection (``-32000``)."""
     from mcp import MCPError  # noqa: PLC0415 - the extra is imported only when used
     from mcp_types import CONNECTION_CLOSED  # noqa: PLC0415
 
     return isinstance(exc, MCPError) and exc.code == CONNECTION_CLOSED
+
+
+async def _connection_closed(client: Client, exc: BaseException) -> bool:
+    """Whether ``exc`` means the connection to the server is gone.
+
+    The SDK reports a closed connection as an error with code ``-32000``, the
+    first code JSON-RPC leaves to servers, so a live server may answer with it
+    too (``"quota exceeded"``). A probe tells them apart: a ``tools/list``
+    request (every protocol version has it; ``ping`` is gone from
+    2026-07-28) fails at once on a closed connection, with the same code,
+    without being sent; a live server answers it (or errs otherwise, or is
+    slow to: alive all the same), and then the error is the server's own,
+    message and all. A server that answers the probe with ``-32000`` too is
+    taken as closed: the cautious reading (the call's outcome is unknown).
+    """
+    if not _says_closed(exc):
+        return False
+    try:
+        with anyio.move_on_after(_PROBE_TIMEOUT):
+            await client.list_tools()
+    except Exception as probe_error:  # noqa: BLE001 - only a closed connection counts
+        return _says_closed(probe_error)
+    return False
 
 
 class Link:
@@ -85,8 +122,9 @@ class Link:
         problem: why it is down (or why its last listing failed), for errors.
     """
 
-    def __init__(self, server: McpServer) -> None:
+    def __init__(self, server: McpServer, max_message_bytes: int = 32 * 1024 * 1024) -> None:
         self.server = server
+        self.max_message_bytes = max_message_bytes
         self.state: Literal["connecting", "up", "down"] = "connecting"
         self.listing: tuple[Tool, ...] | None = None
         self.version = 0
@@ -97,6 +135,7 @@ class Link:
         self._dirty = anyio.Event()
         self._changed = anyio.Event()
         self._restart = anyio.Event()
+        self._readers: anyio.abc.TaskGroup | None = None
 
     # -- the host ------------------------------------------------------------------
 
@@ -105,10 +144,14 @@ class Link:
 
         Cancellation: ends the connection (shielded and bounded by the SDK).
         """
-        while True:
-            await self._serve_once()
-            await self._restart.wait()
-            self._restart = anyio.Event()
+        # The stderr readers of its connections run here, outside each connection's
+        # try: an error while connecting is then never mixed with their cancellation.
+        async with anyio.create_task_group() as readers:
+            self._readers = readers
+            while True:
+                await self._serve_once()
+                await self._restart.wait()
+                self._restart = anyio.Event()
 
     async def _serve_once(self) -> None:
         """One connection: start, list, then watch until it is lost. Never raises."""
@@ -162,11 +205,20 @@ class Link:
             )
             target = streamable_http_client(server.url, http_client=http)
         else:
-            target = StdioServerParameters(
+            parameters = StdioServerParameters(
                 command=server.command,
                 args=list(server.args),
                 env=None if server.env is None else dict(server.env),
                 cwd=server.cwd,
+            )
+            # Its stderr goes to the log, redacted and bounded, not to ours.
+            pipe = StderrPipe(server)
+            stack.callback(pipe.stop)  # after the client closed (the process stopped)
+            stack.callback(pipe.close_writer)
+            assert self._readers is not None  # set by host(), which runs every connection
+            self._readers.start_soon(pipe.forward)
+            target = bounded_stdio_client(
+                parameters, pipe.writer, self.max_message_bytes, server.name
             )
         client = Client(
             target,
@@ -174,7 +226,10 @@ class Link:
             client_info=Implementation(name="stepmachine", version=__version__),
             cache=None,
         )
-        return await stack.enter_async_context(client)
+        entered = await stack.enter_async_context(client)
+        if not isinstance(server, McpHttp):
+            pipe.close_writer()  # the process holds its own copy
+        return entered
 
     async def _list(self, client: Client) -> tuple[Tool, ...]:
         """Every tool the server lists, page by page."""
@@ -214,9 +269,10 @@ class Link:
         except SubscriptionLost:
             lost.set()  # the stream dropped: so did the connection
         except Exception as exc:  # noqa: BLE001 - watching is best effort
-            if _connection_closed(exc):
+            if await _connection_closed(client, exc):
                 lost.set()
-            _log.event(_log.INFO, "mcp_server", server=self.server.name, listen=describe_error(exc))
+            listen = self.server.redact(describe_error(exc))
+            _log.event(_log.INFO, "mcp_server", server=self.server.name, listen=listen)
 
     async def _relist_when_dirty(self, client: Client, lost: anyio.Event) -> None:
         while True:
@@ -226,7 +282,7 @@ class Link:
                 with anyio.fail_after(self.server.connect_timeout):
                     self._publish(await self._list(client))
             except Exception as exc:  # noqa: BLE001 - the last good listing stays
-                if _connection_closed(exc):
+                if await _connection_closed(client, exc):
                     lost.set()
                     return
                 self.problem = self.server.redact(
@@ -314,7 +370,9 @@ class Link:
                 the connection closed during the call (it may have crashed;
                 the call's outcome is unknown).
             Exception: what the SDK raises (an error response, a result that
-                is not valid MCP).
+                is not valid MCP). An error response with code ``-32000`` is the
+                server's own when the connection is still alive (a probe
+                is answered), not a closed connection.
 
         Cancellation: the SDK tells the server the request is cancelled.
         """
@@ -322,8 +380,8 @@ class Link:
         try:
             return await client.call_tool(name, arguments, meta=cast("RequestParamsMeta", meta))
         except Exception as exc:
-            if not _connection_closed(exc):
-                raise
+            if not await _connection_closed(client, exc):
+                raise  # the server's own error (a -32000 from a live server included)
             why = "it closed the connection during a call (it may have crashed)"
             self.lose(client, why)
             raise McpUnavailableError(

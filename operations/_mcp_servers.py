@@ -3,8 +3,10 @@
 :class:`McpStdio` and :class:`McpHttp` are plain configuration (no connection,
 no import of the ``mcp`` SDK); :class:`~stepmachine.operations.McpTools` opens
 them. What they hold that may be secret -- an HTTP server's headers (a bearer
-token), a stdio server's environment -- is left out of their ``repr`` and of
-every error and log record; so is any user:password in a URL.
+token), a stdio server's environment -- is left out of their ``repr`` and
+replaced by ``[redacted]`` in every error, log record, stored result and
+stderr line of the server (values of at least 8 characters; see
+``redact``); so is any user:password in a URL.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 from stepmachine import ConfigurationError, SideEffects
 from stepmachine._tools import check_timeout
 
-__all__ = ["McpHttp", "McpServer", "McpStdio", "redact_url"]
+__all__ = ["MIN_SECRET_CHARS", "McpHttp", "McpServer", "McpStdio", "redact_url"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+MIN_SECRET_CHARS = 8
+"""Configured values shorter than this are not redacted (see ``redact``)."""
 _SIDE_EFFECTS = ("pure", "idempotent", "non_idempotent")
 
 
@@ -52,7 +57,7 @@ class _Common:
     name: str = ""
     prefix: str = ""
     side_effects: SideEffects | Mapping[str, SideEffects] | None = None
-    trust_annotations: bool = True
+    trust_annotations: bool = False
     timeout: float | None = None
     connect_timeout: float = 30.0
 
@@ -95,13 +100,37 @@ class _Common:
         return []
 
     def redact(self, text: str) -> str:
-        """``text`` with this server's secrets (header and environment values,
-        URL credentials) replaced by ``[redacted]``: for errors and logs that
-        quote what a library said."""
-        for secret in sorted(self._secrets(), key=len, reverse=True):
-            if len(secret) >= 6:
+        """``text`` with this server's secrets replaced by ``[redacted]``.
+
+        The secrets: every value of a stdio server's ``env=``, every header
+        value of an HTTP server (and the token of ``"Bearer <token>"``), the
+        user, password and query values of its URL. A value shorter than
+        :data:`MIN_SECRET_CHARS` (8) is not replaced: ``"1"`` or ``"debug"``
+        would blank out ordinary words and digits everywhere (a secret that
+        short is no secret). Applied to every result the server returns (its
+        text and text documents), every error and log record that quotes it,
+        and every line of its stderr before it is logged.
+        """
+        if not text:
+            return text
+        for secret in self._redacted():
+            if secret in text:
                 text = text.replace(secret, "[redacted]")
         return text
+
+    def _redacted(self) -> tuple[str, ...]:
+        """The secrets :meth:`redact` replaces, longest first (computed once)."""
+        found = self.__dict__.get("_secrets_cache")
+        if found is None:
+            long_enough = {s for s in self._secrets() if len(s) >= MIN_SECRET_CHARS}
+            found = tuple(sorted(long_enough, key=len, reverse=True))
+            object.__setattr__(self, "_secrets_cache", found)
+        return found
+
+    def longest_secret(self) -> int:
+        """The length of the longest secret :meth:`redact` replaces (0 if none)."""
+        found = self._redacted()
+        return len(found[0]) if found else 0
 
     def configured_side_effects(self, tool: str) -> SideEffects | None:
         """The side-effect class configured for ``tool`` (the server's own name), if any."""
@@ -129,14 +158,17 @@ class McpStdio(_Common):
             tool names; default: the command's file name without suffix.
         prefix: put before each of its tool names (``"files_"``); overrides the
             namespace ``McpTools`` would give.
-        side_effects: the side-effect class of its tools whose annotations
-            say nothing (or all of them, with ``trust_annotations=False``):
-            one class for all, or a mapping of tool name (the server's) to
-            class; unlisted tools are ``"non_idempotent"``.
-        trust_annotations: take ``readOnlyHint`` / ``idempotentHint`` /
-            ``destructiveHint`` as the side-effect class (default). MCP calls
-            these hints untrusted: set ``False`` for a server you do not
-            control, so only your configuration counts.
+        side_effects: the side-effect class of its tools: one class for
+            all, or a mapping of tool name (the server's) to class; unlisted
+            tools are ``"non_idempotent"`` (never re-run after a crash). With
+            ``trust_annotations=True``, only for tools whose annotations say
+            nothing.
+        trust_annotations: ``True`` says this server is trusted: its
+            ``readOnlyHint`` / ``idempotentHint`` / ``destructiveHint`` set
+            the side-effect class. Default ``False``: MCP calls annotations
+            untrusted hints, and a server that falsely says ``readOnlyHint``
+            would have a call re-run after a crash (charged twice for one
+            idempotency key), so only your configuration counts.
         timeout: seconds per call of its tools (else ``McpTools``' timeout).
         connect_timeout: seconds to start, connect and list its tools.
 

@@ -6,8 +6,10 @@ budgets and invalid-call handling treat it exactly like a local tool.
 Side-effect class (what the journal does after a crash left a call with an
 intent and no result), decided in this order:
 
-1. the tool's annotations, when the server is trusted
-   (``trust_annotations=True``, the default) and they say anything:
+1. the tool's annotations, only when the server is trusted
+   (``trust_annotations=True``; not the default: annotations are the
+   server's hints, and by default they never lower a tool's class) and
+   they say anything:
    ``readOnlyHint: true`` is ``"pure"``; else ``idempotentHint: true`` is
    ``"idempotent"``; else any hint given (``readOnlyHint: false``,
    ``idempotentHint: false``, ``destructiveHint``) is ``"non_idempotent"``
@@ -28,7 +30,9 @@ carry -- audio, other images (SVG, BMP...), other binary resources, base64
 that does not decode, empty data -- is named in a line (``[audio: audio/wav,
 1,234 bytes; not shown]``) and not stored. An ``isError`` result is an error
 result with the server's text (:class:`~stepmachine.ToolError`), its media
-named in lines, not stored.
+named in lines, not stored. The server's configured secrets (its ``env=``
+values, its headers; see ``McpServer.redact``) are replaced by
+``[redacted]`` in every result's text and text documents, and in every error.
 """
 
 from __future__ import annotations
@@ -58,7 +62,14 @@ from ._mcp_servers import McpServer
 if TYPE_CHECKING:
     from mcp.types import CallToolResult, Tool
 
-__all__ = ["IDEMPOTENCY_META", "McpTool", "result_output", "result_text", "side_effects_of"]
+__all__ = [
+    "IDEMPOTENCY_META",
+    "McpTool",
+    "redacted",
+    "result_output",
+    "result_text",
+    "side_effects_of",
+]
 
 IDEMPOTENCY_META = "dev.stepmachine/idempotency-key"
 """The ``_meta`` key each ``tools/call`` carries the call's idempotency key under."""
@@ -254,9 +265,39 @@ class McpTool:
                 f"{server} returned {len(text):,} characters for {self.name!r}, more than "
                 f"the {self.max_result_chars:,} allowed (max_result_chars); not stored"
             )
+        output = redacted(output, config)
+        text = output.content
         if result.is_error:
             # An error result carries no media: name them in lines instead.
             lines = [output.text] if output.text else []
             lines.extend(map(_not_shown, output.media))
             raise ToolError("\n".join(lines) or f"{server} reported an error for {self.name!r}")
         return output if output.media else text
+
+
+def redacted(output: ToolOutput, server: McpServer) -> ToolOutput:
+    """``output`` with ``server``'s configured secrets (see ``McpServer.redact``) replaced
+    by ``[redacted]``: in its text, and in the documents that are text (``text/...``).
+
+    A server that echoes its environment or the headers it was sent (a token)
+    cannot put them into a stored result. Images and PDFs are left as they are.
+    """
+    text = server.redact(output.text)
+    media: list[ImagePart | DocumentPart] = []
+    changed = text != output.text
+    for part in output.media:
+        kept = part
+        if (
+            isinstance(part, DocumentPart)
+            and part.data is not None
+            and part.media_type.lower().startswith("text/")
+        ):
+            said = part.data.decode("utf-8", errors="replace")
+            cleaned = server.redact(said)
+            if cleaned != said:
+                kept = DocumentPart(
+                    media_type=part.media_type, data=cleaned.encode(), title=part.title
+                )
+                changed = True
+        media.append(kept)
+    return ToolOutput(text, tuple(media)) if changed else output

@@ -296,19 +296,33 @@ class Capabilities(Generic[D]):
     ) -> tuple[tuple[ToolDefinition, ...], tuple[PromptPart, ...]]:
         """Tool definitions and prompt parts from the steps that contribute them, in step order.
 
+        A step whose tools can change while it runs (``McpTools``: a server's
+        list changed) may give way on a clash: its ``yields_tool(name, other)``
+        returns ``True`` and its definition is left out, the other step's kept
+        (the yielding step logs it and no longer runs calls of that name).
+
         Raises:
-            ConfigurationError: two steps (or one step twice) advertise a tool name.
+            ConfigurationError: two steps (or one step twice) advertise a tool
+                name, and neither gives way.
         """
         tools: list[ToolDefinition] = []
-        owner: dict[str, str] = {}
+        owner: dict[str, tuple[int, object]] = {}  # name -> (index in tools, step)
         for step in self.tool_steps:
             for definition in step.tools(session):
-                if definition.name in owner:
+                name = definition.name
+                if name in owner:
+                    index, holder = owner[name]
+                    if _yields(step, name, holder):
+                        continue
+                    if holder is not step and _yields(holder, name, step):
+                        tools[index] = definition
+                        owner[name] = (index, step)
+                        continue
                     raise ConfigurationError(
-                        f"tool name {definition.name!r} is advertised by both "
-                        f"{owner[definition.name]!r} and {step_name(step)!r}"
+                        f"tool name {name!r} is advertised by both "
+                        f"{step_name(holder)!r} and {step_name(step)!r}"
                     )
-                owner[definition.name] = step_name(step)
+                owner[name] = (len(tools), step)
                 tools.append(definition)
         parts: list[PromptPart] = []
         for contributor in self.prompt_steps:
@@ -367,6 +381,12 @@ class Capabilities(Generic[D]):
     def finalizes(self, step: object) -> bool:
         """Whether ``step`` is one of the finalizing steps."""
         return any(step is finalizer for finalizer in self.finalizers)
+
+
+def _yields(step: object, tool: str, other: object) -> bool:
+    """Whether ``step`` leaves its tool ``tool`` to ``other`` (its ``yields_tool`` hook)."""
+    hook = getattr(step, "yields_tool", None)
+    return callable(hook) and hook(tool, step_name(other)) is True
 
 
 def step_name(step: object) -> str:

@@ -86,6 +86,7 @@ from ._errors import (
     ConfigurationError,
     ConflictError,
     LeaseLostError,
+    MediaTooLargeError,
     StepContractError,
     ToolAbortError,
     ToolArgumentsError,
@@ -581,14 +582,41 @@ class Tools(Operation[Any]):
         uncommitted.pop(call.call_id, None)
 
     async def _commit_results(self, ctx: StepContext[Any], answers: Sequence[_Answer]) -> None:
-        """Commit results as one batch; after a conflict, reload and commit what is still open."""
+        """Commit results as one batch; after a conflict, reload and commit what is still open.
+
+        A result whose image or document is over the store's ``max_media_bytes``
+        (the store refuses the batch with :class:`MediaTooLargeError` and writes
+        nothing) is replaced by an error result naming the size and the limit,
+        and the batch is committed again: each call still gets exactly one
+        result, and nothing else of the batch is lost. The replacement is also
+        what ``finalize`` keeps if this commit is cancelled.
+        """
+        answers = list(answers)
 
         async def attempt(session: Session[Any]) -> None:
             ctx.session = session
             open_ids = {c.call_id for c in open_tool_calls(session)}
             pending = [a for a in answers if a.result.call_id in open_ids]
-            if pending:
-                await ctx.commit([AppendMessage(a.message(ctx.new_id())) for a in pending])
+            for _ in range(len(pending) + 1):  # each refusal replaces one result
+                if not pending:
+                    return
+                ids = [ctx.new_id() for _ in pending]
+                try:
+                    await ctx.commit(
+                        [AppendMessage(a.message(i)) for a, i in zip(pending, ids, strict=True)]
+                    )
+                except MediaTooLargeError as exc:
+                    if exc.message_id not in ids:
+                        raise
+                    index = ids.index(exc.message_id)
+                    replaced = _too_large(pending[index], exc)
+                    answers[answers.index(pending[index])] = replaced  # for a conflict retry
+                    pending[index] = replaced
+                    uncommitted: dict[str, _Answer] = ctx.scratch.get("uncommitted", {})
+                    if replaced.result.call_id in uncommitted:
+                        uncommitted[replaced.result.call_id] = replaced
+                    continue
+                return
 
         async def reload(session_id: str) -> Session[Any]:
             return await ctx.runtime.session_loader().load(session_id)
@@ -919,6 +947,19 @@ def _log_journal(
 
 def _error(call: ToolCallPart, content: str) -> ToolResultPart:
     return ToolResultPart.for_call(call, content, is_error=True)
+
+
+def _too_large(answer: _Answer, exc: MediaTooLargeError) -> _Answer:
+    """The error result that stands for ``answer`` when the store refused its media."""
+    result = answer.result
+    content = (
+        f"tool {result.name!r} returned an image or document of {exc.size:,} bytes; "
+        f"this store takes at most {exc.limit:,} bytes per part (max_media_bytes), so "
+        "the result was not stored"
+    )
+    return _Answer(
+        ToolResultPart(call_id=result.call_id, content=content, is_error=True, name=result.name)
+    )
 
 
 async def resolve_unknown_outcome(

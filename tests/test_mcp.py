@@ -104,7 +104,8 @@ def started_pids(files: dict[str, Path]) -> list[int]:
 async def test_lists_tools_with_their_schemas_and_side_effect_classes(
     files: dict[str, Path],
 ) -> None:
-    async with McpTools([stdio(files, side_effects={"record": "idempotent"})]) as mcp:
+    server = stdio(files, side_effects={"record": "idempotent"}, trust_annotations=True)
+    async with McpTools([server]) as mcp:
         definitions = {d.name: d for d in mcp.tools(None)}  # type: ignore[arg-type]
         assert {"echo", "add", "record", "crash", "hang", "grow"} <= set(definitions)
         assert definitions["echo"].description == "Say the text back."
@@ -118,13 +119,16 @@ async def test_lists_tools_with_their_schemas_and_side_effect_classes(
         assert mcp.side_effects("nope") is None
 
 
+@pytest.mark.parametrize("trust", [{}, {"trust_annotations": False}])
 async def test_untrusted_annotations_leave_the_class_to_configuration(
-    files: dict[str, Path],
+    files: dict[str, Path], trust: dict[str, bool]
 ) -> None:
-    server = stdio(files, trust_annotations=False, side_effects={"add": "pure"})
+    """Untrusted is the default: a server's hints never lower a tool's class."""
+    server = stdio(files, side_effects={"add": "pure"}, **trust)
     async with McpTools([server]) as mcp:
         mcp.tools(None)  # type: ignore[arg-type]
         assert mcp.side_effects("echo") == "non_idempotent"  # its readOnlyHint is ignored
+        assert mcp.side_effects("liar") == "non_idempotent"  # so is a false one
         assert mcp.side_effects("add") == "pure"
 
 
@@ -536,14 +540,14 @@ def test_configuration_is_checked_and_secrets_stay_out_of_repr() -> None:
     idempotent=st.sampled_from([None, True, False]),
     destructive=st.sampled_from([None, True, False]),
     configured=st.sampled_from([None, "pure", "idempotent", "non_idempotent"]),
-    trust=st.booleans(),
+    trust=st.sampled_from([None, True, False]),  # None: the default
 )
 def test_side_effect_class_follows_annotations_then_configuration(
     read_only: bool | None,
     idempotent: bool | None,
     destructive: bool | None,
     configured: Any,
-    trust: bool,
+    trust: bool | None,
 ) -> None:
     from mcp.types import Tool, ToolAnnotations
 
@@ -553,16 +557,17 @@ def test_side_effect_class_follows_annotations_then_configuration(
         read_only_hint=read_only, idempotent_hint=idempotent, destructive_hint=destructive
     )
     remote = Tool(name="t", input_schema={"type": "object"}, annotations=hints)
-    server = McpStdio(command="x", side_effects=configured, trust_annotations=trust)
+    chosen = {} if trust is None else {"trust_annotations": trust}
+    server = McpStdio(command="x", side_effects=configured, **chosen)
     got = side_effects_of(remote, server)
     said = [h for h in (read_only, idempotent, destructive) if h is not None]
-    if trust and read_only is True:
+    if trust is True and read_only is True:
         assert got == "pure"
-    elif trust and idempotent is True:
+    elif trust is True and idempotent is True:
         assert got == "idempotent"
-    elif trust and said:
+    elif trust is True and said:
         assert got == "non_idempotent"
-    else:
+    else:  # untrusted (the default): the configuration alone, whatever the hints say
         assert got == (configured or "non_idempotent")
 
 
@@ -616,7 +621,8 @@ async def test_http_server_with_a_bearer_token(http_server: tuple[str, Path]) ->
     by_tool = {r.name: r for r in results(session)}  # the two calls finish in any order
     recorded, whoami = by_tool["record"], by_tool["whoami"]
     assert (recorded.content, recorded.is_error) == ("recorded over http", False)
-    assert whoami.content == "Bearer t0ken"
+    # The server saw the header (it answered record), but echoing it stores no secret.
+    assert whoami.content == "[redacted]"
     assert len(lines(ledger)) == before + 1
 
 

@@ -36,11 +36,14 @@ def _kill_started_servers(events: Path) -> None:
                 os.kill(int(pid), signal.SIGKILL)
 
 
-def _kill_mid_call(tmp_path: Path, tool: str, backend: str) -> dict[str, object]:
+def _kill_mid_call(
+    tmp_path: Path, tool: str, backend: str, *, trust: bool = False
+) -> dict[str, object]:
     """Start the agent, SIGKILL it mid-call, resume it; the resumed run's report."""
     db, ledger, events = tmp_path / "agent.db", tmp_path / "ledger.txt", tmp_path / "events.txt"
     base = [sys.executable, str(HARNESS), "--db", str(db), "--ledger", str(ledger)]
     base += ["--events", str(events), "--tool", tool, "--backend", backend]
+    base += ["--trust"] if trust else []
     stderr = tmp_path / "agent.stderr"
     with stderr.open("wb") as err:
         agent = subprocess.Popen(base, stdout=subprocess.DEVNULL, stderr=err)
@@ -85,7 +88,7 @@ def test_a_non_idempotent_mcp_call_killed_mid_flight_is_not_run_again(
 def test_an_idempotent_mcp_call_killed_mid_flight_runs_again_with_the_same_key(
     tmp_path: Path, backend: str
 ) -> None:
-    report = _kill_mid_call(tmp_path, "mark", backend)
+    report = _kill_mid_call(tmp_path, "mark", backend, trust=True)  # a server one trusts
     ledger = report["ledger"]
     assert len(ledger) == 2  # type: ignore[arg-type]  # re-run: the tool said it is idempotent
     (_, first_key, _), (_, second_key, _) = ledger  # type: ignore[misc]
@@ -94,3 +97,15 @@ def test_an_idempotent_mcp_call_killed_mid_flight_runs_again_with_the_same_key(
     (result,) = report["results"]  # type: ignore[misc]
     assert result == {"content": "marked once", "is_error": False}
     assert report["final"] == "marked once"
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_false_read_only_hint_of_an_untrusted_server_does_not_rerun_the_call(
+    tmp_path: Path, backend: str
+) -> None:
+    """Annotations are the server's hints: by default they do not lower the class."""
+    report = _kill_mid_call(tmp_path, "liar", backend)
+    assert len(report["ledger"]) == 1  # type: ignore[arg-type]  # one charge for one key
+    (result,) = report["results"]  # type: ignore[misc]
+    assert result["is_error"]
+    assert result["content"].startswith("outcome unknown")

@@ -30,13 +30,17 @@ import pytest
 import structlog
 
 from stepmachine import (
+    ConfigurationError,
+    ImagePart,
     Message,
     ModelInference,
     ModelRequest,
     ModelResponse,
     Runtime,
     StateMachine,
+    ToolOutput,
     ToolResultPart,
+    Tools,
 )
 from stepmachine.operations import McpHttp, McpStdio, McpTools
 from stepmachine.stores import MemoryStore
@@ -733,3 +737,160 @@ def test_two_tasks_entering_one_mcp_tools_at_once_open_it_once(
         kill_all(pids(events))
     assert out.decode().split() == ["opened", "refused"], errors.read_text()[-1500:]
     assert len(pids(events)) == 1
+
+
+# -- hardening 2: server errors, clashes with local tools, media limits, secrets ------------
+
+
+async def test_a_servers_own_error_minus_32000_is_its_message_not_a_closed_connection(
+    events: Path,
+) -> None:
+    """-32000 is also the SDK's code for a closed connection: the server is alive here."""
+    turns = [call(("echo", {"text": "x"})), reply("done")]
+    session = await run(
+        [McpTools([hostile("server_error", events)]), ModelInference()], ScriptedModel(turns)
+    )
+    (result,) = results(session)
+    assert result.is_error
+    assert "quota exceeded: try again tomorrow" in result.content
+    assert "outcome is unknown" not in result.content
+    assert len(pids(events)) == 1  # not taken for a crash: not started again
+    assert session.conversation[-1].text == "done"
+
+
+async def test_a_list_change_adding_a_local_tools_name_leaves_it_out_and_logs_it(
+    events: Path,
+) -> None:
+    """A server cannot stop a running agent by listing a name a local tool has."""
+
+    def shared() -> str:
+        """The local tool named like the server's later one."""
+        return "the local shared"
+
+    requests: list[ModelRequest] = []
+
+    def model(request: ModelRequest) -> ModelResponse:
+        requests.append(request)
+        last = request.messages[-1]
+        if last.role == "user":
+            return call(("grow", {}))
+        if len(requests) < 6:
+            return call(("echo", {"text": "wait"}))  # the new list comes in the background
+        if last.tool_results[0].name != "shared":
+            return call(("shared", {}))
+        return reply(last.tool_results[0].content)
+
+    steps = [McpTools([hostile("clash_later", events)]), Tools([shared]), ModelInference()]
+    with structlog.testing.capture_logs() as captured:
+        session = await run(steps, FunctionModel(model))
+    assert session.conversation[-1].text == "the local shared"
+    assert [d.name for d in requests[-1].tools].count("shared") == 1
+    notes = [str(e) for e in captured if e.get("event") == "mcp_catalog"]
+    assert any("'shared'" in n and "left out" in n for n in notes), notes
+
+
+async def test_a_local_tools_name_listed_when_the_servers_open_is_a_configuration_error(
+    events: Path,
+) -> None:
+    """A clash there from the start is a configuration mistake, found before any model call."""
+
+    def echo(text: str) -> str:
+        """A local echo."""
+        return text
+
+    model = ScriptedModel([])
+    with pytest.raises(ConfigurationError, match="'echo' is advertised by both"):
+        await run([McpTools([hostile("plain", events)]), Tools([echo]), ModelInference()], model)
+    assert model.requests == []
+
+
+async def test_an_image_over_max_media_bytes_from_a_server_is_an_error_result(
+    tmp_path: Path,
+) -> None:
+    store = MemoryStore(max_media_bytes=8)  # the fixture's image holds 16 bytes
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    model = ScriptedModel([call(("image", {})), reply("done")])
+    machine = StateMachine([McpTools([fixture_server(tmp_path)]), ModelInference()])
+    with anyio.fail_after(BOUND):
+        session = await machine.run(Runtime(store=store, model=model), "s")
+    (result,) = results(session)
+    assert result.is_error
+    assert "max_media_bytes" in result.content
+    assert "16 bytes" in result.content
+    assert [p for m in session.conversation for p in m.parts if isinstance(p, ImagePart)] == []
+    assert session.conversation[-1].text == "done"
+
+
+async def test_an_image_over_max_media_bytes_from_a_local_tool_is_an_error_result() -> None:
+    def picture() -> ToolOutput:
+        """A picture too large for the store."""
+        return ToolOutput("a picture", [ImagePart(media_type="image/png", data=b"p" * 100)])
+
+    store = MemoryStore(max_media_bytes=10)
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    model = ScriptedModel([call(("picture", {}), ("picture", {})), reply("done")])
+    machine = StateMachine([Tools([picture]), ModelInference()])
+    session = await machine.run(Runtime(store=store, model=model), "s")
+    found = results(session)
+    assert len(found) == 2  # one result per call
+    assert all(r.is_error and "max_media_bytes" in r.content for r in found)
+    assert all("10 bytes" in r.content for r in found)
+    assert session.conversation[-1].text == "done"
+
+
+SECRET = "tok-S3CRET-4242"
+
+
+async def test_a_server_echoing_its_environment_stores_no_secret(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    server = fixture_server(tmp_path)
+    server = McpStdio(
+        command=server.command,
+        args=server.args,
+        env={**(server.env or {}), "FX_TOKEN": SECRET, "MCP_SAY": f"token {SECRET}"},
+        name="fx",
+    )
+    turns = [call(("getenv", {"name": "FX_TOKEN"})), call(("fail", {"why": SECRET})), reply("ok")]
+    with structlog.testing.capture_logs() as captured:
+        session = await run([McpTools([server]), ModelInference()], ScriptedModel(turns))
+    got, failed = results(session)
+    assert (got.content, got.is_error) == ("[redacted]", False)
+    assert failed.is_error
+    assert SECRET not in failed.content
+    err = capfd.readouterr().err
+    assert SECRET not in err  # the server's stderr is not the agent's
+    said = [e for e in captured if e.get("event") == "mcp_stderr"]
+    assert any(e["line"] == "starting with [redacted]" for e in said), captured
+    assert [e for e in captured if SECRET in repr(e)] == []
+
+
+async def test_a_result_over_max_message_bytes_is_not_read_and_the_server_goes_on(
+    tmp_path: Path,
+) -> None:
+    turns = [call(("big", {"chars": 2_000_000})), call(("echo", {"text": "after"})), reply("ok")]
+    mcp = McpTools([fixture_server(tmp_path)], max_message_bytes=65_536)
+    session = await run([mcp, ModelInference()], ScriptedModel(turns))
+    big, after = results(session)
+    assert big.is_error
+    assert "longer than 65,536 bytes" in big.content
+    assert "xxxx" not in big.content
+    assert (after.content, after.is_error) == ("after", False)
+    assert len(pids(tmp_path / "events.txt")) == 1  # the same server, not a restart
+
+
+def test_the_stdio_reader_holds_no_more_than_the_bound_of_a_long_line() -> None:
+    from stepmachine.operations._mcp_stdio import split_lines
+
+    lines = split_lines(1_000)
+    head = b'{"jsonrpc": "2.0", "id": 7, "result": {"content": [{"text": "'
+    assert lines.feed(head) == []
+    held = []
+    for _ in range(500):  # half a megabyte of one line, in reads of 1,000 bytes
+        assert lines.feed(b"x" * 1_000) == []
+        held.append(lines.held)
+    assert max(held) <= 2_000  # the bound and one read, never the line
+    ((first, over),) = lines.feed(b'"}]}}\n{"id": 8}\n'[:6])
+    assert over
+    assert first.startswith(head)
+    assert lines.feed(b'{"id": 8}\n') == [(b'{"id": 8}', False)]

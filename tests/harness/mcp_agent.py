@@ -1,14 +1,15 @@
 """An agent whose one tool comes from an MCP server, for the SIGKILL test.
 
     python tests/harness/mcp_agent.py --db PATH --ledger PATH --events PATH \\
-        --tool record|mark --backend asyncio|trio [--no-delay]
+        --tool record|mark|liar [--trust] --backend asyncio|trio [--no-delay]
 
 Runs session ``s`` of the SQLite database ``--db`` (created on the first
 run) with ``McpTools`` over the stdio fixture server
 (tests/fixtures/mcp_server.py). The model (stateless, from the history)
 calls ``--tool`` once with ``delay=60``: the server appends its ledger line,
 then sleeps, so the parent can SIGKILL this process mid-call. ``record`` is
-not idempotent (no annotations); ``mark`` says ``idempotentHint``.
+not idempotent (no annotations); ``mark`` says ``idempotentHint``; ``liar``
+says ``readOnlyHint`` falsely. ``--trust`` sets ``trust_annotations=True`` (else the default).
 ``--no-delay`` tells the server not to sleep (the resumed run).
 
 Prints one JSON line: the final text, and each tool result (content, is_error).
@@ -44,9 +45,10 @@ def main() -> None:
     parser.add_argument("--db", type=Path, required=True)
     parser.add_argument("--ledger", required=True)
     parser.add_argument("--events", required=True)
-    parser.add_argument("--tool", choices=["record", "mark"], required=True)
+    parser.add_argument("--tool", choices=["record", "mark", "liar"], required=True)
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument("--no-delay", action="store_true")
+    parser.add_argument("--trust", action="store_true")
     args = parser.parse_args()
 
     def model(request: ModelRequest) -> ModelResponse:
@@ -60,7 +62,13 @@ def main() -> None:
         env = {"MCP_LEDGER": args.ledger, "MCP_EVENTS": args.events}
         if args.no_delay:
             env["MCP_NO_DELAY"] = "1"
-        server = McpStdio(command=sys.executable, args=[str(SERVER), "stdio"], env=env, name="fx")
+        server = McpStdio(
+            command=sys.executable,
+            args=[str(SERVER), "stdio"],
+            env=env,
+            name="fx",
+            **({"trust_annotations": True} if args.trust else {}),  # else the default
+        )
         machine = StateMachine([McpTools([server]), ModelInference()])
         async with await SQLiteStore.open(args.db) as store:
             try:
