@@ -86,11 +86,12 @@ from stepmachine._codec import _message_fields
 
 __all__ = [
     "DEFAULT_MAX_MEDIA_BYTES",
+    "VERIFIED",
     "BlobRead",
     "Media",
     "Reader",
     "batch_refers",
-    "blobs_missing",
+    "blobs_to_write",
     "check_digest",
     "check_max_media_bytes",
 ]
@@ -197,6 +198,44 @@ class _Digests:
             while self._held > self._budget and len(self._seen) > 1:
                 _, (dropped, _) = self._seen.popitem(last=False)
                 self._held -= len(dropped)
+
+
+class _Verified:
+    """The blobs this process wrote, or read back and found sound, by (where, digest)
+    (thread-safe; forgotten whole past :data:`_VERIFIED_MAX` entries).
+
+    Why once per process: a write of bytes a backend already holds checks the
+    stored size every time (cheap), but hashing the stored bytes again on
+    every write would read every image back on every batch that repeats it.
+    Damage of the same size that appears after a blob was verified here is
+    still found by every read (each body read is hashed), and repaired by the
+    first write of another process.
+    """
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def holds(self, where: str, digest: str) -> bool:
+        """Whether the blob ``digest`` of ``where`` was verified by this process."""
+        return (where, digest) in self._seen
+
+    def add(self, where: str, digest: str) -> None:
+        """Remember that the blob ``digest`` of ``where`` is sound."""
+        with self._lock:
+            if len(self._seen) >= _VERIFIED_MAX:
+                self._seen.clear()
+            self._seen.add((where, digest))
+
+    def discard(self, where: str, digest: str) -> None:
+        """Forget ``digest`` of ``where`` (its blob was removed)."""
+        with self._lock:
+            self._seen.discard((where, digest))
+
+
+_VERIFIED_MAX: Final = 100_000
+VERIFIED: Final = _Verified()
+"""The process-wide record of verified blobs (see :class:`_Verified`)."""
 
 
 class Media:
@@ -435,6 +474,7 @@ class Reader:
                     f"{len(data):,} bytes whose digest is {media_digest(data)}"
                 )
             self._media.digests.note(data, ref.digest)
+            VERIFIED.add(self._label, ref.digest)
             self._loaded[ref.digest] = data
         fields = {name: getattr(ref, name) for name in _REF_FIELDS if name in own}
         try:
@@ -454,11 +494,32 @@ def _with_conversation(session: Session[Any], messages: Any) -> Session[Any]:
     )
 
 
-def blobs_missing(
-    blobs: Mapping[str, bytes], held: Callable[[list[str]], set[str]]
+def blobs_to_write(
+    blobs: Mapping[str, bytes],
+    sizes: Callable[[list[str]], Mapping[str, int]],
+    read: BlobRead,
+    label: str,
 ) -> dict[str, bytes]:
-    """The blobs of ``blobs`` whose digest ``held`` (a backend's look-up) does not report."""
+    """The blobs of ``blobs`` a backend must write: those it does not hold, and
+    those it holds damaged (so a write of the same bytes repairs them).
+
+    ``sizes`` is the backend's look-up of the stored size of each digest it
+    holds; ``read`` its read of one blob. A held blob of another size is
+    damaged; one of the right size is hashed once per process per digest
+    (:data:`VERIFIED`), so the usual write reads nothing back.
+    """
     if not blobs:
         return {}
-    present = held(sorted(blobs))
-    return {digest: data for digest, data in blobs.items() if digest not in present}
+    held = sizes(sorted(blobs))
+    out: dict[str, bytes] = {}
+    for digest, data in blobs.items():
+        size = held.get(digest)
+        if size != len(data):
+            out[digest] = data
+        elif not VERIFIED.holds(label, digest):
+            stored = read(digest)
+            if stored is None or media_digest(stored) != digest:
+                out[digest] = data
+            else:
+                VERIFIED.add(label, digest)
+    return out

@@ -304,22 +304,25 @@ def copy_log(
 # -- media blobs ---------------------------------------------------------------
 
 
-def held_blobs(conn: psycopg.Connection[Any], digests: Sequence[str]) -> set[str]:
-    """Which of ``digests`` the media table holds (made by ``prepare_schema``)."""
+def held_blobs(conn: psycopg.Connection[Any], digests: Sequence[str]) -> dict[str, int]:
+    """The stored size of each of ``digests`` the media table holds (made by
+    ``prepare_schema``)."""
     rows = conn.execute(
-        f"SELECT digest FROM {SCHEMA}.media WHERE digest = ANY(%s)",  # noqa: S608 - fixed names
+        f"SELECT digest, octet_length(body) FROM {SCHEMA}.media "  # noqa: S608 - fixed names
+        "WHERE digest = ANY(%s)",
         (list(digests),),
     ).fetchall()
-    return {row[0] for row in rows}
+    return {row[0]: row[1] for row in rows}
 
 
 def insert_blobs(conn: psycopg.Connection[Any], blobs: dict[str, bytes]) -> None:
-    """Store ``blobs`` (digest to bytes) in the caller's transaction; one a
-    concurrent transaction stored first is kept (the same bytes)."""
+    """Store ``blobs`` (digest to bytes) in the caller's transaction, over a
+    damaged row the caller found (a row a concurrent transaction stored first
+    holds the same bytes: overwriting it changes nothing)."""
     with conn.cursor() as cursor:
         cursor.executemany(
             f"INSERT INTO {SCHEMA}.media (digest, body) VALUES (%s, %s) "  # noqa: S608 - fixed names
-            "ON CONFLICT (digest) DO NOTHING",
+            "ON CONFLICT (digest) DO UPDATE SET body = excluded.body",
             sorted(blobs.items()),
         )
 

@@ -605,31 +605,36 @@ _IN_CHUNK = 500
 """Digests per ``IN (...)``: below SQLite's smallest limit on bound parameters."""
 
 
-def held_blobs(conn: sqlite3.Connection, digests: Sequence[str]) -> set[str]:
-    """Which of ``digests`` the media table holds (none when there is no table yet)."""
-    found: set[str] = set()
+def held_blobs(conn: sqlite3.Connection, digests: Sequence[str]) -> dict[str, int]:
+    """The stored size of each of ``digests`` the media table holds (none when
+    there is no table yet; -1 for a body that is not a BLOB)."""
+    found: dict[str, int] = {}
     for start in range(0, len(digests), _IN_CHUNK):
         chunk = digests[start : start + _IN_CHUNK]
         marks = ",".join("?" * len(chunk))
         try:
             rows = conn.execute(
-                f"SELECT digest FROM media WHERE digest IN ({marks})",  # noqa: S608 - only ?s
+                "SELECT digest, CASE typeof(body) WHEN 'blob' THEN length(body) ELSE -1 END "  # noqa: S608 - only ?s
+                f"FROM media WHERE digest IN ({marks})",
                 tuple(chunk),
             ).fetchall()
         except sqlite3.OperationalError as exc:
             if "no such table" not in str(exc):
                 raise
-            return set()
-        found.update(row[0] for row in rows)
+            return {}
+        found.update((row[0], row[1]) for row in rows)
     return found
 
 
 def insert_blobs(conn: sqlite3.Connection, blobs: dict[str, bytes]) -> None:
-    """Store ``blobs`` (digest to bytes) that the table does not hold (the caller
-    checked), making the table first if needed; in the caller's transaction."""
+    """Store ``blobs`` (digest to bytes) that the table does not hold or holds
+    damaged (the caller checked: a row there is overwritten), making the table
+    first if needed; in the caller's transaction."""
     conn.execute(_MEDIA_TABLE)
     conn.executemany(
-        "INSERT OR IGNORE INTO media (digest, body) VALUES (?, ?)", sorted(blobs.items())
+        "INSERT INTO media (digest, body) VALUES (?, ?) "
+        "ON CONFLICT (digest) DO UPDATE SET body = excluded.body",
+        sorted(blobs.items()),
     )
 
 
