@@ -38,6 +38,18 @@ So the stores keep them apart:
 - **Limit.** A part larger than the store's ``max_media_bytes`` (20 MiB by
   default) raises :class:`~stepmachine.MediaTooLargeError` before anything
   is written.
+- **Media in application data** (an ``ImagePart`` in a data field, set by
+  ``UpdateData`` or given to ``create``) are not moved to the blobs: the data
+  is encoded whole by the codec, in every record that sets it and in every
+  snapshot, and making the codec walk application data on every write would
+  put a second encoding path under every store for a rare use. They get the
+  same limit instead, checked before anything is written
+  (:func:`check_data_media`): a part over ``max_media_bytes`` is a
+  ``MediaTooLargeError`` naming the field and the limit, and telling to keep
+  large media in messages. The walk costs one type check per effect for a
+  batch without ``UpdateData``, and a pass over the changed values (JSON
+  values: a media part there is its tagged object, its bytes base64) for one
+  with it.
 - **Schema.** The reference is a new tagged part (``"media_ref"``): a reader
   that does not know it refuses the record with ``StoredDataError`` naming it,
   never reads a message without its media. Blobs are never deleted (a
@@ -80,6 +92,7 @@ from stepmachine import (
     Message,
     Session,
     StoredDataError,
+    UpdateData,
     media_digest,
 )
 from stepmachine._codec import _message_fields
@@ -92,6 +105,7 @@ __all__ = [
     "Reader",
     "batch_refers",
     "blobs_to_write",
+    "check_data_media",
     "check_digest",
     "check_max_media_bytes",
 ]
@@ -147,6 +161,55 @@ def batch_refers(batch: Batch[Effect]) -> bool:
             if _refers((value,) if type(value) is Message else value):
                 return True
     return False
+
+
+_PART_TAGS: Final = frozenset(_KINDS)
+
+
+def _data_media(value: Any, path: str) -> tuple[str, int] | None:
+    """The largest media part in ``value`` (application data: a Struct, or its
+    JSON form), as (where, its bytes), or None; iterative (no recursion limit)."""
+    largest: tuple[str, int] | None = None
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        kind = type(item)
+        if kind in _MEDIA:
+            size = 0 if item.data is None else len(item.data)
+        elif kind is dict:
+            tag = item.get("type")
+            data = item.get("data")
+            if type(tag) is str and tag in _PART_TAGS and type(data) is str:
+                size = len(data) * 3 // 4 - data.endswith("=") - data.endswith("==")
+            else:
+                stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
+                continue
+        elif kind is list or kind is tuple:
+            stack.extend((v, f"{where}[{n}]") for n, v in enumerate(item))
+            continue
+        elif isinstance(item, msgspec.Struct):
+            stack.extend(
+                (getattr(item, name), f"{where}.{name}" if where else name)
+                for name in item.__struct_fields__
+            )
+            continue
+        else:
+            continue
+        if largest is None or size > largest[1]:
+            largest = (where, size)
+    return largest
+
+
+def check_data_media(session_id: str, value: Any, limit: int, path: str = "") -> None:
+    """Refuse a media part in application data ``value`` over ``limit`` bytes
+    (see the module docstring: such media are stored inline, so they get the limit).
+
+    Raises:
+        MediaTooLargeError: naming the field (``path`` and below) and the limit.
+    """
+    found = _data_media(value, path)
+    if found is not None and found[1] > limit:
+        raise MediaTooLargeError(session_id, "", found[1], limit, field=found[0] or "data")
 
 
 def check_digest(digest: str) -> bool:
@@ -261,6 +324,9 @@ class Media:
             ConfigurationError: a message holds a ``MediaRef`` (only stores write them).
         """
         blobs: dict[str, bytes] = {}
+        for effect in batch.effects:
+            if type(effect) is UpdateData:
+                check_data_media(batch.session_id, effect.changes, self.max_bytes)
         if not any(map(_holds_media, batch.effects)):  # the usual batch: nothing built
             return batch, blobs
         effects: list[Effect] = []
@@ -288,6 +354,8 @@ class Media:
             MediaTooLargeError, ConfigurationError: as :meth:`batch_out`.
         """
         blobs: dict[str, bytes] = {}
+        if limit:
+            check_data_media(session.id, session.data, self.max_bytes)
         messages = session.conversation
         out = self._messages_out(messages, session.id, blobs, self.max_bytes if limit else None)
         if out is messages:
