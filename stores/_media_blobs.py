@@ -52,8 +52,20 @@ So the stores keep them apart:
   with it.
 - **Schema.** The reference is a new tagged part (``"media_ref"``): a reader
   that does not know it refuses the record with ``StoredDataError`` naming it,
-  never reads a message without its media. Blobs are never deleted (a
-  session's ``delete`` leaves the blobs it shared with others; see the store).
+  never reads a message without its media.
+- **Deleting.** A blob lives while a record names it. ``delete`` removes the
+  session's records and then, in the same transaction, every blob that no
+  record of any remaining session names (:func:`unreferenced`): shared blobs
+  are counted by the records themselves (a fork's copied records, a snapshot,
+  another session holding the same bytes keep them), with no counter that
+  could drift from the records. A record is searched for the text
+  ``sha256:<hex>``: a digest that appears anywhere in a record (in a message's
+  text, in application data) keeps its blob, so the error is always keeping a
+  blob, never losing one; a record that cannot be read keeps every blob. The
+  sweep runs only when the deleted session named a blob, and then also
+  removes blobs left by deletes of earlier versions; it reads every other
+  record once (the cost of a delete of a session with media is the store's
+  size, not the session's).
 - **Cost.** Only the batch's own media are hashed, written and read on the
   cycle's path (invariant 10); a snapshot asks the backend which of its
   digests it holds (no bytes move); load_at, fork and a cold load read the
@@ -75,7 +87,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -108,6 +120,8 @@ __all__ = [
     "check_data_media",
     "check_digest",
     "check_max_media_bytes",
+    "named_digests",
+    "unreferenced",
 ]
 
 DEFAULT_MAX_MEDIA_BYTES: Final = 20 * 1024 * 1024
@@ -120,6 +134,7 @@ _MEMO_BYTES: Final = 64 * 1024 * 1024
 """The bytes :class:`_Digests` may keep alive (most are held by cached sessions anyway)."""
 
 _TAG: Final = b'"media_ref"'
+_ANY_DIGEST: Final = re.compile(rb"sha256:[0-9a-f]{64}")
 _DIGEST: Final = re.compile(r"sha256:[0-9a-f]{64}\Z")
 _KINDS: Final[dict[str, type[ImagePart | DocumentPart | AudioPart]]] = {
     "image": ImagePart,
@@ -591,3 +606,31 @@ def blobs_to_write(
             else:
                 VERIFIED.add(label, digest)
     return out
+
+
+def named_digests(records: Iterable[bytes | None]) -> set[str] | None:
+    """Every ``sha256:<hex>`` the ``records`` (codec records, uncompressed) name,
+    or None when one of them is None (could not be read)."""
+    found: set[str] = set()
+    for record in records:
+        if record is None:
+            return None
+        found.update(match.decode() for match in _ANY_DIGEST.findall(record))
+    return found
+
+
+def unreferenced(candidates: set[str], records: Iterable[bytes | None]) -> set[str]:
+    """The digests of ``candidates`` that none of ``records`` names (see the module
+    docstring: *Deleting*); none when a record is None (could not be read).
+
+    Stops reading ``records`` once every candidate is named.
+    """
+    left = set(candidates)
+    for record in records:
+        if not left:
+            break
+        if record is None:
+            return set()
+        for match in _ANY_DIGEST.findall(record):
+            left.discard(match.decode())
+    return left

@@ -30,6 +30,7 @@ from stepmachine import StoredDataError
 
 from ._backend import EffectRows, Marks
 from ._inflate import compressed, inflate
+from ._media_blobs import named_digests, unreferenced
 from ._snapshot_policy import Weighted
 from ._sqlite_schema import (
     COMPRESSED_EFFECTS_FROM,
@@ -57,8 +58,10 @@ __all__ = [
     "read_blob",
     "read_log",
     "read_snapshot",
+    "session_digests",
     "session_ids",
     "session_row",
+    "sweep_blobs",
     "wants_snapshot",
     "write_session_row",
 ]
@@ -649,3 +652,48 @@ def read_blob(conn: sqlite3.Connection, digest: str) -> bytes | None:
     if row is None or not isinstance(row[0], bytes):
         return None if row is None else b""  # a body of another type: damaged (digest fails)
     return row[0]
+
+
+def _plain(body: object) -> bytes | None:
+    """A stored body as its uncompressed record, or None when it cannot be read."""
+    if not isinstance(body, bytes):
+        return None
+    if body[:1] == _ZLIB_START:
+        try:
+            return inflate(body)
+        except zlib.error:
+            return None
+    return body
+
+
+def session_digests(conn: sqlite3.Connection, session_id: str) -> set[str] | None:
+    """The digests the records of ``session_id`` name (:func:`._media_blobs.named_digests`):
+    empty when it has none or there is no session; None when a record cannot be read."""
+    row = conn.execute("SELECT sid FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+    if row is None:
+        return set()
+    bodies = (
+        _plain(body)
+        for table in ("effects", "snapshots")
+        for (body,) in conn.execute(f"SELECT body FROM {table} WHERE sid = ?", (row[0],))  # noqa: S608 - fixed names
+    )
+    return named_digests(bodies)
+
+
+def sweep_blobs(conn: sqlite3.Connection) -> int:
+    """Delete the media rows no effect or snapshot row names
+    (:func:`._media_blobs.unreferenced`), in the caller's transaction; how many."""
+    try:
+        held = {row[0] for row in conn.execute("SELECT digest FROM media")}
+    except sqlite3.OperationalError as exc:
+        if "no such table" not in str(exc):
+            raise
+        return 0
+    bodies = (
+        _plain(body)
+        for table in ("effects", "snapshots")
+        for (body,) in conn.execute(f"SELECT body FROM {table}")  # noqa: S608 - fixed names
+    )
+    gone = sorted(unreferenced(held, bodies))
+    conn.executemany("DELETE FROM media WHERE digest = ?", [(digest,) for digest in gone])
+    return len(gone)
