@@ -39,7 +39,7 @@ from ._file_log import (
     snapshot_payload,
     write_all,
 )
-from ._file_media import put_blobs, read_blob
+from ._file_media import put_blobs, read_blob, release_media
 from ._file_txn import FilePos, FileTxn, log
 from ._ids import validate_session_id
 
@@ -143,6 +143,7 @@ class FileBackend:
                     raise SessionNotFoundError(session_id)
                 return work(FileTxn(self, handle.fd))
             finally:
+                release_media()  # the shared .media lock put_blobs took (its record is written)
                 handle.close()
 
         async with self.session_lock(session_id):

@@ -20,25 +20,99 @@ works through a descriptor of the ``.media`` folder opened with
   remembers blobs this process wrote, read back or checked). A rewrite is
   crash-safe: a temporary file, fsynced, renamed over the old name, the folder
   fsynced; a crash leaves the old file or the new one, never a torn blob.
-- **Removal** (:func:`remove_blobs`, used when the last session referring to
-  a blob is deleted): each name is unlinked and the folder fsynced.
+- **Removal** (:func:`sweep_blobs`, when a session whose log named blobs is
+  deleted): the blobs no remaining log names are unlinked and the folder
+  fsynced. Shared blobs are counted by the logs themselves (a fork's log
+  restates the records it copied; a snapshot only restates what its log
+  names), so nothing can drift. Writers and the sweep are ordered by a
+  ``flock`` on the ``.media`` folder itself (no extra file): :func:`put_blobs`
+  takes it shared and the writer keeps it until its record is in its log
+  (:func:`release_media`, called when the operation's lock hold ends), the
+  sweep takes it exclusive; so a writer that found a blob present has its
+  record in its log before the sweep reads the logs, and one that comes
+  after finds the blob gone and writes it again. Crash-safe: the session's
+  files are removed first, then the blobs; a crash between leaves blobs no log
+  names, which the next sweep (any later delete of a session with media)
+  removes. A sweep that cannot get the lock within ``timeout`` (a writer
+  stuck holding it) is skipped with a warning: the blobs stay, nothing is
+  lost.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import re
 import secrets
 import stat
-from collections.abc import Callable, Iterable, Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from stepmachine import StoredDataError, media_digest
 
-from ._file_log import read_range, write_all
-from ._media_blobs import VERIFIED, check_digest
+from ._file_log import parse_records, read_range, write_all
+from ._media_blobs import VERIFIED, check_digest, named_digests
 
-__all__ = ["media_dir", "put_blobs", "read_blob", "remove_blobs"]
+__all__ = [
+    "log_digests",
+    "media_dir",
+    "put_blobs",
+    "read_blob",
+    "release_media",
+    "released",
+    "sweep_blobs",
+]
+
+T = TypeVar("T")
+_BLOB_NAME = re.compile(r"[0-9a-f]{64}\Z")
+
+
+class _Held(threading.local):
+    """The ``.media`` descriptor this thread holds a shared lock on, and its store."""
+
+    fd: int = -1
+    folder: str = ""
+
+
+_HELD = _Held()
+
+
+def _hold(folder: str, fsync: bool) -> int:
+    """The ``.media`` descriptor of ``folder``, locked shared for this thread until
+    :func:`release_media` (made if missing)."""
+    if _HELD.fd >= 0 and _HELD.folder == folder:
+        return _HELD.fd
+    release_media()
+    dfd = media_dir(folder, create=True, fsync=fsync)
+    assert dfd is not None
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_SH)
+    except BaseException:
+        os.close(dfd)
+        raise
+    _HELD.fd, _HELD.folder = dfd, folder
+    return dfd
+
+
+def release_media() -> None:
+    """Release the shared ``.media`` lock this thread took in :func:`put_blobs`, if any
+    (call it once the record naming the blobs is written, or the operation ended)."""
+    fd, _HELD.fd = _HELD.fd, -1
+    if fd >= 0:
+        os.close(fd)
+
+
+def released(work: Callable[[], T]) -> T:
+    """``work()``, then :func:`release_media` however it ends."""
+    try:
+        return work()
+    finally:
+        release_media()
+
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -197,54 +271,75 @@ def put_blobs(
     if not blobs:
         return
     media = os.path.join(folder, ".media")
-    dfd = media_dir(folder, create=True, fsync=fsync)
-    assert dfd is not None
+    dfd = _hold(folder, fsync)  # released by the caller once its record is written
     wrote = False
-    try:
-        for digest, data in sorted(blobs.items()):
-            if not check_digest(digest):  # pragma: no cover - the core made it
-                raise ValueError(f"not a media digest: {digest!r}")
-            name = digest.removeprefix("sha256:")
-            if _sound(dfd, name, digest, len(data), media):
-                continue
-            temp = f".{secrets.token_hex(8)}.tmp"
-            fd = os.open(
-                temp,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                0o600,
-                dir_fd=dfd,
-            )
-            try:
-                os.fchmod(fd, 0o600)
-                write_all(fd, data)
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.replace(temp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            except OSError as exc:
-                with contextlib.suppress(OSError):
-                    os.unlink(temp, dir_fd=dfd)
-                raise StoredDataError(
-                    f"stored data is data: the media blob {os.path.join(media, name)} cannot "
-                    f"be replaced by its bytes ({exc.strerror}); remove what stands there; "
-                    "nothing was written"
-                ) from None
-            VERIFIED.add(media, digest)
-            wrote = True
-        if wrote:
-            boundary("media.written")
+    for digest, data in sorted(blobs.items()):
+        if not check_digest(digest):  # pragma: no cover - the core made it
+            raise ValueError(f"not a media digest: {digest!r}")
+        name = digest.removeprefix("sha256:")
+        if _sound(dfd, name, digest, len(data), media):
+            continue
+        temp = f".{secrets.token_hex(8)}.tmp"
+        fd = os.open(
+            temp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+            0o600,
+            dir_fd=dfd,
+        )
+        try:
+            os.fchmod(fd, 0o600)
+            write_all(fd, data)
             if fsync:
-                os.fsync(dfd)
-            boundary("media.synced")
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.replace(temp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=dfd)
+            raise StoredDataError(
+                f"stored data is data: the media blob {os.path.join(media, name)} cannot "
+                f"be replaced by its bytes ({exc.strerror}); remove what stands there; "
+                "nothing was written"
+            ) from None
+        VERIFIED.add(media, digest)
+        wrote = True
+    if wrote:
+        boundary("media.written")
+        if fsync:
+            os.fsync(dfd)
+        boundary("media.synced")
+
+
+def log_digests(path: str) -> set[str] | None:
+    """The digests the records of the log at ``path`` name; empty when there is
+    no such file, None when it cannot be read whole (every blob is then kept)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return set()
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        buf = read_range(fd, 0, os.fstat(fd).st_size)
     finally:
-        os.close(dfd)
+        os.close(fd)
+    try:
+        records, _ = parse_records(buf, 0, path)  # a torn tail names nothing durable
+    except StoredDataError:
+        return None
+    return named_digests(record.payload for record in records)
 
 
-def remove_blobs(folder: str, digests: Iterable[str], *, fsync: bool) -> int:
-    """Unlink the blobs of ``digests`` from ``<folder>/.media`` (those that exist),
-    fsync the folder, and return how many were removed.
+def sweep_blobs(folder: str, *, fsync: bool, timeout: float) -> int | None:
+    """Remove the blobs of ``<folder>/.media`` that no session log in ``folder``
+    names, under the exclusive ``.media`` lock (module docstring: *Removal*).
+
+    Returns how many were removed, or None when the sweep was skipped (the lock
+    not had within ``timeout`` seconds, a log unreadable: every blob kept).
 
     Raises:
         StoredDataError: ``.media`` is a symbolic link or not a folder.
@@ -253,17 +348,37 @@ def remove_blobs(folder: str, digests: Iterable[str], *, fsync: bool) -> int:
     if dfd is None:
         return 0
     media = os.path.join(folder, ".media")
-    removed = 0
     try:
-        for digest in sorted(set(digests)):
-            if not check_digest(digest):
-                continue
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.005)
+        held = {"sha256:" + name for name in os.listdir(dfd) if _BLOB_NAME.match(name)}
+        if not held:
+            return 0
+        logs = sorted(
+            name
+            for name in os.listdir(folder)
+            if name.endswith(".log") and not name.startswith(".")
+        )
+        found: set[str] = set()
+        for name in logs:
+            named = log_digests(os.path.join(folder, name))
+            if named is None:
+                return None
+            found |= named
+        gone = held - found
+        for digest in sorted(gone):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(digest.removeprefix("sha256:"), dir_fd=dfd)
-                removed += 1
             VERIFIED.discard(media, digest)
-        if removed and fsync:
+        if gone and fsync:
             os.fsync(dfd)
+        return len(gone)
     finally:
-        os.close(dfd)
-    return removed
+        os.close(dfd)  # releases the lock
