@@ -54,7 +54,8 @@ So the stores keep them apart:
   that does not know it refuses the record with ``StoredDataError`` naming it,
   never reads a message without its media.
 - **Deleting.** A blob lives while a record names it. ``delete`` removes the
-  session's records and then, in the same transaction, every blob that no
+  session's records and then, in the same transaction (the file store: right
+  after, under a lock writers share; see ``_file_media``), every blob that no
   record of any remaining session names (:func:`unreferenced`): shared blobs
   are counted by the records themselves (a fork's copied records, a snapshot,
   another session holding the same bytes keep them), with no counter that
