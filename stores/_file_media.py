@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import re
 import secrets
@@ -51,6 +50,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): FileStore refuses to open, so nothing here runs
+    fcntl = None  # type: ignore[assignment]
 
 from stepmachine import StoredDataError, media_digest
 
@@ -114,8 +118,11 @@ def released(work: Callable[[], T]) -> T:
         release_media()
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_POSIX = {
+    name: getattr(os, name, 0) for name in ("O_DIRECTORY", "O_NOFOLLOW", "O_CLOEXEC", "O_NONBLOCK")
+}  # 0 where the platform lacks one (Windows: FileStore refuses to open there)
+_DIR_FLAGS = os.O_RDONLY | _POSIX["O_DIRECTORY"] | _POSIX["O_NOFOLLOW"] | _POSIX["O_CLOEXEC"]
+_READ_FLAGS = os.O_RDONLY | _POSIX["O_NONBLOCK"] | _POSIX["O_NOFOLLOW"] | _POSIX["O_CLOEXEC"]
 
 
 def _refused(folder: str, what: str) -> StoredDataError:
@@ -316,7 +323,7 @@ def log_digests(path: str) -> set[str] | None:
     """The digests the records of the log at ``path`` name; empty when there is
     no such file, None when it cannot be read whole (every blob is then kept)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, _READ_FLAGS)
     except FileNotFoundError:
         return set()
     except OSError:
