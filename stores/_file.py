@@ -176,8 +176,10 @@ class FileStore(FlockLeaseMethods):
             :meth:`fork` linked in place and the folder fsynced),
             ``media.written`` (new media blob files renamed into place, before
             the record referring to them) and ``media.synced`` (their folder
-            fsynced, the record not yet written), ``delete.removed`` (a deleted
-            session's files removed, the blobs only it named not yet).
+            fsynced, the record not yet written). The hook is also called with
+            ``"delete.removed"`` (a deleted session's files removed, the blobs
+            only it named not yet), which is not a boundary of writing records
+            and so not listed here.
     """
 
     applies_batches: ClassVar[bool] = True
@@ -192,7 +194,6 @@ class FileStore(FlockLeaseMethods):
         "create.synced",
         "media.written",
         "media.synced",
-        "delete.removed",
     )
 
     def __init__(
@@ -462,9 +463,10 @@ class FileStore(FlockLeaseMethods):
 
         Then, when its log named media blobs, the blobs no remaining log names
         are removed (a fork or another session holding the same bytes keeps
-        them; :func:`._file_media.sweep_blobs`): the session's files first, then
-        the blobs, so a crash between leaves only blobs nothing names, removed
-        by the next such delete.
+        them; writers of other processes hold a shared lock on ``.media`` until
+        their record is written, the removal an exclusive one): the session's
+        files first, then the blobs, so a crash between leaves only blobs
+        nothing names, removed by the next such delete.
 
         Then its pending-run mark is removed. A lease on it is not touched: the
         holder keeps it until it releases (its writes meet

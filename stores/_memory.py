@@ -173,7 +173,7 @@ class MemoryStore:
 
     async def delete(self, session_id: str) -> None:
         """Delete a session and its log, and the media bytes no other session's
-        records name (:func:`._media_blobs.unreferenced`). Raises ``SessionNotFoundError``."""
+        records name. Raises ``SessionNotFoundError``."""
         await anyio.lowlevel.checkpoint()
         gone = self._entry(session_id)
         del self._sessions[session_id]

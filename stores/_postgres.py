@@ -428,8 +428,8 @@ class PostgresStore:
 
         The media bytes its records named are deleted with it, in the same
         transaction, unless a record of another session (a fork, a session
-        holding the same bytes) names them too (:mod:`._media_blobs`,
-        *Deleting*; concurrent writers: :func:`._postgres_rows.sweep_blobs`).
+        holding the same bytes) names them too; a writer that relies on a blob
+        holds its row until it commits, so the delete waits for its record.
 
         Raises:
             InvalidSessionIdError: the id is not safe.

@@ -460,8 +460,8 @@ class SQLiteStore(FlockLeaseMethods):
 
         The media bytes its records named are deleted with it, in the same
         transaction, unless a record of another session (a fork, a session
-        holding the same bytes) names them too (:mod:`._media_blobs`,
-        *Deleting*): the last session deleted takes them.
+        holding the same bytes) names them too: the last session deleted
+        takes them.
 
         Then its pending-run mark is removed. A lease on it is not touched: the
         holder keeps it until it releases (its writes meet

@@ -817,9 +817,8 @@ async def test_boundary_hook_points(tmp_path: Path) -> None:
         ("snapshot.written", size2, None),
         ("snapshot.replaced", size2, 2),
     ]
-    # media.* are passed only by a batch with new media (tests/test_media_store.py),
-    # delete.removed only by a delete of a session with media (tests/test_media_delete.py).
-    others = {"create.synced", "media.written", "media.synced", "delete.removed"}
+    # media.* are passed only by a batch with new media (tests/test_media_store.py).
+    others = {"create.synced", "media.written", "media.synced"}
     assert set(FileStore.BOUNDARIES) == {name for name, _, _ in seen} | others
     seen.clear()
     with pytest.raises(ConflictError):
