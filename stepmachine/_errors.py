@@ -212,24 +212,40 @@ class MediaTooLargeError(RunError, ValueError):
 
     Attributes:
         session_id: the session the batch or conversation was for.
-        message_id: the message holding the part.
+        message_id: the message holding the part (``""`` for application data).
         size: the part's bytes.
         limit: the store's ``max_media_bytes``.
+        field: where in the application data the part is (``"picture"``,
+            ``"pages[2]"``), or None for a part in a message.
     """
 
-    def __init__(self, session_id: str, message_id: str, size: int, limit: int) -> None:
+    def __init__(
+        self, session_id: str, message_id: str, size: int, limit: int, field: str | None = None
+    ) -> None:
         self.session_id = session_id
         self.message_id = message_id
         self.size = size
         self.limit = limit
+        self.field = field
+        if field is None:
+            where = f"a media part of message {message_id!r} in session {session_id!r}"
+            advice = ""
+        else:
+            where = f"a media part in application data field {field!r} of session {session_id!r}"
+            advice = (
+                " (media in application data are stored inline in every record and snapshot:"
+                " keep large media in messages, which the store keeps once by digest, and a"
+                " reference to them in the data)"
+            )
         super().__init__(
-            f"a media part of message {message_id!r} in session {session_id!r} holds "
-            f"{size:,} bytes; this store takes at most {limit:,} per part (max_media_bytes); "
-            "nothing was written"
+            f"{where} holds {size:,} bytes; this store takes at most {limit:,} per part "
+            f"(max_media_bytes){advice}; nothing was written"
         )
 
-    def __reduce__(self) -> tuple[type[MediaTooLargeError], tuple[str, str, int, int]]:
-        return type(self), (self.session_id, self.message_id, self.size, self.limit)
+    def __reduce__(
+        self,
+    ) -> tuple[type[MediaTooLargeError], tuple[str, str, int, int, str | None]]:
+        return type(self), (self.session_id, self.message_id, self.size, self.limit, self.field)
 
 
 class EffectError(RunError):

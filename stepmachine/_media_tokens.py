@@ -2,10 +2,16 @@
 
 :func:`media_tokens` is what :func:`~stepmachine.message_tokens` adds for a
 media part. It reads only what is cheap: an image's size from its header
-(PNG, JPEG, GIF, WebP), a PDF's page count by one pass over its bytes, a WAV
-file's duration from its header; never decodes pixels or audio. The cost is
-O(size of the part) at most (a PDF), once per message: the session index
-computes it when the message is appended (invariant 10).
+(PNG, JPEG, GIF, WebP), a PDF's page count by one pass over at most its first
+:data:`_PDF_SCAN_BYTES`, a WAV file's duration from its header; never decodes
+pixels or audio. The work per part is bounded whatever its bytes: a JPEG's
+segments are walked for at most :data:`_JPEG_MAX_STEPS` markers and a WAV's
+chunks for at most :data:`_WAV_MAX_CHUNKS` (a forged file of endless fill
+bytes, standalone markers or empty chunks stops there and counts as an image
+of unknown size, or by its length), and the PDF scan is a regular expression
+over a bounded window. So the session index, which computes the estimate when
+a message is appended and again when it is rebuilt (a load, a replaced
+conversation), never spends more than a few milliseconds on one part.
 
 **Images.** The providers publish three formulas, each after their own
 downscaling:
@@ -33,7 +39,9 @@ above Gemini's for any image of up to six tiles).
 **Documents.** A PDF counts :data:`PDF_PAGE_TOKENS` (3,000) per page: Anthropic
 counts 1,500 to 3,000 text tokens per page (and sends each page as an image
 too), Gemini 258 per page; OpenAI extracts the text and an image of each page.
-Pages are counted as ``/Type /Page`` objects; a PDF whose page objects are
+Pages are counted as ``/Type /Page`` objects in the first
+:data:`_PDF_SCAN_BYTES` (8 MiB; a longer file counts them in proportion to its
+length); a PDF whose page objects are
 compressed (object streams) counts by its largest ``/Count``, else one page
 per 50,000 bytes (at least one). The count is never more than
 :data:`PDF_MAX_PAGES` (1,000: Gemini's limit per document, the highest), nor
@@ -87,6 +95,13 @@ _AUDIO_UNKNOWN_SECONDS: Final = 60
 _PDF_BYTES_PER_PAGE: Final = 50_000
 _MAX_AREA: Final = Fraction(1_150_000)
 
+_JPEG_MAX_STEPS: Final = 1_024
+"""JPEG markers walked before the frame at most (real files have a few dozen)."""
+_WAV_MAX_CHUNKS: Final = 1_024
+"""WAV chunks walked before ``data`` at most (real files have a handful)."""
+_PDF_SCAN_BYTES: Final = 8 * 1024 * 1024
+"""The bytes of a PDF searched for page objects (the rest counts by its size)."""
+
 _PAGE = re.compile(rb"/Type\s*/Page(?![A-Za-z])")
 _COUNT = re.compile(rb"/Count\s+(\d{1,9})")
 
@@ -110,11 +125,15 @@ _SOF: Final = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-fram
 
 
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """Walk the JPEG segments to the first start-of-frame (O(segments))."""
+    """Walk the JPEG segments to the first start-of-frame, at most
+    :data:`_JPEG_MAX_STEPS` markers (fill bytes included); None past them."""
     if not data.startswith(b"\xff\xd8"):
         return None
     at = 2
-    while at + 4 <= len(data):
+    end = len(data)
+    for _ in range(_JPEG_MAX_STEPS):
+        if at + 4 > end:
+            return None
         if data[at] != 0xFF:
             return None
         marker = data[at + 1]
@@ -134,7 +153,7 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
         if length < 2:
             return None
         at += 2 + length
-    return None
+    return None  # endless markers: a forged or broken file, of unknown size
 
 
 def _webp_size(data: bytes) -> tuple[int, int] | None:
@@ -213,16 +232,21 @@ def image_tokens(width: int, height: int, detail: str | None = None) -> int:
 
 
 def pdf_pages(data: bytes) -> int:
-    """A cheap page count of a PDF, at least 1, at most :data:`PDF_MAX_PAGES` (module docs)."""
+    """A cheap page count of a PDF, at least 1, at most :data:`PDF_MAX_PAGES` (module docs).
+
+    Searches at most the first :data:`_PDF_SCAN_BYTES`; the page objects found
+    there count for the whole file in proportion to its length (rounded up).
+    """
     bound = max(1, min(PDF_MAX_PAGES, len(data) // _PDF_MIN_BYTES_PER_PAGE))
+    window = memoryview(data)[:_PDF_SCAN_BYTES]
     pages = 0
-    for _ in _PAGE.finditer(data):  # counted, not collected: no list of every match
+    for _ in _PAGE.finditer(window):  # counted, not collected: no list of every match
         pages += 1
         if pages >= bound:
             return bound
     if pages:
-        return pages
-    counts = [int(match) for match in _COUNT.findall(data)]
+        return min(bound, -(-pages * len(data) // len(window)))
+    counts = [int(match) for match in _COUNT.findall(window)]
     if counts and max(counts) > 0:
         return min(max(counts), bound)
     return min(bound, max(1, math.ceil(len(data) / _PDF_BYTES_PER_PAGE)))
@@ -234,7 +258,9 @@ def wav_seconds(data: bytes) -> float | None:
         return None
     byte_rate = 0
     at = 12
-    while at + 8 <= len(data):
+    for _ in range(_WAV_MAX_CHUNKS):
+        if at + 8 > len(data):
+            return None
         chunk, size = data[at : at + 4], int.from_bytes(data[at + 4 : at + 8], "little")
         if chunk == b"fmt " and at + 20 <= len(data):  # format, channels, rate, byte rate
             byte_rate = int.from_bytes(data[at + 16 : at + 20], "little")

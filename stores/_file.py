@@ -85,7 +85,8 @@ from ._backend import Cached, Marks, NewSnapshot
 from ._core import LogCore
 from ._file_backend import FileBackend, FileLockTimeoutError
 from ._file_log import TAG_BATCH, TAG_CREATE, encode_packed, fsync_dir
-from ._file_txn import FilePos, FileTxn
+from ._file_media import log_digests, released, sweep_blobs
+from ._file_txn import FilePos, FileTxn, log
 from ._flock_leases import FlockLeaseMethods, FlockLeases
 from ._ids import validate_session_id
 from ._listing import ListedSession
@@ -176,7 +177,10 @@ class FileStore(FlockLeaseMethods):
             :meth:`fork` linked in place and the folder fsynced),
             ``media.written`` (new media blob files renamed into place, before
             the record referring to them) and ``media.synced`` (their folder
-            fsynced, the record not yet written).
+            fsynced, the record not yet written). The hook is also called with
+            ``"delete.removed"`` (a deleted session's files removed, the blobs
+            only it named not yet), which is not a boundary of writing records
+            and so not listed here.
     """
 
     applies_batches: ClassVar[bool] = True
@@ -354,8 +358,10 @@ class FileStore(FlockLeaseMethods):
         session, record, blobs = self._core.new_session(session_id, data, conversation)
         async with self._backend.session_lock(session_id):
             created = await anyio.to_thread.run_sync(
-                lambda: self._core.create(
-                    FileTxn(self._backend, -1), session_id, session, record, blobs
+                lambda: released(  # the .media lock held until the log is in place
+                    lambda: self._core.create(
+                        FileTxn(self._backend, -1), session_id, session, record, blobs
+                    )
                 )
             )
         self._core.remember(session_id, created)
@@ -466,8 +472,12 @@ class FileStore(FlockLeaseMethods):
     async def delete(self, session_id: str) -> None:
         """Delete a session: its snapshot, then its log (under the exclusive lock).
 
-        The media bytes its messages referred to are kept: they are stored
-        once for every session that holds the same bytes.
+        Then, when its log named media blobs, the blobs no remaining log names
+        are removed (a fork or another session holding the same bytes keeps
+        them; writers of other processes hold a shared lock on ``.media`` until
+        their record is written, the removal an exclusive one): the session's
+        files first, then the blobs, so a crash between leaves only blobs
+        nothing names, removed by the next such delete.
 
         Then its pending-run mark is removed. A lease on it is not touched: the
         holder keeps it until it releases (its writes meet
@@ -482,9 +492,21 @@ class FileStore(FlockLeaseMethods):
         the worker thread runs, the session is deleted.
         """
 
+        backend = self._backend
+
         def work(txn: FileTxn) -> None:
+            named = log_digests(backend.log_path(session_id))  # under its lock: complete
             txn.delete(session_id)
             self._core.forget(session_id)
+            if named != set():  # it named blobs (None: unreadable; sweep, keeping what is named)
+                backend.boundary("delete.removed")
+                if (
+                    sweep_blobs(backend.folder, fsync=backend.fsync, timeout=backend.lock_timeout)
+                    is None
+                ):
+                    log.warning(
+                        "media blobs not swept", session_id=session_id, folder=backend.folder
+                    )
 
         await self._locked(session_id, exclusive=True, work=work)
         await self._leases.forget(session_id)
@@ -572,7 +594,7 @@ class FileStore(FlockLeaseMethods):
             return self._backend.new_log(new_session_id, records, snapshot)
 
         async with self._backend.session_lock(new_session_id):
-            position = await anyio.to_thread.run_sync(write)
+            position = await anyio.to_thread.run_sync(lambda: released(write))
         self._core.remember(new_session_id, Cached(forked, position, Marks()))
         return forked
 

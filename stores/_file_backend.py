@@ -9,10 +9,8 @@ each operation in a worker thread holding the session log's ``fcntl.flock``
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -38,13 +36,12 @@ from ._file_log import (
     digest_of,
     encode_record,
     fsync_dir,
-    read_range,
     snapshot_payload,
     write_all,
 )
+from ._file_media import put_blobs, read_blob, release_media
 from ._file_txn import FilePos, FileTxn, log
 from ._ids import validate_session_id
-from ._media_blobs import check_digest
 from ._regular import open_regular
 
 __all__ = ["FileBackend", "FileLockTimeoutError"]
@@ -81,63 +78,14 @@ class FileBackend:
         return os.path.join(self.folder, ".media")
 
     def blob(self, digest: str) -> bytes | None:
-        """The bytes of the blob file for ``digest``, or None when there is none (or
-        the digest is not one: it names a file only once checked)."""
-        if not check_digest(digest):
-            return None
-        path = os.path.join(self.media_folder, digest.removeprefix("sha256:"))
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:  # missing, or a symlink (ELOOP): no blob (the caller says so)
-            return None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                return None  # a directory or a device in its place is no blob
-            return read_range(fd, 0, info.st_size)
-        finally:
-            os.close(fd)
+        """The bytes of the blob file for ``digest``, or None when there is none
+        (:func:`._file_media.read_blob`: never follows a link, never blocks)."""
+        return read_blob(self.folder, digest)
 
     def put_blobs(self, blobs: Mapping[str, bytes]) -> None:
-        """Write each blob of ``blobs`` (digest to bytes) that has no file yet.
-
-        Each goes to a temporary file in ``.media`` that is fsynced and then
-        renamed to its digest's hex (whole or not at all), and the folder is
-        fsynced before this returns: a log record written afterwards never
-        refers to a blob a crash could lose (invariant 2). A crash before the
-        record leaves a blob nothing refers to: harmless, and used by the next
-        write of the same bytes. With ``fsync=False`` nothing is fsynced.
-        """
-        if not blobs:
-            return
-        folder = self.media_folder
-        wrote = False
-        for digest, data in sorted(blobs.items()):
-            if not check_digest(digest):  # pragma: no cover - the core made it
-                raise ValueError(f"not a media digest: {digest!r}")
-            path = os.path.join(folder, digest.removeprefix("sha256:"))
-            if os.path.lexists(path):
-                continue
-            if not wrote and not os.path.isdir(folder):
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(folder, 0o700)
-                if self.fsync:
-                    fsync_dir(self.folder)
-            temp = os.path.join(folder, f".{secrets.token_hex(8)}.tmp")
-            fd = create_file(temp, exclusive=True)
-            try:
-                write_all(fd, data)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temp, path)
-            wrote = True
-        if wrote:
-            self.boundary("media.written")
-            if self.fsync:
-                fsync_dir(folder)
-            self.boundary("media.synced")
+        """Write each blob of ``blobs`` (digest to bytes) that is missing or damaged,
+        fsynced before this returns (:func:`._file_media.put_blobs`)."""
+        put_blobs(self.folder, blobs, fsync=self.fsync, boundary=self.boundary)
 
     def boundary(self, name: str) -> None:
         """Call the boundary hook (crash tests), if any."""
@@ -201,6 +149,7 @@ class FileBackend:
                     raise SessionNotFoundError(session_id)
                 return work(FileTxn(self, handle.fd))
             finally:
+                release_media()  # the shared .media lock put_blobs took (its record is written)
                 handle.close()
 
         async with self.session_lock(session_id):

@@ -38,10 +38,35 @@ So the stores keep them apart:
 - **Limit.** A part larger than the store's ``max_media_bytes`` (20 MiB by
   default) raises :class:`~stepmachine.MediaTooLargeError` before anything
   is written.
+- **Media in application data** (an ``ImagePart`` in a data field, set by
+  ``UpdateData`` or given to ``create``) are not moved to the blobs: the data
+  is encoded whole by the codec, in every record that sets it and in every
+  snapshot, and making the codec walk application data on every write would
+  put a second encoding path under every store for a rare use. They get the
+  same limit instead, checked before anything is written
+  (:func:`check_data_media`): a part over ``max_media_bytes`` is a
+  ``MediaTooLargeError`` naming the field and the limit, and telling to keep
+  large media in messages. The walk costs one type check per effect for a
+  batch without ``UpdateData``, and a pass over the changed values (JSON
+  values: a media part there is its tagged object, its bytes base64) for one
+  with it.
 - **Schema.** The reference is a new tagged part (``"media_ref"``): a reader
   that does not know it refuses the record with ``StoredDataError`` naming it,
-  never reads a message without its media. Blobs are never deleted (a
-  session's ``delete`` leaves the blobs it shared with others; see the store).
+  never reads a message without its media.
+- **Deleting.** A blob lives while a record names it. ``delete`` removes the
+  session's records and then, in the same transaction (the file store: right
+  after, under a lock writers share; see ``_file_media``), every blob that no
+  record of any remaining session names (:func:`unreferenced`): shared blobs
+  are counted by the records themselves (a fork's copied records, a snapshot,
+  another session holding the same bytes keep them), with no counter that
+  could drift from the records. A record is searched for the text
+  ``sha256:<hex>``: a digest that appears anywhere in a record (in a message's
+  text, in application data) keeps its blob, so the error is always keeping a
+  blob, never losing one; a record that cannot be read keeps every blob. The
+  sweep runs only when the deleted session named a blob, and then also
+  removes blobs left by deletes of earlier versions; it reads every other
+  record once (the cost of a delete of a session with media is the store's
+  size, not the session's).
 - **Cost.** Only the batch's own media are hashed, written and read on the
   cycle's path (invariant 10); a snapshot asks the backend which of its
   digests it holds (no bytes move); load_at, fork and a cold load read the
@@ -63,7 +88,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -80,19 +105,24 @@ from stepmachine import (
     Message,
     Session,
     StoredDataError,
+    UpdateData,
     media_digest,
 )
 from stepmachine._codec import _message_fields
 
 __all__ = [
     "DEFAULT_MAX_MEDIA_BYTES",
+    "VERIFIED",
     "BlobRead",
     "Media",
     "Reader",
     "batch_refers",
-    "blobs_missing",
+    "blobs_to_write",
+    "check_data_media",
     "check_digest",
     "check_max_media_bytes",
+    "named_digests",
+    "unreferenced",
 ]
 
 DEFAULT_MAX_MEDIA_BYTES: Final = 20 * 1024 * 1024
@@ -105,6 +135,7 @@ _MEMO_BYTES: Final = 64 * 1024 * 1024
 """The bytes :class:`_Digests` may keep alive (most are held by cached sessions anyway)."""
 
 _TAG: Final = b'"media_ref"'
+_ANY_DIGEST: Final = re.compile(rb"sha256:[0-9a-f]{64}")
 _DIGEST: Final = re.compile(r"sha256:[0-9a-f]{64}\Z")
 _KINDS: Final[dict[str, type[ImagePart | DocumentPart | AudioPart]]] = {
     "image": ImagePart,
@@ -146,6 +177,55 @@ def batch_refers(batch: Batch[Effect]) -> bool:
             if _refers((value,) if type(value) is Message else value):
                 return True
     return False
+
+
+_PART_TAGS: Final = frozenset(_KINDS)
+
+
+def _data_media(value: Any, path: str) -> tuple[str, int] | None:
+    """The largest media part in ``value`` (application data: a Struct, or its
+    JSON form), as (where, its bytes), or None; iterative (no recursion limit)."""
+    largest: tuple[str, int] | None = None
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        kind = type(item)
+        if kind in _MEDIA:
+            size = 0 if item.data is None else len(item.data)
+        elif kind is dict:
+            tag = item.get("type")
+            data = item.get("data")
+            if type(tag) is str and tag in _PART_TAGS and type(data) is str:
+                size = len(data) * 3 // 4 - data.endswith("=") - data.endswith("==")
+            else:
+                stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
+                continue
+        elif kind is list or kind is tuple:
+            stack.extend((v, f"{where}[{n}]") for n, v in enumerate(item))
+            continue
+        elif isinstance(item, msgspec.Struct):
+            stack.extend(
+                (getattr(item, name), f"{where}.{name}" if where else name)
+                for name in item.__struct_fields__
+            )
+            continue
+        else:
+            continue
+        if largest is None or size > largest[1]:
+            largest = (where, size)
+    return largest
+
+
+def check_data_media(session_id: str, value: Any, limit: int, path: str = "") -> None:
+    """Refuse a media part in application data ``value`` over ``limit`` bytes
+    (see the module docstring: such media are stored inline, so they get the limit).
+
+    Raises:
+        MediaTooLargeError: naming the field (``path`` and below) and the limit.
+    """
+    found = _data_media(value, path)
+    if found is not None and found[1] > limit:
+        raise MediaTooLargeError(session_id, "", found[1], limit, field=found[0] or "data")
 
 
 def check_digest(digest: str) -> bool:
@@ -199,6 +279,44 @@ class _Digests:
                 self._held -= len(dropped)
 
 
+class _Verified:
+    """The blobs this process wrote, or read back and found sound, by (where, digest)
+    (thread-safe; forgotten whole past :data:`_VERIFIED_MAX` entries).
+
+    Why once per process: a write of bytes a backend already holds checks the
+    stored size every time (cheap), but hashing the stored bytes again on
+    every write would read every image back on every batch that repeats it.
+    Damage of the same size that appears after a blob was verified here is
+    still found by every read (each body read is hashed), and repaired by the
+    first write of another process.
+    """
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def holds(self, where: str, digest: str) -> bool:
+        """Whether the blob ``digest`` of ``where`` was verified by this process."""
+        return (where, digest) in self._seen
+
+    def add(self, where: str, digest: str) -> None:
+        """Remember that the blob ``digest`` of ``where`` is sound."""
+        with self._lock:
+            if len(self._seen) >= _VERIFIED_MAX:
+                self._seen.clear()
+            self._seen.add((where, digest))
+
+    def discard(self, where: str, digest: str) -> None:
+        """Forget ``digest`` of ``where`` (its blob was removed)."""
+        with self._lock:
+            self._seen.discard((where, digest))
+
+
+_VERIFIED_MAX: Final = 100_000
+VERIFIED: Final = _Verified()
+"""The process-wide record of verified blobs (see :class:`_Verified`)."""
+
+
 class Media:
     """One store's media handling: the size limit, and the digests it knows.
 
@@ -222,6 +340,9 @@ class Media:
             ConfigurationError: a message holds a ``MediaRef`` (only stores write them).
         """
         blobs: dict[str, bytes] = {}
+        for effect in batch.effects:
+            if type(effect) is UpdateData:
+                check_data_media(batch.session_id, effect.changes, self.max_bytes)
         if not any(map(_holds_media, batch.effects)):  # the usual batch: nothing built
             return batch, blobs
         effects: list[Effect] = []
@@ -249,6 +370,8 @@ class Media:
             MediaTooLargeError, ConfigurationError: as :meth:`batch_out`.
         """
         blobs: dict[str, bytes] = {}
+        if limit:
+            check_data_media(session.id, session.data, self.max_bytes)
         messages = session.conversation
         out = self._messages_out(messages, session.id, blobs, self.max_bytes if limit else None)
         if out is messages:
@@ -435,6 +558,7 @@ class Reader:
                     f"{len(data):,} bytes whose digest is {media_digest(data)}"
                 )
             self._media.digests.note(data, ref.digest)
+            VERIFIED.add(self._label, ref.digest)
             self._loaded[ref.digest] = data
         fields = {name: getattr(ref, name) for name in _REF_FIELDS if name in own}
         try:
@@ -454,11 +578,60 @@ def _with_conversation(session: Session[Any], messages: Any) -> Session[Any]:
     )
 
 
-def blobs_missing(
-    blobs: Mapping[str, bytes], held: Callable[[list[str]], set[str]]
+def blobs_to_write(
+    blobs: Mapping[str, bytes],
+    sizes: Callable[[list[str]], Mapping[str, int]],
+    read: BlobRead,
+    label: str,
 ) -> dict[str, bytes]:
-    """The blobs of ``blobs`` whose digest ``held`` (a backend's look-up) does not report."""
+    """The blobs of ``blobs`` a backend must write: those it does not hold, and
+    those it holds damaged (so a write of the same bytes repairs them).
+
+    ``sizes`` is the backend's look-up of the stored size of each digest it
+    holds; ``read`` its read of one blob. A held blob of another size is
+    damaged; one of the right size is hashed once per process per digest
+    (:data:`VERIFIED`), so the usual write reads nothing back.
+    """
     if not blobs:
         return {}
-    present = held(sorted(blobs))
-    return {digest: data for digest, data in blobs.items() if digest not in present}
+    held = sizes(sorted(blobs))
+    out: dict[str, bytes] = {}
+    for digest, data in blobs.items():
+        size = held.get(digest)
+        if size != len(data):
+            out[digest] = data
+        elif not VERIFIED.holds(label, digest):
+            stored = read(digest)
+            if stored is None or media_digest(stored) != digest:
+                out[digest] = data
+            else:
+                VERIFIED.add(label, digest)
+    return out
+
+
+def named_digests(records: Iterable[bytes | None]) -> set[str] | None:
+    """Every ``sha256:<hex>`` the ``records`` (codec records, uncompressed) name,
+    or None when one of them is None (could not be read)."""
+    found: set[str] = set()
+    for record in records:
+        if record is None:
+            return None
+        found.update(match.decode() for match in _ANY_DIGEST.findall(record))
+    return found
+
+
+def unreferenced(candidates: set[str], records: Iterable[bytes | None]) -> set[str]:
+    """The digests of ``candidates`` that none of ``records`` names (see the module
+    docstring: *Deleting*); none when a record is None (could not be read).
+
+    Stops reading ``records`` once every candidate is named.
+    """
+    left = set(candidates)
+    for record in records:
+        if not left:
+            break
+        if record is None:
+            return set()
+        for match in _ANY_DIGEST.findall(record):
+            left.discard(match.decode())
+    return left

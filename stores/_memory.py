@@ -14,7 +14,7 @@ tasks never interleave.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -41,7 +41,7 @@ from stepmachine._lease import check_claim
 from ._backend import BatchRecord, StoredBatch
 from ._ids import validate_session_id
 from ._listing import ListedSession
-from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, Media, Reader
+from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, Media, Reader, named_digests, unreferenced
 from ._memory_leases import MemoryLeases
 from ._replay import decode_batch, encode_batch, replay
 
@@ -53,6 +53,14 @@ class _Entry:
     initial: bytes
     current: Session[Any]
     batches: list[StoredBatch] = field(default_factory=list)
+
+
+def _records(entry: _Entry) -> Iterator[bytes | None]:
+    """The stored records of one session: its initial record and its batches'
+    (None for a batch stored otherwise: it keeps every blob)."""
+    yield entry.initial
+    for stored in entry.batches:
+        yield stored.record if isinstance(stored, BatchRecord) else None
 
 
 class MemoryStore:
@@ -82,7 +90,8 @@ class MemoryStore:
         self._codec: Codec[Any] = codec or Codec()
         self._media = Media(max_media_bytes)
         self._blobs: dict[str, bytes] = {}
-        """The media bytes the records refer to, by digest (never dropped)."""
+        """The media bytes the records refer to, by digest (dropped by ``delete``
+        once no record names them)."""
         self._sessions: dict[str, _Entry] = {}
         self._leases = MemoryLeases(expire=expiring_leases)
         self._closed = False
@@ -169,11 +178,16 @@ class MemoryStore:
         return [ListedSession(session_id) for session_id in await self.list_sessions()]
 
     async def delete(self, session_id: str) -> None:
-        """Delete a session and its log. Raises ``SessionNotFoundError``."""
+        """Delete a session and its log, and the media bytes no other session's
+        records name. Raises ``SessionNotFoundError``."""
         await anyio.lowlevel.checkpoint()
-        self._entry(session_id)
+        gone = self._entry(session_id)
         del self._sessions[session_id]
         self._leases.forget(session_id)
+        if self._blobs and named_digests(_records(gone)):
+            records = (record for entry in self._sessions.values() for record in _records(entry))
+            for digest in unreferenced(set(self._blobs), records):
+                del self._blobs[digest]
 
     async def load_at(self, session_id: str, revision: int) -> Session[Any]:
         """The session as it was at ``revision``, rebuilt from the stored log.

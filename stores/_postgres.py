@@ -442,8 +442,10 @@ class PostgresStore:
     async def delete(self, session_id: str) -> None:
         """Delete a session with its log and snapshots, in one transaction.
 
-        The media bytes its messages referred to are kept: they are stored
-        once for every session that holds the same bytes.
+        The media bytes its records named are deleted with it, in the same
+        transaction, unless a record of another session (a fork, a session
+        holding the same bytes) names them too; a writer that relies on a blob
+        holds its row until it commits, so the delete waits for its record.
 
         Raises:
             InvalidSessionIdError: the id is not safe.
@@ -456,7 +458,11 @@ class PostgresStore:
         def run(connection: psycopg.Connection[Any]) -> None:
             try:
                 with transaction(connection, write=True):
-                    self._txn(connection, write=True).delete(session_id)
+                    txn = self._txn(connection, write=True)
+                    named = _rows.session_digests(connection, txn.row(session_id).sid)
+                    txn.delete(session_id)
+                    if named:  # None (a body unreadable): the blobs are kept
+                        _rows.sweep_blobs(connection, named)
             finally:
                 self._core.forget(session_id)
 

@@ -14,13 +14,14 @@ the caller holds, inside a transaction (:func:`._postgres_schema.transaction`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from stepmachine import Lease
 
 from ._backend import EffectRows
 from ._listing import ListedSession
+from ._media_blobs import named_digests, unreferenced
 from ._postgres_leases import fenced_condition
 from ._postgres_schema import ROW_VERSIONS, SCHEMA, SCHEMA_VERSION, TRAIL_FROM
 from ._sqlite_rows import (
@@ -33,6 +34,7 @@ from ._sqlite_rows import (
     copied_rows,
     scan_session_rows,
 )
+from ._sqlite_rows import _plain as plain
 from ._sqlite_rows import _stored_record as stored_record
 from ._sqlite_rows import _typed as typed
 from ._sqlite_rows import _verify as verify
@@ -54,8 +56,10 @@ __all__ = [
     "read_blob",
     "read_log",
     "read_snapshot",
+    "session_digests",
     "session_ids",
     "session_row",
+    "sweep_blobs",
     "write_session_row",
 ]
 
@@ -312,22 +316,27 @@ def copy_log(
 # -- media blobs ---------------------------------------------------------------
 
 
-def held_blobs(conn: psycopg.Connection[Any], digests: Sequence[str]) -> set[str]:
-    """Which of ``digests`` the media table holds (made by ``prepare_schema``)."""
+def held_blobs(conn: psycopg.Connection[Any], digests: Sequence[str]) -> dict[str, int]:
+    """The stored size of each of ``digests`` the media table holds (made by
+    ``prepare_schema``), those rows locked ``FOR KEY SHARE`` until the caller's
+    transaction ends: a delete's :func:`sweep_blobs` waits for the record that
+    relies on them, and a row it removed first is not reported (so written anew)."""
     rows = conn.execute(
-        f"SELECT digest FROM {SCHEMA}.media WHERE digest = ANY(%s)",  # noqa: S608 - fixed names
+        f"SELECT digest, octet_length(body) FROM {SCHEMA}.media "  # noqa: S608 - fixed names
+        "WHERE digest = ANY(%s) FOR KEY SHARE",
         (list(digests),),
     ).fetchall()
-    return {row[0] for row in rows}
+    return {row[0]: row[1] for row in rows}
 
 
 def insert_blobs(conn: psycopg.Connection[Any], blobs: dict[str, bytes]) -> None:
-    """Store ``blobs`` (digest to bytes) in the caller's transaction; one a
-    concurrent transaction stored first is kept (the same bytes)."""
+    """Store ``blobs`` (digest to bytes) in the caller's transaction, over a
+    damaged row the caller found (a row a concurrent transaction stored first
+    holds the same bytes: overwriting it changes nothing)."""
     with conn.cursor() as cursor:
         cursor.executemany(
             f"INSERT INTO {SCHEMA}.media (digest, body) VALUES (%s, %s) "  # noqa: S608 - fixed names
-            "ON CONFLICT (digest) DO NOTHING",
+            "ON CONFLICT (digest) DO UPDATE SET body = excluded.body",
             sorted(blobs.items()),
         )
 
@@ -342,3 +351,54 @@ def read_blob(conn: psycopg.Connection[Any], digest: str) -> bytes | None:
         return None
     body = row[0]
     return bytes(body) if isinstance(body, bytes | bytearray | memoryview) else b""
+
+
+def session_digests(conn: psycopg.Connection[Any], sid: int) -> set[str] | None:
+    """The digests the effect and snapshot rows of ``sid`` name
+    (:func:`._media_blobs.named_digests`); None when a body cannot be read."""
+    bodies = (
+        plain(row[0])
+        for table in ("effects", "snapshots")
+        for row in conn.execute(
+            f"SELECT body FROM {SCHEMA}.{table} WHERE sid = %s",  # noqa: S608 - fixed names
+            (sid,),
+        )
+    )
+    return named_digests(bodies)
+
+
+def sweep_blobs(conn: psycopg.Connection[Any], candidates: set[str]) -> int:
+    """Delete the media rows of ``candidates`` that no effect or snapshot row names,
+    in the caller's transaction; how many.
+
+    The candidate rows are locked ``FOR UPDATE`` first: that waits for every
+    transaction that found them held (:func:`held_blobs`) and appends a record
+    naming them, and the scan after it (a new statement, so a new snapshot
+    under READ COMMITTED) sees those records. The scan reads the bodies
+    through a server-side cursor (the store's records never all in memory).
+    """
+    locked = {
+        row[0]
+        for row in conn.execute(
+            f"SELECT digest FROM {SCHEMA}.media WHERE digest = ANY(%s) FOR UPDATE",  # noqa: S608 - fixed names
+            (sorted(candidates),),
+        )
+    }
+    if not locked:
+        return 0
+
+    def bodies() -> Iterator[bytes | None]:
+        for table in ("effects", "snapshots"):
+            with conn.cursor(name=f"stepmachine_media_sweep_{table}") as cursor:
+                cursor.itersize = 256
+                cursor.execute(f"SELECT body FROM {SCHEMA}.{table}")  # noqa: S608 - fixed names
+                for row in cursor:
+                    yield plain(bytes(row[0]) if isinstance(row[0], memoryview) else row[0])
+
+    gone = sorted(unreferenced(locked, bodies()))
+    if gone:
+        conn.execute(
+            f"DELETE FROM {SCHEMA}.media WHERE digest = ANY(%s)",  # noqa: S608 - fixed names
+            (gone,),
+        )
+    return len(gone)

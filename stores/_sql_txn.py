@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from stepmachine import SessionNotFoundError, StoredDataError
 
 from ._backend import Base, Cached, EffectRows, Marks, Moved, NewSnapshot, StoredBatch, Tail
-from ._media_blobs import blobs_missing
+from ._media_blobs import blobs_to_write
 from ._sqlite_rows import SessionRow, marks_of
 
 __all__ = ["SQLTxn"]
@@ -153,8 +153,14 @@ class SQLTxn:
         return self.ROWS.read_blob(self.conn, digest)  # type: ignore[no-any-return]
 
     def put_blobs(self, blobs: Mapping[str, bytes]) -> None:
-        """Insert the media rows of ``blobs`` the table does not hold, in this
+        """Insert the media rows of ``blobs`` the table does not hold, and rewrite
+        those it holds damaged (:func:`._media_blobs.blobs_to_write`), in this
         transaction (so with the batch or snapshot that refers to them, or not at all)."""
-        missing = blobs_missing(blobs, lambda digests: self.ROWS.held_blobs(self.conn, digests))
+        missing = blobs_to_write(
+            blobs,
+            lambda digests: self.ROWS.held_blobs(self.conn, digests),
+            self.blob,
+            self.media_label,
+        )
         if missing:
             self.ROWS.insert_blobs(self.conn, missing)

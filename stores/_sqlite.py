@@ -73,7 +73,7 @@ from ._listing import ListedSession
 from ._media_blobs import DEFAULT_MAX_MEDIA_BYTES, check_max_media_bytes
 from ._snapshot_policy import Weighted
 from ._sqlite_log import SQLiteTxn
-from ._sqlite_rows import SessionRow
+from ._sqlite_rows import SessionRow, session_digests, sweep_blobs
 from ._sqlite_schema import transaction
 
 __all__ = ["SQLiteStore"]
@@ -483,8 +483,10 @@ class SQLiteStore(FlockLeaseMethods):
     async def delete(self, session_id: str) -> None:
         """Delete a session with its log and snapshots, in one transaction.
 
-        The media bytes its messages referred to are kept: they are stored
-        once for every session that holds the same bytes.
+        The media bytes its records named are deleted with it, in the same
+        transaction, unless a record of another session (a fork, a session
+        holding the same bytes) names them too: the last session deleted
+        takes them.
 
         Then its pending-run mark is removed. A lease on it is not touched: the
         holder keeps it until it releases (its writes meet
@@ -503,7 +505,10 @@ class SQLiteStore(FlockLeaseMethods):
         def run(connection: sqlite3.Connection) -> None:
             try:
                 with transaction(connection, write=True):
+                    named = session_digests(connection, session_id)
                     SQLiteTxn(connection, self._path).delete(session_id)
+                    if named != set():  # it named blobs (None: unreadable, sweep anyway)
+                        sweep_blobs(connection)
             finally:
                 self._core.forget(session_id)
 

@@ -31,6 +31,7 @@ from stepmachine import StoredDataError
 from ._backend import EffectRows, Marks
 from ._inflate import compressed, inflate
 from ._listing import ListedSession, scan_rows
+from ._media_blobs import named_digests, unreferenced
 from ._snapshot_policy import Weighted
 from ._sqlite_schema import (
     COMPRESSED_EFFECTS_FROM,
@@ -58,8 +59,10 @@ __all__ = [
     "read_blob",
     "read_log",
     "read_snapshot",
+    "session_digests",
     "session_ids",
     "session_row",
+    "sweep_blobs",
     "wants_snapshot",
     "write_session_row",
 ]
@@ -632,31 +635,36 @@ _IN_CHUNK = 500
 """Digests per ``IN (...)``: below SQLite's smallest limit on bound parameters."""
 
 
-def held_blobs(conn: sqlite3.Connection, digests: Sequence[str]) -> set[str]:
-    """Which of ``digests`` the media table holds (none when there is no table yet)."""
-    found: set[str] = set()
+def held_blobs(conn: sqlite3.Connection, digests: Sequence[str]) -> dict[str, int]:
+    """The stored size of each of ``digests`` the media table holds (none when
+    there is no table yet; -1 for a body that is not a BLOB)."""
+    found: dict[str, int] = {}
     for start in range(0, len(digests), _IN_CHUNK):
         chunk = digests[start : start + _IN_CHUNK]
         marks = ",".join("?" * len(chunk))
         try:
             rows = conn.execute(
-                f"SELECT digest FROM media WHERE digest IN ({marks})",  # noqa: S608 - only ?s
+                "SELECT digest, CASE typeof(body) WHEN 'blob' THEN length(body) ELSE -1 END "  # noqa: S608 - only ?s
+                f"FROM media WHERE digest IN ({marks})",
                 tuple(chunk),
             ).fetchall()
         except sqlite3.OperationalError as exc:
             if "no such table" not in str(exc):
                 raise
-            return set()
-        found.update(row[0] for row in rows)
+            return {}
+        found.update((row[0], row[1]) for row in rows)
     return found
 
 
 def insert_blobs(conn: sqlite3.Connection, blobs: dict[str, bytes]) -> None:
-    """Store ``blobs`` (digest to bytes) that the table does not hold (the caller
-    checked), making the table first if needed; in the caller's transaction."""
+    """Store ``blobs`` (digest to bytes) that the table does not hold or holds
+    damaged (the caller checked: a row there is overwritten), making the table
+    first if needed; in the caller's transaction."""
     conn.execute(_MEDIA_TABLE)
     conn.executemany(
-        "INSERT OR IGNORE INTO media (digest, body) VALUES (?, ?)", sorted(blobs.items())
+        "INSERT INTO media (digest, body) VALUES (?, ?) "
+        "ON CONFLICT (digest) DO UPDATE SET body = excluded.body",
+        sorted(blobs.items()),
     )
 
 
@@ -671,3 +679,48 @@ def read_blob(conn: sqlite3.Connection, digest: str) -> bytes | None:
     if row is None or not isinstance(row[0], bytes):
         return None if row is None else b""  # a body of another type: damaged (digest fails)
     return row[0]
+
+
+def _plain(body: object) -> bytes | None:
+    """A stored body as its uncompressed record, or None when it cannot be read."""
+    if not isinstance(body, bytes):
+        return None
+    if body[:1] == _ZLIB_START:
+        try:
+            return inflate(body)
+        except zlib.error:
+            return None
+    return body
+
+
+def session_digests(conn: sqlite3.Connection, session_id: str) -> set[str] | None:
+    """The digests the records of ``session_id`` name (:func:`._media_blobs.named_digests`):
+    empty when it has none or there is no session; None when a record cannot be read."""
+    row = conn.execute("SELECT sid FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+    if row is None:
+        return set()
+    bodies = (
+        _plain(body)
+        for table in ("effects", "snapshots")
+        for (body,) in conn.execute(f"SELECT body FROM {table} WHERE sid = ?", (row[0],))  # noqa: S608 - fixed names
+    )
+    return named_digests(bodies)
+
+
+def sweep_blobs(conn: sqlite3.Connection) -> int:
+    """Delete the media rows no effect or snapshot row names
+    (:func:`._media_blobs.unreferenced`), in the caller's transaction; how many."""
+    try:
+        held = {row[0] for row in conn.execute("SELECT digest FROM media")}
+    except sqlite3.OperationalError as exc:
+        if "no such table" not in str(exc):
+            raise
+        return 0
+    bodies = (
+        _plain(body)
+        for table in ("effects", "snapshots")
+        for (body,) in conn.execute(f"SELECT body FROM {table}")  # noqa: S608 - fixed names
+    )
+    gone = sorted(unreferenced(held, bodies))
+    conn.executemany("DELETE FROM media WHERE digest = ?", [(digest,) for digest in gone])
+    return len(gone)

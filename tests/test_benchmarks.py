@@ -29,6 +29,7 @@ STORE_NAMES = (
     "bytes_ratio",
 )
 OBSERVABILITY_NAMES = ("off_us", "events_over_off", "spans_over_off", "both_over_off")
+MEDIA_NAMES = ("forged_jpeg_ms", "unbounded_jpeg_ms", "three_images_index_ms")
 POSTGRES_NAMES = ("postgres_batch_us", "postgres_raw_commit_us", "postgres_batch_over_raw")
 
 
@@ -91,6 +92,10 @@ def test_cycle_benchmark_last_line(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_observability_benchmark_last_line(tmp_path: Path) -> None:
     check_last_line(run_benchmark("observability.py", cwd=tmp_path)[-1], OBSERVABILITY_NAMES)
+
+
+def test_media_benchmark_last_line(tmp_path: Path) -> None:
+    check_last_line(run_benchmark("media.py", cwd=tmp_path)[-1], MEDIA_NAMES)
 
 
 @pytest.mark.slow

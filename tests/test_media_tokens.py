@@ -7,7 +7,7 @@ import struct
 import zlib
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
@@ -245,3 +245,52 @@ def test_the_session_index_counts_media_once_when_appended() -> None:
         id="s", revision=1, conversation=Conversation(messages), data=NoData()
     )  # rebuilt on load
     assert loaded.history.estimated_tokens == expected
+
+
+# -- bounded work per part, whatever the bytes (issue 22) ---------------------------------------
+
+
+class _Counting(bytes):
+    """Bytes that count how often the reader indexes or slices them."""
+
+    reads = 0
+
+    def __getitem__(self, key: object) -> object:
+        type(self).reads += 1
+        return super().__getitem__(key)  # type: ignore[index]
+
+
+_FILLERS = [b"\xff", b"\xff\xd0", b"\xff\xe0\x00\x02", b"\xff\x01"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from(_FILLERS), min_size=1, max_size=4), st.integers(2_000, 60_000))
+def test_a_jpeg_of_endless_markers_is_walked_a_bounded_number_of_steps(
+    pattern: list[bytes], repeat: int
+) -> None:
+    _Counting.reads = 0
+    data = _Counting(b"\xff\xd8" + b"".join(pattern) * repeat + jpeg(640, 480)[2:])
+    image_size(data)  # past the bound: unknown; before it: the frame's size
+    assert _Counting.reads < 8_000, f"{_Counting.reads:,} reads for {len(data):,} bytes"
+
+
+def test_a_real_jpeg_after_a_few_markers_still_gives_its_size() -> None:
+    assert image_size(b"\xff\xd8" + b"\xff\xd0" * 20 + jpeg(640, 480)[2:]) == (640, 480)
+
+
+def test_a_wav_of_endless_empty_chunks_is_walked_a_bounded_number_of_steps() -> None:
+    _Counting.reads = 0
+    data = _Counting(b"RIFF\0\0\0\0WAVE" + b"junk\0\0\0\0" * 200_000)
+    assert wav_seconds(data) is None
+    assert _Counting.reads < 10_000, f"{_Counting.reads:,} reads for {len(data):,} bytes"
+    assert media_tokens(AudioPart(media_type="audio/wav", data=bytes(data))) > 0
+
+
+def test_a_long_pdf_counts_the_pages_of_its_first_window_in_proportion() -> None:
+    from stepmachine._media_tokens import _PDF_SCAN_BYTES
+
+    page = b"1 0 obj << /Type /Page >> endobj\n" + b"x" * (1024 * 1024 - 34) + b"\n"
+    data = b"%PDF-1.7\n" + page * 16  # 16 pages over 16 MiB: 8 in the window
+    assert len(data) > _PDF_SCAN_BYTES
+    assert pdf_pages(data) >= 16
+    assert pdf_pages(pdf(3)) == 3

@@ -637,16 +637,6 @@ async def test_a_directory_in_place_of_a_blob_is_a_stored_data_error(tmp_path: P
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("opener", ["file", "sqlite"], indirect=True)
-@pytest.mark.xfail(
-    strict=True,
-    raises=StoredDataError,
-    reason=(
-        "DEFECT (low): blobs are written only when their digest is present, never checked: "
-        "a damaged .media file or media row (outside corruption, a bad restore) makes every "
-        "later record of the same bytes, in any session, unreadable; the write could verify "
-        "or overwrite a blob whose size differs"
-    ),
-)
 async def test_a_damaged_blob_is_not_reused_by_the_next_write_of_the_same_bytes(
     opener: Any,
 ) -> None:

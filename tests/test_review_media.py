@@ -165,12 +165,6 @@ class _CountingBytes(bytes):
         return super().__getitem__(key)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): the JPEG reader steps over fill bytes / standalone markers one "
-    "Python iteration at a time: ~1.2 s per 10 MB (100 MB: ~15 s on the event loop), and "
-    "the session index redoes it on every rebuild (load, ReplaceConversation)",
-)
 @pytest.mark.parametrize("filler", [b"\xff", b"\xff\xd0", b"\xff\xe0\x00\x02"], ids=repr)
 def test_a_jpeg_of_endless_segments_is_not_walked_byte_by_byte(filler: bytes) -> None:
     _CountingBytes.reads = 0
