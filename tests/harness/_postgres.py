@@ -64,6 +64,7 @@ __all__ = [
     "find_bindir",
     "fresh_database",
     "postgres_server",
+    "restart",
     "throwaway_server",
     "unavailable_reason",
     "with_database",
@@ -154,11 +155,51 @@ def unavailable_reason(
 
 @dataclass(frozen=True)
 class Server:
-    """A throwaway server: its DSN (database ``postgres``), port and temporary folder."""
+    """A throwaway server: its DSN (database ``postgres``), port and temporary folder.
+
+    ``bindir``, ``data`` and ``as_other`` are what :func:`restart` needs.
+    """
 
     dsn: str
     port: int
     folder: Path
+    bindir: Path = Path()
+    data: Path = Path()
+    as_other: bool = False
+
+
+def restart(server: Server, mode: str = "fast") -> None:
+    """Restart ``server`` (``pg_ctl restart -m <mode> -w``) on the same port and settings.
+
+    ``fast``: sessions are ended (their clients get ``AdminShutdown``) and the
+    server shuts down cleanly; ``immediate``: the server's processes quit at once
+    and the restart recovers from its write-ahead log, as after a crash. Every
+    pooled connection of every client dies either way. Returns once the server
+    accepts connections again.
+
+    Raises:
+        ValueError: ``mode`` is not ``fast`` or ``immediate``.
+        RuntimeError: ``pg_ctl`` failed (with the tail of its log).
+    """
+    if mode not in ("fast", "immediate"):
+        raise ValueError(f"restart mode is 'fast' or 'immediate', not {mode!r}")
+    _run(
+        server.bindir / "pg_ctl",
+        [
+            "-D",
+            str(server.data),
+            "-l",
+            str(server.folder / "server.log"),
+            "-m",
+            mode,
+            "-w",
+            "-t",
+            str(START_TIMEOUT),
+            "restart",
+        ],
+        as_other=server.as_other,
+        log=server.folder / "pg_ctl.log",
+    )
 
 
 @contextlib.contextmanager
@@ -212,7 +253,8 @@ def throwaway_server(*, durable: bool = False) -> Iterator[Server]:
             settings += ["-c", "fsync=off", "-c", "full_page_writes=off"]
         port = _start(bindir, data, folder, settings, as_other=as_other)
         try:
-            yield Server(f"postgresql://postgres@127.0.0.1:{port}/postgres", port, folder)
+            dsn = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+            yield Server(dsn, port, folder, bindir, data, as_other)
         finally:
             _stop(bindir, data, as_other=as_other)
     finally:
