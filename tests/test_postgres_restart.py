@@ -25,6 +25,7 @@ from stepmachine import (
     AppendMessage,
     CancelToken,
     Message,
+    ModelInference,
     Runtime,
     StateMachine,
     serve,
@@ -77,13 +78,14 @@ async def test_every_pooled_connection_is_checked_after_a_restart(
 async def test_serve_runs_a_turn_whose_run_failed_on_a_restart(
     server: _postgres.Server, dsn: str, mode: str
 ) -> None:
+    armed = anyio.Event()
     restarted = anyio.Event()
 
     class RestartingStore(PostgresStore):
         """The first run's first load fails on a connection the restart ended."""
 
         async def load(self, session_id: str):  # type: ignore[no-untyped-def]
-            if not restarted.is_set():
+            if armed.is_set() and not restarted.is_set():
                 restarted.set()
                 await anyio.to_thread.run_sync(self._query_across_a_restart)
             return await super().load(session_id)
@@ -101,6 +103,7 @@ async def test_serve_runs_a_turn_whose_run_failed_on_a_restart(
         await store.request_run("s1")
         runtime = Runtime(store=store, model=ScriptedModel([reply("hi")]))
         stop = CancelToken()
+        armed.set()
         served: list[str] = []
 
         def on_report(report: object) -> None:
@@ -109,7 +112,12 @@ async def test_serve_runs_a_turn_whose_run_failed_on_a_restart(
 
         with anyio.fail_after(60):  # a guard against a hang, not a timing threshold
             await serve(
-                StateMachine.default(), runtime, stop=stop, ttl=2, poll=0.05, on_report=on_report
+                StateMachine([ModelInference()]),
+                runtime,
+                stop=stop,
+                ttl=2,
+                poll=0.05,
+                on_report=on_report,
             )
         session = await store.load("s1")
         assert restarted.is_set()
