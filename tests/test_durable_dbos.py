@@ -228,13 +228,23 @@ def adder(request: ModelRequest) -> ModelResponse:
 
 
 class ConflictOnce:
-    """An effect handler whose first apply loses the race (as if a user wrote meanwhile)."""
+    """An effect handler whose first apply loses the race (as if a user wrote meanwhile),
+    and a loader whose next ``fail_loads`` loads raise ``OSError`` (a store read that failed)."""
 
     applies_batches = True
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
         self.conflicted = False
+        self.fail_loads = 0
+        self.failed_loads = 0
+
+    async def load(self, session_id: str) -> Session[Any]:
+        if self.fail_loads:
+            self.fail_loads -= 1
+            self.failed_loads += 1
+            raise OSError(5, "Input/output error (injected)")
+        return await self.store.load(session_id)
 
     async def apply(self, batch: Batch[Effect]) -> Session[Any] | None:
         if not self.conflicted:
@@ -249,7 +259,7 @@ async def launched(
 ) -> AsyncIterator[tuple[DurableMachine, PostgresStore, ConflictOnce]]:
     store = await PostgresStore.open(postgres_dsn)
     handler = ConflictOnce(store)
-    runtime = Runtime(loader=store, handler=handler, model=FunctionModel(adder))
+    runtime = Runtime(loader=handler, handler=handler, model=FunctionModel(adder))
     machine = StateMachine([Tools([add, hold]), ModelInference()])
     DBOS(config=dbos_config("durable-test", postgres_dsn, log_level="ERROR"))
     durable = DurableMachine(machine, lambda: runtime, name="test", polling_interval=0.05)
@@ -329,6 +339,48 @@ async def test_a_failing_step_fails_the_turn_with_the_recorded_error(
         await durable.result(await durable.enqueue_turn("s2"))
     assert caught.value.error_type == "ModelError"
     assert "the model is down" in caught.value.message
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # DBOS is asyncio-only
+@pytest.mark.parametrize("failures", [1, 3])
+async def test_a_transient_store_error_in_a_cycle_is_tried_again(
+    launched: tuple[DurableMachine, PostgresStore, ConflictOnce], failures: int
+) -> None:
+    """Asyncio only (DBOS). Loads that fail with OSError (as a restarted database's do) are
+    retried within the step, after a backoff: the turn ends done, not ERROR."""
+    durable, store, handler = launched
+    await store.create("s5")
+    await submit(store, "s5", [AppendMessage(Message.user("add 2 and 3", id="u1"))])
+    handler.fail_loads = failures
+    with structlog.testing.capture_logs() as events:
+        report = await durable.result(await durable.enqueue_turn("s5"))
+    assert handler.failed_loads == failures
+    assert report.reason == "done"
+    assert (await store.load("s5")).conversation[-1].text == "the sum is 5"
+    retried = [e for e in events if e["event"] == "durable_step_retried"]
+    assert [(e["session_id"], e["error_type"], e["attempt"]) for e in retried] == [
+        ("s5", "OSError", n) for n in range(1, failures + 1)
+    ]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # DBOS is asyncio-only
+async def test_a_store_error_that_lasts_fails_the_turn_after_the_bound(
+    launched: tuple[DurableMachine, PostgresStore, ConflictOnce],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Asyncio only (DBOS). Transient errors past MAX_ATTEMPTS fail the turn, recorded."""
+    from stepmachine import _transient
+
+    monkeypatch.setattr(_transient, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(_transient, "BACKOFF_CAP", 0.02)
+    durable, store, handler = launched
+    await store.create("s6")
+    await submit(store, "s6", [AppendMessage(Message.user("add 2 and 3", id="u1"))])
+    handler.fail_loads = 10_000
+    with pytest.raises(DurableTurnError) as caught:
+        await durable.result(await durable.enqueue_turn("s6"))
+    assert caught.value.error_type == "OSError"
+    assert handler.failed_loads == _transient.MAX_ATTEMPTS
 
 
 # -- worker processes SIGKILLed mid-turn (tests/harness/dbos_crash.py) ---------------------------
