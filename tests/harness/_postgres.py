@@ -51,6 +51,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,6 +62,7 @@ from urllib.parse import urlsplit, urlunsplit
 __all__ = [
     "ENV_VAR",
     "PostgresUnavailable",
+    "Restarter",
     "Server",
     "find_bindir",
     "fresh_database",
@@ -332,6 +335,55 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+class Restarter:
+    """Restarts a throwaway server in a background thread, on a schedule (harnesses).
+
+    ``schedule`` is a list of ``(seconds after start(), mode)``; each restart
+    runs :func:`restart` and appends ``(mode, seconds it took)`` to ``done``,
+    or a failure to ``errors``. :meth:`join` waits for the schedule to end.
+    """
+
+    def __init__(self, server: Server, schedule: Sequence[tuple[float, str]]) -> None:
+        self.server = server
+        self.schedule = sorted(schedule)
+        self.done: list[tuple[str, float]] = []
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="pg-restarter", daemon=True)
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        """Start the schedule's clock (and thread)."""
+        self._began = time.monotonic()
+        self._thread.start()
+
+    def _run(self) -> None:
+        for at, mode in self.schedule:
+            if self._stop.wait(max(0.0, self._began + at - time.monotonic())):
+                return
+            began = time.monotonic()
+            try:
+                restart(self.server, mode)
+            except Exception as exc:
+                self.errors.append(f"pg_ctl restart -m {mode}: {exc}")
+            else:
+                self.done.append((mode, time.monotonic() - began))
+
+    @property
+    def finished(self) -> bool:
+        """Every scheduled restart was made (or failed)."""
+        return len(self.done) + len(self.errors) == len(self.schedule)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the schedule to end (at most ``timeout`` seconds)."""
+        self._thread.join(timeout)
+
+    def stop(self) -> None:
+        """Skip the restarts not made yet, and wait for one under way."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def with_database(dsn: str, name: str) -> str:
