@@ -352,10 +352,12 @@ class Restarter:
         self.errors: list[str] = []
         self._thread = threading.Thread(target=self._run, name="pg-restarter", daemon=True)
         self._stop = threading.Event()
+        self.started = False
 
     def start(self) -> None:
         """Start the schedule's clock (and thread)."""
         self._began = time.monotonic()
+        self.started = True
         self._thread.start()
 
     def _run(self) -> None:

@@ -272,6 +272,16 @@ class Processes:
         return f"{what} (pid {process.pid}) exited {process.returncode}: {said}"
 
 
+def working(processes: Processes, first: list[subprocess.Popen[bytes]]) -> bool:
+    """Whether work began: every worker started first said it is ready (or was killed),
+    and the submitter acknowledged a turn."""
+    for process in first:
+        output = processes.outputs[process.pid]
+        if process.poll() is None and '"ready"' not in output.read_text(errors="replace"):
+            return False
+    return any(path.stat().st_size > 0 for path in processes.workdir.glob("acks-submitter-*"))
+
+
 def tail(path: Path, lines: int = 5) -> str:
     """The last lines of a child's output file."""
     try:
@@ -281,9 +291,9 @@ def tail(path: Path, lines: int = 5) -> str:
     return " | ".join(text[-lines:])
 
 
-RESTARTS = ((1.0, "fast"), (3.0, "immediate"))
-"""``--restart-db``: when (seconds after the workers start) and how the server is restarted;
-a restart still under way delays the next one."""
+RESTARTS = ((0.5, "fast"), (2.5, "immediate"))
+"""``--restart-db``: when (seconds after work began: every first worker ready and a turn
+submitted) and how the server is restarted; a restart still under way delays the next one."""
 
 
 def drive(
@@ -299,8 +309,7 @@ def drive(
     workers = {i: processes.start("worker", "--index", str(i)) for i in range(options.workers)}
     submitter_process = processes.start("submitter")
     start = time.monotonic()
-    if restarter is not None:
-        restarter.start()
+    first = list(workers.values())
     next_kill = start + rng.uniform(*FIRST_KILL)
     deadline = start + options.seconds + options.timeout
     try:
@@ -316,6 +325,9 @@ def drive(
                     say(f"t={now - start:5.1f}s SIGKILL worker {index} (pid {process.pid})")
                 workers[index] = processes.start("worker", "--index", str(index))
                 next_kill = now + rng.uniform(*KILL_GAP)
+            if restarter is not None and not restarter.started and working(processes, first):
+                restarter.start()
+                say(f"t={now - start:5.1f}s work began; the server restarts from now on")
             for index, process in list(workers.items()):
                 if process.poll() is not None:  # died by itself: a failure; replace it
                     summary.problems.append(processes.failed(f"worker {index}", process))
@@ -424,14 +436,23 @@ async def check(dsn: str, workdir: Path, options: argparse.Namespace, summary: S
     unapplied = [key for key in effect_keys if key not in applied]
     summary.lost += len(unapplied)
     events = await anyio.to_thread.run_sync(worker_events, workdir)
-    failed = {e.get("session_id") for e in events if e.get("event") == "serve_run_failed"}
-    for event in events:
-        if event.get("event") == "serve_run_failed":
-            summary.problems.append(
-                f"{event.get('session_id')}: a run failed for good "
-                f"({event.get('error_type')}, {event.get('attempts')} attempts)"
-            )
-    summary.dropped_turns = await dropped(dsn, options, failed)
+    # A run that raised is either tried again (serve_run_retried) or failed for good,
+    # said at ERROR (serve_run_failed, retried False): a problem, with its record. A
+    # failure said otherwise (not retried, not final) dropped its turn.
+    final = [e for e in events if e.get("event") == "serve_run_failed" and e["level"] == "ERROR"]
+    unsaid = [e for e in events if e.get("event") == "serve_run_failed" and e not in final]
+    for event in final:
+        summary.problems.append(
+            f"{event.get('session_id')}: a run failed for good "
+            f"({event.get('error_type')}, {event.get('attempts')} attempts)"
+        )
+    for event in unsaid:
+        summary.problems.append(
+            f"{event.get('session_id')}: a run failed ({event.get('error_type')}) and its "
+            "turn was neither run again nor recorded as failed"
+        )
+    failed = {e.get("session_id") for e in final}
+    summary.dropped_turns = len(unsaid) + await dropped(dsn, options, failed)
     summary.info.update(
         run_retries=sum(1 for e in events if e.get("event") == "serve_run_retried"),
         claim_retries=sum(1 for e in events if e.get("event") == "serve_claim_failed"),
