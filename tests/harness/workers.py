@@ -547,11 +547,15 @@ def run(options: argparse.Namespace, say: Callable[[str], None] = print) -> Summ
 FORWARDED = ("--workers", "--sessions", "--turns", "--seed")
 """The options ``--durable`` passes on (as given) to the durable harness."""
 
+FORWARDED_FLAGS = ("--restart-db",)
+"""The flags (no value) ``--durable`` passes on."""
+
 
 def durable(name: str, argv: Sequence[str]) -> int:
     """``--durable NAME``: run ``tests/harness/<NAME>_crash.py``'s ``main(argv)``; its status.
 
-    Of this command line only :data:`FORWARDED` options are passed on, as given;
+    Of this command line only :data:`FORWARDED` options and :data:`FORWARDED_FLAGS`
+    are passed on, as given;
     that harness prints the same last line (its own defaults for the rest: for
     DBOS, 50 mid-turn kills). Returns 2, saying so, when the module is not there.
     """
@@ -570,6 +574,9 @@ def durable(name: str, argv: Sequence[str]) -> int:
     forwarded: list[str] = []
     for index, arg in enumerate(argv):
         option = arg.split("=", 1)[0]
+        if option in FORWARDED_FLAGS:
+            forwarded.append(arg)
+            continue
         if option not in FORWARDED:
             continue
         forwarded.append(arg)
