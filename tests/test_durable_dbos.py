@@ -10,6 +10,7 @@ mid-turn) and are synchronous: the harness runs its own event loops.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -384,6 +385,25 @@ async def test_a_store_error_that_lasts_fails_the_turn_after_the_bound(
 
 
 # -- worker processes SIGKILLed mid-turn (tests/harness/dbos_crash.py) ---------------------------
+
+
+@pytest.mark.slow
+def test_durable_turns_ride_out_restarts_of_the_database() -> None:
+    """The harness restarts its own server (-m fast, then -m immediate) while turns run and
+    workers are killed: every turn ends SUCCESS, none is dropped, nothing is repeated."""
+    from _postgres import ENV_VAR, unavailable_reason
+
+    OWN_SERVER_ENV = {k: v for k, v in os.environ.items() if k != ENV_VAR}  # noqa: N806
+    if unavailable_reason(OWN_SERVER_ENV) is not None:  # its own server, whatever the variable
+        pytest.skip(f"no PostgreSQL server: {unavailable_reason(OWN_SERVER_ENV)}")
+    counts = dbos_crash.run_dbos(workers=2, sessions=3, turns=2, kills=4, seed=11, restart_db=True)
+    assert counts.restarts == 2, counts.problems
+    assert counts.problems == []
+    assert (counts.lost, counts.duplicate_side_effects, counts.dropped_turns) == (0, 0, 0)
+    assert counts.invalid == 0
+    assert counts.ok
+    assert counts.line().startswith("workers=2 sessions=3 kills=")
+    assert " dropped_turns=0 " in counts.line()
 
 
 @pytest.mark.slow
