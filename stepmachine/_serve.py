@@ -11,7 +11,7 @@ stores: at once, the process being gone).
 
 Nothing stuck, nothing dropped: the claim took the session's pending-run
 mark, so a run that raised would leave its turn to nobody. Instead a run
-that raised a transient error (``stepmachine._transient``: the store
+that raised a transient error (the store
 unreachable or restarted, a lost lease) leaves the turn pending after a
 backoff, and one that failed for good is logged at ERROR. See :func:`serve`.
 """
@@ -67,8 +67,8 @@ async def serve(
     - a *transient* error (the store unreachable, a restarted PostgreSQL
       server's ``OperationalError``/``AdminShutdown``, an ``OSError`` of a
       file or SQLite read, a lost lease, conflicts past ``max_conflicts``;
-      the classification lives in ``stepmachine._transient``): the turn stays
-      pending and is run again after a backoff (0.1 s, doubling, at most 5 s,
+      one classification, shared with durable turns): the turn stays
+      pending and is run again after a backoff (0.1-0.2 s, doubling, at most 5 s,
       jittered). The worker claims the session again for that long and lets
       the lease lapse (PostgreSQL, memory: then any worker's ``claim_next``
       takes it as abandoned work), or holds it and runs it itself when the
@@ -79,7 +79,7 @@ async def serve(
       error_type, attempt, delay_s, detail).
     - any other error (a step's or tool's bug, damaged stored data, a model
       error after its own retries), or a transient one for the
-      ``MAX_ATTEMPTS``-th time in a row (8): the run failed for good; the
+      eighth time in a row: the run failed for good; the
       turn is not run again until something requests a run. Logged at ERROR
       (``serve_run_failed``: session_id, error_type, attempts, retried False):
       the record a user of ``serve`` finds in the log; the session keeps what

@@ -103,10 +103,10 @@ Writes that are not a runner's (``submit()``: user messages, approvals) are
 compare-and-set only, and a cycle that loses such a race reloads.
 
 Transient store errors. A cycle (or the turn's start) that raises a
-transient error (``stepmachine._transient``: the store unreachable or
-restarted, ``OSError``, ``psycopg.OperationalError`` such as ``AdminShutdown``,
-a lost lease, conflicts past ``max_conflicts``) is tried again inside its DBOS
-step after a backoff (0.1 s doubling to at most 5 s, jittered), up to 8 attempts
+transient error (the store unreachable or restarted: ``OSError``,
+``psycopg.OperationalError`` such as ``AdminShutdown``; a lost lease;
+conflicts past ``max_conflicts``) is tried again inside its DBOS step after a
+backoff (0.1-0.2 s, doubling to at most 5 s, jittered), up to 8 attempts
 in a row, each logged (``durable_step_retried``). Only then, or on any other
 error, does the step raise: DBOS records the error and the turn ends ``ERROR``
 (the visible record; :meth:`DurableMachine.result` raises

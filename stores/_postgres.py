@@ -133,8 +133,7 @@ class PostgresStore:
     connection instead of each of the pool's dead ones failing a call in
     turn. A call whose transaction the restart ended raises
     ``psycopg.OperationalError`` (``AdminShutdown`` among them): a transient
-    error (``stepmachine._transient``), which ``serve()`` and durable turns
-    run again.
+    error, which ``serve()`` and durable turns run again.
 
     Damage is detected as in :class:`~stepmachine.stores.SQLiteStore`: every
     row carries a CRC-32 over its content and placement, checked before it is
