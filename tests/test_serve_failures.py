@@ -75,11 +75,15 @@ class FaultySQLite(SQLiteStore):
         return await super().claim_next(owner, ttl)
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "memory-expiring", "sqlite"])
 async def faulty(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    """A store whose methods raise when told to: memory (leases lapse), SQLite (held)."""
+    """A store whose methods raise when told to. A lease is held until released (memory,
+    SQLite: a turn to retry is parked by its worker) or lapses (memory-expiring: the
+    turn's lease is left to lapse, then any worker claims it)."""
     if request.param == "memory":
         store: Any = FaultyMemory()
+    elif request.param == "memory-expiring":
+        store = FaultyMemory(expiring_leases=True)
     else:
         store = await FaultySQLite.open(tmp_path / "db.sqlite3")
     store.faults = Faults()
