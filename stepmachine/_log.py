@@ -50,6 +50,8 @@ event            level      fields
                             until a run is requested)
 ``serve_claim_`` WARNING    ``serve_claim_failed``: error_type, attempt, delay_s, detail
 ``failed``                  (``claim_next`` raised a transient error: tried again)
+``durable_step`` WARNING    ``durable_step_retried``: step, error_type, attempt, delay_s,
+``_retried``                detail (a durable cycle raised a transient error: tried again)
 ``mcp_server``   INFO       an MCP server of ``McpTools``: server (its name), state (``up`` /
                  / WARNING  ``down``), problem (why it is down; WARNING); or fault (a
                             transport fault the SDK reported), listen (a list-change
