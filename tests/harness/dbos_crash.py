@@ -43,13 +43,20 @@ TOOL`` makes the first run of TOOL in the whole run SIGKILL its own worker right
 after its side effect; ``--mislabel`` declares ``send`` idempotent although it
 does not dedupe, a broken agent whose second ``send`` the harness must report.
 
+``--restart-db`` runs on a throwaway server of its own and restarts it
+(``pg_ctl restart -m fast``, then ``-m immediate``: :data:`RESTARTS`) once the
+first turns are enqueued; the supervisor and the tools retry store calls that
+fail meanwhile (the next turn is submitted and enqueued idempotently).
+
 Without ``$STEPMACHINE_TEST_POSTGRES`` a throwaway server is started (see
 ``_postgres.py``); either way the run gets a fresh database, dropped at the end.
 
 Output: ``problem: ...`` lines, then ``seed=... turns=... cut_by_a_kill=...
 finished_on_another_slot=... reruns=... seconds=...``, then the last line
-``workers=K sessions=M kills=N lost=0 duplicate_side_effects=0 invalid=0
-outcome_unknown=0``; exit status 1 if a check failed or fewer than N kills
+``workers=K sessions=M kills=N lost=0 duplicate_side_effects=0 dropped_turns=0
+invalid=0 outcome_unknown=0`` (``dropped_turns``: turns enqueued that never
+ended, or sessions that never got their next turn, when the run stalls; a turn
+that ended ERROR is counted invalid, with DBOS's record); exit status 1 if a check failed or fewer than N kills
 landed. Import it and call :func:`run_dbos` (or ``main(argv)``) for the counts.
 """
 

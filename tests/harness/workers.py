@@ -5,6 +5,7 @@ Usage::
     python tests/harness/workers.py                  # 3 workers, 10 sessions of 6 turns, 20-30 s
     python tests/harness/workers.py --workers 4 --sessions 10 --seconds 40 --seed 7
     python tests/harness/workers.py --durable dbos   # durable turns: tests/harness/dbos_crash.py
+    python tests/harness/workers.py --restart-db     # and restart PostgreSQL while they run
 
 PostgreSQL: ``$STEPMACHINE_TEST_POSTGRES`` names a server, else a throwaway one
 is started (``tests/harness/_postgres.py``: initdb in a temporary folder, a free
@@ -44,7 +45,19 @@ and checks the database:
 - invalid: sessions whose history has problems (``history_problems``) or
   whose audit log is not whole (revisions 1..n, ``load()`` equal to the
   replay of ``batches()``);
-- outcome_unknown: tool results answered "outcome unknown".
+- outcome_unknown: tool results answered "outcome unknown";
+- dropped_turns: a turn requested and never served that left no record: a
+  session owed a run at the end with no pending-run mark, no lease and no
+  ``serve_run_failed`` event at ERROR, or a run that failed and was neither
+  tried again (``serve_run_retried``) nor recorded as failed for good. The
+  workers print stepmachine's WARNING/ERROR events as ``{"log": ...}`` lines;
+  a run recorded as failed for good is a problem too.
+
+``--restart-db``: the run uses a throwaway server of its own (never
+``$STEPMACHINE_TEST_POSTGRES``'s) and restarts it, once work began, with
+``pg_ctl restart -m fast`` and then ``-m immediate`` (:data:`RESTARTS`),
+while the kills go on. The submitter and the tools retry store calls that
+fail on the restart, as careful clients do; the workers rely on ``serve()``.
 
 With ``--durable dbos`` the run is handed to ``tests/harness/dbos_crash.py``
 (durable turns on DBOS Transact: each machine cycle a DBOS step, a queue
@@ -53,8 +66,8 @@ and ``--seed`` as given; it prints the same last line. Without that module the
 flag says so and exits 2.
 
 Info lines first, then any problem, then the last line, exactly
-``workers=K sessions=M kills=N lost=0 duplicate_side_effects=0 invalid=0
-outcome_unknown=0`` with the counts. Exit status 1 when a count is not 0 or a
+``workers=K sessions=M kills=N lost=0 duplicate_side_effects=0 dropped_turns=0
+invalid=0 outcome_unknown=0`` with the counts. Exit status 1 when a count is not 0 or a
 process failed; 2 when no PostgreSQL server can be had (the reason is printed).
 """
 
