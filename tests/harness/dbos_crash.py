@@ -56,8 +56,9 @@ finished_on_another_slot=... reruns=... seconds=...``, then the last line
 ``workers=K sessions=M kills=N lost=0 duplicate_side_effects=0 dropped_turns=0
 invalid=0 outcome_unknown=0`` (``dropped_turns``: turns enqueued that never
 ended, or sessions that never got their next turn, when the run stalls; a turn
-that ended ERROR is counted invalid, with DBOS's record); exit status 1 if a check failed or fewer than N kills
-landed. Import it and call :func:`run_dbos` (or ``main(argv)``) for the counts.
+that ended ERROR is counted invalid, with DBOS's record); exit status 1 if a
+check failed or fewer than N kills landed. Import it and call :func:`run_dbos`
+(or ``main(argv)``) for the counts.
 """
 
 from __future__ import annotations
