@@ -41,8 +41,17 @@ event            level      fields
                             side_effects
 ``lease_*``      WARNING    ``lease_renewal_failed``, ``lease_release_failed``,
                             ``lease_request_again_failed``: error_type, detail (a store error)
-``serve_run_``   WARNING    ``serve_run_failed``: error_type (a run of ``serve()`` raised)
-``failed``
+``serve_run_``   WARNING    ``serve_run_retried``: error_type, attempt, delay_s, detail (a
+``retried``                 run of ``serve()`` raised a transient error: run again later);
+                            ``serve_run_retry_deferred``: error_type, detail (the turn
+                            could not be given back yet: tried again each round)
+``serve_run_``   ERROR      ``serve_run_failed``: error_type, attempts, retried (False: a
+``failed``                  run of ``serve()`` failed for good; the turn is not run again
+                            until a run is requested)
+``serve_claim_`` WARNING    ``serve_claim_failed``: error_type, attempt, delay_s, detail
+``failed``                  (``claim_next`` raised a transient error: tried again)
+``durable_step`` WARNING    ``durable_step_retried``: step, error_type, attempt, delay_s,
+``_retried``                detail (a durable cycle raised a transient error: tried again)
 ``mcp_server``   INFO       an MCP server of ``McpTools``: server (its name), state (``up`` /
                  / WARNING  ``down``), problem (why it is down; WARNING); or fault (a
                             transport fault the SDK reported), listen (a list-change
@@ -77,6 +86,7 @@ LOGGER: Final = "stepmachine"
 DEBUG: Final = logging.DEBUG
 INFO: Final = logging.INFO
 WARNING: Final = logging.WARNING
+ERROR: Final = logging.ERROR
 
 _stdlib: Final = logging.getLogger(LOGGER)
 _stdlib.addHandler(logging.NullHandler())  # as the standard library advises libraries: no

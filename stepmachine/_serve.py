@@ -8,6 +8,12 @@ runs again while more turns are requested, and releases it. A session is
 served by one worker at a time; a dead worker's session is picked up by
 another once its lease is free (PostgreSQL: after its ``ttl``; the lock-file
 stores: at once, the process being gone).
+
+Nothing stuck, nothing dropped: the claim took the session's pending-run
+mark, so a run that raised would leave its turn to nobody. Instead a run
+that raised a transient error (the store
+unreachable or restarted, a lost lease) leaves the turn pending after a
+backoff, and one that failed for good is logged at ERROR. See :func:`serve`.
 """
 
 from __future__ import annotations
@@ -18,10 +24,10 @@ from typing import Any
 
 import anyio
 
-from . import _log
+from . import _log, _transient
 from ._errors import ConfigurationError
-from ._hold import leasing_store
-from ._lease import check_claim, new_owner
+from ._hold import leasing_store, release, request_again
+from ._lease import MIN_TTL, Lease, LeaseHolder, Leases, check_claim, new_owner
 from ._machine import StateMachine
 from ._run import RunReport
 from ._runtime import Runtime
@@ -54,11 +60,34 @@ async def serve(
         owner_prefix: put in front of each run's owner string (a worker's name).
         on_report: called with each run's :class:`RunReport` (may be async).
 
-    A run that raises is logged (logger ``stepmachine``, with the session id
-    and the error type) and the loop goes on: the session's pending-run mark
-    was taken by the claim, so a session whose run keeps failing is not
-    retried until something requests a run again. Errors of the store itself
-    (``claim_next``) propagate.
+    A run that raises does not stop the worker, and its turn is not dropped
+    (the claim took the session's pending-run mark, so the worker must give
+    the turn back or say it failed):
+
+    - a *transient* error (the store unreachable, a restarted PostgreSQL
+      server's ``OperationalError``/``AdminShutdown``, an ``OSError`` of a
+      file or SQLite read, a lost lease, conflicts past ``max_conflicts``;
+      one classification, shared with durable turns): the turn stays
+      pending and is run again after a backoff (0.1-0.2 s, doubling, at most 5 s,
+      jittered). The worker claims the session again for that long and lets
+      the lease lapse (PostgreSQL, memory: then any worker's ``claim_next``
+      takes it as abandoned work), or holds it and runs it itself when the
+      backoff is over (the lock-file stores); a session someone else holds
+      gets its pending-run mark set again. The pause never holds up the
+      worker's other sessions, and a worker that dies meanwhile leaves the
+      turn to the next claimer. Logged at WARNING (``serve_run_retried``:
+      error_type, attempt, delay_s, detail).
+    - any other error (a step's or tool's bug, damaged stored data, a model
+      error after its own retries), or a transient one for the
+      eighth time in a row: the run failed for good; the
+      turn is not run again until something requests a run. Logged at ERROR
+      (``serve_run_failed``: session_id, error_type, attempts, retried False):
+      the record a user of ``serve`` finds in the log; the session keeps what
+      the run stored (its finalize answered open calls "interrupted").
+
+    A transient error of the store while claiming (``claim_next``) is logged
+    (``serve_claim_failed``, WARNING) and the claim tried again after a
+    backoff; other store errors propagate.
 
     Raises:
         ConfigurationError: the runtime's store has no leases, or the runtime
@@ -83,10 +112,27 @@ async def serve(
             "serve() needs a runtime whose store has leases (the shipped stores do) "
             "and no separate effect handler"
         )
+    worker = _Worker(store, owner_prefix, ttl)
+    try:
+        await _loop(machine, runtime, store, worker, stop, poll, on_report)
+    finally:
+        await worker.give_back()
+
+
+async def _loop(
+    machine: StateMachine[Any],
+    runtime: Runtime,
+    store: Leases,
+    worker: _Worker,
+    stop: CancelToken | None,
+    poll: float,
+    on_report: Callable[[RunReport[Any]], Awaitable[None] | None] | None,
+) -> None:
+    """The rounds of :func:`serve`."""
     while stop is None or not stop.cancelled:
-        lease = await store.claim_next(new_owner(owner_prefix), ttl)
+        lease = await worker.next_lease()
         if lease is None:
-            with anyio.move_on_after(poll):
+            with anyio.move_on_after(worker.idle_for(poll)):
                 if stop is None:
                     await anyio.sleep(poll)
                 else:
@@ -95,14 +141,131 @@ async def serve(
         try:  # one round per claim: a session requested again goes back in the queue
             report = await machine._run_holding(runtime, store, lease, None, max_rounds=1)
         except Exception as exc:  # noqa: BLE001 - one session's failure does not stop the worker
-            _log.event(
-                _log.WARNING,
-                "serve_run_failed",
-                session_id=lease.session_id,
-                error_type=type(exc).__name__,
-            )
+            await worker.failed(lease.session_id, exc)
             continue
+        worker.served(lease.session_id)
         if on_report is not None:
             done = on_report(report)
             if done is not None:
                 await done
+
+
+class _Worker:
+    """What one ``serve()`` call keeps between rounds: retries owed, and their pauses.
+
+    ``failures``: transient failures in a row per session (this worker's);
+    ``parked``: leases of stores whose leases do not lapse, held until their
+    backoff is over; ``owed``: sessions whose pending-run mark could not be set
+    again (the store was unreachable), tried again every round.
+    """
+
+    def __init__(self, store: Leases, owner_prefix: str, ttl: float) -> None:
+        self.store = store
+        self.owner_prefix = owner_prefix
+        self.ttl = ttl
+        self.failures: dict[str, int] = {}
+        self.parked: dict[str, tuple[float, Lease]] = {}
+        self.owed: set[str] = set()
+        self.claim_failures = 0
+
+    async def next_lease(self) -> Lease | None:
+        """A parked lease whose pause is over, else ``claim_next``; ``None``: nothing now."""
+        now = anyio.current_time()
+        for session_id, (due, lease) in self.parked.items():
+            if due <= now:
+                del self.parked[session_id]
+                return lease
+        try:
+            await self._settle_owed()
+            claimed = await self.store.claim_next(new_owner(self.owner_prefix), self.ttl)
+        except Exception as exc:
+            if not _transient.is_transient(exc):
+                raise
+            self.claim_failures += 1
+            delay = _transient.backoff(self.claim_failures)
+            _log.event(
+                _log.WARNING,
+                "serve_claim_failed",
+                error_type=type(exc).__name__,
+                attempt=self.claim_failures,
+                delay_s=round(delay, 3),
+                detail=str(exc),
+            )
+            await anyio.sleep(delay)
+            return None
+        self.claim_failures = 0
+        return claimed
+
+    def idle_for(self, poll: float) -> float:
+        """Seconds to sleep with nothing to claim: ``poll``, or less if a parked lease is due."""
+        if not self.parked:
+            return poll
+        soonest = min(due for due, _ in self.parked.values())
+        return max(0.0, min(poll, soonest - anyio.current_time()))
+
+    def served(self, session_id: str) -> None:
+        """A run of ``session_id`` returned: its count of failures starts over."""
+        self.failures.pop(session_id, None)
+
+    async def failed(self, session_id: str, exc: Exception) -> None:
+        """A run of ``session_id`` raised ``exc``: retry later, or log it as failed."""
+        attempt = self.failures.get(session_id, 0) + 1
+        if not _transient.is_transient(exc) or attempt >= _transient.MAX_ATTEMPTS:
+            self.failures.pop(session_id, None)
+            _log.event(
+                _log.ERROR,
+                "serve_run_failed",
+                session_id=session_id,
+                error_type=type(exc).__name__,
+                attempts=attempt,
+                retried=False,
+            )
+            return
+        self.failures[session_id] = attempt
+        delay = _transient.backoff(attempt)
+        _log.event(
+            _log.WARNING,
+            "serve_run_retried",
+            session_id=session_id,
+            error_type=type(exc).__name__,
+            attempt=attempt,
+            delay_s=round(delay, 3),
+            detail=str(exc),
+        )
+        try:
+            await self._pend(session_id, delay)
+        except Exception as again:  # noqa: BLE001 - the store is still down: tried every round
+            self.owed.add(session_id)
+            _log.event(
+                _log.WARNING,
+                "serve_run_retry_deferred",
+                session_id=session_id,
+                error_type=type(again).__name__,
+                detail=str(again),
+            )
+
+    async def _pend(self, session_id: str, delay: float) -> None:
+        """Leave ``session_id``'s turn pending, to be run in about ``delay`` seconds."""
+        store = self.store
+        lapses = store.leases_expire
+        got = await store.claim(
+            session_id, new_owner(self.owner_prefix), max(MIN_TTL, delay) if lapses else self.ttl
+        )
+        if isinstance(got, LeaseHolder):  # someone else runs it: the holder owes it now
+            await store.request_run(session_id)
+        elif not lapses:  # held until released: this worker runs it when the pause is over
+            self.parked[session_id] = (anyio.current_time() + delay, got)
+        # else: the lease lapses unreleased in `delay` seconds: work for any claim_next
+
+    async def give_back(self) -> None:
+        """``serve`` returns: set the mark of each parked session and release it (shielded)."""
+        for session_id, (_, lease) in list(self.parked.items()):
+            del self.parked[session_id]
+            await request_again(self.store, lease)
+            await release(self.store, lease, unless_requested=False)
+
+    async def _settle_owed(self) -> None:
+        """Set the pending-run mark of every owed session (raises while the store is down)."""
+        for session_id in sorted(self.owed):
+            await self.store.request_run(session_id)
+            self.owed.discard(session_id)

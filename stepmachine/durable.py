@@ -92,7 +92,8 @@ when the store has leases (the shipped stores do) and the machine a lease
 policy: the cycle claims it (waiting while another runner, a ``run()`` caller
 included, holds it), writes every batch fenced by it, renews it while a tool
 runs, and releases it when the step ends. A stale runner's write is refused
-(:class:`~stepmachine.LeaseLostError`, recorded by DBOS as the step's error),
+(:class:`~stepmachine.LeaseLostError`; the cycle is tried again, waiting for
+the lease, and decides from what the other runner stored),
 and a waiting one sees the first one's results instead of reading its
 in-flight calls as crashed. ``StateMachine(lease=None)`` turns this off. A cycle
 releases its lease plainly: a turn a ``run(..., lease=LeasePolicy(busy="queue"))``
@@ -100,6 +101,17 @@ queued meanwhile stays marked for ``stepmachine.serve`` workers (or the next
 durable turn enqueued for the session); a durable worker alone does not run it.
 Writes that are not a runner's (``submit()``: user messages, approvals) are
 compare-and-set only, and a cycle that loses such a race reloads.
+
+Transient store errors. A cycle (or the turn's start) that raises a
+transient error (the store unreachable or restarted: ``OSError``,
+``psycopg.OperationalError`` such as ``AdminShutdown``; a lost lease;
+conflicts past ``max_conflicts``) is tried again inside its DBOS step after a
+backoff (0.1-0.2 s, doubling to at most 5 s, jittered), up to 8 attempts
+in a row, each logged (``durable_step_retried``). Only then, or on any other
+error, does the step raise: DBOS records the error and the turn ends ``ERROR``
+(the visible record; :meth:`DurableMachine.result` raises
+:class:`DurableTurnError`). So a database restart costs a turn a pause, not
+the turn. A retry decides from the stored session, as a recovery does.
 
 Serialization: msgspec, never pickle. DBOS pickles workflow inputs, outputs,
 step outputs and errors unless its config names another serializer.
@@ -135,12 +147,13 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
 
 import anyio
 import msgspec
 
+from . import _log, _transient
 from ._cycle import Decision, check_progress, idle_reason, log_cycle, stops_the_run
 from ._emitter import EventSink, NullEmitter
 from ._errors import ConfigurationError, ConflictError
@@ -195,6 +208,8 @@ TURN_START_STEP = "stepmachine.turn_start"
 """The DBOS step name that records the revision a turn started at."""
 
 RuntimeSource = Runtime | Callable[[], Runtime]
+
+T = TypeVar("T")
 
 
 class DurableMachine:
@@ -361,11 +376,20 @@ class DurableMachine:
 
     async def _start(self, session_id: str) -> int:
         """Step ``stepmachine.turn_start``: the stored revision at the turn's start."""
+        return await _retrying(session_id, TURN_START_STEP, lambda: self._start_once(session_id))
+
+    async def _start_once(self, session_id: str) -> int:
         session: Session[Any] = await self.runtime().session_loader().load(session_id)
         return session.revision
 
     async def _cycle(self, session_id: str, number: int, start: int) -> dict[str, Any]:
-        """Step ``stepmachine.cycle``: one cycle from the stored session, as a summary dict.
+        """Step ``stepmachine.cycle``: :meth:`_cycle_once`, tried again on transient errors."""
+        return await _retrying(
+            session_id, CYCLE_STEP, lambda: self._cycle_once(session_id, number, start)
+        )
+
+    async def _cycle_once(self, session_id: str, number: int, start: int) -> dict[str, Any]:
+        """One cycle from the stored session, as a summary dict.
 
         When the store has leases (and the machine a lease policy), the cycle
         holds the session's lease, waiting for it as ``LeasePolicy(busy="wait")``
@@ -452,6 +476,39 @@ class DurableMachine:
                 await machine.finalize(runtime, session.id, interrupted=applying)
             raise
         return _summary(number, after, result)
+
+
+async def _retrying(session_id: str, step: str, attempt: Callable[[], Awaitable[T]]) -> T:
+    """``await attempt()``, again after a backoff while it raises a transient error.
+
+    Transient (``stepmachine._transient``): the store unreachable or restarted
+    (``OSError``, ``psycopg.OperationalError``), a lost lease, conflicts past
+    ``max_conflicts``. Each retry is logged (``durable_step_retried``, WARNING)
+    and waits ``_transient.backoff(n)`` (at most 5 s); the
+    ``_transient.MAX_ATTEMPTS``-th failure in a row, or any other error, is
+    raised: DBOS records it and the turn ends ``ERROR``. Trying again is what a
+    recovery does: the attempt decides from the stored session.
+    """
+    failures = 0
+    while True:
+        try:
+            return await attempt()
+        except Exception as exc:
+            failures += 1
+            if not _transient.is_transient(exc) or failures >= _transient.MAX_ATTEMPTS:
+                raise
+            delay = _transient.backoff(failures)
+            _log.event(
+                _log.WARNING,
+                "durable_step_retried",
+                session_id=session_id,
+                step=step,
+                error_type=type(exc).__name__,
+                attempt=failures,
+                delay_s=round(delay, 3),
+                detail=str(exc),
+            )
+            await anyio.sleep(delay)
 
 
 def _summary(number: int, after: Session[Any], result: StepResult) -> CycleSummary:

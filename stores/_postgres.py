@@ -128,6 +128,14 @@ class PostgresStore:
     whether the batch is there; re-applying it raises
     :class:`~stepmachine.ConflictError` if it is.
 
+    A server restart: the pool checks each connection as it hands it out
+    (``psycopg_pool.ConnectionPool.check_connection``, one round trip) and
+    replaces a dead one, so after a restart the next call gets a fresh
+    connection instead of each of the pool's dead ones failing a call in
+    turn. A call whose transaction the restart ended raises
+    ``psycopg.OperationalError`` (``AdminShutdown`` among them): a transient
+    error, which ``serve()`` and durable turns run again.
+
     Damage is detected as in :class:`~stepmachine.stores.SQLiteStore`: every
     row carries a CRC-32 over its content and placement, checked before it is
     decoded; a row that fails raises :class:`~stepmachine.StoredDataError`
@@ -263,6 +271,7 @@ class PostgresStore:
             timeout=pool_timeout,
             kwargs={"autocommit": True},
             configure=configure,
+            check=ConnectionPool.check_connection,  # a restarted server's dead connections
             open=False,
             name="stepmachine",
         )

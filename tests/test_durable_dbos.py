@@ -10,6 +10,7 @@ mid-turn) and are synchronous: the harness runs its own event loops.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -228,13 +229,23 @@ def adder(request: ModelRequest) -> ModelResponse:
 
 
 class ConflictOnce:
-    """An effect handler whose first apply loses the race (as if a user wrote meanwhile)."""
+    """An effect handler whose first apply loses the race (as if a user wrote meanwhile),
+    and a loader whose next ``fail_loads`` loads raise ``OSError`` (a store read that failed)."""
 
     applies_batches = True
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
         self.conflicted = False
+        self.fail_loads = 0
+        self.failed_loads = 0
+
+    async def load(self, session_id: str) -> Session[Any]:
+        if self.fail_loads:
+            self.fail_loads -= 1
+            self.failed_loads += 1
+            raise OSError(5, "Input/output error (injected)")
+        return await self.store.load(session_id)
 
     async def apply(self, batch: Batch[Effect]) -> Session[Any] | None:
         if not self.conflicted:
@@ -249,7 +260,7 @@ async def launched(
 ) -> AsyncIterator[tuple[DurableMachine, PostgresStore, ConflictOnce]]:
     store = await PostgresStore.open(postgres_dsn)
     handler = ConflictOnce(store)
-    runtime = Runtime(loader=store, handler=handler, model=FunctionModel(adder))
+    runtime = Runtime(loader=handler, handler=handler, model=FunctionModel(adder))
     machine = StateMachine([Tools([add, hold]), ModelInference()])
     DBOS(config=dbos_config("durable-test", postgres_dsn, log_level="ERROR"))
     durable = DurableMachine(machine, lambda: runtime, name="test", polling_interval=0.05)
@@ -331,7 +342,68 @@ async def test_a_failing_step_fails_the_turn_with_the_recorded_error(
     assert "the model is down" in caught.value.message
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # DBOS is asyncio-only
+@pytest.mark.parametrize("failures", [1, 3])
+async def test_a_transient_store_error_in_a_cycle_is_tried_again(
+    launched: tuple[DurableMachine, PostgresStore, ConflictOnce], failures: int
+) -> None:
+    """Asyncio only (DBOS). Loads that fail with OSError (as a restarted database's do) are
+    retried within the step, after a backoff: the turn ends done, not ERROR."""
+    durable, store, handler = launched
+    await store.create("s5")
+    await submit(store, "s5", [AppendMessage(Message.user("add 2 and 3", id="u1"))])
+    handler.fail_loads = failures
+    with structlog.testing.capture_logs() as events:
+        report = await durable.result(await durable.enqueue_turn("s5"))
+    assert handler.failed_loads == failures
+    assert report.reason == "done"
+    assert (await store.load("s5")).conversation[-1].text == "the sum is 5"
+    retried = [e for e in events if e["event"] == "durable_step_retried"]
+    assert [(e["session_id"], e["error_type"], e["attempt"]) for e in retried] == [
+        ("s5", "OSError", n) for n in range(1, failures + 1)
+    ]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # DBOS is asyncio-only
+async def test_a_store_error_that_lasts_fails_the_turn_after_the_bound(
+    launched: tuple[DurableMachine, PostgresStore, ConflictOnce],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Asyncio only (DBOS). Transient errors past MAX_ATTEMPTS fail the turn, recorded."""
+    from stepmachine import _transient
+
+    monkeypatch.setattr(_transient, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(_transient, "BACKOFF_CAP", 0.02)
+    durable, store, handler = launched
+    await store.create("s6")
+    await submit(store, "s6", [AppendMessage(Message.user("add 2 and 3", id="u1"))])
+    handler.fail_loads = 10_000
+    with pytest.raises(DurableTurnError) as caught:
+        await durable.result(await durable.enqueue_turn("s6"))
+    assert caught.value.error_type == "OSError"
+    assert handler.failed_loads == _transient.MAX_ATTEMPTS
+
+
 # -- worker processes SIGKILLed mid-turn (tests/harness/dbos_crash.py) ---------------------------
+
+
+@pytest.mark.slow
+def test_durable_turns_ride_out_restarts_of_the_database() -> None:
+    """The harness restarts its own server (-m fast, then -m immediate) while turns run and
+    workers are killed: every turn ends SUCCESS, none is dropped, nothing is repeated."""
+    from _postgres import ENV_VAR, unavailable_reason
+
+    OWN_SERVER_ENV = {k: v for k, v in os.environ.items() if k != ENV_VAR}  # noqa: N806
+    if unavailable_reason(OWN_SERVER_ENV) is not None:  # its own server, whatever the variable
+        pytest.skip(f"no PostgreSQL server: {unavailable_reason(OWN_SERVER_ENV)}")
+    counts = dbos_crash.run_dbos(workers=2, sessions=3, turns=2, kills=4, seed=11, restart_db=True)
+    assert counts.restarts == 2, counts.problems
+    assert counts.problems == []
+    assert (counts.lost, counts.duplicate_side_effects, counts.dropped_turns) == (0, 0, 0)
+    assert counts.invalid == 0
+    assert counts.ok
+    assert counts.line().startswith("workers=2 sessions=3 kills=")
+    assert " dropped_turns=0 " in counts.line()
 
 
 @pytest.mark.slow

@@ -21,9 +21,12 @@ import pytest
 import workers
 
 HARNESS = Path(workers.__file__).resolve()
+OWN_SERVER_ENV = {k: v for k, v in os.environ.items() if k != _postgres.ENV_VAR}
+"""The environment that decides whether a harness can start a server of its own."""
 LAST_LINE = re.compile(
     r"workers=(?P<workers>\d+) sessions=(?P<sessions>\d+) kills=(?P<kills>\d+) "
     r"lost=(?P<lost>\d+) duplicate_side_effects=(?P<duplicate_side_effects>\d+) "
+    r"dropped_turns=(?P<dropped_turns>\d+) "
     r"invalid=(?P<invalid>\d+) outcome_unknown=(?P<outcome_unknown>\d+)"
 )
 
@@ -54,18 +57,43 @@ def test_killed_workers_leave_every_session_done(postgres_server: str) -> None:
     assert counts["workers"] == 2
     assert counts["sessions"] == 3
     assert counts["kills"] >= 1  # the first kill lands in the first second, mid-work
-    assert counts["lost"] == counts["duplicate_side_effects"] == 0
+    assert counts["lost"] == counts["duplicate_side_effects"] == counts["dropped_turns"] == 0
     assert counts["invalid"] == counts["outcome_unknown"] == 0
+
+
+@pytest.mark.slow
+def test_workers_ride_out_restarts_of_the_database() -> None:
+    """``--restart-db``: its own server is restarted (-m fast, then -m immediate) while
+    workers run and are killed; every turn is served, none dropped, nothing duplicated."""
+    if (
+        _postgres.unavailable_reason(OWN_SERVER_ENV) is not None
+    ):  # its own server, whatever the variable
+        pytest.skip(f"no PostgreSQL server: {_postgres.unavailable_reason(OWN_SERVER_ENV)}")
+    done = run_harness(
+        *("--restart-db", "--workers", "2", "--sessions", "3", "--turns", "3"),
+        *("--seconds", "6", "--seed", "5", "--timeout", "90"),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    match = LAST_LINE.fullmatch(lines[-1])
+    assert match is not None, lines[-1]
+    counts = {name: int(value) for name, value in match.groupdict().items()}
+    assert counts["lost"] == counts["duplicate_side_effects"] == counts["dropped_turns"] == 0
+    assert counts["invalid"] == counts["outcome_unknown"] == 0
+    assert "restarted the server (-m fast" in done.stdout
+    assert "restarted the server (-m immediate" in done.stdout
+    assert " restarts=2 " in f" {lines[-2]} "
 
 
 def test_summary_line_and_exit_status() -> None:
     summary = workers.Summary(3, 6, kills=4)
     assert summary.line() == (
-        "workers=3 sessions=6 kills=4 lost=0 duplicate_side_effects=0 invalid=0 outcome_unknown=0"
+        "workers=3 sessions=6 kills=4 lost=0 duplicate_side_effects=0 dropped_turns=0 "
+        "invalid=0 outcome_unknown=0"
     )
     assert summary.ok
     assert LAST_LINE.fullmatch(summary.lines()[-1])
-    for name in ("lost", "duplicate_side_effects", "invalid", "outcome_unknown"):
+    for name in ("lost", "duplicate_side_effects", "dropped_turns", "invalid", "outcome_unknown"):
         wrong = workers.Summary(3, 6, kills=4)
         setattr(wrong, name, 1)
         assert not wrong.ok
@@ -96,3 +124,5 @@ def test_durable_passes_on_the_options_it_shares(monkeypatch: pytest.MonkeyPatch
     argv = ["--workers", "2", "--seconds", "5", "--seed=3", "--durable", "dbos", "--turns", "1"]
     assert workers.durable("fake", argv) == 7
     assert seen == [["--workers", "2", "--seed=3", "--turns", "1"]]
+    assert workers.durable("fake", ["--restart-db", "--sessions", "2"]) == 7
+    assert seen[-1] == ["--restart-db", "--sessions", "2"]

@@ -51,6 +51,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,10 +62,12 @@ from urllib.parse import urlsplit, urlunsplit
 __all__ = [
     "ENV_VAR",
     "PostgresUnavailable",
+    "Restarter",
     "Server",
     "find_bindir",
     "fresh_database",
     "postgres_server",
+    "restart",
     "throwaway_server",
     "unavailable_reason",
     "with_database",
@@ -154,11 +158,51 @@ def unavailable_reason(
 
 @dataclass(frozen=True)
 class Server:
-    """A throwaway server: its DSN (database ``postgres``), port and temporary folder."""
+    """A throwaway server: its DSN (database ``postgres``), port and temporary folder.
+
+    ``bindir``, ``data`` and ``as_other`` are what :func:`restart` needs.
+    """
 
     dsn: str
     port: int
     folder: Path
+    bindir: Path = Path()
+    data: Path = Path()
+    as_other: bool = False
+
+
+def restart(server: Server, mode: str = "fast") -> None:
+    """Restart ``server`` (``pg_ctl restart -m <mode> -w``) on the same port and settings.
+
+    ``fast``: sessions are ended (their clients get ``AdminShutdown``) and the
+    server shuts down cleanly; ``immediate``: the server's processes quit at once
+    and the restart recovers from its write-ahead log, as after a crash. Every
+    pooled connection of every client dies either way. Returns once the server
+    accepts connections again.
+
+    Raises:
+        ValueError: ``mode`` is not ``fast`` or ``immediate``.
+        RuntimeError: ``pg_ctl`` failed (with the tail of its log).
+    """
+    if mode not in ("fast", "immediate"):
+        raise ValueError(f"restart mode is 'fast' or 'immediate', not {mode!r}")
+    _run(
+        server.bindir / "pg_ctl",
+        [
+            "-D",
+            str(server.data),
+            "-l",
+            str(server.folder / "server.log"),
+            "-m",
+            mode,
+            "-w",
+            "-t",
+            str(START_TIMEOUT),
+            "restart",
+        ],
+        as_other=server.as_other,
+        log=server.folder / "pg_ctl.log",
+    )
 
 
 @contextlib.contextmanager
@@ -212,7 +256,8 @@ def throwaway_server(*, durable: bool = False) -> Iterator[Server]:
             settings += ["-c", "fsync=off", "-c", "full_page_writes=off"]
         port = _start(bindir, data, folder, settings, as_other=as_other)
         try:
-            yield Server(f"postgresql://postgres@127.0.0.1:{port}/postgres", port, folder)
+            dsn = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+            yield Server(dsn, port, folder, bindir, data, as_other)
         finally:
             _stop(bindir, data, as_other=as_other)
     finally:
@@ -290,6 +335,57 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+class Restarter:
+    """Restarts a throwaway server in a background thread, on a schedule (harnesses).
+
+    ``schedule`` is a list of ``(seconds after start(), mode)``; each restart
+    runs :func:`restart` and appends ``(mode, seconds it took)`` to ``done``,
+    or a failure to ``errors``. :meth:`join` waits for the schedule to end.
+    """
+
+    def __init__(self, server: Server, schedule: Sequence[tuple[float, str]]) -> None:
+        self.server = server
+        self.schedule = sorted(schedule)
+        self.done: list[tuple[str, float]] = []
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="pg-restarter", daemon=True)
+        self._stop = threading.Event()
+        self.started = False
+
+    def start(self) -> None:
+        """Start the schedule's clock (and thread)."""
+        self._began = time.monotonic()
+        self.started = True
+        self._thread.start()
+
+    def _run(self) -> None:
+        for at, mode in self.schedule:
+            if self._stop.wait(max(0.0, self._began + at - time.monotonic())):
+                return
+            began = time.monotonic()
+            try:
+                restart(self.server, mode)
+            except Exception as exc:
+                self.errors.append(f"pg_ctl restart -m {mode}: {exc}")
+            else:
+                self.done.append((mode, time.monotonic() - began))
+
+    @property
+    def finished(self) -> bool:
+        """Every scheduled restart was made (or failed)."""
+        return len(self.done) + len(self.errors) == len(self.schedule)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the schedule to end (at most ``timeout`` seconds)."""
+        self._thread.join(timeout)
+
+    def stop(self) -> None:
+        """Skip the restarts not made yet, and wait for one under way."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def with_database(dsn: str, name: str) -> str:

@@ -28,9 +28,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,6 +61,7 @@ from stepmachine import (
     serve,
     tool,
 )
+from stepmachine._transient import is_transient
 from stepmachine.operations import Approval
 from stepmachine.stores import PostgresStore
 from stepmachine.testing import FunctionModel, call, reply
@@ -70,7 +73,9 @@ __all__ = [
     "agent",
     "answered",
     "decide",
+    "log_events",
     "needs_transfer",
+    "open_store",
     "session_ids",
     "user_text",
     "worker",
@@ -78,6 +83,13 @@ __all__ = [
 
 DSN_VAR = "STEPMACHINE_WORKERS_DSN"
 """The environment variable the parent passes the run's database DSN in."""
+
+OPEN_ATTEMPTS = 120
+"""How many times a child tries to open its store while the server restarts (0.25 s apart)."""
+
+TOOL_ATTEMPTS = 120
+"""How many times a tool's side-effect write is tried while the server restarts (0.25 s apart),
+as a real client of an API retries a request that could not be sent."""
 
 MODEL_SECONDS = 0.1
 TOOL_SECONDS = 0.3
@@ -195,8 +207,12 @@ class SideEffects:
         return "done"
 
     async def apply(self, key: str, name: str, session_id: str) -> str:
-        """Run the effect keyed ``key`` unless it was run; ``"done"`` or ``"already done"``."""
-        return await anyio.to_thread.run_sync(self._apply, key, name, session_id)
+        """Run the effect keyed ``key`` unless it was run; ``"done"`` or ``"already done"``.
+
+        A connection error (the server restarting) tries the whole effect again: its
+        check finds the row if the failed attempt wrote it.
+        """
+        return await _retrying(lambda: anyio.to_thread.run_sync(self._apply, key, name, session_id))
 
     def _read(self, session_id: str) -> int:
         import psycopg
@@ -209,7 +225,40 @@ class SideEffects:
 
     async def read(self, session_id: str) -> int:
         """Read-only: how many effect rows the session has."""
-        return await anyio.to_thread.run_sync(self._read, session_id)
+        return await _retrying(lambda: anyio.to_thread.run_sync(self._read, session_id))
+
+
+async def _retrying(work: Any, attempts: int = TOOL_ATTEMPTS) -> Any:
+    """``await work()``, again 0.25 s later while it raises a transient error."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return await work()
+        except Exception as exc:
+            if not is_transient(exc) or attempt == attempts:
+                raise
+            await anyio.sleep(0.25)
+    raise AssertionError("unreachable")
+
+
+async def open_store(cls: type[PostgresStore], dsn: str, **options: Any) -> PostgresStore:
+    """``cls.open(dsn, **options)``, tried again while the server restarts."""
+    return await _retrying(lambda: cls.open(dsn, **options), OPEN_ATTEMPTS)  # type: ignore[no-any-return]
+
+
+class _JsonEvents(logging.Handler):
+    """Prints each stepmachine event as one line ``{"log": {...}}`` (the harness reads them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = record.msg if isinstance(record.msg, dict) else {"event": record.getMessage()}
+        line = json.dumps({"log": {**fields, "level": record.levelname}}, default=str)
+        print(line, file=sys.stdout, flush=True)
+
+
+def log_events() -> None:
+    """Send stepmachine's WARNING and ERROR events to stdout as JSON lines."""
+    logger = logging.getLogger("stepmachine")
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(_JsonEvents())
 
 
 def agent(effects: SideEffects) -> tuple[StateMachine[Any], Approval, Any]:
@@ -299,7 +348,8 @@ async def worker(
     """
     dsn = os.environ[DSN_VAR]
     name = f"worker{index}"
-    store = await AckingStore.open(dsn, Codec(), max_size=3)
+    log_events()
+    store = await open_store(AckingStore, dsn, codec=Codec(), max_size=3)
     assert isinstance(store, AckingStore)  # open() builds cls
     store.acks = common.AckLog(log)
     store.worker = f"{name}/{os.getpid()}"

@@ -43,14 +43,22 @@ TOOL`` makes the first run of TOOL in the whole run SIGKILL its own worker right
 after its side effect; ``--mislabel`` declares ``send`` idempotent although it
 does not dedupe, a broken agent whose second ``send`` the harness must report.
 
+``--restart-db`` runs on a throwaway server of its own and restarts it
+(``pg_ctl restart -m fast``, then ``-m immediate``: :data:`RESTARTS`) once the
+first turns are enqueued; the supervisor and the tools retry store calls that
+fail meanwhile (the next turn is submitted and enqueued idempotently).
+
 Without ``$STEPMACHINE_TEST_POSTGRES`` a throwaway server is started (see
 ``_postgres.py``); either way the run gets a fresh database, dropped at the end.
 
 Output: ``problem: ...`` lines, then ``seed=... turns=... cut_by_a_kill=...
 finished_on_another_slot=... reruns=... seconds=...``, then the last line
-``workers=K sessions=M kills=N lost=0 duplicate_side_effects=0 invalid=0
-outcome_unknown=0``; exit status 1 if a check failed or fewer than N kills
-landed. Import it and call :func:`run_dbos` (or ``main(argv)``) for the counts.
+``workers=K sessions=M kills=N lost=0 duplicate_side_effects=0 dropped_turns=0
+invalid=0 outcome_unknown=0`` (``dropped_turns``: turns enqueued that never
+ended, or sessions that never got their next turn, when the run stalls; a turn
+that ended ERROR is counted invalid, with DBOS's record); exit status 1 if a
+check failed or fewer than N kills landed. Import it and call :func:`run_dbos`
+(or ``main(argv)``) for the counts.
 """
 
 from __future__ import annotations
@@ -94,6 +102,7 @@ from stepmachine import (
     submit,
     tool,
 )
+from stepmachine._transient import is_transient
 from stepmachine.stores import PostgresStore
 from stepmachine.testing import FunctionModel, call, reply
 
@@ -102,6 +111,11 @@ NAME = "harness"  # DurableMachine name: workflow harness.turn, queue harness.tu
 VERSION = "harness-1"
 READY_TIMEOUT = 120  # seconds a worker may take to import and launch DBOS
 STALL_TIMEOUT = 180  # seconds without any turn ending before the run is declared stuck
+RESTARTS = ((0.5, "fast"), (3.0, "immediate"))
+"""``--restart-db``: when (seconds after the first turns were enqueued) and how the
+server is restarted; a restart still under way delays the next one."""
+RETRY_PAUSE = 0.25  # seconds between two tries of a store call while the server restarts
+RETRY_ATTEMPTS = 240
 SCHEMA = """
 CREATE SCHEMA IF NOT EXISTS harness;
 CREATE TABLE IF NOT EXISTS harness.runs (
@@ -144,9 +158,12 @@ class Counts:
     kills: int = 0
     lost: int = 0
     duplicate_side_effects: int = 0
+    dropped_turns: int = 0
     invalid: int = 0
     outcome_unknown: int = 0
     turns: int = 0
+    restarts: int = 0
+    store_errors: int = 0
     reruns: int = 0
     cut: dict[str, str] = field(default_factory=dict)  # turn cut by a kill -> executor killed
     finished_elsewhere: int = 0  # of those, turns a worker of another slot finished
@@ -157,12 +174,26 @@ class Counts:
         return (
             f"workers={self.workers} sessions={self.sessions} kills={self.kills} "
             f"lost={self.lost} duplicate_side_effects={self.duplicate_side_effects} "
+            f"dropped_turns={self.dropped_turns} "
             f"invalid={self.invalid} outcome_unknown={self.outcome_unknown}"
         )
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.duplicate_side_effects or self.invalid)
+        return not (self.lost or self.duplicate_side_effects or self.dropped_turns or self.invalid)
+
+
+async def retrying(work: Any, attempts: int = RETRY_ATTEMPTS) -> Any:
+    """``await work()``, again :data:`RETRY_PAUSE` later while it raises a transient error
+    (the server restarting), as a careful client of the store does."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return await work()
+        except Exception as exc:
+            if not is_transient(exc) or attempt == attempts:
+                raise
+            await asyncio.sleep(RETRY_PAUSE)
+    raise AssertionError("unreachable")
 
 
 # -- the agent every worker runs ----------------------------------------------------------
@@ -193,7 +224,7 @@ async def act(ctx: ToolContext, name: str, idempotent: bool) -> str:
     """One tool run: note whether its result is already stored, count it, apply once."""
     store = ctx.runtime.store
     assert store is not None
-    stored = await store.load(ctx.session_id)
+    stored = await retrying(lambda: store.load(ctx.session_id))
     done = any(r.call_id == ctx.call_id for m in stored.conversation for r in m.tool_results)
     dsn = ctx.runtime.services["dsn"]
 
@@ -217,7 +248,7 @@ async def act(ctx: ToolContext, name: str, idempotent: bool) -> str:
             ).fetchone()
             return inserted is not None
 
-    applied = await anyio.to_thread.run_sync(write)
+    applied = await retrying(lambda: anyio.to_thread.run_sync(write))
     agent: Agent = ctx.runtime.services["agent"]
     marker = ctx.runtime.services["folder"] / "self-killed"
     if agent.self_kill == name and not marker.exists():
@@ -268,7 +299,7 @@ async def worker(dsn: str, slot: int, folder: Path, agent: Agent) -> None:
     from stepmachine.durable import DurableMachine, dbos_config
 
     AckingStore.acks = common.AckLog(folder / f"acks-{os.getpid()}.jsonl")
-    store = await AckingStore.open(dsn, max_size=8)
+    store = await retrying(lambda: AckingStore.open(dsn, max_size=8))
     model = FunctionModel(decide(agent.non_idempotent))
     services = {"dsn": dsn, "agent": agent, "folder": folder}
     runtime = Runtime(store=store, model=model, services=services)
@@ -361,6 +392,7 @@ async def supervise(
     kills: int,
     seed: int,
     agent: Agent,
+    restarter: _postgres.Restarter | None = None,
 ) -> Counts:
     import psycopg
     from dbos import DBOSClient
@@ -392,43 +424,76 @@ async def supervise(
         active: dict[str, str] = {}  # workflow id -> session
 
         async def next_turn(sid: str) -> None:
+            """Submit the session's next user message and enqueue its turn; tried again
+            (the same message id and turn id) after a store error: each part is done once."""
             number = len(done_turns[sid]) + 1
-            user = Message.user(f"please do turn {number}", id=f"{sid}-u{number}")
-            after = await submit(store, sid, [AppendMessage(user)])
+            message_id = f"{sid}-u{number}"
             wid = f"{sid}-turn-{number}"
+            revision = await submitted_at(store, sid, message_id)
+            if revision is None:
+                user = Message.user(f"please do turn {number}", id=message_id)
+                after = await submit(store, sid, [AppendMessage(user)])
+                revision = after.revision
             options = durable.enqueue_options(sid, turn_id=wid)
             assert client is not None
-            await client.enqueue_async(options, sid)
-            done_turns[sid].append((after.revision, wid))
+            await client.enqueue_async(options, sid)  # idempotent: the turn id
+            done_turns[sid].append((revision, wid))
             active[wid] = sid
 
+        owed: set[str] = set()  # sessions whose next turn could not be submitted yet
         for sid in ids:
-            await next_turn(sid)
+            owed.add(sid)
+        if restarter is not None:
+            restarter.start()
         next_kill = time.monotonic() + rng.uniform(0.05, 0.6)
         progress = time.monotonic()
-        while active:
+        while active or owed:
             if time.monotonic() - progress > STALL_TIMEOUT:
-                raise RuntimeError(f"no turn ended for {STALL_TIMEOUT}s; waiting for {active}")
-            statuses = await client.list_workflows_async(workflow_ids=list(active))
-            for status in statuses:
-                if status.status in {"PENDING", "ENQUEUED"}:
-                    continue
-                progress = time.monotonic()
-                sid = active.pop(status.workflow_id)
-                if status.status != "SUCCESS":
-                    counts.problems.append(f"{status.workflow_id}: {status.status} {status.error}")
-                    continue
-                finished = len(done_turns[sid])
-                if finished < turns or counts.kills < kills:
+                counts.dropped_turns += len(active) + len(owed)
+                counts.problems.append(
+                    f"no turn ended for {STALL_TIMEOUT}s: turns {sorted(active)} never ended, "
+                    f"sessions {sorted(owed)} never got their next turn"
+                )
+                break
+            try:
+                for sid in sorted(owed):
                     await next_turn(sid)
-            for slot in list(supervisor.slots.values()):
-                if slot.process.poll() is not None:  # a worker that killed itself
-                    supervisor.died(slot)
-                    counts.kills += 1
-            if counts.kills < kills and time.monotonic() >= next_kill:
-                await kill_one(client, supervisor, counts, rng)
-                next_kill = time.monotonic() + rng.uniform(0.05, 0.6)
+                    owed.discard(sid)
+                statuses = await client.list_workflows_async(workflow_ids=list(active))
+                for status in statuses:
+                    if status.status in {"PENDING", "ENQUEUED"}:
+                        continue
+                    progress = time.monotonic()
+                    sid = active.pop(status.workflow_id)
+                    if status.status != "SUCCESS":
+                        counts.problems.append(
+                            f"{status.workflow_id}: {status.status} {status.error}"
+                        )
+                        continue
+                    finished = len(done_turns[sid])
+                    restarting = restarter is not None and not restarter.finished
+                    if finished < turns or counts.kills < kills or restarting:
+                        owed.add(sid)
+                for slot in list(supervisor.slots.values()):
+                    if slot.process.poll() is not None:  # a worker that killed itself
+                        supervisor.died(slot)
+                        counts.kills += 1
+                if counts.kills < kills and time.monotonic() >= next_kill:
+                    await kill_one(client, supervisor, counts, rng)
+                    next_kill = time.monotonic() + rng.uniform(0.05, 0.6)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                counts.store_errors += 1  # the server restarts: the next pass goes on
             await asyncio.sleep(0.02)
+        if restarter is not None:
+            restarter.stop()
+            counts.restarts = len(restarter.done)
+            counts.problems.extend(restarter.errors)
+            if len(restarter.done) < len(restarter.schedule):
+                counts.problems.append(
+                    f"{len(restarter.done)} of {len(restarter.schedule)} server restarts made"
+                )
         counts.seconds = time.monotonic() - began
         await check(store, client, folder, supervisor, done_turns, counts, TurnReport, dsn)
     finally:
@@ -437,6 +502,18 @@ async def supervise(
             client.destroy()
         await store.aclose()
     return counts
+
+
+async def submitted_at(store: PostgresStore, sid: str, message_id: str) -> int | None:
+    """The revision that stored the user message ``message_id``, or ``None`` (not stored)."""
+    session = await store.load(sid)
+    if not any(m.id == message_id for m in session.conversation):
+        return None
+    for batch in await store.batches(sid):
+        for effect in batch.effects:
+            if isinstance(effect, AppendMessage) and effect.message.id == message_id:
+                return batch.revision
+    return None
 
 
 async def kill_one(client: Any, supervisor: Supervisor, counts: Counts, rng: random.Random) -> None:
@@ -577,16 +654,37 @@ def run_dbos(
     seed: int | None = None,
     agent: Agent | None = None,
     dsn: str | None = None,
+    restart_db: bool = False,
 ) -> Counts:
     """Run the harness (on ``dsn``'s server, or ``$STEPMACHINE_TEST_POSTGRES``, or a
-    throwaway server) in a fresh database; return the counts."""
+    throwaway server) in a fresh database; return the counts.
+
+    ``restart_db``: on a throwaway server of its own (``dsn`` and the variable are not
+    used), restarted on :data:`RESTARTS` (``-m fast``, then ``-m immediate``).
+    """
     seed = random.randrange(2**32) if seed is None else seed
     with contextlib.ExitStack() as stack:
-        server = dsn or stack.enter_context(_postgres.postgres_server())
+        restarter: _postgres.Restarter | None = None
+        if restart_db:
+            own = stack.enter_context(_postgres.throwaway_server())
+            restarter = _postgres.Restarter(own, RESTARTS)
+            server = own.dsn
+        else:
+            server = dsn or stack.enter_context(_postgres.postgres_server())
         database = stack.enter_context(_postgres.fresh_database(server, prefix="stepmachine_dbos"))
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dbos-crash-")))
         return asyncio.run(
-            supervise(database, folder, workers, sessions, turns, kills, seed, agent or Agent())
+            supervise(
+                database,
+                folder,
+                workers,
+                sessions,
+                turns,
+                kills,
+                seed,
+                agent or Agent(),
+                restarter,
+            )
         )
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -601,6 +699,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--non-idempotent", action="store_true", help="also call send")
     parser.add_argument("--self-kill", choices=["work", "send"], help="see Agent.self_kill")
     parser.add_argument("--mislabel", action="store_true", help="see Agent.mislabel")
+    parser.add_argument(
+        "--restart-db",
+        action="store_true",
+        help="restart the PostgreSQL server (a throwaway one of its own: pg_ctl restart -m "
+        "fast, then -m immediate) while turns run",
+    )
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--dsn", help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
@@ -617,13 +721,15 @@ def main(argv: list[str] | None = None) -> int:
         kills=args.kills,
         seed=seed,
         agent=Agent(args.non_idempotent, args.self_kill, args.mislabel),
+        restart_db=args.restart_db,
     )
     for problem in counts.problems[:20]:
         print(f"problem: {problem}")
     print(
         f"seed={seed} turns={counts.turns} cut_by_a_kill={len(counts.cut)} "
         f"finished_on_another_slot={counts.finished_elsewhere} reruns={counts.reruns} "
-        f"seconds={counts.seconds:.1f}"
+        f"seconds={counts.seconds:.1f} restarts={counts.restarts} "
+        f"store_errors={counts.store_errors}"
     )
     print(counts.line())
     return 0 if counts.ok and counts.kills >= args.kills else 1

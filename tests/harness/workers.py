@@ -5,6 +5,7 @@ Usage::
     python tests/harness/workers.py                  # 3 workers, 10 sessions of 6 turns, 20-30 s
     python tests/harness/workers.py --workers 4 --sessions 10 --seconds 40 --seed 7
     python tests/harness/workers.py --durable dbos   # durable turns: tests/harness/dbos_crash.py
+    python tests/harness/workers.py --restart-db     # and restart PostgreSQL while they run
 
 PostgreSQL: ``$STEPMACHINE_TEST_POSTGRES`` names a server, else a throwaway one
 is started (``tests/harness/_postgres.py``: initdb in a temporary folder, a free
@@ -44,7 +45,19 @@ and checks the database:
 - invalid: sessions whose history has problems (``history_problems``) or
   whose audit log is not whole (revisions 1..n, ``load()`` equal to the
   replay of ``batches()``);
-- outcome_unknown: tool results answered "outcome unknown".
+- outcome_unknown: tool results answered "outcome unknown";
+- dropped_turns: a turn requested and never served that left no record: a
+  session owed a run at the end with no pending-run mark, no lease and no
+  ``serve_run_failed`` event at ERROR, or a run that failed and was neither
+  tried again (``serve_run_retried``) nor recorded as failed for good. The
+  workers print stepmachine's WARNING/ERROR events as ``{"log": ...}`` lines;
+  a run recorded as failed for good is a problem too.
+
+``--restart-db``: the run uses a throwaway server of its own (never
+``$STEPMACHINE_TEST_POSTGRES``'s) and restarts it, once work began, with
+``pg_ctl restart -m fast`` and then ``-m immediate`` (:data:`RESTARTS`),
+while the kills go on. The submitter and the tools retry store calls that
+fail on the restart, as careful clients do; the workers rely on ``serve()``.
 
 With ``--durable dbos`` the run is handed to ``tests/harness/dbos_crash.py``
 (durable turns on DBOS Transact: each machine cycle a DBOS step, a queue
@@ -53,8 +66,8 @@ and ``--seed`` as given; it prints the same last line. Without that module the
 flag says so and exits 2.
 
 Info lines first, then any problem, then the last line, exactly
-``workers=K sessions=M kills=N lost=0 duplicate_side_effects=0 invalid=0
-outcome_unknown=0`` with the counts. Exit status 1 when a count is not 0 or a
+``workers=K sessions=M kills=N lost=0 duplicate_side_effects=0 dropped_turns=0
+invalid=0 outcome_unknown=0`` with the counts. Exit status 1 when a count is not 0 or a
 process failed; 2 when no PostgreSQL server can be had (the reason is printed).
 """
 
@@ -74,6 +87,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import _common as common  # beside this file: on sys.path as a script and in pytest
 import _postgres
@@ -88,6 +102,7 @@ from stepmachine import (
     idempotency_key,
     submit,
 )
+from stepmachine._transient import is_transient
 from stepmachine.operations import approve
 from stepmachine.stores import PostgresStore
 
@@ -106,6 +121,7 @@ class Summary:
     kills: int = 0
     lost: int = 0
     duplicate_side_effects: int = 0
+    dropped_turns: int = 0
     invalid: int = 0
     outcome_unknown: int = 0
     info: dict[str, int] = field(default_factory=dict)
@@ -114,7 +130,13 @@ class Summary:
     @property
     def ok(self) -> bool:
         """No count is wrong and no process failed."""
-        counts = (self.lost, self.duplicate_side_effects, self.invalid, self.outcome_unknown)
+        counts = (
+            self.lost,
+            self.duplicate_side_effects,
+            self.dropped_turns,
+            self.invalid,
+            self.outcome_unknown,
+        )
         return not any(counts) and not self.problems
 
     def line(self) -> str:
@@ -122,6 +144,7 @@ class Summary:
         return (
             f"workers={self.workers} sessions={self.sessions} kills={self.kills} "
             f"lost={self.lost} duplicate_side_effects={self.duplicate_side_effects} "
+            f"dropped_turns={self.dropped_turns} "
             f"invalid={self.invalid} outcome_unknown={self.outcome_unknown}"
         )
 
@@ -137,55 +160,79 @@ class Summary:
 async def submitter(args: argparse.Namespace) -> None:
     """Walk every session's script to its end (see the module docstring); print events."""
     dsn = os.environ[agent_kit.DSN_VAR]
-    store = await PostgresStore.open(dsn, max_size=2)
+    store = await agent_kit.open_store(PostgresStore, dsn, max_size=2)
     _, gate, transfer = agent_kit.agent(agent_kit.SideEffects(dsn, "submitter"))
     acks = common.AckLog(Path(args.ack))
-    counts = {"submitted": 0, "approved": 0}
+    counts = {"submitted": 0, "approved": 0, "store_errors": 0}
     remaining = set(agent_kit.session_ids(args.sessions))
+    unrequested: set[str] = set()  # a request_run owed: the last attempt failed
     try:
         while remaining:
             for session_id in sorted(remaining):
-                session = await store.load(session_id)
-                users = sum(1 for m in session.conversation if m.role == "user")
-                pending = gate.pending(session)
-                if pending:
-                    for item in pending:
-                        after = await approve(
-                            store, session_id, item.call_id, by="submitter", tool=transfer
-                        )
-                        acks.write(
-                            {"kind": "approval", "session": session_id, "revision": after.revision}
-                        )
-                        counts["approved"] += 1
-                        print(f"{session_id}: approved {item.name} {item.call_id}", flush=True)
-                    await store.request_run(session_id)
-                elif agent_kit.answered(session) == users:
-                    if users == args.turns:
-                        remaining.discard(session_id)
-                        print(f"{session_id}: done ({users} turns answered)", flush=True)
-                        continue
-                    turn = users + 1
-                    message = Message.user(
-                        agent_kit.user_text(session_id, turn, args.turns),
-                        id=f"{session_id}-user-{turn}",
-                    )
-                    after = await submit(store, session_id, [AppendMessage(message)])
-                    acks.write(
-                        {
-                            "kind": "user",
-                            "session": session_id,
-                            "revision": after.revision,
-                            "message": message.id,
-                        }
-                    )
-                    counts["submitted"] += 1
-                    await store.request_run(session_id)
-                    print(f"{session_id}: turn {turn} submitted", flush=True)
+                try:
+                    if session_id in unrequested:
+                        await store.request_run(session_id)
+                        unrequested.discard(session_id)
+                    await walk(store, session_id, args, gate, transfer, acks, counts, remaining)
+                except Exception as exc:
+                    if not is_transient(exc):
+                        raise
+                    # The database restarts: what was written is in the store (the next
+                    # pass reads it); the run it needs is requested again to be sure.
+                    unrequested.add(session_id)
+                    counts["store_errors"] += 1
+                    print(f"{session_id}: {type(exc).__name__}, again later", flush=True)
+                    await anyio.sleep(args.poll)
             await anyio.sleep(args.poll)
     finally:
         acks.close()
         await store.aclose()
     print(json.dumps(counts), flush=True)
+
+
+async def walk(
+    store: PostgresStore,
+    session_id: str,
+    args: argparse.Namespace,
+    gate: Any,
+    transfer: Any,
+    acks: common.AckLog,
+    counts: dict[str, int],
+    remaining: set[str],
+) -> None:
+    """One look at one session: approve, submit the next turn, or see it done."""
+    session = await store.load(session_id)
+    users = sum(1 for m in session.conversation if m.role == "user")
+    pending = gate.pending(session)
+    if pending:
+        for item in pending:
+            after = await approve(store, session_id, item.call_id, by="submitter", tool=transfer)
+            acks.write({"kind": "approval", "session": session_id, "revision": after.revision})
+            counts["approved"] += 1
+            print(f"{session_id}: approved {item.name} {item.call_id}", flush=True)
+        await store.request_run(session_id)
+    elif agent_kit.answered(session) == users:
+        if users == args.turns:
+            remaining.discard(session_id)
+            print(f"{session_id}: done ({users} turns answered)", flush=True)
+            return
+        turn = users + 1
+        message = Message.user(
+            agent_kit.user_text(session_id, turn, args.turns),
+            id=f"{session_id}-user-{turn}",
+        )
+        after = await submit(store, session_id, [AppendMessage(message)])
+        acks.write(
+            {
+                "kind": "user",
+                "session": session_id,
+                "revision": after.revision,
+                "message": message.id,
+            }
+        )
+        counts["submitted"] += 1
+        await store.request_run(session_id)
+        print(f"{session_id}: turn {turn} submitted", flush=True)
 
 
 # -- the parent ---------------------------------------------------------------------
@@ -238,6 +285,16 @@ class Processes:
         return f"{what} (pid {process.pid}) exited {process.returncode}: {said}"
 
 
+def working(processes: Processes, first: list[subprocess.Popen[bytes]]) -> bool:
+    """Whether work began: every worker started first said it is ready (or was killed),
+    and the submitter acknowledged a turn."""
+    for process in first:
+        output = processes.outputs[process.pid]
+        if process.poll() is None and '"ready"' not in output.read_text(errors="replace"):
+            return False
+    return any(path.stat().st_size > 0 for path in processes.workdir.glob("acks-submitter-*"))
+
+
 def tail(path: Path, lines: int = 5) -> str:
     """The last lines of a child's output file."""
     try:
@@ -247,17 +304,25 @@ def tail(path: Path, lines: int = 5) -> str:
     return " | ".join(text[-lines:])
 
 
+RESTARTS = ((0.5, "fast"), (2.5, "immediate"))
+"""``--restart-db``: when (seconds after work began: every first worker ready and a turn
+submitted) and how the server is restarted; a restart still under way delays the next one."""
+
+
 def drive(
     options: argparse.Namespace,
     processes: Processes,
     summary: Summary,
     say: Callable[[str], None],
+    restarter: _postgres.Restarter | None = None,
 ) -> None:
-    """Run the workers and the submitter to the end, killing workers at random."""
+    """Run the workers and the submitter to the end, killing workers at random (and
+    restarting the server on :data:`RESTARTS` with ``restarter``)."""
     rng = random.Random(options.seed)
     workers = {i: processes.start("worker", "--index", str(i)) for i in range(options.workers)}
     submitter_process = processes.start("submitter")
     start = time.monotonic()
+    first = list(workers.values())
     next_kill = start + rng.uniform(*FIRST_KILL)
     deadline = start + options.seconds + options.timeout
     try:
@@ -273,11 +338,25 @@ def drive(
                     say(f"t={now - start:5.1f}s SIGKILL worker {index} (pid {process.pid})")
                 workers[index] = processes.start("worker", "--index", str(index))
                 next_kill = now + rng.uniform(*KILL_GAP)
+            if restarter is not None and not restarter.started and working(processes, first):
+                restarter.start()
+                say(f"t={now - start:5.1f}s work began; the server restarts from now on")
             for index, process in list(workers.items()):
                 if process.poll() is not None:  # died by itself: a failure; replace it
                     summary.problems.append(processes.failed(f"worker {index}", process))
                     workers[index] = processes.start("worker", "--index", str(index))
             time.sleep(0.05)
+        if restarter is not None:
+            if not restarter.finished:
+                summary.problems.append(
+                    f"the run ended before every restart of the server ({len(restarter.done)} "
+                    f"of {len(restarter.schedule)} made): give it more --turns or --sessions"
+                )
+            restarter.stop()
+            summary.info["restarts"] = len(restarter.done)
+            summary.problems.extend(restarter.errors)
+            for mode, took in restarter.done:
+                say(f"restarted the server (-m {mode}, {took:.1f} s)")
         if submitter_process.poll() is None:
             submitter_process.kill()
             submitter_process.wait()
@@ -369,6 +448,28 @@ async def check(dsn: str, workdir: Path, options: argparse.Namespace, summary: S
     summary.duplicate_side_effects = duplicates
     unapplied = [key for key in effect_keys if key not in applied]
     summary.lost += len(unapplied)
+    events = await anyio.to_thread.run_sync(worker_events, workdir)
+    # A run that raised is either tried again (serve_run_retried) or failed for good,
+    # said at ERROR (serve_run_failed, retried False): a problem, with its record. A
+    # failure said otherwise (not retried, not final) dropped its turn.
+    final = [e for e in events if e.get("event") == "serve_run_failed" and e["level"] == "ERROR"]
+    unsaid = [e for e in events if e.get("event") == "serve_run_failed" and e not in final]
+    for event in final:
+        summary.problems.append(
+            f"{event.get('session_id')}: a run failed for good "
+            f"({event.get('error_type')}, {event.get('attempts')} attempts)"
+        )
+    for event in unsaid:
+        summary.problems.append(
+            f"{event.get('session_id')}: a run failed ({event.get('error_type')}) and its "
+            "turn was neither run again nor recorded as failed"
+        )
+    failed = {e.get("session_id") for e in final}
+    summary.dropped_turns = len(unsaid) + await dropped(dsn, options, failed)
+    summary.info.update(
+        run_retries=sum(1 for e in events if e.get("event") == "serve_run_retried"),
+        claim_retries=sum(1 for e in events if e.get("event") == "serve_claim_failed"),
+    )
     claims = sum(1 for ack in acks if ack["kind"] == "claim")
     runs = sum(1 for ack in acks if ack["kind"] == "run")
     summary.info.update(
@@ -380,11 +481,56 @@ async def check(dsn: str, workdir: Path, options: argparse.Namespace, summary: S
     )
 
 
+def worker_events(workdir: Path) -> list[dict[str, Any]]:
+    """The stepmachine events the workers printed (``{"log": {...}}`` lines)."""
+    events: list[dict[str, Any]] = []
+    for path in sorted(workdir.glob("out-worker-*.txt")):
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith('{"log": '):
+                with contextlib.suppress(ValueError):
+                    events.append(json.loads(line)["log"])
+    return events
+
+
+async def dropped(dsn: str, options: argparse.Namespace, failed: set[Any]) -> int:
+    """Turns requested and never served that left no record: a session owed a run (its
+    last user turn or approval unanswered) with no pending-run mark, no lease and no
+    ``serve_run_failed`` event."""
+    async with await PostgresStore.open(dsn) as store:
+        owed: list[str] = []
+        for session_id in agent_kit.session_ids(options.sessions):
+            session = await store.load(session_id)
+            users = sum(1 for m in session.conversation if m.role == "user")
+            if agent_kit.answered(session) < users and session_id not in failed:
+                owed.append(session_id)
+    if not owed:
+        return 0
+    import psycopg
+
+    def waiting() -> set[str]:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT session_id FROM stepmachine.sessions WHERE session_id = ANY(%s) "
+                "AND (run_requested_at IS NOT NULL OR lease_owner IS NOT NULL)",
+                (owed,),
+            ).fetchall()
+        return {str(row[0]) for row in rows}
+
+    pending = await anyio.to_thread.run_sync(waiting)
+    return sum(1 for session_id in owed if session_id not in pending)
+
+
 def run(options: argparse.Namespace, say: Callable[[str], None] = print) -> Summary:
     """One run of the harness (see the module docstring); the summary."""
     summary = Summary(options.workers, options.sessions)
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(_postgres.postgres_server())
+        restarter: _postgres.Restarter | None = None
+        if options.restart_db:  # a server of our own: it is restarted
+            own = stack.enter_context(_postgres.throwaway_server())
+            restarter = _postgres.Restarter(own, RESTARTS)
+            server = own.dsn
+        else:
+            server = stack.enter_context(_postgres.postgres_server())
         dsn = stack.enter_context(_postgres.fresh_database(server, prefix="stepmachine_workers"))
         if options.workdir is not None:
             workdir = options.workdir
@@ -402,7 +548,7 @@ def run(options: argparse.Namespace, say: Callable[[str], None] = print) -> Summ
             "--ttl",
             str(options.ttl),
         ]
-        drive(options, Processes(workdir, env, common_options), summary, say)
+        drive(options, Processes(workdir, env, common_options), summary, say, restarter)
         anyio.run(check, dsn, workdir, options, summary)
         for path in workdir.glob("out-submitter-*.txt"):
             last = tail(path, 1)
@@ -414,11 +560,15 @@ def run(options: argparse.Namespace, say: Callable[[str], None] = print) -> Summ
 FORWARDED = ("--workers", "--sessions", "--turns", "--seed")
 """The options ``--durable`` passes on (as given) to the durable harness."""
 
+FORWARDED_FLAGS = ("--restart-db",)
+"""The flags (no value) ``--durable`` passes on."""
+
 
 def durable(name: str, argv: Sequence[str]) -> int:
     """``--durable NAME``: run ``tests/harness/<NAME>_crash.py``'s ``main(argv)``; its status.
 
-    Of this command line only :data:`FORWARDED` options are passed on, as given;
+    Of this command line only :data:`FORWARDED` options and :data:`FORWARDED_FLAGS`
+    are passed on, as given;
     that harness prints the same last line (its own defaults for the rest: for
     DBOS, 50 mid-turn kills). Returns 2, saying so, when the module is not there.
     """
@@ -437,6 +587,9 @@ def durable(name: str, argv: Sequence[str]) -> int:
     forwarded: list[str] = []
     for index, arg in enumerate(argv):
         option = arg.split("=", 1)[0]
+        if option in FORWARDED_FLAGS:
+            forwarded.append(arg)
+            continue
         if option not in FORWARDED:
             continue
         forwarded.append(arg)
@@ -458,6 +611,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--poll", type=float, default=0.2, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help="keep the processes' files here")
     parser.add_argument("--durable", choices=["dbos"], help="durable turns (another module)")
+    parser.add_argument(
+        "--restart-db",
+        action="store_true",
+        help="restart the PostgreSQL server (pg_ctl restart -m fast, then -m immediate) while "
+        "the workers run; always a throwaway server of the harness's own",
+    )
     parser.add_argument(
         "--unleased",
         action="store_true",

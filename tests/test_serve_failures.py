@@ -1,0 +1,257 @@
+"""``serve()`` when a run raises: a transient error leaves the turn pending, any other
+leaves a record (an ERROR event), never a silent drop.
+
+The faults are real ones raised where the store would raise them (an ``OSError``
+from ``load``, from ``claim_next``); the restarted PostgreSQL server is in
+``test_postgres_restart.py``. The classification is ``stepmachine._transient``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import structlog
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stepmachine import (
+    CancelToken,
+    ConfigurationError,
+    ConflictError,
+    LeaseLostError,
+    Message,
+    ModelInference,
+    Runtime,
+    StateMachine,
+    StoreClosedError,
+    StoredDataError,
+    serve,
+)
+from stepmachine import _transient as transient
+from stepmachine.stores import MemoryStore, SQLiteStore
+from stepmachine.testing import FunctionModel, reply
+
+
+class Faults:
+    """How many times each store method should still raise ``OSError``."""
+
+    def __init__(self) -> None:
+        self.load = 0
+        self.claim_next = 0
+        self.raised: list[str] = []
+
+    def take(self, name: str) -> None:
+        left = getattr(self, name)
+        if left:
+            setattr(self, name, left - 1)
+            self.raised.append(name)
+            raise OSError(5, f"Input/output error (injected into {name})")
+
+
+class FaultyMemory(MemoryStore):
+    faults = Faults()
+
+    async def load(self, session_id: str) -> Any:
+        self.faults.take("load")
+        return await super().load(session_id)
+
+    async def claim_next(self, owner: str, ttl: float) -> Any:
+        self.faults.take("claim_next")
+        return await super().claim_next(owner, ttl)
+
+
+class FaultySQLite(SQLiteStore):
+    faults = Faults()
+
+    async def load(self, session_id: str) -> Any:
+        self.faults.take("load")
+        return await super().load(session_id)
+
+    async def claim_next(self, owner: str, ttl: float) -> Any:
+        self.faults.take("claim_next")
+        return await super().claim_next(owner, ttl)
+
+
+@pytest.fixture(params=["memory", "memory-expiring", "sqlite"])
+async def faulty(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """A store whose methods raise when told to. A lease is held until released (memory,
+    SQLite: a turn to retry is parked by its worker) or lapses (memory-expiring: the
+    turn's lease is left to lapse, then any worker claims it)."""
+    if request.param == "memory":
+        store: Any = FaultyMemory()
+    elif request.param == "memory-expiring":
+        store = FaultyMemory(expiring_leases=True)
+    else:
+        store = await FaultySQLite.open(tmp_path / "db.sqlite3")
+    store.faults = Faults()
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short pauses (the bound and the doubling stay): the tests wait for retries."""
+    monkeypatch.setattr(transient, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(transient, "BACKOFF_CAP", 0.05)
+
+
+def echo(request: Any) -> Any:
+    return reply(f"re: {request.messages[-1].text}")
+
+
+async def serve_until(store: Any, model: Any, done: Any, *, workers: int = 1) -> list[str]:
+    """Run ``workers`` serve() loops until ``done(served)``; the ids of the runs reported."""
+    stop = CancelToken()
+    served: list[str] = []
+
+    def seen(report: Any) -> None:
+        served.append(report.session.id)
+        if done(served):
+            stop.cancel("done")
+
+    runtime = Runtime(store=store, model=model)
+    with anyio.fail_after(30):  # a guard against a hang, not a timing threshold
+        async with anyio.create_task_group() as tg:
+            for i in range(workers):
+                tg.start_soon(
+                    lambda i=i: serve(
+                        StateMachine([ModelInference()]),
+                        runtime,
+                        stop=stop,
+                        poll=0.01,
+                        ttl=5,
+                        owner_prefix=f"w{i}:",
+                        on_report=seen,
+                    )
+                )
+    return served
+
+
+@pytest.mark.usefixtures("quick_backoff")
+async def test_a_turn_whose_load_failed_once_is_run_again(faulty: Any) -> None:
+    await faulty.create("s1", conversation=[Message.user("hello", id="u1")])
+    await faulty.request_run("s1")
+    faulty.faults.load = 1
+    with structlog.testing.capture_logs() as logs:
+        served = await serve_until(faulty, FunctionModel(echo), lambda served: "s1" in served)
+    assert faulty.faults.raised == ["load"]
+    assert served == ["s1"]
+    session = await faulty.load("s1")
+    assert session.conversation[-1].text == "re: hello"
+    retried = [e for e in logs if e["event"] == "serve_run_retried"]
+    assert [(e["session_id"], e["error_type"], e["attempt"]) for e in retried] == [
+        ("s1", "OSError", 1)
+    ]
+    assert not [e for e in logs if e["event"] == "serve_run_failed"]
+    assert await faulty.claim_next("probe", 5.0) is None  # nothing left pending or held
+
+
+@pytest.mark.usefixtures("quick_backoff")
+async def test_other_sessions_are_served_while_one_backs_off(faulty: Any) -> None:
+    names = [f"s{i}" for i in range(4)]
+    for name in names:
+        await faulty.create(name, conversation=[Message.user(f"hi {name}", id="u1")])
+        await faulty.request_run(name)
+    faulty.faults.load = 3  # the first three runs fail, whichever sessions they are
+    served = await serve_until(
+        faulty, FunctionModel(echo), lambda served: set(served) == set(names), workers=2
+    )
+    assert sorted(served) == names
+    for name in names:
+        assert (await faulty.load(name)).conversation[-1].text == f"re: hi {name}"
+
+
+@pytest.mark.usefixtures("quick_backoff")
+async def test_a_claim_that_failed_is_tried_again(faulty: Any) -> None:
+    await faulty.create("s1", conversation=[Message.user("hello", id="u1")])
+    await faulty.request_run("s1")
+    faulty.faults.claim_next = 2
+    with structlog.testing.capture_logs() as logs:
+        served = await serve_until(faulty, FunctionModel(echo), lambda served: "s1" in served)
+    assert served == ["s1"]
+    assert faulty.faults.raised == ["claim_next", "claim_next"]
+    assert [e["attempt"] for e in logs if e["event"] == "serve_claim_failed"] == [1, 2]
+
+
+async def wait_for_event(logs: list[dict[str, Any]], name: str, stop: CancelToken) -> None:
+    while not any(e["event"] == name for e in logs):  # noqa: ASYNC110 - the logger fills it
+        await anyio.sleep(0.01)
+    stop.cancel("seen")
+
+
+@pytest.mark.usefixtures("quick_backoff")
+@pytest.mark.parametrize("fault", ["bug", "transient_forever"])
+async def test_a_run_that_fails_for_good_leaves_an_error_record(faulty: Any, fault: str) -> None:
+    await faulty.create("s1", conversation=[Message.user("hello", id="u1")])
+    await faulty.request_run("s1")
+    calls: list[int] = []
+
+    def broken(request: Any) -> Any:
+        calls.append(1)
+        raise RuntimeError("a bug in the model adapter")
+
+    if fault == "transient_forever":
+        faulty.faults.load = 10_000
+    model = FunctionModel(echo if fault == "transient_forever" else broken)
+    stop = CancelToken()
+    runtime = Runtime(store=faulty, model=model)
+    with structlog.testing.capture_logs() as logs, anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_for_event, logs, "serve_run_failed", stop)
+            await serve(StateMachine([ModelInference()]), runtime, stop=stop, poll=0.01, ttl=5)
+    failed = [e for e in logs if e["event"] == "serve_run_failed"]
+    assert len(failed) == 1
+    assert failed[0]["log_level"] == "error"
+    assert failed[0]["session_id"] == "s1"
+    assert failed[0]["retried"] is False
+    retried = [e for e in logs if e["event"] == "serve_run_retried"]
+    if fault == "bug":
+        assert failed[0]["attempts"] == 1
+        assert not retried
+        assert calls  # the model was called and raised
+    else:
+        assert failed[0]["error_type"] == "OSError"
+        assert failed[0]["attempts"] == transient.MAX_ATTEMPTS
+        assert [e["attempt"] for e in retried] == list(range(1, transient.MAX_ATTEMPTS))
+    faulty.faults.load = 0
+    assert await faulty.claim_next("probe", 5.0) is None  # not pending: failed, and said so
+
+
+def test_transient_errors_are_the_store_faults() -> None:
+    import psycopg
+
+    for exc in (
+        OSError("disk"),
+        ConnectionResetError(),
+        TimeoutError(),
+        psycopg.OperationalError("server closed the connection"),
+        psycopg.errors.AdminShutdown("terminating connection"),
+        LeaseLostError("s1", "w", 3, "expired"),
+        ConflictError("s1", 4, 5),
+        ExceptionGroup("two", [OSError(), psycopg.OperationalError()]),
+    ):
+        assert transient.is_transient(exc), exc
+    for exc in (
+        StoredDataError("bad row"),
+        ConfigurationError("no"),
+        StoreClosedError("closed"),
+        ValueError("a bug"),
+        psycopg.errors.UniqueViolation("dup"),
+        ExceptionGroup("mixed", [OSError(), ValueError()]),
+        KeyboardInterrupt(),
+        SystemExit(),
+    ):
+        assert not transient.is_transient(exc), exc
+
+
+@given(st.integers(min_value=1, max_value=10_000), st.randoms(use_true_random=False))
+def test_backoff_is_bounded_and_grows(attempt: int, rng: Any) -> None:
+    delay = transient.backoff(attempt, rng=rng)
+    assert transient.BACKOFF_FIRST / 2 <= delay <= transient.BACKOFF_CAP
+    full = min(transient.BACKOFF_CAP, transient.BACKOFF_FIRST * 2 ** min(attempt - 1, 32))
+    assert full / 2 <= delay <= full
