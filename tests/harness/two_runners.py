@@ -64,6 +64,11 @@ def machine_for(folder: Path, lease: bool) -> StateMachine[Any]:
     def charge(amount: int) -> str:
         """Charge the card: not idempotent."""
         (folder / "started").touch()
+        # Charge until runner B has started (a cold start under load can take longer
+        # than any fixed sleep), then a while more: B's run meets the call in flight.
+        deadline = time.monotonic() + 60
+        while not (folder / "b_ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
         time.sleep(TOOL_SECONDS)
         with (folder / "charges.txt").open("a") as out:
             out.write(f"{amount}\n")
@@ -77,6 +82,8 @@ def machine_for(folder: Path, lease: bool) -> StateMachine[Any]:
 
 async def child(spec: str, folder: Path, lease: bool) -> None:
     store = await common.open_store(spec, folder, Codec())
+    if (folder / "started").exists():  # runner B: ready to run, A's tool may go on
+        (folder / "b_ready").touch()
     try:
         await machine_for(folder, lease).run(Runtime(store=store, model=FunctionModel(answer)), "s")
     finally:
