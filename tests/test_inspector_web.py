@@ -69,7 +69,7 @@ async def stores(tmp_path: Path) -> AsyncIterator[Stores]:
 
 
 def client(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
 
 
 # -- pages and JSON ----------------------------------------------------------------
