@@ -7,7 +7,10 @@ at the revision the page was rendered at, appends each ``batch`` event's
 ``#timeline`` (through the page's ``window.stepmachineTimeline.append``
 when there is one) unless an element ``#rev-N`` is already there, writes the
 ``status`` into ``#session-status`` and the revision into
-``#session-revision``, and shows ``live`` events' text in a ``<pre>`` (as
+``#session-revision``, puts each ``head`` event's header and conversation
+(rendered and escaped by the server's ``render_head``) in place of
+``#session`` and ``#conversation`` (so the counters and the conversation
+follow the timeline), and shows ``live`` events' text in a ``<pre>`` (as
 text) until the next batch. A badge ``#live-indicator`` says ``live``,
 ``reconnecting`` or ``closed``. Anything but the server's entry HTML goes in
 with ``textContent``, through ``visible()`` (:func:`~._visible.visible_js`:
@@ -68,6 +71,20 @@ _SCRIPT: Final = """
     template.innerHTML = data.html;
     timeline.appendChild(template.content);
   }
+  function replace(id, markup) {
+    // markup is the server's render_head output, escaped there.
+    var element = document.getElementById(id);
+    var template = document.createElement("template");
+    template.innerHTML = markup;
+    var fresh = template.content.firstElementChild;
+    if (element && fresh && fresh.id === id) { element.replaceWith(fresh); }
+  }
+  function onHead(data) {
+    if (data.revision < position.revision) { return; }  // an older stream's
+    replace("session", data.header);
+    replace("conversation", data.conversation);
+    if (window.stepmachineTimeline) { window.stepmachineTimeline.filter(); }
+  }
   function onStatus(data) {
     setText("session-status", visible(data.status));
   }
@@ -104,6 +121,7 @@ _SCRIPT: Final = """
     };
     source.addEventListener("batch", handler(onBatch));
     source.addEventListener("status", handler(onStatus));
+    source.addEventListener("head", handler(onHead));
     source.addEventListener("live", handler(onLive));
     source.addEventListener("reset", function () {
       // The session is not the one this page shows (recreated, restored): start over.

@@ -64,7 +64,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed where te
 
 from ._connections import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, guarded_protocol
 from ._hosts import HostGuard, normalise_allowed
-from ._html import page_policy, render_batch, render_page
+from ._html import page_policy, render_batch, render_head, render_page
 from ._html_parts import esc
 
 __all__ = ["Streams", "create_app", "serve"]
@@ -276,6 +276,7 @@ def create_app(
             live=live,
             closing=lambda: streams.closing,
             load=heads.load,
+            render_head=render_head,
         )
         return _EventStream(stream)
 
