@@ -183,8 +183,9 @@ def create_app(
             process, for ``live`` events; without it the streams carry what
             the store holds.
         allowed_hosts: host names (or addresses) requests may be addressed to
-            besides loopback; any other ``Host`` is refused with 421 (DNS
-            rebinding: see :mod:`._hosts`).
+            besides loopback; any other ``Host`` is refused with 421 (so a
+            DNS-rebinding page cannot read the sessions), and an ``Origin``
+            of another host with 403.
 
     Returns:
         A Starlette app; ``app.state.streams`` is its :class:`Streams`.
@@ -361,10 +362,12 @@ def serve(
     interval of the shutdown.
 
     Requests addressed to another host than loopback or one of
-    ``allowed_hosts`` are refused (see :mod:`._hosts`). A connection has
-    ``header_timeout`` seconds to send a request's headers, and at most
-    ``max_connections`` are open at once, the one waiting longest for a
-    request closed to make room (see :mod:`._connections`).
+    ``allowed_hosts`` are refused (421). A connection has ``header_timeout``
+    seconds, from when it opens or from its last response, to send a
+    request's headers (a trickle of bytes does not extend it), and at most
+    ``max_connections`` are open at once: the one waiting longest for a
+    request is closed to make room, so idle connections never keep a real
+    request out.
 
     Raises:
         UsageError, StoreNotFoundError, StoredDataError: from opening the store.
