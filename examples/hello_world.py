@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -106,13 +108,30 @@ async def main(db: Path) -> None:
             for message in report.session.conversation:
                 print_message(message)
             print(
-                f"\ninspect it: python -m stepmachine --store sqlite:///{db} show {session_id}"
+                f"\ninspect it: {python_command()} -m stepmachine "
+                f"--store {shlex.quote(f'sqlite:///{db}')} show {session_id}"
                 "\n(or run examples/inspector.py; the command needs the extra cli, which"
                 " dev.py demo installs)"
             )
     finally:
         if isinstance(model, HTTPModel):
             await model.aclose()
+
+
+def python_command() -> str:
+    """The interpreter running this demo, as a command that works from the current directory.
+
+    ``sys.executable`` (a virtual environment's ``python``, which has
+    stepmachine's dependencies; a bare ``python`` may not), relative when it
+    is under the current directory (``.venv/bin/python``), else absolute;
+    quoted for a POSIX shell.
+    """
+    executable = Path(sys.executable)
+    try:
+        shown = str(executable.relative_to(Path.cwd()))
+    except ValueError:
+        shown = str(executable)
+    return shlex.quote(shown)
 
 
 def print_message(message: Message) -> None:

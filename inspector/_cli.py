@@ -520,17 +520,24 @@ def export(
     at: int | None,
 ) -> None:
     """Write the session's timeline: one self-contained HTML file (no network needed to
-    read it), or the view as JSON."""
+    read it), or the view as JSON. FILE - is standard output."""
     if html_file is None and json_file is None:
         raise click.UsageError("say what to write: --html FILE and/or --json FILE")
+    if html_file == "-" and json_file == "-":
+        raise click.UsageError("only one of --html and --json can write to standard output (-)")
     view = _run(ctx, lambda store: load_view(store, session_id, at))
     with _errors():
-        if html_file is not None:
-            _write(html_file, render_html(view))
-            click.echo(clean(f"wrote {html_file}"))
-        if json_file is not None:
-            _write(json_file, json_text(view, indent=2))
-            click.echo(clean(f"wrote {json_file}"))
+        for path, render in ((html_file, render_html), (json_file, _json_export)):
+            if path == "-":
+                click.echo(render(view), nl=False)
+            elif path is not None:
+                _write(path, render(view))
+                # On stderr when the other one went to standard output, which it must not mix with.
+                click.echo(clean(f"wrote {path}"), err="-" in (html_file, json_file))
+
+
+def _json_export(view: Any) -> str:
+    return json_text(view, indent=2) + "\n"
 
 
 def _write(path: str, text: str) -> None:
@@ -554,9 +561,44 @@ def _write(path: str, text: str) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--poll", default=0.25, show_default=True, type=click.FloatRange(min=0.01))
+@click.option(
+    "--allow-host",
+    "allowed_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="also answer requests addressed to this host name or address (repeatable); "
+    "by default only loopback names (localhost, 127.0.0.1, [::1])",
+)
+@click.option(
+    "--header-timeout",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="seconds a connection has to send a request's headers",
+)
+@click.option(
+    "--max-connections",
+    default=100,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="connections open at once; the one idle longest is closed to make room",
+)
 @click.pass_context
-def serve(ctx: click.Context, store_url: str | None, host: str, port: int, poll: float) -> None:
-    """Serve the session list and live timelines over HTTP (extra ``web``)."""
+def serve(
+    ctx: click.Context,
+    store_url: str | None,
+    host: str,
+    port: int,
+    poll: float,
+    allowed_hosts: tuple[str, ...],
+    header_timeout: float,
+    max_connections: int,
+) -> None:
+    """Serve the session list and live timelines over HTTP (needs the web extra).
+
+    Answers requests addressed to loopback names only, unless --allow-host
+    names another (a DNS-rebinding page cannot read the sessions).
+    """
     settings = _settings(ctx)
     url = store_url or settings.store or ""
     with _errors():
@@ -564,7 +606,16 @@ def serve(ctx: click.Context, store_url: str | None, host: str, port: int, poll:
         from ._web import serve as serve_web  # noqa: PLC0415 - needs the web extra
 
         codec = load_codec(settings.codec) if settings.codec else None
-        serve_web(url, host=host, port=port, codec=codec, poll_interval=poll)
+        serve_web(
+            url,
+            host=host,
+            port=port,
+            codec=codec,
+            poll_interval=poll,
+            allowed_hosts=allowed_hosts,
+            header_timeout=header_timeout,
+            max_connections=max_connections,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

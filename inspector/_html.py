@@ -43,7 +43,12 @@ For the live view, the page's script exposes ``window.stepmachineTimeline``:
 (ignored when an entry with that revision is already there, so a replay after
 a reconnect is harmless) and re-applies the search; ``filter()`` re-applies
 the search. The header's ``#session-revision`` and ``#session-status`` hold
-the revision and the status as text.
+the revision and the status as text; each fact's ``<dd>`` is ``#fact-LABEL``
+(``#fact-model-replies``, ``#fact-tokens``, ``#fact-batches``,
+``#fact-messages``). The live view replaces ``#session``
+(the header: revision, status, model replies, tokens, batches, messages,
+problems) and ``#conversation`` with :func:`render_head`'s markup as the
+session advances.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ __all__ = [
     "content_security_policy",
     "page_policy",
     "render_batch",
+    "render_head",
     "render_html",
     "render_page",
 ]
@@ -292,11 +298,14 @@ def _header(view: Mapping[str, Any]) -> str:
             "tokens",
             f"{esc(totals.get('input_tokens', 0))} in / {esc(totals.get('output_tokens', 0))} out",
         ),
-        ("batches", esc(len(view.get("batches") or []))),
+        ("batches", esc(view.get("batch_count", len(view.get("batches") or [])))),
         ("messages", esc(len(view.get("messages") or []))),
         ("problems", esc(len(problems)) if problems else "none"),
     ]
-    facts = "".join(f"<div><dt>{label}</dt><dd>{value}</dd></div>" for label, value in rows)
+    facts = "".join(
+        f'<div><dt>{label}</dt><dd id="fact-{label.replace(" ", "-")}">{value}</dd></div>'
+        for label, value in rows
+    )
     problem_list = ""
     if problems:
         items = "".join(_problem(p) for p in problems)
@@ -317,6 +326,17 @@ def _conversation(view: Mapping[str, Any]) -> str:
         f"{esc(view.get('revision'))}: {len(messages)} message(s), {hidden} hidden from the "
         f"model</span></h2>{body}</section>"
     )
+
+
+def render_head(view: Mapping[str, Any]) -> dict[str, str]:
+    """The page's header and conversation for ``view`` (a :func:`~._view.head_view`).
+
+    ``{"header": "<header id=session>...", "conversation": "<section
+    id=conversation>..."}``, the same markup :func:`render_page` writes, for
+    the live page to put in place of its own as the session advances. Every
+    stored value is escaped.
+    """
+    return {"header": _clean(_header(view)), "conversation": _clean(_conversation(view))}
 
 
 def render_page(view: Mapping[str, Any], *, live_script: str = "") -> str:

@@ -2,7 +2,8 @@
 
 Every function takes view data (:mod:`._view`'s JSON builtins) and returns an
 HTML fragment. All stored text is hostile: every value that comes from the
-session goes through :func:`esc` (``html.escape`` with quotes), in text and
+session goes through :func:`esc` (``html.escape`` with quotes, and the
+characters :mod:`._visible` names shown escaped), in text and
 in attribute values alike; nothing from the session is ever placed in a
 ``<script>``, a ``style`` or a URL other than a ``#fragment``. Long contents
 are collapsed in ``<details>`` (the full text stays in the document: it is
@@ -19,6 +20,7 @@ from typing import Any, Final
 
 from ._records import BUDGET, DECISION, JOURNAL, MARK, RECEIPT, REQUEST, SUMMARY, records_in
 from ._view import MEDIA_TYPES, media_label
+from ._visible import visible
 
 __all__ = [
     "LONG_CHARS",
@@ -43,8 +45,13 @@ _SKIPPED_FIELDS: Final = frozenset({"record", "namespace", "key", "ledger"})
 
 
 def esc(value: object) -> str:
-    """``value`` as HTML text, safe in element content and in quoted attribute values."""
-    return html.escape(value if isinstance(value, str) else str(value), quote=True)
+    """``value`` as HTML text, safe in element content and in quoted attribute values.
+
+    Characters that would change what a reader sees unseen (bidirectional
+    controls, zero-width characters, controls: :mod:`._visible`) are shown
+    escaped, ``\\u202e``.
+    """
+    return html.escape(visible(value), quote=True)
 
 
 def pretty_json(value: Any) -> str:

@@ -21,7 +21,7 @@ from collections import deque
 
 import anyio
 
-from stepmachine import Event
+from stepmachine import Event, ToolStarted, Yielded
 
 from ._sse import Cursor
 
@@ -33,6 +33,7 @@ class _Buffer:
         self.revision = -1
         self.events: deque[Event] = deque(maxlen=max_events)
         self.arrived = anyio.Event()
+        self.started: dict[str, None] = {}  # call ids, oldest first (ordered, bounded)
 
 
 class LiveHub:
@@ -63,6 +64,12 @@ class LiveHub:
         than the revision before it; an event that old is dropped itself.
         """
         buffer = self._buffer(event.session_id)
+        if isinstance(event.data, ToolStarted):
+            buffer.started[event.data.call_id] = None
+            if len(buffer.started) > self._max_events:
+                del buffer.started[next(iter(buffer.started))]
+        elif isinstance(event.data, Yielded):
+            buffer.started.clear()  # the run returned: nothing of it runs any more
         if event.revision < buffer.revision - 1:
             return
         if event.revision > buffer.revision:
@@ -84,6 +91,21 @@ class LiveHub:
             return []
         revision, position = cursor
         return [e for e in buffer.events if e.revision == revision and e.seq + 1 > position]
+
+    def running_calls(self, session_id: str) -> frozenset[str]:
+        """The call ids of ``session_id`` whose tool a run in this process has started.
+
+        Kept from each ``tool_started`` event until the run yields (``yielded``),
+        whatever the event buffer drops (at most ``max_events`` ids). A run in
+        this process holds the session's lease and writes each started call's
+        result itself (a finished tool's result lands with the next batch; a
+        cancelled run's finalize answers "interrupted"), so while such a call is
+        open it is running, not an outcome for an operator. A run that ends with
+        an exception emits no ``yielded``: its calls read running until the next
+        run in this process yields.
+        """
+        buffer = self._buffers.get(session_id)
+        return frozenset() if buffer is None else frozenset(buffer.started)
 
     async def wait(self, session_id: str) -> None:
         """Return at the next event of ``session_id``. Cancellation just stops the wait."""

@@ -7,10 +7,15 @@ at the revision the page was rendered at, appends each ``batch`` event's
 ``#timeline`` (through the page's ``window.stepmachineTimeline.append``
 when there is one) unless an element ``#rev-N`` is already there, writes the
 ``status`` into ``#session-status`` and the revision into
-``#session-revision``, and shows ``live`` events' text in a ``<pre>`` (as
+``#session-revision``, puts each ``head`` event's header and conversation
+(rendered and escaped by the server's ``render_head``) in place of
+``#session`` and ``#conversation`` (so the counters and the conversation
+follow the timeline), and shows ``live`` events' text in a ``<pre>`` (as
 text) until the next batch. A badge ``#live-indicator`` says ``live``,
 ``reconnecting`` or ``closed``. Anything but the server's entry HTML goes in
-with ``textContent``.
+with ``textContent``, through ``visible()`` (:func:`~._visible.visible_js`:
+bidirectional controls, zero-width characters and controls shown escaped, as
+the server's HTML shows them).
 
 Reconnects: the browser's ``EventSource`` reconnects by itself and sends
 ``Last-Event-ID``; if it gives up (the server answered with an error), the
@@ -23,6 +28,8 @@ from __future__ import annotations
 import json
 from typing import Final
 
+from ._visible import visible_js
+
 __all__ = ["live_script"]
 
 _SCRIPT: Final = """
@@ -31,6 +38,7 @@ _SCRIPT: Final = """
   var timeline = document.getElementById("timeline");
   var position = {revision: config.revision, seq: 0};
   var source = null, timer = null, delay = 1000;
+  __VISIBLE__
 
   var badge = document.createElement("div");
   badge.id = "live-indicator";
@@ -63,16 +71,32 @@ _SCRIPT: Final = """
     template.innerHTML = data.html;
     timeline.appendChild(template.content);
   }
+  function replace(id, markup) {
+    // markup is the server's render_head output, escaped there.
+    var element = document.getElementById(id);
+    var template = document.createElement("template");
+    template.innerHTML = markup;
+    var fresh = template.content.firstElementChild;
+    if (element && fresh && fresh.id === id) { element.replaceWith(fresh); }
+  }
+  function onHead(data) {
+    if (data.revision < position.revision) { return; }  // an older stream's
+    replace("session", data.header);
+    replace("conversation", data.conversation);
+    if (window.stepmachineTimeline) { window.stepmachineTimeline.filter(); }
+  }
   function onStatus(data) {
-    setText("session-status", String(data.status));
+    setText("session-status", visible(data.status));
   }
   function onLive(data) {
     position = {revision: data.revision, seq: data.seq + 1};
     var text = "";
-    if (data.kind === "text_delta" || data.kind === "reasoning_delta") { text = data.text; }
-    else if (data.kind === "tool_started") { text = "\\n[" + data.name + " running]\\n"; }
+    if (data.kind === "text_delta" || data.kind === "reasoning_delta") {
+      text = visible(data.text);
+    }
+    else if (data.kind === "tool_started") { text = "\\n[" + visible(data.name) + " running]\\n"; }
     else if (data.kind === "tool_finished") {
-      text = "\\n[" + data.name + (data.is_error ? " failed" : " finished") + "]\\n";
+      text = "\\n[" + visible(data.name) + (data.is_error ? " failed" : " finished") + "]\\n";
     }
     if (text) {
       deltas.hidden = false;
@@ -97,6 +121,7 @@ _SCRIPT: Final = """
     };
     source.addEventListener("batch", handler(onBatch));
     source.addEventListener("status", handler(onStatus));
+    source.addEventListener("head", handler(onHead));
     source.addEventListener("live", handler(onLive));
     source.addEventListener("reset", function () {
       // The session is not the one this page shows (recreated, restored): start over.
@@ -109,7 +134,7 @@ _SCRIPT: Final = """
       source.close();
       show("stopped");
       deltas.hidden = false;
-      deltas.textContent = "The store could not be read: " + String(data.message);
+      deltas.textContent = "The store could not be read: " + visible(data.message);
     }));
   }
   function reconnect() {
@@ -137,4 +162,4 @@ def live_script(events_url: str, revision: int) -> str:
     config = json.dumps({"events": events_url, "revision": revision}, separators=(",", ":"))
     for character, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026")):
         config = config.replace(character, escape)
-    return _SCRIPT.replace("__CONFIG__", config)
+    return _SCRIPT.replace("__VISIBLE__", visible_js()).replace("__CONFIG__", config)

@@ -9,8 +9,15 @@
   timeline entry (``render_batch``, escaped there);
 - ``status``: ``data: {"revision", "status"}``, the session's
   :func:`~stepmachine.inspector.session_status` at ``revision``; sent once
-  after the catch-up and after every poll that found new batches. It carries
-  no ``id`` (so it never moves a client's position);
+  after the catch-up, after every poll that found new batches, and when the
+  calls the live source says are running change (``running``: a tool of an
+  open call with an intent is running in this process, not an outcome
+  unknown). It carries no ``id`` (so it never moves a client's position);
+- ``head`` (with ``render_head``): ``data: {"revision", "header",
+  "conversation"}``, the page's header (counters included) and conversation
+  at ``revision`` as HTML (escaped there), sent after the ``status`` of every
+  poll that sent batches (not per batch: a catch-up of many batches sends one);
+  no ``id`` either. It costs one rendering of the conversation per such poll;
 - ``live`` (only with a :class:`~stepmachine.inspector.LiveHub`): a display
   event of a run in this process, ``id: <revision>.<seq + 1>`` where
   ``revision`` and ``seq`` are the :class:`~stepmachine.Event`'s (seq 0 of
@@ -59,7 +66,7 @@ from stepmachine import (
 )
 
 from ._status import session_status
-from ._view import History, batch_view
+from ._view import History, batch_view, head_view
 
 __all__ = ["Cursor", "LiveSource", "parse_cursor", "session_events", "sse"]
 
@@ -128,6 +135,11 @@ class _Views:
         self._previous: float | None = None
         self._history = History(created)
 
+    @property
+    def history(self) -> History:
+        """What the batches viewed so far did (for :func:`~._view.head_view`)."""
+        return self._history
+
     def view(self, batch: Batch[Effect]) -> dict[str, Any]:
         view = batch_view(batch, previous=self._previous, history=self._history)
         self._previous = batch.timestamp
@@ -147,6 +159,7 @@ async def session_events(
     live: LiveSource | None = None,
     closing: Callable[[], bool] = lambda: False,
     load: Callable[[str], Awaitable[Session[Any]]] | None = None,
+    render_head: Callable[[dict[str, Any]], dict[str, str]] | None = None,
 ) -> AsyncGenerator[str, None]:
     """The event stream of ``session_id`` for a client at ``cursor`` (see the module docstring).
 
@@ -175,6 +188,12 @@ async def session_events(
     yield f"retry: {retry_ms}\n\n" if retry_ms is not None else ": open\n\n"
     quiet_since = anyio.current_time()
     first = True
+    shown: tuple[int, str] | None = None  # the (revision, status) last sent
+
+    def status_now() -> str:
+        running = getattr(live, "running_calls", None)
+        return session_status(session, running=running(session_id) if running else ())
+
     try:
         while True:
             sent = False
@@ -186,6 +205,7 @@ async def session_events(
                     sent = True
             if first or session.revision > views.revision:
                 first = False
+                batches_sent = False
                 for batch in await store.batches(session_id, after=views.revision):
                     if batch.revision > session.revision:
                         break
@@ -194,10 +214,16 @@ async def session_events(
                         after, position = batch.revision, 0
                         payload = {**view, "html": render_batch(view)}
                         yield sse(event="batch", event_id=f"{after}.0", data=payload)
-                        sent = True
-                status = {"revision": session.revision, "status": session_status(session)}
+                        sent = batches_sent = True
+                status_text = status_now()
+                shown = (session.revision, status_text)
+                status = {"revision": session.revision, "status": status_text}
                 yield sse(event="status", data=status)
                 sent = True
+                if batches_sent and render_head is not None and after <= session.revision:
+                    head = head_view(session, views.history, status=status_text)
+                    parts = render_head(head)
+                    yield sse(event="head", data={"revision": session.revision, **parts})
                 if after > session.revision:
                     # The client saw revisions this session does not have (it was
                     # recreated, or the store restored from a backup): what it shows
@@ -208,6 +234,18 @@ async def session_events(
                 for chunk, reached in _live_events(live, session_id, after, position):
                     yield chunk
                     position = reached
+                    sent = True
+                status_text = status_now()
+                if (
+                    shown is not None
+                    and shown != (session.revision, status_text)
+                    and (await store.load(session_id)).revision == session.revision
+                ):
+                    # A tool started (running is not an outcome unknown), or the run
+                    # yielded; when the session moved on, its batches and status come next.
+                    shown = (session.revision, status_text)
+                    status = {"revision": session.revision, "status": status_text}
+                    yield sse(event="status", data=status)
                     sent = True
             now = anyio.current_time()
             if sent:

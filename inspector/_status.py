@@ -10,7 +10,11 @@ configuration), at what the built-in operations record, in this order:
    crash while it ran, or a run in progress right now), and no operator has
    allowed that attempt to run again; an operator decides with
    ``resolve-unknown`` (``--rerun`` leaves the call open for the next run, and the
-   session reads ``idle``);
+   session reads ``idle``). When the caller knows which calls are running right
+   now (``running``: the live view learns it from a run in its process, whose
+   lease is held, through :class:`~stepmachine.inspector.LiveHub`), a session
+   whose every such call is running reads ``running`` instead: a fresh intent
+   under a held lease is work in progress, not an outcome to decide;
 3. ``budget exhausted``: the last message the model sees carries the
    budget's record of a refusal (tool calls refused, or a model call it did not
    make);
@@ -28,13 +32,14 @@ nothing to read, and such a session reads ``idle``.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Final
 
 from stepmachine import TAG_FIELD, Session
 
 from ._records import BUDGET, CONSUMED, DECISION, EVENT, JOURNAL, REQUEST, WAIT, find, records_in
 
-__all__ = ["STATUSES", "outcome_unknown", "session_status"]
+__all__ = ["RUNNING", "STATUSES", "outcome_unknown", "session_status"]
 
 AWAITING_APPROVAL: Final = "awaiting approval"
 OUTCOME_UNKNOWN: Final = "outcome unknown"
@@ -43,7 +48,10 @@ AWAITING_EVENT: Final = "awaiting event"
 DONE: Final = "done"
 IDLE: Final = "idle"
 STATUSES: Final = (AWAITING_APPROVAL, OUTCOME_UNKNOWN, BUDGET_EXHAUSTED, AWAITING_EVENT, DONE, IDLE)
-"""Every status :func:`session_status` returns, in the order it checks them."""
+"""Every status :func:`session_status` reads from a stored session alone, in the order it
+checks them."""
+RUNNING: Final = "running"
+"""The status of a session whose open intents are all running now (only with ``running``)."""
 
 
 def outcome_unknown(journal: dict[str, Any] | None) -> bool:
@@ -59,12 +67,17 @@ def _awaits_approval(notes: dict[str, Any]) -> bool:
     return find(notes, REQUEST) is not None and find(notes, DECISION) is None
 
 
-def session_status(session: Session[Any]) -> str:
-    """The status of ``session``: one of :data:`STATUSES` (see the module docstring)."""
+def session_status(session: Session[Any], *, running: Collection[str] = ()) -> str:
+    """The status of ``session``: one of :data:`STATUSES` (see the module docstring), or
+    :data:`RUNNING` when every open call with an intent is in ``running`` (call ids
+    known to be running now)."""
     open_calls = session.history.open_calls()
     if any(_awaits_approval(call.notes) for call in open_calls):
         return AWAITING_APPROVAL
-    if any(outcome_unknown(find(call.notes, JOURNAL)) for call in open_calls):
+    unknown = [c for c in open_calls if outcome_unknown(find(c.notes, JOURNAL))]
+    if unknown:
+        if all(call.call_id in running for call in unknown):
+            return RUNNING
         return OUTCOME_UNKNOWN
     last = next((m for m in reversed(session.conversation) if m.visible_to_model), None)
     if last is not None and find(last.notes, BUDGET) is not None:

@@ -3,14 +3,14 @@
 Everything shown comes from the stored session, which is not trusted: text
 is never interpreted as rich markup (it is always a :class:`rich.text.Text`),
 and control characters (an ANSI escape in a tool result could move the
-cursor, retitle the window or hide lines) are shown escaped, ``\\x1b``.
+cursor, retitle the window or hide lines), bidirectional controls and
+zero-width characters are shown escaped, ``\\x1b`` (:mod:`._visible`).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import re
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -20,10 +20,10 @@ from rich.text import Text
 
 from ._records import BUDGET, EVENT, MARK, SUMMARY, WAIT, describe
 from ._view import MEDIA_TYPES, media_label
+from ._visible import json_escaped, visible
 
 __all__ = ["clean", "json_text", "print_log", "print_sessions", "print_show", "when"]
 
-_CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 _STATUS_STYLE: Final = {
     "done": "green",
     "awaiting approval": "bold yellow",
@@ -35,15 +35,19 @@ _STATUS_STYLE: Final = {
 
 
 def clean(text: object) -> str:
-    """``text`` with control and bidirectional-override characters shown escaped."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+    """``text`` with control, bidirectional and zero-width characters shown escaped.
+
+    Which characters, and how, is :mod:`._visible`'s (the HTML pages show the same).
+    """
+    return visible(text)
 
 
 def json_text(value: Any, *, indent: int | None = None) -> str:
     """``value`` as strict JSON that is safe to print.
 
     Non-ASCII text stays readable, but the characters :func:`clean` escapes
-    (C1 controls, line and paragraph separators, bidirectional overrides) are
+    (C1 controls, line and paragraph separators, bidirectional and
+    zero-width characters) are
     written as ``\\uXXXX`` escapes (JSON's own escapes already cover
     ``\\x00``-``\\x1f``), so neither a terminal nor a line-splitting reader
     sees them raw. The views hold no infinite or NaN number (JSON has neither:
@@ -53,7 +57,7 @@ def json_text(value: Any, *, indent: int | None = None) -> str:
         ValueError: ``value`` holds an infinite or NaN number.
     """
     text = json.dumps(value, ensure_ascii=False, indent=indent, allow_nan=False)
-    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return json_escaped(text)
 
 
 def _text(value: object, style: str = "") -> Text:

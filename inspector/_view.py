@@ -75,6 +75,7 @@ __all__ = [
     "batch_view",
     "effect_summary",
     "finite",
+    "head_view",
     "history_problems",
     "load_view",
     "media_label",
@@ -417,6 +418,31 @@ def session_view(
         "problems": [_builtins(problem) for problem in history_problems(session)],
         "messages": messages,
         "batches": batch_views,
+    }
+
+
+def head_view(session: Session[Any], history: History, *, status: str) -> dict[str, Any]:
+    """What the live page's header and conversation show of ``session``, without the batches.
+
+    ``{"id", "revision", "status", "totals", "problems", "messages", "batch_count"}``,
+    as in :func:`session_view` (``batch_count``: the batches up to the revision,
+    one per revision); ``history`` has seen every batch up to the session's
+    revision (the event stream's). ``status`` is given: the stream knows what
+    is running.
+    """
+    results = _results(session)
+    messages = [
+        message_view(m, added_at=history.added.get(m.id, 0), results=results)
+        for m in session.conversation
+    ]
+    return {
+        "id": session.id,
+        "revision": session.revision,
+        "status": status,
+        "totals": _totals(messages),
+        "problems": [_builtins(problem) for problem in history_problems(session)],
+        "messages": messages,
+        "batch_count": session.revision,
     }
 
 

@@ -13,6 +13,12 @@ uvicorn (what ``stepmachine serve`` runs). The routes:
 - ``GET /api/sessions``: ``[{"id", "revision", "status", "last_activity"}]``;
 - ``GET /api/sessions/{id}``: the :func:`~stepmachine.inspector.session_view`.
 
+Every route only reads. Requests are answered only when addressed to loopback
+(``Host``: ``localhost``, ``127.0.0.0/8``, ``[::1]``) or to a host the app
+was given (``allowed_hosts``), so a DNS-rebinding page cannot read them (421
+otherwise: :mod:`._hosts`); :func:`serve` also bounds how long a connection
+may take to send a request and how many are open (:mod:`._connections`).
+
 An unknown session is a 404 and an id no store accepts a 400; stored data
 that does not decode is a 500 whose page (or JSON) says why; the messages are
 escaped and no traceback is shown. The pages load nothing from the network.
@@ -21,9 +27,8 @@ escaped and no traceback is shown. The pages load nothing from the network.
 from __future__ import annotations
 
 import contextlib
-import html
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from types import FrameType
 from typing import Any, Final
 
@@ -49,6 +54,7 @@ try:
     import uvicorn
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
     from starlette.requests import Request
     from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -56,7 +62,10 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is installed where tests run
     raise ImportError(web_extra_message(exc)) from exc
 
-from ._html import page_policy, render_batch, render_page
+from ._connections import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, guarded_protocol
+from ._hosts import HostGuard, normalise_allowed
+from ._html import page_policy, render_batch, render_head, render_page
+from ._html_parts import esc
 
 __all__ = ["Streams", "create_app", "serve"]
 
@@ -130,7 +139,7 @@ _PAGE_HEADERS: Final = {
 def _page(title: str, body: str, status_code: int = 200) -> HTMLResponse:
     document = (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
-        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head>"
+        f"<title>{esc(title)}</title><style>{_STYLE}</style></head>"
         f"<body>{body}</body></html>"
     )
     return HTMLResponse(document, status_code=status_code, headers=_PAGE_HEADERS)
@@ -141,8 +150,7 @@ def _error(request: Request, status_code: int, title: str, message: str) -> Resp
         return JSONResponse({"error": title, "message": message}, status_code=status_code)
     return _page(
         title,
-        f"<h1>{html.escape(title)}</h1><p>{html.escape(message)}</p>"
-        '<p><a href="/">all sessions</a></p>',
+        f'<h1>{esc(title)}</h1><p>{esc(message)}</p><p><a href="/">all sessions</a></p>',
         status_code,
     )
 
@@ -160,6 +168,7 @@ def create_app(
     keepalive: float = 15.0,
     retry_ms: int = 1000,
     live: LiveSource | None = None,
+    allowed_hosts: Iterable[str] = (),
 ) -> Starlette:
     """The live view of ``store`` as an ASGI application (see the module docstring).
 
@@ -173,12 +182,21 @@ def create_app(
         live: a :class:`~stepmachine.inspector.LiveHub` fed by runs in this
             process, for ``live`` events; without it the streams carry what
             the store holds.
+        allowed_hosts: host names (or addresses) requests may be addressed to
+            besides loopback; any other ``Host`` is refused with 421 (so a
+            DNS-rebinding page cannot read the sessions), and an ``Origin``
+            of another host with 403.
 
     Returns:
         A Starlette app; ``app.state.streams`` is its :class:`Streams`.
+
+    Raises:
+        ValueError: ``poll_interval`` is not > 0, or an ``allowed_hosts``
+            entry is not a host name.
     """
     if not poll_interval > 0:
         raise ValueError(f"poll_interval must be a number of seconds > 0, not {poll_interval}")
+    allowed = normalise_allowed(allowed_hosts)
     streams = Streams()
     heads = SharedHeads(store, poll_interval)  # one head read per session per poll
 
@@ -213,12 +231,12 @@ def create_app(
     async def index(request: Request) -> Response:
         rows = []
         for row in await summaries():
-            quoted = html.escape(row["id"])
+            quoted = esc(row["id"])
             status = row["status"] if row["status"] is not None else f"unreadable: {row['error']}"
             rows.append(
                 f'<tr><td><a href="/sessions/{quoted}"><code>{quoted}</code></a></td>'
                 f"<td>{'' if row['revision'] is None else row['revision']}</td>"
-                f"<td>{html.escape(status)}</td><td>{_when(row['last_activity'])}</td></tr>"
+                f"<td>{esc(status)}</td><td>{_when(row['last_activity'])}</td></tr>"
             )
         table = (
             "<table><thead><tr><th>session</th><th>revision</th><th>status</th>"
@@ -263,6 +281,7 @@ def create_app(
             live=live,
             closing=lambda: streams.closing,
             load=heads.load,
+            render_head=render_head,
         )
         return _EventStream(stream)
 
@@ -294,6 +313,7 @@ def create_app(
             Route("/api/sessions", api_sessions),
             Route("/api/sessions/{session_id}", api_session),
         ],
+        middleware=[Middleware(HostGuard, allowed=allowed)],
         exception_handlers={
             SessionNotFoundError: handler(404, "No such session"),
             InvalidSessionIdError: handler(400, "Not a session id"),
@@ -329,6 +349,9 @@ def serve(
     codec: Codec[Any] | None = None,
     poll_interval: float = 0.25,
     log_level: str = "info",
+    allowed_hosts: Iterable[str] = (),
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> None:
     """Serve the live view of the store ``store_url`` names until interrupted.
 
@@ -342,15 +365,36 @@ def serve(
     store when uvicorn has stopped. Open event streams end within one poll
     interval of the shutdown.
 
+    Requests addressed to another host than loopback or one of
+    ``allowed_hosts`` are refused (421). A connection has ``header_timeout``
+    seconds, from when it opens or from its last response, to send a
+    request's headers (a trickle of bytes does not extend it), and at most
+    ``max_connections`` are open at once: the one waiting longest for a
+    request is closed to make room, so idle connections never keep a real
+    request out.
+
     Raises:
         UsageError, StoreNotFoundError, StoredDataError: from opening the store.
+        ValueError: a limit or an allowed host is not valid (before anything opens).
     """
+    allowed = normalise_allowed(allowed_hosts)
+    protocol = guarded_protocol(header_timeout=header_timeout, max_connections=max_connections)
 
     async def main() -> None:
         store = await open_store(store_url, codec=codec)
         try:
-            app = create_app(store, poll_interval=poll_interval)
-            config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off")
+            app = create_app(store, poll_interval=poll_interval, allowed_hosts=allowed)
+            config = uvicorn.Config(
+                app,
+                host=host,
+                port=port,
+                log_level=log_level,
+                lifespan="off",
+                http=protocol,
+                # asyncio accepts up to `backlog` connections before the protocol
+                # sees any: with the cap, at most twice max_connections are open.
+                backlog=max_connections,
+            )
             await _Server(config, app.state.streams).serve()
         finally:
             await store.aclose()

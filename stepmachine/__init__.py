@@ -12,9 +12,12 @@ The public packages:
   steps, the machine, the ``Tools`` and ``ModelInference`` steps, errors.
 - ``stepmachine.operations``: the built-in operations (approval, budgets,
   invalid calls, external events, structured output, compaction, history guard).
-- ``stepmachine.stores``: ``MemoryStore``, ``SQLiteStore``, ``FileStore``.
-- ``stepmachine.providers``: model adapters over httpx (OpenAI, Anthropic,
-  OpenAI-compatible servers).
+- ``stepmachine.stores``: ``MemoryStore``, ``SQLiteStore``, ``FileStore`` and
+  ``PostgresStore`` (PostgreSQL, extra ``postgres``).
+- ``stepmachine.providers``: model adapters over httpx (OpenAI Chat Completions
+  and Responses, Anthropic, Google Gemini, OpenAI-compatible servers).
+- ``stepmachine.inspector``: the ``stepmachine`` command (extra ``cli``), the
+  HTML export and the live web view (extra ``web``).
 - ``stepmachine.testing``: fakes for tests (scripted models, ``run_step``) and
   ``stepmachine.testing.conformance``, the store conformance suite.
 

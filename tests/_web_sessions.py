@@ -166,7 +166,10 @@ async def open_events(
         "raw_path": path.encode(),
         "query_string": query.encode(),
         "root_path": "",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+        "headers": [
+            (k.lower().encode(), v.encode())
+            for k, v in {"host": "127.0.0.1", **(headers or {})}.items()
+        ],
         "client": ("127.0.0.1", 50000),
         "server": ("testserver", 80),
     }
@@ -190,13 +193,22 @@ def free_port() -> int:
 class Server:
     """``serve(store_url, port=...)`` in a child process; :meth:`stop` interrupts it."""
 
-    def __init__(self, db: Path, port: int, log: Path) -> None:
+    def __init__(
+        self, db: Path, port: int, log: Path, *, options: str = "", nofile: int | None = None
+    ) -> None:
+        """Start it; ``options`` are more ``serve`` keyword arguments (Python source,
+        ``", max_connections=5"``); ``nofile`` limits the child's open files."""
         self.url = f"http://127.0.0.1:{port}"
+        self.port = port
         self._log = log
         code = (
+            "import resource\n"
+            f"limit = {nofile!r}\n"
+            "if limit is not None:\n"
+            "    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))\n"
             "from stepmachine.inspector._web import serve\n"
             f"serve({f'sqlite:///{db}'!r}, port={port}, poll_interval=0.05, "
-            "log_level='warning')\n"
+            f"log_level='warning'{options})\n"
         )
         paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}

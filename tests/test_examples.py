@@ -5,6 +5,7 @@ from __future__ import annotations
 import keyword
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -55,11 +56,18 @@ def test_hello_world_prints_the_conversation(tmp_path: Path) -> None:
     assert "<- Sunny, 21 degrees C in Paris" in out
     conversation, hint = out.split("\ninspect it: ", 1)
     assert conversation.rstrip().endswith("It is sunny in Paris, 21 °C. Enjoy your day!")
-    # The command it prints to inspect the session works as printed.
-    command = hint.splitlines()[0].split()
-    assert command[:3] == ["python", "-m", "stepmachine"]
+    # The command it prints to inspect the session works as printed, from the
+    # same directory, with no virtual environment on PATH (the interpreter it
+    # names is the one that ran the demo).
+    command = shlex.split(hint.splitlines()[0])
+    assert command[1:3] == ["-m", "stepmachine"], command
     shown = subprocess.run(
-        [sys.executable, *command[1:]], cwd=tmp_path, capture_output=True, text=True, check=False
+        command,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PATH": "/usr/bin:/bin"},
     )
     assert shown.returncode == 0, shown.stderr
     assert "Weather in Paris?" in shown.stdout

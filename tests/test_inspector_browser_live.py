@@ -234,6 +234,9 @@ def test_an_app_running_its_agent_in_process_streams_live_events(
         # While the tool runs, no batch lands: only the live event says so.
         page.wait_for_selector("#live-deltas:has-text('[slow_forecast running]')")
         assert page.is_visible("#live-deltas")
+        # Its intent is stored and its run holds the lease: running, not an outcome unknown.
+        page.wait_for_selector("#session-status:text-is('running')")
+        assert "Lyon" in (page.text_content("#conversation") or "")  # the call, live
         served.tool_may_finish.set()
         page.wait_for_selector("#session-status:text-is('done')")
     finally:
@@ -243,3 +246,43 @@ def test_an_app_running_its_agent_in_process_streams_live_events(
     page.wait_for_selector(f"#rev-{final}")
     assert entries(page) == [f"rev-{n}" for n in range(1, final + 1)]
     assert not page.is_visible("#live-deltas")  # a batch clears the live text
+
+
+def fact(tab: Any, label: str) -> str:
+    return (tab.text_content(f"#fact-{label}") or "").strip()
+
+
+def test_the_header_counters_and_the_conversation_follow_the_session(
+    page: Any,  # noqa: F811 - the fixture
+    db: Path,
+    server: Callable[[], Server],
+) -> None:
+    """Found: model replies, tokens, batches, messages and the conversation kept their
+    page-load values while the timeline grew."""
+    running = server()
+    page.goto(f"{running.url}/sessions/{SESSION}")
+    wait_for_state(page, "live")
+    batches, messages = int(fact(page, "batches")), int(fact(page, "messages"))
+    replies = int(fact(page, "model-replies"))
+    tokens = fact(page, "tokens")
+    asked = in_thread(append, db, "And on <i>Sunday</i>?")
+    reply = in_thread(answer, db, "Snow on Sunday.")
+    page.wait_for_selector(f"#rev-{reply}")
+    page.wait_for_selector(f"#fact-batches:text-is('{reply}')")
+    assert reply > asked > batches
+    assert int(fact(page, "messages")) == messages + 2
+    assert int(fact(page, "model-replies")) == replies + 1
+    totals = httpx.get(f"{running.url}/api/sessions/{SESSION}", timeout=30).json()["totals"]
+    assert totals["model_replies"] == replies + 1
+    shown_tokens = f"{totals['input_tokens']} in / {totals['output_tokens']} out"
+    assert fact(page, "tokens") == shown_tokens
+    assert tokens != shown_tokens or totals["input_tokens"] == 0
+    conversation = page.text_content("#conversation") or ""
+    assert "And on <i>Sunday</i>?" in conversation  # as text
+    assert "Snow on Sunday." in conversation
+    assert page.locator("#conversation i").count() == 0
+    assert page.text_content("#session-status") == "done"
+    # The search still covers the conversation the stream brought.
+    page.fill("#search-box", "snow on sunday")
+    assert f"1 of {messages + 2} messages match" in (page.text_content("#search-count") or "")
+    running.stop()

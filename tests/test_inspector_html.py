@@ -41,6 +41,7 @@ from stepmachine.inspector import (
     render_page,
     session_view,
 )
+from stepmachine.inspector._visible import visible
 from stepmachine.testing import make_session
 
 BACKENDS = ["asyncio", "trio"]
@@ -347,11 +348,12 @@ TEXTS = st.lists(st.one_of(st.text(max_size=8), st.sampled_from(MARKUP)), min_si
 def test_no_text_breaks_out(text: str) -> None:
     session, batches = _one_message_session(text)
     root = parse(render_html(session_view(session, batches)))
-    # the parser reads "\r\n" and "\r" as written; compare with newlines as they are
-    assert text in root.by_id("conversation").text()
-    assert text in root.by_id("rev-1").text()
+    # the text as shown: the characters _visible names escaped (\r as \x0d), the rest as is
+    shown = visible(text)
+    assert shown in root.by_id("conversation").text()
+    assert shown in root.by_id("rev-1").text()
     # the same elements and attributes as for a harmless text of the same lines
-    plain = "".join(c if c == "\n" else "a" for c in text)
+    plain = "".join(c if c == "\n" else "a" for c in shown)
     session, batches = _one_message_session(plain)
     assert _shape(root) == _shape(parse(render_html(session_view(session, batches))))
 

@@ -69,7 +69,7 @@ async def stores(tmp_path: Path) -> AsyncIterator[Stores]:
 
 
 def client(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
 
 
 # -- pages and JSON ----------------------------------------------------------------
@@ -259,6 +259,8 @@ async def test_a_quiet_stream_sends_keepalive_comments(stores: Stores) -> None:
     async with open_events(app, f"/sessions/{SESSION}/events") as reader:
         await read_batches(reader)
         event = await reader.next()
+        if event is not None and event["event"] == "head":  # after the batches' status
+            event = await reader.next()
     assert event is not None
     assert event["comments"] == ["keepalive"]
     assert event["event"] is None
@@ -423,7 +425,8 @@ def test_serve_streams_over_http_and_stops_cleanly_with_a_stream_open(tmp_path: 
                 assert batch["id"] == f"{written}.0"
                 server.stop()  # returns once the process exited cleanly (code 0, no error)
                 stopped = True
-                assert [e["event"] for e in events] in ([], ["status"])  # then the stream ended
+                ended = [e["event"] for e in events]
+                assert ended in ([], ["status"], ["status", "head"])  # then the stream ended
     finally:
         if not stopped:
             server.stop()
@@ -497,3 +500,60 @@ async def test_stored_data_that_stops_decoding_is_a_failure_event_not_an_error(
             assert failure["event"] == "failure"
             assert "myapp.flag" in failure["data"]["message"]
             assert await events.next() is None  # the stream ended
+
+
+async def test_the_stream_sends_the_pages_head_after_new_batches(stores: Stores) -> None:
+    """Found: the header's counters and the conversation kept their page-load values."""
+    app = create_app(stores.reader, poll_interval=0.01)
+    path = f"/sessions/{SESSION}/events"
+    async with open_events(app, path, f"after={stores.revision}") as reader:
+        await read_batches(reader)
+        written = await add_user_message(stores.writer, "more <b>")
+        with anyio.fail_after(HANG):  # keepalives would keep next_of waiting for ever
+            head = await reader.next_of("head")
+    assert head is not None
+    assert head["id"] is None
+    assert head["data"]["revision"] == written
+    header, conversation = head["data"]["header"], head["data"]["conversation"]
+    count = len((await stores.reader.load(SESSION)).conversation)
+    assert f'<dd id="fact-messages">{count}</dd>' in header
+    assert f'<dd id="fact-batches">{written}</dd>' in header
+    assert conversation.startswith('<section id="conversation">')
+    assert "more &lt;b&gt;" in conversation
+
+
+async def test_a_tool_running_in_process_reads_running_not_outcome_unknown() -> None:
+    """Found: a tool that was simply running read ``outcome unknown`` in the live view."""
+    from stepmachine import ModelInference, Runtime, StateMachine, Tools, tool
+    from stepmachine.stores import MemoryStore
+    from stepmachine.testing import ScriptedModel, call
+
+    may_finish = anyio.Event()
+
+    @tool()
+    async def slow(city: str) -> str:
+        """Waits for the test."""
+        await may_finish.wait()
+        return f"hail in {city}"
+
+    store, hub = MemoryStore(), LiveHub()
+    await store.create("s", conversation=[Message.user("weather?", id="u1")])
+    app = create_app(store, poll_interval=0.01, live=hub)
+    machine = StateMachine([Tools([slow]), ModelInference(instructions="Be brief.")])
+    model = ScriptedModel([call(("slow", {"city": "Lyon"})), "Hail."])
+    seen: list[str] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: machine.run(Runtime(store=store, model=model), "s", emitter=hub))
+        async with open_events(app, "/sessions/s/events") as reader:
+            with anyio.move_on_after(HANG):  # keepalives would keep next_of waiting for ever
+                while "running" not in seen:
+                    event = await reader.next_of("status")
+                    assert event is not None
+                    seen.append(event["data"]["status"])
+            may_finish.set()
+            assert seen[-1:] == ["running"], seen
+            while seen[-1] != "done":
+                event = await reader.next_of("status")
+                assert event is not None
+                seen.append(event["data"]["status"])
+    assert "outcome unknown" not in seen

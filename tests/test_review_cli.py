@@ -735,3 +735,45 @@ def test_an_empty_file_is_not_called_an_old_store(tmp_path: Path, backend: str) 
     assert "holds no stepmachine store" in result.output
     assert "migrate" not in result.output
     assert empty.read_bytes() == b""
+
+
+# -- issue 22 ---------------------------------------------------------------------------------
+
+
+def test_export_to_a_dash_writes_standard_output(
+    db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """Found: ``export ID --html -`` wrote a file named ``-``. ``-`` is standard output."""
+    monkeypatch.chdir(tmp_path)
+    html = run(db, "export", "done", "--html", "-", backend=backend)
+    assert html.exit_code == 0, html.output
+    assert html.output.startswith("<!DOCTYPE html>")
+    assert "wrote" not in html.output
+    as_json = run(db, "export", "done", "--json", "-", backend=backend)
+    assert as_json.exit_code == 0, as_json.output
+    assert strict_json(as_json.output)["id"] == "done"
+    assert not (tmp_path / "-").exists()
+    both = run(db, "export", "done", "--html", "-", "--json", "-", backend=backend)
+    assert both.exit_code == 2
+    assert "one of --html and --json" in both.output
+
+
+def test_help_texts_show_no_markup_and_the_package_names_every_store_and_provider(
+    backend: str,
+) -> None:
+    """Found: ``serve --help`` showed raw reST (````web````); the package docstring named
+    neither PostgreSQL nor Gemini."""
+    commands = [["--help"]]
+    for name, command in cli.commands.items():
+        subcommands = getattr(command, "commands", {})
+        commands += [[name, sub, "--help"] for sub in subcommands] or [[name, "--help"]]
+    assert ["serve", "--help"] in commands
+    for command in commands:
+        shown = CliRunner().invoke(cli, command)
+        assert shown.exit_code == 0, shown.output
+        assert "``" not in shown.output, command
+    import stepmachine
+
+    doc = stepmachine.__doc__ or ""
+    for name in ("PostgresStore", "Gemini", "SQLiteStore", "FileStore", "Anthropic"):
+        assert name in doc, name
