@@ -176,7 +176,7 @@ def _reach_postgres(url: str) -> None:
     except psycopg.Error as exc:
         said = str(exc)
         secret = re.search(r"://[^/@:]*:([^@/]+)@", url)
-        if secret is not None:  # libpq may quote the URL, password and all (invariant 12)
+        if secret is not None:  # libpq may quote the URL, password and all (no secret escapes)
             said = said.replace(secret.group(1), "***")
         raise ConnectionError(f"cannot connect to the PostgreSQL store: {said}") from None
 

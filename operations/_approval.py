@@ -14,7 +14,7 @@ Decisions are recorded from outside the machine with :func:`approve` and
 :func:`deny`, which validate them and persist them as effects (an
 ``Annotate`` on the tool call, in the step's notes namespace, recorded in the
 audit log under the step's name). Nothing is held in memory: a fresh machine
-in a new process decides the same (invariant 1).
+in a new process decides the same (state is the session).
 
 Notes on a tool call, namespace ``name`` (default ``"approval"``), two typed
 records (:class:`stepmachine.Record`)::
@@ -106,7 +106,7 @@ Status: TypeAlias = Literal["approved", "denied", "pending"]
 
 
 class ApprovalError(RunError):
-    """A decision cannot be recorded (invariant 5: approval bound to the exact call).
+    """A decision cannot be recorded (approval bound to the exact call).
 
     Raised by :func:`approve` and :func:`deny` when the call does not exist or
     is not pending, when the decision conflicts with an earlier one, or when
@@ -237,7 +237,7 @@ class Approval(Operation[Any]):
 
     ``check_call`` objects to every denied call and to every call that needs
     approval and lacks a valid decision, so the Tools step holds them back
-    whatever the order of the steps (invariant 5).
+    whatever the order of the steps (approval cannot be bypassed).
 
     Placement: before ``Tools`` and before ``ModelInference``. Before Tools,
     so the run stops for a decision before any call of the model's batch runs
@@ -418,12 +418,11 @@ def _find_pending(
             return message_id, call, recorded_decision(call, name=name, where=where)
     if session.history.call_position(call_id) is not None:
         raise ApprovalError(
-            f"invariant 5 (approval bound to the exact call): tool call {call_id!r} of session "
+            f"approval bound to the exact call: tool call {call_id!r} of session "
             f"{session.id!r} is not pending: it already has a result or is hidden from the model"
         )
     raise ApprovalError(
-        f"invariant 5 (approval bound to the exact call): session {session.id!r} holds no "
-        f"tool call {call_id!r}"
+        f"approval bound to the exact call: session {session.id!r} holds no tool call {call_id!r}"
     )
 
 
@@ -445,7 +444,7 @@ def _check_step_name(call: ToolCallPart, name: str, where: str) -> None:
     )
     if askers:
         raise ApprovalError(
-            f"invariant 5 (approval bound to the exact call): tool call {call.call_id!r} "
+            f"approval bound to the exact call: tool call {call.call_id!r} "
             f"({where}) awaits approval from the step named {askers[0]!r}, not {name!r}: "
             "a decision under another name would never be read (pass name=)"
         )

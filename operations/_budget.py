@@ -1,4 +1,4 @@
-"""Budgets: exact limits on model calls, tokens and tool calls (invariant 7).
+"""Budgets: exact limits on model calls, tokens and tool calls (exact budgets).
 
 :class:`Budget` enforces :class:`Limits` over three scopes:
 
@@ -8,9 +8,9 @@
   notes, do not start a turn);
 * ``per_session`` -- the whole stored conversation.
 
-Everything is counted from the session, never from memory (invariant 1).
+Everything is counted from the session, never from memory (state is the session).
 
-Cost per cycle (invariant 10): model calls and tokens come from the running
+Cost per cycle (constant cost per step): model calls and tokens come from the running
 totals that every model-call record carries (:class:`stepmachine.Ledger`,
 found by reading back to the latest model call), so a budget without a
 tool-call limit reads only the messages since the last model call (per run:
@@ -166,7 +166,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class BudgetExhaustedError(RunError):
-    """A model request was about to be sent with no model call left (invariant 7).
+    """A model request was about to be sent with no model call left (exact budgets).
 
     Only raised when the :class:`Budget` step could not yield first, i.e. it
     is placed after the inference step.
@@ -232,7 +232,7 @@ def _spent_in(note: dict[str, Any], session: Session[Any], message: Message) -> 
     """The model calls and tokens a model-call record holds.
 
     Raises:
-        StoredDataError: its ``usage`` is not token counts (invariant 8), naming the
+        StoredDataError: its ``usage`` is not token counts (stored data is data), naming the
             session and the message.
     """
     usage = note.get("usage") or {}
@@ -244,7 +244,7 @@ def _spent_in(note: dict[str, Any], session: Session[Any], message: Message) -> 
     if tokens is None or not all(type(count) is int for count in tokens):
         shown = repr(usage)
         raise StoredDataError(
-            f"invariant 8 (stored data is data): the model-call record of session "
+            f"stored data is data: the model-call record of session "
             f"{session.id!r}, message {message.id!r} holds usage "
             f"{shown if len(shown) <= 200 else shown[:197] + '...'}, not token counts"
         )
@@ -594,7 +594,7 @@ class Budget(Operation[Any]):
         exhausted = self._exhausted(session, run_start, _MODEL_LIMITS)
         if exhausted is not None:
             raise BudgetExhaustedError(
-                f"invariant 7 (exact budgets): session {session.id!r} has no model call left "
+                f"exact budgets: session {session.id!r} has no model call left "
                 f"({exhausted}); place Budget before the inference step so it can yield"
             )
         if "model_calls" in left:

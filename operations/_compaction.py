@@ -42,7 +42,7 @@ are recorded on the last visible message (a :class:`CompactionMark` with
 threshold-triggered compaction that is stuck lets inference go ahead instead
 (an overflow always yields: inference would only fail again).
 
-The summariser's request is a model call like any other (invariant 7): it
+The summariser's request is a model call like any other (exact budgets): it
 goes through every step's ``shape_request`` (``ctx.shape_request``; so a
 budget caps its attempts and tokens), and its ``attempts`` and ``usage`` are
 recorded in the receipt (or with the ``stuck`` note), so budgets count it.

@@ -22,7 +22,7 @@ and appends what the model should see (by default a user message
 ``[event <kind>] <payload>``; see ``render`` and :meth:`ExternalEvents.event_effects`).
 Marking and delivering are one atomic compare-and-set batch, so a crash or a
 concurrent machine can never consume an event twice, and a fresh machine
-decides the same (invariant 1).
+decides the same (state is the session).
 
 Waiting. The session waits when a wait marker is set and not yet satisfied
 (:func:`wait_for` builds the ``Annotate`` that sets one, a :class:`WaitMarker`

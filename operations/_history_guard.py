@@ -1,6 +1,6 @@
 """``HistoryGuard``: repair a conversation so every provider accepts it, and ``fsck``.
 
-Invariant 4 (valid history) says that before any model request every tool call
+Valid history says that before any model request every tool call
 has exactly one result, results follow their calls and call ids are unique.
 :class:`HistoryGuard` keeps it true for histories that got broken from outside
 the machine (an application that ``submit``-ted messages while a call was open,

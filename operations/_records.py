@@ -58,7 +58,7 @@ class ApprovalDecision(Record, frozen=True, tag="stepmachine.approval.decision")
 
     Attributes:
         outcome: ``"approved"`` or ``"denied"``.
-        fingerprint: the fingerprint the decision is bound to (invariant 5).
+        fingerprint: the fingerprint the decision is bound to (approval cannot be bypassed).
         tool: the tool name of the call.
         by: who decided.
         reason: for the audit log.

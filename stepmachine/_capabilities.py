@@ -334,7 +334,7 @@ class Capabilities(Generic[D]):
 
         ``max_attempts`` only goes down along the way: once a step has set it,
         a later one that raises it or leaves it ``None`` gets the lower value
-        (so a budget's cap holds whatever the order of the steps, invariant 7).
+        (so a budget's cap holds whatever the order of the steps, exact budgets).
         ``settings.max_tokens`` likewise, from the first shaper that sets or
         lowers it (the asker's own value may be raised by a shaper; a value a
         shaper lowered, such as a budget's output-token cap, may not).
@@ -351,7 +351,7 @@ class Capabilities(Generic[D]):
             shaped = step.shape_request(ctx, shaped)
             if cap is not None and (shaped.max_attempts is None or shaped.max_attempts > cap):
                 # A cap only goes down: a later shaper (a retry policy, one that
-                # builds a new request) cannot undo a budget's (invariant 7).
+                # builds a new request) cannot undo a budget's (exact budgets).
                 shaped = msgspec.structs.replace(shaped, max_attempts=cap)
             tokens = shaped.settings.max_tokens
             if token_cap is not None and (tokens is None or tokens > token_cap):
@@ -445,7 +445,7 @@ class StepContext(Generic[D]):
         :class:`~stepmachine.ShapesRequests`). For a side request
         (``request.purpose`` other than ``"turn"``) the messages, tools and
         output schema stay as given. Whoever sends the request checks
-        invariant 4 on the result if its messages changed.
+        the "valid history" guarantee on the result if its messages changed.
 
         Raises:
             Exception: whatever a shaper raises (a budget with no model call

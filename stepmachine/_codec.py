@@ -5,7 +5,7 @@ effect types, on top of the kernel effects. It owns one reused JSON encoder and
 one reused decoder per record kind (sessions, batches, effects, data), built
 for the closed tagged union of the registered effects.
 
-Stored data is data (invariant 8): decoding never imports or constructs a
+Stored data is data: decoding never imports or constructs a
 class named by the input. An unknown tag or a malformed record raises
 :class:`~stepmachine.StoredDataError`, naming the record and where it came
 from, and nothing is rewritten.
@@ -372,7 +372,7 @@ class Codec(Generic[D]):
         ids = [m.id for m in stored.conversation]
         if stored.revision < 0 or len(set(ids)) != len(ids):
             raise StoredDataError(
-                f"invariant 8 (stored data is data): session in {where} is not valid: "
+                f"stored data is data: session in {where} is not valid: "
                 f"revision {stored.revision}, "
                 f"repeated message ids {sorted({i for i in ids if ids.count(i) > 1})!r}"
             )
@@ -622,14 +622,13 @@ class Codec(Generic[D]):
             elif "`" in detail and ".type`" in detail:
                 detail += f" (registered effect tags: {sorted(self.effect_types)!r})"
             raise StoredDataError(
-                f"invariant 8 (stored data is data): {kind} in {where} does not validate: {detail}"
+                f"stored data is data: {kind} in {where} does not validate: {detail}"
             ) from exc
         except msgspec.DecodeError as exc:
             raise StoredDataError(
-                f"invariant 8 (stored data is data): {kind} in {where} is not valid JSON: {exc}"
+                f"stored data is data: {kind} in {where} is not valid JSON: {exc}"
             ) from exc
         except RecursionError as exc:
             raise StoredDataError(
-                f"invariant 8 (stored data is data): {kind} in {where} is nested too deeply "
-                "to decode"
+                f"stored data is data: {kind} in {where} is nested too deeply to decode"
             ) from exc

@@ -4,7 +4,7 @@ A session's conversation only ever changes by a new value (effects are pure,
 sessions immutable). With a plain tuple each new value is a copy: appending
 one message to a conversation of ``n`` costs O(n), and so does freeing the old
 one, which made a step at turn 2,000 cost many times a step at turn 20
-(invariant 10). A :class:`Conversation` is a tuple of *chunks* of at most
+(constant cost per step). A :class:`Conversation` is a tuple of *chunks* of at most
 :data:`CHUNK` messages: every chunk but the last is full, and chunks are
 tuples shared, never changed, by every conversation derived from them.
 

@@ -17,9 +17,9 @@ where::
     │   ├── InvalidFieldError         a constructor got a wrong field (also ValueError)
     │   └── StepContractError         a step returned something ``run`` may not return
     └── RunError                      something happened while running
-        ├── ConflictError             compare-and-set lost (invariant 3)
+        ├── ConflictError             compare-and-set lost (no lost updates)
         ├── EffectError               an effect does not apply to the session
-        ├── HistoryError              conversation not provider-valid (invariant 4)
+        ├── HistoryError              conversation not provider-valid (valid history)
         ├── InvalidSessionIdError     an id a store cannot accept (also ValueError)
         ├── LeaseLostError            a write with a lease that is no longer current
         ├── MediaTooLargeError        a media part over a store's limit (also ValueError)
@@ -27,7 +27,7 @@ where::
         ├── SessionExistsError
         ├── SessionNotFoundError      (also LookupError)
         ├── StoreClosedError          a store used after ``aclose()``
-        ├── StoredDataError           a record does not decode (invariant 8)
+        ├── StoredDataError           a record does not decode (stored data is data)
         ├── ToolAbortError            a tool failed closed
         ├── ToolArgumentsError        tool arguments fail their schema
         ├── ToolError                 a tool's error result, worded by the tool
@@ -114,7 +114,7 @@ class StepContractError(DefinitionError):
 
 
 class ConflictError(RunError):
-    """Compare-and-set failed: another writer moved the session on (invariant 3).
+    """Compare-and-set failed: another writer moved the session on (no lost updates).
 
     Attributes:
         session_id: the session written to.
@@ -127,7 +127,7 @@ class ConflictError(RunError):
         self.expected = expected
         self.actual = actual
         super().__init__(
-            f"invariant 3 (no lost updates): session {session_id!r} is at revision "
+            f"no lost updates: session {session_id!r} is at revision "
             f"{actual}, but the batch was computed from revision {expected}"
         )
 
@@ -200,7 +200,7 @@ class StoreClosedError(RunError):
 
 
 class StoredDataError(RunError):
-    """A stored or wire record could not be decoded (invariant 8).
+    """A stored or wire record could not be decoded (stored data is data).
 
     Decoding fails closed: unknown tags and malformed records raise this error,
     naming where the record came from, and nothing is rewritten.
@@ -257,7 +257,7 @@ class EffectError(RunError):
 
 
 class HistoryError(RunError):
-    """The conversation is not provider-valid (invariant 4).
+    """The conversation is not provider-valid (valid history).
 
     Raised before a model request is built from a history in which a tool call
     lacks its result, a result answers no call, or call ids repeat.

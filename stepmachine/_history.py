@@ -1,6 +1,6 @@
 """Reading a conversation as a provider would: calls, results, validity.
 
-Invariant 4 (valid history): before any model request, every tool call has
+Valid history: before any model request, every tool call has
 exactly one result, every result follows its call, and call ids are unique.
 :func:`history_problems` lists every way a conversation breaks that rule and
 :func:`check_history` raises :class:`~stepmachine.HistoryError` naming them.
@@ -52,7 +52,7 @@ def _scan_open_calls(conversation: Iterable[Message]) -> list[ToolCallPart]:
 
 
 def history_problems(conversation: Sequence[Message] | Session[Any]) -> list[str]:
-    """Every violation of invariant 4 in ``conversation``, as readable strings.
+    """Every violation of the "valid history" guarantee in ``conversation``, as readable strings.
 
     An empty list means the history may be sent to any provider. Given a
     session, its visible messages are checked, and a valid history (the index
@@ -97,7 +97,7 @@ def history_problems(conversation: Sequence[Message] | Session[Any]) -> list[str
 def check_history(
     conversation: Sequence[Message] | Session[Any], *, session_id: str | None = None
 ) -> None:
-    """Raise :class:`HistoryError` if ``conversation`` breaks invariant 4.
+    """Raise :class:`HistoryError` if ``conversation`` breaks the "valid history" guarantee.
 
     Given a session (its id named in the error unless ``session_id`` is
     given), O(1) when its history is valid.
@@ -107,7 +107,7 @@ def check_history(
     problems = history_problems(conversation)
     if problems:
         raise HistoryError(
-            f"invariant 4 (valid history) broken in session {session_id!r}: " + "; ".join(problems)
+            f"valid history broken in session {session_id!r}: " + "; ".join(problems)
         )
 
 

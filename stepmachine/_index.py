@@ -2,7 +2,7 @@
 
 Every cycle several steps ask the same questions of the session: which tool
 calls are open, where a call or a message is, whether a call id repeats,
-whether the history is valid (invariant 4), whether a request must reorder
+whether the history is valid (valid history), whether a request must reorder
 tool results. Answering by rescanning the conversation costs O(history) per
 question; a :class:`HistoryIndex` answers each in O(1) (or O(answer)).
 
@@ -465,7 +465,7 @@ class HistoryIndex:
 
     @property
     def valid(self) -> bool:
-        """Whether the visible conversation keeps invariant 4 (``history_problems`` is empty)."""
+        """Whether the visible conversation is a valid history (``history_problems`` is empty)."""
         return self._bad == 0 and self._unanswered == 0
 
     @property

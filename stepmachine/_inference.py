@@ -4,7 +4,7 @@ It applies when the conversation (as the model sees it) ends on something the
 model must answer: a user message, or tool results that close every open call.
 It refuses while any tool call is open, and otherwise.
 
-Before the request it checks invariant 4 (valid history) and raises
+Before the request it checks valid history and raises
 :class:`~stepmachine.HistoryError` rather than send a broken history; the
 request shows each turn's tool results right after that turn
 (:func:`~stepmachine.request_order`), as providers require, even when a user
@@ -18,7 +18,7 @@ with tool calls continues the run; a reply without them yields with reason
 ``done``.
 
 Streaming adds events only: the effects come from the assembled response, so
-they are the same with ``stream=True`` or ``False`` (invariant 9).
+they are the same with ``stream=True`` or ``False`` (same behaviour streaming or not).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _refuse_repeated_call_ids(session: Session[Any]) -> None:
     repeats = [p for p in history_problems(session.visible_to_model) if "repeats" in p]
     if repeats:
         raise HistoryError(
-            f"invariant 4 (valid history) broken in session {session.id!r}: "
+            f"valid history broken in session {session.id!r}: "
             + "; ".join(repeats)
             + ". Place HistoryGuard or InvalidCalls before the tool step to repair it."
         )
@@ -183,7 +183,7 @@ class ModelInference(Inference[Any]):
         name: the step name (also the notes namespace for usage).
 
     Raises (from ``run``):
-        HistoryError: the history breaks invariant 4; no request is sent.
+        HistoryError: the history breaks the "valid history" guarantee; no request is sent.
         ConfigurationError: the runtime has no such model.
         ModelError: the model failed.
         ContextLengthError: a second overflow in a row (the first one marks
@@ -318,7 +318,7 @@ class ModelInference(Inference[Any]):
         """Keep streamed text and reasoning of an interrupted request.
 
         When nothing had streamed yet, the attempt is still recorded on the last
-        message (budgets count every model call, invariant 7).
+        message (budgets count every model call, exact budgets).
         """
         partial: _Partial | None = ctx.scratch.get("partial")
         if not interrupted or partial is None:

@@ -1,8 +1,8 @@
 """The model-call ledger: running totals of model calls and tokens, carried by receipts.
 
-A budget (invariant 7) needs what a session, the current run and the current
+A budget (exact budgets) needs what a session, the current run and the current
 turn have spent. Adding up every receipt of the history would cost O(history)
-per cycle (invariant 10), so every record of a model call -- an
+per cycle (constant cost per step), so every record of a model call -- an
 :class:`~stepmachine.InferenceReceipt`, failed attempts
 (:class:`~stepmachine.InferenceAttempts`), an interrupted reply, a summariser
 call -- carries a :class:`Ledger`: the totals *including that call*, for the
@@ -16,7 +16,7 @@ the same walk. Both are O(messages since the previous model call).
 A turn starts at a user message visible to the model and to the user that is
 not marked :data:`FEEDBACK` (:func:`starts_turn`). A run is not recorded: what
 a run spent depends on where the caller's ``run()`` began, which is not part of
-the session (a fresh machine per cycle records the same ledgers, invariant 1).
+the session (a fresh machine per cycle records the same ledgers, state is the session).
 It is the latest ledger minus the latest one made before the run's first
 revision (``latest_ledger(session, before_revision=...)``), O(messages of the
 run).
@@ -146,7 +146,7 @@ def _ledger_of(message: Message) -> tuple[Ledger | None, bool]:
         stored = value.get("ledger")
         if stored is not None and not _carries_ledgers(value.get(TAG_FIELD)):
             # Not a record of a model call (an application's own note with a "ledger"
-            # key, say): never the budget's running totals (invariant 7).
+            # key, say): never the budget's running totals (exact budgets).
             stored = None
         if stored is not None:
             try:

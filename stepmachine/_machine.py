@@ -19,7 +19,7 @@ A run applies at most ``max_cycles`` cycles (default
 again continues with a fresh count. This bounds a model that keeps calling
 tools when no ``Budget`` is configured; ``max_cycles=None`` removes the cap.
 
-State is the session (invariant 1): the machine keeps nothing between cycles
+State is the session: the machine keeps nothing between cycles
 that affects a decision. After a successful apply the next cycle starts from
 the session the effect handler returns (the stored view, decoded from what it
 wrote), or, for a handler that returns ``None``, from the batch applied

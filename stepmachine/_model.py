@@ -3,8 +3,8 @@
 A :class:`Model` takes a :class:`ModelRequest` and returns a
 :class:`ModelResponse`. Streaming is not a second code path: when the caller
 passes ``on_chunk``, the model also hands each :data:`StreamChunk` to it as it
-arrives, and still returns the same assembled response. That is how invariant 9
-(same behaviour streaming or not) holds by construction: effects are built from
+arrives, and still returns the same assembled response. That is how "same
+behaviour streaming or not" holds by construction: effects are built from
 the returned response only, chunks only feed the emitter.
 
 Provider adapters (OpenAI, Anthropic, ...) implement :class:`Model`; the
@@ -76,7 +76,7 @@ class ModelRequest(msgspec.Struct, frozen=True):
     Attributes:
         messages: the messages visible to the model, oldest first (a tuple, a
             list or the session's :class:`~stepmachine.Conversation` itself, not
-            copied); the history is provider-valid (invariant 4) when built by
+            copied); the history is provider-valid (valid history) when built by
             ``ModelInference``.
         tools: the tool definitions collected from every step.
         prompt_parts: system prompt parts collected from every step.
@@ -182,7 +182,7 @@ class Model(Protocol):
     """Anything that answers a :class:`ModelRequest`.
 
     Implementations must return the same response whether or not ``on_chunk``
-    is given (invariant 9); chunks are for display only.
+    is given (same behaviour streaming or not); chunks are for display only.
     """
 
     @property

@@ -7,7 +7,7 @@ Each such record is a :class:`Record`: a frozen msgspec Struct with an
 explicit, stable tag string, read and written through two helpers.
 
 Writing. Notes stay JSON builtins (a session after a live apply must equal the
-one a fresh process decodes, invariant 1), so a record is written as its
+one a fresh process decodes, state is the session), so a record is written as its
 builtins form, :func:`note_value`::
 
     Annotate(message_id, "approval", {"decision": note_value(decision)}, call_id=call_id)
@@ -136,7 +136,7 @@ def read_record(
 
     Raises:
         StoredDataError: the stored value is not an object, or does not
-            convert to ``record_type`` (invariant 8); the message names
+            convert to ``record_type`` (stored data is data); the message names
             ``where``, the namespace, the key and the field at fault.
     """
     value = notes.get(namespace)
@@ -171,7 +171,7 @@ def _fail(
 ) -> NoReturn:
     place = f"{namespace!r}" if key is None else f"{namespace!r} / {key!r}"
     raise StoredDataError(
-        f"invariant 8 (stored data is data): note {place} of {where} is not a valid "
+        f"stored data is data: note {place} of {where} is not a valid "
         f"{record_type.__qualname__} (tag {record_type.__struct_config__.tag!r}): {detail}; "
         f"value {_short(value)}"
     )

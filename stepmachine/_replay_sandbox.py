@@ -157,7 +157,7 @@ class Sandbox:
     async def request(
         self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
     ) -> ModelResponse:
-        """The stored reply, once; no chunks (streaming only adds events, invariant 9).
+        """The stored reply, once; no chunks (streaming only adds events).
 
         Raises:
             NoRecordedReplyError: there is no (further) stored reply.
@@ -170,7 +170,7 @@ class Sandbox:
             raise NoRecordedReplyError("replay: the stored cycle holds no (further) model reply")
         allowed = request.max_attempts
         if allowed is not None and reply.attempts > allowed:
-            # A budget allows fewer model calls than the stored reply took (invariant 7).
+            # A budget allows fewer model calls than the stored reply took (exact budgets).
             raise NoRecordedReplyError(
                 f"replay: the stored reply took {reply.attempts} model calls; the new "
                 f"pipeline's request allows {allowed}"

@@ -4,7 +4,7 @@ Every writer that computes a batch from a session it read (the machine's run,
 finalize, :func:`~stepmachine.submit`, the ``Tools`` step's result commits)
 retries the same way: the attempt raises :class:`ConflictError` when the
 stored session moved on, nothing was written, so the writer reloads and
-computes again from what is stored now -- it never overwrites (invariant 3).
+computes again from what is stored now -- it never overwrites (no lost updates).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A :class:`Run` is made per call of :meth:`StateMachine.run_report` and is
 dropped when it returns; it holds the run's cycle count and results, nothing
-a later run reads (state is the session, invariant 1). :meth:`Run.cycle` is
+a later run reads (state is the session, state is the session). :meth:`Run.cycle` is
 one pass of the loop; the loop itself, with its conflict budget, is in
 ``StateMachine.run_report``.
 

@@ -6,7 +6,7 @@ implement them against any storage. :class:`Store` adds the management API
 the shipped stores (memory, file, SQLite) and the store conformance suite use:
 create, list, delete, time travel and the audit log.
 
-Contract of :meth:`EffectHandler.apply` (invariants 2 and 3): it is a
+Contract of :meth:`EffectHandler.apply` (nothing is lost; no lost updates): it is a
 compare-and-set on the revision. The batch says which revision it produces;
 the store accepts it only when the session is exactly one revision behind,
 and then persists all of its effects or none. Once ``apply`` returns, the

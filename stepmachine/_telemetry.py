@@ -3,7 +3,7 @@
 A run reports itself two ways, both off until the application turns them on:
 structured log events (``stepmachine._log``, logger ``stepmachine``) and
 OpenTelemetry spans (``stepmachine._tracing``, extra ``otel``). Neither ever
-carries an API key (invariant 12). Prompts, model replies, tool arguments and
+carries an API key (no secret escapes). Prompts, model replies, tool arguments and
 tool results appear in them only when content capture is on: the
 ``capture_content`` setting here, or, when it is left ``None``, the standard
 environment variable ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``

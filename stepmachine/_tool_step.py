@@ -1,4 +1,4 @@
-"""The ``Tools`` operation: runs tool calls through a journal (invariant 6).
+"""The ``Tools`` operation: runs tool calls through a journal (at most once where it matters).
 
 :class:`Tools` advertises its tools and, when the conversation holds tool calls
 without results that are its own, runs them. Every call goes through a journal
@@ -250,7 +250,7 @@ class Tools(Operation[Any]):
 
     Commits: a call of a ``non_idempotent`` tool gets a durable intent before
     any tool of the step starts (one batch for all such calls), so it is never
-    run twice after a crash (invariant 6). A ``pure`` or ``idempotent`` tool
+    run twice after a crash (at most once where it matters). A ``pure`` or ``idempotent`` tool
     needs no intent -- re-running it is harmless by declaration -- so a step
     running only such calls commits just its results: two batches per tool
     step counting the model's call, three when a non-idempotent call is among

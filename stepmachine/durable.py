@@ -43,7 +43,7 @@ After a crash, DBOS runs the workflow again from the top: steps that were
 recorded return their recorded output without running; the first one that was
 not recorded (the cycle that was running when the process died) runs again.
 That re-run *decides from the stored session*, which is the whole state
-(invariant 1): if the dead worker committed the cycle's batch before dying, the
+(state is the session): if the dead worker committed the cycle's batch before dying, the
 re-run sees it and decides the next thing to do; if not, it decides the same
 thing again. Tool calls are protected by stepmachine's own journal, not by
 DBOS: a call whose result is stored is never run again; an open call of an
@@ -87,7 +87,7 @@ cluster, held as long as the turn is PENDING in DBOS, across crashes, without
 a clock. It does not *fence*: if the turns of an executor that is still alive
 are recovered (its id reused by a second live process, or an operator's
 recovery of a worker that was only slow), two runners could advance the
-session at once. So each cycle also holds the store's lease (invariant 11)
+session at once. So each cycle also holds the store's lease (one runner per session)
 when the store has leases (the shipped stores do) and the machine a lease
 policy: the cycle claims it (waiting while another runner, a ``run()`` caller
 included, holds it), writes every batch fenced by it, renews it while a tool

@@ -394,7 +394,7 @@ class LogCore(Generic[P]):
             unused.append((base, problem))
         if start is None:
             raise failure or StoredDataError(
-                f"invariant 8 (stored data is data): session {session_id!r} has no usable "
+                f"stored data is data: session {session_id!r} has no usable "
                 f"start: {'; '.join(problem for _, problem in unused)}"
             )
         base, session = start

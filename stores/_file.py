@@ -121,7 +121,7 @@ class FileStore(FlockLeaseMethods):
 
     Durability: with ``fsync="always"`` a batch is fsynced before ``apply``
     returns, so it survives a crash of the process or the machine
-    (invariant 2); with ``"never"`` it survives a crash of the process only.
+    (nothing is lost); with ``"never"`` it survives a crash of the process only.
 
     Damage: a final record left incomplete by a crash (no newline, or a length
     running past the end of the file) was never acknowledged; it is ignored,
@@ -150,7 +150,7 @@ class FileStore(FlockLeaseMethods):
     written; delete the snapshot file to accept the loss and carry on from the
     log. The same holds for this instance's cache: a log that lost revisions
     the instance already read raises. Decoding goes through the codec only:
-    stored data never names a class to import (invariant 8).
+    stored data never names a class to import (stored data is data).
 
     Leases (:class:`~stepmachine.Leases`, ``leases_expire = False``): a lease
     is an exclusive ``fcntl.flock`` on the session's lock file in the folder's

@@ -36,7 +36,7 @@ record (a newer schema version) without writing anything. Tags:
   code finds no session in a compressed snapshot and ignores it as damaged (it
   is only a cache: the log is replayed).
 
-Parsing fails closed (invariant 8): a malformed header, a length that does not
+Parsing fails closed (stored data is data): a malformed header, a length that does not
 end on the line's newline, a checksum mismatch, an unknown tag or a schema
 version newer than this code raises :class:`~stepmachine.StoredDataError`
 naming the file and byte offset. The one exception is a *torn tail*: bytes
@@ -238,7 +238,7 @@ def _unpacked(packed: bytes, where: str) -> bytes:
         return inflate(base64.b64decode(packed, validate=True))
     except (binascii.Error, zlib.error) as exc:
         raise StoredDataError(
-            f"invariant 8 (stored data is data): the compressed payload of the record in "
+            f"stored data is data: the compressed payload of the record in "
             f"{where} does not decompress: {exc}"
         ) from None
 
@@ -266,19 +266,19 @@ def parse_records(buf: bytes, base: int, path: str) -> tuple[list[Record], Torn 
             if newline == -1:
                 return records, Torn(base + pos, size - pos)
             raise StoredDataError(
-                f"invariant 8 (stored data is data): malformed record header in {where}: "
+                f"stored data is data: malformed record header in {where}: "
                 f"{bytes(view[pos : min(pos + 48, newline)])!r}"
             )
         version = int(match[1])
         if version > SCHEMA_VERSION:
             raise StoredDataError(
-                f"invariant 8 (stored data is data): record in {where} has schema version "
+                f"stored data is data: record in {where} has schema version "
                 f"{version}; this version of stepmachine reads up to {SCHEMA_VERSION} "
                 "(was it written by a newer stepmachine?)"
             )
         if version < 1:
             raise StoredDataError(
-                f"invariant 8 (stored data is data): record in {where} has schema version {version}"
+                f"stored data is data: record in {where} has schema version {version}"
             )
         length = int(match[4])
         end = match.end() + length  # where the record's newline must be
@@ -286,19 +286,19 @@ def parse_records(buf: bytes, base: int, path: str) -> tuple[list[Record], Torn 
             return records, Torn(base + pos, size - pos)
         if end >= size or newline != end:
             raise StoredDataError(
-                f"invariant 8 (stored data is data): record in {where} declares {length} payload "
+                f"stored data is data: record in {where} declares {length} payload "
                 "bytes, which do not end at the end of its line"
             )
         crc = zlib.crc32(view[match.end() : end], zlib.crc32(view[pos : match.start(5)]))
         if crc != int(match[5], 16):
             raise StoredDataError(
-                f"invariant 8 (stored data is data): checksum mismatch in the record in {where} "
+                f"stored data is data: checksum mismatch in the record in {where} "
                 f"(stored {match[5].decode()}, computed {crc:08x})"
             )
         tag = match[2]
         if tag not in _TAGS:
             raise StoredDataError(
-                f"invariant 8 (stored data is data): unknown record tag {tag.decode()!r} in "
+                f"stored data is data: unknown record tag {tag.decode()!r} in "
                 f"{where} (known tags: H, C, B, S)"
             )
         payload = buf[match.end() : end]
@@ -320,7 +320,7 @@ def parse_one(buf: bytes, base: int, path: str, tag: bytes) -> Record:
     if not records or records[0].tag != tag:
         found = records[0].tag.decode() if records else "no complete record"
         raise StoredDataError(
-            f"invariant 8 (stored data is data): expected a {tag.decode()!r} record at byte "
+            f"stored data is data: expected a {tag.decode()!r} record at byte "
             f"{base} of {path}, found {found}"
         )
     return records[0]
@@ -332,8 +332,7 @@ def decode_struct(decoder: msgspec.json.Decoder[S], record: Record, where: str) 
         return decoder.decode(record.payload)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise StoredDataError(
-            f"invariant 8 (stored data is data): {record.tag.decode()!r} record in {where} "
-            f"does not decode: {exc}"
+            f"stored data is data: {record.tag.decode()!r} record in {where} does not decode: {exc}"
         ) from exc
 
 
@@ -400,7 +399,7 @@ def read_head(fd: int, session_id: str, path: str) -> tuple[str, int]:
     head = decode_struct(_head_decoder, record, f"{path} at byte 0")
     if head.session_id != session_id:
         raise StoredDataError(
-            f"invariant 8 (stored data is data): {path} is the log of session "
+            f"stored data is data: {path} is the log of session "
             f"{head.session_id!r}, not {session_id!r}"
         )
     return head.nonce, record.end
@@ -436,7 +435,7 @@ def read_snapshot(path: str, session_id: str, nonce: str) -> Snapshot | None:
             session = inflate(body.compressed)
         except zlib.error as exc:
             raise StoredDataError(
-                f"invariant 8 (stored data is data): the snapshot {path} at byte 0 holds a "
+                f"stored data is data: the snapshot {path} at byte 0 holds a "
                 f"compressed session that does not decompress: {exc}"
             ) from None
     return Snapshot(path, record.revision, body.offset, body.last_record, session, stale)

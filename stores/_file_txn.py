@@ -165,7 +165,7 @@ class FileTxn:
             first = parsed.pop(0)  # the create record, a base of its own
             if first.tag != TAG_CREATE or first.revision != 0:
                 raise StoredDataError(
-                    f"invariant 8 (stored data is data): expected the create record in {path} "
+                    f"stored data is data: expected the create record in {path} "
                     f"at byte {first.offset}, found a {first.tag.decode()!r} record"
                 )
         found: list[StoredBatch] = []
@@ -175,7 +175,7 @@ class FileTxn:
                 break
             if record.tag != TAG_BATCH:
                 raise StoredDataError(
-                    f"invariant 8 (stored data is data): expected a batch record in {path} at "
+                    f"stored data is data: expected a batch record in {path} at "
                     f"byte {record.offset}, found a {record.tag.decode()!r} record for revision "
                     f"{record.revision}"
                 )
@@ -307,13 +307,11 @@ class FileTxn:
         newline = data.find(b"\n")
         records, _ = parse_records(data[: newline + 1] if newline >= 0 else b"", head_end, path)
         if not records:
-            raise StoredDataError(
-                f"invariant 8 (stored data is data): {path} holds no complete create record"
-            )
+            raise StoredDataError(f"stored data is data: {path} holds no complete create record")
         record = records[0]
         if record.tag != TAG_CREATE or record.revision != 0:
             raise StoredDataError(
-                f"invariant 8 (stored data is data): expected the create record in {path} at "
+                f"stored data is data: expected the create record in {path} at "
                 f"byte {record.offset}, found a {record.tag.decode()!r} record for revision "
                 f"{record.revision}"
             )

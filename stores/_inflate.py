@@ -2,7 +2,7 @@
 
 Both durable stores compress long records with zlib (SQLite effect rows and
 snapshots, FileStore version-2 records and snapshots). Reading one back must
-not trust the stored bytes (invariant 8): a small record that inflates to
+not trust the stored bytes (stored data is data): a small record that inflates to
 gigabytes (a decompression bomb, or damage that still passes a checksum
 written over it) must fail with a clear error, not exhaust memory, and bytes
 after the end of the zlib stream must not be silently ignored.

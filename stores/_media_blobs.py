@@ -14,7 +14,7 @@ So the stores keep them apart:
   (``LogTxn.put_blobs``), **in the same transaction as the record that refers
   to them, before it** (SQLite, PostgreSQL: a ``media`` table; files: one file
   per digest, fsynced before the log record is appended; memory: a dict). A
-  record therefore never refers to a blob that is not durable (invariant 2);
+  record therefore never refers to a blob that is not durable (nothing is lost);
   a crash between the two leaves at most a blob nothing refers to, which is
   harmless and is used again by the next write of the same bytes.
 - **Once.** Blobs are keyed by digest and written only when absent: the same
@@ -26,7 +26,7 @@ So the stores keep them apart:
   the part again, its bytes read from the backend and checked against the
   digest and size (:meth:`Reader.batch`, :meth:`Reader.session`). A missing,
   damaged or malformed blob is a :class:`~stepmachine.StoredDataError` naming
-  the session, the record's position and the digest (invariant 8); never an
+  the session, the record's position and the digest (stored data is data); never an
   empty image. Finding the references is a type check per message part of
   what was decoded (records without media cost that, and nothing else).
 - **Where.** Only messages the codec stores as messages are walked: a
@@ -68,7 +68,7 @@ So the stores keep them apart:
   record once (the cost of a delete of a session with media is the store's
   size, not the session's).
 - **Cost.** Only the batch's own media are hashed, written and read on the
-  cycle's path (invariant 10); a snapshot asks the backend which of its
+  cycle's path (constant cost per step); a snapshot asks the backend which of its
   digests it holds (no bytes move); load_at, fork and a cold load read the
   blobs of the messages they return, once per digest per read.
 - **Only stores write references.** A ``MediaRef`` given in a batch or a
@@ -568,7 +568,7 @@ class Reader:
 
 
 def _fail(problem: str) -> StoredDataError:
-    return StoredDataError(f"invariant 8 (stored data is data): {problem}; nothing was changed")
+    return StoredDataError(f"stored data is data: {problem}; nothing was changed")
 
 
 def _with_conversation(session: Session[Any], messages: Any) -> Session[Any]:

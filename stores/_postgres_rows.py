@@ -4,7 +4,7 @@ The layout is in :mod:`._postgres_schema`; the rows, their checksums and the
 compression of bodies are SQLite's (:mod:`._sqlite_rows`), and so are the
 checks a row passes before any of its columns is used (checksum, row version,
 column types, a complete log, bodies that decompress): reading fails closed
-(invariant 8) with a :class:`~stepmachine.StoredDataError` naming the
+(stored data is data) with a :class:`~stepmachine.StoredDataError` naming the
 database, the table, the session, the revision and the effect index, and
 nothing here ever rewrites a row it read.
 

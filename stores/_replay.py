@@ -1,7 +1,7 @@
 """Records to sessions: encoding a batch once, decoding what a backend read, replaying it.
 
 Part of the durable stores' core (:mod:`._core`). Decoding goes through the
-codec only (invariant 8: stored data never names a class to import); every
+codec only (stored data never names a class to import); every
 failure is a :class:`~stepmachine.StoredDataError` naming the session and the
 record's position (the backend's ``where``), and nothing is rewritten.
 
@@ -52,7 +52,7 @@ array-like Struct would skip extra elements)."""
 
 
 def _fail(problem: str) -> StoredDataError:
-    return StoredDataError(f"invariant 8 (stored data is data): {problem}")
+    return StoredDataError(f"stored data is data: {problem}")
 
 
 def encode_refused(refused: tuple[Refusal, ...]) -> str | None:
@@ -228,10 +228,10 @@ def replay(
 
 
 def lost(session_id: str, holder: str, claimed: int, reached: int, end: str, remedy: str) -> str:
-    """The message of a lost-data error (invariant 2): ``holder`` saw ``claimed``,
+    """The message of a lost-data error (nothing is lost): ``holder`` saw ``claimed``,
     the log, replayed whole, ends at ``reached`` (``end`` says where)."""
     return (
-        f"invariant 2 (nothing is lost): {holder} holds session {session_id!r} at revision "
+        f"nothing is lost: {holder} holds session {session_id!r} at revision "
         f"{claimed}, but its log {end} ends at revision {reached}: acknowledged batches "
         f"{reached + 1}..{claimed} are missing (a truncated or restored log, or a power loss "
         "before it reached the disk). Nothing was changed; to accept the loss and carry on "

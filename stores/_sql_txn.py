@@ -89,7 +89,7 @@ class SQLTxn:
         found = self.ROWS.read_snapshot(self.conn, self.label, session_id, row.sid, last)
         if found is None:
             raise StoredDataError(
-                f"invariant 8 (stored data is data): session {session_id!r} in {self.label} "
+                f"stored data is data: session {session_id!r} in {self.label} "
                 "has no snapshot at revision 0"
             )
         revision, record, where = found

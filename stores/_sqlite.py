@@ -107,7 +107,7 @@ class SQLiteStore(FlockLeaseMethods):
     later checkpoint (SQLite runs one when the WAL reaches about 1000 pages,
     and when the last connection closes). With ``synchronous="NORMAL"`` (the
     default) a batch is durable once :meth:`apply` returns against a crash of
-    the process (``kill -9``): invariant 2. A power loss or operating system
+    the process (``kill -9``): the "nothing is lost" guarantee. A power loss or operating system
     crash may lose the last batches acknowledged before it (the database
     stays consistent, at an earlier commit). With ``synchronous="FULL"`` the
     WAL is synced to disk at every commit, before :meth:`apply` returns, so

@@ -7,7 +7,7 @@ connection the caller holds exclusively, inside a transaction.
 
 Every row is written with its ``crc`` (:func:`._sqlite_schema.checksum`) in
 the same statement, and every row read is checked against it before any of
-its columns is used. Reading fails closed (invariant 8): a row whose checksum
+its columns is used. Reading fails closed (stored data is data): a row whose checksum
 does not match, a row of an unknown schema version, a column of the wrong
 type, a gap in the log, a compressed effect body in a version-2 row, ``refused``
 or ``trace`` in a batch row older than version 4, or a compressed body that
@@ -85,7 +85,7 @@ class SessionRow(NamedTuple):
 
 
 def _fail(path: str, where: str, problem: str) -> StoredDataError:
-    return StoredDataError(f"invariant 8 (stored data is data): {where} in {path}: {problem}")
+    return StoredDataError(f"stored data is data: {where} in {path}: {problem}")
 
 
 def _verify(path: str, where: str, table: str, values: tuple[Any, ...], stored: object) -> None:

@@ -285,7 +285,7 @@ async def test_placed_after_inference_it_raises_instead_of_sending() -> None:
     session = make_session(user("hi", "u1"), answered("a1", revision=0), user("x", "u2"))
     model = ScriptedModel(["never"])
     inference = ModelInference()
-    with pytest.raises(BudgetExhaustedError, match="invariant 7"):
+    with pytest.raises(BudgetExhaustedError, match="exact budgets"):
         await run_step(
             inference, session, model=model, others=[Budget(per_session=Limits(model_calls=1))]
         )

@@ -95,7 +95,7 @@ def test_missing_result() -> None:
     with pytest.raises(HistoryError, match="'c2' has no result") as excinfo:
         check_history(conversation, session_id="sess-9")
     assert "sess-9" in str(excinfo.value)
-    assert "invariant 4" in str(excinfo.value)
+    assert "valid history" in str(excinfo.value)
 
 
 def test_duplicate_call_ids() -> None:

@@ -198,7 +198,7 @@ def test_a_malformed_note_raises_naming_where_it_is(
     with pytest.raises(StoredDataError, match=match) as info:
         read_record(notes, "ns", Flag, key=key, where="session 's1', message 'm7'")
     text = str(info.value)
-    assert "invariant 8" in text
+    assert "stored data is data" in text
     assert "session 's1', message 'm7'" in text
     assert "'ns'" in text
     assert "Flag" in text

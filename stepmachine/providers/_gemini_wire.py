@@ -4,7 +4,7 @@ Pure functions and one assembler, shared by the blocking reply, the
 streamed reply and the JSON-array reply of ``:streamGenerateContent``
 without ``alt=sse``: every reply is a sequence of ``GenerateContentResponse``
 chunks (a blocking reply is one), so all three give the same response by
-construction (invariant 9).
+construction (same behaviour streaming or not).
 
 Thought signatures. Gemini puts a ``thoughtSignature`` on the part it
 belongs to: a ``functionCall``, an answer ``text`` (possibly a trailing
@@ -29,8 +29,8 @@ request continues (:func:`turn_of`: how many messages it sends and the id of
 the last one), the call's position, name and arguments: the same call in two
 turns of one conversation gets two ids (results pair with their call, and
 the history stays valid for a provider that wants unique ids), while the same
-request gives the same ids every time, streamed or not (replay, and
-invariant 9). Such a synthesised id is never sent back: the API pairs
+request gives the same ids every time, streamed or not (replay, and the same
+behaviour streaming or not). Such a synthesised id is never sent back: the API pairs
 results with calls by order and name, so each ``functionResponse`` carries
 the call's name (taken from the call when the result has none).
 """

@@ -7,7 +7,7 @@ An adapter subclasses :class:`HTTPModel` and implements four pure methods:
 * ``parse_response(data) -> ModelResponse`` -- a blocking JSON reply;
 * ``parse_stream(events, emit) -> ModelResponse`` -- an SSE stream: hand
   every delta to ``emit`` and return the *same* assembled response the blocking
-  reply would give (invariant 9);
+  reply would give (same behaviour streaming or not);
 * ``auth_headers() -> dict`` -- how the key is sent.
 
 and may override ``url(stream=)`` (where a request goes, when streaming changes
@@ -357,7 +357,7 @@ class HTTPModel:
     def _cleaned(self, response: ModelResponse, attempts: int) -> ModelResponse:
         """``response`` with ``attempts`` set, and no secret in the fields a server fills
         that are logged, traced and stored with capture off (``model``, ``finish_reason``):
-        a gateway that echoes the credential there must not leak it (invariant 12)."""
+        a gateway that echoes the credential there must not leak it (no secret escapes)."""
         model, finish = response.model, response.finish_reason
         secrets = self._secrets()
         if model:

@@ -44,7 +44,7 @@ Streaming hands text, refusal, reasoning-summary and argument deltas to the
 emitter and assembles the result from the same final items a blocking reply
 holds (the ``response.completed`` object, or the ``output_item.done`` items
 when a server leaves that empty), so both paths give the same response
-(invariant 9). The chunks add up to the response: text (and refusal) deltas
+(same behaviour streaming or not). The chunks add up to the response: text (and refusal) deltas
 concatenated are its text, argument deltas per call are its raw arguments,
 reasoning deltas its reasoning; text, arguments or a reasoning summary that a
 server sends only whole, in ``output_item.done``, are emitted from there.

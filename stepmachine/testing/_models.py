@@ -2,7 +2,7 @@
 
 Both stream a response by cutting it into chunks (with a checkpoint between
 chunks, so cancellation can land mid-stream) and return the same assembled
-response whether or not a chunk sink is given (invariant 9).
+response whether or not a chunk sink is given (same behaviour streaming or not).
 """
 
 from __future__ import annotations
