@@ -481,3 +481,65 @@ async def test_parallel_calls_where_one_fence_check_finds_the_lease_lost() -> No
     assert type(raised.value) is LeaseLostError
     assert len(charged) <= 1
     assert 2 not in charged or 1 not in charged
+
+
+# -- serve(): the record of a run that failed for good ----------------------------------
+
+
+async def _serve_until_failed(store: Any, model: Any) -> list[dict[str, Any]]:
+    stop = CancelToken()
+    runtime = Runtime(store=store, model=model)
+
+    async def watch(logs: list[dict[str, Any]]) -> None:
+        while not any(e["event"] == "serve_run_failed" for e in logs):  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+        stop.cancel("seen")
+
+    with structlog.testing.capture_logs() as logs, anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, logs)
+            await serve(StateMachine([ModelInference()]), runtime, stop=stop, poll=0.01, ttl=5)
+    return logs
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (medium): the one ERROR record of a run that failed for good "
+    "(serve_run_failed) names only the error's type: not its message, no traceback "
+    "(stepmachine/_serve.py:205-213 passes error_type only; the retried WARNINGs carry "
+    "detail=str(exc)). A user cannot tell what failed; it should carry the (redacted) "
+    "message, as serve_run_retried does, or exc_info",
+)
+async def test_the_error_record_of_a_failed_run_says_what_failed() -> None:
+    store = MemoryStore()
+    await store.create("s1", conversation=[Message.user("hello", id="u1")])
+    await store.request_run("s1")
+
+    def broken(request: Any) -> Any:
+        raise RuntimeError("the adapter's config is missing field 'region'")
+
+    logs = await _serve_until_failed(store, FunctionModel(broken))
+    errors = [e for e in logs if e.get("log_level") in ("error", "critical")]
+    assert errors
+    assert any("region" in repr(e) for e in errors), errors
+
+
+@pytest.mark.usefixtures("quick_backoff")
+async def test_a_permanent_fault_that_looks_transient_gives_up_with_an_error(
+    tmp_path: Path,
+) -> None:
+    """A FileStore session whose log is a directory (a permanent fault of the store):
+    serve() gives up within the bounded number of tries with one ERROR record (no spin)."""
+    folder = tmp_path / "store"
+    async with await FileStore.open(folder) as store:
+        await store.create("s1", conversation=[Message.user("hello", id="u1")])
+        await store.request_run("s1")
+    log = next(p for p in folder.iterdir() if p.suffix == ".log")
+    log.unlink()
+    log.mkdir()
+    async with await FileStore.open(folder) as store:
+        logs = await _serve_until_failed(store, FunctionModel(_echo))
+    failed = [e for e in logs if e["event"] == "serve_run_failed"]
+    assert len(failed) == 1
+    retried = [e for e in logs if e["event"] == "serve_run_retried"]
+    assert len(retried) < transient.MAX_ATTEMPTS
