@@ -9,6 +9,8 @@ The configured secret is the environment variable ``SECRET``. Modes:
 - ``uri``: answers a call with an embedded text/plain blob whose URI holds the secret;
 - ``stderr``: before answering, writes one 10 MB stderr line that starts with the
   secret, then a short line holding it, and answers ``done``;
+- ``echo32000``: answers a call with the JSON-RPC error -32000 whose message quotes
+  the secret (the list, the probe, still works);
 - ``all32000``: after initialize, answers every request (tools/list included,
   once the first list is served) with the JSON-RPC error -32000.
 """
@@ -57,6 +59,10 @@ def answer(message: dict[str, object]) -> None:
     if method == "tools/list":
         _listed += 1
         send({"jsonrpc": "2.0", "id": ident, "result": {"tools": tools()}})
+        return
+    if method == "tools/call" and MODE == "echo32000":
+        error = {"code": -32000, "message": f"upstream refused key {SECRET}: quota"}
+        send({"jsonrpc": "2.0", "id": ident, "error": error})
         return
     if method == "tools/call":
         content: list[dict[str, object]] = [{"type": "text", "text": "done"}]

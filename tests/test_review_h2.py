@@ -816,7 +816,7 @@ def _cli_child(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[s
                 "list` for ever (SQLite's hot-journal check opens it and blocks); only the "
                 "database file itself is checked (stores/_sqlite_schema.py:504 _check_header). "
                 "The -journal/-wal/-shm names should be checked the same way (regular file "
-                "or absent) before SQLite opens the database",
+                "or absent) before SQLite opens the database (SQLiteStore.open + load of the application hangs too)",
             ),
         ),
     ],
@@ -841,3 +841,41 @@ def test_a_fifo_beside_the_sqlite_database_never_blocks_the_cli(
         done = _cli_child("--store", f"sqlite:///{path}", *command)
         assert done is not None, f"{command} hung on a FIFO at {side.name} (killed after 20 s)"
         assert "Traceback" not in done.stderr, done.stderr[-1500:]
+
+
+async def test_mcp_a_32000_error_quoting_the_secret_is_its_message_redacted() -> None:
+    model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
+    session, logs = await _mcp_run("echo32000", model)
+    [result] = [p for m in session.conversation for p in m.parts if isinstance(p, ToolResultPart)]
+    assert result.is_error
+    assert "quota" in str(result.content)
+    assert MCP_SECRET not in _stored(session) + repr(logs)
+
+
+# -- a step's contract: a careless run() -----------------------------------------------
+
+from stepmachine import Refuse, StepContractError  # noqa: E402
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (low): a step whose run() is a plain def (returns Refuse(...) without "
+    "async) gets TypeError \"object Refuse can't be used in 'await' expression\" out of "
+    "run() (stepmachine/_cycle.py:206 awaits whatever run returns), not a "
+    "StepContractError naming the step and the fix (make run async)",
+)
+async def test_a_sync_run_is_a_step_contract_error_naming_the_step() -> None:
+    class Careless:
+        name = "careless"
+
+        def run(self, ctx: Any) -> Any:
+            return Refuse("not now")
+
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("hi", id="u1")])
+    with anyio.fail_after(10), pytest.raises(StepContractError) as caught:
+        await StateMachine([Careless(), ModelInference()]).run(
+            Runtime(store=store, model=ScriptedModel([reply("x")])), "s"
+        )
+    assert "careless" in str(caught.value)
+    assert "async" in str(caught.value)
