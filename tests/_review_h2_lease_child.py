@@ -26,11 +26,11 @@ async def main(op: str, folder: str, session_id: str) -> dict[str, str]:
                 got = await store.claim_next("child", 5.0)
             else:
                 got = await store.request_run(session_id)
-        except Exception as exc:  # noqa: BLE001 - reported to the parent
+        except Exception as exc:
             return {"error": type(exc).__name__, "message": str(exc)}
         return {"ok": repr(got)}
 
 
 if __name__ == "__main__":
     op, folder, sid, backend = sys.argv[1:5]
-    print(json.dumps(anyio.run(main, op, folder, sid, backend=backend)))
+    sys.stdout.write(json.dumps(anyio.run(main, op, folder, sid, backend=backend)) + "\n")

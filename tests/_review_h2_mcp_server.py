@@ -71,8 +71,11 @@ def answer(message: dict[str, object]) -> None:
             result = {"content": [], "structuredContent": {"key": SECRET}, "isError": False}
         elif MODE == "uri":
             blob = base64.b64encode(b"hello").decode()
-            resource = {"uri": f"https://files.test/x?token={SECRET}", "mimeType": "text/plain",
-                        "blob": blob}
+            resource = {
+                "uri": f"https://files.test/x?token={SECRET}",
+                "mimeType": "text/plain",
+                "blob": blob,
+            }
             result = {"content": [{"type": "resource", "resource": resource}], "isError": False}
         elif MODE == "stderr":
             sys.stderr.write(SECRET + "x" * (10 * 1024 * 1024) + "\n")

@@ -32,7 +32,8 @@ transient.BACKOFF_CAP = 120.0
 
 def _printer(logger: Any, name: str, event: dict[str, Any]) -> Any:
     if event.get("event") == "serve_run_retried":
-        print("backing-off", flush=True)
+        sys.stdout.write("backing-off\n")
+        sys.stdout.flush()
         if sys.argv[3] == "at-log":
             os.kill(os.getpid(), signal.SIGSTOP)
     raise structlog.DropEvent

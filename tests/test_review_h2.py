@@ -377,7 +377,12 @@ def test_a_fifo_held_or_mark_file_never_blocks_a_claim(
     try:
         done = subprocess.run(
             [sys.executable, str(LEASE_CHILD), op, str(folder), "a", anyio_backend],
-            capture_output=True, text=True, timeout=15, env=env, stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=15,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{op} blocked on a FIFO at .leases/{where}/ (killed after 15 s)")
@@ -657,7 +662,6 @@ async def test_delete_racing_a_writer_of_the_same_bytes_keeps_the_writers_blob(
         await writer.aclose()
 
 
-
 # -- error text names guarantees in words, never by number --------------------------------
 
 import re  # noqa: E402
@@ -731,7 +735,8 @@ async def test_a_worker_killed_during_its_backoff_leaves_the_turn_to_another(
     reason="DEFECT (high): a serve() worker killed right after a run failed transiently "
     "(after serve_run_retried is logged, before _pend re-claims the session: "
     "stepmachine/_serve.py:225-260) drops the turn for good: the failed run already gave "
-    "its lease back (stepmachine/_machine.py:342-346: held file / row gone) and the claim took the pending-run mark, so "
+    "its lease back (stepmachine/_machine.py:342-346: held file / row gone) and the "
+    "claim took the pending-run mark, so "
     "no worker ever serves it. The turn should stay marked (request_run, or keep the "
     "lease) before the run's lease is released",
 )
@@ -749,9 +754,12 @@ async def _killed_in_backoff(kind: str, tmp_path: Path, when: str) -> None:
     await store.request_run("s1")
     await store.aclose()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    child = subprocess.Popen(
+    child = subprocess.Popen(  # noqa: ASYNC220 - started once, read in a thread
         [sys.executable, str(SERVE_CHILD), kind, str(path), when],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        stdin=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 60
@@ -781,8 +789,14 @@ async def _killed_in_backoff(kind: str, tmp_path: Path, when: str) -> None:
     try:
         runtime = Runtime(store=store, model=FunctionModel(_echo))
         with structlog.testing.capture_logs() as logs, anyio.move_on_after(30):
-            await serve(StateMachine([ModelInference()]), runtime, stop=stop, poll=0.05, ttl=5,
-                        on_report=seen)
+            await serve(
+                StateMachine([ModelInference()]),
+                runtime,
+                stop=stop,
+                poll=0.05,
+                ttl=5,
+                on_report=seen,
+            )
         assert served == ["s1"], logs[:5]
         assert (await store.load("s1")).conversation[-1].text == "re: hello"
     finally:
@@ -797,7 +811,12 @@ def _cli_child(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[s
     try:
         return subprocess.run(
             [sys.executable, "-m", "stepmachine", *args],
-            capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return None
@@ -816,7 +835,8 @@ def _cli_child(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[s
                 "list` for ever (SQLite's hot-journal check opens it and blocks); only the "
                 "database file itself is checked (stores/_sqlite_schema.py:504 _check_header). "
                 "The -journal/-wal/-shm names should be checked the same way (regular file "
-                "or absent) before SQLite opens the database (SQLiteStore.open + load of the application hangs too)",
+                "or absent) before SQLite opens the database (SQLiteStore.open + load of "
+                "the application hangs too)",
             ),
         ),
     ],
