@@ -1,0 +1,935 @@
+"""Outside review of the "Hardening 2" fixes: attempts to break them with real faults.
+
+Each test states the right behaviour. A test that passes records what held; a
+strict xfail records a defect (its reason says what happens and what should).
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Any
+
+import _provider_wires as wires
+import anyio
+import httpx
+import pytest
+
+from stepmachine.providers import HTTPModel, ProviderError, RetryPolicy
+
+# -- providers: credentials in base URLs ------------------------------------------------
+
+WIRES = wires.WIRES
+IDS = [w.name for w in WIRES]
+SAS_SIG = "AbC+dEf/GhI=jKl0123456789=="  # an Azure SAS signature: base64, so it percent-encodes
+PLAIN = "plainsecret-DO-NOT-LEAK-77"
+
+
+def _model(wire: Any, base_url: str, handler: Any) -> HTTPModel:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return wire.factory(
+        "test-model",
+        api_key=wires.KEY,
+        base_url=base_url,
+        client=client,
+        retry=RetryPolicy(max_attempts=1),
+    )
+
+
+def _shown(error: BaseException) -> str:
+    parts = [str(error), repr(error), repr(error.args)]
+    parts.extend(traceback.format_exception(error))
+    cause: BaseException | None = error
+    while cause is not None:
+        parts.append(repr(cause))
+        cause = cause.__cause__ or cause.__context__
+    return "\n".join(parts)
+
+
+def _forms(secret: str) -> list[str]:
+    from urllib.parse import quote, quote_plus
+
+    return sorted({secret, quote(secret, safe=""), quote_plus(secret)})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (high): a query key whose value percent-encodes (an Azure SAS sig= "
+    "with + / =) is registered decoded, so httpx's INFO line shows it percent-encoded "
+    "(sig=AbC%2BdEf%2FGhI%3D...): the log filter and redaction must also match the "
+    "encoded form",
+)
+@pytest.mark.parametrize("wire", WIRES, ids=IDS)
+async def test_a_percent_encoded_query_key_is_not_in_httpx_log(
+    wire: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from urllib.parse import quote
+
+    url = f"https://llm.test/v1?api-version=1&sig={quote(SAS_SIG, safe='')}"
+    model = _model(wire, url, lambda r: httpx.Response(200, content=wire.ok_json))
+    caplog.set_level(logging.DEBUG, logger="httpx")
+    with anyio.fail_after(10):
+        await model.request(wires.REQUEST)
+    assert "HTTP Request: POST" in caplog.text
+    leaked = [f for f in _forms(SAS_SIG) if f in caplog.text]
+    assert not leaked, caplog.text
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (medium): a percent-encoded query key is in a ProviderError when the "
+    "transport's error names the request URL: redact_text knows the decoded value only "
+    "(stepmachine/providers/_errors.py:329); it should also remove the URL-encoded form",
+)
+@pytest.mark.parametrize("wire", WIRES, ids=IDS)
+async def test_a_percent_encoded_query_key_is_not_in_an_error(wire: Any) -> None:
+    from urllib.parse import quote
+
+    url = f"https://llm.test/v1?sig={quote(SAS_SIG, safe='')}"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError(f"cannot reach {request.url}", request=request)
+
+    model = _model(wire, url, handler)
+    with anyio.fail_after(10), pytest.raises(ProviderError) as caught:
+        await model.request(wires.REQUEST)
+    shown = _shown(caught.value)
+    assert "cannot reach" in shown
+    assert not [f for f in _forms(SAS_SIG) if f in shown], shown
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (medium): a key under a query name the pattern does not know (Azure "
+    "Functions' ?code=KEY) is shown in httpx's INFO line and in errors naming the URL "
+    "(stepmachine/providers/_urls.py:44 _CREDENTIAL_PARAM); every query value of a base "
+    "URL should be treated as secret in what is shown (redact_url already hides the whole query)",
+)
+@pytest.mark.parametrize("wire", WIRES, ids=IDS)
+async def test_a_key_under_an_unknown_query_name_is_not_in_httpx_log(
+    wire: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"https://fn.test/api?code={PLAIN}"
+    model = _model(wire, url, lambda r: httpx.Response(200, content=wire.ok_json))
+    caplog.set_level(logging.DEBUG, logger="httpx")
+    with anyio.fail_after(10):
+        await model.request(wires.REQUEST)
+    assert "HTTP Request: POST" in caplog.text
+    assert PLAIN not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"https://llm.test/v1?API-KEY={PLAIN}",
+        f"https://llm.test/v1?X-Api-Key={PLAIN}&api-version=1",
+        f"https://llm.test/v1#{PLAIN}",
+        f"http://u:{PLAIN}@[::1]:8080/v1",
+        f"http://u:{PLAIN.replace('-', '%2D')}@llm.test/v1",
+        f"http://{PLAIN}@llm.test/v1",
+    ],
+    ids=["upper-API-KEY", "X-Api-Key", "fragment", "ipv6-userinfo", "pct-userinfo", "user-only"],
+)
+@pytest.mark.parametrize("wire", WIRES, ids=IDS)
+async def test_other_credential_shapes_are_not_shown(
+    wire: Any, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Upper-case names, a fragment, an IPv6 host, percent-encoded userinfo: the key
+    shows nowhere (repr, httpx log, an error naming the URL)."""
+    seen: list[httpx.Request] = []
+
+    def ok(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=wire.ok_json)
+
+    model = _model(wire, url, ok)
+    caplog.set_level(logging.DEBUG, logger="httpx")
+    with anyio.fail_after(10):
+        await model.request(wires.REQUEST)
+    assert PLAIN not in repr(model)
+    assert PLAIN not in caplog.text, caplog.text
+    [request] = seen
+    assert PLAIN not in request.url.fragment
+
+    def fail(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError(f"cannot reach {request.url} {request.headers}", request=request)
+
+    failing = _model(wire, url, fail)
+    with anyio.fail_after(10), pytest.raises(ProviderError) as caught:
+        await failing.request(wires.REQUEST)
+    assert PLAIN not in _shown(caught.value)
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=IDS)
+async def test_a_server_echoing_the_key_in_its_error_body_is_redacted(wire: Any) -> None:
+    body = wire.error("authentication_error", f"Incorrect API key provided: {wires.KEY}")
+    model = _model(wire, "https://llm.test/v1", lambda r: httpx.Response(401, content=body))
+    with anyio.fail_after(10), pytest.raises(ProviderError) as caught:
+        await model.request(wires.REQUEST)
+    assert wires.KEY not in _shown(caught.value)
+
+
+# -- MCP: a hostile server and its configured secret ------------------------------------
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import structlog  # noqa: E402
+
+from stepmachine import Message, ModelInference, Runtime, StateMachine  # noqa: E402
+from stepmachine.stores import MemoryStore  # noqa: E402
+from stepmachine.testing import ScriptedModel, call, reply  # noqa: E402
+
+MCP_SERVER = Path(__file__).parent / "_review_h2_mcp_server.py"
+MCP_SECRET = "mcp-env-secret-DO-NOT-LEAK-9911"
+
+
+def _mcp(mode: str) -> Any:
+    from stepmachine.operations import McpStdio
+
+    return McpStdio(
+        name="h2",
+        command=sys.executable,
+        args=[str(MCP_SERVER), mode],
+        env={"SECRET": MCP_SECRET},
+    )
+
+
+async def _mcp_run(mode: str, model: Any, bound: float = 60) -> tuple[Any, list[dict[str, Any]]]:
+    from stepmachine.operations import McpTools
+
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    with structlog.testing.capture_logs() as logs, anyio.fail_after(bound):
+        session = await StateMachine([McpTools([_mcp(mode)]), ModelInference()]).run(
+            Runtime(store=store, model=model), "s"
+        )
+    return session, logs
+
+
+def _stored(session: Any) -> str:
+    import msgspec
+
+    return "\n".join(msgspec.json.encode(m).decode() for m in session.conversation)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (low): a server's tool description (and schema descriptions) that "
+    "quotes its configured secret goes to the model unredacted (the catalog is not "
+    "passed through McpServer.redact); descriptions should be redacted like results",
+)
+async def test_mcp_a_description_quoting_the_secret_is_redacted() -> None:
+    model = ScriptedModel([reply("fine")])
+    await _mcp_run("desc", model)
+    [tool] = model.requests[0].tools
+    assert "server key" in tool.description
+    import msgspec
+
+    assert MCP_SECRET not in msgspec.json.encode(model.requests[0].tools).decode()
+
+
+async def test_mcp_structured_content_quoting_the_secret_is_redacted() -> None:
+    model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
+    session, _ = await _mcp_run("structured", model)
+    stored = _stored(session)
+    assert '"key"' in stored or "key" in stored
+    assert MCP_SECRET not in stored
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (low): an embedded resource's URI quoting the secret is kept as the "
+    "stored DocumentPart's title and in the result text's line naming the document "
+    "(operations/_mcp_tool.py:177 passes str(resource.uri); redacted() at :278 cleans "
+    "data, not title); the title should be redacted too",
+)
+async def test_mcp_a_resource_uri_quoting_the_secret_is_redacted() -> None:
+    model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
+    session, _ = await _mcp_run("uri", model)
+    stored = _stored(session)
+    assert "files.test" in stored
+    assert MCP_SECRET not in stored
+
+
+async def test_mcp_a_10_mb_stderr_line_is_cut_and_redacted() -> None:
+    model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
+    session, logs = await _mcp_run("stderr", model)
+    lines = [e for e in logs if e.get("event") == "mcp_stderr"]
+    assert any("short line" in str(e.get("line")) for e in lines), lines[:3]
+    assert all(len(str(e.get("line"))) <= 2100 for e in lines)
+    shown = repr(logs) + _stored(session)
+    assert MCP_SECRET not in shown
+    assert MCP_SECRET[:12] not in shown
+
+
+async def test_mcp_a_server_answering_every_probe_with_32000_ends_the_call_cleanly() -> None:
+    """Every call and every probe get -32000: the call is an error result (the run ends,
+    bounded), never a hang or a crash of the run."""
+    from stepmachine import ToolResultPart
+
+    model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
+    session, _ = await _mcp_run("all32000", model, bound=60)
+    [result] = [p for m in session.conversation for p in m.parts if isinstance(p, ToolResultPart)]
+    assert result.is_error
+    text = str(result.content)
+    assert "busy" in text or "closed" in text or "unknown" in text, text
+
+
+# -- FileStore leases: non-regular lock, held and mark files ----------------------------
+
+import base64  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+
+from stepmachine import CancelToken, serve  # noqa: E402
+from stepmachine import _transient as transient  # noqa: E402
+from stepmachine.stores import FileStore  # noqa: E402
+from stepmachine.testing import FunctionModel  # noqa: E402
+
+LEASE_CHILD = Path(__file__).parent / "_review_h2_lease_child.py"
+
+
+def _name(session_id: str) -> str:
+    return base64.b32encode(session_id.encode()).decode().rstrip("=").lower()
+
+
+def _echo(request: Any) -> Any:
+    return reply(f"re: {request.messages[-1].text}")
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transient, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(transient, "BACKOFF_CAP", 0.05)
+
+
+async def _two_pending(folder: Path) -> None:
+    async with await FileStore.open(folder) as store:
+        for sid in ("a", "b"):
+            await store.create(sid, conversation=[Message.user(f"hi {sid}", id="u1")])
+            await store.request_run(sid)
+            os.utime(folder / ".leases" / "runs" / _name(sid), ns=(1, 1 if sid == "a" else 2))
+
+
+async def _serve_for(folder: Path, seconds: float) -> tuple[list[str], list[dict[str, Any]]]:
+    """serve() over the folder until ``b`` is served or ``seconds`` pass (a hang guard)."""
+    served: list[str] = []
+    stop = CancelToken()
+
+    def seen(report: Any) -> None:
+        served.append(report.session.id)
+        if "b" in served:
+            stop.cancel("done")
+
+    async with await FileStore.open(folder) as store:
+        runtime = Runtime(store=store, model=FunctionModel(_echo))
+        with structlog.testing.capture_logs() as logs:
+            with anyio.move_on_after(seconds):
+                await serve(
+                    StateMachine([ModelInference()]), runtime, stop=stop, poll=0.01, on_report=seen
+                )
+    return served, logs
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (high): one session whose lease lock file is not a regular file (a "
+    "directory: EISDIR) makes claim_next raise OSError on every call; serve() takes it "
+    "for a transient claim failure and retries for ever (serve_claim_failed WARNING, "
+    "never an ERROR), so no other session is served by any worker "
+    "(stores/_flock_leases.py:265 open + :290 catches only StoredDataError). The damaged "
+    "lock file should be a StoredDataError naming the file (skipped like a damaged record)",
+)
+@pytest.mark.usefixtures("quick_backoff")
+async def test_a_directory_lock_file_does_not_stop_other_sessions_being_served(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "store"
+    await _two_pending(folder)
+    lock = folder / ".leases" / "sessions" / f"{_name('a')}.lock"
+    lock.unlink(missing_ok=True)
+    lock.mkdir()
+    served, logs = await _serve_for(folder, 10)
+    failed = [e for e in logs if e["event"] == "serve_claim_failed"]
+    assert "b" in served, (failed[:1], len(failed))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (high): a FIFO at .leases/held/<name> (claim) or .leases/runs/<name> "
+    "(request_run) blocks for ever in "
+    "open(O_WRONLY|O_CREAT) (stores/_flock_leases.py:538 _touch has no O_NONBLOCK), inside "
+    "the folder's meta lock: every worker of every process is stuck. It should refuse "
+    "the FIFO (O_NONBLOCK + fstat, as stores/_regular.py does for logs)",
+)
+@pytest.mark.parametrize("where", ["held", "runs"])
+def test_a_fifo_held_or_mark_file_never_blocks_a_claim(
+    tmp_path: Path, where: str, anyio_backend: str
+) -> None:
+    folder = tmp_path / "store"
+    anyio.run(_two_pending, folder)
+    path = folder / ".leases" / where / _name("a")
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    op = "claim" if where == "held" else "request_run"
+    try:
+        done = subprocess.run(
+            [sys.executable, str(LEASE_CHILD), op, str(folder), "a", anyio_backend],
+            capture_output=True,
+            text=True,
+            timeout=15,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{op} blocked on a FIFO at .leases/{where}/ (killed after 15 s)")
+    assert done.returncode == 0, done.stderr
+
+
+# -- the fence check before a non-idempotent tool ----------------------------------------
+
+from stepmachine import (  # noqa: E402
+    Lease,
+    LeaseLostError,
+    ToolResultPart,
+    Tools,
+    new_owner,
+    tool,
+)
+
+
+class FlakyRenew(MemoryStore):
+    """A memory store whose ``renew`` raises what ``self.fail`` gives, while it gives one."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fail: list[BaseException | None] = []
+        self.renews = 0
+
+    async def renew(self, lease: Lease) -> Lease:
+        self.renews += 1
+        if self.fail:
+            error = self.fail.pop(0)
+            if error is not None:
+                raise error
+        return await super().renew(lease)
+
+
+def _charge_model(n: int) -> FunctionModel:
+    def answer(request: Any) -> Any:
+        if request.messages[-1].role == "user":
+            return call(*(("charge", {"amount": a}) for a in range(1, n + 1)))
+        return reply("paid")
+
+    return FunctionModel(answer)
+
+
+@pytest.mark.usefixtures("quick_backoff")
+@pytest.mark.parametrize("expiring", [False, True], ids=["held", "expiring"])
+async def test_a_renew_that_fails_transiently_right_before_the_tool(expiring: bool) -> None:
+    """The confirm round trip raises OSError: the tool is not started, serve() runs the
+    turn again, and the call ends with exactly one result (outcome unknown is acceptable:
+    an intent without a result), the tool run at most once, the turn finished."""
+    store = FlakyRenew(expiring_leases=expiring)
+    await store.create("s", conversation=[Message.user("pay", id="u1")])
+    await store.request_run("s")
+    charged: list[int] = []
+
+    def charge(amount: int) -> str:
+        """Charge the card (non-idempotent)."""
+        charged.append(amount)
+        return "charged"
+
+    store.fail = [OSError(5, "injected: the store did not answer the renew")]
+    stop = CancelToken()
+    reports: list[Any] = []
+
+    def seen(report: Any) -> None:
+        reports.append(report)
+        stop.cancel("done")
+
+    runtime = Runtime(store=store, model=_charge_model(1))
+    machine = StateMachine([Tools([tool(charge)]), ModelInference()])
+    with structlog.testing.capture_logs() as logs, anyio.fail_after(30):
+        await serve(machine, runtime, stop=stop, poll=0.01, ttl=5, on_report=seen)
+    assert charged == [], "the tool started although its lease was not confirmed"
+    session = await store.load("s")
+    results = [p for m in session.conversation for p in m.parts if isinstance(p, ToolResultPart)]
+    assert len(results) == 1
+    assert session.conversation[-1].text == "paid"
+    assert [e["error_type"] for e in logs if e["event"] == "serve_run_retried"] == ["OSError"]
+
+
+async def test_parallel_calls_where_one_fence_check_finds_the_lease_lost() -> None:
+    """Two non-idempotent calls; the second's confirm finds the lease gone: run() raises
+    one LeaseLostError (no group), the second tool never starts, the first at most once."""
+    store = FlakyRenew()
+    await store.create("s", conversation=[Message.user("pay", id="u1")])
+    lease = await store.claim("s", new_owner("first:"), 30.0)
+    assert isinstance(lease, Lease)
+    charged: list[int] = []
+
+    async def charge(amount: int) -> str:
+        """Charge the card (non-idempotent)."""
+        charged.append(amount)
+        await anyio.sleep(0.05)
+        return "charged"
+
+    store.fail = [None, LeaseLostError("s", lease.owner, lease.epoch, "taken over (injected)")]
+    machine = StateMachine([Tools([tool(charge)]), ModelInference()])
+    runtime = Runtime(store=store, model=_charge_model(2))
+    with anyio.fail_after(30), pytest.raises(LeaseLostError) as raised:
+        await machine.run(runtime, "s", lease=lease)
+    assert type(raised.value) is LeaseLostError
+    assert len(charged) <= 1
+    assert 2 not in charged or 1 not in charged
+
+
+# -- serve(): the record of a run that failed for good ----------------------------------
+
+
+async def _serve_until_failed(store: Any, model: Any) -> list[dict[str, Any]]:
+    stop = CancelToken()
+    runtime = Runtime(store=store, model=model)
+
+    async def watch(logs: list[dict[str, Any]]) -> None:
+        while not any(e["event"] == "serve_run_failed" for e in logs):  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+        stop.cancel("seen")
+
+    with structlog.testing.capture_logs() as logs, anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, logs)
+            await serve(StateMachine([ModelInference()]), runtime, stop=stop, poll=0.01, ttl=5)
+    return logs
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (medium): the one ERROR record of a run that failed for good "
+    "(serve_run_failed) names only the error's type: not its message, no traceback "
+    "(stepmachine/_serve.py:214-222 passes error_type only; the retried WARNINGs carry "
+    "detail=str(exc)). A user cannot tell what failed; it should carry the (redacted) "
+    "message, as serve_run_retried does, or exc_info",
+)
+async def test_the_error_record_of_a_failed_run_says_what_failed() -> None:
+    store = MemoryStore()
+    await store.create("s1", conversation=[Message.user("hello", id="u1")])
+    await store.request_run("s1")
+
+    def broken(request: Any) -> Any:
+        raise RuntimeError("the adapter's config is missing field 'region'")
+
+    logs = await _serve_until_failed(store, FunctionModel(broken))
+    errors = [e for e in logs if e.get("log_level") in ("error", "critical")]
+    assert errors
+    assert any("region" in repr(e) for e in errors), errors
+
+
+@pytest.mark.usefixtures("quick_backoff")
+async def test_a_permanent_fault_that_looks_transient_gives_up_with_an_error(
+    tmp_path: Path,
+) -> None:
+    """A FileStore session whose log is a directory (a permanent fault of the store):
+    serve() gives up within the bounded number of tries with one ERROR record (no spin)."""
+    folder = tmp_path / "store"
+    async with await FileStore.open(folder) as store:
+        await store.create("s1", conversation=[Message.user("hello", id="u1")])
+        await store.request_run("s1")
+    log = next(p for p in folder.iterdir() if p.suffix == ".log")
+    log.unlink()
+    log.mkdir()
+    async with await FileStore.open(folder) as store:
+        logs = await _serve_until_failed(store, FunctionModel(_echo))
+    failed = [e for e in logs if e["event"] == "serve_run_failed"]
+    assert len(failed) == 1
+    retried = [e for e in logs if e["event"] == "serve_run_retried"]
+    assert len(retried) < transient.MAX_ATTEMPTS
+
+
+# -- media blobs: damage after verification; delete racing a writer ----------------------
+
+import sqlite3  # noqa: E402
+
+from stepmachine import ImagePart, StoredDataError  # noqa: E402
+from stepmachine.stores import SQLiteStore  # noqa: E402
+
+
+def _img_msg(data: bytes, mid: str = "u1") -> Message:
+    return Message.user("look", id=mid, media=[ImagePart(media_type="image/png", data=data)])
+
+
+async def _open(kind: str, tmp_path: Path) -> Any:
+    if kind == "file":
+        return await FileStore.open(tmp_path / "files")
+    return await SQLiteStore.open(tmp_path / "db.sqlite3")
+
+
+def _damage_same_size(kind: str, tmp_path: Path, data: bytes) -> None:
+    from stepmachine import media_digest
+
+    digest = media_digest(data)
+    bad = bytes([data[0] ^ 0xFF]) + data[1:]
+    if kind == "file":
+        blob = tmp_path / "files" / ".media" / digest.removeprefix("sha256:")
+        blob.write_bytes(bad)
+    else:
+        db = sqlite3.connect(tmp_path / "db.sqlite3")
+        with db:
+            changed = db.execute("UPDATE media SET body = ? WHERE digest = ?", (bad, digest))
+            assert changed.rowcount == 1
+        db.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (medium): a blob this process wrote (or loaded) is remembered as sound "
+    "(stores/_media_blobs.py:603 VERIFIED.holds); damaged later to the same size, even a "
+    "load that reports it damaged (:555) does not forget it, so a new session writing the "
+    "same bytes is acknowledged without repairing the blob and cannot be loaded: the "
+    "load that finds damage should VERIFIED.discard it (or the write re-hash)",
+)
+async def test_a_blob_damaged_to_the_same_size_is_repaired_by_a_later_write_file(
+    tmp_path: Path,
+) -> None:
+    await _damaged_then_rewritten("file", tmp_path)
+
+
+async def test_a_blob_damaged_to_the_same_size_is_repaired_by_a_later_write_sqlite(
+    tmp_path: Path,
+) -> None:
+    """The same attack on SQLite: held (the write repairs the row)."""
+    await _damaged_then_rewritten("sqlite", tmp_path)
+
+
+async def _damaged_then_rewritten(kind: str, tmp_path: Path) -> None:
+    data = os.urandom(5000)
+    store = await _open(kind, tmp_path)
+    try:
+        await store.create("s1", conversation=[_img_msg(data)])
+        _damage_same_size(kind, tmp_path, data)
+        fresh = await _open(kind, tmp_path)
+        try:
+            with pytest.raises(StoredDataError, match="damaged"):
+                await fresh.load("s1")  # the damage is seen, by this process
+        finally:
+            await fresh.aclose()
+        await store.create("s2", conversation=[_img_msg(data)])  # the same bytes again
+    finally:
+        await store.aclose()
+    reader = await _open(kind, tmp_path)
+    try:
+        session = await reader.load("s2")
+        [part] = [p for p in session.conversation[0].parts if isinstance(p, ImagePart)]
+        assert part.data == data
+    finally:
+        await reader.aclose()
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+async def test_delete_racing_a_writer_of_the_same_bytes_keeps_the_writers_blob(
+    kind: str, tmp_path: Path
+) -> None:
+    """Two store instances (two connections / open files, like two processes): one
+    deletes the only session naming a blob while the other creates a session with the
+    same bytes. Whatever the interleaving, the writer's session loads with its image."""
+    deleter = await _open(kind, tmp_path)
+    writer = await _open(kind, tmp_path)
+    try:
+        with anyio.fail_after(120):
+            for i in range(25):
+                data = os.urandom(3000)
+                await deleter.create(f"old{i}", conversation=[_img_msg(data)])
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(deleter.delete, f"old{i}")
+                    tg.start_soon(
+                        lambda i=i, data=data: writer.create(
+                            f"new{i}", conversation=[_img_msg(data)]
+                        )
+                    )
+                reader = await _open(kind, tmp_path)
+                try:
+                    session = await reader.load(f"new{i}")
+                    parts = session.conversation[0].parts
+                    assert [p.data for p in parts if isinstance(p, ImagePart)] == [data], i
+                finally:
+                    await reader.aclose()
+    finally:
+        await deleter.aclose()
+        await writer.aclose()
+
+
+# -- error text names guarantees in words, never by number --------------------------------
+
+import re  # noqa: E402
+
+from stepmachine import ConflictError  # noqa: E402
+
+_NUMBERED = re.compile(r"\binvariant \d+\b", re.IGNORECASE)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (low): user-facing error messages cite the design's guarantee numbers "
+    "('invariant 3 (no lost updates): ...' stepmachine/_errors.py:130; 'invariant 8 (stored "
+    "data is data)' stepmachine/_codec.py:375,625-633, stores/_file_log.py:241-301, "
+    "stores/_media_blobs.py; 'invariant 4' _history.py:110, _inference.py:146; 'invariant 5' "
+    "operations/_approval.py:421-448; 'invariant 7' operations/_budget.py:597): the design "
+    "says errors name a guarantee in words only",
+)
+async def test_errors_name_guarantees_in_words_not_numbers(tmp_path: Path) -> None:
+    shown: list[str] = [str(ConflictError("s", 1, 2))]
+    data = os.urandom(2000)
+    async with await FileStore.open(tmp_path / "files") as store:
+        await store.create("s1", conversation=[_img_msg(data)])
+    _damage_same_size("file", tmp_path, data)
+    async with await FileStore.open(tmp_path / "files") as store:
+        with pytest.raises(StoredDataError) as caught:
+            await store.load("s1")
+    shown.append(str(caught.value))
+    assert "stored data is data" in shown[1] or "damaged" in shown[1]
+    numbered = [text[:120] for text in shown if _NUMBERED.search(text)]
+    assert not numbered, numbered
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (low): public docstrings (help(), the API docs) cite guarantee numbers: "
+    "StoredDataError 'A stored or wire record could not be decoded (invariant 8)', "
+    "ConflictError '(invariant 3)', HistoryError '(invariant 4)' (stepmachine/_errors.py), "
+    "Model, ModelInference, ModelRequest and more",
+)
+def test_public_docstrings_name_guarantees_in_words() -> None:
+    import stepmachine
+
+    numbered = []
+    for name in stepmachine.__all__:
+        doc = getattr(getattr(stepmachine, name), "__doc__", None) or ""
+        if _NUMBERED.search(doc) and not isinstance(getattr(stepmachine, name), str):
+            numbered.append(name)
+    assert not numbered, numbered
+
+
+# -- serve(): a worker SIGKILLed during its backoff ----------------------------------------
+
+import signal  # noqa: E402
+import time  # noqa: E402
+
+SERVE_CHILD = Path(__file__).parent / "_review_h2_serve_child.py"
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+async def test_a_worker_killed_during_its_backoff_leaves_the_turn_to_another(
+    kind: str, tmp_path: Path
+) -> None:
+    """The child's run fails transiently, it parks the turn for 60 s and is SIGKILLed:
+    a new worker serves the turn (not after the dead worker's backoff)."""
+    await _killed_in_backoff(kind, tmp_path, "later")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (high): a serve() worker killed right after a run failed transiently "
+    "(after serve_run_retried is logged, before _pend re-claims the session: "
+    "stepmachine/_serve.py:225-260) drops the turn for good: the failed run already gave "
+    "its lease back (stepmachine/_machine.py:342-346: held file / row gone) and the "
+    "claim took the pending-run mark, so "
+    "no worker ever serves it. The turn should stay marked (request_run, or keep the "
+    "lease) before the run's lease is released",
+)
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+async def test_a_worker_killed_as_it_logs_the_retry_leaves_the_turn_to_another(
+    kind: str, tmp_path: Path
+) -> None:
+    await _killed_in_backoff(kind, tmp_path, "at-log")
+
+
+async def _killed_in_backoff(kind: str, tmp_path: Path, when: str) -> None:
+    path = tmp_path / ("files" if kind == "file" else "db.sqlite3")
+    store = await _open(kind, tmp_path)
+    await store.create("s1", conversation=[Message.user("hello", id="u1")])
+    await store.request_run("s1")
+    await store.aclose()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen(  # noqa: ASYNC220 - started once, read in a thread
+        [sys.executable, str(SERVE_CHILD), kind, str(path), when],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        assert child.stdout is not None
+        line = b""
+        with anyio.fail_after(65):
+            while b"backing-off" not in line and time.monotonic() < deadline:
+                line = await anyio.to_thread.run_sync(child.stdout.readline)
+                if not line and child.poll() is not None:
+                    pytest.fail(f"child exited: {child.stderr.read().decode()[-2000:]}")
+        if when == "later":
+            await anyio.sleep(2)  # the turn is parked (held by the child) by now
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        for pipe in (child.stdout, child.stderr):
+            if pipe is not None:
+                pipe.close()
+    served: list[str] = []
+    stop = CancelToken()
+
+    def seen(report: Any) -> None:
+        served.append(report.session.id)
+        stop.cancel("done")
+
+    store = await _open(kind, tmp_path)
+    try:
+        runtime = Runtime(store=store, model=FunctionModel(_echo))
+        with structlog.testing.capture_logs() as logs, anyio.move_on_after(30):
+            await serve(
+                StateMachine([ModelInference()]),
+                runtime,
+                stop=stop,
+                poll=0.05,
+                ttl=5,
+                on_report=seen,
+            )
+        assert served == ["s1"], logs[:5]
+        assert (await store.load("s1")).conversation[-1].text == "re: hello"
+    finally:
+        await store.aclose()
+
+
+# -- SQLite: a FIFO beside the database (-wal, -journal, -shm) -----------------------------
+
+
+def _cli_child(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str] | None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "stepmachine", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+
+
+@pytest.mark.parametrize(
+    "suffix",
+    [
+        "-wal",
+        "-shm",
+        pytest.param(
+            "-journal",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="DEFECT (medium): a FIFO at <db>-journal hangs `stepmachine sessions "
+                "list` for ever (SQLite's hot-journal check opens it and blocks); only the "
+                "database file itself is checked (stores/_sqlite_schema.py:504 _check_header). "
+                "The -journal/-wal/-shm names should be checked the same way (regular file "
+                "or absent) before SQLite opens the database (SQLiteStore.open + load of "
+                "the application hangs too)",
+            ),
+        ),
+    ],
+)
+def test_a_fifo_beside_the_sqlite_database_never_blocks_the_cli(
+    tmp_path: Path, suffix: str
+) -> None:
+    """Someone left a FIFO where SQLite keeps its WAL, shared memory or journal: the
+    read commands end (with an error or a listing), they never hang."""
+    path = tmp_path / "agent.sqlite3"
+
+    async def make() -> None:
+        store = await SQLiteStore.open(path)
+        await store.create("s1", conversation=[Message.user("hi", id="u1")])
+        await store.aclose()
+
+    anyio.run(make)
+    side = Path(str(path) + suffix)
+    side.unlink(missing_ok=True)
+    os.mkfifo(side)
+    for command in (("sessions", "list"), ("show", "s1")):
+        done = _cli_child("--store", f"sqlite:///{path}", *command)
+        assert done is not None, f"{command} hung on a FIFO at {side.name} (killed after 20 s)"
+        assert "Traceback" not in done.stderr, done.stderr[-1500:]
+
+
+async def test_mcp_a_32000_error_quoting_the_secret_is_its_message_redacted() -> None:
+    model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
+    session, logs = await _mcp_run("echo32000", model)
+    [result] = [p for m in session.conversation for p in m.parts if isinstance(p, ToolResultPart)]
+    assert result.is_error
+    assert "quota" in str(result.content)
+    assert MCP_SECRET not in _stored(session) + repr(logs)
+
+
+# -- a step's contract: a careless run() -----------------------------------------------
+
+from stepmachine import Refuse, StepContractError  # noqa: E402
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DEFECT (low): a step whose run() is a plain def (returns Refuse(...) without "
+    "async) gets TypeError \"object Refuse can't be used in 'await' expression\" out of "
+    "run() (stepmachine/_cycle.py:206 awaits whatever run returns), not a "
+    "StepContractError naming the step and the fix (make run async)",
+)
+async def test_a_sync_run_is_a_step_contract_error_naming_the_step() -> None:
+    class Careless:
+        name = "careless"
+
+        def run(self, ctx: Any) -> Any:
+            return Refuse("not now")
+
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("hi", id="u1")])
+    with anyio.fail_after(10), pytest.raises(StepContractError) as caught:
+        await StateMachine([Careless(), ModelInference()]).run(
+            Runtime(store=store, model=ScriptedModel([reply("x")])), "s"
+        )
+    assert "careless" in str(caught.value)
+    assert "async" in str(caught.value)
+
+
+# -- an oversized tool image in a parallel batch ---------------------------------------
+
+from stepmachine import ToolOutput  # noqa: E402
+
+
+async def test_one_oversized_image_in_a_parallel_batch_spares_the_others() -> None:
+    """Two pure calls in one batch, one returns an image past max_media_bytes: that one
+    is an error result naming size and limit, the other keeps its image, the turn ends."""
+    store = MemoryStore(max_media_bytes=10_000)
+    await store.create("s", conversation=[Message.user("draw", id="u1")])
+
+    async def draw(size: int) -> ToolOutput:
+        """Draw (pure)."""
+        data = b"\x89PNG\r\n\x1a\n" + b"\0" * size
+        return ToolOutput("drawn", (ImagePart(media_type="image/png", data=data),))
+
+    def answer(request: Any) -> Any:
+        if request.messages[-1].role == "user":
+            return call(("draw", {"size": 100}), ("draw", {"size": 50_000}))
+        return reply("done")
+
+    machine = StateMachine([Tools([tool(side_effects="pure")(draw)]), ModelInference()])
+    with anyio.fail_after(30):
+        session = await machine.run(Runtime(store=store, model=FunctionModel(answer)), "s")
+    results = [p for m in session.conversation for p in m.parts if isinstance(p, ToolResultPart)]
+    assert len(results) == 2
+    big = [r for r in results if r.is_error]
+    assert len(big) == 1
+    assert "10,000" in str(big[0].content) or "10000" in str(big[0].content)
+    images = [p for m in session.conversation for p in m.parts if isinstance(p, ImagePart)]
+    assert len(images) == 1
+    assert session.conversation[-1].text == "done"
