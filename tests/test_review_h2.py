@@ -671,15 +671,6 @@ from stepmachine import ConflictError  # noqa: E402
 _NUMBERED = re.compile(r"\binvariant \d+\b", re.IGNORECASE)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): user-facing error messages cite the design's guarantee numbers "
-    "('invariant 3 (no lost updates): ...' stepmachine/_errors.py:130; 'invariant 8 (stored "
-    "data is data)' stepmachine/_codec.py:375,625-633, stores/_file_log.py:241-301, "
-    "stores/_media_blobs.py; 'invariant 4' _history.py:110, _inference.py:146; 'invariant 5' "
-    "operations/_approval.py:421-448; 'invariant 7' operations/_budget.py:597): the design "
-    "says errors name a guarantee in words only",
-)
 async def test_errors_name_guarantees_in_words_not_numbers(tmp_path: Path) -> None:
     shown: list[str] = [str(ConflictError("s", 1, 2))]
     data = os.urandom(2000)
@@ -695,13 +686,6 @@ async def test_errors_name_guarantees_in_words_not_numbers(tmp_path: Path) -> No
     assert not numbered, numbered
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): public docstrings (help(), the API docs) cite guarantee numbers: "
-    "StoredDataError 'A stored or wire record could not be decoded (invariant 8)', "
-    "ConflictError '(invariant 3)', HistoryError '(invariant 4)' (stepmachine/_errors.py), "
-    "Model, ModelInference, ModelRequest and more",
-)
 def test_public_docstrings_name_guarantees_in_words() -> None:
     import stepmachine
 
