@@ -41,6 +41,9 @@ _HEAD = 4_096
 
 _ID = re.compile(rb'"id"\s*:\s*(-?\d+|"(?:[^"\\]|\\.){0,200}")')
 
+_REAP_GRACE = 10.0
+"""Seconds to wait, after the SDK's own stop, for a killed server to be reaped."""
+
 
 class _Lines:
     """Splits bytes into lines, keeping at most ``limit`` bytes of the line being read."""
@@ -190,6 +193,12 @@ async def bounded_stdio_client(
         with anyio.move_on_after(sdk._WRITER_FLUSH_TIMEOUT):
             await writer_done.wait()
         await sdk._stop_server_process(process)
+        # The SDK gives a killed server 2 s to be reaped; on a loaded machine that can be
+        # too short, and a process never reaped stays a zombie. Wait a while longer,
+        # bounded (the kill was sent: the process is going).
+        with anyio.move_on_after(_REAP_GRACE):
+            while process.returncode is None:  # noqa: ASYNC110 - returncode is polled, as the SDK does
+                await anyio.sleep(0.02)
         await sdk._aclose_all(read_stream, write_stream, read_writer, write_reader)
         await anyio.lowlevel.checkpoint()
 
