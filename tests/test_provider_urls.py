@@ -15,15 +15,21 @@ from __future__ import annotations
 import base64
 import logging
 import traceback
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote, quote_plus
 
 import _provider_wires as wires
 import anyio
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stepmachine._messages import TextPart
 from stepmachine.providers import GeminiModel, HTTPModel, ProviderError, RetryPolicy
+from stepmachine.providers._errors import redact_text
+from stepmachine.providers._urls import MIN_SECRET, _HideSecrets, parse_base_url
 
 KEY = wires.KEY
 USER_KEY = "userinfo-secret-DO-NOT-LEAK-42"
@@ -186,3 +192,82 @@ async def test_a_gemini_key_in_the_base_url_query_goes_in_its_header(
     assert QUERY_KEY not in str(request.url)
     assert QUERY_KEY not in caplog.text
     assert QUERY_KEY not in repr(model)
+
+
+# -- every query value of a base URL is a secret in what is shown -----------------------
+
+PLAIN_NAME_URL = f"https://llm.test/v1?api-version=2024-10&code={QUERY_KEY}"
+"""Azure Functions' ``?code=KEY``, and a short version value under a plain name."""
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=IDS)
+async def test_httpx_shows_each_base_url_parameter_as_name_stars(
+    wire: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[httpx.Request] = []
+
+    def ok(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=wire.ok_json)
+
+    model = _model(wire, PLAIN_NAME_URL, ok)
+    caplog.set_level(logging.INFO, logger="httpx")
+    with anyio.fail_after(10):
+        await model.request(wires.REQUEST)
+    [request] = seen
+    assert request.url.params["code"] == QUERY_KEY  # still sent
+    assert request.url.params["api-version"] == "2024-10"
+    [line] = [r.getMessage() for r in caplog.records if r.name == "httpx"]
+    assert "api-version=***" in line
+    assert "code=***" in line
+    assert QUERY_KEY not in line
+    assert "2024-10" not in line
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=IDS)
+async def test_an_error_hides_a_long_query_value_and_keeps_a_short_plain_one(wire: Any) -> None:
+    """Values under a plain name from ``MIN_SECRET`` characters on are secrets; a
+    short one (a version) stays, so that the error stays readable."""
+
+    def fail(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError(f"cannot reach {request.url}", request=request)
+
+    model = _model(wire, PLAIN_NAME_URL, fail)
+    with anyio.fail_after(10), pytest.raises(ProviderError) as caught:
+        await model.request(wires.REQUEST)
+    message = str(caught.value)
+    assert "api-version=2024-10" in message
+    assert "code=***" in message
+    assert QUERY_KEY not in _shown(caught.value)
+
+
+_URL_TEXT = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
+
+
+@settings(deadline=None, max_examples=150)
+@given(
+    name=_URL_TEXT,
+    value=st.text(st.characters(codec="utf-8"), min_size=MIN_SECRET, max_size=48),
+    encode=st.sampled_from([quote_plus, lambda v: quote(v, safe="")]),
+)
+def test_a_long_query_value_shows_in_no_spelling(
+    name: str, value: str, encode: Callable[[str], str]
+) -> None:
+    """Whatever the parameter's name and however the value is spelled in the base
+    URL: neither httpx's request line nor an error naming the request URL shows
+    it, decoded or percent-encoded."""
+    base = parse_base_url(f"https://llm.test/v1?api-version=1&{encode(name)}={encode(value)}")
+    assert (name, value) in base.query
+    hide = _HideSecrets()  # what hide_in_httpx_log registers, on a filter of its own
+    hide.update(base.query_secrets, base.params())
+    target = base.target(f"{base.root}/chat/completions")
+    record = logging.LogRecord(
+        "httpx", logging.INFO, __file__, 0, 'HTTP Request: %s %s "%s"', ("POST", target, "OK"), None
+    )
+    assert hide.filter(record)
+    line = record.getMessage()
+    error = redact_text(f"cannot reach {target}", base.secrets)
+    forms = {value, quote(value), quote(value, safe=""), quote_plus(value)}
+    for shown in (line, error):
+        assert not [f for f in forms if f in shown], shown
+    assert "api-version=***" in line

@@ -52,13 +52,6 @@ def _forms(secret: str) -> list[str]:
     return sorted({secret, quote(secret, safe=""), quote_plus(secret)})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (high): a query key whose value percent-encodes (an Azure SAS sig= "
-    "with + / =) is registered decoded, so httpx's INFO line shows it percent-encoded "
-    "(sig=AbC%2BdEf%2FGhI%3D...): the log filter and redaction must also match the "
-    "encoded form",
-)
 @pytest.mark.parametrize("wire", WIRES, ids=IDS)
 async def test_a_percent_encoded_query_key_is_not_in_httpx_log(
     wire: Any, caplog: pytest.LogCaptureFixture
@@ -75,12 +68,6 @@ async def test_a_percent_encoded_query_key_is_not_in_httpx_log(
     assert not leaked, caplog.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (medium): a percent-encoded query key is in a ProviderError when the "
-    "transport's error names the request URL: redact_text knows the decoded value only "
-    "(stepmachine/providers/_errors.py:329); it should also remove the URL-encoded form",
-)
 @pytest.mark.parametrize("wire", WIRES, ids=IDS)
 async def test_a_percent_encoded_query_key_is_not_in_an_error(wire: Any) -> None:
     from urllib.parse import quote
@@ -98,13 +85,6 @@ async def test_a_percent_encoded_query_key_is_not_in_an_error(wire: Any) -> None
     assert not [f for f in _forms(SAS_SIG) if f in shown], shown
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (medium): a key under a query name the pattern does not know (Azure "
-    "Functions' ?code=KEY) is shown in httpx's INFO line and in errors naming the URL "
-    "(stepmachine/providers/_urls.py:44 _CREDENTIAL_PARAM); every query value of a base "
-    "URL should be treated as secret in what is shown (redact_url already hides the whole query)",
-)
 @pytest.mark.parametrize("wire", WIRES, ids=IDS)
 async def test_a_key_under_an_unknown_query_name_is_not_in_httpx_log(
     wire: Any, caplog: pytest.LogCaptureFixture

@@ -224,7 +224,7 @@ class HTTPModel:
         _check_key(self.api_key.reveal())
         self._base = parse_base_url(base_url)
         self.base_url = self._base.root
-        hide_in_httpx_log(tuple(v for _, v in self._base.query if v in self._base.secrets))
+        hide_in_httpx_log(self._base.query_secrets, self._base.params())
         self._own_client = client is None
         self.client = client or httpx.AsyncClient(timeout=timeout)
         self.retry = retry or RetryPolicy()

@@ -14,16 +14,30 @@ made, into what every request needs:
 * the query, put back on every request *after* the endpoint path (a query in
   the base URL used to end up in front of it);
 * the secrets among them -- the password (or a user without a password: that
-  is the key), the Basic header's value and the values of query parameters
-  whose name says credential (``key``, ``api-key``, ``token``, ``sig``, ...) --
-  which the adapter removes from every error and its cause chain.
+  is the key), the Basic header's value and the values of the query -- which
+  the adapter removes from every error and its cause chain.
+
+Every query value is a secret, whatever its name: a key hides under names no
+pattern knows (Azure Functions' ``?code=``). A value under a name that says
+credential (``key``, ``api-key``, ``token``, ``sig``, ``code``, ...) is one at any
+length; any other value from :data:`MIN_SECRET` characters on -- a key worth
+the name is longer, while shorter values (``api-version=2024-10``, ``alt=sse``,
+a flag) are not keys, and removing them from every error would hide what
+makes the error readable. Each secret value is registered in every spelling
+it may take: decoded, as written in the base URL, percent-encoded (``quote``
+and ``quote_plus``) and as httpx writes it in a request URL (an Azure SAS
+``sig=AbC%2BdEf...`` is ``AbC+dEf...`` decoded).
 
 A key in the query has to leave the process in the query (no header is
 equivalent for every server), so httpx's own INFO line
 (``HTTP Request: POST <url> ...``) would show it. :func:`hide_in_httpx_log`
-adds, once, a filter to the ``httpx`` logger that replaces such a registered
-value by ``***`` in each record -- only records holding one are touched (and
-nothing is configured until a model with a key in its query is made).
+adds, once, a filter to the ``httpx`` logger that shows each parameter of a
+base URL's query as ``name=***`` in each record -- the parameter exactly as
+httpx writes it, after ``?`` or ``&`` -- and replaces a registered query
+secret by ``***`` wherever else it shows. Only records holding one are
+touched (and nothing is configured until a model with a query in its base
+URL is made); another client's request with the very same parameter is
+shown the same way.
 :func:`redact_url` is what a ``repr`` or an error shows of a URL.
 """
 
@@ -34,16 +48,19 @@ import logging
 import re
 import threading
 from dataclasses import dataclass
+from urllib.parse import quote, quote_plus, unquote_plus
 
 import httpx
 
 from .._errors import ConfigurationError
 
-__all__ = ["BaseURL", "hide_in_httpx_log", "parse_base_url", "redact_url"]
+__all__ = ["MIN_SECRET", "BaseURL", "hide_in_httpx_log", "parse_base_url", "redact_url"]
 
 _CREDENTIAL_PARAM = re.compile(
-    r"auth|key|token|secret|password|passwd|signature|^sig$|credential", re.IGNORECASE
+    r"auth|key|token|secret|password|passwd|signature|^sig$|credential|^code$", re.IGNORECASE
 )
+MIN_SECRET = 16
+"""The length from which a query value under any name is a secret (see the module docs)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +71,41 @@ class BaseURL:
     query: tuple[tuple[str, str], ...]
     basic: str | None
     secrets: tuple[str, ...]
+    query_secrets: tuple[str, ...] = ()
+    """The query's secret values, in every spelling (also in :attr:`secrets`)."""
 
     def target(self, url: str) -> httpx.URL:
         """``url`` (the root plus an endpoint path) with the base URL's query added."""
         target = httpx.URL(url)
         return target.copy_merge_params(list(self.query)) if self.query else target
+
+    def params(self) -> tuple[str, ...]:
+        """Each ``name=value`` of the query as httpx writes it in a request URL."""
+        return _written(self.query)
+
+
+def _written(query: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    if not query:
+        return ()
+    written = httpx.URL("http://h/").copy_merge_params(list(query)).query.decode("ascii")
+    return tuple(written.split("&"))
+
+
+def _spellings(url: str, query: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """The secret values of ``query`` (parsed from ``url``), in every spelling."""
+    raw_query = url.partition("?")[2].partition("#")[0]
+    raw: dict[str, set[str]] = {}  # decoded value -> its spellings in ``url``
+    for piece in raw_query.split("&"):
+        value = piece.partition("=")[2]
+        raw.setdefault(unquote_plus(value), set()).add(value)
+    found: set[str] = set()
+    for name, value in query:
+        if not value or (len(value) < MIN_SECRET and not _CREDENTIAL_PARAM.search(name)):
+            continue
+        found.update({value, quote(value), quote(value, safe=""), quote_plus(value)})
+        found.update(raw.get(value, ()))
+        found.update(written.partition("=")[2] for written in _written(((name, value),)))
+    return tuple(sorted(s for s in found if s))
 
 
 def redact_url(url: str) -> str:
@@ -98,30 +145,52 @@ def parse_base_url(url: str) -> BaseURL:
         basic = f"Basic {token}"
         secrets.extend([token, password or user])
     query = tuple(parsed.params.multi_items())
-    secrets.extend(value for name, value in query if _CREDENTIAL_PARAM.search(name) and value)
+    hidden = _spellings(url, query)
+    secrets.extend(hidden)
     root = str(parsed.copy_with(userinfo=b"", query=None, fragment=None)).rstrip("/")
-    return BaseURL(root=root, query=query, basic=basic, secrets=tuple(s for s in secrets if s))
+    return BaseURL(
+        root=root,
+        query=query,
+        basic=basic,
+        secrets=tuple(s for s in secrets if s),
+        query_secrets=hidden,
+    )
 
 
 class _HideSecrets(logging.Filter):
-    """Replaces registered secrets by ``***`` in the records of the logger it is on."""
+    """Shows registered query parameters as ``name=***`` and registered secrets as
+    ``***`` in the records of the logger it is on."""
 
     def __init__(self) -> None:
         super().__init__()
         self.secrets: set[str] = set()
+        self.params: set[str] = set()
+        self._pattern: re.Pattern[str] | None = None
+
+    def update(self, secrets: tuple[str, ...], params: tuple[str, ...]) -> None:
+        """Register more; call under the module's lock."""
+        self.secrets.update(s for s in secrets if s)
+        self.params.update(p for p in params if p)
+        if self.params:
+            pieces = "|".join(re.escape(p) for p in sorted(self.params, key=len, reverse=True))
+            self._pattern = re.compile(rf"(?<=[?&])(?:{pieces})(?=[&#\s\"'>]|$)")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        secrets = self.secrets
-        if not secrets:
+        pattern, secrets = self._pattern, self.secrets
+        if pattern is None and not secrets:
             return True
         try:
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a record that cannot format is left to logging
             return True
-        if any(secret in message for secret in secrets):
+        shown = message
+        if pattern is not None:
+            shown = pattern.sub(lambda m: m.group().partition("=")[0] + "=***", shown)
+        if any(secret in shown for secret in secrets):
             for secret in sorted(secrets, key=len, reverse=True):
-                message = message.replace(secret, "***")
-            record.msg, record.args = message, None
+                shown = shown.replace(secret, "***")
+        if shown != message:
+            record.msg, record.args = shown, None
         return True
 
 
@@ -129,16 +198,18 @@ _filter = _HideSecrets()
 _lock = threading.Lock()
 
 
-def hide_in_httpx_log(secrets: tuple[str, ...]) -> None:
-    """Keep ``secrets`` out of the records of the ``httpx`` logger, from now on.
+def hide_in_httpx_log(secrets: tuple[str, ...], params: tuple[str, ...] = ()) -> None:
+    """Keep ``secrets`` and the values of ``params`` (``name=value`` as httpx writes
+    them, see :meth:`BaseURL.params`) out of the records of the ``httpx`` logger,
+    from now on: a parameter shows as ``name=***``, a secret as ``***``.
 
     The filter is added to that logger the first time; nothing else about
     logging is changed.
     """
-    if not secrets:
+    if not secrets and not params:
         return
     with _lock:
         logger = logging.getLogger("httpx")
         if _filter not in logger.filters:
             logger.addFilter(_filter)
-        _filter.secrets.update(secrets)
+        _filter.update(secrets, params)
