@@ -23,11 +23,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import msgspec
 
 from . import _log, _transient
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, LeaseLostError
 from ._hold import leasing_store, release, request_again
-from ._lease import MIN_TTL, Lease, LeaseHolder, Leases, check_claim, new_owner
+from ._lease import MIN_TTL, Lease, Leases, check_claim, new_owner
 from ._machine import StateMachine
 from ._run import RunReport
 from ._runtime import Runtime
@@ -138,10 +139,18 @@ async def _loop(
                 else:
                     await stop.wait()
             continue
+        session_id = lease.session_id
         try:  # one round per claim: a session requested again goes back in the queue
-            report = await machine._run_holding(runtime, store, lease, None, max_rounds=1)
+            report = await machine._run_holding(
+                runtime,
+                store,
+                lease,
+                None,
+                max_rounds=1,
+                keep=lambda exc: worker.will_retry(session_id, exc),  # noqa: B023 - called here
+            )
         except Exception as exc:  # noqa: BLE001 - one session's failure does not stop the worker
-            await worker.failed(lease.session_id, exc)
+            await worker.failed(lease, exc, runtime)
             continue
         worker.served(lease.session_id)
         if on_report is not None:
@@ -189,7 +198,7 @@ class _Worker:
                 error_type=type(exc).__name__,
                 attempt=self.claim_failures,
                 delay_s=round(delay, 3),
-                detail=str(exc),
+                detail=_transient.describe(exc, content=True),
             )
             await anyio.sleep(delay)
             return None
@@ -207,10 +216,24 @@ class _Worker:
         """A run of ``session_id`` returned: its count of failures starts over."""
         self.failures.pop(session_id, None)
 
-    async def failed(self, session_id: str, exc: Exception) -> None:
-        """A run of ``session_id`` raised ``exc``: retry later, or log it as failed."""
+    def will_retry(self, session_id: str, exc: Exception) -> bool:
+        """Whether a run of ``session_id`` that raised ``exc`` is run again (after a backoff).
+
+        Asked before the failed run lets go of its lease: a turn to run again
+        keeps it (see :meth:`failed`)."""
         attempt = self.failures.get(session_id, 0) + 1
-        if not _transient.is_transient(exc) or attempt >= _transient.MAX_ATTEMPTS:
+        return _transient.is_transient(exc) and attempt < _transient.MAX_ATTEMPTS
+
+    async def failed(self, lease: Lease, exc: Exception, runtime: Runtime) -> None:
+        """A run under ``lease`` raised ``exc``: retry later, or log it as failed.
+
+        A run to retry (:meth:`will_retry`) kept its lease, and this worker
+        holds it through the backoff (:meth:`_pend`): the turn is never both
+        unmarked and unheld. A run that failed for good released it.
+        """
+        session_id = lease.session_id
+        attempt = self.failures.get(session_id, 0) + 1
+        if not self.will_retry(session_id, exc):
             self.failures.pop(session_id, None)
             _log.event(
                 _log.ERROR,
@@ -219,10 +242,14 @@ class _Worker:
                 error_type=type(exc).__name__,
                 attempts=attempt,
                 retried=False,
+                detail=_transient.describe(exc, content=runtime.telemetry.captures_content),
+                raised_at=_transient.raised_at(exc),
             )
             return
         self.failures[session_id] = attempt
         delay = _transient.backoff(attempt)
+        if not self.store.leases_expire:  # parked before any await: a cancelled serve releases it
+            self.parked[session_id] = (anyio.current_time() + delay, lease)
         _log.event(
             _log.WARNING,
             "serve_run_retried",
@@ -230,32 +257,45 @@ class _Worker:
             error_type=type(exc).__name__,
             attempt=attempt,
             delay_s=round(delay, 3),
-            detail=str(exc),
+            detail=_transient.describe(exc, content=True),
         )
         try:
-            await self._pend(session_id, delay)
-        except Exception as again:  # noqa: BLE001 - the store is still down: tried every round
-            self.owed.add(session_id)
-            _log.event(
+            await self._pend(lease, delay)
+        except Exception as again:  # noqa: BLE001 - the store is down: the lease lapses, or is
+            _log.event(  # parked, or the mark is owed (set every round): the turn is kept
                 _log.WARNING,
                 "serve_run_retry_deferred",
                 session_id=session_id,
                 error_type=type(again).__name__,
-                detail=str(again),
+                detail=_transient.describe(again, content=True),
             )
 
-    async def _pend(self, session_id: str, delay: float) -> None:
-        """Leave ``session_id``'s turn pending, to be run in about ``delay`` seconds."""
+    async def _pend(self, lease: Lease, delay: float) -> None:
+        """Keep the failed run's ``lease`` so that its turn runs again in about ``delay`` s.
+
+        - a lease that lapses (PostgreSQL, memory with expiring leases): renewed
+          to lapse in ``delay`` seconds, unreleased; then any worker's
+          ``claim_next`` takes it as abandoned work (if the renewal fails, it
+          lapses at its own expiry, the same way);
+        - a lease held until released (the lock-file stores): parked by
+          :meth:`failed` (this worker runs it when the pause is over; a dead
+          worker's lock goes with its process, its *held* file left for the
+          next ``claim_next``); checked to be still this store's;
+        - a lease that is no longer current (:class:`LeaseLostError`: another
+          runner took the session, or it lapsed): the session's pending-run mark
+          is set, so its holder or the next claimer runs the turn.
+        """
         store = self.store
-        lapses = store.leases_expire
-        got = await store.claim(
-            session_id, new_owner(self.owner_prefix), max(MIN_TTL, delay) if lapses else self.ttl
-        )
-        if isinstance(got, LeaseHolder):  # someone else runs it: the holder owes it now
-            await store.request_run(session_id)
-        elif not lapses:  # held until released: this worker runs it when the pause is over
-            self.parked[session_id] = (anyio.current_time() + delay, got)
-        # else: the lease lapses unreleased in `delay` seconds: work for any claim_next
+        try:
+            if store.leases_expire:
+                await store.renew(msgspec.structs.replace(lease, ttl=max(MIN_TTL, delay)))
+            else:
+                await store.renew(lease)  # only checks that this store still holds it
+        except LeaseLostError:
+            self.parked.pop(lease.session_id, None)
+            self.owed.add(lease.session_id)  # until the mark is set (every round if this fails)
+            await store.request_run(lease.session_id)
+            self.owed.discard(lease.session_id)
 
     async def give_back(self) -> None:
         """``serve`` returns: set the mark of each parked session and release it (shielded)."""
