@@ -10,10 +10,10 @@ another once its lease is free (PostgreSQL: after its ``ttl``; the lock-file
 stores: at once, the process being gone).
 
 Nothing stuck, nothing dropped: the claim took the session's pending-run
-mark, so a run that raised would leave its turn to nobody. Instead a run
-that raised a transient error (the store
-unreachable or restarted, a lost lease) leaves the turn pending after a
-backoff, and one that failed for good is logged at ERROR. See :func:`serve`.
+mark, so a run that raised and let go of its lease would leave its turn to
+nobody. Instead a run that raised a transient error (the store unreachable
+or restarted, a lost lease) keeps its lease through a backoff and is run
+again, and one that failed for good is logged at ERROR. See :func:`serve`.
 """
 
 from __future__ import annotations
@@ -61,30 +61,43 @@ async def serve(
         owner_prefix: put in front of each run's owner string (a worker's name).
         on_report: called with each run's :class:`RunReport` (may be async).
 
-    A run that raises does not stop the worker, and its turn is not dropped
-    (the claim took the session's pending-run mark, so the worker must give
-    the turn back or say it failed):
+    A run that raises does not stop the worker, and its turn is not dropped.
+    The rule that keeps it: *at every instant a claimed turn is either marked
+    pending or its lease is held (or lapsing unreleased, which ``claim_next``
+    gives out as abandoned work)*, so a worker killed at any instant leaves
+    the turn to the next claimer. The claim took the mark; so a run that is to
+    be retried does not release its lease: it keeps it from its failure
+    through the backoff to its next run.
 
     - a *transient* error (the store unreachable, a restarted PostgreSQL
       server's ``OperationalError``/``AdminShutdown``, an ``OSError`` of a
       file or SQLite read, a lost lease, conflicts past ``max_conflicts``;
-      one classification, shared with durable turns): the turn stays
-      pending and is run again after a backoff (0.1-0.2 s, doubling, at most 5 s,
-      jittered). The worker claims the session again for that long and lets
-      the lease lapse (PostgreSQL, memory: then any worker's ``claim_next``
-      takes it as abandoned work), or holds it and runs it itself when the
-      backoff is over (the lock-file stores); a session someone else holds
-      gets its pending-run mark set again. The pause never holds up the
-      worker's other sessions, and a worker that dies meanwhile leaves the
-      turn to the next claimer. Logged at WARNING (``serve_run_retried``:
+      one classification, shared with durable turns): the turn is run again
+      after a backoff (0.1-0.2 s, doubling, at most 5 s, jittered). The
+      worker keeps the failed run's lease for that long: a lease that lapses
+      (PostgreSQL, memory with expiring leases) is renewed to lapse when the
+      backoff is over, unreleased (then any worker's ``claim_next`` takes it
+      as abandoned work); a lease held until released (the lock-file stores)
+      is held, and this worker runs the turn with it when the backoff is
+      over (a dead worker's lock goes with its process, and ``claim_next``
+      gives the session out). A lease found no longer current (taken over)
+      gets the session's pending-run mark set, for its holder. No worker runs
+      the turn before its backoff is over; the pause never holds up the
+      worker's other sessions. Logged at WARNING (``serve_run_retried``:
       error_type, attempt, delay_s, detail).
     - any other error (a step's or tool's bug, damaged stored data, a model
-      error after its own retries), or a transient one for the
-      eighth time in a row: the run failed for good; the
-      turn is not run again until something requests a run. Logged at ERROR
-      (``serve_run_failed``: session_id, error_type, attempts, retried False):
-      the record a user of ``serve`` finds in the log; the session keeps what
-      the run stored (its finalize answered open calls "interrupted").
+      error after its own retries), or a transient one for the eighth time
+      in a row: the run failed for good and released its lease; the turn is
+      not run again until something requests a run. Logged at ERROR
+      (``serve_run_failed``: session_id, error_type, attempts, retried False,
+      detail: the error's text cut at 1,000 characters, raised_at: its
+      innermost frames as ``file:line in function``, never their local
+      variables): the record a user of ``serve`` finds in the log; the session
+      keeps what the run stored (its finalize answered open calls
+      "interrupted"). A provider's error carries no key (it is redacted where
+      it is raised); its message, the server's text, which may quote the
+      prompt, is in ``detail`` only with content capture on (else its
+      provider, status, kind and request id).
 
     A transient error of the store while claiming (``claim_next``) is logged
     (``serve_claim_failed``, WARNING) and the claim tried again after a
@@ -163,9 +176,10 @@ class _Worker:
     """What one ``serve()`` call keeps between rounds: retries owed, and their pauses.
 
     ``failures``: transient failures in a row per session (this worker's);
-    ``parked``: leases of stores whose leases do not lapse, held until their
-    backoff is over; ``owed``: sessions whose pending-run mark could not be set
-    again (the store was unreachable), tried again every round.
+    ``parked``: leases of stores whose leases do not lapse, kept from a failed
+    run until its backoff is over; ``owed``: sessions whose lease was found
+    taken over and whose pending-run mark could not be set (the store was
+    unreachable), tried again every round.
     """
 
     def __init__(self, store: Leases, owner_prefix: str, ttl: float) -> None:
