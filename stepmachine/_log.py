@@ -47,7 +47,9 @@ event            level      fields
                             could not be given back yet: tried again each round)
 ``serve_run_``   ERROR      ``serve_run_failed``: error_type, attempts, retried (False: a
 ``failed``                  run of ``serve()`` failed for good; the turn is not run again
-                            until a run is requested)
+                            until a run is requested), detail (the error's text, cut; a
+                            provider's message only with content capture on), raised_at
+                            (its innermost frames, ``file:line in function``: no locals)
 ``serve_claim_`` WARNING    ``serve_claim_failed``: error_type, attempt, delay_s, detail
 ``failed``                  (``claim_next`` raised a transient error: tried again)
 ``durable_step`` WARNING    ``durable_step_retried``: step, error_type, attempt, delay_s,

@@ -54,7 +54,7 @@ just after a tool returned), which then propagate.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import EllipsisType
 from typing import Any, Generic, TypeVar
@@ -305,6 +305,7 @@ class StateMachine(Generic[D]):
         emitter: Emitter | None,
         *,
         max_rounds: int | None = None,
+        keep: Callable[[Exception], bool] | None = None,
     ) -> RunReport[D]:
         """Run while holding ``lease``; again while turns were requested; then release it.
 
@@ -313,6 +314,12 @@ class StateMachine(Generic[D]):
         is let go if that round does not complete (cancelled, failed), or when
         ``max_rounds`` rounds were run (``serve`` runs one round per claim, so
         a session requested again and again does not keep its worker).
+
+        ``keep``: a run that raised an ``Exception`` for which ``keep(exc)`` is
+        true is not released: the error propagates with the lease still held
+        (its mark set again first if a round was owed), and the caller owns
+        it (``serve`` keeps a turn it retries that way, so that it is never
+        both unmarked and unheld). Cancellation always releases.
         """
         results: list[StepResult] = []
         owed = False  # a release took the mark: the next round is a requested turn
@@ -340,10 +347,11 @@ class StateMachine(Generic[D]):
 
         try:
             return await hold(store, lease, rounds, renew_every=renew_interval(lease))
-        except BaseException:
+        except BaseException as exc:
             if owed:
                 await request_again(store, lease)
-            await release(store, lease, unless_requested=False)
+            if keep is None or not isinstance(exc, Exception) or not keep(exc):
+                await release(store, lease, unless_requested=False)
             raise
 
     async def _run_unleased(

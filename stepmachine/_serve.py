@@ -10,10 +10,10 @@ another once its lease is free (PostgreSQL: after its ``ttl``; the lock-file
 stores: at once, the process being gone).
 
 Nothing stuck, nothing dropped: the claim took the session's pending-run
-mark, so a run that raised would leave its turn to nobody. Instead a run
-that raised a transient error (the store
-unreachable or restarted, a lost lease) leaves the turn pending after a
-backoff, and one that failed for good is logged at ERROR. See :func:`serve`.
+mark, so a run that raised and let go of its lease would leave its turn to
+nobody. Instead a run that raised a transient error (the store unreachable
+or restarted, a lost lease) keeps its lease through a backoff and is run
+again, and one that failed for good is logged at ERROR. See :func:`serve`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import msgspec
 
 from . import _log, _transient
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, LeaseLostError
 from ._hold import leasing_store, release, request_again
-from ._lease import MIN_TTL, Lease, LeaseHolder, Leases, check_claim, new_owner
+from ._lease import MIN_TTL, Lease, Leases, check_claim, new_owner
 from ._machine import StateMachine
 from ._run import RunReport
 from ._runtime import Runtime
@@ -60,30 +61,43 @@ async def serve(
         owner_prefix: put in front of each run's owner string (a worker's name).
         on_report: called with each run's :class:`RunReport` (may be async).
 
-    A run that raises does not stop the worker, and its turn is not dropped
-    (the claim took the session's pending-run mark, so the worker must give
-    the turn back or say it failed):
+    A run that raises does not stop the worker, and its turn is not dropped.
+    The rule that keeps it: *at every instant a claimed turn is either marked
+    pending or its lease is held (or lapsing unreleased, which ``claim_next``
+    gives out as abandoned work)*, so a worker killed at any instant leaves
+    the turn to the next claimer. The claim took the mark; so a run that is to
+    be retried does not release its lease: it keeps it from its failure
+    through the backoff to its next run.
 
     - a *transient* error (the store unreachable, a restarted PostgreSQL
       server's ``OperationalError``/``AdminShutdown``, an ``OSError`` of a
       file or SQLite read, a lost lease, conflicts past ``max_conflicts``;
-      one classification, shared with durable turns): the turn stays
-      pending and is run again after a backoff (0.1-0.2 s, doubling, at most 5 s,
-      jittered). The worker claims the session again for that long and lets
-      the lease lapse (PostgreSQL, memory: then any worker's ``claim_next``
-      takes it as abandoned work), or holds it and runs it itself when the
-      backoff is over (the lock-file stores); a session someone else holds
-      gets its pending-run mark set again. The pause never holds up the
-      worker's other sessions, and a worker that dies meanwhile leaves the
-      turn to the next claimer. Logged at WARNING (``serve_run_retried``:
+      one classification, shared with durable turns): the turn is run again
+      after a backoff (0.1-0.2 s, doubling, at most 5 s, jittered). The
+      worker keeps the failed run's lease for that long: a lease that lapses
+      (PostgreSQL, memory with expiring leases) is renewed to lapse when the
+      backoff is over, unreleased (then any worker's ``claim_next`` takes it
+      as abandoned work); a lease held until released (the lock-file stores)
+      is held, and this worker runs the turn with it when the backoff is
+      over (a dead worker's lock goes with its process, and ``claim_next``
+      gives the session out). A lease found no longer current (taken over)
+      gets the session's pending-run mark set, for its holder. No worker runs
+      the turn before its backoff is over; the pause never holds up the
+      worker's other sessions. Logged at WARNING (``serve_run_retried``:
       error_type, attempt, delay_s, detail).
     - any other error (a step's or tool's bug, damaged stored data, a model
-      error after its own retries), or a transient one for the
-      eighth time in a row: the run failed for good; the
-      turn is not run again until something requests a run. Logged at ERROR
-      (``serve_run_failed``: session_id, error_type, attempts, retried False):
-      the record a user of ``serve`` finds in the log; the session keeps what
-      the run stored (its finalize answered open calls "interrupted").
+      error after its own retries), or a transient one for the eighth time
+      in a row: the run failed for good and released its lease; the turn is
+      not run again until something requests a run. Logged at ERROR
+      (``serve_run_failed``: session_id, error_type, attempts, retried False,
+      detail: the error's text cut at 1,000 characters, raised_at: its
+      innermost frames as ``file:line in function``, never their local
+      variables): the record a user of ``serve`` finds in the log; the session
+      keeps what the run stored (its finalize answered open calls
+      "interrupted"). A provider's error carries no key (it is redacted where
+      it is raised); its message, the server's text, which may quote the
+      prompt, is in ``detail`` only with content capture on (else its
+      provider, status, kind and request id).
 
     A transient error of the store while claiming (``claim_next``) is logged
     (``serve_claim_failed``, WARNING) and the claim tried again after a
@@ -138,10 +152,18 @@ async def _loop(
                 else:
                     await stop.wait()
             continue
+        session_id = lease.session_id
         try:  # one round per claim: a session requested again goes back in the queue
-            report = await machine._run_holding(runtime, store, lease, None, max_rounds=1)
+            report = await machine._run_holding(
+                runtime,
+                store,
+                lease,
+                None,
+                max_rounds=1,
+                keep=lambda exc: worker.will_retry(session_id, exc),  # noqa: B023 - called here
+            )
         except Exception as exc:  # noqa: BLE001 - one session's failure does not stop the worker
-            await worker.failed(lease.session_id, exc)
+            await worker.failed(lease, exc, runtime)
             continue
         worker.served(lease.session_id)
         if on_report is not None:
@@ -154,9 +176,10 @@ class _Worker:
     """What one ``serve()`` call keeps between rounds: retries owed, and their pauses.
 
     ``failures``: transient failures in a row per session (this worker's);
-    ``parked``: leases of stores whose leases do not lapse, held until their
-    backoff is over; ``owed``: sessions whose pending-run mark could not be set
-    again (the store was unreachable), tried again every round.
+    ``parked``: leases of stores whose leases do not lapse, kept from a failed
+    run until its backoff is over; ``owed``: sessions whose lease was found
+    taken over and whose pending-run mark could not be set (the store was
+    unreachable), tried again every round.
     """
 
     def __init__(self, store: Leases, owner_prefix: str, ttl: float) -> None:
@@ -189,7 +212,7 @@ class _Worker:
                 error_type=type(exc).__name__,
                 attempt=self.claim_failures,
                 delay_s=round(delay, 3),
-                detail=str(exc),
+                detail=_transient.describe(exc, content=True),
             )
             await anyio.sleep(delay)
             return None
@@ -207,10 +230,24 @@ class _Worker:
         """A run of ``session_id`` returned: its count of failures starts over."""
         self.failures.pop(session_id, None)
 
-    async def failed(self, session_id: str, exc: Exception) -> None:
-        """A run of ``session_id`` raised ``exc``: retry later, or log it as failed."""
+    def will_retry(self, session_id: str, exc: Exception) -> bool:
+        """Whether a run of ``session_id`` that raised ``exc`` is run again (after a backoff).
+
+        Asked before the failed run lets go of its lease: a turn to run again
+        keeps it (see :meth:`failed`)."""
         attempt = self.failures.get(session_id, 0) + 1
-        if not _transient.is_transient(exc) or attempt >= _transient.MAX_ATTEMPTS:
+        return _transient.is_transient(exc) and attempt < _transient.MAX_ATTEMPTS
+
+    async def failed(self, lease: Lease, exc: Exception, runtime: Runtime) -> None:
+        """A run under ``lease`` raised ``exc``: retry later, or log it as failed.
+
+        A run to retry (:meth:`will_retry`) kept its lease, and this worker
+        holds it through the backoff (:meth:`_pend`): the turn is never both
+        unmarked and unheld. A run that failed for good released it.
+        """
+        session_id = lease.session_id
+        attempt = self.failures.get(session_id, 0) + 1
+        if not self.will_retry(session_id, exc):
             self.failures.pop(session_id, None)
             _log.event(
                 _log.ERROR,
@@ -219,10 +256,14 @@ class _Worker:
                 error_type=type(exc).__name__,
                 attempts=attempt,
                 retried=False,
+                detail=_transient.describe(exc, content=runtime.telemetry.captures_content),
+                raised_at=_transient.raised_at(exc),
             )
             return
         self.failures[session_id] = attempt
         delay = _transient.backoff(attempt)
+        if not self.store.leases_expire:  # parked before any await: a cancelled serve releases it
+            self.parked[session_id] = (anyio.current_time() + delay, lease)
         _log.event(
             _log.WARNING,
             "serve_run_retried",
@@ -230,32 +271,45 @@ class _Worker:
             error_type=type(exc).__name__,
             attempt=attempt,
             delay_s=round(delay, 3),
-            detail=str(exc),
+            detail=_transient.describe(exc, content=True),
         )
         try:
-            await self._pend(session_id, delay)
-        except Exception as again:  # noqa: BLE001 - the store is still down: tried every round
-            self.owed.add(session_id)
-            _log.event(
+            await self._pend(lease, delay)
+        except Exception as again:  # noqa: BLE001 - the store is down: the lease lapses, or is
+            _log.event(  # parked, or the mark is owed (set every round): the turn is kept
                 _log.WARNING,
                 "serve_run_retry_deferred",
                 session_id=session_id,
                 error_type=type(again).__name__,
-                detail=str(again),
+                detail=_transient.describe(again, content=True),
             )
 
-    async def _pend(self, session_id: str, delay: float) -> None:
-        """Leave ``session_id``'s turn pending, to be run in about ``delay`` seconds."""
+    async def _pend(self, lease: Lease, delay: float) -> None:
+        """Keep the failed run's ``lease`` so that its turn runs again in about ``delay`` s.
+
+        - a lease that lapses (PostgreSQL, memory with expiring leases): renewed
+          to lapse in ``delay`` seconds, unreleased; then any worker's
+          ``claim_next`` takes it as abandoned work (if the renewal fails, it
+          lapses at its own expiry, the same way);
+        - a lease held until released (the lock-file stores): parked by
+          :meth:`failed` (this worker runs it when the pause is over; a dead
+          worker's lock goes with its process, its *held* file left for the
+          next ``claim_next``); checked to be still this store's;
+        - a lease that is no longer current (:class:`LeaseLostError`: another
+          runner took the session, or it lapsed): the session's pending-run mark
+          is set, so its holder or the next claimer runs the turn.
+        """
         store = self.store
-        lapses = store.leases_expire
-        got = await store.claim(
-            session_id, new_owner(self.owner_prefix), max(MIN_TTL, delay) if lapses else self.ttl
-        )
-        if isinstance(got, LeaseHolder):  # someone else runs it: the holder owes it now
-            await store.request_run(session_id)
-        elif not lapses:  # held until released: this worker runs it when the pause is over
-            self.parked[session_id] = (anyio.current_time() + delay, got)
-        # else: the lease lapses unreleased in `delay` seconds: work for any claim_next
+        try:
+            if store.leases_expire:
+                await store.renew(msgspec.structs.replace(lease, ttl=max(MIN_TTL, delay)))
+            else:
+                await store.renew(lease)  # only checks that this store still holds it
+        except LeaseLostError:
+            self.parked.pop(lease.session_id, None)
+            self.owed.add(lease.session_id)  # until the mark is set (every round if this fails)
+            await store.request_run(lease.session_id)
+            self.owed.discard(lease.session_id)
 
     async def give_back(self) -> None:
         """``serve`` returns: set the mark of each parked session and release it (shielded)."""

@@ -30,16 +30,27 @@ from __future__ import annotations
 
 import random
 import sys
+import traceback
 
 from ._errors import (
     ConfigurationError,
     ConflictError,
     LeaseLostError,
+    ModelError,
     StoreClosedError,
     StoredDataError,
 )
 
-__all__ = ["BACKOFF_CAP", "BACKOFF_FIRST", "MAX_ATTEMPTS", "backoff", "is_transient"]
+__all__ = [
+    "BACKOFF_CAP",
+    "BACKOFF_FIRST",
+    "DETAIL_LIMIT",
+    "MAX_ATTEMPTS",
+    "backoff",
+    "describe",
+    "is_transient",
+    "raised_at",
+]
 
 MAX_ATTEMPTS = 8
 """How many times in a row a run may fail on transient errors before it counts as failed."""
@@ -84,3 +95,46 @@ def backoff(attempt: int, *, rng: random.Random | None = None) -> float:
     pick: float = (rng or random).random()
     full = min(BACKOFF_CAP, BACKOFF_FIRST * 2.0 ** max(0, min(attempt - 1, 32)))
     return full / 2 + full / 2 * pick
+
+
+DETAIL_LIMIT = 1000
+"""The most characters of an error's text a log record's ``detail`` carries."""
+
+RAISED_AT_FRAMES = 6
+"""How many of the innermost frames ``raised_at`` names."""
+
+
+def describe(exc: BaseException, *, content: bool) -> str:
+    """The text of ``exc`` for a log record's ``detail``: ``str(exc)``, cut at
+    :data:`DETAIL_LIMIT` characters (the cut says how many more there were).
+
+    No secret: a provider's error leaves its model call redacted (no key in
+    its text or chain). A provider's error message is the server's text, which
+    may quote the prompt, so without ``content`` (content capture off) a
+    :class:`~stepmachine.ModelError` that names a provider is described by its
+    provider, status, kind and request id only (as the ``model_call`` event
+    carries its type only). An error whose ``str`` raises is "(unprintable)".
+    """
+    if not content and isinstance(exc, ModelError) and hasattr(exc, "provider"):
+        fields = ("provider", "status", "kind", "request_id")
+        shown = ", ".join(f"{name} {getattr(exc, name, None)!r}" for name in fields)
+        return f"{shown} (its message is logged with content capture on)"
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure itself
+        return "(unprintable)"
+    if len(text) <= DETAIL_LIMIT:
+        return text
+    return f"{text[:DETAIL_LIMIT]}... ({len(text) - DETAIL_LIMIT} more characters)"
+
+
+def raised_at(exc: BaseException) -> str:
+    """Where ``exc`` was raised: its innermost frames as ``file:line in function``,
+    innermost first, joined by `` <- `` (at most :data:`RAISED_AT_FRAMES`).
+
+    A stack of names and line numbers, never the frames' local variables (a
+    traceback rendered with locals would show prompts and stored content); ``""``
+    without a traceback.
+    """
+    frames = traceback.extract_tb(exc.__traceback__)[-RAISED_AT_FRAMES:]
+    return " <- ".join(f"{f.filename}:{f.lineno} in {f.name}" for f in reversed(frames))

@@ -487,14 +487,6 @@ async def _serve_until_failed(store: Any, model: Any) -> list[dict[str, Any]]:
     return logs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (medium): the one ERROR record of a run that failed for good "
-    "(serve_run_failed) names only the error's type: not its message, no traceback "
-    "(stepmachine/_serve.py:214-222 passes error_type only; the retried WARNINGs carry "
-    "detail=str(exc)). A user cannot tell what failed; it should carry the (redacted) "
-    "message, as serve_run_retried does, or exc_info",
-)
 async def test_the_error_record_of_a_failed_run_says_what_failed() -> None:
     store = MemoryStore()
     await store.create("s1", conversation=[Message.user("hello", id="u1")])
@@ -694,16 +686,6 @@ async def test_a_worker_killed_during_its_backoff_leaves_the_turn_to_another(
     await _killed_in_backoff(kind, tmp_path, "later")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (high): a serve() worker killed right after a run failed transiently "
-    "(after serve_run_retried is logged, before _pend re-claims the session: "
-    "stepmachine/_serve.py:225-260) drops the turn for good: the failed run already gave "
-    "its lease back (stepmachine/_machine.py:342-346: held file / row gone) and the "
-    "claim took the pending-run mark, so "
-    "no worker ever serves it. The turn should stay marked (request_run, or keep the "
-    "lease) before the run's lease is released",
-)
 @pytest.mark.parametrize("kind", ["file", "sqlite"])
 async def test_a_worker_killed_as_it_logs_the_retry_leaves_the_turn_to_another(
     kind: str, tmp_path: Path

@@ -8,6 +8,7 @@ from ``load``, from ``claim_next``); the restarted PostgreSQL server is in
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -255,3 +256,63 @@ def test_backoff_is_bounded_and_grows(attempt: int, rng: Any) -> None:
     assert transient.BACKOFF_FIRST / 2 <= delay <= transient.BACKOFF_CAP
     full = min(transient.BACKOFF_CAP, transient.BACKOFF_FIRST * 2 ** min(attempt - 1, 32))
     assert full / 2 <= delay <= full
+
+
+def held_or_marked(store: Any, session_id: str) -> bool:
+    """Whether the session's turn is kept right now: its lease held (or lapsing unreleased)
+    or its pending-run mark set. Read synchronously, from inside a log call."""
+    if isinstance(store, MemoryStore):
+        slot = store._leases._slots.get(session_id)
+        return slot is not None and (slot.owner is not None or slot.requested)
+    name = base64.b32encode(session_id.encode()).decode().rstrip("=").lower()
+    folder = Path(store._leases.folder)
+    return (folder / "held" / name).exists() or (folder / "runs" / name).exists()
+
+
+@pytest.mark.usefixtures("quick_backoff")
+async def test_a_turn_being_retried_is_held_or_marked_at_every_record(faulty: Any) -> None:
+    """At each retry record (where a worker may be killed) and after each run, the turn is
+    kept: a worker killed at that instant leaves it to the next claimer."""
+    await faulty.create("s1", conversation=[Message.user("hello", id="u1")])
+    await faulty.request_run("s1")
+    faulty.faults.load = 3
+    kept: list[bool] = []
+
+    def look(logger: Any, name: str, event: dict[str, Any]) -> Any:
+        if event.get("event") in ("serve_run_retried", "serve_run_failed"):
+            kept.append(held_or_marked(faulty, "s1"))
+        return event
+
+    structlog.configure(processors=[look, structlog.testing.LogCapture()])
+    try:
+        served = await serve_until(faulty, FunctionModel(echo), lambda served: "s1" in served)
+    finally:
+        structlog.reset_defaults()
+    assert served == ["s1"]
+    assert kept == [True, True, True]
+    assert await faulty.claim_next("probe", 5.0) is None  # served, released, nothing left
+
+
+def test_the_detail_of_an_error_is_cut_and_a_providers_message_is_content() -> None:
+    from stepmachine.providers import BadRequestError
+
+    long = RuntimeError("x" * (transient.DETAIL_LIMIT + 500))
+    cut = transient.describe(long, content=False)
+    assert cut.startswith("x" * transient.DETAIL_LIMIT)
+    assert cut.endswith("(500 more characters)")
+    provider = BadRequestError(
+        "messages.0: PROMPT-of-Alice is too long", provider="openai", status=400, kind="bad"
+    )
+    assert "PROMPT" not in transient.describe(provider, content=False)
+    assert "400" in transient.describe(provider, content=False)
+    assert "PROMPT-of-Alice" in transient.describe(provider, content=True)
+
+    def inner() -> None:
+        raise ValueError("deep")
+
+    try:
+        inner()
+    except ValueError as exc:
+        where = transient.raised_at(exc)
+    assert where.startswith(f"{__file__}:")
+    assert " in inner <- " in where
