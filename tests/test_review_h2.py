@@ -584,14 +584,6 @@ def _damage_same_size(kind: str, tmp_path: Path, data: bytes) -> None:
         db.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (medium): a blob this process wrote (or loaded) is remembered as sound "
-    "(stores/_media_blobs.py:603 VERIFIED.holds); damaged later to the same size, even a "
-    "load that reports it damaged (:555) does not forget it, so a new session writing the "
-    "same bytes is acknowledged without repairing the blob and cannot be loaded: the "
-    "load that finds damage should VERIFIED.discard it (or the write re-hash)",
-)
 async def test_a_blob_damaged_to_the_same_size_is_repaired_by_a_later_write_file(
     tmp_path: Path,
 ) -> None:
