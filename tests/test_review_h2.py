@@ -853,13 +853,6 @@ async def test_mcp_a_32000_error_quoting_the_secret_is_its_message_redacted() ->
 from stepmachine import Refuse, StepContractError  # noqa: E402
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): a step whose run() is a plain def (returns Refuse(...) without "
-    "async) gets TypeError \"object Refuse can't be used in 'await' expression\" out of "
-    "run() (stepmachine/_cycle.py:206 awaits whatever run returns), not a "
-    "StepContractError naming the step and the fix (make run async)",
-)
 async def test_a_sync_run_is_a_step_contract_error_naming_the_step() -> None:
     class Careless:
         name = "careless"
