@@ -213,12 +213,6 @@ def _stored(session: Any) -> str:
     return "\n".join(msgspec.json.encode(m).decode() for m in session.conversation)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): a server's tool description (and schema descriptions) that "
-    "quotes its configured secret goes to the model unredacted (the catalog is not "
-    "passed through McpServer.redact); descriptions should be redacted like results",
-)
 async def test_mcp_a_description_quoting_the_secret_is_redacted() -> None:
     model = ScriptedModel([reply("fine")])
     await _mcp_run("desc", model)
@@ -237,13 +231,6 @@ async def test_mcp_structured_content_quoting_the_secret_is_redacted() -> None:
     assert MCP_SECRET not in stored
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): an embedded resource's URI quoting the secret is kept as the "
-    "stored DocumentPart's title and in the result text's line naming the document "
-    "(operations/_mcp_tool.py:177 passes str(resource.uri); redacted() at :278 cleans "
-    "data, not title); the title should be redacted too",
-)
 async def test_mcp_a_resource_uri_quoting_the_secret_is_redacted() -> None:
     model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
     session, _ = await _mcp_run("uri", model)
