@@ -57,7 +57,7 @@ from stepmachine import (
 
 from ._mcp_link import Link
 from ._mcp_servers import McpHttp, McpServer, McpStdio
-from ._mcp_tool import McpTool, side_effects_of
+from ._mcp_tool import McpTool, redacted_schema, side_effects_of
 
 __all__ = ["McpTools"]
 
@@ -335,8 +335,12 @@ class McpTools(Tools):
         outside ``A-Z a-z 0-9 _ -`` made ``_``, cut to 64 characters: what
         every provider takes (the call still goes to the server under its own
         name). A tool whose name is empty is left out; so is the second of two
-        tools of one server that end with one name. Each is logged (WARNING,
-        event ``mcp_catalog``).
+        tools of one server that end with one name, and one whose input schema
+        nests deeper than ``MAX_SCHEMA_DEPTH``. Each is logged (WARNING, event
+        ``mcp_catalog``). The server's configured secrets are replaced by
+        ``[redacted]`` in each tool's name, description and every string of its
+        input schema (``McpServer.redact``), so no secret reaches a model
+        request.
 
         Raises:
             ConfigurationError: with ``strict`` (when the tools are opened),
@@ -350,16 +354,23 @@ class McpTools(Tools):
             server = link.server
             prefix = server.prefix or (f"{server.name}__" if self.namespace else "")
             for remote in link.listing or ():
-                advertised = (prefix + _UNSAFE.sub("_", remote.name))[:64]
+                shown_name = server.redact(remote.name)
+                advertised = (prefix + _UNSAFE.sub("_", shown_name))[:64]
                 if not remote.name:
                     _left_out(f"{server.describe()} lists a tool with an empty name")
+                    continue
+                try:
+                    parameters = redacted_schema(dict(remote.input_schema), server)
+                except ValueError as exc:
+                    _left_out(f"{server.describe()} lists tool {shown_name!r}, but {exc}; left out")
                     continue
                 if advertised in tools:
                     holder = tools[advertised]
                     if holder.link is link:
                         _left_out(
-                            f"{server.describe()} lists tools {holder.remote_name!r} and "
-                            f"{remote.name!r}, both advertised as {advertised!r}; the first is kept"
+                            f"{server.describe()} lists tools "
+                            f"{server.redact(holder.remote_name)!r} and {shown_name!r}, both "
+                            f"advertised as {advertised!r}; the first is kept"
                         )
                         continue
                     clash = (
@@ -373,8 +384,8 @@ class McpTools(Tools):
                     continue
                 definition = ToolDefinition(
                     name=advertised,
-                    description=remote.description or "",
-                    parameters=dict(remote.input_schema),
+                    description=server.redact(remote.description or ""),
+                    parameters=parameters,
                 )
                 tools[advertised] = McpTool(
                     name=advertised,

@@ -32,7 +32,9 @@ that does not decode, empty data -- is named in a line (``[audio: audio/wav,
 result with the server's text (:class:`~stepmachine.ToolError`), its media
 named in lines, not stored. The server's configured secrets (its ``env=``
 values, its headers; see ``McpServer.redact``) are replaced by
-``[redacted]`` in every result's text and text documents, and in every error.
+``[redacted]`` in every result's text, text documents and document titles
+(an embedded resource's URI), and in every error; and in what the catalog
+shows the model of each tool (:func:`redacted_schema`, and the description).
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IDEMPOTENCY_META",
+    "MAX_SCHEMA_DEPTH",
     "McpTool",
     "redacted",
+    "redacted_schema",
     "result_output",
     "result_text",
     "side_effects_of",
@@ -277,27 +281,72 @@ class McpTool:
 
 def redacted(output: ToolOutput, server: McpServer) -> ToolOutput:
     """``output`` with ``server``'s configured secrets (see ``McpServer.redact``) replaced
-    by ``[redacted]``: in its text, and in the documents that are text (``text/...``).
+    by ``[redacted]``: in its text, in every document's title (an embedded
+    resource's URI, which the line naming the document repeats), and in the
+    documents that are text (``text/...``).
 
     A server that echoes its environment or the headers it was sent (a token)
-    cannot put them into a stored result. Images and PDFs are left as they are.
+    cannot put them into a stored result. The bytes of images and PDFs are
+    left as they are.
     """
     text = server.redact(output.text)
     media: list[ImagePart | DocumentPart] = []
     changed = text != output.text
     for part in output.media:
         kept = part
-        if (
-            isinstance(part, DocumentPart)
-            and part.data is not None
-            and part.media_type.lower().startswith("text/")
-        ):
-            said = part.data.decode("utf-8", errors="replace")
-            cleaned = server.redact(said)
-            if cleaned != said:
-                kept = DocumentPart(
-                    media_type=part.media_type, data=cleaned.encode(), title=part.title
-                )
+        if isinstance(part, DocumentPart):
+            changes: dict[str, Any] = {}
+            if part.title:
+                title = server.redact(part.title)
+                if title != part.title:
+                    changes["title"] = title
+            if part.data is not None and part.media_type.lower().startswith("text/"):
+                said = part.data.decode("utf-8", errors="replace")
+                cleaned = server.redact(said)
+                if cleaned != said:
+                    changes["data"] = cleaned.encode()
+            if changes:
+                kept = msgspec.structs.replace(part, **changes)
                 changed = True
         media.append(kept)
     return ToolOutput(text, tuple(media)) if changed else output
+
+
+MAX_SCHEMA_DEPTH = 100
+"""How deeply :func:`redacted_schema` walks a tool's input schema; a deeper one is
+not advertised (no real schema nests that far, and the walk stays bounded)."""
+
+
+def redacted_schema(schema: Any, server: McpServer) -> Any:
+    """A copy of ``schema`` (a tool's input schema, decoded JSON) with ``server``'s
+    configured secrets replaced by ``[redacted]`` in every string in it, keys
+    included (descriptions, titles, examples, enum values, defaults).
+
+    Returns ``schema`` itself when the server has no secrets. The walk visits
+    each node once and goes at most :data:`MAX_SCHEMA_DEPTH` levels deep (so
+    it never meets Python's recursion limit); the schema's size is bounded by
+    the message size limit of the server's connection. Done once per listing
+    (the catalog is kept until a server's list changes).
+
+    Raises:
+        ValueError: ``schema`` nests deeper than :data:`MAX_SCHEMA_DEPTH`
+            (the caller leaves the tool out and says so).
+    """
+    if not server.longest_secret():
+        return schema
+
+    def walk(value: Any, depth: int) -> Any:
+        if isinstance(value, str):
+            return server.redact(value)
+        if isinstance(value, dict | list):
+            if depth >= MAX_SCHEMA_DEPTH:
+                raise ValueError(f"its input schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+            if isinstance(value, list):
+                return [walk(item, depth + 1) for item in value]
+            return {
+                (server.redact(k) if isinstance(k, str) else k): walk(v, depth + 1)
+                for k, v in value.items()
+            }
+        return value
+
+    return walk(schema, 0)

@@ -11,6 +11,7 @@ returns them as an :class:`Interrupted`.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ __all__ = [
     "Idle",
     "Interrupted",
     "check_outcome",
+    "check_pending",
     "check_progress",
     "commit",
     "context",
@@ -148,7 +150,8 @@ async def offer(
 
     Raises:
         ConfigurationError: duplicate tool names (before any step runs).
-        StepContractError: a step returned something other than an outcome.
+        StepContractError: a step's ``run`` is not async (:func:`check_pending`),
+            or it returned something other than an outcome.
         Exception: whatever a step raises.
 
     Cancellation: when ``token`` fires while a step runs, the step is cancelled
@@ -171,7 +174,7 @@ async def offer(
         )
         try:
             if token is None:
-                returned: object = await step.run(ctx)
+                returned: object = await check_pending(step.name, step.run(ctx))
             else:
                 returned = await _run_under(token, step, ctx)
         except BaseException as exc:
@@ -203,10 +206,38 @@ async def _run_under(token: CancelToken, step: Step[D], ctx: StepContext[D]) -> 
     with anyio.CancelScope() as scope:
         token.bind(scope)
         try:
-            returned = await step.run(ctx)
+            returned = await check_pending(step.name, step.run(ctx))
         finally:
             token.unbind(scope)
     return returned
+
+
+def check_pending(step_name: str, pending: object) -> Awaitable[object]:
+    """``pending``, what calling a step's ``run(ctx)`` returned, when it can be awaited.
+
+    Checked before awaiting, so a plain ``def run`` is named as what it is
+    rather than failing inside the ``await``. A generator returned instead
+    (``run`` written with ``yield``) is closed first; an async generator that
+    never started needs no closing.
+
+    Raises:
+        StepContractError: ``pending`` is not awaitable (``run`` is a plain
+            ``def``, or an async generator), naming the step, the value seen
+            and the fix (make ``run`` an ``async def`` that returns its
+            outcome). Nothing was written for the cycle.
+    """
+    if inspect.isawaitable(pending):
+        return pending
+    if inspect.isgenerator(pending):
+        pending.close()
+    shown = repr(pending)
+    shown = shown if len(shown) <= 200 else shown[:200] + "..."
+    raise StepContractError(
+        f"step {step_name!r} has a run() that is not async: calling it returned {shown} "
+        f"(a {type(pending).__name__}), which cannot be awaited; make run an "
+        "`async def run(self, ctx)` that returns Refuse(why), Continue(effects) or "
+        "Yield(effects, reason); nothing was written for this cycle"
+    )
 
 
 def check_outcome(step_name: str, returned: object) -> Outcome:

@@ -287,8 +287,9 @@ class _Verified:
     stored size every time (cheap), but hashing the stored bytes again on
     every write would read every image back on every batch that repeats it.
     Damage of the same size that appears after a blob was verified here is
-    still found by every read (each body read is hashed), and repaired by the
-    first write of another process.
+    still found by every read (each body read is hashed); a read that finds a
+    blob missing or damaged forgets it here, so the next write of its bytes, by
+    this process or another, checks it again and rewrites it.
     """
 
     def __init__(self) -> None:
@@ -307,7 +308,7 @@ class _Verified:
             self._seen.add((where, digest))
 
     def discard(self, where: str, digest: str) -> None:
-        """Forget ``digest`` of ``where`` (its blob was removed)."""
+        """Forget ``digest`` of ``where`` (its blob was removed, or found damaged)."""
         with self._lock:
             self._seen.discard((where, digest))
 
@@ -551,8 +552,10 @@ class Reader:
         if data is None:
             data = self._read(ref.digest)
             if data is None:
+                VERIFIED.discard(self._label, ref.digest)
                 raise _fail(f"{said}, but {self._label} holds no blob {ref.digest}")
             if len(data) != ref.size or media_digest(data) != ref.digest:
+                VERIFIED.discard(self._label, ref.digest)  # the next write rewrites it
                 raise _fail(
                     f"{said}, but the blob {ref.digest} in {self._label} is damaged: it holds "
                     f"{len(data):,} bytes whose digest is {media_digest(data)}"

@@ -193,12 +193,6 @@ def _stored(session: Any) -> str:
     return "\n".join(msgspec.json.encode(m).decode() for m in session.conversation)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): a server's tool description (and schema descriptions) that "
-    "quotes its configured secret goes to the model unredacted (the catalog is not "
-    "passed through McpServer.redact); descriptions should be redacted like results",
-)
 async def test_mcp_a_description_quoting_the_secret_is_redacted() -> None:
     model = ScriptedModel([reply("fine")])
     await _mcp_run("desc", model)
@@ -217,13 +211,6 @@ async def test_mcp_structured_content_quoting_the_secret_is_redacted() -> None:
     assert MCP_SECRET not in stored
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): an embedded resource's URI quoting the secret is kept as the "
-    "stored DocumentPart's title and in the result text's line naming the document "
-    "(operations/_mcp_tool.py:177 passes str(resource.uri); redacted() at :278 cleans "
-    "data, not title); the title should be redacted too",
-)
 async def test_mcp_a_resource_uri_quoting_the_secret_is_redacted() -> None:
     model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
     session, _ = await _mcp_run("uri", model)
@@ -556,14 +543,6 @@ def _damage_same_size(kind: str, tmp_path: Path, data: bytes) -> None:
         db.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (medium): a blob this process wrote (or loaded) is remembered as sound "
-    "(stores/_media_blobs.py:603 VERIFIED.holds); damaged later to the same size, even a "
-    "load that reports it damaged (:555) does not forget it, so a new session writing the "
-    "same bytes is acknowledged without repairing the blob and cannot be loaded: the "
-    "load that finds damage should VERIFIED.discard it (or the write re-hash)",
-)
 async def test_a_blob_damaged_to_the_same_size_is_repaired_by_a_later_write_file(
     tmp_path: Path,
 ) -> None:
@@ -823,13 +802,6 @@ async def test_mcp_a_32000_error_quoting_the_secret_is_its_message_redacted() ->
 from stepmachine import Refuse, StepContractError  # noqa: E402
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (low): a step whose run() is a plain def (returns Refuse(...) without "
-    "async) gets TypeError \"object Refuse can't be used in 'await' expression\" out of "
-    "run() (stepmachine/_cycle.py:206 awaits whatever run returns), not a "
-    "StepContractError naming the step and the fix (make run async)",
-)
 async def test_a_sync_run_is_a_step_contract_error_naming_the_step() -> None:
     class Careless:
         name = "careless"

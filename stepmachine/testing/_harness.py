@@ -33,7 +33,7 @@ from stepmachine import (
     apply_batch,
     counter_ids,
 )
-from stepmachine._cycle import check_outcome, context
+from stepmachine._cycle import check_outcome, check_pending, context
 from stepmachine._emitter import EventSink
 
 __all__ = ["StepCheck", "make_session", "run_step"]
@@ -125,8 +125,9 @@ async def run_step(
     ``ctx.commit`` works: each committed batch is applied to the session
     value and listed in ``StepCheck.commits``.
 
-    Raises whatever the step raises, ``StepContractError`` if it returns
-    something other than an outcome (``None`` included, as the machine does), and
+    Raises whatever the step raises, ``StepContractError`` if its ``run`` is
+    not async (calling it returns nothing to await) or it returns something
+    other than an outcome (``None`` included, as the machine does), and
     ``EffectError`` if its effects do not apply to ``session``.
     """
     if runtime is None:
@@ -141,7 +142,7 @@ async def run_step(
 
     sink = EventSink(recorder, session.id, session.revision)
     ctx = context(machine.capabilities, runtime, session, sink, 1, 0, commit)
-    outcome = check_outcome(step.name, await step.run(ctx))
+    outcome = check_outcome(step.name, await check_pending(step.name, step.run(ctx)))
     effects: tuple[Effect, ...] = () if isinstance(outcome, Refuse) else outcome.effects
     after = apply_batch(ctx.session, effects) if effects else ctx.session
     return StepCheck(outcome, effects, after, tuple(recorder.events), ctx, session, tuple(commits))
