@@ -90,6 +90,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import stat
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -289,6 +290,8 @@ class FlockLeases:
             self._refuse_if_closed()
             last = _read_record(fd, path, session_id)
             lease = Lease(session_id, owner, (last.epoch if last else 0) + 1, ttl)
+            for mark in (self._held_path(session_id), self._run_path(session_id)):
+                _check_mark(mark, session_id)  # before the record: a refused claim changes nothing
             _write_record(fd, path, _Record(session_id, lease.epoch, owner))
             _touch(self._held_path(session_id), session_id)  # first: a claim cut short
             _remove(self._run_path(session_id), session_id)  # leaves work; the claimer runs it
@@ -624,6 +627,17 @@ def _remove(path: str, session_id: str) -> bool:
             ) from None
         raise
     return True
+
+
+def _check_mark(path: str, session_id: str) -> None:
+    """Raise the error :func:`_touch` or :func:`_remove` would for ``path``, looking with
+    ``lstat`` only (nothing is opened or changed); missing or regular: nothing."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise not_regular(path, _mark_what(path, session_id), describe_mode(mode), _FIX_MARK)
 
 
 def _unmark(path: str, session_id: str) -> bool:
