@@ -234,7 +234,7 @@ class FlockLeases:
     async def forget(self, session_id: str) -> None:
         """The session was deleted: drop its mark. Its lease files stay (module docstring)."""
         if fcntl is not None:  # a plain unlink: whoever looks at the mark next sees it gone
-            await anyio.to_thread.run_sync(_unmark, self._run_path(session_id), session_id)
+            await anyio.to_thread.run_sync(_unmark, self._run_path(session_id))
 
     async def close(self) -> None:
         """Release every lease this instance holds (marks stay); later claims are refused.
@@ -291,10 +291,10 @@ class FlockLeases:
             last = _read_record(fd, path, session_id)
             lease = Lease(session_id, owner, (last.epoch if last else 0) + 1, ttl)
             for mark in (self._held_path(session_id), self._run_path(session_id)):
-                _check_mark(mark, session_id)  # before the record: a refused claim changes nothing
+                _check_mark(mark)  # before the record: a refused claim changes nothing
             _write_record(fd, path, _Record(session_id, lease.epoch, owner))
-            _touch(self._held_path(session_id), session_id)  # first: a claim cut short
-            _remove(self._run_path(session_id), session_id)  # leaves work; the claimer runs it
+            _touch(self._held_path(session_id))  # first: a claim cut short leaves work behind
+            _remove(self._run_path(session_id))  # the claimer runs the requested turn
             with self._table:
                 self._refuse_if_closed()
                 self._held[session_id] = _Held(lease, fd, threading.Lock())
@@ -355,15 +355,11 @@ class FlockLeases:
             )
 
     def _mark(self, session_id: str) -> None:
-        _touch(self._run_path(session_id), session_id)
+        _touch(self._run_path(session_id))
 
     def _release(self, lease: Lease, unless_requested: bool) -> bool:
         held = self._holds(lease) is not None
-        if (
-            unless_requested
-            and held
-            and _unmark(self._run_path(lease.session_id), lease.session_id)
-        ):
+        if unless_requested and held and _unmark(self._run_path(lease.session_id)):
             return False  # the mark is taken: the holder runs the requested turn
         self._drop(lease)
         return True
@@ -448,7 +444,7 @@ class FlockLeases:
             fd, held.fd = held.fd, -1
             if fd >= 0:
                 try:
-                    _unmark(self._held_path(lease.session_id), lease.session_id)  # not abandoned
+                    _unmark(self._held_path(lease.session_id))  # not abandoned
                 finally:
                     os.close(fd)  # the kernel drops the lock
 
@@ -588,26 +584,25 @@ _FIX_META = "remove it when no process uses the store (it is made again, empty)"
 _FIX_MARK = "remove it (the store makes its marks again, as empty files)"
 
 
-def _mark_what(path: str, session_id: str) -> str:
+def _mark_what(path: str) -> str:
     """What ``path`` (``held/<name>`` or ``runs/<name>``) is, for an error."""
+    session_id = _decode(os.path.basename(path))
     if os.path.basename(os.path.dirname(path)) == "held":
         return f"the held mark of session {session_id!r}"
     return f"the pending-run mark of session {session_id!r}"
 
 
-def _touch(path: str, session_id: str) -> None:
+def _touch(path: str) -> None:
     """Create the mark ``path`` (empty) if it does not exist.
 
     Raises:
         StoredDataError: something that is not a regular file is there (a FIFO
             is refused without blocking: :func:`._regular.open_regular`).
     """
-    os.close(
-        open_regular(path, os.O_WRONLY | os.O_CREAT, _mark_what(path, session_id), fix=_FIX_MARK)
-    )
+    os.close(open_regular(path, os.O_WRONLY | os.O_CREAT, _mark_what(path), fix=_FIX_MARK))
 
 
-def _remove(path: str, session_id: str) -> bool:
+def _remove(path: str) -> bool:
     """Remove the mark ``path``; whether it was there.
 
     Whatever is there but a folder is unlinked (nothing is opened: a FIFO or a
@@ -622,32 +617,33 @@ def _remove(path: str, session_id: str) -> bool:
         return False
     except OSError:
         if os.path.isdir(path) and not os.path.islink(path):
-            raise not_regular(
-                path, _mark_what(path, session_id), "a directory", _FIX_MARK
-            ) from None
+            raise not_regular(path, _mark_what(path), "a directory", _FIX_MARK) from None
         raise
     return True
 
 
-def _check_mark(path: str, session_id: str) -> None:
-    """Raise the error :func:`_touch` or :func:`_remove` would for ``path``, looking with
-    ``lstat`` only (nothing is opened or changed); missing or regular: nothing."""
+def _check_mark(path: str) -> None:
+    """Refuse what is not a regular file at the mark ``path`` (a FIFO, a folder, a link,
+    ...), looking with ``lstat`` only: nothing is opened or changed. Missing or regular:
+    nothing to say."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
     if not stat.S_ISREG(mode):
-        raise not_regular(path, _mark_what(path, session_id), describe_mode(mode), _FIX_MARK)
+        raise not_regular(path, _mark_what(path), describe_mode(mode), _FIX_MARK)
 
 
-def _unmark(path: str, session_id: str) -> bool:
+def _unmark(path: str) -> bool:
     """:func:`_remove` where the work is done whatever the mark (a release, a delete):
     a folder at ``path`` is logged (ERROR, ``lease_files_damaged``), not raised, and
     counts as no mark. The next claim of the session raises the error."""
     try:
-        return _remove(path, session_id)
+        return _remove(path)
     except StoredDataError as exc:
-        _log.error("lease_files_damaged", session_id=session_id, detail=str(exc))
+        _log.error(
+            "lease_files_damaged", session_id=_decode(os.path.basename(path)), detail=str(exc)
+        )
         return False
 
 
