@@ -50,6 +50,19 @@ or damaged (:class:`~stepmachine.StoredDataError` naming the file; removing it
 restarts that session's epochs at 1). That cannot weaken fencing: a crash ends
 every holder, and only a live holder's own instance accepts its lease.
 
+Only regular files are lease files: every one is opened with ``O_NONBLOCK |
+O_NOFOLLOW`` and checked with ``fstat`` (:func:`._regular.open_regular`), so a
+FIFO, a directory, a device, a socket or a symbolic link where a lock file or
+a mark belongs never blocks a process (which, inside the meta lock, would stop
+every process using the folder): it is a :class:`~stepmachine.StoredDataError`
+naming the file and what to do. ``claim`` raises it; ``claim_next`` skips that
+session (logged once per store instance at ERROR, ``lease_files_damaged``) and
+serves the others, as it does a damaged record. A mark is only created and
+unlinked, never read: a folder there, which cannot be unlinked, is the error of
+a claim or ``request_run`` (a release or a delete, whose work is done all the
+same, logs it and goes on). A damaged meta lock or lease folder is the error of
+every lease operation.
+
 Layout of the lease folder (``<database>-leases`` beside an SQLite database,
 ``.leases`` inside a FileStore folder; created 0o700 at the first lease
 operation, files 0o600). ``<name>`` is the session id encoded as lowercase
@@ -77,6 +90,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import stat
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -107,6 +121,7 @@ from stepmachine import (
 from stepmachine._lease import check_claim
 
 from ._ids import validate_session_id
+from ._regular import describe_mode, not_regular, open_regular
 
 __all__ = ["FlockLeaseMethods", "FlockLeases"]
 
@@ -176,6 +191,7 @@ class FlockLeases:
         self._table = threading.Lock()  # guards _held and _closed
         self._closed = False
         self._made = False
+        self._damaged: set[tuple[str, str]] = set()  # (session, error) logged by claim_next
 
     # -- the Leases operations -------------------------------------------------------
 
@@ -218,7 +234,7 @@ class FlockLeases:
     async def forget(self, session_id: str) -> None:
         """The session was deleted: drop its mark. Its lease files stay (module docstring)."""
         if fcntl is not None:  # a plain unlink: whoever looks at the mark next sees it gone
-            await anyio.to_thread.run_sync(_remove, self._run_path(session_id))
+            await anyio.to_thread.run_sync(_unmark, self._run_path(session_id))
 
     async def close(self) -> None:
         """Release every lease this instance holds (marks stay); later claims are refused.
@@ -262,7 +278,9 @@ class FlockLeases:
         if held is not None:  # held by this instance (the same owner string included)
             return LeaseHolder(held.lease.owner, None)
         path = self._lock_path(session_id)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = open_regular(
+            path, os.O_RDWR | os.O_CREAT, f"the lease lock of session {session_id!r}", fix=_FIX_LOCK
+        )
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -272,6 +290,8 @@ class FlockLeases:
             self._refuse_if_closed()
             last = _read_record(fd, path, session_id)
             lease = Lease(session_id, owner, (last.epoch if last else 0) + 1, ttl)
+            for mark in (self._held_path(session_id), self._run_path(session_id)):
+                _check_mark(mark)  # before the record: a refused claim changes nothing
             _write_record(fd, path, _Record(session_id, lease.epoch, owner))
             _touch(self._held_path(session_id))  # first: a claim cut short leaves work behind
             _remove(self._run_path(session_id))  # the claimer runs the requested turn
@@ -288,8 +308,8 @@ class FlockLeases:
         for session_id in self._marked():
             try:
                 claimed = self._claim(session_id, owner, ttl)
-            except StoredDataError:  # one damaged lock file does not stop every worker
-                _log.warning("lease record damaged; session skipped", session_id=session_id)
+            except StoredDataError as exc:  # one damaged lease file does not stop every worker
+                self._report_damaged(session_id, exc)
                 continue
             if not isinstance(claimed, Lease):
                 continue  # held by another
@@ -320,12 +340,26 @@ class FlockLeases:
                     waiting[session_id] = min(waiting.get(session_id, key), key)
         return [session_id for _, session_id in sorted(waiting.values())]
 
+    def _report_damaged(self, session_id: str, exc: StoredDataError) -> None:
+        """Log (at ERROR, once per store instance and error) that ``claim_next`` skips
+        ``session_id``: one of its lease files is damaged (``exc`` names it and the fix)."""
+        with self._table:
+            seen = (session_id, str(exc)) in self._damaged
+            self._damaged.add((session_id, str(exc)))
+        if not seen:
+            _log.error(
+                "lease_files_damaged",
+                session_id=session_id,
+                detail=str(exc),
+                note="the session is skipped by claim_next until the file is fixed",
+            )
+
     def _mark(self, session_id: str) -> None:
         _touch(self._run_path(session_id))
 
     def _release(self, lease: Lease, unless_requested: bool) -> bool:
         held = self._holds(lease) is not None
-        if unless_requested and held and _remove(self._run_path(lease.session_id)):
+        if unless_requested and held and _unmark(self._run_path(lease.session_id)):
             return False  # the mark is taken: the holder runs the requested turn
         self._drop(lease)
         return True
@@ -359,11 +393,19 @@ class FlockLeases:
             for path in (self.folder, *subfolders):
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(path, 0o700)  # owner-only (the umask can only narrow it)
+                if not os.path.isdir(path):  # a file there: every lease file in it would fail
+                    kind = describe_mode(os.lstat(path).st_mode)
+                    raise StoredDataError(
+                        f"{path}, a folder of the leases of {self._name}, is {kind}, not a "
+                        "folder: no lease was taken and nothing was changed; move it away "
+                        "when no process uses the store (the folder is made again)"
+                    )
             self._made = True
-        fd = os.open(
+        fd = open_regular(
             os.path.join(self.folder, "meta.lock"),
-            os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-            0o600,
+            os.O_RDWR | os.O_CREAT,
+            f"the lock of the leases of {self._name}",
+            fix=_FIX_META,
         )
         try:
             try:
@@ -401,8 +443,10 @@ class FlockLeases:
                     del self._held[lease.session_id]
             fd, held.fd = held.fd, -1
             if fd >= 0:
-                _remove(self._held_path(lease.session_id))  # released, not abandoned
-                os.close(fd)  # the kernel drops the lock
+                try:
+                    _unmark(self._held_path(lease.session_id))  # not abandoned
+                finally:
+                    os.close(fd)  # the kernel drops the lock
 
     def _close(self) -> None:
         with self._table:
@@ -532,19 +576,75 @@ def _decode(name: str) -> str:
     return session_id
 
 
+_FIX_LOCK = (
+    "remove it when no process holds the session (a lock file made anew restarts the "
+    "session's epochs at 1)"
+)
+_FIX_META = "remove it when no process uses the store (it is made again, empty)"
+_FIX_MARK = "remove it (the store makes its marks again, as empty files)"
+
+
+def _mark_what(path: str) -> str:
+    """What ``path`` (``held/<name>`` or ``runs/<name>``) is, for an error."""
+    session_id = _decode(os.path.basename(path))
+    if os.path.basename(os.path.dirname(path)) == "held":
+        return f"the held mark of session {session_id!r}"
+    return f"the pending-run mark of session {session_id!r}"
+
+
 def _touch(path: str) -> None:
-    """Create ``path`` (empty) if it does not exist."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-    os.close(os.open(path, flags, 0o600))
+    """Create the mark ``path`` (empty) if it does not exist.
+
+    Raises:
+        StoredDataError: something that is not a regular file is there (a FIFO
+            is refused without blocking: :func:`._regular.open_regular`).
+    """
+    os.close(open_regular(path, os.O_WRONLY | os.O_CREAT, _mark_what(path), fix=_FIX_MARK))
 
 
 def _remove(path: str) -> bool:
-    """Remove ``path``; whether it was there."""
+    """Remove the mark ``path``; whether it was there.
+
+    Whatever is there but a folder is unlinked (nothing is opened: a FIFO or a
+    link there is only removed).
+
+    Raises:
+        StoredDataError: a folder is there (it cannot be unlinked).
+    """
     try:
         os.remove(path)
     except FileNotFoundError:
         return False
+    except OSError:
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise not_regular(path, _mark_what(path), "a directory", _FIX_MARK) from None
+        raise
     return True
+
+
+def _check_mark(path: str) -> None:
+    """Refuse what is not a regular file at the mark ``path`` (a FIFO, a folder, a link,
+    ...), looking with ``lstat`` only: nothing is opened or changed. Missing or regular:
+    nothing to say."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise not_regular(path, _mark_what(path), describe_mode(mode), _FIX_MARK)
+
+
+def _unmark(path: str) -> bool:
+    """:func:`_remove` where the work is done whatever the mark (a release, a delete):
+    a folder at ``path`` is logged (ERROR, ``lease_files_damaged``), not raised, and
+    counts as no mark. The next claim of the session raises the error."""
+    try:
+        return _remove(path)
+    except StoredDataError as exc:
+        _log.error(
+            "lease_files_damaged", session_id=_decode(os.path.basename(path)), detail=str(exc)
+        )
+        return False
 
 
 def _read_record(fd: int, path: str, session_id: str) -> _Record | None:

@@ -44,49 +44,70 @@ def describe_mode(mode: int) -> str:
     return f"a file of type {stat.S_IFMT(mode):#o}"
 
 
-def not_regular(path: str, what: str, kind: str) -> StoredDataError:
+_MOVE_IT = "move it out of the store's folder (or restore the file from a backup)"
+
+
+def not_regular(path: str, what: str, kind: str, fix: str = _MOVE_IT) -> StoredDataError:
     """The error for ``path`` (``what`` it should be, e.g. "the log of session 'a'")
-    being ``kind`` instead of a regular file."""
+    being ``kind`` instead of a regular file; ``fix`` says what to do."""
     return StoredDataError(
         f"{path}, {what}, is {kind}, not a regular file: stored data is read only from "
         "the regular files the store wrote, so nothing was read from it and nothing was "
-        "changed; move it out of the store's folder (or restore the file from a backup)"
+        f"changed; {fix}"
     )
 
 
-def open_regular(path: str, flags: int, what: str, *, follow: bool = False) -> int:
+def open_regular(
+    path: str,
+    flags: int,
+    what: str,
+    *,
+    follow: bool = False,
+    mode: int = 0o600,
+    fix: str = _MOVE_IT,
+) -> int:
     """Open ``path`` with ``flags`` (plus ``O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC``) and return
     the descriptor of what is there, a regular file.
 
+    With ``os.O_CREAT`` in ``flags`` a regular file (``mode``, narrowed by the
+    umask) is made when nothing is there; whatever else is there is refused as
+    without it (``O_CREAT`` opens an existing FIFO; ``O_NONBLOCK`` makes that
+    open return at once, or fail with ``ENXIO`` when it is write-only).
+
     Args:
         path: the file.
-        flags: ``os.O_RDONLY``, or ``os.O_RDWR | os.O_APPEND``, ...; never ``O_CREAT``.
+        flags: ``os.O_RDONLY``, or ``os.O_RDWR | os.O_APPEND``, ``os.O_RDWR |
+            os.O_CREAT``, ...; never ``O_EXCL`` (an existing file is opened).
         what: what the file is to the store, for the error ("the log of session 'a'").
         follow: follow a symbolic link (no ``O_NOFOLLOW``) to the regular file it
             names, where a link is expected (a database file linked in).
+        mode: the permissions of a file ``O_CREAT`` makes.
+        fix: what to do about a file that is not regular, for the error.
 
     Raises:
-        FileNotFoundError: nothing is there.
+        FileNotFoundError: nothing is there (without ``O_CREAT``), or the folder
+            is missing.
         StoredDataError: something that is not a regular file is there (a FIFO,
-            a directory, a device, a socket, a symbolic link); nothing was read.
+            a directory, a device, a socket, a symbolic link); nothing was read
+            or written.
         OSError: it cannot be opened (no permission, ...).
     """
     try:
-        fd = os.open(path, flags | _FLAGS | (0 if follow else _NOFOLLOW))
+        fd = os.open(path, flags | _FLAGS | (0 if follow else _NOFOLLOW), mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP and not follow and os.path.islink(path):
-            raise not_regular(path, what, "a symbolic link") from None
+            raise not_regular(path, what, "a symbolic link", fix) from None
         if exc.errno in (errno.EISDIR, errno.ENXIO) and os.path.lexists(path):
             # EISDIR: a directory opened to write; ENXIO: a FIFO opened write-only
             # with no reader, or a socket.
-            raise not_regular(path, what, describe_mode(os.stat(path).st_mode)) from None
+            raise not_regular(path, what, describe_mode(os.stat(path).st_mode), fix) from None
         raise
     try:
-        mode = os.fstat(fd).st_mode
+        st_mode = os.fstat(fd).st_mode
     except BaseException:
         os.close(fd)
         raise
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(st_mode):
         os.close(fd)
-        raise not_regular(path, what, describe_mode(mode))
+        raise not_regular(path, what, describe_mode(st_mode), fix)
     return fd

@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import stat
 import struct
 import time
 import urllib.parse
@@ -106,7 +107,7 @@ from typing import Literal
 
 from stepmachine import ConfigurationError, StoredDataError
 
-from ._regular import open_regular
+from ._regular import describe_mode, open_regular
 
 __all__ = [
     "COLUMNS",
@@ -337,11 +338,14 @@ def open_connection(
 
     Raises:
         StoredDataError: the file is not an SQLite database, is another
-            application's database, or was written by a newer schema version.
+            application's database, or was written by a newer schema version;
+            or something that is not a regular file is where SQLite keeps its
+            ``-journal``, ``-wal`` or ``-shm`` file (:func:`_check_companions`).
         ConfigurationError: WAL could not be enabled (an in-memory database).
         sqlite3.OperationalError: the file cannot be opened at all.
     """
     _check_header(path)
+    _check_companions(path)
     if read_only:
         return _open_read_only(path, busy_timeout)
     create_owner_only(path)
@@ -529,6 +533,55 @@ def _check_header(path: str) -> None:
             f"{path} is not an SQLite database (it starts with {header!r}); "
             "SQLiteStore opens only its own database files and left it unchanged"
         )
+
+
+COMPANIONS = (
+    ("-journal", "rollback journal"),
+    ("-wal", "write-ahead log"),
+    ("-shm", "shared-memory index"),
+)
+"""The files SQLite keeps beside a database ``<db>``: ``<db>-journal``, ``-wal``, ``-shm``."""
+
+
+def _check_companions(path: str) -> None:
+    """Refuse a FIFO, a folder, a device, a socket or a symbolic link where SQLite
+    keeps a file beside the database at ``path`` (see :data:`COMPANIONS`).
+
+    SQLite opens those files with a plain ``open()``, which blocks on a FIFO
+    (its check for a hot journal opens ``-journal`` whenever one exists), and a
+    link there would send its writes elsewhere; SQLite itself only ever makes
+    regular files there. Each name is looked at with ``lstat`` (which never
+    opens, so never blocks), beside the path as given and beside the file a
+    symbolic link leads to (SQLite names its files after the resolved path).
+    Missing or regular: nothing to say.
+
+    The check runs just before SQLite opens the database: something made at
+    one of these names between the two is not seen. That window is accepted: it
+    needs a process racing the open on purpose, and the files are the store's.
+
+    Raises:
+        StoredDataError: naming the file, what it is, and that it should be
+            removed; nothing was opened or changed.
+    """
+    if path in ("", ":memory:"):
+        return
+    bases = dict.fromkeys((path, os.path.realpath(path)))
+    for base in bases:
+        for suffix, role in COMPANIONS:
+            companion = base + suffix
+            try:
+                mode = os.lstat(companion).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if stat.S_ISREG(mode):
+                continue
+            raise StoredDataError(
+                f"{companion}, where SQLite keeps the {role} of the database {path}, is "
+                f"{describe_mode(mode)}, not a regular file: SQLite would block on it or "
+                "write through it, so the database was not opened and nothing was changed; "
+                "remove it (SQLite makes its own file there when it needs one) and open the "
+                "store again"
+            )
 
 
 def _stored_version(conn: sqlite3.Connection, path: str) -> int:

@@ -299,15 +299,6 @@ async def _serve_for(folder: Path, seconds: float) -> tuple[list[str], list[dict
     return served, logs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (high): one session whose lease lock file is not a regular file (a "
-    "directory: EISDIR) makes claim_next raise OSError on every call; serve() takes it "
-    "for a transient claim failure and retries for ever (serve_claim_failed WARNING, "
-    "never an ERROR), so no other session is served by any worker "
-    "(stores/_flock_leases.py:265 open + :290 catches only StoredDataError). The damaged "
-    "lock file should be a StoredDataError naming the file (skipped like a damaged record)",
-)
 @pytest.mark.usefixtures("quick_backoff")
 async def test_a_directory_lock_file_does_not_stop_other_sessions_being_served(
     tmp_path: Path,
@@ -322,14 +313,6 @@ async def test_a_directory_lock_file_does_not_stop_other_sessions_being_served(
     assert "b" in served, (failed[:1], len(failed))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (high): a FIFO at .leases/held/<name> (claim) or .leases/runs/<name> "
-    "(request_run) blocks for ever in "
-    "open(O_WRONLY|O_CREAT) (stores/_flock_leases.py:538 _touch has no O_NONBLOCK), inside "
-    "the folder's meta lock: every worker of every process is stuck. It should refuse "
-    "the FIFO (O_NONBLOCK + fstat, as stores/_regular.py does for logs)",
-)
 @pytest.mark.parametrize("where", ["held", "runs"])
 def test_a_fifo_held_or_mark_file_never_blocks_a_claim(
     tmp_path: Path, where: str, anyio_backend: str
@@ -752,18 +735,7 @@ def _cli_child(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[s
     [
         "-wal",
         "-shm",
-        pytest.param(
-            "-journal",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="DEFECT (medium): a FIFO at <db>-journal hangs `stepmachine sessions "
-                "list` for ever (SQLite's hot-journal check opens it and blocks); only the "
-                "database file itself is checked (stores/_sqlite_schema.py:504 _check_header). "
-                "The -journal/-wal/-shm names should be checked the same way (regular file "
-                "or absent) before SQLite opens the database (SQLiteStore.open + load of "
-                "the application hangs too)",
-            ),
-        ),
+        "-journal",
     ],
 )
 def test_a_fifo_beside_the_sqlite_database_never_blocks_the_cli(
