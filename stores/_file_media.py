@@ -58,7 +58,7 @@ except ImportError:  # not POSIX (Windows): FileStore refuses to open, so nothin
 
 from stepmachine import StoredDataError, media_digest
 
-from ._file_log import parse_records, read_range, write_all
+from ._file_log import fsync_dir, parse_records, read_range, write_all
 from ._media_blobs import VERIFIED, check_digest, named_digests
 
 __all__ = [
@@ -154,21 +154,13 @@ def media_dir(folder: str, *, create: bool = False, fsync: bool = True) -> int |
             with contextlib.suppress(FileExistsError):
                 os.mkdir(path, 0o700)
             if fsync:
-                _fsync_fd_path(folder)
+                fsync_dir(folder)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
                 kind = "a symbolic link" if os.path.islink(path) else "not a folder"
                 raise _refused(path, kind) from None
             raise
     raise _refused(path, "missing though it was just made")  # pragma: no cover - a race
-
-
-def _fsync_fd_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _kind(mode: int) -> str:
