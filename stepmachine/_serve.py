@@ -271,7 +271,7 @@ class _Worker:
             error_type=type(exc).__name__,
             attempt=attempt,
             delay_s=round(delay, 3),
-            detail=_transient.describe(exc, content=True),
+            detail=_transient.describe(exc, content=runtime.telemetry.captures_content),
         )
         try:
             await self._pend(lease, delay)
