@@ -460,8 +460,9 @@ async def test_racing_processes_never_share_a_session(store: Any, children: Any)
     got: list[str] = []
     for child in (first, second):
         answer = await child.reply()
-        assert answer.startswith("got "), answer
-        got += [name for name in answer[len("got ") :].split(",") if name]
+        # "got" alone: the other process drained every session first (its reply is stripped)
+        assert answer == "got" or answer.startswith("got "), answer
+        got += [name for name in answer[len("got") :].strip().split(",") if name]
     assert sorted(got) == names  # every session once: none lost, none twice
     assert await store.claim_next("late", 30.0) is None
 
