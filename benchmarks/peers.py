@@ -64,12 +64,17 @@ the bare loop doing the same calls; the figure is wall time ÷ wall time.
 Run:  python benchmarks/peers.py [--quick] [--json FILE] [--plot]
 
 The last line is
-``vs_langgraph=<f> vs_pydantic_ai=<f> vs_openai_agents=<f> sqlite_vs_langgraph=<f>
-concurrent_10k_over_bare=<f>`` (on one line): stepmachine's µs per agent step ÷
-the peer's, same run (memory variants; ``sqlite_vs_langgraph`` is stepmachine on
-SQLite ÷ LangGraph with its SQLite checkpointer); below 1 means stepmachine is
-cheaper. ``--plot`` also rewrites the results section and plot of
-``benchmarks/README.md`` (as ``benchmarks/report.py`` does).
+``stream_delta_us=<f> vs_langgraph=<f> vs_langgraph_minimal=<f> vs_pydantic_ai=<f>
+vs_openai_agents=<f> sqlite_vs_langgraph=<f> concurrent_10k_over_bare=<f>`` (on one
+line): stepmachine's µs per agent step ÷ the peer's, same run (memory variants;
+``vs_langgraph_minimal`` against a hand-built two-node LangGraph graph without a
+checkpointer; ``sqlite_vs_langgraph`` is stepmachine on SQLite ÷ LangGraph with its
+SQLite checkpointer); below 1 means stepmachine is cheaper. ``stream_delta_us`` is
+what streaming adds per delta: (stepmachine streaming - stepmachine) minus (bare
+streaming - bare), per delta of a step (the scripted model's 8-character pieces of
+the tool call's arguments and of the answer, one checkpoint each in both).
+``--plot`` also rewrites the results section and plot of ``benchmarks/README.md``
+(as ``benchmarks/report.py`` does).
 """
 
 # The peers are optional (the bench extra): each is imported where it is set up.
@@ -90,9 +95,10 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import anyio
+import anyio.lowlevel
 
 from stepmachine import (
     AppendMessage,
@@ -144,6 +150,12 @@ def saw(users: Callable[[], int]) -> None:
 
 async def lookup_value(key: str) -> str:
     """Look up the value stored under ``key``."""
+    ToolCounter.calls += 1
+    return f"value of {key}"
+
+
+def lookup_value_sync(key: str) -> str:
+    """``lookup_value`` as a README user writes a tool: a plain function (a worker thread)."""
     ToolCounter.calls += 1
     return f"value of {key}"
 
@@ -214,12 +226,27 @@ async def bare_decide(messages: list[dict[str, Any]]) -> dict[str, Any]:
     return {"role": "assistant", "content": answer_text(last["content"])}
 
 
-async def bare_round(messages: list[dict[str, Any]], text: str) -> str:
-    """One round of the agent as a plain loop; returns the final answer."""
+async def bare_round(
+    messages: list[dict[str, Any]],
+    text: str,
+    on_delta: Callable[[object], Awaitable[None]] | None = None,
+) -> str:
+    """One round of the agent as a plain loop; returns the final answer.
+
+    ``on_delta``: the model's turns are handed over in 8-character pieces, a
+    checkpoint before each (as the scripted model streams).
+    """
     tools = {"lookup_value": lookup_value}
     messages.append({"role": "user", "content": text})
     while True:
         turn = await bare_decide(messages)
+        if on_delta is not None:
+            streamed = (
+                "".join(c["arguments"] for c in turn.get("tool_calls", ())) or turn["content"]
+            )
+            for start in range(0, len(streamed), 8):
+                await anyio.lowlevel.checkpoint()
+                await on_delta(streamed[start : start + 8])
         messages.append(turn)
         calls = turn.get("tool_calls")
         if not calls:
@@ -247,8 +274,15 @@ async def bare_runner() -> Runner:
 # -- stepmachine -------------------------------------------------------------------
 
 
-async def stepmachine_runner(variant: str, folder: Path) -> Runner:
-    """stepmachine on a MemoryStore or an SQLiteStore."""
+async def stepmachine_runner(variant: str, folder: Path, *, stream: bool = False) -> Runner:
+    """stepmachine on a MemoryStore or an SQLiteStore, configured as the README shows.
+
+    The default configuration a README user gets: a plain-function ``@tool``
+    (run in a worker thread), the runtime's default ids, the machine's
+    default lease, observability off. ``stream``: ``ModelInference(stream=True)``
+    (the scripted model hands its answer over in 8-character deltas, one
+    event-loop checkpoint each; see ``stream_delta_us``).
+    """
 
     async def decide(request: ModelRequest) -> ModelResponse:
         saw(lambda: sum(1 for m in request.messages if m.role == "user"))
@@ -264,7 +298,10 @@ async def stepmachine_runner(variant: str, folder: Path) -> Runner:
         store = await SQLiteStore.open(folder / "stepmachine.sqlite3")
     runtime = Runtime(store=store, model=FunctionModel(decide))
     machine: StateMachine[Any] = StateMachine(
-        [Tools([tool(lookup_value)]), ModelInference(instructions=INSTRUCTIONS, stream=False)]
+        [
+            Tools([tool(name="lookup_value")(lookup_value_sync)]),
+            ModelInference(instructions=INSTRUCTIONS, stream=stream),
+        ]
     )
 
     async def session(rounds: int) -> tuple[list[int], list[str]]:
@@ -283,7 +320,37 @@ async def stepmachine_runner(variant: str, folder: Path) -> Runner:
         return elapsed, answers
 
     close = None if variant == "memory" else store.aclose
-    return Runner("stepmachine", variant, session, close)
+    return Runner("stepmachine streaming" if stream else "stepmachine", variant, session, close)
+
+
+def deltas_per_step() -> int:
+    """The deltas one streaming step hands over: the call's and the answer's 8-character pieces."""
+    arguments = json.dumps({"key": user_text(0)})
+    answer = answer_text(f"value of {user_text(0)}")
+    return math.ceil(len(arguments) / 8) + math.ceil(len(answer) / 8)
+
+
+async def bare_streaming_runner() -> Runner:
+    """The bare loop, with the model's turns handed over in the same 8-character deltas.
+
+    The same checkpoint per delta as the scripted model's streaming (the
+    simulated network), delivered to a callback that does nothing: what is
+    left of stepmachine's streaming figure over this one is its cost per delta.
+    """
+
+    async def drop(chunk: object) -> None:
+        return None
+
+    async def session(rounds: int) -> tuple[list[int], list[str]]:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": INSTRUCTIONS}]
+        elapsed, answers = [], []
+        for r in range(rounds):
+            start = time.perf_counter_ns()
+            answers.append(await bare_round(messages, user_text(r), on_delta=drop))
+            elapsed.append(time.perf_counter_ns() - start)
+        return elapsed, answers
+
+    return Runner("bare loop streaming", "memory", session)
 
 
 # -- LangGraph ---------------------------------------------------------------------
@@ -401,6 +468,66 @@ async def langgraph_runner(variant: str, folder: Path, *, sleepy: bool = False) 
         return str(state["messages"][-1].content)
 
     return Runner("LangGraph", variant, session, close, concurrent=concurrent)
+
+
+class State(TypedDict):
+    """The minimal LangGraph graph's state (module level: LangGraph reads the hints)."""
+
+    messages: list[dict[str, Any]]
+
+
+async def langgraph_minimal_runner() -> Runner:
+    """LangGraph at its leanest: a hand-built two-node graph, no checkpointer.
+
+    ``StateGraph`` over a ``TypedDict`` holding the bare loop's dict messages,
+    a model node (the bare loop's scripted model), a tool node that runs the
+    calls, a conditional edge between them; compiled without a checkpointer, so
+    the caller carries the history (the state ``ainvoke`` returns) from round
+    to round. Nothing is stored: the figure is LangGraph's graph machinery.
+    """
+    try:
+        from langgraph.graph import END, START, StateGraph
+    except ImportError as error:
+        raise missing("langgraph", error) from error
+
+    async def model_node(state: State) -> dict[str, Any]:
+        return {"messages": [*state["messages"], await bare_decide(state["messages"])]}
+
+    async def tools_node(state: State) -> dict[str, Any]:
+        results = [
+            {
+                "role": "tool",
+                "tool_call_id": c["id"],
+                "content": await lookup_value(**json.loads(c["arguments"])),
+            }
+            for c in state["messages"][-1]["tool_calls"]
+        ]
+        return {"messages": [*state["messages"], *results]}
+
+    def route(state: State) -> str:
+        return "tools" if state["messages"][-1].get("tool_calls") else END
+
+    builder = StateGraph(State)
+    builder.add_node("model", model_node)
+    builder.add_node("tools", tools_node)
+    builder.add_edge(START, "model")
+    builder.add_conditional_edges("model", route, ["tools", END])
+    builder.add_edge("tools", "model")
+    graph = builder.compile()
+
+    async def session(rounds: int) -> tuple[list[int], list[str]]:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": INSTRUCTIONS}]
+        elapsed, answers = [], []
+        for r in range(rounds):
+            start = time.perf_counter_ns()
+            user = {"role": "user", "content": user_text(r)}
+            state = await graph.ainvoke({"messages": [*messages, user]})
+            messages = state["messages"]
+            elapsed.append(time.perf_counter_ns() - start)
+            answers.append(str(messages[-1]["content"]))
+        return elapsed, answers
+
+    return Runner("LangGraph minimal", "memory", session)
 
 
 _CALLS = [0]
@@ -613,7 +740,10 @@ async def make_runners(folder: Path) -> list[Runner]:
         ("bare loop", bare_runner),
         ("stepmachine (memory)", lambda: stepmachine_runner("memory", folder)),
         ("stepmachine (sqlite)", lambda: stepmachine_runner("sqlite", folder)),
+        ("bare loop streaming", bare_streaming_runner),
+        ("stepmachine streaming", lambda: stepmachine_runner("memory", folder, stream=True)),
         ("LangGraph (memory)", lambda: langgraph_runner("memory", folder)),
+        ("LangGraph minimal (memory)", langgraph_minimal_runner),
         ("LangGraph (sqlite)", lambda: langgraph_runner("sqlite", folder)),
         ("pydantic-ai (memory)", pydantic_ai_runner),
         ("OpenAI Agents SDK (memory)", lambda: openai_agents_runner("memory", folder)),
@@ -812,8 +942,14 @@ def summary(figures: list[Figures], concurrent: dict[str, float]) -> dict[str, f
     """The last line's figures."""
     sm, sm_sqlite = find(figures, "stepmachine", "memory"), find(figures, "stepmachine", "sqlite")
     bare_wall = concurrent.get("bare loop", math.nan)
+    streaming = find(figures, "stepmachine streaming", "memory") - sm
+    bare_streaming = find(figures, "bare loop streaming", "memory") - find(
+        figures, "bare loop", "memory"
+    )
     return {
+        "stream_delta_us": (streaming - bare_streaming) / deltas_per_step(),
         "vs_langgraph": sm / find(figures, "LangGraph", "memory"),
+        "vs_langgraph_minimal": sm / find(figures, "LangGraph minimal", "memory"),
         "vs_pydantic_ai": sm / find(figures, "pydantic-ai", "memory"),
         "vs_openai_agents": sm / find(figures, "OpenAI Agents SDK", "memory"),
         "sqlite_vs_langgraph": sm_sqlite / find(figures, "LangGraph", "sqlite"),
