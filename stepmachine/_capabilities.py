@@ -79,6 +79,7 @@ __all__ = [
     "Step",
     "StepContext",
     "VetsCalls",
+    "cycle_context",
     "no_op_default",
     "step_name",
 ]
@@ -523,3 +524,29 @@ class StepContext(Generic[D]):
             response = await model.request(request, on_chunk=on_chunk)
             observed.replied(response)
         return response
+
+
+def cycle_context(
+    capabilities: Capabilities[D],
+    runtime: Runtime,
+    session: Session[D],
+    sink: EventSink,
+    cycle: int,
+    run_start_revision: int,
+    collected: tuple[tuple[ToolDefinition, ...], tuple[PromptPart, ...]] | None = None,
+) -> StepContext[D]:
+    """A fresh ctx for ``session``, whose cross-step questions ``capabilities`` answers.
+
+    ``collected`` is ``capabilities.collect(session)``, if known.
+    """
+    tools, parts = capabilities.collect(session) if collected is None else collected
+    return StepContext(
+        session=session,
+        runtime=runtime,
+        events=sink,
+        cycle=cycle,
+        tools=tools,
+        prompt_parts=parts,
+        run_start_revision=run_start_revision,
+        capabilities=capabilities,
+    )

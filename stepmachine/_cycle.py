@@ -1,12 +1,35 @@
-"""One cycle: collect what steps contribute, offer the session to the steps, commit a batch.
+"""The cycle: one module, read top to bottom.
 
-The pieces :class:`~stepmachine.StateMachine` composes into its loop (see
-``_machine``), each a function of its arguments: nothing here keeps state
-between calls. Cancellation of a running step is answered where the step is
-known: :func:`offer` hands the interrupted step and its ctx to the caller's
-``on_cancel`` (which keeps what the step already has) before the
-cancellation propagates, or, when the machine's :class:`CancelToken` fired,
-returns them as an :class:`Interrupted`.
+A session goes through one cycle like this (``Driver.cycle``)::
+
+    session (as stored) ──► decide ──► Decision ──► apply ──► session (as stored)
+                             │                       │
+                             ├─ Idle: yield idle/call_held
+                             └─ Interrupted: finalize, yield cancelled
+
+1. **decide** (:func:`decide`): collect tool definitions and prompt parts from
+   the steps that contribute them, then offer the session to the steps in
+   order; the first whose ``run`` does not refuse wins. Nothing is written:
+   the result is a :class:`Decision` (the step, its outcome, the refusals
+   before it), :class:`Idle` (every step refused) or :class:`Interrupted`
+   (the machine's token fired while a step ran).
+2. **apply** (:func:`apply`): the machine, and only the machine, writes.
+   ``Continue`` / ``Yield``: their effects as one batch, a compare-and-set on
+   the revision the step read. ``Staged``: the intents, then each task's
+   record as it lands, then the ending (see ``_staged``).
+3. ``Continue`` (or staged work that continues) starts the next cycle from the
+   session the store returned; ``Yield``, or no step applying, ends the run.
+
+:class:`Driver` runs cycles until the run ends. It is the one place where
+conflicts are retried (a write that lost the compare-and-set race wrote
+nothing: reload, decide again, at most ``max_conflicts`` times per run) and
+where cancellation is handled: the machine's token firing, a cancellation
+from outside, ``KeyboardInterrupt``/``SystemExit`` -- each finalizes, shielded
+for at most ``finalize_timeout`` seconds, with the step it landed in as the
+interrupted one (and the records the machine held for it: a finished tool's
+result is never lost), then reports ``cancelled`` or lets the exception
+propagate. ``run()``, ``step()``/``apply()``/``finalize()``, the durable
+worker, replay and the testing kit all go through these functions.
 """
 
 from __future__ import annotations
@@ -14,48 +37,60 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import anyio
 import msgspec
 
-from . import _log, _tracing
+from . import _log, _staged, _tracing
 from ._capabilities import Capabilities, Step
+from ._capabilities import cycle_context as context
 from ._codec import Refusal, refusal
 from ._effects import Effect
-from ._emitter import EventSink, StepApplied
-from ._errors import StepContractError
+from ._emitter import EventSink, StepApplied, Yielded
+from ._errors import ConflictError, LeaseLostError, StepContractError
+from ._finalize import finalize, shielded
 from ._history import open_tool_calls
-from ._model import PromptPart, ToolDefinition
+from ._hold import Fence
+from ._retry import Conflicts
 from ._runtime import Runtime
 from ._session import Session
+from ._staged import Recorder, Staged, Task
 from ._steps import (
     CancelToken,
     Continue,
     Outcome,
     Refuse,
     StepContext,
+    StepResult,
     Yield,
     YieldReason,
 )
-from ._store import EffectHandler, store_batch
+from ._store import commit
+
+if TYPE_CHECKING:
+    from ._machine import StateMachine
 
 __all__ = [
     "Decision",
+    "Driver",
     "Idle",
     "Interrupted",
+    "RunReport",
+    "apply",
     "check_outcome",
     "check_pending",
-    "check_progress",
     "commit",
     "context",
+    "decide",
     "idle_reason",
     "log_cycle",
-    "offer",
+    "stops_the_run",
 ]
 
 D = TypeVar("D", bound=msgspec.Struct)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +99,18 @@ class Decision(Generic[D]):
 
     Attributes:
         step: the step that applied.
-        outcome: its ``Continue`` or ``Yield``.
-        ctx: the context it ran with (its ``scratch`` included).
+        outcome: its ``Continue``, ``Yield`` or ``Staged``.
+        ctx: the context it ran with.
         refusals: the steps that refused before it, with why, in order.
+        held: the records of its staged work that exist and are not yet
+            written (filled while :func:`apply` runs; finalize writes them).
     """
 
     step: Step[D]
-    outcome: Continue | Yield
+    outcome: Continue | Yield | Staged
     ctx: StepContext[D]
     refusals: tuple[Refusal, ...] = ()
+    held: list[Recorder] = field(default_factory=list)
 
     @property
     def refused(self) -> tuple[str, ...]:
@@ -89,215 +127,163 @@ class Idle:
 
 @dataclass(frozen=True, slots=True)
 class Interrupted(Generic[D]):
-    """The step a cancellation landed in (running, or having its decision applied), and its ctx."""
+    """The step a cancellation landed in, its ctx, and the records held for it."""
 
     step: Step[D]
     ctx: StepContext[D]
+    held: tuple[Recorder, ...] = ()
 
 
-OnCancel = Callable[[Interrupted[D]], Awaitable[object]]
-Committer = Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]]
+@dataclass(frozen=True, slots=True)
+class RunReport(Generic[D]):
+    """What a run did.
 
-
-def context(
-    capabilities: Capabilities[D],
-    runtime: Runtime,
-    session: Session[D],
-    sink: EventSink,
-    cycle: int,
-    run_start_revision: int,
-    committer: Committer[D] | None = None,
-    collected: tuple[tuple[ToolDefinition, ...], tuple[PromptPart, ...]] | None = None,
-) -> StepContext[D]:
-    """A fresh ctx for ``session``, whose cross-step questions ``capabilities`` answers.
-
-    ``collected`` is ``capabilities.collect(session)``, if known.
+    Attributes:
+        session: the session when the run returned.
+        reason: why it returned (``done``, ``idle``, ``call_held``, ``cycle_limit``,
+            ``cancelled``, ...).
+        results: one :class:`StepResult` per cycle that applied, in order.
     """
-    tools, parts = capabilities.collect(session) if collected is None else collected
-    return StepContext(
-        session=session,
-        runtime=runtime,
-        events=sink,
-        cycle=cycle,
-        tools=tools,
-        prompt_parts=parts,
-        steps=capabilities.steps,
-        run_start_revision=run_start_revision,
-        committer=committer,
-        capabilities=capabilities,
-    )
+
+    session: Session[D]
+    reason: YieldReason
+    results: tuple[StepResult, ...] = ()
 
 
-async def offer(
+# -- decide ---------------------------------------------------------------------------
+
+
+def _legacy_committer(
+    runtime: Runtime, step_name: str, cycle: int, sink: EventSink, refused: tuple[Refusal, ...]
+) -> Committer[Any]:
+    """What the deprecated ``StepContext.commit`` calls: one batch now, under the step's name."""
+
+    async def commit_now(current: Session[Any], effects: Sequence[Effect]) -> Session[Any]:
+        after = await commit(runtime, current, step_name, cycle, effects, refused)
+        await sink.emit(StepApplied(step_name, after.revision, "committed", len(effects)))
+        return after
+
+    return commit_now
+
+
+async def decide(
     capabilities: Capabilities[D],
     runtime: Runtime,
     session: Session[D],
     sink: EventSink,
     cycle: int,
     run_start_revision: int,
-    *,
-    token: CancelToken | None,
-    on_cancel: OnCancel[D],
+    token: CancelToken | None = None,
+    on_cancel: Callable[[Interrupted[D]], Awaitable[None]] | None = None,
 ) -> Decision[D] | Interrupted[D] | Idle:
-    """Offer ``session`` to ``capabilities.steps`` in order; the first that does not refuse decides.
+    """Offer ``session`` to the steps in order; the first that does not refuse decides.
 
-    Returns:
-        The :class:`Decision`; :class:`Idle` when every step refused; the
-        :class:`Interrupted` step when ``token`` fired while it ran.
-
-    A step that committed batches of its own and then refused counts as
-    ``Continue(())``: the session moved, so the next cycle starts from the top.
+    Writes nothing (a step written for an older release that still commits
+    through the deprecated ``ctx.commit`` is the one exception; see
+    :meth:`StepContext.commit`).
 
     Raises:
         ConfigurationError: duplicate tool names (before any step runs).
-        StepContractError: a step's ``run`` is not async (:func:`check_pending`),
-            or it returned something other than an outcome.
-        Exception: whatever a step raises.
+        StepContractError: a step's ``run`` is not async, or returned no outcome.
+        Exception: whatever a step raises. A cancellation from outside
+            propagates as it is (nothing was written: the caller finalizes).
 
-    Cancellation: when ``token`` fires while a step runs, the step is cancelled
-    and returned as :class:`Interrupted`. A cancellation from outside
-    awaits ``on_cancel(Interrupted(step, ctx))`` (the callee shields itself),
-    then propagates.
+    When ``token`` fires while a step runs, the step is cancelled and returned
+    as :class:`Interrupted`. A cancellation from outside (or ``KeyboardInterrupt``)
+    while a step runs awaits ``on_cancel(Interrupted(step, ctx))`` (the callee
+    shields itself), then propagates.
     """
     collected = capabilities.collect(session)
     refused: list[Refusal] = []
     for step in capabilities.steps:
-        ctx = context(
-            capabilities,
-            runtime,
-            session,
-            sink,
-            cycle,
-            run_start_revision,
-            _committer(runtime, step.name, cycle, sink, tuple(refused)),
-            collected,
-        )
+        ctx = context(capabilities, runtime, session, sink, cycle, run_start_revision, collected)
+        ctx.committer = _legacy_committer(runtime, step.name, cycle, sink, tuple(refused))
         try:
-            if token is None:
-                returned: object = await check_pending(step.name, step.run(ctx))
-            else:
-                returned = await _run_under(token, step, ctx)
+            returned = await _under(token, check_pending(step.name, step.run(ctx)))
         except BaseException as exc:
-            if not stops_the_run(exc):
-                raise
-            await on_cancel(Interrupted(step, ctx))
+            if on_cancel is not None and stops_the_run(exc):
+                await on_cancel(Interrupted(step, ctx))
             raise
         if returned is _CANCELLED:
             return Interrupted(step, ctx)
         outcome = check_outcome(step.name, returned)
-        if isinstance(outcome, Refuse) and ctx.session.revision != session.revision:
-            outcome = Continue(())
         if isinstance(outcome, Refuse):
-            refused.append(refusal(step.name, outcome.why))
-            continue
+            if ctx.session.revision == session.revision:
+                refused.append(refusal(step.name, outcome.why))
+                continue
+            outcome = Continue(())  # it wrote through the deprecated ctx.commit
         return Decision(step, outcome, ctx, tuple(refused))
     return Idle(tuple(refused))
 
 
-_CANCELLED = object()
-"""What :func:`_run_under` returns when the token cancelled the step (``None`` is a
-step's own wrong return value: a contract error, see :func:`check_outcome`)."""
+_CANCELLED: Any = object()
+"""What :func:`_under` returns when the token cancelled the work."""
 
 
-async def _run_under(token: CancelToken, step: Step[D], ctx: StepContext[D]) -> object:
-    """What ``step.run(ctx)`` returned, run in a scope ``token`` cancels; :data:`_CANCELLED`
-    when it did."""
-    returned: object = _CANCELLED
+async def _under(token: CancelToken | None, work: Awaitable[T]) -> T:
+    """``await work`` in a scope ``token`` cancels; :data:`_CANCELLED` when it did."""
+    if token is None:
+        return await work
+    returned: Any = _CANCELLED
     with anyio.CancelScope() as scope:
         token.bind(scope)
         try:
-            returned = await check_pending(step.name, step.run(ctx))
+            returned = await work
         finally:
             token.unbind(scope)
-    return returned
+    return returned  # type: ignore[no-any-return]
 
 
 def check_pending(step_name: str, pending: object) -> Awaitable[object]:
     """``pending``, what calling a step's ``run(ctx)`` returned, when it can be awaited.
 
-    Checked before awaiting, so a plain ``def run`` is named as what it is
-    rather than failing inside the ``await``. A generator returned instead
-    (``run`` written with ``yield``) is closed first; an async generator that
-    never started needs no closing.
-
     Raises:
-        StepContractError: ``pending`` is not awaitable (``run`` is a plain
-            ``def``, or an async generator), naming the step, the value seen
-            and the fix (make ``run`` an ``async def`` that returns its
-            outcome). Nothing was written for the cycle.
+        StepContractError: it cannot be awaited (``run`` is a plain ``def``, or
+            an async generator), naming the step, the value seen and the fix.
     """
     if inspect.isawaitable(pending):
         return pending
     if inspect.isgenerator(pending):
         pending.close()
-    shown = repr(pending)
-    shown = shown if len(shown) <= 200 else shown[:200] + "..."
     raise StepContractError(
-        f"step {step_name!r} has a run() that is not async: calling it returned {shown} "
-        f"(a {type(pending).__name__}), which cannot be awaited; make run an "
-        "`async def run(self, ctx)` that returns Refuse(why), Continue(effects) or "
-        "Yield(effects, reason); nothing was written for this cycle"
+        f"step {step_name!r} has a run() that is not async: calling it returned "
+        f"{_shown(pending)} (a {type(pending).__name__}), which cannot be awaited; make run an "
+        "`async def run(self, ctx)` that returns Refuse(why), Continue(effects), "
+        "Yield(effects, reason) or Staged(...); nothing was written for this cycle"
     )
 
 
-def check_outcome(step_name: str, returned: object) -> Outcome:
-    """``returned`` when it is a step outcome (``Refuse``, ``Continue`` or ``Yield``).
+def check_outcome(step_name: str, returned: object) -> Outcome | Staged:
+    """``returned`` when it is a step outcome (``Refuse``, ``Continue``, ``Yield``, ``Staged``).
 
     Raises:
         StepContractError: anything else, ``None`` included (a ``run`` that fell
             off its end without a ``return``), naming the step, the value seen
             and the fix. Nothing was written for the cycle.
     """
-    if isinstance(returned, Refuse | Continue | Yield):
+    if isinstance(returned, Refuse | Continue | Yield | Staged):
         return returned
     if returned is None:
         seen = "returned None (is a `return` missing at the end of its run()?)"
     else:
-        shown = repr(returned)
-        shown = shown if len(shown) <= 200 else shown[:200] + "..."
-        seen = f"returned {shown} (a {type(returned).__name__})"
+        seen = f"returned {_shown(returned)} (a {type(returned).__name__})"
     raise StepContractError(
         f"step {step_name!r} {seen}; a step's run() returns Refuse(why) when it does not "
-        "apply, Continue(effects) or Yield(effects, reason); nothing was written for this cycle"
+        "apply, Continue(effects), Yield(effects, reason) or Staged(...); nothing was written "
+        "for this cycle"
     )
 
 
-def check_progress(decision: Decision[D], session: Session[D]) -> None:
-    """Raise unless applying ``decision`` changes the session (else the loop never ends).
-
-    Raises:
-        StepContractError: ``Continue`` with no effects from a step that committed nothing.
-    """
-    outcome = decision.outcome
-    if (
-        isinstance(outcome, Continue)
-        and not outcome.effects
-        and decision.ctx.session.revision == session.revision
-    ):
-        raise StepContractError(
-            f"step {decision.step.name!r} returned Continue with no effects; the "
-            "session would not change and the next cycle would decide the same, forever. "
-            "Return Refuse(why) when the step has nothing to do, or Yield(effects, reason) "
-            "to hand control back"
-        )
+def _shown(value: object) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 200 else shown[:200] + "..."
 
 
-def idle_reason(
-    capabilities: Capabilities[D],
-    runtime: Runtime,
-    session: Session[D],
-    sink: EventSink,
-    cycle: int,
-    run_start_revision: int,
-) -> YieldReason:
+def idle_reason(capabilities: Capabilities[D], ctx: StepContext[D]) -> YieldReason:
     """Why no step applied: ``call_held`` if some step holds open calls back, else ``idle``."""
-    calls = open_tool_calls(session)
-    if not calls:
-        return YieldReason(YieldReason.IDLE, "no step applies")
-    ctx = context(capabilities, runtime, session, sink, cycle, run_start_revision)
     held: list[dict[str, str]] = []
-    for call in calls:
-        objection = ctx.vet_call(call)
+    for call in open_tool_calls(ctx.session):
+        objection = capabilities.vet(ctx, call)
         if objection is not None:
             held.append(
                 {
@@ -320,49 +306,305 @@ def idle_reason(
     )
 
 
-async def commit(
+# -- apply ------------------------------------------------------------------------------
+
+
+async def apply(
     runtime: Runtime,
     session: Session[D],
-    step_name: str,
+    decision: Decision[D],
     cycle: int,
-    effects: Sequence[Effect],
-    refused: tuple[Refusal, ...] = (),
-) -> Session[D]:
-    """Persist ``effects`` as one batch, compare-and-set on ``session.revision``.
+    token: CancelToken | None = None,
+) -> tuple[Session[D], StepResult] | None:
+    """Write what ``decision`` says, from ``session``; the session after it and the result.
 
-    The batch is applied once (by the store, or here: see
-    :func:`~stepmachine._store.store_batch`). It records ``refused`` (the
-    steps that refused before ``step_name`` in this cycle) and the current
-    span's ``traceparent`` when the run is traced.
+    ``None`` when ``token`` fired during staged work (the records already
+    written stay; ``decision.held`` holds what finalize must still write).
 
     Raises:
-        ConflictError: the stored session moved on; nothing was written.
-        EffectError: an effect does not apply; nothing was written.
+        ConflictError: the first batch lost the race; nothing of the cycle was written.
+        StepContractError: ``Continue`` with no effects (the loop would never end).
+        LeaseLostError: the run's lease is gone; nothing more was started or written.
+        EffectError: an effect does not apply; nothing of that batch was written.
     """
-    handler: EffectHandler = runtime.effect_handler()
-    return await store_batch(
-        handler,
-        session,
-        step_name,
-        cycle,
-        runtime.clock(),
-        tuple(effects),
-        refused=refused,
-        trace=_tracing.traceparent(),
-    )
+    name, outcome = decision.step.name, decision.outcome
+    if decision.ctx.session.revision > session.revision:
+        session = decision.ctx.session  # the deprecated ctx.commit wrote batches already
+    elif isinstance(outcome, Continue) and not outcome.effects:
+        raise StepContractError(
+            f"step {name!r} returned Continue with no effects; the session would not change "
+            "and the next cycle would decide the same, forever. Return Refuse(why) when the "
+            "step has nothing to do, or Yield(effects, reason) to hand control back"
+        )
+    written: tuple[Effect, ...] = ()
+    sink = decision.ctx.events
+    if isinstance(outcome, Staged):
+
+        async def write(current: Session[Any], effects: Sequence[Effect]) -> Session[Any]:
+            after = await commit(runtime, current, name, cycle, effects, decision.refusals)
+            await sink.emit(StepApplied(name, after.revision, "committed", len(effects)))
+            sink.follow(after.revision)
+            return after
+
+        async def confirm(task: Task) -> None:
+            await confirm_lease(runtime, task)
+
+        loader = runtime.session_loader()
+        staged = _staged.execute(outcome, session, write, loader.load, confirm, decision.held)
+        done = await _under(token, staged)
+        if done is _CANCELLED:
+            return None
+        session, written, outcome = done
+    after = session
+    status: Literal["continue", "yielded"] = "yielded" if isinstance(outcome, Yield) else "continue"
+    if outcome.effects:
+        after = await commit(runtime, session, name, cycle, outcome.effects, decision.refusals)
+        await sink.emit(StepApplied(name, after.revision, status, len(outcome.effects)))
+        sink.follow(after.revision)
+    reason = outcome.reason if isinstance(outcome, Yield) else None
+    return after, StepResult(name, written + outcome.effects, status, after.revision, reason)
 
 
-def _committer(
-    runtime: Runtime, step_name: str, cycle: int, sink: EventSink, refused: tuple[Refusal, ...]
-) -> Committer[Any]:
-    """What ``StepContext.commit`` calls: one batch now, under the step's name."""
+async def confirm_lease(runtime: Runtime, task: Task) -> None:
+    """Raise :class:`LeaseLostError` unless the run still holds its lease, right before
+    ``task`` starts (at most once where it matters).
 
-    async def commit_now(current: Session[Any], effects: Sequence[Effect]) -> Session[Any]:
-        after = await commit(runtime, current, step_name, cycle, effects, refused)
-        await sink.emit(StepApplied(step_name, after.revision, "committed", len(effects)))
-        return after
+    A run holding a lease writes through a :class:`~stepmachine._hold.Fence`.
+    Before a ``guarded`` task starts (a ``non_idempotent`` tool), the lease is
+    confirmed with the store by ``renew`` (the store's fence read, plus an
+    extension, harmless for its holder): one round trip on PostgreSQL, an
+    in-process check on the lock-file and memory stores. Any other task is
+    checked against what the run already knows (a write refused, a renewal that
+    found the lease gone), at no cost. A run without a lease checks nothing.
 
-    return commit_now
+    Raises:
+        LeaseLostError: the lease is gone; nothing was started.
+        Exception: the store could not be asked: the task is not started either.
+    """
+    fence = runtime.handler
+    if not isinstance(fence, Fence):
+        return
+    if fence.lost is None and task.guarded:
+        try:
+            await fence.store.renew(fence.lease)
+        except LeaseLostError as exc:
+            fence.lost = exc  # every later write of the run is refused at once too
+    if fence.lost is not None:
+        raise _staged.lease_lost(task, fence.lost) from fence.lost
+
+
+# -- the driver ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Driver(Generic[D]):
+    """The cycles of one run: see the module docs. Made per run, dropped when it returns."""
+
+    machine: StateMachine[D]
+    runtime: Runtime
+    sink: EventSink
+    start_revision: int
+    cycles: int = 0
+    results: list[StepResult] = field(default_factory=list)
+
+    async def run(self, session: Session[D]) -> RunReport[D]:
+        """Cycles from ``session`` until one yields or none applies.
+
+        Raises:
+            ConflictError: more than the machine's ``max_conflicts`` conflicts.
+            Exception: whatever a step or the store raises; batches before stay.
+        """
+        conflicts = Conflicts(self.machine.max_conflicts)  # for the whole run
+        while True:
+            try:
+                session, report = await self.cycle(session)
+            except ConflictError:
+                if conflicts.left <= 0:
+                    raise
+                conflicts.left -= 1
+                session = await self._guarded(self.runtime.session_loader().load(session.id))
+                self.sink.follow(session.revision)
+                _log.event(_log.DEBUG, "reload", session_id=session.id, revision=session.revision)
+                continue
+            if report is not None:
+                return report
+
+    async def cycle(self, session: Session[D]) -> tuple[Session[D], RunReport[D] | None]:
+        """One cycle from ``session``: the session after it, and the report if the run ends."""
+        machine = self.machine
+        token = machine.cancel
+        if token is not None and token.cancelled:
+            return session, await self._cancelled(session, None, None, None)
+        if machine.max_cycles is not None and len(self.results) >= machine.max_cycles:
+            reason = YieldReason(
+                YieldReason.CYCLE_LIMIT,
+                f"this run applied {len(self.results)} cycles, the machine's max_cycles; "
+                "run() again continues",
+                {"max_cycles": machine.max_cycles},
+            )
+            log_cycle(session, self.cycles, None, (), reason.kind)
+            return session, await self._guarded(self._yielded(session, reason))
+        self.cycles += 1
+        started = time.perf_counter()
+        traced = _tracing.NO_SPAN  # a plain ``with``: no extra coroutine on every resume
+        if _tracing.active():
+            attributes = {
+                "stepmachine.cycle": self.cycles,
+                "stepmachine.revision": session.revision,
+            }
+            traced = _tracing.span(self.runtime.telemetry, "cycle", attributes)
+        with traced as span:
+            caps, cycle = machine.capabilities, self.cycles
+            applying: Decision[D] | None = None
+            decided: Decision[D] | Interrupted[D] | Idle | None = None
+            cut: list[Interrupted[D]] = []  # the step a cancellation from outside cut in decide
+            try:
+                decided = await decide(
+                    caps,
+                    self.runtime,
+                    session,
+                    self.sink,
+                    cycle,
+                    self.start_revision,
+                    token,
+                    self._cut(cut),
+                )
+                if isinstance(decided, Interrupted):
+                    return session, await self._cancelled(session, decided, started, span)
+                if isinstance(decided, Idle):
+                    ctx = context(
+                        caps, self.runtime, session, self.sink, cycle, self.start_revision
+                    )
+                    reason = idle_reason(caps, ctx)
+                    log_cycle(session, cycle, None, decided.refusals, reason.kind, started, span)
+                    return session, await self._guarded(self._yielded(session, reason))
+                applying = decided
+                applied = await apply(self.runtime, session, decided, cycle, token)
+                if applied is None:
+                    return session, await self._cancelled(session, decided, started, span)
+                applying = None
+                after, result = applied
+                self.results.append(result)
+                count = len(result.effects)
+                log_cycle(
+                    after, cycle, result.step, decided.refusals, result.status, started, span, count
+                )
+                if result.reason is None:
+                    return after, None
+                return after, await self._yielded(after, result.reason)
+            except ConflictError:
+                step = decided.step.name if isinstance(decided, Decision) else None
+                refusals = decided.refusals if isinstance(decided, Decision) else ()
+                log_cycle(session, cycle, step, refusals, "conflict", started, span)
+                _log.event(
+                    _log.INFO,
+                    "conflict",
+                    session_id=session.id,
+                    revision=session.revision,
+                    step=step,
+                    cycle=cycle,
+                )
+                raise
+            except BaseException as exc:
+                if not stops_the_run(exc):
+                    raise
+                if cut:  # cut while a step decided: decide finalized already
+                    log_cycle(session, cycle, cut[0].step.name, (), "cancelled", started, span)
+                    raise
+                interrupted = _interrupted(applying)
+                name = None if interrupted is None else interrupted.step.name
+                log_cycle(session, cycle, name, (), "cancelled", started, span)
+                await self._finalize_shielded(interrupted)
+                raise
+
+    def _cut(self, cut: list[Interrupted[D]]) -> Callable[[Interrupted[D]], Awaitable[None]]:
+        """``decide``'s ``on_cancel``: note the step in ``cut``, then finalize with it."""
+
+        async def finalize_cut(interrupted: Interrupted[D]) -> None:
+            cut.append(interrupted)
+            await self._finalize_shielded(interrupted)
+
+        return finalize_cut
+
+    async def _yielded(self, session: Session[D], reason: YieldReason) -> RunReport[D]:
+        if _log.enabled(_log.INFO):
+            _log.event(
+                _log.INFO,
+                "yield",
+                session_id=session.id,
+                revision=session.revision,
+                kind=reason.kind,
+                message=_loggable_message(reason, self.runtime),
+                cycles=len(self.results),
+            )
+        await self.sink.emit(Yielded(reason.kind, reason.message))
+        return RunReport(session, reason, tuple(self.results))
+
+    async def _cancelled(
+        self,
+        session: Session[D],
+        interrupted: Decision[D] | Interrupted[D] | None,
+        started: float | None,
+        span: object,
+    ) -> RunReport[D]:
+        """The machine's token fired: finalize (shielded, bounded), then return ``cancelled``."""
+        machine = self.machine
+        cut = _interrupted(interrupted)
+        name = cut.step.name if cut is not None else ""
+        with anyio.move_on_after(machine.finalize_timeout, shield=True):
+            session = await self._finalize(cut)
+        token = machine.cancel
+        reason = YieldReason(YieldReason.CANCELLED, token.reason if token is not None else "")
+        self.results.append(StepResult(name, (), "cancelled", session.revision, reason))
+        log_cycle(session, self.cycles, name or None, (), "cancelled", started, span)
+        return await self._yielded(session, reason)
+
+    async def _guarded(self, work: Awaitable[T]) -> T:
+        """``await work``; if the run is cancelled from outside meanwhile, finalize first."""
+        try:
+            return await work
+        except BaseException as exc:
+            if stops_the_run(exc):
+                await self._finalize_shielded(None)
+            raise
+
+    async def _finalize_shielded(self, interrupted: Interrupted[D] | None) -> None:
+        """Finalize, shielded and bounded, while an outside cancellation is pending."""
+        session_id = self.sink.session_id
+        await shielded(
+            self.machine.finalize_timeout, session_id, lambda: self._finalize(interrupted)
+        )
+
+    def _finalize(self, interrupted: Interrupted[D] | None) -> Awaitable[Session[D]]:
+        return finalize(
+            self.machine.capabilities,
+            self.runtime,
+            self.sink.session_id,
+            self.sink,
+            interrupted,
+            cycle=self.cycles,
+            run_start_revision=self.start_revision,
+            max_conflicts=self.machine.max_conflicts,
+        )
+
+
+def _interrupted(cut: Decision[D] | Interrupted[D] | None) -> Interrupted[D] | None:
+    """The interrupted step of a decision being applied (with its held records), or ``cut``."""
+    if isinstance(cut, Decision):
+        return Interrupted(cut.step, cut.ctx, tuple(cut.held))
+    return cut
+
+
+_CONTENT_KINDS = frozenset({"tool_failed"})
+"""Yield kinds whose message quotes a tool's error (``ToolAbortError``'s text: tool content)."""
+
+
+def _loggable_message(reason: YieldReason, runtime: Runtime) -> str:
+    """``reason.message`` for the ``yield`` event; a ``tool_failed`` message (the tool's
+    error text) only with content capture on, else a placeholder."""
+    if reason.kind in _CONTENT_KINDS and not runtime.telemetry.captures_content:
+        return "(the tool's error; content capture is off)"
+    return reason.message
 
 
 def log_cycle(
@@ -371,10 +613,9 @@ def log_cycle(
     step: str | None,
     refusals: Sequence[Refusal],
     outcome: str,
-    *,
-    effects: int = 0,
     started: float | None = None,
     span: Any = None,
+    effects: int = 0,
 ) -> None:
     """Report one cycle: the ``cycle`` event (logger ``stepmachine``) and its span's attributes.
 
@@ -415,7 +656,7 @@ def stops_the_run(exc: BaseException) -> bool:
 
     A cancellation, or ``KeyboardInterrupt`` / ``SystemExit``, bare or inside an
     exception group (under trio, Ctrl-C raises ``KeyboardInterrupt`` at the next
-    checkpoint, which can be inside the tool step's task group, right after a
+    checkpoint, which can be inside staged work's task group, right after a
     tool returned: its result must still be recorded).
     """
     if isinstance(exc, anyio.get_cancelled_exc_class()):
@@ -424,3 +665,6 @@ def stops_the_run(exc: BaseException) -> bool:
     if isinstance(exc, interrupts):
         return True
     return isinstance(exc, BaseExceptionGroup) and exc.subgroup(interrupts) is not None
+
+
+Committer = Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]]

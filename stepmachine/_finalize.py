@@ -2,9 +2,11 @@
 
 :func:`finalize` makes a cancelled session whole again, in three kinds of
 batches, each computed from the session as stored now and retried on
-conflict: the interrupted step's ``finalize(interrupted=True)`` (with the ctx
-of the cycle it was running in, ``scratch`` included), every other finalizing
-step's ``finalize(interrupted=False)``, then an "interrupted" error result
+conflict: what the machine held for the interrupted step (the records of its
+staged work that existed and were not yet written: a finished tool's result,
+streamed text) and its own ``finalize(interrupted=True)`` (with the ctx of the
+cycle it was running in), every other finalizing step's
+``finalize(interrupted=False)``, then an "interrupted" error result
 (:data:`INTERRUPTED`, step :data:`FINALIZE_STEP`) for every tool call still
 without a result. A tool call whose tool ran to completion keeps its real
 result: "interrupted" only ever answers a call that has no result.
@@ -14,14 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 import msgspec
 
 from . import _log
 from ._capabilities import Capabilities, Finalizes, step_name
-from ._cycle import Interrupted, commit, context
+from ._capabilities import cycle_context as context
 from ._effects import AppendMessage, Effect
 from ._emitter import EventSink
 from ._history import open_tool_calls
@@ -29,8 +31,19 @@ from ._messages import Message, ToolResultPart
 from ._retry import retry_conflicts
 from ._runtime import Runtime
 from ._session import Session
+from ._store import commit
 
-__all__ = ["FINALIZE_STEP", "INTERRUPTED", "finalize", "keep_interrupted", "shielded"]
+if TYPE_CHECKING:
+    from ._cycle import Interrupted
+
+__all__ = [
+    "FINALIZE_STEP",
+    "INTERRUPTED",
+    "finalize",
+    "keep_interrupted",
+    "keep_records",
+    "shielded",
+]
 
 D = TypeVar("D", bound=msgspec.Struct)
 
@@ -114,14 +127,19 @@ async def keep_interrupted(
     cycle: int,
     max_conflicts: int,
 ) -> Session[D]:
-    """Commit the interrupted step's ``finalize(interrupted=True)`` effects, if any.
+    """Write what the machine held for the interrupted step, then its own
+    ``finalize(interrupted=True)`` effects, if any.
 
-    The step sees the session as stored now (its own batch may have been
-    committed just before the cancellation) with the scratch of its cycle.
+    Each held record sees the session as stored now (its batch may have been
+    written just before the cancellation: then it records nothing), and so
+    does the step, with the ctx of its cycle.
     """
-    if interrupted is None or not interrupted.ctx.capabilities.finalizes(interrupted.step):
+    if interrupted is None:
         return session
+    session = await keep_records(runtime, session, interrupted, cycle, max_conflicts)
     step, step_ctx = interrupted.step, interrupted.ctx
+    if not step_ctx.capabilities.finalizes(step):
+        return session
     finalizer = cast("Finalizes[D]", step)
 
     async def keep(current: Session[D]) -> Sequence[Effect]:
@@ -130,6 +148,28 @@ async def keep_interrupted(
         )
 
     return await _commit_fresh(runtime, session, step.name, cycle, keep, max_conflicts)
+
+
+async def keep_records(
+    runtime: Runtime,
+    session: Session[D],
+    interrupted: Interrupted[D],
+    cycle: int,
+    max_conflicts: int,
+) -> Session[D]:
+    """Write the records the machine held for the interrupted step, each its own batch.
+
+    Each sees the session as stored now (its batch may have been written just
+    before the cancellation: then it records nothing).
+    """
+    for record in interrupted.held:
+
+        async def held(current: Session[D], record: Any = record) -> Sequence[Effect]:
+            return tuple(record(current))
+
+        name = interrupted.step.name
+        session = await _commit_fresh(runtime, session, name, cycle, held, max_conflicts)
+    return session
 
 
 async def shielded(seconds: float, session_id: str, work: Callable[[], Awaitable[Any]]) -> None:

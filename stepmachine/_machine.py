@@ -64,18 +64,23 @@ import msgspec
 
 from . import _log, _tracing
 from ._capabilities import Capabilities, Step
-from ._cycle import Decision, Interrupted, commit, offer
+from ._cycle import Decision, Driver, Interrupted, RunReport, apply, decide, stops_the_run
 from ._emitter import Emitter, EventSink, NullEmitter
 from ._errors import ConfigurationError
-from ._finalize import FINALIZE_STEP, INTERRUPTED, finalize, keep_interrupted, shielded
+from ._finalize import (
+    FINALIZE_STEP,
+    INTERRUPTED,
+    finalize,
+    keep_interrupted,
+    keep_records,
+    shielded,
+)
 from ._hold import Fence, claim, hold, leasing_store, release, renew_interval, request_again
 from ._lease import Lease, LeasePolicy, Leases, check_claim, new_owner
 from ._model import PromptPart, ToolDefinition
-from ._retry import Conflicts
-from ._run import Run, RunReport
 from ._runtime import Runtime
 from ._session import Session
-from ._steps import CancelToken, StepResult, Yield, YieldReason
+from ._steps import CancelToken, StepResult, YieldReason
 
 __all__ = [
     "DEFAULT_MAX_CYCLES",
@@ -385,21 +390,18 @@ class StateMachine(Generic[D]):
             if span is not None:
                 await _link_to_previous(runtime, session, span)
             sink = EventSink(emitter or NullEmitter(), session_id, session.revision)
-            run = Run(self, runtime, sink, start_revision=session.revision)
-            conflicts = Conflicts(self.max_conflicts)  # for the whole run, not per cycle
-            while True:
-                session, report = await conflicts.retry(session, run.cycle, run.reload)
-                if report is not None:
-                    _tracing.set_attributes(
-                        span,
-                        {
-                            "stepmachine.revision.start": run.start_revision,
-                            "stepmachine.revision.end": report.session.revision,
-                            "stepmachine.yield.kind": report.reason.kind,
-                            "stepmachine.cycles": run.cycles,
-                        },
-                    )
-                    return report
+            driver = Driver(self, runtime, sink, start_revision=session.revision)
+            report = await driver.run(session)
+            _tracing.set_attributes(
+                span,
+                {
+                    "stepmachine.revision.start": driver.start_revision,
+                    "stepmachine.revision.end": report.session.revision,
+                    "stepmachine.yield.kind": report.reason.kind,
+                    "stepmachine.cycles": driver.cycles,
+                },
+            )
+            return report
 
     @asynccontextmanager
     async def opened(self, runtime: Runtime) -> AsyncIterator[None]:
@@ -444,8 +446,7 @@ class StateMachine(Generic[D]):
     ) -> Decision[D] | None:
         """Offer ``session`` to the steps in order; return the first that applies.
 
-        Nothing is persisted (unless a step commits batches of its own with
-        ``ctx.commit``): pass the decision to :meth:`apply`. Returns ``None``
+        Nothing is persisted: pass the decision to :meth:`apply`. Returns ``None``
         when every step refuses. ``run_start_revision`` is the revision at which
         the caller's "run" began (default: ``session.revision``); callers that
         drive cycles themselves pass the revision they started at on every
@@ -472,39 +473,54 @@ class StateMachine(Generic[D]):
 
             await shielded(self.finalize_timeout, session.id, work)
 
-        offered = await offer(
-            self.capabilities, runtime, session, sink, cycle, start, token=None, on_cancel=keep
+        decided = await decide(
+            self.capabilities, runtime, session, sink, cycle, start, on_cancel=keep
         )
-        return offered if isinstance(offered, Decision) else None
+        return decided if isinstance(decided, Decision) else None
 
     async def apply(
         self, runtime: Runtime, session: Session[D], decision: Decision[D], *, cycle: int = 0
     ) -> tuple[Session[D], StepResult]:
-        """Persist a decision's effects as one batch, compare-and-set on ``session.revision``.
+        """Write what a decision says, from ``session``: the machine's one write path.
+
+        ``Continue`` / ``Yield``: their effects as one batch, a compare-and-set
+        on ``session.revision``. ``Staged``: its intents, then each task's
+        record as the task finishes, then its ending (see
+        :class:`~stepmachine.Staged`); if this is cancelled, pass the decision
+        to :meth:`finalize` (``interrupted=decision``): it writes the records
+        the machine held for it.
 
         Returns:
-            The new session and the cycle's :class:`StepResult`. A ``Yield``
+            The new session and the cycle's :class:`StepResult` (its
+            ``effects``: every effect written in the cycle). A ``Yield``
             with no effects writes nothing and returns ``session`` unchanged.
 
         Raises:
-            ConflictError: the stored session moved on; nothing was written.
-            EffectError: an effect does not apply; nothing was written.
+            ConflictError: the first batch lost the race; nothing was written.
+            StepContractError: ``Continue`` with no effects.
+            LeaseLostError: the run's lease is gone (staged work).
+
+        Cancellation (or ``KeyboardInterrupt``): the records of staged work
+        that exist and were not yet written are written, shielded, for at most
+        ``finalize_timeout`` seconds, before it propagates; then call
+        :meth:`finalize` to answer the calls still open.
+            EffectError: an effect does not apply; nothing of that batch was written.
         """
-        outcome = decision.outcome
-        if decision.ctx.session.revision > session.revision:
-            session = decision.ctx.session  # the step committed batches of its own
-        after = session
-        if outcome.effects:
-            after = await commit(
-                runtime, session, decision.step.name, cycle, outcome.effects, decision.refusals
-            )
-        if isinstance(outcome, Yield):
-            result = StepResult(
-                decision.step.name, outcome.effects, "yielded", after.revision, outcome.reason
-            )
-        else:
-            result = StepResult(decision.step.name, outcome.effects, "continue", after.revision)
-        return after, result
+        try:
+            applied = await apply(runtime, session, decision, cycle)
+        except BaseException as exc:
+            if stops_the_run(exc) and decision.held:
+                held = Interrupted(decision.step, decision.ctx, tuple(decision.held))
+                decision.held.clear()  # written here, not again by a later finalize
+
+                async def work() -> None:
+                    current: Session[D] = await runtime.session_loader().load(session.id)
+                    await keep_records(runtime, current, held, cycle, self.max_conflicts)
+
+                await shielded(self.finalize_timeout, session.id, work)
+            raise
+        assert applied is not None  # only a token's firing returns None, and none is passed
+        return applied
 
     async def finalize(
         self,
@@ -529,7 +545,11 @@ class StateMachine(Generic[D]):
             The session afterwards.
         """
         sink = EventSink(emitter or NullEmitter(), session_id, 0)
-        step = None if interrupted is None else Interrupted(interrupted.step, interrupted.ctx)
+        step = (
+            None
+            if interrupted is None
+            else Interrupted(interrupted.step, interrupted.ctx, tuple(interrupted.held))
+        )
         with anyio.CancelScope(shield=True):
             return await finalize(
                 self.capabilities,

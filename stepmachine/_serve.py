@@ -26,11 +26,11 @@ import anyio
 import msgspec
 
 from . import _log, _transient
+from ._cycle import RunReport
 from ._errors import ConfigurationError, LeaseLostError
 from ._hold import leasing_store, release, request_again
 from ._lease import MIN_TTL, Lease, Leases, check_claim, new_owner
 from ._machine import StateMachine
-from ._run import RunReport
 from ._runtime import Runtime
 from ._steps import CancelToken
 

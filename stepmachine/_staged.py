@@ -13,7 +13,7 @@ does the rest, in this order:
    time); before a task marked ``guarded`` starts, it confirms with the store
    that the run still holds the session (its lease), and raises
    :class:`~stepmachine.LeaseLostError` instead of starting it otherwise;
-3. as each task returns, it writes that task's :data:`Record` as its own
+3. as each task returns, it writes that task's :data:`Recorder` as its own
    batch: the record is called with the session as stored then, so after a
    conflict (another writer moved the session on) it is computed again from
    what is stored, and a result someone else already recorded is not written
@@ -42,18 +42,22 @@ naming the limit), or ``None`` to let the error propagate.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+import anyio
+
 from ._effects import Effect
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, ConflictError, EffectError, LeaseLostError
 from ._outcomes import Continue, Yield
 from ._session import Session
 
-__all__ = ["Record", "Staged", "Task"]
+__all__ = ["Recorder", "Staged", "Task", "Writer", "execute", "one_error"]
 
-Record: TypeAlias = Callable[[Session[Any]], Sequence[Effect]]
+Recorder: TypeAlias = Callable[[Session[Any]], Sequence[Effect]]
 """How a finished task is recorded: the effects, computed from the session as stored.
 
 Called when the machine writes the task's batch, again after a conflict, and
@@ -74,6 +78,8 @@ class Task:
         guarded: a start that must not happen twice (a ``non_idempotent``
             tool, a payment): the machine confirms with the store that the run
             still holds the session right before it starts the task.
+        landed: awaited once the machine holds the task's record, before it is
+            written (a "finished" event); an interrupt there loses nothing.
         keep: what to record if the task is cancelled while it runs (what it
             already has); ``None``: nothing.
         refused: a replacement record when the store refuses the record's
@@ -81,10 +87,11 @@ class Task:
     """
 
     name: str
-    run: Callable[[], Awaitable[Record]]
+    run: Callable[[], Awaitable[Recorder]]
     guarded: bool = False
-    keep: Record | None = None
-    refused: Callable[[Exception], Record | None] | None = None
+    landed: Callable[[], Awaitable[None]] | None = None
+    keep: Recorder | None = None
+    refused: Callable[[Exception], Recorder | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,3 +147,195 @@ class Staged:
     def effects(self) -> tuple[Effect, ...]:
         """The intents (what the outcome writes before any work; ``Continue.effects``'s peer)."""
         return self.intents
+
+
+Writer: TypeAlias = Callable[[Session[Any], Sequence[Effect]], Awaitable[Session[Any]]]
+"""The machine's write of one batch of the deciding step (compare-and-set on the session)."""
+
+MAX_RECORD_CONFLICTS = 16
+"""Conflicts one record may meet (it is computed again each time) before ``ConflictError``."""
+
+
+async def execute(
+    staged: Staged,
+    session: Session[Any],
+    write: Writer,
+    reload: Callable[[str], Awaitable[Session[Any]]],
+    confirm: Callable[[Task], Awaitable[None]],
+    held: list[Recorder],
+) -> tuple[Session[Any], tuple[Effect, ...], Continue | Yield]:
+    """Carry ``staged`` out from ``session`` (see the module docs); the session after it,
+    every effect written, and how the cycle ends (its effects not yet written).
+
+    ``confirm(task)`` raises unless the task may start (the lease, see the
+    machine); ``held`` is the machine's: every record that exists and is not
+    yet written (a landed result, a running task's ``keep``), for finalize to
+    write after a cancellation.
+
+    Raises:
+        ConflictError: the intents lost the race (nothing of the cycle was
+            written: the machine decides again), or a record conflicted too often.
+        LeaseLostError: the run's lease is gone; no task started after that.
+        Exception: whatever a task, ``then`` or the store raises; one error,
+            never an ``ExceptionGroup`` (see :func:`one_error`).
+    """
+    written: list[Effect] = []
+    current = session
+    if staged.intents:
+        current = await write(current, staged.intents)
+        written.extend(staged.intents)
+    concurrent = staged.max_concurrency > 1 and len(staged.tasks) > 1
+    lock = anyio.Lock() if concurrent else None  # one task at a time needs no lock
+
+    async def record(entry: Recorder, task: Task) -> None:
+        if lock is None:
+            await write_record(entry, task)
+        else:
+            async with lock:
+                await write_record(entry, task)
+
+    async def write_record(entry: Recorder, task: Task) -> None:
+        nonlocal current
+        for _ in range(MAX_RECORD_CONFLICTS + 1):
+            effects = tuple(entry(current))
+            if not effects:
+                return
+            try:
+                current = await write(current, effects)
+            except ConflictError:
+                current = await reload(current.id)
+                continue
+            except EffectError as exc:
+                replacement = None if task.refused is None else task.refused(exc)
+                if replacement is None:
+                    raise
+                _swap(held, entry, replacement)
+                entry = replacement
+                continue
+            written.extend(effects)
+            return
+        raise ConflictError(
+            f"a record of task {task.name!r} conflicted {MAX_RECORD_CONFLICTS + 1} times "
+            "in a row; another writer keeps moving the session on"
+        )
+
+    async def one(task: Task) -> None:
+        await confirm(task)
+        if task.keep is not None:
+            held.append(task.keep)
+        entry = await task.run()
+        # The result exists: held before any checkpoint, so a cancellation from
+        # here on leaves it to finalize, which writes it exactly once.
+        if task.keep is not None:
+            _swap(held, task.keep, entry)
+        else:
+            held.append(entry)
+        if task.landed is not None:
+            await task.landed()
+        await record(entry, task)
+        _drop(held, entry)
+
+    if not concurrent:
+        for task in staged.tasks:
+            await one(task)
+    else:
+        limiter = anyio.CapacityLimiter(staged.max_concurrency)
+
+        async def limited(task: Task) -> None:
+            async with limiter:
+                await one(task)
+
+        failure: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as group:
+                for task in staged.tasks:
+                    group.start_soon(limited, task)
+        except BaseExceptionGroup as errors:
+            failure = one_error(errors)  # raised outside the handler: its context its own
+        if failure is not None:
+            raise failure
+    ending = Continue(()) if staged.then is None else staged.then()
+    return current, tuple(written), ending
+
+
+def _swap(held: list[Recorder], old: Recorder, new: Recorder) -> None:
+    for index, entry in enumerate(held):
+        if entry is old:
+            held[index] = new
+            return
+    held.append(new)
+
+
+def _drop(held: list[Recorder], entry: Recorder) -> None:
+    for index, candidate in enumerate(held):
+        if candidate is entry:
+            del held[index]
+            return
+
+
+def one_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception failed concurrent tasks raise instead of ``group``.
+
+    Never a group: ``run()`` raises the documented error itself. Of the leaves
+    of ``group`` (nested groups flattened, in order), the first of:
+
+    1. a ``BaseException`` that is not an ``Exception`` nor a cancellation
+       (``KeyboardInterrupt``, ``SystemExit``: the run must stop as asked);
+    2. any ``Exception`` but :class:`ConflictError` (a lost lease, a store's
+       error, a contract error: what stops the run);
+    3. :class:`ConflictError` (the machine reloads and re-steps; it loses to an
+       error that would stop the run anyway);
+    4. a cancellation (a group holding only those).
+
+    Every other leaf but a cancellation is named, by type and message, in a
+    note on the one returned (``__notes__``), so nothing is hidden.
+    """
+    leaves = list(_leaves(group))
+    chosen = min(leaves, key=_rank)  # min is stable: the first of the best rank
+    for leaf in leaves:
+        if leaf is not chosen and _rank(leaf) < _CANCELLATION:
+            text = str(leaf)
+            text = text if len(text) <= 300 else text[:300] + "..."
+            chosen.add_note(f"a concurrent tool call also raised {type(leaf).__name__}: {text}")
+    return chosen
+
+
+def _leaves(exc: BaseException) -> Iterable[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+_CANCELLATION = 3
+
+
+def _rank(exc: BaseException) -> int:
+    """Where ``exc`` stands in :func:`one_error`'s order (lower wins).
+
+    Cancellations are told by class, without asking the running backend, so
+    this works outside an event loop too (asyncio's ``CancelledError``, trio's
+    ``Cancelled`` once trio is imported).
+    """
+    if isinstance(exc, ConflictError):
+        return 2
+    if isinstance(exc, Exception):
+        return 1
+    trio = sys.modules.get("trio")
+    if isinstance(exc, asyncio.CancelledError) or (
+        trio is not None and isinstance(exc, trio.Cancelled)
+    ):
+        return _CANCELLATION
+    return 0
+
+
+def lease_lost(task: Task, lost: LeaseLostError) -> LeaseLostError:
+    """The error for a task not started because the run's lease is gone."""
+    return LeaseLostError(
+        lost.session_id,
+        lost.owner,
+        lost.epoch,
+        f"found right before task {task.name!r} would start, so it was not started (at "
+        "most once where it matters: another runner holds the session)",
+    )

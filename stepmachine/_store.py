@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
+from . import _tracing
 from ._codec import Batch, Codec, Refusal
 from ._effects import Effect, apply_batch
 from ._errors import ConfigurationError
 from ._messages import Message
 from ._retry import retry_conflicts
 from ._session import Session
+
+if TYPE_CHECKING:
+    from ._runtime import Runtime
 
 __all__ = ["EffectHandler", "SessionLoader", "Store", "store_batch", "submit"]
 
@@ -164,6 +168,36 @@ async def submit(
 
     first = await store.load(session_id)
     return await retry_conflicts(first, attempt, store.load, attempts=max_attempts)
+
+
+async def commit(
+    runtime: Runtime,
+    session: Session[D],
+    step_name: str,
+    cycle: int,
+    effects: Sequence[Effect],
+    refused: tuple[Refusal, ...] = (),
+) -> Session[D]:
+    """The machine's write: ``effects`` as one batch after ``session``, through the runtime.
+
+    Through the runtime's effect handler (a lease's fence in a leased run),
+    stamped with its clock and the current span's ``traceparent`` when the run
+    is traced; see :func:`store_batch`.
+
+    Raises:
+        ConflictError: the stored session moved on; nothing was written.
+        EffectError: an effect does not apply; nothing was written.
+    """
+    return await store_batch(
+        runtime.effect_handler(),
+        session,
+        step_name,
+        cycle,
+        runtime.clock(),
+        tuple(effects),
+        refused=refused,
+        trace=_tracing.traceparent(),
+    )
 
 
 async def store_batch(

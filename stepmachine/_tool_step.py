@@ -70,8 +70,6 @@ one error, never an ``ExceptionGroup`` (see :func:`one_error`).
 
 from __future__ import annotations
 
-import asyncio
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -84,8 +82,6 @@ from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ToolFinished, ToolStarted
 from ._errors import (
     ConfigurationError,
-    ConflictError,
-    LeaseLostError,
     MediaTooLargeError,
     StepContractError,
     ToolAbortError,
@@ -93,14 +89,13 @@ from ._errors import (
     ToolError,
 )
 from ._history import open_tool_calls
-from ._hold import Fence
 from ._media import DocumentPart, ImagePart
 from ._messages import Message, ToolCallPart, ToolResultPart
 from ._model import ToolDefinition
 from ._records import Record, note_value, read_record
-from ._retry import retry_conflicts
 from ._runtime import ToolCaller, uuid_ids
 from ._session import Session
+from ._staged import Recorder, Staged, Task, one_error
 from ._steps import Continue, Operation, Outcome, Refuse, StepContext, Yield, YieldReason
 from ._store import Store, submit
 from ._tools import (
@@ -135,8 +130,6 @@ OUTCOME_UNKNOWN = (
     "have taken effect."
 )
 NOT_EXECUTED = "not executed: another call of the same batch failed closed ({reason})"
-
-_MAX_RESULT_RETRIES = 16
 
 
 class _Answer(NamedTuple):
@@ -326,7 +319,17 @@ class Tools(Operation[Any]):
 
     # -- one cycle ----------------------------------------------------------------
 
-    async def run(self, ctx: StepContext[Any]) -> Outcome:
+    async def run(self, ctx: StepContext[Any]) -> Outcome | Staged:
+        """Staged work for the open calls that are its own (see the module docs).
+
+        Calls answered without running anything (an unknown tool, invalid
+        arguments, an outcome a crash left unknown) and the intents of the
+        non-idempotent calls to run are the intents batch; each call to run
+        is a task (``guarded`` when its tool is ``non_idempotent``), recorded
+        as it finishes; the ending is ``Yield`` with ``tool_failed`` (a
+        :class:`~stepmachine.ToolAbortError`) or ``outcome_unknown`` (calls held
+        for an operator), else ``Continue``.
+        """
         # The cheap check first: most cycles have no open call at all.
         open_calls = open_tool_calls(ctx.session)
         if not open_calls:
@@ -350,69 +353,94 @@ class Tools(Operation[Any]):
         if not calls:
             return Refuse("no open tool calls for these tools that may run now")
 
-        answers: list[_Answer] = []  # decided without running anything
+        intents: list[Effect] = []  # results decided without running anything, then intents
         unknown: list[ToolCallPart] = []  # crashed non-idempotent calls awaiting an operator
         to_run: list[ToolCallPart] = []
         for call in calls:
             journal = journal_entry(call, where=f"session {ctx.session.id!r}")
             impl = own.get(call.name)
             if impl is None or effective_arguments(call) is None:
-                answers.append(_Answer(self._precheck_error(ctx, call, own)))
+                answer = _Answer(self._precheck_error(ctx, call, own))
+                intents.append(AppendMessage(answer.message(ctx.new_id())))
             elif journal is not None and journal.intent and not self._may_rerun(impl, journal):
                 _log_journal(ctx, call, journal, "outcome_unknown")
                 if self._on_unknown == "yield":
                     unknown.append(call)
                 else:
-                    answers.append(_Answer(_error(call, OUTCOME_UNKNOWN)))
+                    answer = _Answer(_error(call, OUTCOME_UNKNOWN))
+                    intents.append(AppendMessage(answer.message(ctx.new_id())))
             else:
                 if journal is not None and journal.intent:
                     _log_journal(ctx, call, journal, "rerun")
                 to_run.append(call)
 
-        # Results that exist but are not yet committed, for finalize (see _run_batch).
-        uncommitted: dict[str, _Answer] = ctx.scratch.setdefault("uncommitted", {})
-        if answers:
-            uncommitted.update((a.result.call_id, a) for a in answers)
-            await self._commit_results(ctx, answers)
-            for answer in answers:
-                uncommitted.pop(answer.result.call_id, None)
-        if to_run:
-            where = _call_locations(ctx.session)  # call id -> message id, read once
-            await self._record_intents(ctx, to_run, where, own)
-            abort = await self._run_batch(ctx, to_run, where, own)
-            if abort is not None:
-                return Yield([], YieldReason("tool_failed", abort))
-        if unknown:
-            return Yield(
-                [],
-                YieldReason(
-                    "outcome_unknown",
-                    "tool calls may or may not have run before a crash; decide with "
-                    "resolve_unknown_outcome()",
-                    {"calls": [c.call_id for c in unknown]},
-                ),
-            )
-        return Continue([])
+        abort: list[str] = []  # the first ToolAbortError's reason, once one failed closed
 
-    async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
-        """Keep every result that exists but whose commit had not returned at the cancellation.
+        def ending() -> Continue | Yield:
+            if abort:
+                return Yield([], YieldReason("tool_failed", abort[0]))
+            if unknown:
+                return Yield(
+                    [],
+                    YieldReason(
+                        "outcome_unknown",
+                        "tool calls may or may not have run before a crash; decide with "
+                        "resolve_unknown_outcome()",
+                        {"calls": [c.call_id for c in unknown]},
+                    ),
+                )
+            return Continue(())
 
-        A tool that ran to completion keeps its real result (with the images and
-        documents it returned), never "interrupted",
-        even when the cancellation fired while its ``ToolFinished`` event was
-        emitted or its result was being committed. A result is appended only while
-        its call is still open in the session as stored now, so one whose commit
-        landed just before the cancellation is not recorded twice.
-        """
-        if not interrupted:
-            return ()
-        finished: dict[str, _Answer] = ctx.scratch.get("uncommitted", {})
-        open_ids = {c.call_id for c in open_tool_calls(ctx.session)}
-        return [
-            AppendMessage(answer.message(ctx.new_id()))
-            for call_id, answer in finished.items()
-            if call_id in open_ids
+        if not to_run:
+            done = ending()
+            if isinstance(done, Yield):
+                return Yield(intents, done.reason)
+            return Continue(intents)
+        where = _call_locations(ctx.session)  # call id -> message id, read once
+        intents.extend(self._intents(ctx, to_run, where, own))
+        tasks = [
+            self._task(ctx, call, own[call.name], where[call.call_id], abort) for call in to_run
         ]
+        return Staged(intents, tasks, max_concurrency=self._max_concurrency, then=ending)
+
+    def _task(
+        self,
+        ctx: StepContext[Any],
+        call: ToolCallPart,
+        impl: ToolLike,
+        message_id: str,
+        abort: list[str],
+    ) -> Task:
+        """The task that runs ``call`` (or answers it "not executed" after an abort)."""
+
+        finished: list[ToolFinished] = []
+
+        async def run_call() -> Recorder:
+            if abort:
+                return _record(ctx, _Answer(_error(call, NOT_EXECUTED.format(reason=abort[0]))))
+            answer, aborted = await self._run_call(ctx, call, impl, message_id)
+            if aborted is not None:
+                abort.append(aborted)
+            is_error = answer.result.is_error
+            finished.append(ToolFinished(call_id=call.call_id, name=call.name, is_error=is_error))
+            return _record(ctx, answer)  # no await between the tool's return and the machine
+
+        async def landed() -> None:
+            for event in finished:  # the machine holds the result: an interrupt here loses nothing
+                await ctx.emit(event)
+
+        def refused(exc: Exception) -> Recorder | None:
+            if not isinstance(exc, MediaTooLargeError):
+                return None
+            return _record(ctx, _too_large(exc, call))
+
+        return Task(
+            name=f"tool {call.name!r} (call {call.call_id!r})",
+            run=run_call,
+            landed=landed,
+            guarded=impl.side_effects == "non_idempotent",
+            refused=refused,
+        )
 
     # -- the journal ---------------------------------------------------------------
 
@@ -453,17 +481,17 @@ class Tools(Operation[Any]):
             f"the arguments for {call.name!r} must be a JSON object, got {call.raw_arguments!r}",
         )
 
-    async def _record_intents(
+    def _intents(
         self,
         ctx: StepContext[Any],
         calls: Sequence[ToolCallPart],
         where: dict[str, str],
         own: Mapping[str, ToolLike],
-    ) -> None:
-        """Commit one batch of intents for the calls whose tool is ``non_idempotent``.
+    ) -> list[Effect]:
+        """The intents of the calls whose tool is ``non_idempotent``.
 
         Calls of pure and idempotent tools get none (re-running them is
-        harmless), so when every call is one of those nothing is committed.
+        harmless), so when every call is one of those there are none.
         """
         effects: list[Effect] = []
         for call in calls:
@@ -483,145 +511,7 @@ class Tools(Operation[Any]):
             effects.append(
                 Annotate(where[call.call_id], JOURNAL, note_value(entry), call_id=call.call_id)
             )
-        if effects:
-            await ctx.commit(effects)
-
-    async def _run_batch(
-        self,
-        ctx: StepContext[Any],
-        calls: Sequence[ToolCallPart],
-        where: dict[str, str],
-        own: Mapping[str, ToolLike],
-    ) -> str | None:
-        """Run ``calls``, committing each result as it comes; the abort reason.
-
-        One call, or ``max_concurrency == 1``: the calls run one after another
-        in call order, directly (no task group, limiter or lock). Otherwise
-        they run concurrently in a task group, at most ``max_concurrency`` at
-        a time, their result commits serialised by a lock.
-
-        Raises:
-            LeaseLostError: the run's lease is gone (a tool about to start found
-                it so, or a result write was refused); no later tool started.
-            ConflictError: a result commit lost the race too often.
-            Exception: a store's error writing a result. From concurrent calls,
-                one error, never an ``ExceptionGroup``: see :func:`one_error`.
-        """
-        uncommitted: dict[str, _Answer] = ctx.scratch.setdefault("uncommitted", {})
-        abort: list[str] = []
-        if len(calls) == 1 or self._max_concurrency == 1:
-            for call in calls:  # one after another, in call order (deterministic)
-                await self._run_one(
-                    ctx, call, own[call.name], where[call.call_id], uncommitted, abort, None
-                )
-            return abort[0] if abort else None
-
-        limiter = anyio.CapacityLimiter(self._max_concurrency)
-        commit_lock = anyio.Lock()
-
-        async def run_limited(call: ToolCallPart) -> None:
-            async with limiter:
-                await self._run_one(
-                    ctx, call, own[call.name], where[call.call_id], uncommitted, abort, commit_lock
-                )
-
-        failure: BaseException | None = None
-        try:
-            async with anyio.create_task_group() as tg:
-                for call in calls:
-                    tg.start_soon(run_limited, call)
-        except BaseExceptionGroup as group:
-            # Never an ExceptionGroup out of run(): the documented error itself
-            # (ConflictError: the machine reloads and re-steps; LeaseLostError, a
-            # store's error, ...), chosen by one_error. Raised outside this
-            # handler, so that its context stays its own, not the group.
-            failure = one_error(group)
-        if failure is not None:
-            raise failure
-        return abort[0] if abort else None
-
-    async def _run_one(
-        self,
-        ctx: StepContext[Any],
-        call: ToolCallPart,
-        impl: ToolLike,
-        message_id: str,
-        uncommitted: dict[str, _Answer],
-        abort: list[str],
-        commit_lock: anyio.Lock | None,
-    ) -> None:
-        """Run one call (or answer it "not executed" after an abort) and commit its result.
-
-        Cancellation: once the result exists it is in ``uncommitted`` before
-        any checkpoint, and leaves it only when its commit returned, so
-        ``finalize`` records it exactly once if this commit does not happen.
-        """
-        if abort:
-            answer = _Answer(_error(call, NOT_EXECUTED.format(reason=abort[0])))
-            uncommitted[call.call_id] = answer
-        else:
-            answer, aborted = await self._run_call(ctx, call, impl, message_id)
-            # The result exists. Before any checkpoint (where a pending
-            # cancellation fires: the emit, the lock, the commit), hand it to
-            # finalize, which commits it if this step's own commit does not
-            # happen. It is never replaced by "interrupted".
-            uncommitted[call.call_id] = answer
-            if aborted is not None:
-                abort.append(aborted)
-            await ctx.emit(
-                ToolFinished(call_id=call.call_id, name=call.name, is_error=answer.result.is_error)
-            )
-        if commit_lock is None:
-            await self._commit_results(ctx, [answer])
-        else:
-            async with commit_lock:
-                await self._commit_results(ctx, [answer])
-        # Only once the commit returned: if it was cancelled (before or after
-        # the write), finalize commits the result unless the stored session
-        # already holds it, so it is recorded exactly once either way.
-        uncommitted.pop(call.call_id, None)
-
-    async def _commit_results(self, ctx: StepContext[Any], answers: Sequence[_Answer]) -> None:
-        """Commit results as one batch; after a conflict, reload and commit what is still open.
-
-        A result whose image or document is over the store's ``max_media_bytes``
-        (the store refuses the batch with :class:`MediaTooLargeError` and writes
-        nothing) is replaced by an error result naming the size and the limit,
-        and the batch is committed again: each call still gets exactly one
-        result, and nothing else of the batch is lost. The replacement is also
-        what ``finalize`` keeps if this commit is cancelled.
-        """
-        answers = list(answers)
-
-        async def attempt(session: Session[Any]) -> None:
-            ctx.session = session
-            open_ids = {c.call_id for c in open_tool_calls(session)}
-            pending = [a for a in answers if a.result.call_id in open_ids]
-            for _ in range(len(pending) + 1):  # each refusal replaces one result
-                if not pending:
-                    return
-                ids = [ctx.new_id() for _ in pending]
-                try:
-                    await ctx.commit(
-                        [AppendMessage(a.message(i)) for a, i in zip(pending, ids, strict=True)]
-                    )
-                except MediaTooLargeError as exc:
-                    if exc.message_id not in ids:
-                        raise
-                    index = ids.index(exc.message_id)
-                    replaced = _too_large(pending[index], exc)
-                    answers[answers.index(pending[index])] = replaced  # for a conflict retry
-                    pending[index] = replaced
-                    uncommitted: dict[str, _Answer] = ctx.scratch.get("uncommitted", {})
-                    if replaced.result.call_id in uncommitted:
-                        uncommitted[replaced.result.call_id] = replaced
-                    continue
-                return
-
-        async def reload(session_id: str) -> Session[Any]:
-            return await ctx.runtime.session_loader().load(session_id)
-
-        await retry_conflicts(ctx.session, attempt, reload, attempts=_MAX_RESULT_RETRIES)
+        return effects
 
     async def _run_call(
         self, ctx: StepContext[Any], call: ToolCallPart, impl: ToolLike, message_id: str
@@ -629,12 +519,8 @@ class Tools(Operation[Any]):
         """Run one call. Returns its result (and media), and the abort reason if it failed
         closed.
 
-        Emits ``ToolStarted``; the caller emits ``ToolFinished`` after recording
-        the result where ``finalize`` finds it.
-
-        Raises:
-            LeaseLostError: the run's lease is gone (see :func:`_confirm_lease`):
-                the tool was not started (after its ``ToolStarted`` event).
+        Emits ``ToolStarted``; the caller emits ``ToolFinished``. The machine
+        confirmed the run's lease right before (see ``_cycle.confirm_lease``).
 
         Cancellation: an async tool is cancelled at its next await (then no
         result exists); a sync tool in a worker thread runs to completion and
@@ -642,9 +528,6 @@ class Tools(Operation[Any]):
         checkpoint.
         """
         await ctx.emit(ToolStarted(call_id=call.call_id, name=call.name))
-        # Last, right before the tool: a pause anywhere before (the intent's
-        # commit, the limiter, a slow emitter) may have cost the lease.
-        await _confirm_lease(ctx, call, impl)
         context = ToolContext(
             runtime=ctx.runtime,
             session_id=ctx.session.id,
@@ -756,110 +639,6 @@ class Tools(Operation[Any]):
         return _Answer(ToolResultPart.for_call(call, content)), None, "ok", None
 
 
-async def _confirm_lease(ctx: StepContext[Any], call: ToolCallPart, impl: ToolLike) -> None:
-    """Raise :class:`LeaseLostError` unless the run still holds its lease, right before
-    ``call``'s tool starts (at most once where it matters).
-
-    The intent of a non-idempotent call is committed with the lease, but the
-    tool starts later: a worker paused in between (SIGSTOP, a long GC, a slow
-    emitter) past the lease's ttl finds on waking that another runner took the
-    session over and may already have answered the call "outcome unknown".
-    Starting the tool then would run it with nobody to record it.
-
-    The check, and its cost: a run holding a lease writes through a
-    :class:`~stepmachine._hold.Fence` (its effect handler). Before a
-    ``non_idempotent`` tool starts, the lease is confirmed with the store, by
-    ``renew`` (the store's fence read: the same atomic check of owner, epoch and
-    expiry that fences a write, plus an extension of the lease, harmless for its
-    holder): one round trip per non-idempotent call on PostgreSQL, an in-process
-    check on the lock-file and memory stores. A ``pure`` or ``idempotent`` tool
-    is not worth a round trip (running it twice is harmless by declaration): it
-    is checked against what the run already knows (a write refused, a renewal
-    that found the lease gone), which costs nothing. A run without a lease
-    checks nothing.
-
-    Raises:
-        LeaseLostError: the lease is gone; nothing was started. The run stops
-            (``run()`` raises it); the new holder decides from the stored session.
-        Exception: the store could not be asked (its error): the tool is not
-            started either, since the lease could not be confirmed.
-    """
-    fence = ctx.runtime.handler
-    if not isinstance(fence, Fence):
-        return
-    if fence.lost is None and impl.side_effects == "non_idempotent":
-        try:
-            await fence.store.renew(fence.lease)
-        except LeaseLostError as exc:
-            fence.lost = exc  # every later write of the run is refused at once too
-    if fence.lost is not None:
-        lease = fence.lease
-        raise LeaseLostError(
-            lease.session_id,
-            lease.owner,
-            lease.epoch,
-            f"found right before tool {call.name!r} (call {call.call_id!r}) would start, so it "
-            "was not started (at most once where it matters: another runner holds the session)",
-        ) from fence.lost
-
-
-def one_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The one exception a failed batch of concurrent tool calls raises instead of ``group``.
-
-    Never a group: ``run()`` raises the documented error itself. Of the leaves
-    of ``group`` (nested groups flattened, in order), the first of:
-
-    1. a ``BaseException`` that is not an ``Exception`` nor a cancellation
-       (``KeyboardInterrupt``, ``SystemExit``: the run must stop as asked);
-    2. any ``Exception`` but :class:`ConflictError` (a lost lease, a store's
-       error, a contract error: what stops the run);
-    3. :class:`ConflictError` (the machine reloads and re-steps; it loses to an
-       error that would stop the run anyway);
-    4. a cancellation (a group holding only those).
-
-    Every other leaf but a cancellation is named, by type and message, in a
-    note on the one returned (``__notes__``), so nothing is hidden.
-    """
-    leaves = list(_leaves(group))
-    chosen = min(leaves, key=_rank)  # min is stable: the first of the best rank
-    for leaf in leaves:
-        if leaf is not chosen and _rank(leaf) < _CANCELLATION:
-            text = str(leaf)
-            text = text if len(text) <= 300 else text[:300] + "..."
-            chosen.add_note(f"a concurrent tool call also raised {type(leaf).__name__}: {text}")
-    return chosen
-
-
-def _leaves(exc: BaseException) -> Iterable[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
-
-
-_CANCELLATION = 3
-
-
-def _rank(exc: BaseException) -> int:
-    """Where ``exc`` stands in :func:`one_error`'s order (lower wins).
-
-    Cancellations are told by class, without asking the running backend, so
-    this works outside an event loop too (asyncio's ``CancelledError``, trio's
-    ``Cancelled`` once trio is imported).
-    """
-    if isinstance(exc, ConflictError):
-        return 2
-    if isinstance(exc, Exception):
-        return 1
-    trio = sys.modules.get("trio")
-    if isinstance(exc, asyncio.CancelledError) or (
-        trio is not None and isinstance(exc, trio.Cancelled)
-    ):
-        return _CANCELLATION
-    return 0
-
-
 def _arguments_text(call: ToolCallPart) -> str:
     """The arguments the tool runs with, as JSON text (edited ones when an approval edited them)."""
     if EDITED_ARGUMENTS in call.notes:
@@ -949,17 +728,31 @@ def _error(call: ToolCallPart, content: str) -> ToolResultPart:
     return ToolResultPart.for_call(call, content, is_error=True)
 
 
-def _too_large(answer: _Answer, exc: MediaTooLargeError) -> _Answer:
-    """The error result that stands for ``answer`` when the store refused its media."""
-    result = answer.result
+def _too_large(exc: MediaTooLargeError, call: ToolCallPart) -> _Answer:
+    """The error result that stands for a result whose media the store refused."""
     content = (
-        f"tool {result.name!r} returned an image or document of {exc.size:,} bytes; "
+        f"tool {call.name!r} returned an image or document of {exc.size:,} bytes; "
         f"this store takes at most {exc.limit:,} bytes per part (max_media_bytes), so "
         "the result was not stored"
     )
-    return _Answer(
-        ToolResultPart(call_id=result.call_id, content=content, is_error=True, name=result.name)
-    )
+    return _Answer(_error(call, content))
+
+
+def _record(ctx: StepContext[Any], answer: _Answer) -> Recorder:
+    """How the machine records ``answer``: its ``tool`` message, while its call is open.
+
+    Computed from the session as stored when it is written (again after a
+    conflict, and by finalize after a cancellation), so a call another writer
+    answered meanwhile is not answered twice.
+    """
+    call_id = answer.result.call_id
+
+    def record(session: Session[Any]) -> Sequence[Effect]:
+        if all(c.call_id != call_id for c in open_tool_calls(session)):
+            return ()
+        return (AppendMessage(answer.message(ctx.new_id())),)
+
+    return record
 
 
 async def resolve_unknown_outcome(

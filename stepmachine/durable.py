@@ -146,7 +146,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
@@ -154,7 +153,7 @@ import anyio
 import msgspec
 
 from . import _log, _transient
-from ._cycle import Decision, check_progress, idle_reason, log_cycle, stops_the_run
+from ._cycle import Driver
 from ._emitter import EventSink, NullEmitter
 from ._errors import ConfigurationError, ConflictError
 from ._hold import claim, hold, leasing_store, release, renew_interval
@@ -442,40 +441,15 @@ class DurableMachine:
     async def _one_cycle(
         self, runtime: Runtime, session: Session[Any], number: int, start: int
     ) -> CycleSummary:
-        """Decide and apply once from ``session`` (mirrors ``Run.cycle`` of ``run()``)."""
-        machine = self.machine
-        applying: Decision[Any] | None = None
-        started = time.perf_counter()
-        try:
-            decision = await machine.step(runtime, session, cycle=number, run_start_revision=start)
-            if decision is None:
-                sink = EventSink(NullEmitter(), session.id, session.revision)
-                reason = idle_reason(machine.capabilities, runtime, session, sink, number, start)
-                log_cycle(session, number, None, (), reason.kind, started=started)
-                return CycleSummary(
-                    cycle=number, revision=session.revision, status="idle", reason=reason.kind
-                )
-            check_progress(decision, session)
-            applying = decision
-            after, result = await machine.apply(runtime, session, decision, cycle=number)
-            applying = None
-            effects = len(decision.outcome.effects)
-            log_cycle(
-                after,
-                number,
-                result.step,
-                decision.refusals,
-                result.status,
-                effects=effects,
-                started=started,
-            )
-        except BaseException as exc:
-            if not stops_the_run(exc):
-                raise
-            with anyio.move_on_after(machine.finalize_timeout, shield=True):
-                await machine.finalize(runtime, session.id, interrupted=applying)
-            raise
-        return _summary(number, after, result)
+        """One cycle from ``session``, by the machine's driver (as ``run()`` runs each cycle):
+        decided, applied, and finalized if it is cancelled."""
+        sink = EventSink(NullEmitter(), session.id, session.revision)
+        driver = Driver(self.machine, runtime, sink, start_revision=start, cycles=number - 1)
+        after, report = await driver.cycle(session)
+        if not driver.results:  # no step applied
+            reason = "" if report is None else report.reason.kind
+            return CycleSummary(cycle=number, revision=after.revision, status="idle", reason=reason)
+        return _summary(number, after, driver.results[-1])
 
 
 async def _retrying(session_id: str, step: str, attempt: Callable[[], Awaitable[T]]) -> T:

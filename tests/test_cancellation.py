@@ -397,14 +397,16 @@ async def test_a_cancelled_step_keeps_a_result_that_exists_before_the_callers_fi
                             scope.cancel()
 
                     tg.start_soon(canceller)
-                    await machine.step(runtime, session, emitter)
+                    tools = await machine.step(runtime, session, emitter)
+                    assert tools is not None
+                    await machine.apply(runtime, session, tools)
             if isinstance(emitter, StreamEmitter):
                 await emitter.aclose()
     finally:
         gate.release()
     assert scope.cancelled_caught
     assert gate.charged == [3]
-    final = await machine.finalize(runtime, "s")
+    final = await machine.finalize(runtime, "s", interrupted=tools)
     assert_results_are_real(final, gate)
 
 
@@ -454,7 +456,9 @@ async def test_an_interrupt_after_the_tool_finished_keeps_its_real_result(
         decision = await machine.step(runtime, session)
         assert decision is not None
         session, _ = await machine.apply(runtime, session, decision)
-        await machine.step(runtime, session, emitter)
+        tools = await machine.step(runtime, session, emitter)
+        assert tools is not None
+        await machine.apply(runtime, session, tools)  # the interrupt lands in here
 
     with pytest.raises(exc):
         await drive()

@@ -629,14 +629,16 @@ async def test_callers_driving_step_and_apply_finalize_themselves() -> None:
     assert decision is not None
     session, _ = await machine.apply(runtime, session, decision)
     with anyio.CancelScope() as scope:
-        # The tools step commits the intents, then echo's result, while `forever` hangs:
-        # cancel at the second commit, which echo's result made (no timing involved).
+        # The machine writes the tools step's intents, then echo's result, while `forever`
+        # hangs: cancel at the second write, which echo's result made (no timing involved).
         watch = CancelAtCommit(scope, nth=2)
-        await machine.step(runtime, session, watch)
+        decision = await machine.step(runtime, session, watch)
+        assert decision is not None
+        await machine.apply(runtime, session, decision)
     assert scope.cancelled_caught
     assert "echo" in watch.started
     assert len(open_tool_calls((await store.load("s")).conversation)) == 1
-    final = await machine.finalize(runtime, "s")
+    final = await machine.finalize(runtime, "s", interrupted=decision)
     assert_history_valid(final)
     results = {r.call_id: r.content for m in final.conversation for r in m.tool_results}
     # The echo finished and its result was committed at once; `forever` was interrupted.

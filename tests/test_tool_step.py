@@ -8,6 +8,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 import pytest
+from _staging import carry_out
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -158,7 +159,7 @@ async def test_each_result_is_committed_as_soon_as_it_exists() -> None:
         committer=commit_watch,
     )
     with anyio.fail_after(120):  # a deadlock guard, not a timing assertion
-        await machine.steps[0].run(ctx)
+        await carry_out(machine.steps[0], ctx)
     assert order == ["fast", "slow"]
     assert open_tool_calls(ctx.session.conversation) == []
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Annotated, Any, Literal
@@ -11,6 +10,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 import pytest
+from _staging import carry_out
 
 import stepmachine
 from stepmachine import (
@@ -40,6 +40,7 @@ from stepmachine import (
     tool,
 )
 from stepmachine._emitter import EventSink
+from stepmachine._staged import Recorder
 from stepmachine.testing import StepCheck, make_session, run_step
 
 
@@ -709,7 +710,7 @@ def context_for(
     )
 
 
-async def test_finalize_keeps_finished_but_uncommitted_results() -> None:
+async def test_the_machine_holds_finished_but_uncommitted_results() -> None:
     never = anyio.Event()
     c1_committed = anyio.Event()
 
@@ -740,11 +741,12 @@ async def test_finalize_keeps_finished_but_uncommitted_results() -> None:
     )
     ctx = context_for(step, session, committer)
     outcome: list[Any] = []
+    held: list[Recorder] = []  # what the machine holds for finalize
     scope = anyio.CancelScope()
 
     async def runner() -> None:
         with scope:
-            outcome.append(await step.run(ctx))
+            outcome.append(await carry_out(step, ctx, held))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(runner)
@@ -755,18 +757,16 @@ async def test_finalize_keeps_finished_but_uncommitted_results() -> None:
     # c1 was committed; c3 finished but its commit never completed; c2 never finished
     assert [c.call_id for c in open_tool_calls(ctx.session.conversation)] == ["c2", "c3"]
 
-    effects = list(await step.finalize(ctx, interrupted=True))
+    effects = [e for record in held for e in record(ctx.session)]
     assert [results_of_batch((e,)) for e in effects] == [["c3"]]
     (effect,) = effects
     assert isinstance(effect, AppendMessage)
     assert effect.message.tool_results[0].content == "fast 3"
     after = apply_batch(ctx.session, effects)
     assert [c.call_id for c in open_tool_calls(after.conversation)] == ["c2"]
-    assert await step.finalize(ctx, interrupted=False) == ()
 
-    # had c3's result been stored after all, finalize keeps nothing twice
-    stored = dataclasses.replace(ctx, session=after)
-    assert list(await step.finalize(stored, interrupted=True)) == []
+    # had c3's result been stored after all, its record writes nothing twice
+    assert [e for record in held for e in record(after)] == []
 
 
 async def test_finalize_without_a_run_or_not_interrupted_does_nothing() -> None:

@@ -4,7 +4,10 @@
 definitions and prompt parts collected from the step and any ``others``,
 whose hooks answer ``ctx.shape_request`` and ``ctx.vet_call``), runs the
 step once, and returns a :class:`StepCheck`: the outcome, the
-effects, the session those effects produce, and the events emitted.
+effects, the session those effects produce, and the events emitted. A step
+that returns :class:`~stepmachine.Staged` work has it carried out as the
+machine does (the machine's own code: intents, each task, each record, the
+ending), writing to the session value instead of a store.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from stepmachine import (
     apply_batch,
     counter_ids,
 )
-from stepmachine._cycle import check_outcome, check_pending, context
+from stepmachine._capabilities import cycle_context
+from stepmachine._cycle import check_outcome, check_pending
 from stepmachine._emitter import EventSink
+from stepmachine._staged import Staged, Task, execute
 
 __all__ = ["StepCheck", "make_session", "run_step"]
 
@@ -62,13 +67,17 @@ class StepCheck:
     """What one step did.
 
     Attributes:
-        outcome: the step's ``Refuse``, ``Continue`` or ``Yield``.
-        effects: the effects it returned (empty for ``Refuse``).
-        session: the session after its commits and returned effects.
+        outcome: the step's ``Refuse``, ``Continue`` or ``Yield``; for staged
+            work, how it ended (``then()``'s outcome, ``Continue(())`` by default).
+        effects: the effects of that outcome (empty for ``Refuse``).
+        session: the session after everything the step wrote.
         events: the events it emitted.
         ctx: the context it ran with (pass to ``finalize`` in tests).
         before: the session the step was given.
-        commits: the batches it committed itself with ``ctx.commit``, in order.
+        commits: the batches written before ``effects``: a ``Staged``
+            outcome's intents and each task's record, in order (and batches of a
+            step still using the deprecated ``ctx.commit``).
+        staged: the ``Staged`` outcome the step returned, if it did.
     """
 
     outcome: Outcome
@@ -78,6 +87,7 @@ class StepCheck:
     ctx: StepContext[Any]
     before: Session[Any]
     commits: tuple[tuple[Effect, ...], ...] = ()
+    staged: Staged | None = None
 
     @property
     def refused(self) -> bool:
@@ -122,8 +132,8 @@ async def run_step(
             order ``[step, *others]`` (duplicate tool names raise as in the
             machine).
 
-    ``ctx.commit`` works: each committed batch is applied to the session
-    value and listed in ``StepCheck.commits``.
+    Staged work runs as the machine runs it; each batch it writes is applied
+    to the session value and listed in ``StepCheck.commits``.
 
     Raises whatever the step raises, ``StepContractError`` if its ``run`` is
     not async (calling it returns nothing to await) or it returns something
@@ -136,13 +146,33 @@ async def run_step(
     recorder = RecordingEmitter()
     commits: list[tuple[Effect, ...]] = []
 
+    sink = EventSink(recorder, session.id, session.revision)
+
     async def commit(current: Session[Any], effects: Sequence[Effect]) -> Session[Any]:
         commits.append(tuple(effects))
-        return apply_batch(current, effects)
+        after = apply_batch(current, effects)
+        sink.follow(after.revision)
+        return after
 
-    sink = EventSink(recorder, session.id, session.revision)
-    ctx = context(machine.capabilities, runtime, session, sink, 1, 0, commit)
-    outcome = check_outcome(step.name, await check_pending(step.name, step.run(ctx)))
+    ctx = cycle_context(machine.capabilities, runtime, session, sink, 1, 0)
+    ctx.committer = commit  # the deprecated ctx.commit
+    returned = check_outcome(step.name, await check_pending(step.name, step.run(ctx)))
+    current = ctx.session
+    staged = returned if isinstance(returned, Staged) else None
+    if staged is not None:
+
+        async def reload(session_id: str) -> Session[Any]:
+            return current  # a session value: nobody else writes to it
+
+        async def confirm(task: Task) -> None:
+            return None  # no lease to confirm
+
+        current, _, outcome = await execute(staged, current, commit, reload, confirm, [])
+    else:
+        assert not isinstance(returned, Staged)
+        outcome = returned
     effects: tuple[Effect, ...] = () if isinstance(outcome, Refuse) else outcome.effects
-    after = apply_batch(ctx.session, effects) if effects else ctx.session
-    return StepCheck(outcome, effects, after, tuple(recorder.events), ctx, session, tuple(commits))
+    after = apply_batch(current, effects) if effects else current
+    return StepCheck(
+        outcome, effects, after, tuple(recorder.events), ctx, session, tuple(commits), staged
+    )
