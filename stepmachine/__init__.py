@@ -151,6 +151,7 @@ from ._replay import ReplayCycle, ReplayReport, replay
 from ._runtime import Runtime, ToolCaller, counter_ids, uuid_ids
 from ._serve import serve
 from ._session import NoData, Session
+from ._staged import Recorder, Staged, Task
 from ._steps import (
     CancelToken,
     Continue,
@@ -268,6 +269,7 @@ __all__ = [
     "ReasoningDelta",
     "ReasoningPart",
     "Record",
+    "Recorder",
     "RecordingEmitter",
     "Refusal",
     "Refuse",
@@ -287,6 +289,7 @@ __all__ = [
     "ShapesRequests",
     "SideEffects",
     "Spent",
+    "Staged",
     "StateMachine",
     "Step",
     "StepApplied",
@@ -299,6 +302,7 @@ __all__ = [
     "StoredDataError",
     "StreamChunk",
     "StreamEmitter",
+    "Task",
     "Telemetry",
     "TextChunk",
     "TextDelta",

@@ -50,6 +50,7 @@ overrides only ``run`` costs nothing in the hooks it does not override.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -409,15 +410,18 @@ class StepContext(Generic[D]):
         cycle: the cycle number within the run, from 1 (0 outside a run).
         tools: the tool definitions collected from every step this cycle.
         prompt_parts: the prompt parts collected from every step this cycle.
-        scratch: per-cycle working space; the same dict is handed to
-            ``finalize`` when this step is interrupted. Never persisted.
+        scratch: deprecated, unused by every built-in step: per-cycle working
+            space, handed to ``finalize`` when this step is interrupted. Staged
+            work keeps what a task has in the task itself (its ``keep``), and
+            the machine holds every finished result.
         steps: deprecated, unused by every built-in step: every step of the
             machine, in order. Ask the context instead (:meth:`shape_request`,
             :meth:`vet_call`, :attr:`answers_unknown_tools`). A context built
             by hand with ``steps`` and no ``capabilities`` asks those steps.
         run_start_revision: the session revision when the current ``run()``
             began (per-run budgets count from it).
-        committer: how :meth:`commit` persists; set by the machine or harness.
+        committer: how the deprecated :meth:`commit` persists; set by the
+            machine or harness.
         capabilities: the machine's steps sorted by capability, which answer
             :meth:`shape_request`, :meth:`vet_call` and
             :attr:`answers_unknown_tools`; set by the machine or harness.
@@ -469,14 +473,19 @@ class StepContext(Generic[D]):
         return self.capabilities.answers_unknown_tools
 
     async def commit(self, effects: Sequence[Effect]) -> Session[D]:
-        """Persist ``effects`` now, as their own batch, before the step returns.
+        """Deprecated: return :class:`~stepmachine.Staged` instead (the machine writes).
 
-        For journals: a step that must record something before it acts (an
-        intent before running a tool, each result as soon as it exists) commits
-        it here. The batch is a compare-and-set on ``ctx.session.revision`` and
-        is recorded under this step's name and cycle; afterwards ``ctx.session``
-        is the session it produced, and the effects the step finally returns
-        apply on top of it.
+        Persists ``effects`` now, as their own batch, before the step returns
+        (it still works, with a ``DeprecationWarning``, for steps written for
+        earlier releases). A step that must record something before it acts
+        (an intent before running a tool, each result as soon as it exists)
+        returns ``Staged(intents, tasks)``: the machine writes the intents, runs
+        the tasks and writes each result as it lands, holds every finished
+        result across a cancellation, and confirms the lease before a guarded
+        start -- none of which a step committing by itself gets. The batch is
+        a compare-and-set on ``ctx.session.revision`` and is recorded under
+        this step's name and cycle; afterwards ``ctx.session`` is the session
+        it produced, and the effects the step finally returns apply on top of it.
 
         Returns:
             The new session (also stored in ``ctx.session``).
@@ -486,6 +495,12 @@ class StepContext(Generic[D]):
                 written, ``ctx.session`` is unchanged.
             ConfigurationError: the context belongs to no machine or harness.
         """
+        warnings.warn(
+            "StepContext.commit is deprecated: return Staged(intents, tasks) and let the "
+            "machine write (see stepmachine.Staged); it will be removed in a later release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         if self.committer is None:
             raise ConfigurationError("this StepContext cannot commit: it belongs to no machine")
         if not effects:

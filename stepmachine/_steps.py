@@ -7,9 +7,10 @@ each a small protocol (``_capabilities``). :class:`Operation` and
 class name as ``name``: subclass one and override what the step does. What a
 step returns (:data:`Outcome`) is in ``_outcomes``; both are re-exported here.
 
-A step must not keep decision state on itself between cycles (state is the session);
-what it needs during one cycle, such as partial output to hand to
-``finalize``, goes into ``ctx.scratch``, which lives for that cycle only.
+A step must not keep decision state on itself between cycles (state is the
+session). A step never writes: it returns its effects (``Continue``,
+``Yield``), or, when it must record something before it acts, staged work
+(:class:`~stepmachine.Staged`) that the machine carries out.
 """
 
 from __future__ import annotations
