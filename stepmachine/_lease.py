@@ -124,6 +124,17 @@ class Leases(Protocol):
     :class:`~stepmachine.StoreClosedError` after ``aclose``. The
     behaviour each promises is checked by
     :class:`stepmachine.testing.leases.LeaseConformance`.
+
+    No lease is kept for a runner that no longer knows of it:
+
+    - a release that fails still lets go, within a bound: at once where
+      leases do not expire (the store drops the lease on the holder's side
+      before it raises), at most ``ttl`` after the last renewal where they do
+      (see :meth:`release`);
+    - a claim that took effect but whose answer never reached the caller (a
+      cancel, ``KeyboardInterrupt``) is found by the caller, by its owner
+      string and the ``epoch`` that a refused claim names
+      (:class:`LeaseHolder`), and released (see :meth:`claim`).
     """
 
     leases_expire: bool
@@ -155,7 +166,10 @@ class Leases(Protocol):
         at its ttl, or, if its leases do not expire, held until the process ends.
         A store whose call can outlive its caller (a worker thread that goes on
         after a native cancel) lets go itself of a lease it took for a caller
-        that is gone (the lock-file stores do).
+        that is gone (the lock-file stores do), or lets it lapse at its ttl
+        (PostgreSQL's, whose leases expire). A claim that raises an
+        ``Exception`` must have taken nothing, or, where leases expire, lets
+        its lease lapse at its ttl (a commit whose answer was lost).
         """
         ...
 
@@ -192,7 +206,8 @@ class Leases(Protocol):
         releases again. Releasing a lease that is no longer current does nothing
         and returns ``True`` (it was lost already; nothing can be written with it).
 
-        A release that raises has let go all the same, within a bound: where
+        A release that fails (raises an ``Exception``) has let go all the
+        same, within a bound: where
         leases expire (``leases_expire``), the lease lapses at most ``ttl``
         after its last renewal (its holder stopped renewing it); where they do
         not (held until released or the process ends), the store lets go of the

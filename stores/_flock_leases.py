@@ -560,7 +560,7 @@ class FlockLeases:
                 handoff.done, handoff.result = True, result
                 abandoned = handoff.abandoned
             if abandoned:
-                undo(result)  # the caller left while this ran
+                _undo_quietly(undo, result)  # the caller left while this ran
             return result
 
         try:
@@ -570,7 +570,7 @@ class FlockLeases:
                 handoff.abandoned = True
                 finished, result = handoff.done, handoff.result
             if finished:  # it ran to its end, but its result never reached the caller
-                undo(result)  # type: ignore[arg-type]  # what handing_off() returned: a T
+                _undo_quietly(undo, result)  # type: ignore[arg-type]  # handing_off's: a T
             raise
 
     def _try_meta(self, work: Callable[[], T], session_id: str | None) -> T | _Busy:
@@ -760,6 +760,15 @@ class FlockLeaseMethods:
         (call it shielded to have the mark looked at).
         """
         return await self._open_leases().release(lease, unless_requested=unless_requested)
+
+
+def _undo_quietly(undo: Callable[[T], None], result: T) -> None:
+    """``undo(result)`` for a caller that is gone: a failure is logged (nobody is left to
+    raise it to; the caller's own exception must propagate)."""
+    try:
+        undo(result)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        _log.warning("lease_undo_failed", error_type=type(exc).__name__, detail=str(exc))
 
 
 def _encode(session_id: str) -> str:
