@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import anyio
 
-from . import _log
+from . import _log, _transient
 from ._codec import Batch
 from ._effects import Effect
 from ._errors import ConfigurationError, LeaseLostError, SessionBusyError, StoreClosedError
@@ -38,6 +38,7 @@ __all__ = [
     "Fence",
     "check_fenceable",
     "claim",
+    "claim_once",
     "has_leases",
     "hold",
     "leasing_store",
@@ -53,7 +54,10 @@ FIRST_POLL = 0.01
 """Seconds before the second claim while waiting; each pause doubles, up to ``poll``."""
 
 RELEASE_TIMEOUT = 10.0
-"""Seconds a release may take (shielded) before it is abandoned to the lease's expiry."""
+"""Seconds a release may take (shielded, its attempts together) before it is abandoned."""
+
+RELEASE_ATTEMPTS = 3
+"""How many times a release that failed with a transient error is tried in all."""
 
 
 class Fence:
@@ -95,6 +99,14 @@ async def claim(store: Leases, session_id: str, owner: str, policy: LeasePolicy)
       holder may have let go meanwhile); ``None`` if it is still held. The
       holder runs the turn before it releases, or, if it dies, whoever claims next.
 
+    A claim that took effect is never lost between the store and the caller:
+    each store call is shielded from cancel scopes (a cancel lands after it
+    returned, where the caller's ``try`` releases the lease), and when anything
+    but an ``Exception`` escapes it all the same (``KeyboardInterrupt``,
+    asyncio's own ``task.cancel()``), the lease it may have taken is found by
+    ``owner`` and released before that propagates (see :func:`claim_once`).
+    The caller must only enter its ``try`` without a checkpoint in between.
+
     Raises:
         SessionNotFoundError: no such session.
         SessionBusyError: see above.
@@ -102,7 +114,7 @@ async def claim(store: Leases, session_id: str, owner: str, policy: LeasePolicy)
     pause = FIRST_POLL
     deadline = None if policy.wait_timeout is None else anyio.current_time() + policy.wait_timeout
     while True:
-        got = await store.claim(session_id, owner, policy.ttl)
+        got = await claim_once(store, session_id, owner, policy.ttl)
         if isinstance(got, Lease):
             return got
         holder: LeaseHolder = got
@@ -110,7 +122,7 @@ async def claim(store: Leases, session_id: str, owner: str, policy: LeasePolicy)
             raise SessionBusyError(session_id, holder.owner, holder.expires_in)
         if policy.busy == "queue":
             await store.request_run(session_id)
-            again = await store.claim(session_id, owner, policy.ttl)
+            again = await claim_once(store, session_id, owner, policy.ttl)
             return again if isinstance(again, Lease) else None
         now = anyio.current_time()
         if deadline is not None and now >= deadline:
@@ -118,6 +130,51 @@ async def claim(store: Leases, session_id: str, owner: str, policy: LeasePolicy)
         wake = now + pause if deadline is None else min(now + pause, deadline)
         await anyio.sleep_until(wake)
         pause = min(pause * 2, policy.poll)
+
+
+async def claim_once(store: Leases, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
+    """``store.claim(session_id, owner, ttl)``, guarded so that no lease it took is lost.
+
+    The call is shielded from cancel scopes. When a ``BaseException`` that is
+    not an ``Exception`` escapes it (``KeyboardInterrupt``, ``SystemExit``,
+    asyncio's native cancellation, which no shield stops), the claim may have
+    taken effect without its answer arriving: the session is claimed again
+    with the same ``owner`` (shielded, bounded). A :class:`Lease` (it was free)
+    or a :class:`LeaseHolder` naming ``owner`` with its epoch (the claim that
+    took effect: one owner string per run) is released, its pending-run mark
+    set again first (a claim cut short hands back the turn it may have taken;
+    at worst the session is marked as having work it had not); then the
+    exception propagates. An ``Exception`` from the claim propagates as it is
+    (a store raises before its claim took effect, or its lease lapses).
+    """
+    try:
+        with anyio.CancelScope(shield=True):
+            got = await store.claim(session_id, owner, ttl)
+    except Exception:
+        raise
+    except BaseException:
+        await _undo_claim(store, session_id, owner, ttl)
+        raise
+    return got
+
+
+async def _undo_claim(store: Leases, session_id: str, owner: str, ttl: float) -> None:
+    """Release the lease ``owner`` may hold on ``session_id`` (see :func:`claim_once`)."""
+
+    async def undo() -> None:
+        got = await store.claim(session_id, owner, ttl)
+        if isinstance(got, Lease):
+            lease = got
+        elif got.owner == owner and got.epoch is not None:
+            lease = Lease(session_id, owner, got.epoch, ttl)
+        else:
+            return  # another runner holds it (or the store does not say): nothing of ours
+        try:
+            await store.request_run(session_id)
+        finally:
+            await store.release(lease, unless_requested=False)
+
+    await _quietly("lease_claim_undo_failed", session_id, undo)
 
 
 async def hold(
@@ -218,14 +275,25 @@ async def _renew(fence: Fence, every: float, work: anyio.CancelScope) -> None:
 async def release(store: Leases, lease: Lease, *, unless_requested: bool) -> bool:
     """``store.release(...)``, shielded and bounded; ``True`` when let go.
 
-    Errors are logged, not raised: what the run wrote is stored either way, and
-    a lease that was not released lapses (PostgreSQL, memory) or goes with the
-    process (the lock-file stores). So a failed release counts as released.
+    A release that fails with a transient error (``_transient.is_transient``:
+    an ``OSError``, a lost connection) is tried again after a short backoff
+    (0.1-0.2 s, then 0.2-0.4 s), :data:`RELEASE_ATTEMPTS` attempts in all,
+    within :data:`RELEASE_TIMEOUT` seconds together. Each failure is logged
+    (``lease_release_failed``), none is raised: what the run wrote is stored
+    either way. A release that still failed counts as released, which the
+    :class:`~stepmachine.Leases` protocol makes true within a bound: a lease
+    that expires lapses at most its ``ttl`` after its last renewal (nobody
+    renews it any more), and a store whose leases do not expire lets go of
+    the lease on the holder's side before its release raises (the lock-file
+    stores close the lock whatever else failed). So a live process never keeps
+    a session busy for good because one release failed. (A pending-run mark
+    such a release did not take stays set: the next claimer runs that turn.)
     """
     released = await _quietly(
         "lease_release_failed",
-        lease,
+        lease.session_id,
         lambda: store.release(lease, unless_requested=unless_requested),
+        attempts=RELEASE_ATTEMPTS,
     )
     return True if released is None else released
 
@@ -235,25 +303,37 @@ async def request_again(store: Leases, lease: Lease) -> None:
     took and did not finish goes back to whoever claims next). Errors are logged."""
     await _quietly(
         "lease_request_again_failed",
-        lease,
+        lease.session_id,
         lambda: store.request_run(lease.session_id),
+        attempts=RELEASE_ATTEMPTS,
     )
 
 
-async def _quietly(failure: str, lease: Lease, work: Callable[[], Awaitable[T]]) -> T | None:
-    """``await work()`` shielded, for at most :data:`RELEASE_TIMEOUT` seconds; ``None`` when
-    it timed out or raised (logged as ``failure``: the run's own outcome must propagate)."""
+async def _quietly(
+    failure: str, session_id: str, work: Callable[[], Awaitable[T]], *, attempts: int = 1
+) -> T | None:
+    """``await work()`` shielded, for at most :data:`RELEASE_TIMEOUT` seconds, tried up to
+    ``attempts`` times while it fails with a transient error (:func:`_transient.backoff`
+    between); ``None`` when it timed out or failed (each failure logged as ``failure``:
+    the run's own outcome must propagate)."""
     with anyio.move_on_after(RELEASE_TIMEOUT, shield=True):
-        try:
-            return await work()
-        except Exception as exc:  # noqa: BLE001 - see the docstring
-            _log.event(
-                _log.WARNING,
-                failure,
-                session_id=lease.session_id,
-                error_type=type(exc).__name__,
-                detail=str(exc),
-            )
+        for attempt in range(1, attempts + 1):
+            try:
+                return await work()
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                again = attempt < attempts and _transient.is_transient(exc)
+                _log.event(
+                    _log.WARNING,
+                    failure,
+                    session_id=session_id,
+                    error_type=type(exc).__name__,
+                    detail=str(exc),
+                    attempt=attempt,
+                    will_retry=again,
+                )
+                if not again:
+                    break
+            await anyio.sleep(_transient.backoff(attempt))
     return None
 
 

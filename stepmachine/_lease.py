@@ -104,10 +104,15 @@ class LeaseHolder(msgspec.Struct, frozen=True):
         owner: the holder's owner string.
         expires_in: seconds until the lease expires without a renewal, or
             ``None`` where leases do not expire (an operating-system lock).
+        epoch: the epoch of the holder's lease, or ``None`` where the store
+            does not say. With the owner it names the lease, so a runner whose
+            own claim was cut short (the claim took effect, its answer never
+            arrived) can tell the lease is its own and let go of it.
     """
 
     owner: str
     expires_in: float | None = None
+    epoch: int | None = None
 
 
 @runtime_checkable
@@ -119,6 +124,17 @@ class Leases(Protocol):
     :class:`~stepmachine.StoreClosedError` after ``aclose``. The
     behaviour each promises is checked by
     :class:`stepmachine.testing.leases.LeaseConformance`.
+
+    No lease is kept for a runner that no longer knows of it:
+
+    - a release that fails still lets go, within a bound: at once where
+      leases do not expire (the store drops the lease on the holder's side
+      before it raises), at most ``ttl`` after the last renewal where they do
+      (see :meth:`release`);
+    - a claim that took effect but whose answer never reached the caller (a
+      cancel, ``KeyboardInterrupt``) is found by the caller, by its owner
+      string and the ``epoch`` that a refused claim names
+      (:class:`LeaseHolder`), and released (see :meth:`claim`).
     """
 
     leases_expire: bool
@@ -132,7 +148,28 @@ class Leases(Protocol):
         Succeeds when nobody holds the session or the holder's lease expired;
         then the epoch grows and the session's pending-run mark is taken. A claim
         by the current holder's own ``owner`` string is *not* a renewal: it gets
-        :class:`LeaseHolder` like any other (one owner string per run).
+        :class:`LeaseHolder` like any other (one owner string per run), with the
+        holder's ``epoch``.
+
+        A claim cut short. A cancel, a ``KeyboardInterrupt`` or an error can
+        reach the caller after the claim took effect (a store that commits,
+        then checkpoints; a wrapper around the store; asyncio's own
+        ``task.cancel()``, which no anyio shield stops). The store need not
+        guard against that: the *caller* does. ``run()`` (and a durable cycle)
+        make the store call shielded from cancel scopes and, when anything but
+        an ``Exception`` escapes it, ask again with the same owner string: a
+        :class:`LeaseHolder` naming that owner (owner strings are one per run)
+        and its ``epoch`` is the claim that took effect, and it is released
+        (its pending-run mark set again: the turn it may have taken goes back
+        to whoever claims next). So a store must give the holder's ``epoch``
+        in :class:`LeaseHolder`; one that does not leaves such a lease to lapse
+        at its ttl, or, if its leases do not expire, held until the process ends.
+        A store whose call can outlive its caller (a worker thread that goes on
+        after a native cancel) lets go itself of a lease it took for a caller
+        that is gone (the lock-file stores do), or lets it lapse at its ttl
+        (PostgreSQL's, whose leases expire). A claim that raises an
+        ``Exception`` must have taken nothing, or, where leases expire, lets
+        its lease lapse at its ttl (a commit whose answer was lost).
         """
         ...
 
@@ -168,6 +205,18 @@ class Leases(Protocol):
         the lease kept (``False``): the holder runs the requested turn, then
         releases again. Releasing a lease that is no longer current does nothing
         and returns ``True`` (it was lost already; nothing can be written with it).
+
+        A release that fails (raises an ``Exception``) has let go all the
+        same, within a bound: where
+        leases expire (``leases_expire``), the lease lapses at most ``ttl``
+        after its last renewal (its holder stopped renewing it); where they do
+        not (held until released or the process ends), the store lets go of the
+        lease on the holder's side before it raises (the lock-file stores close
+        the lock whatever else failed; the memory store's release cannot fail
+        but when it is closed, which released everything). So a live holder
+        whose release failed never keeps its session busy for good.
+        ``run()`` tries a release that failed with a transient error again
+        (three attempts in all, a short backoff between) before it relies on that.
         """
         ...
 

@@ -95,10 +95,12 @@ runs, and releases it when the step ends. A stale runner's write is refused
 (:class:`~stepmachine.LeaseLostError`; the cycle is tried again, waiting for
 the lease, and decides from what the other runner stored),
 and a waiting one sees the first one's results instead of reading its
-in-flight calls as crashed. ``StateMachine(lease=None)`` turns this off. A cycle
-releases its lease plainly: a turn a ``run(..., lease=LeasePolicy(busy="queue"))``
-queued meanwhile stays marked for ``stepmachine.serve`` workers (or the next
-durable turn enqueued for the session); a durable worker alone does not run it.
+in-flight calls as crashed. ``StateMachine(lease=None)`` turns this off. A turn
+a ``run(..., lease=LeasePolicy(busy="queue"))`` queued while a cycle held the
+lease is run by the durable turn: the cycle's release takes the pending-run
+mark and the turn goes on for another cycle (on its last allowed cycle, the
+mark is set again for the next claimer: a ``stepmachine.serve`` worker, or the
+next durable turn enqueued for the session).
 Writes that are not a runner's (``submit()``: user messages, approvals) are
 compare-and-set only, and a cycle that loses such a race reloads.
 
@@ -156,7 +158,7 @@ from . import _log, _transient
 from ._cycle import Driver
 from ._emitter import EventSink, NullEmitter
 from ._errors import ConfigurationError, ConflictError
-from ._hold import claim, hold, leasing_store, release, renew_interval
+from ._hold import claim, hold, leasing_store, release, renew_interval, request_again
 from ._lease import new_owner
 from ._machine import DEFAULT_MAX_CYCLES, StateMachine
 from ._outcomes import StepResult
@@ -393,6 +395,13 @@ class DurableMachine:
         When the store has leases (and the machine a lease policy), the cycle
         holds the session's lease, waiting for it as ``LeasePolicy(busy="wait")``
         does, and writes fenced by it; it releases the lease when the step ends.
+        A turn requested while it held the lease (``run(busy="queue")``, or
+        ``request_run``) is not left to others: the release takes the
+        pending-run mark and the cycle reports ``"continue"``, so the turn runs
+        another cycle, which decides from the stored session (it answers what
+        was queued); on the turn's last allowed cycle the mark is set again for
+        the next claimer instead. A cycle that raises releases plainly (a mark
+        stays set).
 
         Raises:
             LeaseLostError: the lease was lost during the cycle (another runner
@@ -410,7 +419,7 @@ class DurableMachine:
         lease = await claim(leases, session_id, new_owner(), waiting)
         assert lease is not None
         try:
-            return await hold(
+            summary = await hold(
                 leases,
                 lease,
                 lambda fence: self._cycle_in(
@@ -418,8 +427,21 @@ class DurableMachine:
                 ),
                 renew_every=renew_interval(lease),
             )
+        except BaseException:
+            await release(leases, lease, unless_requested=False)  # a requested turn stays marked
+            raise
+        if await release(leases, lease, unless_requested=True):
+            return summary
+        # A turn was requested while this cycle held the session (a run(busy="queue")
+        # was told the holder runs it): the mark is taken, so this turn runs it.
+        try:
+            if number < self.max_cycles:
+                summary = {**summary, "status": "continue", "reason": ""}  # one more cycle
+            else:  # this turn has no cycle left: the next claimer runs it
+                await request_again(leases, lease)
         finally:
             await release(leases, lease, unless_requested=False)
+        return summary
 
     async def _cycle_in(
         self, runtime: Runtime, session_id: str, number: int, start: int

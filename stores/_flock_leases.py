@@ -15,7 +15,7 @@ store instances, the files on a local filesystem):
   descriptors with the child: the lock is then released only when both are gone.
 - ``claim`` gives the next epoch of the session (the last one plus one) and
   records it with the new owner in the lock file itself, so a failed claim
-  reads who holds the session (``LeaseHolder(owner, None)``). The counter
+  reads who holds the session (``LeaseHolder(owner, None, epoch)``). The counter
   survives the death of any process; it keeps growing for the id even across
   ``delete`` (lock files are never removed). An owner string must fit that
   record (4 KiB with the session id; a longer one raises ``ValueError``).
@@ -80,9 +80,21 @@ could be locked while the old one still is.
 
 Every file operation runs in an anyio worker thread, on asyncio and trio. The
 meta lock is tried without blocking; while another process holds it (for a
-few system calls), the task sleeps (cancellably) and tries again. On a platform
-without ``fcntl`` (Windows) every lease operation raises
-:class:`~stepmachine.ConfigurationError`.
+few system calls), the task sleeps (cancellably) and tries again, but never
+without bound: a process stopped inside it (``SIGSTOP``, ``docker pause``, a
+debugger) must not hang every other process's lease calls. A claim answers
+at once that a session this instance holds is busy, and otherwise after
+:data:`CLAIM_META_WAIT` (1 s, or its ttl if shorter) that the session is busy,
+holder unknown (``busy="fail"`` fails, ``busy="wait"`` tries again within its
+``wait_timeout``); a release lets go of its lock without the meta lock after
+:data:`META_WAIT` (5 s, or the lease's ttl if shorter), leaving a mark set
+meanwhile for the next claimer; ``request_run`` and ``claim_next`` raise
+:class:`TimeoutError` (transient: ``serve()`` tries again) after
+:data:`META_WAIT`, nothing done. A worker thread whose caller is gone
+(asyncio's native ``task.cancel()`` is not stopped by a shield) undoes a claim
+it made (the lock let go, a mark it took made again) and gives back a mark
+that a release took. On a platform without ``fcntl`` (Windows) every lease
+operation raises :class:`~stepmachine.ConfigurationError`.
 """
 
 from __future__ import annotations
@@ -153,6 +165,7 @@ class _Held:
     lease: Lease
     fd: int
     guard: threading.Lock
+    took_mark: bool = False  # the claim took the pending-run mark (given back if undone)
 
 
 class _Busy:
@@ -160,6 +173,29 @@ class _Busy:
 
 
 _BUSY = _Busy()
+
+
+META_WAIT = 5.0
+"""Seconds a lease call waits at most for the store-wide meta lock (or the lease's ttl,
+if shorter); see :meth:`FlockLeases._meta` for what each call does then."""
+
+CLAIM_META_WAIT = 1.0
+"""Seconds a claim waits at most for the meta lock (or its ttl, if shorter) before it
+answers that the session is busy."""
+
+
+class _Handoff:
+    """Between a call into the worker thread and its caller, which may be gone (asyncio's
+    native cancel is not stopped by the hop's shield): whoever learns last that the other
+    side is done undoes the work's effect, so a lease is never taken for nobody."""
+
+    __slots__ = ("abandoned", "done", "lock", "result")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done = False
+        self.abandoned = False
+        self.result: object = None
 
 
 class Hop(Protocol):
@@ -196,9 +232,29 @@ class FlockLeases:
     # -- the Leases operations -------------------------------------------------------
 
     async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
-        """The new lease (next epoch, the mark taken), or who holds the session."""
+        """The new lease (next epoch, the mark taken), or who holds the session.
+
+        While the meta lock is taken by another process: a session this
+        instance holds is busy at once; otherwise the claim waits for the lock
+        at most :data:`CLAIM_META_WAIT` seconds (or ``ttl``, if shorter), then
+        answers busy, its holder unknown (``LeaseHolder("(unknown: ...)")``):
+        ``busy="fail"`` fails, ``busy="wait"`` tries again within its
+        ``wait_timeout``.
+        """
         check_claim(owner, ttl)
-        return await self._meta(lambda: self._claim(session_id, owner, ttl), session_id)
+        wait = min(CLAIM_META_WAIT, ttl)
+        return await self._meta(
+            lambda: self._claim(session_id, owner, ttl),
+            session_id,
+            wait=wait,
+            busy=lambda: self._held_here(session_id),
+            timed_out=lambda: LeaseHolder(
+                f"(unknown: another process has held the lease lock {self._meta_path()} "
+                f"for over {wait:g} s)",
+                None,
+            ),
+            undo=self._undo_claim,
+        )
 
     async def claim_next(self, owner: str, ttl: float) -> Lease | None:
         """Claim the first session (by id) with a mark and no holder, or ``None``.
@@ -207,11 +263,15 @@ class FlockLeases:
         one is tried.
         """
         check_claim(owner, ttl)
-        return await self._meta(lambda: self._claim_marked(owner, ttl))
+        return await self._meta(
+            lambda: self._claim_marked(owner, ttl),
+            wait=min(META_WAIT, ttl),
+            undo=self._undo_claim,
+        )
 
     async def request_run(self, session_id: str) -> None:
         """Set the session's pending-run mark (an empty file, made under the meta lock)."""
-        await self._meta(lambda: self._mark(session_id), session_id)
+        await self._meta(lambda: self._mark(session_id), session_id, wait=META_WAIT)
 
     async def renew(self, lease: Lease) -> Lease:
         """``lease`` itself while this instance holds it; no file is touched.
@@ -228,8 +288,27 @@ class FlockLeases:
     async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:
         """Unlock ``lease`` (``True``), or, with ``unless_requested`` and a mark set,
         take the mark and keep the lease (``False``). A lease this instance does
-        not hold: ``True``, nothing done."""
-        return await self._meta(lambda: self._release(lease, unless_requested))
+        not hold: ``True``, nothing done.
+
+        Never leaves the lease held when it cannot do its work: if the meta
+        lock stays taken by another process for :data:`META_WAIT` seconds (or
+        the lease's ttl, if shorter), the lock is let go without it and without
+        looking at the mark (logged, ``lease_release_without_meta_lock``;
+        ``True``: a mark set meanwhile stays for the next claimer); and if the
+        release raises (or its caller is cancelled while it runs), the lease is
+        let go in this instance before that propagates.
+        """
+        try:
+            return await self._meta(
+                lambda: self._release(lease, unless_requested),
+                wait=min(META_WAIT, lease.ttl) if lease.ttl > 0 else META_WAIT,
+                timed_out=lambda: self._release_without_meta(lease),
+                undo=lambda released: self._undo_release(lease, released),
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):  # the first error is the one to see
+                self._drop(lease)
+            raise
 
     async def forget(self, session_id: str) -> None:
         """The session was deleted: drop its mark. Its lease files stay (module docstring)."""
@@ -273,10 +352,9 @@ class FlockLeases:
     # -- under the meta lock (worker thread) -------------------------------------------
 
     def _claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
-        with self._table:
-            held = self._held.get(session_id)
-        if held is not None:  # held by this instance (the same owner string included)
-            return LeaseHolder(held.lease.owner, None)
+        held_here = self._held_here(session_id)
+        if held_here is not None:  # held by this instance (the same owner string included)
+            return held_here
         path = self._lock_path(session_id)
         fd = open_regular(
             path, os.O_RDWR | os.O_CREAT, f"the lease lock of session {session_id!r}", fix=_FIX_LOCK
@@ -286,7 +364,9 @@ class FlockLeases:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 last = _read_record(fd, path, session_id)
-                return LeaseHolder(last.owner if last else "(unknown)", None)
+                if last is None:
+                    return LeaseHolder("(unknown)", None)
+                return LeaseHolder(last.owner, None, last.epoch)
             self._refuse_if_closed()
             last = _read_record(fd, path, session_id)
             lease = Lease(session_id, owner, (last.epoch if last else 0) + 1, ttl)
@@ -294,10 +374,10 @@ class FlockLeases:
                 _check_mark(mark)  # before the record: a refused claim changes nothing
             _write_record(fd, path, _Record(session_id, lease.epoch, owner))
             _touch(self._held_path(session_id))  # first: a claim cut short leaves work behind
-            _remove(self._run_path(session_id))  # the claimer runs the requested turn
+            took_mark = _remove(self._run_path(session_id))  # the claimer runs the turn
             with self._table:
                 self._refuse_if_closed()
-                self._held[session_id] = _Held(lease, fd, threading.Lock())
+                self._held[session_id] = _Held(lease, fd, threading.Lock(), took_mark)
                 fd = -1  # kept open by the table: the lease
         finally:
             if fd >= 0:
@@ -357,6 +437,47 @@ class FlockLeases:
     def _mark(self, session_id: str) -> None:
         _touch(self._run_path(session_id))
 
+    def _held_here(self, session_id: str) -> LeaseHolder | None:
+        """Who holds ``session_id`` in this instance, or ``None`` (no file is touched)."""
+        with self._table:
+            held = self._held.get(session_id)
+        if held is None:
+            return None
+        return LeaseHolder(held.lease.owner, None, held.lease.epoch)
+
+    def _undo_claim(self, claimed: Lease | LeaseHolder | None) -> None:
+        """Let go of a lease claimed for a caller that is gone, giving back the mark it took.
+
+        The mark is made first, while the lock still keeps every other claimer out.
+        """
+        if not isinstance(claimed, Lease):
+            return
+        held = self._holds(claimed)
+        if held is None:
+            return
+        try:
+            if held.took_mark:
+                _touch(self._run_path(claimed.session_id))
+        finally:
+            self._drop(claimed)
+
+    def _undo_release(self, lease: Lease, released: bool) -> None:
+        """A release that took the mark (``False``) for a caller that is gone gives it back."""
+        if not released and self._holds(lease) is not None:
+            _touch(self._run_path(lease.session_id))
+
+    def _release_without_meta(self, lease: Lease) -> bool:
+        """Let go of ``lease`` without the meta lock, which another process does not let go."""
+        _log.warning(
+            "lease_release_without_meta_lock",
+            session_id=lease.session_id,
+            detail=f"another process has held {self._meta_path()} too long; the lease was let "
+            "go without looking at the pending-run mark (a turn requested meanwhile stays "
+            "marked for the next claimer)",
+        )
+        self._drop(lease)
+        return True
+
     def _release(self, lease: Lease, unless_requested: bool) -> bool:
         held = self._holds(lease) is not None
         if unless_requested and held and _unmark(self._run_path(lease.session_id)):
@@ -366,24 +487,91 @@ class FlockLeases:
 
     # -- plumbing --------------------------------------------------------------------
 
-    async def _meta(self, work: Callable[[], T], session_id: str | None = None) -> T:
+    async def _meta(
+        self,
+        work: Callable[[], T],
+        session_id: str | None = None,
+        *,
+        wait: float = META_WAIT,
+        busy: Callable[[], T | None] | None = None,
+        timed_out: Callable[[], T] | None = None,
+        undo: Callable[[T], None] | None = None,
+    ) -> T:
         """Run ``work()`` in the store's worker thread holding the meta lock,
         after checking that ``session_id`` (if given) exists.
 
+        The meta lock is tried without blocking, again and again (pauses from
+        0.5 ms doubling to 20 ms), for at most ``wait`` seconds: it is never
+        waited for without bound, so a process stopped inside it (``SIGSTOP``,
+        ``docker pause``, a debugger) cannot hang the lease calls of others.
+        While it is taken, ``busy()`` may answer instead (not ``None``). When
+        ``wait`` passed: ``timed_out()``, or without it a :class:`TimeoutError`
+        (an ``OSError``: transient, so ``serve()`` and durable cycles try again).
+
         Cancellation: a cancel while waiting for the meta lock does nothing;
         once ``work`` runs it finishes and its result is returned, the cancel
-        landing at the caller's next checkpoint.
+        landing at the caller's next checkpoint. If the caller is gone all the
+        same (asyncio's native cancel does not stop at the hop's shield),
+        ``undo(result)`` is called once ``work`` has finished, in whichever
+        thread learns last, so that no lease is kept for a caller that is gone.
         """
         self._require_flock()
         if session_id is not None:
             validate_session_id(session_id)
+        deadline = anyio.current_time() + wait
         delay = 0.0005
         while True:
-            result = await self._hop(lambda: self._try_meta(work, session_id))
+            result = await self._attempt(work, session_id, undo)
             if not isinstance(result, _Busy):
                 return result
-            await anyio.sleep(delay)
+            if busy is not None:
+                answer = busy()
+                if answer is not None:
+                    return answer
+            now = anyio.current_time()
+            if now >= deadline:
+                if timed_out is not None:
+                    return timed_out()
+                raise TimeoutError(
+                    f"another process has held the lease lock {self._meta_path()} of "
+                    f"{self._name} for over {wait:g} s, so nothing was done; a process stopped "
+                    "inside it (SIGSTOP, `docker pause`, a debugger) holds up every lease call "
+                    "of every process using the store: resume or end it, then try again"
+                )
+            await anyio.sleep(min(delay, deadline - now))
             delay = min(delay * 2, 0.02)
+
+    async def _attempt(
+        self, work: Callable[[], T], session_id: str | None, undo: Callable[[T], None] | None
+    ) -> T | _Busy:
+        """One try of the meta lock in the worker thread; ``work()``'s result, or ``_BUSY``.
+
+        With ``undo``: a result whose caller is gone is undone (see :meth:`_meta`),
+        by the worker thread still holding the meta lock when the caller left
+        first, so no other lease call sees the work before it is undone.
+        """
+        if undo is None:
+            return await self._hop(lambda: self._try_meta(work, session_id))
+        handoff = _Handoff()
+
+        def handing_off() -> T:
+            result = work()
+            with handoff.lock:
+                handoff.done, handoff.result = True, result
+                abandoned = handoff.abandoned
+            if abandoned:
+                _undo_quietly(undo, result)  # the caller left while this ran
+            return result
+
+        try:
+            return await self._hop(lambda: self._try_meta(handing_off, session_id))
+        except BaseException:
+            with handoff.lock:
+                handoff.abandoned = True
+                finished, result = handoff.done, handoff.result
+            if finished:  # it ran to its end, but its result never reached the caller
+                _undo_quietly(undo, result)  # type: ignore[arg-type]  # handing_off's: a T
+            raise
 
     def _try_meta(self, work: Callable[[], T], session_id: str | None) -> T | _Busy:
         if session_id is not None:
@@ -402,7 +590,7 @@ class FlockLeases:
                     )
             self._made = True
         fd = open_regular(
-            os.path.join(self.folder, "meta.lock"),
+            self._meta_path(),
             os.O_RDWR | os.O_CREAT,
             f"the lock of the leases of {self._name}",
             fix=_FIX_META,
@@ -466,6 +654,9 @@ class FlockLeases:
                 f"platform (sys.platform={sys.platform!r}) does not have"
             )
 
+    def _meta_path(self) -> str:
+        return os.path.join(self.folder, "meta.lock")
+
     def _lock_path(self, session_id: str) -> str:
         return os.path.join(self.folder, "sessions", _encode(session_id) + ".lock")
 
@@ -500,7 +691,9 @@ class FlockLeaseMethods:
         kept in the lease but nothing expires. Its epoch is one more than the
         session's last claim, and the pending-run mark is taken. A session held
         by anyone (this instance and the same ``owner`` included) gives
-        ``LeaseHolder(owner, expires_in=None)``.
+        ``LeaseHolder(owner, expires_in=None, epoch=epoch)``; while another
+        process keeps the store-wide lock (stopped inside it) for over 1 s,
+        ``LeaseHolder("(unknown: ...)")``.
 
         Raises:
             InvalidSessionIdError: the id is not safe.
@@ -513,7 +706,8 @@ class FlockLeaseMethods:
         Cancellation: a cancel while waiting for the store-wide lock claims
         nothing; once the claim runs, the lease is returned and the cancel
         lands at the caller's next checkpoint (release it in a shielded
-        ``finally``).
+        ``finally``). A caller that is gone all the same (asyncio's native
+        cancel) leaves no lease: the worker thread lets go of it.
         """
         return await self._open_leases().claim(session_id, owner, ttl)
 
@@ -553,13 +747,28 @@ class FlockLeaseMethods:
         :meth:`request_run` that returned is never lost. A lease this instance
         does not hold: ``True``, nothing done.
 
+        It never raises with the lease still held: a release that fails (or
+        is cancelled) lets go of the lock in this instance first, and one
+        that cannot get the store-wide lock within 5 s (or the lease's ttl)
+        lets go without it, leaving a mark set meanwhile for the next claimer.
+
         Raises:
             StoreClosedError: the store is closed (its leases were released).
 
-        Cancellation: a cancel while waiting for the store-wide lock releases
-        nothing (call it shielded); once it runs, it finishes.
+        Cancellation: once it runs, it finishes; a cancel while it waits for
+        the store-wide lock lets go of the lease without looking at the mark
+        (call it shielded to have the mark looked at).
         """
         return await self._open_leases().release(lease, unless_requested=unless_requested)
+
+
+def _undo_quietly(undo: Callable[[T], None], result: T) -> None:
+    """``undo(result)`` for a caller that is gone: a failure is logged (nobody is left to
+    raise it to; the caller's own exception must propagate)."""
+    try:
+        undo(result)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        _log.warning("lease_undo_failed", error_type=type(exc).__name__, detail=str(exc))
 
 
 def _encode(session_id: str) -> str:

@@ -46,7 +46,7 @@ class MemoryLeases:
         if self._live(slot):
             assert slot.owner is not None
             left = max(0.0, slot.expires_at - self._clock()) if self._expire else None
-            return LeaseHolder(slot.owner, left)
+            return LeaseHolder(slot.owner, left, slot.epoch)
         slot.epoch += 1
         slot.owner = owner
         slot.expires_at = self._clock() + ttl

@@ -129,9 +129,9 @@ def claim(
     params = {"session_id": session_id, "owner": owner, "ttl": float(ttl)}
     row = conn.execute(_CLAIM, params).fetchone()
     if row is None:
-        holder, _, live, seconds_left = _lease_of(conn, session_id)
+        holder, epoch, live, seconds_left = _lease_of(conn, session_id)
         if holder is not None and live:
-            return LeaseHolder(holder, max(0.0, float(seconds_left)))
+            return LeaseHolder(holder, max(0.0, float(seconds_left)), int(epoch))
         row = conn.execute(_CLAIM, params).fetchone()
         assert row is not None, "a free lease on a locked row was not claimed"
     return Lease(session_id, owner, int(row[0]), ttl)

@@ -97,7 +97,7 @@ async def test_two_instances_exclude_each_other(kind: str, tmp_path: Path) -> No
         session = await first.create("s")
         lease = await first.claim("s", "a", 30.0)
         assert isinstance(lease, Lease)
-        assert await second.claim("s", "b", 30.0) == LeaseHolder("a", None)
+        assert await second.claim("s", "b", 30.0) == LeaseHolder("a", None, lease.epoch)
         # fencing is per instance: the lease is not held by `second`
         with pytest.raises(LeaseLostError):
             await second.apply(_batch(session, "x"), lease=lease)
@@ -214,7 +214,7 @@ class _Model:
     def claim(self, session_id: str, ttl: float) -> Lease | LeaseHolder:
         slot = self.slots[session_id]
         if slot.holder is not None:
-            return LeaseHolder(slot.holder.owner, None)
+            return LeaseHolder(slot.holder.owner, None, slot.holder.epoch)
         self.owners += 1
         slot.epoch += 1
         slot.holder = Lease(session_id, f"o{self.owners}", slot.epoch, ttl)
@@ -416,7 +416,7 @@ async def test_a_sigkilled_holder_frees_the_session(store: Any, children: Any) -
     assert answer.startswith("lease "), answer
     child_epoch = int(answer.split()[1])
     assert await child.ask("request s") == "requested"  # left behind by the holder's death
-    assert await store.claim("s", "parent", 30.0) == LeaseHolder("child", None)
+    assert await store.claim("s", "parent", 30.0) == LeaseHolder("child", None, child_epoch)
     assert await store.claim_next("worker", 30.0) is None
 
     child.process.send_signal(signal.SIGKILL)
@@ -507,7 +507,7 @@ async def test_an_overlong_owner_is_refused(store: Any) -> None:
     long_owner = "é" * 256  # the longest owner, in two-byte characters: fits the record
     lease = await store.claim("s", long_owner, 30.0)
     assert isinstance(lease, Lease)
-    assert await store.claim("s", "b", 30.0) == LeaseHolder(long_owner, None)
+    assert await store.claim("s", "b", 30.0) == LeaseHolder(long_owner, None, lease.epoch)
 
 
 async def test_a_damaged_record_is_reported_not_reset(kind: str, tmp_path: Path) -> None:
@@ -537,7 +537,7 @@ async def test_a_shorter_record_overwrites_a_longer_one(store: Any) -> None:
     second = await store.claim("s", "b", 30.0)
     assert isinstance(second, Lease)
     assert second.epoch == first.epoch + 1
-    assert await store.claim("s", "c", 30.0) == LeaseHolder("b", None)
+    assert await store.claim("s", "c", 30.0) == LeaseHolder("b", None, second.epoch)
 
 
 async def test_where_the_lease_files_are(kind: str, tmp_path: Path) -> None:

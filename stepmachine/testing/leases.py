@@ -13,9 +13,11 @@ gets a codec and an empty folder and returns a fresh store (or an awaitable of
 one). What is checked, each in one process (a store's own tests add several
 processes): one holder at a time, epochs that grow, fencing (a write with a
 released or superseded lease is refused and writes nothing; an unleased write
-is not fenced), renewal, release of a stale lease, the pending-run mark
-(``request_run``, ``release(unless_requested=True)``, ``claim_next``), claims
-racing each other, and, for stores whose leases expire, takeover after expiry.
+is not fenced), renewal, release of a stale lease, a refused claim naming the
+holder's owner and epoch (how a runner whose claim was cut short finds and
+releases its own lease), the pending-run mark (``request_run``,
+``release(unless_requested=True)``, ``claim_next``), claims racing each other,
+and, for stores whose leases expire, takeover after expiry.
 
 This module imports pytest; import it from tests only.
 """
@@ -98,6 +100,20 @@ class LeaseConformance:
             assert 0 < busy.expires_in <= TTL
         again = await store.claim("s", "a", TTL)  # one owner string per run: no re-claim
         assert isinstance(again, LeaseHolder)
+
+    async def test_a_refused_claim_names_the_holders_epoch(self, store: Any) -> None:
+        """A runner whose claim was cut short finds its lease by owner and epoch, and
+        lets go of it: the caller's guard against a lease taken for nobody."""
+        await store.create("s")
+        lease = await self._claimed(store, "s", "a")
+        for owner in ("a", "b"):
+            busy = await store.claim("s", owner, TTL)
+            assert isinstance(busy, LeaseHolder)
+            assert (busy.owner, busy.epoch) == ("a", lease.epoch)
+        assert busy.epoch is not None
+        rebuilt = Lease("s", busy.owner, busy.epoch, TTL)
+        assert await store.release(rebuilt) is True
+        await self._claimed(store, "s", "b")  # that was the lease: the session is free
 
     async def test_unknown_session(self, store: Any) -> None:
         with pytest.raises(SessionNotFoundError):
