@@ -11,13 +11,30 @@ Which batches are replayed. Those a machine cycle wrote: ``cycle >= 1`` and
 a step other than ``stepmachine.finalize``. Batches written outside a machine
 (cycle 0: ``submit``, ``approve``/``deny``, ``resolve_unknown_outcome``) are
 history, not decisions: they are not replayed, and every later cycle starts
-from the session they left. A step that commits batches itself
+from the session they left. After a cancellation the interrupted step's
+finalize batch joins its cycle, so that cycle usually differs; the
+``stepmachine.finalize`` batch is not replayed.
+
+How batches are grouped into cycles. A step that commits batches itself
 (``ctx.commit``: the Tools step commits its intents, then one batch per
-result) writes several batches in one cycle: consecutive batches with the
-same cycle number and step, nothing from outside between them, are one
-cycle, replayed once from the session before the first of them. After a
-cancellation the interrupted step's finalize batch joins its cycle, so that
-cycle usually differs; the ``stepmachine.finalize`` batch is not replayed.
+result) writes several batches in one cycle. Consecutive machine batches with
+the same cycle number and step are one cycle, replayed once from the session
+before the first of them. Batches from outside a machine may land between
+them (a user message submitted while a tool runs: the step's next commit
+conflicts, and it reloads and commits again). Such a batch does not end the
+cycle when the machine batch after it only answers (a ``tool`` message) or
+annotates (a journal entry) tool calls that were open before it and that no
+batch from outside answered or annotated (an approval, a denial, an
+operator's decision) or replaced (``ReplaceConversation``): work on calls the
+step had taken up. Otherwise the machine batch begins a new cycle: two runs
+whose first cycle is the same step (a chat turn, ``submit``, the next turn)
+stay two. The outside batches of a cycle are applied to its sandbox where
+they landed: after as many of the step's batches as the stored cycle wrote
+before them, right before the step's next commit (which then conflicts, as
+the stored one did). This too is a reading of the log: a run that crashed
+inside such a cycle, and a new run whose first cycle is the same step
+answering the same open calls (after a ``submit`` that does not touch them),
+read as one cycle.
 
 Runs. Cycle numbers restart at 1 with each ``run()``. A machine batch that
 does not continue a cycle starts a new run when its cycle number is not above
@@ -37,7 +54,7 @@ that commits writes there, never to the store), and:
 - ``clock``: the stored timestamp of the batch the cycle is about to write
   (so approval expiry is judged at the moment it was);
 - ``ids``: the ids of the messages the stored cycle added, in order, then
-  fresh ``replay-<revision>-<n>`` ids;
+  fresh ``replay-<revision>-<n>`` ids (the replay notes which it returned);
 - ``tool_caller``: the stored result of the call (the first result recorded
   for its call id anywhere in the log), or, when none is stored, an error
   result saying so; that cycle then counts as a difference;
@@ -53,20 +70,37 @@ that commits writes there, never to the store), and:
 
 Comparing (``_replay_compare``). A cycle is the same when the same step
 applies and writes equal effects: the same number of batches, each with
-equal effects, leaving out what the runtime rather than a decision makes
-(the ids of appended messages, and clock readings a step records, which the
-log does not keep exactly). Batches a step commits itself are compared in
-order, or else as a set: concurrent tool calls finish, and commit, in any
-order. Which steps refused before the deciding one is reported
-(``stored_refused``, ``new_refused``) but does not decide ``same``: a
-reordered list that decides the same way behaves the same. A cycle where no
-step applies, or where the deciding step writes nothing (a yield without
-effects), has ``new_step=None``. A step that raises makes its cycle a
-difference naming the exception; the replay goes on with the next cycle.
+equal effects, leaving out what the runtime rather than a decision makes:
+
+- the part of an appended message's id the id source made: the whole id
+  when the step used an id from ``ctx.new_id()`` as it is; only that part
+  when the step put its own prefix or suffix around it (which is compared).
+  An id the step chose itself (``Message.user(..., id="event:1")``) is its
+  decision and is compared whole;
+- a Tools journal entry's idempotency key when it is the key the runtime
+  makes for the call (:func:`~stepmachine.idempotency_key`, from the session
+  id): the new key must be the key of the call in the replayed session. A
+  fork's copied batches carry the keys made for its source's id, and the
+  fork does not record its source: so before the first batch of the log
+  whose keys were made for this session's id, a stored key is left out
+  whatever it is;
+- clock readings a step records, which the log does not keep exactly.
+
+Batches a step commits itself are compared in order, or else as a set:
+concurrent tool calls finish, and commit, in any order. Everything else is
+compared: ids of messages referred to (``Annotate``), tool results, notes,
+the effects' order within a batch. Which steps refused before the deciding
+one is reported (``stored_refused``, ``new_refused``) but does not decide
+``same``: a reordered list that decides the same way behaves the same. A
+cycle where no step applies, or where the deciding step writes nothing (a
+yield without effects), has ``new_step=None``. A step that raises makes its
+cycle a difference naming the exception; the replay goes on with the next
+cycle.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -81,12 +115,13 @@ from ._machine import Decision, StateMachine
 from ._messages import Message, ToolResultPart
 from ._model import Model, ModelResponse
 from ._records import TAG_FIELD, read_record
-from ._replay_compare import Readings, first_change, same_batches
+from ._replay_compare import RuntimeMade, first_change, journal_key, same_batches
 from ._replay_sandbox import Sandbox
 from ._runtime import Runtime
 from ._session import Session
 from ._steps import Continue, Yield
 from ._store import Store
+from ._tools import idempotency_key
 
 _Recorded: TypeAlias = "ToolResultPart | Message"
 """A recorded result: the part, or (when it carries media) the tool message holding both."""
@@ -218,6 +253,10 @@ class _StoredCycle:
     run_start: int
     batches: list[Batch[Effect]] = field(default_factory=list)
     went_on: bool | None = None  # the run had another cycle; None: cancelled, not known
+    # Batches from outside a machine that landed inside the cycle, each with how
+    # many of the cycle's batches were written before it.
+    landed: list[tuple[int, Batch[Effect]]] = field(default_factory=list)
+    copied: bool = False  # its journal keys may be a fork source's (see _replay_compare)
 
     @property
     def decided(self) -> tuple[int, str]:
@@ -239,17 +278,32 @@ async def _stored_cycles(
         return cycles
     session: Session[Any] = await store.load_at(session_id, log[0].revision - 1)
     current: _StoredCycle | None = None  # the cycle the next batch may continue
+    outside: list[Batch[Effect]] = []  # batches from outside a machine since its last batch
+    paused: Session[Any] = session  # the session after the current cycle's last batch
     last_cycle: int | None = None  # the number of the run's last cycle
     run_start = 0
+    own_keys = math.inf  # the first revision with a journal key made for ``session_id``
     stamp = float("-inf")  # the timestamp of the batch before ``batch``
     for batch in log:
         if batch.revision != session.revision + 1:  # a gap in the log: load what it skipped
             session = await store.load_at(session_id, batch.revision - 1)
         before, session = session, apply_batch(session, batch.effects)
         previous, stamp = stamp, batch.timestamp
-        if batch.cycle < 1 or batch.step == FINALIZE_STEP:  # outside a machine, or finalize
+        if own_keys == math.inf and _makes_own_key(batch, session_id):
+            own_keys = batch.revision
+        if batch.step == FINALIZE_STEP:
             current = None
-        elif current is not None and (batch.cycle, batch.step) == current.decided:
+            continue
+        if batch.cycle < 1:  # from outside a machine: it may have landed inside the cycle
+            if current is not None:
+                outside.append(batch)
+            continue
+        if (
+            current is not None
+            and (batch.cycle, batch.step) == current.decided
+            and (not outside or _continues(batch, outside, paused))
+        ):
+            current.landed.extend((len(current.batches), b) for b in outside)
             current.batches.append(batch)
         else:
             if last_cycle is None or batch.cycle <= last_cycle:
@@ -257,8 +311,63 @@ async def _stored_cycles(
             current = _StoredCycle(before, previous, run_start, [batch])
             cycles.append(current)
             last_cycle = batch.cycle
+        outside, paused = [], session
+    for cycle in cycles:
+        cycle.copied = cycle.batches[0].revision < own_keys
     _mark_flow(cycles, log)
     return cycles
+
+
+def _continues(
+    batch: Batch[Effect], outside: Sequence[Batch[Effect]], paused: Session[Any]
+) -> bool:
+    """Whether ``batch``, after the batches from ``outside`` a machine, goes on with the cycle
+    its step paused in at ``paused`` (see the module docs, "how batches are grouped").
+
+    It does when every effect of it answers (a ``tool`` message) or annotates a
+    tool call that was open at ``paused`` and that no batch from outside
+    answered or annotated (an approval, a denial, an operator's decision) or
+    could have (a ``ReplaceConversation``): work on calls the step had
+    already taken up. O(the batches' effects).
+    """
+    calls: set[str] = set()
+    for effect in batch.effects:
+        if isinstance(effect, Annotate) and effect.call_id is not None:
+            calls.add(effect.call_id)
+        elif (
+            isinstance(effect, AppendMessage)
+            and effect.message.role == "tool"
+            and effect.message.tool_results
+        ):
+            calls.update(result.call_id for result in effect.message.tool_results)
+        else:
+            return False
+    if not calls:
+        return False
+    if not calls <= {call.call_id for call in paused.history.open_calls()}:
+        return False
+    for other in outside:
+        for effect in other.effects:
+            if isinstance(effect, ReplaceConversation):
+                return False
+            if isinstance(effect, Annotate) and effect.call_id in calls:
+                return False
+            if any(
+                result.call_id in calls for m in _messages_in(effect) for result in m.tool_results
+            ):
+                return False
+    return True
+
+
+def _makes_own_key(batch: Batch[Effect], session_id: str) -> bool:
+    """Whether ``batch`` records a Tools journal key made for ``session_id``."""
+    for effect in batch.effects:
+        journal = journal_key(effect)
+        if journal is not None:
+            key, message_id, call_id = journal
+            if key == idempotency_key(session_id, call_id, message_id):
+                return True
+    return False
 
 
 def _mark_flow(cycles: list[_StoredCycle], log: Sequence[Batch[Effect]]) -> None:
@@ -432,6 +541,7 @@ async def _replay_cycle(
         _ResultsFrom(results, first.revision),
         None if model is not None else _recorded_reply(stored),
         start=stored.after,
+        landed=stored.landed,
     )
     runtime = sandbox.runtime(model, services)
     error = ""
@@ -543,14 +653,21 @@ def _difference(
     """What differs between the stored batches and the new ones; ``""`` when nothing does."""
     stored_step = stored.batches[0].step
     old = [b.effects for b in stored.batches]
-    readings = Readings(stored.after, stored.batches[-1].timestamp, frozenset(sandbox.readings))
+    made = RuntimeMade(
+        after=stored.after,
+        until=stored.batches[-1].timestamp,
+        returned=frozenset(sandbox.readings),
+        ids=frozenset(sandbox.returned_ids),
+        session_id=stored.before.id,
+        copied=stored.copied,
+    )
     found: list[str] = []
     if new_step != stored_step:
         found.append(f"step {new_step!r} applies instead of {stored_step!r}")
-    elif not same_batches(old, new, readings):
+    elif not same_batches(old, new, made):
         found.append(f"step {new_step!r} writes other effects")
     if found:
-        found[0] += f": {first_change(old, new, readings)}"
+        found[0] += f": {first_change(old, new, made)}"
     if sandbox.unrecorded:
         calls = ", ".join(sorted(sandbox.unrecorded))
         found.append(f"no recorded result for tool call(s) {calls} (answered with an error)")

@@ -12,7 +12,7 @@ answered without a recorded result, and a model call it had no reply for.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from ._codec import Batch
@@ -55,10 +55,16 @@ class Sandbox:
         results: call id -> the stored result the tool caller answers with.
         reply: the model reply the stored cycle holds, answered once (or the failure
             it recorded, raised once).
+        landed: batches from outside a machine that landed inside the stored
+            cycle, each with how many of the cycle's batches were written
+            before it. Such a batch is applied to the copy when the step
+            commits again after that many batches (so the commit conflicts, as
+            the stored one did, and the step reloads the session holding it).
 
     Attributes:
         batches: the batches committed to the sandbox, in order.
         readings: every value the clock returned.
+        returned_ids: every id the id source returned.
         unrecorded: the calls (``'id' (tool)``) answered "no recorded result".
         asked_model: the model was asked for a reply it did not have.
     """
@@ -73,10 +79,13 @@ class Sandbox:
         results: Mapping[str, ToolResultPart | Message],
         reply: ModelResponse | BaseException | None,
         start: float = float("-inf"),
+        landed: Sequence[tuple[int, Batch[Effect]]] = (),
     ) -> None:
         self.session = session
         self.batches: list[Batch[Effect]] = []
         self.readings: set[float] = set()
+        self.returned_ids: set[str] = set()
+        self._landed = list(landed)
         self.unrecorded: list[str] = []
         self.asked_model = False
         self._timestamps = timestamps
@@ -110,9 +119,16 @@ class Sandbox:
         return self.session
 
     async def apply(self, batch: Batch[Effect]) -> Session[Any]:
-        """Apply ``batch`` to the copy (compare-and-set on its revision) and record it."""
+        """Apply ``batch`` to the copy (compare-and-set on its revision) and record it.
+
+        The batches from outside that landed before it in the stored cycle are
+        applied first (see ``landed``); a batch read before them conflicts.
+        """
         if batch.session_id != self.session.id:
             raise SessionNotFoundError(batch.session_id)
+        while self._landed and self._landed[0][0] <= len(self.batches):
+            _, outside = self._landed.pop(0)
+            self.session = apply_batch(self.session, outside.effects)
         if batch.revision != self.session.revision + 1:
             raise ConflictError(batch.session_id, batch.revision - 1, self.session.revision)
         self.session = apply_batch(self.session, batch.effects)
@@ -133,11 +149,13 @@ class Sandbox:
         return reading
 
     def new_id(self) -> str:
-        recorded = next(self._ids, None)
-        if recorded is not None:
-            return recorded
-        self._fresh += 1
-        return f"replay-{self.session.revision}-{self._fresh}"
+        """The next id the stored cycle added, then ``replay-<revision>-<n>``; recorded."""
+        made = next(self._ids, None)
+        if made is None:
+            self._fresh += 1
+            made = f"replay-{self.session.revision}-{self._fresh}"
+        self.returned_ids.add(made)
+        return made
 
     async def call_tool(self, call: ToolCallPart, context: ToolContext) -> ToolResultPart | Message:
         """The stored result of ``call`` (the tool message holding it when it carries

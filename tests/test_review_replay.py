@@ -23,6 +23,8 @@ import pytest
 from _scans import CountingConversation, counted, tool_loop
 
 from stepmachine import (
+    JOURNAL,
+    Annotate,
     AppendMessage,
     Batch,
     ConfigurationError,
@@ -30,6 +32,7 @@ from stepmachine import (
     Continue,
     Effect,
     InferenceReceipt,
+    JournalEntry,
     Lease,
     LeaseHolder,
     Message,
@@ -56,6 +59,8 @@ from stepmachine import (
     Yield,
     YieldReason,
     counter_ids,
+    idempotency_key,
+    journal_entry,
     replay,
     resolve_unknown_outcome,
     submit,
@@ -316,14 +321,6 @@ async def test_a_call_id_reused_after_the_first_was_hidden_replays_the_same(
     assert report.same, str(report)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_replay_compare.py:105 blanks the id of every appended message, so a step "
-        "that chooses its message ids itself (dedupe by id, events) and changes them is reported "
-        "'same'; only ids the replay's id source returned should be left out of the comparison"
-    ),
-)
 async def test_a_step_that_changes_the_id_it_gives_a_message_is_a_difference(
     store: Store,
 ) -> None:
@@ -358,17 +355,6 @@ async def test_a_step_that_changes_the_id_it_gives_a_message_is_a_difference(
     assert not changed.same, str(changed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_replay.py:_replay_cycle replays a forked session's copied batches under the "
-        "fork's id, so the Tools journal's idempotency_key (hash of the session id, "
-        "_tool_step.py:417) differs for every non-idempotent call before the fork and the same "
-        "steps read as 'writes other effects'; the replay should treat the idempotency key as "
-        "runtime-made (compare it recomputed for the batch's original session) or the fork "
-        "should record its origin so replay can use it"
-    ),
-)
 async def test_a_forked_session_replays_like_its_source(tmp_path: Path) -> None:
     store = await SQLiteStore.open(tmp_path / "db.sqlite3")
     try:
@@ -383,6 +369,115 @@ async def test_a_forked_session_replays_like_its_source(tmp_path: Path) -> None:
             (c.revision, c.stored_step) for c in original.cycles
         ]
         assert len(forked.cycles) >= 3
+    finally:
+        await store.aclose()
+
+
+async def test_a_step_that_changes_the_prefix_it_puts_on_a_new_id_is_a_difference(
+    store: Store,
+) -> None:
+    """``f"ack-{ctx.new_id()}"``: the id source's part is the runtime's, the prefix the step's."""
+
+    class Prefixed(Operation[Any]):
+        name = "prefixed"
+
+        def __init__(self, prefix: str) -> None:
+            self.prefix = prefix
+
+        async def run(self, ctx: StepContext[Any]) -> Outcome:
+            if ctx.session.conversation[-1].role != "user":
+                return Refuse("nothing to note")
+            note = Message.user("noted", id=f"{self.prefix}{ctx.new_id()}")
+            return Yield([AppendMessage(note)], YieldReason(YieldReason.DONE))
+
+    clock = Clock()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))], clock=clock)
+    await run_turns(store, "s", [], [Prefixed("ack-")], clock)
+    (stored,) = [m for m in (await store.load("s")).conversation if m.text == "noted"]
+    assert stored.id.startswith("ack-s-r")  # the prefix around the runtime's id
+
+    same = await replay(store, "s", [Prefixed("ack-")])
+    assert same.same, str(same)
+    changed = await replay(store, "s", [Prefixed("note-")])
+    assert not changed.same, str(changed)
+    assert "message.id" in changed.cycles[0].difference, str(changed)
+
+
+class Journals(Operation[Any]):
+    """Records a journal intent on an open call with an idempotency key ``key`` makes."""
+
+    name = "journals"
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        for position, call_part in ctx.session.history.open_call_positions():
+            if call_part.notes.get(JOURNAL):
+                continue
+            message_id = ctx.session.conversation[position].id
+            entry = JournalEntry(
+                intent=True,
+                idempotency_key=self.key(ctx.session.id, call_part.call_id, message_id),
+                side_effects="non_idempotent",
+                attempt=1,
+                at=ctx.runtime.clock(),
+            )
+            values = msgspec.to_builtins(entry)
+            effect = Annotate(message_id, JOURNAL, values, call_id=call_part.call_id)
+            return Yield([effect], YieldReason(YieldReason.DONE))
+        return Refuse("every open call has a journal")
+
+
+async def test_an_idempotency_key_the_runtime_would_not_make_is_a_difference(
+    tmp_path: Path,
+) -> None:
+    """The key is left out only as the runtime makes it: another key is a decision."""
+    store = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    try:
+        clock = Clock()
+        asked = Message.assistant(ToolCallPart.of("c1", "pay", {"amount": 5}), id="a1")
+        await store.create("s", conversation=[Message.user("pay", id="u1"), asked])
+        await run_turns(store, "s", [], [Journals(idempotency_key)], clock)
+        made = [p for m in (await store.load("s")).conversation for p in m.tool_calls]
+        recorded = journal_entry(made[0])
+        assert recorded is not None
+        assert recorded.idempotency_key == idempotency_key("s", "c1", "a1")
+        await store.fork("s", (await store.load("s")).revision, "f")
+
+        for session_id in ("s", "f"):
+            same = await replay(store, session_id, [Journals(idempotency_key)])
+            assert same.same, str(same)
+            other = await replay(store, session_id, [Journals(lambda *_: "sm-mine")])
+            assert not other.same, str(other)
+            assert "idempotency_key" in other.cycles[0].difference, str(other)
+    finally:
+        await store.aclose()
+
+
+async def test_a_fork_that_ran_on_replays_the_same(tmp_path: Path) -> None:
+    """The copied cycles carry the source's keys, the fork's own cycles the fork's."""
+    store = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    try:
+        made = Made()
+        source = await tool_session(store, made)
+        await store.fork("s", source.revision, "f")
+        clock = Clock(start=10_000)
+        await submit(store, "f", [AppendMessage(Message.user("b?", id="f-u2"))], clock=clock)
+        ask = ToolCallPart.of("fork-call", "lookup", {"key": "b"})
+        await run_turns(store, "f", [call(ask), reply("b is a value")], agent(made), clock)
+        keys = [
+            entry.idempotency_key
+            for m in (await store.load("f")).conversation
+            for p in m.tool_calls
+            if (entry := journal_entry(p)) is not None
+        ]
+        assert len(set(keys)) == 2  # the source's key, then the fork's own
+
+        report = await replay(store, "f", agent(made))
+        assert report.same, str(report)
+        assert len([c for c in report.cycles if c.stored_step == "tools"]) == 2
     finally:
         await store.aclose()
 
@@ -859,18 +954,6 @@ async def test_a_step_with_its_own_model_calls_no_model_in_a_replay(store: Store
 # -- a message submitted while a tool runs ---------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_replay.py:244 _stored_cycles ends a cycle at any batch from outside a "
-        "machine, so a user message submitted while a tool ran splits the Tools cycle: the "
-        "first half reads 'extra batch' (the replay also writes the result), the second half "
-        "starts a new run (cycle 2 <= 2: wrong run_start_revision, per-run budgets miscounted) "
-        "and reads the open call as a crash ('outcome unknown'); batches with the same cycle "
-        "and step should stay one cycle, with the outside batches applied to the sandbox where "
-        "they came (the step's commit then conflicts and retries as it did)"
-    ),
-)
 async def test_a_message_submitted_while_a_tool_ran_replays_the_same(store: Store) -> None:
     """The user steers while a tool runs: the tool step's result commit conflicts and retries.
 
@@ -911,6 +994,132 @@ async def test_a_message_submitted_while_a_tool_ran_replays_the_same(store: Stor
     )
     assert len({c.run_start_revision for c in report.cycles}) == 1, str(report)
     assert report.same, str(report)
+
+
+async def test_a_call_answered_from_outside_while_its_cycle_ran_replays_the_same(
+    store: Store,
+) -> None:
+    """The application answers call b while the tool step runs a (one after another).
+
+    The step's commit of a conflicts and retries on top of that answer, and b,
+    no longer open then, gets no second result. The replay applies the
+    application's batch where it landed, so the new step sees it too.
+    """
+    clock = Clock()
+    ran: list[str] = []
+
+    @tool
+    async def lookup(key: str) -> str:
+        """Look a key up; while looking a up, the application answers b itself."""
+        ran.append(key)
+        if key == "a":
+            session = await store.load("s")
+            (b,) = [
+                c for m in session.conversation for c in m.tool_calls if c.arguments == {"key": "b"}
+            ]
+            answer = Message.tool_result(ToolResultPart.for_call(b, "b, from the app"), id="app-b")
+            await submit(store, "s", [AppendMessage(answer)], clock=clock)
+        return f"value of {key}"
+
+    def steps() -> list[Step[Any]]:
+        return [Tools([lookup], max_concurrency=1), ModelInference()]
+
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("a and b", id="u1"))], clock=clock)
+    both = call(("lookup", {"key": "a"}), ("lookup", {"key": "b"}))
+    await run_turns(store, "s", [both, reply("a and b")], steps(), clock)
+    assert ran == ["a", "b"]
+    log = await store.batches("s")
+    assert [b.step for b in log] == [
+        "application",
+        "inference",
+        "tools",  # both intents
+        "application",  # b answered from outside
+        "tools",  # a's result, after a conflict; b's is not written
+        "inference",
+    ]
+
+    report = await replay(store, "s", steps())
+    assert ran == ["a", "b"]
+    assert report.same, str(report)
+    (tools_cycle,) = [c for c in report.cycles if c.stored_step == "tools"]
+    assert len(tools_cycle.new) == 2, str(report)
+
+
+async def test_two_chat_turns_with_a_message_between_stay_two_runs(store: Store) -> None:
+    """Inference in cycle 1, ``submit``, inference in cycle 1 again: two runs, not one cycle."""
+    clock = Clock()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("hi", id="u1"))], clock=clock)
+    await run_turns(store, "s", [reply("hello")], [ModelInference()], clock)
+    await submit(store, "s", [AppendMessage(Message.user("and?", id="u2"))], clock=clock)
+    await run_turns(store, "s", [reply("that is all")], [ModelInference()], clock)
+    log = await store.batches("s")
+    assert [(b.step, b.cycle) for b in log] == [
+        ("application", 0),
+        ("inference", 1),
+        ("application", 0),
+        ("inference", 1),
+    ]
+
+    report = await replay(store, "s", [ModelInference()])
+    assert report.same, str(report)
+    assert [c.revision for c in report.cycles] == [2, 4]
+    assert [c.run_start_revision for c in report.cycles] == [1, 3]
+
+
+class Gate(Operation[Any]):
+    """Holds back every tool call without a ``gate`` note ``{"open": True}``."""
+
+    name = "gate"
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse("a gate only holds calls back")
+
+    def check_call(self, ctx: StepContext[Any], call: ToolCallPart) -> str | None:
+        return None if call.notes.get("gate", {}).get("open") else "the gate is closed"
+
+
+async def test_an_outside_batch_touching_the_next_call_begins_a_new_run(store: Store) -> None:
+    """Run 1 runs call a in its cycle 1 (b held); the application opens b's gate; run 2
+    runs b in its cycle 1. The same cycle number and step, but the outside batch
+    annotated the call the later batches work on: run 2 is not run 1's cycle going on."""
+    made = Made()
+    clock = Clock()
+    asked = Message.assistant(
+        [
+            ToolCallPart.of("ca", "lookup", {"key": "a"}),
+            ToolCallPart.of("cb", "lookup", {"key": "b"}),
+        ],
+        id="a1",
+    )
+    await store.create("s", conversation=[Message.user("a and b", id="u1"), asked])
+    opened = Annotate("a1", "gate", {"open": True}, call_id="ca")
+    await submit(store, "s", [opened], clock=clock)
+
+    def steps() -> list[Step[Any]]:
+        return [Gate(), Tools(made.tools()), ModelInference()]
+
+    await run_turns(store, "s", [], steps(), clock)
+    await submit(store, "s", [Annotate("a1", "gate", {"open": True}, call_id="cb")], clock=clock)
+    await run_turns(store, "s", [reply("both")], steps(), clock)
+    assert made.made == ["lookup", "lookup"]
+    log = await store.batches("s")
+    assert [(b.step, b.cycle) for b in log] == [
+        ("application", 0),
+        ("tools", 1),  # the intent of a
+        ("tools", 1),  # its result
+        ("application", 0),
+        ("tools", 1),  # the intent of b
+        ("tools", 1),
+        ("inference", 2),
+    ]
+
+    report = await replay(store, "s", steps())
+    assert report.same, str(report)
+    tools_cycles = [c for c in report.cycles if c.stored_step == "tools"]
+    assert [len(c.stored) for c in tools_cycles] == [2, 2]
+    assert len({c.run_start_revision for c in report.cycles}) == 2
 
 
 async def test_a_tool_caller_that_never_answers_is_bounded_by_the_tools_timeout() -> None:
