@@ -93,6 +93,18 @@ class Conversation(Sequence[Message]):
         new_chunk = (*chunk[:at], message, *chunk[at + 1 :])
         return Conversation._of((*chunks[:which], new_chunk, *chunks[which + 1 :]), self._length)
 
+    def prefix(self, length: int) -> Conversation:
+        """The first ``length`` messages (0 <= ``length`` <= ``len(self)``), sharing this
+        conversation's full chunks: O(length / CHUNK + CHUNK)."""
+        if not 0 <= length <= self._length:
+            raise IndexError(f"length {length} is outside 0..{self._length}")
+        if length == self._length:
+            return self
+        chunks = self._chunks
+        full, rest = length >> _SHIFT, length & _MASK
+        kept = chunks[:full] if not rest else (*chunks[:full], chunks[full][:rest])
+        return Conversation._of(kept, length)
+
     # -- the Sequence protocol --------------------------------------------------------
 
     def __len__(self) -> int:
