@@ -216,6 +216,10 @@ class _Line:
         return line
 
 
+_NO_LINE: Final = _Line()
+"""The line of a checkpoint (never read: a replay takes the line of the index it replays for)."""
+
+
 class HistoryIndex:
     """Answers about one conversation (see the module docstring). Immutable once built.
 
@@ -272,8 +276,9 @@ class HistoryIndex:
         self.estimated_tokens = 0  # estimate_tokens of the visible messages
         self._visible: Conversation | None = None  # the visible messages, when some are hidden
         # The index this one derives from at the latest multiple of CHECKPOINT_EVERY messages
-        # below its length (a chain down to the empty index): where a visibility change
-        # replays from. Its notes (open calls' parts, noted, visible) may be out of date.
+        # below its length (a chain down to the empty index), without its tables, notes and
+        # visible messages: where a visibility change replays from. The parts of its open
+        # calls may be out of date (annotated since).
         self._checkpoint: HistoryIndex | None = None
 
     def _clone(self) -> HistoryIndex:
@@ -295,6 +300,15 @@ class HistoryIndex:
         new._visible = self._visible
         new._checkpoint = self._checkpoint
         return new
+
+    def _as_checkpoint(self) -> HistoryIndex:
+        """This index without what a replay takes from the index it replays for (the
+        tables, the notes, the visible messages): a checkpoint keeps no line alive."""
+        checkpoint = self._clone()
+        checkpoint._line = _NO_LINE
+        checkpoint._noted = _NO_NOTES
+        checkpoint._visible = None
+        return checkpoint
 
     # -- building -----------------------------------------------------------------
 
@@ -423,7 +437,7 @@ class HistoryIndex:
         new = self._clone()
         new.length = n + 1
         if not n % CHECKPOINT_EVERY:
-            new._checkpoint = self
+            new._checkpoint = self._as_checkpoint()
         if message.notes or key[2]:
             new._noted = _noted_with(self._noted, message, n)
         if message.role == "assistant":

@@ -120,3 +120,24 @@ def test_hiding_the_latest_reply_reads_no_more_of_a_longer_history(
         assert not after.conversation[3].visible_to_user
         assert msgspec.structs.replace(after.conversation[3], visible_to_user=True) == messages[3]
     assert reads[1] <= reads[0] + 2 * index_module.CHUNK, reads
+
+
+def test_checkpoints_keep_no_tables_alive() -> None:
+    """A checkpoint holds the small state only: replays do not keep earlier lines of tables."""
+    session = make_session(*(Message.user(f"m{i}", id=f"m{i}") for i in range(300)))
+    for n in range(5):
+        session = apply_batch(
+            session,
+            [
+                SetVisibility((f"m{290 - n}",), to_model=False),
+                AppendMessage(Message.user(f"x{n}", id=f"x{n}")),
+            ],
+        )
+    checkpoint = session.history._checkpoint
+    lengths = []
+    while checkpoint is not None:
+        assert checkpoint._line is index_module._NO_LINE
+        assert checkpoint._visible is None
+        lengths.append(checkpoint.length)
+        checkpoint = checkpoint._checkpoint
+    assert lengths == list(range(0, 305, index_module.CHECKPOINT_EVERY))[::-1]
