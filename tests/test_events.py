@@ -346,3 +346,25 @@ async def test_a_cycle_reads_no_more_after_200_events_consumed_than_after_5() ->
         satisfied = [e for e in outcome.effects if getattr(e, "message_id", None) == "a0"]
         assert [e.values["satisfied_by"] for e in satisfied] == ["last"]  # type: ignore[attr-defined]
     assert reads[0] == reads[1], reads
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known, left for later: a cycle reads the messages noted since the latest consumption's "
+        "cursor (and the markers it lists); a session loaded from a store indexes its notes in "
+        "message order, so a wait marker set after that consumption on a message before the "
+        "consumed event is behind the cursor and not seen. Set markers on the latest message"
+    ),
+)
+async def test_a_marker_set_later_on_an_earlier_message_is_seen_after_a_load() -> None:
+    from stepmachine import Codec
+
+    session = make_session(Message.user("go", id="u0"), Message.assistant("ok", id="a0"))
+    session = AppendMessage(event_message("e1", "chat", "hi")).apply(session)
+    check = await run_step(ExternalEvents(), session)
+    assert check.continued
+    session = wait_for("a0", "job_done").apply(check.session)
+    assert (await run_step(ExternalEvents(), session)).yielded  # live: the marker is noted last
+    loaded = Codec().decode_session(Codec().encode_session(session))
+    assert (await run_step(ExternalEvents(), loaded)).yielded
