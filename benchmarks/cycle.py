@@ -50,9 +50,18 @@ preempted many times where a 1 ms step rarely is, so wall-clock time would
 inflate the ratio (it is printed beside it). Growing the long session prints
 the step cost along the way (medians of the last 10 steps).
 
+**Growth with operations on** (``growth_ops_2000_over_20``): the same
+figure for the same agent with the built-in operations a production agent
+runs before its tools and its model -- ``Budget`` with tool-call limits (per
+turn and per session), ``Approval`` for a tool the agent never calls,
+``HistoryGuard`` -- and tracing on (a ``TracerProvider`` exporting to an
+``InMemorySpanExporter``, cleared after each step, untimed). Still three
+machine cycles per step: the operations refuse.
+
 Run:  python benchmarks/cycle.py [--quick] [--backend trio] [--profile]
 
-The last line is ``cycle_us=<median> bare_us=<median> growth_2000_over_20=<ratio>``.
+The last line is ``cycle_us=<median> bare_us=<median> growth_2000_over_20=<ratio>
+growth_ops_2000_over_20=<ratio>``.
 With ``--quick`` (or ``--growth-turns``) the long session is shorter; the
 figure keeps its name.
 """
@@ -72,6 +81,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from stepmachine import (
     AppendMessage,
@@ -84,6 +96,8 @@ from stepmachine import (
     Runtime,
     Session,
     StateMachine,
+    Step,
+    Telemetry,
     Tool,
     ToolCallPart,
     ToolResultPart,
@@ -92,6 +106,7 @@ from stepmachine import (
     submit,
     tool,
 )
+from stepmachine.operations import Approval, Budget, HistoryGuard, Limits
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, call, reply
 
@@ -292,18 +307,59 @@ def user_text(turn: int) -> str:
     return head + "x" * (MESSAGE_BYTES - len(head))
 
 
-class GrowingSession:
-    """One natural session on its own ``MemoryStore``, advanced one agent step at a time."""
+def operations(opts: Options) -> list[Step[Any]]:
+    """The agent's steps with operations on (the ``growth_ops`` figure).
 
-    def __init__(self, opts: Options) -> None:
+    Budget with tool-call limits (per turn and per session, never reached, so
+    that it counts every cycle), an Approval step for a tool this agent never
+    calls (it reads the open calls, and ``check_call`` vets every call), the
+    tool step, HistoryGuard, then inference: three cycles per step, as without.
+    """
+    return [
+        Budget(
+            per_turn=Limits(tool_calls=1_000, model_calls=1_000),
+            per_session=Limits(tool_calls=10**9, model_calls=10**9),
+        ),
+        Approval(["transfer_money"]),
+        Tools([opts.tool]),
+        HistoryGuard(),
+        ModelInference(instructions=INSTRUCTIONS, stream=opts.stream),
+    ]
+
+
+class Traced:
+    """Tracing on: a ``TracerProvider`` exporting every span to memory (cleared per step)."""
+
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.telemetry = Telemetry(tracer_provider=provider)
+
+
+class GrowingSession:
+    """One natural session on its own ``MemoryStore``, advanced one agent step at a time.
+
+    With ``ops``, the machine runs :func:`operations` with tracing on (:class:`Traced`).
+    """
+
+    def __init__(self, opts: Options, *, ops: bool = False) -> None:
         self.store = MemoryStore()
         self.ids = counter_ids()
+        self.traced = Traced() if ops else None
         self.runtime = Runtime(
-            store=self.store, model=FunctionModel(decide), ids=self.ids, clock=fixed_clock
+            store=self.store,
+            model=FunctionModel(decide),
+            ids=self.ids,
+            clock=fixed_clock,
+            telemetry=self.traced.telemetry if self.traced is not None else Telemetry(),
         )
-        self.machine: StateMachine[Any] = StateMachine(
-            [Tools([opts.tool]), ModelInference(instructions=INSTRUCTIONS, stream=opts.stream)]
+        steps: list[Step[Any]] = (
+            operations(opts)
+            if ops
+            else [Tools([opts.tool]), ModelInference(instructions=INSTRUCTIONS, stream=opts.stream)]
         )
+        self.machine: StateMachine[Any] = StateMachine(steps)
         self.emitter = NullEmitter()
         self.turns = 0
 
@@ -324,6 +380,10 @@ class GrowingSession:
                 f"turn {self.turns}: expected {CYCLES_PER_ROUND} machine cycles per step, "
                 f"got {len(report.results)}"
             )
+        if self.traced is not None:
+            if not self.traced.exporter.get_finished_spans():
+                raise SystemExit(f"turn {self.turns}: tracing is on, yet no span was exported")
+            self.traced.exporter.clear()  # untimed: only the spans of one step are kept
         self.turns += 1
         return elapsed
 
@@ -345,6 +405,7 @@ class GrowingSession:
 class Growth:
     """Steps at the long turn and at the short turn, (CPU, wall) ns, and the growth curve."""
 
+    ops: bool
     long_turns: int
     long_ns: list[tuple[int, int]]
     short_ns: list[tuple[int, int]]
@@ -365,19 +426,22 @@ class Growth:
         return self.median_us(self.long_ns, 1) / self.median_us(self.short_ns, 1)
 
 
-async def short_session(opts: Options) -> GrowingSession:
+async def short_session(opts: Options, *, ops: bool) -> GrowingSession:
     """A fresh session grown (untimed) to ``GROWTH_SHORT_TURNS`` turns."""
-    session = await GrowingSession(opts).start()
+    session = await GrowingSession(opts, ops=ops).start()
     for _ in range(GROWTH_SHORT_TURNS):
         await session.step()
     return session
 
 
-async def growth(opts: Options) -> Growth:
-    """Grow one natural session, then time steps at its length and at turn 20, interleaved."""
+async def growth(opts: Options, *, ops: bool = False) -> Growth:
+    """Grow one natural session, then time steps at its length and at turn 20, interleaved.
+
+    With ``ops``, the machine has :func:`operations` and tracing on.
+    """
     for _ in range(min(opts.warmup, 3)):
-        await short_session(opts)
-    long = await GrowingSession(opts).start()
+        await short_session(opts, ops=ops)
+    long = await GrowingSession(opts, ops=ops).start()
     curve: list[tuple[int, float]] = []
     window: list[int] = []
     marks = {GROWTH_SHORT_TURNS, 100, 500, 1_000, opts.growth_turns}
@@ -392,22 +456,28 @@ async def growth(opts: Options) -> Growth:
     gc.freeze()
     try:
         for _ in range(opts.growth_samples):
-            short = await short_session(opts)
+            short = await short_session(opts, ops=ops)
             short_ns.append(await short.step())
             long_ns.append(await long.step())
     finally:
         gc.unfreeze()
     await short.check()
     await long.check()
-    return Growth(opts.growth_turns, long_ns, short_ns, curve)
+    return Growth(ops, opts.growth_turns, long_ns, short_ns, curve)
 
 
 def describe_growth(result: Growth) -> list[str]:
     """The growth figures, one line each."""
     lines = [
         (
-            f"growth: a natural session grown to {result.long_turns} turns "
-            f"({4 * result.long_turns} messages of ~{MESSAGE_BYTES} bytes), memory store"
+            f"growth{'_ops' if result.ops else ''}: a natural session grown to "
+            f"{result.long_turns} turns ({4 * result.long_turns} messages of ~{MESSAGE_BYTES} "
+            "bytes), memory store"
+            + (
+                "; Budget (tool-call limits), Approval, Tools, HistoryGuard, inference, traced"
+                if result.ops
+                else ""
+            )
         ),
         "  while growing, CPU us per step (median of the last 10): "
         + ", ".join(f"turn {turn} {us:.0f}" for turn, us in result.curve),
@@ -558,7 +628,13 @@ def main(argv: list[str]) -> None:
     grown: Growth = run_async(lambda: growth(opts), opts.backend)
     for line in describe_growth(grown):
         print(line)
-    print(f"cycle_us={cycle:.2f} bare_us={bare_us:.2f} growth_2000_over_20={grown.ratio:.2f}")
+    grown_ops: Growth = run_async(lambda: growth(opts, ops=True), opts.backend)
+    for line in describe_growth(grown_ops):
+        print(line)
+    print(
+        f"cycle_us={cycle:.2f} bare_us={bare_us:.2f} growth_2000_over_20={grown.ratio:.2f} "
+        f"growth_ops_2000_over_20={grown_ops.ratio:.2f}"
+    )
 
 
 if __name__ == "__main__":

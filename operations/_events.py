@@ -40,9 +40,17 @@ calls are open (a user message must not split calls from their results).
 Compaction must hide consumed event messages rather than delete them: a
 deleted one cannot be recognised as a duplicate if submitted again.
 
-Cost per cycle: the step reads only the messages with notes in its namespace
-(:meth:`stepmachine.HistoryIndex.noted`: events, markers, delivered messages),
-never the whole history.
+Cost per cycle: independent of the history and of the events consumed so
+far. Each consumption batch also leaves a cursor (an :class:`EventCursor`,
+key ``"cursor"`` of the last event it consumed) listing the wait markers it
+left unsatisfied; the step reads the messages with notes in its namespace
+(:meth:`stepmachine.HistoryIndex.noted`) newest first down to that cursor --
+what was submitted, delivered or marked since -- and the markers it lists. So
+a wait marker is seen when it is set on a message after the last event
+consumed (a step's or the application's latest message, as is usual), or was
+waiting at that consumption; one set afterwards on an earlier message is not.
+A session without a cursor is read whole once (every message with notes in
+the namespace), as before.
 
 Cancellation: consumption is a single batch; nothing to finalize.
 """
@@ -74,15 +82,15 @@ from stepmachine import (
     Yield,
     YieldReason,
     note_value,
-    open_tool_calls,
     read_record,
     submit,
 )
 
-from ._records import EventConsumed, EventDelivery, EventRecord, WaitMarker
+from ._records import EventConsumed, EventCursor, EventDelivery, EventRecord, WaitMarker
 
 __all__ = [
     "EventConsumed",
+    "EventCursor",
     "EventDelivery",
     "EventReceipt",
     "EventRecord",
@@ -135,7 +143,7 @@ def _where(session: Session[Any], message: Message) -> str:
 def _events(session: Session[Any], namespace: str) -> list[tuple[ExternalEvent, bool]]:
     """Every event with whether it was consumed, in submission order.
 
-    Reads the messages with notes in ``namespace`` only (the history index).
+    Reads the messages with notes in ``namespace`` only (the history index), all of them.
     """
     conversation = session.conversation
     found: list[tuple[int, ExternalEvent, bool]] = []
@@ -148,25 +156,97 @@ def _events(session: Session[Any], namespace: str) -> list[tuple[ExternalEvent, 
         if record is None:
             continue  # a marker or a delivered message
         consumed = read_record(message.notes, namespace, EventConsumed, where=where)
-        event = ExternalEvent(
-            id=record.id,
-            kind=record.kind,
-            payload=record.payload,
-            submitted_at=record.submitted_at,
-            message_id=message.id,
+        found.append(
+            (position, _event(record, message), consumed is not None and consumed.consumed)
         )
-        found.append((position, event, consumed is not None and consumed.consumed))
     found.sort(key=lambda item: item[0])
     return [(event, consumed) for _, event, consumed in found]
 
 
+class _Recent(msgspec.Struct, frozen=True):
+    """What :func:`_recent` found: the pending events and the unsatisfied wait markers."""
+
+    pending: list[ExternalEvent]
+    markers: list[tuple[str, list[str]]]  # (message id, kinds), oldest first
+
+
+def _marker(session: Session[Any], message: Message, namespace: str) -> WaitMarker | None:
+    """The unsatisfied wait marker on ``message``, if it holds one."""
+    note = message.notes.get(namespace)
+    if isinstance(note, dict) and "awaiting" not in note:
+        return None  # an event or a delivered message
+    marker = read_record(message.notes, namespace, WaitMarker, where=_where(session, message))
+    return marker if marker is not None and not marker.satisfied_by else None
+
+
+def _recent(session: Session[Any], namespace: str) -> _Recent:
+    """The pending events and unsatisfied wait markers, oldest first.
+
+    Reads the messages with notes in ``namespace`` (the history index), newest
+    first, down to the latest :class:`EventCursor` (the last event the latest
+    consumption consumed: every event before it is consumed), then the markers
+    that cursor lists as waiting: O(what was noted since the latest
+    consumption + markers waiting). A session without a cursor (never
+    consumed, or stored by an earlier version) is read whole.
+    """
+    conversation = session.conversation
+    pending: list[tuple[int, ExternalEvent]] = []
+    markers: dict[str, tuple[int, list[str]]] = {}
+    seen: set[str] = set()
+    cursor: EventCursor | None = None
+    for position, call_id in session.history.noted(namespace):
+        if call_id is not None:
+            continue
+        message = conversation[position]
+        seen.add(message.id)
+        where = _where(session, message)
+        record = read_record(message.notes, namespace, EventRecord, key="event", where=where)
+        if record is not None:
+            consumed = read_record(message.notes, namespace, EventConsumed, where=where)
+            if consumed is None or not consumed.consumed:
+                pending.append((position, _event(record, message)))
+            cursor = read_record(message.notes, namespace, EventCursor, key="cursor", where=where)
+        marker = _marker(session, message, namespace)
+        if marker is not None:
+            markers[message.id] = (position, marker.awaiting)
+        if cursor is not None:
+            break
+    if cursor is not None:
+        for message_id in cursor.waiting:
+            at = session.history.message_position(message_id)
+            if message_id in seen or at is None:
+                continue
+            marker = _marker(session, conversation[at], namespace)
+            if marker is not None:
+                markers[message_id] = (at, marker.awaiting)
+    pending.sort(key=lambda item: item[0])
+    ordered = sorted(markers.items(), key=lambda item: item[1][0])
+    return _Recent(
+        [event for _, event in pending], [(message_id, kinds) for message_id, (_, kinds) in ordered]
+    )
+
+
+def _event(record: EventRecord, message: Message) -> ExternalEvent:
+    return ExternalEvent(
+        id=record.id,
+        kind=record.kind,
+        payload=record.payload,
+        submitted_at=record.submitted_at,
+        message_id=message.id,
+    )
+
+
 def pending_events(session: Session[Any], namespace: str = "events") -> list[ExternalEvent]:
-    """Events submitted and not yet consumed, in submission order."""
-    return [event for event, consumed in _events(session, namespace) if not consumed]
+    """Events submitted and not yet consumed, in submission order.
+
+    Reads what was noted since the latest consumption (see :class:`ExternalEvents`).
+    """
+    return _recent(session, namespace).pending
 
 
 def consumed_events(session: Session[Any], namespace: str = "events") -> list[ExternalEvent]:
-    """Events already consumed, in submission order."""
+    """Events already consumed, in submission order (reads every event: a query, not a
+    step's per-cycle work)."""
     return [event for event, consumed in _events(session, namespace) if consumed]
 
 
@@ -271,27 +351,6 @@ class ExternalEvents(Operation[Any]):
     def name(self) -> str:
         return self._name
 
-    def _markers(self, session: Session[Any]) -> list[tuple[str, list[str]]]:
-        """Unsatisfied wait markers: (message id, kinds), oldest first.
-
-        Reads the messages with notes in this step's namespace only.
-        """
-        conversation = session.conversation
-        markers: list[tuple[int, str, list[str]]] = []
-        for position, call_id in session.history.noted(self._name):
-            if call_id is not None:
-                continue
-            message = conversation[position]
-            note = message.notes[self._name]
-            if isinstance(note, dict) and "awaiting" not in note:
-                continue  # an event or a delivered message
-            where = _where(session, message)
-            marker = read_record(message.notes, self._name, WaitMarker, where=where)
-            if marker is not None and not marker.satisfied_by:
-                markers.append((position, message.id, marker.awaiting))
-        markers.sort(key=lambda item: item[0])
-        return [(message_id, kinds) for _, message_id, kinds in markers]
-
     def event_effects(self, ctx: StepContext[Any], event: ExternalEvent) -> list[Effect]:
         """The effects that consume ``event``: mark it, deliver it.
 
@@ -330,9 +389,9 @@ class ExternalEvents(Operation[Any]):
 
     async def run(self, ctx: StepContext[Any]) -> Outcome:
         session = ctx.session
-        pending = pending_events(session, self._name)
-        markers = self._markers(session)
-        if pending and not open_tool_calls(session):
+        recent = _recent(session, self._name)
+        pending, markers = recent.pending, list(recent.markers)
+        if pending and not session.history.has_open_calls:
             effects: list[Effect] = []
             for event in pending:
                 effects.extend(self.event_effects(ctx, event))
@@ -341,6 +400,10 @@ class ExternalEvents(Operation[Any]):
                         satisfied = WaitMarker(awaiting=marker[1], satisfied_by=event.id)
                         effects.append(Annotate(marker[0], self._name, note_value(satisfied)))
                         markers.remove(marker)
+            cursor = EventCursor(waiting=[message_id for message_id, _ in markers])
+            effects.append(
+                Annotate(pending[-1].message_id, self._name, {"cursor": note_value(cursor)})
+            )
             return Continue(effects)
         if markers:
             message_id, kinds = markers[-1]

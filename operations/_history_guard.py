@@ -125,6 +125,41 @@ def _nothing_to_repair(session: Session[Any], advertised: set[str], has_tools_st
     return True
 
 
+def _calls_without_result(session: Session[Any]) -> list[tuple[Problem, ToolCallPart]] | None:
+    """The calls without a result, as :func:`_analyse` reports them, read from the history
+    index when they are the only problems a repair handles; ``None`` when they are not.
+
+    ``None`` unless the history is sound (each call id once, every result after its
+    call) and no empty assistant message precedes the last visible message. Then the
+    problems :func:`_analyse` would report, apart from an empty assistant message that
+    ends the conversation (never repaired), are the open calls: ``orphaned_call`` when
+    an assistant message follows, ``open_call`` otherwise. O(open calls).
+    """
+    index = session.history
+    if not index.sound or any(position < index.last_visible for position in index.empty_assistants):
+        return None
+    conversation = session.conversation
+    found: list[tuple[Problem, ToolCallPart]] = []
+    for position, call in index.open_call_positions():
+        moved_on = position < index.last_assistant
+        problem = Problem(
+            position,
+            conversation[position].id,
+            ORPHANED_CALL if moved_on else OPEN_CALL,
+            _no_result_detail(call.call_id, position, moved_on=moved_on),
+            call.call_id,
+        )
+        found.append((problem, call))
+    found.sort(key=lambda item: item[0].index)
+    return found
+
+
+def _no_result_detail(call_id: str, index: int, *, moved_on: bool) -> str:
+    return f"tool call {call_id!r} at message {index} has no result" + (
+        " and a later assistant message moved on past it" if moved_on else " yet"
+    )
+
+
 def _analyse(conversation: Sequence[Message]) -> list[Problem]:
     """Every problem of the visible conversation, ordered by message position."""
     problems: list[Problem] = []
@@ -210,8 +245,7 @@ def _analyse(conversation: Sequence[Message]) -> list[Problem]:
                 index,
                 message.id,
                 ORPHANED_CALL if moved_on else OPEN_CALL,
-                f"tool call {call_id!r} at message {index} has no result"
-                + (" and a later assistant message moved on past it" if moved_on else " yet"),
+                _no_result_detail(call_id, index, moved_on=moved_on),
                 call_id,
             )
         )
@@ -296,6 +330,13 @@ class HistoryGuard(Operation[Any]):
     before Compaction and ModelInference, so those always see a valid history.
     Never yields. Cancellation: no awaits, nothing to finalize.
 
+    Cost per cycle: a history whose only problems are calls without a result
+    (pending, orphaned, naming an unknown tool) is read from the history index,
+    O(open calls) plus the messages after each call answered; an answer inserted
+    before the end rebuilds the conversation (``ReplaceConversation``), and so
+    does any other repair, which reads the whole visible history (rare: a
+    history broken from outside the machine).
+
     Args:
         name: the step name and notes namespace.
     """
@@ -355,8 +396,11 @@ class HistoryGuard(Operation[Any]):
         advertised: set[str],
         has_tools_step: bool,
     ) -> list[Effect]:
-        problems = _analyse(session.conversation)
         conversation = session.conversation
+        pending = _calls_without_result(session)
+        if pending is not None:  # only calls without a result: answer them from the index
+            return self._answer_unanswerable(ctx, conversation, pending, advertised, has_tools_step)
+        problems = _analyse(conversation)
 
         hide = [p for p in problems if p.kind in (CALL_OUTSIDE_ASSISTANT, DUPLICATE_CALL_ID)]
         if hide:
@@ -367,21 +411,34 @@ class HistoryGuard(Operation[Any]):
         if bad_results:
             return self._drop_results(ctx, conversation, bad_results)
 
-        last_visible = max(
-            (i for i, m in enumerate(conversation) if m.visible_to_model), default=-1
-        )
+        last_visible = session.history.last_visible
         empty = [p for p in problems if p.kind == EMPTY_ASSISTANT and p.index < last_visible]
         if empty:
             return self._hide(empty)
 
-        unanswerable: list[tuple[Problem, str]] = []
+        calls: list[tuple[Problem, ToolCallPart]] = []
         for p in problems:
-            if p.kind == ORPHANED_CALL:
-                unanswerable.append((p, "the model moved on past it"))
-            elif p.kind == OPEN_CALL and not has_tools_step:
+            if p.kind in (ORPHANED_CALL, OPEN_CALL):
                 call = _find_call(conversation[p.index], p.call_id)
-                if call is not None and call.name not in advertised:
-                    unanswerable.append((p, f"no step provides a tool named {call.name!r}"))
+                assert call is not None  # the analysis found it there
+                calls.append((p, call))
+        return self._answer_unanswerable(ctx, conversation, calls, advertised, has_tools_step)
+
+    def _answer_unanswerable(
+        self,
+        ctx: StepContext[Any],
+        conversation: Sequence[Message],
+        calls: list[tuple[Problem, ToolCallPart]],
+        advertised: set[str],
+        has_tools_step: bool,
+    ) -> list[Effect]:
+        """Answer the orphaned calls, and the pending ones naming a tool nobody offers."""
+        unanswerable: list[tuple[Problem, ToolCallPart, str]] = []
+        for p, call in calls:
+            if p.kind == ORPHANED_CALL:
+                unanswerable.append((p, call, "the model moved on past it"))
+            elif p.kind == OPEN_CALL and not has_tools_step and call.name not in advertised:
+                unanswerable.append((p, call, f"no step provides a tool named {call.name!r}"))
         if unanswerable:
             return self._answer(ctx, conversation, unanswerable)
         return []
@@ -441,14 +498,14 @@ class HistoryGuard(Operation[Any]):
         self,
         ctx: StepContext[Any],
         conversation: Sequence[Message],
-        problems: list[tuple[Problem, str]],
+        problems: list[tuple[Problem, ToolCallPart, str]],
     ) -> list[Effect]:
         # One inserted message per call, each placed after the call's message and the tool
         # messages right after it; insert from the back so earlier positions stay valid.
+        # Finding the places reads what follows each call's message; only an insert before
+        # the end rebuilds the conversation.
         inserts: list[tuple[int, Message]] = []
-        for problem, why in problems:
-            call = _find_call(conversation[problem.index], problem.call_id)
-            assert call is not None  # the analysis found it there
+        for problem, call, why in problems:
             position = problem.index + 1
             while position < len(conversation) and (
                 conversation[position].role == "tool" or not conversation[position].visible_to_model

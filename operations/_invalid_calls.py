@@ -84,7 +84,10 @@ calls, :class:`InvalidCallsRepair` on a repaired copy,
 :class:`InvalidCallsSkipped` on a "not executed" result.
 
 Cost per cycle: with no open tool call the step answers from the history
-index; otherwise it reads the latest assistant message and what follows it.
+index; otherwise it reads the latest assistant message and what follows it,
+and a retry counts the retries of the turn from the messages with notes in
+the step's namespace (the history index), back to the turn's start as the
+latest model call's ledger records it.
 
 Cancellation: nothing to finalize; decisions are single batches.
 """
@@ -95,6 +98,7 @@ import difflib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
@@ -123,6 +127,7 @@ from stepmachine import (
     Yield,
     YieldReason,
     effective_arguments,
+    latest_ledger,
     note_value,
     read_record,
 )
@@ -547,7 +552,7 @@ class InvalidCalls(Operation[Any]):
                 action = self._fallback
         if action == "retry" and partly_answered:
             action = "skip"
-        if action == "retry" and self._retries(conversation) >= self._max_retries:
+        if action == "retry" and self._retries(ctx.session) >= self._max_retries:
             action = "stop"
         notes = [p.as_note() for p in found]
         if action == "fail":
@@ -576,15 +581,32 @@ class InvalidCalls(Operation[Any]):
             return Continue(self._replace(message, repaired, found, "repair"))
         return Continue(self._skip(ctx, message, found, partly_answered))
 
-    def _retries(self, conversation: Sequence[Message]) -> int:
-        start = turn_start(conversation)
-        return sum(
-            1
-            for m in conversation[start + 1 :]
-            if m.role == "assistant"
-            and (decided := _decision(m, self._name)) is not None
-            and decided.action == "retry"
-        )
+    def _retries(self, session: Session[Any]) -> int:
+        """The retries decided in the current user turn (on assistant messages after its start).
+
+        Reads the messages with notes in this step's namespace (the history
+        index), newest first, back to the turn's start; none: no turn start
+        needed, nothing read.
+        """
+        entries = session.history.noted(self._name)
+        newest = next(entries, None)
+        if newest is None:
+            return 0
+        start = _turn_start_position(session)
+        conversation = session.conversation
+        count = 0
+        for position, call_id in chain((newest,), entries):
+            if position <= start:
+                break  # noted before the turn began: the step notes the turn's messages
+            if call_id is not None:
+                continue
+            message = conversation[position]
+            if message.role != "assistant":
+                continue
+            decided = _decision(message, self._name)
+            if decided is not None and decided.action == "retry":
+                count += 1
+        return count
 
     def _retry(
         self, ctx: StepContext[Any], message: Message, found: Sequence[CallProblem]
@@ -754,6 +776,23 @@ class InvalidCalls(Operation[Any]):
             note = {self._name: note_value(InvalidCallsSkipped(skipped=call.call_id))}
             effects.append(AppendMessage(Message.tool_result(result, id=ctx.new_id(), notes=note)))
         return effects
+
+
+def _turn_start_position(session: Session[Any]) -> int:
+    """The position of the message that started the current user turn (-1: none).
+
+    Read from the latest model-call ledger (the turn it was made in, or a turn
+    start after it): O(messages since the latest model call). A session
+    without ledgers, or whose turn start is gone, is read back from the end
+    (:func:`~stepmachine.operations._budget.turn_start`).
+    """
+    view = latest_ledger(session)
+    if view.ledger is not None and not view.legacy:
+        started = view.turn_start if view.turn_start is not None else view.ledger.turn_start
+        position = -1 if started is None else session.history.message_position(started)
+        if position is not None:
+            return position
+    return turn_start(session.conversation)
 
 
 def _answered_after(conversation: Sequence[Message], index: int) -> set[str]:

@@ -21,6 +21,7 @@ __all__ = [
     "CompactionMark",
     "CompactionReceipt",
     "EventConsumed",
+    "EventCursor",
     "EventDelivery",
     "EventRecord",
     "InvalidCallsDecision",
@@ -192,6 +193,22 @@ class WaitMarker(Record, frozen=True, tag="stepmachine.events.wait"):
 
     awaiting: list[str]
     satisfied_by: str | None = None
+
+
+class EventCursor(Record, frozen=True, tag="stepmachine.events.cursor"):
+    """How far consumption got: key ``"cursor"`` of the namespace of the last event
+    message a batch of :class:`~stepmachine.operations.ExternalEvents` consumed.
+
+    Every event submitted before that batch was consumed by it (or earlier), so
+    the step reads only the messages noted after this one, plus the markers
+    listed here.
+
+    Attributes:
+        waiting: the ids of the messages whose wait markers that batch left
+            unsatisfied.
+    """
+
+    waiting: list[str] = msgspec.field(default_factory=list)
 
 
 class EventDelivery(Record, frozen=True, tag="stepmachine.events.delivery"):

@@ -28,7 +28,13 @@ msgspec does not know the type: the :class:`~stepmachine.Codec` encodes and
 decodes sessions (a conversation is stored as a JSON array, as before), and
 :meth:`Conversation.enc_hook` lets
 ``msgspec.json.encode(session, enc_hook=Conversation.enc_hook)`` encode one
-directly (``msgspec.to_builtins`` takes the same hook).
+directly (``msgspec.to_builtins`` takes the same hook); :meth:`Conversation.dec_hook`
+decodes it back (``msgspec.json.decode(data, type=Session[T],
+dec_hook=Conversation.dec_hook)``, ``msgspec.convert``). Plain msgspec cannot
+encode it: msgspec encodes a list or tuple (or a subclass) from its own storage,
+so a type it encodes without a hook holds every message in one array, and
+deriving one is a copy of the whole history (O(n) per appended message, the
+cost this type removes).
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 from typing import Any, Final, overload
 
+import msgspec
+
 from ._messages import Message
 
-__all__ = ["CHUNK", "Conversation", "enc_hook"]
+__all__ = ["CHUNK", "Conversation", "dec_hook", "enc_hook"]
 
 CHUNK: Final = 64
 """Messages per chunk (a power of two: positions split with a shift and a mask)."""
@@ -93,6 +101,18 @@ class Conversation(Sequence[Message]):
         new_chunk = (*chunk[:at], message, *chunk[at + 1 :])
         return Conversation._of((*chunks[:which], new_chunk, *chunks[which + 1 :]), self._length)
 
+    def prefix(self, length: int) -> Conversation:
+        """The first ``length`` messages (0 <= ``length`` <= ``len(self)``), sharing this
+        conversation's full chunks: O(length / CHUNK + CHUNK)."""
+        if not 0 <= length <= self._length:
+            raise IndexError(f"length {length} is outside 0..{self._length}")
+        if length == self._length:
+            return self
+        chunks = self._chunks
+        full, rest = length >> _SHIFT, length & _MASK
+        kept = chunks[:full] if not rest else (*chunks[:full], chunks[full][:rest])
+        return Conversation._of(kept, length)
+
     # -- the Sequence protocol --------------------------------------------------------
 
     def __len__(self) -> int:
@@ -144,7 +164,10 @@ class Conversation(Sequence[Message]):
         chunks = self._chunks
         if len(chunks) == 1:
             return chunks[0]
-        return tuple(chain.from_iterable(chunks))
+        items: list[Message] = []
+        for chunk in chunks:  # a C-level extend per chunk: about twice chain's speed
+            items += chunk
+        return tuple(items)
 
     # -- values -----------------------------------------------------------------------
 
@@ -189,9 +212,27 @@ class Conversation(Sequence[Message]):
         """
         return enc_hook(value)
 
+    @staticmethod
+    def dec_hook(kind: type, value: Any) -> Any:
+        """A msgspec ``dec_hook`` that decodes the array of messages into a conversation.
+
+        ``msgspec.json.decode(data, type=Session[T], dec_hook=Conversation.dec_hook)``
+        (and ``msgspec.convert`` of the builtins ``msgspec.to_builtins`` made with
+        :meth:`enc_hook`). Each message is decoded and checked as
+        :class:`~stepmachine.Message`.
+        """
+        return dec_hook(kind, value)
+
 
 def enc_hook(value: object) -> Any:
     """A msgspec ``enc_hook`` that encodes a :class:`Conversation` as the array of its messages."""
     if isinstance(value, Conversation):
         return value.as_tuple()
     raise NotImplementedError(f"msgspec cannot encode objects of type {type(value).__name__}")
+
+
+def dec_hook(kind: type, value: Any) -> Any:
+    """A msgspec ``dec_hook`` that decodes an array of messages as a :class:`Conversation`."""
+    if kind is Conversation:
+        return Conversation(msgspec.convert(value, tuple[Message, ...]))
+    raise NotImplementedError(f"msgspec cannot decode objects of type {kind!r}")

@@ -226,27 +226,35 @@ class SetVisibility(Effect, frozen=True, gc=False, tag="set_visibility"):
         check_optional_bool("SetVisibility", "to_user", self.to_user)
 
     def apply(self, session: Session[Any]) -> Session[Any]:
-        wanted = set(self.message_ids)
-        conversation = list(session.conversation)
-        for index, message in enumerate(conversation):
-            if message.id in wanted:
-                wanted.discard(message.id)
-                conversation[index] = msgspec.structs.replace(
-                    message,
-                    visible_to_model=(
-                        message.visible_to_model if self.to_model is None else self.to_model
-                    ),
-                    visible_to_user=(
-                        message.visible_to_user if self.to_user is None else self.to_user
-                    ),
-                )
-        if wanted:
-            raise EffectError(
-                f"session {session.id!r} holds no messages with ids {sorted(wanted)!r}"
+        history = session.history
+        conversation = session.conversation
+        missing: list[str] = []
+        first: int | None = None  # the first position whose visibility to the model changes
+        for message_id in dict.fromkeys(self.message_ids):
+            index = history.message_position(message_id)
+            if index is None:
+                missing.append(message_id)
+                continue
+            message = conversation[index]
+            to_model = message.visible_to_model if self.to_model is None else self.to_model
+            to_user = message.visible_to_user if self.to_user is None else self.to_user
+            if (to_model, to_user) == (message.visible_to_model, message.visible_to_user):
+                continue
+            updated = msgspec.structs.replace(
+                message, visible_to_model=to_model, visible_to_user=to_user
             )
-        new = Conversation(conversation)
-        # Visibility changes what the model sees: rebuild the index (rare: repairs, compaction).
-        return derive_session(session, conversation=new, index=HistoryIndex.build(new))
+            conversation = conversation.replaced(index, updated)  # O(1): shares structure
+            if to_model == message.visible_to_model:
+                history = history.replaced(index, updated)  # seen by the user only: O(1)
+            elif first is None or index < first:
+                first = index
+        if missing:
+            raise EffectError(
+                f"session {session.id!r} holds no messages with ids {sorted(set(missing))!r}"
+            )
+        if first is not None:  # what the model sees changed: replay the index from there
+            history = history.shown_or_hidden(conversation, first)
+        return derive_session(session, conversation=conversation, index=history)
 
 
 class UpdateData(Effect, frozen=True, gc=False, tag="update_data"):

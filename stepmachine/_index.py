@@ -27,8 +27,13 @@ the next session's index from the previous one in their pure ``apply``:
   (an ``Annotate`` opening a namespace on a message or call) is O(namespaces):
   :meth:`HistoryIndex.noted` lists, per namespace, where notes are (a linked
   list shared by later sessions), so an operation reads only its own records.
-* ``SetVisibility`` and ``ReplaceConversation`` rebuild (O(n)); they are rare
-  (repairs, compaction).
+* ``SetVisibility`` (:meth:`HistoryIndex.shown_or_hidden`) replays the
+  messages from the first one it changes, from the latest *checkpoint* (every
+  :data:`CHECKPOINT_EVERY` messages an index keeps the index it derives from,
+  a chain shared by later sessions) on a new line of tables: O(messages after
+  the first change) read, plus the tables copied at C speed, as a branch.
+  Hiding the latest reply (a retry) reads a few messages, not the history.
+* ``ReplaceConversation`` rebuilds (O(n)); it is rare (repairs, compaction).
 * Once a message is hidden, the index also carries the visible messages
   (:attr:`HistoryIndex.visible`, a :class:`~stepmachine.Conversation`
   sharing structure), extended by :meth:`~HistoryIndex.appended` and updated
@@ -45,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Final, TypeAlias
 
-from ._conversation import Conversation
+from ._conversation import CHUNK, Conversation
 from ._media import AudioPart, DocumentPart, ImagePart
 from ._media_tokens import media_tokens
 from ._messages import Message, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
@@ -59,6 +64,8 @@ _NO_IDS: Final[frozenset[str]] = frozenset()
 # Where notes of one namespace are: (message position, call id or None, the entry noted before).
 _Noted: TypeAlias = "tuple[int, str | None, _Noted | None]"
 _NO_NOTES: Final[dict[str, _Noted]] = {}
+CHECKPOINT_EVERY: Final = CHUNK
+"""Every this many messages an index keeps the one it derives from (``SetVisibility``)."""
 
 
 def _key(message: Message) -> _Key:
@@ -209,6 +216,10 @@ class _Line:
         return line
 
 
+_NO_LINE: Final = _Line()
+"""The line of a checkpoint (never read: a replay takes the line of the index it replays for)."""
+
+
 class HistoryIndex:
     """Answers about one conversation (see the module docstring). Immutable once built.
 
@@ -230,6 +241,7 @@ class HistoryIndex:
 
     __slots__ = (
         "_bad",
+        "_checkpoint",
         "_line",
         "_noted",
         "_open",
@@ -263,6 +275,11 @@ class HistoryIndex:
         self._noted: dict[str, _Noted] = _NO_NOTES  # namespace -> newest entry (copy on write)
         self.estimated_tokens = 0  # estimate_tokens of the visible messages
         self._visible: Conversation | None = None  # the visible messages, when some are hidden
+        # The index this one derives from at the latest multiple of CHECKPOINT_EVERY messages
+        # below its length (a chain down to the empty index), without its tables, notes and
+        # visible messages: where a visibility change replays from. The parts of its open
+        # calls may be out of date (annotated since).
+        self._checkpoint: HistoryIndex | None = None
 
     def _clone(self) -> HistoryIndex:
         new = HistoryIndex.__new__(HistoryIndex)
@@ -281,7 +298,17 @@ class HistoryIndex:
         new._noted = self._noted
         new.estimated_tokens = self.estimated_tokens
         new._visible = self._visible
+        new._checkpoint = self._checkpoint
         return new
+
+    def _as_checkpoint(self) -> HistoryIndex:
+        """This index without what a replay takes from the index it replays for (the
+        tables, the notes, the visible messages): a checkpoint keeps no line alive."""
+        checkpoint = self._clone()
+        checkpoint._line = _NO_LINE
+        checkpoint._noted = _NO_NOTES
+        checkpoint._visible = None
+        return checkpoint
 
     # -- building -----------------------------------------------------------------
 
@@ -354,6 +381,49 @@ class HistoryIndex:
         new._noted[namespace] = (position, call_id, self._noted.get(namespace))
         return new
 
+    def shown_or_hidden(self, conversation: Conversation, first: int) -> HistoryIndex:
+        """The index of ``conversation`` after ``SetVisibility``: the conversation this
+        index indexes with the visibility of messages at ``first`` or later changed.
+
+        Replays the messages from the latest checkpoint at or before ``first``
+        (every :data:`CHECKPOINT_EVERY` messages) on a new line of tables:
+        O(``CHECKPOINT_EVERY`` + messages after ``first``) messages read, plus
+        a copy of the line's tables (O(n) at C speed, as a branch costs). Notes
+        are taken from this index (they do not depend on visibility).
+        """
+        checkpoint = self._checkpoint
+        while checkpoint is not None and checkpoint.length > first:
+            checkpoint = checkpoint._checkpoint
+        if checkpoint is None or len(conversation) != self.length:
+            return HistoryIndex.build(conversation)
+        start = checkpoint.length
+        index = checkpoint._clone()
+        index._line = self._line.prefix(start) if start else _Line()
+        if checkpoint.hidden:  # the messages before ``start`` are as they are here
+            assert self._visible is not None  # some are hidden here too
+            index._visible = self._visible.prefix(start - checkpoint.hidden)
+        else:
+            index._visible = None
+        for position in range(start, self.length):
+            message = conversation[position]
+            key = _key(message)
+            new = index._extended(message, key, write=True)
+            if index._visible is not None:
+                if key[1]:
+                    new._visible = index._visible.appended(message)
+            elif not key[1]:
+                new._visible = conversation.prefix(position)  # all before it are visible
+            index = new
+        index._noted = self._noted
+        if index._open:  # calls opened before ``start``: their parts as annotated since
+            refreshed: _Open = {}
+            for call_id, (at, part_at, _) in index._open.items():
+                part = conversation[at].parts[part_at]
+                assert isinstance(part, ToolCallPart)  # the same message, other notes at most
+                refreshed[call_id] = (at, part_at, part)
+            index._open = refreshed
+        return index
+
     def _extended(self, message: Message, key: _Key, *, write: bool) -> HistoryIndex:
         """This index plus ``message`` at position ``self.length``.
 
@@ -366,6 +436,8 @@ class HistoryIndex:
         _, visible, call_ids, result_ids = key
         new = self._clone()
         new.length = n + 1
+        if not n % CHECKPOINT_EVERY:
+            new._checkpoint = self._as_checkpoint()
         if message.notes or key[2]:
             new._noted = _noted_with(self._noted, message, n)
         if message.role == "assistant":

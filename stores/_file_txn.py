@@ -319,17 +319,56 @@ class FileTxn:
 
     def _start_for(self, session_id: str, nonce: str, head_end: int, after: int) -> FilePos:
         """Where to read the batches after ``after``: the snapshot's end when it is
-        not later and fits this log, else the start of the log."""
+        not later and fits this log; when it is later (the last batches before a
+        snapshot: a traced run's link, an audit of recent batches), the record
+        of revision ``after + 1``, found reading back from the snapshot's end;
+        else the start of the log."""
         snapshot = self._read_snapshot(session_id, nonce)
-        if snapshot is not None and snapshot.revision <= after:
+        if snapshot is not None:
             path = self._backend.log_path(session_id)
             size = os.fstat(self._fd).st_size
             misfit = snapshot_misfit(self._fd, snapshot, head_end, size, path)
             if misfit is None and snapshot.last_record is not None:
-                return FilePos(nonce, snapshot.offset, snapshot.last_record)
-            base = Base(snapshot.revision, b"", "", FilePos(nonce, 0, _NOWHERE))
-            self.unusable(session_id, base, misfit or "")
+                if snapshot.revision <= after:
+                    return FilePos(nonce, snapshot.offset, snapshot.last_record)
+                start = self._record_before(head_end, snapshot.offset, snapshot.revision, after)
+                if start is not None:
+                    return FilePos(nonce, start, _NOWHERE)
+            elif snapshot.revision <= after:
+                base = Base(snapshot.revision, b"", "", FilePos(nonce, 0, _NOWHERE))
+                self.unusable(session_id, base, misfit or "")
         return FilePos(nonce, head_end, _NOWHERE)
+
+    def _record_before(self, head_end: int, end: int, revision: int, after: int) -> int | None:
+        """The offset of the record of revision ``after + 1`` (or of an earlier one, the
+        create record at the latest), reading back from ``end``, where the record of
+        ``revision`` (> ``after``) ends; ``None`` when a line there does not start with
+        a record header (the caller then reads the log from its start, which names the
+        damage).
+
+        Records are lines (no payload holds a raw newline), so every byte after a
+        newline starts a record. The first read spans about as many bytes as the
+        records wanted take on average in this log; each further read doubles it.
+        O(bytes of the records after ``after``), not O(log).
+        """
+        wanted = revision - after + 1
+        span = end - head_end
+        window = max(512, (span // max(revision, 1) + 1) * wanted * 5 // 4)
+        while True:
+            low = max(head_end, end - window)
+            data = read_range(self._fd, low, end)
+            boundaries = [index + 1 for index in _newlines(data) if index + 1 < len(data)]
+            if low == head_end:
+                boundaries.insert(0, 0)
+            for boundary in reversed(boundaries):
+                fields = data[boundary : boundary + 64].split(b" ", 3)
+                if len(fields) < 4 or not fields[2].isdigit():
+                    return None
+                if int(fields[2]) <= after + 1:
+                    return low + boundary
+            if low == head_end:
+                return None
+            window *= 2
 
     def _read_snapshot(self, session_id: str, nonce: str) -> Snapshot | None:
         """The snapshot of this incarnation of the log (``nonce``), if there is one.
@@ -373,3 +412,11 @@ class FileTxn:
                 length=torn.length,
                 revision=revision,
             )
+
+
+def _newlines(data: bytes) -> Iterator[int]:
+    """The offsets of the newlines in ``data``, in order."""
+    at = data.find(b"\n")
+    while at != -1:
+        yield at
+        at = data.find(b"\n", at + 1)

@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CYCLE_NAMES = ("cycle_us", "bare_us", "growth_2000_over_20")
+CYCLE_NAMES = ("cycle_us", "bare_us", "growth_2000_over_20", "growth_ops_2000_over_20")
 STORE_NAMES = (
     "batch_us",
     "raw_commit_us",
@@ -68,17 +68,19 @@ def check_last_line(line: str, names: tuple[str, ...]) -> dict[str, float]:
 
 def test_pattern_rejects_other_lines() -> None:
     # The check itself can fail: wrong order, missing or extra names, non-numbers.
-    line = "cycle_us=1.5 bare_us=0.2 growth_2000_over_20=3.00"
+    line = "cycle_us=1.5 bare_us=0.2 growth_2000_over_20=3.00 growth_ops_2000_over_20=4.00"
     assert check_last_line(line, CYCLE_NAMES) == {
         "cycle_us": 1.5,
         "bare_us": 0.2,
         "growth_2000_over_20": 3.0,
+        "growth_ops_2000_over_20": 4.0,
     }
     for bad in (
-        "bare_us=0.2 cycle_us=1.5 growth_2000_over_20=3.00",
-        "cycle_us=1.5 bare_us=0.2",
-        "cycle_us=1.5 bare_us=0.2 growth_2000_over_20=3.00 extra=1",
-        "cycle_us=1.5 bare_us=n/a growth_2000_over_20=3.00",
+        "bare_us=0.2 cycle_us=1.5 growth_2000_over_20=3.00 growth_ops_2000_over_20=4.00",
+        "cycle_us=1.5 bare_us=0.2 growth_2000_over_20=3.00",
+        "cycle_us=1.5 bare_us=0.2 growth_2000_over_20=3.00 growth_ops_2000_over_20=4 extra=1",
+        "cycle_us=1.5 bare_us=n/a growth_2000_over_20=3.00 growth_ops_2000_over_20=4.00",
+        "cycle_us=1.5 bare_us=0.2 growth_ops_2000_over_20=4.00 growth_2000_over_20=3.00",
     ):
         with pytest.raises((AssertionError, ValueError)):
             check_last_line(bad, CYCLE_NAMES)

@@ -313,3 +313,58 @@ async def test_events_read_no_more_of_a_longer_history() -> None:
         assert [e.id for e in pending_events(session)] == ["e1"]
         reads.append(conversation.read)
     assert reads[0] == reads[1] < 30
+
+
+async def test_a_cycle_reads_no_more_after_200_events_consumed_than_after_5() -> None:
+    """Each consumption leaves a cursor: a cycle reads what came after it, not every event.
+
+    Reading every message with notes in the namespace cost two messages per event
+    ever consumed (the event and its delivery); the marker set before them all is
+    still found (the cursor lists it) and the last event satisfies it.
+    """
+    from stepmachine import Codec
+
+    reads = []
+    for consumed in (5, 200):
+        rt = Runtime(ids=counter_ids("x"))
+        session = make_session(Message.user("go", id="u0"), Message.assistant("ok", id="a0"))
+        session = wait_for("a0", "job_done").apply(session)
+        for n in range(consumed):
+            session = AppendMessage(event_message(f"e{n}", "chat", n)).apply(session)
+            check = await run_step(ExternalEvents(), runtime=rt, session=session)
+            assert check.continued
+            session = check.session
+            if n % 50 == 0:  # as loaded from a store: the index is rebuilt
+                session = Codec().decode_session(Codec().encode_session(session))
+        assert (await run_step(ExternalEvents(), runtime=rt, session=session)).yielded
+        session = AppendMessage(event_message("last", "job_done", {"ok": True})).apply(session)
+        session, conversation = counted(session)
+        outcome = await ExternalEvents().run(context(session))
+        assert isinstance(outcome, Continue)
+        assert [e.id for e in pending_events(session)] == ["last"]
+        reads.append(conversation.read)
+        satisfied = [e for e in outcome.effects if getattr(e, "message_id", None) == "a0"]
+        assert [e.values["satisfied_by"] for e in satisfied] == ["last"]  # type: ignore[attr-defined]
+    assert reads[0] == reads[1], reads
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known, left for later: a cycle reads the messages noted since the latest consumption's "
+        "cursor (and the markers it lists); a session loaded from a store indexes its notes in "
+        "message order, so a wait marker set after that consumption on a message before the "
+        "consumed event is behind the cursor and not seen. Set markers on the latest message"
+    ),
+)
+async def test_a_marker_set_later_on_an_earlier_message_is_seen_after_a_load() -> None:
+    from stepmachine import Codec
+
+    session = make_session(Message.user("go", id="u0"), Message.assistant("ok", id="a0"))
+    session = AppendMessage(event_message("e1", "chat", "hi")).apply(session)
+    check = await run_step(ExternalEvents(), session)
+    assert check.continued
+    session = wait_for("a0", "job_done").apply(check.session)
+    assert (await run_step(ExternalEvents(), session)).yielded  # live: the marker is noted last
+    loaded = Codec().decode_session(Codec().encode_session(session))
+    assert (await run_step(ExternalEvents(), loaded)).yielded

@@ -52,6 +52,7 @@ RELEASED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("kind", "model", "usage", "summarised_into", "ledger"),
     ),
     "stepmachine.events.consumed": ((), ("consumed", "consumed_at", "delivered_as")),
+    "stepmachine.events.cursor": ((), ("waiting",)),
     "stepmachine.events.delivery": (("event_id", "kind"), ()),
     "stepmachine.events.event": (("id", "kind"), ("payload", "submitted_at")),
     "stepmachine.events.wait": (("awaiting",), ("satisfied_by",)),

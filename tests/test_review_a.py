@@ -315,8 +315,8 @@ def _scans(why: str) -> pytest.MarkDecorator:
 # as built here by hand, model calls) over the whole history.
 OPERATION_CASES = [
     ("approval", True),
-    pytest.param("history_guard", True, marks=_scans("repairing an unknown tool's call")),
-    pytest.param("invalid_calls", True, marks=_scans("repairing an unknown tool's call")),
+    ("history_guard", True),
+    ("invalid_calls", True),
     pytest.param("budget", True, marks=_scans("tool-call limits count the whole history")),
     pytest.param("budget", False, marks=_scans("tool-call limits count the whole history")),
     ("compaction", False),

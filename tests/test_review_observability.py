@@ -907,18 +907,6 @@ async def file_session(folder: Path, batches: int) -> None:
         await store.aclose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "stepmachine/_machine.py:505 _link_to_previous reads store.batches(id, revision - 16); "
-        "on the FileStore (stores/_file_txn.py:302 _start_for) a snapshot newer than "
-        "revision - 16 -- the 16 revisions after every snapshot, and right after every "
-        "compaction -- makes that read parse the WHOLE log from revision 0: at 500 batches "
-        "a traced run reads ~120 KB instead of ~4 KB (invariant 10, constant cost per "
-        "step). Read the last batches from the snapshot's position backwards, or store "
-        "the newest traceparent with the session head/snapshot."
-    ),
-)
 async def test_a_traced_runs_link_does_not_read_the_whole_file_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
