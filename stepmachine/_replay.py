@@ -100,6 +100,7 @@ cycle.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -119,6 +120,7 @@ from ._replay_compare import RuntimeMade, first_change, journal_key, same_batche
 from ._replay_sandbox import Sandbox
 from ._runtime import Runtime
 from ._session import Session
+from ._staged import Staged
 from ._steps import Continue, Yield
 from ._store import Store
 from ._tools import idempotency_key
@@ -554,6 +556,21 @@ async def _replay_cycle(
         raise  # the step list itself is wrong (two steps advertise one tool): say so once
     except Exception as exc:  # noqa: BLE001 - a failing step is this cycle's difference
         error = f"the new pipeline raises {type(exc).__name__}: {exc}"
+    if decision is not None and isinstance(decision.outcome, Staged):
+        # Staged work is carried out by the machine's own apply, into the sandbox:
+        # the intents, each task's record, the ending, as batches of their own.
+        try:
+            _, result = await machine.apply(runtime, sandbox.session, decision, cycle=first.cycle)
+        except ConfigurationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failing step is this cycle's difference
+            error = f"the new pipeline raises {type(exc).__name__}: {exc}"
+            decision = None
+        else:
+            ending: Continue | Yield = (
+                Continue(()) if result.reason is None else Yield((), result.reason)
+            )
+            decision = dataclasses.replace(decision, outcome=ending)
     new = [b.effects for b in sandbox.batches]
     if decision is not None and decision.outcome.effects:
         new.append(tuple(decision.outcome.effects))

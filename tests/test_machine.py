@@ -30,15 +30,18 @@ from stepmachine import (
     ModelResponse,
     Operation,
     Outcome,
+    Recorder,
     RecordingEmitter,
     Refuse,
     Runtime,
     Session,
+    Staged,
     StateMachine,
     StepApplied,
     StepContext,
     StepmachineError,
     StoredDataError,
+    Task,
     TextDelta,
     ToolCallPart,
     ToolFinished,
@@ -58,6 +61,12 @@ from stepmachine import (
 from stepmachine._retry import Conflicts, retry_conflicts
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
+
+# Steps written for earlier releases still commit through ctx.commit: it works, with a
+# DeprecationWarning (test_machine.py checks the warning itself).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:StepContext.commit is deprecated:DeprecationWarning"
+)
 
 
 class Flags(msgspec.Struct, frozen=True):
@@ -732,6 +741,53 @@ async def test_a_step_that_committed_and_refused_restarts_the_cycle() -> None:
     # No conflict: after the commit the cycle restarted from the top with the new session.
     assert [b.step for b in await store.batches("s")] == ["a", "committer", "b"]
     assert [r.step for r in report.results] == ["a", "committer", "b"]
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+async def test_ctx_commit_still_works_and_says_it_is_deprecated() -> None:
+    store = await new_store()
+    machine = StateMachine([CommitThenRefuse()])
+    with pytest.warns(DeprecationWarning, match=r"return Staged\(intents, tasks\)"):
+        report = await machine.run_report(Runtime(store=store), "s")
+    assert report.session.data.done == ("committer",)
+    assert [b.step for b in await store.batches("s")] == ["committer"]
+
+
+class StagedNote(Operation[Flags]):
+    """Staged work of its own: an intent, a task, its record; the machine writes all three."""
+
+    name = "staged"
+
+    def __init__(self, finished: list[str]) -> None:
+        self.finished = finished
+
+    async def run(self, ctx: StepContext[Flags]) -> Outcome | Staged:
+        if "staged" in ctx.session.data.done:
+            return Refuse("done")
+
+        async def work() -> Recorder:
+            self.finished.append("work")
+
+            def record(session: Session[Any]) -> list[Effect]:
+                return [UpdateData.set(done=(*session.data.done, "staged"))]
+
+            return record
+
+        intent = UpdateData.set(done=(*ctx.session.data.done, "intent"))
+        return Staged([intent], [Task("work", work)])
+
+
+async def test_a_third_party_step_gets_staged_work_written_by_the_machine() -> None:
+    store = await new_store()
+    finished: list[str] = []
+    report = await StateMachine([StagedNote(finished)]).run_report(Runtime(store=store), "s")
+    assert finished == ["work"]
+    assert report.session.data.done == ("intent", "staged")
+    assert [b.step for b in await store.batches("s")] == ["staged", "staged"]
+    (result,) = report.results
+    assert result.status == "continue"
+    assert len(result.effects) == 2  # every effect the machine wrote in the cycle
+    assert report.reason.kind == YieldReason.IDLE
 
 
 # -- the compare-and-set retry helper ------------------------------------------------------

@@ -82,7 +82,10 @@ from stepmachine.operations import (
 from stepmachine.stores import MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 
-pytestmark = pytest.mark.anyio
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.filterwarnings("ignore:StepContext.commit is deprecated:DeprecationWarning"),
+]
 
 
 class Clock:
