@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 
 from stepmachine import (
@@ -65,7 +66,7 @@ class PaymentProvider:
         self.charges: dict[str, int] = {}
 
     async def charge(self, amount_cents: int, idempotency_key: str) -> str:
-        await anyio.sleep(0)  # a network call
+        await anyio.lowlevel.checkpoint()  # a network call
         self.charges.setdefault(idempotency_key, amount_cents)
         return f"receipt-{idempotency_key[:8]}"
 
@@ -76,7 +77,7 @@ class ChargeOrder(Operation[Order]):
     def __init__(self, provider: PaymentProvider) -> None:
         self.provider = provider
 
-    async def run(self, ctx: StepContext[Order]) -> Outcome | Staged:
+    async def run(self, ctx: StepContext[Order]) -> Outcome:
         order = ctx.session.data
         if order.receipt or order.amount_cents <= 0:
             return Refuse("nothing to charge")

@@ -67,7 +67,7 @@ from ._steps import (
     Yield,
     YieldReason,
 )
-from ._store import commit
+from ._store import commit, store_batch
 
 if TYPE_CHECKING:
     from ._machine import StateMachine
@@ -253,7 +253,7 @@ def check_pending(step_name: str, pending: object) -> Awaitable[object]:
     )
 
 
-def check_outcome(step_name: str, returned: object) -> Outcome | Staged:
+def check_outcome(step_name: str, returned: object) -> Outcome:
     """``returned`` when it is a step outcome (``Refuse``, ``Continue``, ``Yield``, ``Staged``).
 
     Raises:
@@ -358,7 +358,11 @@ async def apply(
     after = session
     status: Literal["continue", "yielded"] = "yielded" if isinstance(outcome, Yield) else "continue"
     if outcome.effects:
-        after = await commit(runtime, session, name, cycle, outcome.effects, decision.refusals)
+        handler, clock, refused = runtime.effect_handler(), runtime.clock(), decision.refusals
+        trace = _tracing.traceparent()
+        after = await store_batch(
+            handler, session, name, cycle, clock, outcome.effects, refused=refused, trace=trace
+        )
         await sink.emit(StepApplied(name, after.revision, status, len(outcome.effects)))
         sink.follow(after.revision)
     reason = outcome.reason if isinstance(outcome, Yield) else None
@@ -406,27 +410,35 @@ class Driver(Generic[D]):
     start_revision: int
     cycles: int = 0
     results: list[StepResult] = field(default_factory=list)
+    session: Session[D] | None = None  # the session the run started from, if loaded for it
+    report: RunReport[D] | None = None  # how the run ended, once it has
 
-    async def run(self, session: Session[D]) -> RunReport[D]:
-        """Cycles from ``session`` until one yields or none applies.
+    async def run(self, session: Session[D] | None = None) -> RunReport[D]:
+        """Cycles from ``session`` (default: the one loaded for the run) until one yields
+        or none applies.
 
         Raises:
             ConflictError: more than the machine's ``max_conflicts`` conflicts.
             Exception: whatever a step or the store raises; batches before stay.
         """
+        start = self.session if session is None else session
+        if start is None:
+            raise TypeError("Driver.run() needs a session: pass one, or load it first")
+        current: Session[D] = start
         conflicts = Conflicts(self.machine.max_conflicts)  # for the whole run
         while True:
             try:
-                session, report = await self.cycle(session)
+                current, report = await self.cycle(current)
             except ConflictError:
                 if conflicts.left <= 0:
                     raise
                 conflicts.left -= 1
-                session = await self._guarded(self.runtime.session_loader().load(session.id))
-                self.sink.follow(session.revision)
-                _log.event(_log.DEBUG, "reload", session_id=session.id, revision=session.revision)
+                current = await self._guarded(self.runtime.session_loader().load(current.id))
+                self.sink.follow(current.revision)
+                _log.event(_log.DEBUG, "reload", session_id=current.id, revision=current.revision)
                 continue
             if report is not None:
+                self.report = report
                 return report
 
     async def cycle(self, session: Session[D]) -> tuple[Session[D], RunReport[D] | None]:

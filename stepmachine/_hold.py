@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import anyio
@@ -177,30 +178,32 @@ async def _undo_claim(store: Leases, session_id: str, owner: str, ttl: float) ->
     await _quietly("lease_claim_undo_failed", session_id, undo)
 
 
-async def hold(
-    store: Leases, lease: Lease, work: Callable[[Fence], Awaitable[T]], *, renew_every: float
-) -> T:
-    """``await work(fence)`` while renewing ``lease`` every ``renew_every`` seconds.
+@asynccontextmanager
+async def holding(store: Leases, lease: Lease, *, renew_every: float) -> AsyncIterator[Fence]:
+    """Hold ``lease`` around the body: its :class:`Fence`, renewed every ``renew_every`` s.
 
     Does not release the lease (see :func:`release`). A store whose leases do
     not expire (``leases_expire`` False: held until released or the process
-    ends) has nothing to renew: the work runs without a renewal task.
+    ends) has nothing to renew: the body runs without a renewal task.
 
     Raises:
-        LeaseLostError: the renewal found the lease gone (the work was
-            cancelled), or the work's write was refused.
-        Exception: whatever ``work`` raises.
+        LeaseLostError: the renewal found the lease gone (the body was
+            cancelled), or the body's write was refused.
+        Exception: whatever the body raises (a ``KeyboardInterrupt`` as
+            itself, never inside a group).
     """
     fence = Fence(store, lease)
     if not store.leases_expire:  # held until released or the process ends: nothing to renew
-        return await work(fence)
-    results: list[T] = []
+        yield fence
+        return
+    finished = False
     failure: BaseException | None = None
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_renew, fence, renew_every, tg.cancel_scope)
             try:
-                results.append(await work(fence))
+                yield fence
+                finished = True
             except anyio.get_cancelled_exc_class():
                 raise
             except BaseException as exc:  # noqa: BLE001 - re-raised below, outside the group
@@ -214,10 +217,18 @@ async def hold(
         raise interrupt from None
     if failure is not None:
         raise failure
-    if not results:  # the renewal cancelled the work
+    if not finished:  # the renewal cancelled the body
         assert fence.lost is not None
         raise fence.lost
-    return results[0]
+
+
+async def hold(
+    store: Leases, lease: Lease, work: Callable[[Fence], Awaitable[T]], *, renew_every: float
+) -> T:
+    """``await work(fence)`` while holding ``lease`` (see :func:`holding`)."""
+    async with holding(store, lease, renew_every=renew_every) as fence:
+        return await work(fence)
+    raise AssertionError("unreachable: holding re-raises what stopped the body")  # pragma: no cover
 
 
 def _interrupt_in(group: BaseExceptionGroup[BaseException]) -> BaseException | None:

@@ -75,7 +75,7 @@ from ._finalize import (
     keep_records,
     shielded,
 )
-from ._hold import Fence, claim, hold, leasing_store, release, renew_interval, request_again
+from ._hold import claim, holding, leasing_store, release, renew_interval, request_again
 from ._lease import Lease, LeasePolicy, Leases, check_claim, new_owner
 from ._model import PromptPart, ToolDefinition
 from ._runtime import Runtime
@@ -219,8 +219,7 @@ class StateMachine(Generic[D]):
 
         Leases: see :meth:`run_report`.
         """
-        report = await self.run_report(runtime, session_id, emitter, lease=lease)
-        return report.session
+        return (await self._drive(runtime, session_id, emitter, lease)).session
 
     async def run_report(
         self,
@@ -263,9 +262,92 @@ class StateMachine(Generic[D]):
                 of this session or ``None``, or a ``Lease`` was given for a
                 store without leases.
         """
+        return await self._drive(runtime, session_id, emitter, lease)
+
+    async def _drive(
+        self,
+        runtime: Runtime,
+        session_id: str,
+        emitter: Emitter | None,
+        lease: LeasePolicy | Lease | EllipsisType | None,
+        *,
+        max_rounds: int | None = None,
+        keep: Callable[[Exception], bool] | None = None,
+    ) -> RunReport[D]:
+        """``run()`` and ``run_report()``: claim, then the driver's rounds; see
+        :meth:`run_report`.
+
+        The path of a batch from here: ``_drive`` -> ``Driver.run`` ->
+        ``Driver.cycle`` -> ``apply`` -> ``store_batch`` -> the effect
+        handler's ``apply`` (the lease's fence, or the store). The lease, the
+        steps' ``open_for_run`` and the run's span are context managers around
+        ``Driver.run``, not calls on that path.
+
+        A requested turn is never dropped: once a release took the pending-run
+        mark (this holder owes a round), the mark is set again before the lease
+        is let go if that round does not complete (cancelled, failed), or when
+        ``max_rounds`` rounds were run (``serve`` runs one round per claim, so
+        a session requested again and again does not keep its worker).
+
+        ``keep``: a run that raised an ``Exception`` for which ``keep(exc)`` is
+        true is not released: the error propagates with the lease still held
+        (its mark set again first if a round was owed), and the caller owns
+        it (``serve`` keeps a turn it retries that way, so that it is never
+        both unmarked and unheld). Cancellation always releases.
+        """
+        held = await self._claim(runtime, session_id, lease)
+        if isinstance(held, RunReport):
+            return held  # queued
+        if held is None:
+            async with self._round(runtime, session_id, emitter) as driver:
+                return await driver.run()
+        store, claimed = held
+        results: list[StepResult] = []
+        owed = False  # a release took the mark: the next round is a requested turn
+        try:
+            async with holding(store, claimed, renew_every=renew_interval(claimed)) as fence:
+                fenced = dataclasses.replace(runtime, handler=fence)
+                done = 0
+                while True:
+                    async with self._round(fenced, session_id, emitter) as driver:
+                        report = await driver.run()
+                    done += 1
+                    results.extend(report.results)
+                    if report.reason.kind == YieldReason.CANCELLED:
+                        break  # a requested turn is left to whoever claims next
+                    owed = False
+                    if await release(store, claimed, unless_requested=True):
+                        return dataclasses.replace(report, results=tuple(results))
+                    owed = True  # a turn was requested meanwhile: ours to run
+                    if max_rounds is not None and done >= max_rounds:
+                        break  # ... or to hand back (see above)
+                if owed:
+                    await request_again(store, claimed)
+                await release(store, claimed, unless_requested=False)
+                return dataclasses.replace(report, results=tuple(results))
+        except BaseException as exc:
+            if owed:
+                await request_again(store, claimed)
+            if keep is None or not isinstance(exc, Exception) or not keep(exc):
+                await release(store, claimed, unless_requested=False)
+            raise
+
+    async def _claim(
+        self,
+        runtime: Runtime,
+        session_id: str,
+        lease: LeasePolicy | Lease | EllipsisType | None,
+    ) -> tuple[Leases, Lease] | RunReport[D] | None:
+        """The store and lease a run holds; ``None`` to run without one; the ``queued``
+        report when the turn was queued for the holder.
+
+        Raises:
+            SessionBusyError: see :meth:`run_report`.
+            ConfigurationError: an unusable ``lease`` (see :meth:`run_report`).
+        """
         chosen = self.lease if lease is ... else lease
         if chosen is None:
-            return await self._run_unleased(runtime, session_id, emitter)
+            return None
         leases = leasing_store(runtime)
         if isinstance(chosen, Lease):
             if leases is None:
@@ -285,13 +367,13 @@ class StateMachine(Generic[D]):
                 check_claim(chosen.owner, chosen.ttl)
             except ValueError as exc:
                 raise ConfigurationError(f"run() got an unusable lease: {exc}") from None
-            return await self._run_holding(runtime, leases, chosen, emitter)
+            return leases, chosen
         if not isinstance(chosen, LeasePolicy):
             raise ConfigurationError(
                 f"lease must be a LeasePolicy, a Lease or None, got {chosen!r}"
             )
         if leases is None:
-            return await self._run_unleased(runtime, session_id, emitter)
+            return None
         claimed = await claim(leases, session_id, new_owner(), chosen)
         if claimed is None:
             session: Session[D] = await runtime.session_loader().load(session_id)
@@ -300,108 +382,42 @@ class StateMachine(Generic[D]):
                 "another runner holds the session; it runs the queued turn before it lets go",
             )
             return RunReport(session, reason)
-        return await self._run_holding(runtime, leases, claimed, emitter)
+        return leases, claimed
 
-    async def _run_holding(
-        self,
-        runtime: Runtime,
-        store: Leases,
-        lease: Lease,
-        emitter: Emitter | None,
-        *,
-        max_rounds: int | None = None,
-        keep: Callable[[Exception], bool] | None = None,
-    ) -> RunReport[D]:
-        """Run while holding ``lease``; again while turns were requested; then release it.
-
-        A requested turn is never dropped: once a release took the pending-run
-        mark (this holder owes a round), the mark is set again before the lease
-        is let go if that round does not complete (cancelled, failed), or when
-        ``max_rounds`` rounds were run (``serve`` runs one round per claim, so
-        a session requested again and again does not keep its worker).
-
-        ``keep``: a run that raised an ``Exception`` for which ``keep(exc)`` is
-        true is not released: the error propagates with the lease still held
-        (its mark set again first if a round was owed), and the caller owns
-        it (``serve`` keeps a turn it retries that way, so that it is never
-        both unmarked and unheld). Cancellation always releases.
-        """
-        results: list[StepResult] = []
-        owed = False  # a release took the mark: the next round is a requested turn
-
-        async def rounds(fence: Fence) -> RunReport[D]:
-            nonlocal owed
-            fenced = dataclasses.replace(runtime, handler=fence)
-            done = 0
-            while True:
-                report = await self._run_unleased(fenced, lease.session_id, emitter)
-                done += 1
-                results.extend(report.results)
-                if report.reason.kind == YieldReason.CANCELLED:
-                    break  # a requested turn is left to whoever claims next
-                owed = False
-                if await release(store, lease, unless_requested=True):
-                    return dataclasses.replace(report, results=tuple(results))
-                owed = True  # a turn was requested meanwhile: ours to run
-                if max_rounds is not None and done >= max_rounds:
-                    break  # ... or to hand back (see the docstring)
-            if owed:
-                await request_again(store, lease)
-            await release(store, lease, unless_requested=False)
-            return dataclasses.replace(report, results=tuple(results))
-
-        try:
-            return await hold(store, lease, rounds, renew_every=renew_interval(lease))
-        except BaseException as exc:
-            if owed:
-                await request_again(store, lease)
-            if keep is None or not isinstance(exc, Exception) or not keep(exc):
-                await release(store, lease, unless_requested=False)
-            raise
-
-    async def _run_unleased(
+    @asynccontextmanager
+    async def _round(
         self, runtime: Runtime, session_id: str, emitter: Emitter | None
-    ) -> RunReport[D]:
-        """One run, under an ``invoke_agent`` span when the runtime's telemetry traces."""
+    ) -> AsyncIterator[Driver[D]]:
+        """One round of a run: the steps opened, the run's span, the session loaded, and
+        the driver that runs its cycles (its ``session``: the session as loaded)."""
         attributes = {
             "gen_ai.operation.name": "invoke_agent",
             "gen_ai.agent.name": _tracing.AGENT_NAME,
             "gen_ai.conversation.id": session_id,
         }
         name = f"invoke_agent {_tracing.AGENT_NAME}"
-        if not self.capabilities.openers:
-            return await self._run_opened(runtime, session_id, emitter, name, attributes)
-        async with self.opened(runtime):
-            return await self._run_opened(runtime, session_id, emitter, name, attributes)
-
-    async def _run_opened(
-        self,
-        runtime: Runtime,
-        session_id: str,
-        emitter: Emitter | None,
-        name: str,
-        attributes: dict[str, Any],
-    ) -> RunReport[D]:
-        with (
-            _log.session(session_id),
-            _tracing.run_span(runtime.telemetry, name, attributes) as span,
-        ):
+        async with AsyncExitStack() as stack:
+            if self.capabilities.openers:
+                await stack.enter_async_context(self.opened(runtime))
+            stack.enter_context(_log.session(session_id))
+            span = stack.enter_context(_tracing.run_span(runtime.telemetry, name, attributes))
             session: Session[D] = await runtime.session_loader().load(session_id)
             if span is not None:
                 await _link_to_previous(runtime, session, span)
             sink = EventSink(emitter or NullEmitter(), session_id, session.revision)
-            driver = Driver(self, runtime, sink, start_revision=session.revision)
-            report = await driver.run(session)
-            _tracing.set_attributes(
-                span,
-                {
-                    "stepmachine.revision.start": driver.start_revision,
-                    "stepmachine.revision.end": report.session.revision,
-                    "stepmachine.yield.kind": report.reason.kind,
-                    "stepmachine.cycles": driver.cycles,
-                },
-            )
-            return report
+            driver = Driver(self, runtime, sink, start_revision=session.revision, session=session)
+            yield driver
+            if driver.report is not None:
+                report = driver.report
+                _tracing.set_attributes(
+                    span,
+                    {
+                        "stepmachine.revision.start": driver.start_revision,
+                        "stepmachine.revision.end": report.session.revision,
+                        "stepmachine.yield.kind": report.reason.kind,
+                        "stepmachine.cycles": driver.cycles,
+                    },
+                )
 
     @asynccontextmanager
     async def opened(self, runtime: Runtime) -> AsyncIterator[None]:

@@ -586,6 +586,7 @@ async def _replay_cycle(
     elif decision is None:
         difference = f"no step applies (stored: {first.step!r})"
     elif new_step is None:
+        assert not isinstance(decision.outcome, Staged)  # carried out above
         difference = _wrote_nothing(decision.step.name, decision.outcome, first.step)
     else:
         difference = _difference(stored, new_step, new, sandbox)

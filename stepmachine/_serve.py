@@ -154,11 +154,11 @@ async def _loop(
             continue
         session_id = lease.session_id
         try:  # one round per claim: a session requested again goes back in the queue
-            report = await machine._run_holding(
+            report = await machine._drive(
                 runtime,
-                store,
-                lease,
+                session_id,
                 None,
+                lease,
                 max_rounds=1,
                 keep=lambda exc: worker.will_retry(session_id, exc),  # noqa: B023 - called here
             )

@@ -45,109 +45,16 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import anyio
 
 from ._effects import Effect
-from ._errors import ConfigurationError, ConflictError, EffectError, LeaseLostError
-from ._outcomes import Continue, Yield
+from ._errors import ConflictError, EffectError, LeaseLostError
+from ._outcomes import Continue, Recorder, Staged, Task, Yield
 from ._session import Session
 
 __all__ = ["Recorder", "Staged", "Task", "Writer", "execute", "one_error"]
-
-Recorder: TypeAlias = Callable[[Session[Any]], Sequence[Effect]]
-"""How a finished task is recorded: the effects, computed from the session as stored.
-
-Called when the machine writes the task's batch, again after a conflict, and
-by finalize after a cancellation; return no effects when there is nothing
-left to record (another writer recorded it).
-"""
-
-
-@dataclass(frozen=True, slots=True)
-class Task:
-    """One piece of staged work.
-
-    Attributes:
-        name: what the task is, for logs and errors (a tool call's id).
-        run: the work; returns how to record its result. An exception from
-            it propagates (the step decides what is an error result: catch
-            it and return a record of it).
-        guarded: a start that must not happen twice (a ``non_idempotent``
-            tool, a payment): the machine confirms with the store that the run
-            still holds the session right before it starts the task.
-        landed: awaited once the machine holds the task's record, before it is
-            written (a "finished" event); an interrupt there loses nothing.
-        keep: what to record if the task is cancelled while it runs (what it
-            already has); ``None``: nothing.
-        refused: a replacement record when the store refuses the record's
-            effects (:class:`~stepmachine.EffectError`), or ``None``.
-    """
-
-    name: str
-    run: Callable[[], Awaitable[Recorder]]
-    guarded: bool = False
-    landed: Callable[[], Awaitable[None]] | None = None
-    keep: Recorder | None = None
-    refused: Callable[[Exception], Recorder | None] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Staged:
-    """Write ``intents``, run ``tasks`` and record each as it lands; then ``then()``.
-
-    See the module docs for the order and for cancellation.
-
-    Attributes:
-        intents: effects written as one batch before any task starts.
-        tasks: the work, in order.
-        max_concurrency: tasks run at once (1: one after another, in order).
-        then: how the cycle ends once every task is recorded (default
-            ``Continue(())``); may raise.
-
-    Raises:
-        ConfigurationError: ``max_concurrency`` is not an int >= 1, or there is
-            neither an intent nor a task (the session would not change).
-    """
-
-    intents: tuple[Effect, ...]
-    tasks: tuple[Task, ...]
-    max_concurrency: int
-    then: Callable[[], Continue | Yield] | None
-
-    def __init__(
-        self,
-        intents: Sequence[Effect] = (),
-        tasks: Sequence[Task] = (),
-        *,
-        max_concurrency: int = 1,
-        then: Callable[[], Continue | Yield] | None = None,
-    ) -> None:
-        if (
-            isinstance(max_concurrency, bool)
-            or not isinstance(max_concurrency, int)
-            or max_concurrency < 1
-        ):
-            raise ConfigurationError(
-                f"Staged: max_concurrency must be an int >= 1, got {max_concurrency!r}"
-            )
-        if not intents and not tasks:
-            raise ConfigurationError(
-                "Staged with no intents and no tasks changes nothing; return Refuse(why) "
-                "when the step has nothing to do"
-            )
-        object.__setattr__(self, "intents", tuple(intents))
-        object.__setattr__(self, "tasks", tuple(tasks))
-        object.__setattr__(self, "max_concurrency", max_concurrency)
-        object.__setattr__(self, "then", then)
-
-    @property
-    def effects(self) -> tuple[Effect, ...]:
-        """The intents (what the outcome writes before any work; ``Continue.effects``'s peer)."""
-        return self.intents
-
 
 Writer: TypeAlias = Callable[[Session[Any], Sequence[Effect]], Awaitable[Session[Any]]]
 """The machine's write of one batch of the deciding step (compare-and-set on the session)."""
@@ -196,13 +103,17 @@ async def execute(
 
     async def write_record(entry: Recorder, task: Task) -> None:
         nonlocal current
-        for _ in range(MAX_RECORD_CONFLICTS + 1):
+        conflicts = 0
+        while True:
             effects = tuple(entry(current))
             if not effects:
                 return
             try:
                 current = await write(current, effects)
             except ConflictError:
+                conflicts += 1
+                if conflicts > MAX_RECORD_CONFLICTS:
+                    raise  # another writer keeps moving the session on
                 current = await reload(current.id)
                 continue
             except EffectError as exc:
@@ -214,10 +125,6 @@ async def execute(
                 continue
             written.extend(effects)
             return
-        raise ConflictError(
-            f"a record of task {task.name!r} conflicted {MAX_RECORD_CONFLICTS + 1} times "
-            "in a row; another writer keeps moving the session on"
-        )
 
     async def one(task: Task) -> None:
         await confirm(task)

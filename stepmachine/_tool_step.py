@@ -319,7 +319,7 @@ class Tools(Operation[Any]):
 
     # -- one cycle ----------------------------------------------------------------
 
-    async def run(self, ctx: StepContext[Any]) -> Outcome | Staged:
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
         """Staged work for the open calls that are its own (see the module docs).
 
         Calls answered without running anything (an unknown tool, invalid

@@ -167,9 +167,9 @@ async def run_step(
         async def confirm(task: Task) -> None:
             return None  # no lease to confirm
 
-        current, _, outcome = await execute(staged, current, commit, reload, confirm, [])
+        current, _, ending = await execute(staged, current, commit, reload, confirm, [])
+        outcome: Outcome = ending
     else:
-        assert not isinstance(returned, Staged)
         outcome = returned
     effects: tuple[Effect, ...] = () if isinstance(outcome, Refuse) else outcome.effects
     after = apply_batch(current, effects) if effects else current
