@@ -67,7 +67,7 @@ from ._steps import (
     Yield,
     YieldReason,
 )
-from ._store import commit, store_batch
+from ._store import commit
 
 if TYPE_CHECKING:
     from ._machine import StateMachine
@@ -358,11 +358,7 @@ async def apply(
     after = session
     status: Literal["continue", "yielded"] = "yielded" if isinstance(outcome, Yield) else "continue"
     if outcome.effects:
-        handler, clock, refused = runtime.effect_handler(), runtime.clock(), decision.refusals
-        trace = _tracing.traceparent()
-        after = await store_batch(
-            handler, session, name, cycle, clock, outcome.effects, refused=refused, trace=trace
-        )
+        after = await commit(runtime, session, name, cycle, outcome.effects, decision.refusals)
         await sink.emit(StepApplied(name, after.revision, status, len(outcome.effects)))
         sink.follow(after.revision)
     reason = outcome.reason if isinstance(outcome, Yield) else None
