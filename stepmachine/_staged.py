@@ -34,9 +34,9 @@ streamed text), if it has one; anything else the step wants kept goes
 through its ``finalize``. Calls left open are answered "interrupted" as
 after any cancellation.
 
-A result the store refuses (:class:`~stepmachine.EffectError`, e.g.
-:class:`~stepmachine.MediaTooLargeError`: an image over the store's limit) is
-offered to the task's ``refused``: a replacement record (an error result
+A result the store refuses (:class:`~stepmachine.EffectError`: an effect
+that does not apply, or :class:`~stepmachine.MediaTooLargeError`: an image over
+the store's limit; nothing of that batch was written) is offered to the task's ``refused``: a replacement record (an error result
 naming the limit), or ``None`` to let the error propagate.
 """
 
@@ -50,7 +50,7 @@ from typing import Any, TypeAlias
 import anyio
 
 from ._effects import Effect
-from ._errors import ConflictError, EffectError, LeaseLostError
+from ._errors import ConflictError, EffectError, LeaseLostError, MediaTooLargeError
 from ._outcomes import Continue, Recorder, Staged, Task, Yield
 from ._session import Session
 
@@ -116,7 +116,7 @@ async def execute(
                     raise  # another writer keeps moving the session on
                 current = await reload(current.id)
                 continue
-            except EffectError as exc:
+            except (EffectError, MediaTooLargeError) as exc:
                 replacement = None if task.refused is None else task.refused(exc)
                 if replacement is None:
                     raise

@@ -285,14 +285,17 @@ async def test_a_turn_runs_as_one_dbos_step_per_cycle(
         assert workflow_id == "s1-turn-1"
         assert await durable.enqueue_turn("s1", turn_id="s1-turn-1") == workflow_id  # idempotent
         report = await durable.result(workflow_id)
-    # Each durable cycle is a `cycle` event, with the steps that refused before it and why.
+    # Each durable cycle is a `cycle` event, with the steps that refused before it and why;
+    # the injected conflict is one too (as in run(): the one driver logs both alike).
     cycles = [e for e in events if e["event"] == "cycle" and e["session_id"] == "s1"]
     assert [(e["step"], e["outcome"]) for e in cycles] == [
+        ("inference", "conflict"),
         ("inference", "continue"),
         ("tools", "continue"),
         ("inference", "yielded"),
     ]
     assert cycles[0]["refused"] == [{"step": "tools", "why": "no open tool calls"}]
+    assert cycles[1]["refused"] == [{"step": "tools", "why": "no open tool calls"}]
 
     session = await store.load("s1")
     assert session.conversation[-1].text == "the sum is 5"
