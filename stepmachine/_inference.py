@@ -19,6 +19,23 @@ with tool calls continues the run; a reply without them yields with reason
 
 Streaming adds events only: the effects come from the assembled response, so
 they are the same with ``stream=True`` or ``False`` (same behaviour streaming or not).
+
+The call is staged work (:class:`~stepmachine.Staged`): the step decides and
+builds the request; the machine makes the call and records what came of it,
+so every model request sent is counted (exact budgets), whatever happens:
+
+* a reply is recorded as its assistant message (with its receipt);
+* a failure after the adapter's retries (:class:`~stepmachine.ModelError`)
+  records its attempts on the last message the model saw
+  (:class:`InferenceAttempts`), then the error propagates;
+* when the request's attempts are capped (``max_attempts``: a ``Budget``
+  sets it to the calls left), the calls are first **reserved** on that
+  message, in a batch of their own, before the request is sent; the reply
+  or the failure replaces the reservation with the calls made. A crash in
+  between leaves the reservation, which stays counted: a resumed run never
+  gets back a call that may have been sent. That is one more batch per
+  model call, and only for budgeted requests;
+* a cancellation keeps what streamed (below).
 """
 
 from __future__ import annotations
@@ -30,7 +47,7 @@ import msgspec
 
 from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ReasoningDelta, TextDelta, ToolArgumentsDelta
-from ._errors import ContextLengthError, HistoryError
+from ._errors import ContextLengthError, HistoryError, ModelError
 from ._history import check_history, history_problems, open_tool_calls, request_order
 from ._ledger import Ledger, next_ledger
 from ._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart
@@ -43,6 +60,7 @@ from ._model import (
     TextChunk,
     Usage,
 )
+from ._outcomes import Recorder, Staged, Task
 from ._records import Record, note_value, read_record
 from ._session import Session
 from ._steps import Continue, Inference, Outcome, Refuse, StepContext, Yield, YieldReason
@@ -91,6 +109,11 @@ class InferenceAttempts(Record, frozen=True, tag="stepmachine.inference.attempts
         interrupted_request: the latest request was cancelled before anything
             streamed.
         ledger: the totals including these attempts.
+        reserved: of ``attempts``, the calls reserved for a request under way
+            (written before it is sent when its attempts are capped, as a
+            ``Budget`` caps them); its reply, or its failure, replaces them with
+            the calls made. Left by a crash, they stay counted: they may have
+            been sent.
     """
 
     attempts: int = 0
@@ -98,6 +121,7 @@ class InferenceAttempts(Record, frozen=True, tag="stepmachine.inference.attempts
     context_length_exceeded: bool = False
     interrupted_request: bool = False
     ledger: Ledger | None = None
+    reserved: int = 0
 
 
 class InterruptedReply(Record, frozen=True, tag="stepmachine.inference.interrupted"):
@@ -190,9 +214,11 @@ class ModelInference(Inference[Any]):
             the last message ``context_length_exceeded`` and continues, so a
             compaction step placed before inference can shorten the history).
 
-    Cancellation: the request is abandoned; ``finalize`` keeps the text and
-    reasoning received so far as an assistant message noted ``interrupted``.
-    Tool calls that had not finished streaming are dropped, never half-kept.
+    Cancellation: the request is abandoned; the machine keeps the text and
+    reasoning received so far as an assistant message noted ``interrupted``
+    (the task's ``keep``), or, when nothing had streamed, the attempt on the
+    last message. Tool calls that had not finished streaming are dropped,
+    never half-kept.
     """
 
     def __init__(
@@ -237,8 +263,24 @@ class ModelInference(Inference[Any]):
         request = ctx.shape_request(request)
         if request.messages is not visible:
             check_history(request.messages, session_id=session.id)
+        last = visible[-1]
+        earlier = self._attempts_on(last, session)
+        reserved = request.max_attempts  # capped (by a Budget): reserve the calls first
+        intents: list[Effect] = []
+        if reserved is not None:
+            reservation = self._spent(earlier, session, last, reserved)
+            reservation = msgspec.structs.replace(reservation, reserved=reserved)
+            intents.append(Annotate(last.id, self._name, note_value(reservation)))
         partial = _Partial()
-        ctx.scratch["partial"] = partial
+        ending: list[Continue | Yield] = []
+        failure: list[ModelError] = []
+        # What restores the last message's record once the calls reserved are
+        # accounted for by a reply (``earlier``, its ledger current).
+        restore = (
+            [Annotate(last.id, self._name, note_value(self._spent(earlier, session, last, 0)))]
+            if reserved is not None
+            else []
+        )
 
         async def on_chunk(chunk: StreamChunk) -> None:
             if isinstance(chunk, TextChunk):
@@ -257,37 +299,51 @@ class ModelInference(Inference[Any]):
                     )
                 )
 
-        try:
-            response = await ctx.request_model(
-                model, request, on_chunk=on_chunk if self._stream else None
+        async def call() -> Recorder:
+            try:
+                response = await ctx.request_model(
+                    model, request, on_chunk=on_chunk if self._stream else None
+                )
+            except ModelError as exc:
+                attempts = getattr(exc, "attempts", 1)  # an adapter's retries count
+                made = attempts if type(attempts) is int and attempts > 0 else 1
+                failed = self._spent(earlier, session, last, made)
+                if isinstance(exc, ContextLengthError) and not earlier.context_length_exceeded:
+                    # the first overflow: marked, so a compaction step can shorten the history
+                    failed = msgspec.structs.replace(failed, context_length_exceeded=True)
+                    ending.append(Continue(()))
+                else:
+                    failure.append(exc)  # raised once its attempts are recorded
+                return _constant(Annotate(last.id, self._name, note_value(failed)))
+            receipt = InferenceReceipt(
+                attempts=response.attempts,
+                revision=session.revision,
+                usage=response.usage,
+                model=response.model or model.name,
+                finish_reason=response.finish_reason,
+                ledger=next_ledger(session, response.attempts, response.usage),
             )
-        except ContextLengthError as exc:
-            last = visible[-1]
-            earlier = self._attempts_on(last, session)
-            if earlier.context_length_exceeded:
-                raise  # nothing made the history shorter since the last overflow
-            mark = msgspec.structs.replace(
-                self._failed_attempts(earlier, ctx, last, exc), context_length_exceeded=True
+            message = Message(
+                id=ctx.new_id(),
+                role="assistant",
+                parts=_without_notes(response.parts),
+                notes={self._name: note_value(receipt)},
             )
-            return Continue([Annotate(last.id, self._name, note_value(mark))])
-        receipt = InferenceReceipt(
-            attempts=response.attempts,
-            revision=session.revision,
-            usage=response.usage,
-            model=response.model or model.name,
-            finish_reason=response.finish_reason,
-            ledger=next_ledger(session, response.attempts, response.usage),
-        )
-        message = Message(
-            id=ctx.new_id(),
-            role="assistant",
-            parts=_without_notes(response.parts),
-            notes={self._name: note_value(receipt)},
-        )
-        effects = [AppendMessage(message)]
-        if message.tool_calls:
-            return Continue(effects)
-        return Yield(effects, YieldReason(YieldReason.DONE))
+            done = Continue(()) if message.tool_calls else Yield((), YieldReason(YieldReason.DONE))
+            ending.append(done)
+            return _constant(*restore, AppendMessage(message))
+
+        def keep(stored: Session[Any]) -> Sequence[Effect]:
+            if not needs_answer(stored):
+                return ()  # the reply was recorded after all, or someone else answered
+            return self._interrupted(ctx, session, last, earlier, partial, restore)
+
+        def then() -> Continue | Yield:
+            if failure:
+                raise failure[0]
+            return ending[0]
+
+        return Staged(intents, [Task(f"model call ({self._name})", call, keep=keep)], then=then)
 
     def _attempts_on(self, message: Message, session: Session[Any]) -> InferenceAttempts:
         """The failed attempts already recorded on ``message`` (none: an empty record)."""
@@ -295,40 +351,40 @@ class ModelInference(Inference[Any]):
         recorded = read_record(message.notes, self._name, InferenceAttempts, where=where)
         return recorded or InferenceAttempts()
 
-    @staticmethod
-    def _failed_attempts(
-        earlier: InferenceAttempts,
-        ctx: StepContext[Any],
-        last: Message,
-        exc: BaseException | None,
+    def _spent(
+        self, earlier: InferenceAttempts, session: Session[Any], last: Message, made: int
     ) -> InferenceAttempts:
-        """The record of model attempts that produced no reply, so budgets count them.
+        """``earlier`` plus ``made`` model calls that produced no reply (none reserved).
 
-        Attempts add up on the message they are recorded on (``last``, the
-        last one the model saw); ``revision`` says which run they belong to.
+        Attempts add up on the message they are recorded on (``last``, the last
+        one the model saw); ``revision`` says which run they belong to. Calls
+        reserved by an earlier request that never recorded its end (a crash)
+        stay counted: they may have been sent.
         """
-        session = ctx.session
-        made = int(getattr(exc, "attempts", 1)) if exc is not None else 1
         ledger = next_ledger(session, made, Usage(), on=last)
         return msgspec.structs.replace(
-            earlier, attempts=earlier.attempts + made, revision=session.revision, ledger=ledger
+            earlier,
+            attempts=earlier.attempts + made,
+            revision=session.revision if made else earlier.revision,
+            reserved=0,
+            ledger=ledger,
         )
 
-    async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
-        """Keep streamed text and reasoning of an interrupted request.
-
-        When nothing had streamed yet, the attempt is still recorded on the last
-        message (budgets count every model call, exact budgets).
-        """
-        partial: _Partial | None = ctx.scratch.get("partial")
-        if not interrupted or partial is None:
-            return ()
-        if not needs_answer(ctx.session):
-            return ()  # the reply was recorded after all, or someone else answered
+    def _interrupted(
+        self,
+        ctx: StepContext[Any],
+        session: Session[Any],
+        last: Message,
+        earlier: InferenceAttempts,
+        partial: _Partial,
+        restore: Sequence[Effect],
+    ) -> tuple[Effect, ...]:
+        """What an interrupted request keeps: the text and reasoning streamed so far as
+        an assistant message noted ``interrupted`` (one model call); when nothing had
+        streamed, the attempt recorded on the last message (budgets count every model
+        call, exact budgets). Half-streamed tool calls are dropped."""
         if not (partial.text or partial.reasoning):
-            session = ctx.session
-            last = session.conversation[session.history.last_visible]
-            note = self._failed_attempts(self._attempts_on(last, session), ctx, last, None)
+            note = self._spent(earlier, session, last, 1)
             note = msgspec.structs.replace(note, interrupted_request=True)
             return (Annotate(last.id, self._name, note_value(note)),)
         parts: list[Part] = []
@@ -336,11 +392,20 @@ class ModelInference(Inference[Any]):
             parts.append(ReasoningPart(text="".join(partial.reasoning)))
         if partial.text:
             parts.append(TextPart(text="".join(partial.text)))
-        ledger = next_ledger(ctx.session, 1, Usage())
+        ledger = next_ledger(session, 1, Usage())
         message = Message(
             id=ctx.new_id(),
             role="assistant",
             parts=tuple(parts),
             notes={self._name: note_value(InterruptedReply(ledger=ledger))},
         )
-        return (AppendMessage(message),)
+        return (*restore, AppendMessage(message))
+
+
+def _constant(*effects: Effect) -> Recorder:
+    """A record that is the same whatever the session (the run holds the session)."""
+
+    def record(stored: Session[Any]) -> Sequence[Effect]:
+        return effects
+
+    return record

@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
+from _staging import carry_out
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,6 +54,7 @@ from stepmachine import (
     tool,
 )
 from stepmachine._emitter import EventSink
+from stepmachine._staged import Recorder
 from stepmachine.testing import ScriptedModel, call, make_session, reply, run_step
 
 FIRST_CALL = Ledger(Spent(1), Spent(1), revision=0, turn_start="u0")
@@ -171,7 +173,8 @@ async def test_reply_without_tool_calls_yields_done() -> None:
     check = await run_step(ModelInference(), make_session("hi"), model=ScriptedModel(["hello"]))
     assert isinstance(check.outcome, Yield)
     assert check.outcome.reason.kind == "done"
-    (effect,) = check.effects
+    assert check.effects == ()  # the reply is the model call's record, written as it lands
+    ((effect,),) = check.commits
     assert isinstance(effect, AppendMessage)
     assert effect.message.role == "assistant"
     assert effect.message.id == "id1"
@@ -329,7 +332,7 @@ async def test_context_overflow_marks_the_last_message_then_propagates() -> None
         context_length_exceeded=True,
         ledger=FIRST_CALL,
     )
-    assert check.effects == (Annotate("u0", "inference", note_value(note)),)
+    assert check.commits == ((Annotate("u0", "inference", note_value(note)),),)
     # nothing shortened the history: the second overflow propagates
     with pytest.raises(ContextLengthError):
         await run_step(ModelInference(), check.session, model=model)
@@ -460,11 +463,18 @@ async def interrupted_run(
     session: Session[Any],
     model: ScriptedModel,
     predicate: Callable[[list[Any]], bool],
-) -> tuple[StepContext[Any], CancelWhen]:
-    """Run ``step`` until ``predicate`` over the emitted event data holds; return the ctx."""
+) -> tuple[StepContext[Any], CancelWhen, list[Recorder]]:
+    """Carry ``step`` out until ``predicate`` over the emitted event data holds; the ctx,
+    the emitter, and what the machine holds to write (the model call's ``keep``)."""
     scope = anyio.CancelScope()
     emitter = CancelWhen(scope, predicate)
     tools, parts = StateMachine([step]).collect(session)
+    written: list[Sequence[Any]] = []
+
+    async def committer(current: Session[Any], effects: Sequence[Any]) -> Session[Any]:
+        written.append(effects)
+        return current
+
     ctx: StepContext[Any] = StepContext(
         session=session,
         runtime=Runtime(model=model, ids=counter_ids("id")),
@@ -472,13 +482,21 @@ async def interrupted_run(
         cycle=1,
         tools=tools,
         prompt_parts=parts,
+        committer=committer,
     )
+    held: list[Recorder] = []
     outcome: list[Outcome] = []
     with scope:
-        outcome.append(await step.run(ctx))
+        outcome.append(await carry_out(step, ctx, held))
     assert outcome == []  # it really was interrupted
     assert scope.cancelled_caught
-    return ctx, emitter
+    assert written == []  # nothing of the call was written: it is all in ``held``
+    return ctx, emitter, held
+
+
+def kept(held: list[Recorder], session: Session[Any]) -> list[Any]:
+    """What the machine's finalize writes of ``held`` for ``session``."""
+    return [effect for record in held for effect in record(session)]
 
 
 def count(kind: type[Any], n: int) -> Callable[[list[Any]], bool]:
@@ -488,10 +506,10 @@ def count(kind: type[Any], n: int) -> Callable[[list[Any]], bool]:
 async def test_finalize_keeps_partial_text_noted_interrupted() -> None:
     text = "abcdefghijklmnopqrstuvwxyz0123456789"
     step = ModelInference()
-    ctx, _ = await interrupted_run(
+    ctx, _, held = await interrupted_run(
         step, make_session("hi"), ScriptedModel([text], chunk_size=8), count(TextDelta, 2)
     )
-    effects = await step.finalize(ctx, interrupted=True)
+    effects = kept(held, ctx.session)
     (effect,) = effects
     assert isinstance(effect, AppendMessage)
     message = effect.message
@@ -505,8 +523,8 @@ async def test_finalize_keeps_partial_text_noted_interrupted() -> None:
 async def test_finalize_keeps_partial_reasoning_before_text() -> None:
     step = ModelInference(name="brain")
     model = ScriptedModel([reply("the answer", reasoning="r" * 20)], chunk_size=8)
-    ctx, _ = await interrupted_run(step, make_session("hi"), model, count(ReasoningDelta, 2))
-    (effect,) = await step.finalize(ctx, interrupted=True)
+    ctx, _, held = await interrupted_run(step, make_session("hi"), model, count(ReasoningDelta, 2))
+    (effect,) = kept(held, ctx.session)
     assert isinstance(effect, AppendMessage)
     assert effect.message.parts == (ReasoningPart("r" * 16),)
     assert effect.message.notes == {"brain": note_value(InterruptedReply(ledger=FIRST_CALL))}
@@ -515,14 +533,14 @@ async def test_finalize_keeps_partial_reasoning_before_text() -> None:
 async def test_finalize_drops_half_streamed_tool_calls() -> None:
     response = call(("add", {"a": 1, "b": 2}), text="Adding now")
     step = ModelInference()
-    ctx, emitter = await interrupted_run(
+    ctx, emitter, held = await interrupted_run(
         step,
         make_session("hi"),
         ScriptedModel([response], chunk_size=4),
         count(ToolArgumentsDelta, 1),
     )
     assert any(isinstance(d, ToolArgumentsDelta) for d in emitter.data)
-    (effect,) = await step.finalize(ctx, interrupted=True)
+    (effect,) = kept(held, ctx.session)
     assert isinstance(effect, AppendMessage)
     assert effect.message.parts == (TextPart("Adding now"),)
     assert effect.message.tool_calls == ()
@@ -531,14 +549,14 @@ async def test_finalize_drops_half_streamed_tool_calls() -> None:
 async def test_finalize_keeps_nothing_when_only_tool_calls_streamed() -> None:
     response = call(("add", {"a": 1, "b": 2}))
     step = ModelInference()
-    ctx, _ = await interrupted_run(
+    ctx, _, held = await interrupted_run(
         step,
         make_session("hi"),
         ScriptedModel([response], chunk_size=4),
         count(ToolArgumentsDelta, 1),
     )
     # No half-streamed tool call is kept; the attempt itself is recorded for budgets.
-    (effect,) = await step.finalize(ctx, interrupted=True)
+    (effect,) = kept(held, ctx.session)
     assert isinstance(effect, Annotate)
     assert effect.message_id == "u0"
     assert effect.values == {
@@ -548,38 +566,40 @@ async def test_finalize_keeps_nothing_when_only_tool_calls_streamed() -> None:
         "context_length_exceeded": False,
         "interrupted_request": True,
         "ledger": msgspec.to_builtins(FIRST_CALL),
+        "reserved": 0,
     }
 
 
 async def test_finalize_does_nothing_if_the_reply_was_recorded_meanwhile() -> None:
     step = ModelInference()
     session = make_session("hi")
-    ctx, _ = await interrupted_run(
+    ctx, _, held = await interrupted_run(
         step, session, ScriptedModel(["a long enough reply"], chunk_size=4), count(TextDelta, 2)
     )
     recorded = AppendMessage(Message.assistant("a long enough reply", id="r")).apply(session)
     later = dataclasses.replace(ctx, session=recorded)
-    assert list(await step.finalize(later, interrupted=True)) == []
+    assert kept(held, later.session) == []
 
 
-async def test_finalize_not_interrupted_or_without_a_run_does_nothing() -> None:
+async def test_the_machine_holds_what_an_interrupted_call_keeps_not_finalize() -> None:
     step = ModelInference()
-    ctx, _ = await interrupted_run(
+    ctx, _, held = await interrupted_run(
         step,
         make_session("hi"),
         ScriptedModel(["some text here"], chunk_size=4),
         count(TextDelta, 1),
     )
-    assert list(await step.finalize(ctx, interrupted=False)) == []
-    fresh = dataclasses.replace(ctx, scratch={})
-    assert list(await step.finalize(fresh, interrupted=True)) == []
+    assert len(held) == 1  # the call's keep, for the machine's finalize to write
+    assert list(await step.finalize(ctx, interrupted=True)) == []  # nothing of its own
 
 
 async def test_finalize_after_a_completed_run_keeps_nothing_once_recorded() -> None:
     step = ModelInference()
     check = await run_step(step, make_session("hi"), model=ScriptedModel(["done"]))
-    later = dataclasses.replace(check.ctx, session=check.session)
-    assert list(await step.finalize(later, interrupted=True)) == []
+    assert check.staged is not None
+    (task,) = check.staged.tasks
+    assert task.keep is not None
+    assert list(task.keep(check.session)) == []  # the reply is recorded: nothing to keep
 
 
 def test_request_default_settings() -> None:

@@ -65,16 +65,11 @@ async def runs(machine: StateMachine[Any], runtime: Runtime, times: int) -> list
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("scope", ["per_session", "per_turn"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, left for later: a request that fails after the adapter's retries records "
-    "nothing (it needs the machine to keep a step's effects when the step raises)",
-)
 async def test_failed_model_calls_count_against_session_and_turn_budgets(scope: str) -> None:
     """A model call that fails (ModelError after the adapter's retries) was still made:
     a per-session or per-turn budget of 2 allows 2 such calls, however many times the
-    application calls ``run`` again. Today the failure records nothing, so each new run
-    calls the model again, without end."""
+    application calls ``run`` again (the failure's attempts are recorded before the
+    error propagates)."""
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u0")])
 
@@ -205,11 +200,6 @@ class CrashingStore:
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="design gap (invariant 7): a model call leaves no durable record before it is "
-    "made, so a crash before its reply is stored lets a resumed run call again",
-)
 async def test_a_crash_before_the_reply_is_stored_does_not_give_the_call_back() -> None:
     memory = MemoryStore()
     await memory.create("s", conversation=[Message.user("go", id="u0")])
