@@ -62,13 +62,14 @@ results of the output call and its siblings) and :class:`OutputFeedback`.
 Cost per cycle: the step reads the last visible messages (back to the latest
 assistant message), never the whole history.
 
-Cancellation: the wrapped inference's ``finalize`` keeps partial text;
-otherwise decisions are single batches.
+Cancellation: the wrapped inference's staged call keeps partial text (the
+machine writes it); otherwise decisions are single batches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any, Final, Generic, Literal, TypeVar
@@ -90,10 +91,13 @@ from stepmachine import (
     Operation,
     Outcome,
     PromptPart,
+    Recorder,
     Refuse,
     RunError,
     Session,
+    Staged,
     StepContext,
+    Task,
     TextPart,
     ToolCallPart,
     ToolDefinition,
@@ -386,6 +390,8 @@ class StructuredOutput(Operation[Any], Generic[T]):
         if self._inference is None:
             return Refuse("no output to check")
         outcome = await self._inference.run(ctx)
+        if isinstance(outcome, Staged):
+            return self._checked_staged(ctx, outcome)
         if not isinstance(outcome, Yield) or outcome.reason.kind != YieldReason.DONE:
             return outcome
         for index, effect in enumerate(outcome.effects):
@@ -401,6 +407,51 @@ class StructuredOutput(Operation[Any], Generic[T]):
                     return Yield([*before, *checked.effects, *after], checked.reason)
                 return Continue([*before, *checked.effects, *after])
         return outcome
+
+    def _checked_staged(self, ctx: StepContext[Any], staged: Staged) -> Staged:
+        """The wrapped inference's staged call, its final answer checked as it is recorded.
+
+        A record holding a final answer (an assistant message without tool
+        calls) records the checked message instead, with what the check adds
+        (feedback to re-prompt, or the output); the cycle then ends as the
+        check says (``Continue`` to re-prompt, ``Yield`` with the output).
+        Everything else (a failure's attempts, what a cancellation keeps) is
+        recorded as the inference made it.
+        """
+        checked: list[Continue | Yield] = []  # the check of the record last computed
+
+        def checking(task: Task) -> Task:
+            async def run() -> Recorder:
+                record = await task.run()
+
+                def checked_record(stored: Session[Any]) -> Sequence[Effect]:
+                    effects = list(record(stored))
+                    checked.clear()
+                    for index, effect in enumerate(effects):
+                        if (
+                            isinstance(effect, AppendMessage)
+                            and effect.message.role == "assistant"
+                            and not effect.message.tool_calls
+                        ):
+                            check = self._check_final(ctx, effect.message, appended=False)
+                            checked.append(check)
+                            return [*effects[:index], *check.effects, *effects[index + 1 :]]
+                    return effects
+
+                return checked_record
+
+            return dataclasses.replace(task, run=run)
+
+        def then() -> Continue | Yield:
+            ending = staged.then() if staged.then is not None else Continue(())
+            if not checked or not isinstance(ending, Yield):
+                return ending
+            check = checked[0]
+            return Yield((), check.reason) if isinstance(check, Yield) else Continue(())
+
+        return dataclasses.replace(
+            staged, tasks=tuple(checking(task) for task in staged.tasks), then=then
+        )
 
     async def finalize(self, ctx: StepContext[Any], *, interrupted: bool) -> Sequence[Effect]:
         """The wrapped inference keeps what it had received."""

@@ -190,7 +190,7 @@ def test_operation_defaults_are_no_capability_and_overrides_are() -> None:
     assert capabilities.prompt_steps == (inference,)
     assert capabilities.vetters == (holder,)
     assert capabilities.shapers == ()
-    assert capabilities.finalizers == (inference,)  # Tools: the machine holds its results
+    assert capabilities.finalizers == ()  # Tools, ModelInference: the machine holds their results
     assert capabilities.answers_unknown_tools is True
     assert StateMachine([bare, holder, tools, inference]).capabilities.vetters == (holder,)
 
