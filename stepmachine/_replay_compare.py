@@ -29,6 +29,13 @@ makes:
   that the replay's clock returned, both count as "a clock reading of this
   cycle".
 
+Left out as well: the calls a budgeted model request reserved before it was
+sent (an ``InferenceAttempts`` note with ``reserved`` set, see
+:class:`~stepmachine.ModelInference`). Its size is what the budget allowed,
+bookkeeping for a crash; the request itself is compared by what it recorded
+(its reply, or its failure), and a budget that now stops the run shows where
+it does.
+
 The batches of one cycle are compared in order, or else as a set: concurrent
 tool calls finish, and commit their results, in any order.
 """
@@ -43,6 +50,7 @@ import msgspec
 
 from ._conversation import Conversation
 from ._effects import Annotate, AppendMessage, Effect
+from ._inference import InferenceAttempts
 from ._messages import ToolCallPart, ToolResultPart
 from ._records import TAG_FIELD
 from ._tool_step import JournalEntry
@@ -55,6 +63,7 @@ _READING = "<clock reading>"
 _MADE_ID = "<id from the id source>"
 _MADE_KEY = "<idempotency key of the call>"
 _JOURNAL_TAG = JournalEntry.__struct_config__.tag
+_ATTEMPTS_TAG = InferenceAttempts.__struct_config__.tag
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +178,7 @@ def same_batches(
     old: Sequence[Sequence[Effect]], new: Sequence[Sequence[Effect]], made: RuntimeMade
 ) -> bool:
     """Whether the stored batches ``old`` and the replayed ``new`` are equal (in any order)."""
+    old, new = _decided(old), _decided(new)
     made = made.seeing(new)
     old_keys = [_key(effects, made.stored()) for effects in old]
     new_keys = [_key(effects, made.new()) for effects in new]
@@ -179,6 +189,7 @@ def first_change(
     old: Sequence[Sequence[Effect]], new: Sequence[Sequence[Effect]], made: RuntimeMade
 ) -> str:
     """The first batch where ``old`` and ``new`` differ, described briefly, in order."""
+    old, new = _decided(old), _decided(new)
     made = made.seeing(new)
     several = len(old) > 1 or len(new) > 1
     for index in range(max(len(old), len(new))):
@@ -194,6 +205,24 @@ def first_change(
         where = f"batch {index + 1}: " if several else ""
         return f"{where}stored {describe(old[index])}; new {describe(new[index])} ({path})"
     return "the same effects in another order"
+
+
+def _decided(batches: Sequence[Sequence[Effect]]) -> list[Sequence[Effect]]:
+    """``batches`` without reservations (see the module docs), and without a batch left empty."""
+    kept: list[Sequence[Effect]] = []
+    for effects in batches:
+        decided = [effect for effect in effects if not _is_reservation(effect)]
+        if decided:
+            kept.append(decided if len(decided) < len(effects) else effects)
+    return kept
+
+
+def _is_reservation(effect: Effect) -> bool:
+    if not isinstance(effect, Annotate) or effect.call_id is not None:
+        return False
+    values = effect.values
+    reserved = values.get("reserved")
+    return values.get(TAG_FIELD) == _ATTEMPTS_TAG and type(reserved) is int and reserved > 0
 
 
 def describe(effects: Sequence[Effect]) -> str:

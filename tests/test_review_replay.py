@@ -985,10 +985,12 @@ async def test_a_message_submitted_while_a_tool_ran_replays_the_same(store: Stor
     log = await store.batches("s")
     assert [b.step for b in log] == [
         "application",
+        "inference",  # the budgeted request's reservation
         "inference",
         "tools",
         "application",
         "tools",
+        "inference",
         "inference",
     ]
 
