@@ -1,0 +1,255 @@
+"""Exact budgets across failures and crashes (invariant 7): every model request sent counts.
+
+``ModelInference``'s call is staged work. A request whose attempts are capped
+(``max_attempts``, as ``Budget`` sets it) first reserves its calls on the last
+message, in a batch of its own; its reply or failure replaces the
+reservation with the calls made; a crash in between leaves the reservation,
+and it stays counted. Tested here with the records themselves, and with a
+real process SIGKILLed while its model request is under way.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+
+from stepmachine import (
+    Annotate,
+    AppendMessage,
+    InferenceAttempts,
+    InferenceReceipt,
+    Message,
+    ModelError,
+    ModelInference,
+    ModelRequest,
+    ModelResponse,
+    Runtime,
+    StateMachine,
+    Usage,
+    YieldReason,
+    counter_ids,
+    latest_ledger,
+    next_ledger,
+    note_value,
+    read_record,
+    submit,
+)
+from stepmachine.operations import Budget, Compaction, Limits
+from stepmachine.stores import MemoryStore, SQLiteStore
+from stepmachine.testing import FunctionModel, reply
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def attempts_on(message: Message) -> InferenceAttempts | None:
+    return read_record(message.notes, "inference", InferenceAttempts, where="test")
+
+
+async def test_a_budgeted_request_reserves_its_calls_before_it_is_sent() -> None:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u0")])
+    seen: list[InferenceAttempts | None] = []
+
+    async def model(request: ModelRequest) -> ModelResponse:
+        stored = await store.load("s")  # what a crash right now would leave
+        seen.append(attempts_on(stored.conversation[-1]))
+        return reply("hi")
+
+    runtime = Runtime(store=store, model=FunctionModel(model), ids=counter_ids())
+    machine = StateMachine([Budget(per_session=Limits(model_calls=3)), ModelInference()])
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.DONE
+    (during,) = seen
+    assert during is not None
+    assert (during.attempts, during.reserved) == (3, 3)  # every call the request may make
+    assert during.ledger is not None
+    assert during.ledger.session.model_calls == 3
+    session = await store.load("s")
+    after = attempts_on(session.conversation[0])
+    assert after is not None
+    assert (after.attempts, after.reserved) == (0, 0)
+    view = latest_ledger(session)
+    assert view.ledger is not None
+    assert view.ledger.session.model_calls == 1
+    receipt = read_record(session.conversation[-1].notes, "inference", InferenceReceipt)
+    assert receipt is not None
+    assert receipt.attempts == 1
+    # the reservation is one batch of its own, before the reply's
+    batches = await store.batches("s")
+    assert [b.step for b in batches] == ["inference", "inference"]
+    (reservation,) = batches[0].effects
+    assert isinstance(reservation, Annotate)
+    assert reservation.values["reserved"] == 3
+    assert isinstance(batches[1].effects[-1], AppendMessage)
+
+
+async def test_an_unbudgeted_request_writes_one_batch() -> None:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u0")])
+    runtime = Runtime(store=store, model=FunctionModel(lambda r: reply("hi")), ids=counter_ids())
+    await StateMachine([ModelInference()]).run(runtime, "s")
+    batches = await store.batches("s")
+    assert len(batches) == 1
+    assert [type(e) for e in batches[0].effects] == [AppendMessage]
+
+
+async def test_a_failure_after_retries_records_its_attempts_then_raises() -> None:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u0")])
+
+    def down(request: ModelRequest) -> ModelResponse:
+        error = ModelError("the provider is down")
+        error.attempts = 3  # type: ignore[attr-defined]  # as an adapter's retries report
+        raise error
+
+    runtime = Runtime(store=store, model=FunctionModel(down), ids=counter_ids())
+    with pytest.raises(ModelError, match="down"):
+        await StateMachine([ModelInference()]).run(runtime, "s")
+    recorded = attempts_on((await store.load("s")).conversation[0])
+    assert recorded is not None
+    assert (recorded.attempts, recorded.reserved) == (3, 0)
+    view = latest_ledger(await store.load("s"))
+    assert view.ledger is not None
+    assert view.ledger.session.model_calls == 3
+
+
+async def test_a_reservation_a_crash_left_stays_counted_and_the_next_call_adds_to_it() -> None:
+    """A crash left 2 calls reserved: a resumed run with 3 allowed may make 1 more."""
+    store = MemoryStore()
+    left = InferenceAttempts(attempts=2, revision=0, reserved=2)
+    await store.create("s", conversation=[Message.user("go", id="u0")])
+    session = await store.load("s")
+    ledger = next_ledger(session, 2, Usage(), on=session.conversation[0])  # as a reservation's
+    reservation = msgspec.structs.replace(left, ledger=ledger)
+    await submit(store, "s", [Annotate("u0", "inference", note_value(reservation))])
+    requests: list[int | None] = []
+
+    def model(request: ModelRequest) -> ModelResponse:
+        requests.append(request.max_attempts)
+        return reply("hi")
+
+    runtime = Runtime(store=store, model=FunctionModel(model), ids=counter_ids())
+    machine = StateMachine([Budget(per_session=Limits(model_calls=3)), ModelInference()])
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.DONE
+    assert requests == [1]  # only one call was left
+    view = latest_ledger(await store.load("s"))
+    assert view.ledger is not None
+    assert view.ledger.session.model_calls == 3
+
+
+_KILLED_MID_CALL = """
+import os, signal, sys, anyio
+from stepmachine import ModelInference, Runtime, StateMachine
+from stepmachine.operations import Budget, Limits
+from stepmachine.stores import SQLiteStore
+from stepmachine.testing import FunctionModel
+
+path, calls = sys.argv[1], sys.argv[2]
+
+def model(request):
+    with open(calls, "a") as seen:  # the model server saw the request
+        seen.write("call\\n")
+    os.kill(os.getpid(), signal.SIGKILL)  # the process dies before the reply is stored
+
+async def main():
+    store = await SQLiteStore.open(path)
+    machine = StateMachine([Budget(per_session=Limits(model_calls=1)), ModelInference()])
+    await machine.run(Runtime(store=store, model=FunctionModel(model)), "s")
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("allowed", [1, 2])
+async def test_a_sigkill_while_the_request_is_under_way_never_gives_the_call_back(
+    tmp_path: Path, allowed: int
+) -> None:
+    path = str(tmp_path / "agent.db")
+    calls = tmp_path / "calls.txt"
+    store = await SQLiteStore.open(path)
+    await store.create("s", conversation=[Message.user("go", id="u0")])
+    await store.aclose()
+    with anyio.fail_after(60):
+        done = await anyio.run_process(
+            [sys.executable, "-c", _KILLED_MID_CALL, path, str(calls)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+    assert done.returncode == -9, done.stderr.decode()
+    assert calls.read_text().count("call") == 1
+
+    store = await SQLiteStore.open(path)
+    try:
+        answered = 0
+
+        def model(request: ModelRequest) -> ModelResponse:
+            nonlocal answered
+            answered += 1
+            return reply("hi")
+
+        runtime = Runtime(store=store, model=FunctionModel(model))
+        machine = StateMachine([Budget(per_session=Limits(model_calls=allowed)), ModelInference()])
+        report = await machine.run_report(runtime, "s")
+        # the killed request's call is spent: only what is left of the budget is made
+        assert answered == allowed - 1
+        expected = YieldReason.BUDGET_EXHAUSTED if allowed == 1 else YieldReason.DONE
+        assert report.reason.kind == expected
+        view = latest_ledger(await store.load("s"))
+        assert view.ledger is not None
+        assert view.ledger.session.model_calls == allowed
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known, left for later: Compaction's summariser call is not staged, so a summary "
+    "request that fails after the adapter's retries records nothing and a per-session budget "
+    "does not see it",
+)
+async def test_a_failed_summariser_call_counts_against_a_session_budget() -> None:
+    store = MemoryStore()
+    history = [
+        message
+        for turn in range(6)
+        for message in (
+            Message.user(f"question {turn} " + "word " * 100, id=f"u{turn}"),
+            Message.assistant(f"answer {turn} " + "word " * 100, id=f"a{turn}"),
+        )
+    ]
+    await store.create("s", conversation=[*history, Message.user("and now?", id="u9")])
+
+    def down(request: ModelRequest) -> ModelResponse:
+        raise ModelError("the summariser is down")
+
+    summariser = FunctionModel(down)
+    runtime = Runtime(
+        store=store,
+        model=FunctionModel(lambda r: reply("hi")),
+        models={"sum": summariser},
+        ids=counter_ids(),
+    )
+    machine = StateMachine(
+        [
+            Budget(per_session=Limits(model_calls=2)),
+            Compaction(threshold=10, model="sum"),
+            ModelInference(),
+        ]
+    )
+    for _ in range(4):
+        try:
+            report = await machine.run_report(runtime, "s")
+        except ModelError:
+            continue
+        if report.reason.kind == YieldReason.BUDGET_EXHAUSTED:
+            break
+    assert summariser.calls == 2
