@@ -46,6 +46,11 @@ The summariser's request is a model call like any other (exact budgets): it
 goes through every step's ``shape_request`` (``ctx.shape_request``; so a
 budget caps its attempts and tokens), and its ``attempts`` and ``usage`` are
 recorded in the receipt (or with the ``stuck`` note), so budgets count it.
+The call is staged work, as :class:`~stepmachine.ModelInference`'s is: a
+summary request that fails after the adapter's retries records its attempts
+on the last visible message (a :class:`CompactionMark`) before the error
+propagates, and a budgeted request (``max_attempts`` capped) first reserves
+its calls there (``reserved``), so a crash never gives a call back.
 It is a side request (``purpose="summary"``): the machine keeps
 its transcript as the only message, no tools and no native output schema,
 whatever shapers return for the conversation's own requests.
@@ -79,16 +84,22 @@ from stepmachine import (
     Effect,
     ImagePart,
     InferenceAttempts,
+    Ledger,
     Message,
+    ModelError,
     ModelRequest,
+    ModelResponse,
     ModelSettings,
     Operation,
     Outcome,
     PromptPart,
+    Recorder,
     Refuse,
     ReplaceConversation,
     Session,
+    Staged,
     StepContext,
+    Task,
     TextPart,
     ToolCallPart,
     ToolResultPart,
@@ -334,14 +345,73 @@ class Compaction(Operation[Any]):
             purpose="summary",
         )
         request = ctx.shape_request(request)
-        response = await ctx.request_model(model, request)
+        reserved = request.max_attempts  # capped (by a Budget): reserve the calls first
+        intents: list[Effect] = []
+        if reserved is not None:
+            reservation = self._spent(mark, session, last, reserved, reserved=reserved)
+            intents.append(Annotate(last.id, self._name, note_value(reservation)))
+        ending: list[Continue | Yield] = []
+        failure: list[ModelError] = []
+
+        async def call() -> Recorder:
+            try:
+                response = await ctx.request_model(model, request)
+            except ModelError as exc:
+                failure.append(exc)  # raised once its attempts are recorded
+                attempts = getattr(exc, "attempts", 1)  # an adapter's retries count
+                made = attempts if type(attempts) is int and attempts > 0 else 1
+                failed = self._spent(mark, session, last, made)
+                return _constant(Annotate(last.id, self._name, note_value(failed)))
+            outcome = self._summarised(
+                ctx,
+                session,
+                last,
+                mark,
+                overflow,
+                details,
+                plan,
+                visible[plan.cut].id,
+                summarised,
+                model.name,
+                before,
+                trigger,
+                response,
+            )
+            ending.append(
+                Continue(()) if isinstance(outcome, Continue) else Yield((), outcome.reason)
+            )
+            return _constant(*outcome.effects)
+
+        def then() -> Continue | Yield:
+            if failure:
+                raise failure[0]
+            return ending[0]
+
+        return Staged(intents, [Task(f"summariser call ({self._name})", call)], then=then)
+
+    def _summarised(
+        self,
+        ctx: StepContext[Any],
+        session: Session[Any],
+        last: Message,
+        mark: CompactionMark | None,
+        overflow: list[str],
+        details: dict[str, Any],
+        plan: _Plan,
+        cut_id: str,
+        summarised: list[Message],
+        model_name: str,
+        before: int,
+        trigger: str,
+        response: ModelResponse,
+    ) -> Continue | Yield:
+        """The effects of the summariser's ``response``, and how the cycle ends."""
         text = "".join(p.text for p in response.parts if isinstance(p, TextPart)).strip()
         spent = Usage(response.usage.input_tokens, response.usage.output_tokens)
         ledger = next_ledger(session, response.attempts, spent, on=last)
 
         summary_id = ctx.new_id()
         summarised_ids = {m.id for m in summarised}
-        cut_id = visible[plan.cut].id
         summary = Message(
             id=summary_id,
             role="user",
@@ -365,22 +435,26 @@ class Compaction(Operation[Any]):
             reason = "empty_summary" if not text else "not_smaller"
             details["tokens_after"] = after
             # The summariser call happened: record it like any model call, so budgets count it.
+            earlier = mark or CompactionMark()
             stuck = msgspec.structs.replace(
-                mark or CompactionMark(),
+                earlier,
                 stuck=reason,
                 revision=session.revision,
-                attempts=response.attempts,
+                attempts=(earlier.attempts or 0) + response.attempts,
                 usage=spent,
                 ledger=ledger,
+                reserved=0,
             )
             note = Annotate(last.id, self._name, note_value(stuck))
-            return self._stuck(reason, details, [note])
+            outcome = self._stuck(reason, details, [note])
+            assert isinstance(outcome, Continue | Yield)  # it has a note to write
+            return outcome
         usage = response.usage
         receipt = CompactionReceipt(
             summarised=[m.id for m in summarised],
             tokens_before=before,
             tokens_after=after,
-            model=response.model or model.name,
+            model=response.model or model_name,
             trigger=trigger,
             cut=plan.mode,
             usage=Usage(usage.input_tokens, usage.output_tokens),
@@ -399,7 +473,7 @@ class Compaction(Operation[Any]):
             Annotate(
                 last.id,
                 self._name,
-                note_value(msgspec.structs.replace(mark or CompactionMark(), ledger=ledger)),
+                note_value(self._restored(mark, ledger)),
             ),
         ]
         for namespace in overflow:
@@ -409,6 +483,33 @@ class Compaction(Operation[Any]):
             reset = msgspec.structs.replace(marked, context_length_exceeded=False)
             effects.append(Annotate(last.id, namespace, note_value(reset)))
         return Continue(effects)
+
+    @staticmethod
+    def _restored(mark: CompactionMark | None, ledger: Ledger) -> CompactionMark:
+        """``mark`` (as it was before this call's reservation) with ``ledger``: the calls
+        it counts stay counted, a reservation a crash left among them included."""
+        return msgspec.structs.replace(mark or CompactionMark(), reserved=0, ledger=ledger)
+
+    def _spent(
+        self,
+        mark: CompactionMark | None,
+        session: Session[Any],
+        last: Message,
+        made: int,
+        *,
+        reserved: int = 0,
+    ) -> CompactionMark:
+        """``mark`` plus ``made`` summariser calls that produced no summary, or that are
+        ``reserved`` for a request about to be sent (counted until its end replaces them)."""
+        earlier = mark or CompactionMark()
+        ledger = next_ledger(session, made, Usage(), on=last)
+        return msgspec.structs.replace(
+            earlier,
+            attempts=(earlier.attempts or 0) + made,
+            revision=session.revision,
+            ledger=ledger,
+            reserved=reserved,
+        )
 
     def _summarised_note(self, message: Message, summary_id: str) -> dict[str, Any]:
         """The notes of a message a summary replaces (an earlier summary keeps its receipt)."""
@@ -465,3 +566,12 @@ class Compaction(Operation[Any]):
         if chosen is None:
             return None
         return _Plan(cut, chosen, "rounds")
+
+
+def _constant(*effects: Effect) -> Recorder:
+    """A record that is the same whatever the session (the run holds the session)."""
+
+    def record(stored: Session[Any]) -> Sequence[Effect]:
+        return effects
+
+    return record

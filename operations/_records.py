@@ -138,6 +138,9 @@ class CompactionMark(Record, frozen=True, tag="stepmachine.compaction.mark"):
         attempts, revision, usage: that summariser call (budgets count it).
         ledger: the model-call totals including the latest summariser call
             (:class:`stepmachine.Ledger`), on the last visible message.
+        reserved: of ``attempts``, the calls reserved for a summary request
+            under way (see :class:`stepmachine.ModelInference`, which reserves
+            the same way); left by a crash, they stay counted.
     """
 
     summarised_into: str | None = None
@@ -146,6 +149,7 @@ class CompactionMark(Record, frozen=True, tag="stepmachine.compaction.mark"):
     revision: int | None = None
     usage: Usage | None = None
     ledger: Ledger | None = None
+    reserved: int = 0
 
 
 # -- events -----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ makes:
   cycle".
 
 Left out as well: the calls a budgeted model request reserved before it was
-sent (an ``InferenceAttempts`` note with ``reserved`` set, see
+sent (an ``InferenceAttempts`` or compaction mark with ``reserved`` set, see
 :class:`~stepmachine.ModelInference`). Its size is what the budget allowed,
 bookkeeping for a crash; the request itself is compared by what it recorded
 (its reply, or its failure), and a budget that now stops the run shows where
@@ -63,7 +63,8 @@ _READING = "<clock reading>"
 _MADE_ID = "<id from the id source>"
 _MADE_KEY = "<idempotency key of the call>"
 _JOURNAL_TAG = JournalEntry.__struct_config__.tag
-_ATTEMPTS_TAG = InferenceAttempts.__struct_config__.tag
+_RESERVING = frozenset({InferenceAttempts.__struct_config__.tag, "stepmachine.compaction.mark"})
+"""Tags of the model-call records that reserve calls (the inference step's, compaction's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +223,7 @@ def _is_reservation(effect: Effect) -> bool:
         return False
     values = effect.values
     reserved = values.get("reserved")
-    return values.get(TAG_FIELD) == _ATTEMPTS_TAG and type(reserved) is int and reserved > 0
+    return values.get(TAG_FIELD) in _RESERVING and type(reserved) is int and reserved > 0
 
 
 def describe(effects: Sequence[Effect]) -> str:

@@ -187,7 +187,7 @@ async def test_old_turns_are_summarised_and_the_last_turns_kept() -> None:
     ]
     check, model = await compact(messages, threshold=20, summary="the user asked twice")
     assert check.continued
-    effect, ledger = check.effects
+    ((effect, ledger),) = check.commits  # the summariser call is recorded as it lands
     assert isinstance(effect, ReplaceConversation)
     # The summariser's call goes into the running totals, on the last message.
     assert isinstance(ledger, Annotate)
@@ -285,7 +285,7 @@ async def test_a_summary_that_is_not_smaller_is_recorded_and_not_retried() -> No
     check, model = await compact(messages, threshold=10, keep_rounds=2, summary="z" * 2000)
     assert check.yielded
     assert check.outcome.reason.data["reason"] == "not_smaller"
-    (note,) = check.effects
+    ((note,),) = check.commits
     assert isinstance(note, Annotate)
     assert note.message_id == "r2"
     assert note.values["stuck"] == "not_smaller"
@@ -323,7 +323,7 @@ async def test_overflow_mark_triggers_compaction_and_is_reset() -> None:
     messages[-1] = flagged
     check, _ = await compact(messages, threshold=10_000, keep_rounds=1)
     assert check.continued
-    replace, ledger, reset = check.effects
+    ((replace, ledger, reset),) = check.commits
     assert isinstance(replace, ReplaceConversation)
     assert isinstance(ledger, Annotate)
     assert ledger.namespace == "compaction"
