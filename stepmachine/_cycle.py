@@ -340,9 +340,11 @@ async def apply(
     sink = decision.ctx.events
     if isinstance(outcome, Staged):
 
-        async def write(current: Session[Any], effects: Sequence[Effect]) -> Session[Any]:
+        async def write(
+            current: Session[Any], effects: Sequence[Effect], status: _staged.Status
+        ) -> Session[Any]:
             after = await commit(runtime, current, name, cycle, effects, decision.refusals)
-            await sink.emit(StepApplied(name, after.revision, "committed", len(effects)))
+            await sink.emit(StepApplied(name, after.revision, status, len(effects)))
             sink.follow(after.revision)
             return after
 

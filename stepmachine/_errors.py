@@ -162,12 +162,14 @@ class LeaseLostError(RunError):
     Attributes:
         session_id: the session.
         owner: the lost lease's owner; ``epoch``: its epoch.
+        why: how it was found lost (``""``: a write was refused).
     """
 
     def __init__(self, session_id: str, owner: str, epoch: int, why: str = "") -> None:
         self.session_id = session_id
         self.owner = owner
         self.epoch = epoch
+        self.why = why
         detail = f": {why}" if why else ""
         super().__init__(
             f"the lease of {owner!r} (epoch {epoch}) on session {session_id!r} is no longer "

@@ -18,9 +18,15 @@ does the rest, in this order:
    conflict (another writer moved the session on) it is computed again from
    what is stored, and a result someone else already recorded is not written
    twice;
-4. when every task is recorded, ``then()`` (if given) says how the cycle ends:
-   ``Continue`` or ``Yield`` with effects of their own (one more batch); it may
-   raise instead (the error propagates; everything recorded stays).
+4. once every task has returned, ``then()`` (if given) says how the cycle
+   ends: ``Continue`` or ``Yield`` with effects of their own (one more batch);
+   it may raise instead (the error propagates once the last record is
+   written; everything recorded stays). It is asked right before the last
+   record is written, so that batch can say how the cycle ended.
+
+Each batch written is announced (``StepApplied``) with a status: the
+cycle's own (``continue`` / ``yielded``) on its last batch, ``committed`` on
+every batch after which more of the cycle may follow.
 
 The step itself writes nothing: it returns what to do, and can be tested by
 calling its ``run`` (see :func:`~stepmachine.testing.run_step`, which executes
@@ -35,9 +41,10 @@ through its ``finalize``. Calls left open are answered "interrupted" as
 after any cancellation.
 
 A result the store refuses (:class:`~stepmachine.EffectError`: an effect
-that does not apply, or :class:`~stepmachine.MediaTooLargeError`: an image over
-the store's limit; nothing of that batch was written) is offered to the task's ``refused``: a replacement record (an error result
-naming the limit), or ``None`` to let the error propagate.
+that does not apply, or :class:`~stepmachine.MediaTooLargeError`: an image
+over the store's limit; nothing of that batch was written) is offered to the
+task's ``refused``: a replacement record (an error result naming the limit),
+or ``None`` to let the error propagate.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import anyio
 
@@ -54,10 +61,14 @@ from ._errors import ConflictError, EffectError, LeaseLostError, MediaTooLargeEr
 from ._outcomes import Continue, Recorder, Staged, Task, Yield
 from ._session import Session
 
-__all__ = ["Recorder", "Staged", "Task", "Writer", "execute", "one_error"]
+__all__ = ["Recorder", "Staged", "Status", "Task", "Writer", "execute", "one_error"]
 
-Writer: TypeAlias = Callable[[Session[Any], Sequence[Effect]], Awaitable[Session[Any]]]
-"""The machine's write of one batch of the deciding step (compare-and-set on the session)."""
+Status: TypeAlias = Literal["committed", "continue", "yielded"]
+"""What a batch of staged work says of the cycle: more may follow, or how it ended."""
+
+Writer: TypeAlias = Callable[[Session[Any], Sequence[Effect], Status], Awaitable[Session[Any]]]
+"""The machine's write of one batch of the deciding step (compare-and-set on the session),
+with the status its announcement carries."""
 
 MAX_RECORD_CONFLICTS = 16
 """Conflicts one record may meet (it is computed again each time) before ``ConflictError``."""
@@ -89,10 +100,25 @@ async def execute(
     written: list[Effect] = []
     current = session
     if staged.intents:
-        current = await write(current, staged.intents)
+        current = await write(current, staged.intents, "committed")
         written.extend(staged.intents)
     concurrent = staged.max_concurrency > 1 and len(staged.tasks) > 1
     lock = anyio.Lock() if concurrent else None  # one task at a time needs no lock
+    unrecorded = len(staged.tasks)  # tasks whose record is not written yet
+    ending: list[Continue | Yield] = []  # then()'s answer, once asked
+    ended: list[BaseException] = []  # or what it raised
+
+    def end() -> Status:
+        """Ask ``then()`` (once); the status of the cycle's last batch if it is this one."""
+        try:
+            ending.append(Continue(()) if staged.then is None else staged.then())
+        except Exception as exc:  # noqa: BLE001 - any error of then(): raised after the record
+            ended.append(exc)  # raised once the record is written
+            return "committed"
+        done = ending[0]
+        if done.effects:
+            return "committed"  # the ending is a batch of its own
+        return "yielded" if isinstance(done, Yield) else "continue"
 
     async def record(entry: Recorder, task: Task) -> None:
         if lock is None:
@@ -102,14 +128,16 @@ async def execute(
                 await write_record(entry, task)
 
     async def write_record(entry: Recorder, task: Task) -> None:
-        nonlocal current
+        nonlocal current, unrecorded
+        unrecorded -= 1
+        status: Status = end() if unrecorded == 0 else "committed"
         conflicts = 0
         while True:
             effects = tuple(entry(current))
             if not effects:
                 return
             try:
-                current = await write(current, effects)
+                current = await write(current, effects, status)
             except ConflictError:
                 conflicts += 1
                 if conflicts > MAX_RECORD_CONFLICTS:
@@ -161,8 +189,11 @@ async def execute(
             failure = one_error(errors)  # raised outside the handler: its context its own
         if failure is not None:
             raise failure
-    ending = Continue(()) if staged.then is None else staged.then()
-    return current, tuple(written), ending
+    if not ending and not ended:
+        end()  # no task (or none left a record to write)
+    if ended:
+        raise ended[0]
+    return current, tuple(written), ending[0]
 
 
 def _swap(held: list[Recorder], old: Recorder, new: Recorder) -> None:
@@ -238,11 +269,13 @@ def _rank(exc: BaseException) -> int:
 
 
 def lease_lost(task: Task, lost: LeaseLostError) -> LeaseLostError:
-    """The error for a task not started because the run's lease is gone."""
+    """The error for a task not started because the run's lease is gone (saying how
+    ``lost`` found it gone, when it says)."""
+    cause = f"{lost.why}; " if getattr(lost, "why", "") else ""
     return LeaseLostError(
         lost.session_id,
         lost.owner,
         lost.epoch,
-        f"found right before task {task.name!r} would start, so it was not started (at "
-        "most once where it matters: another runner holds the session)",
+        f"{cause}found right before task {task.name!r} would start, so it was not started "
+        "(at most once where it matters: another runner holds the session)",
     )

@@ -24,7 +24,7 @@ async def carry_out(
     committer = ctx.committer
     assert committer is not None
 
-    async def write(current: Session[Any], effects: Any) -> Session[Any]:
+    async def write(current: Session[Any], effects: Any, status: str) -> Session[Any]:
         ctx.session = await committer(current, effects)
         return ctx.session
 

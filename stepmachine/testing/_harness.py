@@ -167,7 +167,12 @@ async def run_step(
         async def confirm(task: Task) -> None:
             return None  # no lease to confirm
 
-        current, _, ending = await execute(staged, current, commit, reload, confirm, [])
+        async def write(
+            current: Session[Any], effects: Sequence[Effect], status: str
+        ) -> Session[Any]:
+            return await commit(current, effects)
+
+        current, _, ending = await execute(staged, current, write, reload, confirm, [])
         outcome: Outcome = ending
     else:
         outcome = returned
