@@ -76,7 +76,14 @@ class ToolFinished(msgspec.Struct, frozen=True, tag_field="kind", tag="tool_fini
 
 
 class StepApplied(msgspec.Struct, frozen=True, tag_field="kind", tag="step_applied"):
-    """A step's batch was applied, producing ``new_revision``."""
+    """A step's batch was applied, producing ``new_revision``.
+
+    ``status`` says what the batch was to its cycle: ``"continue"`` or
+    ``"yielded"`` on the cycle's last batch (how it ended), ``"committed"`` on
+    a batch of staged work after which more of the cycle may follow (a tool
+    call's intent or an earlier result, a model request's reservation).
+    ``effects`` is how many effects the batch held.
+    """
 
     step: str
     new_revision: int
