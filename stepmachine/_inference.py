@@ -263,7 +263,8 @@ class ModelInference(Inference[Any]):
         request = ctx.shape_request(request)
         if request.messages is not visible:
             check_history(request.messages, session_id=session.id)
-        last = visible[-1]
+        last = visible[-1]  # the last message the model sees: calls are recorded on it
+        latest = session.conversation[session.history.last_visible].id  # as stored
         earlier = self._attempts_on(last, session)
         reserved = request.max_attempts  # capped (by a Budget): reserve the calls first
         intents: list[Effect] = []
@@ -330,8 +331,21 @@ class ModelInference(Inference[Any]):
                 notes={self._name: note_value(receipt)},
             )
             done = Continue(()) if message.tool_calls else Yield((), YieldReason(YieldReason.DONE))
-            ending.append(done)
-            return _constant(*restore, AppendMessage(message))
+            spent = self._spent(earlier, session, last, response.attempts, response.usage)
+
+            def record(stored: Session[Any]) -> Sequence[Effect]:
+                # Computed from the session as stored (again after a conflict): when a
+                # message arrived while the model was answering (the user steered), or
+                # someone else answered, the reply answers a question that is no longer
+                # the last: only its calls are recorded, and the model is asked again.
+                ending[:] = [done]
+                position = stored.history.last_visible
+                if position >= 0 and stored.conversation[position].id == latest:
+                    return (*restore, AppendMessage(message))
+                ending[:] = [Continue(())]
+                return (Annotate(last.id, self._name, note_value(spent)),)
+
+            return record
 
         def keep(stored: Session[Any]) -> Sequence[Effect]:
             if not needs_answer(stored):
@@ -352,7 +366,12 @@ class ModelInference(Inference[Any]):
         return recorded or InferenceAttempts()
 
     def _spent(
-        self, earlier: InferenceAttempts, session: Session[Any], last: Message, made: int
+        self,
+        earlier: InferenceAttempts,
+        session: Session[Any],
+        last: Message,
+        made: int,
+        usage: Usage | None = None,
     ) -> InferenceAttempts:
         """``earlier`` plus ``made`` model calls that produced no reply (none reserved).
 
@@ -361,7 +380,7 @@ class ModelInference(Inference[Any]):
         reserved by an earlier request that never recorded its end (a crash)
         stay counted: they may have been sent.
         """
-        ledger = next_ledger(session, made, Usage(), on=last)
+        ledger = next_ledger(session, made, usage or Usage(), on=last)
         return msgspec.structs.replace(
             earlier,
             attempts=earlier.attempts + made,

@@ -21,8 +21,11 @@ does the rest, in this order:
 4. once every task has returned, ``then()`` (if given) says how the cycle
    ends: ``Continue`` or ``Yield`` with effects of their own (one more batch);
    it may raise instead (the error propagates once the last record is
-   written; everything recorded stays). It is asked right before the last
-   record is written, so that batch can say how the cycle ended.
+   written; everything recorded stays). It is asked right after the last
+   record is computed and before it is written (again when that record is
+   computed again after a conflict; the last answer counts), so that batch
+   can say how the cycle ended, and a record can tell ``then()`` what it
+   found in the stored session.
 
 Each batch written is announced (``StepApplied``) with a status: the
 cycle's own (``continue`` / ``yielded``) on its last batch, ``committed`` on
@@ -109,7 +112,9 @@ async def execute(
     ended: list[BaseException] = []  # or what it raised
 
     def end() -> Status:
-        """Ask ``then()`` (once); the status of the cycle's last batch if it is this one."""
+        """Ask ``then()``; the status of the cycle's last batch if it is this one."""
+        ending.clear()
+        ended.clear()
         try:
             ending.append(Continue(()) if staged.then is None else staged.then())
         except Exception as exc:  # noqa: BLE001 - any error of then(): raised after the record
@@ -130,10 +135,10 @@ async def execute(
     async def write_record(entry: Recorder, task: Task) -> None:
         nonlocal current, unrecorded
         unrecorded -= 1
-        status: Status = end() if unrecorded == 0 else "committed"
         conflicts = 0
         while True:
             effects = tuple(entry(current))
+            status: Status = end() if unrecorded == 0 else "committed"
             if not effects:
                 return
             try:

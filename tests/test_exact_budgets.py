@@ -247,3 +247,40 @@ async def test_a_failed_summariser_call_counts_against_a_session_budget() -> Non
         if report.reason.kind == YieldReason.BUDGET_EXHAUSTED:
             break
     assert summariser.calls == 2
+
+
+async def test_a_message_submitted_while_the_model_answers_is_answered_and_the_call_counted() -> (
+    None
+):
+    """The user steers while the model is answering: the reply to the earlier question is
+    not appended after the new message (it did not see it); its call is recorded, and the
+    model is asked again, with the new message."""
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("weather in Oslo?", id="u0")])
+    seen: list[list[str]] = []
+
+    async def model(request: ModelRequest) -> ModelResponse:
+        seen.append([m.text for m in request.messages])
+        if len(seen) == 1:
+            steer = Message.user("and in Rome?", id="u1")
+            await submit(store, "s", [AppendMessage(steer)])
+            return reply("sunny in Oslo")
+        return reply("sunny in both")
+
+    runtime = Runtime(store=store, model=FunctionModel(model), ids=counter_ids())
+    machine = StateMachine([Budget(per_session=Limits(model_calls=5)), ModelInference()])
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.DONE
+    assert seen == [["weather in Oslo?"], ["weather in Oslo?", "and in Rome?"]]
+    session = await store.load("s")
+    assert [m.text for m in session.conversation] == [
+        "weather in Oslo?",
+        "and in Rome?",
+        "sunny in both",
+    ]
+    first = attempts_on(session.conversation[0])
+    assert first is not None
+    assert (first.attempts, first.reserved) == (1, 0)  # the discarded reply's call
+    view = latest_ledger(session)
+    assert view.ledger is not None
+    assert view.ledger.session.model_calls == 2
