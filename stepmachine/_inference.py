@@ -24,7 +24,11 @@ The call is staged work (:class:`~stepmachine.Staged`): the step decides and
 builds the request; the machine makes the call and records what came of it,
 so every model request sent is counted (exact budgets), whatever happens:
 
-* a reply is recorded as its assistant message (with its receipt);
+* a reply is recorded as its assistant message (with its receipt), unless
+  the conversation moved on while the model answered (a user message
+  submitted meanwhile, or another writer answered): then only its calls are
+  recorded, on the last message the model saw, and the next cycle asks the
+  model again, with what arrived;
 * a failure after the adapter's retries (:class:`~stepmachine.ModelError`)
   records its attempts on the last message the model saw
   (:class:`InferenceAttempts`), then the error propagates;
