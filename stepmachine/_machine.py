@@ -64,7 +64,7 @@ import msgspec
 
 from . import _log, _tracing
 from ._capabilities import Capabilities, Step
-from ._cycle import Decision, Driver, Interrupted, RunReport, apply, decide, stops_the_run
+from ._cycle import Decision, Driver, Interrupted, RunReport, apply, decide
 from ._emitter import Emitter, EventSink, NullEmitter
 from ._errors import ConfigurationError
 from ._finalize import (
@@ -74,6 +74,7 @@ from ._finalize import (
     keep_interrupted,
     keep_records,
     shielded,
+    stops_the_run,
 )
 from ._hold import claim, holding, leasing_store, release, renew_interval, request_again
 from ._lease import Lease, LeasePolicy, Leases, check_claim, new_owner
