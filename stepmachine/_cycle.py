@@ -178,7 +178,8 @@ async def decide(
         ctx = context(capabilities, runtime, session, sink, cycle, run_start_revision, collected)
         ctx.committer = StepCommitter(runtime, step.name, cycle, sink, refused, len(refused))
         try:
-            returned = await _under(token, check_pending(step.name, step.run(ctx)))
+            pending = check_pending(step.name, step.run(ctx))
+            returned = await pending if token is None else await _under(token, pending)
         except BaseException as exc:
             if on_cancel is not None and stops_the_run(exc):
                 await on_cancel(Interrupted(step, ctx))
