@@ -32,9 +32,9 @@ Steps that hold something open while a run goes on (``open_for_run``, e.g.
 cycle and closed when it returns; callers driving ``step`` enter
 :meth:`StateMachine.opened` themselves.
 
-The loop is here; one cycle is ``_run.Run.cycle`` (built from ``_cycle``),
-cancellation and finalize are ``_finalize``, and every compare-and-set retry
-is ``_retry``.
+The loop is here; one cycle is ``_cycle.Driver.cycle`` (``decide`` then
+``apply``, in ``_cycle``), cancellation and finalize are ``_finalize``, and
+every compare-and-set retry is ``_retry``.
 
 Cancellation. When the machine's :class:`CancelToken` fires, the running step
 is cancelled; then :meth:`StateMachine.finalize` runs shielded: the
