@@ -30,11 +30,16 @@ interrupted one (and the records the machine held for it: a finished tool's
 result is never lost), then reports ``cancelled`` or lets the exception
 propagate. ``run()``, ``step()``/``apply()``/``finalize()``, the durable
 worker, replay and the testing kit all go through these functions.
+
+What is not the cycle itself lives beside it: the step contract checks
+(``_step_contract``), the ``cycle`` and ``yield`` log events and why a run
+idles (``_cycle_report``), the lease check before a guarded task starts
+(``_hold.confirm_lease``) and what stops a run from outside
+(``_finalize.stops_the_run``).
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,27 +52,19 @@ from . import _log, _staged, _tracing
 from ._capabilities import Capabilities, Step
 from ._capabilities import cycle_context as context
 from ._codec import Refusal, refusal
+from ._cycle_report import idle_reason, log_cycle, log_yield
 from ._effects import Effect
 from ._emitter import EventSink, StepApplied, Yielded
-from ._errors import ConflictError, LeaseLostError, StepContractError
-from ._finalize import finalize, shielded
-from ._history import open_tool_calls
-from ._hold import Fence
+from ._errors import ConflictError
+from ._finalize import finalize, shielded, stops_the_run
+from ._hold import confirm_lease
 from ._retry import Conflicts
 from ._runtime import Runtime
 from ._session import Session
 from ._staged import Recorder, Staged, Task
-from ._steps import (
-    CancelToken,
-    Continue,
-    Outcome,
-    Refuse,
-    StepContext,
-    StepResult,
-    Yield,
-    YieldReason,
-)
-from ._store import commit
+from ._step_contract import check_continues, check_outcome, check_pending
+from ._steps import CancelToken, Continue, Refuse, StepContext, StepResult, Yield, YieldReason
+from ._store import StepCommitter, commit
 
 if TYPE_CHECKING:
     from ._machine import StateMachine
@@ -79,14 +76,9 @@ __all__ = [
     "Interrupted",
     "RunReport",
     "apply",
-    "check_outcome",
-    "check_pending",
     "commit",
     "context",
     "decide",
-    "idle_reason",
-    "log_cycle",
-    "stops_the_run",
 ]
 
 D = TypeVar("D", bound=msgspec.Struct)
@@ -153,19 +145,6 @@ class RunReport(Generic[D]):
 # -- decide ---------------------------------------------------------------------------
 
 
-def _legacy_committer(
-    runtime: Runtime, step_name: str, cycle: int, sink: EventSink, refused: tuple[Refusal, ...]
-) -> Committer[Any]:
-    """What the deprecated ``StepContext.commit`` calls: one batch now, under the step's name."""
-
-    async def commit_now(current: Session[Any], effects: Sequence[Effect]) -> Session[Any]:
-        after = await commit(runtime, current, step_name, cycle, effects, refused)
-        await sink.emit(StepApplied(step_name, after.revision, "committed", len(effects)))
-        return after
-
-    return commit_now
-
-
 async def decide(
     capabilities: Capabilities[D],
     runtime: Runtime,
@@ -197,9 +176,10 @@ async def decide(
     refused: list[Refusal] = []
     for step in capabilities.steps:
         ctx = context(capabilities, runtime, session, sink, cycle, run_start_revision, collected)
-        ctx.committer = _legacy_committer(runtime, step.name, cycle, sink, tuple(refused))
+        ctx.committer = StepCommitter(runtime, step.name, cycle, sink, refused, len(refused))
         try:
-            returned = await _under(token, check_pending(step.name, step.run(ctx)))
+            pending = check_pending(step.name, step.run(ctx))
+            returned = await pending if token is None else await _under(token, pending)
         except BaseException as exc:
             if on_cancel is not None and stops_the_run(exc):
                 await on_cancel(Interrupted(step, ctx))
@@ -234,78 +214,6 @@ async def _under(token: CancelToken | None, work: Awaitable[T]) -> T:
     return returned  # type: ignore[no-any-return]
 
 
-def check_pending(step_name: str, pending: object) -> Awaitable[object]:
-    """``pending``, what calling a step's ``run(ctx)`` returned, when it can be awaited.
-
-    Raises:
-        StepContractError: it cannot be awaited (``run`` is a plain ``def``, or
-            an async generator), naming the step, the value seen and the fix.
-    """
-    if inspect.isawaitable(pending):
-        return pending
-    if inspect.isgenerator(pending):
-        pending.close()
-    raise StepContractError(
-        f"step {step_name!r} has a run() that is not async: calling it returned "
-        f"{_shown(pending)} (a {type(pending).__name__}), which cannot be awaited; make run an "
-        "`async def run(self, ctx)` that returns Refuse(why), Continue(effects), "
-        "Yield(effects, reason) or Staged(...); nothing was written for this cycle"
-    )
-
-
-def check_outcome(step_name: str, returned: object) -> Outcome:
-    """``returned`` when it is a step outcome (``Refuse``, ``Continue``, ``Yield``, ``Staged``).
-
-    Raises:
-        StepContractError: anything else, ``None`` included (a ``run`` that fell
-            off its end without a ``return``), naming the step, the value seen
-            and the fix. Nothing was written for the cycle.
-    """
-    if isinstance(returned, Refuse | Continue | Yield | Staged):
-        return returned
-    if returned is None:
-        seen = "returned None (is a `return` missing at the end of its run()?)"
-    else:
-        seen = f"returned {_shown(returned)} (a {type(returned).__name__})"
-    raise StepContractError(
-        f"step {step_name!r} {seen}; a step's run() returns Refuse(why) when it does not "
-        "apply, Continue(effects), Yield(effects, reason) or Staged(...); nothing was written "
-        "for this cycle"
-    )
-
-
-def _shown(value: object) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 200 else shown[:200] + "..."
-
-
-def idle_reason(capabilities: Capabilities[D], ctx: StepContext[D]) -> YieldReason:
-    """Why no step applied: ``call_held`` if some step holds open calls back, else ``idle``."""
-    held: list[dict[str, str]] = []
-    for call in open_tool_calls(ctx.session):
-        objection = capabilities.vet(ctx, call)
-        if objection is not None:
-            held.append(
-                {
-                    "call_id": call.call_id,
-                    "tool": call.name,
-                    "step": objection.step,
-                    "objection": objection.reason,
-                }
-            )
-    if not held:
-        return YieldReason(YieldReason.IDLE, "no step applies")
-    first = held[0]
-    more = f" (and {len(held) - 1} more held call(s))" if len(held) > 1 else ""
-    return YieldReason(
-        YieldReason.CALL_HELD,
-        f"step {first['step']!r} holds back tool call {first['call_id']!r} "
-        f"({first['tool']}): {first['objection']}{more}; no step applies until the "
-        "session changes",
-        {"calls": held},
-    )
-
-
 # -- apply ------------------------------------------------------------------------------
 
 
@@ -330,12 +238,8 @@ async def apply(
     name, outcome = decision.step.name, decision.outcome
     if decision.ctx.session.revision > session.revision:
         session = decision.ctx.session  # the deprecated ctx.commit wrote batches already
-    elif isinstance(outcome, Continue) and not outcome.effects:
-        raise StepContractError(
-            f"step {name!r} returned Continue with no effects; the session would not change "
-            "and the next cycle would decide the same, forever. Return Refuse(why) when the "
-            "step has nothing to do, or Yield(effects, reason) to hand control back"
-        )
+    else:
+        check_continues(name, outcome)
     written: tuple[Effect, ...] = ()
     sink = decision.ctx.events
     if isinstance(outcome, Staged):
@@ -365,34 +269,6 @@ async def apply(
         sink.follow(after.revision)
     reason = outcome.reason if isinstance(outcome, Yield) else None
     return after, StepResult(name, written + outcome.effects, status, after.revision, reason)
-
-
-async def confirm_lease(runtime: Runtime, task: Task) -> None:
-    """Raise :class:`LeaseLostError` unless the run still holds its lease, right before
-    ``task`` starts (at most once where it matters).
-
-    A run holding a lease writes through a :class:`~stepmachine._hold.Fence`.
-    Before a ``guarded`` task starts (a ``non_idempotent`` tool), the lease is
-    confirmed with the store by ``renew`` (the store's fence read, plus an
-    extension, harmless for its holder): one round trip on PostgreSQL, an
-    in-process check on the lock-file and memory stores. Any other task is
-    checked against what the run already knows (a write refused, a renewal that
-    found the lease gone), at no cost. A run without a lease checks nothing.
-
-    Raises:
-        LeaseLostError: the lease is gone; nothing was started.
-        Exception: the store could not be asked: the task is not started either.
-    """
-    fence = runtime.handler
-    if not isinstance(fence, Fence):
-        return
-    if fence.lost is None and task.guarded:
-        try:
-            await fence.store.renew(fence.lease)
-        except LeaseLostError as exc:
-            fence.lost = exc  # every later write of the run is refused at once too
-    if fence.lost is not None:
-        raise _staged.lease_lost(task, fence.lost) from fence.lost
 
 
 # -- the driver ---------------------------------------------------------------------------
@@ -537,16 +413,7 @@ class Driver(Generic[D]):
         return finalize_cut
 
     async def _yielded(self, session: Session[D], reason: YieldReason) -> RunReport[D]:
-        if _log.enabled(_log.INFO):
-            _log.event(
-                _log.INFO,
-                "yield",
-                session_id=session.id,
-                revision=session.revision,
-                kind=reason.kind,
-                message=_loggable_message(reason, self.runtime),
-                cycles=len(self.results),
-            )
+        log_yield(session, reason, self.runtime, len(self.results))
         await self.sink.emit(Yielded(reason.kind, reason.message))
         return RunReport(session, reason, tuple(self.results))
 
@@ -603,78 +470,3 @@ def _interrupted(cut: Decision[D] | Interrupted[D] | None) -> Interrupted[D] | N
     if isinstance(cut, Decision):
         return Interrupted(cut.step, cut.ctx, tuple(cut.held))
     return cut
-
-
-_CONTENT_KINDS = frozenset({"tool_failed"})
-"""Yield kinds whose message quotes a tool's error (``ToolAbortError``'s text: tool content)."""
-
-
-def _loggable_message(reason: YieldReason, runtime: Runtime) -> str:
-    """``reason.message`` for the ``yield`` event; a ``tool_failed`` message (the tool's
-    error text) only with content capture on, else a placeholder."""
-    if reason.kind in _CONTENT_KINDS and not runtime.telemetry.captures_content:
-        return "(the tool's error; content capture is off)"
-    return reason.message
-
-
-def log_cycle(
-    session: Session[Any],
-    cycle: int,
-    step: str | None,
-    refusals: Sequence[Refusal],
-    outcome: str,
-    started: float | None = None,
-    span: Any = None,
-    effects: int = 0,
-) -> None:
-    """Report one cycle: the ``cycle`` event (logger ``stepmachine``) and its span's attributes.
-
-    ``session`` is the session after the cycle; ``started`` its
-    ``time.perf_counter()`` at the start; ``span`` the cycle's span (``None``
-    when the run is not traced).
-    """
-    if span is not None:
-        span.update_name(f"cycle {step}" if step else "cycle")
-        _tracing.set_attributes(
-            span,
-            {
-                "stepmachine.step": step,
-                "stepmachine.refused": [r.step for r in refusals],
-                "stepmachine.outcome": outcome,
-                "stepmachine.revision": session.revision,
-                "stepmachine.effects": effects,
-            },
-        )
-    if _log.enabled(_log.DEBUG):
-        duration = None if started is None else round((time.perf_counter() - started) * 1000, 3)
-        _log.event(
-            _log.DEBUG,
-            "cycle",
-            session_id=session.id,
-            revision=session.revision,
-            cycle=cycle,
-            step=step,
-            refused=[{"step": r.step, "why": r.why} for r in refusals],
-            outcome=outcome,
-            effects=effects,
-            duration_ms=duration,
-        )
-
-
-def stops_the_run(exc: BaseException) -> bool:
-    """Whether ``exc`` stops a run from outside, so finalize runs before it propagates.
-
-    A cancellation, or ``KeyboardInterrupt`` / ``SystemExit``, bare or inside an
-    exception group (under trio, Ctrl-C raises ``KeyboardInterrupt`` at the next
-    checkpoint, which can be inside staged work's task group, right after a
-    tool returned: its result must still be recorded).
-    """
-    if isinstance(exc, anyio.get_cancelled_exc_class()):
-        return True
-    interrupts = (KeyboardInterrupt, SystemExit)
-    if isinstance(exc, interrupts):
-        return True
-    return isinstance(exc, BaseExceptionGroup) and exc.subgroup(interrupts) is not None
-
-
-Committer = Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]]

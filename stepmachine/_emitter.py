@@ -192,6 +192,7 @@ class EventSink:
 
     def __init__(self, emitter: Emitter, session_id: str, revision: int) -> None:
         self._emitter = emitter
+        self._drops = type(emitter) is NullEmitter  # nobody sees the events: build none
         self.session_id = session_id
         self.revision = revision
         self._seq = 0
@@ -208,8 +209,12 @@ class EventSink:
 
         An emitter that raises is logged (once per sink) and ignored: events are
         for display, and a broken client must never fail or change a run.
-        Cancellation propagates.
+        Cancellation propagates. With a :class:`NullEmitter` no event is built
+        (the sequence number still advances).
         """
+        if self._drops:
+            self._seq += 1
+            return
         event = Event(session_id=self.session_id, revision=self.revision, seq=self._seq, data=data)
         self._seq += 1
         try:

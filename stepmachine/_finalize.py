@@ -43,6 +43,7 @@ __all__ = [
     "keep_interrupted",
     "keep_records",
     "shielded",
+    "stops_the_run",
 ]
 
 D = TypeVar("D", bound=msgspec.Struct)
@@ -203,3 +204,19 @@ async def _commit_fresh(
 
     loader = runtime.session_loader()
     return await retry_conflicts(session, attempt, loader.load, attempts=max_conflicts + 1)
+
+
+def stops_the_run(exc: BaseException) -> bool:
+    """Whether ``exc`` stops a run from outside, so finalize runs before it propagates.
+
+    A cancellation, or ``KeyboardInterrupt`` / ``SystemExit``, bare or inside an
+    exception group (under trio, Ctrl-C raises ``KeyboardInterrupt`` at the next
+    checkpoint, which can be inside staged work's task group, right after a
+    tool returned: its result must still be recorded).
+    """
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return True
+    interrupts = (KeyboardInterrupt, SystemExit)
+    if isinstance(exc, interrupts):
+        return True
+    return isinstance(exc, BaseExceptionGroup) and exc.subgroup(interrupts) is not None

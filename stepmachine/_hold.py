@@ -6,6 +6,8 @@ a background task renews it every ``ttl / 3`` and every write of the work goes
 through a :class:`Fence` (``apply(batch, lease=lease)``). :func:`release` lets
 go, shielded and bounded. The machine (``StateMachine.run_report``) strings
 them together; see ``stepmachine._lease`` for what a lease promises.
+:func:`confirm_lease` is the check right before a guarded task (a
+non-idempotent tool) starts.
 
 A lost lease stops the work. Either a write is refused (the store raises
 :class:`LeaseLostError` from ``apply``; the fence remembers it and refuses
@@ -31,8 +33,10 @@ from ._effects import Effect
 from ._errors import ConfigurationError, LeaseLostError, SessionBusyError, StoreClosedError
 from ._lease import Lease, LeaseHolder, LeasePolicy, Leases
 from ._session import Session
+from ._staged import lease_lost
 
 if TYPE_CHECKING:
+    from ._outcomes import Task
     from ._runtime import Runtime
 
 __all__ = [
@@ -40,6 +44,7 @@ __all__ = [
     "check_fenceable",
     "claim",
     "claim_once",
+    "confirm_lease",
     "has_leases",
     "hold",
     "leasing_store",
@@ -346,6 +351,34 @@ async def _quietly(
                     break
             await anyio.sleep(_transient.backoff(attempt))
     return None
+
+
+async def confirm_lease(runtime: Runtime, task: Task) -> None:
+    """Raise :class:`LeaseLostError` unless the run still holds its lease, right before
+    ``task`` starts (at most once where it matters).
+
+    A run holding a lease writes through a :class:`Fence`. Before a
+    ``guarded`` task starts (a ``non_idempotent`` tool), the lease is
+    confirmed with the store by ``renew`` (the store's fence read, plus an
+    extension, harmless for its holder): one round trip on PostgreSQL, an
+    in-process check on the lock-file and memory stores. Any other task is
+    checked against what the run already knows (a write refused, a renewal that
+    found the lease gone), at no cost. A run without a lease checks nothing.
+
+    Raises:
+        LeaseLostError: the lease is gone; nothing was started.
+        Exception: the store could not be asked: the task is not started either.
+    """
+    fence = runtime.handler
+    if not isinstance(fence, Fence):
+        return
+    if fence.lost is None and task.guarded:
+        try:
+            await fence.store.renew(fence.lease)
+        except LeaseLostError as exc:
+            fence.lost = exc  # every later write of the run is refused at once too
+    if fence.lost is not None:
+        raise lease_lost(task, fence.lost) from fence.lost
 
 
 def leasing_store(runtime: Runtime) -> Leases | None:

@@ -54,7 +54,6 @@ from __future__ import annotations
 import math
 import os
 import socket
-import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -271,7 +270,7 @@ def check_claim(owner: object, ttl: object) -> None:
 
 def new_owner(prefix: str = "") -> str:
     """A fresh owner string: host, process id and a random part (one per run)."""
-    return f"{prefix}{_HOST}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+    return f"{prefix}{_HOST}:{os.getpid()}:{os.urandom(6).hex()}"
 
 
 _HOST = socket.gethostname() or "host"

@@ -32,9 +32,9 @@ Steps that hold something open while a run goes on (``open_for_run``, e.g.
 cycle and closed when it returns; callers driving ``step`` enter
 :meth:`StateMachine.opened` themselves.
 
-The loop is here; one cycle is ``_run.Run.cycle`` (built from ``_cycle``),
-cancellation and finalize are ``_finalize``, and every compare-and-set retry
-is ``_retry``.
+The loop is here; one cycle is ``_cycle.Driver.cycle`` (``decide`` then
+``apply``, in ``_cycle``), cancellation and finalize are ``_finalize``, and
+every compare-and-set retry is ``_retry``.
 
 Cancellation. When the machine's :class:`CancelToken` fires, the running step
 is cancelled; then :meth:`StateMachine.finalize` runs shielded: the
@@ -64,7 +64,7 @@ import msgspec
 
 from . import _log, _tracing
 from ._capabilities import Capabilities, Step
-from ._cycle import Decision, Driver, Interrupted, RunReport, apply, decide, stops_the_run
+from ._cycle import Decision, Driver, Interrupted, RunReport, apply, decide
 from ._emitter import Emitter, EventSink, NullEmitter
 from ._errors import ConfigurationError
 from ._finalize import (
@@ -74,6 +74,7 @@ from ._finalize import (
     keep_interrupted,
     keep_records,
     shielded,
+    stops_the_run,
 )
 from ._hold import claim, holding, leasing_store, release, renew_interval, request_again
 from ._lease import Lease, LeasePolicy, Leases, check_claim, new_owner

@@ -24,6 +24,7 @@ import msgspec
 from . import _tracing
 from ._codec import Batch, Codec, Refusal
 from ._effects import Effect, apply_batch
+from ._emitter import EventSink, StepApplied
 from ._errors import ConfigurationError
 from ._messages import Message
 from ._retry import retry_conflicts
@@ -32,7 +33,15 @@ from ._session import Session
 if TYPE_CHECKING:
     from ._runtime import Runtime
 
-__all__ = ["EffectHandler", "SessionLoader", "Store", "store_batch", "submit"]
+__all__ = [
+    "EffectHandler",
+    "SessionLoader",
+    "StepCommitter",
+    "Store",
+    "commit",
+    "store_batch",
+    "submit",
+]
 
 D = TypeVar("D", bound=msgspec.Struct)
 
@@ -198,6 +207,37 @@ async def commit(
         refused=refused,
         trace=_tracing.traceparent(),
     )
+
+
+class StepCommitter:
+    """What the deprecated ``StepContext.commit`` calls: one batch now, under the step's name.
+
+    ``refused`` is the list of the steps that refused before this one in the
+    cycle (the cycle goes on appending to it); the batch records its first
+    ``count``. Made for each step a cycle offers the session to: cheap, it
+    builds nothing until it is called.
+    """
+
+    __slots__ = ("count", "cycle", "refused", "runtime", "sink", "step_name")
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        step_name: str,
+        cycle: int,
+        sink: EventSink,
+        refused: list[Refusal],
+        count: int,
+    ) -> None:
+        self.runtime, self.step_name, self.cycle, self.sink = runtime, step_name, cycle, sink
+        self.refused, self.count = refused, count
+
+    async def __call__(self, current: Session[D], effects: Sequence[Effect]) -> Session[D]:
+        """Write ``effects`` after ``current`` (see :func:`commit`), then emit ``StepApplied``."""
+        refused = tuple(self.refused[: self.count])
+        after = await commit(self.runtime, current, self.step_name, self.cycle, effects, refused)
+        await self.sink.emit(StepApplied(self.step_name, after.revision, "committed", len(effects)))
+        return after
 
 
 async def store_batch(

@@ -62,7 +62,7 @@ past its lease's ttl, finds that another runner took the session over (and
 may have answered the call "outcome unknown"), starts nothing, and ``run()``
 raises :class:`~stepmachine.LeaseLostError`. A pure or idempotent tool is
 checked against what the run already knows, at no cost. See
-``_confirm_lease`` for the check and what it costs.
+``stepmachine._hold.confirm_lease`` for the check and what it costs.
 
 Errors of concurrent calls (a lost lease, a store's error) leave the step as
 one error, never an ``ExceptionGroup`` (see :func:`one_error`).
@@ -520,7 +520,7 @@ class Tools(Operation[Any]):
         closed.
 
         Emits ``ToolStarted``; the caller emits ``ToolFinished``. The machine
-        confirmed the run's lease right before (see ``_cycle.confirm_lease``).
+        confirmed the run's lease right before (see ``_hold.confirm_lease``).
 
         Cancellation: an async tool is cancelled at its next await (then no
         result exists); a sync tool in a worker thread runs to completion and

@@ -196,3 +196,28 @@ def test_event_data_tags_are_stable() -> None:
         b'{"kind":"step_applied","step":"s","new_revision":1,"status":"continue","effects":2},'
         b'{"kind":"yielded","reason":"done","message":""}]'
     )
+
+
+async def test_sink_over_a_null_emitter_keeps_counting_and_a_subclass_still_receives() -> None:
+    """A NullEmitter's sink builds no events, yet its sequence advances as if it did;
+    a subclass of NullEmitter is an emitter like any other and receives every event."""
+
+    class Kept(NullEmitter):
+        def __init__(self) -> None:
+            self.events: list[Event] = []
+
+        async def emit(self, event: Event) -> None:
+            self.events.append(event)
+
+    quiet = EventSink(NullEmitter(), "s", 3)
+    await quiet.emit(TextDelta("a"))
+    await quiet.emit(TextDelta("b"))
+    assert quiet._seq == 2
+    kept = Kept()
+    sink = EventSink(kept, "s", 3)
+    await sink.emit(TextDelta("a"))
+    await sink.emit(TextDelta("b"))
+    assert [(e.revision, e.seq, e.data) for e in kept.events] == [
+        (3, 0, TextDelta("a")),
+        (3, 1, TextDelta("b")),
+    ]

@@ -114,6 +114,17 @@ def test_uuid_ids_are_hex_and_unique() -> None:
     assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in made)
 
 
+def test_uuid_ids_are_version_4_uuids() -> None:
+    """The same shape ``uuid.uuid4().hex`` gives: version 4, the RFC 4122 variant."""
+    import uuid
+
+    for made in (uuid_ids() for _ in range(200)):
+        parsed = uuid.UUID(made)
+        assert parsed.version == 4
+        assert parsed.variant == uuid.RFC_4122
+        assert parsed.hex == made
+
+
 def test_step_context_new_id_uses_the_runtime() -> None:
     from stepmachine import NullEmitter
     from stepmachine._emitter import EventSink

@@ -37,9 +37,9 @@ from stepmachine import (
     counter_ids,
 )
 from stepmachine._capabilities import cycle_context
-from stepmachine._cycle import check_outcome, check_pending
 from stepmachine._emitter import EventSink
 from stepmachine._staged import Staged, Task, execute
+from stepmachine._step_contract import check_outcome, check_pending
 
 __all__ = ["StepCheck", "make_session", "run_step"]
 
