@@ -264,8 +264,9 @@ class ModelInference(Inference[Any]):
             prompt_parts=ctx.prompt_parts,
             settings=self._settings,
         )
+        built = request.messages  # the request's own copy (a tuple) of ``visible``
         request = ctx.shape_request(request)
-        if request.messages is not visible:
+        if request.messages is not built:  # a shaper changed them: check what is sent
             check_history(request.messages, session_id=session.id)
         last = visible[-1]  # the last message the model sees: calls are recorded on it
         latest = session.conversation[session.history.last_visible].id  # as stored

@@ -638,3 +638,24 @@ async def test_a_request_shows_tool_results_right_after_their_calls() -> None:
     assert [m.id for m in request.messages] == ["u0", "a1", "t1", "steer"]
     # The stored history is not rewritten.
     assert [m.id for m in check.session.conversation[:4]] == ["u0", "a1", "steer", "t1"]
+
+
+async def test_a_valid_history_is_not_checked_again_before_each_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The history index says it is valid and in order: no scan of the history per model
+    call (``check_history`` runs only when a shaper changed the messages sent)."""
+    import stepmachine._inference as inference_module
+
+    checked: list[int] = []
+    real = inference_module.check_history
+
+    def counting(messages: Any, **kwargs: Any) -> None:
+        checked.append(len(messages))
+        real(messages, **kwargs)
+
+    monkeypatch.setattr(inference_module, "check_history", counting)
+    session = make_session("one", Message.assistant("two", id="a1"), Message.user("three", id="u3"))
+    check = await run_step(ModelInference(), session, model=ScriptedModel(["four"]))
+    assert check.yielded
+    assert checked == []
