@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from stepmachine import (
     FEEDBACK,
     AppendMessage,
+    InferenceAttempts,
     InferenceReceipt,
     Ledger,
     Message,
@@ -44,7 +45,7 @@ from stepmachine import (
     submit,
     tool,
 )
-from stepmachine._ledger import LEDGER, LedgerCorrection
+from stepmachine._ledger import LEDGER, LedgerCorrection, run_ledgers
 from stepmachine.operations import HistoryGuard, InvalidCalls
 from stepmachine.operations._budget import (
     SUPERSEDES,
@@ -339,4 +340,46 @@ async def test_hiding_a_reply_with_a_repeated_call_id_takes_its_open_calls_out()
     assert _ledger_tool_calls(after, "session", 0, "budget") == len(
         _counted_usage(after, "session", 0, "budget").tool_calls
     ), hidden
+    _agrees(after)
+
+
+async def test_a_refusal_in_a_later_run_of_calls_made_before_it_is_added_back_for_that_run() -> (
+    None
+):
+    """Calls asked for in one run and refused in the next: the later run never counted them,
+    so its count from the ledger is not made negative (the correction is added back)."""
+    session = make_session("go")
+    calls = (ToolCallPart.of("c1", "ping", {}), ToolCallPart.of("c2", "ping", {}))
+    session = _grow(session, _reply("a1", session, *calls))  # made at revision 0
+    session = _grow(session, Message.user("still there?", id="u1"))  # the next run, at 2
+    check = await run_step(Budget(per_session=Limits(tool_calls=0)), session)
+    after = check.session
+    assert sum(1 for m in after.conversation if m.role == "tool") == 2  # both refused
+    assert _ledger_tool_calls(after, "session", 0, "budget") == 0
+    assert _ledger_tool_calls(after, "run", 2, "budget") == 0
+    after = _grow(after, _reply("a2", after, ToolCallPart.of("c3", "ping", {})))
+    assert _ledger_tool_calls(after, "run", 2, "budget") == 1
+    _agrees(after)
+
+
+async def test_a_correction_after_a_model_call_of_the_run_is_added_back_by_the_run() -> None:
+    """The run made a model call (a summariser's, while the calls waited) before the
+    refusal: its ledger is the run's, so the correction of the earlier run's calls comes
+    after the run's start and is added back (``run_ledgers``)."""
+    session = make_session("go")
+    calls = (ToolCallPart.of("c1", "ping", {}), ToolCallPart.of("c2", "ping", {}))
+    session = _grow(session, _reply("a1", session, *calls))  # made at revision 0
+    session = _grow(session, Message.user("still there?", id="u1"))
+    session = make_session(*session.conversation, revision=2)  # the next run begins at 2
+    last = session.conversation[-1]
+    attempt = InferenceAttempts(
+        attempts=1, revision=2, ledger=next_ledger(session, 1, Usage(), on=last)
+    )
+    noted = msgspec.structs.replace(last, notes={"summariser": note_value(attempt)})
+    session = make_session(*session.conversation[:-1], noted, revision=3)
+    check = await run_step(Budget(per_session=Limits(tool_calls=0)), session)
+    after = check.session
+    assert run_ledgers(after, 2).added_back == 2
+    assert _ledger_tool_calls(after, "run", 2, "budget") == 0
+    assert _ledger_tool_calls(after, "session", 0, "budget") == 0
     _agrees(after)
