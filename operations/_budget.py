@@ -10,18 +10,31 @@
 
 Everything is counted from the session, never from memory (state is the session).
 
-Cost per cycle (constant cost per step): model calls and tokens come from the running
-totals that every model-call record carries (:class:`stepmachine.Ledger`,
-found by reading back to the latest model call), so a budget without a
-tool-call limit reads only the messages since the last model call (per run:
-back to the first model call of the run, a run's totals being the latest
-ledger minus the one before the run began). Tool-call
-limits, and sessions recorded before ledgers existed, count from the records
-one by one (O(history)), by the rules below; where the two ways differ, the
-ledger counts what was spent while the run or turn was under way (an
-interrupted reply within a run, a summary inserted before the turn's first
-message), the records by where they sit (a record on the turn's own user
-message, such as a failed attempt, is of a call made in the turn: both count it).
+Cost per cycle (constant cost per step): model calls, tokens and tool calls come
+from the running totals that every model-call record carries
+(:class:`stepmachine.Ledger`, found by reading back to the latest model call),
+so ``run``, ``shape_request`` and ``check_call`` read only the messages since
+the last model call (per run: back to the first model call of the run, a run's
+totals being the latest ledger minus the one before the run began; ``check_call``
+also reads from the call's own message on, to place it). Each reply's receipt
+counts its tool calls; a step that makes calls stop counting by the rules below
+writes the correction with it (:class:`~stepmachine._ledger.LedgerCorrection`,
+the corrected ledger): this budget refusing calls (on the last refusal's
+result), an invalid-call retry hiding a reply (on its feedback message),
+``HistoryGuard`` hiding a reply with unanswered calls (on the last message), a
+:data:`SUPERSEDES` copy (on the copy, when the original's ledger is not the
+latest one or a turn began since). Counted from the records one by one
+(O(history)), by the rules below, are: sessions recorded before ledgers
+existed or before they counted tool calls (``Ledger.tools``), sessions with
+an assistant message holding tool calls but no ledger (one built by hand),
+calls that another budget step (another ``name``) refused, and a call whose
+id repeats (``check_call``). Where the two ways differ, the ledger counts what
+was spent while the run or turn was under way (an interrupted reply within a
+run, a summary inserted before the turn's first message; history deleted by a
+``ReplaceConversation`` is still counted), the records by where they sit (a
+record on the turn's own user message, such as a failed attempt, is of a call
+made in the turn: both count it). :func:`budget_usage` with ``tool_calls=True``
+(the ids of the counted calls) always counts the records.
 
 The rules for counting from the records:
 
@@ -88,7 +101,7 @@ Cancellation: nothing to finalize; the budget decides from the session.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -121,6 +134,15 @@ from stepmachine import (
     read_record,
     starts_turn,
 )
+from stepmachine._ledger import (
+    LEDGER,
+    LedgerCorrection,
+    LedgerView,
+    corrected_ledger,
+    ledger_on,
+    run_ledgers,
+)
+from stepmachine._records import TAG_FIELD
 
 from ._records import BudgetRefusal
 
@@ -261,6 +283,8 @@ def _answered_calls(conversation: Sequence[Message], skip: set[str]) -> set[tupl
 
     A result answers the latest earlier call with its id that has no result yet;
     the calls of the messages in ``skip`` (superseded originals) take no result.
+    Exact for the calls of ``conversation`` also when it is the tail of a longer one
+    (a result never answers a call that comes after it).
     """
     waiting: dict[str, list[str]] = {}  # call id -> ids of messages with it unanswered
     answered: set[tuple[str, str]] = set()
@@ -274,6 +298,237 @@ def _answered_calls(conversation: Sequence[Message], skip: set[str]) -> set[tupl
                 if holders:
                     answered.add((holders.pop(), part.call_id))
     return answered
+
+
+def _superseded(conversation: Sequence[Message]) -> set[str]:
+    """The ids of the originals the :data:`SUPERSEDES` copies in ``conversation`` replace."""
+    return {
+        str(message.notes[SUPERSEDES].get("message_id"))
+        for message in conversation
+        if SUPERSEDES in message.notes
+    }
+
+
+def _message_revision(message: Message) -> int | None:
+    """The revision the model call of an assistant message was made at (its first
+    model-call record's), which decides the run it belongs to; ``None``: no record."""
+    notes = _model_call_notes(message)
+    revision = notes[0].get("revision") if notes else None
+    return revision if isinstance(revision, int) else None
+
+
+def _counted_calls(
+    conversation: Sequence[Message],
+    first: int,
+    scope: Scope,
+    run_start_revision: int,
+    refused: Callable[[ToolCallPart], bool],
+    turn_from: int = -1,
+) -> list[tuple[str, str]]:
+    """The counted tool calls (the module docs' rules) of the messages from ``first`` on,
+    oldest first, as ``(message id, call id)``; from ``turn_from`` on too for a turn.
+
+    Exact for those messages whatever ``first`` (a copy comes after its original, a
+    result after its call): O(messages from ``first``).
+    """
+    tail = conversation[first:] if first > 0 else conversation
+    superseded = _superseded(tail)
+    answered = _answered_calls(tail, superseded)
+    counted: list[tuple[str, str]] = []
+    for index, message in enumerate(tail, start=max(first, 0)):
+        if message.role != "assistant" or not message.tool_calls:
+            continue
+        if scope == "turn" and index < turn_from:
+            continue
+        if scope == "run":
+            revision = _message_revision(message)
+            if revision is None or revision < run_start_revision:
+                continue
+        if message.id in superseded and not message.visible_to_model:
+            continue  # its copy's calls are counted
+        counted.extend(
+            (message.id, call.call_id)
+            for call in message.tool_calls
+            if not refused(call)
+            and (message.visible_to_model or (message.id, call.call_id) in answered)
+        )
+    return counted
+
+
+_REFUSAL_TAG: Final = BudgetRefusal.__struct_config__.tag
+
+
+def _refused_by_any(call: ToolCallPart) -> bool:
+    """Whether some budget step refused ``call`` (a :class:`BudgetRefusal` in its notes)."""
+    return any(
+        isinstance(value, dict) and value.get(TAG_FIELD) == _REFUSAL_TAG
+        for value in call.notes.values()
+    )
+
+
+def _current_turn_start(session: Session[Any], view: LedgerView) -> int:
+    """The position of the message that started the current turn (-1: none), from the
+    latest ledger (O(1)); read back from the end when it has none or that message is gone."""
+    if view.ledger is not None and not view.legacy:
+        started = view.turn_start if view.turn_start is not None else view.ledger.turn_start
+        position = -1 if started is None else session.history.message_position(started)
+        if position is not None:
+            return position
+    return turn_start(session.conversation)
+
+
+def _correction(
+    session: Session[Any],
+    changes: Sequence[tuple[Message, int | None, int]],
+    *,
+    refused_by: str | None = None,
+    always: bool = False,
+) -> LedgerCorrection | None:
+    """The correction of the latest ledger for ``changes``: ``(message, position, change)``
+    where ``change`` tool calls of ``message`` start counting (negative: stop), and
+    ``position`` is where it is (``None``: appended now, so in the current turn).
+
+    Messages without a ledger of their own are left out: no ledger counts their calls
+    (readers count them from the records), so a session without ledgers reads nothing.
+    """
+    changes = [change for change in changes if ledger_on(change[0]) is not None]
+    if not changes:
+        return None
+    view = latest_ledger(session)
+    if view.ledger is None or view.legacy:
+        return None  # no ledger counts these calls: readers count the records
+    start = _current_turn_start(session, view)
+    session_change = turn_change = 0
+    removed: dict[int, int] = {}
+    for message, position, change in changes:
+        if not change:
+            continue
+        session_change += change
+        if position is None or position >= start:
+            turn_change += change
+        revision = _message_revision(message)
+        if revision is not None:
+            removed[revision] = removed.get(revision, 0) - change
+    return corrected_ledger(
+        view,
+        session_change,
+        turn_change,
+        [[revision, count] for revision, count in removed.items() if count],
+        refused_by=refused_by,
+        always=always,
+    )
+
+
+def _ledger_counted(message: Message, answered: set[tuple[str, str]], visible: bool) -> int:
+    """How many calls of ``message`` a ledger counts when it is ``visible`` or not."""
+    if message.role != "assistant":
+        return 0
+    return sum(
+        1
+        for call in message.tool_calls
+        if not _refused_by_any(call) and (visible or (message.id, call.call_id) in answered)
+    )
+
+
+def hiding_correction(
+    session: Session[Any], message_ids: Sequence[str]
+) -> LedgerCorrection | None:
+    """The ledger correction for hiding ``message_ids`` from the model: their calls that no
+    result answers stop counting (for a step that hides replies, such as an invalid-call
+    retry). ``None`` when nothing changes. O(messages from the first of them)."""
+    index = session.history
+    positions = sorted(
+        p for p in (index.message_position(i) for i in message_ids) if p is not None
+    )
+    if not positions:
+        return None
+    conversation = session.conversation
+    tail = conversation[positions[0] :]
+    answered = _answered_calls(tail, _superseded(tail))
+    changes: list[tuple[Message, int | None, int]] = []
+    for position in positions:
+        message = conversation[position]
+        if message.visible_to_model:
+            now = _ledger_counted(message, answered, True)
+            changes.append((message, position, _ledger_counted(message, answered, False) - now))
+    return _correction(session, changes)
+
+
+def copy_correction(
+    session: Session[Any], original: Message, copy: Message
+) -> LedgerCorrection | None:
+    """The ledger correction for appending ``copy`` (marked :data:`SUPERSEDES`) while hiding
+    ``original`` from the model: the copy's calls count instead of the original's.
+    ``None`` when nothing changes (the usual case: one call for one)."""
+    position = session.history.message_position(original.id)
+    if position is None:
+        return None
+    tail = session.conversation[position:]
+    answered = _answered_calls(tail, _superseded(tail))
+    before = _ledger_counted(original, answered, original.visible_to_model)
+    after = _ledger_counted(copy, set(), True)
+    view = latest_ledger(session)
+    # The copy keeps the original's notes, its ledger too: once appended it is read as the
+    # latest, so it carries the latest ledger whenever the original's is not that one.
+    stale = view.turn_start is not None or ledger_on(copy) != view.ledger
+    changes = [(original, position, -before), (copy, None, after)]
+    return _correction(session, changes, always=stale)
+
+
+def with_correction(message: Message, correction: LedgerCorrection | None) -> Message:
+    """``message`` carrying ``correction`` under :data:`LEDGER` (unchanged for ``None``)."""
+    if correction is None:
+        return message
+    return msgspec.structs.replace(
+        message, notes={**message.notes, LEDGER: note_value(correction)}
+    )
+
+
+def correction_effects(
+    session: Session[Any], correction: LedgerCorrection | None
+) -> list[Effect]:
+    """The effect that writes ``correction`` on the conversation's last message (at or
+    after the latest ledger), merged with a correction already there."""
+    if correction is None or not len(session.conversation):
+        return []
+    last = session.conversation[-1]
+    where = f"session {session.id!r}, message {last.id!r}"
+    try:
+        earlier = read_record(last.notes, LEDGER, LedgerCorrection, where=where)
+    except StoredDataError:
+        earlier = None  # a damaged correction: its ledger does not read either
+    if earlier is not None:
+        correction = LedgerCorrection(
+            ledger=correction.ledger, removed=[*earlier.removed, *correction.removed]
+        )
+    return [Annotate(last.id, LEDGER, note_value(correction))]
+
+
+def _ledger_tool_calls(
+    session: Session[Any], scope: Scope, run_start_revision: int, refused_by: str
+) -> int | None:
+    """The tool calls ``scope`` counted, from the latest ledger; ``None`` when the records
+    must be counted (a session without tool-call ledgers, or with calls another budget
+    step refused). O(messages since the latest model call); for a run, O(the run)."""
+    view = latest_ledger(session)
+    if view.legacy or not view.tools:
+        return None
+    ledger = view.ledger
+    if ledger is None:
+        return 0  # no model call and no assistant message with tool calls
+    if any(name != refused_by for name in ledger.refused_by):
+        return None
+    if scope == "session":
+        return ledger.session.tool_calls
+    if scope == "turn":
+        return 0 if view.turn_start is not None else ledger.turn.tool_calls
+    if ledger.revision < run_start_revision:
+        return 0  # the latest call was made before this run began
+    before = run_ledgers(session, run_start_revision)
+    if before.legacy or not before.tools:
+        return None
+    base = before.ledger.session.tool_calls if before.ledger else 0
+    return ledger.session.tool_calls - base + before.added_back
 
 
 def _refused(call: ToolCallPart, refused_by: str, session: Session[Any]) -> bool:
@@ -317,7 +572,9 @@ def budget_usage(
     ``refused_by`` names the budget step whose refused tool calls are not
     counted. With ``tool_calls=False`` the tool calls are not counted (left
     empty), and model calls and tokens come from the ledger when the session
-    has one: O(messages since the latest model call).
+    has one: O(messages since the latest model call). With ``tool_calls=True``
+    every record is counted (O(history); a :class:`Budget` reads its tool-call
+    count from the ledger instead).
     """
     if not tool_calls:
         spent = _ledger_spent(session, scope, run_start_revision)
@@ -329,17 +586,11 @@ def budget_usage(
 def _counted_usage(
     session: Session[Any], scope: Scope, run_start_revision: int, refused_by: str
 ) -> BudgetUsage:
-    """:func:`budget_usage` by reading every record (O(history))."""
+    """:func:`budget_usage` by reading every record (O(history)): the reference the
+    ledgers agree with, and the way for sessions written before them."""
     conversation = session.conversation
     start = turn_start(conversation) if scope == "turn" else -1
     total = Spent()
-    tool_calls: list[tuple[str, str]] = []
-    superseded = {
-        str(message.notes[SUPERSEDES].get("message_id"))
-        for message in conversation
-        if SUPERSEDES in message.notes
-    }
-    answered = _answered_calls(conversation, superseded)
     for index, message in enumerate(conversation):
         # The turn's own user message counts: a record on it is of a call made after it.
         if index < start:
@@ -361,14 +612,14 @@ def _counted_usage(
                 total += _spent_in(note, session, message)
             elif any(v.get("interrupted") for v in message.notes.values()):
                 total += Spent(1)
-        if message.id in superseded and not message.visible_to_model:
-            continue  # its copy's calls are counted
-        tool_calls.extend(
-            (message.id, call.call_id)
-            for call in message.tool_calls
-            if not _refused(call, refused_by, session)
-            and (message.visible_to_model or (message.id, call.call_id) in answered)
-        )
+    tool_calls = _counted_calls(
+        conversation,
+        0,
+        scope,
+        run_start_revision,
+        lambda call: _refused(call, refused_by, session),
+        start,
+    )
     return BudgetUsage(
         total.model_calls,
         total.input_tokens,
@@ -454,15 +705,24 @@ class Budget(Operation[Any]):
 
     def _usage(
         self, session: Session[Any], scope: Scope, run_start: int, limits: Limits
-    ) -> BudgetUsage:
-        """What ``scope`` used; tool calls are counted only under a tool-call limit."""
-        return budget_usage(
-            session,
-            scope,
-            run_start_revision=run_start,
-            refused_by=self._name,
-            tool_calls=limits.tool_calls is not None,
+    ) -> tuple[BudgetUsage, int]:
+        """What ``scope`` used, and how many tool calls (counted only under a tool-call
+        limit): from the ledgers when the session has them, else from the records."""
+        count = 0
+        if limits.tool_calls is not None:
+            found = _ledger_tool_calls(session, scope, run_start, self._name)
+            if found is None:
+                usage = _counted_usage(session, scope, run_start, self._name)  # O(history)
+                return usage, len(usage.tool_calls)
+            count = found
+        usage = budget_usage(
+            session, scope, run_start_revision=run_start, refused_by=self._name, tool_calls=False
         )
+        return usage, count
+
+    @staticmethod
+    def _used(usage: tuple[BudgetUsage, int], limit: LimitName) -> int:
+        return usage[1] if limit == "tool_calls" else usage[0].used(limit)
 
     def remaining(self, session: Session[Any], run_start_revision: int) -> dict[str, int]:
         """What is left of each limited quantity, over all scopes (the minimum)."""
@@ -472,7 +732,7 @@ class Budget(Operation[Any]):
             for limit in _LIMIT_NAMES:
                 allowed = getattr(limits, limit)
                 if allowed is not None:
-                    value = max(allowed - usage.used(limit), 0)
+                    value = max(allowed - self._used(usage, limit), 0)
                     left[limit] = min(left.get(limit, value), value)
         return left
 
@@ -483,30 +743,62 @@ class Budget(Operation[Any]):
             usage = self._usage(session, scope, run_start, limits)
             for limit in limits_of:
                 allowed = getattr(limits, limit)
-                if allowed is not None and usage.used(limit) >= allowed:
+                if allowed is not None and self._used(usage, limit) >= allowed:
                     return {
                         "scope": scope,
                         "limit": limit,
                         "allowed": allowed,
-                        "used": usage.used(limit),
+                        "used": self._used(usage, limit),
                     }
         return None
 
     def _objection(self, session: Session[Any], run_start: int, call: ToolCallPart) -> str | None:
         """Why ``call`` is over a tool-call limit; ``None`` at once without such a limit."""
-        if all(limits.tool_calls is None for _, limits in self._scopes):
-            return None
-        positions = _positions_of(session.conversation, call)
         for scope, limits in self._scopes:
-            if limits.tool_calls is None:
-                continue
-            counted = self._usage(session, scope, run_start, limits).tool_call_positions
-            if any(
-                position in positions and index >= limits.tool_calls
-                for index, position in enumerate(counted)
+            if limits.tool_calls is not None and self._over(
+                session, run_start, scope, limits.tool_calls, call
             ):
                 return f"not executed: tool-call budget exhausted ({limits.tool_calls} per {scope})"
         return None
+
+    def _over(
+        self, session: Session[Any], run_start: int, scope: Scope, allowed: int, call: ToolCallPart
+    ) -> bool:
+        """Whether ``call`` is counted in ``scope`` at a place ``>= allowed``.
+
+        Its place is the count from the ledger minus the counted calls from its
+        message on (O(messages since its message)); the records are counted when
+        the session has no tool-call ledger, or the call id repeats.
+        """
+        index = session.history
+        count = (
+            None
+            if call.call_id in index.repeated
+            else _ledger_tool_calls(session, scope, run_start, self._name)
+        )
+        if count is None:
+            positions = _positions_of(session.conversation, call)
+            counted = _counted_usage(session, scope, run_start, self._name).tool_call_positions
+            return any(
+                position in positions and place >= allowed for place, position in enumerate(counted)
+            )
+        holder = index.first_visible_call(call.call_id)
+        if holder is None:
+            return False  # no message the model sees holds it: never counted
+        conversation = session.conversation
+        start = _current_turn_start(session, latest_ledger(session)) if scope == "turn" else -1
+        tail = _counted_calls(
+            conversation,
+            holder,
+            scope,
+            run_start,
+            lambda each: _refused(each, self._name, session),
+            start,
+        )
+        position = (conversation[holder].id, call.call_id)
+        if position not in tail:
+            return False
+        return count - len(tail) + tail.index(position) >= allowed
 
     # -- hooks ----------------------------------------------------------------------
 
@@ -559,17 +851,27 @@ class Budget(Operation[Any]):
         calls: Sequence[ToolCallPart],
         objections: dict[str, str | None],
     ) -> Outcome:
-        conversation = ctx.session.conversation
+        session = ctx.session
+        index = session.history
         effects: list[Effect] = []
-        for call in calls:
+        changes: list[tuple[Message, int | None, int]] = []
+        for position, call in index.open_call_positions():
+            if call not in calls:
+                continue
             reason = objections[call.call_id] or ""
             # The open call's own message (with a repeated call id, not the first holder).
-            where = _positions_of(conversation, call)[-1][0]
+            message = session.conversation[position]
             refusal = note_value(BudgetRefusal(refused=reason))
-            effects.append(Annotate(where, self._name, refusal, call_id=call.call_id))
+            effects.append(Annotate(message.id, self._name, refusal, call_id=call.call_id))
+            changes.append((message, position, -1))
             result = ToolResultPart.for_call(call, reason, is_error=True)
             note = {self._name: note_value(BudgetRefusal(refused=call.call_id))}
             effects.append(AppendMessage(Message.tool_result(result, id=ctx.new_id(), notes=note)))
+        # A refused call stops counting: the last result carries the corrected ledger.
+        correction = _correction(session, changes, refused_by=self._name)
+        last = effects[-1] if effects else None
+        if correction is not None and isinstance(last, AppendMessage):
+            effects[-1] = AppendMessage(with_correction(last.message, correction))
         return Yield(
             effects,
             YieldReason(

@@ -43,6 +43,8 @@ from stepmachine import (
     journal_entry,
 )
 
+from ._budget import correction_effects, hiding_correction
+
 __all__ = [
     "CALL_OUTSIDE_ASSISTANT",
     "DUPLICATE_CALL_ID",
@@ -303,7 +305,9 @@ class HistoryGuard(Operation[Any]):
       earlier call's: the message holding it is hidden (``SetVisibility
       to_model=False``) -- for duplicates the *later* message, since the first
       call is the one its results were matched to. Results of other calls of a
-      hidden message then become orphans and are hidden too;
+      hidden message then become orphans and are hidden too. Hidden calls that
+      no result answers stop counting for budgets (a ledger correction on the
+      last message);
     * an orphan result, a result before its call, a second result: the tool
       message is hidden; if it also holds good results, a copy without the bad
       parts is inserted right after it (``ReplaceConversation``);
@@ -404,7 +408,7 @@ class HistoryGuard(Operation[Any]):
 
         hide = [p for p in problems if p.kind in (CALL_OUTSIDE_ASSISTANT, DUPLICATE_CALL_ID)]
         if hide:
-            return self._hide(hide)
+            return self._hide(hide, session)
 
         bad_results = [p for p in problems if p.kind in (ORPHAN_RESULT, RESULT_BEFORE_CALL)]
         bad_results += [p for p in problems if p.kind == SECOND_RESULT]
@@ -414,7 +418,7 @@ class HistoryGuard(Operation[Any]):
         last_visible = session.history.last_visible
         empty = [p for p in problems if p.kind == EMPTY_ASSISTANT and p.index < last_visible]
         if empty:
-            return self._hide(empty)
+            return self._hide(empty, session)
 
         calls: list[tuple[Problem, ToolCallPart]] = []
         for p in problems:
@@ -446,9 +450,15 @@ class HistoryGuard(Operation[Any]):
     def _note(self, problem: Problem, **extra: Any) -> dict[str, Any]:
         return {"repair": problem.kind, "detail": problem.detail, **extra}
 
-    def _hide(self, problems: Sequence[Problem]) -> list[Effect]:
+    def _hide(
+        self, problems: Sequence[Problem], session: Session[Any] | None = None
+    ) -> list[Effect]:
+        """Hide the messages of ``problems``; with ``session``, the calls of a hidden reply
+        that no result answers stop counting (the correction of the budgets' ledger)."""
         ids = tuple(dict.fromkeys(p.message_id for p in problems))
         effects: list[Effect] = [SetVisibility(ids, to_model=False)]
+        if session is not None:
+            effects.extend(correction_effects(session, hiding_correction(session, ids)))
         for message_id in ids:
             mine = [p for p in problems if p.message_id == message_id]
             note = self._note(mine[0], hidden=True)

@@ -30,7 +30,9 @@ severe action wins: fail > stop > retry > skip > repair.
   it, and append a feedback user message (visible to the model, hidden from
   the user, marked with :data:`~stepmachine.operations.FEEDBACK`)
   that explains each problem; ``Continue`` -- the model answers again, which
-  is another model call, so a :class:`Budget` counts it. After
+  is another model call, so a :class:`Budget` counts it. The hidden reply's
+  calls never run: the feedback message carries the budgets' ledger
+  correction (they stop counting). After
   ``max_retries`` retries in one user turn the action becomes ``"stop"``.
 * ``"skip"``: answer every open call of the message with an error result
   (the bad ones explain their problem, the others say they were not run
@@ -56,7 +58,8 @@ severe action wins: fail > stop > retry > skip > repair.
   user), annotates it ``{"action": "repair", "replaced_by": ...}`` and
   appends a corrected copy that keeps the original's notes (usage, attempts),
   marked with :data:`~stepmachine.operations._budget.SUPERSEDES` so budgets
-  do not count the call twice, plus ``{"repaired_from", "repairs"}`` in this
+  do not count the call twice (the copy carries the latest ledger when the
+  original's is not that one), plus ``{"repaired_from", "repairs"}`` in this
   step's namespace; ``repairs`` lists one entry per repair, in the order
   applied: ``{"call_id", "renamed": "old -> new"}``, ``{"call_id",
   "arguments": "cleaned invalid JSON"}``, ``{"call_id", "new_id"}``. Notes
@@ -132,7 +135,13 @@ from stepmachine import (
     read_record,
 )
 
-from ._budget import SUPERSEDES, turn_start
+from ._budget import (
+    SUPERSEDES,
+    copy_correction,
+    hiding_correction,
+    turn_start,
+    with_correction,
+)
 from ._records import (
     InvalidCallsDecision,
     InvalidCallsFeedback,
@@ -578,7 +587,7 @@ class InvalidCalls(Operation[Any]):
         if action == "retry":
             return Continue(self._retry(ctx, message, found))
         if action == "repair" and repaired is not None:
-            return Continue(self._replace(message, repaired, found, "repair"))
+            return Continue(self._replace(ctx, message, repaired, found, "repair"))
         return Continue(self._skip(ctx, message, found, partly_answered))
 
     def _retries(self, session: Session[Any]) -> int:
@@ -630,6 +639,8 @@ class InvalidCalls(Operation[Any]):
             },
             visible_to_user=False,
         )
+        # The hidden reply's calls never run: they stop counting (budgets' ledger).
+        feedback = with_correction(feedback, hiding_correction(ctx.session, (message.id,)))
         return [
             SetVisibility((message.id,), to_model=False),
             Annotate(
@@ -704,8 +715,15 @@ class InvalidCalls(Operation[Any]):
         return copy
 
     def _replace(
-        self, message: Message, copy: Message, found: Sequence[CallProblem], action: str
+        self,
+        ctx: StepContext[Any],
+        message: Message,
+        copy: Message,
+        found: Sequence[CallProblem],
+        action: str,
     ) -> list[Effect]:
+        # The copy's calls count instead of the original's: its ledger says so (budgets).
+        copy = with_correction(copy, copy_correction(ctx.session, message, copy))
         return [
             SetVisibility((message.id,), to_model=False, to_user=False),
             Annotate(
@@ -744,7 +762,7 @@ class InvalidCalls(Operation[Any]):
                 parts=tuple(parts),
                 notes={**message.notes, SUPERSEDES: {"message_id": message.id}},
             )
-            effects.extend(self._replace(message, target, found, "skip"))
+            effects.extend(self._replace(ctx, message, target, found, "skip"))
         else:
             effects.append(
                 Annotate(

@@ -327,7 +327,12 @@ class ModelInference(Inference[Any]):
                 usage=response.usage,
                 model=response.model or model.name,
                 finish_reason=response.finish_reason,
-                ledger=next_ledger(session, response.attempts, response.usage),
+                ledger=next_ledger(
+                    session,
+                    response.attempts,
+                    response.usage,
+                    tool_calls=sum(isinstance(p, ToolCallPart) for p in response.parts),
+                ),
             )
             message = Message(
                 id=ctx.new_id(),

@@ -1,4 +1,4 @@
-"""The model-call ledger: running totals of model calls and tokens, carried by receipts.
+"""The model-call ledger: running totals of model calls, tokens and tool calls, carried by receipts.
 
 A budget (exact budgets) needs what a session, the current run and the current
 turn have spent. Adding up every receipt of the history would cost O(history)
@@ -21,6 +21,18 @@ It is the latest ledger minus the latest one made before the run's first
 revision (``latest_ledger(session, before_revision=...)``), O(messages of the
 run).
 
+Tool calls: a reply's receipt counts the tool calls it asks for. A step that
+makes calls stop counting (a budget refusing them, a step hiding a reply whose
+calls never ran, a copy that replaces a reply) writes a
+:class:`LedgerCorrection` with it: the latest ledger corrected, on a message at
+or after the latest ledger, so readers still read back to the latest ledger
+only. A correction of calls made before a run began is added back for that run
+(:func:`run_ledgers`, which reads the run anyway). Ledgers written before they
+counted tool calls say ``tools=False`` (their ``[calls, in, out]`` totals read
+``tool_calls=0``), as do those after an assistant message with tool calls and
+no ledger (one an application appended): readers count tool calls from the
+records then.
+
 Sessions written before ledgers existed hold model-call records without one:
 :func:`latest_ledger` then says so (``legacy=True``), and the ledgers written
 after such records are marked ``partial`` (they count only what came after):
@@ -37,16 +49,21 @@ import msgspec
 
 from ._messages import Message
 from ._model import Usage
-from ._records import _REGISTRY, TAG_FIELD
+from ._records import _REGISTRY, TAG_FIELD, Record
 from ._session import Session
 
 __all__ = [
     "FEEDBACK",
+    "LEDGER",
     "Ledger",
+    "LedgerCorrection",
     "LedgerView",
     "Spent",
+    "corrected_ledger",
     "latest_ledger",
+    "ledger_on",
     "next_ledger",
+    "run_ledgers",
     "starts_turn",
 ]
 
@@ -59,21 +76,25 @@ The value is ``{"by": <operation name>}``.
 
 
 class Spent(msgspec.Struct, frozen=True, array_like=True):
-    """Model calls and tokens spent.
+    """Model calls, tokens and tool calls spent.
 
-    Stored compactly, as ``[model_calls, input_tokens, output_tokens]`` (a
-    field added later goes at the end, with a default).
+    Stored compactly, as ``[model_calls, input_tokens, output_tokens,
+    tool_calls]`` (a field added later goes at the end, with a default: a
+    ledger stored as ``[calls, in, out]`` reads ``tool_calls=0``, and its
+    :class:`Ledger` says ``tools=False``).
     """
 
     model_calls: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
+    tool_calls: int = 0
 
     def __add__(self, other: Spent) -> Spent:
         return Spent(
             self.model_calls + other.model_calls,
             self.input_tokens + other.input_tokens,
             self.output_tokens + other.output_tokens,
+            self.tool_calls + other.tool_calls,
         )
 
     def __sub__(self, other: Spent) -> Spent:
@@ -81,6 +102,7 @@ class Spent(msgspec.Struct, frozen=True, array_like=True):
             self.model_calls - other.model_calls,
             self.input_tokens - other.input_tokens,
             self.output_tokens - other.output_tokens,
+            self.tool_calls - other.tool_calls,
         )
 
 
@@ -93,6 +115,12 @@ class Ledger(msgspec.Struct, frozen=True):
         revision: the session revision the call was made at.
         turn_start: the id of the message that started the turn (``None``: before any).
         partial: model calls recorded before ledgers existed are not in it.
+        tools: ``tool_calls`` counts the tool calls (see the module docs);
+            ``False`` in ledgers written before they did, or after an
+            assistant message with tool calls but no ledger (then readers
+            count the tool calls from the records).
+        refused_by: the budget steps whose refused calls this ledger no
+            longer counts (a budget of another name counts from the records).
     """
 
     session: Spent
@@ -100,6 +128,8 @@ class Ledger(msgspec.Struct, frozen=True):
     revision: int
     turn_start: str | None = None
     partial: bool = False
+    tools: bool = False
+    refused_by: list[str] = msgspec.field(default_factory=list)
 
 
 class LedgerView(msgspec.Struct, frozen=True):
@@ -110,11 +140,42 @@ class LedgerView(msgspec.Struct, frozen=True):
         legacy: a model-call record without a ledger came first (count from the records).
         turn_start: the id of the latest turn start after the ledger's message
             (``None``: the ledger's turn is still the current one).
+        tools: the tool calls are counted exactly: the ledger counts them
+            (``Ledger.tools``) and no assistant message with tool calls but
+            without a ledger came after it (with no ledger: none at all).
+        added_back: for :func:`run_ledgers` only: tool calls made before the
+            run whose corrections were written after ``ledger`` (see there).
     """
 
     ledger: Ledger | None
     legacy: bool
     turn_start: str | None
+    tools: bool = True
+    added_back: int = 0
+
+
+LEDGER: Final = "stepmachine.ledger"
+"""Notes namespace of a :class:`LedgerCorrection`."""
+
+
+class LedgerCorrection(Record, frozen=True, tag="stepmachine.ledger.correction"):
+    """Tool calls that stop counting, written by the step that makes them stop.
+
+    Under :data:`LEDGER` on a message at or after the latest ledger (a message
+    the step appends, or the conversation's last one). ``ledger`` is the
+    latest ledger with the correction made (readers take it as the latest;
+    its ``revision`` is the latest model call's), so reading stays a read back
+    to the latest ledger.
+
+    Attributes:
+        ledger: the corrected totals.
+        removed: ``[revision, count]`` pairs: ``count`` tool calls of a model
+            call made at ``revision`` stop counting (negative: start counting);
+            a run that began after ``revision`` adds them back.
+    """
+
+    ledger: Ledger
+    removed: list[list[int]] = msgspec.field(default_factory=list)
 
 
 def starts_turn(message: Message) -> bool:
@@ -135,16 +196,27 @@ def _carries_ledgers(tag: object) -> bool:
     return kind is not None and "ledger" in kind.__struct_fields__
 
 
+_CORRECTION_TAG: Final = "stepmachine.ledger.correction"
+
+
+def _order(ledger: Ledger, correction: bool) -> tuple[int, int, bool]:
+    """Which of two ledgers on one message is newer: more model calls; of equal calls,
+    fewer tool calls (a correction only takes calls away), then a correction."""
+    return (ledger.session.model_calls, -ledger.session.tool_calls, correction)
+
+
 def _ledger_of(message: Message) -> tuple[Ledger | None, bool]:
-    """The newest ledger a record on ``message`` carries (the one with the most calls), and
+    """The newest ledger a record on ``message`` carries (:func:`_order`), and
     whether a model-call record without a ledger is there."""
     legacy = False
     found: Ledger | None = None
+    newest: tuple[int, int, bool] | None = None
     for value in message.notes.values():
         if not isinstance(value, dict):
             continue
         stored = value.get("ledger")
-        if stored is not None and not _carries_ledgers(value.get(TAG_FIELD)):
+        tag = value.get(TAG_FIELD)
+        if stored is not None and not _carries_ledgers(tag):
             # Not a record of a model call (an application's own note with a "ledger"
             # key, say): never the budget's running totals (exact budgets).
             stored = None
@@ -154,13 +226,58 @@ def _ledger_of(message: Message) -> tuple[Ledger | None, bool]:
             except msgspec.ValidationError:
                 legacy = True  # a damaged ledger: count from the records instead
                 continue
-            if found is None or ledger.session.model_calls > found.session.model_calls:
-                found = ledger
+            order = _order(ledger, tag == _CORRECTION_TAG)
+            if newest is None or order > newest:
+                found, newest = ledger, order
         elif isinstance(value.get("attempts"), int) or value.get("interrupted") is True:
             legacy = True
     if found is not None and found.partial:
         legacy = True
     return found, legacy
+
+
+def ledger_on(message: Message) -> Ledger | None:
+    """The newest ledger a record on ``message`` carries (``None``: none)."""
+    return _ledger_of(message)[0]
+
+
+def _added_back(message: Message, run_start: int) -> int:
+    """The tool calls of model calls made before ``run_start`` that corrections on
+    ``message`` took away (a run that began at ``run_start`` never counted them)."""
+    value = message.notes.get(LEDGER)
+    if not isinstance(value, dict) or value.get(TAG_FIELD) != _CORRECTION_TAG:
+        return 0
+    try:
+        correction = msgspec.convert(value, LedgerCorrection)
+    except msgspec.ValidationError:
+        return 0  # its ledger is damaged too: the reader counts from the records
+    return sum(pair[1] for pair in correction.removed if len(pair) == 2 and pair[0] < run_start)
+
+
+def _uncounted_calls(message: Message, ledger: Ledger | None) -> bool:
+    """An assistant message with tool calls and no ledger of its own: no ledger counts them."""
+    return ledger is None and message.role == "assistant" and bool(message.tool_calls)
+
+
+def _walk(session: Session[Any], before_revision: int | None) -> LedgerView:
+    conversation = session.conversation
+    turn_start: str | None = None
+    tools = True
+    added_back = 0
+    for position in range(len(conversation) - 1, -1, -1):
+        message = conversation[position]
+        ledger, legacy = _ledger_of(message)
+        if legacy:
+            return LedgerView(ledger, legacy, turn_start, False, added_back)
+        if ledger is not None and (before_revision is None or ledger.revision < before_revision):
+            return LedgerView(ledger, legacy, turn_start, tools and ledger.tools, added_back)
+        if _uncounted_calls(message, ledger):
+            tools = False
+        if before_revision is not None:
+            added_back += _added_back(message, before_revision)
+        if turn_start is None and starts_turn(message):
+            turn_start = message.id
+    return LedgerView(None, False, turn_start, tools, added_back)
 
 
 def latest_ledger(session: Session[Any], *, before_revision: int | None = None) -> LedgerView:
@@ -170,18 +287,16 @@ def latest_ledger(session: Session[Any], *, before_revision: int | None = None) 
     (what a run that began there started from). O(messages after the ledger's
     message).
     """
-    conversation = session.conversation
-    turn_start: str | None = None
-    for position in range(len(conversation) - 1, -1, -1):
-        message = conversation[position]
-        ledger, legacy = _ledger_of(message)
-        if legacy:
-            return LedgerView(ledger, legacy, turn_start)
-        if ledger is not None and (before_revision is None or ledger.revision < before_revision):
-            return LedgerView(ledger, legacy, turn_start)
-        if turn_start is None and starts_turn(message):
-            turn_start = message.id
-    return LedgerView(None, False, turn_start)
+    view = _walk(session, before_revision)
+    return view if before_revision is None else msgspec.structs.replace(view, added_back=0)
+
+
+def run_ledgers(session: Session[Any], run_start: int) -> LedgerView:
+    """What a run that began at revision ``run_start`` started from: the latest ledger of
+    a call made before it, and in ``added_back`` the tool calls of calls made before the
+    run that corrections written since took away (the latest ledger no longer counts
+    them, and the run never did). O(messages of the run)."""
+    return _walk(session, run_start)
 
 
 def next_ledger(
@@ -190,6 +305,7 @@ def next_ledger(
     usage: Usage,
     *,
     on: Message | None = None,
+    tool_calls: int = 0,
 ) -> Ledger:
     """The ledger of a new model-call record: the latest one plus this call.
 
@@ -199,17 +315,63 @@ def next_ledger(
         usage: the tokens they used.
         on: the message the record goes on when it is already in the
             session (an annotation); ``None`` for a new message.
+        tool_calls: the tool calls the reply asks for (0: no reply).
     """
-    mine = Spent(attempts, usage.input_tokens, usage.output_tokens)
+    mine = Spent(attempts, usage.input_tokens, usage.output_tokens, tool_calls)
     view = latest_ledger(session)
     previous = view.ledger
     turn_start = view.turn_start
     if on is not None and starts_turn(on) and turn_start is None:
         turn_start = on.id
     if previous is None:
-        return Ledger(mine, mine, session.revision, turn_start, view.legacy)
+        return Ledger(mine, mine, session.revision, turn_start, view.legacy, view.tools)
     if turn_start is None or turn_start == previous.turn_start:
         turn, turn_start = previous.turn + mine, previous.turn_start
     else:
         turn = mine
-    return Ledger(previous.session + mine, turn, session.revision, turn_start, view.legacy)
+    return Ledger(
+        previous.session + mine,
+        turn,
+        session.revision,
+        turn_start,
+        view.legacy,
+        view.tools,
+        previous.refused_by,
+    )
+
+
+def corrected_ledger(
+    view: LedgerView,
+    session_change: int,
+    turn_change: int,
+    removed: list[list[int]],
+    *,
+    refused_by: str | None = None,
+    always: bool = False,
+) -> LedgerCorrection | None:
+    """The correction of the latest ledger (``view``) by ``session_change`` tool calls in
+    the session and ``turn_change`` in the current turn (negative: calls that stop
+    counting); ``None`` when there is no ledger to correct or (unless ``always``)
+    nothing changes.
+
+    ``refused_by`` names the budget step that refused the calls.
+    """
+    ledger = view.ledger
+    if ledger is None or not (always or session_change or turn_change):
+        return None
+    turn, turn_start = ledger.turn, ledger.turn_start
+    if view.turn_start is not None and view.turn_start != ledger.turn_start:
+        turn, turn_start = Spent(), view.turn_start  # a turn began since the latest call
+    by = ledger.refused_by
+    if refused_by is not None and refused_by not in by:
+        by = [*by, refused_by]
+    corrected = msgspec.structs.replace(
+        ledger,
+        session=ledger.session + Spent(tool_calls=session_change),
+        turn=turn + Spent(tool_calls=turn_change),
+        turn_start=turn_start,
+        partial=ledger.partial or view.legacy,
+        tools=view.tools,
+        refused_by=by,
+    )
+    return LedgerCorrection(ledger=corrected, removed=removed)

@@ -57,7 +57,7 @@ from stepmachine._emitter import EventSink
 from stepmachine._staged import Recorder
 from stepmachine.testing import ScriptedModel, call, make_session, reply, run_step
 
-FIRST_CALL = Ledger(Spent(1), Spent(1), revision=0, turn_start="u0")
+FIRST_CALL = Ledger(Spent(1), Spent(1), revision=0, turn_start="u0", tools=True)
 """The ledger of the first model call of a session, one attempt, no tokens."""
 
 
@@ -207,7 +207,7 @@ async def test_notes_record_usage_model_and_finish_reason() -> None:
     assert check.new_messages[0].parts == (TextPart("x"),)
     (message,) = check.new_messages
     spent = Spent(1, 11, 7)
-    ledger = Ledger(spent, spent, revision=0, turn_start="u0")
+    ledger = Ledger(spent, spent, revision=0, turn_start="u0", tools=True)
     assert message.notes == {
         "brain": {
             "record": "stepmachine.inference.reply",

@@ -47,7 +47,9 @@ def test_the_first_call_starts_the_totals_and_the_turn() -> None:
     session = make_session("go")
     assert latest_ledger(session).ledger is None
     ledger = next_ledger(session, 2, Usage(10, 5))
-    assert ledger == Ledger(Spent(2, 10, 5), Spent(2, 10, 5), revision=0, turn_start="u0")
+    assert ledger == Ledger(
+        Spent(2, 10, 5), Spent(2, 10, 5), revision=0, turn_start="u0", tools=True
+    )
 
 
 def test_totals_add_up_and_a_new_user_turn_restarts_the_turn() -> None:

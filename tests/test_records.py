@@ -69,6 +69,7 @@ RELEASED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "stepmachine.invalid_calls.feedback": (("feedback_for",), ("problems",)),
     "stepmachine.invalid_calls.repair": (("repaired_from",), ("repairs",)),
     "stepmachine.invalid_calls.skipped": (("skipped",), ()),
+    "stepmachine.ledger.correction": (("ledger",), ("removed",)),
     "stepmachine.journal": (
         (),
         (
@@ -115,10 +116,10 @@ def test_every_built_in_record_is_registered_with_its_released_schema() -> None:
 
 
 def test_the_ledger_inside_records_keeps_its_schema() -> None:
-    assert fields_of(Spent) == ((), ("model_calls", "input_tokens", "output_tokens"))
+    assert fields_of(Spent) == ((), ("model_calls", "input_tokens", "output_tokens", "tool_calls"))
     assert fields_of(Ledger) == (
         ("session", "turn", "revision"),
-        ("turn_start", "partial"),
+        ("turn_start", "partial", "tools", "refused_by"),
     )
 
 
