@@ -53,7 +53,7 @@ from ._effects import Annotate, AppendMessage, Effect
 from ._emitter import ReasoningDelta, TextDelta, ToolArgumentsDelta
 from ._errors import ContextLengthError, HistoryError, ModelError
 from ._history import check_history, history_problems, open_tool_calls, request_order
-from ._ledger import Ledger, next_ledger
+from ._ledger import Ledger, next_ledger, standing_ledger
 from ._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart
 from ._model import (
     ModelRequest,
@@ -64,6 +64,7 @@ from ._model import (
     TextChunk,
     Usage,
 )
+from ._model_call import Attempts, counting
 from ._outcomes import Recorder, Staged, Task
 from ._records import Record, note_value, read_record
 from ._session import Session
@@ -278,15 +279,15 @@ class ModelInference(Inference[Any]):
             reservation = msgspec.structs.replace(reservation, reserved=reserved)
             intents.append(Annotate(last.id, self._name, note_value(reservation)))
         partial = _Partial()
+        sent = Attempts()  # the attempts the request has sent, while it is under way
         ending: list[Continue | Yield] = []
         failure: list[ModelError] = []
-        # What restores the last message's record once the calls reserved are
-        # accounted for by a reply (``earlier``, its ledger current).
-        restore = (
-            [Annotate(last.id, self._name, note_value(self._spent(earlier, session, last, 0)))]
-            if reserved is not None
-            else []
+        # What the last message's record goes back to once the calls reserved are
+        # accounted for elsewhere (a reply's receipt): ``earlier``, the totals as they stood.
+        restored = msgspec.structs.replace(
+            earlier, reserved=0, ledger=standing_ledger(session, on=last)
         )
+        restore = [Annotate(last.id, self._name, note_value(restored))] if reserved else []
 
         async def on_chunk(chunk: StreamChunk) -> None:
             if isinstance(chunk, TextChunk):
@@ -307,9 +308,10 @@ class ModelInference(Inference[Any]):
 
         async def call() -> Recorder:
             try:
-                response = await ctx.request_model(
-                    model, request, on_chunk=on_chunk if self._stream else None
-                )
+                with counting(sent):
+                    response = await ctx.request_model(
+                        model, request, on_chunk=on_chunk if self._stream else None
+                    )
             except ModelError as exc:
                 attempts = getattr(exc, "attempts", 1)  # an adapter's retries count
                 made = attempts if type(attempts) is int and attempts > 0 else 1
@@ -358,9 +360,15 @@ class ModelInference(Inference[Any]):
             return record
 
         def keep(stored: Session[Any]) -> Sequence[Effect]:
-            if not needs_answer(stored):
-                return ()  # the reply was recorded after all, or someone else answered
-            return self._interrupted(ctx, session, last, earlier, partial, restore)
+            position = stored.history.last_visible
+            moved = not (position >= 0 and stored.conversation[position].id == latest)
+            if moved or not needs_answer(stored):
+                # Someone else answered, or a message arrived: what streamed answers a
+                # question that is no longer the last. Only the calls sent are recorded.
+                return self._cut_off(session, last, earlier, sent.made, restore, False)
+            if not (partial.text or partial.reasoning):
+                return self._cut_off(session, last, earlier, sent.made, restore, True)
+            return self._interrupted(ctx, session, sent.made, partial, restore)
 
         def then() -> Continue | Yield:
             if failure:
@@ -399,29 +407,42 @@ class ModelInference(Inference[Any]):
             ledger=ledger,
         )
 
+    def _cut_off(
+        self,
+        session: Session[Any],
+        last: Message,
+        earlier: InferenceAttempts,
+        made: int,
+        restore: Sequence[Effect],
+        interrupted: bool,
+    ) -> tuple[Effect, ...]:
+        """The record of a request cut off with no reply kept: the ``made`` attempts it
+        sent, on the last message (budgets count every model call, exact budgets), in
+        place of its reservation; nothing, or only ``restore``, when none was sent."""
+        if made == 0:
+            return tuple(restore)  # never sent: the reservation is given back
+        note = self._spent(earlier, session, last, made)
+        if interrupted:
+            note = msgspec.structs.replace(note, interrupted_request=True)
+        return (Annotate(last.id, self._name, note_value(note)),)
+
     def _interrupted(
         self,
         ctx: StepContext[Any],
         session: Session[Any],
-        last: Message,
-        earlier: InferenceAttempts,
+        made: int,
         partial: _Partial,
         restore: Sequence[Effect],
     ) -> tuple[Effect, ...]:
-        """What an interrupted request keeps: the text and reasoning streamed so far as
-        an assistant message noted ``interrupted`` (one model call); when nothing had
-        streamed, the attempt recorded on the last message (budgets count every model
-        call, exact budgets). Half-streamed tool calls are dropped."""
-        if not (partial.text or partial.reasoning):
-            note = self._spent(earlier, session, last, 1)
-            note = msgspec.structs.replace(note, interrupted_request=True)
-            return (Annotate(last.id, self._name, note_value(note)),)
+        """What an interrupted request keeps of what streamed: the text and reasoning as
+        an assistant message noted ``interrupted``, counting the ``made`` attempts the
+        request sent (at least this one). Half-streamed tool calls are dropped."""
         parts: list[Part] = []
         if partial.reasoning:
             parts.append(ReasoningPart(text="".join(partial.reasoning)))
         if partial.text:
             parts.append(TextPart(text="".join(partial.text)))
-        ledger = next_ledger(session, 1, Usage())
+        ledger = next_ledger(session, max(made, 1), Usage())
         message = Message(
             id=ctx.new_id(),
             role="assistant",

@@ -64,6 +64,7 @@ __all__ = [
     "ledger_on",
     "next_ledger",
     "run_ledgers",
+    "standing_ledger",
     "starts_turn",
 ]
 
@@ -338,6 +339,21 @@ def next_ledger(
         view.tools,
         previous.refused_by,
     )
+
+
+def standing_ledger(session: Session[Any], *, on: Message | None = None) -> Ledger:
+    """The totals as they stand, for a record that adds no call (``on`` as in
+    :func:`next_ledger`): what a call's record goes back to once the calls it
+    reserved are accounted for elsewhere, or were never sent.
+
+    Its ``revision`` is the latest ledger's (``-1`` when there is none), not the
+    session's: it records no call of the current run, so a per-run count
+    (:func:`latest_ledger` with ``before_revision``) still finds what came before.
+    """
+    previous = latest_ledger(session).ledger
+    standing = next_ledger(session, 0, Usage(), on=on)
+    revision = previous.revision if previous is not None else -1
+    return msgspec.structs.replace(standing, revision=revision)
 
 
 def corrected_ledger(

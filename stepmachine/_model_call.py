@@ -3,11 +3,20 @@
 Every model call a step makes goes through :meth:`StepContext.request_model
 <stepmachine.StepContext.request_model>`, which uses this: the inference
 step's reply, a compaction's summary, an application step's own call.
+
+:func:`counting` and :func:`attempt_started` count the attempts a request
+made while it is under way (first try plus retries), so that a request cut
+off by a cancellation is counted as the attempts it really sent: the HTTP
+adapters and the testing models report each attempt as it is sent; a model
+that reports none is counted as one attempt.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import msgspec
@@ -19,7 +28,44 @@ from ._messages import Message
 from ._model import Model, ModelRequest, ModelResponse
 from ._telemetry import Telemetry
 
-__all__ = ["ModelCall"]
+__all__ = ["Attempts", "ModelCall", "attempt_started", "counting"]
+
+
+class Attempts:
+    """The attempts a request under way has sent, as its model reports them."""
+
+    __slots__ = ("reported", "started")
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.reported = False
+
+    @property
+    def made(self) -> int:
+        """Attempts sent: as reported (0: none was sent yet), or 1 when the model reports none."""
+        return self.started if self.reported else 1
+
+
+_COUNTING: ContextVar[Attempts | None] = ContextVar("stepmachine_model_attempts", default=None)
+
+
+@contextmanager
+def counting(attempts: Attempts) -> Iterator[Attempts]:
+    """Count in ``attempts`` the attempts the model calls inside report
+    (see :func:`attempt_started`)."""
+    token = _COUNTING.set(attempts)
+    try:
+        yield attempts
+    finally:
+        _COUNTING.reset(token)
+
+
+def attempt_started() -> None:
+    """A model adapter sends an attempt of a request (its first try, or a retry)."""
+    attempts = _COUNTING.get()
+    if attempts is not None:
+        attempts.started += 1
+        attempts.reported = True
 
 
 def _model_id(model: Model) -> str:

@@ -492,8 +492,8 @@ def _recorded_overflow(stored: _StoredCycle, effect: Annotate) -> ContextLengthE
     after = read_record(
         {effect.namespace: values}, effect.namespace, InferenceAttempts, where=where
     )
-    if after is None or not after.context_length_exceeded:
-        return None
+    if after is None or not after.context_length_exceeded or after.reserved:
+        return None  # not an overflow, or a reservation carrying an earlier one's mark
     position = stored.before.history.message_position(effect.message_id)
     made = after.attempts
     if position is not None:
@@ -501,6 +501,8 @@ def _recorded_overflow(stored: _StoredCycle, effect: Annotate) -> ContextLengthE
         before = read_record(notes, effect.namespace, InferenceAttempts, where=where)
         if before is not None:
             made = after.attempts - before.attempts
+            if made <= 0:
+                return None  # the mark as it was (put back after a reply): no new overflow
     error = ContextLengthError("replay: the stored cycle recorded a context-length error")
     error.attempts = max(1, made)  # type: ignore[attr-defined]
     return error

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -570,15 +569,19 @@ async def test_finalize_keeps_nothing_when_only_tool_calls_streamed() -> None:
     }
 
 
-async def test_finalize_does_nothing_if_the_reply_was_recorded_meanwhile() -> None:
+async def test_a_cut_off_request_someone_else_answered_keeps_only_its_attempt() -> None:
+    """Another writer answered while the request streamed: what streamed is not kept (it
+    answers a question already answered), the request's one attempt is."""
     step = ModelInference()
     session = make_session("hi")
-    ctx, _, held = await interrupted_run(
+    _, _, held = await interrupted_run(
         step, session, ScriptedModel(["a long enough reply"], chunk_size=4), count(TextDelta, 2)
     )
     recorded = AppendMessage(Message.assistant("a long enough reply", id="r")).apply(session)
-    later = dataclasses.replace(ctx, session=recorded)
-    assert kept(held, later.session) == []
+    (effect,) = kept(held, recorded)
+    assert isinstance(effect, Annotate)
+    assert effect.message_id == "u0"
+    assert effect.values["attempts"] == 1
 
 
 async def test_the_machine_holds_what_an_interrupted_call_keeps_not_finalize() -> None:
@@ -591,15 +594,6 @@ async def test_the_machine_holds_what_an_interrupted_call_keeps_not_finalize() -
     )
     assert len(held) == 1  # the call's keep, for the machine's finalize to write
     assert list(await step.finalize(ctx, interrupted=True)) == []  # nothing of its own
-
-
-async def test_finalize_after_a_completed_run_keeps_nothing_once_recorded() -> None:
-    step = ModelInference()
-    check = await run_step(step, make_session("hi"), model=ScriptedModel(["done"]))
-    assert check.staged is not None
-    (task,) = check.staged.tasks
-    assert task.keep is not None
-    assert list(task.keep(check.session)) == []  # the reply is recorded: nothing to keep
 
 
 def test_request_default_settings() -> None:

@@ -71,6 +71,7 @@ from .._model import (
     TextChunk,
     ToolCallChunk,
 )
+from .._model_call import attempt_started
 from ._errors import (
     MalformedResponseError,
     ProviderConnectionError,
@@ -327,6 +328,7 @@ class HTTPModel:
         attempt = 0
         while True:
             attempt += 1
+            attempt_started()  # counted while under way: a cancel after it still counts it
             streamed = _Streamed()
             failure: BaseException | None = None
             try:

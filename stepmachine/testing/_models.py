@@ -29,6 +29,7 @@ from stepmachine import (
     UnexpectedModelCallError,
     Usage,
 )
+from stepmachine._model_call import attempt_started
 
 __all__ = ["FunctionModel", "ScriptedModel", "call", "reply", "stream_response"]
 
@@ -182,6 +183,7 @@ class ScriptedModel:
             UnexpectedModelCallError: no turn is left.
         """
         await anyio.lowlevel.checkpoint()
+        attempt_started()
         turn_number = len(self.requests)
         if turn_number >= len(self._turns):
             last = request.messages[-1] if request.messages else None
@@ -237,6 +239,7 @@ class FunctionModel:
     ) -> ModelResponse:
         """Answer with ``fn(request)``; stream it to ``on_chunk`` when given."""
         await anyio.lowlevel.checkpoint()
+        attempt_started()
         self.calls += 1
         result = self._fn(request)
         response = await result if inspect.isawaitable(result) else result
