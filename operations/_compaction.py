@@ -113,6 +113,9 @@ from stepmachine import (
     read_record,
 )
 
+from stepmachine._ledger import standing_ledger
+from stepmachine._model_call import Attempts, counting
+
 from ._records import CompactionMark, CompactionReceipt
 
 __all__ = [
@@ -352,10 +355,12 @@ class Compaction(Operation[Any]):
             intents.append(Annotate(last.id, self._name, note_value(reservation)))
         ending: list[Continue | Yield] = []
         failure: list[ModelError] = []
+        sent = Attempts()  # the attempts the request has sent, while it is under way
 
         async def call() -> Recorder:
             try:
-                response = await ctx.request_model(model, request)
+                with counting(sent, ctx.runtime.model_override or model):
+                    response = await ctx.request_model(model, request)
             except ModelError as exc:
                 failure.append(exc)  # raised once its attempts are recorded
                 attempts = getattr(exc, "attempts", 1)  # an adapter's retries count
@@ -387,7 +392,19 @@ class Compaction(Operation[Any]):
                 raise failure[0]
             return ending[0]
 
-        return Staged(intents, [Task(f"summariser call ({self._name})", call)], then=then)
+        def keep(stored: Session[Any]) -> Sequence[Effect]:
+            # Cut off: the attempts the request sent are recorded in place of the
+            # reservation; none sent, the reservation is given back.
+            if sent.made:
+                failed = self._spent(mark, session, last, sent.made)
+                return (Annotate(last.id, self._name, note_value(failed)),)
+            if reserved is None:
+                return ()
+            given_back = self._restored(mark, standing_ledger(session, on=last))
+            return (Annotate(last.id, self._name, note_value(given_back)),)
+
+        task = Task(f"summariser call ({self._name})", call, keep=keep)
+        return Staged(intents, [task], then=then)
 
     def _summarised(
         self,

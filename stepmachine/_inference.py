@@ -308,7 +308,7 @@ class ModelInference(Inference[Any]):
 
         async def call() -> Recorder:
             try:
-                with counting(sent):
+                with counting(sent, ctx.runtime.model_override or model):
                     response = await ctx.request_model(
                         model, request, on_chunk=on_chunk if self._stream else None
                     )

@@ -34,25 +34,32 @@ __all__ = ["Attempts", "ModelCall", "attempt_started", "counting"]
 class Attempts:
     """The attempts a request under way has sent, as its model reports them."""
 
-    __slots__ = ("reported", "started")
+    __slots__ = ("began", "reported", "started")
 
     def __init__(self) -> None:
+        self.began = False  # the request was handed to the model
         self.started = 0
         self.reported = False
 
     @property
     def made(self) -> int:
-        """Attempts sent: as reported (0: none was sent yet), or 1 when the model reports none."""
-        return self.started if self.reported else 1
+        """Attempts sent: as reported; 1 when the model was asked and reports none; 0 when
+        the request never reached the model."""
+        if self.reported:
+            return self.started
+        return 1 if self.began else 0
 
 
 _COUNTING: ContextVar[Attempts | None] = ContextVar("stepmachine_model_attempts", default=None)
 
 
 @contextmanager
-def counting(attempts: Attempts) -> Iterator[Attempts]:
-    """Count in ``attempts`` the attempts the model calls inside report
-    (see :func:`attempt_started`)."""
+def counting(attempts: Attempts, model: object) -> Iterator[Attempts]:
+    """Count in ``attempts`` the attempts ``model``, called inside, reports (see
+    :func:`attempt_started`); a model whose class sets ``reports_attempts = True``
+    is known to report each one, so none reported means none was sent."""
+    attempts.began = True
+    attempts.reported = getattr(type(model), "reports_attempts", False) is True
     token = _COUNTING.set(attempts)
     try:
         yield attempts

@@ -38,8 +38,9 @@ a ``Staged`` the same way, against a session value).
 Cancellation. The machine holds every task result from the moment the task
 returns: a result whose batch was not yet written when the run was cancelled
 is written by finalize, exactly once (its record sees the stored session). A
-task cancelled while running records its ``keep`` (what it already has:
-streamed text), if it has one; anything else the step wants kept goes
+task cancelled before it returns (while it runs, or before it started)
+records its ``keep`` (what it already has: streamed
+text; or what gives back a reservation), if it has one; anything else the step wants kept goes
 through its ``finalize``. Calls left open are answered "interrupted" as
 after any cancellation.
 
@@ -102,6 +103,10 @@ async def execute(
     """
     written: list[Effect] = []
     current = session
+    # Every task's keep is held from the start: a cancellation before a task starts
+    # (while the intents are written, or while it waits its turn) writes what it says
+    # too (a reservation given back; a keep sees the stored session, so it can tell).
+    held.extend(task.keep for task in staged.tasks if task.keep is not None)
     if staged.intents:
         current = await write(current, staged.intents, "committed")
         written.extend(staged.intents)
@@ -161,8 +166,6 @@ async def execute(
 
     async def one(task: Task) -> None:
         await confirm(task)
-        if task.keep is not None:
-            held.append(task.keep)
         entry = await task.run()
         # The result exists: held before any checkpoint, so a cancellation from
         # here on leaves it to finalize, which writes it exactly once.

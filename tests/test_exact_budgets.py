@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -22,6 +23,7 @@ import pytest
 from stepmachine import (
     Annotate,
     AppendMessage,
+    CancelToken,
     InferenceAttempts,
     InferenceReceipt,
     Message,
@@ -31,6 +33,8 @@ from stepmachine import (
     ModelResponse,
     Runtime,
     StateMachine,
+    StepApplied,
+    TextDelta,
     Usage,
     YieldReason,
     counter_ids,
@@ -40,9 +44,10 @@ from stepmachine import (
     read_record,
     submit,
 )
+from stepmachine._model_call import attempt_started
 from stepmachine.operations import Budget, Compaction, Limits
 from stepmachine.stores import MemoryStore, SQLiteStore
-from stepmachine.testing import FunctionModel, reply
+from stepmachine.testing import FunctionModel, ScriptedModel, reply
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -284,3 +289,184 @@ async def test_a_message_submitted_while_the_model_answers_is_answered_and_the_c
     view = latest_ledger(session)
     assert view.ledger is not None
     assert view.ledger.session.model_calls == 2
+
+
+class _Retrying:
+    """A model that reports ``tries`` attempts (as an HTTP adapter retrying does), then
+    hangs: the run is cancelled while the last attempt is under way."""
+
+    reports_attempts = True
+
+    def __init__(self, tries: int, token: CancelToken) -> None:
+        self.tries = tries
+        self.token = token
+        self.name = "retrying"
+
+    async def request(self, request: ModelRequest, *, on_chunk: Any = None) -> ModelResponse:
+        for _ in range(self.tries):
+            attempt_started()
+            await anyio.lowlevel.checkpoint()
+        self.token.cancel()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("tries", [1, 3])
+async def test_a_request_cancelled_after_retries_counts_every_attempt_it_sent(tries: int) -> None:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u0")])
+    token = CancelToken()
+    runtime = Runtime(store=store, model=_Retrying(tries, token), ids=counter_ids())
+    machine = StateMachine(
+        [Budget(per_session=Limits(model_calls=5)), ModelInference()], cancel=token
+    )
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.CANCELLED
+    session = await store.load("s")
+    recorded = attempts_on(session.conversation[0])
+    assert recorded is not None
+    assert (recorded.attempts, recorded.reserved, recorded.interrupted_request) == (
+        tries,
+        0,
+        True,
+    )
+    view = latest_ledger(session)
+    assert view.ledger is not None
+    assert view.ledger.session.model_calls == tries
+
+
+async def test_a_cancel_before_the_request_is_sent_gives_the_reservation_back() -> None:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u0")])
+    token = CancelToken()
+    model = FunctionModel(lambda r: reply("hi"))
+
+    class CancelOnReservation:
+        async def emit(self, event: Any) -> None:
+            if isinstance(event.data, StepApplied) and event.data.status == "committed":
+                token.cancel()
+
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    machine = StateMachine(
+        [Budget(per_session=Limits(model_calls=2)), ModelInference()], cancel=token
+    )
+    report = await machine.run_report(runtime, "s", CancelOnReservation())
+    assert report.reason.kind == YieldReason.CANCELLED
+    assert model.calls == 0
+    session = await store.load("s")
+    view = latest_ledger(session)
+    assert view.ledger is not None
+    assert view.ledger.session.model_calls == 0  # nothing was sent: nothing is counted
+    # and the whole budget is still there
+    again = StateMachine([Budget(per_session=Limits(model_calls=2)), ModelInference()])
+    report = await again.run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.DONE
+
+
+async def test_a_steer_then_a_cancel_keeps_no_partial_reply_after_the_new_question() -> None:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("weather in Oslo?", id="u0")])
+    token = CancelToken()
+    model = ScriptedModel(["sunny in Oslo, and warm", "sunny in both"], chunk_size=4)
+
+    class SteerThenCancel:
+        deltas = 0
+
+        async def emit(self, event: Any) -> None:
+            if isinstance(event.data, TextDelta):
+                self.deltas += 1
+                if self.deltas == 2:
+                    await submit(store, "s", [AppendMessage(Message.user("and Rome?", id="u1"))])
+                    token.cancel()
+
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    steps = [Budget(per_session=Limits(model_calls=5)), ModelInference()]
+    report = await StateMachine(steps, cancel=token).run_report(runtime, "s", SteerThenCancel())
+    assert report.reason.kind == YieldReason.CANCELLED
+    session = await store.load("s")
+    assert [m.id for m in session.conversation] == ["u0", "u1"]  # no partial answer to u0
+    report = await StateMachine(steps).run_report(runtime, "s")  # u1 is still answered
+    assert report.reason.kind == YieldReason.DONE
+    session = await store.load("s")
+    assert session.conversation[-1].text == "sunny in both"
+    view = latest_ledger(session)
+    assert view.ledger is not None
+    assert view.ledger.session.model_calls == 2
+
+
+async def test_a_cancelled_summariser_call_counts_what_it_sent_not_its_reservation() -> None:
+    store = MemoryStore()
+    history = [
+        message
+        for turn in range(6)
+        for message in (
+            Message.user(f"question {turn} " + "word " * 100, id=f"u{turn}"),
+            Message.assistant(f"answer {turn} " + "word " * 100, id=f"a{turn}"),
+        )
+    ]
+    await store.create("s", conversation=[*history, Message.user("and now?", id="u9")])
+    token = CancelToken()
+
+    async def hangs(request: ModelRequest) -> ModelResponse:
+        token.cancel()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    runtime = Runtime(
+        store=store,
+        model=FunctionModel(lambda r: reply("hi")),
+        models={"sum": FunctionModel(hangs)},
+        ids=counter_ids(),
+    )
+    steps = [
+        Budget(per_session=Limits(model_calls=5)),
+        Compaction(threshold=10, model="sum"),
+        ModelInference(),
+    ]
+    report = await StateMachine(steps, cancel=token).run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.CANCELLED
+    view = latest_ledger(await store.load("s"))
+    assert view.ledger is not None
+    assert view.ledger.session.model_calls == 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known, left for later: a summary written on the message where an earlier run's "
+    "failed summariser call is recorded replaces that record's ledger, so a per-run count "
+    "finds no total from before the run and counts the earlier run's call too",
+)
+async def test_a_per_run_budget_after_an_earlier_runs_failed_summariser_call() -> None:
+    store = MemoryStore()
+    history = [
+        message
+        for turn in range(6)
+        for message in (
+            Message.user(f"question {turn} " + "word " * 100, id=f"u{turn}"),
+            Message.assistant(f"answer {turn} " + "word " * 100, id=f"a{turn}"),
+        )
+    ]
+    await store.create("s", conversation=[*history, Message.user("and now?", id="u9")])
+    down = [True]
+
+    def summarise(request: ModelRequest) -> ModelResponse:
+        if down[0]:
+            raise ModelError("the summariser is down")
+        return reply("short summary")
+
+    runtime = Runtime(
+        store=store,
+        model=FunctionModel(lambda r: reply("hi")),
+        models={"sum": FunctionModel(summarise)},
+        ids=counter_ids(),
+    )
+    steps = [
+        Budget(per_run=Limits(model_calls=2)),
+        Compaction(threshold=10, model="sum"),
+        ModelInference(),
+    ]
+    with pytest.raises(ModelError):
+        await StateMachine(steps).run_report(runtime, "s")
+    down[0] = False
+    report = await StateMachine(steps).run_report(runtime, "s")  # a summary and an answer
+    assert report.reason.kind == YieldReason.DONE

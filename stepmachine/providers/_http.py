@@ -200,6 +200,8 @@ class HTTPModel:
         sleep, rng: injectable for tests (``anyio.sleep``, a ``random.Random``).
     """
 
+    reports_attempts = True  # each attempt sent is reported (exact budgets)
+
     provider = "http"
     path = ""
     media: frozenset[type] = frozenset()

@@ -149,6 +149,8 @@ class ScriptedModel:
         requests: every request received, in order.
     """
 
+    reports_attempts = True  # each attempt sent is reported (exact budgets)
+
     def __init__(
         self, turns: Iterable[Turn], *, name: str = "scripted", chunk_size: int = 8
     ) -> None:
@@ -216,6 +218,8 @@ class FunctionModel:
     histories of one session (which grow, or shrink by a compaction that
     brings new ids) different ones.
     """
+
+    reports_attempts = True  # each attempt sent is reported (exact budgets)
 
     def __init__(
         self,
