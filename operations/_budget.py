@@ -88,9 +88,13 @@ Guards that hold whatever the order of the steps:
 
 Token limits are checked before each call; the call that crosses a token
 limit completes (its size is capped through ``max_tokens`` only for output
-tokens). A model call that failed after retries (``ModelError``) records no
-message, so its attempts are not in the session: per-run budgets are exact
-(the run ends with the error), per-turn and per-session ones cannot see them.
+tokens). Every model request sent is in the session, in every scope: a
+call that failed after retries (``ModelError``) records its attempts on the
+last message the model saw before the error propagates; a request cut off by
+a cancellation records the attempts it sent; and because ``shape_request``
+caps ``max_attempts``, the inference and compaction steps reserve those calls
+in a batch of their own before the request is sent, so a crash in between
+leaves them counted (see :class:`stepmachine.ModelInference`).
 
 Placement: before ``ModelInference`` (and before ``Tools``), so it can yield
 before a request is built; ``shape_request`` and ``check_call`` guard the
