@@ -161,10 +161,30 @@ def test_the_decoding_hook_refuses_other_types_and_bad_messages() -> None:
         )
 
 
-def test_a_model_request_from_a_session_encodes_with_plain_msgspec() -> None:
+def test_a_model_request_from_a_session_encodes_with_the_conversation_hooks() -> None:
     session = Session(id="s", revision=0, conversation=(Message.user("hi", id="u"),), data=NoData())
-    request = ModelRequest(messages=session.visible_to_model)
+    request = ModelRequest(messages=session.conversation)
+    assert request.messages is session.conversation  # never copied (constant cost per step)
+    encoded = msgspec.json.encode(request, enc_hook=Conversation.enc_hook)
+    decoded = msgspec.json.decode(encoded, type=ModelRequest, dec_hook=Conversation.dec_hook)
+    assert list(decoded.messages) == list(request.messages)
+
+
+def test_a_model_request_from_a_list_holds_a_tuple_and_encodes_with_plain_msgspec() -> None:
+    request = ModelRequest(messages=[Message.user("hi", id="u")])
     assert type(request.messages) is tuple
     encoded = msgspec.json.encode(request)  # no enc_hook
     assert msgspec.json.decode(encoded, type=ModelRequest) == request
     assert msgspec.to_builtins(request)["messages"][0]["id"] == "u"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known, left for later: a request holding the session's conversation needs "
+    "enc_hook=Conversation.enc_hook; copying it into a tuple per model call made a step at "
+    "turn 2,000 cost 1.78x a step at turn 20 (benchmarks/cycle.py), against 1.05x without",
+)
+def test_a_model_request_holding_a_conversation_encodes_with_plain_msgspec() -> None:
+    session = Session(id="s", revision=0, conversation=(Message.user("hi", id="u"),), data=NoData())
+    request = ModelRequest(messages=session.conversation)
+    msgspec.json.encode(request)  # no enc_hook
