@@ -348,7 +348,8 @@ class Compaction(Operation[Any]):
             purpose="summary",
         )
         request = ctx.shape_request(request)
-        reserved = request.max_attempts  # capped (by a Budget): reserve the calls first
+        # Capped (by a Budget): reserve the calls first (an adapter makes at least one).
+        reserved = None if request.max_attempts is None else max(1, request.max_attempts)
         intents: list[Effect] = []
         if reserved is not None:
             reservation = self._spent(mark, session, last, reserved, reserved=reserved)

@@ -265,29 +265,32 @@ class ModelInference(Inference[Any]):
             prompt_parts=ctx.prompt_parts,
             settings=self._settings,
         )
-        built = request.messages  # the request's own copy (a tuple) of ``visible``
+        built = request.messages  # ``visible`` itself (a list would have been copied)
         request = ctx.shape_request(request)
         if request.messages is not built:  # a shaper changed them: check what is sent
             check_history(request.messages, session_id=session.id)
         last = visible[-1]  # the last message the model sees: calls are recorded on it
         latest = session.conversation[session.history.last_visible].id  # as stored
         earlier = self._attempts_on(last, session)
-        reserved = request.max_attempts  # capped (by a Budget): reserve the calls first
+        # Capped (by a Budget): reserve the calls first (an adapter makes at least one).
+        reserved = None if request.max_attempts is None else max(1, request.max_attempts)
         intents: list[Effect] = []
+        restore: list[Effect] = []
         if reserved is not None:
             reservation = self._spent(earlier, session, last, reserved)
             reservation = msgspec.structs.replace(reservation, reserved=reserved)
             intents.append(Annotate(last.id, self._name, note_value(reservation)))
+            # What the last message's record goes back to once the calls reserved are
+            # accounted for elsewhere (a reply's receipt): ``earlier``, the totals as
+            # they stood.
+            restored = msgspec.structs.replace(
+                earlier, reserved=0, ledger=standing_ledger(session, on=last)
+            )
+            restore.append(Annotate(last.id, self._name, note_value(restored)))
         partial = _Partial()
         sent = Attempts()  # the attempts the request has sent, while it is under way
         ending: list[Continue | Yield] = []
         failure: list[ModelError] = []
-        # What the last message's record goes back to once the calls reserved are
-        # accounted for elsewhere (a reply's receipt): ``earlier``, the totals as they stood.
-        restored = msgspec.structs.replace(
-            earlier, reserved=0, ledger=standing_ledger(session, on=last)
-        )
-        restore = [Annotate(last.id, self._name, note_value(restored))] if reserved else []
 
         async def on_chunk(chunk: StreamChunk) -> None:
             if isinstance(chunk, TextChunk):
@@ -343,7 +346,6 @@ class ModelInference(Inference[Any]):
                 notes={self._name: note_value(receipt)},
             )
             done = Continue(()) if message.tool_calls else Yield((), YieldReason(YieldReason.DONE))
-            spent = self._spent(earlier, session, last, response.attempts, response.usage)
 
             def record(stored: Session[Any]) -> Sequence[Effect]:
                 # Computed from the session as stored (again after a conflict): when a
@@ -355,6 +357,7 @@ class ModelInference(Inference[Any]):
                 if position >= 0 and stored.conversation[position].id == latest:
                     return (*restore, AppendMessage(message))
                 ending[:] = [Continue(())]
+                spent = self._spent(earlier, session, last, response.attempts, response.usage)
                 return (Annotate(last.id, self._name, note_value(spent)),)
 
             return record
