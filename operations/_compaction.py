@@ -112,7 +112,6 @@ from stepmachine import (
     note_value,
     read_record,
 )
-
 from stepmachine._ledger import standing_ledger
 from stepmachine._model_call import Attempts, counting
 
