@@ -434,16 +434,12 @@ def _ledger_counted(message: Message, answered: set[tuple[str, str]], visible: b
     )
 
 
-def hiding_correction(
-    session: Session[Any], message_ids: Sequence[str]
-) -> LedgerCorrection | None:
+def hiding_correction(session: Session[Any], message_ids: Sequence[str]) -> LedgerCorrection | None:
     """The ledger correction for hiding ``message_ids`` from the model: their calls that no
     result answers stop counting (for a step that hides replies, such as an invalid-call
     retry). ``None`` when nothing changes. O(messages from the first of them)."""
     index = session.history
-    positions = sorted(
-        p for p in (index.message_position(i) for i in message_ids) if p is not None
-    )
+    positions = sorted(p for p in (index.message_position(i) for i in message_ids) if p is not None)
     if not positions:
         return None
     conversation = session.conversation
@@ -483,14 +479,10 @@ def with_correction(message: Message, correction: LedgerCorrection | None) -> Me
     """``message`` carrying ``correction`` under :data:`LEDGER` (unchanged for ``None``)."""
     if correction is None:
         return message
-    return msgspec.structs.replace(
-        message, notes={**message.notes, LEDGER: note_value(correction)}
-    )
+    return msgspec.structs.replace(message, notes={**message.notes, LEDGER: note_value(correction)})
 
 
-def correction_effects(
-    session: Session[Any], correction: LedgerCorrection | None
-) -> list[Effect]:
+def correction_effects(session: Session[Any], correction: LedgerCorrection | None) -> list[Effect]:
     """The effect that writes ``correction`` on the conversation's last message (at or
     after the latest ledger), merged with a correction already there."""
     if correction is None or not len(session.conversation):
