@@ -370,9 +370,15 @@ def _refused_by_any(call: ToolCallPart) -> bool:
     )
 
 
-def _current_turn_start(session: Session[Any], view: LedgerView) -> int:
-    """The position of the message that started the current turn (-1: none), from the
-    latest ledger (O(1)); read back from the end when it has none or that message is gone."""
+def current_turn_start(session: Session[Any], view: LedgerView | None = None) -> int:
+    """The position of the message that started the current user turn (-1: none).
+
+    Read from the latest model-call ledger ``view`` (``latest_ledger(session)``
+    when not given: the turn it was made in, or a turn start after it):
+    O(messages since the latest model call). A session without ledgers, or
+    whose turn start is gone, is read back from the end (:func:`turn_start`).
+    """
+    view = latest_ledger(session) if view is None else view
     if view.ledger is not None and not view.legacy:
         started = view.turn_start if view.turn_start is not None else view.ledger.turn_start
         position = -1 if started is None else session.history.message_position(started)
@@ -401,7 +407,7 @@ def _correction(
     view = latest_ledger(session)
     if view.ledger is None or view.legacy:
         return None  # no ledger counts these calls: readers count the records
-    start = _current_turn_start(session, view)
+    start = current_turn_start(session, view)
     session_change = turn_change = 0
     removed: dict[int, int] = {}
     for message, position, change in changes:
@@ -782,7 +788,7 @@ class Budget(Operation[Any]):
         if holder is None:
             return False  # no message the model sees holds it: never counted
         conversation = session.conversation
-        start = _current_turn_start(session, latest_ledger(session)) if scope == "turn" else -1
+        start = current_turn_start(session) if scope == "turn" else -1
         tail = _counted_calls(
             conversation,
             holder,

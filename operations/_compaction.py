@@ -113,7 +113,8 @@ from stepmachine import (
     read_record,
 )
 from stepmachine._ledger import standing_ledger
-from stepmachine._model_call import Attempts, counting
+from stepmachine._model_call import Attempts, counting, failed_attempts
+from stepmachine._outcomes import constant_record
 
 from ._records import CompactionMark, CompactionReceipt
 
@@ -363,10 +364,9 @@ class Compaction(Operation[Any]):
                     response = await ctx.request_model(model, request)
             except ModelError as exc:
                 failure.append(exc)  # raised once its attempts are recorded
-                attempts = getattr(exc, "attempts", 1)  # an adapter's retries count
-                made = attempts if type(attempts) is int and attempts > 0 else 1
+                made = failed_attempts(exc)  # an adapter's retries count
                 failed = self._spent(mark, session, last, made)
-                return _constant(Annotate(last.id, self._name, note_value(failed)))
+                return constant_record(Annotate(last.id, self._name, note_value(failed)))
             outcome = self._summarised(
                 ctx,
                 session,
@@ -385,7 +385,7 @@ class Compaction(Operation[Any]):
             ending.append(
                 Continue(()) if isinstance(outcome, Continue) else Yield((), outcome.reason)
             )
-            return _constant(*outcome.effects)
+            return constant_record(*outcome.effects)
 
         def then() -> Continue | Yield:
             if failure:
@@ -583,12 +583,3 @@ class Compaction(Operation[Any]):
         if chosen is None:
             return None
         return _Plan(cut, chosen, "rounds")
-
-
-def _constant(*effects: Effect) -> Recorder:
-    """A record that is the same whatever the session (the run holds the session)."""
-
-    def record(stored: Session[Any]) -> Sequence[Effect]:
-        return effects
-
-    return record

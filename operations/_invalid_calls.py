@@ -130,7 +130,6 @@ from stepmachine import (
     Yield,
     YieldReason,
     effective_arguments,
-    latest_ledger,
     note_value,
     read_record,
 )
@@ -138,8 +137,8 @@ from stepmachine import (
 from ._budget import (
     SUPERSEDES,
     copy_correction,
+    current_turn_start,
     hiding_correction,
-    turn_start,
     with_correction,
 )
 from ._records import (
@@ -601,7 +600,7 @@ class InvalidCalls(Operation[Any]):
         newest = next(entries, None)
         if newest is None:
             return 0
-        start = _turn_start_position(session)
+        start = current_turn_start(session)
         conversation = session.conversation
         count = 0
         for position, call_id in chain((newest,), entries):
@@ -794,23 +793,6 @@ class InvalidCalls(Operation[Any]):
             note = {self._name: note_value(InvalidCallsSkipped(skipped=call.call_id))}
             effects.append(AppendMessage(Message.tool_result(result, id=ctx.new_id(), notes=note)))
         return effects
-
-
-def _turn_start_position(session: Session[Any]) -> int:
-    """The position of the message that started the current user turn (-1: none).
-
-    Read from the latest model-call ledger (the turn it was made in, or a turn
-    start after it): O(messages since the latest model call). A session
-    without ledgers, or whose turn start is gone, is read back from the end
-    (:func:`~stepmachine.operations._budget.turn_start`).
-    """
-    view = latest_ledger(session)
-    if view.ledger is not None and not view.legacy:
-        started = view.turn_start if view.turn_start is not None else view.ledger.turn_start
-        position = -1 if started is None else session.history.message_position(started)
-        if position is not None:
-            return position
-    return turn_start(session.conversation)
 
 
 def _answered_after(conversation: Sequence[Message], index: int) -> set[str]:

@@ -64,8 +64,8 @@ from ._model import (
     TextChunk,
     Usage,
 )
-from ._model_call import Attempts, counting
-from ._outcomes import Recorder, Staged, Task
+from ._model_call import Attempts, counting, failed_attempts
+from ._outcomes import Recorder, Staged, Task, constant_record
 from ._records import Record, note_value, read_record
 from ._session import Session
 from ._steps import Continue, Inference, Outcome, Refuse, StepContext, Yield, YieldReason
@@ -316,8 +316,7 @@ class ModelInference(Inference[Any]):
                         model, request, on_chunk=on_chunk if self._stream else None
                     )
             except ModelError as exc:
-                attempts = getattr(exc, "attempts", 1)  # an adapter's retries count
-                made = attempts if type(attempts) is int and attempts > 0 else 1
+                made = failed_attempts(exc)  # an adapter's retries count
                 failed = self._spent(earlier, session, last, made)
                 if isinstance(exc, ContextLengthError) and not earlier.context_length_exceeded:
                     # the first overflow: marked, so a compaction step can shorten the history
@@ -325,7 +324,7 @@ class ModelInference(Inference[Any]):
                     ending.append(Continue(()))
                 else:
                     failure.append(exc)  # raised once its attempts are recorded
-                return _constant(Annotate(last.id, self._name, note_value(failed)))
+                return constant_record(Annotate(last.id, self._name, note_value(failed)))
             receipt = InferenceReceipt(
                 attempts=response.attempts,
                 revision=session.revision,
@@ -453,12 +452,3 @@ class ModelInference(Inference[Any]):
             notes={self._name: note_value(InterruptedReply(ledger=ledger))},
         )
         return (*restore, AppendMessage(message))
-
-
-def _constant(*effects: Effect) -> Recorder:
-    """A record that is the same whatever the session (the run holds the session)."""
-
-    def record(stored: Session[Any]) -> Sequence[Effect]:
-        return effects
-
-    return record

@@ -28,7 +28,14 @@ from ._messages import Message
 from ._model import Model, ModelRequest, ModelResponse
 from ._telemetry import Telemetry
 
-__all__ = ["Attempts", "ModelCall", "attempt_started", "counting"]
+__all__ = ["Attempts", "ModelCall", "attempt_started", "counting", "failed_attempts"]
+
+
+def failed_attempts(exc: BaseException) -> int:
+    """The attempts a failed request made: the ``attempts`` an adapter set on its error
+    (its retries count), else 1."""
+    attempts = getattr(exc, "attempts", 1)
+    return attempts if type(attempts) is int and attempts > 0 else 1
 
 
 class Attempts:
@@ -185,13 +192,12 @@ def _log_model_call(
 
 def _log_model_failure(session_id: str, model: Model, started: float, exc: BaseException) -> None:
     """The ``model_call`` event of a call that failed (WARNING): its error type, never its text."""
-    attempts = getattr(exc, "attempts", 1)
     _log.event(
         _log.WARNING,
         "model_call",
         session_id=session_id,
         model=model.name,
-        attempts=attempts if type(attempts) is int else 1,
+        attempts=failed_attempts(exc),
         duration_ms=round((time.perf_counter() - started) * 1000, 3),
         error_type=type(exc).__name__,
     )

@@ -120,6 +120,16 @@ left to record (another writer recorded it).
 """
 
 
+def constant_record(*effects: Effect) -> Recorder:
+    """A :data:`Recorder` that records ``effects`` whatever the stored session (for a
+    task whose result nobody else can record: the run holds the session)."""
+
+    def record(stored: Session[Any]) -> Sequence[Effect]:
+        return effects
+
+    return record
+
+
 @dataclass(frozen=True, slots=True)
 class Task:
     """One piece of staged work.

@@ -52,6 +52,19 @@ from stepmachine.testing import FunctionModel, ScriptedModel, reply
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def long_history() -> list[Message]:
+    """Six long turns and a question: enough for ``Compaction(threshold=10)`` to summarise."""
+    history = [
+        message
+        for turn in range(6)
+        for message in (
+            Message.user(f"question {turn} " + "word " * 100, id=f"u{turn}"),
+            Message.assistant(f"answer {turn} " + "word " * 100, id=f"a{turn}"),
+        )
+    ]
+    return [*history, Message.user("and now?", id="u9")]
+
+
 def attempts_on(message: Message) -> InferenceAttempts | None:
     return read_record(message.notes, "inference", InferenceAttempts, where="test")
 
@@ -217,15 +230,7 @@ async def test_a_sigkill_while_the_request_is_under_way_never_gives_the_call_bac
 
 async def test_a_failed_summariser_call_counts_against_a_session_budget() -> None:
     store = MemoryStore()
-    history = [
-        message
-        for turn in range(6)
-        for message in (
-            Message.user(f"question {turn} " + "word " * 100, id=f"u{turn}"),
-            Message.assistant(f"answer {turn} " + "word " * 100, id=f"a{turn}"),
-        )
-    ]
-    await store.create("s", conversation=[*history, Message.user("and now?", id="u9")])
+    await store.create("s", conversation=long_history())
 
     def down(request: ModelRequest) -> ModelResponse:
         raise ModelError("the summariser is down")
@@ -396,15 +401,7 @@ async def test_a_steer_then_a_cancel_keeps_no_partial_reply_after_the_new_questi
 
 async def test_a_cancelled_summariser_call_counts_what_it_sent_not_its_reservation() -> None:
     store = MemoryStore()
-    history = [
-        message
-        for turn in range(6)
-        for message in (
-            Message.user(f"question {turn} " + "word " * 100, id=f"u{turn}"),
-            Message.assistant(f"answer {turn} " + "word " * 100, id=f"a{turn}"),
-        )
-    ]
-    await store.create("s", conversation=[*history, Message.user("and now?", id="u9")])
+    await store.create("s", conversation=long_history())
     token = CancelToken()
 
     async def hangs(request: ModelRequest) -> ModelResponse:
@@ -438,15 +435,7 @@ async def test_a_cancelled_summariser_call_counts_what_it_sent_not_its_reservati
 )
 async def test_a_per_run_budget_after_an_earlier_runs_failed_summariser_call() -> None:
     store = MemoryStore()
-    history = [
-        message
-        for turn in range(6)
-        for message in (
-            Message.user(f"question {turn} " + "word " * 100, id=f"u{turn}"),
-            Message.assistant(f"answer {turn} " + "word " * 100, id=f"a{turn}"),
-        )
-    ]
-    await store.create("s", conversation=[*history, Message.user("and now?", id="u9")])
+    await store.create("s", conversation=long_history())
     down = [True]
 
     def summarise(request: ModelRequest) -> ModelResponse:
