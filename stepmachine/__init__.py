@@ -24,6 +24,8 @@ The public packages:
 Modules whose names start with ``_`` are private: import from the packages above.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._capabilities import (
     AnswersUnknownTools,
     Capabilities,
@@ -188,7 +190,21 @@ from ._tools import (
     tool,
 )
 
+if TYPE_CHECKING:
+    from .agent import Agent
+
 __version__ = "0.1.0.dev0"
+
+
+def __getattr__(name: str) -> Any:
+    # ``Agent`` composes the kernel with stepmachine.operations and .stores, which
+    # the kernel never imports: it is imported on first use.
+    if name == "Agent":
+        from .agent import Agent  # noqa: PLC0415 - on first use (see above)
+
+        return Agent
+    raise AttributeError(f"module 'stepmachine' has no attribute {name!r}")
+
 
 __all__ = [
     "CONTEXT_LENGTH_EXCEEDED",
@@ -202,6 +218,7 @@ __all__ = [
     "NOT_EXECUTED",
     "OUTCOME_UNKNOWN",
     "TAG_FIELD",
+    "Agent",
     "Annotate",
     "AnswersUnknownTools",
     "AppendMessage",

@@ -141,6 +141,21 @@ class RunReport(Generic[D]):
     reason: YieldReason
     results: tuple[StepResult, ...] = ()
 
+    @property
+    def text(self) -> str | None:
+        """The answer: the text of the last message when the model wrote it, else ``None``.
+
+        ``None`` when the last message is not the assistant's, or asks for tool
+        calls (the run waits, for an approval say). O(1): reads the last message only.
+        """
+        conversation = self.session.conversation
+        if not conversation:
+            return None
+        last = conversation[-1]
+        if last.role != "assistant" or last.tool_calls:
+            return None
+        return last.text
+
 
 # -- decide ---------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from ._gemini import GeminiModel
 from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
 from ._openai_chat import OpenAIChatModel, OpenAICompatibleModel
 from ._openai_responses import OpenAIResponsesModel
+from ._resolve import resolve_model
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -66,4 +67,5 @@ __all__ = [
     "SSEEvent",
     "Secret",
     "ServerError",
+    "resolve_model",
 ]

@@ -51,8 +51,8 @@ def call(*calls: tuple[str, dict[str, Any]] | ToolCallPart, text: str = "") -> M
     """A response asking for tool calls: ``call(("add", {"a": 1, "b": 2}))``.
 
     Calls given as ``(name, arguments)`` get ids from the scripted model
-    (``call-<turn>-<index>``). Pass a :class:`ToolCallPart` for full control,
-    for example invalid JSON via ``ToolCallPart.parse(id, name, raw)``.
+    (``call-<turn>-<index>``; see :class:`ScriptedModel`). Pass a :class:`ToolCallPart`
+    for full control, for example invalid JSON via ``ToolCallPart.parse(id, name, raw)``.
     """
     parts: list[Any] = [TextPart(text)] if text else []
     for item in calls:
@@ -87,6 +87,11 @@ def _history_key(request: ModelRequest) -> str:
         ids.append(messages[0].id)
         ids.extend(m.id for m in messages[-_KEY_TAIL:])
     return hashlib.sha256("\x00".join(ids).encode()).hexdigest()[:10]
+
+
+def _holds_calls(request: ModelRequest) -> bool:
+    """Whether the request's history holds any tool call (checked once per model: O(n))."""
+    return any(part.tool_calls for part in request.messages)
 
 
 def _number_calls(response: ModelResponse, turn: int | str) -> ModelResponse:
@@ -145,6 +150,13 @@ class ScriptedModel:
     the last message; :attr:`unused` lists turns never reached, and
     :meth:`assert_all_used` fails loudly when there are any.
 
+    Tool calls without ids get ``call-<turn>-<index>`` (``turn`` counts this
+    model's requests from 0). When the model's first request already holds
+    tool calls -- the script continues a stored session, e.g. in a new process
+    -- they get ``call-<key>-<index>`` instead, ``key`` a digest of the history
+    (as :class:`FunctionModel` does), so a script started afresh never repeats
+    an id the session holds (call ids are unique: valid history).
+
     Attributes:
         requests: every request received, in order.
     """
@@ -158,6 +170,7 @@ class ScriptedModel:
         self._name = name
         self._chunk_size = chunk_size
         self.requests: list[ModelRequest] = []
+        self._continues = False  # the first request held tool calls: ids from the history
 
     @property
     def name(self) -> str:
@@ -201,7 +214,10 @@ class ScriptedModel:
             response = turn
         else:
             response = turn(request)
-        response = _number_calls(response, turn_number)
+        if turn_number == 0:
+            self._continues = _holds_calls(request)
+        key = _history_key(request) if self._continues else turn_number
+        response = _number_calls(response, key)
         if on_chunk is not None:
             await stream_response(response, on_chunk, self._chunk_size)
         return response
