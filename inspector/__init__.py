@@ -25,6 +25,8 @@ The pieces, usable from Python too:
 
 from typing import Any
 
+from stepmachine._public import publish as _publish
+
 from ._html import render_batch, render_html, render_page
 from ._live import LiveHub
 from ._open import StoreNotFoundError, UsageError, inspection_codec, load_codec, open_store
@@ -79,3 +81,6 @@ def __getattr__(name: str) -> Any:
 
         return getattr(_web, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_publish(__name__, globals())

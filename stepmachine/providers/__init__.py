@@ -21,6 +21,8 @@ adapter                    key                         base URL
 =========================  ==========================  ===============================
 """
 
+from stepmachine._public import publish as _publish
+
 from ._anthropic import AnthropicModel
 from ._errors import (
     AuthenticationError,
@@ -67,3 +69,5 @@ __all__ = [
     "Secret",
     "ServerError",
 ]
+
+_publish(__name__, globals())
