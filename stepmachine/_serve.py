@@ -265,7 +265,7 @@ class _Worker:
             return
         self.failures[session_id] = attempt
         delay = _transient.backoff(attempt)
-        if not self.store.leases_expire:  # parked before any await: a cancelled run_worker releases it
+        if not self.store.leases_expire:  # parked before any await: a cancelled worker releases it
             self.parked[session_id] = (anyio.current_time() + delay, lease)
         _log.event(
             _log.WARNING,
