@@ -79,7 +79,9 @@ def __getattr__(name: str) -> Any:
     if name in ("create_app", "serve"):
         from . import _web  # noqa: PLC0415 - the extra is optional
 
-        return getattr(_web, name)
+        value = getattr(_web, name)
+        value.__module__ = __name__  # its public home, as _publish does for the others
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

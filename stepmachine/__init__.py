@@ -29,10 +29,8 @@ The public packages:
 Modules whose names start with ``_`` are private: import from the packages above.
 """
 
-from __future__ import annotations
-
+import typing as _typing
 import warnings
-from typing import TYPE_CHECKING, Any
 
 from ._capabilities import Step
 from ._codec import Codec
@@ -212,7 +210,7 @@ __all__ = [
 from . import extend as _extend
 from ._public import publish as _publish
 
-if TYPE_CHECKING:  # the moved names, for type checkers, until they go
+if _typing.TYPE_CHECKING:  # the moved names, for type checkers, until they go
     from ._index import estimate_tokens as estimate_tokens
     from ._ledger import FEEDBACK as FEEDBACK
     from .extend import *  # noqa: F403
@@ -228,14 +226,14 @@ _MOVED: dict[str, tuple[str, str]] = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     """The names that moved out of the top level: still found, with a DeprecationWarning."""
     moved = _MOVED.get(name)
     if moved is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module, new = moved
     if name == "serve":
-        value: Any = run_worker
+        value: _typing.Any = run_worker
         advice = (
             "stepmachine.serve (the worker loop) is now stepmachine.run_worker: "
             "use `from stepmachine import run_worker`; the web server keeps its name, "

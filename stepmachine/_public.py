@@ -13,14 +13,15 @@ look up a class's postponed (string) annotations: in the public package's
 namespace instead of the defining module's. So, before moving a class,
 :func:`publish` evaluates its own string annotations in the module that
 defined it and stores the values; an annotation that does not evaluate there
-(a name imported only for type checkers) stays a string, as unresolvable as it
-was.
+(a name imported only for type checkers) becomes a ``ForwardRef`` bound to that
+module, as unresolvable as it was, and in the same place.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,13 +43,23 @@ def _resolve_annotations(cls: type) -> None:
     namespace = dict(vars(module))
     local = dict(vars(cls))
     local.setdefault(cls.__name__, cls)
+    failed: list[str] = []
     for name, value in list(annotations.items()):
         if not isinstance(value, str):
             continue
         try:
             annotations[name] = eval(value, namespace, local)  # noqa: S307 - the package's own annotation text
-        except Exception:  # noqa: BLE001, S112 - a name only type checkers see: leave the text
-            continue
+        except Exception:  # noqa: BLE001 - a string alias inside (typing resolves those), or a
+            failed.append(name)  # name only type checkers see
+    if failed:
+        try:
+            hints = typing.get_type_hints(cls, include_extras=True)
+        except Exception:  # noqa: BLE001 - a name only type checkers see: resolve it later,
+            hints = {}  # in the module that defined the class, as before
+        for name in failed:
+            annotations[name] = hints.get(name) or typing.ForwardRef(
+                annotations[name], module=cls.__module__, is_class=True
+            )
 
 
 def publish(package: str, namespace: Mapping[str, Any]) -> None:

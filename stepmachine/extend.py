@@ -42,8 +42,6 @@ imports still work for one release, with a ``DeprecationWarning`` naming the
 new one.
 """
 
-from __future__ import annotations
-
 from ._capabilities import (
     AnswersUnknownTools,
     Capabilities,
