@@ -91,7 +91,6 @@ from stepmachine import (
     ModelInference,
     ModelRequest,
     ModelResponse,
-    NullEmitter,
     PromptPart,
     Runtime,
     Session,
@@ -102,10 +101,10 @@ from stepmachine import (
     ToolCallPart,
     ToolResultPart,
     Tools,
-    counter_ids,
     submit,
     tool,
 )
+from stepmachine.extend import NullEmitter, counter_ids
 from stepmachine.operations import Approval, Budget, HistoryGuard, Limits
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, call, reply

@@ -26,7 +26,8 @@ from typing import Any
 
 import anyio
 
-from stepmachine import AppendMessage, Batch, Effect, Lease, Message, Session
+from stepmachine import AppendMessage, Effect, Message, Session
+from stepmachine.extend import Batch, Lease
 from stepmachine.stores import FileStore, SQLiteStore
 
 

@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 import _postgres  # noqa: E402 - tests/harness, put on sys.path above
 
-from stepmachine import AppendMessage, Batch, Effect, Lease, Message, Session  # noqa: E402
+from stepmachine import AppendMessage, Effect, Message, Session  # noqa: E402
+from stepmachine.extend import Batch, Lease  # noqa: E402
 from stepmachine.stores import PostgresStore  # noqa: E402
 
 

@@ -25,7 +25,9 @@ import statistics
 import time
 from collections.abc import Callable
 
-from stepmachine import AudioPart, DocumentPart, ImagePart, Message, estimate_tokens, media_tokens
+from stepmachine import AudioPart, DocumentPart, ImagePart, Message
+from stepmachine.extend import media_tokens
+from stepmachine.operations import estimate_tokens
 
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 

@@ -47,10 +47,10 @@ from stepmachine import (
     StateMachine,
     Telemetry,
     Tools,
-    counter_ids,
     submit,
     tool,
 )
+from stepmachine.extend import counter_ids
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, call, reply
 

@@ -101,24 +101,22 @@ import anyio.to_thread
 
 from stepmachine import (
     AppendMessage,
-    Batch,
     Codec,
     Effect,
     Message,
     ModelInference,
     ModelRequest,
     ModelResponse,
-    NullEmitter,
     Runtime,
     StateMachine,
     Store,
     ToolCallPart,
     ToolResultPart,
     Tools,
-    counter_ids,
     submit,
     tool,
 )
+from stepmachine.extend import Batch, NullEmitter, counter_ids
 from stepmachine.stores import FileStore, MemoryStore, PostgresStore, SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
 

@@ -36,7 +36,6 @@ from stepmachine import (
     Effect,
     Operation,
     Outcome,
-    Recorder,
     Refuse,
     Runtime,
     Session,
@@ -46,8 +45,8 @@ from stepmachine import (
     Task,
     UpdateData,
     Yield,
-    YieldReason,
 )
+from stepmachine.extend import Recorder, YieldReason
 from stepmachine.stores import MemoryStore
 
 

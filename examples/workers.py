@@ -77,7 +77,7 @@ from stepmachine import (
     StateMachine,
     ToolContext,
     Tools,
-    serve,
+    run_worker,
     submit,
     tool,
 )
@@ -210,7 +210,7 @@ async def worker_main(name: str, ttl: float) -> None:
 
             group.start_soon(stop_on_sigterm)
             print(f"[{name}] serving (pid {os.getpid()})", flush=True)
-            await serve(
+            await run_worker(
                 machine,
                 runtime,
                 stop=stop,

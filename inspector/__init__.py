@@ -25,6 +25,8 @@ The pieces, usable from Python too:
 
 from typing import Any
 
+from stepmachine._public import publish as _publish
+
 from ._html import render_batch, render_html, render_page
 from ._live import LiveHub
 from ._open import StoreNotFoundError, UsageError, inspection_codec, load_codec, open_store
@@ -77,5 +79,10 @@ def __getattr__(name: str) -> Any:
     if name in ("create_app", "serve"):
         from . import _web  # noqa: PLC0415 - the extra is optional
 
-        return getattr(_web, name)
+        value = getattr(_web, name)
+        value.__module__ = __name__  # its public home, as _publish does for the others
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_publish(__name__, globals())

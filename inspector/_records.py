@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
-from stepmachine import TAG_FIELD, InferenceReceipt, JournalEntry, Record
+from stepmachine.extend import TAG_FIELD, InferenceReceipt, JournalEntry, Record
 from stepmachine.operations import (
     ApprovalDecision,
     ApprovalRequest,

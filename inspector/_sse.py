@@ -54,7 +54,6 @@ import anyio
 import msgspec
 
 from stepmachine import (
-    Batch,
     Effect,
     Event,
     Message,
@@ -64,6 +63,7 @@ from stepmachine import (
     StoreClosedError,
     StoredDataError,
 )
+from stepmachine.extend import Batch
 
 from ._status import session_status
 from ._view import History, batch_view, head_view

@@ -35,7 +35,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, Final
 
-from stepmachine import TAG_FIELD, Session
+from stepmachine import Session
+from stepmachine.extend import TAG_FIELD
 
 from ._records import BUDGET, CONSUMED, DECISION, EVENT, JOURNAL, REQUEST, WAIT, find, records_in
 

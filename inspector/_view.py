@@ -46,12 +46,10 @@ from stepmachine import (
     Annotate,
     AppendMessage,
     AudioPart,
-    Batch,
     DocumentPart,
     Effect,
     ImagePart,
     Message,
-    Part,
     ReasoningPart,
     ReplaceConversation,
     Session,
@@ -61,8 +59,8 @@ from stepmachine import (
     ToolCallPart,
     ToolResultPart,
     UpdateData,
-    media_tokens,
 )
+from stepmachine.extend import Batch, Part, media_tokens
 from stepmachine.operations import Problem, fsck
 from stepmachine.operations._history_guard import OPEN_CALL
 

@@ -22,7 +22,8 @@ on messages and tool calls), so a fresh machine in a new process decides the
 same. Operations use only kernel effects: no codec registration is needed.
 """
 
-from stepmachine import FEEDBACK
+from stepmachine._ledger import FEEDBACK
+from stepmachine._public import publish as _publish
 
 from ._approval import (
     APPROVED,
@@ -164,3 +165,5 @@ __all__ = [
     "turn_start",
     "wait_for",
 ]
+
+_publish(__name__, globals())

@@ -47,8 +47,6 @@ from typing import Any, Final, Literal, TypeAlias
 import msgspec
 
 from stepmachine import (
-    EDITED_ARGUMENTS,
-    TAG_FIELD,
     Annotate,
     AppendMessage,
     ConfigurationError,
@@ -67,13 +65,17 @@ from stepmachine import (
     ToolCallPart,
     ToolResultPart,
     Yield,
+    submit,
+)
+from stepmachine.extend import (
+    EDITED_ARGUMENTS,
+    TAG_FIELD,
     YieldReason,
     effective_arguments,
     fingerprint,
     note_value,
     open_tool_calls,
     read_record,
-    submit,
 )
 
 from ._records import ApprovalDecision, ApprovalRequest

@@ -112,7 +112,6 @@ from typing import Any, Final, Literal
 import msgspec
 
 from stepmachine import (
-    FEEDBACK,
     Annotate,
     AppendMessage,
     Effect,
@@ -124,21 +123,14 @@ from stepmachine import (
     Refuse,
     RunError,
     Session,
-    Spent,
     StepContext,
     StoredDataError,
     ToolCallPart,
     ToolResultPart,
     Yield,
-    YieldReason,
-    latest_ledger,
-    needs_answer,
-    note_value,
-    open_tool_calls,
-    read_record,
-    starts_turn,
 )
 from stepmachine._ledger import (
+    FEEDBACK,
     LEDGER,
     LedgerCorrection,
     LedgerView,
@@ -147,6 +139,16 @@ from stepmachine._ledger import (
     run_ledgers,
 )
 from stepmachine._records import TAG_FIELD
+from stepmachine.extend import (
+    Spent,
+    YieldReason,
+    latest_ledger,
+    needs_answer,
+    note_value,
+    open_tool_calls,
+    read_record,
+    starts_turn,
+)
 
 from ._records import BudgetRefusal
 

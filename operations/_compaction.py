@@ -75,7 +75,6 @@ from typing import Any, Final, Literal
 import msgspec
 
 from stepmachine import (
-    CONTEXT_LENGTH_EXCEEDED,
     Annotate,
     AudioPart,
     ConfigurationError,
@@ -83,8 +82,6 @@ from stepmachine import (
     DocumentPart,
     Effect,
     ImagePart,
-    InferenceAttempts,
-    Ledger,
     Message,
     ModelError,
     ModelRequest,
@@ -93,7 +90,6 @@ from stepmachine import (
     Operation,
     Outcome,
     PromptPart,
-    Recorder,
     Refuse,
     ReplaceConversation,
     Session,
@@ -105,16 +101,22 @@ from stepmachine import (
     ToolResultPart,
     Usage,
     Yield,
+)
+from stepmachine._index import estimate_tokens
+from stepmachine._ledger import standing_ledger
+from stepmachine._model_call import Attempts, counting, failed_attempts
+from stepmachine._outcomes import constant_record
+from stepmachine.extend import (
+    CONTEXT_LENGTH_EXCEEDED,
+    InferenceAttempts,
+    Ledger,
+    Recorder,
     YieldReason,
-    estimate_tokens,
     needs_answer,
     next_ledger,
     note_value,
     read_record,
 )
-from stepmachine._ledger import standing_ledger
-from stepmachine._model_call import Attempts, counting, failed_attempts
-from stepmachine._outcomes import constant_record
 
 from ._records import CompactionMark, CompactionReceipt
 

@@ -80,11 +80,9 @@ from stepmachine import (
     Store,
     TextPart,
     Yield,
-    YieldReason,
-    note_value,
-    read_record,
     submit,
 )
+from stepmachine.extend import YieldReason, note_value, read_record
 
 from ._records import EventConsumed, EventCursor, EventDelivery, EventRecord, WaitMarker
 

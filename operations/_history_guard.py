@@ -23,10 +23,8 @@ from stepmachine import (
     Annotate,
     AppendMessage,
     Continue,
-    Conversation,
     DocumentPart,
     Effect,
-    HistoryIndex,
     ImagePart,
     Message,
     NoData,
@@ -39,9 +37,8 @@ from stepmachine import (
     StepContext,
     ToolCallPart,
     ToolResultPart,
-    apply_effects,
-    journal_entry,
 )
+from stepmachine.extend import Conversation, HistoryIndex, apply_effects, journal_entry
 
 from ._budget import correction_effects, hiding_correction
 

@@ -107,7 +107,6 @@ from typing import Any, Final, Literal, TypeAlias
 import msgspec
 
 from stepmachine import (
-    FEEDBACK,
     Annotate,
     AppendMessage,
     ConfigurationError,
@@ -128,11 +127,9 @@ from stepmachine import (
     ToolDefinition,
     ToolResultPart,
     Yield,
-    YieldReason,
-    effective_arguments,
-    note_value,
-    read_record,
 )
+from stepmachine._ledger import FEEDBACK
+from stepmachine.extend import YieldReason, effective_arguments, note_value, read_record
 
 from ._budget import (
     SUPERSEDES,

@@ -50,10 +50,10 @@ from stepmachine import (
     SideEffects,
     StepContext,
     ToolDefinition,
-    ToolLike,
     Tools,
     _log,
 )
+from stepmachine.extend import ToolLike
 
 from ._mcp_link import Link
 from ._mcp_servers import McpHttp, McpServer, McpStdio

@@ -77,21 +77,17 @@ from typing import Any, Final, Generic, Literal, TypeVar
 import msgspec
 
 from stepmachine import (
-    FEEDBACK,
     Annotate,
     AppendMessage,
     ConfigurationError,
     Continue,
     Effect,
     Inference,
-    InferenceReceipt,
-    InterruptedReply,
     Message,
     ModelRequest,
     Operation,
     Outcome,
     PromptPart,
-    Recorder,
     Refuse,
     RunError,
     Session,
@@ -103,6 +99,12 @@ from stepmachine import (
     ToolDefinition,
     ToolResultPart,
     Yield,
+)
+from stepmachine._ledger import FEEDBACK
+from stepmachine.extend import (
+    InferenceReceipt,
+    InterruptedReply,
+    Recorder,
     YieldReason,
     effective_arguments,
     note_value,

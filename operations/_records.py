@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from stepmachine import Ledger, Record, Usage
+from stepmachine import Usage
+from stepmachine.extend import Ledger, Record
 
 __all__ = [
     "ApprovalDecision",

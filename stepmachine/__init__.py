@@ -8,8 +8,12 @@ exactly where the session left off.
 
 The public packages:
 
-- ``stepmachine``: the kernel (this package): messages, sessions, effects,
-  steps, the machine, the ``Tools`` and ``ModelInference`` steps, errors.
+- ``stepmachine``: what users compose (this package): messages, sessions,
+  effects, steps, the machine and the worker loop (:func:`run_worker`), the
+  ``Tools`` and ``ModelInference`` steps, models, events, errors.
+- ``stepmachine.extend``: for authors of stores, model adapters and
+  capabilities: batches and the codec's parts, history checks, token counts,
+  leases, the ledger, records, the tool journal and the capability protocols.
 - ``stepmachine.operations``: the built-in operations (approval, budgets,
   invalid calls, external events, structured output, compaction, history guard).
 - ``stepmachine.stores``: ``MemoryStore``, ``SQLiteStore``, ``FileStore`` and
@@ -20,26 +24,16 @@ The public packages:
   HTML export and the live web view (extra ``web``).
 - ``stepmachine.testing``: fakes for tests (scripted models, ``run_step``) and
   ``stepmachine.testing.conformance``, the store conformance suite.
+- ``stepmachine.durable``: durable turns on DBOS Transact (extra ``dbos``).
 
 Modules whose names start with ``_`` are private: import from the packages above.
 """
 
-from typing import TYPE_CHECKING, Any
+import typing as _typing
+import warnings
 
-from ._capabilities import (
-    AnswersUnknownTools,
-    Capabilities,
-    ContributesPromptParts,
-    ContributesTools,
-    Finalizes,
-    Objection,
-    OpensForRun,
-    ShapesRequests,
-    Step,
-    VetsCalls,
-)
-from ._codec import KERNEL_EFFECTS, Batch, Codec, Refusal
-from ._conversation import Conversation
+from ._capabilities import Step
+from ._codec import Codec
 from ._effects import (
     Annotate,
     AppendMessage,
@@ -47,15 +41,10 @@ from ._effects import (
     ReplaceConversation,
     SetVisibility,
     UpdateData,
-    apply_batch,
-    apply_effects,
 )
 from ._emitter import (
     Emitter,
     Event,
-    EventData,
-    EventSink,
-    NullEmitter,
     ReasoningDelta,
     RecordingEmitter,
     StepApplied,
@@ -91,179 +80,67 @@ from ._errors import (
     ToolError,
     UnexpectedModelCallError,
 )
-from ._history import check_history, history_problems, open_tool_calls, request_order
-from ._index import HistoryIndex, estimate_tokens, message_tokens
-from ._inference import (
-    CONTEXT_LENGTH_EXCEEDED,
-    InferenceAttempts,
-    InferenceReceipt,
-    InterruptedReply,
-    ModelInference,
-    needs_answer,
-)
-from ._lease import Lease, LeaseHolder, LeasePolicy, Leases, new_owner
-from ._ledger import (
-    FEEDBACK,
-    Ledger,
-    LedgerView,
-    Spent,
-    latest_ledger,
-    next_ledger,
-    starts_turn,
-)
-from ._machine import (
-    DEFAULT_MAX_CYCLES,
-    FINALIZE_STEP,
-    INTERRUPTED,
-    Decision,
-    RunReport,
-    StateMachine,
-)
-from ._media import MediaPart, MediaRef, media_digest
-from ._media_tokens import media_tokens
+from ._inference import ModelInference
+from ._lease import LeasePolicy
+from ._machine import RunReport, StateMachine
+from ._media import MediaRef
 from ._messages import (
     AudioPart,
     DocumentPart,
     ImagePart,
     Message,
-    Notes,
-    Part,
     ReasoningPart,
-    Role,
     TextPart,
     ToolCallPart,
     ToolResultPart,
 )
 from ._model import (
-    ChunkSink,
     Model,
     ModelRequest,
     ModelResponse,
     ModelSettings,
     PromptPart,
-    ReasoningChunk,
-    StreamChunk,
-    TextChunk,
-    ToolCallChunk,
     ToolDefinition,
     Usage,
 )
-from ._records import TAG_FIELD, Record, note_value, read_record, record_types
-from ._replay import ReplayCycle, ReplayReport, replay
-from ._runtime import Runtime, ToolCaller, counter_ids, uuid_ids
-from ._serve import serve
+from ._replay import ReplayReport, replay
+from ._runtime import Runtime
+from ._serve import run_worker
 from ._session import NoData, Session
-from ._staged import Recorder, Staged, Task
-from ._steps import (
-    CancelToken,
-    Continue,
-    Inference,
-    Operation,
-    Outcome,
-    Refuse,
-    StepContext,
-    StepResult,
-    Yield,
-    YieldReason,
-)
-from ._store import EffectHandler, SessionLoader, Store, submit
+from ._staged import Staged, Task
+from ._steps import CancelToken, Continue, Inference, Operation, Outcome, Refuse, StepContext, Yield
+from ._store import Store, submit
 from ._telemetry import Telemetry
-from ._tool_step import (
-    JOURNAL,
-    NOT_EXECUTED,
-    OUTCOME_UNKNOWN,
-    JournalEntry,
-    Tools,
-    journal_entry,
-    resolve_unknown_outcome,
-)
-from ._tools import (
-    EDITED_ARGUMENTS,
-    SideEffects,
-    Tool,
-    ToolContext,
-    ToolLike,
-    ToolOutput,
-    effective_arguments,
-    fingerprint,
-    idempotency_key,
-    tool,
-)
-
-if TYPE_CHECKING:
-    from .agent import Agent
+from ._tool_step import Tools, resolve_unknown_outcome
+from ._tools import SideEffects, Tool, ToolContext, ToolOutput, tool
 
 __version__ = "0.1.0.dev0"
 
 
-def __getattr__(name: str) -> Any:
-    # ``Agent`` composes the kernel with stepmachine.operations and .stores, which
-    # the kernel never imports: it is imported on first use.
-    if name == "Agent":
-        from .agent import Agent  # noqa: PLC0415 - on first use (see above)
-
-        return Agent
-    raise AttributeError(f"module 'stepmachine' has no attribute {name!r}")
-
-
 __all__ = [
-    "CONTEXT_LENGTH_EXCEEDED",
-    "DEFAULT_MAX_CYCLES",
-    "EDITED_ARGUMENTS",
-    "FEEDBACK",
-    "FINALIZE_STEP",
-    "INTERRUPTED",
-    "JOURNAL",
-    "KERNEL_EFFECTS",
-    "NOT_EXECUTED",
-    "OUTCOME_UNKNOWN",
-    "TAG_FIELD",
     "Agent",
     "Annotate",
-    "AnswersUnknownTools",
     "AppendMessage",
     "AudioPart",
-    "Batch",
     "CancelToken",
-    "Capabilities",
-    "ChunkSink",
     "Codec",
     "ConfigurationError",
     "ConflictError",
     "ContextLengthError",
     "Continue",
-    "ContributesPromptParts",
-    "ContributesTools",
-    "Conversation",
-    "Decision",
     "DefinitionError",
     "DocumentPart",
     "Effect",
     "EffectError",
-    "EffectHandler",
     "Emitter",
     "Event",
-    "EventData",
-    "EventSink",
-    "Finalizes",
     "HistoryError",
-    "HistoryIndex",
     "ImagePart",
     "Inference",
-    "InferenceAttempts",
-    "InferenceReceipt",
-    "InterruptedReply",
     "InvalidFieldError",
     "InvalidSessionIdError",
-    "JournalEntry",
-    "Lease",
-    "LeaseHolder",
     "LeaseLostError",
     "LeasePolicy",
-    "Leases",
-    "Ledger",
-    "LedgerView",
-    "MediaPart",
     "MediaRef",
     "MediaTooLargeError",
     "Message",
@@ -274,68 +151,48 @@ __all__ = [
     "ModelResponse",
     "ModelSettings",
     "NoData",
-    "Notes",
-    "NullEmitter",
-    "Objection",
-    "OpensForRun",
     "Operation",
     "Outcome",
-    "Part",
     "PromptPart",
-    "ReasoningChunk",
     "ReasoningDelta",
     "ReasoningPart",
-    "Record",
-    "Recorder",
     "RecordingEmitter",
-    "Refusal",
     "Refuse",
     "ReplaceConversation",
-    "ReplayCycle",
     "ReplayReport",
-    "Role",
     "RunError",
     "RunReport",
     "Runtime",
     "Session",
     "SessionBusyError",
     "SessionExistsError",
-    "SessionLoader",
     "SessionNotFoundError",
     "SetVisibility",
-    "ShapesRequests",
     "SideEffects",
-    "Spent",
     "Staged",
     "StateMachine",
     "Step",
     "StepApplied",
     "StepContext",
     "StepContractError",
-    "StepResult",
     "StepmachineError",
     "Store",
     "StoreClosedError",
     "StoredDataError",
-    "StreamChunk",
     "StreamEmitter",
     "Task",
     "Telemetry",
-    "TextChunk",
     "TextDelta",
     "TextPart",
     "Tool",
     "ToolAbortError",
     "ToolArgumentsDelta",
     "ToolArgumentsError",
-    "ToolCallChunk",
     "ToolCallPart",
-    "ToolCaller",
     "ToolContext",
     "ToolDefinition",
     "ToolError",
     "ToolFinished",
-    "ToolLike",
     "ToolOutput",
     "ToolResultPart",
     "ToolStarted",
@@ -343,37 +200,74 @@ __all__ = [
     "UnexpectedModelCallError",
     "UpdateData",
     "Usage",
-    "VetsCalls",
     "Yield",
-    "YieldReason",
     "Yielded",
-    "apply_batch",
-    "apply_effects",
-    "check_history",
-    "counter_ids",
-    "effective_arguments",
-    "estimate_tokens",
-    "fingerprint",
-    "history_problems",
-    "idempotency_key",
-    "journal_entry",
-    "latest_ledger",
-    "media_digest",
-    "media_tokens",
-    "message_tokens",
-    "needs_answer",
-    "new_owner",
-    "next_ledger",
-    "note_value",
-    "open_tool_calls",
-    "read_record",
-    "record_types",
     "replay",
-    "request_order",
     "resolve_unknown_outcome",
-    "serve",
-    "starts_turn",
+    "run_worker",
     "submit",
     "tool",
-    "uuid_ids",
 ]
+
+from . import extend as _extend
+from ._public import publish as _publish
+
+if _typing.TYPE_CHECKING:  # the lazy Agent, and the moved names until they go
+    from ._agent import Agent as Agent
+    from ._index import estimate_tokens as estimate_tokens
+    from ._ledger import FEEDBACK as FEEDBACK
+    from .extend import *  # noqa: F403
+
+    serve = run_worker
+
+# Old top-level name -> its new home (the module and the name there).
+_MOVED: dict[str, tuple[str, str]] = {
+    **{name: ("stepmachine.extend", name) for name in _extend.__all__},
+    "FEEDBACK": ("stepmachine.operations", "FEEDBACK"),
+    "estimate_tokens": ("stepmachine.operations", "estimate_tokens"),
+    "serve": ("stepmachine", "run_worker"),
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    """The names that moved out of the top level: still found, with a DeprecationWarning."""
+    if name == "Agent":
+        # Agent composes the kernel with stepmachine.operations and .stores, which
+        # the kernel never imports: it is imported on first use.
+        from ._agent import Agent  # noqa: PLC0415 - on first use (see above)
+
+        _publish(__name__, {"__all__": ["Agent"], "Agent": Agent})
+        return Agent
+    moved = _MOVED.get(name)
+    if moved is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, new = moved
+    if name == "serve":
+        value: _typing.Any = run_worker
+        advice = (
+            "stepmachine.serve (the worker loop) is now stepmachine.run_worker: "
+            "use `from stepmachine import run_worker`; the web server keeps its name, "
+            "stepmachine.inspector.serve"
+        )
+    else:
+        if module == "stepmachine.operations":  # the same object; the kernel does not import it
+            from ._index import estimate_tokens  # noqa: PLC0415
+            from ._ledger import FEEDBACK  # noqa: PLC0415
+
+            value = {"FEEDBACK": FEEDBACK, "estimate_tokens": estimate_tokens}[name]
+        else:
+            value = getattr(_extend, name)
+        advice = f"stepmachine.{name} moved to {module}.{new}: use `from {module} import {new}`"
+    warnings.warn(
+        f"{advice}; the old name goes in the next release",
+        DeprecationWarning,
+        stacklevel=2,  # the user's line (warnings skips importlib's frames of a from-import)
+    )
+    return value
+
+
+def __dir__() -> list[str]:
+    return list(__all__)
+
+
+_publish(__name__, globals())

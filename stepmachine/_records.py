@@ -65,6 +65,9 @@ TAG_FIELD: Final = "record"
 R = TypeVar("R", bound="Record")
 
 _REGISTRY: dict[str, type[Record]] = {}
+# Where each tag's type was defined, taken when it was defined: a public
+# package later sets the class's ``__module__`` to its public home.
+_ORIGINS: dict[str, tuple[str, str]] = {}
 
 
 class _RecordType(msgspec.StructMeta):
@@ -87,12 +90,15 @@ def _register(cls: Any) -> None:
             f"tag='myapp.{cls.__name__.lower()}'; got {tag!r}"
         )
     known = _REGISTRY.get(tag)
-    if known is not None and _origin(known) != _origin(cls):
+    origin = _origin(cls)
+    if known is not None and _ORIGINS[tag] != origin:
         raise ConfigurationError(
             f"record tag {tag!r} is used by both {known.__module__}.{known.__qualname__} "
-            f"and {cls.__module__}.{cls.__qualname__}"
+            f"and {cls.__module__}.{cls.__qualname__}: a stored record names its type by "
+            f"tag, so each tag must be one type; give one of them another tag"
         )
     _REGISTRY[tag] = cls  # a module loaded again (reloaded, or by a second name) redefines it
+    _ORIGINS[tag] = origin
 
 
 def _origin(cls: Any) -> tuple[str, str]:

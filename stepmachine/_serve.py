@@ -1,6 +1,6 @@
-"""``serve()``: a worker's loop over the sessions that have work.
+"""``run_worker()``: a worker's loop over the sessions that have work.
 
-Many workers (tasks, processes, machines) call ``serve`` on one store. Each
+Many workers (tasks, processes, machines) call ``run_worker`` on one store. Each
 round claims some session with a pending run (``store.claim_next``: set by
 ``store.request_run``, by a ``run()`` that queued its turn, or left by a
 holder that died) and runs it holding that lease; the run renews the lease,
@@ -13,7 +13,10 @@ Nothing stuck, nothing dropped: the claim took the session's pending-run
 mark, so a run that raised and let go of its lease would leave its turn to
 nobody. Instead a run that raised a transient error (the store unreachable
 or restarted, a lost lease) keeps its lease through a backoff and is run
-again, and one that failed for good is logged at ERROR. See :func:`serve`.
+again, and one that failed for good is logged at ERROR. See :func:`run_worker`.
+
+The log events keep their ``serve_`` prefix (``serve_run_retried``, ...):
+log queries written for the earlier name of this function keep working.
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ from ._machine import StateMachine
 from ._runtime import Runtime
 from ._steps import CancelToken
 
-__all__ = ["serve"]
+__all__ = ["run_worker"]
 
 
-async def serve(
+async def run_worker(
     machine: StateMachine[Any],
     runtime: Runtime,
     *,
@@ -52,10 +55,10 @@ async def serve(
     Args:
         machine: the machine to run each session with.
         runtime: its store must have leases (:class:`~stepmachine.Leases`).
-        stop: a token; once it fires, ``serve`` returns after the run in
+        stop: a token; once it fires, ``run_worker`` returns after the run in
             progress (to interrupt that run too, cancel the task calling
-            ``serve``: the run finalizes as any cancelled run). ``None``:
-            serve until cancelled.
+            ``run_worker``: the run finalizes as any cancelled run). ``None``:
+            run until cancelled.
         ttl: the lease's ttl for each claimed session (see :class:`LeasePolicy`).
         poll: seconds to sleep when no session has work.
         owner_prefix: put in front of each run's owner string (a worker's name).
@@ -92,7 +95,7 @@ async def serve(
       (``serve_run_failed``: session_id, error_type, attempts, retried False,
       detail: the error's text cut at 1,000 characters, raised_at: its
       innermost frames as ``file:line in function``, never their local
-      variables): the record a user of ``serve`` finds in the log; the session
+      variables): the record a user of ``run_worker`` finds in the log; the session
       keeps what the run stored (its finalize answered open calls
       "interrupted"). A provider's error carries no key (it is redacted where
       it is raised); its message, the server's text, which may quote the
@@ -115,15 +118,15 @@ async def serve(
         or not math.isfinite(poll)
         or not poll > 0
     ):
-        raise ConfigurationError(f"serve() needs a poll of seconds > 0, got {poll!r}")
+        raise ConfigurationError(f"run_worker() needs a poll of seconds > 0, got {poll!r}")
     try:
         check_claim(new_owner(owner_prefix), ttl)
     except ValueError as exc:
-        raise ConfigurationError(f"serve(): {exc}") from None
+        raise ConfigurationError(f"run_worker(): {exc}") from None
     store = leasing_store(runtime)
     if store is None:
         raise ConfigurationError(
-            "serve() needs a runtime whose store has leases (the shipped stores do) "
+            "run_worker() needs a runtime whose store has leases (the shipped stores do) "
             "and no separate effect handler"
         )
     worker = _Worker(store, owner_prefix, ttl)
@@ -142,7 +145,7 @@ async def _loop(
     poll: float,
     on_report: Callable[[RunReport[Any]], Awaitable[None] | None] | None,
 ) -> None:
-    """The rounds of :func:`serve`."""
+    """The rounds of :func:`run_worker`."""
     while stop is None or not stop.cancelled:
         lease = await worker.next_lease()
         if lease is None:
@@ -173,7 +176,7 @@ async def _loop(
 
 
 class _Worker:
-    """What one ``serve()`` call keeps between rounds: retries owed, and their pauses.
+    """What one ``run_worker()`` call keeps between rounds: retries owed, and their pauses.
 
     ``failures``: transient failures in a row per session (this worker's);
     ``parked``: leases of stores whose leases do not lapse, kept from a failed
@@ -262,7 +265,7 @@ class _Worker:
             return
         self.failures[session_id] = attempt
         delay = _transient.backoff(attempt)
-        if not self.store.leases_expire:  # parked before any await: a cancelled serve releases it
+        if not self.store.leases_expire:  # parked before any await: a cancelled worker releases it
             self.parked[session_id] = (anyio.current_time() + delay, lease)
         _log.event(
             _log.WARNING,
@@ -312,7 +315,7 @@ class _Worker:
             self.owed.discard(lease.session_id)
 
     async def give_back(self) -> None:
-        """``serve`` returns: set the mark of each parked session and release it (shielded)."""
+        """``run_worker`` returns: set the mark of each parked session and release it (shielded)."""
         for session_id, (_, lease) in list(self.parked.items()):
             del self.parked[session_id]
             await request_again(self.store, lease)

@@ -189,6 +189,7 @@ from ._durable_codec import (
     check_serializer,
     dbos_config,
 )
+from ._public import publish as _publish
 
 __all__ = [
     "CYCLE_STEP",
@@ -534,3 +535,6 @@ def _require_asyncio(where: str) -> None:
             "it fails with 'no running event loop'); run durable workers with asyncio.run() "
             "or anyio.run(..., backend='asyncio')"
         )
+
+
+_publish(__name__, globals())

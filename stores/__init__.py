@@ -29,6 +29,8 @@ and the BSDs; elsewhere (Windows) :meth:`FileStore.open` raises
 :class:`~stepmachine.ConfigurationError` naming the platform.
 """
 
+from stepmachine._public import publish as _publish
+
 from ._file import FileStore
 from ._ids import MAX_SESSION_ID_LENGTH, validate_session_id
 from ._listing import ListedSession
@@ -45,3 +47,5 @@ __all__ = [
     "SQLiteStore",
     "validate_session_id",
 ]
+
+_publish(__name__, globals())

@@ -50,7 +50,6 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from stepmachine import (
-    Batch,
     Codec,
     ConflictError,
     Effect,
@@ -60,8 +59,8 @@ from stepmachine import (
     Session,
     SessionNotFoundError,
     StoredDataError,
-    apply_batch,
 )
+from stepmachine.extend import Batch, apply_batch
 
 from ._backend import (
     Base,

@@ -70,16 +70,15 @@ except ImportError:  # not POSIX (Windows): the module imports, FileStore.open r
     fcntl = None  # type: ignore[assignment]
 
 from stepmachine import (
-    Batch,
     Codec,
     ConfigurationError,
     Effect,
-    Lease,
     Message,
     Session,
     SessionNotFoundError,
     StoreClosedError,
 )
+from stepmachine.extend import Batch, Lease
 
 from ._backend import Cached, Marks, NewSnapshot
 from ._core import LogCore

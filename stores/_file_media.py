@@ -56,7 +56,8 @@ try:
 except ImportError:  # not POSIX (Windows): FileStore refuses to open, so nothing here runs
     fcntl = None  # type: ignore[assignment]
 
-from stepmachine import StoredDataError, media_digest
+from stepmachine import StoredDataError
+from stepmachine.extend import media_digest
 
 from ._file_log import fsync_dir, parse_records, read_range, write_all
 from ._media_blobs import VERIFIED, check_digest, named_digests

@@ -122,8 +122,6 @@ except ImportError:  # not POSIX (Windows): the stores import, leases refuse
 
 from stepmachine import (
     ConfigurationError,
-    Lease,
-    LeaseHolder,
     LeaseLostError,
     SessionNotFoundError,
     StepmachineError,
@@ -131,6 +129,7 @@ from stepmachine import (
     StoredDataError,
 )
 from stepmachine._lease import check_claim
+from stepmachine.extend import Lease, LeaseHolder
 
 from ._ids import validate_session_id
 from ._regular import describe_mode, not_regular, open_regular

@@ -96,7 +96,6 @@ import msgspec
 from stepmachine import (
     AppendMessage,
     AudioPart,
-    Batch,
     DocumentPart,
     Effect,
     ImagePart,
@@ -106,9 +105,9 @@ from stepmachine import (
     Session,
     StoredDataError,
     UpdateData,
-    media_digest,
 )
 from stepmachine._codec import _message_fields
+from stepmachine.extend import Batch, media_digest
 
 __all__ = [
     "DEFAULT_MAX_MEDIA_BYTES",

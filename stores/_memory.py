@@ -22,21 +22,18 @@ import anyio.lowlevel
 import msgspec
 
 from stepmachine import (
-    Batch,
     Codec,
     ConflictError,
     Effect,
-    Lease,
-    LeaseHolder,
     LeaseLostError,
     Message,
     Session,
     SessionExistsError,
     SessionNotFoundError,
     StoreClosedError,
-    apply_batch,
 )
 from stepmachine._lease import check_claim
+from stepmachine.extend import Batch, Lease, LeaseHolder, apply_batch
 
 from ._backend import BatchRecord, StoredBatch
 from ._ids import validate_session_id

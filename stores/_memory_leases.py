@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from stepmachine import Lease, LeaseHolder, LeaseLostError
+from stepmachine import LeaseLostError
+from stepmachine.extend import Lease, LeaseHolder
 
 __all__ = ["MemoryLeases"]
 

@@ -46,19 +46,17 @@ import anyio.to_thread
 import msgspec
 
 from stepmachine import (
-    Batch,
     Codec,
     ConfigurationError,
     ConflictError,
     Effect,
-    Lease,
-    LeaseHolder,
     LeaseLostError,
     Message,
     Session,
     StoreClosedError,
 )
 from stepmachine._lease import check_claim
+from stepmachine.extend import Batch, Lease, LeaseHolder
 
 from . import _postgres_leases as _leases
 from . import _postgres_rows as _rows

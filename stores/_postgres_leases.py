@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final
 
-from stepmachine import Lease, LeaseHolder, LeaseLostError, SessionNotFoundError
+from stepmachine import LeaseLostError, SessionNotFoundError
+from stepmachine.extend import Lease, LeaseHolder
 
 from ._postgres_schema import SCHEMA
 

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from stepmachine import Lease, SessionExistsError
+from stepmachine import SessionExistsError
+from stepmachine.extend import Lease
 
 from . import _postgres_leases as _leases
 from . import _postgres_rows as _rows

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from stepmachine import Lease
+from stepmachine.extend import Lease
 
 from ._backend import EffectRows
 from ._listing import ListedSession

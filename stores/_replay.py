@@ -20,17 +20,8 @@ from typing import Any, Final
 
 import msgspec
 
-from stepmachine import (
-    Batch,
-    Codec,
-    ConfigurationError,
-    Effect,
-    EffectError,
-    Refusal,
-    Session,
-    StoredDataError,
-    apply_batch,
-)
+from stepmachine import Codec, ConfigurationError, Effect, EffectError, Session, StoredDataError
+from stepmachine.extend import Batch, Refusal, apply_batch
 
 from ._backend import Base, BatchRecord, EffectRows, StoredBatch
 from ._media_blobs import Media, Reader

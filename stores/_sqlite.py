@@ -52,16 +52,8 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from stepmachine import (
-    Batch,
-    Codec,
-    Effect,
-    Lease,
-    Message,
-    Session,
-    StoreClosedError,
-    StoredDataError,
-)
+from stepmachine import Codec, Effect, Message, Session, StoreClosedError, StoredDataError
+from stepmachine.extend import Batch, Lease
 
 from . import _sqlite_rows as _rows
 from . import _sqlite_schema as _schema

@@ -31,16 +31,8 @@ import anyio
 import anyio.to_thread
 import psycopg
 
-from stepmachine import (
-    AppendMessage,
-    Batch,
-    Effect,
-    Lease,
-    LeaseLostError,
-    Message,
-    Session,
-    new_owner,
-)
+from stepmachine import AppendMessage, Effect, LeaseLostError, Message, Session
+from stepmachine.extend import Batch, Lease, new_owner
 from stepmachine.stores import PostgresStore
 
 

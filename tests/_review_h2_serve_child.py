@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import structlog
 
-from stepmachine import ModelInference, Runtime, StateMachine, serve
+from stepmachine import ModelInference, Runtime, StateMachine, run_worker
 from stepmachine import _transient as transient
 from stepmachine.stores import FileStore, SQLiteStore
 from stepmachine.testing import FunctionModel, reply
@@ -59,7 +59,7 @@ async def main(kind: str, path: str) -> None:
     cls = faulty(FileStore if kind == "file" else SQLiteStore)
     store = await cls.open(path)
     runtime = Runtime(store=store, model=FunctionModel(lambda r: reply("from the child")))
-    await serve(StateMachine([ModelInference()]), runtime, poll=0.01, ttl=5)
+    await run_worker(StateMachine([ModelInference()]), runtime, poll=0.01, ttl=5)
 
 
 if __name__ == "__main__":

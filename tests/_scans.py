@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, overload
 
-from stepmachine import Conversation, Message, Session
+from stepmachine import Message, Session
 from stepmachine._session import derive_session
+from stepmachine.extend import Conversation
 
 __all__ = ["CountingConversation", "counted", "tool_loop"]
 
@@ -63,15 +64,8 @@ def tool_loop(turns: int, *, prefix: str = "t") -> list[Message]:
     """``turns`` finished turns: a user message, an assistant call (with an inference
     receipt and its ledger, as ``ModelInference`` writes them, the call of turn ``n``
     made at revision ``n``), and its result."""
-    from stepmachine import (
-        InferenceReceipt,
-        Ledger,
-        Spent,
-        ToolCallPart,
-        ToolResultPart,
-        Usage,
-        note_value,
-    )
+    from stepmachine import ToolCallPart, ToolResultPart, Usage
+    from stepmachine.extend import InferenceReceipt, Ledger, Spent, note_value
 
     messages: list[Message] = []
     for turn in range(turns):
@@ -94,8 +88,9 @@ def tool_loop(turns: int, *, prefix: str = "t") -> list[Message]:
 
 def context(session: Session[Any], *, steps: Any = ()) -> Any:
     """A bare step context for ``session`` (no store; a fixed clock)."""
-    from stepmachine import NullEmitter, Runtime, StepContext
+    from stepmachine import Runtime, StepContext
     from stepmachine._emitter import EventSink
+    from stepmachine.extend import NullEmitter
 
     return StepContext(
         session=session,

@@ -22,10 +22,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
-    EDITED_ARGUMENTS,
     Annotate,
     AppendMessage,
-    Batch,
     ConfigurationError,
     ConflictError,
     Continue,
@@ -34,7 +32,6 @@ from stepmachine import (
     ModelInference,
     ModelRequest,
     ModelResponse,
-    NullEmitter,
     Operation,
     ReplaceConversation,
     Runtime,
@@ -52,16 +49,21 @@ from stepmachine import (
     ToolResultPart,
     Tools,
     Yield,
+    submit,
+    tool,
+)
+from stepmachine._emitter import EventSink
+from stepmachine.extend import (
+    EDITED_ARGUMENTS,
+    Batch,
+    NullEmitter,
     check_history,
     counter_ids,
     effective_arguments,
     fingerprint,
     note_value,
     read_record,
-    submit,
-    tool,
 )
-from stepmachine._emitter import EventSink
 from stepmachine.operations._approval import (
     Approval,
     ApprovalDecision,

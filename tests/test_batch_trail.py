@@ -27,18 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepmachine import (
-    AppendMessage,
-    Batch,
-    Codec,
-    Effect,
-    Message,
-    Refusal,
-    Session,
-    Store,
-    StoredDataError,
-    apply_batch,
-)
+from stepmachine import AppendMessage, Codec, Effect, Message, Session, Store, StoredDataError
+from stepmachine.extend import Batch, Refusal, apply_batch
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.stores import _sqlite_schema as sqlite_schema
 from stepmachine.stores._sqlite_schema import checksum

@@ -30,13 +30,10 @@ from stepmachine import (
     ToolResultPart,
     Tools,
     Usage,
-    YieldReason,
-    counter_ids,
-    history_problems,
-    latest_ledger,
     submit,
     tool,
 )
+from stepmachine.extend import YieldReason, counter_ids, history_problems, latest_ledger
 from stepmachine.operations._budget import (
     FEEDBACK,
     SUPERSEDES,

@@ -20,33 +20,34 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
-    FEEDBACK,
     AppendMessage,
-    InferenceAttempts,
-    InferenceReceipt,
-    Ledger,
     Message,
     ModelInference,
     ModelRequest,
     ModelResponse,
     Runtime,
     Session,
-    Spent,
     StateMachine,
     TextPart,
     ToolCallPart,
     ToolResultPart,
     Tools,
     Usage,
-    counter_ids,
-    latest_ledger,
-    next_ledger,
-    note_value,
     submit,
     tool,
 )
 from stepmachine._ledger import LEDGER, LedgerCorrection, run_ledgers
-from stepmachine.operations import HistoryGuard, InvalidCalls
+from stepmachine.extend import (
+    InferenceAttempts,
+    InferenceReceipt,
+    Ledger,
+    Spent,
+    counter_ids,
+    latest_ledger,
+    next_ledger,
+    note_value,
+)
+from stepmachine.operations import FEEDBACK, HistoryGuard, InvalidCalls
 from stepmachine.operations._budget import (
     SUPERSEDES,
     Budget,

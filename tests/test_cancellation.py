@@ -30,14 +30,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
-    INTERRUPTED,
-    Batch,
     CancelToken,
     Emitter,
     Event,
     Message,
     ModelInference,
-    NullEmitter,
     RecordingEmitter,
     Runtime,
     Session,
@@ -47,11 +44,16 @@ from stepmachine import (
     Tool,
     ToolFinished,
     Tools,
+    tool,
+)
+from stepmachine.extend import (
+    INTERRUPTED,
+    Batch,
+    NullEmitter,
     YieldReason,
     counter_ids,
     history_problems,
     open_tool_calls,
-    tool,
 )
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply

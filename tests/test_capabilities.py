@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from stepmachine import (
     AppendMessage,
     CancelToken,
-    Capabilities,
     Continue,
     Effect,
     Message,
@@ -34,8 +33,6 @@ from stepmachine import (
     ModelRequest,
     ModelSettings,
     NoData,
-    NullEmitter,
-    Objection,
     Operation,
     Outcome,
     PromptPart,
@@ -49,12 +46,17 @@ from stepmachine import (
     ToolResultPart,
     Tools,
     Yield,
-    YieldReason,
-    counter_ids,
-    open_tool_calls,
     tool,
 )
 from stepmachine._emitter import EventSink
+from stepmachine.extend import (
+    Capabilities,
+    NullEmitter,
+    Objection,
+    YieldReason,
+    counter_ids,
+    open_tool_calls,
+)
 from stepmachine.operations import HistoryGuard
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import ScriptedModel, call, make_session, reply, run_step

@@ -10,13 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
-    KERNEL_EFFECTS,
     Annotate,
     AppendMessage,
-    Batch,
     Codec,
     ConfigurationError,
-    Conversation,
     Effect,
     InvalidFieldError,
     Message,
@@ -31,6 +28,7 @@ from stepmachine import (
     ToolResultPart,
     UpdateData,
 )
+from stepmachine.extend import KERNEL_EFFECTS, Batch, Conversation
 
 
 class AppData(msgspec.Struct, frozen=True):

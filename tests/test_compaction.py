@@ -19,12 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
-    CONTEXT_LENGTH_EXCEEDED,
     Annotate,
     CancelToken,
     ConfigurationError,
     ContextLengthError,
-    InferenceAttempts,
     Message,
     ModelError,
     ModelInference,
@@ -42,6 +40,11 @@ from stepmachine import (
     ToolResultPart,
     Tools,
     Usage,
+    tool,
+)
+from stepmachine.extend import (
+    CONTEXT_LENGTH_EXCEEDED,
+    InferenceAttempts,
     YieldReason,
     counter_ids,
     history_problems,
@@ -49,7 +52,6 @@ from stepmachine import (
     needs_answer,
     note_value,
     read_record,
-    tool,
 )
 from stepmachine.operations._budget import (
     Budget,

@@ -55,18 +55,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepmachine import (
-    Conversation,
-    DocumentPart,
-    Message,
-    ModelRequest,
-    ModelResponse,
-    ReasoningPart,
-    TextChunk,
-    TextPart,
-    ToolCallChunk,
-)
+from stepmachine import DocumentPart, Message, ModelRequest, ModelResponse, ReasoningPart, TextPart
 from stepmachine import ToolCallPart as Call
+from stepmachine.extend import Conversation, TextChunk, ToolCallChunk
 from stepmachine.providers import (
     AnthropicModel,
     HTTPModel,

@@ -24,7 +24,6 @@ from stepmachine import (
     Annotate,
     AppendMessage,
     Codec,
-    Conversation,
     InvalidFieldError,
     Message,
     NoData,
@@ -37,9 +36,9 @@ from stepmachine import (
     ToolCallPart,
     ToolResultPart,
     UpdateData,
-    apply_batch,
 )
 from stepmachine._checks import tuple_of
+from stepmachine.extend import Conversation, apply_batch
 from stepmachine.stores import MemoryStore
 
 CALL = ToolCallPart.of("c1", "add", {"a": 1})

@@ -13,17 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepmachine import (
-    AppendMessage,
-    Codec,
-    Conversation,
-    InvalidFieldError,
-    Message,
-    NoData,
-    Session,
-    apply_batch,
-)
+from stepmachine import AppendMessage, Codec, InvalidFieldError, Message, NoData, Session
 from stepmachine._conversation import CHUNK
+from stepmachine.extend import Conversation, apply_batch
 
 
 def messages(n: int, prefix: str = "m") -> tuple[Message, ...]:

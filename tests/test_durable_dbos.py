@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 
 from stepmachine import (
     AppendMessage,
-    Batch,
     ConfigurationError,
     ConflictError,
     Effect,
@@ -41,7 +40,6 @@ from stepmachine import (
     StateMachine,
     ToolContext,
     Tools,
-    history_problems,
     submit,
     tool,
 )
@@ -56,6 +54,7 @@ from stepmachine.durable import (
     TurnReport,
     dbos_config,
 )
+from stepmachine.extend import Batch, history_problems
 from stepmachine.stores import MemoryStore, PostgresStore
 from stepmachine.testing import FunctionModel, call, reply
 

@@ -23,9 +23,8 @@ from stepmachine import (
     ToolCallPart,
     ToolResultPart,
     UpdateData,
-    apply_batch,
-    apply_effects,
 )
+from stepmachine.extend import apply_batch, apply_effects
 from stepmachine.testing import make_session
 
 

@@ -11,8 +11,6 @@ import pytest
 from stepmachine import (
     Emitter,
     Event,
-    EventSink,
-    NullEmitter,
     RecordingEmitter,
     StepApplied,
     StreamEmitter,
@@ -21,6 +19,7 @@ from stepmachine import (
     ToolStarted,
     Yielded,
 )
+from stepmachine.extend import EventSink, NullEmitter
 
 
 def event(n: int) -> Event:

@@ -25,13 +25,9 @@ from stepmachine import (
     Store,
     StoredDataError,
     ToolCallPart,
-    YieldReason,
-    counter_ids,
-    history_problems,
-    note_value,
-    read_record,
     submit,
 )
+from stepmachine.extend import YieldReason, counter_ids, history_problems, note_value, read_record
 from stepmachine.operations._events import (
     EventRecord,
     ExternalEvents,

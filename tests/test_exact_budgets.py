@@ -24,8 +24,6 @@ from stepmachine import (
     Annotate,
     AppendMessage,
     CancelToken,
-    InferenceAttempts,
-    InferenceReceipt,
     Message,
     ModelError,
     ModelInference,
@@ -36,15 +34,19 @@ from stepmachine import (
     StepApplied,
     TextDelta,
     Usage,
+    submit,
+)
+from stepmachine._model_call import attempt_started
+from stepmachine.extend import (
+    InferenceAttempts,
+    InferenceReceipt,
     YieldReason,
     counter_ids,
     latest_ledger,
     next_ledger,
     note_value,
     read_record,
-    submit,
 )
-from stepmachine._model_call import attempt_started
 from stepmachine.operations import Budget, Compaction, Limits
 from stepmachine.stores import MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, ScriptedModel, reply

@@ -30,7 +30,6 @@ import pytest
 from stepmachine import (
     Annotate,
     AppendMessage,
-    Batch,
     Codec,
     ConfigurationError,
     ConflictError,
@@ -46,8 +45,8 @@ from stepmachine import (
     StoreClosedError,
     StoredDataError,
     UpdateData,
-    apply_batch,
 )
+from stepmachine.extend import Batch, apply_batch
 from stepmachine.stores import FileStore
 from stepmachine.stores._file_log import (
     SCHEMA_VERSION,

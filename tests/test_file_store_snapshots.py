@@ -27,16 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepmachine import (
-    AppendMessage,
-    Batch,
-    Codec,
-    Effect,
-    Message,
-    Session,
-    StoredDataError,
-    apply_batch,
-)
+from stepmachine import AppendMessage, Codec, Effect, Message, Session, StoredDataError
+from stepmachine.extend import Batch, apply_batch
 from stepmachine.stores import FileStore
 from stepmachine.stores._file_log import (
     TAG_BATCH,

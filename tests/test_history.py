@@ -7,17 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepmachine import (
-    HistoryError,
-    Message,
-    TextPart,
-    ToolCallPart,
-    ToolResultPart,
-    check_history,
-    history_problems,
-    open_tool_calls,
-    request_order,
-)
+from stepmachine import HistoryError, Message, TextPart, ToolCallPart, ToolResultPart
+from stepmachine.extend import check_history, history_problems, open_tool_calls, request_order
 
 
 def user(message_id: str, text: str = "hi") -> Message:

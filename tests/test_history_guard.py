@@ -12,10 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
-    JOURNAL,
     Annotate,
     AppendMessage,
-    Conversation,
     Message,
     ModelInference,
     ReasoningPart,
@@ -27,12 +25,16 @@ from stepmachine import (
     ToolCallPart,
     ToolResultPart,
     Tools,
+    submit,
+    tool,
+)
+from stepmachine.extend import (
+    JOURNAL,
+    Conversation,
     apply_batch,
     counter_ids,
     history_problems,
     open_tool_calls,
-    submit,
-    tool,
 )
 from stepmachine.operations import Approval, approve
 from stepmachine.operations._history_guard import (

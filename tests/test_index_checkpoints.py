@@ -22,14 +22,13 @@ import stepmachine._index as index_module
 from stepmachine import (
     Annotate,
     AppendMessage,
-    Conversation,
     EffectError,
     Message,
     NoData,
     Session,
     SetVisibility,
-    apply_batch,
 )
+from stepmachine.extend import Conversation, apply_batch
 from stepmachine.testing import make_session
 
 

@@ -20,9 +20,6 @@ from stepmachine import (
     Continue,
     Event,
     HistoryError,
-    InferenceAttempts,
-    InterruptedReply,
-    Ledger,
     Message,
     ModelInference,
     ModelRequest,
@@ -36,7 +33,6 @@ from stepmachine import (
     Refuse,
     Runtime,
     Session,
-    Spent,
     StateMachine,
     StepContext,
     TextDelta,
@@ -47,13 +43,19 @@ from stepmachine import (
     Tools,
     Usage,
     Yield,
-    counter_ids,
-    needs_answer,
-    note_value,
     tool,
 )
 from stepmachine._emitter import EventSink
 from stepmachine._staged import Recorder
+from stepmachine.extend import (
+    InferenceAttempts,
+    InterruptedReply,
+    Ledger,
+    Spent,
+    counter_ids,
+    needs_answer,
+    note_value,
+)
 from stepmachine.testing import ScriptedModel, call, make_session, reply, run_step
 
 FIRST_CALL = Ledger(Spent(1), Spent(1), revision=0, turn_start="u0", tools=True)

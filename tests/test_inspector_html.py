@@ -24,10 +24,8 @@ from hypothesis import strategies as st
 
 from stepmachine import (
     AppendMessage,
-    Batch,
     Effect,
     Message,
-    Refusal,
     Session,
     SetVisibility,
     TextPart,
@@ -35,6 +33,7 @@ from stepmachine import (
     ToolResultPart,
     UpdateData,
 )
+from stepmachine.extend import Batch, Refusal
 from stepmachine.inspector import (
     render_batch,
     render_html,

@@ -15,15 +15,14 @@ from rich.console import Console
 from stepmachine import (
     AppendMessage,
     AudioPart,
-    Batch,
     DocumentPart,
     ImagePart,
     Message,
     ReplaceConversation,
     ToolCallPart,
     ToolResultPart,
-    media_digest,
 )
+from stepmachine.extend import Batch, media_digest
 from stepmachine.inspector import (
     media_label,
     render_batch,

@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
-    Conversation,
     Message,
     ModelInference,
     Runtime,
@@ -23,12 +22,9 @@ from stepmachine import (
     ToolCallPart,
     ToolResultPart,
     Tools,
-    YieldReason,
-    counter_ids,
-    history_problems,
-    read_record,
     tool,
 )
+from stepmachine.extend import Conversation, YieldReason, counter_ids, history_problems, read_record
 from stepmachine.operations._budget import FEEDBACK, SUPERSEDES, Budget, Limits, budget_usage
 from stepmachine.operations._invalid_calls import (
     INVALID_TOOL_CALL,

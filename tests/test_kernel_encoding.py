@@ -21,7 +21,6 @@ from stepmachine import (
     Annotate,
     AppendMessage,
     Codec,
-    Conversation,
     Message,
     ModelRequest,
     ModelSettings,
@@ -34,9 +33,9 @@ from stepmachine import (
     TextPart,
     ToolCallPart,
     ToolResultPart,
-    apply_batch,
 )
 from stepmachine._conversation import CHUNK
+from stepmachine.extend import Conversation, apply_batch
 
 TEXT = st.text(max_size=12)
 PARTS = st.lists(

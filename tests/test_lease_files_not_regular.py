@@ -20,7 +20,8 @@ import anyio
 import pytest
 import structlog
 
-from stepmachine import Lease, Message, StoredDataError
+from stepmachine import Message, StoredDataError
+from stepmachine.extend import Lease
 from stepmachine.stores import FileStore, SQLiteStore
 
 pytestmark = pytest.mark.skipif(

@@ -27,18 +27,15 @@ from hypothesis import strategies as st
 
 from stepmachine import (
     AppendMessage,
-    Batch,
     Codec,
     Effect,
-    Lease,
-    LeaseHolder,
     LeaseLostError,
-    Leases,
     Message,
     Session,
     StoreClosedError,
     StoredDataError,
 )
+from stepmachine.extend import Batch, Lease, LeaseHolder, Leases
 from stepmachine.stores import FileStore, SQLiteStore
 from stepmachine.testing.leases import LeaseConformance
 

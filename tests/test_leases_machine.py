@@ -14,12 +14,9 @@ import anyio
 import pytest
 
 from stepmachine import (
-    OUTCOME_UNKNOWN,
     AppendMessage,
     CancelToken,
     ConfigurationError,
-    Lease,
-    LeaseHolder,
     LeaseLostError,
     LeasePolicy,
     Message,
@@ -28,12 +25,11 @@ from stepmachine import (
     SessionBusyError,
     StateMachine,
     Tools,
-    YieldReason,
-    history_problems,
-    serve,
+    run_worker,
     submit,
     tool,
 )
+from stepmachine.extend import OUTCOME_UNKNOWN, Lease, LeaseHolder, YieldReason, history_problems
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 
@@ -322,7 +318,7 @@ async def test_serve_runs_requested_sessions_until_stopped() -> None:
         async with anyio.create_task_group() as tg:
             for i in range(3):
                 tg.start_soon(
-                    lambda i=i: serve(
+                    lambda i=i: run_worker(
                         machine,
                         runtime,
                         stop=stop,
@@ -345,7 +341,7 @@ async def test_serve_needs_a_store_with_leases() -> None:
         async def apply(self, batch: Any) -> Any: ...
 
     with pytest.raises(ConfigurationError, match="leases"):
-        await serve(StateMachine([ModelInference()]), Runtime(store=Plain()))  # type: ignore[arg-type]
+        await run_worker(StateMachine([ModelInference()]), Runtime(store=Plain()))  # type: ignore[arg-type]
 
 
 async def test_a_wrapper_forwarding_attributes_runs_without_a_lease() -> None:

@@ -39,18 +39,15 @@ from hypothesis import strategies as st
 
 from stepmachine import (
     AppendMessage,
-    Batch,
     Codec,
     ConfigurationError,
     ConflictError,
     Effect,
-    Lease,
-    LeaseHolder,
     LeaseLostError,
     Message,
     Session,
-    new_owner,
 )
+from stepmachine.extend import Batch, Lease, LeaseHolder, new_owner
 from stepmachine.stores import PostgresStore
 from stepmachine.stores._memory_leases import MemoryLeases
 from stepmachine.testing.leases import LeaseConformance

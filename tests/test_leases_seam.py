@@ -19,19 +19,16 @@ import pytest
 
 from stepmachine import (
     AppendMessage,
-    Lease,
-    LeaseHolder,
     LeasePolicy,
     Message,
     ModelInference,
     Runtime,
     SessionBusyError,
     StateMachine,
-    YieldReason,
-    new_owner,
     submit,
 )
 from stepmachine import _hold as hold_module
+from stepmachine.extend import Lease, LeaseHolder, YieldReason, new_owner
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore, _flock_leases
 from stepmachine.testing import FunctionModel, reply
 

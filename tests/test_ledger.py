@@ -6,19 +6,17 @@ from typing import Any
 
 import msgspec
 
-from stepmachine import (
-    FEEDBACK,
+from stepmachine import Message, Session, Usage
+from stepmachine.extend import (
     InferenceAttempts,
     InferenceReceipt,
     Ledger,
-    Message,
-    Session,
     Spent,
-    Usage,
     latest_ledger,
     next_ledger,
     note_value,
 )
+from stepmachine.operations import FEEDBACK
 from stepmachine.testing import make_session
 
 

@@ -14,23 +14,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
-    INTERRUPTED,
     AppendMessage,
-    Batch,
     CancelToken,
     Codec,
     ConfigurationError,
     ConflictError,
     Continue,
     Effect,
-    InterruptedReply,
     Message,
     ModelInference,
     ModelRequest,
     ModelResponse,
     Operation,
     Outcome,
-    Recorder,
     RecordingEmitter,
     Refuse,
     Runtime,
@@ -50,15 +46,21 @@ from stepmachine import (
     UpdateData,
     Yield,
     Yielded,
+    submit,
+    tool,
+)
+from stepmachine._retry import Conflicts, retry_conflicts
+from stepmachine.extend import (
+    INTERRUPTED,
+    Batch,
+    InterruptedReply,
+    Recorder,
     YieldReason,
     counter_ids,
     history_problems,
     open_tool_calls,
     read_record,
-    submit,
-    tool,
 )
-from stepmachine._retry import Conflicts, retry_conflicts
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 

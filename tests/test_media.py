@@ -19,8 +19,8 @@ from stepmachine import (
     Message,
     ModelRequest,
     ToolResultPart,
-    media_digest,
 )
+from stepmachine.extend import media_digest
 from stepmachine.providers import OpenAIChatModel
 
 CODEC = Codec()

@@ -18,15 +18,8 @@ import anyio
 import msgspec
 import pytest
 
-from stepmachine import (
-    Batch,
-    Codec,
-    Effect,
-    ImagePart,
-    MediaTooLargeError,
-    Session,
-    UpdateData,
-)
+from stepmachine import Codec, Effect, ImagePart, MediaTooLargeError, Session, UpdateData
+from stepmachine.extend import Batch
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 
 LIMIT = 1_000

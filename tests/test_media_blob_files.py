@@ -20,16 +20,8 @@ from typing import Any
 import anyio
 import pytest
 
-from stepmachine import (
-    AppendMessage,
-    Batch,
-    Effect,
-    ImagePart,
-    Message,
-    Session,
-    StoredDataError,
-    media_digest,
-)
+from stepmachine import AppendMessage, Effect, ImagePart, Message, Session, StoredDataError
+from stepmachine.extend import Batch, media_digest
 from stepmachine.stores import FileStore, SQLiteStore
 from stepmachine.stores._media_blobs import VERIFIED
 

@@ -18,7 +18,8 @@ from typing import Any
 import anyio
 import pytest
 
-from stepmachine import ImagePart, Message, StoredDataError, media_digest
+from stepmachine import ImagePart, Message, StoredDataError
+from stepmachine.extend import media_digest
 from stepmachine.stores import FileStore, SQLiteStore
 
 

@@ -25,15 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepmachine import (
-    AppendMessage,
-    Batch,
-    Effect,
-    ImagePart,
-    Message,
-    Session,
-    media_digest,
-)
+from stepmachine import AppendMessage, Effect, ImagePart, Message, Session
+from stepmachine.extend import Batch, media_digest
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -37,7 +37,6 @@ from hypothesis import strategies as st
 from stepmachine import (
     AppendMessage,
     AudioPart,
-    Batch,
     ConfigurationError,
     DocumentPart,
     Effect,
@@ -50,9 +49,8 @@ from stepmachine import (
     Session,
     StoredDataError,
     TextPart,
-    apply_batch,
-    media_digest,
 )
+from stepmachine.extend import Batch, apply_batch, media_digest
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.stores._file_backend import FileBackend
 from stepmachine.stores._media_blobs import Media, Reader

@@ -10,19 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepmachine import (
-    AppendMessage,
-    AudioPart,
-    Conversation,
-    DocumentPart,
-    ImagePart,
-    Message,
-    NoData,
-    Session,
-    estimate_tokens,
-    media_tokens,
-    message_tokens,
-)
+from stepmachine import AppendMessage, AudioPart, DocumentPart, ImagePart, Message, NoData, Session
 from stepmachine._media_tokens import (
     AUDIO_SECOND_TOKENS,
     DOCUMENT_UNKNOWN_TOKENS,
@@ -33,6 +21,8 @@ from stepmachine._media_tokens import (
     pdf_pages,
     wav_seconds,
 )
+from stepmachine.extend import Conversation, media_tokens, message_tokens
+from stepmachine.operations import estimate_tokens
 
 
 def png(width: int, height: int) -> bytes:

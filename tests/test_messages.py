@@ -240,7 +240,8 @@ def test_messages_parts_effects_and_batches_are_not_tracked_by_the_cyclic_gc() -
     """Stored conversations cost full collections nothing (msgspec ``gc=False``)."""
     import gc
 
-    from stepmachine import AppendMessage, Batch, ToolResultPart
+    from stepmachine import AppendMessage, ToolResultPart
+    from stepmachine.extend import Batch
 
     call = ToolCallPart.of("c1", "lookup", {"key": ["a", {"b": 1}]})
     message = Message(

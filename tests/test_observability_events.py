@@ -39,7 +39,6 @@ from _observability import events, json_lines
 from structlog.testing import capture_logs
 
 from stepmachine import (
-    JOURNAL,
     AppendMessage,
     CancelToken,
     Continue,
@@ -56,12 +55,11 @@ from stepmachine import (
     ToolAbortError,
     ToolCallPart,
     Tools,
-    counter_ids,
-    fingerprint,
     resolve_unknown_outcome,
     submit,
     tool,
 )
+from stepmachine.extend import JOURNAL, counter_ids, fingerprint
 from stepmachine.operations import Approval
 from stepmachine.providers import ProviderError, RetryPolicy
 from stepmachine.stores import MemoryStore

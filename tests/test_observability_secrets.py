@@ -39,9 +39,9 @@ from stepmachine import (
     Telemetry,
     ToolAbortError,
     Tools,
-    counter_ids,
     tool,
 )
+from stepmachine.extend import counter_ids
 from stepmachine.providers import ProviderError
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import ScriptedModel, call, reply

@@ -50,10 +50,10 @@ from stepmachine import (
     StateMachine,
     Telemetry,
     Tools,
-    counter_ids,
     tool,
 )
 from stepmachine._tracing import tracer
+from stepmachine.extend import counter_ids
 from stepmachine.operations import approve
 from stepmachine.providers import ProviderError, RetryPolicy
 from stepmachine.stores import MemoryStore, SQLiteStore

@@ -20,12 +20,9 @@ from stepmachine import (
     StoredDataError,
     ToolCallPart,
     Tools,
-    YieldReason,
-    counter_ids,
-    history_problems,
-    note_value,
     tool,
 )
+from stepmachine.extend import YieldReason, counter_ids, history_problems, note_value
 from stepmachine.operations._budget import FEEDBACK, Budget, Limits
 from stepmachine.operations._invalid_calls import InvalidCalls
 from stepmachine.operations._output import (

@@ -28,7 +28,7 @@ from stepmachine import (
     ModelInference,
     Runtime,
     StateMachine,
-    serve,
+    run_worker,
     submit,
 )
 from stepmachine.stores import PostgresStore
@@ -111,7 +111,7 @@ async def test_serve_runs_a_turn_whose_run_failed_on_a_restart(
             stop.cancel("served")
 
         with anyio.fail_after(60):  # a guard against a hang, not a timing threshold
-            await serve(
+            await run_worker(
                 StateMachine([ModelInference()]),
                 runtime,
                 stop=stop,

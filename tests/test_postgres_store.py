@@ -19,7 +19,6 @@ from msgspec.structs import replace
 
 from stepmachine import (
     AppendMessage,
-    Batch,
     Codec,
     ConflictError,
     Effect,
@@ -29,8 +28,8 @@ from stepmachine import (
     SessionExistsError,
     Store,
     StoredDataError,
-    apply_batch,
 )
+from stepmachine.extend import Batch, apply_batch
 from stepmachine.stores import PostgresStore
 from stepmachine.stores._postgres_schema import SCHEMA_VERSION
 from stepmachine.testing.conformance import ConformanceData, Increment, StoreConformance

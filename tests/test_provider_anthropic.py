@@ -29,11 +29,11 @@ from stepmachine import (
     ModelResponse,
     ModelSettings,
     PromptPart,
-    StreamChunk,
     ToolDefinition,
 )
 from stepmachine._messages import ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 from stepmachine._model import ReasoningChunk, TextChunk, ToolCallChunk
+from stepmachine.extend import StreamChunk
 from stepmachine.providers import (
     AnthropicModel,
     AuthenticationError,

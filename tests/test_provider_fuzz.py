@@ -37,8 +37,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepmachine import ModelResponse, ReasoningPart, StreamChunk, TextPart, ToolCallPart
+from stepmachine import ModelResponse, ReasoningPart, TextPart, ToolCallPart
 from stepmachine._json import MAX_DEPTH, nesting_depth
+from stepmachine.extend import StreamChunk
 from stepmachine.providers import MalformedResponseError, ProviderError, RetryPolicy
 
 HERE = Path(__file__).resolve().parent

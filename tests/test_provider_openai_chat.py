@@ -28,17 +28,14 @@ from stepmachine import (
     ModelResponse,
     ModelSettings,
     PromptPart,
-    ReasoningChunk,
     ReasoningPart,
-    StreamChunk,
-    TextChunk,
     TextPart,
-    ToolCallChunk,
     ToolCallPart,
     ToolDefinition,
     ToolResultPart,
     Usage,
 )
+from stepmachine.extend import ReasoningChunk, StreamChunk, TextChunk, ToolCallChunk
 from stepmachine.providers import (
     AuthenticationError,
     BadRequestError,

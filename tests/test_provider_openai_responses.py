@@ -23,13 +23,10 @@ from stepmachine import (
     ModelResponse,
     ModelSettings,
     PromptPart,
-    ReasoningChunk,
-    StreamChunk,
-    TextChunk,
-    ToolCallChunk,
     ToolDefinition,
 )
 from stepmachine._messages import ReasoningPart, TextPart, ToolCallPart, ToolResultPart
+from stepmachine.extend import ReasoningChunk, StreamChunk, TextChunk, ToolCallChunk
 from stepmachine.providers import (
     AuthenticationError,
     BadRequestError,
@@ -890,7 +887,8 @@ async def test_text_sent_only_in_the_finished_item_is_still_emitted() -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_structured_output_does_not_parse_a_refusal(stream: bool) -> None:
-    from stepmachine import ModelInference, Runtime, StateMachine, YieldReason, counter_ids
+    from stepmachine import ModelInference, Runtime, StateMachine
+    from stepmachine.extend import YieldReason, counter_ids
     from stepmachine.operations import OUTPUT_INVALID, StructuredOutput
     from stepmachine.stores import MemoryStore
 

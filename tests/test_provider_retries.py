@@ -34,7 +34,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepmachine import StreamChunk, TextChunk, TextPart
+from stepmachine import TextPart
+from stepmachine.extend import StreamChunk, TextChunk
 from stepmachine.providers import (
     AuthenticationError,
     BadRequestError,

@@ -18,6 +18,7 @@ from stepmachine import StepmachineError
 
 PUBLIC_PACKAGES = [
     "stepmachine",
+    "stepmachine.extend",
     "stepmachine.operations",
     "stepmachine.providers",
     "stepmachine.stores",
@@ -237,3 +238,72 @@ def test_every_type_in_a_public_signature_is_exported() -> None:
         }
     assert checked > 200
     assert sorted(missing) == []
+
+
+# -- the surface a newcomer can hold --------------------------------------------------------
+
+# Names exported by two public packages on purpose, with the reason. None today.
+DELIBERATE_REEXPORTS: dict[str, str] = {}
+
+
+def test_the_top_level_has_at_most_90_names() -> None:
+    assert len(stepmachine.__all__) <= 90
+    assert dir(stepmachine) == list(stepmachine.__all__)
+
+
+def test_every_public_class_and_function_names_its_public_home() -> None:
+    wrong = [
+        f"{package}.{name}: {value.__module__}"
+        for package in PUBLIC_MODULES
+        for name in importlib.import_module(package).__all__
+        if (
+            inspect.isclass(value := getattr(importlib.import_module(package), name))
+            or inspect.isfunction(value)
+        )
+        and value.__module__.split(".")[0] == "stepmachine"
+        and value.__module__ != package
+        and f"{package}.{name}" not in DELIBERATE_REEXPORTS
+    ]
+    assert wrong == []
+
+
+def test_no_name_is_exported_by_two_public_packages() -> None:
+    homes: dict[str, list[str]] = {}
+    for package in PUBLIC_MODULES:
+        for name in importlib.import_module(package).__all__:
+            homes.setdefault(name, []).append(package)
+    twice = {n: p for n, p in homes.items() if len(p) > 1 and n not in DELIBERATE_REEXPORTS}
+    assert twice == {}
+
+
+def _moved() -> list[tuple[str, str, str]]:
+    extend = importlib.import_module("stepmachine.extend")
+    return [
+        *((name, "stepmachine.extend", name) for name in extend.__all__),
+        ("FEEDBACK", "stepmachine.operations", "FEEDBACK"),
+        ("estimate_tokens", "stepmachine.operations", "estimate_tokens"),
+        ("serve", "stepmachine", "run_worker"),
+    ]
+
+
+@pytest.mark.parametrize(("old", "module", "new"), _moved())
+def test_a_moved_name_warns_with_its_new_import_and_is_the_same_object(
+    old: str, module: str, new: str
+) -> None:
+    with pytest.warns(DeprecationWarning, match=re.escape(f"from {module} import {new}")) as seen:
+        value = getattr(stepmachine, old)
+    assert value is getattr(importlib.import_module(module), new)
+    assert seen[0].filename == __file__  # the warning points at the line that used the old name
+    assert old not in stepmachine.__all__
+
+
+def test_a_moved_name_still_imports_with_from() -> None:
+    namespace: dict[str, object] = {}
+    with pytest.warns(DeprecationWarning, match="stepmachine.extend"):
+        exec("from stepmachine import apply_batch", namespace)
+    assert namespace["apply_batch"] is importlib.import_module("stepmachine.extend").apply_batch
+
+
+def test_an_unknown_name_is_still_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = stepmachine.no_such_name  # type: ignore[attr-defined]

@@ -21,9 +21,9 @@ from stepmachine import (
     ToolCallPart,
     ToolResultPart,
     Tools,
-    open_tool_calls,
     tool,
 )
+from stepmachine.extend import open_tool_calls
 from stepmachine.testing import make_session, run_step
 
 

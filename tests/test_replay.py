@@ -20,8 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
-    FINALIZE_STEP,
-    INTERRUPTED,
     Annotate,
     AppendMessage,
     CancelToken,
@@ -46,12 +44,11 @@ from stepmachine import (
     ToolCallPart,
     Tools,
     Yield,
-    YieldReason,
-    counter_ids,
     submit,
     tool,
 )
 from stepmachine._replay import ReplayReport, replay
+from stepmachine.extend import FINALIZE_STEP, INTERRUPTED, YieldReason, counter_ids
 from stepmachine.operations import Approval, Budget, Limits, approve
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply

@@ -12,13 +12,8 @@ import msgspec
 import pytest
 
 from stepmachine import (
-    Batch,
-    ChunkSink,
     Codec,
     ConfigurationError,
-    Conversation,
-    InferenceReceipt,
-    Ledger,
     Message,
     ModelError,
     ModelInference,
@@ -31,7 +26,6 @@ from stepmachine import (
     ReplaceConversation,
     Runtime,
     Session,
-    Spent,
     StateMachine,
     Step,
     StepContext,
@@ -40,11 +34,19 @@ from stepmachine import (
     ToolResultPart,
     UpdateData,
     Usage,
+)
+from stepmachine._conversation import CHUNK
+from stepmachine.extend import (
+    Batch,
+    ChunkSink,
+    Conversation,
+    InferenceReceipt,
+    Ledger,
+    Spent,
     apply_batch,
     counter_ids,
     note_value,
 )
-from stepmachine._conversation import CHUNK
 from stepmachine.operations import (
     Approval,
     Budget,

@@ -25,11 +25,10 @@ from stepmachine import (
     StateMachine,
     StoredDataError,
     Tools,
-    YieldReason,
-    counter_ids,
     submit,
     tool,
 )
+from stepmachine.extend import YieldReason, counter_ids
 from stepmachine.operations import Budget, Compaction, Limits
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, make_session, reply, run_step

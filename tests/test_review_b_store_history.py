@@ -19,15 +19,14 @@ import pytest
 from stepmachine import (
     Annotate,
     AppendMessage,
-    Batch,
     ConflictError,
     Effect,
     Message,
     ReplaceConversation,
     Session,
     StoreClosedError,
-    apply_batch,
 )
+from stepmachine.extend import Batch, apply_batch
 from stepmachine.stores import FileStore, SQLiteStore, _sqlite_rows
 
 Opener = Callable[[], Any]

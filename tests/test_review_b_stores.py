@@ -30,7 +30,8 @@ from typing import Any
 import anyio
 import pytest
 
-from stepmachine import AppendMessage, Batch, Effect, Message, Session, StoredDataError
+from stepmachine import AppendMessage, Effect, Message, Session, StoredDataError
+from stepmachine.extend import Batch
 from stepmachine.stores import FileStore, SQLiteStore
 from stepmachine.stores._file_log import SCHEMA_VERSION as FILE_SCHEMA_VERSION
 from stepmachine.stores._file_log import TAG_BATCH, encode_record

@@ -122,7 +122,7 @@ def test_json_output_is_strict_json_for_an_infinite_batch_timestamp(backend: str
     now refuse one, but a database written before may hold it) came out as ``Infinity``,
     which is not JSON. Fixed: written as ``null``."""
     del backend  # the view and its JSON: no store, no event loop
-    from stepmachine import Batch
+    from stepmachine.extend import Batch
     from stepmachine.inspector import batch_view
     from stepmachine.inspector._terminal import json_text
 
@@ -378,7 +378,8 @@ def test_a_real_crash_reads_outcome_unknown_until_an_operator_allows_a_rerun(
     import signal
     import time
 
-    from stepmachine import Runtime, counter_ids, tool
+    from stepmachine import Runtime, tool
+    from stepmachine.extend import counter_ids
     from stepmachine.testing import FunctionModel, call, reply
 
     path, marker = tmp_path / "k.sqlite3", tmp_path / "started"

@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 
 from stepmachine import (
     AppendMessage,
-    Batch,
     ConfigurationError,
     Effect,
     ImagePart,
@@ -39,11 +38,10 @@ from stepmachine import (
     ReplaceConversation,
     Session,
     StoredDataError,
-    history_problems,
-    media_digest,
 )
 from stepmachine._messages import ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 from stepmachine._model import StreamChunk
+from stepmachine.extend import Batch, history_problems, media_digest
 from stepmachine.providers import (
     AnthropicModel,
     GeminiModel,

@@ -249,7 +249,7 @@ import base64  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 
-from stepmachine import CancelToken, serve  # noqa: E402
+from stepmachine import CancelToken, run_worker  # noqa: E402
 from stepmachine import _transient as transient  # noqa: E402
 from stepmachine.stores import FileStore  # noqa: E402
 from stepmachine.testing import FunctionModel  # noqa: E402
@@ -293,7 +293,7 @@ async def _serve_for(folder: Path, seconds: float) -> tuple[list[str], list[dict
         runtime = Runtime(store=store, model=FunctionModel(_echo))
         with structlog.testing.capture_logs() as logs:
             with anyio.move_on_after(seconds):
-                await serve(
+                await run_worker(
                     StateMachine([ModelInference()]), runtime, stop=stop, poll=0.01, on_report=seen
                 )
     return served, logs
@@ -341,14 +341,8 @@ def test_a_fifo_held_or_mark_file_never_blocks_a_claim(
 
 # -- the fence check before a non-idempotent tool ----------------------------------------
 
-from stepmachine import (  # noqa: E402
-    Lease,
-    LeaseLostError,
-    ToolResultPart,
-    Tools,
-    new_owner,
-    tool,
-)
+from stepmachine import LeaseLostError, ToolResultPart, Tools, tool  # noqa: E402
+from stepmachine.extend import Lease, new_owner  # noqa: E402
 
 
 class FlakyRenew(MemoryStore):
@@ -404,7 +398,7 @@ async def test_a_renew_that_fails_transiently_right_before_the_tool(expiring: bo
     runtime = Runtime(store=store, model=_charge_model(1))
     machine = StateMachine([Tools([tool(charge)]), ModelInference()])
     with structlog.testing.capture_logs() as logs, anyio.fail_after(30):
-        await serve(machine, runtime, stop=stop, poll=0.01, ttl=5, on_report=seen)
+        await run_worker(machine, runtime, stop=stop, poll=0.01, ttl=5, on_report=seen)
     assert charged == [], "the tool started although its lease was not confirmed"
     session = await store.load("s")
     results = [p for m in session.conversation for p in m.parts if isinstance(p, ToolResultPart)]
@@ -453,7 +447,7 @@ async def _serve_until_failed(store: Any, model: Any) -> list[dict[str, Any]]:
     with structlog.testing.capture_logs() as logs, anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch, logs)
-            await serve(StateMachine([ModelInference()]), runtime, stop=stop, poll=0.01, ttl=5)
+            await run_worker(StateMachine([ModelInference()]), runtime, stop=stop, poll=0.01, ttl=5)
     return logs
 
 
@@ -511,7 +505,7 @@ async def _open(kind: str, tmp_path: Path) -> Any:
 
 
 def _damage_same_size(kind: str, tmp_path: Path, data: bytes) -> None:
-    from stepmachine import media_digest
+    from stepmachine.extend import media_digest
 
     digest = media_digest(data)
     bad = bytes([data[0] ^ 0xFF]) + data[1:]
@@ -697,7 +691,7 @@ async def _killed_in_backoff(kind: str, tmp_path: Path, when: str) -> None:
     try:
         runtime = Runtime(store=store, model=FunctionModel(_echo))
         with structlog.testing.capture_logs() as logs, anyio.move_on_after(30):
-            await serve(
+            await run_worker(
                 StateMachine([ModelInference()]),
                 runtime,
                 stop=stop,

@@ -30,13 +30,9 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 import stepmachine._machine
 from stepmachine import (
-    OUTCOME_UNKNOWN,
     AppendMessage,
-    Batch,
     CancelToken,
     ConfigurationError,
-    Lease,
-    LeaseHolder,
     LeaseLostError,
     LeasePolicy,
     Message,
@@ -49,12 +45,18 @@ from stepmachine import (
     StoredDataError,
     Tools,
     Yield,
+    run_worker,
+    submit,
+    tool,
+)
+from stepmachine.extend import (
+    OUTCOME_UNKNOWN,
+    Batch,
+    Lease,
+    LeaseHolder,
     YieldReason,
     history_problems,
     new_owner,
-    serve,
-    submit,
-    tool,
 )
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore, _flock_leases
 from stepmachine.testing import FunctionModel, call, reply
@@ -585,7 +587,7 @@ async def test_serve_gives_every_requested_session_a_turn(store: Any) -> None:
     worker: StateMachine[Any] = StateMachine([again, ModelInference()])
     async with anyio.create_task_group() as tg:
         tg.start_soon(
-            lambda: serve(
+            lambda: run_worker(
                 worker, Runtime(store=store, model=FunctionModel(answer)), stop=stop, poll=0.001
             )
         )
@@ -618,7 +620,7 @@ async def test_serve_does_not_retry_a_failing_session_in_a_loop(store: Any) -> N
     stop = CancelToken()
     async with anyio.create_task_group() as tg:
         tg.start_soon(
-            lambda: serve(machine(), Runtime(store=proxy, model=model), stop=stop, poll=0.001)
+            lambda: run_worker(machine(), Runtime(store=proxy, model=model), stop=stop, poll=0.001)
         )
         await enough.wait()
         stop.cancel()
@@ -1090,7 +1092,9 @@ async def test_serve_refuses_a_poll_that_would_spin(poll: float) -> None:
     proxy.claim_next = claim_next
     proxy.leases_expire = False
     with pytest.raises(ConfigurationError):
-        await serve(machine(), Runtime(store=proxy, model=counting_model()), stop=stop, poll=poll)
+        await run_worker(
+            machine(), Runtime(store=proxy, model=counting_model()), stop=stop, poll=poll
+        )
 
 
 # -- (7) secrets ------------------------------------------------------------------------------

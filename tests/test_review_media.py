@@ -51,14 +51,12 @@ from stepmachine import (
     ToolOutput,
     ToolResultPart,
     Tools,
-    counter_ids,
-    media_tokens,
-    message_tokens,
     submit,
     tool,
 )
 from stepmachine._media_tokens import PDF_PAGE_TOKENS, image_size, pdf_pages
 from stepmachine._tools import media_line
+from stepmachine.extend import counter_ids, media_tokens, message_tokens
 from stepmachine.operations import Compaction, HistoryGuard, render_transcript
 from stepmachine.providers import (
     AnthropicModel,

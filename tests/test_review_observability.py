@@ -32,7 +32,6 @@ from structlog.testing import capture_logs
 
 from stepmachine import (
     AppendMessage,
-    Batch,
     CancelToken,
     Codec,
     ConfigurationError,
@@ -53,11 +52,11 @@ from stepmachine import (
     ToolResultPart,
     Tools,
     _tracing,
-    counter_ids,
     submit,
     tool,
 )
 from stepmachine._codec import MAX_WHY
+from stepmachine.extend import Batch, counter_ids
 from stepmachine.operations import Approval, Compaction, HistoryGuard, InvalidCalls, approve
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.testing import ScriptedModel, call, reply
@@ -649,7 +648,7 @@ class Scripted:
         self.cancel = cancel
 
     async def request(self, request: Any, *, on_chunk: Any = None) -> Any:
-        from stepmachine import TextChunk
+        from stepmachine.extend import TextChunk
 
         last = request.messages[-1]
         text = " ".join(m.text or "" for m in request.messages)

@@ -23,18 +23,12 @@ import pytest
 from _scans import CountingConversation, counted, tool_loop
 
 from stepmachine import (
-    JOURNAL,
     Annotate,
     AppendMessage,
-    Batch,
     ConfigurationError,
     ContextLengthError,
     Continue,
     Effect,
-    InferenceReceipt,
-    JournalEntry,
-    Lease,
-    LeaseHolder,
     Message,
     ModelInference,
     ModelRequest,
@@ -57,16 +51,24 @@ from stepmachine import (
     ToolResultPart,
     Tools,
     Yield,
-    YieldReason,
-    counter_ids,
-    idempotency_key,
-    journal_entry,
     replay,
     resolve_unknown_outcome,
     submit,
     tool,
 )
 from stepmachine._records import TAG_FIELD
+from stepmachine.extend import (
+    JOURNAL,
+    Batch,
+    InferenceReceipt,
+    JournalEntry,
+    Lease,
+    LeaseHolder,
+    YieldReason,
+    counter_ids,
+    idempotency_key,
+    journal_entry,
+)
 from stepmachine.operations import (
     Approval,
     Budget,

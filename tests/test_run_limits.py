@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
-    DEFAULT_MAX_CYCLES,
     AppendMessage,
     Codec,
     ConfigurationError,
@@ -40,12 +39,15 @@ from stepmachine import (
     UpdateData,
     Yield,
     Yielded,
+    submit,
+    tool,
+)
+from stepmachine.extend import (
+    DEFAULT_MAX_CYCLES,
     YieldReason,
     counter_ids,
     history_problems,
     open_tool_calls,
-    submit,
-    tool,
 )
 from stepmachine.operations import Approval
 from stepmachine.stores import MemoryStore

@@ -20,10 +20,8 @@ from stepmachine import (
     Session,
     StepContext,
     Yield,
-    YieldReason,
-    counter_ids,
-    uuid_ids,
 )
+from stepmachine.extend import YieldReason, counter_ids, uuid_ids
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import ScriptedModel
 
@@ -126,8 +124,8 @@ def test_uuid_ids_are_version_4_uuids() -> None:
 
 
 def test_step_context_new_id_uses_the_runtime() -> None:
-    from stepmachine import NullEmitter
     from stepmachine._emitter import EventSink
+    from stepmachine.extend import NullEmitter
     from stepmachine.testing import make_session
 
     ctx: StepContext[Any] = StepContext(

@@ -29,7 +29,7 @@ from stepmachine import (
     StateMachine,
     StoreClosedError,
     StoredDataError,
-    serve,
+    run_worker,
 )
 from stepmachine import _transient as transient
 from stepmachine.stores import MemoryStore, SQLiteStore
@@ -120,7 +120,7 @@ async def serve_until(store: Any, model: Any, done: Any, *, workers: int = 1) ->
         async with anyio.create_task_group() as tg:
             for i in range(workers):
                 tg.start_soon(
-                    lambda i=i: serve(
+                    lambda i=i: run_worker(
                         StateMachine([ModelInference()]),
                         runtime,
                         stop=stop,
@@ -204,7 +204,7 @@ async def test_a_run_that_fails_for_good_leaves_an_error_record(faulty: Any, fau
     with structlog.testing.capture_logs() as logs, anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(wait_for_event, logs, "serve_run_failed", stop)
-            await serve(StateMachine([ModelInference()]), runtime, stop=stop, poll=0.01, ttl=5)
+            await run_worker(StateMachine([ModelInference()]), runtime, stop=stop, poll=0.01, ttl=5)
     failed = [e for e in logs if e["event"] == "serve_run_failed"]
     assert len(failed) == 1
     assert failed[0]["log_level"] == "error"

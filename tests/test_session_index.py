@@ -35,13 +35,15 @@ from stepmachine import (
     TextPart,
     ToolCallPart,
     ToolResultPart,
+)
+from stepmachine._index import HistoryIndex, estimate_tokens
+from stepmachine.extend import (
     apply_batch,
     check_history,
     history_problems,
     open_tool_calls,
     request_order,
 )
-from stepmachine._index import HistoryIndex, estimate_tokens
 
 CALL_IDS = ("c0", "c1", "c2", "c3")
 

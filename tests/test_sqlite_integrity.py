@@ -26,7 +26,6 @@ import pytest
 
 from stepmachine import (
     AppendMessage,
-    Batch,
     Codec,
     Effect,
     Message,
@@ -34,8 +33,8 @@ from stepmachine import (
     Session,
     SessionNotFoundError,
     StoredDataError,
-    apply_batch,
 )
+from stepmachine.extend import Batch, apply_batch
 from stepmachine.stores import SQLiteStore
 from stepmachine.stores._sqlite_schema import COLUMNS, checksum
 from stepmachine.testing.conformance import ConformanceData, Increment

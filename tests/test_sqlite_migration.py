@@ -28,7 +28,8 @@ import make_golden_sqlite as golden
 import msgspec
 import pytest
 
-from stepmachine import Batch, Conversation, Session, StoredDataError, apply_batch
+from stepmachine import Session, StoredDataError
+from stepmachine.extend import Batch, Conversation, apply_batch
 from stepmachine.stores import SQLiteStore
 from stepmachine.stores import _sqlite_schema as schema
 from stepmachine.stores._sqlite_schema import (

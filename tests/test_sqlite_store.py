@@ -38,10 +38,8 @@ from hypothesis import strategies as st
 
 from stepmachine import (
     AppendMessage,
-    Batch,
     Codec,
     ConflictError,
-    Conversation,
     Effect,
     InvalidSessionIdError,
     Message,
@@ -51,8 +49,8 @@ from stepmachine import (
     SessionNotFoundError,
     StepmachineError,
     StoredDataError,
-    apply_batch,
 )
+from stepmachine.extend import Batch, Conversation, apply_batch
 from stepmachine.stores import SQLiteStore
 from stepmachine.stores import _sqlite_rows as _rows
 from stepmachine.stores._sqlite_rows import (

@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from stepmachine import (
     Annotate,
     AppendMessage,
-    Batch,
     Codec,
     ConflictError,
     Effect,
@@ -34,8 +33,8 @@ from stepmachine import (
     SessionExistsError,
     SessionNotFoundError,
     StoredDataError,
-    apply_batch,
 )
+from stepmachine.extend import Batch, apply_batch
 from stepmachine.stores._backend import (
     Base,
     BatchRecord,

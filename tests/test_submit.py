@@ -9,7 +9,6 @@ import pytest
 from stepmachine import (
     Annotate,
     AppendMessage,
-    Batch,
     ConflictError,
     Effect,
     EffectError,
@@ -18,6 +17,7 @@ from stepmachine import (
     StepmachineError,
     submit,
 )
+from stepmachine.extend import Batch
 from stepmachine.stores import MemoryStore
 
 

@@ -21,17 +21,14 @@ from stepmachine import (
     Refuse,
     Runtime,
     StepContext,
-    StreamChunk,
-    TextChunk,
     TextDelta,
     TextPart,
-    ToolCallChunk,
     ToolCallPart,
     UnexpectedModelCallError,
     Usage,
     Yield,
-    counter_ids,
 )
+from stepmachine.extend import StreamChunk, TextChunk, ToolCallChunk, counter_ids
 from stepmachine.testing import (
     FunctionModel,
     ScriptedModel,

@@ -27,9 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stepmachine import (
-    OUTCOME_UNKNOWN,
     ConflictError,
-    Lease,
     LeaseLostError,
     LeasePolicy,
     Message,
@@ -39,9 +37,9 @@ from stepmachine import (
     StepApplied,
     StoreClosedError,
     Tools,
-    new_owner,
     tool,
 )
+from stepmachine.extend import OUTCOME_UNKNOWN, Lease, new_owner
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, call, reply
 

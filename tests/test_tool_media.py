@@ -13,7 +13,6 @@ import anyio.lowlevel
 import pytest
 
 from stepmachine import (
-    Batch,
     CancelToken,
     DocumentPart,
     ImagePart,
@@ -29,12 +28,10 @@ from stepmachine import (
     ToolOutput,
     ToolResultPart,
     Tools,
-    YieldReason,
-    counter_ids,
-    history_problems,
     replay,
     tool,
 )
+from stepmachine.extend import Batch, YieldReason, counter_ids, history_problems
 from stepmachine.stores import MemoryStore, SQLiteStore
 from stepmachine.testing import ScriptedModel, call, reply
 

@@ -13,16 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
-    JOURNAL,
-    NOT_EXECUTED,
-    OUTCOME_UNKNOWN,
     Annotate,
     AppendMessage,
     ConfigurationError,
-    EventSink,
     Message,
     ModelInference,
-    NullEmitter,
     Operation,
     Outcome,
     Refuse,
@@ -37,18 +32,25 @@ from stepmachine import (
     ToolContext,
     Tools,
     Yield,
-    apply_batch,
-    counter_ids,
-    fingerprint,
-    history_problems,
-    idempotency_key,
-    open_tool_calls,
     resolve_unknown_outcome,
     submit,
     tool,
 )
 from stepmachine._codec import Batch
 from stepmachine._effects import Effect
+from stepmachine.extend import (
+    JOURNAL,
+    NOT_EXECUTED,
+    OUTCOME_UNKNOWN,
+    EventSink,
+    NullEmitter,
+    apply_batch,
+    counter_ids,
+    fingerprint,
+    history_problems,
+    idempotency_key,
+    open_tool_calls,
+)
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, make_session, reply, run_step
 

@@ -33,14 +33,11 @@ from stepmachine import (
     ToolResultPart,
     Tools,
     ToolStarted,
-    apply_batch,
-    counter_ids,
-    history_problems,
-    open_tool_calls,
     tool,
 )
 from stepmachine._emitter import EventSink
 from stepmachine._staged import Recorder
+from stepmachine.extend import apply_batch, counter_ids, history_problems, open_tool_calls
 from stepmachine.testing import StepCheck, make_session, run_step
 
 
@@ -452,26 +449,30 @@ async def test_tool_context_is_injected() -> None:
     assert first.session_id == "sess"
     assert first.call_id == "call-7"
     message_id = session.conversation[1].id
-    assert first.idempotency_key == stepmachine.idempotency_key("sess", "call-7", message_id)
+    assert first.idempotency_key == stepmachine.extend.idempotency_key("sess", "call-7", message_id)
     assert second.idempotency_key == first.idempotency_key  # stable across runs
-    other = stepmachine.idempotency_key("sess2", "call-7")
+    other = stepmachine.extend.idempotency_key("sess2", "call-7")
     assert other != first.idempotency_key
-    assert stepmachine.idempotency_key("sess", "call-8") != first.idempotency_key
+    assert stepmachine.extend.idempotency_key("sess", "call-8") != first.idempotency_key
 
 
 def test_idempotency_key_does_not_collide_on_concatenation() -> None:
-    assert stepmachine.idempotency_key("ab", "c") != stepmachine.idempotency_key("a", "bc")
-    assert stepmachine.idempotency_key("s", "c") == stepmachine.idempotency_key("s", "c")
-    assert stepmachine.idempotency_key("s", "c", "m1") == stepmachine.idempotency_key(
+    assert stepmachine.extend.idempotency_key("ab", "c") != stepmachine.extend.idempotency_key(
+        "a", "bc"
+    )
+    assert stepmachine.extend.idempotency_key("s", "c") == stepmachine.extend.idempotency_key(
+        "s", "c"
+    )
+    assert stepmachine.extend.idempotency_key("s", "c", "m1") == stepmachine.extend.idempotency_key(
         "s", "c", "m1"
     )
 
 
 def test_a_reused_call_id_in_another_message_gets_another_key() -> None:
     # Models reuse call ids (call_0 again after a compaction): another call, another key.
-    assert stepmachine.idempotency_key("s", "call_0", "m1") != stepmachine.idempotency_key(
-        "s", "call_0", "m9"
-    )
+    assert stepmachine.extend.idempotency_key(
+        "s", "call_0", "m1"
+    ) != stepmachine.extend.idempotency_key("s", "call_0", "m9")
 
 
 async def test_tools_emit_started_and_finished() -> None:

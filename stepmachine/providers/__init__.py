@@ -21,6 +21,8 @@ adapter                    key                         base URL
 =========================  ==========================  ===============================
 """
 
+from stepmachine._public import publish as _publish
+
 from ._anthropic import AnthropicModel
 from ._errors import (
     AuthenticationError,
@@ -69,3 +71,5 @@ __all__ = [
     "ServerError",
     "resolve_model",
 ]
+
+_publish(__name__, globals())

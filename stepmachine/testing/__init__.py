@@ -7,6 +7,8 @@
   imports pytest, so it is a separate module).
 """
 
+from stepmachine._public import publish as _publish
+
 from ._harness import StepCheck, make_session, run_step
 from ._models import FunctionModel, ScriptedModel, call, reply, stream_response
 
@@ -20,3 +22,5 @@ __all__ = [
     "run_step",
     "stream_response",
 ]
+
+_publish(__name__, globals())

@@ -18,7 +18,6 @@ from typing import Any
 
 from stepmachine import (
     Continue,
-    Conversation,
     Effect,
     Event,
     Message,
@@ -33,13 +32,12 @@ from stepmachine import (
     Step,
     StepContext,
     Yield,
-    apply_batch,
-    counter_ids,
 )
 from stepmachine._capabilities import cycle_context
 from stepmachine._emitter import EventSink
 from stepmachine._staged import Staged, Task, execute
 from stepmachine._step_contract import check_outcome, check_pending
+from stepmachine.extend import Conversation, apply_batch, counter_ids
 
 __all__ = ["StepCheck", "make_session", "run_step"]
 

@@ -16,20 +16,16 @@ import anyio.lowlevel
 import msgspec
 
 from stepmachine import (
-    ChunkSink,
     ModelRequest,
     ModelResponse,
-    Part,
-    ReasoningChunk,
     ReasoningPart,
-    TextChunk,
     TextPart,
-    ToolCallChunk,
     ToolCallPart,
     UnexpectedModelCallError,
     Usage,
 )
 from stepmachine._model_call import attempt_started
+from stepmachine.extend import ChunkSink, Part, ReasoningChunk, TextChunk, ToolCallChunk
 
 __all__ = ["FunctionModel", "ScriptedModel", "call", "reply", "stream_response"]
 

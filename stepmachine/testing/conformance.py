@@ -40,17 +40,14 @@ from stepmachine import (
     Annotate,
     AppendMessage,
     AudioPart,
-    Batch,
     Codec,
     ConfigurationError,
     ConflictError,
-    Conversation,
     DocumentPart,
     Effect,
     EffectError,
     ImagePart,
     Message,
-    Refusal,
     ReplaceConversation,
     Session,
     SessionExistsError,
@@ -59,8 +56,8 @@ from stepmachine import (
     Store,
     ToolResultPart,
     UpdateData,
-    apply_batch,
 )
+from stepmachine.extend import Batch, Conversation, Refusal, apply_batch
 
 __all__ = ["ConformanceData", "Increment", "StoreConformance", "Unregistered"]
 

@@ -34,18 +34,15 @@ import pytest
 
 from stepmachine import (
     AppendMessage,
-    Batch,
     Codec,
     Effect,
-    Lease,
-    LeaseHolder,
     LeaseLostError,
-    Leases,
     Message,
     Session,
     SessionNotFoundError,
     Store,
 )
+from stepmachine.extend import Batch, Lease, LeaseHolder, Leases
 
 __all__ = ["LeaseConformance"]
 

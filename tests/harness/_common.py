@@ -43,17 +43,15 @@ import anyio.to_thread
 import msgspec
 
 from stepmachine import (
-    Batch,
     Codec,
     ConflictError,
     Effect,
     Message,
-    Refusal,
     Session,
     SessionExistsError,
     SessionNotFoundError,
-    apply_batch,
 )
+from stepmachine.extend import Batch, Refusal, apply_batch
 
 __all__ = [
     "KNOWN_BOUNDARIES",

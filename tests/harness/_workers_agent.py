@@ -43,11 +43,9 @@ import anyio
 import anyio.to_thread
 
 from stepmachine import (
-    Batch,
     CancelToken,
     Codec,
     Effect,
-    Lease,
     Message,
     ModelInference,
     ModelRequest,
@@ -58,10 +56,11 @@ from stepmachine import (
     StateMachine,
     ToolContext,
     Tools,
-    serve,
+    run_worker,
     tool,
 )
 from stepmachine._transient import is_transient
+from stepmachine.extend import Batch, Lease
 from stepmachine.operations import Approval
 from stepmachine.stores import PostgresStore
 from stepmachine.testing import FunctionModel, call, reply
@@ -376,7 +375,7 @@ async def worker(
                     record = {"kind": "run", "reason": report.reason.kind, "worker": store.worker}
                     store.acks.write({**record, "session": report.session.id})
 
-                await serve(
+                await run_worker(
                     machine,
                     runtime,
                     stop=stop,

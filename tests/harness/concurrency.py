@@ -58,17 +58,8 @@ from typing import Any
 import _common as common  # beside this file: on sys.path as a script and in pytest
 import anyio
 
-from stepmachine import (
-    Annotate,
-    AppendMessage,
-    Batch,
-    Codec,
-    ConflictError,
-    Effect,
-    Message,
-    Session,
-    apply_batch,
-)
+from stepmachine import Annotate, AppendMessage, Codec, ConflictError, Effect, Message, Session
+from stepmachine.extend import Batch, apply_batch
 
 HERE = Path(__file__).resolve().parent
 SESSION_ID = "concurrency-harness"

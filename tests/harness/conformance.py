@@ -79,17 +79,8 @@ import anyio
 import httpx
 import msgspec
 
-from stepmachine import (
-    ModelRequest,
-    ModelResponse,
-    ReasoningChunk,
-    ReasoningPart,
-    StreamChunk,
-    TextChunk,
-    TextPart,
-    ToolCallChunk,
-    ToolCallPart,
-)
+from stepmachine import ModelRequest, ModelResponse, ReasoningPart, TextPart, ToolCallPart
+from stepmachine.extend import ReasoningChunk, StreamChunk, TextChunk, ToolCallChunk
 from stepmachine.providers import ProviderError
 
 HERE = Path(__file__).resolve().parent

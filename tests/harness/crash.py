@@ -80,9 +80,7 @@ import msgspec
 from stepmachine import (
     Annotate,
     AppendMessage,
-    Batch,
     Codec,
-    Conversation,
     Effect,
     ImagePart,
     Message,
@@ -94,11 +92,10 @@ from stepmachine import (
     Session,
     StateMachine,
     Tools,
-    apply_batch,
-    history_problems,
     submit,
     tool,
 )
+from stepmachine.extend import Batch, Conversation, apply_batch, history_problems
 from stepmachine.testing import FunctionModel, call, reply
 
 HERE = Path(__file__).resolve().parent

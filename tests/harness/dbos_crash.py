@@ -84,11 +84,8 @@ import anyio
 
 import stepmachine
 from stepmachine import (
-    OUTCOME_UNKNOWN,
     AppendMessage,
-    Batch,
     Effect,
-    Lease,
     Message,
     ModelInference,
     ModelRequest,
@@ -98,11 +95,11 @@ from stepmachine import (
     StateMachine,
     ToolContext,
     Tools,
-    history_problems,
     submit,
     tool,
 )
 from stepmachine._transient import is_transient
+from stepmachine.extend import OUTCOME_UNKNOWN, Batch, Lease, history_problems
 from stepmachine.stores import PostgresStore
 from stepmachine.testing import FunctionModel, call, reply
 

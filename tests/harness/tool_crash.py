@@ -42,7 +42,6 @@ from typing import Any
 import anyio
 
 from stepmachine import (
-    OUTCOME_UNKNOWN,
     AppendMessage,
     Message,
     ModelInference,
@@ -54,10 +53,10 @@ from stepmachine import (
     Store,
     ToolContext,
     Tools,
-    history_problems,
     submit,
     tool,
 )
+from stepmachine.extend import OUTCOME_UNKNOWN, history_problems
 from stepmachine.stores import FileStore, SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
 

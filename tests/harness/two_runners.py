@@ -33,7 +33,6 @@ import _common as common  # beside this file: on sys.path as a script and in pyt
 import anyio
 
 from stepmachine import (
-    OUTCOME_UNKNOWN,
     Codec,
     Message,
     ModelInference,
@@ -42,9 +41,9 @@ from stepmachine import (
     Runtime,
     StateMachine,
     Tools,
-    history_problems,
     tool,
 )
+from stepmachine.extend import OUTCOME_UNKNOWN, history_problems
 from stepmachine.testing import FunctionModel, call, reply
 
 HERE = Path(__file__).resolve()

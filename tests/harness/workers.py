@@ -94,15 +94,9 @@ import _postgres
 import _workers_agent as agent_kit
 import anyio
 
-from stepmachine import (
-    AppendMessage,
-    Message,
-    apply_batch,
-    history_problems,
-    idempotency_key,
-    submit,
-)
+from stepmachine import AppendMessage, Message, submit
 from stepmachine._transient import is_transient
+from stepmachine.extend import apply_batch, history_problems, idempotency_key
 from stepmachine.operations import approve
 from stepmachine.stores import PostgresStore
 
