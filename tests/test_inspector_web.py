@@ -38,6 +38,7 @@ from _web_sessions import (
     parse_event,
     record,
 )
+from browser import browser, page  # noqa: F401 - the shared fixtures
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -793,7 +794,7 @@ async def _append_hostile(path: Path, count: int) -> int:
 
 
 def test_hostile_batches_arriving_live_run_nothing_and_fetch_nothing(
-    page: Any,
+    page: Any,  # noqa: F811 - the fixture
     hostile_server: tuple[Server, Path],
 ) -> None:
     running, path = hostile_server
