@@ -902,7 +902,7 @@ async def test_unusual_structlog_configurations_change_nothing_and_print_nothing
             runtime = Runtime(
                 store=store, model=ScriptedModel([call(("add", {"a": 1, "b": 2})), reply("3")])
             )
-            await tool_loop(store, f"s{round_}", runtime)
+            await tool_loop_with_runtime(store, f"s{round_}", runtime)
             session = await store.load(f"s{round_}")
             assert session.conversation[-1].text == "3"
     finally:
@@ -921,7 +921,7 @@ async def test_with_structlog_unconfigured_and_no_logging_setup_nothing_is_print
 ) -> None:
     structlog.reset_defaults()
     store = MemoryStore()
-    await tool_loop(
+    await tool_loop_with_runtime(
         store,
         "s",
         Runtime(store=store, model=ScriptedModel([call(("add", {"a": 1, "b": 2})), reply("3")])),
@@ -1089,3 +1089,8 @@ def test_any_refusal_reason_at_all_gives_an_encodable_batch(why: str) -> None:
         refused=(refusal("refuses", why),),
     )
     Codec(NoData).encode_batch(batch)
+
+
+async def tool_loop_with_runtime(store: Store, session_id: str, runtime: Runtime) -> None:
+    await store.create(session_id, conversation=[Message.user("1 + 2?", id="u1")])
+    await StateMachine([Tools([add]), ModelInference()]).run(runtime, session_id)
