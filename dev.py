@@ -81,7 +81,13 @@ def main(argv: list[str]) -> int:
         return run("python", "examples/hello_world.py", *rest)
     if command == "test":
         ensure_env("test")
-        return run("pytest", *rest)
+        # In parallel (pytest-xdist) unless told otherwise: `-n 0` or `-p no:xdist` runs serially.
+        parallel = (
+            []
+            if any(a.startswith(("-n", "--numprocesses")) or a == "no:xdist" for a in rest)
+            else ["-n", os.environ.get("STEPMACHINE_TEST_WORKERS", "2")]
+        )
+        return run("pytest", *parallel, *rest)
     if command == "lint":
         ensure_env("test,lint")
         code = run(

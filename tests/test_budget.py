@@ -20,10 +20,14 @@ from stepmachine import (
     ModelInference,
     ModelRequest,
     ModelResponse,
+    ModelSettings,
+    Operation,
+    Outcome,
     Refuse,
     Runtime,
     SetVisibility,
     StateMachine,
+    StepContext,
     Store,
     TextPart,
     ToolCallPart,
@@ -33,7 +37,7 @@ from stepmachine import (
     submit,
     tool,
 )
-from stepmachine.extend import YieldReason, counter_ids, history_problems, latest_ledger
+from stepmachine.extend import ChunkSink, YieldReason, counter_ids, history_problems, latest_ledger
 from stepmachine.operations._budget import (
     FEEDBACK,
     SUPERSEDES,
@@ -499,3 +503,132 @@ async def test_model_call_budgets_read_no_more_of_a_longer_history() -> None:
         assert (fast.model_calls, fast.input_tokens) == (turns, 10 * turns)
         reads.append(conversation.read)
     assert reads[0] == reads[1] < 40  # a few messages per scope and question, at any length
+
+
+class _RetryingModel:
+    """A model that fails ``failures`` attempts of every request, then answers.
+
+    It honours ``request.max_attempts`` (default 10) like a provider adapter
+    with retries, and counts every attempt it makes.
+    """
+
+    name = "retrying"
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.attempts = 0
+
+    async def request(
+        self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
+    ) -> ModelResponse:
+        allowed = request.max_attempts or 10
+        for attempt in range(1, allowed + 1):
+            self.attempts += 1
+            if attempt > self.failures:
+                return ModelResponse(parts=(TextPart("answer"),), attempts=attempt)
+        raise ModelError(f"failed {allowed} attempts")
+
+
+class _MoreRetries(Operation[Any]):
+    """A retry policy written as a request shaper: every request may take 5 attempts."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse("policy only")
+
+    def shape_request(self, ctx: StepContext[Any], request: ModelRequest) -> ModelRequest:
+        return msgspec.structs.replace(request, max_attempts=5)
+
+
+class _RebuildsTheRequest(Operation[Any]):
+    """A shaper that builds a new request and forgets ``max_attempts`` (left to the model)."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse("shaper only")
+
+    def shape_request(self, ctx: StepContext[Any], request: ModelRequest) -> ModelRequest:
+        return ModelRequest(
+            messages=request.messages, tools=request.tools, prompt_parts=request.prompt_parts
+        )
+
+
+@pytest.mark.parametrize("shaper", [_MoreRetries, _RebuildsTheRequest])
+async def test_a_shaper_after_the_budget_cannot_raise_the_attempts_it_allows(
+    shaper: type[Operation[Any]],
+) -> None:
+    """Invariant 7: a budget of 2 model calls is 2 attempts, whatever shapes the request after it.
+
+    ``Budget.shape_request`` caps ``max_attempts`` at the calls left, "whatever
+    the order"; a later shaper that sets it higher (a retry policy) or drops it
+    (rebuilds the request) let the model make 4 attempts.
+    """
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("hi", id="u")])
+    model = _RetryingModel(failures=3)
+    machine = StateMachine([Budget(per_run=Limits(model_calls=2)), shaper(), ModelInference()])
+    with pytest.raises(ModelError):
+        await machine.run(Runtime(store=store, model=model, ids=counter_ids()), "s")
+    assert model.attempts == 2
+
+
+class _TokenModel:
+    """A model whose answer is as long as it may be: ``max_tokens`` output tokens (100 if unset)."""
+
+    name = "tokens"
+
+    async def request(
+        self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
+    ) -> ModelResponse:
+        tokens = request.settings.max_tokens or 100
+        return ModelResponse(parts=(TextPart("x"),), usage=Usage(output_tokens=tokens))
+
+
+class _ResetsTheSettings(Operation[Any]):
+    """A shaper that sets its own sampling settings (and so drops ``max_tokens``)."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse("shaper only")
+
+    def shape_request(self, ctx: StepContext[Any], request: ModelRequest) -> ModelRequest:
+        return msgspec.structs.replace(request, settings=ModelSettings(temperature=0.0))
+
+
+async def test_a_shaper_after_the_budget_cannot_undo_its_output_token_cap() -> None:
+    """An output-token budget of 10 is "capped through max_tokens"; a later shaper undoes it.
+
+    Budget's docs: token limits hold "whatever the order" of the steps, output
+    tokens exactly, through ``settings.max_tokens``. A shaper after it that
+    replaces the settings lets the call produce 100 output tokens.
+    """
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("hi", id="u")])
+    budget = Budget(per_run=Limits(output_tokens=10))
+    machine = StateMachine([budget, _ResetsTheSettings(), ModelInference()])
+    session = await machine.run(Runtime(store=store, model=_TokenModel(), ids=counter_ids()), "s")
+    assert budget_usage(session, "per_run").output_tokens <= 10
+
+
+class _LongAnswers(Operation[Any]):
+    """A shaper that asks for long answers: raises ``max_tokens`` to 500."""
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse("shaper only")
+
+    def shape_request(self, ctx: StepContext[Any], request: ModelRequest) -> ModelRequest:
+        settings = msgspec.structs.replace(request.settings, max_tokens=500)
+        return msgspec.structs.replace(request, settings=settings)
+
+
+async def test_a_shaper_may_raise_the_askers_max_tokens_but_not_a_budgets_cap() -> None:
+    """The asker's own ``max_tokens`` is a default a shaper may raise; a shaper's cap is not."""
+    for steps, expected in (
+        ([_LongAnswers()], 500),  # raises the asker's 50
+        ([Budget(per_run=Limits(output_tokens=10)), _LongAnswers()], 10),
+        ([_LongAnswers(), Budget(per_run=Limits(output_tokens=10))], 10),
+    ):
+        store = MemoryStore()
+        await store.create("s", conversation=[Message.user("hi", id="u")])
+        inference = ModelInference(settings=ModelSettings(max_tokens=50))
+        machine = StateMachine([*steps, inference])
+        runtime = Runtime(store=store, model=_TokenModel(), ids=counter_ids())
+        session = await machine.run(runtime, "s")
+        assert budget_usage(session, "per_run").output_tokens == expected, steps

@@ -13,9 +13,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepmachine import AppendMessage, Codec, InvalidFieldError, Message, NoData, Session
+from stepmachine import (
+    AppendMessage,
+    Codec,
+    InvalidFieldError,
+    Message,
+    NoData,
+    ReplaceConversation,
+    Session,
+    UpdateData,
+)
 from stepmachine._conversation import CHUNK
 from stepmachine.extend import Conversation, apply_batch
+from stepmachine.testing import make_session
 
 
 def messages(n: int, prefix: str = "m") -> tuple[Message, ...]:
@@ -166,3 +176,40 @@ def test_codec_round_trip_and_encoding_hook() -> None:
         msgspec.json.encode(session)  # msgspec does not know the type without the hook
     with pytest.raises(NotImplementedError):
         Conversation.enc_hook(object())
+
+
+def test_replace_conversation_takes_the_sessions_conversation_and_its_sum() -> None:
+    """``session.conversation + (m,)`` was a tuple and is now a Conversation: both still work.
+
+    Compaction-like user code builds ``ReplaceConversation(session.conversation + (summary,))``
+    or ``ReplaceConversation(session.conversation)``; it raised ``InvalidFieldError``.
+    """
+    session = make_session("a", "b", "c")
+    extra = Message.user("d", id="d")
+    plus = session.conversation + (extra,)  # noqa: RUF005 - the operator under test
+    for conversation in (session.conversation, plus):
+        effect = ReplaceConversation(conversation)
+        assert type(effect.conversation) is tuple
+        assert effect.conversation == tuple(conversation)
+        after = apply_batch(session, [effect])
+        assert after.conversation == conversation
+        codec = Codec()
+        assert codec.decode_effects(codec.encode_effects((effect,)), where="t") == (effect,)
+
+
+class _Archive(msgspec.Struct, frozen=True):
+    archive: tuple[Message, ...] = ()
+
+
+def test_update_data_set_takes_the_sessions_conversation() -> None:
+    """``UpdateData.set(archive=session.conversation)`` worked on the tuple; it raised TypeError.
+
+    ``set`` takes "field values of any msgspec-supported type"; a conversation
+    (archived before a compaction, say) is one since the session holds one.
+    """
+    session = make_session("a", "b", data=_Archive())
+    effect = UpdateData.set(archive=session.conversation)
+    after = apply_batch(session, [effect])
+    assert after.data.archive == tuple(session.conversation)
+    codec = Codec(_Archive)
+    assert codec.decode_effects(codec.encode_effects((effect,)), where="t") == (effect,)

@@ -5,8 +5,10 @@ recordings are replayed by ``test_conformance.py``)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
+import logging
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 
 from stepmachine import (
     ConfigurationError,
+    InvalidFieldError,
     Message,
     ModelRequest,
     ModelResponse,
@@ -29,15 +32,19 @@ from stepmachine import (
 from stepmachine._media import AudioPart, DocumentPart, ImagePart
 from stepmachine._messages import ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 from stepmachine._model import ReasoningChunk, StreamChunk, TextChunk, ToolCallChunk
+from stepmachine.extend import history_problems
 from stepmachine.providers import (
+    AnthropicModel,
     AuthenticationError,
     BadRequestError,
     ContextLengthExceededError,
     GeminiModel,
     MalformedResponseError,
     NotFoundError,
+    OpenAIResponsesModel,
     OverloadedError,
     PermissionDeniedError,
+    ProviderError,
     RateLimitError,
     RetryPolicy,
     ServerError,
@@ -752,3 +759,649 @@ async def test_an_agent_turn_with_parallel_calls_round_trips_through_a_store(str
         ],
     }
     assert report.session.conversation[-1].text == "Both sunny."
+
+
+KEY_GEMINI_MEDIA = "AIza-review-secret-0123456789"
+
+
+TOKEN_GEMINI_MEDIA = "ya29.review-vertex-secret-0123456789"
+
+
+SSE = {"content-type": "text/event-stream"}
+
+
+# -- Gemini helpers ------------------------------------------------------------------------
+
+
+def _model_gemini_media(handler: Handler, **options: Any) -> tuple[GeminiModel, list[float]]:
+    sleeps: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    options.setdefault("api_key", KEY_GEMINI_MEDIA)
+    return GeminiModel("gemini-2.5-flash", client=client, sleep=sleep, **options), sleeps
+
+
+def _reply_gemini_media(
+    parts: list[dict[str, Any]], finish: str | None = "STOP", **more: Any
+) -> dict[str, Any]:
+    candidate: dict[str, Any] = {"content": {"role": "model", "parts": parts}, "index": 0}
+    if finish:
+        candidate["finishReason"] = finish
+    return {"candidates": [candidate], "modelVersion": "g-1", **more}
+
+
+def _sse_gemini_media(*chunks: Any) -> bytes:
+    return "".join(f"data: {json.dumps(c)}\r\n\r\n" for c in chunks).encode()
+
+
+def _request_gemini_media(*messages: Message) -> ModelRequest:
+    return ModelRequest(messages=messages or (Message.user("hi", id="u1"),))
+
+
+async def _ignore_gemini_media(chunk: StreamChunk) -> None:
+    del chunk
+
+
+async def _ask(model: GeminiModel, *, stream: bool) -> ModelResponse:
+    with anyio.fail_after(10):
+        return await model.request(
+            _request_gemini_media(), on_chunk=_ignore_gemini_media if stream else None
+        )
+
+
+def _error_gemini_media(
+    code: int, status: str, message: str = "nope", **more: Any
+) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "status": status, **more}}
+
+
+def _served(data: Any, *, stream: bool, status: int = 200) -> Handler:
+    if stream:
+        body = _sse_gemini_media(*data) if isinstance(data, list) else _sse_gemini_media(data)
+        return lambda r: httpx.Response(status, content=body, headers=SSE)
+    return lambda r: httpx.Response(status, json=data)
+
+
+# -- Gemini: malformed replies are typed, never a bare exception ------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+@pytest.mark.parametrize(
+    "args", [[1, 2], "a string", 3, True], ids=["list", "string", "number", "bool"]
+)
+async def test_function_call_args_that_are_not_an_object_are_malformed(
+    stream: bool, args: Any
+) -> None:
+    data = _reply_gemini_media([{"functionCall": {"name": "f", "args": args}}])
+    model, _ = _model_gemini_media(_served(data, stream=stream))
+    with pytest.raises(MalformedResponseError):
+        await _ask(model, stream=stream)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        {"candidates": [{"content": {"parts": [{"text": 5}]}, "finishReason": "STOP"}]},
+        {"candidates": "nope"},
+        {"candidates": [{"content": {"parts": {"text": "x"}}}]},
+        {"candidates": [{"content": "x", "finishReason": "STOP"}]},
+        {"candidates": [{"finishReason": 7}]},
+        {"candidates": [{"content": {"parts": [{"functionCall": {"args": {}}}]}}]},
+        {"candidates": [{"content": {"parts": [{"text": "a", "thoughtSignature": 9}]}}]},
+        {"usageMetadata": [1]},
+        {"promptFeedback": {"blockReason": 3}},
+    ],
+    ids=[
+        "text-number",
+        "candidates-str",
+        "parts-object",
+        "content-str",
+        "finish-number",
+        "call-no-name",
+        "signature-number",
+        "usage-list",
+        "block-number",
+    ],
+)
+async def test_mistyped_reply_fields_are_malformed_responses(stream: bool, chunk: Any) -> None:
+    model, _ = _model_gemini_media(_served(chunk, stream=stream))
+    with pytest.raises(MalformedResponseError):
+        await _ask(model, stream=stream)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+async def test_chunks_without_candidates_content_or_parts_are_skipped(stream: bool) -> None:
+    chunks = [
+        {"usageMetadata": {"promptTokenCount": 3}},
+        {"candidates": [{"index": 0}]},
+        {"candidates": [{"content": {"role": "model"}}]},
+        {"candidates": [{"content": {"parts": []}}]},
+        _reply_gemini_media([{"text": "ok"}]),
+    ]
+    if stream:
+        model, _ = _model_gemini_media(_served(chunks, stream=True))
+    else:
+        model, _ = _model_gemini_media(
+            lambda r: httpx.Response(200, json=chunks)
+        )  # the JSON-array form
+    response = await _ask(model, stream=stream)
+    assert response.parts == (TextPart("ok"),)
+    assert response.finish_reason == "stop"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'data: {"candidates": [\r\n\r\n',  # truncated JSON
+        b"data: [DONE]\r\n\r\n",
+        b'data: "just a string"\r\n\r\n',
+        _sse_gemini_media(
+            _reply_gemini_media([{"text": "Hel"}], finish=None)
+        ),  # cut before finishReason
+        b"",  # nothing at all
+        b": a comment only\r\n\r\n",
+    ],
+    ids=["truncated", "done", "string", "no-finish", "empty", "comment"],
+)
+async def test_a_broken_stream_is_a_malformed_response(body: bytes) -> None:
+    model, _ = _model_gemini_media(lambda r: httpx.Response(200, content=body, headers=SSE))
+    with pytest.raises(MalformedResponseError):
+        await _ask(model, stream=True)
+
+
+@pytest.mark.anyio
+async def test_a_multi_line_data_event_is_one_chunk() -> None:
+    text = json.dumps(_reply_gemini_media([{"text": "ok"}]), indent=1)
+    body = ("".join(f"data: {line}\n" for line in text.splitlines()) + "\n").encode()
+    model, _ = _model_gemini_media(lambda r: httpx.Response(200, content=body, headers=SSE))
+    response = await _ask(model, stream=True)
+    assert response.parts == (TextPart("ok"),)
+
+
+# -- Gemini: signatures -----------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+@pytest.mark.parametrize(
+    "signature", ["not base64 at all!!", "A" * 2_000_000, "é-unicode_", ""], ids=str.__len__
+)
+async def test_any_signature_string_comes_back_unchanged_on_its_call(
+    stream: bool, signature: str
+) -> None:
+    part = {"functionCall": {"name": "f", "args": {"a": 1}}, "thoughtSignature": signature}
+    model, _ = _model_gemini_media(
+        _served(_reply_gemini_media([part], responseId="r1"), stream=stream)
+    )
+    response = await _ask(model, stream=stream)
+    history = (
+        Message.user("hi", id="u1"),
+        Message(id="a1", role="assistant", parts=response.parts),
+    )
+    body = model.build_body(_request_gemini_media(*history), stream=False)
+    [call] = body["contents"][1]["parts"]
+    assert call["functionCall"]["name"] == "f"
+    assert call["thoughtSignature"] == signature
+
+
+def _gemini_history() -> tuple[Message, ...]:
+    """A conversation whose assistant turn came from Gemini with signed thoughts."""
+    parts = (
+        ReasoningPart("thinking...", {"gemini": "thought", "signature": "R2VtaW5pU2ln"}),
+        ReasoningPart("", {"gemini": "signature", "signature": "Q2FsbFNpZw=="}),
+        ToolCallPart.parse("c1", "f", "{}"),
+    )
+    from stepmachine._messages import ToolResultPart
+
+    return (
+        Message.user("hi", id="u1"),
+        Message(id="a1", role="assistant", parts=parts),
+        Message(id="t1", role="tool", parts=(ToolResultPart("c1", "42", name="f"),)),
+    )
+
+
+def test_gemini_signatures_are_not_sent_to_anthropic() -> None:
+    model = AnthropicModel("claude-sonnet-4-5", api_key="sk-ant-review")
+    body = model.build_body(ModelRequest(messages=_gemini_history()), stream=False)
+    blocks = [b for m in body["messages"] for b in m["content"] if isinstance(b, dict)]
+    assert not [b for b in blocks if b.get("type") in {"thinking", "redacted_thinking"}]
+
+
+def test_gemini_signatures_are_not_sent_to_openai_responses() -> None:
+    model = OpenAIResponsesModel("gpt-5", api_key="sk-review")
+    body = model.build_body(ModelRequest(messages=_gemini_history()), stream=False)
+    assert not [i for i in body["input"] if i.get("type") == "reasoning"]
+
+
+def test_anthropic_signatures_are_not_sent_to_gemini() -> None:
+    parts = (
+        ReasoningPart("hmm", {"signature": "anthropic-sig"}),
+        ReasoningPart("", {"redacted": "xyz"}),
+        TextPart("answer"),
+    )
+    model = GeminiModel("gemini-2.5-flash", api_key=KEY_GEMINI_MEDIA)
+    history = (Message.user("hi", id="u1"), Message(id="a1", role="assistant", parts=parts))
+    body = model.build_body(_request_gemini_media(*history), stream=False)
+    assert body["contents"][1]["parts"] == [{"text": "answer"}]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+async def test_synthesised_call_ids_differ_between_turns(stream: bool) -> None:
+    """Without responseId, the same call (same tool, same arguments) in two turns of one
+    conversation gets two ids: results pair unambiguously, and the history stays valid
+    after a switch to a provider that requires unique ids (Anthropic)."""
+    data = _reply_gemini_media([{"functionCall": {"name": "now", "args": {}}}])  # no responseId
+    history: list[Message] = [Message.user("hi", id="u1")]
+    ids = []
+    for turn in range(3):
+        model, _ = _model_gemini_media(_served(data, stream=stream))
+        with anyio.fail_after(10):
+            response = await model.request(
+                ModelRequest(messages=tuple(history)),
+                on_chunk=_ignore_gemini_media if stream else None,
+            )
+        [call] = [p for p in response.parts if isinstance(p, ToolCallPart)]
+        ids.append(call.call_id)
+        history.append(Message(id=f"a{turn}", role="assistant", parts=response.parts))
+        history.append(Message.tool_result(ToolResultPart.for_call(call, "12:00"), id=f"t{turn}"))
+    assert len(set(ids)) == 3, ids
+    assert history_problems(history) == []
+    body = AnthropicModel("claude-x", api_key=KEY_GEMINI_MEDIA).build_body(
+        ModelRequest(messages=(*history, Message.user("thanks", id="u2"))), stream=False
+    )
+    uses = [b["id"] for m in body["messages"] for b in m["content"] if b["type"] == "tool_use"]
+    assert uses == ids
+
+
+@pytest.mark.anyio
+async def test_synthesised_call_ids_are_the_same_for_the_same_request() -> None:
+    """Replay-safe: the same request and reply give the same ids, streamed or not (the
+    id is derived from the conversation the request continues, not drawn at random)."""
+    data = _reply_gemini_media(
+        [
+            {"functionCall": {"name": "now", "args": {}}},
+            {"functionCall": {"name": "now", "args": {}}},
+        ]
+    )
+    history = (Message.user("hi", id="u1"), Message.user("again", id="u2"))
+    ids = []
+    for stream in (False, True, False):
+        model, _ = _model_gemini_media(_served(data, stream=stream))
+        with anyio.fail_after(10):
+            response = await model.request(
+                ModelRequest(messages=history), on_chunk=_ignore_gemini_media if stream else None
+            )
+        ids.append([p.call_id for p in response.parts if isinstance(p, ToolCallPart)])
+    assert ids[0] == ids[1] == ids[2]
+    assert len(set(ids[0])) == 2
+    assert all(i.startswith("gemini-call-") for i in ids[0])
+
+
+# -- Gemini: errors and retries ----------------------------------------------------------------
+
+
+def _retry_info(delay: Any) -> dict[str, Any]:
+    return {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": delay}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "delay",
+    ["999999s", "1e9s", {"seconds": "999999999"}, {"seconds": "inf"}, "99999999999999999999s"],
+    ids=str,
+)
+async def test_a_huge_retry_delay_gives_up_at_once_without_sleeping(delay: Any) -> None:
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        body = _error_gemini_media(429, "RESOURCE_EXHAUSTED", details=[_retry_info(delay)])
+        return httpx.Response(429, json=body)
+
+    model, sleeps = _model_gemini_media(handler, retry=RetryPolicy(max_attempts=3, max_delay=30))
+    with pytest.raises(RateLimitError):
+        await _ask(model, stream=False)
+    assert all(s <= 30 for s in sleeps)
+    assert calls <= 3
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "delay",
+    ["garbage", "-5s", "0s", None, [], {"seconds": "nan"}, {"seconds": []}, "nans", "1.5.2s"],
+    ids=str,
+)
+async def test_a_garbage_retry_delay_falls_back_to_the_policy(delay: Any) -> None:
+    replies = [
+        httpx.Response(
+            429, json=_error_gemini_media(429, "RESOURCE_EXHAUSTED", details=[_retry_info(delay)])
+        ),
+        httpx.Response(200, json=_reply_gemini_media([{"text": "ok"}])),
+    ]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return replies.pop(0)
+
+    model, sleeps = _model_gemini_media(
+        handler, retry=RetryPolicy(max_attempts=2, max_delay=30, jitter=0)
+    )
+    response = await _ask(model, stream=False)
+    assert response.parts == (TextPart("ok"),)
+    assert len(sleeps) == 1
+    assert 0 <= sleeps[0] <= 30
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("code", [429, 500, 503, 400])
+async def test_an_error_served_as_event_stream_is_typed_by_status(code: int) -> None:
+    status = {429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}.get(
+        code, "INVALID_ARGUMENT"
+    )
+    raw = json.dumps(_error_gemini_media(code, status, "boom")).encode()
+    model, _ = _model_gemini_media(
+        lambda r: httpx.Response(code, content=raw, headers=SSE),
+        retry=RetryPolicy(max_attempts=1),
+    )
+    with pytest.raises(ProviderError) as caught:
+        await _ask(model, stream=True)
+    assert caught.value.status == code
+    assert not isinstance(caught.value, MalformedResponseError)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("vertex", [False, True], ids=["key", "vertex"])
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+@pytest.mark.parametrize("how", ["error", "malformed", "transport"])
+async def test_the_secret_never_leaks_into_errors_causes_reprs_or_logs(
+    vertex: bool, stream: bool, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = TOKEN_GEMINI_MEDIA if vertex else KEY_GEMINI_MEDIA
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        echo = f"bad credential {secret} headers {dict(request.headers)}"
+        if how == "transport":
+            raise httpx.ConnectError(echo, request=request)
+        if how == "malformed":
+            return httpx.Response(
+                200, content=b"data: {" + echo.encode() + b"\r\n\r\n", headers=SSE if stream else {}
+            )
+        return httpx.Response(403, json=_error_gemini_media(403, "PERMISSION_DENIED", echo))
+
+    options: dict[str, Any] = (
+        {"api_key": None, "project": "p", "access_token": TOKEN_GEMINI_MEDIA} if vertex else {}
+    )
+    model, _ = _model_gemini_media(handler, retry=RetryPolicy(max_attempts=2, jitter=0), **options)
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - any error; what it shows matters
+        await _ask(model, stream=stream)
+    shown = "".join(traceback.format_exception(caught.value))
+    error: BaseException | None = caught.value
+    while error is not None:
+        shown += repr(error) + str(error) + repr(getattr(error, "__dict__", {}))
+        error = error.__cause__ or error.__context__
+    shown += caplog.text + repr(model) + str(model)
+    assert secret not in shown
+
+
+# -- Gemini: media it cannot send --------------------------------------------------------------
+
+
+async def _refused(*messages: Message) -> None:
+    sent: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200, json=_reply_gemini_media([{"text": "ok"}]))
+
+    model, _ = _model_gemini_media(handler)
+    with anyio.fail_after(10), pytest.raises(ConfigurationError):
+        await model.request(_request_gemini_media(*messages))
+    assert sent == []
+
+
+SHOT = ImagePart(media_type="image/png", data=b"\x89PNG\r\n\x1a\n....")
+
+
+@pytest.mark.anyio
+async def test_media_in_an_assistant_message_is_refused_before_any_request() -> None:
+    assistant = Message(id="a1", role="assistant", parts=(TextPart("here"), SHOT))
+    await _refused(Message.user("hi", id="u1"), assistant)
+
+
+@pytest.mark.anyio
+async def test_media_in_a_system_message_is_refused_before_any_request() -> None:
+    system = Message(id="s", role="system", parts=(TextPart("be brief"), SHOT))
+    await _refused(system, Message.user("hi", id="u1"))
+
+
+def test_an_empty_image_cannot_even_be_made() -> None:
+    with pytest.raises(InvalidFieldError):
+        ImagePart(media_type="image/png", data=b"")
+
+
+def test_a_data_url_image_never_goes_out_as_a_file_uri() -> None:
+    url = "data:image/png;base64,iVBORw0KGgo="
+    image = ImagePart(url=url, media_type="image/png")
+    model = GeminiModel("gemini-2.5-flash", api_key=KEY_GEMINI_MEDIA)
+    try:
+        body = model.build_body(
+            _request_gemini_media(Message.user("look", id="u1", media=[image])), stream=False
+        )
+    except ConfigurationError:
+        return  # refused: fine
+    assert url not in json.dumps(body)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+@pytest.mark.parametrize("call_id", [7, ["x"], {"a": 1}], ids=str)
+async def test_a_non_string_call_id_is_malformed(stream: bool, call_id: Any) -> None:
+    data = _reply_gemini_media([{"functionCall": {"name": "f", "args": {}, "id": call_id}}])
+    model, _ = _model_gemini_media(_served(data, stream=stream))
+    with pytest.raises(MalformedResponseError):
+        await _ask(model, stream=stream)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+async def test_a_reply_with_only_other_candidates_is_malformed(stream: bool) -> None:
+    data = {
+        "candidates": [{"index": 1, "content": {"parts": [{"text": "x"}]}, "finishReason": "STOP"}]
+    }
+    model, _ = _model_gemini_media(_served(data, stream=stream))
+    with pytest.raises(MalformedResponseError):
+        await _ask(model, stream=stream)
+
+
+def test_the_secret_is_not_in_the_models_attributes_repr() -> None:
+    for model in (
+        GeminiModel("g", api_key=KEY_GEMINI_MEDIA),
+        GeminiModel("g", project="p", access_token=TOKEN_GEMINI_MEDIA),
+    ):
+        shown = repr(model) + repr(vars(model)) + str(model)
+        assert KEY_GEMINI_MEDIA not in shown
+        assert TOKEN_GEMINI_MEDIA not in shown
+
+
+@pytest.mark.anyio
+async def test_an_error_chunk_before_any_output_is_retried() -> None:
+    """A stream whose first chunk is a 503 error has emitted nothing: as replay-safe
+    as an HTTP 503, so it is retried like one."""
+    replies = [
+        _sse_gemini_media(_error_gemini_media(503, "UNAVAILABLE", "overloaded")),
+        _sse_gemini_media(_reply_gemini_media([{"text": "ok"}])),
+    ]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=replies.pop(0), headers=SSE)
+
+    model, _ = _model_gemini_media(handler, retry=RetryPolicy(max_attempts=2, jitter=0))
+    response = await _ask(model, stream=True)
+    assert response.parts == (TextPart("ok"),)
+
+
+def test_a_model_resource_name_is_not_doubled_in_the_url() -> None:
+    model = GeminiModel("models/gemini-2.5-flash", api_key=KEY_GEMINI_MEDIA)
+    assert "/models/models/" not in model.url(stream=False)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param({"gemini": "signature"}, id="pending"),
+        pytest.param({"gemini": "signature", "alone": True}, id="alone"),
+        pytest.param({"gemini": "thought"}, id="thought"),
+    ],
+)
+def test_a_gemini_carrier_without_its_signature_is_not_a_bare_key_error(
+    data: dict[str, Any],
+) -> None:
+    """provider_data comes back from a store or from application code: a carrier that
+    lost its signature is skipped (or refused with a ConfigurationError), never a
+    KeyError from deep inside build_body."""
+    parts = (ReasoningPart("", data), TextPart("answer"))
+    history = (Message.user("hi", id="u1"), Message(id="a1", role="assistant", parts=parts))
+    model = GeminiModel("gemini-2.5-flash", api_key=KEY_GEMINI_MEDIA)
+    try:
+        body = model.build_body(_request_gemini_media(*history), stream=False)
+    except ConfigurationError:
+        return
+    assert {"text": "answer"} in [
+        {k: v for k, v in p.items() if k != "thoughtSignature"}
+        for p in body["contents"][1]["parts"]
+    ]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+async def test_the_key_does_not_follow_a_redirect_to_another_host(stream: bool) -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.host == "generativelanguage.googleapis.com":
+            return httpx.Response(307, headers={"location": "https://evil.example/collect"})
+        return httpx.Response(200, json=_reply_gemini_media([{"text": "ok"}]))
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler), follow_redirects=True)
+    model = GeminiModel("gemini-2.5-flash", api_key=KEY_GEMINI_MEDIA, client=client)
+    with anyio.fail_after(10), contextlib.suppress(ProviderError):  # refusing it is fine
+        await model.request(
+            _request_gemini_media(), on_chunk=_ignore_gemini_media if stream else None
+        )
+    assert all(
+        KEY_GEMINI_MEDIA not in str(r.headers)
+        for r in seen
+        if r.url.host != "generativelanguage.googleapis.com"
+    )
+
+
+_SIG_GEMINI_MEDIA = st.text(
+    alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdef0123456789+/=_-", min_size=1, max_size=12
+)
+_WIRE_PART = st.one_of(
+    st.builds(
+        lambda text, sig: {"text": text, **({"thoughtSignature": sig} if sig else {})},
+        st.text(alphabet="xyz ", max_size=4),
+        st.none() | _SIG_GEMINI_MEDIA,
+    ),
+    st.builds(
+        lambda text, sig: {
+            "text": text,
+            "thought": True,
+            **({"thoughtSignature": sig} if sig else {}),
+        },
+        st.text(alphabet="tu", max_size=4),
+        st.none() | _SIG_GEMINI_MEDIA,
+    ),
+    st.builds(
+        lambda name, sig: {
+            "functionCall": {"name": name, "args": {}},
+            **({"thoughtSignature": sig} if sig else {}),
+        },
+        st.sampled_from(["f", "g"]),
+        st.none() | _SIG_GEMINI_MEDIA,
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(_WIRE_PART, max_size=8))
+def test_every_signature_goes_back_once_in_order_and_on_its_call(
+    parts: list[dict[str, Any]],
+) -> None:
+    """Whatever a reply holds, the next request carries each of its signatures exactly
+    once, in their order, and a call's signature on that same call."""
+    model = GeminiModel("gemini-2.5-flash", api_key=KEY_GEMINI_MEDIA)
+    response = model.parse_response(_reply_gemini_media(parts, responseId="r"))
+    history = (
+        Message.user("hi", id="u1"),
+        Message(id="a1", role="assistant", parts=response.parts),
+    )
+    body = model.build_body(_request_gemini_media(*history), stream=False)
+    sent = body["contents"][1]["parts"] if len(body["contents"]) > 1 else []
+    assert [p["thoughtSignature"] for p in sent if "thoughtSignature" in p] == [
+        p["thoughtSignature"] for p in parts if "thoughtSignature" in p
+    ]
+    assert [
+        (p["functionCall"]["name"], p.get("thoughtSignature")) for p in sent if "functionCall" in p
+    ] == [
+        (p["functionCall"]["name"], p.get("thoughtSignature")) for p in parts if "functionCall" in p
+    ]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("media_type", ["image/tiff", "image/bmp", "image/svg+xml"])
+async def test_an_image_type_gemini_cannot_read_is_refused_before_any_request(
+    media_type: str,
+) -> None:
+    image = ImagePart(media_type=media_type, data=b"II*\x00....")
+    await _refused(Message.user("look", id="u1", media=[image]))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "html",
+        "json",
+    ],
+)
+async def test_a_huge_error_body_gives_a_bounded_error_message(stream: bool, kind: str) -> None:
+    filler = "x" * 5_000_000
+    if kind == "html":
+        reply = httpx.Response(
+            502, text=f"<html>{filler}</html>", headers={"content-type": "text/html"}
+        )
+    else:
+        reply = httpx.Response(400, json=_error_gemini_media(400, "INVALID_ARGUMENT", filler))
+    model, _ = _model_gemini_media(lambda r: reply, retry=RetryPolicy(max_attempts=1))
+    with pytest.raises(ProviderError) as caught:
+        await _ask(model, stream=stream)
+    assert len(str(caught.value)) < 100_000
+
+
+@pytest.mark.anyio
+async def test_a_safety_block_after_some_text_is_the_same_streamed_or_not() -> None:
+    chunks = [
+        _reply_gemini_media([{"text": "Sure, here"}], finish=None),
+        _reply_gemini_media([{"text": " is"}], finish=None),
+        {"candidates": [{"index": 0, "finishReason": "SAFETY", "safetyRatings": []}]},
+    ]
+    streamed_model, _ = _model_gemini_media(_served(chunks, stream=True))
+    blocking_model, _ = _model_gemini_media(lambda r: httpx.Response(200, json=chunks))
+    streamed = await _ask(streamed_model, stream=True)
+    blocking = await _ask(blocking_model, stream=False)
+    assert streamed.parts == blocking.parts == (TextPart("Sure, here is"),)
+    assert streamed.finish_reason == blocking.finish_reason == "content_filter"

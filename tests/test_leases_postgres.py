@@ -31,6 +31,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
@@ -44,12 +45,18 @@ from stepmachine import (
     ConflictError,
     Effect,
     LeaseLostError,
+    LeasePolicy,
     Message,
+    ModelInference,
+    Runtime,
     Session,
+    StateMachine,
+    submit,
 )
 from stepmachine.extend import Batch, Lease, LeaseHolder, new_owner
-from stepmachine.stores import PostgresStore
+from stepmachine.stores import FileStore, MemoryStore, PostgresStore, SQLiteStore
 from stepmachine.stores._memory_leases import MemoryLeases
+from stepmachine.testing import FunctionModel, reply
 from stepmachine.testing.leases import LeaseConformance
 
 pytest.importorskip("psycopg", reason="psycopg is not installed (the postgres extra)")
@@ -430,3 +437,108 @@ def test_the_same_answers_as_the_reference(postgres_dsn: str, anyio_backend: str
         assert anyio.run(_postgres, postgres_dsn, ops, backend=anyio_backend) == expected
 
     same()
+
+
+KINDS = ["memory", "memory-expiring", "sqlite", "file", "postgres"]
+
+
+async def open_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    if kind == "memory":
+        return MemoryStore()
+    if kind == "memory-expiring":
+        return MemoryStore(expiring_leases=True)
+    if kind == "sqlite":
+        return await SQLiteStore.open(tmp_path / "db.sqlite3")
+    if kind == "file":
+        return await FileStore.open(tmp_path / "files", fsync="never")
+    pytest.importorskip("psycopg", reason="psycopg is not installed (the postgres extra)")
+    from stepmachine.stores import PostgresStore
+
+    dsn = request.getfixturevalue("postgres_dsn")
+    return await PostgresStore.open(dsn)
+
+
+@pytest.fixture(params=KINDS)
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    made = await open_store(str(request.param), tmp_path, request)
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+def counting_model() -> FunctionModel:
+    """Answers every request with "ok"; ``model.calls`` counts the requests."""
+
+    def answer(_request: Any) -> Any:
+        return reply("ok")
+
+    return FunctionModel(answer)
+
+
+async def make_session(store: Any, session_id: str = "s") -> None:
+    await store.create(session_id, conversation=[Message.user("hi", id=f"{session_id}-u1")])
+
+
+def machine(**kwargs: Any) -> StateMachine[Any]:
+    return StateMachine([ModelInference()], **kwargs)
+
+
+# -- (2) PostgreSQL: a queue-run between the two statements of a holder's release ----------------
+
+
+async def test_postgres_a_turn_queued_during_the_holders_release_is_run(
+    postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another runner queues a turn between the release's look at the mark and its unlock.
+
+    The other runner runs in a thread with its own event loop and store (another
+    process, in effect), started right after the release looked at the mark; the
+    release then pauses before it goes on. Either the other runner's request is seen
+    by the holder (which runs the turn), or it waits for the release and then claims
+    the session itself: never "queued" with nobody to run the turn.
+    """
+    pytest.importorskip("psycopg", reason="psycopg is not installed (the postgres extra)")
+    import threading
+    import time
+
+    from stepmachine.stores import PostgresStore
+    from stepmachine.stores import _postgres_leases as leases
+
+    store = await PostgresStore.open(postgres_dsn)
+    outcome: list[str] = []
+
+    async def queue_a_turn() -> None:
+        async with await PostgresStore.open(postgres_dsn) as other:
+            await submit(other, "s", [AppendMessage(Message.user("and more", id="u2"))])
+            runner = StateMachine([ModelInference()], lease=LeasePolicy(busy="queue"))
+            report = await runner.run_report(Runtime(store=other, model=counting_model()), "s")
+            outcome.append(report.reason.kind)
+
+    other = threading.Thread(target=lambda: anyio.run(queue_a_turn, backend="asyncio"))
+    real_release = leases.release
+
+    class Interleaving:
+        def __init__(self, conn: Any) -> None:
+            self.conn = conn
+
+        def execute(self, query: Any, params: Any = None) -> Any:
+            result = self.conn.execute(query, params)
+            if query == leases._TAKE_REQUEST and not other.is_alive() and not outcome:
+                other.start()
+                time.sleep(0.5)  # the other runner commits now, unless the row is locked
+            return result
+
+    def release(conn: Any, lease: Lease, *, unless_requested: bool) -> bool:
+        return real_release(Interleaving(conn), lease, unless_requested=unless_requested)
+
+    monkeypatch.setattr(leases, "release", release)
+    try:
+        await make_session(store)
+        await machine().run(Runtime(store=store, model=counting_model()), "s")
+        await anyio.to_thread.run_sync(other.join, 60)
+        assert len(outcome) == 1
+        session = await store.load("s")
+        assert session.conversation[-1].role == "assistant"  # "and more" was answered
+    finally:
+        await store.aclose()

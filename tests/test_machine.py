@@ -978,3 +978,44 @@ async def test_a_cancellation_after_a_conflict_does_not_finalize_the_stale_decis
     await run_until_held(machine, blocking)
     assert log == [("ConflictOnce", False, None), ("b", False, None)]
     assert (await store.load("s")).data == Flags(go=True)
+
+
+class _ReturnsTheSessionBefore:
+    """A third-party handler that stores the batch but returns the session *before* it."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryStore()
+
+    async def load(self, session_id: str) -> Session[Any]:
+        return await self.inner.load(session_id)
+
+    async def apply(self, batch: Batch[Any]) -> Session[Any] | None:
+        before = await self.inner.load(batch.session_id)
+        await self.inner.apply(batch)
+        return before
+
+
+class _DeclaresAndReturnsTheSessionBefore(_ReturnsTheSessionBefore):
+    applies_batches = True
+
+
+@pytest.mark.parametrize(
+    "handler_type", [_ReturnsTheSessionBefore, _DeclaresAndReturnsTheSessionBefore]
+)
+async def test_a_handler_returning_a_session_of_another_revision_is_an_error(
+    handler_type: type[_ReturnsTheSessionBefore],
+) -> None:
+    """A machine given a stale session by ``apply`` reported revision 0 with no reply, silently.
+
+    ``apply`` must return the session *after* the batch (or ``None``); one that
+    does not is a broken handler, said at once instead of a run that decides
+    from a session the store no longer holds (invariant 1).
+    """
+    handler = handler_type()
+    await handler.inner.create("s", conversation=[Message.user("hi", id="u")])
+    machine = StateMachine([ModelInference()])
+    runtime = Runtime(
+        loader=handler, handler=handler, model=ScriptedModel([reply("a")]), ids=counter_ids()
+    )
+    with pytest.raises(ConfigurationError, match="at revision 0 for the batch producing"):
+        await machine.run(runtime, "s")

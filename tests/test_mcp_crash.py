@@ -14,10 +14,21 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
+
+from stepmachine import (
+    Message,
+    Runtime,
+    StateMachine,
+)
+from stepmachine.stores import MemoryStore
 
 HARNESS = Path(__file__).parent / "harness" / "mcp_agent.py"
 
@@ -109,3 +120,213 @@ def test_a_false_read_only_hint_of_an_untrusted_server_does_not_rerun_the_call(
     (result,) = report["results"]  # type: ignore[misc]
     assert result["is_error"]
     assert result["content"].startswith("outcome unknown")
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+HOSTILE = FIXTURES / "mcp_hostile_server.py"
+
+
+SERVER = FIXTURES / "mcp_server.py"
+
+
+BOUND = 60  # seconds: no test here may hang longer
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def pids(events: Path) -> list[int]:
+    return [int(x.split()[1]) for x in lines(events) if x.startswith("start ")]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def kill_all(found: list[int]) -> None:
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def run(steps: list[Any], model: Any, sid: str = "s") -> Any:
+    store = MemoryStore()
+    await store.create(sid, conversation=[Message.user("go", id="u1")])
+    with anyio.fail_after(BOUND):
+        return await StateMachine(steps).run(Runtime(store=store, model=model), sid)
+
+
+@pytest.fixture
+def events(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "events.txt"
+    yield path
+    kill_all(pids(path))
+    kill_all(pids(tmp_path / "events.txt"))
+
+
+# -- invariant 6: SIGKILL of the agent mid-call, then resume ---------------------------
+
+
+AGENT = textwrap.dedent(
+    """
+    import sys, anyio
+    from stepmachine import Message, ModelInference, Runtime, SessionNotFoundError, StateMachine
+    from stepmachine.operations import McpStdio, McpTools
+    from stepmachine.stores import SQLiteStore
+    from stepmachine.testing import ScriptedModel, call, reply
+
+    db, server, ledger, events = sys.argv[1:5]
+
+    async def main():
+        store = await SQLiteStore.open(db)
+        try:
+            await store.load("s")
+        except SessionNotFoundError:
+            await store.create("s", conversation=[Message.user("go", id="u1")])
+        mcp = McpTools([McpStdio(command=sys.executable, args=[server, "stdio"], name="fx",
+                        env={"MCP_LEDGER": ledger, "MCP_EVENTS": events})])
+        turns = [call(("record", {"note": "pay", "delay": 120})), reply("done")]
+        model = ScriptedModel(turns[int(sys.argv[5]):])  # a resumed run only replies
+        await StateMachine([mcp, ModelInference()]).run(Runtime(store=store, model=model), "s")
+
+    anyio.run(main)
+    """
+)
+
+
+def test_sigkill_of_the_agent_mid_call_then_resume_never_runs_the_call_twice(
+    tmp_path: Path,
+) -> None:
+    ledger, events, db = tmp_path / "ledger.txt", tmp_path / "events.txt", tmp_path / "s.db"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    argv = [sys.executable, "-c", AGENT, str(db), str(SERVER), str(ledger), str(events), "0"]
+    errors = tmp_path / "agent-stderr.txt"
+    with errors.open("wb") as err:
+        agent = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + BOUND
+        while not lines(ledger):
+            assert agent.poll() is None, errors.read_text()[-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(10)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    # The orphaned server: its stdin closed with the agent; it must not live on for ever.
+    first = pids(events)
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in first) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    orphans = [p for p in first if alive(p)]
+    kill_all(orphans)
+    argv2 = [*argv[:-1], "1"]
+    done = subprocess.run(argv2, env=env, capture_output=True, timeout=BOUND, check=False)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert len(lines(ledger)) == 1  # the non-idempotent call did not run again
+    check = textwrap.dedent(
+        """
+        import sys, anyio
+        from stepmachine.stores import SQLiteStore
+        async def main():
+            store = await SQLiteStore.open(sys.argv[1])
+            s = await store.load("s")
+            rs = [r for m in s.conversation for r in m.tool_results]
+            print(len(rs), rs[0].is_error, s.conversation[-1].text)
+        anyio.run(main)
+        """
+    )
+    out = (
+        subprocess.run(
+            [sys.executable, "-c", check, str(db)],
+            env=env,
+            capture_output=True,
+            timeout=BOUND,
+            check=True,
+        )
+        .stdout.decode()
+        .split()
+    )
+    assert out[:2] == ["1", "True"]
+    kill_all(pids(events))
+    assert first  # a server had started
+    assert orphans == []  # the server of the killed agent exited with its stdin
+
+
+# -- invariant 6: the class at the time of the intent, not the server's later word ---------
+
+
+FLIP_AGENT = textwrap.dedent(
+    """
+    import sys, anyio
+    from stepmachine import Message, ModelInference, Runtime, SessionNotFoundError, StateMachine
+    from stepmachine.operations import McpStdio, McpTools
+    from stepmachine.stores import SQLiteStore
+    from stepmachine.testing import ScriptedModel, call, reply
+
+    db, server, ledger, flip, skip = sys.argv[1:6]
+
+    async def main():
+        store = await SQLiteStore.open(db)
+        try:
+            await store.load("s")
+        except SessionNotFoundError:
+            await store.create("s", conversation=[Message.user("go", id="u1")])
+        env = {"HOSTILE_LEDGER": ledger, "HOSTILE_FLIP": flip}
+        mcp = McpTools([McpStdio(command=sys.executable, args=[server, "flip"], name="hx",
+                                 env=env)])
+        turns = [call(("record", {"text": "pay"})), reply("done")]
+        model = ScriptedModel(turns[int(skip):])
+        session = await StateMachine([mcp, ModelInference()]).run(
+            Runtime(store=store, model=model), "s")
+        rs = [r for m in session.conversation for r in m.tool_results]
+        print(len(rs), rs[0].is_error)
+
+    anyio.run(main)
+    """
+)
+
+
+def test_a_server_changing_its_annotations_after_a_crash_does_not_rerun_the_call(
+    tmp_path: Path,
+) -> None:
+    ledger, flip, db = tmp_path / "ledger.txt", tmp_path / "flip", tmp_path / "s.db"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    argv = [sys.executable, "-c", FLIP_AGENT, str(db), str(HOSTILE), str(ledger), str(flip), "0"]
+    errors = tmp_path / "agent-stderr.txt"
+    with errors.open("wb") as err:
+        agent = subprocess.Popen(
+            argv, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + BOUND
+        while not lines(ledger):
+            assert agent.poll() is None, errors.read_text()[-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(agent.pid, signal.SIGKILL)  # the agent and its server, mid-call
+        agent.wait(10)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    flip.write_text("upgraded")  # the restarted server now says the tool is idempotent
+    done = subprocess.run(
+        [*argv[:-1], "1"], env=env, capture_output=True, timeout=BOUND, check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert len(lines(ledger)) == 1  # the call journalled non-idempotent did not run again
+    assert done.stdout.decode().split() == ["1", "True"]  # answered: outcome unknown

@@ -20,9 +20,12 @@ import base64
 import os
 import random
 import sqlite3
+import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
+import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,11 +52,23 @@ from stepmachine import (
     Session,
     StoredDataError,
     TextPart,
+    submit,
 )
-from stepmachine.extend import Batch, apply_batch, media_digest
+from stepmachine.extend import Batch, apply_batch, media_digest, message_tokens
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.stores._file_backend import FileBackend
 from stepmachine.stores._media_blobs import Media, Reader
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG signature and a valid IHDR chunk declaring ``width`` x ``height`` (no pixels)."""
+    ihdr = b"IHDR" + struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + ihdr + struct.pack(">I", zlib.crc32(ihdr))
+
+
+_PNG64 = png_header(64, 64)
+SHOT = ImagePart(media_type="image/png", data=_PNG64 + b"shot")
+OTHER = ImagePart(media_type="image/png", data=_PNG64 + b"other")
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = random.Random(14).randbytes(64 * 1024)
@@ -585,3 +600,435 @@ def test_base64_of_the_image_is_in_no_record(tmp_path: Path) -> None:
     plain = [zlib.decompress(b) if b[:1] == b"\x78" else b for b in bodies]
     assert all(text not in b for b in plain)
     assert sum(b"media_ref" in b for b in plain) == 2
+
+
+# -- media in the stores -------------------------------------------------------------------------
+
+IMAGE_GEMINI_MEDIA = bytes(range(256)) * 64
+DIGEST = media_digest(IMAGE_GEMINI_MEDIA)
+
+
+def _image(data: bytes = IMAGE_GEMINI_MEDIA) -> ImagePart:
+    return ImagePart(media_type="image/png", data=data)
+
+
+def _user(index: int, *media: ImagePart) -> Message:
+    return Message.user(f"look {index}", id=f"m{index}", media=list(media))
+
+
+def _batch(session: Session[Any], *effects: Effect) -> Batch[Effect]:
+    return Batch(
+        session_id=session.id,
+        revision=session.revision + 1,
+        step="test",
+        cycle=0,
+        timestamp=1.0,
+        effects=effects,
+    )
+
+
+STORES = ["memory", "file", "sqlite"]
+
+
+@pytest.fixture
+async def opener(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    kind: str = request.param
+    opened: list[Any] = []
+    memory: list[MemoryStore] = []
+
+    async def open_store(**options: Any) -> Any:
+        store: Any
+        if kind == "memory":
+            if not memory or options:
+                memory[:] = [MemoryStore(**options)]
+            return memory[0]
+        if kind == "file":
+            store = await FileStore.open(tmp_path / "files", **options)
+        else:
+            store = await SQLiteStore.open(tmp_path / "db.sqlite3", **options)
+        opened.append(store)
+        return store
+
+    open_store.kind = kind  # type: ignore[attr-defined]
+    open_store.path = tmp_path  # type: ignore[attr-defined]
+    try:
+        yield open_store
+    finally:
+        for store in opened:
+            await store.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("opener", STORES, indirect=True)
+async def test_max_media_bytes_is_inclusive_at_the_boundary(opener: Any) -> None:
+    store = await opener(max_media_bytes=len(IMAGE_GEMINI_MEDIA))
+    with anyio.fail_after(20):
+        session = await store.create("s", conversation=[_user(0)])
+        session = await store.apply(_batch(session, AppendMessage(_user(1, _image()))))
+        with pytest.raises(MediaTooLargeError):
+            await store.apply(
+                _batch(session, AppendMessage(_user(2, _image(IMAGE_GEMINI_MEDIA + b"!"))))
+            )
+        loaded = await store.load("s")
+    assert loaded.revision == 1
+    assert loaded.conversation[-1].parts[-1] == _image()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("opener", STORES, indirect=True)
+async def test_many_identical_images_in_one_batch_are_one_blob(opener: Any) -> None:
+    store = await opener()
+    copies = [_image(bytes(IMAGE_GEMINI_MEDIA)) for _ in range(50)]  # equal bytes, distinct objects
+    with anyio.fail_after(20):
+        session = await store.create("s", conversation=[_user(0)])
+        await store.apply(_batch(session, AppendMessage(_user(1, *copies))))
+        fresh = await opener()
+        loaded = await fresh.load("s")
+    assert [p for p in loaded.conversation[-1].parts if isinstance(p, ImagePart)] == copies
+    if opener.kind == "file":
+        names = [n for n in os.listdir(opener.path / "files" / ".media") if not n.startswith(".")]
+        assert names == [DIGEST.removeprefix("sha256:")]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("opener", ["file", "sqlite"], indirect=True)  # memory: no fork
+async def test_fork_then_delete_the_original_keeps_the_forks_media(opener: Any) -> None:
+    store = await opener()
+    with anyio.fail_after(20):
+        session = await store.create("s", conversation=[_user(0, _image())])
+        await store.apply(_batch(session, AppendMessage(_user(1, _image()))))
+        await store.fork("s", 1, "f")
+        await store.delete("s")
+        fresh = await opener()
+        loaded = await fresh.load("f")
+        earlier = await fresh.load_at("f", 0)
+    assert [p for m in loaded.conversation for p in m.parts if isinstance(p, ImagePart)] == [
+        _image(),
+        _image(),
+    ]
+    assert earlier.conversation[0].parts[-1] == _image()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("opener", STORES, indirect=True)
+async def test_a_media_ref_given_from_outside_is_refused_at_create(opener: Any) -> None:
+    store = await opener()
+    other = await store.create("victim", conversation=[_user(0, _image())])
+    del other
+    forged = MediaRef(
+        kind="image", digest=DIGEST, size=len(IMAGE_GEMINI_MEDIA), media_type="image/png"
+    )
+    message = Message(id="m0", role="user", parts=(TextPart("x"), forged))  # type: ignore[arg-type]
+    with anyio.fail_after(20), pytest.raises(ConfigurationError):
+        await store.create("thief", conversation=[message])
+
+
+async def _file_store_with_one_image(path: Path) -> FileStore:
+    store = await FileStore.open(path)
+    session = await store.create("s", conversation=[_user(0)])
+    await store.apply(_batch(session, AppendMessage(_user(1, _image()))))
+    return store
+
+
+@pytest.mark.anyio
+async def test_a_symlinked_blob_is_a_stored_data_error(tmp_path: Path) -> None:
+    folder = tmp_path / "files"
+    with anyio.fail_after(20):
+        store = await _file_store_with_one_image(folder)
+        await store.aclose()
+        blob = folder / ".media" / DIGEST.removeprefix("sha256:")
+        (tmp_path / "elsewhere").write_bytes(
+            IMAGE_GEMINI_MEDIA
+        )  # even the right bytes: not followed
+        blob.unlink()
+        blob.symlink_to(tmp_path / "elsewhere")
+        fresh = await FileStore.open(folder)
+        try:
+            with pytest.raises(StoredDataError):
+                await fresh.load_at("s", 1)
+        finally:
+            await fresh.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_directory_in_place_of_a_blob_is_a_stored_data_error(tmp_path: Path) -> None:
+    folder = tmp_path / "files"
+    with anyio.fail_after(20):
+        store = await _file_store_with_one_image(folder)
+        await store.aclose()
+        blob = folder / ".media" / DIGEST.removeprefix("sha256:")
+        blob.unlink()
+        blob.mkdir()
+        fresh = await FileStore.open(folder)
+        try:
+            with pytest.raises(StoredDataError):
+                await fresh.load_at("s", 1)
+        finally:
+            await fresh.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("opener", ["file", "sqlite"], indirect=True)
+async def test_a_damaged_blob_is_not_reused_by_the_next_write_of_the_same_bytes(
+    opener: Any,
+) -> None:
+    """Blobs are written only when absent: a damaged one (outside corruption) would
+    make every later record of the same bytes unreadable too."""
+    store = await opener()
+    with anyio.fail_after(20):
+        session = await store.create("s", conversation=[_user(0)])
+        await store.apply(_batch(session, AppendMessage(_user(1, _image()))))
+        if opener.kind == "file":
+            (opener.path / "files" / ".media" / DIGEST.removeprefix("sha256:")).write_bytes(
+                IMAGE_GEMINI_MEDIA[:10]
+            )
+        else:
+            import sqlite3
+
+            with sqlite3.connect(opener.path / "db.sqlite3") as conn:
+                conn.execute(
+                    "UPDATE media SET body = ? WHERE digest = ?", (IMAGE_GEMINI_MEDIA[:10], DIGEST)
+                )
+        fresh = await opener()
+        other = await fresh.create("t", conversation=[_user(0)])
+        await fresh.apply(_batch(other, AppendMessage(_user(1, _image()))))
+        again = await opener()
+        loaded = await again.load_at("t", 1)
+    assert loaded.conversation[-1].parts[-1] == _image()
+
+
+@pytest.mark.anyio
+async def test_a_leftover_temporary_blob_file_is_harmless(tmp_path: Path) -> None:
+    folder = tmp_path / "files"
+    with anyio.fail_after(20):
+        store = await _file_store_with_one_image(folder)
+        await store.aclose()
+        (folder / ".media" / ".deadbeefdeadbeef.tmp").write_bytes(
+            IMAGE_GEMINI_MEDIA[:100]
+        )  # a crash
+        (folder / ".media" / "not-a-digest").write_bytes(b"junk")
+        fresh = await FileStore.open(folder)
+        try:
+            loaded = await fresh.load("s")
+            session = await fresh.apply(_batch(loaded, AppendMessage(_user(2, _image()))))
+        finally:
+            await fresh.aclose()
+    assert session.conversation[-1].parts[-1] == _image()
+
+
+_WRITER = """
+import anyio, sys
+from stepmachine import AppendMessage, Batch, ImagePart, Message
+from stepmachine.stores import FileStore
+
+IMAGE = bytes(range(256)) * 64
+
+async def main(folder, name):
+    store = await FileStore.open(folder)
+    try:
+        for n in range(20):
+            sid = f"{name}-{n}"
+            image = ImagePart(media_type="image/png", data=IMAGE)
+            await store.create(sid, conversation=[Message.user("x", id="m0", media=[image])])
+    finally:
+        await store.aclose()
+
+anyio.run(main, sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.anyio
+async def test_two_processes_writing_the_same_image_at_once(tmp_path: Path) -> None:
+    folder = tmp_path / "files"
+    await (await FileStore.open(folder)).aclose()  # make the folder
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with anyio.fail_after(120):
+
+        async def write(name: str) -> None:
+            await anyio.run_process([sys.executable, str(script), str(folder), name], env=env)
+
+        async with anyio.create_task_group() as group:
+            for name in ("a", "b"):
+                group.start_soon(write, name)
+        store = await FileStore.open(folder)
+        try:
+            for name in ("a", "b"):
+                for n in range(20):
+                    loaded = await store.load(f"{name}-{n}")
+                    assert loaded.conversation[0].parts[-1] == _image()
+        finally:
+            await store.aclose()
+    names = os.listdir(folder / ".media")
+    assert names == [DIGEST.removeprefix("sha256:")]  # no temporary file left behind
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("opener", STORES, indirect=True)
+async def test_compaction_style_replace_keeps_media_and_load_at_sees_both(opener: Any) -> None:
+    from stepmachine import ReplaceConversation
+
+    store = await opener()
+    with anyio.fail_after(20):
+        session = await store.create("s", conversation=[_user(0, _image())])
+        session = await store.apply(_batch(session, AppendMessage(_user(1, _image(b"other")))))
+        summary = Message.user("summary", id="sum", media=[_image()])
+        await store.apply(_batch(session, ReplaceConversation((summary,))))
+        fresh = await opener()
+        before = await fresh.load_at("s", 1)
+        after = await fresh.load("s")
+    assert before.conversation[1].parts[-1] == _image(b"other")
+    assert after.conversation == (summary,)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("opener", ["file", "sqlite"], indirect=True)
+async def test_snapshots_keep_media_across_a_cold_load(opener: Any) -> None:
+    options = {"snapshot_every": 2} if opener.kind == "file" else {}  # SQLite: by weight
+    store = await opener(**options)
+    with anyio.fail_after(20):
+        session = await store.create("s", conversation=[_user(0, _image())])
+        for n in range(1, 6):
+            session = await store.apply(_batch(session, AppendMessage(_user(n, _image()))))
+        fresh = await opener(**options)
+        loaded = await fresh.load("s")
+        middle = await fresh.load_at("s", 3)
+    assert loaded == session
+    assert len(middle.conversation) == 4
+    assert all(m.parts[-1] == _image() for m in loaded.conversation)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("opener", ["file", "sqlite"], indirect=True)
+async def test_a_lower_limit_after_a_reopen_does_not_block_a_text_only_batch(
+    opener: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``max_media_bytes`` refuses new parts over it; a snapshot of media stored before
+    (under a higher limit) is not a new part and must not make a later batch fail."""
+    from stepmachine.stores import _sqlite_rows
+
+    monkeypatch.setattr(_sqlite_rows, "SNAPSHOT_EVERY", 1)  # a snapshot at each batch
+    monkeypatch.setattr(_sqlite_rows, "SNAPSHOT_MAX_GAP", 1)
+    options = {"snapshot_every": 1} if opener.kind == "file" else {}  # SQLite: by weight
+    store = await opener(**options)
+    with anyio.fail_after(30):
+        session = await store.create("s", conversation=[_user(0, _image())])
+        session = await store.apply(_batch(session, AppendMessage(_user(1))))
+        smaller = await opener(max_media_bytes=100, **options)
+        after = await smaller.load("s")
+        assert after == session
+        for n in range(2, 5):
+            after = await smaller.apply(_batch(after, AppendMessage(_user(n))))
+        again = await opener()
+        assert await again.load("s") == after
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("opener", STORES, indirect=True)
+async def test_a_forged_reference_in_a_replaced_conversation_is_refused(opener: Any) -> None:
+    store = await opener()
+    with anyio.fail_after(20):
+        await store.create("victim", conversation=[_user(0, _image())])
+        thief = await store.create("thief", conversation=[_user(0)])
+        forged = MediaRef(
+            kind="image", digest=DIGEST, size=len(IMAGE_GEMINI_MEDIA), media_type="image/png"
+        )
+        message = Message(id="m1", role="user", parts=(TextPart("x"), forged))  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError):
+            await store.apply(_batch(thief, ReplaceConversation((message,))))
+        with pytest.raises(ConfigurationError):
+            await store.apply(_batch(thief, AppendMessage(message)))
+        assert (await store.load("thief")).revision == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("opener", STORES, indirect=True)
+async def test_the_same_bytes_under_two_media_types_keep_each_their_own(opener: Any) -> None:
+    store = await opener()
+    png = ImagePart(media_type="image/png", data=IMAGE_GEMINI_MEDIA)
+    jpeg = ImagePart(media_type="image/jpeg", data=IMAGE_GEMINI_MEDIA, detail="low")
+    with anyio.fail_after(20):
+        session = await store.create("s", conversation=[_user(0)])
+        await store.apply(_batch(session, AppendMessage(_user(1, png, jpeg))))
+        fresh = await opener()
+        loaded = await fresh.load_at("s", 1)
+    assert loaded.conversation[-1].parts[-2:] == (png, jpeg)
+
+
+_SQLITE_WRITER = _WRITER.replace("FileStore", "SQLiteStore")
+
+
+@pytest.mark.anyio
+async def test_two_processes_writing_the_same_image_at_once_into_sqlite(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite3"
+    await (await SQLiteStore.open(path)).aclose()
+    script = tmp_path / "writer.py"
+    script.write_text(_SQLITE_WRITER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with anyio.fail_after(120):
+
+        async def write(name: str) -> None:
+            await anyio.run_process([sys.executable, str(script), str(path), name], env=env)
+
+        async with anyio.create_task_group() as group:
+            for name in ("a", "b"):
+                group.start_soon(write, name)
+        store = await SQLiteStore.open(path)
+        try:
+            for name in ("a", "b"):
+                for n in range(20):
+                    loaded = await store.load(f"{name}-{n}")
+                    assert loaded.conversation[0].parts[-1] == _image()
+        finally:
+            await store.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("body", ["a text value", 42, 1.5], ids=["text", "integer", "real"])
+async def test_a_media_row_of_the_wrong_sqlite_type_is_a_stored_data_error(
+    tmp_path: Path, body: Any
+) -> None:
+    import sqlite3
+
+    path = tmp_path / "db.sqlite3"
+    with anyio.fail_after(20):
+        store = await SQLiteStore.open(path)
+        session = await store.create("s", conversation=[_user(0)])
+        await store.apply(_batch(session, AppendMessage(_user(1, _image()))))
+        await store.aclose()
+        with sqlite3.connect(path) as conn:
+            conn.execute("UPDATE media SET body = ? WHERE digest = ?", (body, DIGEST))
+        fresh = await SQLiteStore.open(path)
+        try:
+            with pytest.raises(StoredDataError):
+                await fresh.load_at("s", 1)
+        finally:
+            await fresh.aclose()
+
+
+# -- stores: fork and load_at keep media -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "file"])
+async def test_fork_and_load_at_keep_media_byte_for_byte(kind: str) -> None:
+    document = DocumentPart(media_type="application/pdf", data=b"%PDF-1.4\x00\xff" * 50)
+    first = Message.user("look", id="u1", media=[SHOT, document])
+    with tempfile.TemporaryDirectory() as folder:
+        store: Any
+        if kind == "sqlite":
+            store = await SQLiteStore.open(Path(folder) / "db.sqlite3")
+        else:
+            store = await FileStore.open(Path(folder) / "files")
+        try:
+            with anyio.fail_after(20):
+                await store.create("a", conversation=[first])
+                await submit(store, "a", [AppendMessage(Message.assistant("seen", id="a1"))])
+                await store.fork("a", 1, "b")
+                forked = await store.load("b")
+                earlier = await store.load_at("a", 0)
+        finally:
+            await store.aclose()
+    assert forked.conversation[0] == first
+    assert earlier.conversation[0] == first
+    assert message_tokens(forked.conversation[0]) == message_tokens(first)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import io
 import struct
+import tracemalloc
 import zlib
+from typing import Any
 
+import anyio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,7 +25,8 @@ from stepmachine._media_tokens import (
     wav_seconds,
 )
 from stepmachine.extend import Conversation, media_tokens, message_tokens
-from stepmachine.operations import estimate_tokens
+from stepmachine.operations import Compaction, estimate_tokens
+from stepmachine.testing import ScriptedModel, make_session, reply, run_step
 
 
 def png(width: int, height: int) -> bytes:
@@ -284,3 +288,121 @@ def test_a_long_pdf_counts_the_pages_of_its_first_window_in_proportion() -> None
     assert len(data) > _PDF_SCAN_BYTES
     assert pdf_pages(data) >= 16
     assert pdf_pages(pdf(3)) == 3
+
+
+# A million tokens: more than any provider's context window, and more than any of them
+# charges for one image, one short audio clip or a PDF of a few bytes.
+ABSURD = 1_000_000
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG signature and a valid IHDR chunk declaring ``width`` x ``height`` (no pixels)."""
+    ihdr = b"IHDR" + struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + ihdr + struct.pack(">I", zlib.crc32(ihdr))
+
+
+def wav_header(byte_rate: int, data_size: int) -> bytes:
+    fmt = struct.pack("<HHIIHH", 1, 1, 8_000, byte_rate, 1, 8)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", data_size)
+    return b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + body
+
+
+# -- the token estimator under hostile headers ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "size", [(2**31 - 1, 2**31 - 1), (2**32 - 1, 1), (16_777_216, 16_777_216)], ids=str
+)
+def test_a_header_declaring_absurd_dimensions_gets_a_bounded_estimate(
+    size: tuple[int, int],
+) -> None:
+    data = png_header(*size)
+    assert media_tokens(ImagePart(media_type="image/png", data=data)) <= ABSURD
+
+
+async def test_a_tiny_image_with_a_forged_header_does_not_block_compaction() -> None:
+    forged = ImagePart(media_type="image/png", data=png_header(2**31 - 1, 2**31 - 1))
+    session = make_session(Message.user("what is this?", id="u0", media=[forged]))
+    with anyio.fail_after(10):
+        check = await run_step(
+            Compaction(threshold=100_000), session, model=ScriptedModel([reply("summary")])
+        )
+    assert check.refused, check.outcome  # a 33-byte image is far within 100,000 tokens
+
+
+def test_a_tiny_pdf_with_an_absurd_page_count_gets_a_bounded_estimate() -> None:
+    data = b"%PDF-1.4\n<< /Count 999999999 >>"
+    estimate = media_tokens(DocumentPart(media_type="application/pdf", data=data))
+    assert estimate <= PDF_PAGE_TOKENS * len(data)  # not even one page per byte
+
+
+def test_a_wav_with_a_forged_byte_rate_gets_a_bounded_estimate() -> None:
+    data = wav_header(byte_rate=1, data_size=0xFFFFFFFF) + bytes(1_000_000)
+    assert media_tokens(AudioPart(media_type="audio/wav", data=data)) <= len(data)
+
+
+def test_counting_the_pages_of_a_pdf_does_not_copy_every_match() -> None:
+    data = b"%PDF-1.4\n" + b"/Type/Page " * 500_000  # 5.5 MB
+    tracemalloc.start()
+    try:
+        pages = pdf_pages(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert pages >= 1
+    assert peak < len(data), f"{peak:,} bytes allocated to count the pages of {len(data):,}"
+
+
+class _CountingBytes(bytes):
+    """Bytes that count how often the reader indexes or slices them."""
+
+    reads = 0
+
+    def __getitem__(self, key: Any) -> Any:
+        type(self).reads += 1
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("filler", [b"\xff", b"\xff\xd0", b"\xff\xe0\x00\x02"], ids=repr)
+def test_a_jpeg_of_endless_segments_is_not_walked_byte_by_byte(filler: bytes) -> None:
+    _CountingBytes.reads = 0
+    data = _CountingBytes(b"\xff\xd8" + filler * (200_000 // len(filler)))
+    assert image_size(data) is None
+    assert _CountingBytes.reads < 10_000, f"{_CountingBytes.reads:,} reads for {len(data):,} bytes"
+
+
+_HEADERS = [
+    b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR",
+    b"\xff\xd8",
+    b"\xff\xd8\xff\xc0",
+    b"GIF89a",
+    b"RIFF\x00\x00\x00\x00WEBPVP8 ",
+    b"RIFF\x00\x00\x00\x00WEBPVP8L",
+    b"RIFF\x00\x00\x00\x00WEBPVP8X",
+    b"RIFF\x00\x00\x00\x00WAVEfmt ",
+    b"%PDF-1.7\n/Count ",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(header=st.sampled_from(_HEADERS), tail=st.binary(max_size=64))
+def test_truncated_and_mangled_headers_give_a_positive_estimate_never_a_crash(
+    header: bytes, tail: bytes
+) -> None:
+    data = header + tail
+    for part in (
+        ImagePart(media_type="image/png", data=data),
+        DocumentPart(media_type="application/pdf", data=data),
+        AudioPart(media_type="audio/wav", data=data),
+    ):
+        estimate = media_tokens(part)
+        assert type(estimate) is int
+        assert estimate > 0
+
+
+def test_truncated_headers_of_every_format_fall_back_to_the_unknown_figure() -> None:
+    full = png_header(800, 600)
+    for cut in range(len(full)):
+        assert image_size(full[:cut]) in (None, (800, 600))
+    assert image_size(b"\xff\xd8\xff\xc0\x00\x11\x08") is None  # SOF cut before its size
+    assert image_size(b"RIFF\x00\x00\x00\x00WEBP") is None

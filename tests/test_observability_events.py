@@ -27,31 +27,42 @@ WARNING), nothing reaches a handler.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import _provider_wires as wires
 import anyio
+import anyio.lowlevel
 import httpx
+import msgspec
 import pytest
 import structlog
-from _observability import events, json_lines
+from _observability import Spans, events, json_lines
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from stepmachine import (
     AppendMessage,
     CancelToken,
+    Codec,
+    ConfigurationError,
     Continue,
+    Effect,
     Message,
     ModelInference,
     ModelRequest,
     ModelResponse,
+    NoData,
     Operation,
     Outcome,
     Refuse,
     Runtime,
     StateMachine,
     StepContext,
+    Store,
+    StoredDataError,
     ToolAbortError,
     ToolCallPart,
     Tools,
@@ -59,10 +70,11 @@ from stepmachine import (
     submit,
     tool,
 )
-from stepmachine.extend import JOURNAL, counter_ids, fingerprint
+from stepmachine._codec import MAX_WHY
+from stepmachine.extend import JOURNAL, Batch, counter_ids, fingerprint
 from stepmachine.operations import Approval
 from stepmachine.providers import ProviderError, RetryPolicy
-from stepmachine.stores import MemoryStore
+from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 
 # The catalogue (stepmachine/_log.py): the fields each event documents.
@@ -693,3 +705,389 @@ async def test_concurrent_runs_each_name_their_own_session_in_retry_events() -> 
         ("right", models[1].name),
     ]
     assert {e["session_id"] for e in captured} == {"left", "right"}  # none without a session
+
+
+STORE_KINDS = ["memory", "sqlite", "file"]
+
+
+class Refuses(Operation[Any]):
+    """Always refuses, with the ``why`` it was given (of any type: a hostile step author)."""
+
+    def __init__(self, why: Any) -> None:
+        self._why = why
+
+    @property
+    def name(self) -> str:
+        return "refuses"
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse(self._why)
+
+
+async def open_store(kind: str, where: Path) -> Store:
+    if kind == "memory":
+        return MemoryStore()
+    if kind == "sqlite":
+        return await SQLiteStore.open(where / "db.sqlite3")
+    return await FileStore.open(where / "files", Codec(NoData), fsync="never")
+
+
+@pytest.fixture(params=STORE_KINDS)
+async def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    store = await open_store(request.param, tmp_path)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+# -- refusal reasons: the batch is stored whatever the step author wrote ----------------------
+
+
+async def test_a_refusal_reason_with_a_lone_surrogate_does_not_lose_the_models_reply(
+    any_store: Store,
+) -> None:
+    await any_store.create("s", conversation=[Message.user("hi", id="u1")])
+    model = ScriptedModel([reply("the reply")])
+    machine = StateMachine([Refuses("no file a\udcffb.txt"), ModelInference()])
+    report = await machine.run_report(Runtime(store=any_store, model=model), "s")
+    assert report.reason.kind == "done"
+    assert report.session.conversation[-1].text == "the reply"
+    (batch,) = await any_store.batches("s")
+    (kept,) = batch.refused
+    assert kept.step == "refuses"
+    assert kept.why.startswith("no file a")
+
+
+@pytest.mark.parametrize("why", [None, 42, ValueError("no")], ids=["none", "int", "exception"])
+async def test_a_refusal_reason_that_is_not_a_str_is_kept_as_text(
+    any_store: Store, why: Any
+) -> None:
+    await any_store.create("s", conversation=[Message.user("hi", id="u1")])
+    model = ScriptedModel([reply("the reply")])
+    report = await StateMachine([Refuses(why), ModelInference()]).run_report(
+        Runtime(store=any_store, model=model), "s"
+    )
+    assert report.reason.kind == "done"
+    (batch,) = await any_store.batches("s")
+    assert batch.refused[0].why == str(why)
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["a\x00b", "é" * 100_000, "\U0001f600" * 1_000, 'line\nbreak\r\t"quoted"\\', ""],
+    ids=["nul", "huge", "astral", "controls", "empty"],
+)
+async def test_odd_refusal_reasons_are_stored_cut_and_read_back(any_store: Store, why: str) -> None:
+    await any_store.create("s", conversation=[Message.user("hi", id="u1")])
+    with capture_logs() as captured:
+        report = await StateMachine([Refuses(why), ModelInference()]).run_report(
+            Runtime(store=any_store, model=ScriptedModel([reply("ok")])), "s"
+        )
+    assert report.reason.kind == "done"
+    (batch,) = await any_store.batches("s")
+    (kept,) = batch.refused
+    assert len(kept.why) <= MAX_WHY
+    assert kept.why == (why if len(why) <= MAX_WHY else why[: MAX_WHY - 3] + "...")
+    cycles = [e for e in captured if e["event"] == "cycle" and e["step"] == "inference"]
+    assert cycles[0]["refused"] == [{"step": "refuses", "why": kept.why}]
+
+
+async def test_odd_refusal_reasons_survive_postgres(postgres_dsn: str) -> None:
+    from stepmachine.stores import PostgresStore
+
+    store = await PostgresStore.open(postgres_dsn)
+    try:
+        for n, why in enumerate(["a\x00b", "é" * 10_000, "\U0001f600 \\u0000"]):
+            await store.create(f"s{n}", conversation=[Message.user("hi", id="u1")])
+            report = await StateMachine([Refuses(why), ModelInference()]).run_report(
+                Runtime(store=store, model=ScriptedModel([reply("ok")])), f"s{n}"
+            )
+            assert report.reason.kind == "done"
+            (batch,) = await store.batches(f"s{n}")
+            assert batch.refused[0].why == (why if len(why) <= MAX_WHY else why[:197] + "...")
+    finally:
+        await store.aclose()
+
+
+# -- logging never changes a run: even when stderr is gone ---------------------------------------
+
+
+class BrokenPipe:
+    """A stderr whose reader went away (a daemon's closed pipe)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.fixture
+def raising_processor() -> Any:
+    def explode(_logger: Any, _method: str, event_dict: Any) -> Any:
+        raise RuntimeError("a broken log processor")
+
+    structlog.configure(processors=[explode])
+    try:
+        yield
+    finally:
+        structlog.reset_defaults()
+
+
+@pytest.mark.usefixtures("raising_processor")
+@pytest.mark.parametrize("stderr", [None, BrokenPipe()], ids=["none", "broken-pipe"])
+async def test_a_broken_log_processor_changes_nothing_even_without_a_usable_stderr(
+    monkeypatch: pytest.MonkeyPatch, stderr: Any
+) -> None:
+    ran: list[int] = []
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add."""
+        ran.append(a + b)
+        return a + b
+
+    monkeypatch.setattr("sys.stderr", stderr)
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("2 + 3?", id="u1")])
+    model = ScriptedModel([call(("add", {"a": 2, "b": 3})), reply("5")])
+    report = await StateMachine([Tools([add]), ModelInference()]).run_report(
+        Runtime(store=store, model=model), "s"
+    )
+    assert report.reason.kind == "done"
+    assert ran == [5]
+
+
+# -- structlog configured in unusual ways --------------------------------------------------------
+
+
+def configurations() -> dict[str, Callable[[list[Any]], None]]:
+    def keep(into: list[Any]) -> Any:
+        def processor(_logger: Any, _method: str, event_dict: Any) -> Any:
+            into.append(dict(event_dict))
+            return event_dict
+
+        return processor
+
+    return {
+        "filtering-info": lambda into: structlog.configure(
+            processors=[keep(into), structlog.processors.KeyValueRenderer()],
+            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        ),
+        "print-logger": lambda into: structlog.configure(
+            processors=[keep(into), structlog.dev.ConsoleRenderer(colors=False)],
+            logger_factory=structlog.PrintLoggerFactory(),
+        ),
+        "stdlib-bound": lambda into: structlog.configure(
+            processors=[keep(into), structlog.stdlib.render_to_log_kwargs],
+            wrapper_class=structlog.stdlib.BoundLogger,
+            logger_factory=structlog.stdlib.LoggerFactory(),
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(configurations()))
+async def test_unusual_structlog_configurations_change_nothing_and_print_nothing_to_stdout(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[Any] = []
+    configurations()[name](seen)
+    try:
+        for round_ in range(2):
+            store = MemoryStore()
+            runtime = Runtime(
+                store=store, model=ScriptedModel([call(("add", {"a": 1, "b": 2})), reply("3")])
+            )
+            await tool_loop_with_runtime(store, f"s{round_}", runtime)
+            session = await store.load(f"s{round_}")
+            assert session.conversation[-1].text == "3"
+    finally:
+        structlog.reset_defaults()
+    kinds = {e["event"] for e in seen}
+    assert "yield" in kinds
+    if name == "filtering-info":
+        assert "cycle" not in kinds  # DEBUG filtered by the configured wrapper
+    else:
+        assert {"cycle", "tool_call", "model_call"} <= kinds
+    assert capsys.readouterr().out == ""
+
+
+async def test_with_structlog_unconfigured_and_no_logging_setup_nothing_is_printed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    structlog.reset_defaults()
+    store = MemoryStore()
+    await tool_loop_with_runtime(
+        store,
+        "s",
+        Runtime(store=store, model=ScriptedModel([call(("add", {"a": 1, "b": 2})), reply("3")])),
+    )
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ""
+
+
+# -- a batch the store accepts is a batch the store can read back -------------------------------
+
+
+def mistyped_trace_batch() -> Batch[Any]:
+    """A public Batch built by hand with a trace that is not a str (msgspec does not check
+    types when a Struct is made)."""
+    return Batch(
+        session_id="s",
+        revision=1,
+        step="application",
+        cycle=0,
+        timestamp=1.0,
+        effects=(AppendMessage(Message.user("x", id="u1")),),
+        trace=123,  # type: ignore[arg-type]
+    )
+
+
+async def apply_then_reopen(kind: str, where: Path) -> str:
+    """Apply the mistyped batch; ``refused`` if apply said no, else what a reopened store reads."""
+    store = await open_store(kind, where)
+    await store.create("s", conversation=[])
+    try:
+        await store.apply(mistyped_trace_batch())
+    except (StoredDataError, ConfigurationError):
+        return "refused"
+    finally:
+        await store.aclose()
+    reopened = await open_store(kind, where)
+    try:
+        session = await reopened.load("s")
+        await reopened.batches("s")
+        return f"readable at revision {session.revision}"
+    finally:
+        await reopened.aclose()
+
+
+async def test_memory_and_file_stores_refuse_a_trace_that_is_not_a_str(tmp_path: Path) -> None:
+    assert await apply_then_reopen("memory", tmp_path) == "refused"
+    assert await apply_then_reopen("file", tmp_path) == "refused"
+
+
+async def test_sqlite_refuses_a_trace_that_is_not_a_str_instead_of_bricking_the_session(
+    tmp_path: Path,
+) -> None:
+    outcome = await apply_then_reopen("sqlite", tmp_path)
+    assert outcome in ("refused", "readable at revision 1")
+
+
+async def test_postgres_refuses_a_trace_that_is_not_a_str_or_reads_it_back(
+    postgres_dsn: str,
+) -> None:
+    from stepmachine.stores import PostgresStore
+
+    store = await PostgresStore.open(postgres_dsn)
+    try:
+        await store.create("s", conversation=[])
+        try:
+            await store.apply(mistyped_trace_batch())
+        except (StoredDataError, ConfigurationError):
+            return
+        assert (await store.load("s")).revision == 1
+        await store.batches("s")
+    finally:
+        await store.aclose()
+    reopened = await PostgresStore.open(postgres_dsn)
+    try:
+        assert (await reopened.load("s")).revision == 1
+        await reopened.batches("s")
+    finally:
+        await reopened.aclose()
+
+
+# -- a cycle cancelled from outside is reported like one cancelled by the token -----------------
+
+
+async def test_a_cycle_cancelled_from_outside_has_its_cycle_event_and_outcome() -> None:
+    scope = anyio.CancelScope()
+
+    @tool
+    async def wait_forever() -> str:
+        """Cancels the scope around the run, then never returns."""
+        scope.cancel()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    spans = Spans()
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    runtime = Runtime(
+        store=store,
+        model=ScriptedModel([call(("wait_forever", {}))]),
+        telemetry=spans.telemetry(),
+    )
+    with capture_logs() as captured, scope:
+        await StateMachine([Tools([wait_forever]), ModelInference()]).run(runtime, "s")
+    assert [e for e in captured if e["event"] == "finalize"]  # it was cut and finalized
+    cancelled = [e for e in captured if e["event"] == "cycle" and e["outcome"] == "cancelled"]
+    assert [e["step"] for e in cancelled] == ["tools"]
+    (cut,) = [s for s in spans.named("cycle") if (s.attributes or {}).get("error.type")]
+    assert (cut.attributes or {}).get("stepmachine.outcome") == "cancelled"
+
+
+# -- the decision trail round-trips whatever text it holds (hypothesis) -------------------------
+
+
+TEXT = st.text(st.characters(exclude_categories=["Cs"]), max_size=400)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    whys=st.lists(st.tuples(TEXT.filter(bool), TEXT), max_size=5),
+    trace=st.none() | TEXT,
+)
+def test_any_refusals_and_trace_round_trip_through_the_codec(
+    whys: list[tuple[str, str]], trace: str | None
+) -> None:
+    from stepmachine._codec import refusal
+
+    codec = Codec(NoData)
+    refused = tuple(refusal(step, why) for step, why in whys)
+    for kept, (_, why) in zip(refused, whys, strict=True):
+        assert len(kept.why) <= MAX_WHY
+        assert kept.why == why or (kept.why.endswith("...") and why.startswith(kept.why[:-3]))
+    nothing: tuple[Effect, ...] = ()
+    one: tuple[Effect, ...] = (AppendMessage(Message.user("x", id="u1")),)
+    for effects in (nothing, one):
+        batch: Batch[Effect] = Batch(
+            session_id="s",
+            revision=1,
+            step="inference",
+            cycle=1,
+            timestamp=1.0,
+            effects=effects,
+            refused=refused,
+            trace=trace,
+        )
+        encoded = codec.encode_batch(batch)
+        assert codec.decode_batch(encoded) == batch
+        fields = msgspec.json.decode(encoded)
+        assert ("refused" in fields) == bool(refused)
+        assert ("trace" in fields) == (trace is not None)
+
+
+@settings(max_examples=50, deadline=None)
+@given(why=st.text(st.characters(categories=["Cs"]), min_size=1, max_size=5))
+def test_any_refusal_reason_at_all_gives_an_encodable_batch(why: str) -> None:
+    from stepmachine._codec import refusal
+
+    batch: Batch[Effect] = Batch(
+        session_id="s",
+        revision=1,
+        step="inference",
+        cycle=1,
+        timestamp=1.0,
+        effects=(),
+        refused=(refusal("refuses", why),),
+    )
+    Codec(NoData).encode_batch(batch)
+
+
+async def tool_loop_with_runtime(store: Store, session_id: str, runtime: Runtime) -> None:
+    await store.create(session_id, conversation=[Message.user("1 + 2?", id="u1")])
+    await StateMachine([Tools([add]), ModelInference()]).run(runtime, session_id)

@@ -22,9 +22,13 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import _provider_wires as wires
+import anyio
+import anyio.lowlevel
 import httpx
+import msgspec
 import pytest
 from _observability import Spans, json_lines
 from hypothesis import HealthCheck, given, settings
@@ -32,6 +36,8 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from stepmachine import (
+    AppendMessage,
+    CancelToken,
     Message,
     ModelInference,
     Runtime,
@@ -39,9 +45,11 @@ from stepmachine import (
     Telemetry,
     ToolAbortError,
     Tools,
+    submit,
     tool,
 )
 from stepmachine.extend import counter_ids
+from stepmachine.operations import Approval, Compaction, HistoryGuard, InvalidCalls, approve
 from stepmachine.providers import ProviderError
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import ScriptedModel, call, reply
@@ -262,3 +270,155 @@ async def test_captured_content_goes_into_the_documented_fields_and_attributes()
     attributes = dict(executed.attributes or {})
     assert FIXED.argument in str(attributes["gen_ai.tool.call.arguments"])
     assert attributes["gen_ai.tool.call.result"] == f"{FIXED.result} for {FIXED.argument}"
+
+
+def everything(captured: list[Any], spans: Spans) -> str:
+    """Every captured event and every finished span, serialised, as one text."""
+    return json.dumps(captured, default=repr) + "\n".join(s.to_json() for s in spans.finished)
+
+
+# -- secrets: server-supplied text in a successful reply ---------------------------------------
+
+
+def echoing_reply(wire: wires.Wire) -> Callable[[httpx.Request], httpx.Response]:
+    """A 200 reply whose ``model`` and finish reason echo the request's credential."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(wire.ok_json)
+        credential = request.headers.get("authorization") or request.headers.get("x-api-key")
+        body["model"] = f"echo {credential}"
+        if "choices" in body:
+            body["choices"][0]["finish_reason"] = KEY
+        if "stop_reason" in body:
+            body["stop_reason"] = KEY
+        return httpx.Response(200, json=body)
+
+    return handler
+
+
+@pytest.mark.parametrize("wire", wires.WIRES, ids=[w.name for w in wires.WIRES])
+async def test_a_reply_echoing_the_key_does_not_put_it_into_spans_or_events(
+    wire: wires.Wire,
+) -> None:
+    model = wire.make(echoing_reply(wire))
+    spans = Spans()
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("hi", id="u1")])
+    try:
+        with capture_logs() as captured:
+            await StateMachine([ModelInference()]).run(
+                Runtime(store=store, model=model, telemetry=spans.telemetry()), "s"
+            )
+    finally:
+        await model.aclose()
+    assert spans.named("chat")  # the check below can fail
+    assert KEY not in everything(captured, spans)
+
+
+# -- capture off: no content on the paths the secrets tests do not walk ---------------------------
+
+
+MARKS = {
+    "prompt": "zqPROMPTqz",
+    "argument": "zqARGUMENTqz",
+    "bad-argument": "zqBADARGqz",
+    "result": "zqRESULTqz",
+    "partial": "zqPARTIALqz",
+    "summary": "zqSUMMARYqz",
+}
+
+
+class Scripted:
+    """A model that decides from the history; it streams PARTIAL then hangs when told to."""
+
+    name = "stand-in"
+
+    def __init__(self, cancel: CancelToken) -> None:
+        self.cancel = cancel
+
+    async def request(self, request: Any, *, on_chunk: Any = None) -> Any:
+        from stepmachine.extend import TextChunk
+
+        last = request.messages[-1]
+        text = " ".join(m.text or "" for m in request.messages)
+        if "summar" in text.lower() and "and now?" not in (last.text or ""):
+            return reply(f"{MARKS['summary']} of the talk")
+        if last.role == "user" and "invalid tool calls" in (last.text or ""):
+            made = call(("pay", {"to": MARKS["argument"]}))
+        elif last.role == "user" and "please pay" in (last.text or ""):
+            made = call(
+                ("pay", {"to": MARKS["argument"]}),
+                ("nosuchtool", {"x": MARKS["bad-argument"]}),
+            )
+        else:
+            made = None
+        if made is not None:
+            parts = tuple(
+                msgspec.structs.replace(part, call_id=f"call-{len(request.messages)}-{n}")
+                for n, part in enumerate(made.parts)
+            )
+            return msgspec.structs.replace(made, parts=parts)
+        if last.role == "tool" and not self.cancel.cancelled:
+            if on_chunk is not None:
+                await on_chunk(TextChunk(f"{MARKS['partial']} so far"))
+            self.cancel.cancel("operator pressed stop")
+            await anyio.sleep_forever()
+        return reply("fine")
+
+
+async def content_scenario(telemetry: Telemetry) -> tuple[list[Any], str]:
+    """Approval yield (arguments in its data), approve, an invalid call repaired, the tool's
+    result, a streamed reply cancelled (finalize keeps the partial text), a compaction."""
+
+    @tool
+    def pay(to: str) -> str:
+        """Pay someone (needs approval)."""
+        return f"{MARKS['result']} paid {to}"
+
+    store = MemoryStore()
+    conversation = [Message.user(f"{MARKS['prompt']} please pay", id="u1")]
+    await store.create("s", conversation=conversation)
+    token = CancelToken()
+    runtime = Runtime(store=store, model=Scripted(token), ids=counter_ids(), telemetry=telemetry)
+
+    def machine(compact: bool = False) -> StateMachine[Any]:
+        steps: list[Any] = [HistoryGuard(), InvalidCalls()]
+        if compact:
+            steps.append(Compaction(threshold=1))
+        steps += [Approval(["pay"]), Tools([pay]), ModelInference(stream=True)]
+        return StateMachine(steps, cancel=None if compact else token)
+
+    reports = []
+    with capture_logs() as captured:
+        reports.append(await machine().run_report(runtime, "s"))
+        assert reports[-1].reason.kind == "awaiting_approval"
+        assert MARKS["argument"] in json.dumps(reports[-1].reason.data)  # the app reads it
+        for pending in reports[-1].reason.data["calls"]:
+            await approve(store, "s", pending["call_id"], by="operator")
+        reports.append(await machine().run_report(runtime, "s"))
+        assert reports[-1].reason.kind == "cancelled"
+        await submit(store, "s", [AppendMessage(Message.user("and now?", id="u2"))])
+        reports.append(await machine(compact=True).run_report(runtime, "s"))
+    stored = repr(await store.batches("s"))  # the audit log holds all but the prompt
+    for name in set(MARKS) - {"prompt"}:
+        assert MARKS[name] in stored, f"the scenario never produced the {name}"
+    return captured, "\n".join(r.reason.kind for r in reports)
+
+
+async def test_with_capture_off_approval_repairs_finalize_and_compaction_report_no_content() -> (
+    None
+):
+    spans = Spans()
+    captured, kinds = await content_scenario(spans.telemetry())
+    reported = everything(captured, spans)
+    assert {e["event"] for e in captured} >= {"finalize", "yield", "tool_call", "cycle"}
+    leaked = [name for name, mark in MARKS.items() if mark in reported]
+    assert leaked == [], f"with capture off these reached events or spans: {leaked} ({kinds})"
+
+
+async def test_with_capture_on_the_same_scenario_does_report_content() -> None:
+    spans = Spans()
+    captured, _ = await content_scenario(spans.telemetry(capture_content=True))
+    reported = everything(captured, spans)
+    assert MARKS["argument"] in reported
+    assert MARKS["result"] in reported

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import base64
 import itertools
+import struct
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
 import httpx
+import msgspec
 import pytest
 import spec_anthropic
 import spec_openai_chat
@@ -29,6 +33,7 @@ from stepmachine import (
     ConfigurationError,
     DocumentPart,
     ImagePart,
+    InvalidFieldError,
     Message,
     ModelRequest,
     ReasoningPart,
@@ -45,6 +50,17 @@ from stepmachine.providers import (
     OpenAIResponsesModel,
 )
 from stepmachine.providers._media_wire import from_data_url
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG signature and a valid IHDR chunk declaring ``width`` x ``height`` (no pixels)."""
+    ihdr = b"IHDR" + struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + ihdr + struct.pack(">I", zlib.crc32(ihdr))
+
+
+_PNG64 = png_header(64, 64)
+SHOT = ImagePart(media_type="image/png", data=_PNG64 + b"shot")
+OTHER = ImagePart(media_type="image/png", data=_PNG64 + b"other")
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(64))
 PDF = b"%PDF-1.7\n" + bytes(range(200, 256))
@@ -527,3 +543,192 @@ def test_the_specs_read_what_the_adapters_send_back_into_the_same_parts(
         assert request.messages == (_user(*parts),)
 
     check()
+
+
+def _chat_media(client: httpx.AsyncClient = _UNUSED) -> OpenAIChatModel:
+    return OpenAIChatModel("gpt-4o", api_key="sk-review", client=client)
+
+
+def _responses_media(client: httpx.AsyncClient = _UNUSED) -> OpenAIResponsesModel:
+    return OpenAIResponsesModel("gpt-4o", api_key="sk-review", client=client)
+
+
+def _anthropic_media(client: httpx.AsyncClient = _UNUSED) -> AnthropicModel:
+    return AnthropicModel("claude-sonnet-4-5", api_key="sk-ant-review", client=client)
+
+
+ADAPTERS = [_chat_media, _responses_media, _anthropic_media]
+
+
+ADAPTER_IDS = ["chat", "responses", "anthropic"]
+
+
+# -- what reaches the wire ---------------------------------------------------------------------
+
+
+class _RecorderMedia:
+    def __init__(self) -> None:
+        self.sent: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(request)
+        return httpx.Response(500, json={"error": {"message": "should not be reached"}})
+
+
+async def _refused_before_any_request(make: Any, messages: Sequence[Message]) -> None:
+    recorder = _RecorderMedia()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(recorder)) as client:
+        model = make(client)
+        with anyio.fail_after(10), pytest.raises(ConfigurationError):
+            await model.request(ModelRequest(messages=tuple(messages)))
+    assert recorder.sent == []
+
+
+@pytest.mark.parametrize(
+    ("make", "media_type"),
+    [
+        pytest.param(_chat_media, "image/png", id="chat-png"),
+        pytest.param(_responses_media, "image/png", id="responses-png"),
+        pytest.param(_anthropic_media, "image/png", id="anthropic-png"),
+        pytest.param(_responses_media, "image/tiff", id="responses-tiff"),
+        pytest.param(_chat_media, "image/tiff", id="chat-tiff"),
+        pytest.param(_anthropic_media, "image/tiff", id="anthropic-tiff"),
+    ],
+)
+async def test_an_empty_image_is_refused_before_any_request(make: Any, media_type: str) -> None:
+    try:
+        empty = ImagePart(media_type=media_type, data=b"")
+    except InvalidFieldError:
+        return  # refused where it is made: right too
+    await _refused_before_any_request(make, [Message.user("look", id="u", media=[empty])])
+
+
+def test_an_mcp_image_with_no_data_is_named_not_stored() -> None:
+    from mcp.types import CallToolResult, ImageContent
+
+    from stepmachine.operations._mcp_tool import result_output
+
+    output = result_output(
+        CallToolResult(content=[ImageContent(type="image", data="", mime_type="image/png")])
+    )
+    assert all(part.data for part in output.media)
+
+
+@pytest.mark.parametrize("media_type", ["application/zip", "application/pdf; charset=binary"])
+async def test_responses_refuses_a_document_type_it_cannot_name(media_type: str) -> None:
+    document = DocumentPart(media_type=media_type, data=b"PK\x03\x04")
+    await _refused_before_any_request(
+        _responses_media, [Message.user("read", id="u", media=[document])]
+    )
+
+
+@pytest.mark.parametrize("make", ADAPTERS, ids=ADAPTER_IDS)
+@pytest.mark.parametrize(
+    "part",
+    [
+        ImagePart(media_type="image/png; charset=x", data=b"\x89PNG"),
+        ImagePart(media_type="image/PNG", data=b"\x89PNG"),
+        ImagePart(media_type="image/svg+xml", data=b"<svg/>"),
+        AudioPart(media_type="audio/flac", data=b"fLaC"),
+    ],
+    ids=["params", "upper", "svg", "flac"],
+)
+async def test_an_image_type_with_parameters_or_odd_case_is_refused_before_any_request(
+    make: Any, part: ImagePart | AudioPart
+) -> None:
+    await _refused_before_any_request(make, [Message.user("look", id="u", media=[part])])
+
+
+def test_an_upper_case_kind_is_refused_where_the_part_is_made() -> None:
+    with pytest.raises(InvalidFieldError, match="media_type"):
+        ImagePart(media_type="IMAGE/PNG", data=b"x")
+
+
+@pytest.mark.parametrize(
+    "make", [_responses_media, _anthropic_media], ids=["responses", "anthropic"]
+)
+def test_several_results_in_one_tool_message_each_keep_their_own_media(make: Any) -> None:
+    conversation = [
+        Message.user("go", id="u"),
+        Message(
+            id="a",
+            role="assistant",
+            parts=(ToolCallPart.parse("c1", "t", "{}"), ToolCallPart.parse("c2", "t", "{}")),
+        ),
+        Message(
+            id="t",
+            role="tool",
+            parts=(ToolResultPart("c1", "one"), SHOT, ToolResultPart("c2", ""), OTHER),
+        ),
+    ]
+    body = _body(make(), *conversation)
+    shot, other = (base64.b64encode(p.data or b"").decode() for p in (SHOT, OTHER))
+    if make is _responses_media:
+        outputs = {i["call_id"]: str(i["output"]) for i in body["input"] if "output" in i}
+    else:
+        blocks = body["messages"][-1]["content"]
+        outputs = {b["tool_use_id"]: str(b["content"]) for b in blocks}
+        assert [b["type"] for b in blocks] == ["tool_result", "tool_result"]
+    assert shot in outputs["c1"]
+    assert other not in outputs["c1"]
+    assert other in outputs["c2"]
+    assert shot not in outputs["c2"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["result", "image", "document", "text"]), max_size=8),
+    user_after=st.booleans(),
+)
+def test_every_media_part_of_a_tool_message_goes_out_exactly_once(
+    kinds: list[str], user_after: bool
+) -> None:
+    calls: list[ToolCallPart] = []
+    parts: list[Any] = []
+    media: list[ImagePart | DocumentPart] = []
+    for n, kind in enumerate(kinds):
+        if kind == "result":
+            calls.append(ToolCallPart.parse(f"c{n}", "t", "{}"))
+            parts.append(ToolResultPart(f"c{n}", "" if n % 2 else f"r{n}"))
+        elif kind == "text":
+            parts.append(TextPart(f"t{n}"))
+        else:
+            data = f"{kind}-{n}-payload".encode()
+            part = (
+                ImagePart(media_type="image/png", data=data)
+                if kind == "image"
+                else DocumentPart(media_type="application/pdf", data=data)
+            )
+            parts.append(part)
+            media.append(part)
+    conversation = [Message.user("go", id="u")]
+    if calls:
+        conversation.append(Message(id="a", role="assistant", parts=tuple(calls)))
+    conversation.append(Message(id="t", role="tool", parts=(*parts, TextPart("end"))))
+    if user_after:
+        later = ImagePart(media_type="image/gif", data=b"GIF89a-later")
+        conversation.append(Message.user("next", id="u2", media=[later]))
+    for make in (_responses_media, _anthropic_media):
+        body = msgspec.json.encode(_body(make(), *conversation)).decode()
+        for part in media:
+            assert body.count(base64.b64encode(part.data or b"").decode()) == 1
+
+
+@pytest.mark.parametrize("make", ADAPTERS, ids=ADAPTER_IDS)
+async def test_media_in_an_assistant_or_system_message_is_refused_before_any_request(
+    make: Any,
+) -> None:
+    system = Message(id="s", role="system", parts=(TextPart("be brief"), SHOT))
+    await _refused_before_any_request(make, [system, Message.user("hi", id="u")])
+    assistant = Message(id="a", role="assistant", parts=(TextPart("look"), SHOT))
+    await _refused_before_any_request(make, [Message.user("hi", id="u"), assistant])
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.binary(min_size=1, max_size=512))
+def test_any_bytes_leave_every_adapter_in_standard_padded_base64(data: bytes) -> None:
+    image = ImagePart(media_type="image/png", data=data)
+    expected = base64.b64encode(data).decode()
+    for make in (_chat_media, _responses_media, _anthropic_media):
+        text = msgspec.json.encode(_body(make(), Message.user("x", id="u", media=[image])))
+        assert expected.encode() in text

@@ -6,7 +6,10 @@ import re
 from typing import Any
 
 import anyio
+import anyio.lowlevel
+import msgspec
 import pytest
+from structlog.testing import capture_logs
 
 from stepmachine import (
     AppendMessage,
@@ -15,15 +18,21 @@ from stepmachine import (
     Continue,
     Effect,
     Message,
+    ModelInference,
     Refuse,
     Runtime,
     Session,
+    StateMachine,
     StepContext,
+    ToolCallPart,
+    ToolResultPart,
+    Tools,
     Yield,
+    tool,
 )
 from stepmachine.extend import YieldReason, counter_ids, uuid_ids
 from stepmachine.stores import MemoryStore
-from stepmachine.testing import ScriptedModel
+from stepmachine.testing import ScriptedModel, call, reply
 
 # -- Runtime ----------------------------------------------------------------------------------
 
@@ -287,3 +296,54 @@ async def test_wait_is_cancellable_and_cleans_up() -> None:
     assert scope.cancelled_caught
     assert token._waiters == set()
     assert not token.cancelled
+
+
+# -- Runtime.tool_caller (untested elsewhere) ----------------------------------------------------
+
+
+@tool
+def must_not_run(a: int, b: int) -> int:
+    """A tool the caller stands in for."""
+    raise AssertionError("the tool ran although a tool_caller answers its calls")
+
+
+async def run_with_caller(caller: Any) -> tuple[Any, list[Any]]:
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    model = ScriptedModel([call(("must_not_run", {"a": 2, "b": 3})), reply("5")])
+    runtime = Runtime(store=store, model=model, tool_caller=caller)
+    machine = StateMachine([Tools([must_not_run]), ModelInference()], max_cycles=10)
+    with capture_logs() as captured:
+        report = await machine.run_report(runtime, "s")
+    return report, captured
+
+
+async def test_a_tool_caller_answers_the_call_and_is_reported() -> None:
+    async def caller(part: ToolCallPart, context: Any) -> ToolResultPart:
+        return ToolResultPart.for_call(part, "5")
+
+    report, captured = await run_with_caller(caller)
+    assert report.reason.kind == "done"
+    assert report.session.conversation[2].tool_results[0].content == "5"
+    assert [e["outcome"] for e in captured if e["event"] == "tool_call"] == ["recorded"]
+
+
+async def test_a_tool_callers_result_for_another_call_is_an_error_not_a_phantom_crash() -> None:
+    async def caller(part: ToolCallPart, context: Any) -> ToolResultPart:
+        return ToolResultPart.for_call(msgspec.structs.replace(part, call_id="other"), "5")
+
+    from stepmachine import StepContractError
+
+    with capture_logs() as captured, pytest.raises(StepContractError, match="other"):
+        await run_with_caller(caller)
+    assert not [e for e in captured if e["event"] == "journal"]
+
+
+async def test_a_tool_caller_returning_text_is_a_clear_error() -> None:
+    async def caller(part: ToolCallPart, context: Any) -> Any:
+        return "5"
+
+    from stepmachine import StepContractError
+
+    with pytest.raises(StepContractError, match="ToolResultPart"):
+        await run_with_caller(caller)

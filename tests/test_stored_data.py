@@ -1,16 +1,8 @@
-"""Review B: attacks on the durable stores' compressed records (issue 9).
-
-Stored data is data (invariant 8): a record that decompresses into something
-huge (a *decompression bomb*: a few megabytes that inflate to gigabytes) must
-fail with a clear :class:`~stepmachine.StoredDataError`, not exhaust the
-process's memory; a record that is valid zlib of something that is not the
-codec's JSON must fail naming the session and the record's position.
-
-The bomb tests load in a child process whose address space is limited to what
-it already uses plus 3 GiB (``RLIMIT_AS``), so a store that inflates the
-record whole gets a ``MemoryError`` there instead of taking the machine's
-memory; the record inflates to 16 GiB.
-"""
+"""Stored data is data, for the durable stores' compressed records: a record that inflates
+into something huge (a decompression bomb) fails with a clear StoredDataError instead of
+exhausting memory, and valid zlib of something that is not the codec's JSON fails naming the
+session and the record's position. The bomb tests load in a child process whose address space
+is limited (``RLIMIT_AS``)."""
 
 from __future__ import annotations
 
@@ -38,11 +30,9 @@ from stepmachine.stores._file_log import TAG_BATCH, encode_record
 from stepmachine.stores._sqlite_schema import SCHEMA_VERSION, checksum
 
 ROOT = Path(__file__).resolve().parent.parent
-LONG = "a long message that repeats itself, " * 20
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
-)
+
+LONG = "a long message that repeats itself, " * 20
 
 
 @functools.cache
@@ -62,6 +52,9 @@ def bomb(chunks: int = 1024) -> bytes:
     return first + again * (chunks - 1) + end + struct.pack(">I", adler)
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
+)
 def test_the_bomb_is_a_valid_stream() -> None:
     small = bomb(3)
     inflater = zlib.decompressobj()
@@ -172,6 +165,9 @@ def replace_file_batch(log: Path, payload: bytes) -> None:
 # -- decompression bombs ---------------------------------------------------------------
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
+)
 def test_sqlite_effect_row_bomb_fails_clearly(tmp_path: Path) -> None:
     db = tmp_path / "store.db"
     anyio.run(sqlite_session, db)
@@ -182,6 +178,9 @@ def test_sqlite_effect_row_bomb_fails_clearly(tmp_path: Path) -> None:
     assert "revision 1" in outcome
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
+)
 def test_sqlite_snapshot_bomb_fails_clearly(tmp_path: Path) -> None:
     db = tmp_path / "store.db"
     anyio.run(sqlite_session, db)
@@ -191,6 +190,9 @@ def test_sqlite_snapshot_bomb_fails_clearly(tmp_path: Path) -> None:
     assert "snapshot" in outcome
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
+)
 def test_file_record_bomb_fails_clearly(tmp_path: Path) -> None:
     folder = tmp_path / "store"
     log = anyio.run(file_session, folder)
@@ -200,6 +202,9 @@ def test_file_record_bomb_fails_clearly(tmp_path: Path) -> None:
     assert str(log) in outcome
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
+)
 def test_file_snapshot_bomb_is_not_a_memory_error(tmp_path: Path) -> None:
     """A snapshot is only a cache: a bomb in it is ignored (the log is replayed) or
     refused, never inflated whole."""
@@ -216,6 +221,9 @@ def test_file_snapshot_bomb_is_not_a_memory_error(tmp_path: Path) -> None:
 # -- valid zlib, invalid content ---------------------------------------------------------
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
+)
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     "inner", [b"[not json", b"{}", b"[1, 2]", b'[{"type": "no.such.effect"}]', b"\xff\xfe"]
@@ -232,6 +240,9 @@ async def test_sqlite_compressed_effect_of_invalid_json_names_the_row(
     assert "effect 0" in str(caught.value)
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
+)
 @pytest.mark.anyio
 @pytest.mark.parametrize("inner", [b"{not json", b"[]", b'{"id": 3}', b"\xff\xfe"])
 async def test_sqlite_compressed_snapshot_of_invalid_json_names_it(
@@ -245,6 +256,9 @@ async def test_sqlite_compressed_snapshot_of_invalid_json_names_it(
             await store.load("s")
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
+)
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     "inner", [b"{not json", b"[]", b'{"session_id": "s"}', b"\xff\xfe", b"a\nb"]
@@ -262,6 +276,9 @@ async def test_file_compressed_record_of_invalid_json_names_it(
         await store.batches("s")
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
+)
 @pytest.mark.anyio
 async def test_file_truncated_compressed_record_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "store"
@@ -276,6 +293,9 @@ async def test_file_truncated_compressed_record_is_refused(tmp_path: Path) -> No
         await store.load("s")
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
+)
 @pytest.mark.anyio
 async def test_file_compressed_record_with_trailing_garbage_is_refused(tmp_path: Path) -> None:
     """Bytes after the end of the zlib stream are not data: refused, not ignored."""
@@ -291,6 +311,9 @@ async def test_file_compressed_record_with_trailing_garbage_is_refused(tmp_path:
         await store.load("s")
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
+)
 @pytest.mark.anyio
 @pytest.mark.parametrize("table", ["effects", "snapshots"])
 async def test_sqlite_compressed_body_with_trailing_garbage_is_refused(

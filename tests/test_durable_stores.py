@@ -1,11 +1,6 @@
-"""Review B: snapshot pruning against ``load_at`` and ``fork`` at every revision, two
-store instances on one file, and a store used after ``aclose``.
-
-Both durable stores run with snapshots as often as they go (FileStore
-``snapshot_every=2``; SQLite's limits patched to 1 and 2), with
-``ReplaceConversation`` batches in between, so every revision sits before,
-at or after a pruned snapshot.
-"""
+"""The durable stores (FileStore, SQLiteStore) with snapshots as often as they go:
+``load_at`` and ``fork`` at every revision around pruned snapshots, two store instances on one
+file, and every call after ``aclose``."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Review B: invariant 12 on the error paths issue 9 added.
-
-A damaged typed record (an approval decision, a budget's receipt) makes a step
-raise in the middle of ``machine.run()``, with the runtime, and so the model
-client holding the API key, in the frames of the traceback. The error that
-comes out must not show the key anywhere (the same checks as
-``test_provider_secrets``: message, chain, attributes, formatted traceback,
-structlog's ``dict_tracebacks`` with frame locals, log records).
-"""
+"""No secret escapes on the error paths: a damaged typed record (an approval decision, a
+budget's receipt) makes a step raise in the middle of ``machine.run()`` with the model client,
+and so its API key, in the traceback's frames; the error that comes out shows the key nowhere
+(message, chain, attributes, formatted traceback, structlog's frame locals, log records)."""
 
 from __future__ import annotations
 
@@ -19,15 +14,7 @@ import pytest
 import structlog.testing
 from test_provider_secrets import WIRES, _assert_hidden, _leaks
 
-from stepmachine import (
-    Message,
-    ModelInference,
-    Runtime,
-    StateMachine,
-    ToolCallPart,
-    Tools,
-    tool,
-)
+from stepmachine import Message, ModelInference, Runtime, StateMachine, ToolCallPart, Tools, tool
 from stepmachine.operations import Approval, Budget, Limits
 from stepmachine.providers import RetryPolicy
 from stepmachine.stores import MemoryStore
