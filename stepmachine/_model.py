@@ -75,14 +75,13 @@ class ModelRequest(msgspec.Struct, frozen=True):
     """What a model is asked.
 
     Attributes:
-        messages: the messages visible to the model, oldest first: a tuple or
-            the session's :class:`~stepmachine.Conversation` as given (never
-            copied: a copy would cost O(history) per model call, measured 1.78x
-            the cost of a step at turn 2,000 against turn 20); any other
-            sequence (a list) is copied into a tuple. Encode a request holding
-            a conversation with ``enc_hook=Conversation.enc_hook`` (and decode
-            with ``dec_hook=Conversation.dec_hook``). The history is
-            provider-valid (valid history) when built by ``ModelInference``.
+        messages: the messages visible to the model, oldest first, as a tuple
+            (a list or the session's :class:`~stepmachine.Conversation` is
+            copied into one), so a request is a plain value that
+            ``msgspec.json.encode(request)`` encodes without hooks. The copy is
+            a tuple of pointers, O(history) per model call like the request the
+            adapter then sends. The history is provider-valid (valid history)
+            when built by ``ModelInference``.
         tools: the tool definitions collected from every step.
         prompt_parts: system prompt parts collected from every step.
         settings: sampling settings.
@@ -104,7 +103,7 @@ class ModelRequest(msgspec.Struct, frozen=True):
     TURN: ClassVar[str] = "turn"
     """The purpose of the conversation's own requests."""
 
-    messages: Sequence[Message]
+    messages: Sequence[Message]  # a tuple once built (see __post_init__)
     tools: tuple[ToolDefinition, ...] = ()
     prompt_parts: tuple[PromptPart, ...] = ()
     settings: ModelSettings = msgspec.field(default_factory=ModelSettings)
@@ -115,10 +114,15 @@ class ModelRequest(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         messages = self.messages
-        if type(messages) is not tuple and not isinstance(messages, Conversation):
-            # A list (or another sequence) becomes a tuple: the request holds no
-            # value its sender may still change. A Conversation is immutable: kept.
-            msgspec.structs.force_setattr(self, "messages", tuple(messages))
+        if type(messages) is not tuple:
+            # A list, a conversation or another sequence becomes a tuple: the request
+            # holds no value its sender may still change, and it encodes with plain
+            # msgspec (a tuple of pointers: the copy is a small part of a model call,
+            # which sends every one of these messages anyway).
+            copied = (
+                messages.as_tuple() if isinstance(messages, Conversation) else tuple(messages)
+            )
+            msgspec.structs.force_setattr(self, "messages", copied)
 
     @property
     def system_prompt(self) -> str:
