@@ -67,17 +67,18 @@ D = TypeVar("D", bound=msgspec.Struct)
 E = TypeVar("E", bound=Effect)
 
 
-class _StoredSession(msgspec.Struct, Generic[D], frozen=True):
+class _StoredSession(msgspec.Struct, frozen=True):
     """A session as stored: the fields of :class:`Session`, the conversation a JSON array.
 
     Decoded, then made a :class:`Session` (msgspec cannot decode a
-    :class:`~stepmachine.Conversation` itself).
+    :class:`~stepmachine.Conversation` itself); the data is kept as its JSON
+    text and decoded by :meth:`Codec.decode_data`, which checks its fields.
     """
 
     id: str
     revision: int
     conversation: tuple[Message, ...]
-    data: D
+    data: msgspec.Raw
 
 
 class Refusal(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -149,6 +150,20 @@ class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     effects: tuple[E, ...]
     refused: tuple[Refusal, ...] = ()
     trace: str | None = None
+
+
+_KEYS: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def _data_names(data_type: type[msgspec.Struct]) -> frozenset[str] | None:
+    """The keys a data type's JSON object may hold, or ``None`` when it is an array."""
+    config = data_type.__struct_config__
+    if config.array_like:
+        return None
+    names = {field.encode_name for field in msgspec.structs.fields(data_type)}
+    if config.tag_field is not None:
+        names.add(config.tag_field)
+    return frozenset(names)
 
 
 def _tag_of(effect_type: type[Effect]) -> str:
@@ -312,8 +327,11 @@ class Codec(Generic[D]):
         self._encoder = msgspec.json.Encoder(enc_hook=enc_hook)  # a Conversation: an array
         self._effects_decoder = msgspec.json.Decoder(tuple[union, ...])
         self._batch_decoder = msgspec.json.Decoder(Batch[union])
-        self._session_decoder = msgspec.json.Decoder(_StoredSession[data_type])  # type: ignore[valid-type]
+        # A session's data is decoded on its own, so its field names can be checked
+        # against the data type (an unknown field would be dropped on the next write).
+        self._session_decoder = msgspec.json.Decoder(_StoredSession)
         self._data_decoder = msgspec.json.Decoder(data_type)
+        self._data_names = _data_names(data_type)
         self._message_decoder = msgspec.json.Decoder(Message)
 
     # -- sessions ---------------------------------------------------------------
@@ -368,7 +386,8 @@ class Codec(Generic[D]):
         Besides the types, the session's own rules are checked: a revision of
         at least 0 and message ids that are unique.
         """
-        stored: _StoredSession[D] = self._decode(self._session_decoder, buf, "session", where)
+        stored: _StoredSession = self._decode(self._session_decoder, buf, "session", where)
+        data = self.decode_data(stored.data, where=where)
         ids = [m.id for m in stored.conversation]
         if stored.revision < 0 or len(set(ids)) != len(ids):
             raise StoredDataError(
@@ -380,7 +399,7 @@ class Codec(Generic[D]):
             id=stored.id,
             revision=stored.revision,
             conversation=Conversation(stored.conversation),
-            data=stored.data,
+            data=data,
         )
 
     # -- effects and batches ----------------------------------------------------
@@ -420,8 +439,28 @@ class Codec(Generic[D]):
         return self._encoder.encode(data)
 
     def decode_data(self, buf: bytes, *, where: str = "data record") -> D:
-        """Decode application data. Raises :class:`StoredDataError` naming ``where``."""
-        return self._decode(self._data_decoder, buf, "data", where)  # type: ignore[no-any-return]
+        """Decode application data. Raises :class:`StoredDataError` naming ``where``.
+
+        Data with a field the data type does not have is refused, never decoded
+        without it: the next write would store the data without that field. It
+        is what a store opened with another codec than the one that wrote the
+        session meets (``Codec(NoData)``, the default, for data of ``MyData``).
+        """
+        data = self._decode(self._data_decoder, buf, "data", where)
+        if self._data_names is not None and bytes(memoryview(buf)[:1]) == b"{":
+            names = self._decode(_KEYS, buf, "data", where)
+            unknown = sorted(set(names) - self._data_names)
+            if unknown:
+                kind = self.data_type.__name__
+                raise StoredDataError(
+                    f"stored data is data: the application data in {where} has fields "
+                    f"{unknown!r} that {kind} does not have, so it was not read (a write "
+                    f"would drop them); this store was opened with Codec({kind}): open it "
+                    "with the Codec of the data type the session was written with, e.g. "
+                    "Codec(MyData), or add the fields to "
+                    f"{kind}; nothing was changed"
+                )
+        return data  # type: ignore[no-any-return]
 
     def encode_message(self, message: Message) -> bytes:
         """JSON bytes of one message (tool arguments stored once)."""

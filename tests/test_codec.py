@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -22,11 +23,13 @@ from stepmachine import (
     ReplaceConversation,
     Session,
     SetVisibility,
+    Store,
     StoredDataError,
     TextPart,
     ToolCallPart,
     ToolResultPart,
     UpdateData,
+    submit,
 )
 from stepmachine.extend import KERNEL_EFFECTS, Batch, Conversation
 
@@ -765,3 +768,66 @@ def test_default_notes_and_visibility_are_left_out_only_where_a_message_is_decla
         b'"notes":{"op":{"k":1}},"visible_to_model":false,"visible_to_user":true}'
     )
     assert QUOTING.decode_message(record) == hidden
+
+
+# -- data written with another data type is refused, never read without its fields --------
+
+
+class _Ledger(msgspec.Struct):
+    balance: int = 0
+    owner: str = ""
+
+
+class _Renamed(msgspec.Struct, rename="camel"):
+    account_owner: str = ""
+
+
+class _Tagged(msgspec.Struct, tag="ledger"):
+    balance: int = 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "data"),
+    [(_Renamed, b'{"accountOwner":"ann"}'), (_Tagged, b'{"type":"ledger","balance":3}')],
+)
+def test_data_of_its_own_type_decodes_with_renamed_and_tag_fields(kind: type, data: bytes) -> None:
+    assert Codec(kind).decode_data(data) == msgspec.json.decode(data, type=kind)
+
+
+def test_data_with_a_field_the_type_lacks_is_refused_naming_the_fields_and_the_fix() -> None:
+    with pytest.raises(StoredDataError) as caught:
+        Codec(_Ledger).decode_data(b'{"balance":1,"limit":5}', where="here")
+    text = str(caught.value)
+    assert "['limit']" in text
+    assert "here" in text
+    assert "Codec(_Ledger)" in text
+    assert "open it with the Codec of the data type" in text
+
+
+@pytest.mark.parametrize("store_kind", ["sqlite", "file"])
+async def test_a_store_opened_without_the_data_codec_refuses_the_session_and_loses_nothing(
+    tmp_path: Path, store_kind: str
+) -> None:
+    """Opening a store with the default ``Codec(NoData)`` for sessions written with
+    ``Codec(_Ledger)`` refuses to load them (naming the fix) instead of reading them
+    without their data, which the next write (a snapshot) would have stored."""
+    from stepmachine.stores import FileStore, SQLiteStore
+
+    async def open_store(codec: Codec[Any] | None) -> Store:
+        if store_kind == "sqlite":
+            path = tmp_path / "db.sqlite3"
+            return await (SQLiteStore.open(path, codec=codec) if codec else SQLiteStore.open(path))
+        folder = tmp_path / "sessions"
+        return await (FileStore.open(folder, codec=codec) if codec else FileStore.open(folder))
+
+    async with await open_store(Codec(_Ledger)) as store:
+        await store.create("s1", data=_Ledger(balance=7, owner="ann"))
+    async with await open_store(None) as store:
+        with pytest.raises(StoredDataError, match=r"\['balance', 'owner'\].*Codec\(NoData\)"):
+            await store.load("s1")
+        with pytest.raises(StoredDataError):
+            await submit(store, "s1", [AppendMessage(Message.user("hi", id="u1"))])
+    async with await open_store(Codec(_Ledger)) as store:
+        session = await store.load("s1")
+    assert session.data == _Ledger(balance=7, owner="ann")
+    assert session.revision == 0
