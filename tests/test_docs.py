@@ -447,6 +447,10 @@ def test_the_site_builds_strictly_offline(tmp_path: Path) -> None:
         encoding="utf-8"
     )
     assert 'id="stepmachine.StateMachine"' in reference
+    # The docstrings' Sphinx roles are links (docs/_ext/sphinx_roles.py), not literal text.
+    assert ":class:" not in reference
+    assert ":func:" not in reference
+    assert 'href="#stepmachine.StateMachine"' in reference
     changelog = (tmp_path / "site" / "changelog" / "index.html").read_text(encoding="utf-8")
     assert "Unreleased" in changelog  # CHANGELOG.md, included
 
