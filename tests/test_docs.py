@@ -397,6 +397,22 @@ def test_the_docs_have_their_pages_and_blocks() -> None:
     assert sum(len(blocks) for blocks in PAGES.values()) >= 50
 
 
+OUTSIDE = re.compile(r"\binvariants? ?\(?\d|DESIGN\.md|/work/|\bshared/conformance", re.IGNORECASE)
+
+
+def test_the_docs_cite_no_guarantee_by_number_and_no_file_outside_the_repository() -> None:
+    """A reader has the docs and a clone: guarantees are named in words, files are in the clone."""
+    cited = [
+        f"docs/{path.relative_to(DOCS).as_posix()}:{number}: {line.strip()}"
+        for path in sorted(DOCS.rglob("*.md"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
+    assert cited == []
+    assert OUTSIDE.search("see invariant 7")
+    assert OUTSIDE.search("as DESIGN.md says")
+
+
 # --- The site builds -----------------------------------------------------------------------------
 
 
