@@ -50,7 +50,10 @@ through the installed package (an editable install of this checkout).
 
 Also here: ``mkdocs build --strict`` into a temporary folder, failing on any
 warning; every name in the ``__all__`` of every public package appears as a
-``::: package.name`` block in ``docs/reference/``; every page is in the nav.
+``::: package.name`` block in ``docs/reference/``; every page is in the nav;
+every Python block is fenced as the runner sees it (a line ```` ```python ```` at
+the start of a line: not ``py``, not indented, no title); no page cites a
+guarantee by number or a file outside the repository.
 """
 
 from __future__ import annotations
@@ -395,6 +398,17 @@ def test_the_docs_have_their_pages_and_blocks() -> None:
     assert (DOCS / "index.md").exists()
     assert any(page.startswith("how-to/") for page in PAGES)
     assert sum(len(blocks) for blocks in PAGES.values()) >= 50
+
+
+def test_every_python_fence_is_one_the_runner_sees() -> None:
+    """A Python block fenced another way (```py, indented, with a title) would never run."""
+    hidden = [
+        f"docs/{path.relative_to(DOCS).as_posix()}:{number}: {line.strip()}"
+        for path in sorted(DOCS.rglob("*.md"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if re.match(r"^\s*(```|~~~)\s*\{?\.?py(thon)?3?\b", line) and line != "```python"
+    ]
+    assert hidden == [], "fence Python blocks as a line of its own: ```python"
 
 
 OUTSIDE = re.compile(r"\binvariants? ?\(?\d|DESIGN\.md|/work/|\bshared/conformance", re.IGNORECASE)
