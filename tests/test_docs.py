@@ -427,6 +427,13 @@ def test_the_docs_cite_no_guarantee_by_number_and_no_file_outside_the_repository
     assert OUTSIDE.search("as DESIGN.md says")
 
 
+def test_the_home_page_quickstart_is_the_agent_in_ten_lines() -> None:
+    quickstart = PAGES["index.md"][0]
+    assert len(quickstart.code.strip().splitlines()) <= 10
+    assert "from stepmachine import Agent" in quickstart.code
+    assert expected_output(quickstart.code) is not None  # its output is checked when it runs
+
+
 # --- The site builds -----------------------------------------------------------------------------
 
 
