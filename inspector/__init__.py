@@ -23,7 +23,7 @@ The pieces, usable from Python too:
   an in-process run's display events to it.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stepmachine._public import publish as _publish
 
@@ -42,6 +42,10 @@ from ._view import (
     message_view,
     session_view,
 )
+
+if TYPE_CHECKING:  # imported on first use (see __getattr__); seen by type checkers and the docs
+    from ._web import create_app as create_app
+    from ._web import serve as serve
 
 __all__ = [
     "FORMAT",

@@ -212,7 +212,8 @@ class PostgresStore:
         Args:
             dsn: a libpq connection string or URI (``postgresql://user@host/db``).
             codec: the application's codec (kernel effects and ``NoData`` by default).
-            min_size, max_size: the pool's connections kept open, and at most.
+            min_size: the pool's connections kept open.
+            max_size: the pool's connections at most.
             pool_timeout: seconds to wait for the first connection, and later
                 for a free one (then ``psycopg_pool.PoolTimeout``).
             idle_in_transaction_timeout: seconds one of this store's

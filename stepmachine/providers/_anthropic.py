@@ -138,7 +138,9 @@ class AnthropicModel(HTTPModel):
             (the API requires one).
         thinking: extended thinking, e.g. ``{"type": "enabled", "budget_tokens": 1024}``.
         anthropic_version: the ``anthropic-version`` header.
-        timeout, sleep, rng: see :class:`HTTPModel`.
+        timeout: see :class:`HTTPModel`.
+        sleep: see :class:`HTTPModel`.
+        rng: see :class:`HTTPModel`.
     """
 
     provider = "anthropic"

@@ -117,8 +117,8 @@ class GeminiModel(HTTPModel):
             default ``$GEMINI_BASE_URL``, else
             ``https://generativelanguage.googleapis.com/v1beta``; with
             ``project`` the Vertex AI root for it.
-        project, location: use Vertex AI: the Google Cloud project and location
-            (default ``global``).
+        project: use Vertex AI: the Google Cloud project.
+        location: the Vertex AI location (default ``global``).
         access_token: an OAuth access token for Vertex AI, sent as
             ``Authorization: Bearer ...`` (and redacted like a key). Tokens
             expire: make a new model, or pass ``headers``, when it does.
@@ -126,7 +126,12 @@ class GeminiModel(HTTPModel):
             ``{"includeThoughts": True, "thinkingBudget": 1024}``.
         safety_settings: ``safetySettings``, e.g.
             ``[{"category": "HARM_CATEGORY_HATE_SPEECH", "threshold": "BLOCK_ONLY_HIGH"}]``.
-        client, retry, timeout, headers, sleep, rng: see :class:`HTTPModel`.
+        client: see :class:`HTTPModel`.
+        retry: see :class:`HTTPModel`.
+        timeout: see :class:`HTTPModel`.
+        headers: see :class:`HTTPModel`.
+        sleep: see :class:`HTTPModel`.
+        rng: see :class:`HTTPModel`.
 
     Raises:
         ConfigurationError: both ``api_key`` and ``access_token`` given, or

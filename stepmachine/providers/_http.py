@@ -197,7 +197,8 @@ class HTTPModel:
         timeout: the timeout of every request (also through an injected client,
             whose own default -- 5 s for httpx -- is too short for models).
         headers: extra headers on every request.
-        sleep, rng: injectable for tests (``anyio.sleep``, a ``random.Random``).
+        sleep: injectable for tests (``anyio.sleep``).
+        rng: injectable for tests (a ``random.Random``).
     """
 
     reports_attempts = True  # each attempt sent is reported (exact budgets)

@@ -145,7 +145,12 @@ class OpenAIChatModel(HTTPModel):
             base URL (:class:`~stepmachine.ConfigurationError` otherwise).
         base_url: the API root; default ``$OPENAI_BASE_URL``, else
             ``https://api.openai.com/v1``.
-        client, retry, timeout, headers, sleep, rng: see :class:`HTTPModel`.
+        client: see :class:`HTTPModel`.
+        retry: see :class:`HTTPModel`.
+        timeout: see :class:`HTTPModel`.
+        headers: see :class:`HTTPModel`.
+        sleep: see :class:`HTTPModel`.
+        rng: see :class:`HTTPModel`.
         system_role: ``"system"`` (default) or ``"developer"``.
         strict_output: force ``strict`` on or off for structured output;
             ``None`` decides from the schema.
@@ -454,9 +459,9 @@ class OpenAICompatibleModel(OpenAIChatModel):
         api_key: default ``$OPENAI_COMPATIBLE_API_KEY``; optional (no
             ``Authorization`` header without it).
         send_reasoning: echo reasoning back in the field it arrived in.
-        Other arguments: see :class:`OpenAIChatModel`.
 
-    ``max_tokens`` is sent as ``max_tokens`` (the field every such server reads).
+    The other arguments are those of :class:`OpenAIChatModel`. ``max_tokens`` is sent as
+    ``max_tokens`` (the field every such server reads).
     """
 
     provider = "openai_compatible"

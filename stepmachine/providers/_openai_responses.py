@@ -161,7 +161,8 @@ class OpenAIResponsesModel(HTTPModel):
             for it when ``store`` is false and ``reasoning`` is configured.
         strict_tools: the ``strict`` flag on every function tool; ``None``
             leaves it to the server.
-        sleep, rng: injectable for tests.
+        sleep: injectable for tests.
+        rng: injectable for tests.
 
     The key is never shown: ``repr`` names the model and base URL only.
     """
