@@ -387,7 +387,7 @@ class Codec(Generic[D]):
         at least 0 and message ids that are unique.
         """
         stored: _StoredSession = self._decode(self._session_decoder, buf, "session", where)
-        data = self.decode_data(stored.data, where=where)
+        data = self._data(stored.data, where, kind="session", at="$.data")
         ids = [m.id for m in stored.conversation]
         if stored.revision < 0 or len(set(ids)) != len(ids):
             raise StoredDataError(
@@ -446,7 +446,21 @@ class Codec(Generic[D]):
         is what a store opened with another codec than the one that wrote the
         session meets (``Codec(NoData)``, the default, for data of ``MyData``).
         """
-        data = self._decode(self._data_decoder, buf, "data", where)
+        return self._data(buf, where, kind="data", at="$")
+
+    def _data(self, buf: bytes, where: str, *, kind: str, at: str) -> D:
+        """:meth:`decode_data`; a validation error names ``kind`` and the path ``at``."""
+        try:
+            data = self._data_decoder.decode(buf)
+        except msgspec.ValidationError as exc:
+            detail = str(exc).replace(" - at `$", f" - at `{at}")
+            if " - at `" not in detail:
+                detail += f" - at `{at}`"
+            raise StoredDataError(
+                f"stored data is data: {kind} in {where} does not validate: {detail}"
+            ) from exc
+        except msgspec.DecodeError as exc:  # the session record itself was valid JSON
+            raise StoredDataError(f"stored data is data: {kind} in {where}: {exc}") from exc
         if self._data_names is not None and bytes(memoryview(buf)[:1]) == b"{":
             names = self._decode(_KEYS, buf, "data", where)
             unknown = sorted(set(names) - self._data_names)
@@ -460,7 +474,7 @@ class Codec(Generic[D]):
                     "Codec(MyData), or add the fields to "
                     f"{kind}; nothing was changed"
                 )
-        return data  # type: ignore[no-any-return]
+        return data
 
     def encode_message(self, message: Message) -> bytes:
         """JSON bytes of one message (tool arguments stored once)."""
