@@ -465,14 +465,14 @@ class Codec(Generic[D]):
             names = self._decode(_KEYS, buf, "data", where)
             unknown = sorted(set(names) - self._data_names)
             if unknown:
-                kind = self.data_type.__name__
+                name = self.data_type.__name__
                 raise StoredDataError(
                     f"stored data is data: the application data in {where} has fields "
-                    f"{unknown!r} that {kind} does not have, so it was not read (a write "
-                    f"would drop them); this store was opened with Codec({kind}): open it "
+                    f"{unknown!r} that {name} does not have, so it was not read (a write "
+                    f"would drop them); this store was opened with Codec({name}): open it "
                     "with the Codec of the data type the session was written with, e.g. "
                     "Codec(MyData), or add the fields to "
-                    f"{kind}; nothing was changed"
+                    f"{name}; nothing was changed"
                 )
         return data
 
