@@ -22,9 +22,10 @@ from typing import Any
 
 import anyio
 import pytest
+from _public_names import private_uses
+
 from stepmachine import Session
 from stepmachine.stores import SQLiteStore
-from _public_names import private_uses
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -130,7 +131,8 @@ def test_the_why_lines_quote_measured_figures() -> None:
     assert len(bullets) in {3, 4}
     for bullet in bullets:
         assert re.search(r"\d", bullet), bullet  # each claim carries a figure
-        assert re.search(r"`python [^`]+`|\d[\d,]* (?:times|calls)", bullet), bullet  # and its source
+        source = r"`python [^`]+`|\d[\d,]* (?:times|calls)"  # the command or count behind it
+        assert re.search(source, bullet), bullet
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"line{b.line}")
@@ -245,6 +247,33 @@ def test_readme_commands_are_the_ones_dev_py_provides() -> None:
     assert "python3 dev.py test" in README
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python3 dev.py test" in ci
+
+
+def test_the_package_names_its_homes_and_ci_builds_it_as_a_release_would() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert set(project["urls"]) >= {"Documentation", "Changelog", "Source"}
+    assert all(url.startswith("https://") for url in project["urls"].values())
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    steps = [line.split("#")[0].strip() for line in ci if line.startswith("python3 dev.py")]
+    assert steps.index("python3 dev.py test") < steps.index("python3 dev.py package")
+    assert steps.index("python3 dev.py package") < steps.index("python3 dev.py lint")
+    dev = (ROOT / "dev.py").read_text()
+    assert '"build", "--no-isolation"' in dev
+    assert '"twine", "check", "--strict"' in dev
+
+
+def test_the_changelog_has_released_and_unreleased_sections() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    versions = re.findall(r"^## \[(.+?)\](?: - (\d{4}-\d{2}-\d{2}))?$", changelog, re.MULTILINE)
+    assert versions[0] == ("Unreleased", "")
+    released = versions[1:]
+    assert released, "earlier waves are released versions with dates"
+    assert all(date for _, date in released)
+    assert [date for _, date in released] == sorted((date for _, date in released), reverse=True)
+    numbers = [tuple(int(n) for n in version.split(".")) for version, _ in released]
+    assert numbers == sorted(numbers, reverse=True)
+    package = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert tuple(int(n) for n in package.split(".")[:3]) > numbers[0]  # the next one is unreleased
 
 
 def test_blocks_continue_only_when_marked() -> None:
