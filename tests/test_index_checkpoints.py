@@ -64,7 +64,9 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return read
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 100 examples of up to 40 effects each: test_session_index runs the same property 200 times
+# with the default checkpoints; here what is new is where the replays start.
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.sampled_from([1, 2, 3]))
 def test_the_index_after_a_visibility_change_equals_a_rescan(
     data: st.DataObject, every: int
@@ -75,7 +77,8 @@ def test_the_index_after_a_visibility_change_equals_a_rescan(
         for step in range(data.draw(st.integers(1, 40))):
             newest = data.draw(st.integers(0, 4))
             base = sessions[-1] if newest else data.draw(st.sampled_from(sessions))
-            if data.draw(st.integers(0, 9)) == 0:
+            decoded = data.draw(st.integers(0, 9)) == 0
+            if decoded:
                 base = roundtrip(base)
             effect = draw_effect(data, base, f"m{step}")
             try:
@@ -83,9 +86,10 @@ def test_the_index_after_a_visibility_change_equals_a_rescan(
             except EffectError:
                 continue
             assert_index_matches(after)
-            assert_index_matches(base)
+            if decoded:  # a base from `sessions` is checked again below, after every apply
+                assert_index_matches(base)
             sessions.append(after)
-        for session in sessions:
+        for session in sessions:  # applying never changed what an earlier session answers
             assert_index_matches(session)
 
 
