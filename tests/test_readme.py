@@ -108,7 +108,7 @@ def test_the_readme_is_a_front_page_of_at_most_200_lines() -> None:
     assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines: move detail to docs/"
 
 
-def test_the_readme_links_into_the_docs_and_every_link_is_a_file() -> None:
+def test_the_readme_links_into_the_docs_and_to_every_how_to_guide() -> None:
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
     local = [link for link in links if "://" not in link]
     for page in (
