@@ -4,6 +4,7 @@
     python3 dev.py demo     run examples/hello_world.py
     python3 dev.py test     run the test suite (extra arguments go to pytest)
     python3 dev.py lint     ruff check and mypy --strict
+    python3 dev.py package  build the sdist and the wheel, and twine check them
     python3 dev.py bench    run the benchmarks
 
 Each command makes (or reuses) the virtual environment ``.venv`` beside this
@@ -20,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import venv
 from pathlib import Path
 
@@ -72,7 +74,7 @@ def run(*command: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"demo", "test", "lint", "bench"}:
+    if not argv or argv[0] not in {"demo", "test", "lint", "package", "bench"}:
         print(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
@@ -103,6 +105,15 @@ def main(argv: list[str]) -> int:
             "dev.py",
         )
         return code or run("mypy", "--strict")
+    if command == "package":
+        # As a release would be: the sdist and the wheel, then twine's check of their metadata
+        # (the README as the long description). The build backend, hatchling, comes from the
+        # test extra (--no-isolation: nothing is fetched); the files go to a temporary folder.
+        ensure_env("test,lint")
+        with tempfile.TemporaryDirectory(prefix="stepmachine-dist-") as out:
+            code = run("python", "-m", "build", "--no-isolation", "--outdir", out, *rest)
+            dist = sorted(str(p) for p in Path(out).iterdir())
+            return code or run("twine", "check", "--strict", *dist)
     ensure_env("test,bench")
     code = 0
     for bench in sorted((ROOT / "benchmarks").glob("*.py")):

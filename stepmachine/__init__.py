@@ -114,7 +114,7 @@ from ._telemetry import Telemetry
 from ._tool_step import Tools, resolve_unknown_outcome
 from ._tools import SideEffects, Tool, ToolContext, ToolOutput, tool
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.4.0.dev0"
 
 
 __all__ = [

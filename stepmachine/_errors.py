@@ -6,8 +6,8 @@ families sit under the root. A :class:`DefinitionError` (also a ``TypeError``)
 means the program is wrong -- the step list, a constructor call, a step's
 return value -- and is fixed in code. A :class:`RunError` happens while
 running correct code -- a conflict, a missing session, damaged data, a failed
-model call -- and is handled at run time. Each class documents the invariant
-(DESIGN §3) or contract it protects, and every raise site puts the offending
+model call -- and is handled at run time. Each class documents the guarantee
+or contract it protects, and every raise site puts the offending
 value in the message, so a log line alone tells a reader what went wrong and
 where::
 

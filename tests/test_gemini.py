@@ -10,7 +10,7 @@ import itertools
 import json
 import logging
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -689,9 +689,10 @@ def _turns(draw: st.DrawFn) -> list[dict[str, Any]]:
 
 @settings(max_examples=80, deadline=None)
 @given(parts=st.composite(_turns)())
-def test_every_signature_goes_back_on_the_part_it_came_with(parts: list[dict[str, Any]]) -> None:
-    model = GeminiModel("g", api_key="k")
-    response = model.parse_response(_reply(parts))
+def test_every_signature_goes_back_on_the_part_it_came_with(
+    gemini_for_parsing: GeminiModel, parts: list[dict[str, Any]]
+) -> None:
+    response = gemini_for_parsing.parse_response(_reply(parts))
     [turn] = contents([Message(id="a1", role="assistant", parts=response.parts)]) or [{"parts": []}]
     assert turn["parts"] == parts
 
@@ -1335,14 +1336,26 @@ _WIRE_PART = st.one_of(
 )
 
 
+@pytest.fixture(scope="module")
+def gemini_for_parsing() -> Iterator[GeminiModel]:
+    """One adapter for the properties that only parse replies and build bodies (no request).
+
+    Building one per example made an HTTP client (an SSL context) 300 times.
+    """
+    model = GeminiModel("gemini-2.5-flash", api_key=KEY_GEMINI_MEDIA)
+    yield model
+    anyio.run(model.aclose)
+
+
 @settings(max_examples=300, deadline=None)
 @given(parts=st.lists(_WIRE_PART, max_size=8))
 def test_every_signature_goes_back_once_in_order_and_on_its_call(
+    gemini_for_parsing: GeminiModel,
     parts: list[dict[str, Any]],
 ) -> None:
     """Whatever a reply holds, the next request carries each of its signatures exactly
     once, in their order, and a call's signature on that same call."""
-    model = GeminiModel("gemini-2.5-flash", api_key=KEY_GEMINI_MEDIA)
+    model = gemini_for_parsing
     response = model.parse_response(_reply_gemini_media(parts, responseId="r"))
     history = (
         Message.user("hi", id="u1"),

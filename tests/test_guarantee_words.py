@@ -1,7 +1,10 @@
-"""User-facing text names a guarantee in words, never by a number the user cannot look up.
+"""User-facing text names a guarantee in words, and points only at files in the repository.
 
-The package's modules (docstrings and error messages alike), the examples and the README
-are what a user reads; none of them cites "invariant N".
+The package's modules (docstrings and error messages alike), the examples, the README, the
+documentation under ``docs/`` and the CHANGELOG (rendered into the documentation site) are
+what a user reads, with a clone of the repository at hand; none of them cites "invariant N",
+and none sends the reader to a file the clone does not hold (a design document, a folder
+beside the checkout, a path on the development machine).
 """
 
 from __future__ import annotations
@@ -13,8 +16,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMBERED = re.compile(r"\binvariants? ?\(?\d", re.IGNORECASE)
-SUFFIXES = {".py", ".js", ".html", ".css"}
-FOLDERS = ("stepmachine", "operations", "stores", "inspector", "examples")
+OUTSIDE = re.compile(
+    r"\bDESIGN(?:\.md|\s*§)"  # the design document, by name or by section
+    r"|(?<![\w.])(?:\.\./)+shared\b"  # a folder beside the checkout
+    r"|\bshared/(?:DESIGN|conformance)\b"
+    r"|/work/(?:main|shared|wt|notes)\b",  # paths of the development machine
+    re.IGNORECASE,
+)
+SUFFIXES = {".py", ".js", ".html", ".css", ".md"}
+FOLDERS = ("stepmachine", "operations", "stores", "inspector", "examples", "docs")
 # stepmachine/operations and stepmachine/stores are symlinks to the top-level folders:
 # each file is read once, by its real path.
 USER_TEXT = sorted(
@@ -24,28 +34,57 @@ USER_TEXT = sorted(
         for path in (ROOT / folder).rglob("*")
         if path.suffix in SUFFIXES and "__pycache__" not in path.parts and path.is_file()
     }
-    | {ROOT / "README.md"}
+    | {ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "CONTRIBUTING.md"}
 )
 
 
-def test_the_scan_sees_the_package() -> None:
-    names = {path.name for path in USER_TEXT}
-    assert {"_machine.py", "_codec.py", "_approval.py", "_sqlite.py", "README.md"} <= names
+def test_the_scan_sees_the_package_the_readme_and_the_docs() -> None:
+    names = {path.relative_to(ROOT).as_posix() for path in USER_TEXT}
+    assert {
+        "stepmachine/_machine.py",
+        "stepmachine/_codec.py",
+        "operations/_approval.py",
+        "stores/_sqlite.py",
+        "README.md",
+        "CHANGELOG.md",
+        "docs/how-to/approval.md",
+        "docs/how-to/providers.md",
+    } <= names
+
+
+def cited(path: Path, pattern: re.Pattern[str]) -> list[str]:
+    return [
+        f"{number}: {line.strip()}"
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if pattern.search(line)
+    ]
 
 
 @pytest.mark.parametrize("path", USER_TEXT, ids=lambda path: str(path.relative_to(ROOT)))
 def test_no_guarantee_is_cited_by_number(path: Path) -> None:
-    cited = [
-        f"{number}: {line.strip()}"
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-        if NUMBERED.search(line)
-    ]
-    assert cited == [], "name the guarantee in words (e.g. 'stored data is data'):\n" + "\n".join(
-        cited
+    found = cited(path, NUMBERED)
+    assert found == [], "name the guarantee in words (e.g. 'stored data is data'):\n" + "\n".join(
+        found
     )
+
+
+@pytest.mark.parametrize("path", USER_TEXT, ids=lambda path: str(path.relative_to(ROOT)))
+def test_no_file_outside_the_repository_is_cited(path: Path) -> None:
+    found = cited(path, OUTSIDE)
+    assert found == [], "say it here, or point at a file in the repository:\n" + "\n".join(found)
 
 
 def test_the_pattern_finds_a_numbered_citation() -> None:
     assert NUMBERED.search("a record does not decode (invariant 8)")
     assert NUMBERED.search("see invariants 2 and 3")
     assert not NUMBERED.search("stored data is data: the record does not decode")
+
+
+def test_the_pattern_finds_a_file_outside_the_repository() -> None:
+    assert OUTSIDE.search("The design and its invariants: `../shared/DESIGN.md`.")
+    assert OUTSIDE.search("each class documents the invariant (DESIGN §3) it protects")
+    assert OUTSIDE.search("replays every recording in `../shared/conformance/cassettes/`")
+    assert OUTSIDE.search("print(out.getvalue().replace('/work/main/', ''))")
+    assert not OUTSIDE.search("the recordings in `tests/fixtures/conformance/`")
+    assert not OUTSIDE.search("shared fixtures; a session-scoped server is shared/reused")
+    assert not OUTSIDE.search("design: the cycle, in docs/concepts/index.md")

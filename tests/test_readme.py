@@ -1,4 +1,4 @@
-"""Every Python block of the README runs as written, and the README reads as a long description.
+"""Every Python block of the README runs as written, and the README stays a short front page.
 
 Each fenced ``python`` block is a script of its own: it is written to a file
 in an empty temporary folder and run there in a subprocess. A block that
@@ -18,12 +18,19 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 from _public_names import private_uses
 
+from stepmachine import Session
+from stepmachine.stores import SQLiteStore
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+MAX_README_LINES = 200
+MAX_QUICKSTART_LINES = 10
 CONTINUES = "<!-- continues the previous block -->"
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 PRINT = re.compile(r"^\s*print\(.*\)\s*#\s*(?P<expected>.+?)\s*$")
@@ -86,8 +93,46 @@ def run_block(code: str, folder: Path) -> subprocess.CompletedProcess[str]:
 BLOCKS = python_blocks(README)
 
 
+def page_blocks(page: str) -> list[Block]:
+    """The python blocks of a page under ``docs/``, joined as in the README."""
+    return python_blocks((ROOT / "docs" / page).read_text(encoding="utf-8"))
+
+
 def test_the_readme_has_its_blocks() -> None:
-    assert len(BLOCKS) >= 6
+    assert len(BLOCKS) >= 1
+    assert "Agent(" in BLOCKS[0].code  # the quickstart uses the front door
+
+
+def test_the_readme_is_a_front_page_of_at_most_200_lines() -> None:
+    lines = README.splitlines()
+    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines: move detail to docs/"
+
+
+def test_the_readme_links_into_the_docs_and_to_every_how_to_guide() -> None:
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    local = [link for link in links if "://" not in link]
+    for page in (
+        "docs/index.md",
+        "docs/tutorial/index.md",
+        "docs/concepts/index.md",
+        "docs/reference/index.md",
+        "docs/coming-from.md",
+        "docs/how-to/providers.md",
+    ):
+        assert page in local, page
+    how_to = {link for link in local if link.startswith("docs/how-to/")}
+    # Every how-to guide on disk is linked; every how-to link names a page on disk.
+    assert how_to == {f"docs/how-to/{p.name}" for p in (ROOT / "docs" / "how-to").glob("*.md")}
+
+
+def test_the_why_lines_quote_measured_figures() -> None:
+    why = README.split("## Why", 1)[1].split("\n## ", 1)[0]
+    bullets = [b for b in why.split("\n- ") if b.strip().startswith("**")]
+    assert len(bullets) in {3, 4}
+    for bullet in bullets:
+        assert re.search(r"\d", bullet), bullet  # each claim carries a figure
+        source = r"`python [^`]+`|\d[\d,]* (?:times|calls)"  # the command or count behind it
+        assert re.search(source, bullet), bullet
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"line{b.line}")
@@ -127,25 +172,38 @@ def test_blocks_type_check_under_mypy_strict(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_quickstart_runs_twice_and_is_short(tmp_path: Path) -> None:
-    first = BLOCKS[0].code
-    assert len(first.strip().splitlines()) <= 22
-    for _ in range(2):
-        done = run_block(first, tmp_path)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == "2 + 3 = 5"
-    assert (tmp_path / "agent.sqlite3").exists()  # the embedded default store was used
+def test_quickstart_is_short_and_runs_offline_twice_continuing_the_session(tmp_path: Path) -> None:
+    quickstart = BLOCKS[0].code
+    assert len(quickstart.strip().splitlines()) <= MAX_QUICKSTART_LINES
+    first = run_block(quickstart, tmp_path)
+    assert first.returncode == 0, first.stderr
+    database = tmp_path / "stepmachine.sqlite3"  # the Agent's embedded default store
+    assert database.exists()
+    second = run_block(quickstart, tmp_path)
+    assert second.returncode == 0, second.stderr
+    # The same answer, and the stored session continued: the first turn (question, tool call,
+    # result, answer) is still there, and the second run added its own four messages to it.
+    assert first.stdout.split() == ["2", "+", "3", "=", "5", "4"]
+    assert second.stdout.split() == ["2", "+", "3", "=", "5", "8"]
+    stored = anyio.run(load_read_only, database, "s1")
+    assert [m.role for m in stored.conversation] == ["user", "assistant", "tool", "assistant"] * 2
 
 
-def test_approving_from_another_process_is_shown() -> None:
-    (block,) = [b for b in BLOCKS if ".pending(" in b.code]
+async def load_read_only(database: Path, session_id: str) -> Session[Any]:
+    async with await SQLiteStore.open(database, read_only=True) as store:
+        assert await store.list_sessions() == [session_id]
+        return await store.load(session_id)
+
+
+def test_approving_from_another_process_is_shown_in_the_approval_guide() -> None:
+    (block, *_) = [b for b in page_blocks("how-to/approval.md") if ".pending(" in b.code]
     assert "await approve(" in block.code
     assert "await deny(" in block.code
-    assert "awaiting_approval" in block.code
+    assert "awaiting_approval" in (ROOT / "docs" / "how-to" / "approval.md").read_text()
 
 
-def test_readme_step_list_builds_a_machine_in_the_documented_order() -> None:
-    (block,) = [b for b in BLOCKS if "steps = [" in b.code]
+def test_the_documented_step_list_builds_a_machine_in_the_documented_order() -> None:
+    (block,) = [b for b in page_blocks("how-to/agents.md") if "steps = [" in b.code]
     namespace: dict[str, object] = {}
     exec(block.code, namespace)
     machine = namespace["machine"]
@@ -189,6 +247,33 @@ def test_readme_commands_are_the_ones_dev_py_provides() -> None:
     assert "python3 dev.py test" in README
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python3 dev.py test" in ci
+
+
+def test_the_package_names_its_homes_and_ci_builds_it_as_a_release_would() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert set(project["urls"]) >= {"Documentation", "Changelog", "Source"}
+    assert all(url.startswith("https://") for url in project["urls"].values())
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    steps = [line.split("#")[0].strip() for line in ci if line.startswith("python3 dev.py")]
+    assert steps.index("python3 dev.py test") < steps.index("python3 dev.py package")
+    assert steps.index("python3 dev.py package") < steps.index("python3 dev.py lint")
+    dev = (ROOT / "dev.py").read_text()
+    assert '"build", "--no-isolation"' in dev
+    assert '"twine", "check", "--strict"' in dev
+
+
+def test_the_changelog_has_released_and_unreleased_sections() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    versions = re.findall(r"^## \[(.+?)\](?: - (\d{4}-\d{2}-\d{2}))?$", changelog, re.MULTILINE)
+    assert versions[0] == ("Unreleased", "")
+    released = versions[1:]
+    assert released, "earlier waves are released versions with dates"
+    assert all(date for _, date in released)
+    assert [date for _, date in released] == sorted((date for _, date in released), reverse=True)
+    numbers = [tuple(int(n) for n in version.split(".")) for version, _ in released]
+    assert numbers == sorted(numbers, reverse=True)
+    package = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert tuple(int(n) for n in package.split(".")[:3]) > numbers[0]  # the next one is unreleased
 
 
 def test_blocks_continue_only_when_marked() -> None:
