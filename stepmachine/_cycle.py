@@ -272,7 +272,7 @@ async def apply(
 
         loader = runtime.session_loader()
         staged = _staged.execute(outcome, session, write, loader.load, confirm, decision.held)
-        done = await _under(token, staged)
+        done = await staged if token is None else await _under(token, staged)
         if done is _CANCELLED:
             return None
         session, written, outcome = done

@@ -198,6 +198,16 @@ class EventSink:
         self._seq = 0
         self._warned = False
 
+    @property
+    def drops(self) -> bool:
+        """Whether nobody sees the events (a :class:`NullEmitter`): a caller may call
+        :meth:`skip` instead of building one for :meth:`emit`."""
+        return self._drops
+
+    def skip(self) -> None:
+        """What :meth:`emit` does with an event when :attr:`drops`: the sequence advances."""
+        self._seq += 1
+
     def follow(self, revision: int) -> None:
         """Events from now on follow ``revision``; the sequence restarts at 0."""
         if revision != self.revision:

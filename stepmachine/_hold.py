@@ -31,7 +31,7 @@ from . import _log, _transient
 from ._codec import Batch
 from ._effects import Effect
 from ._errors import ConfigurationError, LeaseLostError, SessionBusyError, StoreClosedError
-from ._lease import Lease, LeaseHolder, LeasePolicy, Leases
+from ._lease import Lease, LeaseHolder, LeasePolicy, Leases, now
 from ._session import Session
 from ._staged import lease_lost
 
@@ -153,9 +153,14 @@ async def claim_once(store: Leases, session_id: str, owner: str, ttl: float) -> 
     exception propagates. An ``Exception`` from the claim propagates as it is
     (a store raises before its claim took effect, or its lease lapses).
     """
+    sync = now(store, "claim")
+    got: Lease | LeaseHolder
     try:
-        with anyio.CancelScope(shield=True):
-            got = await store.claim(session_id, owner, ttl)
+        if sync is not None:  # an in-process store: nothing can cut the claim short
+            got = sync(session_id, owner, ttl)
+        else:
+            with anyio.CancelScope(shield=True):
+                got = await store.claim(session_id, owner, ttl)
     except Exception:
         raise
     except BaseException:
@@ -305,6 +310,12 @@ async def release(store: Leases, lease: Lease, *, unless_requested: bool) -> boo
     a session busy for good because one release failed. (A pending-run mark
     such a release did not take stays set: the next claimer runs that turn.)
     """
+    sync = now(store, "release")
+    if sync is not None:  # an in-process store: done at once (a failure goes the usual way)
+        try:
+            return sync(lease, unless_requested=unless_requested)  # type: ignore[no-any-return]
+        except Exception:  # noqa: BLE001, S110 - tried again, and logged, just below
+            pass
     released = await _quietly(
         "lease_release_failed",
         lease.session_id,
@@ -373,8 +384,12 @@ async def confirm_lease(runtime: Runtime, task: Task) -> None:
     if not isinstance(fence, Fence):
         return
     if fence.lost is None and task.guarded:
+        sync = now(fence.store, "renew")
         try:
-            await fence.store.renew(fence.lease)
+            if sync is not None:  # an in-process store: the same check, without a checkpoint
+                sync(fence.lease)
+            else:
+                await fence.store.renew(fence.lease)
         except LeaseLostError as exc:
             fence.lost = exc  # every later write of the run is refused at once too
     if fence.lost is not None:

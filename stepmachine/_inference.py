@@ -50,7 +50,7 @@ from typing import Any
 import msgspec
 
 from ._effects import Annotate, AppendMessage, Effect
-from ._emitter import ReasoningDelta, TextDelta, ToolArgumentsDelta
+from ._emitter import EventSink, ReasoningDelta, TextDelta, ToolArgumentsDelta
 from ._errors import ContextLengthError, HistoryError, ModelError
 from ._history import check_history, history_problems, open_tool_calls, request_order
 from ._ledger import Ledger, next_ledger, standing_ledger
@@ -292,13 +292,24 @@ class ModelInference(Inference[Any]):
         ending: list[Continue | Yield] = []
         failure: list[ModelError] = []
 
+        sink = ctx.events
+        drops = type(sink) is EventSink and sink.drops  # no delta event is built then
+
         async def on_chunk(chunk: StreamChunk) -> None:
             if isinstance(chunk, TextChunk):
                 partial.text.append(chunk.text)
+                if drops:
+                    sink.skip()
+                    return
                 await ctx.emit(TextDelta(chunk.text))
             elif isinstance(chunk, ReasoningChunk):
                 partial.reasoning.append(chunk.text)
+                if drops:
+                    sink.skip()
+                    return
                 await ctx.emit(ReasoningDelta(chunk.text))
+            elif drops:
+                sink.skip()
             else:
                 await ctx.emit(
                     ToolArgumentsDelta(

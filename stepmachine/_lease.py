@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -73,7 +74,9 @@ __all__ = [
     "LeasePolicy",
     "Leases",
     "check_claim",
+    "mark_now",
     "new_owner",
+    "now",
 ]
 
 Busy = Literal["wait", "fail", "queue"]
@@ -238,6 +241,34 @@ MIN_TTL = 0.1
 
 MAX_TTL = 7 * 24 * 3600.0
 """Seconds a lease lasts at most (a week): every store can represent its expiry."""
+
+
+_NOW_FORMS: dict[Callable[..., Any], str] = {}
+"""Async lease methods of store classes that have a synchronous form, by function."""
+
+
+def mark_now(method: Callable[..., Any], name: str) -> None:
+    """Say that ``method`` (a store class's async ``claim``, ``renew`` or ``release``)
+    has a synchronous form, the method ``name`` of the same class, that does all it
+    does but its checkpoint: an in-process store, whose lease calls never wait.
+
+    A run then calls that form directly (see :func:`now`): no checkpoint and no
+    shielded scope around a call that cannot be cut short anyway.
+    """
+    _NOW_FORMS[method] = name
+
+
+def now(store: object, method: str) -> Callable[..., Any] | None:
+    """The synchronous form of ``store.<method>`` (see :func:`mark_now`), or ``None``.
+
+    Only when ``store.<method>`` is the very function that was marked: a subclass
+    that overrides it, or a wrapper put on the instance, is called as it is.
+    """
+    if not _NOW_FORMS:
+        return None
+    function = getattr(getattr(store, method, None), "__func__", None)
+    name = _NOW_FORMS.get(function) if function is not None else None
+    return None if name is None else getattr(store, name, None)
 
 
 def check_claim(owner: object, ttl: object) -> None:

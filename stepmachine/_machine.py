@@ -53,7 +53,6 @@ just after a tool returned), which then propagate.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import EllipsisType
@@ -79,7 +78,7 @@ from ._finalize import (
 from ._hold import claim, holding, leasing_store, release, renew_interval, request_again
 from ._lease import Lease, LeasePolicy, Leases, check_claim, new_owner
 from ._model import PromptPart, ToolDefinition
-from ._runtime import Runtime
+from ._runtime import Runtime, with_handler
 from ._session import Session
 from ._steps import CancelToken, StepResult, YieldReason
 
@@ -279,8 +278,8 @@ class StateMachine(Generic[D]):
         :meth:`run_report`.
 
         The path of a batch from here: ``_drive`` -> ``Driver.run`` ->
-        ``Driver.cycle`` -> ``apply`` -> ``commit`` -> ``store_batch`` -> the
-        effect handler's ``apply`` (the lease's fence, or the store). The lease, the
+        ``Driver.cycle`` -> ``apply`` -> ``commit`` -> the effect handler's
+        ``apply`` (the lease's fence, or the store). The lease, the
         steps' ``open_for_run`` and the run's span are context managers around
         ``Driver.run``, not calls on that path.
 
@@ -307,7 +306,7 @@ class StateMachine(Generic[D]):
         owed = False  # a release took the mark: the next round is a requested turn
         try:
             async with holding(store, claimed, renew_every=renew_interval(claimed)) as fence:
-                fenced = dataclasses.replace(runtime, handler=fence)
+                fenced = with_handler(runtime, fence)
                 done = 0
                 while True:
                     async with self._round(fenced, session_id, emitter) as driver:
@@ -318,14 +317,14 @@ class StateMachine(Generic[D]):
                         break  # a requested turn is left to whoever claims next
                     owed = False
                     if await release(store, claimed, unless_requested=True):
-                        return dataclasses.replace(report, results=tuple(results))
+                        return RunReport(report.session, report.reason, tuple(results))
                     owed = True  # a turn was requested meanwhile: ours to run
                     if max_rounds is not None and done >= max_rounds:
                         break  # ... or to hand back (see above)
                 if owed:
                     await request_again(store, claimed)
                 await release(store, claimed, unless_requested=False)
-                return dataclasses.replace(report, results=tuple(results))
+                return RunReport(report.session, report.reason, tuple(results))
         except BaseException as exc:
             if owed:
                 await request_again(store, claimed)

@@ -7,6 +7,7 @@ clock and the id source all come from the :class:`Runtime` given to
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -28,7 +29,7 @@ ToolCaller: TypeAlias = "Callable[[ToolCallPart, ToolContext], Awaitable[ToolRes
 """How the ``Tools`` step answers a call instead of running its tool (``Runtime.tool_caller``):
 the result, or a ``tool`` message holding it and the images and documents it carries."""
 
-__all__ = ["Runtime", "ToolCaller", "counter_ids", "uuid_ids"]
+__all__ = ["Runtime", "ToolCaller", "counter_ids", "uuid_ids", "with_handler"]
 
 
 def uuid_ids() -> str:
@@ -128,3 +129,14 @@ class Runtime:
             raise ConfigurationError(
                 f"the Runtime has no model named {name!r}; it has {sorted(self.models)!r}"
             ) from None
+
+
+def with_handler(runtime: Runtime, handler: EffectHandler) -> Runtime:
+    """``dataclasses.replace(runtime, handler=handler)``, without its per-field work for a
+    plain :class:`Runtime` (a subclass goes through ``replace``, its ``__post_init__`` too)."""
+    if type(runtime) is not Runtime:
+        return dataclasses.replace(runtime, handler=handler)
+    fenced = object.__new__(Runtime)
+    fenced.__dict__.update(runtime.__dict__)
+    object.__setattr__(fenced, "handler", handler)
+    return fenced

@@ -134,6 +134,22 @@ async def test_null_emitter_drops_everything() -> None:
     assert vars(emitter) == {}  # it keeps nothing
 
 
+async def test_a_skipped_event_takes_its_sequence_number_as_an_emitted_one_does() -> None:
+    """``drops`` says a sink has nobody to show events to; ``skip`` advances the sequence
+    as ``emit`` does, so a step that skips building a dropped event numbers the rest alike."""
+    assert EventSink(NullEmitter(), "s", 0).drops
+    emitter = RecordingEmitter()
+    sink = EventSink(emitter, "s", 0)
+    assert not sink.drops
+    sink.skip()
+    await sink.emit(TextDelta("a"))
+    emitted = RecordingEmitter()
+    other = EventSink(emitted, "s", 0)
+    await other.emit(TextDelta("skipped"))
+    await other.emit(TextDelta("a"))
+    assert [e.seq for e in emitter.events] == [emitted.events[1].seq] == [1]
+
+
 async def test_recording_emitter_keeps_events_and_filters_by_type() -> None:
     emitter = RecordingEmitter()
     sink = EventSink(emitter, "s", 3)

@@ -25,12 +25,14 @@ from stepmachine import (
     Runtime,
     SessionBusyError,
     StateMachine,
+    Tools,
     submit,
+    tool,
 )
 from stepmachine import _hold as hold_module
 from stepmachine.extend import Lease, LeaseHolder, YieldReason, new_owner
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore, _flock_leases
-from stepmachine.testing import FunctionModel, reply
+from stepmachine.testing import FunctionModel, call, reply
 
 LOCAL = ["sqlite", "file"]
 
@@ -321,3 +323,71 @@ async def test_a_turn_queued_behind_a_durable_turns_last_cycle_stays_marked(
     got = await store.claim_next(new_owner(), 30.0)  # the queued turn is still work
     assert got is not None
     await store.release(got)
+
+
+# -- an in-process store's synchronous lease calls ---------------------------------------
+
+
+def test_only_the_marked_lease_methods_have_a_synchronous_form() -> None:
+    """``now`` finds MemoryStore's own forms; an override or a wrapper is called as it is."""
+    from stepmachine._lease import now
+
+    plain = MemoryStore()
+    for method, form in [
+        ("claim", "_claim_now"),
+        ("renew", "_renew_now"),
+        ("release", "_release_now"),
+    ]:
+        found = now(plain, method)
+        assert found is not None
+        assert getattr(found, "__func__", None) is getattr(MemoryStore, form)
+
+    class Overriding(MemoryStore):
+        async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:
+            return await super().release(lease, unless_requested=unless_requested)
+
+    assert now(Overriding(), "release") is None
+    assert now(Overriding(), "claim") is not None  # not overridden: still its own
+    wrapped = MemoryStore()
+    inner = wrapped.renew
+
+    async def renew(lease: Lease) -> Lease:
+        return await inner(lease)
+
+    patched: Any = wrapped
+    patched.renew = renew
+    assert now(wrapped, "renew") is None
+    assert now(SQLiteStore, "claim") is None  # a store that waits on its lease calls: none
+
+
+async def test_a_run_calls_a_subclass_lease_override(tmp_path: Path) -> None:
+    """A MemoryStore subclass that overrides claim, renew and release sees every call of a run."""
+    calls: list[str] = []
+
+    class Counting(MemoryStore):
+        async def claim(self, session_id: str, owner: str, ttl: float) -> Lease | LeaseHolder:
+            calls.append("claim")
+            return await super().claim(session_id, owner, ttl)
+
+        async def renew(self, lease: Lease) -> Lease:
+            calls.append("renew")
+            return await super().renew(lease)
+
+        async def release(self, lease: Lease, *, unless_requested: bool = False) -> bool:
+            calls.append("release")
+            return await super().release(lease, unless_requested=unless_requested)
+
+    @tool
+    def ping() -> str:
+        """Answer pong (a plain tool: non-idempotent, its lease confirmed before it starts)."""
+        return "pong"
+
+    def decide(request: Any) -> Any:
+        return call(("ping", {})) if request.messages[-1].role == "user" else reply("ok")
+
+    store = Counting()
+    await make_session(store)
+    machine: StateMachine[Any] = StateMachine([Tools([ping]), ModelInference(stream=False)])
+    session = await machine.run(Runtime(store=store, model=FunctionModel(decide)), "s")
+    assert session.conversation[-1].text == "ok"
+    assert calls == ["claim", "renew", "release"]
