@@ -278,7 +278,7 @@ class StateMachine(Generic[D]):
         :meth:`run_report`.
 
         The path of a batch from here: ``_drive`` -> ``Driver.run`` ->
-        ``Driver.cycle`` -> ``apply`` -> ``commit`` -> the effect handler's
+        ``Driver.cycle`` -> ``apply`` -> ``commit`` -> ``store_batch`` -> the effect handler's
         ``apply`` (the lease's fence, or the store). The lease, the
         steps' ``open_for_run`` and the run's span are context managers around
         ``Driver.run``, not calls on that path.

@@ -197,25 +197,16 @@ async def commit(
         ConflictError: the stored session moved on; nothing was written.
         EffectError: an effect does not apply; nothing was written.
     """
-    # store_batch's body, inlined: the one write path of a cycle is one call shorter.
-    handler = runtime.effect_handler()
-    effects = tuple(effects)
-    batch: Batch[Effect] = Batch(
-        session_id=session.id,
-        revision=session.revision + 1,
-        step=step_name,
-        cycle=cycle,
-        timestamp=runtime.clock(),
-        effects=effects,
+    return await store_batch(
+        runtime.effect_handler(),
+        session,
+        step_name,
+        cycle,
+        runtime.clock(),
+        tuple(effects),
         refused=refused,
         trace=_tracing.traceparent(),
     )
-    if getattr(type(handler), "applies_batches", False) is True:  # declared by the class
-        stored = await handler.apply(batch)
-        return apply_batch(session, effects) if stored is None else _checked(handler, batch, stored)
-    after = apply_batch(session, effects)
-    stored = await handler.apply(batch)
-    return after if stored is None else _checked(handler, batch, stored)
 
 
 class StepCommitter:
