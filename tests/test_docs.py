@@ -73,12 +73,12 @@ from pathlib import Path
 
 import pytest
 from _public_names import is_private, private_uses
+from _stated_output import expected_output, output_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 MARKER = re.compile(r"^<!--\s*(?P<body>.*?)\s*-->$")
-PRINT = re.compile(r"^\s*print\(.*\)\s*#\s*(?P<expected>.+?)\s*$")
 FILE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\.py$")
 CONTINUES = "continues the previous block"
 NEEDS = frozenset({"postgres"})
@@ -189,25 +189,8 @@ def python_blocks(text: str) -> list[Block]:
     return blocks
 
 
-def expected_output(code: str) -> list[str] | None:
-    """The stated output lines, or None when some ``print`` line states nothing."""
-    prints = [line for line in code.splitlines() if re.match(r"^\s*print\(", line)]
-    matches = [PRINT.match(line) for line in prints]
-    if not prints or not all(matches):
-        return None
-    return [m.group("expected") for m in matches if m]
 
 
-def output_problem(stdout: str, expected: list[str]) -> str | None:
-    """What is wrong with ``stdout`` against the stated lines, or None."""
-    lines = stdout.splitlines()
-    patterns = [re.escape(e).replace(re.escape("..."), ".*") for e in expected]
-    if len(lines) != len(patterns):
-        return f"printed {len(lines)} lines, the block states {len(patterns)}"
-    for number, (got, pattern) in enumerate(zip(lines, patterns, strict=True), 1):
-        if not re.fullmatch(pattern, got):
-            return f"output line {number}: {got!r} does not match {expected[number - 1]!r}"
-    return None
 
 
 def missing_modules(names: tuple[str, ...]) -> list[str]:

@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import pytest
 from _public_names import private_uses
+from _stated_output import expected_output, output_problem
 
 from stepmachine import Session
 from stepmachine.stores import SQLiteStore
@@ -33,7 +34,6 @@ MAX_README_LINES = 200
 MAX_QUICKSTART_LINES = 10
 CONTINUES = "<!-- continues the previous block -->"
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
-PRINT = re.compile(r"^\s*print\(.*\)\s*#\s*(?P<expected>.+?)\s*$")
 PROVIDER_VARIABLES = (
     "OPENAI_API_KEY",
     "ANTHROPIC_API_KEY",
@@ -66,13 +66,6 @@ def python_blocks(text: str) -> list[Block]:
     return blocks
 
 
-def expected_output(code: str) -> list[str] | None:
-    """The stated output lines, or None when some ``print`` line states nothing."""
-    prints = [line for line in code.splitlines() if re.match(r"^\s*print\(", line)]
-    matches = [PRINT.match(line) for line in prints]
-    if not prints or not all(matches):
-        return None
-    return [m.group("expected") for m in matches if m]
 
 
 def run_block(code: str, folder: Path) -> subprocess.CompletedProcess[str]:
@@ -141,11 +134,8 @@ def test_block_runs_as_written(block: Block, tmp_path: Path) -> None:
     assert done.returncode == 0, f"README block at line {block.line}:\n{done.stderr}"
     expected = expected_output(block.code)
     if expected is not None:
-        patterns = [re.escape(e).replace(re.escape("..."), ".*") for e in expected]
-        lines = done.stdout.splitlines()
-        assert len(lines) == len(patterns), done.stdout
-        for line, pattern in zip(lines, patterns, strict=True):
-            assert re.fullmatch(pattern, line), (line, pattern)
+        problem = output_problem(done.stdout, expected)
+        assert problem is None, f"README block at line {block.line}: {problem}:\n{done.stdout}"
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"line{b.line}")
