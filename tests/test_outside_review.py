@@ -1,0 +1,247 @@
+"""Defects found by an outside review of the user-facing surface.
+
+Each test states what a user does and what should happen; each is a strict xfail
+until the defect is fixed (then the mark goes and the test stays).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from stepmachine import (
+    Agent,
+    Codec,
+    ConfigurationError,
+    Continue,
+    Message,
+    ModelInference,
+    Operation,
+    Outcome,
+    Runtime,
+    StateMachine,
+    StepContext,
+    StepContractError,
+    Tools,
+    Yield,
+    tool,
+)
+from stepmachine.stores import MemoryStore
+from stepmachine.testing import ScriptedModel, call, reply
+
+SECRET = "SECRETTOKEN0123456789abcdef"
+
+
+# -- no secret escapes ---------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a base URL without a scheme (or with a misspelt one) holding a token is echoed whole "
+    "in the ConfigurationError",
+)
+@pytest.mark.parametrize(
+    "base_url",
+    [f"user:{SECRET}@localhost:8000/v1", f"https//user:{SECRET}@llm.example.com/v1"],
+)
+async def test_a_malformed_base_url_holding_a_token_is_not_echoed(
+    base_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A user sets the base URL of an OpenAI-compatible server with credentials in it and
+    # forgets "http://" (or writes "https//"). The error must say what is wrong without
+    # printing the token (a query-string token is already removed from the same message).
+    monkeypatch.setenv("OPENAI_COMPATIBLE_BASE_URL", base_url)
+    agent = Agent("openai-compatible:qwen3", store=tmp_path / "db.sqlite3")
+    with pytest.raises(ConfigurationError) as caught:
+        await agent.run("s1", "hi")
+    seen = [caught.value]
+    while seen[-1].__cause__ is not None or seen[-1].__context__ is not None:
+        seen.append(seen[-1].__cause__ or seen[-1].__context__)  # type: ignore[arg-type]
+    assert all(SECRET not in f"{error!s} {error!r}" for error in seen)
+
+
+# -- cancellation is bounded ---------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cancelling a run whose sync tool hangs waits for the tool to return, past "
+    "finalize_timeout (README: 'bounded by finalize_timeout')",
+)
+async def test_cancelling_a_run_with_a_hung_sync_tool_is_bounded() -> None:
+    release = threading.Event()
+    entered = threading.Event()
+
+    @tool
+    def fetch(url: str) -> str:
+        """A blocking call with no timeout of its own (a hung socket)."""
+        entered.set()
+        release.wait(timeout=30)
+        return "late"
+
+    store = MemoryStore()
+    await store.create("s1", conversation=[Message.user("fetch it", id="u1")])
+    model = ScriptedModel([call(("fetch", {"url": "http://example.com"})), reply("ok")])
+    machine = StateMachine([Tools([fetch]), ModelInference()], finalize_timeout=0.2)
+    released_by: list[str] = []
+
+    async def watchdog() -> None:
+        # Releases the tool only if the cancelled run has not returned on its own
+        # long after finalize_timeout: then the run was waiting for the tool.
+        await anyio.sleep(5)
+        if not released_by:
+            released_by.append("watchdog")
+            release.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watchdog)
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as inner:
+                inner.start_soon(machine.run, Runtime(store=store, model=model), "s1")
+                while not entered.is_set():  # noqa: ASYNC110 - set from the tool's thread
+                    await anyio.sleep(0.01)
+                scope.cancel()
+        if not released_by:
+            released_by.append("run returned")
+        release.set()
+        group.cancel_scope.cancel()
+    assert released_by == ["run returned"]
+
+
+# -- the front door ------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Agent(tools=[typed_function]) fails with AttributeError 'function' object has no "
+    "attribute 'name' although Tools([...]) takes typed functions",
+)
+async def test_the_agent_takes_a_typed_function_as_a_tool(tmp_path: Path) -> None:
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    # Tools([...]) takes it; the Agent should too, or refuse it naming @tool.
+    assert Tools([add]).name == "tools"
+    model = ScriptedModel([call(("add", {"a": 2, "b": 3})), reply("5")])
+    try:
+        agent = Agent(model, tools=[add], store=tmp_path / "db.sqlite3")  # type: ignore[list-item]
+    except ConfigurationError as error:
+        assert "@tool" in str(error)  # noqa: PT017 - either outcome is fine
+    else:
+        assert (await agent.run("s1", "2 + 3?")).text == "5"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Agent(None) (e.g. os.environ.get('MODEL') unset) is accepted; repr raises "
+    "AttributeError and run() says 'pass Runtime(model=...)', a name the user never used",
+)
+def test_an_agent_without_a_model_says_so_when_built(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="model"):
+        Agent(None, store=tmp_path / "db.sqlite3")  # type: ignore[call-overload]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Agent(approve='send') iterates the string: 'approve names ['d', 'e', 'n', 's']'",
+)
+def test_an_agent_approving_one_tool_by_a_bare_string(tmp_path: Path) -> None:
+    @tool
+    def send(to: str) -> str:
+        """Send."""
+        return to
+
+    # Either the one tool is approved, or the refusal names 'send' (not its letters).
+    problem = ""
+    try:
+        agent = Agent("scripted", tools=[send], approve="send", store=tmp_path / "db.sqlite3")
+    except ConfigurationError as error:
+        problem = str(error)
+    else:
+        assert "approval" in [step.name for step in agent.steps]
+    assert "['d'" not in problem
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Agent(store=123) is accepted and fails at run() with AttributeError "
+    "'int' object has no attribute 'create'",
+)
+def test_an_agent_with_a_store_of_the_wrong_type_is_refused_when_built() -> None:
+    with pytest.raises((ConfigurationError, TypeError), match="store"):
+        Agent("scripted", store=123)  # type: ignore[call-overload]
+
+
+# -- errors say what to do -----------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="README: 'StateMachine(steps)  # a tool name advertised twice would raise "
+    "ConfigurationError here'; it is raised only at run(), without the fix",
+)
+def test_a_tool_name_advertised_by_two_steps_is_refused_when_the_machine_is_built() -> None:
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add."""
+        return a + b
+
+    @tool(name="add")
+    def add_again(a: int) -> int:
+        """Also add."""
+        return a
+
+    with pytest.raises(ConfigurationError, match=r"'add'.*name="):
+        StateMachine(
+            [Tools([add], name="maths"), Tools([add_again], name="more"), ModelInference()]
+        )
+
+
+class _ContinuesWithAString(Operation[Any]):
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Continue(["not an effect"])  # type: ignore[list-item]
+
+
+class _YieldsANumber(Operation[Any]):
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Yield([], 42)  # type: ignore[arg-type]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Continue([a non-effect]) raises AttributeError \"type object 'str' has no attribute "
+    "'__struct_config__'\" instead of a StepContractError naming the step and the value",
+)
+async def test_a_step_continuing_with_a_non_effect_gets_a_clear_error() -> None:
+    store = MemoryStore()
+    await store.create("s1", conversation=[Message.user("hi", id="u1")])
+    with pytest.raises(StepContractError, match=r"_ContinuesWithAString.*not an effect"):
+        await StateMachine([_ContinuesWithAString()]).run(Runtime(store=store), "s1")
+    assert (await store.load("s1")).revision == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Yield(effects, 42) raises AttributeError \"'int' object has no attribute 'kind'\" "
+    "instead of a StepContractError naming the step and the reason",
+)
+async def test_a_step_yielding_a_reason_that_is_not_a_string_gets_a_clear_error() -> None:
+    store = MemoryStore()
+    await store.create("s1", conversation=[Message.user("hi", id="u1")])
+    with pytest.raises(StepContractError, match=r"_YieldsANumber.*42"):
+        await StateMachine([_YieldsANumber()]).run(Runtime(store=store), "s1")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Codec(dict) raises AttributeError \"type object 'dict' has no attribute "
+    "'__struct_config__'\" instead of saying the data type must be a msgspec Struct",
+)
+def test_a_codec_of_a_type_that_is_not_a_struct_says_what_to_pass() -> None:
+    with pytest.raises((ConfigurationError, TypeError), match="Struct"):
+        Codec(dict)  # type: ignore[type-var]
