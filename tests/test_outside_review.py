@@ -6,6 +6,7 @@ until the defect is fixed (then the mark goes and the test stays).
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,16 @@ from stepmachine import (
     Continue,
     Message,
     ModelInference,
+    ModelRequest,
+    ModelResponse,
     Operation,
     Outcome,
     Runtime,
     StateMachine,
     StepContext,
     StepContractError,
+    TextPart,
+    ToolCallPart,
     Tools,
     Yield,
     tool,
@@ -245,3 +250,50 @@ async def test_a_step_yielding_a_reason_that_is_not_a_string_gets_a_clear_error(
 def test_a_codec_of_a_type_that_is_not_a_struct_says_what_to_pass() -> None:
     with pytest.raises((ConfigurationError, TypeError), match="Struct"):
         Codec(dict)  # type: ignore[type-var]
+
+
+# -- a model that reuses tool-call ids -----------------------------------------
+
+
+class _ReusesCallIds:
+    """A model (as some local OpenAI-compatible servers do) naming every turn's call 'call_0'."""
+
+    name = "reuses-ids"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def request(self, request: ModelRequest, *, on_chunk: Any = None) -> ModelResponse:
+        self.calls += 1
+        last = request.messages[-1]
+        if last.role == "user":
+            arguments = json.dumps({"to": last.text})
+            return ModelResponse(parts=(ToolCallPart.parse("call_0", "send", arguments),))
+        return ModelResponse(parts=(TextPart("sent"),))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a call id reused in a later turn is taken as answered: the tool never runs, the "
+    "unanswered call is left in the history and the Agent asks the model again until "
+    "cycle_limit (about 50 paid calls)",
+)
+async def test_a_call_id_reused_in_a_later_turn_is_not_taken_as_answered(tmp_path: Path) -> None:
+    sent: list[str] = []
+
+    @tool
+    def send(to: str) -> str:
+        """Send a message."""
+        sent.append(to)
+        return f"sent to {to}"
+
+    model = _ReusesCallIds()
+    agent = Agent(model, tools=[send], store=tmp_path / "db.sqlite3")
+    assert (await agent.run("s1", "alice")).reason.kind == "done"
+    report = await agent.run("s1", "bob")
+    # The second call is run, or answered with an error the model can read: either way
+    # the run ends without looping, and every call in the history has a result.
+    assert report.reason.kind != "cycle_limit"
+    conversation = list(report.session.conversation)
+    last_call = max(i for i, m in enumerate(conversation) if m.tool_calls)
+    assert any(m.tool_results for m in conversation[last_call + 1 :])
