@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from stepmachine import (
@@ -29,13 +30,15 @@ from stepmachine import (
     StateMachine,
     StepContext,
     StepContractError,
+    StepmachineError,
+    StoredDataError,
     TextPart,
     ToolCallPart,
     Tools,
     Yield,
     tool,
 )
-from stepmachine.stores import MemoryStore
+from stepmachine.stores import FileStore, MemoryStore
 from stepmachine.testing import ScriptedModel, call, reply
 
 SECRET = "SECRETTOKEN0123456789abcdef"
@@ -297,3 +300,69 @@ async def test_a_call_id_reused_in_a_later_turn_is_not_taken_as_answered(tmp_pat
     conversation = list(report.session.conversation)
     last_call = max(i for i, m in enumerate(conversation) if m.tool_calls)
     assert any(m.tool_results for m in conversation[last_call + 1 :])
+
+
+# -- more of the front door ----------------------------------------------------
+
+
+class _Ticket(msgspec.Struct):
+    number: int = 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Agent(store=<a Store>, codec=Codec(T)) ignores the codec silently: the session is "
+    "created with NoData",
+)
+async def test_an_agent_does_not_drop_a_codec_given_with_a_store_object() -> None:
+    try:
+        agent = Agent("scripted", store=MemoryStore(), codec=Codec(_Ticket))
+    except ConfigurationError as error:  # refusing the pair is fine, if it says why
+        assert "codec" in str(error)  # noqa: PT017 - either outcome is fine
+    else:
+        report = await agent.run("s1", "hi")
+        assert isinstance(report.session.data, _Ticket)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a retried run(sid, Message(id=...)) whose message is already stored raises "
+    "EffectError without saying how to continue (run(sid) with no message)",
+)
+async def test_a_retried_message_id_says_how_to_continue(tmp_path: Path) -> None:
+    agent = Agent("scripted", store=tmp_path / "db.sqlite3")
+    await agent.run("s1", Message.user("pay Alice", id="request-7"))
+    with pytest.raises(StepmachineError) as caught:  # a web request retried after a crash
+        await agent.run("s1", Message.user("pay Alice", id="request-7"))
+    assert "request-7" in str(caught.value)
+    assert "None" in str(caught.value) or "no message" in str(caught.value)
+
+
+# -- stored data ---------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a damaged FileStore record's StoredDataError names the file and byte but not the "
+    "session and revision (the stores how-to says it names both)",
+)
+async def test_a_damaged_file_store_record_names_the_session_and_revision(
+    tmp_path: Path,
+) -> None:
+    store = await FileStore.open(tmp_path / "fs")
+    async with store:
+        agent = Agent("scripted", store=store)
+        for question in ("one", "two", "three"):
+            await agent.run("s1", question)
+    log = tmp_path / "fs" / "s1.log"
+    data = bytearray(log.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    log.write_bytes(bytes(data))
+    before = log.read_bytes()
+    store = await FileStore.open(tmp_path / "fs")
+    async with store:
+        with pytest.raises(StoredDataError) as caught:
+            await store.load("s1")
+    assert log.read_bytes() == before  # nothing rewritten (this part holds)
+    assert "'s1'" in str(caught.value)
+    assert "revision" in str(caught.value)
