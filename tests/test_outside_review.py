@@ -366,3 +366,18 @@ async def test_a_damaged_file_store_record_names_the_session_and_revision(
     assert log.read_bytes() == before  # nothing rewritten (this part holds)
     assert "'s1'" in str(caught.value)
     assert "revision" in str(caught.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Agent(store='<missing folder>/db.sqlite3') fails with sqlite3.OperationalError "
+    "'unable to open database file', naming neither the path nor the fix",
+)
+async def test_a_store_path_in_a_missing_folder_is_named_in_the_error(tmp_path: Path) -> None:
+    path = tmp_path / "no-such-folder" / "db.sqlite3"
+    try:
+        report = await Agent("scripted", store=path).run("s1", "hi")
+    except Exception as error:  # any error is fine if it names the path
+        assert str(path) in str(error)  # noqa: PT017
+    else:
+        assert report.reason.kind == "done"  # or the folder is made
