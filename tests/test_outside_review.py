@@ -6,6 +6,7 @@ until the defect is fixed (then the mark goes and the test stays).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from pathlib import Path
@@ -19,6 +20,7 @@ from stepmachine import (
     Agent,
     Codec,
     ConfigurationError,
+    ContextLengthError,
     Continue,
     Message,
     ModelInference,
@@ -462,3 +464,44 @@ async def test_a_reply_with_a_repeated_call_id_does_not_loop_the_agent(tmp_path:
     report = await Agent(model, tools=[send], store=tmp_path / "db.sqlite3").run("s1", "go")
     assert report.reason.kind != "cycle_limit"
     assert model.calls < 10
+
+
+# -- a tool that returns a huge result -----------------------------------------
+
+
+class _SmallWindow:
+    """A model with a context window of 100,000 characters (as a provider would refuse)."""
+
+    name = "small-window"
+
+    async def request(self, request: ModelRequest, *, on_chunk: Any = None) -> ModelResponse:
+        size = sum(
+            len(part.content if isinstance(part.content, str) else str(part.content))
+            for message in request.messages
+            for part in message.tool_results
+        ) + sum(len(message.text) for message in request.messages)
+        if size > 100_000:
+            raise ContextLengthError(f"{size} characters do not fit")
+        last = request.messages[-1]
+        if last.role == "user" and last.text == "read the log":
+            return ModelResponse(parts=(ToolCallPart.parse("c1", "read_log", "{}"),))
+        return ModelResponse(parts=(TextPart("hi"),))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a tool result of any size is stored and sent whole (McpTools caps it with "
+    "max_result_chars, Tools does not): one huge result makes every later Agent run of the "
+    "session fail with ContextLengthError",
+)
+async def test_one_huge_tool_result_does_not_make_the_session_unusable(tmp_path: Path) -> None:
+    @tool(side_effects="pure")
+    def read_log() -> str:
+        """Read the application log."""
+        return "a log line\n" * 50_000
+
+    agent = Agent(_SmallWindow(), tools=[read_log], store=tmp_path / "db.sqlite3")
+    with contextlib.suppress(ContextLengthError):
+        await agent.run("s1", "read the log")
+    report = await agent.run("s1", "never mind; say hi")
+    assert report.text == "hi"
