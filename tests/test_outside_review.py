@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import msgspec
 import pytest
 
@@ -38,6 +39,7 @@ from stepmachine import (
     ToolCallPart,
     Tools,
     Yield,
+    providers,
     tool,
 )
 from stepmachine.stores import FileStore, MemoryStore
@@ -505,3 +507,48 @@ async def test_one_huge_tool_result_does_not_make_the_session_unusable(tmp_path:
         await agent.run("s1", "read the log")
     report = await agent.run("s1", "never mind; say hi")
     assert report.text == "hi"
+
+
+# -- model strings and keys ----------------------------------------------------
+
+_KEY_VARIABLES = (
+    "OPENAI_API_KEY",
+    "OPENAI_BASE_URL",
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_BASE_URL",
+    "GEMINI_API_KEY",
+    "GOOGLE_API_KEY",
+    "GEMINI_BASE_URL",
+)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="with no key set, OpenAIChatModel refuses at once ('needs an API key ... set "
+    "OPENAI_API_KEY') but the Responses, Anthropic and Gemini adapters send the request to "
+    "the provider without a key and report its HTTP 401",
+)
+@pytest.mark.parametrize(
+    ("adapter", "model"),
+    [
+        ("OpenAIResponsesModel", "gpt-5-mini"),
+        ("AnthropicModel", "claude-haiku-4-5"),
+        ("GeminiModel", "gemini-2.5-flash"),
+    ],
+)
+async def test_a_missing_key_is_refused_before_a_request_is_sent(
+    adapter: str, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for variable in _KEY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    sent: list[str] = []
+
+    def provider(request: httpx.Request) -> httpx.Response:
+        sent.append(str(request.url))
+        return httpx.Response(401, json={"error": {"message": "no key", "type": "auth"}})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(provider)) as client:
+        made = getattr(providers, adapter)(model, client=client)
+        with pytest.raises(ConfigurationError, match="_API_KEY"):
+            await made.request(ModelRequest(messages=[Message.user("hi", id="u1")]))
+    assert sent == []
