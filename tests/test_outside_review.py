@@ -23,6 +23,7 @@ from stepmachine import (
     ConfigurationError,
     ContextLengthError,
     Continue,
+    Effect,
     Message,
     ModelInference,
     ModelRequest,
@@ -30,6 +31,7 @@ from stepmachine import (
     Operation,
     Outcome,
     Runtime,
+    Session,
     StateMachine,
     StepContext,
     StepContractError,
@@ -40,9 +42,10 @@ from stepmachine import (
     Tools,
     Yield,
     providers,
+    submit,
     tool,
 )
-from stepmachine.stores import FileStore, MemoryStore
+from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.testing import ScriptedModel, call, reply
 
 SECRET = "SECRETTOKEN0123456789abcdef"
@@ -552,3 +555,40 @@ async def test_a_missing_key_is_refused_before_a_request_is_sent(
         with pytest.raises(ConfigurationError, match="_API_KEY"):
             await made.request(ModelRequest(messages=[Message.user("hi", id="u1")]))
     assert sent == []
+
+
+class _Priority(msgspec.Struct):
+    priority: int = 3
+
+
+class _PriorityText(msgspec.Struct):
+    priority: str = "low"
+
+
+class _Bump(Effect, frozen=True, tag="review.bump"):
+    by: int
+
+    def apply(self, session: Session[Any]) -> Session[Any]:
+        data = msgspec.structs.replace(session.data, priority=session.data.priority + self.by)
+        return msgspec.structs.replace(session, data=data)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a store opened with a codec lacking a stored effect's tag, or with a data type whose "
+    "field types differ, refuses clearly but does not say what to do (the NoData case does: "
+    "'open it with the Codec of the data type ...')",
+)
+@pytest.mark.parametrize("wrong", ["effect missing", "field type differs"])
+async def test_a_wrong_codec_error_says_what_to_do(wrong: str, tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite3"
+    async with await SQLiteStore.open(path, Codec(_Priority, effects=[_Bump])) as store:
+        await store.create("t1", _Priority())
+        await submit(store, "t1", [_Bump(by=2)])
+    codec: Codec[Any] = (
+        Codec(_Priority) if wrong == "effect missing" else Codec(_PriorityText, effects=[_Bump])
+    )
+    async with await SQLiteStore.open(path, codec) as store:
+        with pytest.raises(StoredDataError) as caught:
+            await store.load("t1")
+    assert "open it with" in str(caught.value) or "effects=" in str(caught.value)
