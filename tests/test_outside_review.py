@@ -661,3 +661,39 @@ async def test_the_agent_does_not_ask_a_human_to_approve_an_invalid_call(tmp_pat
     agent = Agent(model, tools=[pay], approve=[pay], store=tmp_path / "db.sqlite3")
     report = await agent.run("s1", "pay them")
     assert report.reason.kind != "awaiting_approval"
+
+
+@tool
+def _add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="StateMachine([a_tool]) or StateMachine([ModelInference]) (a class) is accepted; the "
+    "run then fails with AttributeError \"'Tool' object has no attribute 'run'\" or a TypeError "
+    "about prompt_parts",
+)
+@pytest.mark.parametrize("mistake", ["a tool", "a step class"])
+def test_something_that_is_not_a_step_is_refused_when_the_machine_is_built(mistake: str) -> None:
+    wrong: Any = _add if mistake == "a tool" else ModelInference
+    with pytest.raises(ConfigurationError, match=r"Tools\(\[|ModelInference\(\)"):
+        StateMachine([wrong])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="@tool on a method in a class body says \"parameter 'self' needs a type annotation "
+    '(e.g. self: str)", advice that makes things worse',
+)
+def test_a_tool_made_from_a_method_in_a_class_body_gets_advice_that_helps() -> None:
+    with pytest.raises(ConfigurationError) as caught:
+
+        class Shop:
+            @tool
+            def price(self, item: str) -> int:
+                """The price of an item."""
+                return 3
+
+    assert "self: str" not in str(caught.value)
