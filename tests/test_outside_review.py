@@ -697,3 +697,26 @@ def test_a_tool_made_from_a_method_in_a_class_body_gets_advice_that_helps() -> N
                 return 3
 
     assert "self: str" not in str(caught.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a base URL ending in /chat/completions (a common mistake) gives 'HTTP 404: 404 page "
+    "not found', naming neither the URL requested nor that base_url is the API root",
+)
+async def test_a_404_from_a_wrong_base_url_names_what_was_requested(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def server(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, text="404 page not found")
+
+    monkeypatch.delenv("OPENAI_COMPATIBLE_API_KEY", raising=False)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as client:
+        model = providers.OpenAICompatibleModel(
+            "qwen3", base_url="http://localhost:11434/v1/chat/completions", client=client
+        )
+        with pytest.raises(providers.NotFoundError) as caught:
+            await model.request(ModelRequest(messages=[Message.user("hi", id="u1")]))
+    assert "/chat/completions/chat/completions" in str(caught.value) or "base_url" in str(
+        caught.value
+    )
