@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
     not hasattr(os, "mkfifo") or sys.platform == "win32", reason="needs FIFOs and flock"
 )
 
-LEASE_CHILD = Path(__file__).resolve().parent / "_review_h2_lease_child.py"
+LEASE_CHILD = Path(__file__).resolve().parent / "_lease_child.py"
 HANG_GUARD = 60  # seconds: far past any honest run on a loaded machine; only a hang reaches it
 KINDS = ["fifo", "directory", "symlink"]
 

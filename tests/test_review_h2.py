@@ -160,7 +160,7 @@ from stepmachine import Message, ModelInference, Runtime, StateMachine  # noqa: 
 from stepmachine.stores import MemoryStore  # noqa: E402
 from stepmachine.testing import ScriptedModel, call, reply  # noqa: E402
 
-MCP_SERVER = Path(__file__).parent / "_review_h2_mcp_server.py"
+MCP_SERVER = Path(__file__).parent / "_mcp_secret_server.py"
 MCP_SECRET = "mcp-env-secret-DO-NOT-LEAK-9911"
 
 
@@ -254,7 +254,7 @@ from stepmachine import _transient as transient  # noqa: E402
 from stepmachine.stores import FileStore  # noqa: E402
 from stepmachine.testing import FunctionModel  # noqa: E402
 
-LEASE_CHILD = Path(__file__).parent / "_review_h2_lease_child.py"
+LEASE_CHILD = Path(__file__).parent / "_lease_child.py"
 
 
 def _name(session_id: str) -> str:
@@ -630,7 +630,7 @@ def test_public_docstrings_name_guarantees_in_words() -> None:
 import signal  # noqa: E402
 import time  # noqa: E402
 
-SERVE_CHILD = Path(__file__).parent / "_review_h2_serve_child.py"
+SERVE_CHILD = Path(__file__).parent / "_serve_child.py"
 
 
 @pytest.mark.parametrize("kind", ["file", "sqlite"])
