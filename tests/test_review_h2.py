@@ -35,17 +35,9 @@ from stepmachine import (
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 
-# -- media blobs: damage after verification; delete racing a writer ----------------------
-
 
 def _img_msg(data: bytes, mid: str = "u1") -> Message:
     return Message.user("look", id=mid, media=[ImagePart(media_type="image/png", data=data)])
-
-
-async def _open(kind: str, tmp_path: Path) -> Any:
-    if kind == "file":
-        return await FileStore.open(tmp_path / "files")
-    return await SQLiteStore.open(tmp_path / "db.sqlite3")
 
 
 def _damage_same_size(kind: str, tmp_path: Path, data: bytes) -> None:
@@ -62,76 +54,6 @@ def _damage_same_size(kind: str, tmp_path: Path, data: bytes) -> None:
             changed = db.execute("UPDATE media SET body = ? WHERE digest = ?", (bad, digest))
             assert changed.rowcount == 1
         db.close()
-
-
-async def test_a_blob_damaged_to_the_same_size_is_repaired_by_a_later_write_file(
-    tmp_path: Path,
-) -> None:
-    await _damaged_then_rewritten("file", tmp_path)
-
-
-async def test_a_blob_damaged_to_the_same_size_is_repaired_by_a_later_write_sqlite(
-    tmp_path: Path,
-) -> None:
-    """The same attack on SQLite: held (the write repairs the row)."""
-    await _damaged_then_rewritten("sqlite", tmp_path)
-
-
-async def _damaged_then_rewritten(kind: str, tmp_path: Path) -> None:
-    data = os.urandom(5000)
-    store = await _open(kind, tmp_path)
-    try:
-        await store.create("s1", conversation=[_img_msg(data)])
-        _damage_same_size(kind, tmp_path, data)
-        fresh = await _open(kind, tmp_path)
-        try:
-            with pytest.raises(StoredDataError, match="damaged"):
-                await fresh.load("s1")  # the damage is seen, by this process
-        finally:
-            await fresh.aclose()
-        await store.create("s2", conversation=[_img_msg(data)])  # the same bytes again
-    finally:
-        await store.aclose()
-    reader = await _open(kind, tmp_path)
-    try:
-        session = await reader.load("s2")
-        [part] = [p for p in session.conversation[0].parts if isinstance(p, ImagePart)]
-        assert part.data == data
-    finally:
-        await reader.aclose()
-
-
-@pytest.mark.parametrize("kind", ["file", "sqlite"])
-async def test_delete_racing_a_writer_of_the_same_bytes_keeps_the_writers_blob(
-    kind: str, tmp_path: Path
-) -> None:
-    """Two store instances (two connections / open files, like two processes): one
-    deletes the only session naming a blob while the other creates a session with the
-    same bytes. Whatever the interleaving, the writer's session loads with its image."""
-    deleter = await _open(kind, tmp_path)
-    writer = await _open(kind, tmp_path)
-    try:
-        with anyio.fail_after(120):
-            for i in range(25):
-                data = os.urandom(3000)
-                await deleter.create(f"old{i}", conversation=[_img_msg(data)])
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(deleter.delete, f"old{i}")
-                    tg.start_soon(
-                        lambda i=i, data=data: writer.create(
-                            f"new{i}", conversation=[_img_msg(data)]
-                        )
-                    )
-                reader = await _open(kind, tmp_path)
-                try:
-                    session = await reader.load(f"new{i}")
-                    parts = session.conversation[0].parts
-                    assert [p.data for p in parts if isinstance(p, ImagePart)] == [data], i
-                finally:
-                    await reader.aclose()
-    finally:
-        await deleter.aclose()
-        await writer.aclose()
 
 
 # -- error text names guarantees in words, never by number --------------------------------
