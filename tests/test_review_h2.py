@@ -6,10 +6,6 @@ strict xfail records a defect (its reason says what happens and what should).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -28,57 +24,8 @@ from stepmachine import (
     Tools,
     tool,
 )
-from stepmachine.stores import MemoryStore, SQLiteStore
+from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
-
-# -- SQLite: a FIFO beside the database (-wal, -journal, -shm) -----------------------------
-
-
-def _cli_child(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str] | None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    try:
-        return subprocess.run(
-            [sys.executable, "-m", "stepmachine", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return None
-
-
-@pytest.mark.parametrize(
-    "suffix",
-    [
-        "-wal",
-        "-shm",
-        "-journal",
-    ],
-)
-def test_a_fifo_beside_the_sqlite_database_never_blocks_the_cli(
-    tmp_path: Path, suffix: str
-) -> None:
-    """Someone left a FIFO where SQLite keeps its WAL, shared memory or journal: the
-    read commands end (with an error or a listing), they never hang."""
-    path = tmp_path / "agent.sqlite3"
-
-    async def make() -> None:
-        store = await SQLiteStore.open(path)
-        await store.create("s1", conversation=[Message.user("hi", id="u1")])
-        await store.aclose()
-
-    anyio.run(make)
-    side = Path(str(path) + suffix)
-    side.unlink(missing_ok=True)
-    os.mkfifo(side)
-    for command in (("sessions", "list"), ("show", "s1")):
-        done = _cli_child("--store", f"sqlite:///{path}", *command)
-        assert done is not None, f"{command} hung on a FIFO at {side.name} (killed after 20 s)"
-        assert "Traceback" not in done.stderr, done.stderr[-1500:]
-
 
 # -- a step's contract: a careless run() -----------------------------------------------
 
