@@ -9,10 +9,15 @@ beside the checkout, a path on the development machine).
 
 from __future__ import annotations
 
+import os
 import re
+import sqlite3
 from pathlib import Path
 
 import pytest
+
+from stepmachine import ConflictError, ImagePart, Message, StoredDataError
+from stepmachine.stores import FileStore
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMBERED = re.compile(r"\binvariants? ?\(?\d", re.IGNORECASE)
@@ -88,3 +93,55 @@ def test_the_pattern_finds_a_file_outside_the_repository() -> None:
     assert not OUTSIDE.search("the recordings in `tests/fixtures/conformance/`")
     assert not OUTSIDE.search("shared fixtures; a session-scoped server is shared/reused")
     assert not OUTSIDE.search("design: the cycle, in docs/concepts/index.md")
+
+
+# -- the errors raised and the public docstrings -------------------------------------------
+
+
+def _img_msg(data: bytes, mid: str = "u1") -> Message:
+    return Message.user("look", id=mid, media=[ImagePart(media_type="image/png", data=data)])
+
+
+def _damage_same_size(kind: str, tmp_path: Path, data: bytes) -> None:
+    from stepmachine.extend import media_digest
+
+    digest = media_digest(data)
+    bad = bytes([data[0] ^ 0xFF]) + data[1:]
+    if kind == "file":
+        blob = tmp_path / "files" / ".media" / digest.removeprefix("sha256:")
+        blob.write_bytes(bad)
+    else:
+        db = sqlite3.connect(tmp_path / "db.sqlite3")
+        with db:
+            changed = db.execute("UPDATE media SET body = ? WHERE digest = ?", (bad, digest))
+            assert changed.rowcount == 1
+        db.close()
+
+
+_NUMBERED = re.compile(r"\binvariant \d+\b", re.IGNORECASE)
+
+
+async def test_errors_name_guarantees_in_words_not_numbers(tmp_path: Path) -> None:
+    shown: list[str] = [str(ConflictError("s", 1, 2))]
+    data = os.urandom(2000)
+    async with await FileStore.open(tmp_path / "files") as store:
+        await store.create("s1", conversation=[_img_msg(data)])
+    _damage_same_size("file", tmp_path, data)
+    async with await FileStore.open(tmp_path / "files") as store:
+        with pytest.raises(StoredDataError) as caught:
+            await store.load("s1")
+    shown.append(str(caught.value))
+    assert "stored data is data" in shown[1] or "damaged" in shown[1]
+    numbered = [text[:120] for text in shown if _NUMBERED.search(text)]
+    assert not numbered, numbered
+
+
+def test_public_docstrings_name_guarantees_in_words() -> None:
+    import stepmachine
+
+    numbered = []
+    for name in stepmachine.__all__:
+        doc = getattr(getattr(stepmachine, name), "__doc__", None) or ""
+        if _NUMBERED.search(doc) and not isinstance(getattr(stepmachine, name), str):
+            numbered.append(name)
+    assert not numbered, numbered

@@ -20,15 +20,25 @@ import anyio
 import pytest
 import structlog
 
-from stepmachine import Message, StoredDataError
+from stepmachine import (
+    CancelToken,
+    Message,
+    ModelInference,
+    Runtime,
+    StateMachine,
+    StoredDataError,
+    run_worker,
+)
+from stepmachine import _transient as transient
 from stepmachine.extend import Lease
 from stepmachine.stores import FileStore, SQLiteStore
+from stepmachine.testing import FunctionModel, reply
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "mkfifo") or sys.platform == "win32", reason="needs FIFOs and flock"
 )
 
-LEASE_CHILD = Path(__file__).resolve().parent / "_review_h2_lease_child.py"
+LEASE_CHILD = Path(__file__).resolve().parent / "_lease_child.py"
 HANG_GUARD = 60  # seconds: far past any honest run on a loaded machine; only a hang reaches it
 KINDS = ["fifo", "directory", "symlink"]
 
@@ -161,6 +171,87 @@ async def test_a_release_unlocks_even_when_the_held_mark_became_a_folder(tmp_pat
         assert [e["event"] for e in logs if e["log_level"] == "error"] == ["lease_files_damaged"]
         with pytest.raises(StoredDataError, match="held mark"):  # unlocked: the claim gets
             await two.claim("a", "two", 5.0)  # as far as the folder, and names it
+
+
+# -- serve() and a claim past a lock, held or mark file that is not regular -----------
+
+
+def _echo(request: Any) -> Any:
+    return reply(f"re: {request.messages[-1].text}")
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transient, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(transient, "BACKOFF_CAP", 0.05)
+
+
+async def _two_pending(folder: Path) -> None:
+    async with await FileStore.open(folder) as store:
+        for sid in ("a", "b"):
+            await store.create(sid, conversation=[Message.user(f"hi {sid}", id="u1")])
+            await store.request_run(sid)
+            os.utime(folder / ".leases" / "runs" / _name(sid), ns=(1, 1 if sid == "a" else 2))
+
+
+async def _serve_for(folder: Path, seconds: float) -> tuple[list[str], list[dict[str, Any]]]:
+    """serve() over the folder until ``b`` is served or ``seconds`` pass (a hang guard)."""
+    served: list[str] = []
+    stop = CancelToken()
+
+    def seen(report: Any) -> None:
+        served.append(report.session.id)
+        if "b" in served:
+            stop.cancel("done")
+
+    async with await FileStore.open(folder) as store:
+        runtime = Runtime(store=store, model=FunctionModel(_echo))
+        with structlog.testing.capture_logs() as logs:
+            with anyio.move_on_after(seconds):
+                await run_worker(
+                    StateMachine([ModelInference()]), runtime, stop=stop, poll=0.01, on_report=seen
+                )
+    return served, logs
+
+
+@pytest.mark.usefixtures("quick_backoff")
+async def test_a_directory_lock_file_does_not_stop_other_sessions_being_served(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "store"
+    await _two_pending(folder)
+    lock = folder / ".leases" / "sessions" / f"{_name('a')}.lock"
+    lock.unlink(missing_ok=True)
+    lock.mkdir()
+    served, logs = await _serve_for(folder, 10)
+    failed = [e for e in logs if e["event"] == "serve_claim_failed"]
+    assert "b" in served, (failed[:1], len(failed))
+
+
+@pytest.mark.parametrize("where", ["held", "runs"])
+def test_a_fifo_held_or_mark_file_never_blocks_a_claim(
+    tmp_path: Path, where: str, anyio_backend: str
+) -> None:
+    folder = tmp_path / "store"
+    anyio.run(_two_pending, folder)
+    path = folder / ".leases" / where / _name("a")
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    op = "claim" if where == "held" else "request_run"
+    try:
+        done = subprocess.run(
+            [sys.executable, str(LEASE_CHILD), op, str(folder), "a", anyio_backend],
+            capture_output=True,
+            text=True,
+            timeout=15,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{op} blocked on a FIFO at .leases/{where}/ (killed after 15 s)")
+    assert done.returncode == 0, done.stderr
 
 
 _SQLITE_CHILD = """

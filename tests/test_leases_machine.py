@@ -1251,7 +1251,7 @@ async def test_lease_calls_after_aclose(store: Any, request: pytest.FixtureReque
 
 # -- (1) a real holder process paused (SIGSTOP) while its tool runs ---------------------------
 
-PAUSED_CHILD = Path(__file__).with_name("_review_paused_child.py")
+PAUSED_CHILD = Path(__file__).with_name("_paused_child.py")
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -1425,3 +1425,98 @@ def test_the_stdio_reader_holds_no_more_than_the_bound_of_a_long_line() -> None:
     assert over
     assert first.startswith(head)
     assert lines.feed(b'{"id": 8}\n') == [(b'{"id": 8}', False)]
+
+
+# -- a hostile server quoting its configured secret (tests/_mcp_secret_server.py) -----
+
+
+MCP_SERVER = Path(__file__).parent / "_mcp_secret_server.py"
+MCP_SECRET = "mcp-env-secret-DO-NOT-LEAK-9911"
+
+
+def _mcp(mode: str) -> Any:
+    from stepmachine.operations import McpStdio
+
+    return McpStdio(
+        name="h2",
+        command=sys.executable,
+        args=[str(MCP_SERVER), mode],
+        env={"SECRET": MCP_SECRET},
+    )
+
+
+async def _mcp_run(mode: str, model: Any, bound: float = 60) -> tuple[Any, list[dict[str, Any]]]:
+    from stepmachine.operations import McpTools
+
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u1")])
+    with structlog.testing.capture_logs() as logs, anyio.fail_after(bound):
+        session = await StateMachine([McpTools([_mcp(mode)]), ModelInference()]).run(
+            Runtime(store=store, model=model), "s"
+        )
+    return session, logs
+
+
+def _stored(session: Any) -> str:
+    import msgspec
+
+    return "\n".join(msgspec.json.encode(m).decode() for m in session.conversation)
+
+
+async def test_mcp_a_description_quoting_the_secret_is_redacted() -> None:
+    model = ScriptedModel([reply("fine")])
+    await _mcp_run("desc", model)
+    [tool] = model.requests[0].tools
+    assert "server key" in tool.description
+    import msgspec
+
+    assert MCP_SECRET not in msgspec.json.encode(model.requests[0].tools).decode()
+
+
+async def test_mcp_structured_content_quoting_the_secret_is_redacted() -> None:
+    model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
+    session, _ = await _mcp_run("structured", model)
+    stored = _stored(session)
+    assert '"key"' in stored or "key" in stored
+    assert MCP_SECRET not in stored
+
+
+async def test_mcp_a_resource_uri_quoting_the_secret_is_redacted() -> None:
+    model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
+    session, _ = await _mcp_run("uri", model)
+    stored = _stored(session)
+    assert "files.test" in stored
+    assert MCP_SECRET not in stored
+
+
+async def test_mcp_a_10_mb_stderr_line_is_cut_and_redacted() -> None:
+    model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
+    session, logs = await _mcp_run("stderr", model)
+    lines = [e for e in logs if e.get("event") == "mcp_stderr"]
+    assert any("short line" in str(e.get("line")) for e in lines), lines[:3]
+    assert all(len(str(e.get("line"))) <= 2100 for e in lines)
+    shown = repr(logs) + _stored(session)
+    assert MCP_SECRET not in shown
+    assert MCP_SECRET[:12] not in shown
+
+
+async def test_mcp_a_server_answering_every_probe_with_32000_ends_the_call_cleanly() -> None:
+    """Every call and every probe get -32000: the call is an error result (the run ends,
+    bounded), never a hang or a crash of the run."""
+    from stepmachine import ToolResultPart
+
+    model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
+    session, _ = await _mcp_run("all32000", model, bound=60)
+    [result] = [p for m in session.conversation for p in m.parts if isinstance(p, ToolResultPart)]
+    assert result.is_error
+    text = str(result.content)
+    assert "busy" in text or "closed" in text or "unknown" in text, text
+
+
+async def test_mcp_a_32000_error_quoting_the_secret_is_its_message_redacted() -> None:
+    model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
+    session, logs = await _mcp_run("echo32000", model)
+    [result] = [p for m in session.conversation for p in m.parts if isinstance(p, ToolResultPart)]
+    assert result.is_error
+    assert "quota" in str(result.content)
+    assert MCP_SECRET not in _stored(session) + repr(logs)

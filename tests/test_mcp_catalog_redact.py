@@ -5,7 +5,8 @@ included) have the server's configured secrets replaced by ``[redacted]``
 when the catalog is built; a schema nested past ``MAX_SCHEMA_DEPTH`` is not
 walked without end: the tool is left out and logged. Documents a result
 carries have their titles (an embedded resource's URI) redacted too. The
-end-to-end cases with a real subprocess server are in tests/test_review_h2.py.
+end-to-end cases with a real subprocess server (tests/_mcp_secret_server.py) are
+in tests/test_mcp.py.
 """
 
 from __future__ import annotations

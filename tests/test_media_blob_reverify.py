@@ -104,3 +104,63 @@ async def test_a_verified_blob_found_damaged_is_rewritten_by_the_next_write(
             assert _images(await reader.load("s1")) == [data]  # repaired for both
     finally:
         await reader.aclose()
+
+
+# -- a blob damaged to the same size, then the same bytes written again ----------------
+
+
+async def _open(kind: str, tmp_path: Path) -> Any:
+    if kind == "file":
+        return await FileStore.open(tmp_path / "files")
+    return await SQLiteStore.open(tmp_path / "db.sqlite3")
+
+
+def _damage_same_size(kind: str, tmp_path: Path, data: bytes) -> None:
+    digest = media_digest(data)
+    bad = bytes([data[0] ^ 0xFF]) + data[1:]
+    if kind == "file":
+        blob = tmp_path / "files" / ".media" / digest.removeprefix("sha256:")
+        blob.write_bytes(bad)
+    else:
+        db = sqlite3.connect(tmp_path / "db.sqlite3")
+        with db:
+            changed = db.execute("UPDATE media SET body = ? WHERE digest = ?", (bad, digest))
+            assert changed.rowcount == 1
+        db.close()
+
+
+async def test_a_blob_damaged_to_the_same_size_is_repaired_by_a_later_write_file(
+    tmp_path: Path,
+) -> None:
+    await _damaged_then_rewritten("file", tmp_path)
+
+
+async def test_a_blob_damaged_to_the_same_size_is_repaired_by_a_later_write_sqlite(
+    tmp_path: Path,
+) -> None:
+    """The same attack on SQLite: held (the write repairs the row)."""
+    await _damaged_then_rewritten("sqlite", tmp_path)
+
+
+async def _damaged_then_rewritten(kind: str, tmp_path: Path) -> None:
+    data = os.urandom(5000)
+    store = await _open(kind, tmp_path)
+    try:
+        await store.create("s1", conversation=[_message(data)])
+        _damage_same_size(kind, tmp_path, data)
+        fresh = await _open(kind, tmp_path)
+        try:
+            with pytest.raises(StoredDataError, match="damaged"):
+                await fresh.load("s1")  # the damage is seen, by this process
+        finally:
+            await fresh.aclose()
+        await store.create("s2", conversation=[_message(data)])  # the same bytes again
+    finally:
+        await store.aclose()
+    reader = await _open(kind, tmp_path)
+    try:
+        session = await reader.load("s2")
+        [part] = [p for p in session.conversation[0].parts if isinstance(p, ImagePart)]
+        assert part.data == data
+    finally:
+        await reader.aclose()

@@ -278,3 +278,49 @@ async def test_a_sigkill_between_removing_the_session_and_its_blobs_loses_nothin
         loaded = await store.load_at("t", 0)
         await store.aclose()
     assert loaded.conversation[0].parts[-1] == _image(SHARED)
+
+
+# -- a delete racing a writer of the same bytes (two store instances) ------------------
+
+
+def _img_msg(data: bytes, mid: str = "u1") -> Message:
+    return Message.user("look", id=mid, media=[ImagePart(media_type="image/png", data=data)])
+
+
+async def _open(kind: str, tmp_path: Path) -> Any:
+    if kind == "file":
+        return await FileStore.open(tmp_path / "files")
+    return await SQLiteStore.open(tmp_path / "db.sqlite3")
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+async def test_delete_racing_a_writer_of_the_same_bytes_keeps_the_writers_blob(
+    kind: str, tmp_path: Path
+) -> None:
+    """Two store instances (two connections / open files, like two processes): one
+    deletes the only session naming a blob while the other creates a session with the
+    same bytes. Whatever the interleaving, the writer's session loads with its image."""
+    deleter = await _open(kind, tmp_path)
+    writer = await _open(kind, tmp_path)
+    try:
+        with anyio.fail_after(120):
+            for i in range(25):
+                data = os.urandom(3000)
+                await deleter.create(f"old{i}", conversation=[_img_msg(data)])
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(deleter.delete, f"old{i}")
+                    tg.start_soon(
+                        lambda i=i, data=data: writer.create(
+                            f"new{i}", conversation=[_img_msg(data)]
+                        )
+                    )
+                reader = await _open(kind, tmp_path)
+                try:
+                    session = await reader.load(f"new{i}")
+                    parts = session.conversation[0].parts
+                    assert [p.data for p in parts if isinstance(p, ImagePart)] == [data], i
+                finally:
+                    await reader.aclose()
+    finally:
+        await deleter.aclose()
+        await writer.aclose()

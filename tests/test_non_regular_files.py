@@ -19,12 +19,10 @@ import anyio
 import pytest
 
 from stepmachine import Message
-from stepmachine.stores import FileStore
+from stepmachine.stores import FileStore, SQLiteStore
 
-pytestmark = [
-    pytest.mark.parametrize("backend", ["asyncio", "trio"]),
-    pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform"),
-]
+pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+BACKENDS = pytest.mark.parametrize("backend", ["asyncio", "trio"])  # the child's event loop
 
 CHILD = Path(__file__).resolve().parent / "_store_reader_child.py"
 HANG_GUARD = 60  # seconds: far past any honest run on a loaded machine; only a hang reaches it
@@ -70,6 +68,7 @@ def _store(tmp_path: Path) -> Path:
     return folder
 
 
+@BACKENDS
 def test_load_of_a_fifo_log_is_stored_data_error(tmp_path: Path, backend: str) -> None:
     folder = _store(tmp_path)
     got = _read("load", f"file://{folder}", "pipe", backend)
@@ -81,6 +80,7 @@ def test_load_of_a_fifo_log_is_stored_data_error(tmp_path: Path, backend: str) -
     assert _read("load", f"file://{folder}", "good", backend) == {"revision": 0}
 
 
+@BACKENDS
 def test_a_fifo_snapshot_is_ignored_and_the_log_replayed(tmp_path: Path, backend: str) -> None:
     """A snapshot is a cache of the log: one that is not a regular file is ignored (with a
     warning), like a damaged one, and the log is replayed."""
@@ -90,6 +90,7 @@ def test_a_fifo_snapshot_is_ignored_and_the_log_replayed(tmp_path: Path, backend
     assert _read("load", f"file://{folder}", "good", backend) == {"revision": 0}
 
 
+@BACKENDS
 def test_a_directory_log_is_stored_data_error(tmp_path: Path, backend: str) -> None:
     folder = _store(tmp_path)
     (folder / "dir.log").mkdir()
@@ -98,6 +99,7 @@ def test_a_directory_log_is_stored_data_error(tmp_path: Path, backend: str) -> N
     assert "a directory" in got["message"]
 
 
+@BACKENDS
 def test_the_read_commands_never_block_on_a_fifo_log(tmp_path: Path, backend: str) -> None:
     folder = _store(tmp_path)
     url = f"file://{folder}"
@@ -129,6 +131,7 @@ def test_the_read_commands_never_block_on_a_fifo_log(tmp_path: Path, backend: st
     assert _cli(url, backend, "show", "good").returncode == 0
 
 
+@BACKENDS
 def test_the_web_list_never_blocks_on_a_fifo_log(tmp_path: Path, backend: str) -> None:
     pytest.importorskip("starlette")
     folder = _store(tmp_path)
@@ -140,6 +143,7 @@ def test_the_web_list_never_blocks_on_a_fifo_log(tmp_path: Path, backend: str) -
     assert "unreadable" in got["page"]
 
 
+@BACKENDS
 def test_sqlite_open_of_a_fifo_is_stored_data_error(tmp_path: Path, backend: str) -> None:
     """The SQLite store reads its file's header before SQLite opens it: a FIFO there is
     refused, not waited on."""
@@ -165,6 +169,7 @@ def test_sqlite_open_of_a_fifo_is_stored_data_error(tmp_path: Path, backend: str
     assert all("not a regular file" in line and str(path) in line for line in lines)
 
 
+@BACKENDS
 def test_the_read_commands_refuse_a_fifo_sqlite_store(tmp_path: Path, backend: str) -> None:
     path = tmp_path / "agent.sqlite3"
     os.mkfifo(path)
@@ -174,3 +179,52 @@ def test_the_read_commands_refuse_a_fifo_sqlite_store(tmp_path: Path, backend: s
         assert "FIFO" in done.stderr
         assert "not a regular file" in done.stderr
         assert "Traceback" not in done.stderr
+
+
+# -- SQLite: a FIFO beside the database (-wal, -journal, -shm) -----------------------------
+
+
+def _cli_child(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str] | None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "stepmachine", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+
+
+@pytest.mark.parametrize(
+    "suffix",
+    [
+        "-wal",
+        "-shm",
+        "-journal",
+    ],
+)
+def test_a_fifo_beside_the_sqlite_database_never_blocks_the_cli(
+    tmp_path: Path, suffix: str
+) -> None:
+    """Someone left a FIFO where SQLite keeps its WAL, shared memory or journal: the
+    read commands end (with an error or a listing), they never hang."""
+    path = tmp_path / "agent.sqlite3"
+
+    async def make() -> None:
+        store = await SQLiteStore.open(path)
+        await store.create("s1", conversation=[Message.user("hi", id="u1")])
+        await store.aclose()
+
+    anyio.run(make)
+    side = Path(str(path) + suffix)
+    side.unlink(missing_ok=True)
+    os.mkfifo(side)
+    for command in (("sessions", "list"), ("show", "s1")):
+        done = _cli_child("--store", f"sqlite:///{path}", *command)
+        assert done is not None, f"{command} hung on a FIFO at {side.name} (killed after 20 s)"
+        assert "Traceback" not in done.stderr, done.stderr[-1500:]

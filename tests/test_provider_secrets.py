@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import _provider_wires as wires
+import anyio
 import httpx
 import pytest
 import structlog
@@ -52,6 +53,7 @@ from stepmachine import (
 from stepmachine.providers import (
     AuthenticationError,
     BadRequestError,
+    HTTPModel,
     MalformedResponseError,
     ProviderConnectionError,
     ProviderError,
@@ -464,3 +466,135 @@ async def test_a_connection_error_through_machine_run_shows_no_key(provider: str
     error = await _run(StateMachine([ModelInference()]), Runtime(store=store, model=model))
     assert isinstance(error, ProviderConnectionError)
     _assert_hidden(error, "a connection error through machine.run()")
+
+
+# -- providers: credentials in base URLs ------------------------------------------------
+
+URL_WIRES = list(WIRES.values())
+IDS = list(WIRES)
+SAS_SIG = "AbC+dEf/GhI=jKl0123456789=="  # an Azure SAS signature: base64, so it percent-encodes
+PLAIN = "plainsecret-DO-NOT-LEAK-77"
+
+
+def _model(wire: Any, base_url: str, handler: Any) -> HTTPModel:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return wire.factory(
+        "test-model",
+        api_key=wires.KEY,
+        base_url=base_url,
+        client=client,
+        retry=RetryPolicy(max_attempts=1),
+    )
+
+
+def _shown(error: BaseException) -> str:
+    parts = [str(error), repr(error), repr(error.args)]
+    parts.extend(traceback.format_exception(error))
+    cause: BaseException | None = error
+    while cause is not None:
+        parts.append(repr(cause))
+        cause = cause.__cause__ or cause.__context__
+    return "\n".join(parts)
+
+
+def _forms(secret: str) -> list[str]:
+    from urllib.parse import quote, quote_plus
+
+    return sorted({secret, quote(secret, safe=""), quote_plus(secret)})
+
+
+@pytest.mark.parametrize("wire", URL_WIRES, ids=IDS)
+async def test_a_percent_encoded_query_key_is_not_in_httpx_log(
+    wire: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from urllib.parse import quote
+
+    url = f"https://llm.test/v1?api-version=1&sig={quote(SAS_SIG, safe='')}"
+    model = _model(wire, url, lambda r: httpx.Response(200, content=wire.ok_json))
+    caplog.set_level(logging.DEBUG, logger="httpx")
+    with anyio.fail_after(10):
+        await model.request(wires.REQUEST)
+    assert "HTTP Request: POST" in caplog.text
+    leaked = [f for f in _forms(SAS_SIG) if f in caplog.text]
+    assert not leaked, caplog.text
+
+
+@pytest.mark.parametrize("wire", URL_WIRES, ids=IDS)
+async def test_a_percent_encoded_query_key_is_not_in_an_error(wire: Any) -> None:
+    from urllib.parse import quote
+
+    url = f"https://llm.test/v1?sig={quote(SAS_SIG, safe='')}"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError(f"cannot reach {request.url}", request=request)
+
+    model = _model(wire, url, handler)
+    with anyio.fail_after(10), pytest.raises(ProviderError) as caught:
+        await model.request(wires.REQUEST)
+    shown = _shown(caught.value)
+    assert "cannot reach" in shown
+    assert not [f for f in _forms(SAS_SIG) if f in shown], shown
+
+
+@pytest.mark.parametrize("wire", URL_WIRES, ids=IDS)
+async def test_a_key_under_an_unknown_query_name_is_not_in_httpx_log(
+    wire: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"https://fn.test/api?code={PLAIN}"
+    model = _model(wire, url, lambda r: httpx.Response(200, content=wire.ok_json))
+    caplog.set_level(logging.DEBUG, logger="httpx")
+    with anyio.fail_after(10):
+        await model.request(wires.REQUEST)
+    assert "HTTP Request: POST" in caplog.text
+    assert PLAIN not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"https://llm.test/v1?API-KEY={PLAIN}",
+        f"https://llm.test/v1?X-Api-Key={PLAIN}&api-version=1",
+        f"https://llm.test/v1#{PLAIN}",
+        f"http://u:{PLAIN}@[::1]:8080/v1",
+        f"http://u:{PLAIN.replace('-', '%2D')}@llm.test/v1",
+        f"http://{PLAIN}@llm.test/v1",
+    ],
+    ids=["upper-API-KEY", "X-Api-Key", "fragment", "ipv6-userinfo", "pct-userinfo", "user-only"],
+)
+@pytest.mark.parametrize("wire", URL_WIRES, ids=IDS)
+async def test_other_credential_shapes_are_not_shown(
+    wire: Any, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Upper-case names, a fragment, an IPv6 host, percent-encoded userinfo: the key
+    shows nowhere (repr, httpx log, an error naming the URL)."""
+    seen: list[httpx.Request] = []
+
+    def ok(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=wire.ok_json)
+
+    model = _model(wire, url, ok)
+    caplog.set_level(logging.DEBUG, logger="httpx")
+    with anyio.fail_after(10):
+        await model.request(wires.REQUEST)
+    assert PLAIN not in repr(model)
+    assert PLAIN not in caplog.text, caplog.text
+    [request] = seen
+    assert PLAIN not in request.url.fragment
+
+    def fail(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError(f"cannot reach {request.url} {request.headers}", request=request)
+
+    failing = _model(wire, url, fail)
+    with anyio.fail_after(10), pytest.raises(ProviderError) as caught:
+        await failing.request(wires.REQUEST)
+    assert PLAIN not in _shown(caught.value)
+
+
+@pytest.mark.parametrize("wire", URL_WIRES, ids=IDS)
+async def test_a_server_echoing_the_key_in_its_error_body_is_redacted(wire: Any) -> None:
+    body = wire.error("authentication_error", f"Incorrect API key provided: {wires.KEY}")
+    model = _model(wire, "https://llm.test/v1", lambda r: httpx.Response(401, content=body))
+    with anyio.fail_after(10), pytest.raises(ProviderError) as caught:
+        await model.request(wires.REQUEST)
+    assert wires.KEY not in _shown(caught.value)

@@ -9,6 +9,11 @@ from ``load``, from ``claim_next``); the restarted PostgreSQL server is in
 from __future__ import annotations
 
 import base64
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +37,7 @@ from stepmachine import (
     run_worker,
 )
 from stepmachine import _transient as transient
-from stepmachine.stores import MemoryStore, SQLiteStore
+from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, reply
 
 
@@ -316,3 +321,141 @@ def test_the_detail_of_an_error_is_cut_and_a_providers_message_is_content() -> N
         where = transient.raised_at(exc)
     assert where.startswith(f"{__file__}:")
     assert " in inner <- " in where
+
+
+# -- serve(): the record of a run that failed for good ----------------------------------
+
+
+async def _serve_until_failed(store: Any, model: Any) -> list[dict[str, Any]]:
+    stop = CancelToken()
+    runtime = Runtime(store=store, model=model)
+
+    async def watch(logs: list[dict[str, Any]]) -> None:
+        while not any(e["event"] == "serve_run_failed" for e in logs):  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+        stop.cancel("seen")
+
+    with structlog.testing.capture_logs() as logs, anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, logs)
+            await run_worker(StateMachine([ModelInference()]), runtime, stop=stop, poll=0.01, ttl=5)
+    return logs
+
+
+async def test_the_error_record_of_a_failed_run_says_what_failed() -> None:
+    store = MemoryStore()
+    await store.create("s1", conversation=[Message.user("hello", id="u1")])
+    await store.request_run("s1")
+
+    def broken(request: Any) -> Any:
+        raise RuntimeError("the adapter's config is missing field 'region'")
+
+    logs = await _serve_until_failed(store, FunctionModel(broken))
+    errors = [e for e in logs if e.get("log_level") in ("error", "critical")]
+    assert errors
+    assert any("region" in repr(e) for e in errors), errors
+
+
+@pytest.mark.usefixtures("quick_backoff")
+async def test_a_permanent_fault_that_looks_transient_gives_up_with_an_error(
+    tmp_path: Path,
+) -> None:
+    """A FileStore session whose log is a directory (a permanent fault of the store):
+    serve() gives up within the bounded number of tries with one ERROR record (no spin)."""
+    folder = tmp_path / "store"
+    async with await FileStore.open(folder) as store:
+        await store.create("s1", conversation=[Message.user("hello", id="u1")])
+        await store.request_run("s1")
+    log = next(p for p in folder.iterdir() if p.suffix == ".log")
+    log.unlink()
+    log.mkdir()
+    async with await FileStore.open(folder) as store:
+        logs = await _serve_until_failed(store, FunctionModel(echo))
+    failed = [e for e in logs if e["event"] == "serve_run_failed"]
+    assert len(failed) == 1
+    retried = [e for e in logs if e["event"] == "serve_run_retried"]
+    assert len(retried) < transient.MAX_ATTEMPTS
+
+
+# -- serve(): a worker SIGKILLed during its backoff ----------------------------------------
+
+
+async def _open(kind: str, tmp_path: Path) -> Any:
+    if kind == "file":
+        return await FileStore.open(tmp_path / "files")
+    return await SQLiteStore.open(tmp_path / "db.sqlite3")
+
+
+SERVE_CHILD = Path(__file__).parent / "_serve_child.py"
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+async def test_a_worker_killed_during_its_backoff_leaves_the_turn_to_another(
+    kind: str, tmp_path: Path
+) -> None:
+    """The child's run fails transiently, it parks the turn for 60 s and is SIGKILLed:
+    a new worker serves the turn (not after the dead worker's backoff)."""
+    await _killed_in_backoff(kind, tmp_path, "later")
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+async def test_a_worker_killed_as_it_logs_the_retry_leaves_the_turn_to_another(
+    kind: str, tmp_path: Path
+) -> None:
+    await _killed_in_backoff(kind, tmp_path, "at-log")
+
+
+async def _killed_in_backoff(kind: str, tmp_path: Path, when: str) -> None:
+    path = tmp_path / ("files" if kind == "file" else "db.sqlite3")
+    store = await _open(kind, tmp_path)
+    await store.create("s1", conversation=[Message.user("hello", id="u1")])
+    await store.request_run("s1")
+    await store.aclose()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen(  # noqa: ASYNC220 - started once, read in a thread
+        [sys.executable, str(SERVE_CHILD), kind, str(path), when],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        assert child.stdout is not None
+        line = b""
+        with anyio.fail_after(65):
+            while b"backing-off" not in line and time.monotonic() < deadline:
+                line = await anyio.to_thread.run_sync(child.stdout.readline)
+                if not line and child.poll() is not None:
+                    pytest.fail(f"child exited: {child.stderr.read().decode()[-2000:]}")
+        if when == "later":
+            await anyio.sleep(2)  # the turn is parked (held by the child) by now
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        for pipe in (child.stdout, child.stderr):
+            if pipe is not None:
+                pipe.close()
+    served: list[str] = []
+    stop = CancelToken()
+
+    def seen(report: Any) -> None:
+        served.append(report.session.id)
+        stop.cancel("done")
+
+    store = await _open(kind, tmp_path)
+    try:
+        runtime = Runtime(store=store, model=FunctionModel(echo))
+        with structlog.testing.capture_logs() as logs, anyio.move_on_after(30):
+            await run_worker(
+                StateMachine([ModelInference()]),
+                runtime,
+                stop=stop,
+                poll=0.05,
+                ttl=5,
+                on_report=seen,
+            )
+        assert served == ["s1"], logs[:5]
+        assert (await store.load("s1")).conversation[-1].text == "re: hello"
+    finally:
+        await store.aclose()

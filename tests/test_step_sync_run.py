@@ -117,3 +117,23 @@ async def test_run_step_names_a_plain_def_run() -> None:
         await run_step(PlainRefuse(), make_session())
     assert "'plain_refuse'" in str(caught.value)
     assert "async def" in str(caught.value)
+
+
+# -- a careless run() in a machine with other steps -----------------------------------
+
+
+async def test_a_sync_run_is_a_step_contract_error_naming_the_step() -> None:
+    class Careless:
+        name = "careless"
+
+        def run(self, ctx: Any) -> Any:
+            return Refuse("not now")
+
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("hi", id="u1")])
+    with anyio.fail_after(10), pytest.raises(StepContractError) as caught:
+        await StateMachine([Careless(), ModelInference()]).run(
+            Runtime(store=store, model=ScriptedModel([reply("x")])), "s"
+        )
+    assert "careless" in str(caught.value)
+    assert "async" in str(caught.value)

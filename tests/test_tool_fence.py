@@ -22,11 +22,13 @@ from typing import Any
 
 import anyio
 import pytest
+import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 from hypothesis import given
 from hypothesis import strategies as st
 
 from stepmachine import (
+    CancelToken,
     ConflictError,
     LeaseLostError,
     LeasePolicy,
@@ -36,9 +38,12 @@ from stepmachine import (
     StateMachine,
     StepApplied,
     StoreClosedError,
+    ToolResultPart,
     Tools,
+    run_worker,
     tool,
 )
+from stepmachine import _transient as transient
 from stepmachine.extend import OUTCOME_UNKNOWN, Lease, new_owner
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, call, reply
@@ -105,6 +110,102 @@ async def test_no_non_idempotent_tool_starts_after_the_lease_was_lost(amounts: l
     assert "was not started" in str(raised.value)
     stored = await store.load("s")
     assert [m.role for m in stored.conversation] == ["user", "assistant"]  # no result written
+
+
+# -- a renew that fails right before the tool; one of parallel fence checks losing -------------
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transient, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(transient, "BACKOFF_CAP", 0.05)
+
+
+class FlakyRenew(MemoryStore):
+    """A memory store whose ``renew`` raises what ``self.fail`` gives, while it gives one."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fail: list[BaseException | None] = []
+        self.renews = 0
+
+    async def renew(self, lease: Lease) -> Lease:
+        self.renews += 1
+        if self.fail:
+            error = self.fail.pop(0)
+            if error is not None:
+                raise error
+        return await super().renew(lease)
+
+
+def _charge_model(n: int) -> FunctionModel:
+    def answer(request: Any) -> Any:
+        if request.messages[-1].role == "user":
+            return call(*(("charge", {"amount": a}) for a in range(1, n + 1)))
+        return reply("paid")
+
+    return FunctionModel(answer)
+
+
+@pytest.mark.usefixtures("quick_backoff")
+@pytest.mark.parametrize("expiring", [False, True], ids=["held", "expiring"])
+async def test_a_renew_that_fails_transiently_right_before_the_tool(expiring: bool) -> None:
+    """The confirm round trip raises OSError: the tool is not started, serve() runs the
+    turn again, and the call ends with exactly one result (outcome unknown is acceptable:
+    an intent without a result), the tool run at most once, the turn finished."""
+    store = FlakyRenew(expiring_leases=expiring)
+    await store.create("s", conversation=[Message.user("pay", id="u1")])
+    await store.request_run("s")
+    charged: list[int] = []
+
+    def charge(amount: int) -> str:
+        """Charge the card (non-idempotent)."""
+        charged.append(amount)
+        return "charged"
+
+    store.fail = [OSError(5, "injected: the store did not answer the renew")]
+    stop = CancelToken()
+    reports: list[Any] = []
+
+    def seen(report: Any) -> None:
+        reports.append(report)
+        stop.cancel("done")
+
+    runtime = Runtime(store=store, model=_charge_model(1))
+    machine = StateMachine([Tools([tool(charge)]), ModelInference()])
+    with structlog.testing.capture_logs() as logs, anyio.fail_after(30):
+        await run_worker(machine, runtime, stop=stop, poll=0.01, ttl=5, on_report=seen)
+    assert charged == [], "the tool started although its lease was not confirmed"
+    session = await store.load("s")
+    results = [p for m in session.conversation for p in m.parts if isinstance(p, ToolResultPart)]
+    assert len(results) == 1
+    assert session.conversation[-1].text == "paid"
+    assert [e["error_type"] for e in logs if e["event"] == "serve_run_retried"] == ["OSError"]
+
+
+async def test_parallel_calls_where_one_fence_check_finds_the_lease_lost() -> None:
+    """Two non-idempotent calls; the second's confirm finds the lease gone: run() raises
+    one LeaseLostError (no group), the second tool never starts, the first at most once."""
+    store = FlakyRenew()
+    await store.create("s", conversation=[Message.user("pay", id="u1")])
+    lease = await store.claim("s", new_owner("first:"), 30.0)
+    assert isinstance(lease, Lease)
+    charged: list[int] = []
+
+    async def charge(amount: int) -> str:
+        """Charge the card (non-idempotent)."""
+        charged.append(amount)
+        await anyio.sleep(0.05)
+        return "charged"
+
+    store.fail = [None, LeaseLostError("s", lease.owner, lease.epoch, "taken over (injected)")]
+    machine = StateMachine([Tools([tool(charge)]), ModelInference()])
+    runtime = Runtime(store=store, model=_charge_model(2))
+    with anyio.fail_after(30), pytest.raises(LeaseLostError) as raised:
+        await machine.run(runtime, "s", lease=lease)
+    assert type(raised.value) is LeaseLostError
+    assert len(charged) <= 1
+    assert 2 not in charged or 1 not in charged
 
 
 # -- no ExceptionGroup out of run() -------------------------------------------------------------

@@ -33,7 +33,7 @@ from stepmachine import (
 )
 from stepmachine.extend import Batch, YieldReason, counter_ids, history_problems
 from stepmachine.stores import MemoryStore, SQLiteStore
-from stepmachine.testing import ScriptedModel, call, reply
+from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\rIHDR" + (64).to_bytes(4, "big") * 2 + b"\x08\x02"
 PDF = b"%PDF-1.4\n1 0 obj << /Type /Page >> endobj\n"
@@ -253,3 +253,35 @@ async def test_a_tool_caller_may_answer_with_a_tool_message() -> None:
     (message,) = tool_messages(session)
     assert message.id != "ignored"
     assert message.result_media(message.tool_results[0].call_id) == (REPORT,)
+
+
+# -- an oversized tool image in a parallel batch ---------------------------------------
+
+
+async def test_one_oversized_image_in_a_parallel_batch_spares_the_others() -> None:
+    """Two pure calls in one batch, one returns an image past max_media_bytes: that one
+    is an error result naming size and limit, the other keeps its image, the turn ends."""
+    store = MemoryStore(max_media_bytes=10_000)
+    await store.create("s", conversation=[Message.user("draw", id="u1")])
+
+    async def draw(size: int) -> ToolOutput:
+        """Draw (pure)."""
+        data = b"\x89PNG\r\n\x1a\n" + b"\0" * size
+        return ToolOutput("drawn", (ImagePart(media_type="image/png", data=data),))
+
+    def answer(request: Any) -> Any:
+        if request.messages[-1].role == "user":
+            return call(("draw", {"size": 100}), ("draw", {"size": 50_000}))
+        return reply("done")
+
+    machine = StateMachine([Tools([tool(side_effects="pure")(draw)]), ModelInference()])
+    with anyio.fail_after(30):
+        session = await machine.run(Runtime(store=store, model=FunctionModel(answer)), "s")
+    results = [p for m in session.conversation for p in m.parts if isinstance(p, ToolResultPart)]
+    assert len(results) == 2
+    big = [r for r in results if r.is_error]
+    assert len(big) == 1
+    assert "10,000" in str(big[0].content) or "10000" in str(big[0].content)
+    images = [p for m in session.conversation for p in m.parts if isinstance(p, ImagePart)]
+    assert len(images) == 1
+    assert session.conversation[-1].text == "done"

@@ -1,6 +1,6 @@
-"""A serve() worker for tests/test_review_h2.py that is SIGKILLed during its backoff.
+"""A serve() worker for tests/test_serve_failures.py that is SIGKILLed during its backoff.
 
-    python tests/_review_h2_serve_child.py KIND PATH WHEN
+    python tests/_serve_child.py KIND PATH WHEN
 
 KIND: ``file`` (FileStore at PATH) or ``sqlite`` (SQLiteStore at PATH). Its store's
 first ``load`` raises OSError (a transient fault), so serve() parks/keeps the turn

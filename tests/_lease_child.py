@@ -1,6 +1,6 @@
-"""A child process for tests/test_review_h2.py: one lease operation on a FileStore.
+"""A child process for tests/test_lease_files_not_regular.py: one FileStore lease operation.
 
-    python tests/_review_h2_lease_child.py OP FOLDER SESSION BACKEND
+    python tests/_lease_child.py OP FOLDER SESSION BACKEND
 
 OP: ``claim`` (claim SESSION), ``claim_next``, ``request_run`` (of SESSION).
 Prints one JSON line: ``{"ok": repr}`` or ``{"error": type, "message": text}``.

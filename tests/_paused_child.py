@@ -1,6 +1,6 @@
-"""A child for tests/test_review_leases.py: runs one turn holding the session's lease.
+"""A child for tests/test_leases_machine.py: runs one turn holding the session's lease.
 
-    python _review_paused_child.py KIND WHERE BACKEND
+    python tests/_paused_child.py KIND WHERE BACKEND
 
 KIND is ``postgres`` (WHERE a DSN), ``sqlite`` or ``file`` (WHERE a path). The
 turn's model asks for ``charge``; the tool prints ``{"started": true}``, then waits

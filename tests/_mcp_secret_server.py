@@ -1,6 +1,6 @@
-"""A hostile stdio MCP server (raw JSON-RPC) for tests/test_review_h2.py.
+"""A hostile stdio MCP server (raw JSON-RPC) quoting its configured secret, for tests/test_mcp.py.
 
-    python tests/_review_h2_mcp_server.py MODE
+    python tests/_mcp_secret_server.py MODE
 
 The configured secret is the environment variable ``SECRET``. Modes:
 
