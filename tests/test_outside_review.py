@@ -348,11 +348,6 @@ async def test_a_retried_message_id_says_how_to_continue(tmp_path: Path) -> None
 # -- stored data ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a damaged FileStore record's StoredDataError names the file and byte but not the "
-    "session and revision (the stores how-to says it names both)",
-)
 async def test_a_damaged_file_store_record_names_the_session_and_revision(
     tmp_path: Path,
 ) -> None:
