@@ -255,6 +255,8 @@ def _message_layout() -> tuple[tuple[tuple[str, bytes], ...], bytes]:
 
 
 _BEFORE_PARTS, _PARTS_KEY = _message_layout()
+_UNKNOWN_EFFECT: Final = re.compile(r"^Invalid value .* - at `\$(\.effects)?\[\d+\]\.type`")
+"""A validation error of an effects or batch record naming an effect tag the codec lacks."""
 _PART_TAGS: Final = sorted(str(part.__struct_config__.tag) for part in typing.get_args(Part))
 """The tags of message parts, named when a stored part's tag is unknown."""
 
@@ -297,8 +299,9 @@ class Codec(Generic[D]):
         effects: the application's own effect types, each with an explicit tag.
 
     Raises:
-        ConfigurationError: a type is not an :class:`Effect`, has no explicit tag,
-            or two types share a tag.
+        ConfigurationError: ``data_type`` is not a :class:`msgspec.Struct`
+            subclass; an effect type is not an :class:`Effect`, has no explicit
+            tag, or two types share a tag.
     """
 
     def __init__(
@@ -306,6 +309,12 @@ class Codec(Generic[D]):
         data_type: type[D] = NoData,  # type: ignore[assignment]  # NoData is the default D
         effects: Iterable[type[Effect]] = (),
     ) -> None:
+        if not (isinstance(data_type, type) and issubclass(data_type, msgspec.Struct)):
+            raise ConfigurationError(
+                f"Codec(data_type) takes a msgspec Struct subclass, got {data_type!r}; define "
+                "the session's data as one (class MyData(msgspec.Struct): ...) and pass "
+                "Codec(MyData), or leave it out for sessions without data"
+            )
         self.data_type: type[D] = data_type
         registry: dict[str, type[Effect]] = {}
         for effect_type in (*KERNEL_EFFECTS, *effects):
@@ -456,8 +465,13 @@ class Codec(Generic[D]):
             detail = str(exc).replace(" - at `$", f" - at `{at}")
             if " - at `" not in detail:
                 detail += f" - at `{at}`"
+            name = self.data_type.__name__
             raise StoredDataError(
-                f"stored data is data: {kind} in {where} does not validate: {detail}"
+                f"stored data is data: {kind} in {where} does not validate: {detail}; the "
+                f"data does not fit {name}: if the session was written with another data "
+                "type, open it with the Codec of that type; if you changed "
+                f"{name}, change it only by adding fields with defaults, keeping each "
+                "field's type (see the migrations how-to); nothing was changed"
             ) from exc
         except msgspec.DecodeError as exc:  # the session record itself was valid JSON
             raise StoredDataError(f"stored data is data: {kind} in {where}: {exc}") from exc
@@ -674,6 +688,13 @@ class Codec(Generic[D]):
                 detail += f" (the part tags: {_PART_TAGS!r})"
             elif "`" in detail and ".type`" in detail:
                 detail += f" (registered effect tags: {sorted(self.effect_types)!r})"
+                if _UNKNOWN_EFFECT.search(detail):
+                    detail += (
+                        "; register the effect type of that tag: open the store with the "
+                        "Codec the session was written with, "
+                        f"Codec({self.data_type.__name__}, effects=[MyEffect, ...]) (an "
+                        "effect type stays registered while stored batches name its tag)"
+                    )
             raise StoredDataError(
                 f"stored data is data: {kind} in {where} does not validate: {detail}"
             ) from exc

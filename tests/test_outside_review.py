@@ -252,11 +252,6 @@ async def test_a_step_yielding_a_reason_that_is_not_a_string_gets_a_clear_error(
         await StateMachine([_YieldsANumber()]).run(Runtime(store=store), "s1")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Codec(dict) raises AttributeError \"type object 'dict' has no attribute "
-    "'__struct_config__'\" instead of saying the data type must be a msgspec Struct",
-)
 def test_a_codec_of_a_type_that_is_not_a_struct_says_what_to_pass() -> None:
     with pytest.raises((ConfigurationError, TypeError), match="Struct"):
         Codec(dict)  # type: ignore[type-var]
@@ -568,12 +563,6 @@ class _Bump(Effect, frozen=True, tag="review.bump"):
         return msgspec.structs.replace(session, data=data)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a store opened with a codec lacking a stored effect's tag, or with a data type whose "
-    "field types differ, refuses clearly but does not say what to do (the NoData case does: "
-    "'open it with the Codec of the data type ...')",
-)
 @pytest.mark.parametrize("wrong", ["effect missing", "field type differs"])
 async def test_a_wrong_codec_error_says_what_to_do(wrong: str, tmp_path: Path) -> None:
     path = tmp_path / "db.sqlite3"
