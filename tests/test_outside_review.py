@@ -380,11 +380,6 @@ async def test_a_store_path_in_a_missing_folder_is_named_in_the_error(tmp_path: 
         assert report.reason.kind == "done"  # or the folder is made
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a user message holding a lone surrogate (a broken emoji from a JSON body) raises a "
-    "bare UnicodeEncodeError from the store instead of an error naming the message",
-)
 async def test_a_user_message_with_a_lone_surrogate_gets_a_clear_error(tmp_path: Path) -> None:
     text = json.loads('"hello \\ud83d"')  # what json.loads gives for a truncated emoji
     agent = Agent("scripted", store=tmp_path / "db.sqlite3")
