@@ -48,7 +48,7 @@ from ._effects import (
     SetVisibility,
     UpdateData,
 )
-from ._errors import ConfigurationError, StoredDataError
+from ._errors import ConfigurationError, InvalidFieldError, StoredDataError
 from ._messages import Message, Part, ToolCallPart, parse_arguments
 from ._session import NoData, Session
 
@@ -255,6 +255,8 @@ def _message_layout() -> tuple[tuple[tuple[str, bytes], ...], bytes]:
 
 
 _BEFORE_PARTS, _PARTS_KEY = _message_layout()
+_UNKNOWN_EFFECT: Final = re.compile(r"^Invalid value .* - at `\$(\.effects)?\[\d+\]\.type`")
+"""A validation error of an effects or batch record naming an effect tag the codec lacks."""
 _PART_TAGS: Final = sorted(str(part.__struct_config__.tag) for part in typing.get_args(Part))
 """The tags of message parts, named when a stored part's tag is unknown."""
 
@@ -289,6 +291,66 @@ _TAILS: Final[dict[type, tuple[bytes, bytes]]] = (
 the message's notes and visibility are the defaults, and what replaces that."""
 
 
+def _unencodable_text(
+    value: Any, path: str, message: tuple[str, str] | None, depth: int = 0
+) -> tuple[str, str, tuple[str, str] | None] | None:
+    """The first text in ``value`` UTF-8 cannot encode: ``(text, path, message)``,
+    where ``message`` is the innermost :class:`Message` around it (its id and its
+    own path), or None when no text in ``value`` is unencodable."""
+    if type(value) is str:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value, path, message
+        return None
+    if depth > 64:
+        return None
+    items: Iterable[tuple[str, Any]]
+    if isinstance(value, Message):
+        message = (value.id, path)
+    if isinstance(value, msgspec.Struct):
+        items = ((f".{name}", getattr(value, name)) for name in value.__struct_fields__)
+    elif isinstance(value, tuple | list | Conversation):
+        items = ((f"[{index}]", item) for index, item in enumerate(value))
+    elif isinstance(value, dict):
+        items = (
+            pair
+            for key, item in value.items()
+            for pair in ((f" (a key {key!r})", key), (f"[{key!r}]", item))
+        )
+    else:
+        return None
+    for step, item in items:
+        found = _unencodable_text(item, path + step, message, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def unencodable(value: Any) -> InvalidFieldError:
+    """The error for ``value``, which msgspec could not encode as UTF-8: a text in it
+    holds a lone surrogate (half of a UTF-16 pair, such as what ``json.loads``
+    gives for ``"\\ud83d"``: an emoji cut in two). It names the message holding
+    the text (by id) and the field, and says how to fix the text.
+    """
+    found = _unencodable_text(value, "", None)
+    expected = (
+        "text UTF-8 can encode, without a lone surrogate (half of a character such as "
+        "an emoji, as json.loads gives for a text cut in the middle of one); replace it "
+        "first, e.g. text.encode('utf-8', 'replace').decode() (or "
+        "decode the bytes it came from with errors='replace'); nothing was stored"
+    )
+    if found is None:  # pragma: no cover - msgspec raises only for such a text
+        return InvalidFieldError(type(value).__name__, "?", expected, value)
+    text, path, message = found
+    if message is not None:
+        message_id, at = message
+        return InvalidFieldError(f"Message {message_id!r}", path[len(at) + 1 :], expected, text)
+    if type(value) is tuple:  # the effects of a batch, encoded on their own
+        return InvalidFieldError("effects", f"item{path}", expected, text)
+    return InvalidFieldError(type(value).__name__, path.lstrip("."), expected, text)
+
+
 class Codec(Generic[D]):
     """Encodes and decodes sessions, batches, effects and application data.
 
@@ -297,8 +359,9 @@ class Codec(Generic[D]):
         effects: the application's own effect types, each with an explicit tag.
 
     Raises:
-        ConfigurationError: a type is not an :class:`Effect`, has no explicit tag,
-            or two types share a tag.
+        ConfigurationError: ``data_type`` is not a :class:`msgspec.Struct`
+            subclass; an effect type is not an :class:`Effect`, has no explicit
+            tag, or two types share a tag.
     """
 
     def __init__(
@@ -306,6 +369,12 @@ class Codec(Generic[D]):
         data_type: type[D] = NoData,  # type: ignore[assignment]  # NoData is the default D
         effects: Iterable[type[Effect]] = (),
     ) -> None:
+        if not (isinstance(data_type, type) and issubclass(data_type, msgspec.Struct)):
+            raise ConfigurationError(
+                f"Codec(data_type) takes a msgspec Struct subclass, got {data_type!r}; define "
+                "the session's data as one (class MyData(msgspec.Struct): ...) and pass "
+                "Codec(MyData), or leave it out for sessions without data"
+            )
         self.data_type: type[D] = data_type
         registry: dict[str, type[Effect]] = {}
         for effect_type in (*KERNEL_EFFECTS, *effects):
@@ -377,8 +446,16 @@ class Codec(Generic[D]):
         return session
 
     def encode_session(self, session: Session[D]) -> bytes:
-        """JSON bytes of a session, as msgspec encodes it (stores compress snapshots)."""
-        return self._encoder.encode(session)
+        """JSON bytes of a session, as msgspec encodes it (stores compress snapshots).
+
+        Raises:
+            InvalidFieldError: a text holds a lone surrogate, which UTF-8 cannot
+                encode (see :func:`unencodable`); nothing is stored.
+        """
+        try:
+            return self._encoder.encode(session)
+        except UnicodeEncodeError as exc:
+            raise unencodable(session) from exc
 
     def decode_session(self, buf: bytes, *, where: str = "session record") -> Session[D]:
         """Decode a session. Raises :class:`StoredDataError` naming ``where``.
@@ -435,8 +512,11 @@ class Codec(Generic[D]):
     # -- application data and messages ------------------------------------------
 
     def encode_data(self, data: D) -> bytes:
-        """JSON bytes of application data."""
-        return self._encoder.encode(data)
+        """JSON bytes of application data (:class:`InvalidFieldError` for a lone surrogate)."""
+        try:
+            return self._encoder.encode(data)
+        except UnicodeEncodeError as exc:
+            raise unencodable(data) from exc
 
     def decode_data(self, buf: bytes, *, where: str = "data record") -> D:
         """Decode application data. Raises :class:`StoredDataError` naming ``where``.
@@ -456,8 +536,13 @@ class Codec(Generic[D]):
             detail = str(exc).replace(" - at `$", f" - at `{at}")
             if " - at `" not in detail:
                 detail += f" - at `{at}`"
+            name = self.data_type.__name__
             raise StoredDataError(
-                f"stored data is data: {kind} in {where} does not validate: {detail}"
+                f"stored data is data: {kind} in {where} does not validate: {detail}; the "
+                f"data does not fit {name}: if the session was written with another data "
+                "type, open it with the Codec of that type; if you changed "
+                f"{name}, change it only by adding fields with defaults, keeping each "
+                "field's type (see the migrations how-to); nothing was changed"
             ) from exc
         except msgspec.DecodeError as exc:  # the session record itself was valid JSON
             raise StoredDataError(f"stored data is data: {kind} in {where}: {exc}") from exc
@@ -498,12 +583,16 @@ class Codec(Generic[D]):
         effect's ``Message`` fields) are compacted. The value is then encoded
         piece by piece, and the pieces are used only if, joined, they are
         exactly msgspec's own encoding of it (else it is stored as msgspec
-        encodes it).
+        encodes it). A text holding a lone surrogate raises
+        :class:`InvalidFieldError` naming its message (:func:`unencodable`).
         """
         kind = type(value)
-        if kind is Batch:
-            return self._encode_batch(value)
-        return self._encode_value(value, kind)
+        try:
+            if kind is Batch:
+                return self._encode_batch(value)
+            return self._encode_value(value, kind)
+        except UnicodeEncodeError as exc:  # checked only here: a valid text costs nothing
+            raise unencodable(value) from exc
 
     def _encode_batch(self, batch: Batch[Effect]) -> bytes:
         """A batch record: ``refused`` and ``trace`` are left out while they hold their defaults.
@@ -674,6 +763,13 @@ class Codec(Generic[D]):
                 detail += f" (the part tags: {_PART_TAGS!r})"
             elif "`" in detail and ".type`" in detail:
                 detail += f" (registered effect tags: {sorted(self.effect_types)!r})"
+                if _UNKNOWN_EFFECT.search(detail):
+                    detail += (
+                        "; register the effect type of that tag: open the store with the "
+                        "Codec the session was written with, "
+                        f"Codec({self.data_type.__name__}, effects=[MyEffect, ...]) (an "
+                        "effect type stays registered while stored batches name its tag)"
+                    )
             raise StoredDataError(
                 f"stored data is data: {kind} in {where} does not validate: {detail}"
             ) from exc

@@ -243,8 +243,28 @@ def _unpacked(packed: bytes, where: str) -> bytes:
         ) from None
 
 
-def parse_records(buf: bytes, base: int, path: str) -> tuple[list[Record], Torn | None]:
+def _damaged_at(path: str, offset: int, session: str | None, claimed: bytes | None) -> str:
+    """Where a damaged record is: the file and byte, then (when known) the session and
+    the revision its header names (``claimed``; the header itself may be what is damaged)."""
+    where = f"{path} at byte {offset}"
+    if session is None:
+        return where
+    if claimed is None:
+        return f"{where} (session {session!r}, a record whose header names no revision)"
+    return f"{where} (session {session!r}, revision {int(claimed)} according to its header)"
+
+
+def parse_records(
+    buf: bytes, base: int, path: str, *, session: str | None = None
+) -> tuple[list[Record], Torn | None]:
     """Parse ``buf``, which was read at file offset ``base`` of ``path``.
+
+    Args:
+        buf: the bytes read.
+        base: the file offset ``buf`` was read at.
+        path: the file, named in errors.
+        session: the session the file is the log of, named in errors (with
+            the revision the damaged record's header names) when given.
 
     Returns:
         The complete records, in order, and the torn tail if ``buf`` ends in
@@ -252,22 +272,24 @@ def parse_records(buf: bytes, base: int, path: str) -> tuple[list[Record], Torn 
 
     Raises:
         StoredDataError: any other damage, naming ``path`` and the byte offset
-            of the record it is in.
+            of the record it is in (and ``session`` and the revision, when
+            ``session`` is given).
     """
     records: list[Record] = []
     view = memoryview(buf)
     size = len(buf)
     pos = 0
+    remedy = "" if session is None else f"; nothing was rewritten: restore {path} from a backup"
     while pos < size:
         newline = buf.find(b"\n", pos)
         match = _HEADER.match(buf, pos)
-        where = f"{path} at byte {base + pos}"
+        where = _damaged_at(path, base + pos, session, None if match is None else match[3])
         if match is None:
             if newline == -1:
                 return records, Torn(base + pos, size - pos)
             raise StoredDataError(
                 f"stored data is data: malformed record header in {where}: "
-                f"{bytes(view[pos : min(pos + 48, newline)])!r}"
+                f"{bytes(view[pos : min(pos + 48, newline)])!r}{remedy}"
             )
         version = int(match[1])
         if version > SCHEMA_VERSION:
@@ -287,13 +309,13 @@ def parse_records(buf: bytes, base: int, path: str) -> tuple[list[Record], Torn 
         if end >= size or newline != end:
             raise StoredDataError(
                 f"stored data is data: record in {where} declares {length} payload "
-                "bytes, which do not end at the end of its line"
+                f"bytes, which do not end at the end of its line{remedy}"
             )
         crc = zlib.crc32(view[match.end() : end], zlib.crc32(view[pos : match.start(5)]))
         if crc != int(match[5], 16):
             raise StoredDataError(
                 f"stored data is data: checksum mismatch in the record in {where} "
-                f"(stored {match[5].decode()}, computed {crc:08x})"
+                f"(stored {match[5].decode()}, computed {crc:08x}){remedy}"
             )
         tag = match[2]
         if tag not in _TAGS:
@@ -309,14 +331,19 @@ def parse_records(buf: bytes, base: int, path: str) -> tuple[list[Record], Torn 
     return records, None
 
 
-def parse_one(buf: bytes, base: int, path: str, tag: bytes) -> Record:
+def parse_one(
+    buf: bytes, base: int, path: str, tag: bytes, *, session: str | None = None
+) -> Record:
     """The first record of ``buf``, which must be complete and tagged ``tag``.
 
     Raises:
-        StoredDataError: it is missing, torn, damaged or of another tag.
+        StoredDataError: it is missing, torn, damaged or of another tag
+            (naming ``session`` when given, as :func:`parse_records` does).
     """
     newline = buf.find(b"\n")
-    records, _ = parse_records(buf[: newline + 1] if newline >= 0 else b"", base, path)
+    records, _ = parse_records(
+        buf[: newline + 1] if newline >= 0 else b"", base, path, session=session
+    )
     if not records or records[0].tag != tag:
         found = records[0].tag.decode() if records else "no complete record"
         raise StoredDataError(
@@ -395,7 +422,7 @@ def read_head(fd: int, session_id: str, path: str) -> tuple[str, int]:
     Raises:
         StoredDataError: no valid head record, or it names another session.
     """
-    record = parse_one(os.pread(fd, _HEAD_READ, 0), 0, path, TAG_HEAD)
+    record = parse_one(os.pread(fd, _HEAD_READ, 0), 0, path, TAG_HEAD, session=session_id)
     head = decode_struct(_head_decoder, record, f"{path} at byte 0")
     if head.session_id != session_id:
         raise StoredDataError(

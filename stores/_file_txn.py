@@ -160,7 +160,7 @@ class FileTxn:
         begin = self._start_for(session_id, nonce, head_end, after) if start is None else start
         size = os.fstat(self._fd).st_size
         data = read_range(self._fd, begin.offset, size)
-        parsed, torn = parse_records(data, begin.offset, path)
+        parsed, torn = parse_records(data, begin.offset, path, session=session_id)
         if begin.offset == head_end and parsed:
             first = parsed.pop(0)  # the create record, a base of its own
             if first.tag != TAG_CREATE or first.revision != 0:
@@ -305,7 +305,9 @@ class FileTxn:
         path = self._backend.log_path(session_id)
         data = read_range(self._fd, head_end, os.fstat(self._fd).st_size)
         newline = data.find(b"\n")
-        records, _ = parse_records(data[: newline + 1] if newline >= 0 else b"", head_end, path)
+        records, _ = parse_records(
+            data[: newline + 1] if newline >= 0 else b"", head_end, path, session=session_id
+        )
         if not records:
             raise StoredDataError(f"stored data is data: {path} holds no complete create record")
         record = records[0]

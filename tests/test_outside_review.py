@@ -252,11 +252,6 @@ async def test_a_step_yielding_a_reason_that_is_not_a_string_gets_a_clear_error(
         await StateMachine([_YieldsANumber()]).run(Runtime(store=store), "s1")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Codec(dict) raises AttributeError \"type object 'dict' has no attribute "
-    "'__struct_config__'\" instead of saying the data type must be a msgspec Struct",
-)
 def test_a_codec_of_a_type_that_is_not_a_struct_says_what_to_pass() -> None:
     with pytest.raises((ConfigurationError, TypeError), match="Struct"):
         Codec(dict)  # type: ignore[type-var]
@@ -348,11 +343,6 @@ async def test_a_retried_message_id_says_how_to_continue(tmp_path: Path) -> None
 # -- stored data ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a damaged FileStore record's StoredDataError names the file and byte but not the "
-    "session and revision (the stores how-to says it names both)",
-)
 async def test_a_damaged_file_store_record_names_the_session_and_revision(
     tmp_path: Path,
 ) -> None:
@@ -390,11 +380,6 @@ async def test_a_store_path_in_a_missing_folder_is_named_in_the_error(tmp_path: 
         assert report.reason.kind == "done"  # or the folder is made
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a user message holding a lone surrogate (a broken emoji from a JSON body) raises a "
-    "bare UnicodeEncodeError from the store instead of an error naming the message",
-)
 async def test_a_user_message_with_a_lone_surrogate_gets_a_clear_error(tmp_path: Path) -> None:
     text = json.loads('"hello \\ud83d"')  # what json.loads gives for a truncated emoji
     agent = Agent("scripted", store=tmp_path / "db.sqlite3")
@@ -573,12 +558,6 @@ class _Bump(Effect, frozen=True, tag="review.bump"):
         return msgspec.structs.replace(session, data=data)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a store opened with a codec lacking a stored effect's tag, or with a data type whose "
-    "field types differ, refuses clearly but does not say what to do (the NoData case does: "
-    "'open it with the Codec of the data type ...')",
-)
 @pytest.mark.parametrize("wrong", ["effect missing", "field type differs"])
 async def test_a_wrong_codec_error_says_what_to_do(wrong: str, tmp_path: Path) -> None:
     path = tmp_path / "db.sqlite3"
