@@ -58,13 +58,13 @@ DEFAULT_STORE = "stepmachine.sqlite3"
 class Agent(Generic[D]):
     """The standard agent: invalid calls, history guard, approval where asked, tools, inference.
 
-    The steps, in order: :class:`~stepmachine.operations.InvalidCalls` (a call
-    naming an unknown tool, with invalid JSON or arguments that fail the tool's
-    schema is sent back to the model with what was wrong, at most twice a turn,
-    then the run yields ``invalid_tool_call``; a call id the model repeats --
-    within one reply or from an earlier turn -- is given a fresh id and run, so
-    a model that reuses ids cannot loop the agent), so that nobody is asked to
-    approve a call that could not run;
+    The steps, in order: :class:`~stepmachine.operations.InvalidCalls` first,
+    so that nobody is asked to approve a call that could not run (a call
+    naming an unknown tool, with invalid JSON or with arguments that fail the
+    tool's schema is sent back to the model with what was wrong, at most twice
+    a turn, then the run yields ``invalid_tool_call``; a call id the model
+    repeats -- within one reply or from an earlier turn -- is given a fresh id
+    and run, so a model that reuses ids cannot loop the agent);
     :class:`~stepmachine.operations.HistoryGuard`;
     :class:`~stepmachine.operations.Approval` when ``approve`` names a tool;
     :class:`~stepmachine.Tools` when there are tools; and
@@ -81,8 +81,9 @@ class Agent(Generic[D]):
         tools: the tools the model may call: built with :func:`~stepmachine.tool`,
             or typed functions (made tools as ``@tool`` would, as
             :class:`~stepmachine.Tools` does).
-        approve: a tool, or a collection of tools (names or the tools themselves), that must not run
-            without a recorded approval of that exact call: the run yields
+        approve: a tool or a collection of tools (names or the tools
+            themselves) that must not run without a recorded approval of
+            that exact call: the run yields
             ``awaiting_approval`` and an approval decided later -- from any
             process, with :func:`stepmachine.operations.approve` or ``deny`` --
             lets the next run continue. Approval cannot be bypassed.
