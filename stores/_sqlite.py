@@ -89,6 +89,17 @@ def _no_hook(name: str) -> None:
     """The default boundary hook: does nothing."""
 
 
+def _cannot_open(file: str, exc: sqlite3.OperationalError) -> str:
+    """Why SQLite could not open ``file``: the path, SQLite's words and what to do."""
+    folder = os.path.dirname(os.path.abspath(file))
+    if not os.path.isdir(folder):
+        fix = f"the folder {folder!r} does not exist: create it first, or use a path in a folder"
+        fix += " that exists"
+    else:
+        fix = "check that the path names a file (not a folder) you may read and write"
+    return f"cannot open the SQLite database {file!r} ({exc}): {fix}"
+
+
 def _fast_lock() -> anyio.Lock:
     """The store's lock: taken without an event-loop pass when it is free (anyio 4.5+).
 
@@ -288,7 +299,8 @@ class SQLiteStore(FlockLeaseMethods):
                 the file is left unchanged.
             ValueError: ``synchronous`` or ``busy_timeout`` is out of range.
             sqlite3.OperationalError: the file cannot be opened at all (a
-                missing folder, no permission).
+                missing folder, no permission); the message names the path
+                and, for a missing folder, says to create it.
             FileNotFoundError: ``read_only`` and no file at ``path``.
 
         Cancellation: once in the worker thread, opening runs to its end and
@@ -302,12 +314,14 @@ class SQLiteStore(FlockLeaseMethods):
             raise ValueError(f"busy_timeout must be a number of seconds >= 0, not {busy_timeout}")
         check_max_media_bytes(max_media_bytes)
         file = os.fspath(path)
-        with anyio.CancelScope(shield=True):
-            connection = await anyio.to_thread.run_sync(
-                functools.partial(
-                    _schema.open_connection, file, synchronous, busy_timeout, read_only=read_only
-                )
-            )
+        connect = functools.partial(
+            _schema.open_connection, file, synchronous, busy_timeout, read_only=read_only
+        )
+        try:
+            with anyio.CancelScope(shield=True):
+                connection = await anyio.to_thread.run_sync(connect)
+        except sqlite3.OperationalError as exc:
+            raise sqlite3.OperationalError(_cannot_open(file, exc)) from exc
         return cls(connection, file, codec or Codec(), boundary_hook or _no_hook, max_media_bytes)
 
     @property

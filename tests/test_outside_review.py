@@ -130,11 +130,6 @@ async def test_cancelling_a_run_with_a_hung_sync_tool_is_bounded() -> None:
 # -- the front door ------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Agent(tools=[typed_function]) fails with AttributeError 'function' object has no "
-    "attribute 'name' although Tools([...]) takes typed functions",
-)
 async def test_the_agent_takes_a_typed_function_as_a_tool(tmp_path: Path) -> None:
     def add(a: int, b: int) -> int:
         """Add two integers."""
@@ -151,20 +146,11 @@ async def test_the_agent_takes_a_typed_function_as_a_tool(tmp_path: Path) -> Non
         assert (await agent.run("s1", "2 + 3?")).text == "5"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Agent(None) (e.g. os.environ.get('MODEL') unset) is accepted; repr raises "
-    "AttributeError and run() says 'pass Runtime(model=...)', a name the user never used",
-)
 def test_an_agent_without_a_model_says_so_when_built(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="model"):
         Agent(None, store=tmp_path / "db.sqlite3")  # type: ignore[call-overload]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Agent(approve='send') iterates the string: 'approve names ['d', 'e', 'n', 's']'",
-)
 def test_an_agent_approving_one_tool_by_a_bare_string(tmp_path: Path) -> None:
     @tool
     def send(to: str) -> str:
@@ -182,11 +168,6 @@ def test_an_agent_approving_one_tool_by_a_bare_string(tmp_path: Path) -> None:
     assert "['d'" not in problem
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Agent(store=123) is accepted and fails at run() with AttributeError "
-    "'int' object has no attribute 'create'",
-)
 def test_an_agent_with_a_store_of_the_wrong_type_is_refused_when_built() -> None:
     with pytest.raises((ConfigurationError, TypeError), match="store"):
         Agent("scripted", store=123)  # type: ignore[call-overload]
@@ -277,12 +258,6 @@ class _ReusesCallIds:
         return ModelResponse(parts=(TextPart("sent"),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a call id reused in a later turn is taken as answered: the tool never runs, the "
-    "unanswered call is left in the history and the Agent asks the model again until "
-    "cycle_limit (about 50 paid calls)",
-)
 async def test_a_call_id_reused_in_a_later_turn_is_not_taken_as_answered(tmp_path: Path) -> None:
     sent: list[str] = []
 
@@ -311,11 +286,6 @@ class _Ticket(msgspec.Struct):
     number: int = 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Agent(store=<a Store>, codec=Codec(T)) ignores the codec silently: the session is "
-    "created with NoData",
-)
 async def test_an_agent_does_not_drop_a_codec_given_with_a_store_object() -> None:
     try:
         agent = Agent("scripted", store=MemoryStore(), codec=Codec(_Ticket))
@@ -326,11 +296,6 @@ async def test_an_agent_does_not_drop_a_codec_given_with_a_store_object() -> Non
         assert isinstance(report.session.data, _Ticket)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a retried run(sid, Message(id=...)) whose message is already stored raises "
-    "EffectError without saying how to continue (run(sid) with no message)",
-)
 async def test_a_retried_message_id_says_how_to_continue(tmp_path: Path) -> None:
     agent = Agent("scripted", store=tmp_path / "db.sqlite3")
     await agent.run("s1", Message.user("pay Alice", id="request-7"))
@@ -365,11 +330,6 @@ async def test_a_damaged_file_store_record_names_the_session_and_revision(
     assert "revision" in str(caught.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Agent(store='<missing folder>/db.sqlite3') fails with sqlite3.OperationalError "
-    "'unable to open database file', naming neither the path nor the fix",
-)
 async def test_a_store_path_in_a_missing_folder_is_named_in_the_error(tmp_path: Path) -> None:
     path = tmp_path / "no-such-folder" / "db.sqlite3"
     try:
@@ -438,12 +398,6 @@ class _RepeatsACallId:
         return ModelResponse(parts=(TextPart("sent"),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a reply with two calls sharing an id is hidden by the Agent's HistoryGuard and the "
-    "model asked again, every cycle, until cycle_limit (about 50 paid calls); the reply is "
-    "never answered or reported",
-)
 async def test_a_reply_with_a_repeated_call_id_does_not_loop_the_agent(tmp_path: Path) -> None:
     @tool
     def send(to: str) -> str:
@@ -625,11 +579,6 @@ async def test_a_sync_tool_is_bounded_by_its_timeout(tmp_path: Path) -> None:
     assert [(part.is_error, "timed out" in str(part.content)) for part in results] == [(True, True)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the Agent's step list has no InvalidCalls: a human is asked to approve a call whose "
-    "arguments do not validate (the README's order answers invalid calls before approval)",
-)
 async def test_the_agent_does_not_ask_a_human_to_approve_an_invalid_call(tmp_path: Path) -> None:
     @tool
     def pay(amount_eur: int) -> str:
