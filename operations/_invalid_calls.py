@@ -49,7 +49,8 @@ severe action wins: fail > stop > retry > skip > repair.
     ```` ```json ````) and of trailing commas before ``}`` or ``]`` (outside
     strings, so string values are never changed); the repaired call's raw
     arguments are the compact JSON encoding of the parsed arguments;
-  - duplicate ids get fresh ids (``<old id>~<new id>``).
+  - duplicate ids get fresh ids (``<old id>_r<new id>``: letters, digits, ``_``
+    and ``-`` only, which every provider accepts).
 
   Arguments that fail the schema are never repaired. The repaired calls are
   then re-validated as a whole; if any problem cannot be repaired or
@@ -685,7 +686,7 @@ class InvalidCalls(Operation[Any]):
                     raw_arguments=msgspec.json.encode(arguments).decode(),
                 )
             if call.call_id in duplicated:
-                new_id = f"{call.call_id}~{ctx.new_id()}"
+                new_id = f"{call.call_id}_r{ctx.new_id()}"
                 repairs.append({"call_id": call.call_id, "new_id": new_id})
                 call = msgspec.structs.replace(call, call_id=new_id)
             parts.append(call)
@@ -747,7 +748,7 @@ class InvalidCalls(Operation[Any]):
         target = message
         if any(p.case == "duplicate_id" for p in found) and not partly_answered:
             parts: list[Any] = [
-                msgspec.structs.replace(part, call_id=f"{part.call_id}~{ctx.new_id()}")
+                msgspec.structs.replace(part, call_id=f"{part.call_id}_r{ctx.new_id()}")
                 if isinstance(part, ToolCallPart)
                 else part
                 for part in message.parts

@@ -524,7 +524,7 @@ async def test_repair_gives_back_exactly_the_valid_calls(
     assert len({c.call_id for c in repaired}) == len(repaired)
     for original, damaged, fixed in zip(originals, sent, repaired, strict=True):
         if damaged.call_id in duplicated:
-            assert fixed.call_id.startswith(damaged.call_id + "~")
+            assert fixed.call_id.startswith(damaged.call_id + "_r")
             assert msgspec.structs.replace(fixed, call_id=original.call_id) == original
         else:
             assert fixed == original
