@@ -54,11 +54,6 @@ SECRET = "SECRETTOKEN0123456789abcdef"
 # -- no secret escapes ---------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a base URL without a scheme (or with a misspelt one) holding a token is echoed whole "
-    "in the ConfigurationError",
-)
 @pytest.mark.parametrize(
     "base_url",
     [f"user:{SECRET}@localhost:8000/v1", f"https//user:{SECRET}@llm.example.com/v1"],
