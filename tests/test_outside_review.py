@@ -520,12 +520,6 @@ _KEY_VARIABLES = (
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with no key set, OpenAIChatModel refuses at once ('needs an API key ... set "
-    "OPENAI_API_KEY') but the Responses, Anthropic and Gemini adapters send the request to "
-    "the provider without a key and report its HTTP 401",
-)
 @pytest.mark.parametrize(
     ("adapter", "model"),
     [

@@ -83,7 +83,14 @@ from ._errors import (
 from ._urls import hide_in_httpx_log, parse_base_url, redact_url
 from ._wire import PARSE_ERRORS, decode_body
 
-__all__ = ["DEFAULT_TIMEOUT", "HTTPModel", "RetryPolicy", "SSEEvent", "Secret"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "HTTPModel",
+    "RetryPolicy",
+    "SSEEvent",
+    "Secret",
+    "refuse_missing_key",
+]
 
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=15.0)
 """Model calls stream for minutes: generous read timeout, short connect timeout."""
@@ -176,6 +183,39 @@ def _check_key(key: str) -> None:
         )
 
 
+def refuse_missing_key(
+    who: str,
+    key: str | Secret | None,
+    base_url: str,
+    *,
+    default_url: str,
+    variable: str,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """Raise :class:`ConfigurationError` if a request to ``base_url`` would go to the
+    provider's own API (``default_url``) without a key.
+
+    The one check every adapter shares (at construction for
+    :class:`OpenAIChatModel`, before the first request is sent for the others):
+    a request without a key would only come back as an HTTP 401 that does not
+    say which variable to set. Another server (a proxy, a gateway, a local
+    one) may need no key, and a credential among ``headers`` (an
+    ``Authorization`` header passed by hand) stands for one: neither is refused.
+    ``variable`` names what to set (``"OPENAI_API_KEY"``); ``""`` means the
+    adapter needs no key.
+    """
+    if key or not variable or not default_url:
+        return
+    if base_url.strip().rstrip("/") != default_url.rstrip("/"):
+        return
+    if headers and any(_CREDENTIAL_HEADER.search(name) for name in headers):
+        return
+    raise ConfigurationError(
+        f"{who} needs an API key to call {default_url.rstrip('/')}: pass api_key=... "
+        f"or set {variable}"
+    )
+
+
 class _Streamed:
     """Whether any output of the current attempt has reached the caller."""
 
@@ -209,6 +249,12 @@ class HTTPModel:
     """The media part types the adapter sends in a message (see ``check_media``)."""
     result_media: frozenset[type] = frozenset()
     """The media part types the adapter sends in a tool result."""
+    key_variable = ""
+    """The environment variable the key is read from, named when it is missing
+    (``""``: the adapter needs no key)."""
+    default_base_url = ""
+    """The provider's own API root: a request there needs a key (see
+    :func:`refuse_missing_key`)."""
 
     def __init__(
         self,
@@ -314,12 +360,16 @@ class HTTPModel:
                 adapter it was raised).
 
         Raises (before any request):
-            ConfigurationError: a message holds a media part this adapter
-                cannot send (:attr:`media`, :attr:`result_media`).
+            ConfigurationError: no key while :attr:`base_url` is the
+                provider's own API (:attr:`default_base_url`; the message
+                names :attr:`key_variable` -- see :func:`refuse_missing_key`),
+                or a message holds a media part this adapter cannot send
+                (:attr:`media`, :attr:`result_media`).
 
         Cancellation: the HTTP request is abandoned; chunks already handed to
         ``on_chunk`` stay delivered.
         """
+        self._refuse_missing_key()
         check_media(
             request.messages, accepts=self.media, in_results=self.result_media, who=self.name
         )
@@ -382,6 +432,19 @@ class HTTPModel:
         if anyio.current_time() + delay - started > self.retry.total_timeout:
             return None
         return delay
+
+    def _refuse_missing_key(self) -> None:
+        """:func:`refuse_missing_key` for this model, before a request is sent: a
+        credential in the base URL (userinfo, a query key) counts as a key."""
+        if self._base.basic is None and not self._base.query_secrets:
+            refuse_missing_key(
+                type(self).__name__,
+                self.api_key,
+                self.base_url,
+                default_url=self.default_base_url,
+                variable=self.key_variable,
+                headers=self.extra_headers,
+            )
 
     def _secrets(self) -> list[str]:
         """What must never appear in an error: the key and credential header values."""
