@@ -688,11 +688,6 @@ def test_a_tool_made_from_a_method_in_a_class_body_gets_advice_that_helps() -> N
     assert "self: str" not in str(caught.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a base URL ending in /chat/completions (a common mistake) gives 'HTTP 404: 404 page "
-    "not found', naming neither the URL requested nor that base_url is the API root",
-)
 async def test_a_404_from_a_wrong_base_url_names_what_was_requested(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

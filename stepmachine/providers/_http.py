@@ -41,7 +41,10 @@ and shown nowhere: not in ``repr``, ``base_url``, an error or httpx's log line
 follow a redirect, whatever the injected client does (httpx drops only
 ``Authorization`` across origins, not ``x-api-key`` or ``x-goog-api-key``): a
 3xx reply is a :class:`ProviderError` (``kind="redirect"``, not retried) that
-says where it pointed, without credentials.
+says where it pointed, without credentials. A 404 (:class:`NotFoundError`)
+says where the request went (without credentials or query) and, when the
+base URL ends with an endpoint path the adapter adds itself
+(``.../v1/chat/completions``), the API root to set instead.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from .._model import (
 from .._model_call import attempt_started
 from ._errors import (
     MalformedResponseError,
+    NotFoundError,
     ProviderConnectionError,
     ProviderError,
     error_from_response,
@@ -155,6 +159,13 @@ class SSEEvent:
 class _ConsumerError(Exception):
     """Carries an exception raised by the caller's ``on_chunk`` through the parsers."""
 
+
+_ENDPOINT_TAIL = re.compile(
+    r"/(?:chat/completions|completions|responses|messages|embeddings|models(?:/[^/]*)?)$",
+    re.IGNORECASE,
+)
+"""An endpoint path an adapter appends (Gemini's ``/models/{model}:...``), which a
+base URL ending in one would repeat."""
 
 _CREDENTIAL_HEADER = re.compile(r"auth|key|token|secret|cookie|signature", re.IGNORECASE)
 
@@ -479,6 +490,32 @@ class HTTPModel:
         """:meth:`url` with the base URL's query (see :mod:`._urls`)."""
         return self._base.target(self.url(stream=stream))
 
+    def _reply_error(
+        self, status: int, body: bytes, headers: httpx.Headers, *, stream: bool
+    ) -> ProviderError:
+        """:meth:`reply_error`; a :class:`NotFoundError` also says where the request went."""
+        error = self.reply_error(status, body, headers)
+        if isinstance(error, NotFoundError) and error.args:
+            error.args = (f"{error.args[0]}; {self._not_found_advice(stream=stream)}",)
+        return error
+
+    def _not_found_advice(self, *, stream: bool) -> str:
+        """What a 404 means for this adapter: the URL requested (redacted), and the
+        base URL to set when it ends with an endpoint the adapter adds itself."""
+        requested = redact_url(str(self._target(stream=stream)))
+        tail = _ENDPOINT_TAIL.search(self.base_url)
+        if tail is not None and self.base_url[: tail.start()].count("/") > 2:
+            return (
+                f"the request went to {requested}, and base_url ends with {tail.group()!r}, "
+                "which the adapter adds itself: set base_url to the API root, "
+                f"{redact_url(self.base_url[: tail.start()])!r}"
+            )
+        return (
+            f"the request went to {requested}: check the model name {self.model!r}, and that "
+            "base_url is the server's API root (the part before the endpoint path, "
+            "e.g. ending at /v1)"
+        )
+
     def _redirected(self, reply: httpx.Response) -> ProviderError:
         """The error for a redirect, which the adapter never follows."""
         location = reply.headers.get("location")
@@ -509,7 +546,7 @@ class HTTPModel:
         if failure is not None:
             raise failure  # outside the except block: no chained httpx request (and key)
         if reply.status_code >= 400:
-            raise self.reply_error(reply.status_code, reply.content, reply.headers)
+            raise self._reply_error(reply.status_code, reply.content, reply.headers, stream=False)
         if reply.status_code >= 300:
             raise self._redirected(reply)
         return self._parse_json(reply.content, reply.status_code)
@@ -548,7 +585,7 @@ class HTTPModel:
                 reply = source.response
                 if reply.status_code >= 400:
                     content = await reply.aread()
-                    raise self.reply_error(reply.status_code, content, reply.headers)
+                    raise self._reply_error(reply.status_code, content, reply.headers, stream=True)
                 if reply.status_code >= 300:
                     await reply.aread()
                     raise self._redirected(reply)
