@@ -125,6 +125,8 @@ class AnthropicModel(HTTPModel):
         model: the model name, e.g. ``"claude-sonnet-4-5"``.
         api_key: the key; defaults to ``$ANTHROPIC_API_KEY``. Sent as
             ``x-api-key`` and never shown in a repr, log line or error.
+            Required for the default base URL: without it a request is refused
+            with a :class:`~stepmachine.ConfigurationError` before it is sent.
         base_url: the API root including the version (requests go to
             ``{base_url}/messages``); defaults to ``$ANTHROPIC_BASE_URL``, then
             ``https://api.anthropic.com/v1``. The variable is shared with
@@ -145,6 +147,8 @@ class AnthropicModel(HTTPModel):
 
     provider = "anthropic"
     path = "/messages"
+    key_variable = "ANTHROPIC_API_KEY"
+    default_base_url = DEFAULT_BASE_URL
     media = frozenset({ImagePart, DocumentPart})
     result_media = frozenset({ImagePart, DocumentPart})
 

@@ -112,7 +112,9 @@ class GeminiModel(HTTPModel):
         model: the model name, e.g. ``"gemini-2.5-flash"``.
         api_key: the Gemini API key; default ``$GEMINI_API_KEY``, else
             ``$GOOGLE_API_KEY``. Sent as ``x-goog-api-key``, never in the URL,
-            a repr, a log line or an error.
+            a repr, a log line or an error. Required for the default base URL:
+            without it a request is refused with a
+            :class:`~stepmachine.ConfigurationError` before it is sent.
         base_url: the API root (requests go to ``{base_url}/models/{model}:...``);
             default ``$GEMINI_BASE_URL``, else
             ``https://generativelanguage.googleapis.com/v1beta``; with
@@ -139,6 +141,8 @@ class GeminiModel(HTTPModel):
     """
 
     provider = "gemini"
+    key_variable = "GEMINI_API_KEY (or GOOGLE_API_KEY)"
+    default_base_url = GEMINI_BASE_URL
     media = frozenset({ImagePart, DocumentPart, AudioPart})
     result_media = frozenset({ImagePart, DocumentPart})
 

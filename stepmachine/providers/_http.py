@@ -41,7 +41,10 @@ and shown nowhere: not in ``repr``, ``base_url``, an error or httpx's log line
 follow a redirect, whatever the injected client does (httpx drops only
 ``Authorization`` across origins, not ``x-api-key`` or ``x-goog-api-key``): a
 3xx reply is a :class:`ProviderError` (``kind="redirect"``, not retried) that
-says where it pointed, without credentials.
+says where it pointed, without credentials. A 404 (:class:`NotFoundError`)
+says where the request went (without credentials or query) and, when the
+base URL ends with an endpoint path the adapter adds itself
+(``.../v1/chat/completions``), the API root to set instead.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from .._model import (
 from .._model_call import attempt_started
 from ._errors import (
     MalformedResponseError,
+    NotFoundError,
     ProviderConnectionError,
     ProviderError,
     error_from_response,
@@ -83,7 +87,14 @@ from ._errors import (
 from ._urls import hide_in_httpx_log, parse_base_url, redact_url
 from ._wire import PARSE_ERRORS, decode_body
 
-__all__ = ["DEFAULT_TIMEOUT", "HTTPModel", "RetryPolicy", "SSEEvent", "Secret"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "HTTPModel",
+    "RetryPolicy",
+    "SSEEvent",
+    "Secret",
+    "refuse_missing_key",
+]
 
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=15.0)
 """Model calls stream for minutes: generous read timeout, short connect timeout."""
@@ -149,6 +160,13 @@ class _ConsumerError(Exception):
     """Carries an exception raised by the caller's ``on_chunk`` through the parsers."""
 
 
+_ENDPOINT_TAIL = re.compile(
+    r"/(?:chat/completions|completions|responses|messages|embeddings|models(?:/[^/]*)?)$",
+    re.IGNORECASE,
+)
+"""An endpoint path an adapter appends (Gemini's ``/models/{model}:...``), which a
+base URL ending in one would repeat."""
+
 _CREDENTIAL_HEADER = re.compile(r"auth|key|token|secret|cookie|signature", re.IGNORECASE)
 
 
@@ -174,6 +192,39 @@ def _check_key(key: str) -> None:
         raise ConfigurationError(
             "the API key cannot be sent in an HTTP header: it starts or ends with a space"
         )
+
+
+def refuse_missing_key(
+    who: str,
+    key: str | Secret | None,
+    base_url: str,
+    *,
+    default_url: str,
+    variable: str,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """Raise :class:`ConfigurationError` if a request to ``base_url`` would go to the
+    provider's own API (``default_url``) without a key.
+
+    The one check every adapter shares (at construction for
+    :class:`OpenAIChatModel`, before the first request is sent for the others):
+    a request without a key would only come back as an HTTP 401 that does not
+    say which variable to set. Another server (a proxy, a gateway, a local
+    one) may need no key, and a credential among ``headers`` (an
+    ``Authorization`` header passed by hand) stands for one: neither is refused.
+    ``variable`` names what to set (``"OPENAI_API_KEY"``); ``""`` means the
+    adapter needs no key.
+    """
+    if key or not variable or not default_url:
+        return
+    if base_url.strip().rstrip("/") != default_url.rstrip("/"):
+        return
+    if headers and any(_CREDENTIAL_HEADER.search(name) for name in headers):
+        return
+    raise ConfigurationError(
+        f"{who} needs an API key to call {default_url.rstrip('/')}: pass api_key=... "
+        f"or set {variable}"
+    )
 
 
 class _Streamed:
@@ -209,6 +260,12 @@ class HTTPModel:
     """The media part types the adapter sends in a message (see ``check_media``)."""
     result_media: frozenset[type] = frozenset()
     """The media part types the adapter sends in a tool result."""
+    key_variable = ""
+    """The environment variable the key is read from, named when it is missing
+    (``""``: the adapter needs no key)."""
+    default_base_url = ""
+    """The provider's own API root: a request there needs a key (see
+    :func:`refuse_missing_key`)."""
 
     def __init__(
         self,
@@ -314,12 +371,16 @@ class HTTPModel:
                 adapter it was raised).
 
         Raises (before any request):
-            ConfigurationError: a message holds a media part this adapter
-                cannot send (:attr:`media`, :attr:`result_media`).
+            ConfigurationError: no key while :attr:`base_url` is the
+                provider's own API (:attr:`default_base_url`; the message
+                names :attr:`key_variable` -- see :func:`refuse_missing_key`),
+                or a message holds a media part this adapter cannot send
+                (:attr:`media`, :attr:`result_media`).
 
         Cancellation: the HTTP request is abandoned; chunks already handed to
         ``on_chunk`` stay delivered.
         """
+        self._refuse_missing_key()
         check_media(
             request.messages, accepts=self.media, in_results=self.result_media, who=self.name
         )
@@ -383,6 +444,19 @@ class HTTPModel:
             return None
         return delay
 
+    def _refuse_missing_key(self) -> None:
+        """:func:`refuse_missing_key` for this model, before a request is sent: a
+        credential in the base URL (userinfo, a query key) counts as a key."""
+        if self._base.basic is None and not self._base.query_secrets:
+            refuse_missing_key(
+                type(self).__name__,
+                self.api_key,
+                self.base_url,
+                default_url=self.default_base_url,
+                variable=self.key_variable,
+                headers=self.extra_headers,
+            )
+
     def _secrets(self) -> list[str]:
         """What must never appear in an error: the key and credential header values."""
         secrets = [self.api_key.reveal(), *self._base.secrets]
@@ -416,6 +490,32 @@ class HTTPModel:
         """:meth:`url` with the base URL's query (see :mod:`._urls`)."""
         return self._base.target(self.url(stream=stream))
 
+    def _reply_error(
+        self, status: int, body: bytes, headers: httpx.Headers, *, stream: bool
+    ) -> ProviderError:
+        """:meth:`reply_error`; a :class:`NotFoundError` also says where the request went."""
+        error = self.reply_error(status, body, headers)
+        if isinstance(error, NotFoundError) and error.args:
+            error.args = (f"{error.args[0]}; {self._not_found_advice(stream=stream)}",)
+        return error
+
+    def _not_found_advice(self, *, stream: bool) -> str:
+        """What a 404 means for this adapter: the URL requested (redacted), and the
+        base URL to set when it ends with an endpoint the adapter adds itself."""
+        requested = redact_url(str(self._target(stream=stream)))
+        tail = _ENDPOINT_TAIL.search(self.base_url)
+        if tail is not None and self.base_url[: tail.start()].count("/") > 2:
+            return (
+                f"the request went to {requested}, and base_url ends with {tail.group()!r}, "
+                "which the adapter adds itself: set base_url to the API root, "
+                f"{redact_url(self.base_url[: tail.start()])!r}"
+            )
+        return (
+            f"the request went to {requested}: check the model name {self.model!r}, and that "
+            "base_url is the server's API root (the part before the endpoint path, "
+            "e.g. ending at /v1)"
+        )
+
     def _redirected(self, reply: httpx.Response) -> ProviderError:
         """The error for a redirect, which the adapter never follows."""
         location = reply.headers.get("location")
@@ -446,7 +546,7 @@ class HTTPModel:
         if failure is not None:
             raise failure  # outside the except block: no chained httpx request (and key)
         if reply.status_code >= 400:
-            raise self.reply_error(reply.status_code, reply.content, reply.headers)
+            raise self._reply_error(reply.status_code, reply.content, reply.headers, stream=False)
         if reply.status_code >= 300:
             raise self._redirected(reply)
         return self._parse_json(reply.content, reply.status_code)
@@ -485,7 +585,7 @@ class HTTPModel:
                 reply = source.response
                 if reply.status_code >= 400:
                     content = await reply.aread()
-                    raise self.reply_error(reply.status_code, content, reply.headers)
+                    raise self._reply_error(reply.status_code, content, reply.headers, stream=True)
                 if reply.status_code >= 300:
                     await reply.aread()
                     raise self._redirected(reply)

@@ -94,7 +94,7 @@ from .._model import (
     Usage,
 )
 from ._errors import MalformedResponseError, ProviderError, error_from_response
-from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent
+from ._http import DEFAULT_TIMEOUT, HTTPModel, RetryPolicy, Secret, SSEEvent, refuse_missing_key
 from ._media_wire import (
     IMAGE_TYPES,
     PDF,
@@ -158,6 +158,8 @@ class OpenAIChatModel(HTTPModel):
 
     provider = "openai"
     path = "/chat/completions"
+    key_variable = "OPENAI_API_KEY"
+    default_base_url = OPENAI_BASE_URL
     media = frozenset({ImagePart, DocumentPart, AudioPart})
     result_media: frozenset[type] = frozenset()  # OpenAI refuses images in tool messages
     max_tokens_field = "max_completion_tokens"
@@ -184,10 +186,14 @@ class OpenAIChatModel(HTTPModel):
     ) -> None:
         key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         url = base_url or os.environ.get("OPENAI_BASE_URL") or OPENAI_BASE_URL
-        if not key and url.rstrip("/") == OPENAI_BASE_URL:
-            raise ConfigurationError(
-                "OpenAIChatModel needs an API key: pass api_key=... or set OPENAI_API_KEY"
-            )
+        refuse_missing_key(  # at once here; the other adapters before their first request
+            type(self).__name__,
+            key,
+            url,
+            default_url=self.default_base_url,
+            variable=self.key_variable,
+            headers=headers,
+        )
         super().__init__(
             model,
             api_key=key,
@@ -465,6 +471,8 @@ class OpenAICompatibleModel(OpenAIChatModel):
     """
 
     provider = "openai_compatible"
+    key_variable = "OPENAI_COMPATIBLE_API_KEY"
+    default_base_url = ""  # a server of the user's own: a key is optional
     max_tokens_field = "max_tokens"
     empty_assistant_content = ""
     require_done = False

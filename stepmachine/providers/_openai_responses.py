@@ -145,7 +145,9 @@ class OpenAIResponsesModel(HTTPModel):
 
     Args:
         model: the model name, e.g. ``"gpt-5"``.
-        api_key: the key; defaults to ``$OPENAI_API_KEY``.
+        api_key: the key; defaults to ``$OPENAI_API_KEY``. Required for the
+            default base URL: without it a request is refused with a
+            :class:`~stepmachine.ConfigurationError` before it is sent.
         base_url: the API root; defaults to ``$OPENAI_BASE_URL``, else
             ``https://api.openai.com/v1``.
         client: an ``httpx.AsyncClient`` to reuse (one is made otherwise).
@@ -169,6 +171,8 @@ class OpenAIResponsesModel(HTTPModel):
 
     provider = "openai"
     path = "/responses"
+    key_variable = "OPENAI_API_KEY"
+    default_base_url = DEFAULT_BASE_URL
     media = frozenset({ImagePart, DocumentPart})
     result_media = frozenset({ImagePart, DocumentPart})
 

@@ -52,10 +52,12 @@ def model_strings() -> tuple[str, ...]:
 def resolve_model(text: str) -> Model:
     """The model a string names: ``"<provider>:<model>"``, or ``"scripted"``.
 
-    An HTTP adapter is built but not contacted: a missing key fails at its first
-    request (as the adapter documents), a missing base URL for
-    ``openai-compatible`` at once. The caller owns the adapter: close it with
-    ``await model.aclose()`` when done (:class:`~stepmachine.Agent` does).
+    An HTTP adapter is built but not contacted: a missing key is refused with a
+    :class:`~stepmachine.ConfigurationError` before any request is sent (at
+    once for ``openai``, at the first request for the others, as each adapter
+    documents), a missing base URL for ``openai-compatible`` at once. The caller
+    owns the adapter: close it with ``await model.aclose()`` when done
+    (:class:`~stepmachine.Agent` does).
 
     ``"scripted"`` is an offline stand-in for demos and tests: it answers each
     question with one sentence that quotes it and says no model was asked, and

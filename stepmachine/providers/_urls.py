@@ -112,13 +112,39 @@ def redact_url(url: str) -> str:
     """``url`` for a repr or an error: scheme, host, port and path only.
 
     No user or password, no query (a query is shown as ``?...``), no fragment.
+    A string that is not a URL with a scheme and a host (``user:KEY@host/v1``,
+    ``https//user:KEY@host/v1``: the scheme forgotten or misspelt) cannot be
+    split reliably, so it is redacted conservatively: everything before its
+    last ``@`` is shown as ``***`` (only a leading scheme-like word, e.g.
+    ``https//``, is kept, so the mistake stays visible), and the query and
+    fragment are cut.
     """
     try:
         parsed = httpx.URL(url)
+        well_formed = bool(parsed.scheme and parsed.host)
         shown = parsed.copy_with(userinfo=b"", query=None, fragment=None)
     except (httpx.InvalidURL, TypeError, ValueError):
-        return "<invalid URL>"
+        if not isinstance(url, str):
+            return "<invalid URL>"
+        well_formed = False
+    if not well_formed:
+        return _redact_unparsed(url)
     return str(shown) + ("?..." if parsed.query else "")
+
+
+_SCHEME_LIKE = re.compile(r"[A-Za-z]{2,8}:?/{1,3}(?=[^/])")
+"""A scheme, perhaps misspelt (``https//``, ``http:/``): letters, then slashes."""
+
+
+def _redact_unparsed(url: str) -> str:
+    """``url``, not a URL httpx can split, without anything that may be a credential."""
+    text, question, _ = url.partition("#")[0].partition("?")
+    prefix = ""
+    if (scheme := _SCHEME_LIKE.match(text)) is not None:
+        prefix, text = scheme.group(), text[scheme.end() :]
+    if "@" in text:
+        text = "***@" + text.rpartition("@")[2]
+    return prefix + text + ("?..." if question else "")
 
 
 def parse_base_url(url: str) -> BaseURL:
@@ -126,16 +152,28 @@ def parse_base_url(url: str) -> BaseURL:
 
     Raises:
         ConfigurationError: ``url`` is not a valid absolute http(s) URL; the
-            message shows it without its credentials.
+            message says what is wrong and shows it without its credentials
+            (see :func:`redact_url`), also when the scheme is missing or misspelt.
     """
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, TypeError, ValueError):
         parsed = None
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        scheme = parsed.scheme if parsed is not None and "://" in url else ""
+        problem = (
+            f"its scheme is {scheme!r}"
+            if scheme and scheme not in ("http", "https")
+            else "it has no host"
+            if scheme
+            else "it does not start with 'http://' or 'https://'"
+        )
+        shown = redact_url(url)
+        note = " (credentials and query hidden)" if shown != url else ""
         raise ConfigurationError(
-            f"base_url must be an absolute http:// or https:// URL, got {redact_url(url)!r}: "
-            "pass the API root, e.g. 'https://api.openai.com/v1'"
+            f"base_url must be an absolute http:// or https:// URL, got {shown!r}{note}: "
+            f"{problem}; pass the API root, "
+            "e.g. 'https://api.openai.com/v1' or 'http://localhost:8000/v1'"
         )
     secrets: list[str] = []
     basic = None
