@@ -259,11 +259,19 @@ class Tools(Operation[Any]):
         max_concurrency: calls run at once.
         timeout: default seconds per call for tools without their own.
         on_unknown_outcome: ``"error"`` or ``"yield"``, see the module docs.
+        max_result_chars: a result whose text is longer than this (100,000
+            characters by default, about 25,000 tokens) is answered with an
+            error result naming its length and this bound, and is not stored:
+            one huge result (a whole log, a table dump) would otherwise be sent
+            with every later request of the session, past the model's context
+            window. Ask for less in the tool (a page, a narrower query), or
+            raise the bound.
 
     Raises:
         ConfigurationError: a tool name given twice, ``max_concurrency`` not
-            an int >= 1, ``timeout`` not ``None`` or a number > 0, or an
-            unknown ``on_unknown_outcome``.
+            an int >= 1, ``timeout`` not ``None`` or a number > 0, an
+            unknown ``on_unknown_outcome``, or ``max_result_chars`` not an int
+            >= 1.
 
     Cancellation: results already committed stay; a result that exists but
     whose commit had not returned (the cancellation landed while the tool's
@@ -289,6 +297,7 @@ class Tools(Operation[Any]):
         max_concurrency: int = 8,
         timeout: float | None = None,
         on_unknown_outcome: Literal["error", "yield"] = "error",
+        max_result_chars: int = 100_000,
     ) -> None:
         self._name = name
         self._tools: dict[str, Tool] = {}
@@ -316,6 +325,16 @@ class Tools(Operation[Any]):
                 f"on_unknown_outcome must be 'error' or 'yield', got {on_unknown_outcome!r}"
             )
         self._on_unknown = on_unknown_outcome
+        if (
+            isinstance(max_result_chars, bool)
+            or not isinstance(max_result_chars, int)
+            or max_result_chars < 1
+        ):
+            raise ConfigurationError(
+                f"{name!r}: max_result_chars must be an int >= 1 (characters of a tool "
+                f"result's text), got {max_result_chars!r}"
+            )
+        self.max_result_chars = max_result_chars
 
     @property
     def name(self) -> str:
@@ -622,7 +641,8 @@ class Tools(Operation[Any]):
         Outcomes: ``ok``, ``invalid_arguments``, ``timeout``, ``aborted``, ``error``
         (a :class:`ToolError`'s message is the result as it is; any other
         exception is named in it, by its ``str()``, else its ``repr()``, else
-        its type alone). An error result carries no media.
+        its type alone; a result longer than ``max_result_chars`` is an error
+        result saying so). An error result carries no media.
 
         A sync :class:`~stepmachine.Tool` runs in a worker thread, which cannot
         be stopped: after its timeout the call is answered "timed out" and the
@@ -667,6 +687,14 @@ class Tools(Operation[Any]):
             return _failed(call, exc)
         finally:
             ABANDONED.reset(reset)
+        text = content.content if isinstance(content, ToolOutput) else content
+        if isinstance(text, str) and len(text) > self.max_result_chars:
+            message = (
+                f"tool {call.name!r} returned {len(text):,} characters, more than the "
+                f"{self.max_result_chars:,} allowed (max_result_chars); the result was not "
+                "stored. Ask the tool for less (one page, a narrower query)"
+            )
+            return _Answer(_error(call, message)), None, "error", "ToolError"
         return _succeeded(call, content)
 
 

@@ -488,12 +488,6 @@ class _SmallWindow:
         return ModelResponse(parts=(TextPart("hi"),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a tool result of any size is stored and sent whole (McpTools caps it with "
-    "max_result_chars, Tools does not): one huge result makes every later Agent run of the "
-    "session fail with ContextLengthError",
-)
 async def test_one_huge_tool_result_does_not_make_the_session_unusable(tmp_path: Path) -> None:
     @tool(side_effects="pure")
     def read_log() -> str:
