@@ -278,7 +278,7 @@ class Tools(Operation[Any]):
     ``ToolFinished`` event was emitted, or while the result was committed) is
     kept by ``finalize``, exactly once; the machine answers only the calls
     that have no result as interrupted. A sync tool in a worker thread cannot
-    be stopped: the cancelled run waits at most ``THREAD_GRACE`` (1) second
+    be stopped: the cancelled run waits at most a second (``THREAD_GRACE``)
     for it to end, keeping its real result if it does; otherwise the call is
     answered interrupted and the thread runs on to its end, what it returns
     dropped (the call is never run again, but a non-idempotent tool's side

@@ -348,7 +348,7 @@ class Tool:
         waiting for it and the thread runs on to its end, what it returns
         dropped. The ``Tools`` step answers such a call "timed out" (after its
         timeout) or, after a run's cancellation, gives the thread up to
-        :data:`THREAD_GRACE` seconds to end (then it keeps the real result)
+        a second (``THREAD_GRACE``) to end (then it keeps the real result)
         before the call is answered "interrupted". Either way the call is
         answered once and never run again (at most once), but a non-idempotent
         sync tool's side effect may still happen after that answer: give such a
