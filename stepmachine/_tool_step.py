@@ -99,7 +99,9 @@ from ._staged import Recorder, Staged, Task, one_error
 from ._steps import Continue, Operation, Outcome, Refuse, StepContext, Yield, YieldReason
 from ._store import Store, submit
 from ._tools import (
+    ABANDONED,
     EDITED_ARGUMENTS,
+    THREAD_GRACE,
     Tool,
     ToolContext,
     ToolLike,
@@ -257,18 +259,31 @@ class Tools(Operation[Any]):
         max_concurrency: calls run at once.
         timeout: default seconds per call for tools without their own.
         on_unknown_outcome: ``"error"`` or ``"yield"``, see the module docs.
+        max_result_chars: a result whose text is longer than this (100,000
+            characters by default, about 25,000 tokens) is answered with an
+            error result naming its length and this bound, and is not stored:
+            one huge result (a whole log, a table dump) would otherwise be sent
+            with every later request of the session, past the model's context
+            window. Ask for less in the tool (a page, a narrower query), or
+            raise the bound.
 
     Raises:
         ConfigurationError: a tool name given twice, ``max_concurrency`` not
-            an int >= 1, ``timeout`` not ``None`` or a number > 0, or an
-            unknown ``on_unknown_outcome``.
+            an int >= 1, ``timeout`` not ``None`` or a number > 0, an
+            unknown ``on_unknown_outcome``, or ``max_result_chars`` not an int
+            >= 1.
 
     Cancellation: results already committed stay; a result that exists but
     whose commit had not returned (the cancellation landed while the tool's
     ``ToolFinished`` event was emitted, or while the result was committed) is
     kept by ``finalize``, exactly once; the machine answers only the calls
-    that have no result as interrupted. A sync tool in a worker thread runs to
-    completion when cancelled, so its result is always kept.
+    that have no result as interrupted. A sync tool in a worker thread cannot
+    be stopped: the cancelled run waits at most a second (``THREAD_GRACE``)
+    for it to end, keeping its real result if it does; otherwise the call is
+    answered interrupted and the thread runs on to its end, what it returns
+    dropped (the call is never run again, but a non-idempotent tool's side
+    effect may still happen). A sync tool's ``timeout`` bounds it the same
+    way: the call is answered "timed out" while its thread runs on.
     """
 
     answers_unknown_tools: ClassVar[bool] = True
@@ -282,6 +297,7 @@ class Tools(Operation[Any]):
         max_concurrency: int = 8,
         timeout: float | None = None,
         on_unknown_outcome: Literal["error", "yield"] = "error",
+        max_result_chars: int = 100_000,
     ) -> None:
         self._name = name
         self._tools: dict[str, Tool] = {}
@@ -309,6 +325,16 @@ class Tools(Operation[Any]):
                 f"on_unknown_outcome must be 'error' or 'yield', got {on_unknown_outcome!r}"
             )
         self._on_unknown = on_unknown_outcome
+        if (
+            isinstance(max_result_chars, bool)
+            or not isinstance(max_result_chars, int)
+            or max_result_chars < 1
+        ):
+            raise ConfigurationError(
+                f"{name!r}: max_result_chars must be an int >= 1 (characters of a tool "
+                f"result's text), got {max_result_chars!r}"
+            )
+        self.max_result_chars = max_result_chars
 
     @property
     def name(self) -> str:
@@ -523,9 +549,11 @@ class Tools(Operation[Any]):
         confirmed the run's lease right before (see ``_hold.confirm_lease``).
 
         Cancellation: an async tool is cancelled at its next await (then no
-        result exists); a sync tool in a worker thread runs to completion and
-        its result is returned, the cancellation firing at the caller's next
-        checkpoint.
+        result exists); a sync tool in a worker thread is given up to
+        ``THREAD_GRACE`` seconds to end: if it does, its result is returned,
+        the cancellation firing at the caller's next checkpoint; if not, the
+        cancellation propagates and the thread runs on, unheard (see
+        ``_call_tool``).
         """
         await ctx.emit(ToolStarted(call_id=call.call_id, name=call.name))
         context = ToolContext(
@@ -597,9 +625,9 @@ class Tools(Operation[Any]):
             message = f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
             return _Answer(_error(call, message)), "timeout", "TimeoutError"
         except ToolError as exc:
-            return _Answer(_error(call, str(exc))), "error", type(exc).__name__
+            return _Answer(_error(call, _text(exc))), "error", type(exc).__name__
         except Exception as exc:  # noqa: BLE001 - as a tool's error: an error result
-            message = f"tool {call.name!r} failed: {type(exc).__name__}: {exc}"
+            message = f"tool {call.name!r} failed: {type(exc).__name__}: {_text(exc)}"
             return _Answer(_error(call, message)), "error", type(exc).__name__
         return _recorded(result, call), "recorded", None
 
@@ -612,31 +640,98 @@ class Tools(Operation[Any]):
 
         Outcomes: ``ok``, ``invalid_arguments``, ``timeout``, ``aborted``, ``error``
         (a :class:`ToolError`'s message is the result as it is; any other
-        exception is named in it). An error result carries no media.
+        exception is named in it, by its ``str()``, else its ``repr()``, else
+        its type alone; a result longer than ``max_result_chars`` is an error
+        result saying so). An error result carries no media.
+
+        A sync :class:`~stepmachine.Tool` runs in a worker thread, which cannot
+        be stopped: after its timeout the call is answered "timed out" and the
+        thread runs on to its end, what it returns dropped. When the run is
+        cancelled meanwhile, the thread is given up to ``THREAD_GRACE``
+        seconds (shielded) to end: then its real result is returned (the
+        machine holds it and writes it once); otherwise the cancellation
+        propagates and the call is answered "interrupted". Either way the call
+        is answered once and never run again (at most once); a non-idempotent
+        tool's side effect may still happen after that answer.
         """
         timeout = impl.timeout if impl.timeout is not None else self._timeout
-        aborted: str | None = None
+        abandoned: list[Any] = []  # a sync tool's worker thread the call stopped waiting for
+        reset = ABANDONED.set(abandoned)
         try:
             with anyio.fail_after(timeout):
                 content = await impl.call(effective_arguments(call), context)
-        except ToolArgumentsError as exc:
-            return _Answer(_error(call, str(exc))), None, "invalid_arguments", type(exc).__name__
         except TimeoutError:
             message = f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
+            if abandoned:  # a thread cannot be stopped: it runs on, what it returns is dropped
+                message += " (it still runs in its worker thread; what it returns is dropped)"
             return _Answer(_error(call, message)), None, "timeout", "TimeoutError"
-        except ToolError as exc:
-            return _Answer(_error(call, str(exc))), None, "error", type(exc).__name__
-        except ToolAbortError as exc:
-            aborted = f"{call.name}: {exc}"
-            result = _error(call, f"tool {call.name!r} failed and stopped the run: {exc}")
-            return _Answer(result), aborted, "aborted", type(exc).__name__
+        except anyio.get_cancelled_exc_class():
+            if not abandoned:
+                raise
+            # The run was cancelled while a sync tool ran in its thread: give it a moment
+            # (shielded, bounded) so a tool finishing as the cancellation lands keeps its
+            # real result; a thread still running then is abandoned and its call answered
+            # "interrupted" (it runs on; what it returns is dropped).
+            thread = abandoned[0]
+            with anyio.move_on_after(THREAD_GRACE, shield=True):
+                await anyio.to_thread.run_sync(
+                    thread.done.wait, THREAD_GRACE, abandon_on_cancel=True
+                )
+            if not thread.done.is_set():
+                raise
+            try:  # the result exists: returned, so the machine holds it (and writes it once)
+                content = thread.outcome()
+            except Exception as exc:  # noqa: BLE001 - a tool error becomes an error result
+                return _failed(call, exc)
         except Exception as exc:  # noqa: BLE001 - a tool error becomes an error result
-            result = _error(call, f"tool {call.name!r} failed: {type(exc).__name__}: {exc}")
-            return _Answer(result), None, "error", type(exc).__name__
-        if isinstance(content, ToolOutput):
-            result = ToolResultPart.for_call(call, content.content)
-            return _Answer(result, tuple(content.media)), None, "ok", None
-        return _Answer(ToolResultPart.for_call(call, content)), None, "ok", None
+            return _failed(call, exc)
+        finally:
+            ABANDONED.reset(reset)
+        text = content.content if isinstance(content, ToolOutput) else content
+        if isinstance(text, str) and len(text) > self.max_result_chars:
+            message = (
+                f"tool {call.name!r} returned {len(text):,} characters, more than the "
+                f"{self.max_result_chars:,} allowed (max_result_chars); the result was not "
+                "stored. Ask the tool for less (one page, a narrower query)"
+            )
+            return _Answer(_error(call, message)), None, "error", "ToolError"
+        return _succeeded(call, content)
+
+
+def _succeeded(
+    call: ToolCallPart, content: str | ToolOutput
+) -> tuple[_Answer, str | None, str, str | None]:
+    """``_call_tool``'s answer for a tool that returned ``content``."""
+    if isinstance(content, ToolOutput):
+        result = ToolResultPart.for_call(call, content.content)
+        return _Answer(result, tuple(content.media)), None, "ok", None
+    return _Answer(ToolResultPart.for_call(call, content)), None, "ok", None
+
+
+def _failed(call: ToolCallPart, exc: Exception) -> tuple[_Answer, str | None, str, str | None]:
+    """``_call_tool``'s answer for a tool that raised ``exc`` (see ``_call_tool``)."""
+    if isinstance(exc, ToolArgumentsError):
+        return _Answer(_error(call, _text(exc))), None, "invalid_arguments", type(exc).__name__
+    if isinstance(exc, ToolError):
+        return _Answer(_error(call, _text(exc))), None, "error", type(exc).__name__
+    if isinstance(exc, ToolAbortError):
+        aborted = f"{call.name}: {_text(exc)}"
+        result = _error(call, f"tool {call.name!r} failed and stopped the run: {_text(exc)}")
+        return _Answer(result), aborted, "aborted", type(exc).__name__
+    result = _error(call, f"tool {call.name!r} failed: {type(exc).__name__}: {_text(exc)}")
+    return _Answer(result), None, "error", type(exc).__name__
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``; if that raises (a broken ``__str__``), ``repr(exc)``; if that raises
+    too, a line saying so: a tool's exception always becomes an error result, never a
+    crash of the run."""
+    for show in (str, repr):
+        try:
+            return show(exc)
+        except Exception:  # noqa: BLE001, S112 - an exception that cannot print itself
+            continue
+    return f"(its {type(exc).__name__} could not be printed: str() and repr() raised)"
 
 
 def _arguments_text(call: ToolCallPart) -> str:

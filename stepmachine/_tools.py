@@ -19,9 +19,11 @@ message (:meth:`~stepmachine.Message.tool_result` with ``media=``).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias, overload
@@ -340,8 +342,18 @@ class Tool:
             ToolArgumentsError: the arguments do not validate.
             Exception: whatever the function raises.
 
-        Cancellation: an async tool is cancelled at its next await; a sync tool
-        in a thread runs to completion, then the cancellation takes effect.
+        Cancellation (a run cancelled, or the tool's ``timeout``): an async
+        tool is cancelled at its next await. A sync tool in a worker thread
+        cannot be stopped (Python cannot kill a thread): the call stops
+        waiting for it and the thread runs on to its end, what it returns
+        dropped. The ``Tools`` step answers such a call "timed out" (after its
+        timeout) or, after a run's cancellation, gives the thread up to
+        a second (``THREAD_GRACE``) to end (then it keeps the real result)
+        before the call is answered "interrupted". Either way the call is
+        answered once and never run again (at most once), but a non-idempotent
+        sync tool's side effect may still happen after that answer: give such a
+        tool a timeout of its own (an HTTP client's, a socket's) or make it
+        ``async``.
         """
         kwargs = self.validate(arguments)
         if self._context_param is not None:
@@ -349,10 +361,64 @@ class Tool:
         if self.is_async:
             result = await self.fn(**kwargs)
         elif self.thread:
-            result = await anyio.to_thread.run_sync(functools.partial(self.fn, **kwargs))
+            late = _LateThread(functools.partial(self.fn, **kwargs))
+            try:
+                result = await anyio.to_thread.run_sync(late.run, abandon_on_cancel=True)
+            except anyio.get_cancelled_exc_class():
+                abandoned = ABANDONED.get()
+                if abandoned is not None:
+                    abandoned.append(late)  # for the Tools step running this call
+                raise
         else:
             result = self.fn(**kwargs)
         return tool_output(result)
+
+
+class _LateThread:
+    """A sync tool's function run in a worker thread that may be abandoned: what it
+    returned or raised, once it has ended (``done``)."""
+
+    __slots__ = ("done", "error", "fn", "value")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> Any:
+        """Run the function (in the worker thread), keeping its outcome (``done`` is set
+        when it ends)."""
+        try:
+            self.value = self.fn()
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            self.done.set()
+        return self.value
+
+    def outcome(self) -> str | ToolOutput:
+        """The result of the ended call, as :meth:`Tool.call` returns it.
+
+        Raises:
+            Exception: what the function raised (or :func:`tool_output`).
+        """
+        if self.error is not None:
+            raise self.error
+        return tool_output(self.value)
+
+
+ABANDONED: contextvars.ContextVar[list[_LateThread] | None] = contextvars.ContextVar(
+    "stepmachine_abandoned_threads", default=None
+)
+"""Set by the ``Tools`` step around one call: :meth:`Tool.call` adds the worker thread
+it stopped waiting for (a cancellation, a timeout), so the step can tell and decide."""
+
+THREAD_GRACE = 1.0
+"""Seconds the ``Tools`` step waits, after a run's cancellation, for a sync tool's
+worker thread to end (so a tool finishing as the cancellation lands keeps its real
+result); a thread still running then is abandoned."""
 
 
 @overload

@@ -77,11 +77,6 @@ async def test_a_malformed_base_url_holding_a_token_is_not_echoed(
 # -- cancellation is bounded ---------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cancelling a run whose sync tool hangs waits for the tool to return, past "
-    "finalize_timeout (README: 'bounded by finalize_timeout')",
-)
 async def test_cancelling_a_run_with_a_hung_sync_tool_is_bounded() -> None:
     release = threading.Event()
     entered = threading.Event()
@@ -427,12 +422,6 @@ class _SmallWindow:
         return ModelResponse(parts=(TextPart("hi"),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a tool result of any size is stored and sent whole (McpTools caps it with "
-    "max_result_chars, Tools does not): one huge result makes every later Agent run of the "
-    "session fail with ContextLengthError",
-)
 async def test_one_huge_tool_result_does_not_make_the_session_unusable(tmp_path: Path) -> None:
     @tool(side_effects="pure")
     def read_log() -> str:
@@ -524,11 +513,6 @@ class _UnprintableError(Exception):
         raise RuntimeError("this exception cannot be printed")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a tool raising an exception whose str() fails crashes the run with that RuntimeError "
-    "(README: tools that raise become error results -- never a crash of the run)",
-)
 async def test_a_tool_raising_an_unprintable_exception_becomes_an_error_result(
     tmp_path: Path,
 ) -> None:
@@ -544,11 +528,6 @@ async def test_a_tool_raising_an_unprintable_exception_becomes_an_error_result(
     assert [part.is_error for part in results] == [True]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="@tool(timeout=...) does not bound a sync tool (the default, run in a thread): the "
-    "run waits for it and stores its late result as a success",
-)
 async def test_a_sync_tool_is_bounded_by_its_timeout(tmp_path: Path) -> None:
     release = threading.Event()
 
