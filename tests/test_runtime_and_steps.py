@@ -144,7 +144,8 @@ def test_step_context_new_id_uses_the_runtime() -> None:
     )
     assert [ctx.new_id(), ctx.new_id()] == ["q1", "q2"]
     assert ctx.cycle == 0
-    assert ctx.scratch == {}
+    with pytest.warns(DeprecationWarning, match="StepContext.scratch is deprecated"):
+        assert ctx.scratch == {}
     assert (ctx.tools, ctx.prompt_parts) == ((), ())
 
 
