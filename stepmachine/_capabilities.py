@@ -455,10 +455,37 @@ class StepContext(Generic[D]):
     committer: Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]] | None = None
     capabilities: Capabilities[D] = _NO_STEPS
 
-    def __post_init__(self) -> None:
-        steps: tuple[Step[D], ...] = _STEPS_SLOT.__get__(self)  # not the warning property
-        if steps and self.capabilities is _NO_STEPS:
-            self.capabilities = Capabilities(steps)  # built by hand with ``steps``
+    def __init__(
+        self,
+        session: Session[D],
+        runtime: Runtime,
+        events: EventSink,
+        cycle: int = 0,
+        tools: tuple[ToolDefinition, ...] = (),
+        prompt_parts: tuple[PromptPart, ...] = (),
+        scratch: dict[str, Any] | None = None,
+        steps: tuple[Step[D], ...] = (),
+        run_start_revision: int = 0,
+        committer: Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]] | None = None,
+        capabilities: Capabilities[D] = _NO_STEPS,
+    ) -> None:
+        # Written by hand (the dataclass keeps it) so that the deprecated fields cost
+        # nothing when not given: their slots are filled on first read.
+        self.session = session
+        self.runtime = runtime
+        self.events = events
+        self.cycle = cycle
+        self.tools = tools
+        self.prompt_parts = prompt_parts
+        self.run_start_revision = run_start_revision
+        self.committer = committer
+        if scratch is not None:
+            _SCRATCH_SLOT.__set__(self, scratch)
+        if steps:
+            _STEPS_SLOT.__set__(self, steps)
+            if capabilities is _NO_STEPS:
+                capabilities = Capabilities(steps)  # built by hand with ``steps``
+        self.capabilities = capabilities
 
     def shape_request(self, request: ModelRequest) -> ModelRequest:
         """``request`` as it will be sent: passed through every step's ``shape_request``.
@@ -558,7 +585,7 @@ class StepContext(Generic[D]):
         return response
 
 
-def _deprecated_field(name: str, slot: Any, advice: str) -> property:
+def _deprecated_field(name: str, slot: Any, default: Callable[[], object], advice: str) -> property:
     """A property over the slot ``slot`` of :class:`StepContext` that warns when read.
 
     Reads by the package itself (the dataclass's generated ``__repr__`` and
@@ -575,12 +602,14 @@ def _deprecated_field(name: str, slot: Any, advice: str) -> property:
                 DeprecationWarning,
                 stacklevel=2,
             )
-        return slot.__get__(self)
+        try:
+            return slot.__get__(self)
+        except AttributeError:  # not given when built: the default, kept from now on
+            value = default()
+            slot.__set__(self, value)
+            return value
 
-    def write(self: StepContext[Any], value: Any) -> None:
-        slot.__set__(self, value)
-
-    return property(read, write, doc=f"Deprecated (reading it warns): {advice}.")
+    return property(read, slot.__set__, doc=f"Deprecated (reading it warns): {advice}.")
 
 
 _SCRATCH_SLOT: Any = StepContext.__dict__["scratch"]
@@ -591,6 +620,7 @@ setattr(  # noqa: B010 - replaces the slot's descriptor after the dataclass is b
     _deprecated_field(
         "scratch",
         _SCRATCH_SLOT,
+        dict,
         "keep what a task has in the task itself (Staged, Task(keep=...)) and what must "
         "last in the session (effects)",
     ),
@@ -601,6 +631,7 @@ setattr(  # noqa: B010
     _deprecated_field(
         "steps",
         _STEPS_SLOT,
+        tuple,
         "ask the context instead (ctx.shape_request, ctx.vet_call, ctx.answers_unknown_tools)",
     ),
 )
