@@ -43,6 +43,9 @@ def check_pending(step_name: str, pending: object) -> Awaitable[object]:
     )
 
 
+_WITH_EFFECTS = (Continue, Yield, Staged)
+
+
 def check_outcome(step_name: str, returned: object) -> Outcome:
     """``returned`` when it is a step outcome (``Refuse``, ``Continue``, ``Yield``, ``Staged``).
 
@@ -57,16 +60,20 @@ def check_outcome(step_name: str, returned: object) -> Outcome:
             that is not an effect or a reason, naming the step, the value seen
             and the fix. Nothing was written for the cycle.
     """
-    if isinstance(returned, Refuse):
-        return returned
-    if isinstance(returned, Continue | Yield | Staged):
-        for effect in returned.effects:
+    kind = type(returned)
+    if kind is Refuse:
+        return returned  # type: ignore[return-value]
+    if kind is Continue or kind is Yield or isinstance(returned, _WITH_EFFECTS):
+        outcome: Continue | Yield | Staged = returned  # type: ignore[assignment]
+        for effect in outcome.effects:
             if not isinstance(effect, Effect):
-                raise StepContractError(_not_an_effect(step_name, returned, effect))
-        if isinstance(returned, Yield):
-            reason = returned.reason
+                raise StepContractError(_not_an_effect(step_name, outcome, effect))
+        if isinstance(outcome, Yield):
+            reason = outcome.reason
             if type(reason) is not YieldReason or type(reason.kind) is not str or not reason.kind:
                 _check_reason(step_name, reason)
+        return outcome
+    if isinstance(returned, Refuse):
         return returned
     if returned is None:
         seen = "returned None (is a `return` missing at the end of its run()?)"
