@@ -50,6 +50,7 @@ overrides only ``run`` costs nothing in the hooks it does not override.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -83,6 +84,7 @@ __all__ = [
     "cycle_context",
     "no_op_default",
     "step_name",
+    "tool_name_clash",
 ]
 
 D = TypeVar("D", bound=msgspec.Struct)
@@ -321,8 +323,7 @@ class Capabilities(Generic[D]):
                         owner[name] = (index, step)
                         continue
                     raise ConfigurationError(
-                        f"tool name {name!r} is advertised by both "
-                        f"{step_name(holder)!r} and {step_name(step)!r}"
+                        tool_name_clash(name, step_name(holder), step_name(step))
                     )
                 owner[name] = (len(tools), step)
                 tools.append(definition)
@@ -391,6 +392,18 @@ def _yields(step: object, tool: str, other: object) -> bool:
     return callable(hook) and hook(tool, step_name(other)) is True
 
 
+def tool_name_clash(tool: str, first: str, second: str) -> str:
+    """The message of the :class:`ConfigurationError` for ``tool`` advertised by two steps."""
+    by = f"by both {first!r} and {second!r}" if first != second else f"twice by {first!r}"
+    return (
+        f"tool name {tool!r} is advertised {by}; a model names a tool by its name, so each "
+        "name must be advertised once: give one of the tools another name "
+        "(@tool(name='...') or tool(name='...')(fn); an MCP server's tools: "
+        "McpStdio(..., prefix='...') or McpHttp(..., prefix='...')), or offer it from one"
+        " step only"
+    )
+
+
 def step_name(step: object) -> str:
     """The name of a step held by its capability (every step has a ``name``)."""
     return str(getattr(step, "name", type(step).__name__))
@@ -410,14 +423,17 @@ class StepContext(Generic[D]):
         cycle: the cycle number within the run, from 1 (0 outside a run).
         tools: the tool definitions collected from every step this cycle.
         prompt_parts: the prompt parts collected from every step this cycle.
-        scratch: deprecated, unused by every built-in step: per-cycle working
-            space, handed to ``finalize`` when this step is interrupted. Staged
-            work keeps what a task has in the task itself (its ``keep``), and
-            the machine holds every finished result.
-        steps: deprecated, unused by every built-in step: every step of the
-            machine, in order. Ask the context instead (:meth:`shape_request`,
-            :meth:`vet_call`, :attr:`answers_unknown_tools`). A context built
-            by hand with ``steps`` and no ``capabilities`` asks those steps.
+        scratch: deprecated (reading it gives a ``DeprecationWarning``), unused
+            by every built-in step: per-cycle working space, handed to
+            ``finalize`` when this step is interrupted. Staged work keeps what a
+            task has in the task itself (its ``keep``), and the machine holds
+            every finished result.
+        steps: deprecated (reading it gives a ``DeprecationWarning``), unused
+            by every built-in step: every step of the machine, in order. Ask
+            the context instead (:meth:`shape_request`, :meth:`vet_call`,
+            :attr:`answers_unknown_tools`). A context built by hand with
+            ``steps`` and no ``capabilities`` asks those steps (passing it
+            does not warn).
         run_start_revision: the session revision when the current ``run()``
             began (per-run budgets count from it).
         committer: how the deprecated :meth:`commit` persists; set by the
@@ -439,9 +455,37 @@ class StepContext(Generic[D]):
     committer: Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]] | None = None
     capabilities: Capabilities[D] = _NO_STEPS
 
-    def __post_init__(self) -> None:
-        if self.steps and self.capabilities is _NO_STEPS:
-            self.capabilities = Capabilities(self.steps)  # built by hand with ``steps``
+    def __init__(
+        self,
+        session: Session[D],
+        runtime: Runtime,
+        events: EventSink,
+        cycle: int = 0,
+        tools: tuple[ToolDefinition, ...] = (),
+        prompt_parts: tuple[PromptPart, ...] = (),
+        scratch: dict[str, Any] | None = None,
+        steps: tuple[Step[D], ...] = (),
+        run_start_revision: int = 0,
+        committer: Callable[[Session[D], Sequence[Effect]], Awaitable[Session[D]]] | None = None,
+        capabilities: Capabilities[D] = _NO_STEPS,
+    ) -> None:
+        # Written by hand (the dataclass keeps it) so that the deprecated fields cost
+        # nothing when not given: their slots are filled on first read.
+        self.session = session
+        self.runtime = runtime
+        self.events = events
+        self.cycle = cycle
+        self.tools = tools
+        self.prompt_parts = prompt_parts
+        self.run_start_revision = run_start_revision
+        self.committer = committer
+        if scratch is not None:
+            _SCRATCH_SLOT.__set__(self, scratch)
+        if steps:
+            _STEPS_SLOT.__set__(self, steps)
+            if capabilities is _NO_STEPS:
+                capabilities = Capabilities(steps)  # built by hand with ``steps``
+        self.capabilities = capabilities
 
     def shape_request(self, request: ModelRequest) -> ModelRequest:
         """``request`` as it will be sent: passed through every step's ``shape_request``.
@@ -539,6 +583,58 @@ class StepContext(Generic[D]):
             response = await model.request(request, on_chunk=on_chunk)
             observed.replied(response)
         return response
+
+
+def _deprecated_field(name: str, slot: Any, default: Callable[[], object], advice: str) -> property:
+    """A property over the slot ``slot`` of :class:`StepContext` that warns when read.
+
+    Reads by the package itself (the dataclass's generated ``__repr__`` and
+    ``__eq__``, ``dataclasses.replace``) do not warn: only code that uses the
+    field does.
+    """
+
+    def read(self: StepContext[Any]) -> Any:
+        caller = str(sys._getframe(1).f_globals.get("__name__", ""))
+        if not (caller.startswith("stepmachine.") or caller == "dataclasses"):
+            warnings.warn(
+                f"StepContext.{name} is deprecated and unused by every built-in step: "
+                f"{advice}; it will be removed in a later release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        try:
+            return slot.__get__(self)
+        except AttributeError:  # not given when built: the default, kept from now on
+            value = default()
+            slot.__set__(self, value)
+            return value
+
+    return property(read, slot.__set__, doc=f"Deprecated (reading it warns): {advice}.")
+
+
+_SCRATCH_SLOT: Any = StepContext.__dict__["scratch"]
+_STEPS_SLOT: Any = StepContext.__dict__["steps"]
+setattr(  # noqa: B010 - replaces the slot's descriptor after the dataclass is built
+    StepContext,
+    "scratch",
+    _deprecated_field(
+        "scratch",
+        _SCRATCH_SLOT,
+        dict,
+        "keep what a task has in the task itself (Staged, Task(keep=...)) and what must "
+        "last in the session (effects)",
+    ),
+)
+setattr(  # noqa: B010
+    StepContext,
+    "steps",
+    _deprecated_field(
+        "steps",
+        _STEPS_SLOT,
+        tuple,
+        "ask the context instead (ctx.shape_request, ctx.vet_call, ctx.answers_unknown_tools)",
+    ),
+)
 
 
 def cycle_context(

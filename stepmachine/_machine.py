@@ -62,7 +62,8 @@ import anyio
 import msgspec
 
 from . import _log, _tracing
-from ._capabilities import Capabilities, Step
+from ._capabilities import Capabilities, Step, tool_name_clash
+from ._conversation import Conversation
 from ._cycle import Decision, Driver, Interrupted, RunReport, apply, decide
 from ._emitter import Emitter, EventSink, NullEmitter
 from ._errors import ConfigurationError
@@ -79,8 +80,10 @@ from ._hold import claim, holding, leasing_store, release, renew_interval, reque
 from ._lease import Lease, LeasePolicy, Leases, check_claim, new_owner
 from ._model import PromptPart, ToolDefinition
 from ._runtime import Runtime, with_handler
-from ._session import Session
+from ._session import NoData, Session
 from ._steps import CancelToken, StepResult, YieldReason
+from ._tool_step import Tools
+from ._tools import Tool
 
 __all__ = [
     "DEFAULT_MAX_CYCLES",
@@ -127,7 +130,13 @@ class StateMachine(Generic[D]):
             ``None`` to run without a lease. See :meth:`run_report`.
 
     Raises:
-        ConfigurationError: no steps, two steps share a name,
+        ConfigurationError: no steps, an item is not a step (a class instead
+            of an instance, a tool outside ``Tools``, anything without a
+            ``name`` and a ``run``), two steps share a name, two steps
+            advertise one tool name (checked here for the tool steps whose
+            tools are fixed, such as ``Tools``; tools that depend on the
+            session, such as ``McpTools``', are checked each cycle, before any
+            model call),
             ``lease`` is not a ``LeasePolicy`` or ``None``,
             ``max_cycles`` is not ``None`` or a positive integer,
             ``max_conflicts`` is not an int >= 0, or ``finalize_timeout`` is
@@ -150,6 +159,8 @@ class StateMachine(Generic[D]):
                 f"a StateMachine needs at least one step, got {steps!r}; pass the steps in "
                 "priority order, e.g. StateMachine([Tools([...]), ModelInference()])"
             )
+        for position, item in enumerate(self.steps):
+            _check_step(position, item)
         names = [s.name for s in self.steps]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -157,6 +168,7 @@ class StateMachine(Generic[D]):
                 f"step names must be unique (results, logs and the audit log name steps); "
                 f"repeated: {duplicates!r}; give each its own (e.g. Tools(..., name='...'))"
             )
+        _check_fixed_tool_names(self.steps)
         self.capabilities = Capabilities(self.steps)
         self.cancel = cancel
         if (
@@ -607,3 +619,62 @@ async def _link_to_previous(runtime: Runtime, session: Session[Any], span: Any) 
     except Exception:  # noqa: BLE001 - a link is worth less than the run
         message = "could not read the last batches to link the run's span"
         _log.failure(message, session_id=session.id)
+
+
+def _check_step(position: int, item: object) -> None:
+    """Raise :class:`ConfigurationError` when ``item`` (at ``position``) is no step.
+
+    A step is an instance with a ``name`` and a ``run`` method; the usual
+    mistakes (a step class, a tool, a plain function) get their own fix.
+    """
+    if isinstance(item, type):
+        raise ConfigurationError(
+            f"StateMachine: step {position} is the class {item.__name__}, not a step; pass "
+            f"an instance: {item.__name__}() (with its arguments, if it takes any)"
+        )
+    if isinstance(item, Tool):
+        raise ConfigurationError(
+            f"StateMachine: step {position} is the tool {item.name!r}, not a step; put tools "
+            f"in a Tools step: StateMachine([Tools([{item.name}, ...]), ModelInference()])"
+        )
+    run = getattr(item, "run", None)
+    if callable(run) and isinstance(getattr(item, "name", None), str):
+        return
+    if callable(item) and not callable(run):
+        raise ConfigurationError(
+            f"StateMachine: step {position} is {_shown(item)}, a function, not a step; "
+            "to offer it to the model make it a tool (@tool) and put it in "
+            "Tools([...]); to make a step, subclass Operation and implement "
+            "`async def run(self, ctx)`"
+        )
+    raise ConfigurationError(
+        f"StateMachine: step {position} is {_shown(item)} (of type {type(item).__name__}), not a "
+        "step; a step has a `name` (a str) and an `async def run(self, ctx)`: subclass "
+        "Operation (or Inference) and implement run"
+    )
+
+
+def _shown(value: object) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 120 else shown[:120] + "..."
+
+
+_BLANK: Session[Any] = Session(id="", revision=0, conversation=Conversation(), data=NoData())
+"""What the fixed tools of a ``Tools`` step are read from (they do not depend on it)."""
+
+
+def _check_fixed_tool_names(steps: Sequence[object]) -> None:
+    """Raise :class:`ConfigurationError` when two steps with fixed tools share a tool name.
+
+    A step's tools are fixed when it is a ``Tools`` that does not override
+    ``tools`` (``McpTools`` does: its servers' lists are only known once open,
+    and may change; every tool name is checked again each cycle).
+    """
+    owner: dict[str, str] = {}
+    for step in steps:
+        if not isinstance(step, Tools) or type(step).tools is not Tools.tools:
+            continue
+        for definition in step.tools(_BLANK):
+            holder = owner.setdefault(definition.name, step.name)
+            if holder != step.name:
+                raise ConfigurationError(tool_name_clash(definition.name, holder, step.name))

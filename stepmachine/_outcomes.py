@@ -89,7 +89,12 @@ class Refuse:
 
 @dataclass(frozen=True, slots=True)
 class Continue:
-    """Apply ``effects``, then start the next cycle from the top of the list."""
+    """Apply ``effects``, then start the next cycle from the top of the list.
+
+    ``effects`` must be :class:`~stepmachine.Effect` values: the machine checks
+    the outcome a step returns and raises :class:`~stepmachine.StepContractError`
+    (naming the step and the value) for anything else, before writing.
+    """
 
     effects: tuple[Effect, ...]
 
@@ -99,7 +104,14 @@ class Continue:
 
 @dataclass(frozen=True, slots=True)
 class Yield:
-    """Apply ``effects`` (possibly none), then return control to the caller."""
+    """Apply ``effects`` (possibly none), then return control to the caller.
+
+    ``reason`` is a non-empty string (the :attr:`YieldReason.kind`) or a
+    :class:`YieldReason`. The machine checks the outcome a step returns and
+    raises :class:`~stepmachine.StepContractError` (naming the step and the
+    value) for a reason that is neither, or effects that are not
+    :class:`~stepmachine.Effect` values, before writing.
+    """
 
     effects: tuple[Effect, ...]
     reason: YieldReason

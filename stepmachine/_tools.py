@@ -479,6 +479,21 @@ def tool(
     )
 
 
+def _method_advice(fn: Callable[..., Any], tool_name: str, first: str) -> str:
+    """What to do when a tool's first parameter is an unannotated ``self`` or ``cls``."""
+    qualname = str(getattr(fn, "__qualname__", ""))
+    owner = qualname.rsplit(".", 2)[-2] if qualname.count(".") else "MyClass"
+    method = str(getattr(fn, "__name__", "method"))
+    return (
+        f"tool {tool_name!r}: its first parameter is {first!r}, so it looks like @tool was "
+        "applied to a method in a class body, where it gets the plain function and the model "
+        f"would have to supply {first!r}; make the tool from the method of an instance "
+        f"instead: remove @tool from the method and write tool(instance.{method}) (e.g. "
+        f"Tools([tool({owner}().{method})])), or make it a module-level function or a "
+        "@staticmethod"
+    )
+
+
 def _arguments_struct(
     fn: Callable[..., Any], tool_name: str
 ) -> tuple[str | None, type[msgspec.Struct]]:
@@ -495,7 +510,7 @@ def _arguments_struct(
         ) from exc
     context_param: str | None = None
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
-    for param in inspect.signature(fn).parameters.values():
+    for index, param in enumerate(inspect.signature(fn).parameters.values()):
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ConfigurationError(
                 f"tool {tool_name!r}: *args and **kwargs have no schema ({param.name!r}); "
@@ -506,6 +521,8 @@ def _arguments_struct(
                 f"tool {tool_name!r}: parameter {param.name!r} is positional-only; tools are "
                 "called with keyword arguments: remove the '/' from its signature"
             )
+        if param.name not in hints and param.name in ("self", "cls") and not index:
+            raise ConfigurationError(_method_advice(fn, tool_name, param.name))
         if param.name not in hints:
             raise ConfigurationError(
                 f"tool {tool_name!r}: parameter {param.name!r} needs a type annotation "

@@ -40,6 +40,7 @@ from stepmachine import (
     Task,
     TextDelta,
     ToolCallPart,
+    ToolDefinition,
     ToolFinished,
     Tools,
     ToolStarted,
@@ -199,11 +200,28 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+def test_duplicated_tool_name_of_fixed_tools_is_a_configuration_error_when_built() -> None:
+    with pytest.raises(ConfigurationError, match="'add' is advertised by both 't1' and 't2'"):
+        StateMachine([Tools([add], name="t1"), Tools([add], name="t2"), ModelInference()])
+
+
+class _AdvertisesAdd(Operation[Any]):
+    """Tools that depend on the session: known only when a cycle collects them."""
+
+    def tools(self, session: Session[Any]) -> Sequence[ToolDefinition]:
+        return (add.definition,)
+
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Refuse("never runs anything")
+
+
 async def test_duplicated_tool_name_is_a_configuration_error_before_any_model_call() -> None:
     store = await new_store(conversation=[Message.user("hi", id="u1")])
     model = ScriptedModel([reply("hello")])
-    machine = StateMachine([Tools([add], name="t1"), Tools([add], name="t2"), ModelInference()])
-    with pytest.raises(ConfigurationError, match="'add' is advertised by both 't1' and 't2'"):
+    machine = StateMachine([Tools([add], name="t1"), _AdvertisesAdd(), ModelInference()])
+    with pytest.raises(
+        ConfigurationError, match=r"'add' is advertised by both 't1' and '_AdvertisesAdd'.*name="
+    ):
         await machine.run(Runtime(store=store, model=model), "s")
     assert model.requests == []
     assert (await store.load("s")).revision == 0
@@ -884,6 +902,7 @@ def test_finalize_takes_one_argument_for_the_interrupted_step() -> None:
     assert parameters["interrupted"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
+@pytest.mark.filterwarnings("ignore:StepContext.scratch is deprecated:DeprecationWarning")
 async def test_finalize_with_the_decision_whose_apply_was_cancelled() -> None:
     store = await new_store()
     log: list[tuple[str, bool, object]] = []
@@ -936,6 +955,7 @@ async def run_until_held(machine: StateMachine[Flags], blocking: BlockingLoads) 
     assert tg.cancel_scope.cancelled_caught
 
 
+@pytest.mark.filterwarnings("ignore:StepContext.scratch is deprecated:DeprecationWarning")
 async def test_an_outside_cancellation_while_applying_finalizes_the_deciding_step() -> None:
     store = await new_store()
     log: list[tuple[str, bool, object]] = []
@@ -964,6 +984,7 @@ class ConflictOnce(Operation[Flags]):
         return ()
 
 
+@pytest.mark.filterwarnings("ignore:StepContext.scratch is deprecated:DeprecationWarning")
 async def test_a_cancellation_after_a_conflict_does_not_finalize_the_stale_decision() -> None:
     """The decision lost its race and was dropped: nothing of it is "interrupted" any more.
 

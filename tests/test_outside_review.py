@@ -166,11 +166,6 @@ def test_an_agent_with_a_store_of_the_wrong_type_is_refused_when_built() -> None
 # -- errors say what to do -----------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="README: 'StateMachine(steps)  # a tool name advertised twice would raise "
-    "ConfigurationError here'; it is raised only at run(), without the fix",
-)
 def test_a_tool_name_advertised_by_two_steps_is_refused_when_the_machine_is_built() -> None:
     @tool
     def add(a: int, b: int) -> int:
@@ -198,11 +193,6 @@ class _YieldsANumber(Operation[Any]):
         return Yield([], 42)  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Continue([a non-effect]) raises AttributeError \"type object 'str' has no attribute "
-    "'__struct_config__'\" instead of a StepContractError naming the step and the value",
-)
 async def test_a_step_continuing_with_a_non_effect_gets_a_clear_error() -> None:
     store = MemoryStore()
     await store.create("s1", conversation=[Message.user("hi", id="u1")])
@@ -211,11 +201,6 @@ async def test_a_step_continuing_with_a_non_effect_gets_a_clear_error() -> None:
     assert (await store.load("s1")).revision == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Yield(effects, 42) raises AttributeError \"'int' object has no attribute 'kind'\" "
-    "instead of a StepContractError naming the step and the reason",
-)
 async def test_a_step_yielding_a_reason_that_is_not_a_string_gets_a_clear_error() -> None:
     store = MemoryStore()
     await store.create("s1", conversation=[Message.user("hi", id="u1")])
@@ -350,11 +335,6 @@ class _ReadsDeprecatedContext(Operation[Any]):
         return Yield([], "read")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="StepContext.scratch and StepContext.steps are deprecated (docstring, CHANGELOG) but "
-    "reading them gives no DeprecationWarning, unlike StepContext.commit",
-)
 async def test_the_deprecated_context_fields_warn_when_read() -> None:
     store = MemoryStore()
     await store.create("s1", conversation=[Message.user("hi", id="u1")])
@@ -565,12 +545,6 @@ def _add(a: int, b: int) -> int:
     return a + b
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="StateMachine([a_tool]) or StateMachine([ModelInference]) (a class) is accepted; the "
-    "run then fails with AttributeError \"'Tool' object has no attribute 'run'\" or a TypeError "
-    "about prompt_parts",
-)
 @pytest.mark.parametrize("mistake", ["a tool", "a step class"])
 def test_something_that_is_not_a_step_is_refused_when_the_machine_is_built(mistake: str) -> None:
     wrong: Any = _add if mistake == "a tool" else ModelInference
@@ -578,11 +552,6 @@ def test_something_that_is_not_a_step_is_refused_when_the_machine_is_built(mista
         StateMachine([wrong])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="@tool on a method in a class body says \"parameter 'self' needs a type annotation "
-    '(e.g. self: str)", advice that makes things worse',
-)
 def test_a_tool_made_from_a_method_in_a_class_body_gets_advice_that_helps() -> None:
     with pytest.raises(ConfigurationError) as caught:
 

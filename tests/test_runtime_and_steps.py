@@ -132,6 +132,31 @@ def test_uuid_ids_are_version_4_uuids() -> None:
         assert parsed.hex == made
 
 
+def test_the_deprecated_context_fields_warn_only_when_code_reads_them() -> None:
+    import dataclasses
+
+    from stepmachine._emitter import EventSink
+    from stepmachine.extend import NullEmitter
+    from stepmachine.testing import make_session
+
+    step = ModelInference()
+    ctx: StepContext[Any] = StepContext(
+        session=make_session(),
+        runtime=Runtime(),
+        events=EventSink(NullEmitter(), "s", 0),
+        scratch={"kept": 1},
+        steps=(step,),
+    )
+    copy = dataclasses.replace(ctx, cycle=2)  # the machine's own copies do not warn
+    assert "kept" in repr(copy)
+    assert copy != ctx
+    with pytest.warns(DeprecationWarning, match="StepContext.scratch is deprecated") as caught:
+        assert copy.scratch == {"kept": 1}
+    with pytest.warns(DeprecationWarning, match="StepContext.steps is deprecated"):
+        assert copy.steps == (step,)
+    assert caught[0].filename == __file__  # the warning points at the reader
+
+
 def test_step_context_new_id_uses_the_runtime() -> None:
     from stepmachine._emitter import EventSink
     from stepmachine.extend import NullEmitter
@@ -144,7 +169,8 @@ def test_step_context_new_id_uses_the_runtime() -> None:
     )
     assert [ctx.new_id(), ctx.new_id()] == ["q1", "q2"]
     assert ctx.cycle == 0
-    assert ctx.scratch == {}
+    with pytest.warns(DeprecationWarning, match="StepContext.scratch is deprecated"):
+        assert ctx.scratch == {}
     assert (ctx.tools, ctx.prompt_parts) == ((), ())
 
 
