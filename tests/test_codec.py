@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
+    Agent,
     Annotate,
     AppendMessage,
     Codec,
@@ -23,6 +25,7 @@ from stepmachine import (
     ReplaceConversation,
     Session,
     SetVisibility,
+    StepmachineError,
     Store,
     StoredDataError,
     TextPart,
@@ -32,6 +35,7 @@ from stepmachine import (
     submit,
 )
 from stepmachine.extend import KERNEL_EFFECTS, Batch, Conversation
+from stepmachine.stores import FileStore, SQLiteStore
 
 
 class AppData(msgspec.Struct, frozen=True):
@@ -811,7 +815,7 @@ async def test_a_store_opened_without_the_data_codec_refuses_the_session_and_los
     """Opening a store with the default ``Codec(NoData)`` for sessions written with
     ``Codec(_Ledger)`` refuses to load them (naming the fix) instead of reading them
     without their data, which the next write (a snapshot) would have stored."""
-    from stepmachine.stores import FileStore, SQLiteStore
+    from stepmachine.stores import SQLiteStore
 
     async def open_store(codec: Codec[Any] | None) -> Store:
         if store_kind == "sqlite":
@@ -831,3 +835,53 @@ async def test_a_store_opened_without_the_data_codec_refuses_the_session_and_los
         session = await store.load("s1")
     assert session.data == _Ledger(balance=7, owner="ann")
     assert session.revision == 0
+
+
+# -- at the edges, as a user meets them ----------------------------------------
+
+
+def test_a_codec_of_a_type_that_is_not_a_struct_says_what_to_pass() -> None:
+    with pytest.raises((ConfigurationError, TypeError), match="Struct"):
+        Codec(dict)  # type: ignore[type-var]
+
+
+async def test_a_user_message_with_a_lone_surrogate_gets_a_clear_error(tmp_path: Path) -> None:
+    text = json.loads('"hello \\ud83d"')  # what json.loads gives for a truncated emoji
+    agent = Agent("scripted", store=tmp_path / "db.sqlite3")
+    try:
+        report = await agent.run("s1", text)
+    except StepmachineError as error:
+        assert "surrogate" in str(error)  # noqa: PT017 - refused with the reason
+    else:
+        assert report.reason.kind == "done"  # or stored with the character replaced
+
+
+class _Priority(msgspec.Struct):
+    priority: int = 3
+
+
+class _PriorityText(msgspec.Struct):
+    priority: str = "low"
+
+
+class _Bump(Effect, frozen=True, tag="review.bump"):
+    by: int
+
+    def apply(self, session: Session[Any]) -> Session[Any]:
+        data = msgspec.structs.replace(session.data, priority=session.data.priority + self.by)
+        return msgspec.structs.replace(session, data=data)
+
+
+@pytest.mark.parametrize("wrong", ["effect missing", "field type differs"])
+async def test_a_wrong_codec_error_says_what_to_do(wrong: str, tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite3"
+    async with await SQLiteStore.open(path, Codec(_Priority, effects=[_Bump])) as store:
+        await store.create("t1", _Priority())
+        await submit(store, "t1", [_Bump(by=2)])
+    codec: Codec[Any] = (
+        Codec(_Priority) if wrong == "effect missing" else Codec(_PriorityText, effects=[_Bump])
+    )
+    async with await SQLiteStore.open(path, codec) as store:
+        with pytest.raises(StoredDataError) as caught:
+            await store.load("t1")
+    assert "open it with" in str(caught.value) or "effects=" in str(caught.value)

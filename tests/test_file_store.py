@@ -28,6 +28,7 @@ import msgspec
 import pytest
 
 from stepmachine import (
+    Agent,
     Annotate,
     AppendMessage,
     Codec,
@@ -1064,3 +1065,28 @@ async def test_a_compressed_record_that_does_not_decompress_is_refused(tmp_path:
     record = _batch_record(log, 1)
     _splice(log, record, encode_record(TAG_BATCH, 1, b"bm90IHpsaWI=", version=2))
     await _assert_damage_refused(folder, [str(log), f"byte {record.offset}", "decompress"])
+
+
+# -- at the edges, as a user meets them ----------------------------------------
+
+
+async def test_a_damaged_file_store_record_names_the_session_and_revision(
+    tmp_path: Path,
+) -> None:
+    store = await FileStore.open(tmp_path / "fs")
+    async with store:
+        agent = Agent("scripted", store=store)
+        for question in ("one", "two", "three"):
+            await agent.run("s1", question)
+    log = tmp_path / "fs" / "s1.log"
+    data = bytearray(log.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    log.write_bytes(bytes(data))
+    before = log.read_bytes()
+    store = await FileStore.open(tmp_path / "fs")
+    async with store:
+        with pytest.raises(StoredDataError) as caught:
+            await store.load("s1")
+    assert log.read_bytes() == before  # nothing rewritten (this part holds)
+    assert "'s1'" in str(caught.value)
+    assert "revision" in str(caught.value)

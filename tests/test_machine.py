@@ -1040,3 +1040,36 @@ async def test_a_handler_returning_a_session_of_another_revision_is_an_error(
     )
     with pytest.raises(ConfigurationError, match="at revision 0 for the batch producing"):
         await machine.run(runtime, "s")
+
+
+# -- at the edges, as a user meets them ----------------------------------------
+
+
+def test_a_tool_name_advertised_by_two_steps_is_refused_when_the_machine_is_built() -> None:
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add."""
+        return a + b
+
+    @tool(name="add")
+    def add_again(a: int) -> int:
+        """Also add."""
+        return a
+
+    with pytest.raises(ConfigurationError, match=r"'add'.*name="):
+        StateMachine(
+            [Tools([add], name="maths"), Tools([add_again], name="more"), ModelInference()]
+        )
+
+
+@tool
+def _add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@pytest.mark.parametrize("mistake", ["a tool", "a step class"])
+def test_something_that_is_not_a_step_is_refused_when_the_machine_is_built(mistake: str) -> None:
+    wrong: Any = _add if mistake == "a tool" else ModelInference
+    with pytest.raises(ConfigurationError, match=r"Tools\(\[|ModelInference\(\)"):
+        StateMachine([wrong])

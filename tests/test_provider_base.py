@@ -26,7 +26,14 @@ import httpx
 import pytest
 import structlog.testing
 
-from stepmachine import ConfigurationError, ContextLengthError, ModelError
+from stepmachine import (
+    ConfigurationError,
+    ContextLengthError,
+    Message,
+    ModelError,
+    ModelRequest,
+    providers,
+)
 from stepmachine.providers import (
     DEFAULT_TIMEOUT,
     AnthropicModel,
@@ -578,3 +585,61 @@ async def test_an_injected_client_gets_the_models_timeout(wire: Any) -> None:
     await model.request(wires.REQUEST)
     (timeout,) = seen
     assert timeout["read"] == DEFAULT_TIMEOUT.read  # not httpx's 5 s default
+
+
+# -- at the edges, as a user meets them ----------------------------------------
+
+
+_KEY_VARIABLES = (
+    "OPENAI_API_KEY",
+    "OPENAI_BASE_URL",
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_BASE_URL",
+    "GEMINI_API_KEY",
+    "GOOGLE_API_KEY",
+    "GEMINI_BASE_URL",
+)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "model"),
+    [
+        ("OpenAIResponsesModel", "gpt-5-mini"),
+        ("AnthropicModel", "claude-haiku-4-5"),
+        ("GeminiModel", "gemini-2.5-flash"),
+    ],
+)
+async def test_a_missing_key_is_refused_before_a_request_is_sent(
+    adapter: str, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for variable in _KEY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    sent: list[str] = []
+
+    def provider(request: httpx.Request) -> httpx.Response:
+        sent.append(str(request.url))
+        return httpx.Response(401, json={"error": {"message": "no key", "type": "auth"}})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(provider)) as client:
+        made = getattr(providers, adapter)(model, client=client)
+        with pytest.raises(ConfigurationError, match="_API_KEY"):
+            await made.request(ModelRequest(messages=[Message.user("hi", id="u1")]))
+    assert sent == []
+
+
+async def test_a_404_from_a_wrong_base_url_names_what_was_requested(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def server(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, text="404 page not found")
+
+    monkeypatch.delenv("OPENAI_COMPATIBLE_API_KEY", raising=False)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as client:
+        model = providers.OpenAICompatibleModel(
+            "qwen3", base_url="http://localhost:11434/v1/chat/completions", client=client
+        )
+        with pytest.raises(providers.NotFoundError) as caught:
+            await model.request(ModelRequest(messages=[Message.user("hi", id="u1")]))
+    assert "/chat/completions/chat/completions" in str(caught.value) or "base_url" in str(
+        caught.value
+    )

@@ -16,6 +16,7 @@ import base64
 import logging
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, quote_plus
 
@@ -26,7 +27,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepmachine._messages import TextPart
+from stepmachine import (
+    Agent,
+    ConfigurationError,
+    TextPart,
+)
 from stepmachine.providers import GeminiModel, HTTPModel, ProviderError, RetryPolicy
 from stepmachine.providers._errors import redact_text
 from stepmachine.providers._urls import MIN_SECRET, _HideSecrets, parse_base_url
@@ -271,3 +276,29 @@ def test_a_long_query_value_shows_in_no_spelling(
     for shown in (line, error):
         assert not [f for f in forms if f in shown], shown
     assert "api-version=***" in line
+
+
+# -- at the edges, as a user meets them ----------------------------------------
+
+
+SECRET = "SECRETTOKEN0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    "base_url",
+    [f"user:{SECRET}@localhost:8000/v1", f"https//user:{SECRET}@llm.example.com/v1"],
+)
+async def test_a_malformed_base_url_holding_a_token_is_not_echoed(
+    base_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A user sets the base URL of an OpenAI-compatible server with credentials in it and
+    # forgets "http://" (or writes "https//"). The error must say what is wrong without
+    # printing the token (a query-string token is already removed from the same message).
+    monkeypatch.setenv("OPENAI_COMPATIBLE_BASE_URL", base_url)
+    agent = Agent("openai-compatible:qwen3", store=tmp_path / "db.sqlite3")
+    with pytest.raises(ConfigurationError) as caught:
+        await agent.run("s1", "hi")
+    seen = [caught.value]
+    while seen[-1].__cause__ is not None or seen[-1].__context__ is not None:
+        seen.append(seen[-1].__cause__ or seen[-1].__context__)  # type: ignore[arg-type]
+    assert all(SECRET not in f"{error!s} {error!r}" for error in seen)

@@ -19,11 +19,14 @@ from stepmachine import (
     Effect,
     Message,
     ModelInference,
+    Operation,
+    Outcome,
     Refuse,
     Runtime,
     Session,
     StateMachine,
     StepContext,
+    StepContractError,
     ToolCallPart,
     ToolResultPart,
     Tools,
@@ -373,3 +376,50 @@ async def test_a_tool_caller_returning_text_is_a_clear_error() -> None:
 
     with pytest.raises(StepContractError, match="ToolResultPart"):
         await run_with_caller(caller)
+
+
+# -- at the edges, as a user meets them ----------------------------------------
+
+
+class _ContinuesWithAString(Operation[Any]):
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Continue(["not an effect"])  # type: ignore[list-item]
+
+
+class _YieldsANumber(Operation[Any]):
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        return Yield([], 42)  # type: ignore[arg-type]
+
+
+async def test_a_step_continuing_with_a_non_effect_gets_a_clear_error() -> None:
+    store = MemoryStore()
+    await store.create("s1", conversation=[Message.user("hi", id="u1")])
+    with pytest.raises(StepContractError, match=r"_ContinuesWithAString.*not an effect"):
+        await StateMachine([_ContinuesWithAString()]).run(Runtime(store=store), "s1")
+    assert (await store.load("s1")).revision == 0
+
+
+async def test_a_step_yielding_a_reason_that_is_not_a_string_gets_a_clear_error() -> None:
+    store = MemoryStore()
+    await store.create("s1", conversation=[Message.user("hi", id="u1")])
+    with pytest.raises(StepContractError, match=r"_YieldsANumber.*42"):
+        await StateMachine([_YieldsANumber()]).run(Runtime(store=store), "s1")
+
+
+class _ReadsDeprecatedContext(Operation[Any]):
+    async def run(self, ctx: StepContext[Any]) -> Outcome:
+        ctx.scratch["seen"] = len(ctx.steps)
+        return Yield([], "read")
+
+
+async def test_the_deprecated_context_fields_warn_when_read() -> None:
+    store = MemoryStore()
+    await store.create("s1", conversation=[Message.user("hi", id="u1")])
+    with pytest.warns(DeprecationWarning, match="scratch|steps") as caught:
+        report = await StateMachine([_ReadsDeprecatedContext()]).run_report(
+            Runtime(store=store), "s1"
+        )
+    assert report.reason.kind == "read"  # still works
+    messages = " ".join(str(warning.message) for warning in caught)
+    assert "scratch" in messages
+    assert "steps" in messages

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -13,9 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmachine import (
+    Agent,
     Annotate,
     AppendMessage,
     ConfigurationError,
+    Effect,
     Message,
     ModelInference,
     Operation,
@@ -37,7 +41,6 @@ from stepmachine import (
     tool,
 )
 from stepmachine._codec import Batch
-from stepmachine._effects import Effect
 from stepmachine.extend import (
     JOURNAL,
     NOT_EXECUTED,
@@ -52,7 +55,7 @@ from stepmachine.extend import (
     open_tool_calls,
 )
 from stepmachine.stores import MemoryStore
-from stepmachine.testing import FunctionModel, make_session, reply, run_step
+from stepmachine.testing import FunctionModel, ScriptedModel, call, make_session, reply, run_step
 
 
 def calls_message(*calls: ToolCallPart, message_id: str = "a1") -> Message:
@@ -520,19 +523,101 @@ async def test_after_a_crash_at_any_batch_only_harmless_calls_run_again(
     assert final.conversation[-1].text == "done"
     results = [r for m in final.conversation for r in m.tool_results]
     assert sorted(r.call_id for r in results) == sorted(c.call_id for c in calls)  # one each
-    for call, kind in zip(calls, kinds, strict=True):
-        (result,) = [r for r in results if r.call_id == call.call_id]
-        runs = executed.count(call.call_id)
+    for made, kind in zip(calls, kinds, strict=True):
+        (result,) = [r for r in results if r.call_id == made.call_id]
+        runs = executed.count(made.call_id)
         if kind == "non_idempotent":
             assert runs <= 1
             if result.content == OUTCOME_UNKNOWN:
                 # Its intent was committed before the crash (it may not have run yet);
                 # the resumed run did not run it.
                 assert crashed
-                assert runs == first_run.count(call.call_id)
+                assert runs == first_run.count(made.call_id)
             else:
-                assert result.content == f"{kind} {calls.index(call)}"
+                assert result.content == f"{kind} {calls.index(made)}"
                 assert runs == 1
         else:
-            assert result.content == f"{kind} {calls.index(call)}"  # re-run if need be
+            assert result.content == f"{kind} {calls.index(made)}"  # re-run if need be
             assert runs >= 1
+
+
+# -- at the edges, as a user meets them ----------------------------------------
+
+
+async def test_cancelling_a_run_with_a_hung_sync_tool_is_bounded() -> None:
+    release = threading.Event()
+    entered = threading.Event()
+
+    @tool
+    def fetch(url: str) -> str:
+        """A blocking call with no timeout of its own (a hung socket)."""
+        entered.set()
+        release.wait(timeout=30)
+        return "late"
+
+    store = MemoryStore()
+    await store.create("s1", conversation=[Message.user("fetch it", id="u1")])
+    model = ScriptedModel([call(("fetch", {"url": "http://example.com"})), reply("ok")])
+    machine = StateMachine([Tools([fetch]), ModelInference()], finalize_timeout=0.2)
+    released_by: list[str] = []
+
+    async def watchdog() -> None:
+        # Releases the tool only if the cancelled run has not returned on its own
+        # long after finalize_timeout: then the run was waiting for the tool.
+        await anyio.sleep(3)
+        if not released_by:
+            released_by.append("watchdog")
+            release.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watchdog)
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as inner:
+                inner.start_soon(machine.run, Runtime(store=store, model=model), "s1")
+                while not entered.is_set():  # noqa: ASYNC110 - set from the tool's thread
+                    await anyio.sleep(0.01)
+                scope.cancel()
+        if not released_by:
+            released_by.append("run returned")
+        release.set()
+        group.cancel_scope.cancel()
+    assert released_by == ["run returned"]
+
+
+class _UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("this exception cannot be printed")
+
+
+async def test_a_tool_raising_an_unprintable_exception_becomes_an_error_result(
+    tmp_path: Path,
+) -> None:
+    @tool
+    def lookup(query: str) -> str:
+        """Look something up."""
+        raise _UnprintableError
+
+    model = ScriptedModel([call(("lookup", {"query": "x"})), reply("sorry")])
+    report = await Agent(model, tools=[lookup], store=tmp_path / "db.sqlite3").run("s1", "find x")
+    assert report.text == "sorry"
+    results = [part for message in report.session.conversation for part in message.tool_results]
+    assert [part.is_error for part in results] == [True]
+
+
+async def test_a_sync_tool_is_bounded_by_its_timeout(tmp_path: Path) -> None:
+    release = threading.Event()
+
+    @tool(timeout=0.2)
+    def fetch(url: str) -> str:
+        """A blocking call that hangs (released by the test after at most 3 s)."""
+        release.wait(timeout=3)
+        return "late"
+
+    model = ScriptedModel([call(("fetch", {"url": "http://example.com"})), reply("ok")])
+    agent = Agent(model, tools=[fetch], store=tmp_path / "db.sqlite3")
+    try:
+        report = await agent.run("s1", "fetch it")
+    finally:
+        release.set()
+    results = [part for message in report.session.conversation for part in message.tool_results]
+    assert [(part.is_error, "timed out" in str(part.content)) for part in results] == [(True, True)]

@@ -791,3 +791,18 @@ def test_tool_called_with_a_function_keeps_its_options() -> None:
     made = tool(lookup, side_effects="pure", name="find", timeout=5.0)
     assert (made.name, made.side_effects, made.timeout) == ("find", "pure", 5.0)
     assert tool(side_effects="pure")(lookup).side_effects == "pure"
+
+
+# -- at the edges, as a user meets them ----------------------------------------
+
+
+def test_a_tool_made_from_a_method_in_a_class_body_gets_advice_that_helps() -> None:
+    with pytest.raises(ConfigurationError) as caught:
+
+        class Shop:
+            @tool
+            def price(self, item: str) -> int:
+                """The price of an item."""
+                return 3
+
+    assert "self: str" not in str(caught.value)
