@@ -51,11 +51,12 @@ overrides only ``run`` costs nothing in the hooks it does not override.
 from __future__ import annotations
 
 import sys
+import sysconfig
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Final, Generic, Protocol, TypeVar, cast
 
 import msgspec
 
@@ -585,17 +586,30 @@ class StepContext(Generic[D]):
         return response
 
 
+_LIBRARY_DIRS: Final = tuple(
+    {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
+"""Where the standard library and installed packages live (their reads do not warn)."""
+
+
 def _deprecated_field(name: str, slot: Any, default: Callable[[], object], advice: str) -> property:
     """A property over the slot ``slot`` of :class:`StepContext` that warns when read.
 
     Reads by the package itself (the dataclass's generated ``__repr__`` and
-    ``__eq__``, ``dataclasses.replace``) do not warn: only code that uses the
-    field does.
+    ``__eq__``, ``dataclasses.replace``) and by installed libraries and the
+    standard library (a traceback renderer showing locals, a pretty-printer
+    walking the dataclass's fields) do not warn: only the application's own
+    code that uses the field does.
     """
 
     def read(self: StepContext[Any]) -> Any:
-        caller = str(sys._getframe(1).f_globals.get("__name__", ""))
-        if not (caller.startswith("stepmachine.") or caller == "dataclasses"):
+        frame = sys._getframe(1)
+        caller = str(frame.f_globals.get("__name__", ""))
+        if not (
+            caller == "stepmachine"
+            or caller.startswith("stepmachine.")
+            or frame.f_code.co_filename.startswith(_LIBRARY_DIRS)
+        ):
             warnings.warn(
                 f"StepContext.{name} is deprecated and unused by every built-in step: "
                 f"{advice}; it will be removed in a later release",
