@@ -81,6 +81,7 @@ from ._lease import Lease, LeasePolicy, Leases, check_claim, new_owner
 from ._model import PromptPart, ToolDefinition
 from ._runtime import Runtime, with_handler
 from ._session import NoData, Session
+from ._step_contract import shown
 from ._steps import CancelToken, StepResult, YieldReason
 from ._tool_step import Tools
 from ._tools import Tool
@@ -642,21 +643,16 @@ def _check_step(position: int, item: object) -> None:
         return
     if callable(item) and not callable(run):
         raise ConfigurationError(
-            f"StateMachine: step {position} is {_shown(item)}, a function, not a step; "
+            f"StateMachine: step {position} is {shown(item)}, a function, not a step; "
             "to offer it to the model make it a tool (@tool) and put it in "
             "Tools([...]); to make a step, subclass Operation and implement "
             "`async def run(self, ctx)`"
         )
     raise ConfigurationError(
-        f"StateMachine: step {position} is {_shown(item)} (of type {type(item).__name__}), not a "
+        f"StateMachine: step {position} is {shown(item)} (of type {type(item).__name__}), not a "
         "step; a step has a `name` (a str) and an `async def run(self, ctx)`: subclass "
         "Operation (or Inference) and implement run"
     )
-
-
-def _shown(value: object) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 120 else shown[:120] + "..."
 
 
 _BLANK: Session[Any] = Session(id="", revision=0, conversation=Conversation(), data=NoData())

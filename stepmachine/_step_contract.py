@@ -21,7 +21,7 @@ from ._errors import StepContractError
 from ._staged import Staged
 from ._steps import Continue, Outcome, Refuse, Yield, YieldReason
 
-__all__ = ["check_continues", "check_outcome", "check_pending"]
+__all__ = ["check_continues", "check_outcome", "check_pending", "shown"]
 
 
 def check_pending(step_name: str, pending: object) -> Awaitable[object]:
@@ -37,7 +37,7 @@ def check_pending(step_name: str, pending: object) -> Awaitable[object]:
         pending.close()
     raise StepContractError(
         f"step {step_name!r} has a run() that is not async: calling it returned "
-        f"{_shown(pending)} (a {type(pending).__name__}), which cannot be awaited; make run an "
+        f"{shown(pending)} (a {type(pending).__name__}), which cannot be awaited; make run an "
         "`async def run(self, ctx)` that returns Refuse(why), Continue(effects), "
         "Yield(effects, reason) or Staged(...); nothing was written for this cycle"
     )
@@ -78,7 +78,7 @@ def check_outcome(step_name: str, returned: object) -> Outcome:
     if returned is None:
         seen = "returned None (is a `return` missing at the end of its run()?)"
     else:
-        seen = f"returned {_shown(returned)} (a {type(returned).__name__})"
+        seen = f"returned {shown(returned)} (a {type(returned).__name__})"
     raise StepContractError(
         f"step {step_name!r} {seen}; a step's run() returns Refuse(why) when it does not "
         "apply, Continue(effects), Yield(effects, reason) or Staged(...); nothing was written "
@@ -89,7 +89,7 @@ def check_outcome(step_name: str, returned: object) -> Outcome:
 def _not_an_effect(step_name: str, outcome: Outcome, value: object) -> str:
     kind = type(outcome).__name__
     return (
-        f"step {step_name!r} returned a {kind} whose effects hold {_shown(value)} (of type "
+        f"step {step_name!r} returned a {kind} whose effects hold {shown(value)} (of type "
         f"{type(value).__name__}), which is not an effect; give {kind} Effect values "
         "(AppendMessage(message), UpdateData(data), ...; to add a message: "
         "AppendMessage(Message.assistant(...))); nothing was written for this cycle"
@@ -101,9 +101,9 @@ def _check_reason(step_name: str, reason: object) -> None:
     if isinstance(reason, YieldReason) and isinstance(reason.kind, str) and reason.kind:
         return
     if isinstance(reason, YieldReason):
-        seen = f"a YieldReason whose kind is {_shown(reason.kind)}"
+        seen = f"a YieldReason whose kind is {shown(reason.kind)}"
     else:
-        seen = f"{_shown(reason)} (of type {type(reason).__name__})"
+        seen = f"{shown(reason)} (of type {type(reason).__name__})"
     raise StepContractError(
         f"step {step_name!r} returned a Yield whose reason is {seen}; the reason tells the caller "
         "why the run returned: give a non-empty string (Yield(effects, 'done')) or a "
@@ -122,6 +122,7 @@ def check_continues(step_name: str, outcome: Outcome) -> None:
         )
 
 
-def _shown(value: object) -> str:
+def shown(value: object) -> str:
+    """``repr(value)``, cut to 200 characters (for an error message)."""
     shown = repr(value)
     return shown if len(shown) <= 200 else shown[:200] + "..."

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import re
-import sqlite3
 from pathlib import Path
 
 import pytest
+from _media_damage import damage_same_size
 
 from stepmachine import ConflictError, ImagePart, Message, StoredDataError
 from stepmachine.stores import FileStore
@@ -102,22 +102,6 @@ def _img_msg(data: bytes, mid: str = "u1") -> Message:
     return Message.user("look", id=mid, media=[ImagePart(media_type="image/png", data=data)])
 
 
-def _damage_same_size(kind: str, tmp_path: Path, data: bytes) -> None:
-    from stepmachine.extend import media_digest
-
-    digest = media_digest(data)
-    bad = bytes([data[0] ^ 0xFF]) + data[1:]
-    if kind == "file":
-        blob = tmp_path / "files" / ".media" / digest.removeprefix("sha256:")
-        blob.write_bytes(bad)
-    else:
-        db = sqlite3.connect(tmp_path / "db.sqlite3")
-        with db:
-            changed = db.execute("UPDATE media SET body = ? WHERE digest = ?", (bad, digest))
-            assert changed.rowcount == 1
-        db.close()
-
-
 _NUMBERED = re.compile(r"\binvariant \d+\b", re.IGNORECASE)
 
 
@@ -126,7 +110,7 @@ async def test_errors_name_guarantees_in_words_not_numbers(tmp_path: Path) -> No
     data = os.urandom(2000)
     async with await FileStore.open(tmp_path / "files") as store:
         await store.create("s1", conversation=[_img_msg(data)])
-    _damage_same_size("file", tmp_path, data)
+    damage_same_size("file", tmp_path, data)
     async with await FileStore.open(tmp_path / "files") as store:
         with pytest.raises(StoredDataError) as caught:
             await store.load("s1")

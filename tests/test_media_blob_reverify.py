@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _media_damage import damage_same_size
 
 from stepmachine import ImagePart, Message, StoredDataError
 from stepmachine.extend import media_digest
@@ -115,20 +116,6 @@ async def _open(kind: str, tmp_path: Path) -> Any:
     return await SQLiteStore.open(tmp_path / "db.sqlite3")
 
 
-def _damage_same_size(kind: str, tmp_path: Path, data: bytes) -> None:
-    digest = media_digest(data)
-    bad = bytes([data[0] ^ 0xFF]) + data[1:]
-    if kind == "file":
-        blob = tmp_path / "files" / ".media" / digest.removeprefix("sha256:")
-        blob.write_bytes(bad)
-    else:
-        db = sqlite3.connect(tmp_path / "db.sqlite3")
-        with db:
-            changed = db.execute("UPDATE media SET body = ? WHERE digest = ?", (bad, digest))
-            assert changed.rowcount == 1
-        db.close()
-
-
 async def test_a_blob_damaged_to_the_same_size_is_repaired_by_a_later_write_file(
     tmp_path: Path,
 ) -> None:
@@ -147,7 +134,7 @@ async def _damaged_then_rewritten(kind: str, tmp_path: Path) -> None:
     store = await _open(kind, tmp_path)
     try:
         await store.create("s1", conversation=[_message(data)])
-        _damage_same_size(kind, tmp_path, data)
+        damage_same_size(kind, tmp_path, data)
         fresh = await _open(kind, tmp_path)
         try:
             with pytest.raises(StoredDataError, match="damaged"):
