@@ -46,6 +46,13 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
 
 
 @pytest.fixture(scope="session")
+def mypy_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One mypy cache per test worker for the docs' and the README's type checks: the
+    package is analysed once, then each page's run checks only its own blocks."""
+    return tmp_path_factory.mktemp("mypy_cache")
+
+
+@pytest.fixture(scope="session")
 def postgres_server() -> Iterator[str]:
     """DSN of a PostgreSQL server for the whole test session (database ``postgres``).
 

@@ -340,12 +340,6 @@ def test_page_blocks_run_as_written(
         pytest.skip(f"docs/{page}: ran {ran} blocks; skipped " + "; ".join(run.skipped))
 
 
-@pytest.fixture(scope="session")
-def mypy_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One mypy cache for the page runs of this test worker (the package is analysed once)."""
-    return tmp_path_factory.mktemp("docs_mypy_cache")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("page", list(PAGES))
 def test_page_blocks_type_check_under_mypy_strict(

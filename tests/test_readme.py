@@ -144,7 +144,7 @@ def test_block_imports_only_public_modules_and_names(block: Block) -> None:
 
 
 @pytest.mark.slow
-def test_blocks_type_check_under_mypy_strict(tmp_path: Path) -> None:
+def test_blocks_type_check_under_mypy_strict(tmp_path: Path, mypy_cache: Path) -> None:
     """What the README shows is what a user's type checker accepts."""
     files = []
     for block in BLOCKS:
@@ -152,7 +152,7 @@ def test_blocks_type_check_under_mypy_strict(tmp_path: Path) -> None:
         path.write_text(block.code, encoding="utf-8")
         files.append(path.name)
     done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", *files],
+        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(mypy_cache), *files],
         cwd=tmp_path,
         capture_output=True,
         text=True,
