@@ -1,8 +1,13 @@
-"""McpTools against real MCP servers (tests/fixtures/mcp_server.py, written with the SDK).
+"""McpTools against real MCP servers.
 
 Every server here is a real process: stdio servers started by McpTools, an
 HTTP server started by the test on a loopback port. Each async test runs on
-asyncio and trio.
+asyncio and trio. The tests of what the SDK's own server does (its schemas,
+its results, its list changes, its HTTP transport) use tests/fixtures/mcp_server.py,
+written with the SDK; the tests of McpTools itself (its journal, restarts,
+cancellation, limits, governance) use tests/fixtures/mcp_light_server.py, the
+same tools in plain JSON-RPC, which starts in milliseconds where the SDK's server
+spends a second or more importing the SDK.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 
 SERVER = Path(__file__).parent / "fixtures" / "mcp_server.py"
+LIGHT = Path(__file__).parent / "fixtures" / "mcp_light_server.py"
 
 
 @pytest.fixture
@@ -72,6 +78,14 @@ def stdio(files: dict[str, Path], **kwargs: Any) -> McpStdio:
     env = {"MCP_LEDGER": str(files["ledger"]), "MCP_EVENTS": str(files["events"])}
     kwargs.setdefault("name", "fx")
     return McpStdio(command=sys.executable, args=[str(SERVER), "stdio"], env=env, **kwargs)
+
+
+def light(files: dict[str, Path], **kwargs: Any) -> McpStdio:
+    """The light server (the same tools, no SDK) with the ledger and events of ``files``."""
+    env = {"MCP_LEDGER": str(files["ledger"]), "MCP_EVENTS": str(files["events"])}
+    env.update(kwargs.pop("env", {}))
+    kwargs.setdefault("name", "fx")
+    return McpStdio(command=sys.executable, args=[str(LIGHT)], env=env, **kwargs)
 
 
 def lines(path: Path) -> list[str]:
@@ -133,7 +147,7 @@ async def test_untrusted_annotations_leave_the_class_to_configuration(
     files: dict[str, Path], trust: dict[str, bool]
 ) -> None:
     """Untrusted is the default: a server's hints never lower a tool's class."""
-    server = stdio(files, side_effects={"add": "pure"}, **trust)
+    server = light(files, side_effects={"add": "pure"}, **trust)
     async with McpTools([server]) as mcp:
         mcp.tools(None)  # type: ignore[arg-type]
         assert mcp.side_effects("echo") == "non_idempotent"  # its readOnlyHint is ignored
@@ -144,7 +158,7 @@ async def test_untrusted_annotations_leave_the_class_to_configuration(
 async def test_namespace_prefixes_each_server_and_a_clash_is_a_configuration_error(
     files: dict[str, Path], tmp_path: Path
 ) -> None:
-    a, b = stdio(files, name="a"), stdio(files, name="b")
+    a, b = light(files, name="a"), light(files, name="b")
     model = ScriptedModel([])  # never called: the clash stops the run first
     with pytest.raises(ConfigurationError, match="'echo' is given by both"):
         await run([McpTools([a, b]), ModelInference()], model)
@@ -153,7 +167,7 @@ async def test_namespace_prefixes_each_server_and_a_clash_is_a_configuration_err
         names = {d.name for d in mcp.tools(None)}  # type: ignore[arg-type]
         assert {"a__echo", "b__echo"} <= names
         assert "echo" not in names
-    async with McpTools([stdio(files, prefix="files_")]) as mcp:
+    async with McpTools([light(files, prefix="files_")]) as mcp:
         assert "files_echo" in {d.name for d in mcp.tools(None)}  # type: ignore[arg-type]
 
 
@@ -288,7 +302,7 @@ async def test_non_object_arguments_are_an_invalid_call_error(files: dict[str, P
     from stepmachine import ToolCallPart
 
     turns = [call(ToolCallPart.parse("c1", "echo", "[1, 2]")), reply("ok")]
-    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    session, _ = await run([McpTools([light(files)]), ModelInference()], ScriptedModel(turns))
     (result,) = results(session)
     assert result.is_error
     assert "must be a JSON object" in result.content
@@ -310,7 +324,7 @@ async def test_parallel_calls_run_at_once(files: dict[str, Path]) -> None:
         call(*[("slow", {"seconds": 0.5, "label": str(i)}) for i in range(3)]),
         reply("ok"),
     ]
-    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    session, _ = await run([McpTools([light(files)]), ModelInference()], ScriptedModel(turns))
     assert [r.content for r in results(session)] != []
     order = [x.split("\t")[0].split()[0] for x in lines(files["ledger"])]
     # All three started before any ended: they overlapped at the server.
@@ -320,7 +334,7 @@ async def test_parallel_calls_run_at_once(files: dict[str, Path]) -> None:
 
 async def test_too_long_a_result_is_an_error_result_not_stored(files: dict[str, Path]) -> None:
     turns = [call(("big", {"chars": 5000})), reply("ok")]
-    mcp = McpTools([stdio(files)], max_result_chars=1000)
+    mcp = McpTools([light(files)], max_result_chars=1000)
     session, _ = await run([mcp, ModelInference()], ScriptedModel(turns))
     (result,) = results(session)
     assert result.is_error
@@ -339,7 +353,7 @@ async def test_approval_holds_an_mcp_call_until_a_person_approves(files: dict[st
 
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
-    steps = [Approval(["record"]), McpTools([stdio(files)]), ModelInference()]
+    steps = [Approval(["record"]), McpTools([light(files)]), ModelInference()]
     machine = StateMachine(steps)
     runtime = Runtime(store=store, model=FunctionModel(model))
     report = await machine.run_report(runtime, "s")
@@ -359,7 +373,7 @@ async def test_a_crash_mid_call_is_an_error_result_and_the_server_starts_again(
     files: dict[str, Path],
 ) -> None:
     turns = [call(("pid", {})), call(("crash", {})), call(("pid", {})), reply("done")]
-    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    session, _ = await run([McpTools([light(files)]), ModelInference()], ScriptedModel(turns))
     first, crashed, second = results(session)
     assert crashed.is_error
     assert "closed the connection during the call" in crashed.content
@@ -374,7 +388,7 @@ async def test_a_hang_hits_the_per_call_timeout_and_the_server_goes_on(
     files: dict[str, Path],
 ) -> None:
     turns = [call(("hang", {}), ("echo", {"text": "still here"})), reply("done")]
-    mcp = McpTools([stdio(files, timeout=0.5)])
+    mcp = McpTools([light(files, timeout=0.5)])
     started = time.monotonic()
     session, _ = await run([mcp, ModelInference()], ScriptedModel(turns))
     assert time.monotonic() - started < 30  # not the hour the tool sleeps
@@ -426,7 +440,7 @@ async def test_a_changed_tool_list_applies_from_a_later_cycle(files: dict[str, P
 
 
 async def test_the_tool_list_is_stable_within_a_cycle(files: dict[str, Path]) -> None:
-    async with McpTools([stdio(files)]) as mcp:
+    async with McpTools([light(files)]) as mcp:
         machine = StateMachine([mcp, ModelInference()])
         runtime = Runtime(store=MemoryStore(), model=ScriptedModel([]))
         async with machine.opened(runtime):
@@ -444,7 +458,7 @@ async def test_the_tool_list_is_stable_within_a_cycle(files: dict[str, Path]) ->
 
 
 async def test_driving_steps_by_hand_needs_the_machine_opened(files: dict[str, Path]) -> None:
-    machine = StateMachine([McpTools([stdio(files)]), ModelInference()])
+    machine = StateMachine([McpTools([light(files)]), ModelInference()])
     store = MemoryStore()
     session = await store.create("s", conversation=[Message.user("go", id="u1")])
     runtime = Runtime(store=store, model=ScriptedModel([reply("hi")]))
@@ -458,7 +472,7 @@ async def test_driving_steps_by_hand_needs_the_machine_opened(files: dict[str, P
 
 async def test_a_run_stops_its_stdio_server_when_it_returns(files: dict[str, Path]) -> None:
     turns = [call(("pid", {})), reply("done")]
-    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    session, _ = await run([McpTools([light(files)]), ModelInference()], ScriptedModel(turns))
     (pid,) = started_pids(files)
     assert results(session)[0].content == str(pid)
     deadline = time.monotonic() + 10
@@ -470,7 +484,7 @@ async def test_a_run_stops_its_stdio_server_when_it_returns(files: dict[str, Pat
 async def test_shared_connections_serve_several_runs_with_one_process(
     files: dict[str, Path],
 ) -> None:
-    async with McpTools([stdio(files)]) as mcp:
+    async with McpTools([light(files)]) as mcp:
         for _ in range(2):
             turns = [call(("pid", {})), reply("done")]
             await run([mcp, ModelInference()], ScriptedModel(turns))
@@ -485,7 +499,7 @@ async def test_an_error_in_the_run_propagates_as_itself(files: dict[str, Path]) 
         raise BoomError("model down")
 
     with pytest.raises(BoomError, match="model down"):
-        await run([McpTools([stdio(files)]), ModelInference()], FunctionModel(model))
+        await run([McpTools([light(files)]), ModelInference()], FunctionModel(model))
 
 
 async def test_cancelling_a_run_mid_call_stops_the_server_and_answers_the_call(
@@ -493,7 +507,7 @@ async def test_cancelling_a_run_mid_call_stops_the_server_and_answers_the_call(
 ) -> None:
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
-    machine = StateMachine([McpTools([stdio(files)]), ModelInference()])
+    machine = StateMachine([McpTools([light(files)]), ModelInference()])
     turns = [call(("record", {"note": "slow", "delay": 3600}))]
     runtime = Runtime(store=store, model=ScriptedModel(turns))
     with anyio.fail_after(120):
@@ -703,7 +717,7 @@ async def test_invalid_arguments_are_caught_by_the_servers_schema_before_any_cal
             return reply("done")
         return call(("record", {"note": "fixed"}))  # after InvalidCalls' feedback
 
-    steps = [InvalidCalls("retry"), McpTools([stdio(files)]), ModelInference()]
+    steps = [InvalidCalls("retry"), McpTools([light(files)]), ModelInference()]
     session, _ = await run(steps, FunctionModel(model))
     notes = [x.split("\t")[0] for x in lines(files["ledger"])]
     assert notes == ["fixed"]  # the invalid call never reached the server
@@ -716,7 +730,7 @@ async def test_a_tool_call_budget_governs_mcp_calls(files: dict[str, Path]) -> N
     from stepmachine.operations import Budget, Limits
 
     turns = [call(("record", {"note": "a"}), ("record", {"note": "b"})), reply("done")]
-    steps = [Budget(per_run=Limits(tool_calls=1)), McpTools([stdio(files)]), ModelInference()]
+    steps = [Budget(per_run=Limits(tool_calls=1)), McpTools([light(files)]), ModelInference()]
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
     report = await StateMachine(steps).run_report(
@@ -756,6 +770,10 @@ def fixture_server(tmp_path: Path, **kwargs: Any) -> McpStdio:
     env = {"MCP_LEDGER": str(tmp_path / "ledger.txt"), "MCP_EVENTS": str(tmp_path / "events.txt")}
     kwargs.setdefault("name", "fx")
     return McpStdio(command=sys.executable, args=[str(SERVER_MCP), "stdio"], env=env, **kwargs)
+
+
+def light_server(tmp_path: Path, **kwargs: Any) -> McpStdio:
+    return light({"ledger": tmp_path / "ledger.txt", "events": tmp_path / "events.txt"}, **kwargs)
 
 
 def pids(events: Path) -> list[int]:
@@ -942,7 +960,7 @@ async def test_a_crash_in_a_parallel_batch_answers_every_call_once(tmp_path: Pat
         call(("record", {"note": "n1", "delay": 1.0}), ("crash", {}), ("echo", {"text": "e"})),
         reply("done"),
     ]
-    mcp = McpTools([fixture_server(tmp_path)], max_concurrency=8)
+    mcp = McpTools([light_server(tmp_path)], max_concurrency=8)
     session = await run_mcp([mcp, ModelInference()], ScriptedModel(turns))
     got = results(session)
     assert len(got) == 3
@@ -978,7 +996,7 @@ async def test_cancelling_during_a_restart_ends_cleanly(tmp_path: Path) -> None:
     turns = [call(("crash", {})), call(("hang", {})), reply("x")]
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
-    machine = StateMachine([McpTools([fixture_server(tmp_path)]), ModelInference()])
+    machine = StateMachine([McpTools([light_server(tmp_path)]), ModelInference()])
     runtime = Runtime(store=store, model=ScriptedModel(turns))
     with anyio.fail_after(BOUND):
         with anyio.move_on_after(4) as scope:
@@ -1008,7 +1026,7 @@ async def test_an_error_in_the_run_during_connect_propagates_as_itself(events: P
 async def test_concurrent_runs_share_one_opening(tmp_path: Path) -> None:
     events = tmp_path / "events.txt"
     done: dict[str, str] = {}
-    async with McpTools([fixture_server(tmp_path)]) as mcp:
+    async with McpTools([light_server(tmp_path)]) as mcp:
 
         async def one(sid: str) -> None:
             turns = [call(("echo", {"text": sid}), ("pid", {})), reply(sid)]
@@ -1025,7 +1043,7 @@ async def test_concurrent_runs_share_one_opening(tmp_path: Path) -> None:
 
 
 async def test_a_crash_in_one_shared_run_does_not_break_another(tmp_path: Path) -> None:
-    async with McpTools([fixture_server(tmp_path)]) as mcp:
+    async with McpTools([light_server(tmp_path)]) as mcp:
         crashing = [call(("crash", {})), reply("a")]
         await run_mcp([mcp, ModelInference()], ScriptedModel(crashing), "a")
         session = await run_mcp(
@@ -1210,7 +1228,7 @@ async def test_cancelling_a_run_with_a_stubborn_server_mid_call_stops_it(events:
 async def test_an_error_in_a_shared_block_propagates_as_itself(tmp_path: Path) -> None:
     with anyio.fail_after(BOUND):
         with pytest.raises(ValueError, match="mine"):
-            async with McpTools([fixture_server(tmp_path)]):
+            async with McpTools([light_server(tmp_path)]):
                 raise ValueError("mine")
     assert await all_gone(pids(tmp_path / "events.txt"))
 
@@ -1250,7 +1268,7 @@ def test_two_tasks_entering_one_mcp_tools_at_once_open_it_once(
 ) -> None:
     events = tmp_path / "events.txt"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    argv = [sys.executable, "-c", TWO_ENTERS, str(SERVER_MCP), str(events), backend]
+    argv = [sys.executable, "-c", TWO_ENTERS, str(LIGHT), str(events), backend]
     errors = tmp_path / "stderr.txt"
     with errors.open("wb") as err:
         process = subprocess.Popen(
@@ -1341,7 +1359,7 @@ async def test_an_image_over_max_media_bytes_from_a_server_is_an_error_result(
     store = MemoryStore(max_media_bytes=8)  # the fixture's image holds 16 bytes
     await store.create("s", conversation=[Message.user("go", id="u1")])
     model = ScriptedModel([call(("image", {})), reply("done")])
-    machine = StateMachine([McpTools([fixture_server(tmp_path)]), ModelInference()])
+    machine = StateMachine([McpTools([light_server(tmp_path)]), ModelInference()])
     with anyio.fail_after(BOUND):
         session = await machine.run(Runtime(store=store, model=model), "s")
     (result,) = results(session)
@@ -1375,7 +1393,7 @@ SECRET = "tok-S3CRET-4242"
 async def test_a_server_echoing_its_environment_stores_no_secret(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    server = fixture_server(tmp_path)
+    server = light_server(tmp_path)
     server = McpStdio(
         command=server.command,
         args=server.args,
@@ -1400,7 +1418,7 @@ async def test_a_result_over_max_message_bytes_is_not_read_and_the_server_goes_o
     tmp_path: Path,
 ) -> None:
     turns = [call(("big", {"chars": 2_000_000})), call(("echo", {"text": "after"})), reply("ok")]
-    mcp = McpTools([fixture_server(tmp_path)], max_message_bytes=65_536)
+    mcp = McpTools([light_server(tmp_path)], max_message_bytes=65_536)
     session = await run_mcp([mcp, ModelInference()], ScriptedModel(turns))
     big, after = results(session)
     assert big.is_error
