@@ -405,7 +405,8 @@ async def test_a_server_that_does_not_start_leaves_the_run_going(tmp_path: Path)
         command=sys.executable,
         args=["-c", "import time; time.sleep(60)"],
         name="silent",
-        connect_timeout=1.0,
+        connect_timeout=0.5,
+        stop_grace=0.1,  # it reads no stdin and waits out SIGTERM's grace: keep both short
     )
     model = ScriptedModel([call(("echo", {"text": "x"})), reply("no tools")])
     session, _ = await run([McpTools([missing, silent]), ModelInference()], model)
@@ -996,12 +997,18 @@ async def test_cancelling_during_a_restart_ends_cleanly(tmp_path: Path) -> None:
     turns = [call(("crash", {})), call(("hang", {})), reply("x")]
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
-    machine = StateMachine([McpTools([light_server(tmp_path)]), ModelInference()])
+    # Started again after the crash, the server waits before it answers initialize: the
+    # cancel below lands while the restart is under way.
+    server = light_server(tmp_path, env={"MCP_SLOW_RESTART": "300"})
+    machine = StateMachine([McpTools([server]), ModelInference()])
     runtime = Runtime(store=store, model=ScriptedModel(turns))
     with anyio.fail_after(BOUND):
-        with anyio.move_on_after(4) as scope:
-            await machine.run(runtime, "s")
-    assert scope.cancelled_caught
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(machine.run, runtime, "s")
+            while len(pids(events)) < 2:  # noqa: ASYNC110 - the restart has begun
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    assert any(x.startswith("crash ") for x in lines(events))
     assert await all_gone(pids(events))
 
 
@@ -1199,29 +1206,69 @@ async def test_a_server_ignoring_sigterm_and_its_child_are_stopped_with_the_run(
     events: Path,
 ) -> None:
     turns = [call(("echo", {"text": "x"})), reply("done")]
-    session = await run_mcp(
-        [McpTools([hostile("stubborn", events)]), ModelInference()], ScriptedModel(turns)
-    )
+    # stop_grace: its stdin closed, then SIGTERM, each ignored for 0.2 s, then SIGKILL.
+    stubborn = hostile("stubborn", events, stop_grace=0.2)
+    session = await run_mcp([McpTools([stubborn]), ModelInference()], ScriptedModel(turns))
     assert results(session)[0].content == "x"
     started = pids(events)
     assert len(started) == 2  # the server and its child
     assert await all_gone(started)
 
 
+def test_stop_grace_defaults_to_the_sdks_and_is_checked() -> None:
+    assert McpStdio(command="x").stop_grace == 2.0
+    assert McpStdio(command="x", stop_grace=0).stop_grace == 0
+    for bad in (-1, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(ConfigurationError, match="stop_grace"):
+            McpStdio(command="x", stop_grace=bad)  # type: ignore[arg-type]
+
+
+async def test_stop_grace_bounds_each_wait_and_a_server_that_exits_is_not_signalled(
+    events: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mcp.os.posix import utilities
+
+    signalled: list[float] = []
+    real = utilities.terminate_posix_process_tree
+
+    async def spy(process: Any, timeout_seconds: float = 2.0) -> None:
+        signalled.append(timeout_seconds)
+        await real(process, timeout_seconds)
+
+    monkeypatch.setattr(utilities, "terminate_posix_process_tree", spy)
+    own = {"ledger": tmp_path / "polite-ledger.txt", "events": tmp_path / "polite-events.txt"}
+    polite = light(own, stop_grace=0.3)  # it exits when its stdin closes
+    async with McpTools([polite]):
+        pass
+    assert signalled == []  # no SIGTERM: it exited within its grace
+    async with McpTools([hostile("stubborn", events, stop_grace=0.3)]):
+        pass
+    assert signalled == [0.3]  # SIGTERM, then 0.3 s, then SIGKILL
+    assert len(pids(events)) == 2  # the server and its child
+    assert await all_gone(pids(events) + pids(own["events"]))
+
+
 async def test_cancelling_a_run_with_a_stubborn_server_mid_call_stops_it(events: Path) -> None:
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
     # The model calls echo again and again: the run is cancelled between calls or during one.
-    machine = StateMachine([McpTools([hostile("stubborn", events)]), ModelInference()])
+    stubborn = hostile("stubborn", events, stop_grace=0.2)
+    machine = StateMachine([McpTools([stubborn]), ModelInference()])
+    asked = 0
 
     def model(request: ModelRequest) -> ModelResponse:
+        nonlocal asked
+        asked += 1
         return call(("echo", {"text": "again"}))
 
     runtime = Runtime(store=store, model=FunctionModel(model))
     with anyio.fail_after(BOUND):
-        with anyio.move_on_after(2) as scope:
-            await machine.run(runtime, "s")
-    assert scope.cancelled_caught
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(machine.run, runtime, "s")
+            while asked < 3:  # noqa: ASYNC110 - two calls answered, the third on its way
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    assert len(pids(events)) == 2  # the server and its child
     assert await all_gone(pids(events))
 
 
@@ -1247,7 +1294,9 @@ TWO_ENTERS = textwrap.dedent(
         async def enter():
             try:
                 async with mcp:
-                    await anyio.sleep(0.5)
+                    with anyio.move_on_after(10):  # the other task's try, while open
+                        while not outcomes:
+                            await anyio.sleep(0.01)
                 outcomes.append("opened")
             except ConfigurationError:
                 outcomes.append("refused")
