@@ -8,11 +8,11 @@ run) with ``McpTools`` over the light stdio fixture server
 (tests/fixtures/mcp_light_server.py: the tools of mcp_server.py without the
 SDK, so that each start costs milliseconds, not the SDK's import). The model
 (stateless, from the history) calls ``--tool`` once with ``delay=60``: the
-server appends its ledger line,
-then sleeps, so the parent can SIGKILL this process mid-call. ``record`` is
-not idempotent (no annotations); ``mark`` says ``idempotentHint``; ``liar``
-says ``readOnlyHint`` falsely. ``--trust`` sets ``trust_annotations=True`` (else the default).
-``--no-delay`` tells the server not to sleep (the resumed run).
+server appends its ledger line, then sleeps, so the parent can SIGKILL this
+process mid-call. ``record`` is not idempotent (no annotations); ``mark``
+says ``idempotentHint``; ``liar`` says ``readOnlyHint`` falsely. ``--trust``
+sets ``trust_annotations=True`` (else the default). ``--no-delay`` tells the
+server not to sleep (the resumed run).
 
 Prints one JSON line: the final text, and each tool result (content, is_error).
 """
