@@ -118,7 +118,7 @@ def _too_long(head: bytes, limit: int, server: str) -> Any:
     return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=ident, error=error))
 
 
-async def stop_process(process: Any, grace: float) -> None:
+async def stop_process(process: Any, grace: float, server: str = "") -> None:
     """Stop a server as the SDK does, with ``grace`` seconds for each of its two waits.
 
     Its stdin is closed and it gets ``grace`` seconds to exit; then its process
@@ -142,8 +142,8 @@ async def stop_process(process: Any, grace: float) -> None:
             _log.event(
                 _log.WARNING,
                 "mcp_server",
-                pid=process.pid,
-                problem="still alive after SIGKILL of its process group",
+                server=server,
+                problem=f"its process {process.pid} is still alive after SIGKILL of its group",
             )
     close_process_job(process)  # Windows: its job's other members; else nothing
     await sdk._close_pipe(process.stdout)
@@ -233,7 +233,7 @@ async def bounded_stdio_client(
         write_stream.close()
         with anyio.move_on_after(sdk._WRITER_FLUSH_TIMEOUT):
             await writer_done.wait()
-        await stop_process(process, stop_grace)
+        await stop_process(process, stop_grace, server)
         # The SDK gives a killed server 2 s to be reaped; on a loaded machine that can be
         # too short, and a process never reaped stays a zombie. Wait a while longer,
         # bounded (the kill was sent: the process is going).
