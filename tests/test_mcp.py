@@ -1147,41 +1147,11 @@ async def test_a_slow_http_server_costs_connect_timeout_not_more() -> None:
 # -- secrets in error results from a live HTTP server ------------------------------------
 
 
-def _free_port_mcp() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def http_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The SDK fixture server over streamable HTTP on a loopback port (no token)."""
-    ledger = tmp_path_factory.mktemp("review-http") / "ledger.txt"
-    port = _free_port_mcp()
-    process = subprocess.Popen(
-        [sys.executable, str(SERVER_MCP), "http", str(port)],
-        env={**os.environ, "MCP_LEDGER": str(ledger)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the MCP HTTP server did not start") from None
-                time.sleep(0.05)
-        yield f"127.0.0.1:{port}/mcp"
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def http_url(http_server: tuple[str, Path]) -> str:
+    """``http_server`` as host:port/path (its ``big`` tool wants no token)."""
+    url, _ = http_server
+    return url.removeprefix("http://")
 
 
 async def test_userinfo_stays_out_of_error_results(http_url: str) -> None:
