@@ -5,8 +5,9 @@ whoever opened the tools (``run()``, or the application's ``async with``):
 the MCP SDK's client is an async context manager whose tasks must be entered
 and left by one task, so the host enters it, and callers in other tasks only
 send requests through it. The host never raises; it ends when its task group
-is cancelled, which closes the connection (the SDK stops a stdio server:
-stdin closed, then SIGTERM, then SIGKILL, each wait bounded).
+is cancelled, which closes the connection (a stdio server is stopped as the
+SDK does: stdin closed, then SIGTERM, then SIGKILL, each wait bounded by its
+``stop_grace``).
 
 States, owned by the host, read by callers::
 
@@ -218,7 +219,7 @@ class Link:
             assert self._readers is not None  # set by host(), which runs every connection
             self._readers.start_soon(pipe.forward)
             target = bounded_stdio_client(
-                parameters, pipe.writer, self.max_message_bytes, server.name
+                parameters, pipe.writer, self.max_message_bytes, server.name, server.stop_grace
             )
         client = Client(
             target,

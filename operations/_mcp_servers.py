@@ -171,6 +171,10 @@ class McpStdio(_Common):
             idempotency key), so only your configuration counts.
         timeout: seconds per call of its tools (else ``McpTools``' timeout).
         connect_timeout: seconds to start, connect and list its tools.
+        stop_grace: seconds the process gets to exit when it is stopped, once
+            after its stdin is closed and once more after SIGTERM to its
+            process group, before SIGKILL (default 2, the SDK's). A process
+            that exits sooner is not waited for.
 
     Raises:
         ConfigurationError: an empty command, or a field of the wrong kind.
@@ -180,6 +184,7 @@ class McpStdio(_Common):
     args: Sequence[str] = ()
     env: Mapping[str, str] | None = field(default=None, repr=False)
     cwd: str | Path | None = None
+    stop_grace: float = 2.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.command, str) or not self.command.strip():
@@ -198,6 +203,17 @@ class McpStdio(_Common):
             fallback = re.sub(r"[^A-Za-z0-9_-]", "_", stem)[:64] or "server"
             object.__setattr__(self, "name", fallback)
         self._check_common("McpStdio")
+        grace = self.stop_grace
+        if (
+            isinstance(grace, bool)
+            or not isinstance(grace, int | float)
+            or not grace >= 0
+            or not math.isfinite(grace)
+        ):
+            raise ConfigurationError(
+                f"McpStdio {self.name!r}: stop_grace must be a finite number of seconds >= 0, "
+                f"got {grace!r}"
+            )
 
     def _secrets(self) -> list[str]:
         return list((self.env or {}).values())

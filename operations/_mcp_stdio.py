@@ -6,7 +6,8 @@ result peaked at ten times its size in memory and took more than a minute
 (benchmarks/mcp_big_result.py), only to be refused by ``max_result_chars``.
 This transport is the SDK's
 (its process start, its shutdown: stdin closed, SIGTERM, SIGKILL of the
-process tree, each bounded) with another reader: a line longer than
+process tree, each bounded; the waits are the server's ``stop_grace``) with
+another reader: a line longer than
 ``max_line_bytes`` (``McpTools(max_message_bytes=)``) is not kept -- its
 first bytes name the request it answers, the rest is read and dropped as
 it comes (the server never blocks on a full pipe) -- and that request gets
@@ -22,6 +23,7 @@ line is joined once (no quadratic re-joining of a long line).
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TextIO
@@ -31,7 +33,7 @@ import anyio.lowlevel
 
 from stepmachine import _log
 
-__all__ = ["TOO_LONG_CODE", "bounded_stdio_client", "split_lines"]
+__all__ = ["TOO_LONG_CODE", "bounded_stdio_client", "split_lines", "stop_process"]
 
 TOO_LONG_CODE = -32603
 """The JSON-RPC code of the error answered for a message over the bound."""
@@ -116,11 +118,50 @@ def _too_long(head: bytes, limit: int, server: str) -> Any:
     return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=ident, error=error))
 
 
+async def stop_process(process: Any, grace: float, server: str = "") -> None:
+    """Stop a server as the SDK does, with ``grace`` seconds for each of its two waits.
+
+    Its stdin is closed and it gets ``grace`` seconds to exit; then its process
+    group gets SIGTERM and ``grace`` seconds more; then SIGKILL. Each wait ends
+    as soon as the process has exited (the SDK's waits are 2 s each).
+    """
+    from mcp.client import stdio as sdk  # noqa: PLC0415 - the extra is imported only when used
+    from mcp.os.posix.utilities import terminate_posix_process_tree  # noqa: PLC0415
+    from mcp.os.win32.utilities import (  # noqa: PLC0415
+        close_process_job,
+        terminate_windows_process_tree,
+    )
+
+    await sdk._close_pipe(process.stdin)
+    if not await sdk._wait_for_process_exit(process, grace):
+        if sys.platform == "win32":  # pragma: no cover - a hard kill there
+            await terminate_windows_process_tree(process)
+        else:
+            await terminate_posix_process_tree(process, grace)
+        if not await sdk._wait_for_process_exit(process, sdk._KILL_REAP_TIMEOUT):
+            _log.event(
+                _log.WARNING,
+                "mcp_server",
+                server=server,
+                problem=f"its process {process.pid} is still alive after SIGKILL of its group",
+            )
+    close_process_job(process)  # Windows: its job's other members; else nothing
+    await sdk._close_pipe(process.stdout)
+    sdk._close_subprocess_transport(process)
+
+
 @asynccontextmanager
 async def bounded_stdio_client(
-    parameters: Any, errlog: TextIO, max_line_bytes: int, server: str
+    parameters: Any,
+    errlog: TextIO,
+    max_line_bytes: int,
+    server: str,
+    stop_grace: float = 2.0,
 ) -> AsyncIterator[Any]:
     """The SDK's ``stdio_client`` with a bounded reader (see the module docs).
+
+    ``stop_grace``: the seconds of each wait when the server is stopped
+    (:func:`stop_process`).
 
     Yields the transport's (read stream, write stream).
 
@@ -192,7 +233,7 @@ async def bounded_stdio_client(
         write_stream.close()
         with anyio.move_on_after(sdk._WRITER_FLUSH_TIMEOUT):
             await writer_done.wait()
-        await sdk._stop_server_process(process)
+        await stop_process(process, stop_grace, server)
         # The SDK gives a killed server 2 s to be reaped; on a loaded machine that can be
         # too short, and a process never reaped stays a zombie. Wait a while longer,
         # bounded (the kill was sent: the process is going).

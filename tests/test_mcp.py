@@ -1,8 +1,13 @@
-"""McpTools against real MCP servers (tests/fixtures/mcp_server.py, written with the SDK).
+"""McpTools against real MCP servers.
 
 Every server here is a real process: stdio servers started by McpTools, an
 HTTP server started by the test on a loopback port. Each async test runs on
-asyncio and trio.
+asyncio and trio. The tests of what the SDK's own server does (its schemas,
+its results, its list changes, its HTTP transport) use tests/fixtures/mcp_server.py,
+written with the SDK; the tests of McpTools itself (its journal, restarts,
+cancellation, limits, governance) use tests/fixtures/mcp_light_server.py, the
+same tools in plain JSON-RPC, which starts in milliseconds where the SDK's server
+spends a second or more importing the SDK.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
 
 SERVER = Path(__file__).parent / "fixtures" / "mcp_server.py"
+LIGHT = Path(__file__).parent / "fixtures" / "mcp_light_server.py"
 
 
 @pytest.fixture
@@ -72,6 +78,14 @@ def stdio(files: dict[str, Path], **kwargs: Any) -> McpStdio:
     env = {"MCP_LEDGER": str(files["ledger"]), "MCP_EVENTS": str(files["events"])}
     kwargs.setdefault("name", "fx")
     return McpStdio(command=sys.executable, args=[str(SERVER), "stdio"], env=env, **kwargs)
+
+
+def light(files: dict[str, Path], **kwargs: Any) -> McpStdio:
+    """The light server (the same tools, no SDK) with the ledger and events of ``files``."""
+    env = {"MCP_LEDGER": str(files["ledger"]), "MCP_EVENTS": str(files["events"])}
+    env.update(kwargs.pop("env", {}))
+    kwargs.setdefault("name", "fx")
+    return McpStdio(command=sys.executable, args=[str(LIGHT)], env=env, **kwargs)
 
 
 def lines(path: Path) -> list[str]:
@@ -133,7 +147,7 @@ async def test_untrusted_annotations_leave_the_class_to_configuration(
     files: dict[str, Path], trust: dict[str, bool]
 ) -> None:
     """Untrusted is the default: a server's hints never lower a tool's class."""
-    server = stdio(files, side_effects={"add": "pure"}, **trust)
+    server = light(files, side_effects={"add": "pure"}, **trust)
     async with McpTools([server]) as mcp:
         mcp.tools(None)  # type: ignore[arg-type]
         assert mcp.side_effects("echo") == "non_idempotent"  # its readOnlyHint is ignored
@@ -144,7 +158,7 @@ async def test_untrusted_annotations_leave_the_class_to_configuration(
 async def test_namespace_prefixes_each_server_and_a_clash_is_a_configuration_error(
     files: dict[str, Path], tmp_path: Path
 ) -> None:
-    a, b = stdio(files, name="a"), stdio(files, name="b")
+    a, b = light(files, name="a"), light(files, name="b")
     model = ScriptedModel([])  # never called: the clash stops the run first
     with pytest.raises(ConfigurationError, match="'echo' is given by both"):
         await run([McpTools([a, b]), ModelInference()], model)
@@ -153,7 +167,7 @@ async def test_namespace_prefixes_each_server_and_a_clash_is_a_configuration_err
         names = {d.name for d in mcp.tools(None)}  # type: ignore[arg-type]
         assert {"a__echo", "b__echo"} <= names
         assert "echo" not in names
-    async with McpTools([stdio(files, prefix="files_")]) as mcp:
+    async with McpTools([light(files, prefix="files_")]) as mcp:
         assert "files_echo" in {d.name for d in mcp.tools(None)}  # type: ignore[arg-type]
 
 
@@ -288,7 +302,7 @@ async def test_non_object_arguments_are_an_invalid_call_error(files: dict[str, P
     from stepmachine import ToolCallPart
 
     turns = [call(ToolCallPart.parse("c1", "echo", "[1, 2]")), reply("ok")]
-    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    session, _ = await run([McpTools([light(files)]), ModelInference()], ScriptedModel(turns))
     (result,) = results(session)
     assert result.is_error
     assert "must be a JSON object" in result.content
@@ -310,7 +324,7 @@ async def test_parallel_calls_run_at_once(files: dict[str, Path]) -> None:
         call(*[("slow", {"seconds": 0.5, "label": str(i)}) for i in range(3)]),
         reply("ok"),
     ]
-    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    session, _ = await run([McpTools([light(files)]), ModelInference()], ScriptedModel(turns))
     assert [r.content for r in results(session)] != []
     order = [x.split("\t")[0].split()[0] for x in lines(files["ledger"])]
     # All three started before any ended: they overlapped at the server.
@@ -320,7 +334,7 @@ async def test_parallel_calls_run_at_once(files: dict[str, Path]) -> None:
 
 async def test_too_long_a_result_is_an_error_result_not_stored(files: dict[str, Path]) -> None:
     turns = [call(("big", {"chars": 5000})), reply("ok")]
-    mcp = McpTools([stdio(files)], max_result_chars=1000)
+    mcp = McpTools([light(files)], max_result_chars=1000)
     session, _ = await run([mcp, ModelInference()], ScriptedModel(turns))
     (result,) = results(session)
     assert result.is_error
@@ -339,7 +353,7 @@ async def test_approval_holds_an_mcp_call_until_a_person_approves(files: dict[st
 
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
-    steps = [Approval(["record"]), McpTools([stdio(files)]), ModelInference()]
+    steps = [Approval(["record"]), McpTools([light(files)]), ModelInference()]
     machine = StateMachine(steps)
     runtime = Runtime(store=store, model=FunctionModel(model))
     report = await machine.run_report(runtime, "s")
@@ -359,7 +373,7 @@ async def test_a_crash_mid_call_is_an_error_result_and_the_server_starts_again(
     files: dict[str, Path],
 ) -> None:
     turns = [call(("pid", {})), call(("crash", {})), call(("pid", {})), reply("done")]
-    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    session, _ = await run([McpTools([light(files)]), ModelInference()], ScriptedModel(turns))
     first, crashed, second = results(session)
     assert crashed.is_error
     assert "closed the connection during the call" in crashed.content
@@ -374,7 +388,7 @@ async def test_a_hang_hits_the_per_call_timeout_and_the_server_goes_on(
     files: dict[str, Path],
 ) -> None:
     turns = [call(("hang", {}), ("echo", {"text": "still here"})), reply("done")]
-    mcp = McpTools([stdio(files, timeout=0.5)])
+    mcp = McpTools([light(files, timeout=0.5)])
     started = time.monotonic()
     session, _ = await run([mcp, ModelInference()], ScriptedModel(turns))
     assert time.monotonic() - started < 30  # not the hour the tool sleeps
@@ -391,7 +405,8 @@ async def test_a_server_that_does_not_start_leaves_the_run_going(tmp_path: Path)
         command=sys.executable,
         args=["-c", "import time; time.sleep(60)"],
         name="silent",
-        connect_timeout=1.0,
+        connect_timeout=0.5,
+        stop_grace=0.1,  # it reads no stdin and waits out SIGTERM's grace: keep both short
     )
     model = ScriptedModel([call(("echo", {"text": "x"})), reply("no tools")])
     session, _ = await run([McpTools([missing, silent]), ModelInference()], model)
@@ -426,7 +441,7 @@ async def test_a_changed_tool_list_applies_from_a_later_cycle(files: dict[str, P
 
 
 async def test_the_tool_list_is_stable_within_a_cycle(files: dict[str, Path]) -> None:
-    async with McpTools([stdio(files)]) as mcp:
+    async with McpTools([light(files)]) as mcp:
         machine = StateMachine([mcp, ModelInference()])
         runtime = Runtime(store=MemoryStore(), model=ScriptedModel([]))
         async with machine.opened(runtime):
@@ -444,7 +459,7 @@ async def test_the_tool_list_is_stable_within_a_cycle(files: dict[str, Path]) ->
 
 
 async def test_driving_steps_by_hand_needs_the_machine_opened(files: dict[str, Path]) -> None:
-    machine = StateMachine([McpTools([stdio(files)]), ModelInference()])
+    machine = StateMachine([McpTools([light(files)]), ModelInference()])
     store = MemoryStore()
     session = await store.create("s", conversation=[Message.user("go", id="u1")])
     runtime = Runtime(store=store, model=ScriptedModel([reply("hi")]))
@@ -458,7 +473,7 @@ async def test_driving_steps_by_hand_needs_the_machine_opened(files: dict[str, P
 
 async def test_a_run_stops_its_stdio_server_when_it_returns(files: dict[str, Path]) -> None:
     turns = [call(("pid", {})), reply("done")]
-    session, _ = await run([McpTools([stdio(files)]), ModelInference()], ScriptedModel(turns))
+    session, _ = await run([McpTools([light(files)]), ModelInference()], ScriptedModel(turns))
     (pid,) = started_pids(files)
     assert results(session)[0].content == str(pid)
     deadline = time.monotonic() + 10
@@ -470,7 +485,7 @@ async def test_a_run_stops_its_stdio_server_when_it_returns(files: dict[str, Pat
 async def test_shared_connections_serve_several_runs_with_one_process(
     files: dict[str, Path],
 ) -> None:
-    async with McpTools([stdio(files)]) as mcp:
+    async with McpTools([light(files)]) as mcp:
         for _ in range(2):
             turns = [call(("pid", {})), reply("done")]
             await run([mcp, ModelInference()], ScriptedModel(turns))
@@ -485,7 +500,7 @@ async def test_an_error_in_the_run_propagates_as_itself(files: dict[str, Path]) 
         raise BoomError("model down")
 
     with pytest.raises(BoomError, match="model down"):
-        await run([McpTools([stdio(files)]), ModelInference()], FunctionModel(model))
+        await run([McpTools([light(files)]), ModelInference()], FunctionModel(model))
 
 
 async def test_cancelling_a_run_mid_call_stops_the_server_and_answers_the_call(
@@ -493,7 +508,7 @@ async def test_cancelling_a_run_mid_call_stops_the_server_and_answers_the_call(
 ) -> None:
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
-    machine = StateMachine([McpTools([stdio(files)]), ModelInference()])
+    machine = StateMachine([McpTools([light(files)]), ModelInference()])
     turns = [call(("record", {"note": "slow", "delay": 3600}))]
     runtime = Runtime(store=store, model=ScriptedModel(turns))
     with anyio.fail_after(120):
@@ -703,7 +718,7 @@ async def test_invalid_arguments_are_caught_by_the_servers_schema_before_any_cal
             return reply("done")
         return call(("record", {"note": "fixed"}))  # after InvalidCalls' feedback
 
-    steps = [InvalidCalls("retry"), McpTools([stdio(files)]), ModelInference()]
+    steps = [InvalidCalls("retry"), McpTools([light(files)]), ModelInference()]
     session, _ = await run(steps, FunctionModel(model))
     notes = [x.split("\t")[0] for x in lines(files["ledger"])]
     assert notes == ["fixed"]  # the invalid call never reached the server
@@ -716,7 +731,7 @@ async def test_a_tool_call_budget_governs_mcp_calls(files: dict[str, Path]) -> N
     from stepmachine.operations import Budget, Limits
 
     turns = [call(("record", {"note": "a"}), ("record", {"note": "b"})), reply("done")]
-    steps = [Budget(per_run=Limits(tool_calls=1)), McpTools([stdio(files)]), ModelInference()]
+    steps = [Budget(per_run=Limits(tool_calls=1)), McpTools([light(files)]), ModelInference()]
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
     report = await StateMachine(steps).run_report(
@@ -756,6 +771,10 @@ def fixture_server(tmp_path: Path, **kwargs: Any) -> McpStdio:
     env = {"MCP_LEDGER": str(tmp_path / "ledger.txt"), "MCP_EVENTS": str(tmp_path / "events.txt")}
     kwargs.setdefault("name", "fx")
     return McpStdio(command=sys.executable, args=[str(SERVER_MCP), "stdio"], env=env, **kwargs)
+
+
+def light_server(tmp_path: Path, **kwargs: Any) -> McpStdio:
+    return light({"ledger": tmp_path / "ledger.txt", "events": tmp_path / "events.txt"}, **kwargs)
 
 
 def pids(events: Path) -> list[int]:
@@ -853,7 +872,7 @@ async def test_a_server_that_never_answers_initialize_costs_connect_timeout(
 ) -> None:
     model = ScriptedModel([call(("echo", {"text": "x"})), reply("fine")])
     session = await run_mcp(
-        [McpTools([hostile("no_init", events, connect_timeout=1.0)]), ModelInference()], model
+        [McpTools([hostile("no_init", events, connect_timeout=0.5)]), ModelInference()], model
     )
     assert model.requests[0].tools == ()
     assert session.conversation[-1].text == "fine"
@@ -942,7 +961,7 @@ async def test_a_crash_in_a_parallel_batch_answers_every_call_once(tmp_path: Pat
         call(("record", {"note": "n1", "delay": 1.0}), ("crash", {}), ("echo", {"text": "e"})),
         reply("done"),
     ]
-    mcp = McpTools([fixture_server(tmp_path)], max_concurrency=8)
+    mcp = McpTools([light_server(tmp_path)], max_concurrency=8)
     session = await run_mcp([mcp, ModelInference()], ScriptedModel(turns))
     got = results(session)
     assert len(got) == 3
@@ -955,9 +974,9 @@ async def test_a_crash_in_a_parallel_batch_answers_every_call_once(tmp_path: Pat
     kill_all(pids(tmp_path / "events.txt"))
 
 
-@pytest.mark.parametrize("when", [0.2, 1.5])
+@pytest.mark.parametrize("when", ["soon", "once_started"])
 async def test_cancelling_during_connect_ends_cleanly_and_stops_the_server(
-    events: Path, when: float
+    events: Path, when: str
 ) -> None:
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
@@ -966,9 +985,14 @@ async def test_cancelling_during_connect_ends_cleanly_and_stops_the_server(
     )
     runtime = Runtime(store=store, model=ScriptedModel([reply("x")]))
     with anyio.fail_after(BOUND):
-        with anyio.move_on_after(when) as scope:
-            await machine.run(runtime, "s")
-    assert scope.cancelled_caught
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(machine.run, runtime, "s")
+            if when == "soon":  # the process may not have started yet
+                await anyio.sleep(0.2)
+            else:  # it runs, and waits for an initialize it never answers
+                while not pids(events):  # noqa: ASYNC110 - a process has no event
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
     assert await all_gone(pids(events))
 
 
@@ -978,12 +1002,18 @@ async def test_cancelling_during_a_restart_ends_cleanly(tmp_path: Path) -> None:
     turns = [call(("crash", {})), call(("hang", {})), reply("x")]
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
-    machine = StateMachine([McpTools([fixture_server(tmp_path)]), ModelInference()])
+    # Started again after the crash, the server waits before it answers initialize: the
+    # cancel below lands while the restart is under way.
+    server = light_server(tmp_path, env={"MCP_SLOW_RESTART": "300"})
+    machine = StateMachine([McpTools([server]), ModelInference()])
     runtime = Runtime(store=store, model=ScriptedModel(turns))
     with anyio.fail_after(BOUND):
-        with anyio.move_on_after(4) as scope:
-            await machine.run(runtime, "s")
-    assert scope.cancelled_caught
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(machine.run, runtime, "s")
+            while len(pids(events)) < 2:  # noqa: ASYNC110 - the restart has begun
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    assert any(x.startswith("crash ") for x in lines(events))
     assert await all_gone(pids(events))
 
 
@@ -998,7 +1028,7 @@ async def test_an_error_in_the_run_during_connect_propagates_as_itself(events: P
 
     servers = [
         hostile("plain", events, name="a"),
-        hostile("no_init", events, name="b", connect_timeout=1),
+        hostile("no_init", events, name="b", connect_timeout=0.5),
     ]
     with pytest.raises(BoomError):
         await run_mcp([McpTools(servers), ModelInference()], FunctionModel(model))
@@ -1008,7 +1038,7 @@ async def test_an_error_in_the_run_during_connect_propagates_as_itself(events: P
 async def test_concurrent_runs_share_one_opening(tmp_path: Path) -> None:
     events = tmp_path / "events.txt"
     done: dict[str, str] = {}
-    async with McpTools([fixture_server(tmp_path)]) as mcp:
+    async with McpTools([light_server(tmp_path)]) as mcp:
 
         async def one(sid: str) -> None:
             turns = [call(("echo", {"text": sid}), ("pid", {})), reply(sid)]
@@ -1025,7 +1055,7 @@ async def test_concurrent_runs_share_one_opening(tmp_path: Path) -> None:
 
 
 async def test_a_crash_in_one_shared_run_does_not_break_another(tmp_path: Path) -> None:
-    async with McpTools([fixture_server(tmp_path)]) as mcp:
+    async with McpTools([light_server(tmp_path)]) as mcp:
         crashing = [call(("crash", {})), reply("a")]
         await run_mcp([mcp, ModelInference()], ScriptedModel(crashing), "a")
         session = await run_mcp(
@@ -1104,7 +1134,7 @@ async def test_a_slow_http_server_costs_connect_timeout_not_more() -> None:
     listener.listen(16)
     port = listener.getsockname()[1]
     try:
-        server = McpHttp(url=f"http://127.0.0.1:{port}/mcp", name="slow", connect_timeout=2)
+        server = McpHttp(url=f"http://127.0.0.1:{port}/mcp", name="slow", connect_timeout=0.5)
         model = ScriptedModel([reply("fine")])
         started = time.monotonic()
         session = await run_mcp([McpTools([server]), ModelInference()], model)
@@ -1117,41 +1147,11 @@ async def test_a_slow_http_server_costs_connect_timeout_not_more() -> None:
 # -- secrets in error results from a live HTTP server ------------------------------------
 
 
-def _free_port_mcp() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def http_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The SDK fixture server over streamable HTTP on a loopback port (no token)."""
-    ledger = tmp_path_factory.mktemp("review-http") / "ledger.txt"
-    port = _free_port_mcp()
-    process = subprocess.Popen(
-        [sys.executable, str(SERVER_MCP), "http", str(port)],
-        env={**os.environ, "MCP_LEDGER": str(ledger)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the MCP HTTP server did not start") from None
-                time.sleep(0.05)
-        yield f"127.0.0.1:{port}/mcp"
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def http_url(http_server: tuple[str, Path]) -> str:
+    """``http_server`` as host:port/path (its ``big`` tool wants no token)."""
+    url, _ = http_server
+    return url.removeprefix("http://")
 
 
 async def test_userinfo_stays_out_of_error_results(http_url: str) -> None:
@@ -1181,36 +1181,76 @@ async def test_a_server_ignoring_sigterm_and_its_child_are_stopped_with_the_run(
     events: Path,
 ) -> None:
     turns = [call(("echo", {"text": "x"})), reply("done")]
-    session = await run_mcp(
-        [McpTools([hostile("stubborn", events)]), ModelInference()], ScriptedModel(turns)
-    )
+    # stop_grace: its stdin closed, then SIGTERM, each ignored for 0.2 s, then SIGKILL.
+    stubborn = hostile("stubborn", events, stop_grace=0.2)
+    session = await run_mcp([McpTools([stubborn]), ModelInference()], ScriptedModel(turns))
     assert results(session)[0].content == "x"
     started = pids(events)
     assert len(started) == 2  # the server and its child
     assert await all_gone(started)
 
 
+def test_stop_grace_defaults_to_the_sdks_and_is_checked() -> None:
+    assert McpStdio(command="x").stop_grace == 2.0
+    assert McpStdio(command="x", stop_grace=0).stop_grace == 0
+    for bad in (-1, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(ConfigurationError, match="stop_grace"):
+            McpStdio(command="x", stop_grace=bad)  # type: ignore[arg-type]
+
+
+async def test_stop_grace_bounds_each_wait_and_a_server_that_exits_is_not_signalled(
+    events: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mcp.os.posix import utilities
+
+    signalled: list[float] = []
+    real = utilities.terminate_posix_process_tree
+
+    async def spy(process: Any, timeout_seconds: float = 2.0) -> None:
+        signalled.append(timeout_seconds)
+        await real(process, timeout_seconds)
+
+    monkeypatch.setattr(utilities, "terminate_posix_process_tree", spy)
+    own = {"ledger": tmp_path / "polite-ledger.txt", "events": tmp_path / "polite-events.txt"}
+    polite = light(own, stop_grace=0.3)  # it exits when its stdin closes
+    async with McpTools([polite]):
+        pass
+    assert signalled == []  # no SIGTERM: it exited within its grace
+    async with McpTools([hostile("stubborn", events, stop_grace=0.3)]):
+        pass
+    assert signalled == [0.3]  # SIGTERM, then 0.3 s, then SIGKILL
+    assert len(pids(events)) == 2  # the server and its child
+    assert await all_gone(pids(events) + pids(own["events"]))
+
+
 async def test_cancelling_a_run_with_a_stubborn_server_mid_call_stops_it(events: Path) -> None:
     store = MemoryStore()
     await store.create("s", conversation=[Message.user("go", id="u1")])
     # The model calls echo again and again: the run is cancelled between calls or during one.
-    machine = StateMachine([McpTools([hostile("stubborn", events)]), ModelInference()])
+    stubborn = hostile("stubborn", events, stop_grace=0.2)
+    machine = StateMachine([McpTools([stubborn]), ModelInference()])
+    asked = 0
 
     def model(request: ModelRequest) -> ModelResponse:
+        nonlocal asked
+        asked += 1
         return call(("echo", {"text": "again"}))
 
     runtime = Runtime(store=store, model=FunctionModel(model))
     with anyio.fail_after(BOUND):
-        with anyio.move_on_after(2) as scope:
-            await machine.run(runtime, "s")
-    assert scope.cancelled_caught
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(machine.run, runtime, "s")
+            while asked < 3:  # noqa: ASYNC110 - two calls answered, the third on its way
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    assert len(pids(events)) == 2  # the server and its child
     assert await all_gone(pids(events))
 
 
 async def test_an_error_in_a_shared_block_propagates_as_itself(tmp_path: Path) -> None:
     with anyio.fail_after(BOUND):
         with pytest.raises(ValueError, match="mine"):
-            async with McpTools([fixture_server(tmp_path)]):
+            async with McpTools([light_server(tmp_path)]):
                 raise ValueError("mine")
     assert await all_gone(pids(tmp_path / "events.txt"))
 
@@ -1229,7 +1269,9 @@ TWO_ENTERS = textwrap.dedent(
         async def enter():
             try:
                 async with mcp:
-                    await anyio.sleep(0.5)
+                    with anyio.move_on_after(10):  # the other task's try, while open
+                        while not outcomes:
+                            await anyio.sleep(0.01)
                 outcomes.append("opened")
             except ConfigurationError:
                 outcomes.append("refused")
@@ -1250,7 +1292,7 @@ def test_two_tasks_entering_one_mcp_tools_at_once_open_it_once(
 ) -> None:
     events = tmp_path / "events.txt"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    argv = [sys.executable, "-c", TWO_ENTERS, str(SERVER_MCP), str(events), backend]
+    argv = [sys.executable, "-c", TWO_ENTERS, str(LIGHT), str(events), backend]
     errors = tmp_path / "stderr.txt"
     with errors.open("wb") as err:
         process = subprocess.Popen(
@@ -1341,7 +1383,7 @@ async def test_an_image_over_max_media_bytes_from_a_server_is_an_error_result(
     store = MemoryStore(max_media_bytes=8)  # the fixture's image holds 16 bytes
     await store.create("s", conversation=[Message.user("go", id="u1")])
     model = ScriptedModel([call(("image", {})), reply("done")])
-    machine = StateMachine([McpTools([fixture_server(tmp_path)]), ModelInference()])
+    machine = StateMachine([McpTools([light_server(tmp_path)]), ModelInference()])
     with anyio.fail_after(BOUND):
         session = await machine.run(Runtime(store=store, model=model), "s")
     (result,) = results(session)
@@ -1375,7 +1417,7 @@ SECRET = "tok-S3CRET-4242"
 async def test_a_server_echoing_its_environment_stores_no_secret(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    server = fixture_server(tmp_path)
+    server = light_server(tmp_path)
     server = McpStdio(
         command=server.command,
         args=server.args,
@@ -1400,7 +1442,7 @@ async def test_a_result_over_max_message_bytes_is_not_read_and_the_server_goes_o
     tmp_path: Path,
 ) -> None:
     turns = [call(("big", {"chars": 2_000_000})), call(("echo", {"text": "after"})), reply("ok")]
-    mcp = McpTools([fixture_server(tmp_path)], max_message_bytes=65_536)
+    mcp = McpTools([light_server(tmp_path)], max_message_bytes=65_536)
     session = await run_mcp([mcp, ModelInference()], ScriptedModel(turns))
     big, after = results(session)
     assert big.is_error

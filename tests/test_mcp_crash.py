@@ -128,7 +128,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 HOSTILE = FIXTURES / "mcp_hostile_server.py"
 
 
-SERVER = FIXTURES / "mcp_server.py"
+SERVER = FIXTURES / "mcp_light_server.py"  # the SDK's tools without the SDK: starts at once
 
 
 BOUND = 60  # seconds: no test here may hang longer
@@ -194,7 +194,7 @@ AGENT = textwrap.dedent(
             await store.load("s")
         except SessionNotFoundError:
             await store.create("s", conversation=[Message.user("go", id="u1")])
-        mcp = McpTools([McpStdio(command=sys.executable, args=[server, "stdio"], name="fx",
+        mcp = McpTools([McpStdio(command=sys.executable, args=[server], name="fx",
                         env={"MCP_LEDGER": ledger, "MCP_EVENTS": events})])
         turns = [call(("record", {"note": "pay", "delay": 120})), reply("done")]
         model = ScriptedModel(turns[int(sys.argv[5]):])  # a resumed run only replies

@@ -4,13 +4,15 @@
         --tool record|mark|liar [--trust] --backend asyncio|trio [--no-delay]
 
 Runs session ``s`` of the SQLite database ``--db`` (created on the first
-run) with ``McpTools`` over the stdio fixture server
-(tests/fixtures/mcp_server.py). The model (stateless, from the history)
-calls ``--tool`` once with ``delay=60``: the server appends its ledger line,
-then sleeps, so the parent can SIGKILL this process mid-call. ``record`` is
-not idempotent (no annotations); ``mark`` says ``idempotentHint``; ``liar``
-says ``readOnlyHint`` falsely. ``--trust`` sets ``trust_annotations=True`` (else the default).
-``--no-delay`` tells the server not to sleep (the resumed run).
+run) with ``McpTools`` over the light stdio fixture server
+(tests/fixtures/mcp_light_server.py: the tools of mcp_server.py without the
+SDK, so that each start costs milliseconds, not the SDK's import). The model
+(stateless, from the history) calls ``--tool`` once with ``delay=60``: the
+server appends its ledger line, then sleeps, so the parent can SIGKILL this
+process mid-call. ``record`` is not idempotent (no annotations); ``mark``
+says ``idempotentHint``; ``liar`` says ``readOnlyHint`` falsely. ``--trust``
+sets ``trust_annotations=True`` (else the default). ``--no-delay`` tells the
+server not to sleep (the resumed run).
 
 Prints one JSON line: the final text, and each tool result (content, is_error).
 """
@@ -37,7 +39,7 @@ from stepmachine.operations import McpStdio, McpTools
 from stepmachine.stores import SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
 
-SERVER = Path(__file__).parent.parent / "fixtures" / "mcp_server.py"
+SERVER = Path(__file__).parent.parent / "fixtures" / "mcp_light_server.py"
 
 
 def main() -> None:
@@ -64,7 +66,7 @@ def main() -> None:
             env["MCP_NO_DELAY"] = "1"
         server = McpStdio(
             command=sys.executable,
-            args=[str(SERVER), "stdio"],
+            args=[str(SERVER)],
             env=env,
             name="fx",
             **({"trust_annotations": True} if args.trust else {}),  # else the default
