@@ -86,6 +86,7 @@ import stepmachine
 from stepmachine import (
     AppendMessage,
     Effect,
+    LeasePolicy,
     Message,
     ModelInference,
     ModelRequest,
@@ -111,6 +112,12 @@ STALL_TIMEOUT = 180  # seconds without any turn ending before the run is declare
 RESTARTS = ((0.5, "fast"), (3.0, "immediate"))
 """``--restart-db``: when (seconds after the first turns were enqueued) and how the
 server is restarted; a restart still under way delays the next one."""
+LEASE = LeasePolicy(ttl=3.0, poll=0.1)
+"""The workers' lease policy. A killed worker's cycle leaves the session's lease held
+until its ttl lapses, and the turn's recovery waits for that: with the default 30 s
+ttl every kill mid-cycle stalls its session 30 s. 3 s (renewed each second while a
+cycle runs) still outlasts a loaded machine's scheduling pauses; a lease that did
+lapse under a live worker would show up as a check failing, not pass unseen."""
 RETRY_PAUSE = 0.25  # seconds between two tries of a store call while the server restarts
 RETRY_ATTEMPTS = 240
 SCHEMA = """
@@ -269,7 +276,7 @@ async def send(turn: int, ctx: ToolContext) -> str:
 def build_machine(agent: Agent) -> StateMachine[Any]:
     labelled = "idempotent" if agent.mislabel else "non_idempotent"
     send_tool = tool(side_effects=labelled, thread=False)(send)
-    return StateMachine([Tools([work, send_tool]), ModelInference()])
+    return StateMachine([Tools([work, send_tool]), ModelInference()], lease=LEASE)
 
 
 class AckingStore(PostgresStore):
@@ -392,7 +399,7 @@ async def supervise(
     restarter: _postgres.Restarter | None = None,
 ) -> Counts:
     import psycopg
-    from dbos import DBOSClient
+    from dbos import DBOS, DBOSClient
 
     from stepmachine.durable import DurableMachine, MsgspecSerializer, TurnReport
 
@@ -409,10 +416,12 @@ async def supervise(
     began = time.monotonic()
     client: DBOSClient | None = None
     try:
-        await supervisor.wait_ready(supervisor.start(0))  # the first launch creates DBOS's tables
-        for number in range(1, workers):
+        # DBOS's tables first (each worker's launch would migrate them; two at once could
+        # collide), then every worker starts at once: their launches only find the tables.
+        await asyncio.to_thread(DBOS.migrate, dsn)
+        for number in range(workers):
             supervisor.start(number)
-        for number in range(1, workers):
+        for number in range(workers):
             await supervisor.wait_ready(supervisor.slots[number])
         client = DBOSClient(
             system_database_url=dsn, serializer=MsgspecSerializer(), application_name=APP
