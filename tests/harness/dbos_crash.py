@@ -69,7 +69,6 @@ import contextlib
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -146,11 +145,6 @@ class Agent:
     non_idempotent: bool = False
     self_kill: str | None = None
     mislabel: bool = False
-
-    def flags(self) -> list[str]:
-        flags = ["--non-idempotent"] if self.non_idempotent else []
-        flags += ["--self-kill", self.self_kill] if self.self_kill else []
-        return flags + (["--mislabel"] if self.mislabel else [])
 
 
 @dataclass
@@ -325,10 +319,64 @@ async def worker(dsn: str, slot: int, folder: Path, agent: Agent) -> None:
 # -- the supervisor -----------------------------------------------------------------------
 
 
+def serve_worker(dsn: str, slot: int, folder: Path, agent: Agent) -> None:
+    """A worker process's body (forked by :func:`fork_server`): output to its slot's log."""
+    log = os.open(folder / f"worker-{slot}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    asyncio.run(worker(dsn, slot, folder, agent))
+
+
+PRELOAD = [
+    "__main__",  # imported once by the server, not by each worker
+    "anyio",
+    "dbos",
+    "msgspec",
+    "psycopg",
+    "psycopg_pool",
+    "stepmachine",
+    "stepmachine.durable",
+    "stepmachine.stores",
+    "stepmachine.testing",
+    "structlog",
+]
+"""What the fork server imports once, so that a worker started after a kill does not
+import it again: a fresh interpreter spends seconds of CPU on these, and the 50-kill
+run starts 50 replacements."""
+
+
+def fork_server() -> Any:
+    """The ``forkserver`` multiprocessing context the workers are started from.
+
+    Every worker is a new process (``fork()`` of a server that imported
+    :data:`PRELOAD` and holds no connection, thread or event loop), SIGKILLed as a
+    process started from scratch would be. The server imports the stepmachine this
+    process imported (its folder first on the server's ``PYTHONPATH``); it is started
+    once per process and ends with it.
+    """
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    here = str(Path(stepmachine.__file__).resolve().parents[1])
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [saved])])
+    try:
+        multiprocessing.forkserver.ensure_running()  # a server already running is kept
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return context
+
+
 @dataclass
 class Slot:
     number: int
-    process: subprocess.Popen[bytes]
+    process: Any  # a multiprocessing Process
     ready: Path
 
 
@@ -340,18 +388,16 @@ class Supervisor:
         self.agent = agent
         self.slots: dict[int, Slot] = {}
         self.killed: set[int] = set()
+        self.context = fork_server()
 
     def start(self, number: int) -> Slot:
-        command = [sys.executable, __file__, "--worker", str(number), "--dsn", self.dsn]
-        command += ["--dir", str(self.folder)]
-        command += self.agent.flags()
-        log = (self.folder / f"worker-{number}.log").open("ab")
-        # The workers import the stepmachine this process imported.
-        here = str(Path(stepmachine.__file__).resolve().parents[1])
-        paths = [here, *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        log.close()
+        process = self.context.Process(
+            target=serve_worker,
+            args=(self.dsn, number, self.folder, self.agent),
+            name=f"worker-{number}",
+            daemon=True,  # killed if this process exits without stop_all()
+        )
+        process.start()
         slot = Slot(number, process, self.folder / f"ready-{number}-{process.pid}")
         self.slots[number] = slot
         return slot
@@ -359,32 +405,32 @@ class Supervisor:
     async def wait_ready(self, slot: Slot) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
         while not slot.ready.exists():
-            if slot.process.poll() is not None:
+            if slot.process.exitcode is not None:
                 log = (self.folder / f"worker-{slot.number}.log").read_text()[-3000:]
-                raise RuntimeError(f"worker {slot.number} exited {slot.process.returncode}:\n{log}")
+                raise RuntimeError(f"worker {slot.number} exited {slot.process.exitcode}:\n{log}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker {slot.number} not ready after {READY_TIMEOUT}s")
             await asyncio.sleep(0.05)
 
     def kill(self, number: int) -> None:
         slot = self.slots[number]
-        slot.process.send_signal(signal.SIGKILL)
-        slot.process.wait()
+        slot.process.kill()  # SIGKILL
+        slot.process.join()
         self.killed.add(slot.process.pid)
 
     def died(self, slot: Slot) -> None:
         """``slot``'s process exited by itself: it must have been SIGKILLed; restart the slot."""
-        if slot.process.returncode != -signal.SIGKILL:
+        if slot.process.exitcode != -signal.SIGKILL:
             log = (self.folder / f"worker-{slot.number}.log").read_text()[-3000:]
-            raise RuntimeError(f"worker {slot.number} exited {slot.process.returncode}:\n{log}")
+            raise RuntimeError(f"worker {slot.number} exited {slot.process.exitcode}:\n{log}")
         self.killed.add(slot.process.pid)
         self.start(slot.number)
 
     def stop_all(self) -> None:
         for slot in self.slots.values():
-            if slot.process.poll() is None:
-                slot.process.send_signal(signal.SIGKILL)
-                slot.process.wait()
+            if slot.process.exitcode is None:
+                slot.process.kill()
+                slot.process.join()
 
 
 async def supervise(
@@ -481,7 +527,7 @@ async def supervise(
                     if finished < turns or counts.kills < kills or restarting:
                         owed.add(sid)
                 for slot in list(supervisor.slots.values()):
-                    if slot.process.poll() is not None:  # a worker that killed itself
+                    if slot.process.exitcode is not None:  # a worker that killed itself
                         supervisor.died(slot)
                         counts.kills += 1
                 if counts.kills < kills and time.monotonic() >= next_kill:
@@ -711,14 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         help="restart the PostgreSQL server (a throwaway one of its own: pg_ctl restart -m "
         "fast, then -m immediate) while turns run",
     )
-    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--dsn", help=argparse.SUPPRESS)
-    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker is not None:
-        agent = Agent(args.non_idempotent, args.self_kill, args.mislabel)
-        asyncio.run(worker(args.dsn, args.worker, args.dir, agent))
-        return 0
     seed = random.randrange(2**32) if args.seed is None else args.seed
     counts = run_dbos(
         workers=args.workers,
