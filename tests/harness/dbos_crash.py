@@ -11,6 +11,13 @@ each of M sessions and enqueues a turn (``dbos.DBOSClient``); when a turn ends
 it appends the next message and enqueues the next turn, at least T turns per
 session, and more until N kills have landed.
 
+Each worker is a new process forked from a ``multiprocessing`` fork server that
+imported DBOS and stepmachine once (:func:`fork_server`), so a replacement is
+serving within a second of a kill instead of after seconds of imports. The
+supervisor migrates DBOS's tables (``DBOS.migrate``) before the first workers
+start, all at once. The workers hold the store's leases for 3 s (:data:`LEASE`):
+a turn recovered after a kill waits for the dead worker's lease to lapse.
+
 Meanwhile it SIGKILLs, at random moments, a worker that has a turn PENDING
 (mid-turn, then: in a model call, in a tool, between a store commit and DBOS's
 record of the step, ...), and starts a fresh process for the slot with the same
@@ -115,8 +122,10 @@ LEASE = LeasePolicy(ttl=3.0, poll=0.1)
 """The workers' lease policy. A killed worker's cycle leaves the session's lease held
 until its ttl lapses, and the turn's recovery waits for that: with the default 30 s
 ttl every kill mid-cycle stalls its session 30 s. 3 s (renewed each second while a
-cycle runs) still outlasts a loaded machine's scheduling pauses; a lease that did
-lapse under a live worker would show up as a check failing, not pass unseen."""
+cycle runs) still outlasts a loaded machine's scheduling pauses. Should one lapse
+under a live worker anyway, its next write is refused and the cycle tried again (the
+product's own case, not a loss); a ``send`` caught in that is answered "outcome
+unknown" in a process that was not killed, which the checks count invalid."""
 RETRY_PAUSE = 0.25  # seconds between two tries of a store call while the server restarts
 RETRY_ATTEMPTS = 240
 SCHEMA = """
