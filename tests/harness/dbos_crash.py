@@ -190,6 +190,12 @@ class Counts:
         return not (self.lost or self.duplicate_side_effects or self.dropped_turns or self.invalid)
 
 
+def transient_or_wrapped(exc: BaseException) -> bool:
+    """:func:`is_transient`, also for an error that wraps a transient one (SQLAlchemy's
+    ``OperationalError``, raised by DBOS, wraps psycopg's)."""
+    return is_transient(exc) or (exc.__cause__ is not None and is_transient(exc.__cause__))
+
+
 async def retrying(work: Any, attempts: int = RETRY_ATTEMPTS) -> Any:
     """``await work()``, again :data:`RETRY_PAUSE` later while it raises a transient error
     (the server restarting), as a careful client of the store does."""
@@ -197,7 +203,7 @@ async def retrying(work: Any, attempts: int = RETRY_ATTEMPTS) -> Any:
         try:
             return await work()
         except Exception as exc:
-            if not is_transient(exc) or attempt == attempts:
+            if not transient_or_wrapped(exc) or attempt == attempts:
                 raise
             await asyncio.sleep(RETRY_PAUSE)
     raise AssertionError("unreachable")
@@ -310,19 +316,30 @@ async def worker(dsn: str, slot: int, folder: Path, agent: Agent) -> None:
     model = FunctionModel(decide(agent.non_idempotent))
     services = {"dsn": dsn, "agent": agent, "folder": folder}
     runtime = Runtime(store=store, model=model, services=services)
-    DBOS(
-        config=dbos_config(
-            APP,
-            dsn,
-            executor_id=f"worker-{slot}",
-            application_version=VERSION,
-            log_level="WARNING",
+
+    async def launch() -> Any:  # a DurableMachine
+        DBOS(
+            config=dbos_config(
+                APP,
+                dsn,
+                executor_id=f"worker-{slot}",
+                application_version=VERSION,
+                log_level="WARNING",
+            )
         )
-    )
-    durable = DurableMachine(build_machine(agent), runtime, name=NAME, polling_interval=0.05)
-    await durable.launch()
+        durable = DurableMachine(build_machine(agent), runtime, name=NAME, polling_interval=0.05)
+        try:
+            await durable.launch()
+        except BaseException:
+            DBOS.destroy(destroy_registry=True)  # the next try registers and launches anew
+            raise
+        return durable
+
+    # A replacement can start while --restart-db restarts the server: launch again then.
+    durable = await retrying(launch)
     (folder / f"ready-{slot}-{os.getpid()}").touch()
     await asyncio.Event().wait()
+    del durable  # served until killed
 
 
 # -- the supervisor -----------------------------------------------------------------------
@@ -543,7 +560,7 @@ async def supervise(
                     await kill_one(client, supervisor, counts, rng)
                     next_kill = time.monotonic() + rng.uniform(0.05, 0.6)
             except Exception as exc:
-                if not is_transient(exc):
+                if not transient_or_wrapped(exc):
                     raise
                 counts.store_errors += 1  # the server restarts: the next pass goes on
             await asyncio.sleep(0.02)
