@@ -335,16 +335,28 @@ class DurableMachine:
             options["workflow_id"] = turn_id
         return options
 
-    async def result(self, workflow_id: str) -> TurnReport:
+    async def result(self, workflow_id: str, *, polling_interval: float = 1.0) -> TurnReport:
         """Wait for the turn ``workflow_id`` to end; return its report (DBOS launched here).
 
+        Args:
+            workflow_id: the turn's id, as :meth:`enqueue_turn` returned it.
+            polling_interval: seconds between two reads of the turn's status
+                (DBOS's default, 1 s; a turn that ends in between is seen at the
+                next read).
+
         Raises:
-            ConfigurationError: not on asyncio.
+            ConfigurationError: not on asyncio, or ``polling_interval`` is not > 0.
             DurableTurnError: the turn failed (a step raised); the error DBOS recorded.
         """
         _require_asyncio("DurableMachine.result")
+        if isinstance(polling_interval, bool) or not (
+            isinstance(polling_interval, int | float) and polling_interval > 0
+        ):
+            raise ConfigurationError(f"polling_interval must be > 0, got {polling_interval!r}")
         handle: WorkflowHandleAsync[Any] = await DBOS.retrieve_workflow_async(workflow_id)
-        return TurnReport.from_output(await handle.get_result())
+        return TurnReport.from_output(
+            await handle.get_result(polling_interval_sec=polling_interval)
+        )
 
     # -- the workflow and its steps ---------------------------------------------------
 

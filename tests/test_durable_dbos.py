@@ -188,6 +188,8 @@ async def test_launch_refuses_a_pickling_dbos_and_a_missing_one(fresh_dbos: None
         await durable.launch()
     with pytest.raises(ConfigurationError, match="launch"):
         await durable.enqueue_turn("s1")
+    with pytest.raises(ConfigurationError, match="polling_interval must be > 0, got 0"):
+        await durable.result("w1", polling_interval=0)
 
 
 # -- real turns in this process (asyncio only) -------------------------------------------------
@@ -253,6 +255,9 @@ class ConflictOnce:
         return await self.store.apply(batch)
 
 
+POLL = 0.05  # seconds between reads of a turn's status (DBOS's default is 1 s)
+
+
 @pytest.fixture
 async def launched(
     postgres_dsn: str, fresh_dbos: None
@@ -283,7 +288,7 @@ async def test_a_turn_runs_as_one_dbos_step_per_cycle(
         workflow_id = await durable.enqueue_turn("s1", turn_id="s1-turn-1")
         assert workflow_id == "s1-turn-1"
         assert await durable.enqueue_turn("s1", turn_id="s1-turn-1") == workflow_id  # idempotent
-        report = await durable.result(workflow_id)
+        report = await durable.result(workflow_id, polling_interval=POLL)
     # Each durable cycle is a `cycle` event, with the steps that refused before it and why.
     # The injected conflict hit the model reply's record: the machine wrote it again on the
     # reloaded session (the model was not asked again), so no cycle was redone.
@@ -324,7 +329,7 @@ async def test_an_idle_session_ends_its_turn_at_once(
     """Asyncio only (DBOS). No step applies: one idle cycle, nothing written."""
     durable, store, _ = launched
     await store.create("quiet")
-    report = await durable.result(await durable.enqueue_turn("quiet"))
+    report = await durable.result(await durable.enqueue_turn("quiet"), polling_interval=POLL)
     assert report.reason == "idle"
     assert [(c.status, c.revision) for c in report.cycles] == [("idle", 0)]
 
@@ -338,7 +343,7 @@ async def test_a_failing_step_fails_the_turn_with_the_recorded_error(
     await store.create("s2")
     await submit(store, "s2", [AppendMessage(Message.user("fail", id="u1"))])
     with pytest.raises(DurableTurnError) as caught:
-        await durable.result(await durable.enqueue_turn("s2"))
+        await durable.result(await durable.enqueue_turn("s2"), polling_interval=POLL)
     assert caught.value.error_type == "ModelError"
     assert "the model is down" in caught.value.message
 
@@ -355,7 +360,7 @@ async def test_a_transient_store_error_in_a_cycle_is_tried_again(
     await submit(store, "s5", [AppendMessage(Message.user("add 2 and 3", id="u1"))])
     handler.fail_loads = failures
     with structlog.testing.capture_logs() as events:
-        report = await durable.result(await durable.enqueue_turn("s5"))
+        report = await durable.result(await durable.enqueue_turn("s5"), polling_interval=POLL)
     assert handler.failed_loads == failures
     assert report.reason == "done"
     assert (await store.load("s5")).conversation[-1].text == "the sum is 5"
@@ -380,7 +385,7 @@ async def test_a_store_error_that_lasts_fails_the_turn_after_the_bound(
     await submit(store, "s6", [AppendMessage(Message.user("add 2 and 3", id="u1"))])
     handler.fail_loads = 10_000
     with pytest.raises(DurableTurnError) as caught:
-        await durable.result(await durable.enqueue_turn("s6"))
+        await durable.result(await durable.enqueue_turn("s6"), polling_interval=POLL)
     assert caught.value.error_type == "OSError"
     assert handler.failed_loads == _transient.MAX_ATTEMPTS
 
@@ -482,7 +487,7 @@ async def test_two_turns_of_one_session_run_one_after_the_other(
     await submit(store, "busy", [AppendMessage(Message.user("hold", id="u1"))])
     first, second = [await durable.enqueue_turn("busy") for _ in range(2)]
     reports = sorted(
-        [await durable.result(first), await durable.result(second)],
+        [await durable.result(t, polling_interval=POLL) for t in (first, second)],
         key=lambda r: r.start_revision,
     )
     assert reports[1].start_revision == reports[0].revision
@@ -504,13 +509,14 @@ async def test_a_turn_ends_at_max_cycles_and_a_missing_session_fails(
     await limited.launch()  # DBOS is launched already: only the queue is registered
     await store.create("long")
     await submit(store, "long", [AppendMessage(Message.user("add 2 and 3", id="u1"))])
-    report = await limited.result(await limited.enqueue_turn("long"))
+    report = await limited.result(await limited.enqueue_turn("long"), polling_interval=POLL)
     assert (report.reason, len(report.cycles)) == ("cycle_limit", 1)
     assert report.revision == (await store.load("long")).revision  # the model's call, stored
-    again = await limited.result(await limited.enqueue_turn("long"))  # the next turn goes on
+    # the next turn goes on
+    again = await limited.result(await limited.enqueue_turn("long"), polling_interval=POLL)
     assert again.start_revision == report.revision
     assert [c.step for c in again.cycles] == ["tools"]
 
     with pytest.raises(DurableTurnError) as caught:
-        await durable.result(await durable.enqueue_turn("no-such-session"))
+        await durable.result(await durable.enqueue_turn("no-such-session"), polling_interval=POLL)
     assert caught.value.error_type == "SessionNotFoundError"

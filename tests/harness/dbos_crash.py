@@ -11,6 +11,13 @@ each of M sessions and enqueues a turn (``dbos.DBOSClient``); when a turn ends
 it appends the next message and enqueues the next turn, at least T turns per
 session, and more until N kills have landed.
 
+Each worker is a new process forked from a ``multiprocessing`` fork server that
+imported DBOS and stepmachine once (:func:`fork_server`), so a replacement is
+serving within a second of a kill instead of after seconds of imports. The
+supervisor migrates DBOS's tables (``DBOS.migrate``) before the first workers
+start, all at once. The workers hold the store's leases for 3 s (:data:`LEASE`):
+a turn recovered after a kill waits for the dead worker's lease to lapse.
+
 Meanwhile it SIGKILLs, at random moments, a worker that has a turn PENDING
 (mid-turn, then: in a model call, in a tool, between a store commit and DBOS's
 record of the step, ...), and starts a fresh process for the slot with the same
@@ -69,7 +76,6 @@ import contextlib
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -86,6 +92,7 @@ import stepmachine
 from stepmachine import (
     AppendMessage,
     Effect,
+    LeasePolicy,
     Message,
     ModelInference,
     ModelRequest,
@@ -111,6 +118,14 @@ STALL_TIMEOUT = 180  # seconds without any turn ending before the run is declare
 RESTARTS = ((0.5, "fast"), (3.0, "immediate"))
 """``--restart-db``: when (seconds after the first turns were enqueued) and how the
 server is restarted; a restart still under way delays the next one."""
+LEASE = LeasePolicy(ttl=3.0, poll=0.1)
+"""The workers' lease policy. A killed worker's cycle leaves the session's lease held
+until its ttl lapses, and the turn's recovery waits for that: with the default 30 s
+ttl every kill mid-cycle stalls its session 30 s. 3 s (renewed each second while a
+cycle runs) still outlasts a loaded machine's scheduling pauses. Should one lapse
+under a live worker anyway, its next write is refused and the cycle tried again (the
+product's own case, not a loss); a ``send`` caught in that is answered "outcome
+unknown" in a process that was not killed, which the checks count invalid."""
 RETRY_PAUSE = 0.25  # seconds between two tries of a store call while the server restarts
 RETRY_ATTEMPTS = 240
 SCHEMA = """
@@ -139,11 +154,6 @@ class Agent:
     non_idempotent: bool = False
     self_kill: str | None = None
     mislabel: bool = False
-
-    def flags(self) -> list[str]:
-        flags = ["--non-idempotent"] if self.non_idempotent else []
-        flags += ["--self-kill", self.self_kill] if self.self_kill else []
-        return flags + (["--mislabel"] if self.mislabel else [])
 
 
 @dataclass
@@ -180,6 +190,12 @@ class Counts:
         return not (self.lost or self.duplicate_side_effects or self.dropped_turns or self.invalid)
 
 
+def transient_or_wrapped(exc: BaseException) -> bool:
+    """:func:`is_transient`, also for an error that wraps a transient one (SQLAlchemy's
+    ``OperationalError``, raised by DBOS, wraps psycopg's)."""
+    return is_transient(exc) or (exc.__cause__ is not None and is_transient(exc.__cause__))
+
+
 async def retrying(work: Any, attempts: int = RETRY_ATTEMPTS) -> Any:
     """``await work()``, again :data:`RETRY_PAUSE` later while it raises a transient error
     (the server restarting), as a careful client of the store does."""
@@ -187,7 +203,7 @@ async def retrying(work: Any, attempts: int = RETRY_ATTEMPTS) -> Any:
         try:
             return await work()
         except Exception as exc:
-            if not is_transient(exc) or attempt == attempts:
+            if not transient_or_wrapped(exc) or attempt == attempts:
                 raise
             await asyncio.sleep(RETRY_PAUSE)
     raise AssertionError("unreachable")
@@ -269,7 +285,7 @@ async def send(turn: int, ctx: ToolContext) -> str:
 def build_machine(agent: Agent) -> StateMachine[Any]:
     labelled = "idempotent" if agent.mislabel else "non_idempotent"
     send_tool = tool(side_effects=labelled, thread=False)(send)
-    return StateMachine([Tools([work, send_tool]), ModelInference()])
+    return StateMachine([Tools([work, send_tool]), ModelInference()], lease=LEASE)
 
 
 class AckingStore(PostgresStore):
@@ -300,28 +316,93 @@ async def worker(dsn: str, slot: int, folder: Path, agent: Agent) -> None:
     model = FunctionModel(decide(agent.non_idempotent))
     services = {"dsn": dsn, "agent": agent, "folder": folder}
     runtime = Runtime(store=store, model=model, services=services)
-    DBOS(
-        config=dbos_config(
-            APP,
-            dsn,
-            executor_id=f"worker-{slot}",
-            application_version=VERSION,
-            log_level="WARNING",
+
+    async def launch() -> Any:  # a DurableMachine
+        DBOS(
+            config=dbos_config(
+                APP,
+                dsn,
+                executor_id=f"worker-{slot}",
+                application_version=VERSION,
+                log_level="WARNING",
+            )
         )
-    )
-    durable = DurableMachine(build_machine(agent), runtime, name=NAME, polling_interval=0.05)
-    await durable.launch()
+        durable = DurableMachine(build_machine(agent), runtime, name=NAME, polling_interval=0.05)
+        try:
+            await durable.launch()
+        except BaseException:
+            DBOS.destroy(destroy_registry=True)  # the next try registers and launches anew
+            raise
+        return durable
+
+    # A replacement can start while --restart-db restarts the server: launch again then.
+    durable = await retrying(launch)
     (folder / f"ready-{slot}-{os.getpid()}").touch()
     await asyncio.Event().wait()
+    del durable  # served until killed
 
 
 # -- the supervisor -----------------------------------------------------------------------
 
 
+def serve_worker(dsn: str, slot: int, folder: Path, agent: Agent) -> None:
+    """A worker process's body (forked by :func:`fork_server`): output to its slot's log."""
+    log = os.open(folder / f"worker-{slot}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    asyncio.run(worker(dsn, slot, folder, agent))
+
+
+PRELOAD = [
+    "__main__",  # imported once by the server, not by each worker
+    "anyio",
+    "dbos",
+    "msgspec",
+    "psycopg",
+    "psycopg_pool",
+    "stepmachine",
+    "stepmachine.durable",
+    "stepmachine.stores",
+    "stepmachine.testing",
+    "structlog",
+]
+"""What the fork server imports once, so that a worker started after a kill does not
+import it again: a fresh interpreter spends seconds of CPU on these, and the 50-kill
+run starts 50 replacements."""
+
+
+def fork_server() -> Any:
+    """The ``forkserver`` multiprocessing context the workers are started from.
+
+    Every worker is a new process (``fork()`` of a server that imported
+    :data:`PRELOAD` and holds no connection, thread or event loop), SIGKILLed as a
+    process started from scratch would be. The server imports the stepmachine this
+    process imported (its folder first on the server's ``PYTHONPATH``); it is started
+    once per process and ends with it.
+    """
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    here = str(Path(stepmachine.__file__).resolve().parents[1])
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [saved])])
+    try:
+        multiprocessing.forkserver.ensure_running()  # a server already running is kept
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return context
+
+
 @dataclass
 class Slot:
     number: int
-    process: subprocess.Popen[bytes]
+    process: Any  # a multiprocessing Process
     ready: Path
 
 
@@ -333,18 +414,16 @@ class Supervisor:
         self.agent = agent
         self.slots: dict[int, Slot] = {}
         self.killed: set[int] = set()
+        self.context = fork_server()
 
     def start(self, number: int) -> Slot:
-        command = [sys.executable, __file__, "--worker", str(number), "--dsn", self.dsn]
-        command += ["--dir", str(self.folder)]
-        command += self.agent.flags()
-        log = (self.folder / f"worker-{number}.log").open("ab")
-        # The workers import the stepmachine this process imported.
-        here = str(Path(stepmachine.__file__).resolve().parents[1])
-        paths = [here, *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        log.close()
+        process = self.context.Process(
+            target=serve_worker,
+            args=(self.dsn, number, self.folder, self.agent),
+            name=f"worker-{number}",
+            daemon=True,  # killed if this process exits without stop_all()
+        )
+        process.start()
         slot = Slot(number, process, self.folder / f"ready-{number}-{process.pid}")
         self.slots[number] = slot
         return slot
@@ -352,32 +431,32 @@ class Supervisor:
     async def wait_ready(self, slot: Slot) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
         while not slot.ready.exists():
-            if slot.process.poll() is not None:
+            if slot.process.exitcode is not None:
                 log = (self.folder / f"worker-{slot.number}.log").read_text()[-3000:]
-                raise RuntimeError(f"worker {slot.number} exited {slot.process.returncode}:\n{log}")
+                raise RuntimeError(f"worker {slot.number} exited {slot.process.exitcode}:\n{log}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker {slot.number} not ready after {READY_TIMEOUT}s")
             await asyncio.sleep(0.05)
 
     def kill(self, number: int) -> None:
         slot = self.slots[number]
-        slot.process.send_signal(signal.SIGKILL)
-        slot.process.wait()
+        slot.process.kill()  # SIGKILL
+        slot.process.join()
         self.killed.add(slot.process.pid)
 
     def died(self, slot: Slot) -> None:
         """``slot``'s process exited by itself: it must have been SIGKILLed; restart the slot."""
-        if slot.process.returncode != -signal.SIGKILL:
+        if slot.process.exitcode != -signal.SIGKILL:
             log = (self.folder / f"worker-{slot.number}.log").read_text()[-3000:]
-            raise RuntimeError(f"worker {slot.number} exited {slot.process.returncode}:\n{log}")
+            raise RuntimeError(f"worker {slot.number} exited {slot.process.exitcode}:\n{log}")
         self.killed.add(slot.process.pid)
         self.start(slot.number)
 
     def stop_all(self) -> None:
         for slot in self.slots.values():
-            if slot.process.poll() is None:
-                slot.process.send_signal(signal.SIGKILL)
-                slot.process.wait()
+            if slot.process.exitcode is None:
+                slot.process.kill()
+                slot.process.join()
 
 
 async def supervise(
@@ -392,7 +471,7 @@ async def supervise(
     restarter: _postgres.Restarter | None = None,
 ) -> Counts:
     import psycopg
-    from dbos import DBOSClient
+    from dbos import DBOS, DBOSClient
 
     from stepmachine.durable import DurableMachine, MsgspecSerializer, TurnReport
 
@@ -409,10 +488,12 @@ async def supervise(
     began = time.monotonic()
     client: DBOSClient | None = None
     try:
-        await supervisor.wait_ready(supervisor.start(0))  # the first launch creates DBOS's tables
-        for number in range(1, workers):
+        # DBOS's tables first (each worker's launch would migrate them; two at once could
+        # collide), then every worker starts at once: their launches only find the tables.
+        await asyncio.to_thread(DBOS.migrate, dsn)
+        for number in range(workers):
             supervisor.start(number)
-        for number in range(1, workers):
+        for number in range(workers):
             await supervisor.wait_ready(supervisor.slots[number])
         client = DBOSClient(
             system_database_url=dsn, serializer=MsgspecSerializer(), application_name=APP
@@ -472,14 +553,14 @@ async def supervise(
                     if finished < turns or counts.kills < kills or restarting:
                         owed.add(sid)
                 for slot in list(supervisor.slots.values()):
-                    if slot.process.poll() is not None:  # a worker that killed itself
+                    if slot.process.exitcode is not None:  # a worker that killed itself
                         supervisor.died(slot)
                         counts.kills += 1
                 if counts.kills < kills and time.monotonic() >= next_kill:
                     await kill_one(client, supervisor, counts, rng)
                     next_kill = time.monotonic() + rng.uniform(0.05, 0.6)
             except Exception as exc:
-                if not is_transient(exc):
+                if not transient_or_wrapped(exc):
                     raise
                 counts.store_errors += 1  # the server restarts: the next pass goes on
             await asyncio.sleep(0.02)
@@ -702,14 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         help="restart the PostgreSQL server (a throwaway one of its own: pg_ctl restart -m "
         "fast, then -m immediate) while turns run",
     )
-    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--dsn", help=argparse.SUPPRESS)
-    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker is not None:
-        agent = Agent(args.non_idempotent, args.self_kill, args.mislabel)
-        asyncio.run(worker(args.dsn, args.worker, args.dir, agent))
-        return 0
     seed = random.randrange(2**32) if args.seed is None else args.seed
     counts = run_dbos(
         workers=args.workers,
