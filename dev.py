@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
         ensure_env("cli")  # the demo ends by showing how to inspect its database
         return run("python", "examples/hello_world.py", *rest)
     if command == "test":
-        ensure_env("test")
+        ensure_env("test,lint")  # as lint and package: CI installs once for all three
         # In parallel (pytest-xdist) unless told otherwise: `-n 0` or `-p no:xdist` runs serially.
         parallel = (
             []
