@@ -74,6 +74,17 @@ def run(*command: str, env: dict[str, str] | None = None) -> int:
     return subprocess.run(argv, cwd=ROOT, env=env, check=False).returncode
 
 
+def _workers() -> int:
+    """Test workers: one more than the CPUs, at most 8.
+
+    Much of the suite waits on other processes (crash harnesses, servers, a
+    PostgreSQL restart), so one worker more than the CPUs keeps them busy: on a
+    2-core machine the suite ran in 598 s with 3 workers against 694 s with 2.
+    Each worker starts its own PostgreSQL server for the tests that need one.
+    """
+    return min((os.cpu_count() or 1) + 1, 8)
+
+
 def _bytecode_cached() -> dict[str, str]:
     """The environment for the tests: Python's bytecode cache on, kept inside ``.venv``.
 
@@ -105,7 +116,7 @@ def main(argv: list[str]) -> int:
         parallel = (
             []
             if any(a.startswith(("-n", "--numprocesses")) or a == "no:xdist" for a in rest)
-            else ["-n", os.environ.get("STEPMACHINE_TEST_WORKERS", "2")]
+            else ["-n", os.environ.get("STEPMACHINE_TEST_WORKERS", str(_workers()))]
         )
         return run("pytest", *parallel, *rest, env=_bytecode_cached())
     if command == "lint":
