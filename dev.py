@@ -93,8 +93,10 @@ def _bytecode_cached() -> dict[str, str]:
     the package again, about 1.5 s of CPU apiece. ``PYTHONDONTWRITEBYTECODE`` (set
     in many containers to keep ``__pycache__`` folders out of the source tree) is
     therefore dropped for the test run, and the bytecode goes to
-    ``.venv/pycache`` (``PYTHONPYCACHEPREFIX``) rather than beside the sources. A
-    ``PYTHONPYCACHEPREFIX`` of your own is kept.
+    ``.venv/pycache`` (``PYTHONPYCACHEPREFIX``) rather than beside the sources (a
+    test that starts Python with an environment of its own may still write
+    ``__pycache__`` folders, which git ignores). A ``PYTHONPYCACHEPREFIX`` of your
+    own is kept.
     """
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
