@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import venv
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -85,6 +86,22 @@ def _workers() -> int:
     return min((os.cpu_count() or 1) + 1, 8)
 
 
+def _parallel(rest: list[str], environ: Mapping[str, str]) -> list[str]:
+    """The pytest-xdist arguments ``dev.py test`` adds: ``-n`` workers, unless told otherwise.
+
+    ``-n``/``--numprocesses`` of your own, or xdist turned off (``-p no:xdist``,
+    ``-pno:xdist``), in the arguments or in ``PYTEST_ADDOPTS``, adds nothing (``-n``
+    with xdist off is an error). Else ``STEPMACHINE_TEST_WORKERS`` workers, if set,
+    or :func:`_workers`.
+    """
+    given = [*rest, *environ.get("PYTEST_ADDOPTS", "").split()]
+    if any(
+        a.startswith(("-n", "--numprocesses")) or a in ("no:xdist", "-pno:xdist") for a in given
+    ):
+        return []
+    return ["-n", environ.get("STEPMACHINE_TEST_WORKERS") or str(_workers())]
+
+
 def _bytecode_cached() -> dict[str, str]:
     """The environment for the tests: Python's bytecode cache on, kept inside ``.venv``.
 
@@ -114,12 +131,7 @@ def main(argv: list[str]) -> int:
         return run("python", "examples/hello_world.py", *rest)
     if command == "test":
         ensure_env("test,lint")  # as lint and package: CI installs once for all three
-        # In parallel (pytest-xdist) unless told otherwise: `-n 0` or `-p no:xdist` runs serially.
-        parallel = (
-            []
-            if any(a.startswith(("-n", "--numprocesses")) or a == "no:xdist" for a in rest)
-            else ["-n", os.environ.get("STEPMACHINE_TEST_WORKERS", str(_workers()))]
-        )
+        parallel = _parallel(rest, os.environ)
         return run("pytest", *parallel, *rest, env=_bytecode_cached())
     if command == "lint":
         ensure_env("test,lint")

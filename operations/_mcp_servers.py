@@ -11,9 +11,9 @@ stderr line of the server (values of at least 8 characters; see
 
 from __future__ import annotations
 
-import math
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,8 +88,7 @@ class _Common:
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
-            or not timeout > 0
-            or not math.isfinite(timeout)
+            or not 0 < timeout <= sys.float_info.max  # finite (an int too big for a float too)
         ):
             raise ConfigurationError(
                 f"{kind} {self.name!r}: connect_timeout must be a finite number of seconds > 0, "
@@ -207,8 +206,7 @@ class McpStdio(_Common):
         if (
             isinstance(grace, bool)
             or not isinstance(grace, int | float)
-            or not grace >= 0
-            or not math.isfinite(grace)
+            or not 0 <= grace <= sys.float_info.max  # finite (an int too big for a float too)
         ):
             raise ConfigurationError(
                 f"McpStdio {self.name!r}: stop_grace must be a finite number of seconds >= 0, "

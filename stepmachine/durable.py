@@ -148,6 +148,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
@@ -214,6 +215,17 @@ RuntimeSource = Runtime | Callable[[], Runtime]
 T = TypeVar("T")
 
 
+def _check_polling_interval(value: object) -> None:
+    """Seconds between two polls: a finite number > 0 (DBOS sleeps it out, so an
+    infinite one would never poll again)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value <= sys.float_info.max
+    ):
+        raise ConfigurationError(f"polling_interval must be a finite number > 0, got {value!r}")
+
+
 class DurableMachine:
     """Runs a machine's turns as DBOS workflows; see the module docs.
 
@@ -237,7 +249,8 @@ class DurableMachine:
             on it (each crash and recovery counts one).
 
     Raises:
-        ConfigurationError: ``max_cycles`` or ``polling_interval`` is not > 0.
+        ConfigurationError: ``max_cycles`` is not > 0, or ``polling_interval``
+            is not a finite number > 0.
     """
 
     def __init__(
@@ -261,10 +274,7 @@ class DurableMachine:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ConfigurationError(f"max_cycles must be a positive integer, got {max_cycles!r}")
         self.max_cycles: int = limit
-        if isinstance(polling_interval, bool) or not (
-            isinstance(polling_interval, int | float) and polling_interval > 0
-        ):
-            raise ConfigurationError(f"polling_interval must be > 0, got {polling_interval!r}")
+        _check_polling_interval(polling_interval)
         self.polling_interval = polling_interval
         self._queue: Queue | None = None
 
@@ -345,14 +355,12 @@ class DurableMachine:
                 next read).
 
         Raises:
-            ConfigurationError: not on asyncio, or ``polling_interval`` is not > 0.
+            ConfigurationError: not on asyncio, or ``polling_interval`` is not a
+                finite number > 0.
             DurableTurnError: the turn failed (a step raised); the error DBOS recorded.
         """
         _require_asyncio("DurableMachine.result")
-        if isinstance(polling_interval, bool) or not (
-            isinstance(polling_interval, int | float) and polling_interval > 0
-        ):
-            raise ConfigurationError(f"polling_interval must be > 0, got {polling_interval!r}")
+        _check_polling_interval(polling_interval)
         handle: WorkflowHandleAsync[Any] = await DBOS.retrieve_workflow_async(workflow_id)
         return TurnReport.from_output(
             await handle.get_result(polling_interval_sec=polling_interval)

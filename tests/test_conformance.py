@@ -786,6 +786,17 @@ interactions:
     assert dict(one.headers) == {"Content-Type": "application/json; charset=utf-8"}
 
 
+def test_a_cassette_written_again_is_read_again(tmp_path: Path) -> None:
+    """Cassettes are parsed once per process, but a file changed since is parsed anew."""
+    path = tmp_path / "a.yaml"
+    path.write_text(_VCRPY)
+    [first] = cassettes.load_cassette(path)
+    path.write_text(_VCRPY.replace('"hi"', '"hello again"'))
+    [second] = cassettes.load_cassette(path)
+    assert first.request_body["messages"][0]["content"] == "hi"
+    assert second.request_body["messages"][0]["content"] == "hello again"
+
+
 def test_not_a_cassette(tmp_path: Path) -> None:
     path = tmp_path / "x.yaml"
     path.write_text("- 1\n- 2\n")

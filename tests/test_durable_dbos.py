@@ -150,8 +150,9 @@ def test_durable_machine_checks_its_options(fresh_dbos: None) -> None:
     runtime = Runtime(store=MemoryStore())
     with pytest.raises(ConfigurationError, match="max_cycles"):
         DurableMachine(echo_machine(), runtime, max_cycles=0)
-    with pytest.raises(ConfigurationError, match="polling_interval"):
-        DurableMachine(echo_machine(), runtime, polling_interval=0)
+    for bad in (0, -1.0, float("nan"), float("inf"), 10**400, True, "1"):
+        with pytest.raises(ConfigurationError, match="polling_interval"):
+            DurableMachine(echo_machine(), runtime, polling_interval=bad)  # type: ignore[arg-type]
     durable = DurableMachine(echo_machine(), runtime, name="app")
     assert (durable.workflow_name, durable.queue_name) == ("app.turn", "app.turns")
     assert durable.max_cycles == echo_machine().max_cycles
@@ -188,8 +189,13 @@ async def test_launch_refuses_a_pickling_dbos_and_a_missing_one(fresh_dbos: None
         await durable.launch()
     with pytest.raises(ConfigurationError, match="launch"):
         await durable.enqueue_turn("s1")
-    with pytest.raises(ConfigurationError, match="polling_interval must be > 0, got 0"):
+    with pytest.raises(ConfigurationError, match="finite number > 0, got 0"):
         await durable.result("w1", polling_interval=0)
+    # A turn's status is read, then read again after polling_interval: an infinite one
+    # (DBOS sleeps it out) would never see the turn end.
+    for bad in (float("inf"), float("nan"), 10**400, True, "1"):
+        with pytest.raises(ConfigurationError, match="polling_interval"):
+            await durable.result("w1", polling_interval=bad)  # type: ignore[arg-type]
 
 
 # -- real turns in this process (asyncio only) -------------------------------------------------

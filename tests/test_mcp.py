@@ -1193,9 +1193,11 @@ async def test_a_server_ignoring_sigterm_and_its_child_are_stopped_with_the_run(
 def test_stop_grace_defaults_to_the_sdks_and_is_checked() -> None:
     assert McpStdio(command="x").stop_grace == 2.0
     assert McpStdio(command="x", stop_grace=0).stop_grace == 0
-    for bad in (-1, float("inf"), float("nan"), True, "1"):
+    for bad in (-1, float("inf"), float("nan"), 10**400, True, "1"):
         with pytest.raises(ConfigurationError, match="stop_grace"):
             McpStdio(command="x", stop_grace=bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="connect_timeout"):
+            McpStdio(command="x", connect_timeout=bad)  # type: ignore[arg-type]
 
 
 async def test_stop_grace_bounds_each_wait_and_a_server_that_exits_is_not_signalled(

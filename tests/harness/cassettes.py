@@ -118,24 +118,28 @@ def cassette_files(folder: Path) -> list[Path]:
 def load_cassette(path: Path) -> list[Interaction]:
     """The interactions of the cassette at ``path``, in recorded order.
 
-    Parsed once per process (the recordings never change while tests run);
+    Parsed once per process for each content of the file (a file written again is
+    parsed again);
     each call returns a deep copy, so a test that changes what it got changes
     nothing another test reads.
 
     Raises:
         CassetteError: the file is not a cassette of a known format.
     """
-    return copy.deepcopy(list(_load_cassette(Path(path).resolve())))
+    path = Path(path)
+    text = path.read_bytes()
+    return copy.deepcopy(list(_load_cassette(path, text)))
 
 
 @functools.cache
-def _load_cassette(path: Path) -> tuple[Interaction, ...]:
-    return tuple(_parse_cassette(path))
+def _load_cassette(path: Path, text: bytes) -> tuple[Interaction, ...]:
+    """Keyed by the file's bytes too: a file written again is parsed again."""
+    return tuple(_parse_cassette(path, text))
 
 
-def _parse_cassette(path: Path) -> list[Interaction]:
+def _parse_cassette(path: Path, text: bytes) -> list[Interaction]:
     try:
-        data = yaml.load(path.read_bytes(), Loader=_Loader)
+        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         raise CassetteError(f"{path}: not YAML: {exc}") from exc
     if not isinstance(data, dict):
