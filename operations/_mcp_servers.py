@@ -173,7 +173,9 @@ class McpStdio(_Common):
         stop_grace: seconds the process gets to exit when it is stopped, once
             after its stdin is closed and once more after SIGTERM to its
             process group, before SIGKILL (default 2, the SDK's). A process
-            that exits sooner is not waited for.
+            that exits sooner is not waited for; a server that exits when
+            its stdin closes ends the stop there, and a child it left
+            running is not signalled (as with the SDK).
 
     Raises:
         ConfigurationError: an empty command, or a field of the wrong kind.
