@@ -119,9 +119,8 @@ def load_cassette(path: Path) -> list[Interaction]:
     """The interactions of the cassette at ``path``, in recorded order.
 
     Parsed once per process for each content of the file (a file written again is
-    parsed again);
-    each call returns a deep copy, so a test that changes what it got changes
-    nothing another test reads.
+    parsed again); each call returns a deep copy, so a test that changes what it
+    got changes nothing another test reads.
 
     Raises:
         CassetteError: the file is not a cassette of a known format.
