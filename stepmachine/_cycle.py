@@ -20,16 +20,28 @@ A session goes through one cycle like this (``Driver.cycle``)::
 3. ``Continue`` (or staged work that continues) starts the next cycle from the
    session the store returned; ``Yield``, or no step applying, ends the run.
 
-:class:`Driver` runs cycles until the run ends. It is the one place where
-conflicts are retried (a write that lost the compare-and-set race wrote
-nothing: reload, decide again, at most ``max_conflicts`` times per run) and
-where cancellation is handled: the machine's token firing, a cancellation
-from outside, ``KeyboardInterrupt``/``SystemExit`` -- each finalizes, shielded
-for at most ``finalize_timeout`` seconds, with the step it landed in as the
-interrupted one (and the records the machine held for it: a finished tool's
-result is never lost), then reports ``cancelled`` or lets the exception
-propagate. ``run()``, ``step()``/``apply()``/``finalize()``, the durable
-worker, replay and the testing kit all go through these functions.
+:class:`Driver` runs a whole run: ``Driver.run`` claims the session's lease,
+opens the steps, loads the session and runs cycles until one yields, in
+rounds while a turn was requested meanwhile, then lets the lease go. From
+``run()`` to the store, a batch takes six calls::
+
+    StateMachine.run -> Driver.run -> Driver.cycle -> apply -> store_batch -> handler.apply
+
+(``handler``: the lease's fence, or the store). Staged work (a model call, a
+tool batch) goes through ``_staged.execute`` and the task's record writer
+between ``apply`` and ``store_batch``: ``apply -> execute -> one ->
+write_record -> write -> store_batch``. ``Driver.cycle`` is
+the one place where conflicts are retried (a write that lost the
+compare-and-set race wrote nothing: reload, decide again, at most
+``max_conflicts`` times per round) and where cancellation is handled: the
+machine's token firing, a cancellation from outside,
+``KeyboardInterrupt``/``SystemExit`` -- each finalizes, shielded for at most
+``finalize_timeout`` seconds, with the step it landed in as the interrupted
+one (and the records the machine held for it: a finished tool's result is
+never lost), then reports ``cancelled`` or lets the exception propagate.
+``run()``/``run_report()`` and ``serve`` run ``Driver.run``; the durable
+worker runs ``Driver.cycle`` once per step; ``step()``/``apply()``/``finalize()``,
+replay and the testing kit use ``decide``, ``apply`` and ``finalize``.
 
 What is not the cycle itself lives beside it: the step contract checks
 (``_step_contract``), the ``cycle`` and ``yield`` log events and why a run
@@ -41,8 +53,10 @@ idles (``_cycle_report``), the lease check before a guarded task starts
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import anyio
@@ -54,17 +68,17 @@ from ._capabilities import cycle_context as context
 from ._codec import Refusal, refusal
 from ._cycle_report import idle_reason, log_cycle, log_yield
 from ._effects import Effect
-from ._emitter import EventSink, StepApplied, Yielded
+from ._emitter import Emitter, EventSink, NullEmitter, StepApplied, Yielded
 from ._errors import ConflictError
 from ._finalize import finalize, shielded, stops_the_run
-from ._hold import confirm_lease
-from ._retry import Conflicts
+from ._hold import QUEUED, Turns, claim_for_run, confirm_lease
+from ._lease import Lease, LeasePolicy
 from ._runtime import Runtime
 from ._session import Session
 from ._staged import Recorder, Staged, Task
 from ._step_contract import check_continues, check_outcome, check_pending
 from ._steps import CancelToken, Continue, Refuse, StepContext, StepResult, Yield, YieldReason
-from ._store import StepCommitter, commit
+from ._store import StepCommitter, store_batch
 
 if TYPE_CHECKING:
     from ._machine import StateMachine
@@ -76,7 +90,6 @@ __all__ = [
     "Interrupted",
     "RunReport",
     "apply",
-    "commit",
     "context",
     "decide",
 ]
@@ -262,7 +275,16 @@ async def apply(
         async def write(
             current: Session[Any], effects: Sequence[Effect], status: _staged.Status
         ) -> Session[Any]:
-            after = await commit(runtime, current, name, cycle, effects, decision.refusals)
+            after = await store_batch(
+                runtime.effect_handler(),
+                current,
+                name,
+                cycle,
+                runtime.clock(),
+                tuple(effects),
+                refused=decision.refusals,
+                trace=_tracing.traceparent(),
+            )
             await sink.emit(StepApplied(name, after.revision, status, len(effects)))
             sink.follow(after.revision)
             return after
@@ -278,8 +300,17 @@ async def apply(
         session, written, outcome = done
     after = session
     status: Literal["continue", "yielded"] = "yielded" if isinstance(outcome, Yield) else "continue"
-    if outcome.effects:
-        after = await commit(runtime, session, name, cycle, outcome.effects, decision.refusals)
+    if outcome.effects:  # written as commit() writes, inline: one call fewer to the store
+        after = await store_batch(
+            runtime.effect_handler(),
+            session,
+            name,
+            cycle,
+            runtime.clock(),
+            tuple(outcome.effects),
+            refused=decision.refusals,
+            trace=_tracing.traceparent(),
+        )
         await sink.emit(StepApplied(name, after.revision, status, len(outcome.effects)))
         sink.follow(after.revision)
     reason = outcome.reason if isinstance(outcome, Yield) else None
@@ -291,47 +322,116 @@ async def apply(
 
 @dataclass(slots=True)
 class Driver(Generic[D]):
-    """The cycles of one run: see the module docs. Made per run, dropped when it returns."""
+    """The cycles of one run: see the module docs. Made per run, dropped when it returns.
+
+    :meth:`run` is a whole run (``run()``, ``run_report()`` and ``serve`` use
+    it); :meth:`cycle` is one cycle (the durable worker runs one per step).
+    ``sink``, ``start_revision``, ``cycles``, ``results`` and ``conflicts``
+    describe the current round: :meth:`run` sets them as each round starts.
+    """
 
     machine: StateMachine[D]
     runtime: Runtime
-    sink: EventSink
-    start_revision: int
+    sink: EventSink = field(default_factory=lambda: EventSink(NullEmitter(), "", 0))
+    start_revision: int = 0
     cycles: int = 0
     results: list[StepResult] = field(default_factory=list)
-    session: Session[D] | None = None  # the session the run started from, if loaded for it
-    report: RunReport[D] | None = None  # how the run ended, once it has
+    conflicts: int = 0  # conflicts retried in this round (at most the machine's max_conflicts)
+    report: RunReport[D] | None = None  # how the last round ended, once it has
 
-    async def run(self, session: Session[D] | None = None) -> RunReport[D]:
-        """Cycles from ``session`` (default: the one loaded for the run) until one yields
-        or none applies.
+    async def run(
+        self,
+        session_id: str,
+        emitter: Emitter | None = None,
+        lease: LeasePolicy | Lease | EllipsisType | None = ...,
+        *,
+        max_rounds: int | None = None,
+        keep: Callable[[Exception], bool] | None = None,
+    ) -> RunReport[D]:
+        """Run the session: claim its lease, then rounds of cycles until one yields.
+
+        The path of a batch: ``run`` -> :meth:`cycle` -> :func:`apply` ->
+        ``store_batch`` -> the effect handler's ``apply`` (the lease's fence, or
+        the store). The lease (:class:`~stepmachine._hold.Turns`), the steps'
+        ``open_for_run``, the run's span and the loaded session are context
+        managers around the cycles, not calls on that path. A run that holds
+        a lease runs another round when a turn was requested while it held it
+        (``max_rounds``, ``keep``: see ``Turns``); its report covers every round.
 
         Raises:
-            ConflictError: more than the machine's ``max_conflicts`` conflicts.
+            SessionBusyError, ConfigurationError: the claim (see
+                :func:`~stepmachine._hold.claim_for_run`); nothing was written.
+            ConflictError: more than the machine's ``max_conflicts`` conflicts in a round.
+            LeaseLostError: the lease was lost; nothing after the loss was stored.
             Exception: whatever a step or the store raises; batches before stay.
         """
-        start = self.session if session is None else session
-        if start is None:
-            raise TypeError("Driver.run() needs a session: pass one, or load it first")
-        current: Session[D] = start
-        conflicts = Conflicts(self.machine.max_conflicts)  # for the whole run
-        while True:
-            try:
-                current, report = await self.cycle(current)
-            except ConflictError:
-                if conflicts.left <= 0:
-                    raise
-                conflicts.left -= 1
-                current = await self._guarded(self.runtime.session_loader().load(current.id))
-                self.sink.follow(current.revision)
-                _log.event(_log.DEBUG, "reload", session_id=current.id, revision=current.revision)
-                continue
-            if report is not None:
-                self.report = report
-                return report
+        held = await claim_for_run(self.runtime, session_id, lease, self.machine.lease)
+        if held is QUEUED:
+            session: Session[D] = await self.runtime.session_loader().load(session_id)
+            reason = YieldReason(
+                YieldReason.QUEUED,
+                "another runner holds the session; it runs the queued turn before it lets go",
+            )
+            return RunReport(session, reason)
+        turns = None if held is None else Turns(*held, max_rounds=max_rounds, keep=keep)
+        results: list[StepResult] = []
+        async with nullcontext(self.runtime) if turns is None else turns.held(self.runtime) as rt:
+            while True:
+                async with self._round(rt, session_id, emitter) as loaded:
+                    current, report = await self.cycle(loaded)
+                    while report is None:
+                        current, report = await self.cycle(current)
+                    self.report = report
+                results.extend(report.results)
+                cancelled = report.reason.kind == YieldReason.CANCELLED
+                if turns is None or not await turns.another(cancelled):
+                    return RunReport(report.session, report.reason, tuple(results))
+        raise AssertionError("unreachable: the rounds return or raise")  # pragma: no cover
+
+    @asynccontextmanager
+    async def _round(
+        self, runtime: Runtime, session_id: str, emitter: Emitter | None
+    ) -> AsyncIterator[Session[D]]:
+        """One round: the steps opened, the run's span, the session loaded (yielded), and
+        this driver reset for it."""
+        attributes = {
+            "gen_ai.operation.name": "invoke_agent",
+            "gen_ai.agent.name": _tracing.AGENT_NAME,
+            "gen_ai.conversation.id": session_id,
+        }
+        name = f"invoke_agent {_tracing.AGENT_NAME}"
+        async with AsyncExitStack() as stack:
+            if self.machine.capabilities.openers:
+                await stack.enter_async_context(self.machine.opened(runtime))
+            stack.enter_context(_log.session(session_id))
+            span = stack.enter_context(_tracing.run_span(runtime.telemetry, name, attributes))
+            session: Session[D] = await runtime.session_loader().load(session_id)
+            if span is not None:
+                await _tracing.link_to_previous(runtime, session, span)
+            self.runtime = runtime
+            self.sink = EventSink(emitter or NullEmitter(), session_id, session.revision)
+            self.start_revision, self.cycles, self.conflicts = session.revision, 0, 0
+            self.results, self.report = [], None
+            yield session
+            if self.report is not None and span is not None:
+                _tracing.set_attributes(
+                    span,
+                    {
+                        "stepmachine.revision.start": self.start_revision,
+                        "stepmachine.revision.end": self.report.session.revision,
+                        "stepmachine.yield.kind": self.report.reason.kind,
+                        "stepmachine.cycles": self.cycles,
+                    },
+                )
 
     async def cycle(self, session: Session[D]) -> tuple[Session[D], RunReport[D] | None]:
-        """One cycle from ``session``: the session after it, and the report if the run ends."""
+        """One cycle from ``session``: the session after it, and the report if the run ends.
+
+        A conflict (the first write lost the compare-and-set race; nothing of the
+        cycle was written) returns the session reloaded from the store and no
+        report, and counts in :attr:`conflicts`; past the machine's
+        ``max_conflicts`` in a round it raises :class:`ConflictError`.
+        """
         machine = self.machine
         token = machine.cancel
         if token is not None and token.cancelled:
@@ -405,7 +505,9 @@ class Driver(Generic[D]):
                     step=step,
                     cycle=cycle,
                 )
-                raise
+                if self.conflicts >= machine.max_conflicts:
+                    raise
+                self.conflicts += 1
             except BaseException as exc:
                 if not stops_the_run(exc):
                     raise
@@ -417,6 +519,10 @@ class Driver(Generic[D]):
                 log_cycle(session, cycle, name, (), "cancelled", started, span)
                 await self._finalize_shielded(interrupted)
                 raise
+        reloaded = await self._guarded(self.runtime.session_loader().load(session.id))
+        self.sink.follow(reloaded.revision)
+        _log.event(_log.DEBUG, "reload", session_id=reloaded.id, revision=reloaded.revision)
+        return reloaded, None
 
     def _cut(self, cut: list[Interrupted[D]]) -> Callable[[Interrupted[D]], Awaitable[None]]:
         """``decide``'s ``on_cancel``: note the step in ``cut``, then finalize with it."""

@@ -23,6 +23,7 @@ import inspect
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from types import EllipsisType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import anyio
@@ -31,18 +32,21 @@ from . import _log, _transient
 from ._codec import Batch
 from ._effects import Effect
 from ._errors import ConfigurationError, LeaseLostError, SessionBusyError, StoreClosedError
-from ._lease import Lease, LeaseHolder, LeasePolicy, Leases, now
+from ._lease import Lease, LeaseHolder, LeasePolicy, Leases, check_claim, new_owner, now
+from ._runtime import Runtime, with_handler
 from ._session import Session
 from ._staged import lease_lost
 
 if TYPE_CHECKING:
     from ._outcomes import Task
-    from ._runtime import Runtime
 
 __all__ = [
+    "QUEUED",
     "Fence",
+    "Turns",
     "check_fenceable",
     "claim",
+    "claim_for_run",
     "claim_once",
     "confirm_lease",
     "has_leases",
@@ -92,6 +96,124 @@ class Fence:
         except LeaseLostError as exc:
             self.lost = exc
             raise
+
+
+QUEUED: Any = object()
+"""What :func:`claim_for_run` returns when the turn was queued for the holder."""
+
+
+async def claim_for_run(
+    runtime: Runtime,
+    session_id: str,
+    chosen: LeasePolicy | Lease | EllipsisType | None,
+    default: LeasePolicy | None,
+) -> tuple[Leases, Lease] | None:
+    """The store and lease a run holds; ``None`` to run without one; :data:`QUEUED` when
+    the turn was queued for the holder.
+
+    ``chosen`` is the run's ``lease`` argument (``...``: the machine's policy,
+    ``default``). A run holds a lease when the runtime's store has leases and
+    the runtime names no separate effect handler (see :func:`leasing_store`).
+
+    Raises:
+        SessionBusyError: the session is held and the policy says ``fail``, or
+            ``wait`` past its ``wait_timeout``.
+        ConfigurationError: ``chosen`` is not a ``LeasePolicy``, a ``Lease`` of
+            this session or ``None``, or a ``Lease`` for a store without leases.
+    """
+    chosen = default if chosen is ... else chosen
+    if chosen is None:
+        return None
+    leases = leasing_store(runtime)
+    if isinstance(chosen, Lease):
+        if leases is None:
+            raise ConfigurationError(
+                f"run() got a Lease ({chosen.owner!r}, epoch {chosen.epoch}), but the "
+                "runtime's store has no leases (or the runtime names its own effect "
+                "handler), so nothing could fence its writes; pass lease=None or a "
+                "LeasePolicy, or run on the store that gave out the lease"
+            )
+        if chosen.session_id != session_id:
+            raise ConfigurationError(
+                f"run() got a lease of session {chosen.session_id!r} to run "
+                f"{session_id!r}; pass the lease claimed for {session_id!r}, or run "
+                f"{chosen.session_id!r}"
+            )
+        try:
+            check_claim(chosen.owner, chosen.ttl)
+        except ValueError as exc:
+            raise ConfigurationError(f"run() got an unusable lease: {exc}") from None
+        return leases, chosen
+    if not isinstance(chosen, LeasePolicy):
+        raise ConfigurationError(f"lease must be a LeasePolicy, a Lease or None, got {chosen!r}")
+    if leases is None:
+        return None
+    claimed = await claim(leases, session_id, new_owner(), chosen)
+    return QUEUED if claimed is None else (leases, claimed)
+
+
+class Turns:
+    """A run's lease across its rounds: held, renewed and fenced around them, then let go.
+
+    A round is the run's cycles until one yields. After each, :meth:`another`
+    releases the lease unless a turn was requested meanwhile (a ``run()`` that
+    queued, ``store.request_run``); then the run owes that turn and runs
+    another round. A requested turn is never dropped: once a release took the
+    pending-run mark, the mark is set again before the lease is let go if the
+    owed round does not complete (cancelled, failed), or when ``max_rounds``
+    rounds were run (``serve`` runs one round per claim, so a session
+    requested again and again does not keep its worker).
+
+    ``keep``: a run that raised an ``Exception`` for which ``keep(exc)`` is
+    true is not released: the error propagates with the lease still held (its
+    mark set again first if a round was owed), and the caller owns it (``serve``
+    keeps a turn it retries that way, so that it is never both unmarked and
+    unheld). Cancellation always releases.
+    """
+
+    def __init__(
+        self,
+        store: Leases,
+        lease: Lease,
+        *,
+        max_rounds: int | None = None,
+        keep: Callable[[Exception], bool] | None = None,
+    ) -> None:
+        self.store, self.lease, self.max_rounds, self.keep = store, lease, max_rounds, keep
+        self.owed = False  # a release took the mark: the next round is a requested turn
+        self.released = False
+        self.rounds = 0
+
+    @asynccontextmanager
+    async def held(self, runtime: Runtime) -> AsyncIterator[Runtime]:
+        """``runtime`` writing through the lease's fence, renewed while the body runs;
+        released (or kept, see the class docs) when it ends."""
+        store, lease = self.store, self.lease
+        try:
+            async with holding(store, lease, renew_every=renew_interval(lease)) as fence:
+                yield with_handler(runtime, fence)
+                if self.owed:
+                    await request_again(store, lease)
+                if not self.released:
+                    await release(store, lease, unless_requested=False)
+        except BaseException as exc:
+            if self.owed:
+                await request_again(store, lease)
+            if self.keep is None or not isinstance(exc, Exception) or not self.keep(exc):
+                await release(store, lease, unless_requested=False)
+            raise
+
+    async def another(self, cancelled: bool) -> bool:
+        """After a round (``cancelled``: it ended cancelled): whether the run owes another."""
+        self.rounds += 1
+        if cancelled:
+            return False  # a requested turn is left to whoever claims next
+        self.owed = False
+        if await release(self.store, self.lease, unless_requested=True):
+            self.released = True
+            return False
+        self.owed = True  # a turn was requested meanwhile: ours to run
+        return self.max_rounds is None or self.rounds < self.max_rounds
 
 
 async def claim(store: Leases, session_id: str, owner: str, policy: LeasePolicy) -> Lease | None:

@@ -32,9 +32,10 @@ Steps that hold something open while a run goes on (``open_for_run``, e.g.
 cycle and closed when it returns; callers driving ``step`` enter
 :meth:`StateMachine.opened` themselves.
 
-The loop is here; one cycle is ``_cycle.Driver.cycle`` (``decide`` then
-``apply``, in ``_cycle``), cancellation and finalize are ``_finalize``, and
-every compare-and-set retry is ``_retry``.
+The loop is ``_cycle.Driver``: ``run()`` is ``Driver.run`` (the lease, the
+rounds, and each cycle: ``decide`` then ``apply``, in ``_cycle``);
+cancellation and finalize are ``_finalize``, the lease's side of a run is
+``_hold``.
 
 Cancellation. When the machine's :class:`CancelToken` fires, the running step
 is cancelled; then :meth:`StateMachine.finalize` runs shielded: the
@@ -53,7 +54,7 @@ just after a tool returned), which then propagate.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import EllipsisType
 from typing import Any, Generic, TypeVar
@@ -61,7 +62,6 @@ from typing import Any, Generic, TypeVar
 import anyio
 import msgspec
 
-from . import _log, _tracing
 from ._capabilities import Capabilities, Step, tool_name_clash
 from ._conversation import Conversation
 from ._cycle import Decision, Driver, Interrupted, RunReport, apply, decide
@@ -76,13 +76,12 @@ from ._finalize import (
     shielded,
     stops_the_run,
 )
-from ._hold import claim, holding, leasing_store, release, renew_interval, request_again
-from ._lease import Lease, LeasePolicy, Leases, check_claim, new_owner
+from ._lease import Lease, LeasePolicy
 from ._model import PromptPart, ToolDefinition
-from ._runtime import Runtime, with_handler
+from ._runtime import Runtime
 from ._session import NoData, Session
 from ._step_contract import shown
-from ._steps import CancelToken, StepResult, YieldReason
+from ._steps import CancelToken, StepResult
 from ._tool_step import Tools
 from ._tools import Tool
 
@@ -232,7 +231,7 @@ class StateMachine(Generic[D]):
 
         Leases: see :meth:`run_report`.
         """
-        return (await self._drive(runtime, session_id, emitter, lease)).session
+        return (await Driver(self, runtime).run(session_id, emitter, lease)).session
 
     async def run_report(
         self,
@@ -275,162 +274,7 @@ class StateMachine(Generic[D]):
                 of this session or ``None``, or a ``Lease`` was given for a
                 store without leases.
         """
-        return await self._drive(runtime, session_id, emitter, lease)
-
-    async def _drive(
-        self,
-        runtime: Runtime,
-        session_id: str,
-        emitter: Emitter | None,
-        lease: LeasePolicy | Lease | EllipsisType | None,
-        *,
-        max_rounds: int | None = None,
-        keep: Callable[[Exception], bool] | None = None,
-    ) -> RunReport[D]:
-        """``run()`` and ``run_report()``: claim, then the driver's rounds; see
-        :meth:`run_report`.
-
-        The path of a batch from here: ``_drive`` -> ``Driver.run`` ->
-        ``Driver.cycle`` -> ``apply`` -> ``commit`` -> ``store_batch`` -> the effect handler's
-        ``apply`` (the lease's fence, or the store). The lease, the
-        steps' ``open_for_run`` and the run's span are context managers around
-        ``Driver.run``, not calls on that path.
-
-        A requested turn is never dropped: once a release took the pending-run
-        mark (this holder owes a round), the mark is set again before the lease
-        is let go if that round does not complete (cancelled, failed), or when
-        ``max_rounds`` rounds were run (``serve`` runs one round per claim, so
-        a session requested again and again does not keep its worker).
-
-        ``keep``: a run that raised an ``Exception`` for which ``keep(exc)`` is
-        true is not released: the error propagates with the lease still held
-        (its mark set again first if a round was owed), and the caller owns
-        it (``serve`` keeps a turn it retries that way, so that it is never
-        both unmarked and unheld). Cancellation always releases.
-        """
-        held = await self._claim(runtime, session_id, lease)
-        if isinstance(held, RunReport):
-            return held  # queued
-        if held is None:
-            async with self._round(runtime, session_id, emitter) as driver:
-                return await driver.run()
-        store, claimed = held
-        results: list[StepResult] = []
-        owed = False  # a release took the mark: the next round is a requested turn
-        try:
-            async with holding(store, claimed, renew_every=renew_interval(claimed)) as fence:
-                fenced = with_handler(runtime, fence)
-                done = 0
-                while True:
-                    async with self._round(fenced, session_id, emitter) as driver:
-                        report = await driver.run()
-                    done += 1
-                    results.extend(report.results)
-                    if report.reason.kind == YieldReason.CANCELLED:
-                        break  # a requested turn is left to whoever claims next
-                    owed = False
-                    if await release(store, claimed, unless_requested=True):
-                        return RunReport(report.session, report.reason, tuple(results))
-                    owed = True  # a turn was requested meanwhile: ours to run
-                    if max_rounds is not None and done >= max_rounds:
-                        break  # ... or to hand back (see above)
-                if owed:
-                    await request_again(store, claimed)
-                await release(store, claimed, unless_requested=False)
-                return RunReport(report.session, report.reason, tuple(results))
-        except BaseException as exc:
-            if owed:
-                await request_again(store, claimed)
-            if keep is None or not isinstance(exc, Exception) or not keep(exc):
-                await release(store, claimed, unless_requested=False)
-            raise
-
-    async def _claim(
-        self,
-        runtime: Runtime,
-        session_id: str,
-        lease: LeasePolicy | Lease | EllipsisType | None,
-    ) -> tuple[Leases, Lease] | RunReport[D] | None:
-        """The store and lease a run holds; ``None`` to run without one; the ``queued``
-        report when the turn was queued for the holder.
-
-        Raises:
-            SessionBusyError: see :meth:`run_report`.
-            ConfigurationError: an unusable ``lease`` (see :meth:`run_report`).
-        """
-        chosen = self.lease if lease is ... else lease
-        if chosen is None:
-            return None
-        leases = leasing_store(runtime)
-        if isinstance(chosen, Lease):
-            if leases is None:
-                raise ConfigurationError(
-                    f"run() got a Lease ({chosen.owner!r}, epoch {chosen.epoch}), but the "
-                    "runtime's store has no leases (or the runtime names its own effect "
-                    "handler), so nothing could fence its writes; pass lease=None or a "
-                    "LeasePolicy, or run on the store that gave out the lease"
-                )
-            if chosen.session_id != session_id:
-                raise ConfigurationError(
-                    f"run() got a lease of session {chosen.session_id!r} to run "
-                    f"{session_id!r}; pass the lease claimed for {session_id!r}, or run "
-                    f"{chosen.session_id!r}"
-                )
-            try:
-                check_claim(chosen.owner, chosen.ttl)
-            except ValueError as exc:
-                raise ConfigurationError(f"run() got an unusable lease: {exc}") from None
-            return leases, chosen
-        if not isinstance(chosen, LeasePolicy):
-            raise ConfigurationError(
-                f"lease must be a LeasePolicy, a Lease or None, got {chosen!r}"
-            )
-        if leases is None:
-            return None
-        claimed = await claim(leases, session_id, new_owner(), chosen)
-        if claimed is None:
-            session: Session[D] = await runtime.session_loader().load(session_id)
-            reason = YieldReason(
-                YieldReason.QUEUED,
-                "another runner holds the session; it runs the queued turn before it lets go",
-            )
-            return RunReport(session, reason)
-        return leases, claimed
-
-    @asynccontextmanager
-    async def _round(
-        self, runtime: Runtime, session_id: str, emitter: Emitter | None
-    ) -> AsyncIterator[Driver[D]]:
-        """One round of a run: the steps opened, the run's span, the session loaded, and
-        the driver that runs its cycles (its ``session``: the session as loaded)."""
-        attributes = {
-            "gen_ai.operation.name": "invoke_agent",
-            "gen_ai.agent.name": _tracing.AGENT_NAME,
-            "gen_ai.conversation.id": session_id,
-        }
-        name = f"invoke_agent {_tracing.AGENT_NAME}"
-        async with AsyncExitStack() as stack:
-            if self.capabilities.openers:
-                await stack.enter_async_context(self.opened(runtime))
-            stack.enter_context(_log.session(session_id))
-            span = stack.enter_context(_tracing.run_span(runtime.telemetry, name, attributes))
-            session: Session[D] = await runtime.session_loader().load(session_id)
-            if span is not None:
-                await _link_to_previous(runtime, session, span)
-            sink = EventSink(emitter or NullEmitter(), session_id, session.revision)
-            driver = Driver(self, runtime, sink, start_revision=session.revision, session=session)
-            yield driver
-            if driver.report is not None:
-                report = driver.report
-                _tracing.set_attributes(
-                    span,
-                    {
-                        "stepmachine.revision.start": driver.start_revision,
-                        "stepmachine.revision.end": report.session.revision,
-                        "stepmachine.yield.kind": report.reason.kind,
-                        "stepmachine.cycles": driver.cycles,
-                    },
-                )
+        return await Driver(self, runtime).run(session_id, emitter, lease)
 
     @asynccontextmanager
     async def opened(self, runtime: Runtime) -> AsyncIterator[None]:
@@ -591,35 +435,6 @@ class StateMachine(Generic[D]):
                 max_conflicts=self.max_conflicts,
             )
         raise AssertionError("unreachable: a shielded scope is never cancelled")  # pragma: no cover
-
-
-LINK_WINDOW = 16
-"""Batches a traced run reads back to find the span it continues (see ``_link_to_previous``)."""
-
-
-async def _link_to_previous(runtime: Runtime, session: Session[Any], span: Any) -> None:
-    """Link ``span`` to the span that wrote the newest traced batch among the session's last
-    :data:`LINK_WINDOW`, if any.
-
-    The newest batch is often written outside any run (``approve()``,
-    ``submit()``: a user message, an operator's decision), so the run that
-    yielded is looked for a few batches back. Reads them through the loader's
-    ``batches`` (the shipped stores have it); a loader without it, or a failing
-    read, gives no link (logged). Only traced runs pay for this.
-    """
-    batches = getattr(runtime.session_loader(), "batches", None)
-    if session.revision < 1 or batches is None:
-        return
-    try:
-        recent = await batches(session.id, max(0, session.revision - LINK_WINDOW))
-        for batch in reversed(recent):
-            link = _tracing.link_to(getattr(batch, "trace", None))
-            if link is not None:
-                span.add_link(link.context, link.attributes)
-                return
-    except Exception:  # noqa: BLE001 - a link is worth less than the run
-        message = "could not read the last batches to link the run's span"
-        _log.failure(message, session_id=session.id)
 
 
 def _check_step(position: int, item: object) -> None:

@@ -29,7 +29,7 @@ import anyio
 import msgspec
 
 from . import _log, _transient
-from ._cycle import RunReport
+from ._cycle import Driver, RunReport
 from ._errors import ConfigurationError, LeaseLostError
 from ._hold import leasing_store, release, request_again
 from ._lease import MIN_TTL, Lease, Leases, check_claim, new_owner
@@ -157,8 +157,7 @@ async def _loop(
             continue
         session_id = lease.session_id
         try:  # one round per claim: a session requested again goes back in the queue
-            report = await machine._drive(
-                runtime,
+            report = await Driver(machine, runtime).run(
                 session_id,
                 None,
                 lease,

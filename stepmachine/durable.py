@@ -158,7 +158,7 @@ import msgspec
 from . import _log, _transient
 from ._cycle import Driver
 from ._emitter import EventSink, NullEmitter
-from ._errors import ConfigurationError, ConflictError
+from ._errors import ConfigurationError
 from ._hold import claim, hold, leasing_store, release, renew_interval, request_again
 from ._lease import new_owner
 from ._machine import DEFAULT_MAX_CYCLES, StateMachine
@@ -467,32 +467,35 @@ class DurableMachine:
     async def _cycle_in(
         self, runtime: Runtime, session_id: str, number: int, start: int
     ) -> dict[str, Any]:
-        machine = self.machine
-        conflicts = 0
-        while True:
-            session: Session[Any] = await runtime.session_loader().load(session_id)
-            try:
-                summary = await self._one_cycle(runtime, session, number, start)
-            except ConflictError:
-                conflicts += 1
-                if conflicts > machine.max_conflicts:
-                    raise
-                continue
-            summary = msgspec.structs.replace(summary, conflicts=conflicts)
-            return msgspec.to_builtins(summary)  # type: ignore[no-any-return]  # a dict
+        session: Session[Any] = await runtime.session_loader().load(session_id)
+        summary = await self._one_cycle(runtime, session, number, start)
+        return msgspec.to_builtins(summary)  # type: ignore[no-any-return]  # a dict
 
     async def _one_cycle(
         self, runtime: Runtime, session: Session[Any], number: int, start: int
     ) -> CycleSummary:
-        """One cycle from ``session``, by the machine's driver (as ``run()`` runs each cycle):
-        decided, applied, and finalized if it is cancelled."""
+        """Cycle ``number`` from ``session``, by the machine's driver (as ``run()`` runs each
+        cycle): decided, applied, and finalized if it is cancelled; after a conflict, decided
+        again from the session the driver reloaded (its ``max_conflicts``, as in ``run()``)."""
         sink = EventSink(NullEmitter(), session.id, session.revision)
-        driver = Driver(self.machine, runtime, sink, start_revision=start, cycles=number - 1)
-        after, report = await driver.cycle(session)
+        driver = Driver(self.machine, runtime, sink, start_revision=start)
+        while True:
+            driver.cycles = number - 1  # a cycle tried again keeps its number
+            conflicts = driver.conflicts
+            after, report = await driver.cycle(session)
+            if driver.conflicts == conflicts:
+                break
+            session = after
         if not driver.results:  # no step applied
             reason = "" if report is None else report.reason.kind
-            return CycleSummary(cycle=number, revision=after.revision, status="idle", reason=reason)
-        return _summary(number, after, driver.results[-1])
+            return CycleSummary(
+                cycle=number,
+                revision=after.revision,
+                status="idle",
+                reason=reason,
+                conflicts=driver.conflicts,
+            )
+        return _summary(number, after, driver.results[-1], driver.conflicts)
 
 
 async def _retrying(session_id: str, step: str, attempt: Callable[[], Awaitable[T]]) -> T:
@@ -528,11 +531,18 @@ async def _retrying(session_id: str, step: str, attempt: Callable[[], Awaitable[
             await anyio.sleep(delay)
 
 
-def _summary(number: int, after: Session[Any], result: StepResult) -> CycleSummary:
+def _summary(
+    number: int, after: Session[Any], result: StepResult, conflicts: int
+) -> CycleSummary:
     status: Literal["continue", "yielded"] = "yielded" if result.status == "yielded" else "continue"
     reason = result.reason.kind if result.reason is not None else ""
     return CycleSummary(
-        cycle=number, revision=after.revision, status=status, step=result.step, reason=reason
+        cycle=number,
+        revision=after.revision,
+        status=status,
+        step=result.step,
+        reason=reason,
+        conflicts=conflicts,
     )
 
 

@@ -28,7 +28,7 @@ import msgspec
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-import stepmachine._machine
+import stepmachine._hold
 from stepmachine import (
     AppendMessage,
     CancelToken,
@@ -803,7 +803,7 @@ def renewing_run(
     """A proxy whose renew calls ``renew(lease, n)``; the run renews every millisecond (the
     lease keeps its 30 s ttl, so nothing lapses on any clock) and the model answers once
     ``renewals`` renewals were attempted."""
-    monkeypatch.setattr(stepmachine._machine, "renew_interval", lambda lease: 0.001)
+    monkeypatch.setattr(stepmachine._hold, "renew_interval", lambda lease: 0.001)
     proxy: Any = Proxy(store)
     attempts = [0]
     enough = anyio.Event()
