@@ -22,15 +22,15 @@ A session goes through one cycle like this (``Driver.cycle``)::
 
 :class:`Driver` runs a whole run: ``Driver.run`` claims the session's lease,
 opens the steps, loads the session and runs cycles until one yields, in
-rounds while a turn was requested meanwhile, then lets the lease go. From
-``run()`` to the store, a batch takes six calls::
+rounds while a turn was requested meanwhile, then lets the lease go. Every
+batch of a cycle is written by ``_write``; from ``run()`` to the store::
 
-    StateMachine.run -> Driver.run -> Driver.cycle -> apply -> store_batch -> handler.apply
+    StateMachine.run -> Driver.run -> Driver.cycle -> apply -> _write
+        -> store_batch -> handler.apply
 
 (``handler``: the lease's fence, or the store). Staged work (a model call, a
-tool batch) goes through ``_staged.execute`` and the task's record writer
-between ``apply`` and ``store_batch``: ``apply -> execute -> one ->
-write_record -> write -> store_batch``. ``Driver.cycle`` is
+tool batch) is carried out by ``_staged.execute`` between ``apply`` and
+``_write``: ``apply -> execute -> one -> write_record -> _write``. ``Driver.cycle`` is
 the one place where conflicts are retried (a write that lost the
 compare-and-set race wrote nothing: reload, decide again, at most
 ``max_conflicts`` times per round) and where cancellation is handled: the
@@ -56,6 +56,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
@@ -75,7 +76,7 @@ from ._hold import QUEUED, Turns, claim_for_run, confirm_lease
 from ._lease import Lease, LeasePolicy
 from ._runtime import Runtime
 from ._session import Session
-from ._staged import Recorder, Staged, Task
+from ._staged import Recorder, Staged
 from ._step_contract import check_continues, check_outcome, check_pending
 from ._steps import CancelToken, Continue, Refuse, StepContext, StepResult, Yield, YieldReason
 from ._store import StepCommitter, store_batch
@@ -271,27 +272,8 @@ async def apply(
     written: tuple[Effect, ...] = ()
     sink = decision.ctx.events
     if isinstance(outcome, Staged):
-
-        async def write(
-            current: Session[Any], effects: Sequence[Effect], status: _staged.Status
-        ) -> Session[Any]:
-            after = await store_batch(
-                runtime.effect_handler(),
-                current,
-                name,
-                cycle,
-                runtime.clock(),
-                tuple(effects),
-                refused=decision.refusals,
-                trace=_tracing.traceparent(),
-            )
-            await sink.emit(StepApplied(name, after.revision, status, len(effects)))
-            sink.follow(after.revision)
-            return after
-
-        async def confirm(task: Task) -> None:
-            await confirm_lease(runtime, task)
-
+        write = partial(_write, runtime, name, cycle, decision.refusals, sink)
+        confirm = partial(confirm_lease, runtime)
         loader = runtime.session_loader()
         staged = _staged.execute(outcome, session, write, loader.load, confirm, decision.held)
         done = await staged if token is None else await _under(token, staged)
@@ -300,21 +282,43 @@ async def apply(
         session, written, outcome = done
     after = session
     status: Literal["continue", "yielded"] = "yielded" if isinstance(outcome, Yield) else "continue"
-    if outcome.effects:  # written as commit() writes, inline: one call fewer to the store
-        after = await store_batch(
-            runtime.effect_handler(),
-            session,
-            name,
-            cycle,
-            runtime.clock(),
-            tuple(outcome.effects),
-            refused=decision.refusals,
-            trace=_tracing.traceparent(),
+    if outcome.effects:
+        after = await _write(
+            runtime, name, cycle, decision.refusals, sink, session, outcome.effects, status
         )
-        await sink.emit(StepApplied(name, after.revision, status, len(outcome.effects)))
-        sink.follow(after.revision)
     reason = outcome.reason if isinstance(outcome, Yield) else None
     return after, StepResult(name, written + outcome.effects, status, after.revision, reason)
+
+
+async def _write(
+    runtime: Runtime,
+    name: str,
+    cycle: int,
+    refusals: tuple[Refusal, ...],
+    sink: EventSink,
+    current: Session[Any],
+    effects: Sequence[Effect],
+    status: _staged.Status,
+) -> Session[Any]:
+    """The machine's write: ``effects`` as the batch after ``current``, through the
+    runtime's effect handler, announced (``StepApplied``) with ``status``.
+
+    Every batch of a cycle is written here (``_staged.execute`` gets it as its
+    ``write``, through ``functools.partial``).
+    """
+    after = await store_batch(
+        runtime.effect_handler(),
+        current,
+        name,
+        cycle,
+        runtime.clock(),
+        tuple(effects),
+        refused=refusals,
+        trace=_tracing.traceparent(),
+    )
+    await sink.emit(StepApplied(name, after.revision, status, len(effects)))
+    sink.follow(after.revision)
+    return after
 
 
 # -- the driver ---------------------------------------------------------------------------

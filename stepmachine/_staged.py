@@ -101,89 +101,23 @@ async def execute(
         Exception: whatever a task, ``then`` or the store raises; one error,
             never an ``ExceptionGroup`` (see :func:`one_error`).
     """
-    written: list[Effect] = []
-    current = session
+    run = _Execution(staged, session, write, reload, confirm, held)
     # Every task's keep is held from the start: a cancellation before a task starts
     # (while the intents are written, or while it waits its turn) writes what it says
     # too (a reservation given back; a keep sees the stored session, so it can tell).
     held.extend(task.keep for task in staged.tasks if task.keep is not None)
     if staged.intents:
-        current = await write(current, staged.intents, "committed")
-        written.extend(staged.intents)
-    concurrent = staged.max_concurrency > 1 and len(staged.tasks) > 1
-    lock = anyio.Lock() if concurrent else None  # one task at a time needs no lock
-    unrecorded = len(staged.tasks)  # tasks whose record is not written yet
-    ending: list[Continue | Yield] = []  # then()'s answer, once asked
-    ended: list[BaseException] = []  # or what it raised
-
-    def end() -> Status:
-        """Ask ``then()``; the status of the cycle's last batch if it is this one."""
-        ending.clear()
-        ended.clear()
-        try:
-            ending.append(Continue(()) if staged.then is None else staged.then())
-        except Exception as exc:  # noqa: BLE001 - any error of then(): raised after the record
-            ended.append(exc)  # raised once the record is written
-            return "committed"
-        done = ending[0]
-        if done.effects:
-            return "committed"  # the ending is a batch of its own
-        return "yielded" if isinstance(done, Yield) else "continue"
-
-    async def write_record(entry: Recorder, task: Task) -> None:
-        nonlocal current, unrecorded
-        unrecorded -= 1
-        conflicts = 0
-        while True:
-            effects = tuple(entry(current))
-            status: Status = end() if unrecorded == 0 else "committed"
-            if not effects:
-                return
-            try:
-                current = await write(current, effects, status)
-            except ConflictError:
-                conflicts += 1
-                if conflicts > MAX_RECORD_CONFLICTS:
-                    raise  # another writer keeps moving the session on
-                current = await reload(current.id)
-                continue
-            except (EffectError, MediaTooLargeError) as exc:
-                replacement = None if task.refused is None else task.refused(exc)
-                if replacement is None:
-                    raise
-                _swap(held, entry, replacement)
-                entry = replacement
-                continue
-            written.extend(effects)
-            return
-
-    async def one(task: Task) -> None:
-        await confirm(task)
-        entry = await task.run()
-        # The result exists: held before any checkpoint, so a cancellation from
-        # here on leaves it to finalize, which writes it exactly once.
-        if task.keep is not None:
-            _swap(held, task.keep, entry)
-        else:
-            held.append(entry)
-        if task.landed is not None:
-            await task.landed()
-        if lock is None:  # one task at a time: no lock, and one call fewer on the write path
-            await write_record(entry, task)
-        else:
-            async with lock:
-                await write_record(entry, task)
-        _drop(held, entry)
-
-    if not concurrent:
+        run.current = await write(run.current, staged.intents, "committed")
+        run.written.extend(staged.intents)
+    if run.lock is None:
         for task in staged.tasks:
-            await one(task)
+            await run.one(task)
     else:
         limiter = anyio.CapacityLimiter(staged.max_concurrency)
 
         async def limited(task: Task) -> None:
             async with limiter:
-                await one(task)
+                await run.one(task)
 
         failure: BaseException | None = None
         try:
@@ -194,11 +128,114 @@ async def execute(
             failure = one_error(errors)  # raised outside the handler: its context its own
         if failure is not None:
             raise failure
-    if not ending and not ended:
-        end()  # no task (or none left a record to write)
-    if ended:
-        raise ended[0]
-    return current, tuple(written), ending[0]
+    if not run.ending and not run.ended:
+        run.end()  # no task (or none left a record to write)
+    if run.ended:
+        raise run.ended[0]
+    return run.current, tuple(run.written), run.ending[0]
+
+
+class _Execution:
+    """The state of one :func:`execute`: the session as last written, what was written,
+    the tasks still to record, and ``then()``'s answer (an object rather than closures: a
+    run waiting in a task holds one object, not a cell per variable)."""
+
+    __slots__ = (
+        "confirm",
+        "current",
+        "ended",
+        "ending",
+        "held",
+        "lock",
+        "reload",
+        "staged",
+        "unrecorded",
+        "write",
+        "written",
+    )
+
+    def __init__(
+        self,
+        staged: Staged,
+        session: Session[Any],
+        write: Writer,
+        reload: Callable[[str], Awaitable[Session[Any]]],
+        confirm: Callable[[Task], Awaitable[None]],
+        held: list[Recorder],
+    ) -> None:
+        self.staged = staged
+        self.write = write
+        self.reload = reload
+        self.confirm = confirm
+        self.held = held
+        self.current = session
+        self.written: list[Effect] = []
+        self.unrecorded = len(staged.tasks)  # tasks whose record is not written yet
+        self.ending: list[Continue | Yield] = []  # then()'s answer, once asked
+        self.ended: list[BaseException] = []  # or what it raised
+        concurrent = staged.max_concurrency > 1 and len(staged.tasks) > 1
+        self.lock = anyio.Lock() if concurrent else None  # one task at a time needs no lock
+
+    def end(self) -> Status:
+        """Ask ``then()``; the status of the cycle's last batch if it is this one."""
+        self.ending.clear()
+        self.ended.clear()
+        then = self.staged.then
+        try:
+            self.ending.append(Continue(()) if then is None else then())
+        except Exception as exc:  # noqa: BLE001 - any error of then(): raised after the record
+            self.ended.append(exc)  # raised once the record is written
+            return "committed"
+        done = self.ending[0]
+        if done.effects:
+            return "committed"  # the ending is a batch of its own
+        return "yielded" if isinstance(done, Yield) else "continue"
+
+    async def one(self, task: Task) -> None:
+        """Run ``task`` (once the lease is confirmed), hold its record, then write it."""
+        await self.confirm(task)
+        entry = await task.run()
+        # The result exists: held before any checkpoint, so a cancellation from
+        # here on leaves it to finalize, which writes it exactly once.
+        if task.keep is not None:
+            _swap(self.held, task.keep, entry)
+        else:
+            self.held.append(entry)
+        if task.landed is not None:
+            await task.landed()
+        if self.lock is None:  # one task at a time: no lock, and one call fewer on the write path
+            await self.write_record(entry, task)
+        else:
+            async with self.lock:
+                await self.write_record(entry, task)
+        _drop(self.held, entry)
+
+    async def write_record(self, entry: Recorder, task: Task) -> None:
+        """Write ``entry``'s effects from the session as stored (again after a conflict)."""
+        self.unrecorded -= 1
+        conflicts = 0
+        while True:
+            effects = tuple(entry(self.current))
+            status: Status = self.end() if self.unrecorded == 0 else "committed"
+            if not effects:
+                return
+            try:
+                self.current = await self.write(self.current, effects, status)
+            except ConflictError:
+                conflicts += 1
+                if conflicts > MAX_RECORD_CONFLICTS:
+                    raise  # another writer keeps moving the session on
+                self.current = await self.reload(self.current.id)
+                continue
+            except (EffectError, MediaTooLargeError) as exc:
+                replacement = None if task.refused is None else task.refused(exc)
+                if replacement is None:
+                    raise
+                _swap(self.held, entry, replacement)
+                entry = replacement
+                continue
+            self.written.extend(effects)
+            return
 
 
 def _swap(held: list[Recorder], old: Recorder, new: Recorder) -> None:
