@@ -67,7 +67,7 @@ from . import _log, _staged, _tracing
 from ._capabilities import Capabilities, Step
 from ._capabilities import cycle_context as context
 from ._codec import Refusal, refusal
-from ._cycle_report import idle_reason, log_cycle, log_yield
+from ._cycle_report import idle_reason, link_to_previous, log_cycle, log_yield
 from ._effects import Effect
 from ._emitter import Emitter, EventSink, NullEmitter, StepApplied, Yielded
 from ._errors import ConflictError
@@ -411,7 +411,7 @@ class Driver(Generic[D]):
             span = stack.enter_context(_tracing.run_span(runtime.telemetry, name, attributes))
             session: Session[D] = await runtime.session_loader().load(session_id)
             if span is not None:
-                await _tracing.link_to_previous(runtime, session, span)
+                await link_to_previous(runtime, session, span)
             self.runtime = runtime
             self.sink = EventSink(emitter or NullEmitter(), session_id, session.revision)
             self.start_revision, self.cycles, self.conflicts = session.revision, 0, 0

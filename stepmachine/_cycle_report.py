@@ -1,5 +1,6 @@
 """What the cycle reports besides its writes: the ``cycle`` and ``yield`` log events,
-the cycle span's attributes, and why a run in which no step applied yields.
+the cycle span's attributes, why a run in which no step applied yields, and the
+link from a traced run's span to the run it continues (:func:`link_to_previous`).
 
 :func:`log_cycle` ends every cycle (logger ``stepmachine``, at DEBUG; the
 cycle's span, when the run is traced); :func:`log_yield` is the ``yield``
@@ -25,7 +26,7 @@ from ._runtime import Runtime
 from ._session import Session
 from ._steps import StepContext, YieldReason
 
-__all__ = ["idle_reason", "log_cycle", "log_yield"]
+__all__ = ["idle_reason", "link_to_previous", "log_cycle", "log_yield"]
 
 D = TypeVar("D", bound=msgspec.Struct)
 
@@ -129,3 +130,32 @@ def idle_reason(capabilities: Capabilities[D], ctx: StepContext[D]) -> YieldReas
         "session changes",
         {"calls": held},
     )
+
+
+LINK_WINDOW = 16
+"""Batches a traced run reads back to find the span it continues (see ``link_to_previous``)."""
+
+
+async def link_to_previous(runtime: Runtime, session: Session[Any], span: Any) -> None:
+    """Link ``span`` to the span that wrote the newest traced batch among the session's last
+    :data:`LINK_WINDOW`, if any.
+
+    The newest batch is often written outside any run (``approve()``,
+    ``submit()``: a user message, an operator's decision), so the run that
+    yielded is looked for a few batches back. Reads them through the loader's
+    ``batches`` (the shipped stores have it); a loader without it, or a failing
+    read, gives no link (logged). Only traced runs pay for this.
+    """
+    batches = getattr(runtime.session_loader(), "batches", None)
+    if session.revision < 1 or batches is None:
+        return
+    try:
+        recent = await batches(session.id, max(0, session.revision - LINK_WINDOW))
+        for batch in reversed(recent):
+            link = _tracing.link_to(getattr(batch, "trace", None))
+            if link is not None:
+                span.add_link(link.context, link.attributes)
+                return
+    except Exception:  # noqa: BLE001 - a link is worth less than the run
+        message = "could not read the last batches to link the run's span"
+        _log.failure(message, session_id=session.id)

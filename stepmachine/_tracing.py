@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
-from . import _log
 from ._errors import ConfigurationError
 from ._telemetry import Telemetry
 
@@ -58,9 +57,6 @@ except ImportError:  # pragma: no cover - exercised by a test that hides the pac
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
-
-    from ._runtime import Runtime
-    from ._session import Session
 
 __all__ = [
     "active",
@@ -263,32 +259,3 @@ def link_to(value: str | None) -> Any | None:
         trace_id, span_id, is_remote=True, trace_flags=_trace.TraceFlags(flags)
     )
     return _trace.Link(context, {"stepmachine.link": "resumed"})
-
-
-LINK_WINDOW = 16
-"""Batches a traced run reads back to find the span it continues (see ``link_to_previous``)."""
-
-
-async def link_to_previous(runtime: Runtime, session: Session[Any], span: Any) -> None:
-    """Link ``span`` to the span that wrote the newest traced batch among the session's last
-    :data:`LINK_WINDOW`, if any.
-
-    The newest batch is often written outside any run (``approve()``,
-    ``submit()``: a user message, an operator's decision), so the run that
-    yielded is looked for a few batches back. Reads them through the loader's
-    ``batches`` (the shipped stores have it); a loader without it, or a failing
-    read, gives no link (logged). Only traced runs pay for this.
-    """
-    batches = getattr(runtime.session_loader(), "batches", None)
-    if session.revision < 1 or batches is None:
-        return
-    try:
-        recent = await batches(session.id, max(0, session.revision - LINK_WINDOW))
-        for batch in reversed(recent):
-            link = link_to(getattr(batch, "trace", None))
-            if link is not None:
-                span.add_link(link.context, link.attributes)
-                return
-    except Exception:  # noqa: BLE001 - a link is worth less than the run
-        message = "could not read the last batches to link the run's span"
-        _log.failure(message, session_id=session.id)
