@@ -23,14 +23,14 @@ A session goes through one cycle like this (``Driver.cycle``)::
 :class:`Driver` runs a whole run: ``Driver.run`` claims the session's lease,
 opens the steps, loads the session and runs cycles until one yields, in
 rounds while a turn was requested meanwhile, then lets the lease go. Every
-batch of a cycle is written by ``_write``; from ``run()`` to the store::
+batch of a cycle is written by ``_store.commit``; from ``run()`` to the store::
 
-    StateMachine.run -> Driver.run -> Driver.cycle -> apply -> _write
+    StateMachine.run -> Driver.run -> Driver.cycle -> apply -> commit
         -> store_batch -> handler.apply
 
 (``handler``: the lease's fence, or the store). Staged work (a model call, a
 tool batch) is carried out by ``_staged.execute`` between ``apply`` and
-``_write``: ``apply -> execute -> one -> write_record -> _write``. ``Driver.cycle`` is
+``commit``: ``apply -> execute -> one -> write_record -> commit``. ``Driver.cycle`` is
 the one place where conflicts are retried (a write that lost the
 compare-and-set race wrote nothing: reload, decide again, at most
 ``max_conflicts`` times per round) and where cancellation is handled: the
@@ -53,7 +53,7 @@ idles (``_cycle_report``), the lease check before a guarded task starts
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -69,7 +69,7 @@ from ._capabilities import cycle_context as context
 from ._codec import Refusal, refusal
 from ._cycle_report import idle_reason, link_to_previous, log_cycle, log_yield
 from ._effects import Effect
-from ._emitter import Emitter, EventSink, NullEmitter, StepApplied, Yielded
+from ._emitter import Emitter, EventSink, NullEmitter, Yielded
 from ._errors import ConflictError
 from ._finalize import finalize, shielded, stops_the_run
 from ._hold import QUEUED, Turns, claim_for_run, confirm_lease
@@ -79,7 +79,7 @@ from ._session import Session
 from ._staged import Recorder, Staged
 from ._step_contract import check_continues, check_outcome, check_pending
 from ._steps import CancelToken, Continue, Refuse, StepContext, StepResult, Yield, YieldReason
-from ._store import StepCommitter, store_batch
+from ._store import StepCommitter, commit
 
 if TYPE_CHECKING:
     from ._machine import StateMachine
@@ -272,7 +272,7 @@ async def apply(
     written: tuple[Effect, ...] = ()
     sink = decision.ctx.events
     if isinstance(outcome, Staged):
-        write = partial(_write, runtime, name, cycle, decision.refusals, sink)
+        write = partial(commit, runtime, name, cycle, decision.refusals, sink)
         confirm = partial(confirm_lease, runtime)
         loader = runtime.session_loader()
         staged = _staged.execute(outcome, session, write, loader.load, confirm, decision.held)
@@ -283,42 +283,11 @@ async def apply(
     after = session
     status: Literal["continue", "yielded"] = "yielded" if isinstance(outcome, Yield) else "continue"
     if outcome.effects:
-        after = await _write(
+        after = await commit(
             runtime, name, cycle, decision.refusals, sink, session, outcome.effects, status
         )
     reason = outcome.reason if isinstance(outcome, Yield) else None
     return after, StepResult(name, written + outcome.effects, status, after.revision, reason)
-
-
-async def _write(
-    runtime: Runtime,
-    name: str,
-    cycle: int,
-    refusals: tuple[Refusal, ...],
-    sink: EventSink,
-    current: Session[Any],
-    effects: Sequence[Effect],
-    status: _staged.Status,
-) -> Session[Any]:
-    """The machine's write: ``effects`` as the batch after ``current``, through the
-    runtime's effect handler, announced (``StepApplied``) with ``status``.
-
-    Every batch of a cycle is written here (``_staged.execute`` gets it as its
-    ``write``, through ``functools.partial``).
-    """
-    after = await store_batch(
-        runtime.effect_handler(),
-        current,
-        name,
-        cycle,
-        runtime.clock(),
-        tuple(effects),
-        refused=refusals,
-        trace=_tracing.traceparent(),
-    )
-    await sink.emit(StepApplied(name, after.revision, status, len(effects)))
-    sink.follow(after.revision)
-    return after
 
 
 # -- the driver ---------------------------------------------------------------------------

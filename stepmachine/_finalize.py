@@ -200,7 +200,7 @@ async def _commit_fresh(
         effects = tuple(await compute(current))
         if not effects:
             return current
-        return await commit(runtime, current, step_name, cycle, effects)
+        return await commit(runtime, step_name, cycle, (), None, current, effects)
 
     loader = runtime.session_loader()
     return await retry_conflicts(session, attempt, loader.load, attempts=max_conflicts + 1)

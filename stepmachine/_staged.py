@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 import anyio
@@ -135,46 +136,29 @@ async def execute(
     return run.current, tuple(run.written), run.ending[0]
 
 
+@dataclass(slots=True)
 class _Execution:
-    """The state of one :func:`execute`: the session as last written, what was written,
-    the tasks still to record, and ``then()``'s answer (an object rather than closures: a
-    run waiting in a task holds one object, not a cell per variable)."""
+    """The state of one :func:`execute`: the session as last written (``current``), what
+    was written, the tasks still to record, and ``then()``'s answer (an object rather
+    than closures: a run waiting in a task holds one object, not a cell per variable)."""
 
-    __slots__ = (
-        "confirm",
-        "current",
-        "ended",
-        "ending",
-        "held",
-        "lock",
-        "reload",
-        "staged",
-        "unrecorded",
-        "write",
-        "written",
-    )
+    staged: Staged
+    current: Session[Any]
+    write: Writer
+    reload: Callable[[str], Awaitable[Session[Any]]]
+    confirm: Callable[[Task], Awaitable[None]]
+    held: list[Recorder]
+    written: list[Effect] = field(default_factory=list)
+    ending: list[Continue | Yield] = field(default_factory=list)  # then()'s answer, once asked
+    ended: list[BaseException] = field(default_factory=list)  # or what it raised
+    unrecorded: int = 0  # tasks whose record is not written yet
+    lock: anyio.Lock | None = None  # tasks run concurrently: one record written at a time
 
-    def __init__(
-        self,
-        staged: Staged,
-        session: Session[Any],
-        write: Writer,
-        reload: Callable[[str], Awaitable[Session[Any]]],
-        confirm: Callable[[Task], Awaitable[None]],
-        held: list[Recorder],
-    ) -> None:
-        self.staged = staged
-        self.write = write
-        self.reload = reload
-        self.confirm = confirm
-        self.held = held
-        self.current = session
-        self.written: list[Effect] = []
-        self.unrecorded = len(staged.tasks)  # tasks whose record is not written yet
-        self.ending: list[Continue | Yield] = []  # then()'s answer, once asked
-        self.ended: list[BaseException] = []  # or what it raised
-        concurrent = staged.max_concurrency > 1 and len(staged.tasks) > 1
-        self.lock = anyio.Lock() if concurrent else None  # one task at a time needs no lock
+    def __post_init__(self) -> None:
+        tasks = self.staged.tasks
+        self.unrecorded = len(tasks)
+        if self.staged.max_concurrency > 1 and len(tasks) > 1:
+            self.lock = anyio.Lock()
 
     def end(self) -> Status:
         """Ask ``then()``; the status of the cycle's last batch if it is this one."""

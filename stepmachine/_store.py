@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -181,23 +181,30 @@ async def submit(
 
 async def commit(
     runtime: Runtime,
-    session: Session[D],
     step_name: str,
     cycle: int,
+    refused: tuple[Refusal, ...],
+    sink: EventSink | None,
+    session: Session[D],
     effects: Sequence[Effect],
-    refused: tuple[Refusal, ...] = (),
+    status: Literal["committed", "continue", "yielded"] = "committed",
 ) -> Session[D]:
     """The machine's write: ``effects`` as one batch after ``session``, through the runtime.
 
-    Through the runtime's effect handler (a lease's fence in a leased run),
-    stamped with its clock and the current span's ``traceparent`` when the run
-    is traced; see :func:`store_batch`.
+    Every batch a machine writes goes through here: a cycle's (``Continue`` /
+    ``Yield``, and each batch of staged work, whose ``write`` is this function
+    with the first five arguments bound), finalize's, and the deprecated
+    ``ctx.commit``'s. Through the runtime's effect handler (a lease's fence in
+    a leased run), stamped with its clock and the current span's
+    ``traceparent`` when the run is traced; see :func:`store_batch`. With a
+    ``sink``, the batch is announced (``StepApplied`` with ``status``) and the
+    sink's events follow the new revision.
 
     Raises:
         ConflictError: the stored session moved on; nothing was written.
         EffectError: an effect does not apply; nothing was written.
     """
-    return await store_batch(
+    after = await store_batch(
         runtime.effect_handler(),
         session,
         step_name,
@@ -207,6 +214,10 @@ async def commit(
         refused=refused,
         trace=_tracing.traceparent(),
     )
+    if sink is not None:
+        await sink.emit(StepApplied(step_name, after.revision, status, len(effects)))
+        sink.follow(after.revision)
+    return after
 
 
 class StepCommitter:
@@ -235,7 +246,8 @@ class StepCommitter:
     async def __call__(self, current: Session[D], effects: Sequence[Effect]) -> Session[D]:
         """Write ``effects`` after ``current`` (see :func:`commit`), then emit ``StepApplied``."""
         refused = tuple(self.refused[: self.count])
-        after = await commit(self.runtime, current, self.step_name, self.cycle, effects, refused)
+        name, cycle = self.step_name, self.cycle
+        after = await commit(self.runtime, name, cycle, refused, None, current, effects)
         await self.sink.emit(StepApplied(self.step_name, after.revision, "committed", len(effects)))
         return after
 
