@@ -19,6 +19,7 @@ from stepmachine import (
     ToolCallPart,
     Usage,
 )
+from stepmachine._ledger import Before
 from stepmachine.extend import (
     InferenceAttempts,
     InferenceReceipt,
@@ -121,8 +122,9 @@ def test_the_ledger_inside_records_keeps_its_schema() -> None:
     assert fields_of(Spent) == ((), ("model_calls", "input_tokens", "output_tokens", "tool_calls"))
     assert fields_of(Ledger) == (
         ("session", "turn", "revision"),
-        ("turn_start", "partial", "tools", "refused_by"),
+        ("turn_start", "partial", "tools", "refused_by", "before"),
     )
+    assert fields_of(Before) == (("revision", "session"), ())
 
 
 def test_a_record_type_needs_a_dotted_tag_of_its_own() -> None:
