@@ -27,10 +27,14 @@ included: a ledger an earlier run left there would be gone when a run looks for
 where it started. So every ledger also says what the totals were before its
 revision (:attr:`Ledger.before`: the session totals of the latest ledger made
 at an earlier revision, then of the one before that), and a per-run read takes
-those when the ledger itself was made in the run. Two are kept, enough for a run
-whose first calls were all recorded on one message, at two revisions (a failed
-call that the run goes on from, then the next), before a record of its own
-stayed; constant size, and the read stays a read back over the run.
+those when the ledger itself was made in the run. Two are kept (constant size;
+the read stays a read back over the run): a run finds where it started when a
+ledger made at one of the first two revisions at which it recorded model calls
+is still on the session -- a reply's or a summary's, a record put back once the
+call was accounted for -- e.g. a context overflow recorded on the last message,
+then a summary or the answer. A run whose records at its first three such
+revisions were all replaced finds no totals from before it and counts every call
+of the session (a per-run budget then refuses early, never late).
 
 Tool calls: a reply's receipt counts the tool calls it asks for. A step that
 makes calls stop counting (a budget refusing them, a step hiding a reply whose
@@ -66,7 +70,6 @@ from ._session import Session
 __all__ = [
     "FEEDBACK",
     "LEDGER",
-    "Before",
     "Ledger",
     "LedgerCorrection",
     "LedgerView",
@@ -119,15 +122,11 @@ class Spent(msgspec.Struct, frozen=True, array_like=True):
         )
 
 
-class Before(msgspec.Struct, frozen=True, array_like=True):
-    """The session totals of a ledger made at ``revision`` (stored as ``[revision, totals]``)."""
-
-    revision: int
-    session: Spent
-
-
 _BEFORE_KEPT: Final = 2
 """How many totals from before a ledger's revision it keeps (:attr:`Ledger.before`)."""
+
+_BEFORE_WIDTH: Final = 5
+"""``[revision, model_calls, input_tokens, output_tokens, tool_calls]``."""
 
 
 class Ledger(msgspec.Struct, frozen=True):
@@ -145,12 +144,13 @@ class Ledger(msgspec.Struct, frozen=True):
             count the tool calls from the records).
         refused_by: the budget steps whose refused calls this ledger no
             longer counts (a budget of another name counts from the records).
-        before: the session totals as they stood before ``revision``: those of
-            the latest ledger made at an earlier revision, then of the latest
-            one before that, newest first (at most two; empty in the first
-            ledger, and in ledgers written before they were kept). A run that
-            began after them starts from them even when the ledgers themselves
-            were replaced since (see the module docs).
+        before: the session totals as they stood before ``revision``, as
+            ``[revision, model_calls, input_tokens, output_tokens, tool_calls]``:
+            those of the latest ledger made at an earlier revision, then of the
+            latest one before that, newest first (at most two; empty in the
+            first ledger, and in ledgers written before they were kept). A run
+            that began after them starts from them even when the ledgers
+            themselves were replaced since (see the module docs).
     """
 
     session: Spent
@@ -160,7 +160,7 @@ class Ledger(msgspec.Struct, frozen=True):
     partial: bool = False
     tools: bool = False
     refused_by: list[str] = msgspec.field(default_factory=list)
-    before: list[Before] = msgspec.field(default_factory=list)
+    before: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class LedgerView(msgspec.Struct, frozen=True):
@@ -291,9 +291,9 @@ def _run_base(ledgers: list[tuple[Ledger, bool]], run_start: int) -> Ledger | No
     for ledger, correction in ledgers:
         candidate: Ledger | None = ledger if ledger.revision < run_start else None
         if candidate is None:
-            kept = next((b for b in ledger.before if b.revision < run_start), None)
+            kept = next((b for b in _kept(ledger) if b[0] < run_start), None)
             if kept is not None:
-                candidate = Ledger(kept.session, Spent(), kept.revision, tools=ledger.tools)
+                candidate = Ledger(Spent(*kept[1:]), Spent(), kept[0], tools=ledger.tools)
         if candidate is None:
             continue
         order = _order(candidate, correction and candidate is ledger)
@@ -420,10 +420,25 @@ def next_ledger(
     )
 
 
-def _before(previous: Ledger, revision: int) -> list[Before]:
+def _before(previous: Ledger, revision: int) -> list[list[int]]:
     """:attr:`Ledger.before` of a ledger made at ``revision`` after ``previous``."""
-    kept = [Before(previous.revision, previous.session), *previous.before]
-    return [b for b in kept if b.revision < revision][:_BEFORE_KEPT]
+    spent = previous.session
+    latest = [
+        previous.revision,
+        spent.model_calls,
+        spent.input_tokens,
+        spent.output_tokens,
+        spent.tool_calls,
+    ]
+    kept = [latest, *_kept(previous)]
+    return [b for b in kept if b[0] < revision][:_BEFORE_KEPT]
+
+
+def _kept(ledger: Ledger) -> list[list[int]]:
+    """:attr:`Ledger.before` of ``ledger``; none when an entry is not five numbers (stored
+    data is data: the run's start is then looked for further back, as before they were kept)."""
+    before = ledger.before
+    return before if all(len(b) == _BEFORE_WIDTH for b in before) else []
 
 
 def standing_ledger(session: Session[Any], *, on: Message | None = None) -> Ledger:

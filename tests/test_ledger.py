@@ -169,7 +169,7 @@ def test_a_run_starts_from_a_ledger_its_own_records_replaced() -> None:
     latest = latest_ledger(session).ledger
     assert latest is not None
     assert latest.session.model_calls == 3
-    assert [b.revision for b in latest.before] == [1, 0]
+    assert [b[0] for b in latest.before] == [1, 0]
     base = latest_ledger(session, before_revision=start).ledger
     assert base is not None
     assert (base.revision, base.session.model_calls) == (0, 1)
@@ -186,9 +186,9 @@ def test_a_ledger_keeps_two_totals_from_before_its_revision() -> None:
     latest = latest_ledger(session).ledger
     assert latest is not None
     assert latest.revision == 3
-    assert [(b.revision, b.session.model_calls) for b in latest.before] == [(2, 3), (1, 2)]
+    assert latest.before == [[2, 3, 30, 15, 0], [1, 2, 20, 10, 0]]  # [revision, totals]
     stored = note_value(InferenceAttempts(attempts=1, ledger=latest))["ledger"]["before"]
-    assert stored == [[2, [3, 30, 15, 0]], [1, [2, 20, 10, 0]]]  # [revision, totals]
+    assert stored == latest.before
 
 
 def test_a_ledger_stored_without_what_came_before_reads_as_before() -> None:
@@ -214,8 +214,25 @@ def test_a_ledger_stored_without_what_came_before_reads_as_before() -> None:
     assert view.ledger is not None
     assert not view.legacy
     assert view.ledger.session.model_calls == 2
-    assert view.ledger.before[0].revision == 0
+    assert view.ledger.before[0][0] == 0
     base = latest_ledger(make_session("go", old, revision=1), before_revision=1).ledger
     assert base is not None
     assert base.before == []
     assert base.session == Spent(1, 10, 5)
+
+
+def test_a_damaged_record_of_the_totals_before_is_not_read() -> None:
+    """``before`` entries that are not five numbers: the run's start is looked for further
+    back, as in ledgers written before they were kept (stored data is data)."""
+    session = make_session("go")
+    session = grow(session, reply("a1", session))  # made at revision 0
+    session = grow(session, reply("a2", session))  # made at revision 1
+    a2 = session.conversation[-1]
+    note = dict(a2.notes["inference"])
+    note["ledger"] = {**note["ledger"], "before": [[0, 1]]}
+    damaged = msgspec.structs.replace(a2, notes={"inference": note})
+    session = make_session(*session.conversation[:-1], damaged, revision=session.revision)
+    base = latest_ledger(session, before_revision=1).ledger
+    assert base is not None
+    assert base.session == Spent(1, 10, 5)  # a1's own ledger
+    assert base.before == []
