@@ -240,6 +240,11 @@ def _ledger_of(message: Message) -> tuple[Ledger | None, bool]:
     """The newest ledger a record on ``message`` carries (:func:`_order`), and
     whether a model-call record without a ledger is there."""
     ledgers, legacy = _ledgers_of(message)
+    return _newest(ledgers, legacy)
+
+
+def _newest(ledgers: list[tuple[Ledger, bool]], legacy: bool) -> tuple[Ledger | None, bool]:
+    """:func:`_ledger_of` from what :func:`_ledgers_of` found."""
     found: Ledger | None = None
     newest: tuple[int, int, bool] | None = None
     for ledger, correction in ledgers:
@@ -337,14 +342,15 @@ def _walk(session: Session[Any], before_revision: int | None) -> LedgerView:
     added_back = 0
     for position in range(len(conversation) - 1, -1, -1):
         message = conversation[position]
-        ledger, legacy = _ledger_of(message)
+        ledgers, legacy = _ledgers_of(message)
+        ledger, legacy = _newest(ledgers, legacy)
         if legacy:
             return LedgerView(ledger, legacy, turn_start, False, added_back)
         if before_revision is None:
             if ledger is not None:
                 return LedgerView(ledger, legacy, turn_start, tools and ledger.tools, added_back)
         elif ledger is not None:
-            base = _run_base(_ledgers_of(message)[0], before_revision)
+            base = _run_base(ledgers, before_revision)
             if base is not None:
                 added_back += _added_back(message, before_revision)
                 return LedgerView(base, legacy, turn_start, tools and base.tools, added_back)
