@@ -45,12 +45,14 @@ far. Each consumption batch also leaves a cursor (an :class:`EventCursor`,
 key ``"cursor"`` of the last event it consumed) listing the wait markers it
 left unsatisfied; the step reads the messages with notes in its namespace
 (:meth:`stepmachine.HistoryIndex.noted`) newest first down to that cursor --
-what was submitted, delivered or marked since -- and the markers it lists. So
-a wait marker is seen when it is set on a message after the last event
-consumed (a step's or the application's latest message, as is usual), or was
-waiting at that consumption; one set afterwards on an earlier message is not.
-A session without a cursor is read whole once (every message with notes in
-the namespace), as before.
+what was submitted, delivered or marked since -- and the markers it lists.
+The index lists a message holding an unsatisfied wait marker first, whatever
+its age: when the marker was set (on the latest message or on an earlier
+one, before or after the last consumption), live or after the session was
+loaded from a store, which keeps no order of notes. So every marker waiting
+is seen, and a loaded session decides as the live one did (state is the
+session). A session without a cursor is read whole once (every message with
+notes in the namespace), as before.
 
 Cancellation: consumption is a single batch; nothing to finalize.
 """
@@ -192,22 +194,31 @@ def _recent(session: Session[Any], namespace: str) -> _Recent:
     markers: dict[str, tuple[int, list[str]]] = {}
     seen: set[str] = set()
     cursor: EventCursor | None = None
+    cursor_at = -1
     for position, call_id in session.history.noted(namespace):
         if call_id is not None:
             continue
         message = conversation[position]
+        if message.id in seen:
+            continue  # listed again (an open wait annotated since)
         seen.add(message.id)
         where = _where(session, message)
-        record = read_record(message.notes, namespace, EventRecord, key="event", where=where)
-        if record is not None:
-            consumed = read_record(message.notes, namespace, EventConsumed, where=where)
-            if consumed is None or not consumed.consumed:
-                pending.append((position, _event(record, message)))
-            cursor = read_record(message.notes, namespace, EventCursor, key="cursor", where=where)
         marker = _marker(session, message, namespace)
         if marker is not None:
             markers[message.id] = (position, marker.awaiting)
-        if cursor is not None:
+        record = read_record(message.notes, namespace, EventRecord, key="event", where=where)
+        if record is None:
+            continue
+        consumed = read_record(message.notes, namespace, EventConsumed, where=where)
+        if consumed is None or not consumed.consumed:
+            pending.append((position, _event(record, message)))
+        found = read_record(message.notes, namespace, EventCursor, key="cursor", where=where)
+        if found is not None and position > cursor_at:
+            cursor, cursor_at = found, position
+        if found is not None and marker is None:
+            # The latest consumption's cursor: messages with an open wait are listed
+            # first whatever their age (HistoryIndex.noted), so an older cursor on one
+            # of them is not where the reading stops.
             break
     if cursor is not None:
         for message_id in cursor.waiting:

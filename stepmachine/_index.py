@@ -27,6 +27,12 @@ the next session's index from the previous one in their pure ``apply``:
   (an ``Annotate`` opening a namespace on a message or call) is O(namespaces):
   :meth:`HistoryIndex.noted` lists, per namespace, where notes are (a linked
   list shared by later sessions), so an operation reads only its own records.
+  When they were noted is not stored: a built index lists them in message
+  order, except that notes holding an open wait (an unsatisfied wait marker
+  of :class:`~stepmachine.operations.ExternalEvents`) come first, and an
+  ``Annotate`` that leaves a message with one lists it again, first
+  (:meth:`HistoryIndex.replaced`): a reader stopping at a cursor sees every
+  open wait, loaded or not.
 * ``SetVisibility`` (:meth:`HistoryIndex.shown_or_hidden`) replays the
   messages from the first one it changes, from the latest *checkpoint* (every
   :data:`CHECKPOINT_EVERY` messages an index keeps the index it derives from,
@@ -126,6 +132,35 @@ def is_empty_assistant(message: Message) -> bool:
         if not isinstance(part, TextPart | ReasoningPart):
             return False  # a tool call, or a kind of part added later (images, files)
     return True
+
+
+def _open_waits(message: Message) -> list[str]:
+    """The namespaces in which ``message``'s notes hold an open wait: a wait marker
+    (key ``"awaiting"``) that nothing satisfied yet (no ``"satisfied_by"``)."""
+    return [
+        namespace
+        for namespace, value in message.notes.items()
+        if isinstance(value, dict) and "awaiting" in value and not value.get("satisfied_by")
+    ]
+
+
+def _waits_first(noted: dict[str, _Noted], waits: dict[str, set[int]]) -> dict[str, _Noted]:
+    """``noted`` with the messages at the positions in ``waits[namespace]`` listed first."""
+    noted = dict(noted)
+    for namespace, positions in waits.items():
+        entries: list[tuple[int, str | None]] = []  # newest first
+        entry = noted.get(namespace)
+        while entry is not None:
+            entries.append((entry[0], entry[1]))
+            entry = entry[2]
+        first = [e for e in entries if e[1] is None and e[0] in positions]
+        rest = [e for e in entries if not (e[1] is None and e[0] in positions)]
+        rebuilt: _Noted | None = None
+        for position, call_id in reversed(first + rest):
+            rebuilt = (position, call_id, rebuilt)
+        if rebuilt is not None:
+            noted[namespace] = rebuilt
+    return noted
 
 
 def _noted_with(noted: dict[str, _Noted], message: Message, n: int) -> dict[str, _Noted]:
@@ -316,8 +351,14 @@ class HistoryIndex:
     def build(cls, conversation: Sequence[Message]) -> HistoryIndex:
         """Index ``conversation`` from scratch: O(n)."""
         index = cls()
-        for message in conversation:
+        waits: dict[str, set[int]] = {}
+        for position, message in enumerate(conversation):
             index = index._extended(message, _key(message), write=True)
+            if message.notes:
+                for namespace in _open_waits(message):
+                    waits.setdefault(namespace, set()).add(position)
+        if waits:  # when they were noted is not stored: open waits first (see noted())
+            index._noted = _waits_first(index._noted, waits)
         if index.hidden:
             index._visible = Conversation(m for m in conversation if m.visible_to_model)
         return index
@@ -349,13 +390,25 @@ class HistoryIndex:
 
     def replaced(self, position: int, message: Message) -> HistoryIndex:
         """The index after ``Annotate`` replaced the message at ``position`` with ``message``
-        (the same message with other notes). O(1): only :attr:`visible` changes."""
+        (the same message with other notes). O(namespaces of ``message``): :attr:`visible`
+        changes, and a note holding an open wait is listed first again (:meth:`noted`)."""
+        new = self
+        if message.notes:
+            for namespace in _open_waits(message):
+                head = new._noted.get(namespace)
+                if head is not None and head[0] == position and head[1] is None:
+                    continue  # listed first already
+                if new is self:
+                    new = self._clone()
+                    new._noted = dict(self._noted)
+                new._noted[namespace] = (position, None, head)
         if self._visible is None:
-            return self
+            return new
         at = self._line.visible_at[position]
         if at < 0:
-            return self
-        new = self._clone()
+            return new
+        if new is self:
+            new = self._clone()
         new._visible = self._visible.replaced(at, message)
         return new
 
@@ -517,7 +570,11 @@ class HistoryIndex:
         Yields ``(message position, call id)`` (``None`` for the message's own
         notes), the most recently noted first: the messages appended with such
         notes in the order appended, and the targets of ``Annotate`` effects
-        that opened the namespace there. O(1) per item: a step that looks for
+        that opened the namespace there, or left an open wait in it (listed
+        again: a position can come more than once). An index built from a
+        stored conversation cannot know when its notes were set: it lists the
+        messages whose note holds an open wait first, then all others in
+        message order, newest first. O(1) per item: a step that looks for
         its own records reads only where they are.
         """
         entry = self._noted.get(namespace)

@@ -21,6 +21,21 @@ It is the latest ledger minus the latest one made before the run's first
 revision (``latest_ledger(session, before_revision=...)``), O(messages of the
 run).
 
+A record on a message that already holds one (the attempts of a failed call, or
+a summariser's calls, on the last message the model saw) replaces it, ledger
+included: a ledger an earlier run left there would be gone when a run looks for
+where it started. So every ledger also says what the totals were before its
+revision (:attr:`Ledger.before`: the session totals of the latest ledger made
+at an earlier revision, then of the one before that), and a per-run read takes
+those when the ledger itself was made in the run. Two are kept (constant size;
+the read stays a read back over the run): a run finds where it started when a
+ledger made at one of the first two revisions at which it recorded model calls
+is still on the session -- a reply's or a summary's, a record put back once the
+call was accounted for -- e.g. a context overflow recorded on the last message,
+then a summary or the answer. A run whose records at its first three such
+revisions were all replaced finds no totals from before it and counts every call
+of the session (a per-run budget then refuses early, never late).
+
 Tool calls: a reply's receipt counts the tool calls it asks for. A step that
 makes calls stop counting (a budget refusing them, a step hiding a reply whose
 calls never ran, a copy that replaces a reply) writes a
@@ -107,6 +122,13 @@ class Spent(msgspec.Struct, frozen=True, array_like=True):
         )
 
 
+_BEFORE_KEPT: Final = 2
+"""How many totals from before a ledger's revision it keeps (:attr:`Ledger.before`)."""
+
+_BEFORE_WIDTH: Final = 5
+"""``[revision, model_calls, input_tokens, output_tokens, tool_calls]``."""
+
+
 class Ledger(msgspec.Struct, frozen=True):
     """Totals up to and including the call whose record carries it.
 
@@ -122,6 +144,13 @@ class Ledger(msgspec.Struct, frozen=True):
             count the tool calls from the records).
         refused_by: the budget steps whose refused calls this ledger no
             longer counts (a budget of another name counts from the records).
+        before: the session totals as they stood before ``revision``, as
+            ``[revision, model_calls, input_tokens, output_tokens, tool_calls]``:
+            those of the latest ledger made at an earlier revision, then of the
+            latest one before that, newest first (at most two; empty in the
+            first ledger, and in ledgers written before they were kept). A run
+            that began after them starts from them even when the ledgers
+            themselves were replaced since (see the module docs).
     """
 
     session: Spent
@@ -131,6 +160,7 @@ class Ledger(msgspec.Struct, frozen=True):
     partial: bool = False
     tools: bool = False
     refused_by: list[str] = msgspec.field(default_factory=list)
+    before: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class LedgerView(msgspec.Struct, frozen=True):
@@ -209,9 +239,28 @@ def _order(ledger: Ledger, correction: bool) -> tuple[int, int, bool]:
 def _ledger_of(message: Message) -> tuple[Ledger | None, bool]:
     """The newest ledger a record on ``message`` carries (:func:`_order`), and
     whether a model-call record without a ledger is there."""
-    legacy = False
+    ledgers, legacy = _ledgers_of(message)
+    return _newest(ledgers, legacy)
+
+
+def _newest(ledgers: list[tuple[Ledger, bool]], legacy: bool) -> tuple[Ledger | None, bool]:
+    """:func:`_ledger_of` from what :func:`_ledgers_of` found."""
     found: Ledger | None = None
     newest: tuple[int, int, bool] | None = None
+    for ledger, correction in ledgers:
+        order = _order(ledger, correction)
+        if newest is None or order > newest:
+            found, newest = ledger, order
+    if found is not None and found.partial:
+        legacy = True
+    return found, legacy
+
+
+def _ledgers_of(message: Message) -> tuple[list[tuple[Ledger, bool]], bool]:
+    """Every ledger the records on ``message`` carry (with whether it is a correction's),
+    and whether a model-call record without a ledger, or with a damaged one, is there."""
+    legacy = False
+    ledgers: list[tuple[Ledger, bool]] = []
     for value in message.notes.values():
         if not isinstance(value, dict):
             continue
@@ -227,14 +276,35 @@ def _ledger_of(message: Message) -> tuple[Ledger | None, bool]:
             except msgspec.ValidationError:
                 legacy = True  # a damaged ledger: count from the records instead
                 continue
-            order = _order(ledger, tag == _CORRECTION_TAG)
-            if newest is None or order > newest:
-                found, newest = ledger, order
+            ledgers.append((ledger, tag == _CORRECTION_TAG))
         elif isinstance(value.get("attempts"), int) or value.get("interrupted") is True:
             legacy = True
-    if found is not None and found.partial:
-        legacy = True
-    return found, legacy
+    return ledgers, legacy
+
+
+def _run_base(ledgers: list[tuple[Ledger, bool]], run_start: int) -> Ledger | None:
+    """The totals a run that began at ``run_start`` started from, as ``ledgers`` (those on
+    one message) tell them: the newest made before it, or the totals one made in the run
+    keeps from before it (:attr:`Ledger.before`); ``None`` when none tells.
+
+    A ledger's ``before`` are the latest totals before its revision, each the latest
+    before the previous one's: the first made before ``run_start`` is the latest made
+    before it. Taken from there, the totals read as a ledger of that revision with
+    the session totals only (``turn`` empty)."""
+    found: Ledger | None = None
+    newest: tuple[int, int, bool] | None = None
+    for ledger, correction in ledgers:
+        candidate: Ledger | None = ledger if ledger.revision < run_start else None
+        if candidate is None:
+            kept = next((b for b in _kept(ledger) if b[0] < run_start), None)
+            if kept is not None:
+                candidate = Ledger(Spent(*kept[1:]), Spent(), kept[0], tools=ledger.tools)
+        if candidate is None:
+            continue
+        order = _order(candidate, correction and candidate is ledger)
+        if newest is None or order > newest:
+            found, newest = candidate, order
+    return found
 
 
 def ledger_on(message: Message) -> Ledger | None:
@@ -244,7 +314,10 @@ def ledger_on(message: Message) -> Ledger | None:
 
 def _added_back(message: Message, run_start: int) -> int:
     """The tool calls of model calls made before ``run_start`` that corrections on
-    ``message`` took away (a run that began at ``run_start`` never counted them)."""
+    ``message`` took away (a run that began at ``run_start`` never counted them).
+
+    A correction of a ledger made before ``run_start`` is none of the run's: what the
+    run started from has its calls taken away already."""
     value = message.notes.get(LEDGER)
     if not isinstance(value, dict) or value.get(TAG_FIELD) != _CORRECTION_TAG:
         return 0
@@ -252,6 +325,8 @@ def _added_back(message: Message, run_start: int) -> int:
         correction = msgspec.convert(value, LedgerCorrection)
     except msgspec.ValidationError:
         return 0  # its ledger is damaged too: the reader counts from the records
+    if correction.ledger.revision < run_start:
+        return 0
     return sum(pair[1] for pair in correction.removed if len(pair) == 2 and pair[0] < run_start)
 
 
@@ -267,11 +342,18 @@ def _walk(session: Session[Any], before_revision: int | None) -> LedgerView:
     added_back = 0
     for position in range(len(conversation) - 1, -1, -1):
         message = conversation[position]
-        ledger, legacy = _ledger_of(message)
+        ledgers, legacy = _ledgers_of(message)
+        ledger, legacy = _newest(ledgers, legacy)
         if legacy:
             return LedgerView(ledger, legacy, turn_start, False, added_back)
-        if ledger is not None and (before_revision is None or ledger.revision < before_revision):
-            return LedgerView(ledger, legacy, turn_start, tools and ledger.tools, added_back)
+        if before_revision is None:
+            if ledger is not None:
+                return LedgerView(ledger, legacy, turn_start, tools and ledger.tools, added_back)
+        elif ledger is not None:
+            base = _run_base(ledgers, before_revision)
+            if base is not None:
+                added_back += _added_back(message, before_revision)
+                return LedgerView(base, legacy, turn_start, tools and base.tools, added_back)
         if _uncounted_calls(message, ledger):
             tools = False
         if before_revision is not None:
@@ -285,8 +367,10 @@ def latest_ledger(session: Session[Any], *, before_revision: int | None = None) 
     """The latest ledger in ``session`` (hidden messages included), reading back from the end.
 
     With ``before_revision``, the latest of a call made before that revision
-    (what a run that began there started from). O(messages after the ledger's
-    message).
+    (what a run that began there started from); when the run's own ledgers
+    replaced it on its message, the totals a later ledger kept of it
+    (:attr:`Ledger.before`), as a ledger with ``session`` and ``revision``
+    only. O(messages after the ledger's message).
     """
     view = _walk(session, before_revision)
     return view if before_revision is None else msgspec.structs.replace(view, added_back=0)
@@ -338,7 +422,29 @@ def next_ledger(
         view.legacy,
         view.tools,
         previous.refused_by,
+        _before(previous, session.revision),
     )
+
+
+def _before(previous: Ledger, revision: int) -> list[list[int]]:
+    """:attr:`Ledger.before` of a ledger made at ``revision`` after ``previous``."""
+    spent = previous.session
+    latest = [
+        previous.revision,
+        spent.model_calls,
+        spent.input_tokens,
+        spent.output_tokens,
+        spent.tool_calls,
+    ]
+    kept = [latest, *_kept(previous)]
+    return [b for b in kept if b[0] < revision][:_BEFORE_KEPT]
+
+
+def _kept(ledger: Ledger) -> list[list[int]]:
+    """:attr:`Ledger.before` of ``ledger``; none when an entry is not five numbers (stored
+    data is data: the run's start is then looked for further back, as before they were kept)."""
+    before = ledger.before
+    return before if all(len(b) == _BEFORE_WIDTH for b in before) else []
 
 
 def standing_ledger(session: Session[Any], *, on: Message | None = None) -> Ledger:
@@ -352,8 +458,10 @@ def standing_ledger(session: Session[Any], *, on: Message | None = None) -> Ledg
     """
     previous = latest_ledger(session).ledger
     standing = next_ledger(session, 0, Usage(), on=on)
-    revision = previous.revision if previous is not None else -1
-    return msgspec.structs.replace(standing, revision=revision)
+    if previous is None:
+        return msgspec.structs.replace(standing, revision=-1)
+    # the latest ledger again (with its turn as it now stands): what it kept from before, too
+    return msgspec.structs.replace(standing, revision=previous.revision, before=previous.before)
 
 
 def corrected_ledger(

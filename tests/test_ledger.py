@@ -143,3 +143,96 @@ def test_a_ledger_in_a_note_that_is_no_model_call_record_is_not_read() -> None:
     view = latest_ledger(make_session(*messages))
     assert view.ledger == real
     assert not view.legacy
+
+
+def attempts_on(message: Message, session: Session[Any], namespace: str = "inference") -> Message:
+    """``message`` with a failed call recorded on it, as ModelInference records one: the
+    record that was there is replaced, ledger included."""
+    record = InferenceAttempts(
+        attempts=1, revision=session.revision, ledger=next_ledger(session, 1, Usage(), on=message)
+    )
+    return msgspec.structs.replace(message, notes={**message.notes, namespace: note_value(record)})
+
+
+def replace_last(session: Session[Any], message: Message) -> Session[Any]:
+    return make_session(*session.conversation[:-1], message, revision=session.revision + 1)
+
+
+def test_a_run_starts_from_a_ledger_its_own_records_replaced() -> None:
+    """A failed call at revision 0 and the next run's two (at 1 and 2) recorded on the same
+    message: each replaces the one before, and the run still starts from the first."""
+    session = make_session("go")
+    session = replace_last(session, attempts_on(session.conversation[-1], session))  # rev 0
+    start = session.revision  # the next run begins
+    for _ in range(2):
+        session = replace_last(session, attempts_on(session.conversation[-1], session))
+    latest = latest_ledger(session).ledger
+    assert latest is not None
+    assert latest.session.model_calls == 3
+    assert [b[0] for b in latest.before] == [1, 0]
+    base = latest_ledger(session, before_revision=start).ledger
+    assert base is not None
+    assert (base.revision, base.session.model_calls) == (0, 1)
+    assert latest_ledger(session, before_revision=2).ledger == Ledger(
+        Spent(2), Spent(), revision=1, tools=True
+    )
+    assert latest_ledger(session, before_revision=0).ledger is None
+
+
+def test_a_ledger_keeps_two_totals_from_before_its_revision() -> None:
+    session = make_session("go")
+    for index in range(4):  # revisions 0 to 3
+        session = grow(session, reply(f"a{index}", session))
+    latest = latest_ledger(session).ledger
+    assert latest is not None
+    assert latest.revision == 3
+    assert latest.before == [[2, 3, 30, 15, 0], [1, 2, 20, 10, 0]]  # [revision, totals]
+    stored = note_value(InferenceAttempts(attempts=1, ledger=latest))["ledger"]["before"]
+    assert stored == latest.before
+
+
+def test_a_ledger_stored_without_what_came_before_reads_as_before() -> None:
+    """Ledgers written before they kept totals from before their revision: ``before``
+    reads empty, and a run starts from the latest ledger made before it, as it did."""
+    stored = {"session": [1, 10, 5], "turn": [1, 10, 5], "revision": 0, "tools": True}
+    old = Message(
+        id="a1",
+        role="assistant",
+        parts=(),
+        notes={
+            "inference": {
+                "record": "stepmachine.inference.reply",
+                "attempts": 1,
+                "revision": 0,
+                "ledger": stored,
+            }
+        },
+    )
+    session = make_session("go", old, revision=1)
+    session = grow(session, reply("a2", session))
+    view = latest_ledger(session)
+    assert view.ledger is not None
+    assert not view.legacy
+    assert view.ledger.session.model_calls == 2
+    assert view.ledger.before[0][0] == 0
+    base = latest_ledger(make_session("go", old, revision=1), before_revision=1).ledger
+    assert base is not None
+    assert base.before == []
+    assert base.session == Spent(1, 10, 5)
+
+
+def test_a_damaged_record_of_the_totals_before_is_not_read() -> None:
+    """``before`` entries that are not five numbers: the run's start is looked for further
+    back, as in ledgers written before they were kept (stored data is data)."""
+    session = make_session("go")
+    session = grow(session, reply("a1", session))  # made at revision 0
+    session = grow(session, reply("a2", session))  # made at revision 1
+    a2 = session.conversation[-1]
+    note = dict(a2.notes["inference"])
+    note["ledger"] = {**note["ledger"], "before": [[0, 1]]}
+    damaged = msgspec.structs.replace(a2, notes={"inference": note})
+    session = make_session(*session.conversation[:-1], damaged, revision=session.revision)
+    base = latest_ledger(session, before_revision=1).ledger
+    assert base is not None
+    assert base.session == Spent(1, 10, 5)  # a1's own ledger
+    assert base.before == []

@@ -121,7 +121,7 @@ def test_the_ledger_inside_records_keeps_its_schema() -> None:
     assert fields_of(Spent) == ((), ("model_calls", "input_tokens", "output_tokens", "tool_calls"))
     assert fields_of(Ledger) == (
         ("session", "turn", "revision"),
-        ("turn_start", "partial", "tools", "refused_by"),
+        ("turn_start", "partial", "tools", "refused_by", "before"),
     )
 
 
