@@ -70,6 +70,7 @@ one error, never an ``ExceptionGroup`` (see :func:`one_error`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -619,7 +620,7 @@ class Tools(Operation[Any]):
         """
         timeout = impl.timeout if impl.timeout is not None else self._timeout
         try:
-            with anyio.fail_after(timeout):
+            with _bounded(timeout):
                 result = await caller(call, context)
         except TimeoutError:
             message = f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
@@ -658,7 +659,7 @@ class Tools(Operation[Any]):
         abandoned: list[Any] = []  # a sync tool's worker thread the call stopped waiting for
         reset = ABANDONED.set(abandoned)
         try:
-            with anyio.fail_after(timeout):
+            with _bounded(timeout):
                 content = await impl.call(effective_arguments(call), context)
         except TimeoutError:
             message = f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
@@ -696,6 +697,12 @@ class Tools(Operation[Any]):
             )
             return _Answer(_error(call, message)), None, "error", "ToolError"
         return _succeeded(call, content)
+
+
+def _bounded(timeout: float | None) -> contextlib.AbstractContextManager[object]:
+    """``anyio.fail_after(timeout)``; nothing at all for ``None`` (no deadline: a cancel
+    scope nobody cancels changes nothing, and costs a scope per call)."""
+    return contextlib.nullcontext() if timeout is None else anyio.fail_after(timeout)
 
 
 def _succeeded(
