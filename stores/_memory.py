@@ -34,6 +34,7 @@ from stepmachine import (
     StoreClosedError,
 )
 from stepmachine._lease import check_claim, mark_now
+from stepmachine._tools import asyncio_here
 from stepmachine.extend import Batch, Lease, LeaseHolder, apply_batch
 
 from ._backend import BatchRecord, StoredBatch
@@ -45,32 +46,15 @@ from ._replay import decode_batch, encode_batch, replay
 
 __all__ = ["MemoryStore"]
 
-try:
-    import sniffio as _sniffio
-except ImportError:  # pragma: no cover - anyio runs without it
-    _sniffio = None  # type: ignore[assignment]
-
 
 async def _checkpoint() -> None:
     """``anyio.lowlevel.checkpoint()``: on asyncio, ``asyncio.sleep(0)`` as anyio's
     asyncio backend does, without anyio asking sniffio which library runs (a third of
-    the checkpoint's cost); anywhere else anyio's own.
-
-    It is asyncio exactly when anyio would say so: sniffio names no library (neither
-    its thread-local name nor its context variable, which trio and anyio's worker
-    threads set) and a task of an asyncio loop runs here.
-    """
-    if _sniffio is None or (
-        _sniffio.thread_local.name is None and _sniffio.current_async_library_cvar.get() is None
-    ):
-        try:
-            here = asyncio.current_task()
-        except RuntimeError:  # no event loop running: anyio says why
-            here = None
-        if here is not None:
-            await asyncio.sleep(0)
-            return
-    await anyio.lowlevel.checkpoint()
+    the checkpoint's cost); anywhere else anyio's own (see :func:`asyncio_here`)."""
+    if asyncio_here():
+        await asyncio.sleep(0)
+    else:
+        await anyio.lowlevel.checkpoint()
 
 
 @dataclass(slots=True)
