@@ -901,3 +901,23 @@ async def test_a_cancelled_sync_tool_call_gives_its_token_back_at_once() -> None
             break
         await anyio.sleep(0.01)
     assert limiter.borrowed_tokens == before
+
+
+def test_a_worker_threads_done_flag_is_waited_for_by_every_waiter() -> None:
+    """``_Done`` (what the Tools step waits on after a cancellation): not set until the
+    thread sets it, a wait with a timeout says so, and every waiter returns once set."""
+    from stepmachine._tools import _Done
+
+    done = _Done()
+    assert not done.is_set()
+    assert done.wait(0.001) is False
+    results: list[bool] = []
+    waiters = [threading.Thread(target=lambda: results.append(done.wait(30))) for _ in range(3)]
+    for waiter in waiters:
+        waiter.start()
+    done.set()
+    for waiter in waiters:
+        waiter.join(30)
+    assert results == [True, True, True]
+    assert done.is_set()
+    assert done.wait() is True
