@@ -146,7 +146,10 @@ class MemoryStore:
 
     async def load(self, session_id: str) -> Session[Any]:
         """The current session. Raises ``SessionNotFoundError``."""
-        await _checkpoint()
+        if asyncio_here():  # _checkpoint() inline (no coroutine frame): called every cycle
+            await asyncio.sleep(0)
+        else:
+            await anyio.lowlevel.checkpoint()
         return self._entry(session_id).current
 
     async def apply(self, batch: Batch[Effect], *, lease: Lease | None = None) -> Session[Any]:
@@ -162,7 +165,10 @@ class MemoryStore:
             EffectError: an effect does not apply.
             ConfigurationError: an effect type is not registered in the codec.
         """
-        await _checkpoint()
+        if asyncio_here():  # _checkpoint() inline (no coroutine frame): once per batch
+            await asyncio.sleep(0)
+        else:
+            await anyio.lowlevel.checkpoint()
         entry = self._entry(batch.session_id)
         if lease is not None:
             self._leases.check(_for(lease, batch.session_id))
