@@ -331,7 +331,7 @@ class Tool:
             value = msgspec.convert(arguments, self.arguments_type)
         except msgspec.ValidationError as exc:
             raise ToolArgumentsError(f"invalid arguments for tool {self.name!r}: {exc}") from exc
-        return {f: getattr(value, f) for f in self.arguments_type.__struct_fields__}
+        return msgspec.structs.asdict(value)  # every field by its Python name
 
     async def call(self, arguments: Any, context: ToolContext) -> str | ToolOutput:
         """Validate ``arguments``, run the function, and return its result.
