@@ -764,8 +764,10 @@ def test_one_appended_message_with_calls_is_encoded_once_as_its_pieces_give_it(
         visible_to_user=to_user,
     )
     codec: Codec[NoData] = Codec()
-    effects = (AppendMessage(message),)
-    batch = Batch(session_id="s", revision=1, step="x", cycle=0, timestamp=0.0, effects=effects)
+    effects: tuple[Effect, ...] = (AppendMessage(message),)
+    batch: Batch[Effect] = Batch(
+        session_id="s", revision=1, step="x", cycle=0, timestamp=0.0, effects=effects
+    )
     assert codec.encode_message(message) == _spliced(codec, message, message, b"")
     assert codec.encode_effects(effects) == _spliced(codec, effects, message, b"}]")
     head = _spliced(codec, batch, message, b"}]" + _BATCH_TRAIL)[: -len(_BATCH_TRAIL)]

@@ -2,7 +2,7 @@
 
 import anyio
 
-from stepmachine import AppendMessage, Message
+from stepmachine import AppendMessage, Effect, Message
 from stepmachine.extend import Batch
 from stepmachine.stores import MemoryStore
 from stepmachine.testing.conformance import StoreConformance
@@ -18,7 +18,7 @@ async def test_every_call_is_a_checkpoint_a_cancellation_lands_at() -> None:
     cancelled scope stops it there, with nothing written."""
     store = MemoryStore()
     await store.create("s")
-    batch = Batch(
+    batch: Batch[Effect] = Batch(
         session_id="s",
         revision=1,
         step="test",
