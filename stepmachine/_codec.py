@@ -201,6 +201,7 @@ _MESSAGES: Final = tuple[Message, ...]
 
 _ARGUMENTS_KEY: Final = b',"arguments":'
 _UNSET: Final = msgspec.UNSET
+_NO_DEFAULT: Final = msgspec.NODEFAULT
 _LAYOUTS: dict[type, tuple[bytes, tuple[tuple[str, bytes], ...]] | None] = {}
 
 
@@ -255,6 +256,35 @@ def _message_layout() -> tuple[tuple[tuple[str, bytes], ...], bytes]:
 
 
 _BEFORE_PARTS, _PARTS_KEY = _message_layout()
+
+
+def _after_parts() -> tuple[tuple[str, Any, Any], ...]:
+    """The fields a message encodes after ``parts``: ``(name, default, default factory)``
+    (``msgspec.NODEFAULT`` for what a field lacks)."""
+    fields = msgspec.structs.fields(Message)
+    at = [field.name for field in fields].index("parts")
+    return tuple((f.name, f.default, f.default_factory) for f in fields[at + 1 :])
+
+
+_AFTER_PARTS: Final = _after_parts()
+"""``notes``, ``visible_to_model``, ``visible_to_user`` today: what :data:`_DEFAULT_TAIL`
+encodes when they hold these defaults."""
+
+
+def _holding(value: Any, kind: type, message: Message) -> Any:
+    """``value`` (a message, a one-``AppendMessage`` effects tuple or such a batch) with
+    ``message`` in its place; copies, unchecked (for encoding only)."""
+    if kind is Message:
+        return message
+    effect = (value[0] if kind is tuple else value.effects[0]).__copy__()
+    msgspec.structs.force_setattr(effect, "message", message)
+    if kind is tuple:
+        return (effect,)
+    batch = value.__copy__()
+    msgspec.structs.force_setattr(batch, "effects", (effect,))
+    return batch
+
+
 _UNKNOWN_EFFECT: Final = re.compile(r"^Invalid value .* - at `\$(\.effects)?\[\d+\]\.type`")
 """A validation error of an effects or batch record naming an effect tag the codec lacks."""
 _PART_TAGS: Final = sorted(str(part.__struct_config__.tag) for part in typing.get_args(Part))
@@ -622,30 +652,55 @@ class Codec(Generic[D]):
 
     def _encode_value(self, value: Any, kind: type) -> bytes:
         """:meth:`_encode` of anything; batches end in :data:`_BATCH_TRAIL` here."""
-        encoded = self._encoder.encode(value)
         tails = _TAILS.get(kind)
         if tails is not None:
-            # The usual record: one AppendMessage (or a message) without tool calls.
-            # The message's fields are then the last thing encoded.
+            # The usual record: one AppendMessage (or a message).
             message: Message | None = value
             if kind is not Message:
                 effects = value if kind is tuple else value.effects
                 first = effects[0] if len(effects) == 1 else None
                 message = first.message if type(first) is AppendMessage else None
             if message is not None:
+                if _has_calls(message):  # encoded once, the fields left out unset
+                    return self._encoder.encode(_holding(value, kind, self._compacted(message)))
+                # Without tool calls the message's fields are the last thing encoded.
                 tail, end = tails
-                if not _has_calls(message):
-                    return encoded[: -len(tail)] + end if encoded.endswith(tail) else encoded
-                plain, compact = self._message_pieces(message)
-                closing = end[1:]  # what follows the message: "", "}]" or "}]}"
-                if encoded.endswith(plain + closing):
-                    return encoded[: len(encoded) - len(plain) - len(closing)] + compact + closing
-                return encoded
+                encoded = self._encoder.encode(value)
+                return encoded[: -len(tail)] + end if encoded.endswith(tail) else encoded
+        encoded = self._encoder.encode(value)
         pieces = self._top_pieces(value)
         if pieces is None:
             return encoded
         plain, compact = pieces
         return compact if plain == encoded else encoded
+
+    def _compacted(self, message: Message) -> Message:
+        """A copy of ``message`` that encodes as :meth:`_message_pieces`'s compact form.
+
+        msgspec leaves out a field set to ``UNSET``: the ``arguments`` of each
+        tool call whose raw string gives them (:meth:`_call_pieces`'s test), and
+        the fields after ``parts`` when all hold their defaults (what
+        :data:`_DEFAULT_TAIL` drops). The copy is only encoded: it is never
+        checked, compared or handed out.
+        """
+        encode = self._encoder.encode
+        parts = list(message.parts)
+        for position, part in enumerate(parts):
+            if type(part) is ToolCallPart and encode(parse_arguments(part.raw_arguments)) == encode(
+                part.arguments
+            ):
+                short = part.__copy__()  # type: ignore[attr-defined]  # msgspec's: no checks
+                msgspec.structs.force_setattr(short, "arguments", _UNSET)
+                parts[position] = short
+        compact: Message = message.__copy__()  # type: ignore[attr-defined]
+        msgspec.structs.force_setattr(compact, "parts", tuple(parts))
+        for name, default, factory in _AFTER_PARTS:
+            if getattr(message, name) != (default if factory is _NO_DEFAULT else factory()):
+                break
+        else:
+            for name, _, _ in _AFTER_PARTS:
+                msgspec.structs.force_setattr(compact, name, _UNSET)
+        return compact
 
     def _top_pieces(self, value: Any) -> tuple[bytes, bytes] | None:
         """:meth:`_encode`'s pieces; ``None`` when nothing in ``value`` is compacted."""

@@ -322,5 +322,21 @@ def apply_batch(session: S, effects: Iterable[Effect]) -> S:
     Raises whatever an effect raises (usually :class:`EffectError`); the input
     session is unchanged, so a failed batch changes nothing.
     """
-    applied = apply_effects(session, effects)
+    applied: Session[Any] = session
+    last: Effect | None = None
+    for last in effects:
+        applied = last.apply(applied)
+    if type(last) in _FRESH:
+        # The last effect is a kernel effect: it returned a session of its own, built by
+        # ``derive_session`` and held by no one else yet, so the revision is set on it
+        # rather than on a second copy (one copy per batch, not two).
+        msgspec.structs.force_setattr(applied, "revision", session.revision + 1)
+        return applied  # type: ignore[return-value]  # apply keeps the type
     return derive_session(applied, revision=session.revision + 1)  # type: ignore[return-value]
+
+
+_FRESH: frozenset[type[Effect]] = frozenset(
+    (AppendMessage, Annotate, ReplaceConversation, SetVisibility, UpdateData)
+)
+"""The kernel effects, whose ``apply`` always returns a new session (never its argument
+nor one kept elsewhere): exactly these types, not subclasses (which may override ``apply``)."""

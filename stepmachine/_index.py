@@ -511,15 +511,8 @@ class HistoryIndex:
             first_call, first_result = line.first_call, line.first_result
             seen: set[str] = set()  # visible calls seen in this message so far
             answered: set[str] = set()  # visible results seen in this message so far
-
-            def was_seen(call_id: str) -> bool:
-                position = first_call.get(call_id)
-                return (position is not None and position < n) or call_id in seen
-
-            def was_answered(call_id: str) -> bool:
-                position = first_result.get(call_id)
-                return (position is not None and position < n) or call_id in answered
-
+            # A call id was seen (answered) when a visible call (result) before this
+            # message holds it, or one earlier in this message: read inline below.
             if message.role == "tool" and result_ids:
                 owners = set()
                 for call_id in result_ids:
@@ -532,26 +525,33 @@ class HistoryIndex:
                         tail = owner
             open_calls = dict(open_calls)
             new_repeats: set[str] = set()
+            not_assistant = message.role != "assistant"
             for position, part in enumerate(message.parts):
                 if isinstance(part, ToolCallPart):
                     call_id = part.call_id
-                    if message.role != "assistant":
+                    if not_assistant:
                         bad += 1
-                    if was_seen(call_id):
+                    at = first_call.get(call_id)
+                    if (at is not None and at < n) or call_id in seen:
                         bad += 1
                         new_repeats.add(call_id)
                     else:
                         seen.add(call_id)
-                        if not was_answered(call_id):
+                        at = first_result.get(call_id)
+                        if not ((at is not None and at < n) or call_id in answered):
                             unanswered += 1
                     open_calls.setdefault(call_id, (n, position, part))
                 elif isinstance(part, ToolResultPart):
                     call_id = part.call_id
-                    if not was_seen(call_id) or was_answered(call_id):
+                    at = first_call.get(call_id)
+                    was_seen = (at is not None and at < n) or call_id in seen
+                    at = first_result.get(call_id)
+                    was_answered = (at is not None and at < n) or call_id in answered
+                    if not was_seen or was_answered:
                         bad += 1
-                    if not was_answered(call_id):
+                    if not was_answered:
                         answered.add(call_id)
-                        if was_seen(call_id):
+                        if was_seen:
                             unanswered -= 1
                     open_calls.pop(call_id, None)
             if new_repeats - repeated:

@@ -14,8 +14,7 @@ that reports none is counted as one attempt.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Any
 
@@ -60,18 +59,31 @@ class Attempts:
 _COUNTING: ContextVar[Attempts | None] = ContextVar("stepmachine_model_attempts", default=None)
 
 
-@contextmanager
-def counting(attempts: Attempts, model: object) -> Iterator[Attempts]:
+class _Counting:
+    """What :func:`counting` returns: a plain context manager (no generator frame)."""
+
+    __slots__ = ("_attempts", "_model", "_token")
+
+    def __init__(self, attempts: Attempts, model: object) -> None:
+        self._attempts = attempts
+        self._model = model
+
+    def __enter__(self) -> Attempts:
+        attempts = self._attempts
+        attempts.began = True
+        attempts.reported = getattr(type(self._model), "reports_attempts", False) is True
+        self._token = _COUNTING.set(attempts)
+        return attempts
+
+    def __exit__(self, *exc_info: object) -> None:
+        _COUNTING.reset(self._token)
+
+
+def counting(attempts: Attempts, model: object) -> AbstractContextManager[Attempts]:
     """Count in ``attempts`` the attempts ``model``, called inside, reports (see
     :func:`attempt_started`); a model whose class sets ``reports_attempts = True``
     is known to report each one, so none reported means none was sent."""
-    attempts.began = True
-    attempts.reported = getattr(type(model), "reports_attempts", False) is True
-    token = _COUNTING.set(attempts)
-    try:
-        yield attempts
-    finally:
-        _COUNTING.reset(token)
+    return _Counting(attempts, model)
 
 
 def attempt_started() -> None:

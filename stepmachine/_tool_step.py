@@ -70,6 +70,7 @@ one error, never an ``ExceptionGroup`` (see :func:`one_error`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -184,6 +185,14 @@ def journal_entry(call: ToolCallPart, *, where: str = "a tool call") -> JournalE
         StoredDataError: the stored entry does not convert (names ``where``).
     """
     return read_record(call.notes, JOURNAL, JournalEntry, where=f"{where} (call {call.call_id!r})")
+
+
+def _journal(call: ToolCallPart, session_id: str) -> JournalEntry | None:
+    """:func:`journal_entry` of a call of session ``session_id`` (no text is built for
+    a call without an entry, the usual case)."""
+    if call.notes.get(JOURNAL) is None:
+        return None
+    return journal_entry(call, where=f"session {session_id!r}")
 
 
 class _CallLocations(dict[str, str]):
@@ -382,8 +391,10 @@ class Tools(Operation[Any]):
         intents: list[Effect] = []  # results decided without running anything, then intents
         unknown: list[ToolCallPart] = []  # crashed non-idempotent calls awaiting an operator
         to_run: list[ToolCallPart] = []
+        journals: dict[str, JournalEntry | None] = {}
         for call in calls:
-            journal = journal_entry(call, where=f"session {ctx.session.id!r}")
+            journal = _journal(call, ctx.session.id)
+            journals[call.call_id] = journal
             impl = own.get(call.name)
             if impl is None or effective_arguments(call) is None:
                 answer = _Answer(self._precheck_error(ctx, call, own))
@@ -423,7 +434,7 @@ class Tools(Operation[Any]):
                 return Yield(intents, done.reason)
             return Continue(intents)
         where = _call_locations(ctx.session)  # call id -> message id, read once
-        intents.extend(self._intents(ctx, to_run, where, own))
+        intents.extend(self._intents(ctx, to_run, where, own, journals))
         tasks = [
             self._task(ctx, call, own[call.name], where[call.call_id], abort) for call in to_run
         ]
@@ -513,18 +524,23 @@ class Tools(Operation[Any]):
         calls: Sequence[ToolCallPart],
         where: dict[str, str],
         own: Mapping[str, ToolLike],
+        journals: Mapping[str, JournalEntry | None] | None = None,
     ) -> list[Effect]:
         """The intents of the calls whose tool is ``non_idempotent``.
 
         Calls of pure and idempotent tools get none (re-running them is
         harmless), so when every call is one of those there are none.
+        ``journals``: the entries already read from the calls, by call id.
         """
         effects: list[Effect] = []
         for call in calls:
             impl = own[call.name]
             if impl.side_effects != "non_idempotent":
                 continue
-            journal = journal_entry(call, where=f"session {ctx.session.id!r}") or JournalEntry()
+            if journals is not None and call.call_id in journals:
+                journal = journals[call.call_id] or JournalEntry()
+            else:
+                journal = _journal(call, ctx.session.id) or JournalEntry()
             entry = msgspec.structs.replace(
                 journal,
                 intent=True,
@@ -619,7 +635,7 @@ class Tools(Operation[Any]):
         """
         timeout = impl.timeout if impl.timeout is not None else self._timeout
         try:
-            with anyio.fail_after(timeout):
+            with _bounded(timeout):
                 result = await caller(call, context)
         except TimeoutError:
             message = f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
@@ -658,7 +674,7 @@ class Tools(Operation[Any]):
         abandoned: list[Any] = []  # a sync tool's worker thread the call stopped waiting for
         reset = ABANDONED.set(abandoned)
         try:
-            with anyio.fail_after(timeout):
+            with _bounded(timeout):
                 content = await impl.call(effective_arguments(call), context)
         except TimeoutError:
             message = f"tool {call.name!r} timed out after {timeout} s; its outcome is unknown"
@@ -696,6 +712,12 @@ class Tools(Operation[Any]):
             )
             return _Answer(_error(call, message)), None, "error", "ToolError"
         return _succeeded(call, content)
+
+
+def _bounded(timeout: float | None) -> contextlib.AbstractContextManager[object]:
+    """``anyio.fail_after(timeout)``; nothing at all for ``None`` (no deadline: a cancel
+    scope nobody cancels changes nothing, and costs a scope per call)."""
+    return contextlib.nullcontext() if timeout is None else anyio.fail_after(timeout)
 
 
 def _succeeded(

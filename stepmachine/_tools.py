@@ -19,6 +19,7 @@ message (:meth:`~stepmachine.Message.tool_result` with ``media=``).
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import hashlib
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias, overload
 
 import anyio
+import anyio.lowlevel
+import anyio.to_thread
 import msgspec
 
 from ._checks import check_str, tuple_of
@@ -328,7 +331,7 @@ class Tool:
             value = msgspec.convert(arguments, self.arguments_type)
         except msgspec.ValidationError as exc:
             raise ToolArgumentsError(f"invalid arguments for tool {self.name!r}: {exc}") from exc
-        return {f: getattr(value, f) for f in self.arguments_type.__struct_fields__}
+        return msgspec.structs.asdict(value)  # every field by its Python name
 
     async def call(self, arguments: Any, context: ToolContext) -> str | ToolOutput:
         """Validate ``arguments``, run the function, and return its result.
@@ -363,7 +366,9 @@ class Tool:
         elif self.thread:
             late = _LateThread(functools.partial(self.fn, **kwargs))
             try:
-                result = await anyio.to_thread.run_sync(late.run, abandon_on_cancel=True)
+                result = await anyio.to_thread.run_sync(
+                    late.run, abandon_on_cancel=True, limiter=_thread_tokens()
+                )
             except anyio.get_cancelled_exc_class():
                 abandoned = ABANDONED.get()
                 if abandoned is not None:
@@ -374,6 +379,39 @@ class Tool:
         return tool_output(result)
 
 
+class _Done:
+    """Set once, when a worker thread ends: what a ``threading.Event`` does here, on one
+    lock (an Event builds a condition and a lock, and notifies under it: a few
+    microseconds per tool call where this costs a fraction of one).
+
+    ``set`` is called once, by the thread; ``is_set`` reads a flag set before the
+    lock is released; ``wait`` takes the lock and hands it back, so any number of
+    waiters return once it is set.
+    """
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._lock = threading.Lock()
+        self._lock.acquire()  # released by set()
+
+    def set(self) -> None:
+        """Mark it set (once) and wake the waiters."""
+        self._set = True
+        self._lock.release()
+
+    def is_set(self) -> bool:
+        """Whether :meth:`set` was called."""
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until it is set, or ``timeout`` seconds; whether it is set."""
+        if not self._set and self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            self._lock.release()
+        return self._set
+
+
 class _LateThread:
     """A sync tool's function run in a worker thread that may be abandoned: what it
     returned or raised, once it has ended (``done``)."""
@@ -382,7 +420,7 @@ class _LateThread:
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn = fn
-        self.done = threading.Event()
+        self.done = _Done()
         self.value: Any = None
         self.error: BaseException | None = None
 
@@ -407,6 +445,110 @@ class _LateThread:
         if self.error is not None:
             raise self.error
         return tool_output(self.value)
+
+
+try:
+    import sniffio as _sniffio
+except ImportError:  # pragma: no cover - anyio runs without it
+    _sniffio = None  # type: ignore[assignment]
+
+
+def asyncio_here() -> bool:
+    """Whether anyio runs on asyncio here, as anyio itself would tell.
+
+    anyio asks sniffio, which answers its thread-local name or its context
+    variable when set (trio sets one, so do anyio's worker threads), else
+    ``"asyncio"`` when an asyncio task runs. This says True only in that last
+    case, cheaply; anything else (trio, a name set explicitly, no event loop)
+    is left to anyio's own calls.
+    """
+    if _sniffio is not None and (
+        _sniffio.thread_local.name is not None
+        or _sniffio.current_async_library_cvar.get() is not None
+    ):
+        return False
+    try:
+        return asyncio.current_task() is not None
+    except RuntimeError:  # no event loop running here
+        return False
+
+
+class _Tokens(anyio.CapacityLimiter):
+    """anyio's default thread limiter, entered with one scheduling point fewer.
+
+    ``anyio.to_thread.run_sync`` enters its limiter with ``async with``; on
+    asyncio the limiter's own ``acquire`` checks for a cancellation, takes a
+    free token for the current task, then yields to the event loop under a
+    shielded cancel scope (a scope and a loop iteration per call). This one
+    does the same without that last yield (``run_sync`` has just yielded, in
+    its own checkpoint): the same tokens of the same limiter, borrowed by the
+    same task, so the thread limit (``total_tokens``, 40 by default, shared
+    with every other ``anyio.to_thread`` call) is the one anyio documents. With
+    no free token it waits in the limiter's own ``acquire``.
+    """
+
+    __slots__ = ("_limiter",)
+
+    def __new__(cls, limiter: anyio.CapacityLimiter) -> _Tokens:
+        return object.__new__(cls)
+
+    def __init__(self, limiter: anyio.CapacityLimiter) -> None:
+        self._limiter = limiter
+
+    async def __aenter__(self) -> None:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self._limiter.acquire_nowait()
+        except anyio.WouldBlock:
+            await self._limiter.acquire()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._limiter.release()
+
+    @property
+    def total_tokens(self) -> float:
+        return self._limiter.total_tokens
+
+    @total_tokens.setter
+    def total_tokens(self, value: float) -> None:
+        self._limiter.total_tokens = value
+
+    @property
+    def borrowed_tokens(self) -> int:
+        return self._limiter.borrowed_tokens
+
+    @property
+    def available_tokens(self) -> float:
+        return self._limiter.available_tokens
+
+    def acquire_nowait(self) -> None:
+        self._limiter.acquire_nowait()
+
+    def acquire_on_behalf_of_nowait(self, borrower: object) -> None:
+        self._limiter.acquire_on_behalf_of_nowait(borrower)
+
+    async def acquire(self) -> None:
+        await self._limiter.acquire()
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        await self._limiter.acquire_on_behalf_of(borrower)
+
+    def release(self) -> None:
+        self._limiter.release()
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        self._limiter.release_on_behalf_of(borrower)
+
+    def statistics(self) -> anyio.CapacityLimiterStatistics:
+        return self._limiter.statistics()
+
+
+def _thread_tokens() -> anyio.CapacityLimiter | None:
+    """The limiter a sync tool's worker thread is run under: on asyncio anyio's default
+    one, entered as :class:`_Tokens` does; elsewhere ``None`` (anyio's default, as is)."""
+    if asyncio_here():
+        return _Tokens(anyio.to_thread.current_default_thread_limiter())
+    return None
 
 
 ABANDONED: contextvars.ContextVar[list[_LateThread] | None] = contextvars.ContextVar(

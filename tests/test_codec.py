@@ -34,7 +34,8 @@ from stepmachine import (
     UpdateData,
     submit,
 )
-from stepmachine.extend import KERNEL_EFFECTS, Batch, Conversation
+from stepmachine._codec import _BATCH_TRAIL
+from stepmachine.extend import KERNEL_EFFECTS, Batch, Conversation, Refusal
 from stepmachine.stores import FileStore, SQLiteStore
 
 
@@ -721,6 +722,67 @@ def test_tool_arguments_are_stored_once_and_decode_as_before(
         ToolCallPart.parse("x", "y", call.raw_arguments).arguments
     )
     assert (_both(call) in new["message"]) is not derivable
+
+
+def _spliced(codec: Codec[Any], value: Any, message: Message, closing: bytes) -> bytes:
+    """``value``'s record as the piecewise encoding gives it: msgspec's encoding, the
+    message at its end replaced by its compact pieces (checked to be at the end)."""
+    encoded = msgspec.json.encode(value)
+    plain, compact = codec._message_pieces(message)
+    assert encoded.endswith(plain + closing)
+    return encoded[: len(encoded) - len(plain) - len(closing)] + compact + closing
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    calls=st.lists(tool_calls(), min_size=1, max_size=3),
+    text=st.text(max_size=5),
+    notes=st.sampled_from([{}, {"op": {}}, {"inference": {"attempts": 1}}]),
+    to_model=st.booleans(),
+    to_user=st.booleans(),
+    refused=st.sampled_from([(), (Refusal("tools", "no open tool calls"),)]),
+    trace=st.sampled_from([None, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"]),
+)
+def test_one_appended_message_with_calls_is_encoded_once_as_its_pieces_give_it(
+    calls: list[ToolCallPart],
+    text: str,
+    notes: dict[str, dict[str, Any]],
+    to_model: bool,
+    to_user: bool,
+    refused: tuple[Refusal, ...],
+    trace: str | None,
+) -> None:
+    """The usual record with calls (one ``AppendMessage``, or its message alone) is
+    encoded in one go with the left-out fields unset: the very bytes the piecewise
+    encoding gives, whatever the calls, notes and visibility, and it decodes back."""
+    message = Message(
+        id="m",
+        role="assistant",
+        parts=(TextPart(text), *calls),
+        notes=notes,
+        visible_to_model=to_model,
+        visible_to_user=to_user,
+    )
+    codec: Codec[NoData] = Codec()
+    effects: tuple[Effect, ...] = (AppendMessage(message),)
+    batch: Batch[Effect] = Batch(
+        session_id="s", revision=1, step="x", cycle=0, timestamp=0.0, effects=effects
+    )
+    assert codec.encode_message(message) == _spliced(codec, message, message, b"")
+    assert codec.encode_effects(effects) == _spliced(codec, effects, message, b"}]")
+    head = _spliced(codec, batch, message, b"}]" + _BATCH_TRAIL)[: -len(_BATCH_TRAIL)]
+    trail = b"".join([b',"refused":', msgspec.json.encode(refused)] if refused else []) + (
+        b',"trace":' + msgspec.json.encode(trace) if trace is not None else b""
+    )
+    full = msgspec.structs.replace(batch, refused=refused, trace=trace)
+    assert codec.encode_batch(full) == head + trail + b"}"
+    # it decodes as the record with every field does (a tuple comes back a list)
+    assert codec.decode_batch(codec.encode_batch(full)) == codec.decode_batch(
+        msgspec.json.encode(full)
+    )
+    assert codec.decode_message(codec.encode_message(message)) == codec.decode_message(
+        msgspec.json.encode(message)
+    )
 
 
 def test_a_call_stored_once_holds_the_raw_string_only() -> None:

@@ -301,6 +301,35 @@ def test_apply_batch_bumps_revision_by_exactly_one_and_leaves_input_untouched() 
     assert apply_batch(session, []).conversation == session.conversation
 
 
+def test_apply_batch_never_changes_a_session_an_effect_returned_as_it_was_given() -> None:
+    """The revision is set on the last kernel effect's new session only: an effect of
+    the application's (or a subclass of a kernel effect) that returns the session it
+    was given, or one it keeps, still gets a new session after the batch."""
+    kept = base_session()
+
+    class Same(Effect, frozen=True, tag="test.same"):
+        def apply(self, session: Session[Any]) -> Session[Any]:
+            return session
+
+    class Cached(AppendMessage, frozen=True, tag="test.cached"):
+        def apply(self, session: Session[Any]) -> Session[Any]:
+            return kept
+
+    session = base_session()
+    cached = Cached(Message.user("y", id="u9"))
+    for effects in ([Same()], [UpdateData.set(count=1), Same()], [cached]):
+        revision, kept_revision = session.revision, kept.revision
+        after = apply_batch(session, effects)
+        assert after.revision == revision + 1
+        assert (session.revision, kept.revision) == (revision, kept_revision)
+        assert after is not session
+        assert after is not kept
+    # a kernel effect last: its new session is the one returned, at the next revision
+    after = apply_batch(session, [Same(), UpdateData.set(count=4)])
+    assert (after.revision, after.data.count) == (session.revision + 1, 4)
+    assert session.data.count == 1
+
+
 def test_apply_effects_leaves_revision() -> None:
     session = base_session()
     assert apply_effects(session, [UpdateData.set(count=2)]).revision == session.revision

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,31 @@ async def test_per_tool_timeout_gives_an_error_result() -> None:
     (result,) = [r for m in check.new_messages for r in m.tool_results]
     assert result.is_error
     assert "timed out" in result.content
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_call_without_timeout_runs_unbounded_and_its_own_timeout_error_is_a_timeout(
+    kind: str,
+) -> None:
+    """Without a timeout (the tool's or the step's) a call runs under no deadline; a
+    ``TimeoutError`` the tool raises itself is answered "timed out", as with one."""
+    seen: list[float] = []
+
+    def slow_sync() -> str:
+        raise TimeoutError("the tool's own")
+
+    async def slow_async() -> str:
+        seen.append(anyio.current_effective_deadline())
+        raise TimeoutError("the tool's own")
+
+    impl = tool(slow_sync if kind == "sync" else slow_async, name="slow")
+    check = await run_step(
+        Tools([impl]), make_session(calls_message(ToolCallPart.of("c", "slow", {})))
+    )
+    (result,) = [r for m in check.new_messages for r in m.tool_results]
+    assert result.is_error
+    assert "timed out after None s" in result.content
+    assert seen == ([] if kind == "sync" else [math.inf])
 
 
 class Objector(Operation[Any]):

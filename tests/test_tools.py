@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Annotated, Any, Literal
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
+import anyio.to_thread
 import msgspec
 import pytest
+import sniffio
 from _staging import carry_out
 
 import stepmachine
@@ -806,3 +810,114 @@ def test_a_tool_made_from_a_method_in_a_class_body_gets_advice_that_helps() -> N
                 return 3
 
     assert "self: str" not in str(caught.value)
+
+
+# -- the worker thread of a sync tool -----------------------------------------------------------
+
+_REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("test_request_id", default="")
+
+
+async def test_a_sync_tool_borrows_a_token_of_anyios_default_thread_limiter() -> None:
+    """One token of anyio's default limiter while it runs, given back after, and the
+    caller's context variables are seen in the thread."""
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    before = limiter.borrowed_tokens
+    seen: list[tuple[int, str]] = []
+
+    @tool
+    def probe() -> str:
+        borrowed = anyio.from_thread.run_sync(lambda: limiter.borrowed_tokens)
+        seen.append((borrowed, _REQUEST_ID.get()))
+        return "ok"
+
+    _REQUEST_ID.set("r-1")
+    assert await probe.call({}, ToolContext(Runtime(), "s", "c", "k")) == "ok"
+    assert seen == [(before + 1, "r-1")]
+    assert limiter.borrowed_tokens == before
+
+
+async def test_sync_tools_never_run_more_threads_than_the_default_limiter_allows() -> None:
+    """With anyio's default limiter at one token, concurrent sync tool calls run one at
+    a time (each waits for the token in the limiter's own queue)."""
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    limiter.total_tokens = 1
+    lock = threading.Lock()
+    running = [0]
+    most = [0]
+
+    @tool
+    def busy(n: int) -> str:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        threading.Event().wait(0.01)  # long enough for the others to try
+        with lock:
+            running[0] -= 1
+        return str(n)
+
+    results: list[str] = []
+
+    async def one(n: int) -> None:
+        results.append(str(await busy.call({"n": n}, ToolContext(Runtime(), "s", f"c{n}", "k"))))
+
+    try:
+        async with anyio.create_task_group() as group:
+            for n in range(4):
+                group.start_soon(one, n)
+    finally:
+        limiter.total_tokens = 40
+    assert sorted(results) == ["0", "1", "2", "3"]
+    assert most == [1]
+    assert limiter.borrowed_tokens == 0
+
+
+async def test_a_cancelled_sync_tool_call_gives_its_token_back_at_once() -> None:
+    """Cancelled while its thread runs, the call stops waiting (the thread runs on); its
+    token goes back as anyio.to_thread.run_sync gives it back: at once on asyncio, when
+    the thread ends on trio (trio's worker threads keep theirs until then)."""
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    before = limiter.borrowed_tokens
+    release = threading.Event()
+    started = threading.Event()
+
+    @tool
+    def stuck() -> str:
+        started.set()
+        release.wait(10)
+        return "late"
+
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            group.start_soon(stuck.call, {}, ToolContext(Runtime(), "s", "c", "k"))
+            await anyio.to_thread.run_sync(started.wait, 10)
+            scope.cancel()
+    at_cancel = limiter.borrowed_tokens
+    release.set()
+    assert scope.cancelled_caught
+    on_trio = sniffio.current_async_library() == "trio"
+    assert at_cancel == (before + 1 if on_trio else before)
+    for _ in range(1000):  # the thread ends as soon as it is released
+        if limiter.borrowed_tokens == before:
+            break
+        await anyio.sleep(0.01)
+    assert limiter.borrowed_tokens == before
+
+
+def test_a_worker_threads_done_flag_is_waited_for_by_every_waiter() -> None:
+    """``_Done`` (what the Tools step waits on after a cancellation): not set until the
+    thread sets it, a wait with a timeout says so, and every waiter returns once set."""
+    from stepmachine._tools import _Done
+
+    done = _Done()
+    assert not done.is_set()
+    assert done.wait(0.001) is False
+    results: list[bool] = []
+    waiters = [threading.Thread(target=lambda: results.append(done.wait(30))) for _ in range(3)]
+    for waiter in waiters:
+        waiter.start()
+    done.set()
+    for waiter in waiters:
+        waiter.join(30)
+    assert results == [True, True, True]
+    assert done.is_set()
+    assert done.wait() is True
