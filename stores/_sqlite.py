@@ -81,6 +81,8 @@ class _SQLitePolicy:
     :mod:`._sqlite_rows` (``SNAPSHOT_EVERY``, ``SNAPSHOT_MAX_GAP``), read at each call."""
 
     def due(self, marks: Marks, revision: int, batch_bytes: int, replaces: bool) -> bool:
+        if not replaces and revision - marks.snapshot_revision < _rows.SNAPSHOT_EVERY:
+            return False  # the usual batch: Weighted says no too, without being built
         policy = Weighted(_rows.SNAPSHOT_EVERY, _rows.SNAPSHOT_MAX_GAP)
         return policy.due(marks, revision, batch_bytes, replaces)
 
@@ -338,11 +340,13 @@ class SQLiteStore(FlockLeaseMethods):
             if connection is None:
                 raise StoreClosedError(f"SQLiteStore on {self._path} is closed")
             try:
-                # Shielded: a started transaction runs to its end, and its
-                # outcome (return or exception) reaches the caller; a pending
-                # cancellation is delivered at the caller's next checkpoint.
-                with anyio.CancelScope(shield=True):
-                    result = await anyio.to_thread.run_sync(function, connection)
+                # Not abandoned on cancellation (run_sync's default): a cancellation
+                # before the worker thread starts raises with nothing done; once
+                # the function runs, anyio waits for it and hands back its outcome
+                # (return or exception) with no checkpoint after it, so a pending
+                # cancellation is delivered at the caller's next checkpoint. (A
+                # shield of our own would add nothing but its cost, on every call.)
+                result = await anyio.to_thread.run_sync(function, connection)
             except sqlite3.DatabaseError as exc:
                 if type(exc) is not sqlite3.DatabaseError:
                     raise
@@ -453,11 +457,19 @@ class SQLiteStore(FlockLeaseMethods):
         session_id = validate_session_id(batch.session_id)
         prepared = self._core.prepare(batch, f"{self._path}: new batch for session {session_id!r}")
 
-        def run(connection: sqlite3.Connection) -> Session[Any]:
-            with self._leases.fenced(lease, session_id), transaction(connection, write=True):
+        def write(connection: sqlite3.Connection) -> Cached[SessionRow]:
+            with transaction(connection, write=True):
                 self._hook("apply.begin")
                 written = self._core.apply(SQLiteTxn(connection, self._path), prepared)
                 self._hook("apply.inserted")
+            return written
+
+        def run(connection: sqlite3.Connection) -> Session[Any]:
+            if lease is None:
+                written = write(connection)
+            else:
+                with self._leases.fenced(lease, session_id):
+                    written = write(connection)
             self._core.remember(session_id, written)
             self._hook("apply.committed")
             return written.session

@@ -16,6 +16,7 @@ the transaction the store opened (:func:`._sqlite_schema.transaction`).
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Mapping
 from typing import ClassVar
 
 from stepmachine import SessionExistsError
@@ -58,6 +59,12 @@ class SQLiteTxn(SQLTxn):
         _rows.write_session_row(self.conn, session_id, row)
         self._rows[session_id] = row
         return row, _rows.marks_of(row)
+
+    def put_blobs(self, blobs: Mapping[str, bytes]) -> None:
+        """As :meth:`._sql_txn.SQLTxn.put_blobs`; nothing to do (no statement) for none,
+        the usual batch."""
+        if blobs:
+            super().put_blobs(blobs)
 
     def delete(self, session_id: str) -> None:
         """The session's rows in every table."""

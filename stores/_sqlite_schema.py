@@ -101,8 +101,7 @@ import struct
 import time
 import urllib.parse
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 from typing import Literal
 
 from stepmachine import ConfigurationError, StoredDataError
@@ -112,6 +111,7 @@ from ._regular import describe_mode, open_regular
 __all__ = [
     "COLUMNS",
     "COMPRESSED_EFFECTS_FROM",
+    "INLINE_FROM",
     "ROW_VERSIONS",
     "SCHEMA_VERSION",
     "TRAIL_COLUMNS",
@@ -124,10 +124,10 @@ __all__ = [
     "transaction",
 ]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The schema version this code writes; it opens databases of this version or older."""
 
-ROW_VERSIONS = (2, 3, 4)
+ROW_VERSIONS = (2, 3, 4, 5)
 """The row versions this code reads: every row of a migrated database is one of these."""
 
 COMPRESSED_EFFECTS_FROM = 3
@@ -138,6 +138,10 @@ TRAIL_FROM = 4
 
 TRAIL_COLUMNS = ("refused", "trace")
 """The ``batches`` columns that schema version 4 added (the decision trail)."""
+
+INLINE_FROM = 5
+"""The first schema (and row) version whose ``batches`` rows hold their effects in ``body``
+(no ``effects`` rows)."""
 
 _COLUMNS_2: dict[str, tuple[str, ...]] = {
     "sessions": (
@@ -155,9 +159,15 @@ _COLUMNS_2: dict[str, tuple[str, ...]] = {
 }
 """The columns of each table from schema version 2 to 3, which a row's ``crc`` covers."""
 
-COLUMNS: dict[str, tuple[str, ...]] = {
+_COLUMNS_4: dict[str, tuple[str, ...]] = {
     **_COLUMNS_2,
     "batches": (*_COLUMNS_2["batches"], *TRAIL_COLUMNS),
+}
+"""The columns of each table in schema version 4, which a row's ``crc`` covers."""
+
+COLUMNS: dict[str, tuple[str, ...]] = {
+    **_COLUMNS_4,
+    "batches": (*_COLUMNS_4["batches"], "body"),
 }
 """The columns each table's ``crc`` covers in a row of :data:`SCHEMA_VERSION`, in the
 order :func:`checksum` takes them (a row of an older version: :func:`row_columns`)."""
@@ -171,6 +181,8 @@ def row_columns(table: str, version: int, trail_from: int = TRAIL_FROM) -> tuple
     """
     if table == "batches" and version < trail_from:
         return _COLUMNS_2[table]
+    if table == "batches" and version < INLINE_FROM:
+        return _COLUMNS_4[table]
     return COLUMNS[table]
 
 
@@ -254,6 +266,9 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     3: (),
     # The decision trail; the rows written before keep NULL (the defaults).
     4: tuple(f"ALTER TABLE batches ADD COLUMN {column} TEXT" for column in TRAIL_COLUMNS),
+    # A batch's effects in its own row; the rows written before keep NULL (their
+    # effects stay in the effects table).
+    5: ("ALTER TABLE batches ADD COLUMN body BLOB",),
 }
 """The statements that bring a database from the previous version to each version.
 
@@ -273,26 +288,47 @@ def checksum(table: str, values: tuple[object, ...]) -> int:
     order or type) share an encoding. Text is encoded as UTF-8 with
     ``surrogateescape``, matching the connection's text factory, so text that
     was damaged into invalid UTF-8 gets the checksum of its stored bytes.
+    The encodings are joined and checksummed at once (CRC-32 of the whole is
+    the CRC-32 carried over the pieces).
 
     Raises:
         TypeError: a value is not an SQLite value (int, float, str, bytes or None).
     """
-    crc = zlib.crc32(_TAGS[table])
+    parts = [_TAGS[table]]
+    add = parts.append
     for value in values:
-        if isinstance(value, int):
-            crc = zlib.crc32(b"i%d;" % value, crc)
-        elif isinstance(value, bytes):
-            crc = zlib.crc32(value, zlib.crc32(b"b%d:" % len(value), crc))
-        elif isinstance(value, str):
-            encoded = value.encode("utf-8", "surrogateescape")
-            crc = zlib.crc32(encoded, zlib.crc32(b"s%d:" % len(encoded), crc))
-        elif isinstance(value, float):
-            crc = zlib.crc32(b"f" + _DOUBLE.pack(value), crc)
+        kind = type(value)
+        if kind is int:
+            add(b"i%d;" % value)  # type: ignore[str-format]
+        elif kind is bytes:
+            add(b"b%d:" % len(value))  # type: ignore[arg-type]
+            add(value)  # type: ignore[arg-type]
+        elif kind is str:
+            encoded = value.encode("utf-8", "surrogateescape")  # type: ignore[attr-defined]
+            add(b"s%d:" % len(encoded))
+            add(encoded)
         elif value is None:
-            crc = zlib.crc32(b"n", crc)
+            add(b"n")
+        elif kind is float:
+            add(b"f" + _DOUBLE.pack(value))
         else:
-            raise TypeError(f"{table} row value {value!r} is not an SQLite value")
-    return crc
+            add(_encoded(table, value))
+    return zlib.crc32(b"".join(parts))
+
+
+def _encoded(table: str, value: object) -> bytes:
+    """How :func:`checksum` encodes a value of a type other than exactly int, bytes,
+    str, None or float: a subclass of an SQLite value's type (a bool is an int)."""
+    if isinstance(value, int):
+        return b"i%d;" % value
+    if isinstance(value, bytes):
+        return b"b%d:" % len(value) + value
+    if isinstance(value, str):
+        encoded = value.encode("utf-8", "surrogateescape")
+        return b"s%d:" % len(encoded) + encoded
+    if isinstance(value, float):
+        return b"f" + _DOUBLE.pack(value)
+    raise TypeError(f"{table} row value {value!r} is not an SQLite value")
 
 
 def _sql_checksum(table: str, *values: object) -> int:
@@ -629,7 +665,8 @@ def _read_version(conn: sqlite3.Connection, path: str) -> int:
             raise StoredDataError(
                 f"{path}: its schema_version table says version {version}, but table {table!r} "
                 f"{found}, not {sorted(expected)!r} (schema version 2 added a crc column "
-                "to every table, version 4 refused and trace to batches): the "
+                "to every table, version 4 refused and trace to batches, version 5 body to "
+                "batches): the "
                 "schema_version table or the schema is damaged; the file was left unchanged"
             )
     return version
@@ -651,20 +688,41 @@ def _migrate(conn: sqlite3.Connection, version: int) -> None:
         )
 
 
-@contextmanager
-def transaction(conn: sqlite3.Connection, *, write: bool) -> Iterator[None]:
+class transaction:  # noqa: N801 - used as a function, like contextlib's
     """One transaction: ``BEGIN IMMEDIATE`` to write, ``BEGIN`` (a read snapshot) to read.
 
-    Commits when the block ends normally; rolls back on any exception,
-    including a failed ``COMMIT``, so no transaction is ever left open.
+    ``with transaction(conn, write=...):`` commits when the block ends
+    normally; rolls back on any exception, including a failed ``COMMIT``, so
+    no transaction is ever left open. (A class rather than a generator: it is
+    entered on every call of the store.)
     """
-    conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-    try:
-        yield
-        conn.execute("COMMIT")
-    except BaseException:
+
+    __slots__ = ("_begin", "_conn")
+
+    def __init__(self, conn: sqlite3.Connection, *, write: bool) -> None:
+        self._conn = conn
+        self._begin = "BEGIN IMMEDIATE" if write else "BEGIN"
+
+    def __enter__(self) -> None:
+        self._conn.execute(self._begin)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            self._rollback()
+            return
+        try:
+            self._conn.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+
+    def _rollback(self) -> None:
         # Also when COMMIT itself fails (SQLITE_BUSY, an IO error): SQLite may leave
         # the transaction open, which would lock every later call and other processes.
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
+        if self._conn.in_transaction:
+            self._conn.execute("ROLLBACK")
