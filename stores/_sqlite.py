@@ -1,26 +1,27 @@
 """``SQLiteStore``: sessions and their effect logs in one SQLite database file (WAL).
 
-The embedded default store. Effects are stored append-only, one row per
-effect, under a batch row carrying step, cycle and timestamp; the session row
-holds the current revision. Applying a batch is one ``BEGIN IMMEDIATE``
-transaction: compare-and-set on the revision, then every row of the batch, or
-nothing. The store keeps the last session it read or wrote per session id, so
-a load reads only the rows written since, and an apply on top of it reads
-nothing: its compare-and-set is one ``UPDATE ... WHERE sid = ? AND revision =
-?`` whose row count proves the cached session current (the row is read only
-when it fails, to say why). Snapshots (at revision 0, after a
+The embedded default store. The log is append-only, one row per batch carrying
+step, cycle, timestamp and the batch's effects (schema version 5; a database
+written before keeps those batches' effects in rows of their own, read as they
+are); the session row holds the current revision. Applying a batch is one
+``BEGIN IMMEDIATE`` transaction: compare-and-set on the revision, then the
+batch's row, or nothing. The store keeps the last session it read or wrote per
+session id, so a load reads only the rows written since, and an apply on top
+of it reads nothing: its compare-and-set is one ``UPDATE ... WHERE sid = ? AND
+revision = ?`` whose row count proves the cached session current (the row is
+read only when it fails, to say why). Snapshots (at revision 0, after a
 ``ReplaceConversation``, and periodically, see :mod:`._sqlite_schema`) bound
 what a cold load replays; each new one prunes the one before (revision 0
 stays), so a session holds at most two, compressed; long effect records are
 compressed too (schema version 3). Every row carries a CRC-32 checked on load
 (since schema version 2). A batch row keeps the batch's ``refused`` and
-``trace`` (schema version 4). Media bytes (images, documents, audio) are kept
-once per digest in a ``media`` table, apart from the effect rows
-(:mod:`._media_blobs`). The on-disk layout, its migrations
-and the checksums live in :mod:`._sqlite_schema`; reading and writing rows in
-:mod:`._sqlite_rows`. The cache, replay, compare-and-set, snapshot policy and
-errors are the durable stores' shared core (:mod:`._core`), over the byte
-backend of :mod:`._sqlite_log`.
+``trace`` (schema version 4), and its effects (schema version 5). Media bytes
+(images, documents, audio) are kept once per digest in a ``media`` table,
+apart from the records (:mod:`._media_blobs`). The on-disk layout, its
+migrations and the checksums live in :mod:`._sqlite_schema`; reading and
+writing rows in :mod:`._sqlite_rows`. The cache, replay, compare-and-set,
+snapshot policy and errors are the durable stores' shared core
+(:mod:`._core`), over the byte backend of :mod:`._sqlite_log`.
 
 What SQLite does and does not guarantee (durability, a damaged WAL, backups)
 is in the :class:`SQLiteStore` docstring: in short, an acknowledged batch
@@ -171,11 +172,14 @@ class SQLiteStore(FlockLeaseMethods):
     gets the checksum of every row as it is stored; version 2 is marked
     version 3 (its rows are read as they are); version 3 gets the batch
     columns ``refused`` and ``trace`` (its rows read with the defaults: no
-    refusals, no trace). A database of a newer version than this code knows
+    refusals, no trace); version 4 gets the batch column ``body``, where new
+    batches keep their effects (its batches keep theirs in the ``effects``
+    table, and read as they are). A database of a newer version than this code knows
     is refused and left unchanged: version 3 stores long effect records
     compressed, so code that knows only version 2 refuses a version-3
     database on open instead of failing on such a row (and code of version 3
-    refuses version 4 rather than drop the batches' refusals and traces).
+    refuses version 4 rather than drop the batches' refusals and traces, and
+    code of version 4 refuses version 5 rather than miss the batches' effects).
 
     Cancellation: a method cancelled while it waits for the store's lock does
     nothing. Once its transaction is running in the worker thread it is not
@@ -290,7 +294,7 @@ class SQLiteStore(FlockLeaseMethods):
                 hold (20 MiB by default); a larger one raises
                 :class:`~stepmachine.MediaTooLargeError` and nothing is written.
                 Media bytes are kept once per digest in the ``media`` table,
-                apart from the effect rows, and checked against it when read.
+                apart from the records, and checked against it when read.
 
         Returns:
             The open store; its schema is at the current ``SCHEMA_VERSION``.
@@ -421,7 +425,7 @@ class SQLiteStore(FlockLeaseMethods):
         the compare-and-set (``UPDATE sessions ... WHERE sid = ? AND revision
         = ?``, which also moves the revision; its row count proves the session
         this store last read or wrote is the stored one, so nothing is read),
-        the batch row, the effect rows (one ``executemany``), and a snapshot
+        the batch row holding its effects (one ``INSERT``), and a snapshot
         after a ``ReplaceConversation`` or when one is due (periodic
         snapshots, once the effects since the last one reach half its size,
         cost each apply, on average, about twice encoding its own effects),

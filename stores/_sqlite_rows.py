@@ -10,8 +10,10 @@ the same statement, and every row read is checked against it before any of
 its columns is used. Reading fails closed (stored data is data): a row whose checksum
 does not match, a row of an unknown schema version, a column of the wrong
 type, a gap in the log, a compressed effect body in a version-2 row, ``refused``
-or ``trace`` in a batch row older than version 4, or a compressed body that
-does not decompress raises
+or ``trace`` in a batch row older than version 4, a ``body`` in a batch row
+older than version 5 (or one that is not a JSON array of ``effect_count``
+effect records in a row of version 5), an effect row where the batch row
+holds its effects, or a compressed body that does not decompress raises
 :class:`~stepmachine.StoredDataError` naming the file, the table, the
 session, the revision and the effect index. Nothing here ever rewrites a row
 it read. Records are handed to the stores' core (:mod:`._core`) as bytes; it
@@ -436,19 +438,19 @@ def _checked_batch_row(
         _verify(label, table, "batches", (*row[:9], row[10]), row[9])
         return True
     _verify(label, table, "batches", tuple(row[: 9 if trail else 7]), row[9])
-    if inline_from is not None and row[10] is not None:
-        raise _fail(
-            label,
-            where,
-            f"the batches row of schema version {version!r} holds a body; rows hold their "
-            f"effects there from version {inline_from}",
-        )
     if not trail and (row[7] is not None or row[8] is not None):
         raise _fail(
             label,
             where,
             f"the batches row of schema version {version!r} holds refused {row[7]!r} and "
             f"trace {row[8]!r}; rows hold them from version {trail_from}",
+        )
+    if inline_from is not None and row[10] is not None:
+        raise _fail(
+            label,
+            where,
+            f"the batches row of schema version {version!r} holds a body; rows hold their "
+            f"effects there from version {inline_from}",
         )
     return trail
 

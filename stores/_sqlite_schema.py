@@ -4,26 +4,34 @@ Everything here is synchronous and runs in the store's worker thread, on a
 connection the caller holds exclusively. Reading and writing rows is
 :mod:`._sqlite_rows`.
 
-Layout (schema version 4)::
+Layout (schema version 5)::
 
     schema_version(version PK, applied_at)        one row per migration applied
     sessions(sid PK AUTOINCREMENT, session_id UNIQUE, revision, schema_version,
              snapshot_revision, snapshot_bytes, pending_bytes, crc)
     batches(sid, revision, step, cycle, timestamp, effect_count, schema_version,
-            crc, refused, trace)
+            crc, refused, trace, body)                 WITHOUT ROWID, key (sid, revision)
     effects(sid, revision, position, schema_version, body, crc)
     snapshots(sid, revision, schema_version, body, crc)
     media(digest PK, body)                        made by the first write of media
 
 ``sid`` is never reused (``AUTOINCREMENT``), so a session deleted and created
 again under the same id is a different ``sid``, and a cache keyed by ``sid``
-never serves the old one. Effects are append-only, one row per effect: ``body``
-is the codec's effects record holding exactly that one effect. A version-3
-row stores it compressed with zlib (it then starts with ``0x78``) when it is
-at least 256 bytes and that makes it smaller, else as it is (starting with
-``[``). A version-2 row always stores it as it is: a version-2 effect row
-whose body is compressed is a corrupt row (:class:`~stepmachine.StoredDataError`
-naming the session, revision and effect index). A snapshot is
+never serves the old one. The log is append-only. A batch row of version 5
+holds the batch's effects in ``body``: one JSON array whose items are the
+codec's effects records, one per effect, each holding exactly that effect, in
+order (``[[{...}],[{...}]]``; ``[]`` for none; ``effect_count`` says how many),
+stored compressed with zlib (it then starts with ``0x78``) when it is at least
+256 bytes and that makes it smaller, else as it is (starting with ``[``); it
+has no effect rows. Appending a batch is then one row in one b-tree besides the
+session row. A batch row of version 4 or older (written before) has ``body``
+NULL, and its effects are in ``effects``, one row per effect: ``body`` is the
+codec's effects record holding exactly that one effect. A version-3 or -4 effect
+row stores it compressed the same way; a version-2 row always stores it as it
+is: a version-2 effect row whose body is compressed is a corrupt row
+(:class:`~stepmachine.StoredDataError` naming the session, revision and effect
+index), and so is an effect row of version 5 or later, or one at the revision
+of a version-5 batch row. A snapshot is
 the codec's session record; there is always one at revision 0 (written by
 ``create``) and one after every batch holding a
 :class:`~stepmachine.ReplaceConversation`. Periodic snapshots follow
@@ -57,7 +65,8 @@ Checksums (since schema version 2): every row of ``sessions``, ``batches``,
 the order above: the payload (``body``, ``step``, ...) *and* the columns that
 say where it belongs (``sid``, ``session_id``, ``revision``, ``position``) and
 the row's ``schema_version``; a ``batches`` row of version 4 or later also
-``refused`` and ``trace``, after ``schema_version`` (:func:`row_columns`). A
+``refused`` and ``trace``, after ``schema_version``, and one of version 5 or
+later ``body`` after them (:func:`row_columns`). A
 flipped bit, or a row moved to another session, revision or position, no
 longer matches its ``crc``; the reader then raises
 :class:`~stepmachine.StoredDataError` naming the table, the session and the
@@ -90,6 +99,13 @@ middle leaves the old version), through each version in turn:
   The rows written before keep their version and checksum and read with both
   NULL (the batch's defaults); such a row holding either is damage. A
   version-4 row's ``crc`` covers both columns.
+- 4 to 5: adds the nullable column ``body`` to ``batches`` (``ALTER TABLE ...
+  ADD COLUMN``: no row is read or rewritten). Batches written from then on keep
+  their effects in it (see above), the ones written before keep theirs in
+  ``effects`` and are read as they are; a log may hold both, in any order. A
+  version-4 (or older) batch row holding a ``body`` is damage. Code of
+  version 4 refuses a version-5 database on open, untouched, instead of
+  reading batch rows whose effects it would not find.
 """
 
 from __future__ import annotations
