@@ -242,6 +242,8 @@ class SQLiteStore(FlockLeaseMethods):
     ) -> None:
         """Wrap an open connection; use :meth:`open` instead."""
         self._conn: sqlite3.Connection | None = connection
+        self._cursor = connection.cursor()  # the apply path's statements (see apply)
+        self._valid_ids: set[str] = set()  # session ids apply has validated (bounded)
         self._path = path
         self._hook = boundary_hook
         self._lock = _fast_lock()
@@ -458,13 +460,19 @@ class SQLiteStore(FlockLeaseMethods):
         Cancellation: see the class docstring; once in the worker thread the
         batch is committed whole or not at all, and the next load shows which.
         """
-        session_id = validate_session_id(batch.session_id)
+        session_id = batch.session_id
+        if type(session_id) is not str or session_id not in self._valid_ids:
+            validate_session_id(session_id)
+            if len(self._valid_ids) >= _CACHE_SIZE:
+                self._valid_ids.clear()
+            self._valid_ids.add(session_id)
         prepared = self._core.prepare(batch, f"{self._path}: new batch for session {session_id!r}")
+        cursor = self._cursor  # one cursor for every statement: none made per statement
 
         def write(connection: sqlite3.Connection) -> Cached[SessionRow]:
-            with transaction(connection, write=True):
+            with transaction(connection, write=True, cursor=cursor):
                 self._hook("apply.begin")
-                written = self._core.apply(SQLiteTxn(connection, self._path), prepared)
+                written = self._core.apply(SQLiteTxn(cursor, self._path), prepared)
                 self._hook("apply.inserted")
             return written
 

@@ -36,14 +36,16 @@ class SQLiteTxn(SQLTxn):
     :class:`._sql_txn.SQLTxn`'s, over :mod:`._sqlite_rows`.
 
     Args:
-        connection: the store's connection, inside a transaction.
+        connection: the store's connection, inside a transaction; or a cursor of it
+            (the apply path reuses one: every statement here reads its result at
+            once, before the next one runs).
         path: the database file, for error messages.
     """
 
     ROWS: ClassVar = _rows
     STORE: ClassVar[str] = "SQLiteStore"
 
-    def __init__(self, connection: sqlite3.Connection, path: str) -> None:
+    def __init__(self, connection: sqlite3.Connection | sqlite3.Cursor, path: str) -> None:
         super().__init__(connection, path)
 
     def _read_row(self, session_id: str) -> SessionRow | None:

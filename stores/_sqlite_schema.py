@@ -710,17 +710,21 @@ class transaction:  # noqa: N801 - used as a function, like contextlib's
     ``with transaction(conn, write=...):`` commits when the block ends
     normally; rolls back on any exception, including a failed ``COMMIT``, so
     no transaction is ever left open. (A class rather than a generator: it is
-    entered on every call of the store.)
+    entered on every call of the store.) ``cursor``: a cursor of ``conn`` to
+    run ``BEGIN`` and ``COMMIT`` on (the apply path keeps one), else a new one each.
     """
 
-    __slots__ = ("_begin", "_conn")
+    __slots__ = ("_begin", "_conn", "_run")
 
-    def __init__(self, conn: sqlite3.Connection, *, write: bool) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, *, write: bool, cursor: sqlite3.Cursor | None = None
+    ) -> None:
         self._conn = conn
+        self._run = conn.execute if cursor is None else cursor.execute
         self._begin = "BEGIN IMMEDIATE" if write else "BEGIN"
 
     def __enter__(self) -> None:
-        self._conn.execute(self._begin)
+        self._run(self._begin)
 
     def __exit__(
         self,
@@ -732,7 +736,7 @@ class transaction:  # noqa: N801 - used as a function, like contextlib's
             self._rollback()
             return
         try:
-            self._conn.execute("COMMIT")
+            self._run("COMMIT")
         except BaseException:
             self._rollback()
             raise
