@@ -585,3 +585,28 @@ async def test_a_version_4_row_holding_a_body_is_stored_data_error(v4: Path) -> 
         revisions = EXPECTED["sessions"]["beta"]["revisions"]
         assert as_json(await store.load_at("beta", 1)) == revisions[1]
     assert digest(v4) == before
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "ALTER TABLE batches ADD COLUMN body BLOB",  # says 4, has version 5's column
+        "INSERT INTO schema_version VALUES (5, 0)",  # says 5, lacks its column
+    ],
+    ids=["v4-with-body", "v5-without-body"],
+)
+async def test_a_version_table_that_does_not_match_the_batches_table_is_refused(
+    v4: Path, damage: str
+) -> None:
+    """Migration 5 is not run over a table that already has its column, nor a database
+    read as version 5 whose batches have nowhere to keep their effects: refused on open,
+    with what is wrong, and left as it was."""
+    with raw(v4) as connection:
+        connection.execute(damage)
+    before = digest(v4)
+    with pytest.raises(
+        StoredDataError, match=r"schema_version table says version [45].*'batches'.*left unchanged"
+    ):
+        await SQLiteStore.open(v4, golden.make_codec())
+    assert digest(v4) == before
+    assert sorted(p.name for p in v4.parent.iterdir()) == ["store.db"]
