@@ -1,26 +1,27 @@
 """``SQLiteStore``: sessions and their effect logs in one SQLite database file (WAL).
 
-The embedded default store. Effects are stored append-only, one row per
-effect, under a batch row carrying step, cycle and timestamp; the session row
-holds the current revision. Applying a batch is one ``BEGIN IMMEDIATE``
-transaction: compare-and-set on the revision, then every row of the batch, or
-nothing. The store keeps the last session it read or wrote per session id, so
-a load reads only the rows written since, and an apply on top of it reads
-nothing: its compare-and-set is one ``UPDATE ... WHERE sid = ? AND revision =
-?`` whose row count proves the cached session current (the row is read only
-when it fails, to say why). Snapshots (at revision 0, after a
+The embedded default store. The log is append-only, one row per batch carrying
+step, cycle, timestamp and the batch's effects (schema version 5; a database
+written before keeps those batches' effects in rows of their own, read as they
+are); the session row holds the current revision. Applying a batch is one
+``BEGIN IMMEDIATE`` transaction: compare-and-set on the revision, then the
+batch's row, or nothing. The store keeps the last session it read or wrote per
+session id, so a load reads only the rows written since, and an apply on top
+of it reads nothing: its compare-and-set is one ``UPDATE ... WHERE sid = ? AND
+revision = ?`` whose row count proves the cached session current (the row is
+read only when it fails, to say why). Snapshots (at revision 0, after a
 ``ReplaceConversation``, and periodically, see :mod:`._sqlite_schema`) bound
 what a cold load replays; each new one prunes the one before (revision 0
 stays), so a session holds at most two, compressed; long effect records are
 compressed too (schema version 3). Every row carries a CRC-32 checked on load
 (since schema version 2). A batch row keeps the batch's ``refused`` and
-``trace`` (schema version 4). Media bytes (images, documents, audio) are kept
-once per digest in a ``media`` table, apart from the effect rows
-(:mod:`._media_blobs`). The on-disk layout, its migrations
-and the checksums live in :mod:`._sqlite_schema`; reading and writing rows in
-:mod:`._sqlite_rows`. The cache, replay, compare-and-set, snapshot policy and
-errors are the durable stores' shared core (:mod:`._core`), over the byte
-backend of :mod:`._sqlite_log`.
+``trace`` (schema version 4), and its effects (schema version 5). Media bytes
+(images, documents, audio) are kept once per digest in a ``media`` table,
+apart from the records (:mod:`._media_blobs`). The on-disk layout, its
+migrations and the checksums live in :mod:`._sqlite_schema`; reading and
+writing rows in :mod:`._sqlite_rows`. The cache, replay, compare-and-set,
+snapshot policy and errors are the durable stores' shared core
+(:mod:`._core`), over the byte backend of :mod:`._sqlite_log`.
 
 What SQLite does and does not guarantee (durability, a damaged WAL, backups)
 is in the :class:`SQLiteStore` docstring: in short, an acknowledged batch
@@ -81,6 +82,8 @@ class _SQLitePolicy:
     :mod:`._sqlite_rows` (``SNAPSHOT_EVERY``, ``SNAPSHOT_MAX_GAP``), read at each call."""
 
     def due(self, marks: Marks, revision: int, batch_bytes: int, replaces: bool) -> bool:
+        if not replaces and revision - marks.snapshot_revision < _rows.SNAPSHOT_EVERY:
+            return False  # the usual batch: Weighted says no too, without being built
         policy = Weighted(_rows.SNAPSHOT_EVERY, _rows.SNAPSHOT_MAX_GAP)
         return policy.due(marks, revision, batch_bytes, replaces)
 
@@ -169,11 +172,14 @@ class SQLiteStore(FlockLeaseMethods):
     gets the checksum of every row as it is stored; version 2 is marked
     version 3 (its rows are read as they are); version 3 gets the batch
     columns ``refused`` and ``trace`` (its rows read with the defaults: no
-    refusals, no trace). A database of a newer version than this code knows
+    refusals, no trace); version 4 gets the batch column ``body``, where new
+    batches keep their effects (its batches keep theirs in the ``effects``
+    table, and read as they are). A database of a newer version than this code knows
     is refused and left unchanged: version 3 stores long effect records
     compressed, so code that knows only version 2 refuses a version-3
     database on open instead of failing on such a row (and code of version 3
-    refuses version 4 rather than drop the batches' refusals and traces).
+    refuses version 4 rather than drop the batches' refusals and traces, and
+    code of version 4 refuses version 5 rather than miss the batches' effects).
 
     Cancellation: a method cancelled while it waits for the store's lock does
     nothing. Once its transaction is running in the worker thread it is not
@@ -236,6 +242,8 @@ class SQLiteStore(FlockLeaseMethods):
     ) -> None:
         """Wrap an open connection; use :meth:`open` instead."""
         self._conn: sqlite3.Connection | None = connection
+        self._cursor = connection.cursor()  # the apply path's statements (see apply)
+        self._valid_ids: set[str] = set()  # session ids apply has validated (bounded)
         self._path = path
         self._hook = boundary_hook
         self._lock = _fast_lock()
@@ -288,7 +296,7 @@ class SQLiteStore(FlockLeaseMethods):
                 hold (20 MiB by default); a larger one raises
                 :class:`~stepmachine.MediaTooLargeError` and nothing is written.
                 Media bytes are kept once per digest in the ``media`` table,
-                apart from the effect rows, and checked against it when read.
+                apart from the records, and checked against it when read.
 
         Returns:
             The open store; its schema is at the current ``SCHEMA_VERSION``.
@@ -338,11 +346,13 @@ class SQLiteStore(FlockLeaseMethods):
             if connection is None:
                 raise StoreClosedError(f"SQLiteStore on {self._path} is closed")
             try:
-                # Shielded: a started transaction runs to its end, and its
-                # outcome (return or exception) reaches the caller; a pending
-                # cancellation is delivered at the caller's next checkpoint.
-                with anyio.CancelScope(shield=True):
-                    result = await anyio.to_thread.run_sync(function, connection)
+                # Not abandoned on cancellation (run_sync's default): a cancellation
+                # before the worker thread starts raises with nothing done; once
+                # the function runs, anyio waits for it and hands back its outcome
+                # (return or exception) with no checkpoint after it, so a pending
+                # cancellation is delivered at the caller's next checkpoint. (A
+                # shield of our own would add nothing but its cost, on every call.)
+                result = await anyio.to_thread.run_sync(function, connection)
             except sqlite3.DatabaseError as exc:
                 if type(exc) is not sqlite3.DatabaseError:
                     raise
@@ -417,7 +427,7 @@ class SQLiteStore(FlockLeaseMethods):
         the compare-and-set (``UPDATE sessions ... WHERE sid = ? AND revision
         = ?``, which also moves the revision; its row count proves the session
         this store last read or wrote is the stored one, so nothing is read),
-        the batch row, the effect rows (one ``executemany``), and a snapshot
+        the batch row holding its effects (one ``INSERT``), and a snapshot
         after a ``ReplaceConversation`` or when one is due (periodic
         snapshots, once the effects since the last one reach half its size,
         cost each apply, on average, about twice encoding its own effects),
@@ -450,14 +460,28 @@ class SQLiteStore(FlockLeaseMethods):
         Cancellation: see the class docstring; once in the worker thread the
         batch is committed whole or not at all, and the next load shows which.
         """
-        session_id = validate_session_id(batch.session_id)
+        session_id = batch.session_id
+        if type(session_id) is not str or session_id not in self._valid_ids:
+            validate_session_id(session_id)
+            if len(self._valid_ids) >= _CACHE_SIZE:
+                self._valid_ids.clear()
+            self._valid_ids.add(session_id)
         prepared = self._core.prepare(batch, f"{self._path}: new batch for session {session_id!r}")
+        cursor = self._cursor  # one cursor for every statement: none made per statement
+
+        def write(connection: sqlite3.Connection) -> Cached[SessionRow]:
+            with transaction(connection, write=True, cursor=cursor):
+                self._hook("apply.begin")
+                written = self._core.apply(SQLiteTxn(cursor, self._path), prepared)
+                self._hook("apply.inserted")
+            return written
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
-            with self._leases.fenced(lease, session_id), transaction(connection, write=True):
-                self._hook("apply.begin")
-                written = self._core.apply(SQLiteTxn(connection, self._path), prepared)
-                self._hook("apply.inserted")
+            if lease is None:
+                written = write(connection)
+            else:
+                with self._leases.fenced(lease, session_id):
+                    written = write(connection)
             self._core.remember(session_id, written)
             self._hook("apply.committed")
             return written.session

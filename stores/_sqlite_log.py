@@ -16,6 +16,7 @@ the transaction the store opened (:func:`._sqlite_schema.transaction`).
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Mapping
 from typing import ClassVar
 
 from stepmachine import SessionExistsError
@@ -35,14 +36,16 @@ class SQLiteTxn(SQLTxn):
     :class:`._sql_txn.SQLTxn`'s, over :mod:`._sqlite_rows`.
 
     Args:
-        connection: the store's connection, inside a transaction.
+        connection: the store's connection, inside a transaction; or a cursor of it
+            (the apply path reuses one: every statement here reads its result at
+            once, before the next one runs).
         path: the database file, for error messages.
     """
 
     ROWS: ClassVar = _rows
     STORE: ClassVar[str] = "SQLiteStore"
 
-    def __init__(self, connection: sqlite3.Connection, path: str) -> None:
+    def __init__(self, connection: sqlite3.Connection | sqlite3.Cursor, path: str) -> None:
         super().__init__(connection, path)
 
     def _read_row(self, session_id: str) -> SessionRow | None:
@@ -58,6 +61,12 @@ class SQLiteTxn(SQLTxn):
         _rows.write_session_row(self.conn, session_id, row)
         self._rows[session_id] = row
         return row, _rows.marks_of(row)
+
+    def put_blobs(self, blobs: Mapping[str, bytes]) -> None:
+        """As :meth:`._sql_txn.SQLTxn.put_blobs`; nothing to do (no statement) for none,
+        the usual batch."""
+        if blobs:
+            super().put_blobs(blobs)
 
     def delete(self, session_id: str) -> None:
         """The session's rows in every table."""

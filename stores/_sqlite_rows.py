@@ -10,8 +10,10 @@ the same statement, and every row read is checked against it before any of
 its columns is used. Reading fails closed (stored data is data): a row whose checksum
 does not match, a row of an unknown schema version, a column of the wrong
 type, a gap in the log, a compressed effect body in a version-2 row, ``refused``
-or ``trace`` in a batch row older than version 4, or a compressed body that
-does not decompress raises
+or ``trace`` in a batch row older than version 4, a ``body`` in a batch row
+older than version 5 (or one that is not a JSON array of ``effect_count``
+effect records in a row of version 5), an effect row where the batch row
+holds its effects, or a compressed body that does not decompress raises
 :class:`~stepmachine.StoredDataError` naming the file, the table, the
 session, the revision and the effect index. Nothing here ever rewrites a row
 it read. Records are handed to the stores' core (:mod:`._core`) as bytes; it
@@ -24,7 +26,9 @@ from __future__ import annotations
 import sqlite3
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
+
+import msgspec
 
 from stepmachine import StoredDataError
 
@@ -35,6 +39,7 @@ from ._media_blobs import named_digests, unreferenced
 from ._snapshot_policy import Weighted
 from ._sqlite_schema import (
     COMPRESSED_EFFECTS_FROM,
+    INLINE_FROM,
     ROW_VERSIONS,
     SCHEMA_VERSION,
     TRAIL_FROM,
@@ -356,9 +361,12 @@ _BATCH_COLUMNS = (
 )
 _EFFECT_COLUMNS = "sid, revision, position, schema_version, body, crc"
 _INSERT_BATCH = f"INSERT INTO batches ({_BATCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
+_INSERT_INLINE = (
+    f"INSERT INTO batches ({_BATCH_COLUMNS}, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
+)
 _INSERT_EFFECT = f"INSERT INTO effects ({_EFFECT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)"  # noqa: S608
 _SELECT_BATCHES = (
-    f"SELECT {_BATCH_COLUMNS} FROM batches "  # noqa: S608 - fixed names
+    f"SELECT {_BATCH_COLUMNS}, body FROM batches "  # noqa: S608 - fixed names
     "WHERE sid = ? AND revision > ? AND revision <= ? ORDER BY revision"
 )
 _SELECT_EFFECTS = (
@@ -397,26 +405,52 @@ def read_log(
         compressed_from=COMPRESSED_EFFECTS_FROM,
         trail_from=TRAIL_FROM,
         timestamp_column="timestamp",
+        inline_from=INLINE_FROM,
     )
 
 
-def _checked_batch_row(label: str, where: str, row: Sequence[Any], trail_from: int) -> bool:
-    """Check one ``batches`` row (:data:`_BATCH_COLUMNS`) against its checksum; whether
-    the checksum covers ``refused`` and ``trace``.
+def _inline(version: object, inline_from: int | None) -> bool:
+    """Whether a ``batches`` row of ``version`` holds its effects in ``body``."""
+    return (
+        inline_from is not None
+        and isinstance(version, int)
+        and not isinstance(version, bool)
+        and version >= inline_from
+    )
+
+
+def _checked_batch_row(
+    label: str, where: str, row: Sequence[Any], trail_from: int, inline_from: int | None = None
+) -> bool:
+    """Check one ``batches`` row (:data:`_BATCH_COLUMNS`, then ``body`` when ``inline_from``
+    is given) against its checksum; whether the checksum covers ``refused`` and ``trace``.
 
     A row of version ``trail_from`` or later has ``crc`` over ``refused`` and
     ``trace`` too; an older row (written before the columns were added) has
-    it over the others, and must hold NULL in both.
+    it over the others, and must hold NULL in both. With ``inline_from``
+    (SQLite), a row of that version or later has ``crc`` over ``body`` too
+    (its effects); an older row must hold NULL there.
     """
     version = row[6]
     trail = isinstance(version, int) and not isinstance(version, bool) and version >= trail_from
-    _verify(label, f"{where} (table batches)", "batches", tuple(row[: 9 if trail else 7]), row[9])
+    table = f"{where} (table batches)"
+    if _inline(version, inline_from):
+        _verify(label, table, "batches", (*row[:9], row[10]), row[9])
+        return True
+    _verify(label, table, "batches", tuple(row[: 9 if trail else 7]), row[9])
     if not trail and (row[7] is not None or row[8] is not None):
         raise _fail(
             label,
             where,
             f"the batches row of schema version {version!r} holds refused {row[7]!r} and "
             f"trace {row[8]!r}; rows hold them from version {trail_from}",
+        )
+    if inline_from is not None and row[10] is not None:
+        raise _fail(
+            label,
+            where,
+            f"the batches row of schema version {version!r} holds a body; rows hold their "
+            f"effects there from version {inline_from}",
         )
     return trail
 
@@ -433,15 +467,18 @@ def assemble_log(
     compressed_from: int,
     trail_from: int,
     timestamp_column: str,
+    inline_from: int | None = None,
 ) -> list[EffectRows]:
     """The batches in ``(after, upto]`` from their rows, as the SQL backends store them.
 
     ``batch_rows`` are ``(sid, revision, step, cycle, timestamp, effect_count,
-    schema_version, refused, trace, crc)`` and ``effect_rows`` ``(sid,
-    revision, position, schema_version, body, crc)``, both in revision (and
-    position) order. Every row is checked against its checksum, row version
-    (one of ``row_versions``) and column types, and each effect body
-    decompressed (a row older than ``compressed_from`` may not hold a
+    schema_version, refused, trace, crc)`` (then ``body`` with ``inline_from``:
+    SQLite) and ``effect_rows`` ``(sid, revision, position, schema_version,
+    body, crc)``, both in revision (and position) order. A batch row of
+    version ``inline_from`` or later holds its effects in ``body``
+    (:func:`inline_body`) and has no effect rows. Every row is checked
+    against its checksum, row version (one of ``row_versions``) and column
+    types, and each effect body decompressed (a row older than ``compressed_from`` may not hold a
     compressed one; a batch row older than ``trail_from`` holds neither
     ``refused`` nor ``trace``, and its checksum does not cover them);
     :class:`StoredDataError` for a row that does not match, a missing batch or
@@ -452,15 +489,18 @@ def assemble_log(
     cursor = 0
     for expected, row in enumerate(batch_rows, start=after + 1):
         where = f"session {session_id!r} revision {row[1]!r}"
-        _checked_batch_row(label, where, row, trail_from)
+        _checked_batch_row(label, where, row, trail_from, inline_from)
         revision = _typed(label, where, "revision", row[1], int)
         if revision != expected:
             raise _fail(
                 label, f"session {session_id!r} revision {expected}", "the batch is missing"
             )
-        check_row_version(label, where, row[6], row_versions)
+        version = check_row_version(label, where, row[6], row_versions)
         count = _typed(label, where, "effect_count", row[5], int)
         records: list[bytes] = []
+        if _inline(version, inline_from):
+            records.extend(_inline_records(label, where, row[10], count))
+            count = 0  # no effect rows
         for position in range(count):
             at = f"{where} effect {position}"
             found = tuple(effect_rows[cursor][1:3]) if cursor < len(effect_rows) else None
@@ -470,6 +510,13 @@ def assemble_log(
             cursor += 1
             _verify(label, f"{at} (table effects)", "effects", tuple(effect_row[:5]), effect_row[5])
             version = check_row_version(label, at, effect_row[3], row_versions)
+            if inline_from is not None and version >= inline_from:
+                raise _fail(
+                    label,
+                    at,
+                    f"an effects row of schema version {version}: from version {inline_from} "
+                    "a batch keeps its effects in its own row",
+                )
             body = _typed(label, at, "body", effect_row[4], bytes)
             if version < compressed_from and body[:1] == _ZLIB_START:
                 raise _fail(
@@ -506,6 +553,37 @@ def assemble_log(
     return log
 
 
+_SPLIT: Final = msgspec.json.Decoder(list[msgspec.Raw])
+"""A batch row's ``body``: a JSON array whose items are the effect records, as written."""
+
+
+def inline_body(records: Sequence[bytes]) -> bytes:
+    """How a batch row of version 5 or later stores its effects ``records`` (one codec
+    effects record per effect, each a JSON array): one JSON array holding them, in
+    order (``[[...],[...]]``; ``[]`` for none), stored as :func:`compact` says."""
+    return compact(b"[" + b",".join(records) + b"]")
+
+
+def _inline_records(label: str, where: str, body: object, count: int) -> tuple[bytes, ...]:
+    """The effect records of a batch row's ``body`` (:func:`inline_body`), checked to be
+    ``count`` JSON arrays; StoredDataError naming ``where`` otherwise."""
+    stored = _stored_record(label, where, _typed(label, where, "body", body, bytes), _EFFECTS_START)
+    try:
+        items = _SPLIT.decode(stored)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        problem = f"the body is not a JSON array of effect records: {exc}"
+        raise _fail(label, where, problem) from None
+    if len(items) != count:
+        raise _fail(
+            label, where, f"the body holds {len(items)} effect records, effect_count says {count}"
+        )
+    records = tuple(bytes(item) for item in items)
+    for position, record in enumerate(records):
+        if record[:1] != _EFFECTS_START:
+            raise _fail(label, f"{where} effect {position}", "the effect record is not an array")
+    return records
+
+
 COMPRESS_FROM = 256
 """Effect records of at least this many bytes are stored compressed (when that is smaller)."""
 
@@ -540,16 +618,17 @@ def insert_batch(
     refused: str | None,
     trace: str | None,
 ) -> None:
-    """Append one batch row and its effect rows, with their checksums.
+    """Append one batch row holding its effects (``body``, :func:`inline_body`), with its
+    checksum: one statement, one b-tree.
 
     ``refused`` is the batch's refusals as :func:`._replay.encode_refused`
     wrote them (None: none), ``trace`` its traceparent. The caller moves the
     session row to ``revision`` (:func:`write_session_row`).
     """
-    header = (sid, revision, step, cycle, timestamp)
-    batch, effects = batch_row_values(*header, bodies, refused, trace, SCHEMA_VERSION)
-    conn.execute(_INSERT_BATCH, batch)
-    conn.executemany(_INSERT_EFFECT, effects)
+    body = inline_body(bodies)
+    row = (sid, revision, step, cycle, float(timestamp), len(bodies), SCHEMA_VERSION)
+    crc = checksum("batches", (*row, refused, trace, body))
+    conn.execute(_INSERT_INLINE, (*row, refused, trace, crc, body))
 
 
 def batch_row_values(
@@ -585,9 +664,22 @@ def copy_log(
     for a row that does not match its checksum; nothing is then written (the
     caller's transaction rolls back).
     """
-    rows = _log_rows(conn, source, 0, upto)
-    batches, effects = copied_rows(path, session_id, target, *rows, trail_from=TRAIL_FROM)
+    batch_rows, effect_rows = _log_rows(conn, source, 0, upto)
+    inline = []
+    older = []
+    for row in batch_rows:
+        where = f"session {session_id!r} revision {row[1]!r}"
+        _checked_batch_row(path, where, row, TRAIL_FROM, INLINE_FROM)
+        if _inline(row[6], INLINE_FROM):
+            covered = (target, *row[1:9], row[10])  # its checksum covers its body too
+            inline.append((*covered[:9], checksum("batches", covered), covered[9]))
+        else:
+            older.append(row[:10])
+    batches, effects = copied_rows(
+        path, session_id, target, older, effect_rows, trail_from=TRAIL_FROM
+    )
     conn.executemany(_INSERT_BATCH, batches)
+    conn.executemany(_INSERT_INLINE, inline)
     conn.executemany(_INSERT_EFFECT, effects)
 
 
@@ -693,6 +785,10 @@ def _plain(body: object) -> bytes | None:
     return body
 
 
+_BODIES = ("batches", "effects", "snapshots")
+"""The tables whose ``body`` holds records (a ``batches`` row of version 4 or older: NULL)."""
+
+
 def session_digests(conn: sqlite3.Connection, session_id: str) -> set[str] | None:
     """The digests the records of ``session_id`` name (:func:`._media_blobs.named_digests`):
     empty when it has none or there is no session; None when a record cannot be read."""
@@ -701,8 +797,9 @@ def session_digests(conn: sqlite3.Connection, session_id: str) -> set[str] | Non
         return set()
     bodies = (
         _plain(body)
-        for table in ("effects", "snapshots")
+        for table in _BODIES
         for (body,) in conn.execute(f"SELECT body FROM {table} WHERE sid = ?", (row[0],))  # noqa: S608 - fixed names
+        if body is not None or table != "batches"
     )
     return named_digests(bodies)
 
@@ -718,8 +815,9 @@ def sweep_blobs(conn: sqlite3.Connection) -> int:
         return 0
     bodies = (
         _plain(body)
-        for table in ("effects", "snapshots")
+        for table in _BODIES
         for (body,) in conn.execute(f"SELECT body FROM {table}")  # noqa: S608 - fixed names
+        if body is not None or table != "batches"
     )
     gone = sorted(unreferenced(held, bodies))
     conn.executemany("DELETE FROM media WHERE digest = ?", [(digest,) for digest in gone])

@@ -4,26 +4,34 @@ Everything here is synchronous and runs in the store's worker thread, on a
 connection the caller holds exclusively. Reading and writing rows is
 :mod:`._sqlite_rows`.
 
-Layout (schema version 4)::
+Layout (schema version 5)::
 
     schema_version(version PK, applied_at)        one row per migration applied
     sessions(sid PK AUTOINCREMENT, session_id UNIQUE, revision, schema_version,
              snapshot_revision, snapshot_bytes, pending_bytes, crc)
     batches(sid, revision, step, cycle, timestamp, effect_count, schema_version,
-            crc, refused, trace)
+            crc, refused, trace, body)                 WITHOUT ROWID, key (sid, revision)
     effects(sid, revision, position, schema_version, body, crc)
     snapshots(sid, revision, schema_version, body, crc)
     media(digest PK, body)                        made by the first write of media
 
 ``sid`` is never reused (``AUTOINCREMENT``), so a session deleted and created
 again under the same id is a different ``sid``, and a cache keyed by ``sid``
-never serves the old one. Effects are append-only, one row per effect: ``body``
-is the codec's effects record holding exactly that one effect. A version-3
-row stores it compressed with zlib (it then starts with ``0x78``) when it is
-at least 256 bytes and that makes it smaller, else as it is (starting with
-``[``). A version-2 row always stores it as it is: a version-2 effect row
-whose body is compressed is a corrupt row (:class:`~stepmachine.StoredDataError`
-naming the session, revision and effect index). A snapshot is
+never serves the old one. The log is append-only. A batch row of version 5
+holds the batch's effects in ``body``: one JSON array whose items are the
+codec's effects records, one per effect, each holding exactly that effect, in
+order (``[[{...}],[{...}]]``; ``[]`` for none; ``effect_count`` says how many),
+stored compressed with zlib (it then starts with ``0x78``) when it is at least
+256 bytes and that makes it smaller, else as it is (starting with ``[``); it
+has no effect rows. Appending a batch is then one row in one b-tree besides the
+session row. A batch row of version 4 or older (written before) has ``body``
+NULL, and its effects are in ``effects``, one row per effect: ``body`` is the
+codec's effects record holding exactly that one effect. A version-3 or -4 effect
+row stores it compressed the same way; a version-2 row always stores it as it
+is: a version-2 effect row whose body is compressed is a corrupt row
+(:class:`~stepmachine.StoredDataError` naming the session, revision and effect
+index), and so is an effect row of version 5 or later, or one at the revision
+of a version-5 batch row. A snapshot is
 the codec's session record; there is always one at revision 0 (written by
 ``create``) and one after every batch holding a
 :class:`~stepmachine.ReplaceConversation`. Periodic snapshots follow
@@ -57,7 +65,8 @@ Checksums (since schema version 2): every row of ``sessions``, ``batches``,
 the order above: the payload (``body``, ``step``, ...) *and* the columns that
 say where it belongs (``sid``, ``session_id``, ``revision``, ``position``) and
 the row's ``schema_version``; a ``batches`` row of version 4 or later also
-``refused`` and ``trace``, after ``schema_version`` (:func:`row_columns`). A
+``refused`` and ``trace``, after ``schema_version``, and one of version 5 or
+later ``body`` after them (:func:`row_columns`). A
 flipped bit, or a row moved to another session, revision or position, no
 longer matches its ``crc``; the reader then raises
 :class:`~stepmachine.StoredDataError` naming the table, the session and the
@@ -90,6 +99,13 @@ middle leaves the old version), through each version in turn:
   The rows written before keep their version and checksum and read with both
   NULL (the batch's defaults); such a row holding either is damage. A
   version-4 row's ``crc`` covers both columns.
+- 4 to 5: adds the nullable column ``body`` to ``batches`` (``ALTER TABLE ...
+  ADD COLUMN``: no row is read or rewritten). Batches written from then on keep
+  their effects in it (see above), the ones written before keep theirs in
+  ``effects`` and are read as they are; a log may hold both, in any order. A
+  version-4 (or older) batch row holding a ``body`` is damage. Code of
+  version 4 refuses a version-5 database on open, untouched, instead of
+  reading batch rows whose effects it would not find.
 """
 
 from __future__ import annotations
@@ -101,8 +117,7 @@ import struct
 import time
 import urllib.parse
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 from typing import Literal
 
 from stepmachine import ConfigurationError, StoredDataError
@@ -112,6 +127,7 @@ from ._regular import describe_mode, open_regular
 __all__ = [
     "COLUMNS",
     "COMPRESSED_EFFECTS_FROM",
+    "INLINE_FROM",
     "ROW_VERSIONS",
     "SCHEMA_VERSION",
     "TRAIL_COLUMNS",
@@ -124,10 +140,10 @@ __all__ = [
     "transaction",
 ]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The schema version this code writes; it opens databases of this version or older."""
 
-ROW_VERSIONS = (2, 3, 4)
+ROW_VERSIONS = (2, 3, 4, 5)
 """The row versions this code reads: every row of a migrated database is one of these."""
 
 COMPRESSED_EFFECTS_FROM = 3
@@ -138,6 +154,10 @@ TRAIL_FROM = 4
 
 TRAIL_COLUMNS = ("refused", "trace")
 """The ``batches`` columns that schema version 4 added (the decision trail)."""
+
+INLINE_FROM = 5
+"""The first schema (and row) version whose ``batches`` rows hold their effects in ``body``
+(no ``effects`` rows)."""
 
 _COLUMNS_2: dict[str, tuple[str, ...]] = {
     "sessions": (
@@ -155,9 +175,15 @@ _COLUMNS_2: dict[str, tuple[str, ...]] = {
 }
 """The columns of each table from schema version 2 to 3, which a row's ``crc`` covers."""
 
-COLUMNS: dict[str, tuple[str, ...]] = {
+_COLUMNS_4: dict[str, tuple[str, ...]] = {
     **_COLUMNS_2,
     "batches": (*_COLUMNS_2["batches"], *TRAIL_COLUMNS),
+}
+"""The columns of each table in schema version 4, which a row's ``crc`` covers."""
+
+COLUMNS: dict[str, tuple[str, ...]] = {
+    **_COLUMNS_4,
+    "batches": (*_COLUMNS_4["batches"], "body"),
 }
 """The columns each table's ``crc`` covers in a row of :data:`SCHEMA_VERSION`, in the
 order :func:`checksum` takes them (a row of an older version: :func:`row_columns`)."""
@@ -171,6 +197,8 @@ def row_columns(table: str, version: int, trail_from: int = TRAIL_FROM) -> tuple
     """
     if table == "batches" and version < trail_from:
         return _COLUMNS_2[table]
+    if table == "batches" and version < INLINE_FROM:
+        return _COLUMNS_4[table]
     return COLUMNS[table]
 
 
@@ -254,6 +282,9 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     3: (),
     # The decision trail; the rows written before keep NULL (the defaults).
     4: tuple(f"ALTER TABLE batches ADD COLUMN {column} TEXT" for column in TRAIL_COLUMNS),
+    # A batch's effects in its own row; the rows written before keep NULL (their
+    # effects stay in the effects table).
+    5: ("ALTER TABLE batches ADD COLUMN body BLOB",),
 }
 """The statements that bring a database from the previous version to each version.
 
@@ -273,26 +304,47 @@ def checksum(table: str, values: tuple[object, ...]) -> int:
     order or type) share an encoding. Text is encoded as UTF-8 with
     ``surrogateescape``, matching the connection's text factory, so text that
     was damaged into invalid UTF-8 gets the checksum of its stored bytes.
+    The encodings are joined and checksummed at once (CRC-32 of the whole is
+    the CRC-32 carried over the pieces).
 
     Raises:
         TypeError: a value is not an SQLite value (int, float, str, bytes or None).
     """
-    crc = zlib.crc32(_TAGS[table])
+    parts = [_TAGS[table]]
+    add = parts.append
     for value in values:
-        if isinstance(value, int):
-            crc = zlib.crc32(b"i%d;" % value, crc)
-        elif isinstance(value, bytes):
-            crc = zlib.crc32(value, zlib.crc32(b"b%d:" % len(value), crc))
-        elif isinstance(value, str):
-            encoded = value.encode("utf-8", "surrogateescape")
-            crc = zlib.crc32(encoded, zlib.crc32(b"s%d:" % len(encoded), crc))
-        elif isinstance(value, float):
-            crc = zlib.crc32(b"f" + _DOUBLE.pack(value), crc)
+        kind = type(value)
+        if kind is int:
+            add(b"i%d;" % value)  # type: ignore[str-format]
+        elif kind is bytes:
+            add(b"b%d:" % len(value))  # type: ignore[arg-type]
+            add(value)  # type: ignore[arg-type]
+        elif kind is str:
+            encoded = value.encode("utf-8", "surrogateescape")  # type: ignore[attr-defined]
+            add(b"s%d:" % len(encoded))
+            add(encoded)
         elif value is None:
-            crc = zlib.crc32(b"n", crc)
+            add(b"n")
+        elif kind is float:
+            add(b"f" + _DOUBLE.pack(value))
         else:
-            raise TypeError(f"{table} row value {value!r} is not an SQLite value")
-    return crc
+            add(_encoded(table, value))
+    return zlib.crc32(b"".join(parts))
+
+
+def _encoded(table: str, value: object) -> bytes:
+    """How :func:`checksum` encodes a value of a type other than exactly int, bytes,
+    str, None or float: a subclass of an SQLite value's type (a bool is an int)."""
+    if isinstance(value, int):
+        return b"i%d;" % value
+    if isinstance(value, bytes):
+        return b"b%d:" % len(value) + value
+    if isinstance(value, str):
+        encoded = value.encode("utf-8", "surrogateescape")
+        return b"s%d:" % len(encoded) + encoded
+    if isinstance(value, float):
+        return b"f" + _DOUBLE.pack(value)
+    raise TypeError(f"{table} row value {value!r} is not an SQLite value")
 
 
 def _sql_checksum(table: str, *values: object) -> int:
@@ -629,7 +681,8 @@ def _read_version(conn: sqlite3.Connection, path: str) -> int:
             raise StoredDataError(
                 f"{path}: its schema_version table says version {version}, but table {table!r} "
                 f"{found}, not {sorted(expected)!r} (schema version 2 added a crc column "
-                "to every table, version 4 refused and trace to batches): the "
+                "to every table, version 4 refused and trace to batches, version 5 body to "
+                "batches): the "
                 "schema_version table or the schema is damaged; the file was left unchanged"
             )
     return version
@@ -651,20 +704,45 @@ def _migrate(conn: sqlite3.Connection, version: int) -> None:
         )
 
 
-@contextmanager
-def transaction(conn: sqlite3.Connection, *, write: bool) -> Iterator[None]:
+class transaction:  # noqa: N801 - used as a function, like contextlib's
     """One transaction: ``BEGIN IMMEDIATE`` to write, ``BEGIN`` (a read snapshot) to read.
 
-    Commits when the block ends normally; rolls back on any exception,
-    including a failed ``COMMIT``, so no transaction is ever left open.
+    ``with transaction(conn, write=...):`` commits when the block ends
+    normally; rolls back on any exception, including a failed ``COMMIT``, so
+    no transaction is ever left open. (A class rather than a generator: it is
+    entered on every call of the store.) ``cursor``: a cursor of ``conn`` to
+    run ``BEGIN`` and ``COMMIT`` on (the apply path keeps one), else a new one each.
     """
-    conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-    try:
-        yield
-        conn.execute("COMMIT")
-    except BaseException:
+
+    __slots__ = ("_begin", "_conn", "_run")
+
+    def __init__(
+        self, conn: sqlite3.Connection, *, write: bool, cursor: sqlite3.Cursor | None = None
+    ) -> None:
+        self._conn = conn
+        self._run = conn.execute if cursor is None else cursor.execute
+        self._begin = "BEGIN IMMEDIATE" if write else "BEGIN"
+
+    def __enter__(self) -> None:
+        self._run(self._begin)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            self._rollback()
+            return
+        try:
+            self._run("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+
+    def _rollback(self) -> None:
         # Also when COMMIT itself fails (SQLITE_BUSY, an IO error): SQLite may leave
         # the transaction open, which would lock every later call and other processes.
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
+        if self._conn.in_transaction:
+            self._conn.execute("ROLLBACK")

@@ -206,8 +206,8 @@ async def test_sqlite_stores_compact_json_and_text_or_null(db: Path) -> None:
             "SELECT revision, refused, trace, schema_version FROM batches ORDER BY revision"
         ).fetchall()
     assert rows == [
-        (1, '[["inference","no user message"],["tools","no \\"open\\" calls"]]', None, 4),
-        (2, None, TRACE, 4),
+        (1, '[["inference","no user message"],["tools","no \\"open\\" calls"]]', None, 5),
+        (2, None, TRACE, 5),
     ]
 
 
@@ -241,8 +241,8 @@ async def test_an_older_sqlite_database_migrates_and_reads_the_defaults(
     gcodec = golden.make_codec()
     async with await SQLiteStore.open(path, gcodec) as store:  # migrates
         logs = {s: await store.batches(s) for s in await store.list_sessions()}
-    assert versions(path) == [1, 2, 3, 4]
-    assert columns(path, "batches")[-2:] == ["refused", "trace"]
+    assert versions(path) == [1, 2, 3, 4, 5]
+    assert columns(path, "batches")[-3:] == ["refused", "trace", "body"]
     if before is not None:  # migrations 3 and 4 read and rewrite no row
         assert rows_of_version_2_columns(path) == before
     assert all(b.refused == () and b.trace is None for log in logs.values() for b in log)
@@ -285,12 +285,13 @@ async def test_code_of_version_3_refuses_a_version_4_database_untouched(
 def damaged_row(db: Path, **values: Any) -> Iterator[None]:
     """Set columns of revision 1's batch row of session 's', with a matching crc."""
     with raw(db) as connection:
-        query = f"SELECT {BATCH_COLUMNS} FROM batches WHERE revision = 1"
+        query = f"SELECT {BATCH_COLUMNS}, body FROM batches WHERE revision = 1"
         row = list(connection.execute(query).fetchone())
-        names = [name.strip() for name in BATCH_COLUMNS.split(",")]
+        names = [*(name.strip() for name in BATCH_COLUMNS.split(",")), "body"]
         for name, value in values.items():
             row[names.index(name)] = value
-        covered = tuple(row) if row[6] >= 4 else tuple(row[:7])
+        kept = sqlite_schema.row_columns("batches", row[6])  # the columns its crc covers
+        covered = tuple(row[names.index(name)] for name in kept)
         assignments = ", ".join(f"{name} = ?" for name in values)
         connection.execute(
             f"UPDATE batches SET {assignments}, crc = ? WHERE revision = 1",

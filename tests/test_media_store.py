@@ -156,6 +156,7 @@ class Place:
         if self.kind == "sqlite":
             query = (
                 "SELECT (SELECT coalesce(sum(length(body)), 0) FROM effects)"
+                " + (SELECT coalesce(sum(length(body)), 0) FROM batches)"
                 " + (SELECT coalesce(sum(length(body)), 0) FROM snapshots)"
             )
         else:
@@ -595,6 +596,7 @@ def test_base64_of_the_image_is_in_no_record(tmp_path: Path) -> None:
     text = base64.b64encode(b"A" * 3000)[:40]
     with sqlite3.connect(tmp_path / "db") as conn:
         bodies = [row[0] for row in conn.execute("SELECT body FROM effects")]
+        bodies += [row[0] for row in conn.execute("SELECT body FROM batches")]
         bodies += [row[0] for row in conn.execute("SELECT body FROM snapshots")]
     import zlib
 

@@ -8,11 +8,17 @@ through a fresh store: every read returns exactly the original data or raises
 ``StoredDataError``, never different data and never another exception. The
 other tests move rows between sessions, revisions and positions, and check
 that decoding still fails closed when a damaged row carries a valid checksum.
+
+Both layouts of a batch are covered: its effects in the batch row (schema
+version 5, what the store writes) and in effect rows under it (version 4 and
+older, what a migrated database holds; written here as version 4 wrote them,
+:mod:`_sqlite_effect_rows`).
 """
 
 from __future__ import annotations
 
 import random
+import re
 import sqlite3
 import zlib
 from collections.abc import Awaitable, Callable
@@ -23,6 +29,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _sqlite_effect_rows import insert_batch_as_version_4
 
 from stepmachine import (
     AppendMessage,
@@ -35,8 +42,8 @@ from stepmachine import (
     StoredDataError,
 )
 from stepmachine.extend import Batch, apply_batch
-from stepmachine.stores import SQLiteStore
-from stepmachine.stores._sqlite_schema import COLUMNS, checksum
+from stepmachine.stores import SQLiteStore, _sqlite_rows
+from stepmachine.stores._sqlite_schema import COLUMNS, checksum, row_columns
 from stepmachine.testing.conformance import ConformanceData, Increment
 
 TABLES = ("sessions", "batches", "effects", "snapshots")
@@ -64,22 +71,28 @@ def transfer(index: int, amount: int) -> Message:
 
 
 async def write_sample(path: Path) -> None:
-    """A small database with every kind of row: several sessions, snapshots, overflow, a fork."""
+    """A small database with every kind of row: several sessions, snapshots, overflow, a fork,
+    the first batches in effect rows (as version 4 wrote them), the later ones in batch rows."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_sqlite_rows, "insert_batch", insert_batch_as_version_4)
+        async with await SQLiteStore.open(path, codec()) as store:
+            session = await store.create("payments", ConformanceData(label="ledger"))
+            for index in range(1, 5):
+                session = await apply(store, session, AppendMessage(transfer(index, 100 * index)))
+            session = await apply(store, session, Increment(7))
+            # A big message: its rows spill onto overflow pages (stored compressed, so
+            # the text is made of digits that do not repeat, which compress about half).
+            big = Message.user("statement " + BIG_TEXT, id="big")
+            session = await apply(store, session, AppendMessage(big), Increment(1))
     async with await SQLiteStore.open(path, codec()) as store:
-        session = await store.create("payments", ConformanceData(label="ledger"))
-        for index in range(1, 5):
-            session = await apply(store, session, AppendMessage(transfer(index, 100 * index)))
-        session = await apply(store, session, Increment(7))
-        # A big message: its rows spill onto overflow pages (stored compressed, so
-        # the text is made of digits that do not repeat, which compress about half).
-        big = Message.user("statement " + BIG_TEXT, id="big")
-        session = await apply(store, session, AppendMessage(big), Increment(1))
         summary = Message.system("Summary: four transfers, 1000 EUR in total.", id="sum")
         session = await apply(store, session, ReplaceConversation((summary,)))  # a snapshot
         session = await apply(store, session, AppendMessage(transfer(5, 900)), Increment(-2))
         other = await store.create("other", conversation=[Message.system("terse", id="s0")])
         for index in range(3):
             other = await apply(store, other, Increment(index + 1))
+        # A big batch row: its body spills onto overflow pages too.
+        other = await apply(store, other, AppendMessage(Message.user(BIG_TEXT[::-1], id="b2")))
         forked = await store.fork("payments", 5, "payments-fork")
         await apply(store, forked, AppendMessage(transfer(6, 300)))
 
@@ -206,15 +219,15 @@ def test_record_regions_cover_every_table(sample: tuple[Path, bytes]) -> None:
     with raw(path) as connection:
         counts = {t: connection.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES}
     for table in TABLES:
-        # One region per row, plus overflow pages (only the snapshots and effects are big).
+        # One region per row, plus overflow pages (only snapshots, effects and batches are big).
         local = [r for r in regions if r[0] == table]
         assert len(local) >= counts[table], table
-    effects = [r for r in regions if r[0] == "effects"]
-    assert len(effects) > counts["effects"]  # the big message's row has overflow pages
+    for table in ("effects", "batches"):  # the big messages' rows have overflow pages
+        assert len([r for r in regions if r[0] == table]) > counts[table], table
     # The text the property test damages is inside the regions. (Snapshot bodies and
     # long effect records are compressed: "ledger" and the big text are not in the
     # file as text.)
-    for needle in (b"transfer 900 EUR", b"payments-fork"):
+    for needle in (b"transfer 100 EUR", b"transfer 900 EUR", b"payments-fork"):
         found = [i for i in range(len(content)) if content.startswith(needle, i)]
         inside = [i for i in found if any(start <= i < end for _, start, end in regions)]
         assert inside, needle
@@ -266,11 +279,17 @@ async def test_flipped_bits_never_load_as_different_data(
     assert failures == []
 
 
-def test_every_single_bit_of_one_effect_record_is_caught(sample: tuple[Path, bytes]) -> None:
-    """Exhaustively, for the record that holds "transfer 900 EUR": never different data."""
+@pytest.mark.parametrize(
+    ("needle", "table"), [(b"transfer 100 EUR", "effects"), (b"transfer 900 EUR", "batches")]
+)
+def test_every_single_bit_of_one_effect_record_is_caught(
+    sample: tuple[Path, bytes], needle: bytes, table: str
+) -> None:
+    """Exhaustively, for the row that holds the record of ``needle`` (an effect row, a
+    batch row holding its effects): never different data."""
     path, content = sample
-    at = content.find(b"transfer 900 EUR")
-    (region,) = [r for r in record_regions(path, ("effects",)) if r[1] <= at < r[2]]
+    at = content.find(needle)
+    (region,) = [r for r in record_regions(path, (table,)) if r[1] <= at < r[2]]
 
     async def main() -> list[str]:
         wanted = ("load('payments')", "batches('payments')")
@@ -288,7 +307,15 @@ def test_every_single_bit_of_one_effect_record_is_caught(sample: tuple[Path, byt
 # -- rows moved to where they do not belong ---------------------------------------------
 
 
-async def make(path: Path) -> None:
+async def make(path: Path, effect_rows: bool = False) -> None:
+    """Sessions a and b, three batches each; with ``effect_rows``, written as version 4 did."""
+    with pytest.MonkeyPatch.context() as patch:
+        if effect_rows:
+            patch.setattr(_sqlite_rows, "insert_batch", insert_batch_as_version_4)
+        await _make(path)
+
+
+async def _make(path: Path) -> None:
     async with await SQLiteStore.open(path, codec()) as store:
         for session_id in ("a", "b"):
             session = await store.create(session_id)
@@ -326,6 +353,23 @@ _MOVES: dict[str, tuple[str, str, str]] = {
         "effects",
         "revision 2 effect 0",
     ),
+    "batch-bodies-swapped": (
+        (
+            "UPDATE batches SET body = (SELECT body FROM batches b WHERE b.sid = 1 "
+            "AND b.revision = 3) WHERE sid = 1 AND revision = 2"
+        ),
+        "batches",
+        "revision 2",
+    ),
+    "batch-body-to-other-session": (
+        (
+            "UPDATE batches SET body = (SELECT body FROM batches b WHERE b.sid = 2 "
+            "AND b.revision = 2), crc = (SELECT crc FROM batches b WHERE b.sid = 2 "
+            "AND b.revision = 2) WHERE sid = 1 AND revision = 2"
+        ),
+        "batches",
+        "revision 2",
+    ),
     "batches-swapped": (
         (
             "UPDATE batches SET revision = 9 WHERE sid = 1 AND revision = 2;"
@@ -356,7 +400,7 @@ _MOVES: dict[str, tuple[str, str, str]] = {
 @pytest.mark.parametrize("move", sorted(_MOVES))
 async def test_rows_moved_elsewhere_are_refused(tmp_path: Path, move: str) -> None:
     path = tmp_path / "store.db"
-    await make(path)
+    await make(path, effect_rows=move.startswith("effect"))
     statement, table, where = _MOVES[move]
     with raw(path) as connection:
         connection.executescript(statement)
@@ -378,13 +422,17 @@ async def test_rows_moved_elsewhere_are_refused(tmp_path: Path, move: str) -> No
             assert (await store.load("b")).revision == 3  # the other session is intact
 
 
-async def test_fork_refuses_to_copy_a_damaged_row(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("table", "where"), [("effects", "effect 0 (table effects)"), ("batches", "(table batches)")]
+)
+async def test_fork_refuses_to_copy_a_damaged_row(tmp_path: Path, table: str, where: str) -> None:
     path = tmp_path / "store.db"
-    await make(path)
+    await make(path, effect_rows=table == "effects")
     with raw(path) as connection:
-        connection.execute("UPDATE effects SET body = body || x'20' WHERE sid = 1 AND revision = 1")
+        damage = f"UPDATE {table} SET body = body || x'20' WHERE sid = 1 AND revision = 1"
+        assert connection.execute(damage).rowcount >= 1
     async with await SQLiteStore.open(path, codec()) as store:
-        with pytest.raises(StoredDataError, match=r"'a' revision 1 effect 0 \(table effects\)"):
+        with pytest.raises(StoredDataError, match=re.escape(f"'a' revision 1 {where}")):
             await store.fork("a", 3, "copy")
         assert await store.list_sessions() == ["a", "b"]  # nothing was written
         with pytest.raises(SessionNotFoundError):
@@ -401,8 +449,10 @@ def rechecksum(path: Path) -> None:
                 else f"SELECT NULL, {', '.join(columns)} FROM {table}"
             ).fetchall()
             for row in rows:
-                crc = checksum(table, tuple(row[1:]))
                 keys = dict(zip(columns, row[1:], strict=True))
+                version = keys["schema_version"]
+                covered = row_columns(table, version) if isinstance(version, int) else columns
+                crc = checksum(table, tuple(keys[c] for c in covered))
                 if table == "sessions":
                     connection.execute("UPDATE sessions SET crc = ? WHERE sid = ?", (crc, row[0]))
                 elif table == "snapshots":
@@ -418,9 +468,30 @@ def rechecksum(path: Path) -> None:
                     )
 
 
+_DECODED = b'[[{"type":"conformance.increment"}],[{"type":"conformance.increment"}]]'
+
+
 @pytest.mark.parametrize(
     ("statement", "message"),
     [
+        # The batch row holding its effects (what the store writes).
+        ("UPDATE batches SET body = x'ff00' WHERE sid = 1 AND revision = 2", "neither JSON nor"),
+        ("UPDATE batches SET body = 'text' WHERE sid = 1 AND revision = 2", "column body"),
+        ("UPDATE batches SET body = NULL WHERE sid = 1 AND revision = 2", "column body"),
+        ("UPDATE batches SET effect_count = 3 WHERE sid = 1 AND revision = 2", "says 3"),
+        ("UPDATE batches SET schema_version = 9 WHERE sid = 1 AND revision = 2", "version is 9"),
+        (
+            "UPDATE batches SET body = x'" + zlib.compress(_DECODED[:-3]).hex() + "' "
+            "WHERE sid = 1 AND revision = 2",
+            "revision 2.*not a JSON array",
+        ),
+        (
+            "UPDATE batches SET body = x'"
+            + _DECODED.replace(b"increment", b"evil").hex()
+            + "' WHERE sid = 1 AND revision = 2",
+            "revision 2 effect 0",
+        ),
+        # Effect rows under a batch row (a database of version 4 or older).
         ("UPDATE effects SET body = x'ff00' WHERE sid = 1 AND revision = 2", "revision 2 effect 0"),
         ("UPDATE effects SET body = 'text' WHERE sid = 1 AND revision = 2", "column body"),
         ("UPDATE batches SET cycle = 'x' WHERE sid = 1 AND revision = 2", "column cycle"),
@@ -438,9 +509,9 @@ async def test_bad_rows_with_valid_checksums_still_fail_closed(
     tmp_path: Path, statement: str, message: str
 ) -> None:
     path = tmp_path / "store.db"
-    await make(path)
+    await make(path, effect_rows="effects" in statement)
     with raw(path) as connection:
-        connection.execute(statement)
+        assert connection.execute(statement).rowcount >= 1
     rechecksum(path)
     async with await SQLiteStore.open(path, codec()) as store:
         with pytest.raises(StoredDataError, match=message):

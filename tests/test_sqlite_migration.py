@@ -45,7 +45,9 @@ GOLDEN = Path(golden.__file__).resolve().parent / "golden" / "sqlite"
 V1 = GOLDEN / golden.db_name(1)
 V2 = GOLDEN / golden.db_name(2)
 V3 = GOLDEN / golden.db_name(3)
-MIGRATED = [1, 2, 3, 4]
+V4 = GOLDEN / golden.db_name(4)
+V5 = GOLDEN / golden.db_name(5)
+MIGRATED = [1, 2, 3, 4, 5]
 """The schema_version table of a database at the current version."""
 EXPECTED: dict[str, Any] = json.loads((GOLDEN / "expected.json").read_text(encoding="utf-8"))
 
@@ -147,7 +149,7 @@ def test_the_golden_database_is_version_1_without_checksums() -> None:
     assert versions(V1) == [1]
     for table in COLUMNS:
         assert "crc" not in columns_of(V1, table)
-    assert SCHEMA_VERSION == 4
+    assert SCHEMA_VERSION == 5
 
 
 async def test_v1_is_migrated_verified_and_reopened(v1: Path) -> None:
@@ -166,7 +168,7 @@ async def test_a_migrated_database_takes_new_batches(v1: Path) -> None:
     codec = golden.make_codec()
     async with await SQLiteStore.open(v1, codec) as store:
         beta = await store.load("beta")
-        # The second record is long: stored compressed, in a version-3 row.
+        # The second record is long: the batch row's body is stored compressed.
         effects = (golden.Scored(5, "after migration"), golden.Scored(1, "long " * 100))
         await store.apply(Batch("beta", beta.revision + 1, "step-x", 0, 1.8e9, effects))
         fork = await store.fork("alpha", 6, "alpha-2")
@@ -177,14 +179,21 @@ async def test_a_migrated_database_takes_new_batches(v1: Path) -> None:
         assert len(await store.batches("alpha-2")) == 6
     assert bad_checksums(v1) == dict.fromkeys(COLUMNS, 0)
     with raw(v1) as connection:
+        beta_sid = "(SELECT sid FROM sessions WHERE session_id = 'beta')"
         new_rows = connection.execute(
-            "SELECT schema_version, substr(body, 1, 1) FROM effects WHERE revision = ? "
-            "AND sid = (SELECT sid FROM sessions WHERE session_id = 'beta') ORDER BY position",
+            "SELECT schema_version, effect_count, substr(body, 1, 1) FROM batches "
+            f"WHERE revision = ? AND sid = {beta_sid}",
             (beta.revision + 1,),
         ).fetchall()
-    assert new_rows == [(4, b"["), (4, b"\x78")]
-    # Old rows keep version 2 (the copies a fork makes too); new ones are version 4.
-    assert row_versions(v1) == dict.fromkeys(COLUMNS, (2, 4))
+        new_effect_rows = connection.execute(
+            f"SELECT count(*) FROM effects WHERE revision = ? AND sid = {beta_sid}",
+            (beta.revision + 1,),
+        ).fetchone()
+    # The new batch is one row holding both effects (compressed), no effect rows.
+    assert new_rows == [(5, 2, b"\x78")]
+    assert new_effect_rows == (0,)
+    # Old rows keep version 2 (the copies a fork makes too); new ones are version 5.
+    assert row_versions(v1) == {**dict.fromkeys(COLUMNS, (2, 5)), "effects": (2,)}
 
 
 async def test_a_failed_migration_leaves_version_1(
@@ -434,3 +443,170 @@ async def test_a_compressed_effect_row_of_version_2_is_stored_data_error(v2: Pat
         revisions = EXPECTED["sessions"]["beta"]["revisions"]
         assert as_json(await store.load_at("beta", 1)) == revisions[1]
     assert digest(v2) == before  # nothing rewritten
+
+
+# -- version 4 to 5 ------------------------------------------------------------------
+
+
+@pytest.fixture
+def v4(tmp_path: Path) -> Path:
+    """A copy of the golden version-4 database (written by the code before version 5)."""
+    path = tmp_path / "store.db"
+    shutil.copyfile(V4, path)
+    return path
+
+
+def test_the_golden_databases_of_versions_4_and_5() -> None:
+    """Version 4 keeps a batch's effects in effect rows; version 5 in the batch row."""
+    assert versions(V4) == [1, 2, 3, 4]
+    assert "body" not in columns_of(V4, "batches")
+    assert versions(V5) == MIGRATED
+    with raw(V5) as connection:
+        assert connection.execute("SELECT count(*) FROM effects").fetchone() == (0,)
+        kinds = connection.execute(
+            "SELECT DISTINCT schema_version, substr(body, 1, 1) FROM batches ORDER BY 2"
+        ).fetchall()
+    assert kinds == [(5, b"["), (5, b"\x78")]  # short bodies as they are, long ones compressed
+
+
+async def test_v4_is_migrated_to_5_without_changing_a_row(v4: Path) -> None:
+    before = every_row(v4)
+    with raw(v4) as connection:
+        effect_rows = connection.execute("SELECT count(*) FROM effects").fetchone()[0]
+    assert effect_rows > 100
+    await read_everything(v4)  # the first open migrates
+    assert versions(v4) == MIGRATED
+    assert columns_of(v4, "batches")[-1] == "body"
+    assert every_row(v4) == before  # migration 5 adds a NULL column, reads and rewrites nothing
+    assert row_versions(v4) == dict.fromkeys(COLUMNS, (4,))
+    assert bad_checksums(v4) == dict.fromkeys(COLUMNS, 0)
+    await read_everything(v4)  # reopened: nothing more to migrate
+    assert versions(v4) == MIGRATED
+
+
+async def test_a_migrated_v4_database_keeps_working_across_both_layouts(v4: Path) -> None:
+    """Read, append, the audit log, load_at and fork over a log that is half version-4
+    rows (effects in the effects table) and half version-5 rows (effects in the batch row)."""
+    codec = golden.make_codec()
+    async with await SQLiteStore.open(v4, codec) as store:
+        alpha = await store.load("alpha")
+        old_log = await store.batches("alpha")
+        appended: list[Batch[Any]] = []
+        session = alpha
+        for index, effects in enumerate(
+            [
+                (golden.Scored(2, "after migration"),),
+                (golden.Scored(1, "long " * 100), golden.Scored(3)),
+                (),
+            ]
+        ):
+            batch = Batch("alpha", session.revision + 1, f"new-{index}", 1, 1.8e9 + index, effects)
+            session = await store.apply(batch)
+            appended.append(batch)
+    async with await SQLiteStore.open(v4, codec) as store:  # a fresh cache: read from disk
+        assert await store.load("alpha") == session
+        log = await store.batches("alpha")
+        assert log == [*old_log, *appended]
+        assert await store.batches("alpha", after=alpha.revision - 1) == log[alpha.revision - 1 :]
+        expected = alpha
+        for batch in appended:
+            expected = apply_batch(expected, batch.effects)
+            assert await store.load_at("alpha", batch.revision) == expected
+        assert (
+            as_json(await store.load_at("alpha", 3))
+            == (EXPECTED["sessions"]["alpha"]["revisions"][3])
+        )
+        forked = await store.fork("alpha", session.revision, "alpha-both")
+        assert forked == msgspec.structs.replace(session, id="alpha-both")
+        assert await store.batches("alpha-both") == [
+            msgspec.structs.replace(b, session_id="alpha-both") for b in log
+        ]
+        assert await store.load_at("alpha-both", 2) == msgspec.structs.replace(
+            await store.load_at("alpha", 2), id="alpha-both"
+        )
+    assert bad_checksums(v4) == dict.fromkeys(COLUMNS, 0)
+    assert row_versions(v4) == {**dict.fromkeys(COLUMNS, (4, 5)), "effects": (4,)}
+    with raw(v4) as connection:
+        new = connection.execute(
+            "SELECT count(*) FROM effects WHERE revision > ? "
+            "AND sid = (SELECT sid FROM sessions WHERE session_id = 'alpha')",
+            (alpha.revision,),
+        ).fetchone()
+    assert new == (0,)  # the new batches wrote no effect rows
+
+
+async def test_a_failed_migration_leaves_version_4(
+    v4: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing = (*schema._MIGRATIONS[5], "INSERT INTO no_such_table VALUES (1)")
+    monkeypatch.setitem(schema._MIGRATIONS, 5, failing)
+    before = digest(v4)
+    with pytest.raises(sqlite3.OperationalError, match="no_such_table"):
+        await SQLiteStore.open(v4, golden.make_codec())
+    assert versions(v4) == [1, 2, 3, 4]
+    assert "body" not in columns_of(v4, "batches")  # the ALTER TABLE was rolled back too
+    assert digest(v4) == before
+    monkeypatch.undo()
+    await read_everything(v4)
+    assert versions(v4) == MIGRATED
+
+
+async def test_code_of_version_4_refuses_a_version_5_database_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a reader that knows only version 4 does with a version-5 database: refused on
+    open, before reading a row whose effects it would not find, and left as it was."""
+    db = tmp_path / "store.db"
+    shutil.copyfile(V5, db)
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 4)
+    before = digest(db)
+    with pytest.raises(
+        StoredDataError, match=r"schema version 5.*up to 4\. Upgrade stepmachine.*left unchanged"
+    ):
+        await SQLiteStore.open(db, golden.make_codec())
+    assert digest(db) == before
+    assert sorted(p.name for p in db.parent.iterdir()) == ["store.db"]
+    monkeypatch.undo()
+    await read_everything(db)  # and today's code reads it
+
+
+async def test_a_version_4_row_holding_a_body_is_stored_data_error(v4: Path) -> None:
+    """A version-4 batch row never held a body: one that does is damage, not read."""
+    await read_everything(v4)  # migrated to 5; the rows stay version 4
+    with raw(v4) as connection:
+        connection.execute(
+            "UPDATE batches SET body = x'5b5d' WHERE revision = 2 "
+            "AND sid = (SELECT sid FROM sessions WHERE session_id = 'beta')"
+        )
+    before = digest(v4)
+    async with await SQLiteStore.open(v4, golden.make_codec()) as store:
+        with pytest.raises(StoredDataError, match=r"'beta' revision 2.*version 4 holds a body"):
+            await store.batches("beta")
+        revisions = EXPECTED["sessions"]["beta"]["revisions"]
+        assert as_json(await store.load_at("beta", 1)) == revisions[1]
+    assert digest(v4) == before
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "ALTER TABLE batches ADD COLUMN body BLOB",  # says 4, has version 5's column
+        "INSERT INTO schema_version VALUES (5, 0)",  # says 5, lacks its column
+    ],
+    ids=["v4-with-body", "v5-without-body"],
+)
+async def test_a_version_table_that_does_not_match_the_batches_table_is_refused(
+    v4: Path, damage: str
+) -> None:
+    """Migration 5 is not run over a table that already has its column, nor a database
+    read as version 5 whose batches have nowhere to keep their effects: refused on open,
+    with what is wrong, and left as it was."""
+    with raw(v4) as connection:
+        connection.execute(damage)
+    before = digest(v4)
+    with pytest.raises(
+        StoredDataError, match=r"schema_version table says version [45].*'batches'.*left unchanged"
+    ):
+        await SQLiteStore.open(v4, golden.make_codec())
+    assert digest(v4) == before
+    assert sorted(p.name for p in v4.parent.iterdir()) == ["store.db"]

@@ -33,6 +33,8 @@ import anyio.lowlevel
 import make_golden_sqlite
 import msgspec
 import pytest
+from _sqlite_effect_rows import VERSION as EFFECT_ROWS_VERSION
+from _sqlite_effect_rows import effect_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -396,11 +398,13 @@ async def test_schema_version_table_and_versioned_records(db: Path) -> None:
         assert connection.execute("SELECT version FROM schema_version").fetchall() == [
             (version,) for version in range(1, SCHEMA_VERSION + 1)
         ]
-        for table in ("sessions", "batches", "effects", "snapshots"):
+        for table in ("sessions", "batches", "snapshots"):
             versions = connection.execute(f"SELECT DISTINCT schema_version FROM {table}")
             assert versions.fetchall() == [(SCHEMA_VERSION,)], table
             unchecked = connection.execute(f"SELECT count(*) FROM {table} WHERE crc IS NULL")
             assert unchecked.fetchone() == (0,), table
+        # A batch keeps its effects in its own row: no effect rows are written.
+        assert connection.execute("SELECT count(*) FROM effects").fetchone() == (0,)
 
 
 @pytest.mark.parametrize("wal", [True, False], ids=["wal-file", "rollback-file"])
@@ -578,6 +582,7 @@ _CORRUPTIONS: dict[str, tuple[str, tuple[Any, ...]]] = {
 }
 
 
+@pytest.mark.usefixtures(effect_rows.__name__)
 @pytest.mark.parametrize("corruption", sorted(_CORRUPTIONS))
 async def test_corrupt_effect_row_fails_closed(db: Path, corruption: str) -> None:
     async with await SQLiteStore.open(db, codec()) as store:
@@ -607,6 +612,96 @@ async def test_corrupt_effect_row_fails_closed(db: Path, corruption: str) -> Non
         with pytest.raises(StoredDataError):  # and nothing can be appended on top of it
             await store.apply(batch_for(session, Increment()))
     assert digest(db) == before
+
+
+def _records_of(body: bytes) -> list[bytes]:
+    """The effect records of a batch row's body (a JSON array of them, maybe compressed)."""
+    plain = zlib.decompress(body) if body[:1] == b"\x78" else body
+    return [bytes(item) for item in msgspec.json.decode(plain, type=list[msgspec.Raw])]
+
+
+_INCREMENT = b'[{"type":"conformance.increment","by":1}]'
+_BODY_CORRUPTIONS: dict[str, tuple[Any, str]] = {
+    # name: (the body, or how to make it from the records; what the error says)
+    "garbage": (b"\xff\x00zz", "neither JSON nor zlib"),
+    "not-zlib": (b"\x78not zlib", "does not decompress"),
+    "truncated-json": (lambda r: (b"[" + b",".join(r) + b"]")[:-4], "not a JSON array"),
+    "one-record-for-two": (lambda r: b"[" + r[0] + b"]", "holds 1 effect records.*says 2"),
+    "three-records-for-two": (
+        lambda r: b"[" + b",".join([*r, _INCREMENT]) + b"]",
+        "holds 3 effect records.*says 2",
+    ),
+    "text-not-blob": ("[" + _INCREMENT.decode() + "," + _INCREMENT.decode() + "]", "column body"),
+    "null": (None, "column body"),
+    "not-an-array": (b'{"type":"conformance.increment"}', "neither JSON nor zlib"),
+    "record-not-an-array": (
+        lambda r: b'[{"type":"conformance.increment"},' + r[1] + b"]",
+        "effect 0.*not an array",
+    ),
+    "unknown-tag": (
+        lambda r: b"[" + r[0] + b',[{"type":"evil.module:Class","by":1}]]',
+        "effect 1",
+    ),
+    "two-effects-in-a-record": (
+        lambda r: b"[" + r[0] + b",[" + _INCREMENT[1:-1] + b"," + _INCREMENT[1:-1] + b"]]",
+        "effect 1.*2 effects",
+    ),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(_BODY_CORRUPTIONS))
+async def test_corrupt_batch_body_fails_closed(db: Path, corruption: str) -> None:
+    """A batch row's body (its effects) that does not hold its effect records, with a
+    checksum that matches (so what is checked after the checksum is what fails)."""
+    async with await SQLiteStore.open(db, codec()) as store:
+        session = await store.create("s-1")
+        for index in range(3):
+            session = await apply(store, session, AppendMessage(message(index)), Increment())
+        first = await store.load_at("s-1", 1)
+    made, expected = _BODY_CORRUPTIONS[corruption]
+    columns = "sid, revision, step, cycle, timestamp, effect_count, schema_version, refused, trace"
+    with raw(db) as connection:
+        *row, body = connection.execute(
+            f"SELECT {columns}, body FROM batches WHERE revision = 2"
+        ).fetchone()
+        assert row[5:7] == [2, SCHEMA_VERSION]
+        damaged = made(_records_of(body)) if callable(made) else made
+        crc = checksum("batches", (*row, damaged))
+        changed = connection.execute(
+            "UPDATE batches SET body = ?, crc = ? WHERE revision = 2", (damaged, crc)
+        )
+        assert changed.rowcount == 1
+    before = digest(db)
+
+    async with await SQLiteStore.open(db, codec()) as store:
+        for read in (store.load("s-1"), store.load_at("s-1", 2), store.batches("s-1")):
+            with pytest.raises(StoredDataError, match=expected) as info:
+                await read
+            text = str(info.value)
+            assert "'s-1'" in text
+            assert "revision 2" in text
+            assert str(db) in text
+        assert await store.load_at("s-1", 1) == first  # what precedes it still reads
+        with pytest.raises(StoredDataError):  # and nothing can be appended on top of it
+            await store.apply(batch_for(session, Increment()))
+    assert digest(db) == before
+
+
+async def test_an_effect_row_under_a_batch_row_holding_its_effects_is_refused(db: Path) -> None:
+    """A batch row of version 5 has no effect rows: one found at its revision is damage."""
+    async with await SQLiteStore.open(db, codec()) as store:
+        session = await store.create("s")
+        await apply(store, session, Increment())
+    values = (1, 1, 0, EFFECT_ROWS_VERSION, _INCREMENT)
+    with raw(db) as connection:
+        connection.execute(
+            "INSERT INTO effects (sid, revision, position, schema_version, body, crc) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (*values, checksum("effects", values)),
+        )
+    async with await SQLiteStore.open(db, codec()) as store:
+        with pytest.raises(StoredDataError, match=r"'s' revision 1 effect 0.*orphan"):
+            await store.batches("s")
 
 
 async def test_corrupt_snapshot_fails_closed(db: Path) -> None:
@@ -959,9 +1054,9 @@ async def test_warm_apply_reads_nothing_and_compare_and_sets_in_one_update(
     assert updates[0].endswith("WHERE sid = 1 AND revision = 1"), updates
     assert seen[0] == "BEGIN IMMEDIATE"
     assert seen[-1] == "COMMIT"
-    # BEGIN, the CAS, the batch row, three effect rows (one executemany), COMMIT.
-    assert sum(s.startswith("INSERT INTO effects") for s in seen) == 3
-    assert len(seen) == 7, seen
+    # BEGIN, the CAS, the batch row holding its three effects, COMMIT: two b-trees.
+    assert seen[2].startswith("INSERT INTO batches"), seen
+    assert len(seen) == 4, seen
 
 
 async def test_stale_cache_conflict_is_diagnosed_by_a_read(db: Path) -> None:
@@ -1132,10 +1227,11 @@ async def test_long_effect_records_are_stored_compressed(db: Path) -> None:
         session = await apply(store, session, AppendMessage(Message.user(long_text, id="l")))
         session = await apply(store, session, Increment(2))
     with raw(db) as connection:
-        bodies = dict(connection.execute("SELECT revision, body FROM effects"))
+        bodies = dict(connection.execute("SELECT revision, body FROM batches"))
     assert bodies[1][:1] == b"\x78"  # compressed
-    assert zlib.decompress(bodies[1]) == codec().encode_effects((session_effect(session),))
-    assert bodies[2][:1] == b"["  # short: as it is
+    record = codec().encode_effects((session_effect(session),))
+    assert zlib.decompress(bodies[1]) == b"[" + record + b"]"  # the batch's records, in an array
+    assert bodies[2] == b"[" + codec().encode_effects((Increment(2),)) + b"]"  # short: as it is
     async with await SQLiteStore.open(db, codec()) as store:
         assert await store.load("s") == session
 
@@ -1144,6 +1240,7 @@ def session_effect(session: Session[Any]) -> Effect:
     return AppendMessage(session.conversation[0])
 
 
+@pytest.mark.usefixtures(effect_rows.__name__)
 async def test_uncompressed_long_effect_records_still_read(db: Path) -> None:
     """Rows written before effect records were compressed hold the JSON as it is."""
     async with await SQLiteStore.open(db, codec()) as store:
@@ -1153,18 +1250,21 @@ async def test_uncompressed_long_effect_records_still_read(db: Path) -> None:
     with raw(db) as connection:
         connection.execute(
             "UPDATE effects SET body = ?, crc = ? WHERE revision = 1",
-            (record, checksum("effects", (1, 1, 0, SCHEMA_VERSION, record))),
+            (record, checksum("effects", (1, 1, 0, EFFECT_ROWS_VERSION, record))),
         )
+        assert connection.execute("SELECT changes()").fetchone() == (1,)
     async with await SQLiteStore.open(db, codec()) as store:
         assert await store.load("s") == session
 
 
+@pytest.mark.usefixtures(effect_rows.__name__)
 @pytest.mark.parametrize("compressed", [False, True], ids=["as-is", "compressed"])
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6])
 async def test_which_effect_rows_read_by_row_version(
     db: Path, version: int, compressed: bool
 ) -> None:
-    """Rows of versions 2 to 4 read; only version 3 and later may hold a compressed record.
+    """Effect rows of versions 2 to 4 read; only version 3 and later may hold a compressed
+    record; version 5 and later write no effect rows.
 
     A version-2 row with a compressed body, or a row of another version, is a
     corrupt row: StoredDataError naming session, revision and effect, and
@@ -1192,6 +1292,7 @@ async def test_which_effect_rows_read_by_row_version(
     assert digest(db) == before
 
 
+@pytest.mark.usefixtures(effect_rows.__name__)
 async def test_an_effect_record_that_does_not_decompress_fails_closed(db: Path) -> None:
     async with await SQLiteStore.open(db, codec()) as store:
         session = await store.create("s")
@@ -1200,7 +1301,7 @@ async def test_an_effect_record_that_does_not_decompress_fails_closed(db: Path) 
     with raw(db) as connection:
         connection.execute(
             "UPDATE effects SET body = ?, crc = ? WHERE revision = 1",
-            (body, checksum("effects", (1, 1, 0, SCHEMA_VERSION, body))),
+            (body, checksum("effects", (1, 1, 0, EFFECT_ROWS_VERSION, body))),
         )
     before = digest(db)
     async with await SQLiteStore.open(db, codec()) as store:

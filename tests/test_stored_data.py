@@ -21,10 +21,12 @@ from typing import Any
 
 import anyio
 import pytest
+from _sqlite_effect_rows import VERSION as EFFECT_ROWS_VERSION
+from _sqlite_effect_rows import insert_batch_as_version_4
 
 from stepmachine import AppendMessage, Effect, Message, Session, StoredDataError
 from stepmachine.extend import Batch
-from stepmachine.stores import FileStore, SQLiteStore
+from stepmachine.stores import FileStore, SQLiteStore, _sqlite_rows
 from stepmachine.stores._file_log import SCHEMA_VERSION as FILE_SCHEMA_VERSION
 from stepmachine.stores._file_log import TAG_BATCH, encode_record
 from stepmachine.stores._sqlite_schema import SCHEMA_VERSION, checksum
@@ -120,19 +122,27 @@ def batch_for(session: Session[Any], *effects: Effect) -> Batch[Effect]:
     )
 
 
-async def sqlite_session(path: Path) -> None:
-    """Session ``s`` at revision 1, whose one effect row is stored compressed."""
-    async with await SQLiteStore.open(path) as store:
-        session = await store.create("s")
-        await store.apply(batch_for(session, AppendMessage(Message.user(LONG, id="long"))))
+async def sqlite_session(path: Path, effect_rows: bool = False) -> None:
+    """Session ``s`` at revision 1, whose one effect is stored compressed: in the batch
+    row, or (``effect_rows``) in an effect row as schema version 4 wrote it."""
+    with pytest.MonkeyPatch.context() as patch:
+        if effect_rows:
+            patch.setattr(_sqlite_rows, "insert_batch", insert_batch_as_version_4)
+        async with await SQLiteStore.open(path) as store:
+            session = await store.create("s")
+            await store.apply(batch_for(session, AppendMessage(Message.user(LONG, id="long"))))
 
 
 def replace_sqlite_body(path: Path, table: str, revision: int, body: bytes) -> None:
     """Put ``body`` in the row of ``table`` at ``revision``, with a matching checksum."""
     with closing(sqlite3.connect(path, isolation_level=None)) as connection:
         if table == "effects":
-            values: tuple[Any, ...] = (1, revision, 0, SCHEMA_VERSION, body)
+            values: tuple[Any, ...] = (1, revision, 0, EFFECT_ROWS_VERSION, body)
             where = "revision = ? AND position = 0"
+        elif table == "batches":
+            header = (1, revision, "test", 1, 1_700_000_000.0, 1, SCHEMA_VERSION, None, None)
+            values = (*header, body)
+            where = "revision = ?"
         else:
             values = (1, revision, SCHEMA_VERSION, body)
             where = "revision = ?"
@@ -168,10 +178,11 @@ def replace_file_batch(log: Path, payload: bytes) -> None:
 @pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
 )
-def test_sqlite_effect_row_bomb_fails_clearly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("table", ["batches", "effects"])
+def test_sqlite_effect_row_bomb_fails_clearly(tmp_path: Path, table: str) -> None:
     db = tmp_path / "store.db"
-    anyio.run(sqlite_session, db)
-    replace_sqlite_body(db, "effects", 1, bomb())
+    anyio.run(sqlite_session, db, table == "effects")
+    replace_sqlite_body(db, table, 1, bomb())
     outcome = load_with_bounded_memory("sqlite", db)
     assert outcome.startswith("StoredDataError"), outcome
     assert "'s'" in outcome
@@ -228,16 +239,29 @@ def test_file_snapshot_bomb_is_not_a_memory_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "inner", [b"[not json", b"{}", b"[1, 2]", b'[{"type": "no.such.effect"}]', b"\xff\xfe"]
 )
+@pytest.mark.parametrize("table", ["batches", "effects"])
 async def test_sqlite_compressed_effect_of_invalid_json_names_the_row(
-    tmp_path: Path, inner: bytes
+    tmp_path: Path, inner: bytes, table: str
 ) -> None:
+    """``inner`` as the effect's record: the effect row's body, or the only item of the
+    batch row's body (a JSON array of the batch's records)."""
     db = tmp_path / "store.db"
-    await sqlite_session(db)
-    replace_sqlite_body(db, "effects", 1, zlib.compress(inner))
+    await sqlite_session(db, effect_rows=table == "effects")
+    record = inner if table == "effects" else b"[" + inner + b"]"
+    replace_sqlite_body(db, table, 1, zlib.compress(record))
     async with await SQLiteStore.open(db) as store:
         with pytest.raises(StoredDataError, match=r"'s'.*revision 1") as caught:
             await store.load("s")
-    assert "effect 0" in str(caught.value)
+    if table == "effects" or _is_json(inner):  # else the batch row's body is not JSON at all
+        assert "effect 0" in str(caught.value)
+
+
+def _is_json(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
 
 
 @pytest.mark.skipif(
@@ -315,15 +339,15 @@ async def test_file_compressed_record_with_trailing_garbage_is_refused(tmp_path:
     not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's"
 )
 @pytest.mark.anyio
-@pytest.mark.parametrize("table", ["effects", "snapshots"])
+@pytest.mark.parametrize("table", ["batches", "effects", "snapshots"])
 async def test_sqlite_compressed_body_with_trailing_garbage_is_refused(
     tmp_path: Path, table: str
 ) -> None:
     """The row's checksum matches (it covers the stored bytes), but bytes after the end
     of the zlib stream are not part of the record: refused, not ignored."""
     db = tmp_path / "store.db"
-    await sqlite_session(db)
-    revision = 1 if table == "effects" else 0
+    await sqlite_session(db, effect_rows=table == "effects")
+    revision = 0 if table == "snapshots" else 1
     with closing(sqlite3.connect(db, isolation_level=None)) as connection:
         column = "position = 0" if table == "effects" else "1 = 1"
         (body,) = connection.execute(
