@@ -413,7 +413,13 @@ class Driver(Generic[D]):
         machine = self.machine
         token = machine.cancel
         if token is not None and token.cancelled:
-            return session, await self._cancelled(session, None, None, None)
+            try:
+                return session, await self._cancelled(session, None, None, None)
+            except ConflictError:  # finalize lost the race past its own retries: as below
+                if self.conflicts >= machine.max_conflicts:
+                    raise
+                self.conflicts += 1
+            return await self._reload(session)
         if machine.max_cycles is not None and len(self.results) >= machine.max_cycles:
             reason = YieldReason(
                 YieldReason.CYCLE_LIMIT,
@@ -499,6 +505,10 @@ class Driver(Generic[D]):
                 log_cycle(session, cycle, name, (), "cancelled", started, span)
                 await self._finalize_shielded(interrupted)
                 raise
+        return await self._reload(session)
+
+    async def _reload(self, session: Session[D]) -> tuple[Session[D], None]:
+        """After a conflict (counted): ``session`` as stored now, events following it."""
         load = self.runtime.session_loader().load(session.id)
         reloaded = await (self._guarded(load) if self.finalize_on_reload else load)
         self.sink.follow(reloaded.revision)

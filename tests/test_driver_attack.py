@@ -258,6 +258,47 @@ async def test_events_after_a_conflict_follow_the_reloaded_revision(store: Any, 
     assert report.session.revision == (await store.load("s")).revision == lose + 2
 
 
+@pytest.mark.parametrize("lost", [0, 1, 3, 4])
+async def test_a_finalize_that_loses_the_race_at_a_cycles_start_is_retried(lost: int) -> None:
+    """The token fired before the cycle: its finalize (answering an open call) loses the
+    race ``lost`` times. Finalize tries ``max_conflicts + 1`` times, and the driver
+    reloads and finalizes again up to ``max_conflicts`` times, as for any conflict."""
+    store = MemoryStore()
+    call = ToolCallPart.parse("c1", "lookup", "{}")
+    await store.create(
+        "s", conversation=[Message.user("hi", id="u1"), Message.assistant(call, id="a1")]
+    )
+    attempts: list[int] = []
+
+    class Racing:
+        async def load(self, session_id: str) -> Any:
+            return await store.load(session_id)
+
+        async def apply(self, batch: Any) -> Any:
+            attempts.append(batch.revision)
+            if len(attempts) <= lost:
+                raise ConflictError(batch.session_id, batch.revision - 1, batch.revision)
+            return await store.apply(batch)
+
+    token = CancelToken()
+    token.cancel("stopped before it started")
+    max_conflicts = 1
+    machine = StateMachine([Notes(store, 0)], cancel=token, max_conflicts=max_conflicts)
+    racing = Racing()
+    runtime = Runtime(loader=racing, handler=racing)
+    budget = (max_conflicts + 1) ** 2
+    if lost >= budget:
+        with pytest.raises(ConflictError):
+            await machine.run(runtime, "s")
+        assert len(attempts) == budget
+        assert (await store.load("s")).revision == 0
+        return
+    report = await machine.run_report(runtime, "s")
+    assert report.reason.kind == YieldReason.CANCELLED
+    assert len(attempts) == lost + 1
+    assert report.session.revision == (await store.load("s")).revision == 1  # call answered
+
+
 # -- rounds: a requested turn runs in the holder's run, or stays requested ------------------
 
 
