@@ -33,19 +33,23 @@ from stepmachine import (
     Continue,
     LeasePolicy,
     Message,
+    ModelInference,
     Operation,
     RecordingEmitter,
     Refuse,
     Runtime,
     StateMachine,
+    Tools,
     Yield,
     submit,
+    tool,
 )
 from stepmachine._cycle import Driver
 from stepmachine._emitter import StepApplied, TextDelta, Yielded
 from stepmachine._messages import ToolCallPart
-from stepmachine.extend import Lease, LeaseHolder, YieldReason, new_owner
+from stepmachine.extend import Lease, LeaseHolder, YieldReason, history_problems, new_owner
 from stepmachine.stores import MemoryStore, SQLiteStore
+from stepmachine.testing import FunctionModel, call, reply
 
 HERE = Path(__file__).resolve().parent
 Hook = Callable[[int], Awaitable[None]]
@@ -512,6 +516,80 @@ async def test_keep_holds_the_lease_with_the_turn_requested_again(store: Any, ke
     assert got.epoch is not None
     held = Lease("s", got.owner, got.epoch, 30.0)
     assert not await store.release(held, unless_requested=True)  # ... and the mark set again
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_staged_tools_cancelled_at_every_checkpoint_lose_and_repeat_nothing(
+    store: Any, concurrency: int
+) -> None:
+    """Three tool calls, the run cancelled after ``k`` polled checkpoints for every ``k``
+    until it finishes first: every call is answered once (its result if the tool
+    finished, else ``interrupted``), and the run lets go of the lease."""
+    finished = False
+    k = 0
+    while not finished:
+        assert k < 3000, "the run never finished before the canceller"
+        session_id = f"k{k}"
+        await store.create(session_id, conversation=[Message.user("go", id="u1")])
+        ran: list[int] = []
+
+        async def work(x: int, ran: list[int] = ran) -> str:
+            """Work on ``x``."""
+            await anyio.lowlevel.checkpoint()
+            ran.append(x)
+            return f"r{x}"
+
+        def answer(request: Any) -> Any:
+            if request.messages[-1].role == "user":
+                return call(("work", {"x": 1}), ("work", {"x": 2}), ("work", {"x": 3}))
+            return reply("done")
+
+        tools = Tools([tool(work)], max_concurrency=concurrency)
+        machine = StateMachine([tools, ModelInference()])
+        runtime = Runtime(store=store, model=FunctionModel(answer))
+        scope = anyio.CancelScope()
+        done: list[Any] = []
+
+        async def run(
+            session_id: str = session_id,
+            scope: anyio.CancelScope = scope,
+            done: list[Any] = done,
+            machine: StateMachine[Any] = machine,
+            runtime: Runtime = runtime,
+        ) -> None:
+            with scope:
+                done.append(await machine.run_report(runtime, session_id))
+
+        async def cancel_after(polls: int, scope: anyio.CancelScope = scope) -> None:
+            for _ in range(polls):
+                await anyio.lowlevel.checkpoint()
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            tg.start_soon(cancel_after, k)
+        if k == 0:
+            assert not done  # the canceller got in first
+        session = await store.load(session_id)
+        assert history_problems(session.conversation) == [], k
+        results = [
+            part.content
+            for message in session.conversation
+            for part in message.parts
+            if type(part).__name__ == "ToolResultPart"
+        ]
+        calls = sum(len(m.tool_calls) for m in session.conversation)
+        assert len(results) == calls, (k, results)  # every call answered, once
+        for x in ran:  # a tool that finished has its result stored
+            assert f"r{x}" in results, (k, ran, results)
+        got = await store.claim(session_id, new_owner("probe:"), 30.0)
+        assert isinstance(got, Lease), (k, got)
+        await store.release(got)
+        if done:
+            finished = True
+            assert sorted(results) == ["r1", "r2", "r3"]
+            assert done[0].reason.kind == "done"
+        k += 1
 
 
 # -- leases given, none, and a store without them -------------------------------------------
