@@ -135,14 +135,35 @@ class Proxy:
         return call
 
 
-@pytest.fixture(params=["memory", "memory-expiring", "sqlite"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    kind = request.param
+async def open_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """A store of ``kind`` with session ``s`` (one user message)."""
     if kind == "sqlite":
         made: Any = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    elif kind == "postgres":
+        pytest.importorskip("psycopg", reason="psycopg is not installed (the postgres extra)")
+        from stepmachine.stores import PostgresStore
+
+        made = await PostgresStore.open(request.getfixturevalue("postgres_dsn"))
     else:
         made = MemoryStore(expiring_leases=kind == "memory-expiring")
     await made.create("s", conversation=[Message.user("hi", id="u1")])
+    return made
+
+
+@pytest.fixture(params=["memory", "memory-expiring", "sqlite", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    made = await open_store(request.param, tmp_path, request)
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+@pytest.fixture(params=["memory", "memory-expiring", "sqlite"])
+async def local_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """A store in this process (the polled-cancel tests need a run of bounded checkpoints:
+    one waiting on a database server's replies lets a poller spin freely)."""
+    made = await open_store(request.param, tmp_path, request)
     try:
         yield made
     finally:
@@ -351,7 +372,9 @@ async def test_a_turn_requested_while_a_run_holds_the_lease_runs_in_the_same_run
     assert await free(store)
 
 
-async def test_a_cancel_at_every_checkpoint_never_drops_the_requested_turn(store: Any) -> None:
+async def test_a_cancel_at_every_checkpoint_never_drops_the_requested_turn(
+    local_store: Any,
+) -> None:
     """A canceller polls ``k`` checkpoints, then cancels the run, for every ``k`` until the
     run finishes first. A turn is requested in round 0 and round 1 (three rounds)."""
     finished = False
@@ -359,7 +382,7 @@ async def test_a_cancel_at_every_checkpoint_never_drops_the_requested_turn(store
     while not finished:
         assert k < 2000, "the run never finished before the canceller"
         session_id = f"k{k}"
-        await store.create(session_id, conversation=[Message.user("hi", id="u1")])
+        await local_store.create(session_id, conversation=[Message.user("hi", id="u1")])
 
         requested: list[int] = []  # rounds in which a turn was requested (from 0)
 
@@ -367,7 +390,7 @@ async def test_a_cancel_at_every_checkpoint_never_drops_the_requested_turn(store
             n: int, session_id: str = session_id, requested: list[int] = requested
         ) -> None:
             if n < 2:
-                await store.request_run(session_id)
+                await local_store.request_run(session_id)
                 requested.append(n)
 
         scope = anyio.CancelScope()
@@ -378,7 +401,7 @@ async def test_a_cancel_at_every_checkpoint_never_drops_the_requested_turn(store
         ) -> None:
             with scope:
                 machine = StateMachine([Turns(hook, limit=3)])
-                done.append(await machine.run_report(Runtime(store=store), session_id))
+                done.append(await machine.run_report(Runtime(store=local_store), session_id))
 
         async def cancel_after(polls: int, scope: anyio.CancelScope = scope) -> None:
             for _ in range(polls):
@@ -388,17 +411,19 @@ async def test_a_cancel_at_every_checkpoint_never_drops_the_requested_turn(store
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)
             tg.start_soon(cancel_after, k)
-        session = await store.load(session_id)
+        session = await local_store.load(session_id)
         rounds = len(ids(session, "t-"))
         assert ids(session, "t-") == [f"t-{n}" for n in range(rounds)]  # no round twice
-        waiting = await store.claim_next(new_owner("probe:"), 30.0)  # (claiming takes the mark)
+        waiting = await local_store.claim_next(
+            new_owner("probe:"), 30.0
+        )  # (claiming takes the mark)
         marked = waiting is not None
         if waiting is not None:
             assert waiting.session_id == session_id  # earlier sessions' marks were taken
-            await store.release(waiting)
-        got = await store.claim(session_id, new_owner("probe:"), 30.0)
+            await local_store.release(waiting)
+        got = await local_store.claim(session_id, new_owner("probe:"), 30.0)
         assert isinstance(got, Lease), (k, got)  # the run let go
-        await store.release(got)
+        await local_store.release(got)
         if done:
             finished = True
             assert rounds == 3
@@ -551,7 +576,7 @@ async def test_keep_holds_the_lease_with_the_turn_requested_again(store: Any, ke
 
 @pytest.mark.parametrize("concurrency", [1, 3])
 async def test_staged_tools_cancelled_at_every_checkpoint_lose_and_repeat_nothing(
-    store: Any, concurrency: int
+    local_store: Any, concurrency: int
 ) -> None:
     """Three tool calls, the run cancelled after ``k`` polled checkpoints for every ``k``
     until it finishes first: every call is answered once (its result if the tool
@@ -561,7 +586,7 @@ async def test_staged_tools_cancelled_at_every_checkpoint_lose_and_repeat_nothin
     while not finished:
         assert k < 3000, "the run never finished before the canceller"
         session_id = f"k{k}"
-        await store.create(session_id, conversation=[Message.user("go", id="u1")])
+        await local_store.create(session_id, conversation=[Message.user("go", id="u1")])
         ran: list[int] = []
 
         async def work(x: int, ran: list[int] = ran) -> str:
@@ -577,7 +602,7 @@ async def test_staged_tools_cancelled_at_every_checkpoint_lose_and_repeat_nothin
 
         tools = Tools([tool(work)], max_concurrency=concurrency)
         machine = StateMachine([tools, ModelInference()])
-        runtime = Runtime(store=store, model=FunctionModel(answer))
+        runtime = Runtime(store=local_store, model=FunctionModel(answer))
         scope = anyio.CancelScope()
         done: list[Any] = []
 
@@ -601,7 +626,7 @@ async def test_staged_tools_cancelled_at_every_checkpoint_lose_and_repeat_nothin
             tg.start_soon(cancel_after, k)
         if k == 0:
             assert not done  # the canceller got in first
-        session = await store.load(session_id)
+        session = await local_store.load(session_id)
         assert history_problems(session.conversation) == [], k
         results = [
             part.content
@@ -613,9 +638,9 @@ async def test_staged_tools_cancelled_at_every_checkpoint_lose_and_repeat_nothin
         assert len(results) == calls, (k, results)  # every call answered, once
         for x in ran:  # a tool that finished has its result stored
             assert f"r{x}" in results, (k, ran, results)
-        got = await store.claim(session_id, new_owner("probe:"), 30.0)
+        got = await local_store.claim(session_id, new_owner("probe:"), 30.0)
         assert isinstance(got, Lease), (k, got)
-        await store.release(got)
+        await local_store.release(got)
         if done:
             finished = True
             assert sorted(results) == ["r1", "r2", "r3"]
