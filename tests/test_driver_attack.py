@@ -159,10 +159,10 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
         await made.aclose()
 
 
-@pytest.fixture(params=["memory", "memory-expiring", "sqlite"])
+@pytest.fixture(params=["memory", "memory-expiring"])
 async def local_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    """A store in this process (the polled-cancel tests need a run of bounded checkpoints:
-    one waiting on a database server's replies lets a poller spin freely)."""
+    """An in-memory store (the polled-cancel tests need a run whose checkpoints are its
+    own: one waiting on a database server or a worker thread lets the poller spin on)."""
     made = await open_store(request.param, tmp_path, request)
     try:
         yield made
