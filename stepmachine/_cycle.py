@@ -301,6 +301,10 @@ class Driver(Generic[D]):
     it); :meth:`cycle` is one cycle (the durable worker runs one per step).
     ``sink``, ``start_revision``, ``cycles``, ``results`` and ``conflicts``
     describe the current round: :meth:`run` sets them as each round starts.
+    ``finalize_on_reload``: a cancellation from outside while :meth:`cycle`
+    reloads after a conflict finalizes first (a run); the durable worker
+    turns it off, so that the reload is like its cycle's first load (the
+    cancellation propagates, nothing is written).
     """
 
     machine: StateMachine[D]
@@ -311,6 +315,7 @@ class Driver(Generic[D]):
     results: list[StepResult] = field(default_factory=list)
     conflicts: int = 0  # conflicts retried in this round (at most the machine's max_conflicts)
     report: RunReport[D] | None = None  # how the last round ended, once it has
+    finalize_on_reload: bool = True
 
     async def run(
         self,
@@ -408,7 +413,13 @@ class Driver(Generic[D]):
         machine = self.machine
         token = machine.cancel
         if token is not None and token.cancelled:
-            return session, await self._cancelled(session, None, None, None)
+            try:
+                return session, await self._cancelled(session, None, None, None)
+            except ConflictError:  # finalize lost the race past its own retries: as below
+                if self.conflicts >= machine.max_conflicts:
+                    raise
+                self.conflicts += 1
+            return await self._reload(session)
         if machine.max_cycles is not None and len(self.results) >= machine.max_cycles:
             reason = YieldReason(
                 YieldReason.CYCLE_LIMIT,
@@ -466,7 +477,7 @@ class Driver(Generic[D]):
                 if result.reason is None:
                     return after, None
                 return after, await self._yielded(after, result.reason)
-            except ConflictError:
+            except ConflictError as exc:
                 step = decided.step.name if isinstance(decided, Decision) else None
                 refusals = decided.refusals if isinstance(decided, Decision) else ()
                 log_cycle(session, cycle, step, refusals, "conflict", started, span)
@@ -480,6 +491,8 @@ class Driver(Generic[D]):
                 )
                 if self.conflicts >= machine.max_conflicts:
                     raise
+                if span is not None:  # retried, yet the cycle's span still ended in the conflict
+                    _tracing.mark_error(span, exc, self.runtime.telemetry)
                 self.conflicts += 1
             except BaseException as exc:
                 if not stops_the_run(exc):
@@ -492,7 +505,12 @@ class Driver(Generic[D]):
                 log_cycle(session, cycle, name, (), "cancelled", started, span)
                 await self._finalize_shielded(interrupted)
                 raise
-        reloaded = await self._guarded(self.runtime.session_loader().load(session.id))
+        return await self._reload(session)
+
+    async def _reload(self, session: Session[D]) -> tuple[Session[D], None]:
+        """After a conflict (counted): ``session`` as stored now, events following it."""
+        load = self.runtime.session_loader().load(session.id)
+        reloaded = await (self._guarded(load) if self.finalize_on_reload else load)
         self.sink.follow(reloaded.revision)
         _log.event(_log.DEBUG, "reload", session_id=reloaded.id, revision=reloaded.revision)
         return reloaded, None

@@ -478,7 +478,7 @@ class DurableMachine:
         cycle): decided, applied, and finalized if it is cancelled; after a conflict, decided
         again from the session the driver reloaded (its ``max_conflicts``, as in ``run()``)."""
         sink = EventSink(NullEmitter(), session.id, session.revision)
-        driver = Driver(self.machine, runtime, sink, start_revision=start)
+        driver = Driver(self.machine, runtime, sink, start_revision=start, finalize_on_reload=False)
         while True:
             driver.cycles = number - 1  # a cycle tried again keeps its number
             conflicts = driver.conflicts
@@ -531,9 +531,7 @@ async def _retrying(session_id: str, step: str, attempt: Callable[[], Awaitable[
             await anyio.sleep(delay)
 
 
-def _summary(
-    number: int, after: Session[Any], result: StepResult, conflicts: int
-) -> CycleSummary:
+def _summary(number: int, after: Session[Any], result: StepResult, conflicts: int) -> CycleSummary:
     status: Literal["continue", "yielded"] = "yielded" if result.status == "yielded" else "continue"
     reason = result.reason.kind if result.reason is not None else ""
     return CycleSummary(
