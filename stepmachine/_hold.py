@@ -431,6 +431,11 @@ async def release(store: Leases, lease: Lease, *, unless_requested: bool) -> boo
     stores close the lock whatever else failed). So a live process never keeps
     a session busy for good because one release failed. (A pending-run mark
     such a release did not take stays set: the next claimer runs that turn.)
+
+    ``unless_requested=True`` tried again after a failure sets the pending-run
+    mark first (the failed attempt may have taken it, its reply lost): a turn
+    requested meanwhile is never dropped by a retry; at worst the holder runs
+    one round that finds nothing to do.
     """
     sync = now(store, "release")
     if sync is not None:  # an in-process store: done at once (a failure goes the usual way)
@@ -438,11 +443,21 @@ async def release(store: Leases, lease: Lease, *, unless_requested: bool) -> boo
             return sync(lease, unless_requested=unless_requested)  # type: ignore[no-any-return]
         except Exception:  # noqa: BLE001, S110 - tried again, and logged, just below
             pass
+    tried = [sync is not None]  # an attempt failed: it may have taken effect, unseen
+
+    async def attempt() -> bool:
+        if unless_requested and tried[0]:
+            # A failed release(unless_requested=True) may have taken the pending-run
+            # mark (keeping the lease) before its reply was lost; a retry would not see
+            # the mark and would let go, dropping that turn. So the mark is set again
+            # first: a retry then takes it and the holder runs the turn (at worst one
+            # idle round, when the failed attempt had done nothing or had let go).
+            await store.request_run(lease.session_id)
+        tried[0] = True
+        return await store.release(lease, unless_requested=unless_requested)
+
     released = await _quietly(
-        "lease_release_failed",
-        lease.session_id,
-        lambda: store.release(lease, unless_requested=unless_requested),
-        attempts=RELEASE_ATTEMPTS,
+        "lease_release_failed", lease.session_id, attempt, attempts=RELEASE_ATTEMPTS
     )
     return True if released is None else released
 
