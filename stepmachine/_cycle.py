@@ -329,8 +329,8 @@ class Driver(Generic[D]):
         """Run the session: claim its lease, then rounds of cycles until one yields.
 
         The path of a batch: ``run`` -> :meth:`cycle` -> :func:`apply` ->
-        ``store_batch`` -> the effect handler's ``apply`` (the lease's fence, or
-        the store). The lease (:class:`~stepmachine._hold.Turns`), the steps'
+        ``commit`` -> ``store_batch`` -> the effect handler's ``apply`` (the
+        lease's fence, or the store). The lease (:class:`~stepmachine._hold.Turns`), the steps'
         ``open_for_run``, the run's span and the loaded session are context
         managers around the cycles, not calls on that path. A run that holds
         a lease runs another round when a turn was requested while it held it
