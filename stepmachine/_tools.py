@@ -19,7 +19,6 @@ message (:meth:`~stepmachine.Message.tool_result` with ``media=``).
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import functools
 import hashlib
@@ -34,6 +33,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import msgspec
 
+from ._async import asyncio_here
 from ._checks import check_str, tuple_of
 from ._errors import ConfigurationError, ToolArgumentsError, ToolError
 from ._media import AudioPart, DocumentPart, ImagePart
@@ -445,32 +445,6 @@ class _LateThread:
         if self.error is not None:
             raise self.error
         return tool_output(self.value)
-
-
-try:
-    import sniffio as _sniffio
-except ImportError:  # pragma: no cover - anyio runs without it
-    _sniffio = None  # type: ignore[assignment]
-
-
-def asyncio_here() -> bool:
-    """Whether anyio runs on asyncio here, as anyio itself would tell.
-
-    anyio asks sniffio, which answers its thread-local name or its context
-    variable when set (trio sets one, so do anyio's worker threads), else
-    ``"asyncio"`` when an asyncio task runs. This says True only in that last
-    case, cheaply; anything else (trio, a name set explicitly, no event loop)
-    is left to anyio's own calls.
-    """
-    if _sniffio is not None and (
-        _sniffio.thread_local.name is not None
-        or _sniffio.current_async_library_cvar.get() is not None
-    ):
-        return False
-    try:
-        return asyncio.current_task() is not None
-    except RuntimeError:  # no event loop running here
-        return False
 
 
 class _Tokens(anyio.CapacityLimiter):

@@ -14,12 +14,10 @@ tasks never interleave.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import anyio.lowlevel
 import msgspec
 
 from stepmachine import (
@@ -33,8 +31,8 @@ from stepmachine import (
     SessionNotFoundError,
     StoreClosedError,
 )
+from stepmachine._async import checkpoint as _checkpoint
 from stepmachine._lease import check_claim, mark_now
-from stepmachine._tools import asyncio_here
 from stepmachine.extend import Batch, Lease, LeaseHolder, apply_batch
 
 from ._backend import BatchRecord, StoredBatch
@@ -45,16 +43,6 @@ from ._memory_leases import MemoryLeases
 from ._replay import decode_batch, encode_batch, replay
 
 __all__ = ["MemoryStore"]
-
-
-async def _checkpoint() -> None:
-    """``anyio.lowlevel.checkpoint()``: on asyncio, ``asyncio.sleep(0)`` as anyio's
-    asyncio backend does, without anyio asking sniffio which library runs (a third of
-    the checkpoint's cost); anywhere else anyio's own (see :func:`asyncio_here`)."""
-    if asyncio_here():
-        await asyncio.sleep(0)
-    else:
-        await anyio.lowlevel.checkpoint()
 
 
 @dataclass(slots=True)
@@ -146,10 +134,7 @@ class MemoryStore:
 
     async def load(self, session_id: str) -> Session[Any]:
         """The current session. Raises ``SessionNotFoundError``."""
-        if asyncio_here():  # _checkpoint() inline (no coroutine frame): called every cycle
-            await asyncio.sleep(0)
-        else:
-            await anyio.lowlevel.checkpoint()
+        await _checkpoint()
         return self._entry(session_id).current
 
     async def apply(self, batch: Batch[Effect], *, lease: Lease | None = None) -> Session[Any]:
@@ -165,10 +150,7 @@ class MemoryStore:
             EffectError: an effect does not apply.
             ConfigurationError: an effect type is not registered in the codec.
         """
-        if asyncio_here():  # _checkpoint() inline (no coroutine frame): once per batch
-            await asyncio.sleep(0)
-        else:
-            await anyio.lowlevel.checkpoint()
+        await _checkpoint()
         entry = self._entry(batch.session_id)
         if lease is not None:
             self._leases.check(_for(lease, batch.session_id))
