@@ -195,6 +195,13 @@ async def free(store: Any) -> bool:
     return False
 
 
+async def cancel_after(scope: anyio.CancelScope, polls: int) -> None:
+    """Cancel ``scope`` after ``polls`` checkpoints (a cancellation at a polled point)."""
+    for _ in range(polls):
+        await anyio.lowlevel.checkpoint()
+    scope.cancel()
+
+
 def ids(session: Any, prefix: str) -> list[str]:
     return [m.id for m in session.conversation if m.id.startswith(prefix)]
 
@@ -408,14 +415,9 @@ async def test_a_cancel_at_every_checkpoint_never_drops_the_requested_turn(
                 machine = StateMachine([Turns(hook, limit=3)])
                 done.append(await machine.run_report(Runtime(store=local_store), session_id))
 
-        async def cancel_after(polls: int, scope: anyio.CancelScope = scope) -> None:
-            for _ in range(polls):
-                await anyio.lowlevel.checkpoint()
-            scope.cancel()
-
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)
-            tg.start_soon(cancel_after, k)
+            tg.start_soon(cancel_after, scope, k)
         session = await local_store.load(session_id)
         rounds = len(ids(session, "t-"))
         assert ids(session, "t-") == [f"t-{n}" for n in range(rounds)]  # no round twice
@@ -646,14 +648,9 @@ async def test_staged_tools_cancelled_at_every_checkpoint_lose_and_repeat_nothin
             with scope:
                 done.append(await machine.run_report(runtime, session_id))
 
-        async def cancel_after(polls: int, scope: anyio.CancelScope = scope) -> None:
-            for _ in range(polls):
-                await anyio.lowlevel.checkpoint()
-            scope.cancel()
-
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)
-            tg.start_soon(cancel_after, k)
+            tg.start_soon(cancel_after, scope, k)
         if k == 0:
             assert not done  # the canceller got in first
         session = await local_store.load(session_id)
