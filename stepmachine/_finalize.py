@@ -28,7 +28,7 @@ from ._effects import AppendMessage, Effect
 from ._emitter import EventSink
 from ._history import open_tool_calls
 from ._messages import Message, ToolResultPart
-from ._retry import retry_conflicts
+from ._retry import retry_conflicts, retry_while_moving
 from ._runtime import Runtime
 from ._session import Session
 from ._store import commit
@@ -163,13 +163,17 @@ async def keep_records(
     Each sees the session as stored now (its batch may have been written just
     before the cancellation: then it records nothing).
     """
+    loader = runtime.session_loader()
     for record in interrupted.held:
 
-        async def held(current: Session[D], record: Any = record) -> Sequence[Effect]:
-            return tuple(record(current))
+        async def attempt(current: Session[D], record: Any = record) -> Session[D]:
+            effects = tuple(record(current))
+            if not effects:
+                return current
+            return await commit(runtime, interrupted.step.name, cycle, (), None, current, effects)
 
-        name = interrupted.step.name
-        session = await _commit_fresh(runtime, session, name, cycle, held, max_conflicts)
+        # A record of work already done is never dropped for losing the race.
+        session = await retry_while_moving(session, attempt, loader.load)
     return session
 
 

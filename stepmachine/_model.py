@@ -119,9 +119,7 @@ class ModelRequest(msgspec.Struct, frozen=True):
             # holds no value its sender may still change, and it encodes with plain
             # msgspec (a tuple of pointers: the copy is a small part of a model call,
             # which sends every one of these messages anyway).
-            copied = (
-                messages.as_tuple() if isinstance(messages, Conversation) else tuple(messages)
-            )
+            copied = messages.as_tuple() if isinstance(messages, Conversation) else tuple(messages)
             msgspec.structs.force_setattr(self, "messages", copied)
 
     @property

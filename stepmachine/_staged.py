@@ -17,7 +17,8 @@ does the rest, in this order:
    batch: the record is called with the session as stored then, so after a
    conflict (another writer moved the session on) it is computed again from
    what is stored, and a result someone else already recorded is not written
-   twice;
+   twice; it is retried for as long as other writers keep moving the session
+   on (a result that exists is never dropped for losing the race);
 4. once every task has returned, ``then()`` (if given) says how the cycle
    ends: ``Continue`` or ``Yield`` with effects of their own (one more batch);
    it may raise instead (the error propagates once the last record is
@@ -57,6 +58,7 @@ import asyncio
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, TypeAlias
 
 import anyio
@@ -64,6 +66,7 @@ import anyio
 from ._effects import Effect
 from ._errors import ConflictError, EffectError, LeaseLostError, MediaTooLargeError
 from ._outcomes import Continue, Recorder, Staged, Task, Yield
+from ._retry import retry_while_moving
 from ._session import Session
 
 __all__ = ["Recorder", "Staged", "Status", "Task", "Writer", "execute", "one_error"]
@@ -74,9 +77,6 @@ Status: TypeAlias = Literal["committed", "continue", "yielded"]
 Writer: TypeAlias = Callable[[Session[Any], Sequence[Effect], Status], Awaitable[Session[Any]]]
 """The machine's write of one batch of the deciding step (compare-and-set on the session),
 with the status its announcement carries."""
-
-MAX_RECORD_CONFLICTS = 16
-"""Conflicts one record may meet (it is computed again each time) before ``ConflictError``."""
 
 
 async def execute(
@@ -97,7 +97,8 @@ async def execute(
 
     Raises:
         ConflictError: the intents lost the race (nothing of the cycle was
-            written: the machine decides again), or a record conflicted too often.
+            written: the machine decides again), or the store kept refusing a
+            record's write without the session moving on (a broken store).
         LeaseLostError: the run's lease is gone; no task started after that.
         Exception: whatever a task, ``then`` or the store raises; one error,
             never an ``ExceptionGroup`` (see :func:`one_error`).
@@ -195,31 +196,32 @@ class _Execution:
         _drop(self.held, entry)
 
     async def write_record(self, entry: Recorder, task: Task) -> None:
-        """Write ``entry``'s effects from the session as stored (again after a conflict)."""
+        """Write ``entry``'s effects from the session as stored, computed again after a
+        conflict for as long as other writers move the session on (``retry_while_moving``)."""
         self.unrecorded -= 1
-        conflicts = 0
         while True:
-            effects = tuple(entry(self.current))
-            status: Status = self.end() if self.unrecorded == 0 else "committed"
-            if not effects:
-                return
             try:
-                self.current = await self.write(self.current, effects, status)
-            except ConflictError:
-                conflicts += 1
-                if conflicts > MAX_RECORD_CONFLICTS:
-                    raise  # another writer keeps moving the session on
-                self.current = await self.reload(self.current.id)
-                continue
+                self.current = await retry_while_moving(
+                    self.current, partial(self.attempt, entry), self.reload
+                )
             except (EffectError, MediaTooLargeError) as exc:
                 replacement = None if task.refused is None else task.refused(exc)
                 if replacement is None:
                     raise
                 _swap(self.held, entry, replacement)
                 entry = replacement
-                continue
-            self.written.extend(effects)
-            return
+            else:
+                return
+
+    async def attempt(self, entry: Recorder, current: Session[Any]) -> Session[Any]:
+        """One write of ``entry``'s effects computed from ``current`` (none: nothing written)."""
+        effects = tuple(entry(current))
+        status: Status = self.end() if self.unrecorded == 0 else "committed"
+        if not effects:
+            return current
+        after = await self.write(current, effects, status)
+        self.written.extend(effects)
+        return after
 
 
 def _swap(held: list[Recorder], old: Recorder, new: Recorder) -> None:

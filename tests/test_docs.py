@@ -189,10 +189,6 @@ def python_blocks(text: str) -> list[Block]:
     return blocks
 
 
-
-
-
-
 def missing_modules(names: tuple[str, ...]) -> list[str]:
     """The modules among ``names`` that cannot be imported here."""
     missing = []

@@ -52,6 +52,7 @@ from stepmachine import (
 from stepmachine._cycle import Driver
 from stepmachine._emitter import StepApplied, TextDelta, Yielded
 from stepmachine._messages import ToolCallPart
+from stepmachine._retry import MAX_STALLED_CONFLICTS
 from stepmachine.extend import Lease, LeaseHolder, YieldReason, history_problems, new_owner
 from stepmachine.stores import MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
@@ -892,14 +893,6 @@ class _Charge(Operation[Any]):
         return Staged(intent, [task], then=lambda: Yield([], "done"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, left for later: a task's record that conflicts more than "
-    "MAX_RECORD_CONFLICTS (16) times in a row raises ConflictError into Driver.cycle, which "
-    "decides the cycle again and drops the result it held (the charge happened, its receipt "
-    "is never written; the step then sees an intent without a receipt). The held records "
-    "should be written (as finalize does) before the cycle is decided again",
-)
 async def test_a_record_that_keeps_losing_the_race_is_still_written() -> None:
     inner = MemoryStore(Codec(_Order))
     await inner.create("s", data=_Order())
@@ -919,3 +912,56 @@ async def test_a_record_that_keeps_losing_the_race_is_still_written() -> None:
     assert step.charges == 1  # charged once (the intent keeps it from charging again)
     assert moved[0] == 17
     assert (await inner.load("s")).data.receipt == "receipt-1", report.reason
+
+
+async def test_a_held_record_finalize_writes_is_not_dropped_for_losing_the_race() -> None:
+    """Cancelled while the receipt is written: finalize writes the receipt it held, and
+    losing that race more often than ``max_conflicts`` does not drop it."""
+    inner = MemoryStore(Codec(_Order))
+    await inner.create("s", data=_Order())
+    proxy = Proxy(inner)
+    token = CancelToken()
+    moved = [0]
+
+    async def apply(call: Any, batch: Any, *, lease: Lease | None = None) -> Any:
+        receipt = any(isinstance(e, UpdateData) and "receipt" in str(e) for e in batch.effects)
+        if batch.step == "charge" and receipt:
+            if not token.cancelled:
+                token.cancel("stopped while the receipt was written")
+                await anyio.lowlevel.checkpoint()  # the run's cancellation lands here
+            if moved[0] < 20:
+                moved[0] += 1  # another writer moves the session on first: a real conflict
+                await submit(inner, "s", [AppendMessage(Message.user("x", id=f"x-{moved[0]}"))])
+        return await call(batch, lease=lease)
+
+    proxy.hooks["apply"] = apply
+    step = _Charge()
+    machine = StateMachine([step], cancel=token, max_conflicts=2)
+    report = await machine.run_report(Runtime(store=proxy), "s")
+    assert report.reason.kind == YieldReason.CANCELLED
+    assert step.charges == 1
+    assert moved[0] == 20
+    assert (await inner.load("s")).data.receipt == "receipt-1"
+
+
+async def test_a_store_that_refuses_a_record_without_moving_on_is_not_retried_forever() -> None:
+    """A conflict the stored session does not explain (no other batch since) is bounded:
+    a broken store raises ConflictError instead of a livelock."""
+    inner = MemoryStore(Codec(_Order))
+    await inner.create("s", data=_Order())
+    proxy = Proxy(inner)
+    refusals = [0]
+
+    async def apply(call: Any, batch: Any, *, lease: Lease | None = None) -> Any:
+        receipt = any(isinstance(e, UpdateData) and "receipt" in str(e) for e in batch.effects)
+        if batch.step == "charge" and receipt:
+            refusals[0] += 1
+            raise ConflictError("s", batch.revision - 1, batch.revision - 1)
+        return await call(batch, lease=lease)
+
+    proxy.hooks["apply"] = apply
+    step = _Charge()
+    with pytest.raises(ConflictError):
+        await StateMachine([step], max_conflicts=0).run(Runtime(store=proxy), "s")
+    assert step.charges == 1
+    assert refusals[0] == MAX_STALLED_CONFLICTS + 1

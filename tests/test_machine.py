@@ -50,7 +50,12 @@ from stepmachine import (
     submit,
     tool,
 )
-from stepmachine._retry import Conflicts, retry_conflicts
+from stepmachine._retry import (
+    MAX_STALLED_CONFLICTS,
+    Conflicts,
+    retry_conflicts,
+    retry_while_moving,
+)
 from stepmachine.extend import (
     INTERRUPTED,
     Batch,
@@ -866,6 +871,46 @@ async def test_one_conflict_budget_is_shared_by_every_retry_that_uses_it() -> No
         await budget.retry(start, conflict, reload)
     with pytest.raises(ValueError, match="at least 1, got 0"):
         await retry_conflicts(start, conflict, reload, attempts=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    moves=st.lists(st.booleans(), max_size=3 * MAX_STALLED_CONFLICTS),
+)
+async def test_retry_while_moving_gives_up_only_on_conflicts_the_store_does_not_explain(
+    moves: list[bool],
+) -> None:
+    """Every attempt but the last conflicts; after conflict ``i`` the reload shows another
+    writer's batch when ``moves[i]``. Any number of explained conflicts is retried; the
+    (MAX_STALLED_CONFLICTS + 1)-th unexplained one in a row raises."""
+    revision = [0]
+    seen: list[int] = []
+
+    async def attempt(session: Session[Flags]) -> int:
+        seen.append(session.revision)
+        if len(seen) <= len(moves):
+            raise ConflictError(session.id, session.revision, revision[0])
+        return len(seen)
+
+    async def reload(session_id: str) -> Session[Flags]:
+        if moves[len(seen) - 1]:
+            revision[0] += 1
+        return Session(id=session_id, revision=revision[0], data=Flags(), conversation=())
+
+    start = Session(id="s", revision=0, data=Flags(), conversation=())
+    stalled, gave_up_after = 0, None
+    for index, moved in enumerate(moves):
+        stalled = 0 if moved else stalled + 1
+        if stalled > MAX_STALLED_CONFLICTS:
+            gave_up_after = index + 1
+            break
+    if gave_up_after is None:
+        assert await retry_while_moving(start, attempt, reload) == len(moves) + 1
+    else:
+        with pytest.raises(ConflictError):
+            await retry_while_moving(start, attempt, reload)
+        assert len(seen) == gave_up_after
+    assert seen == sorted(seen)  # every attempt saw the latest reload
 
 
 # -- finalize takes one argument: the decision whose apply was cancelled ---------------------

@@ -66,8 +66,6 @@ def python_blocks(text: str) -> list[Block]:
     return blocks
 
 
-
-
 def run_block(code: str, folder: Path) -> subprocess.CompletedProcess[str]:
     script = folder / "readme_block.py"
     script.write_text(code, encoding="utf-8")
