@@ -25,12 +25,12 @@ opens the steps, loads the session and runs cycles until one yields, in
 rounds while a turn was requested meanwhile, then lets the lease go. Every
 batch of a cycle is written by ``_store.commit``; from ``run()`` to the store::
 
-    StateMachine.run -> Driver.run -> Driver.cycle -> apply -> commit
-        -> store_batch -> handler.apply
+    StateMachine.run -> Driver.run -> Driver.cycle -> apply -> commit -> handler.apply
 
 (``handler``: the lease's fence, or the store). Staged work (a model call, a
 tool batch) is carried out by ``_staged.execute`` between ``apply`` and
-``commit``: ``apply -> execute -> one -> write_record -> commit``. ``Driver.cycle`` is
+``commit``: ``apply -> execute -> one -> retry_while_moving -> attempt -> commit``
+(a task's record is never dropped for losing the race). ``Driver.cycle`` is
 the one place where conflicts are retried (a write that lost the
 compare-and-set race wrote nothing: reload, decide again, at most
 ``max_conflicts`` times per round) and where cancellation is handled: the
@@ -270,9 +270,10 @@ async def apply(
     else:
         check_continues(name, outcome)
     written: tuple[Effect, ...] = ()
-    sink = decision.ctx.events
+    sink, handler, clock = decision.ctx.events, runtime.effect_handler(), runtime.clock
+    refusals = decision.refusals
     if isinstance(outcome, Staged):
-        write = partial(commit, runtime, name, cycle, decision.refusals, sink)
+        write = partial(commit, handler, clock, name, cycle, refusals, sink)
         confirm = partial(confirm_lease, runtime)
         loader = runtime.session_loader()
         staged = _staged.execute(outcome, session, write, loader.load, confirm, decision.held)
@@ -283,9 +284,8 @@ async def apply(
     after = session
     status: Literal["continue", "yielded"] = "yielded" if isinstance(outcome, Yield) else "continue"
     if outcome.effects:
-        after = await commit(
-            runtime, name, cycle, decision.refusals, sink, session, outcome.effects, status
-        )
+        effects = outcome.effects
+        after = await commit(handler, clock, name, cycle, refusals, sink, session, effects, status)
     reason = outcome.reason if isinstance(outcome, Yield) else None
     return after, StepResult(name, written + outcome.effects, status, after.revision, reason)
 
@@ -329,8 +329,8 @@ class Driver(Generic[D]):
         """Run the session: claim its lease, then rounds of cycles until one yields.
 
         The path of a batch: ``run`` -> :meth:`cycle` -> :func:`apply` ->
-        ``commit`` -> ``store_batch`` -> the effect handler's ``apply`` (the
-        lease's fence, or the store). The lease (:class:`~stepmachine._hold.Turns`), the steps'
+        ``commit`` -> the effect handler's ``apply`` (the lease's fence, or
+        the store). The lease (:class:`~stepmachine._hold.Turns`), the steps'
         ``open_for_run``, the run's span and the loaded session are context
         managers around the cycles, not calls on that path. A run that holds
         a lease runs another round when a turn was requested while it held it

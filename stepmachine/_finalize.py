@@ -163,14 +163,15 @@ async def keep_records(
     Each sees the session as stored now (its batch may have been written just
     before the cancellation: then it records nothing).
     """
-    loader = runtime.session_loader()
+    loader, handler = runtime.session_loader(), runtime.effect_handler()
+    name = interrupted.step.name
     for record in interrupted.held:
 
         async def attempt(current: Session[D], record: Any = record) -> Session[D]:
             effects = tuple(record(current))
             if not effects:
                 return current
-            return await commit(runtime, interrupted.step.name, cycle, (), None, current, effects)
+            return await commit(handler, runtime.clock, name, cycle, (), None, current, effects)
 
         # A record of work already done is never dropped for losing the race.
         session = await retry_while_moving(session, attempt, loader.load)
@@ -204,7 +205,8 @@ async def _commit_fresh(
         effects = tuple(await compute(current))
         if not effects:
             return current
-        return await commit(runtime, step_name, cycle, (), None, current, effects)
+        handler = runtime.effect_handler()
+        return await commit(handler, runtime.clock, step_name, cycle, (), None, current, effects)
 
     loader = runtime.session_loader()
     return await retry_conflicts(session, attempt, loader.load, attempts=max_conflicts + 1)

@@ -58,7 +58,6 @@ import asyncio
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Literal, TypeAlias
 
 import anyio
@@ -188,40 +187,50 @@ class _Execution:
             self.held.append(entry)
         if task.landed is not None:
             await task.landed()
+        record = _Record(self, entry, task)
         if self.lock is None:  # one task at a time: no lock, and one call fewer on the write path
-            await self.write_record(entry, task)
+            self.unrecorded -= 1
+            self.current = await retry_while_moving(self.current, record.attempt, self.reload)
         else:
-            async with self.lock:
-                await self.write_record(entry, task)
-        _drop(self.held, entry)
+            async with self.lock:  # counted under the lock: the last writer asks then()
+                self.unrecorded -= 1
+                self.current = await retry_while_moving(self.current, record.attempt, self.reload)
+        _drop(self.held, record.entry)
 
-    async def write_record(self, entry: Recorder, task: Task) -> None:
-        """Write ``entry``'s effects from the session as stored, computed again after a
-        conflict for as long as other writers move the session on (``retry_while_moving``)."""
-        self.unrecorded -= 1
+
+@dataclass(slots=True)
+class _Record:
+    """One task's record being written: ``entry`` is the recorder, replaced when the store
+    refuses what it wrote (see ``Task.refused``)."""
+
+    run: _Execution
+    entry: Recorder
+    task: Task
+
+    async def attempt(self, current: Session[Any]) -> Session[Any]:
+        """Write the record's effects computed from ``current`` (none: nothing written).
+
+        ``retry_while_moving`` calls this again after a conflict, from the session
+        as stored then, for as long as other writers move it on.
+        """
+        run = self.run
         while True:
+            effects = tuple(self.entry(current))
+            status: Status = run.end() if run.unrecorded == 0 else "committed"
+            if not effects:
+                return current
             try:
-                self.current = await retry_while_moving(
-                    self.current, partial(self.attempt, entry), self.reload
-                )
+                after = await run.write(current, effects, status)
             except (EffectError, MediaTooLargeError) as exc:
-                replacement = None if task.refused is None else task.refused(exc)
+                refused = self.task.refused
+                replacement = None if refused is None else refused(exc)
                 if replacement is None:
                     raise
-                _swap(self.held, entry, replacement)
-                entry = replacement
-            else:
-                return
-
-    async def attempt(self, entry: Recorder, current: Session[Any]) -> Session[Any]:
-        """One write of ``entry``'s effects computed from ``current`` (none: nothing written)."""
-        effects = tuple(entry(current))
-        status: Status = self.end() if self.unrecorded == 0 else "committed"
-        if not effects:
-            return current
-        after = await self.write(current, effects, status)
-        self.written.extend(effects)
-        return after
+                _swap(run.held, self.entry, replacement)
+                self.entry = replacement
+                continue
+            run.written.extend(effects)
+            return after
 
 
 def _swap(held: list[Recorder], old: Recorder, new: Recorder) -> None:

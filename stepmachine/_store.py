@@ -39,7 +39,6 @@ __all__ = [
     "StepCommitter",
     "Store",
     "commit",
-    "store_batch",
     "submit",
 ]
 
@@ -172,15 +171,16 @@ async def submit(
         raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
 
     async def attempt(session: Session[Any]) -> Session[Any]:
-        batch_effects = tuple(effects(session) if callable(effects) else effects)
-        return await store_batch(store, session, step, 0, clock(), batch_effects)
+        batch_effects = effects(session) if callable(effects) else effects
+        return await commit(store, clock, step, 0, (), None, session, batch_effects)
 
     first = await store.load(session_id)
     return await retry_conflicts(first, attempt, store.load, attempts=max_attempts)
 
 
 async def commit(
-    runtime: Runtime,
+    handler: EffectHandler,
+    clock: Callable[[], float],
     step_name: str,
     cycle: int,
     refused: tuple[Refusal, ...],
@@ -189,31 +189,55 @@ async def commit(
     effects: Sequence[Effect],
     status: Literal["committed", "continue", "yielded"] = "committed",
 ) -> Session[D]:
-    """The machine's write: ``effects`` as one batch after ``session``, through the runtime.
+    """Persist ``effects`` as the batch after ``session`` through ``handler``; the session
+    after it.
 
-    Every batch a machine writes goes through here: a cycle's (``Continue`` /
-    ``Yield``, and each batch of staged work, whose ``write`` is this function
-    with the first five arguments bound), finalize's, and the deprecated
-    ``ctx.commit``'s. Through the runtime's effect handler (a lease's fence in
-    a leased run), stamped with its clock and the current span's
-    ``traceparent`` when the run is traced; see :func:`store_batch`. With a
-    ``sink``, the batch is announced (``StepApplied`` with ``status``) and the
-    sink's events follow the new revision.
+    Every batch is written here: each of a machine's (a cycle's ``Continue`` /
+    ``Yield``, each batch of staged work, whose ``write`` is this function with
+    the first six arguments bound, finalize's, the deprecated ``ctx.commit``'s;
+    ``handler`` is the runtime's: a lease's fence in a leased run) and
+    :func:`submit`'s. The batch is stamped with ``clock()``, and with the
+    current span's ``traceparent`` inside a traced run; ``refused`` goes into
+    it (the audit log's decision trace). With a ``sink``, the batch is
+    announced (``StepApplied`` with ``status``) and the sink's events follow
+    the new revision.
+
+    Applies the batch exactly once: in the handler when it declares
+    ``applies_batches`` (see :class:`EffectHandler`), else here, before the
+    handler sees it (so a batch that does not apply is never handed over).
+    The flag is read from the handler's class, so a wrapper forwarding
+    attributes to a store does not inherit it by accident.
 
     Raises:
         ConflictError: the stored session moved on; nothing was written.
         EffectError: an effect does not apply; nothing was written.
+        ConfigurationError: the handler returned a session that is not the one
+            after the batch (another revision or id); the batch may be stored.
     """
-    after = await store_batch(
-        runtime.effect_handler(),
-        session,
-        step_name,
-        cycle,
-        runtime.clock(),
-        tuple(effects),
+    effects = tuple(effects)
+    batch: Batch[Effect] = Batch(
+        session_id=session.id,
+        revision=session.revision + 1,
+        step=step_name,
+        cycle=cycle,
+        timestamp=clock(),
+        effects=effects,
         refused=refused,
         trace=_tracing.traceparent(),
     )
+    if getattr(type(handler), "applies_batches", False) is True:  # declared by the class
+        stored = await handler.apply(batch)
+        after = apply_batch(session, effects) if stored is None else stored
+    else:
+        after = apply_batch(session, effects)
+        stored = await handler.apply(batch)
+        after = after if stored is None else stored
+    if after.revision != batch.revision or after.id != batch.session_id:
+        raise ConfigurationError(
+            f"the effect handler {type(handler).__name__} returned session {after.id!r} at "
+            f"revision {after.revision} for the batch producing revision {batch.revision} of "
+            f"session {batch.session_id!r}; apply returns the session after the batch, or None"
+        )
     if sink is not None:
         await sink.emit(StepApplied(step_name, after.revision, status, len(effects)))
         sink.follow(after.revision)
@@ -246,69 +270,8 @@ class StepCommitter:
     async def __call__(self, current: Session[D], effects: Sequence[Effect]) -> Session[D]:
         """Write ``effects`` after ``current`` (see :func:`commit`), then emit ``StepApplied``."""
         refused = tuple(self.refused[: self.count])
-        name, cycle = self.step_name, self.cycle
-        after = await commit(self.runtime, name, cycle, refused, None, current, effects)
+        runtime, name, cycle = self.runtime, self.step_name, self.cycle
+        handler, clock = runtime.effect_handler(), runtime.clock
+        after = await commit(handler, clock, name, cycle, refused, None, current, effects)
         await self.sink.emit(StepApplied(self.step_name, after.revision, "committed", len(effects)))
         return after
-
-
-async def store_batch(
-    handler: EffectHandler,
-    session: Session[D],
-    step: str,
-    cycle: int,
-    timestamp: float,
-    effects: tuple[Effect, ...],
-    *,
-    refused: tuple[Refusal, ...] = (),
-    trace: str | None = None,
-) -> Session[D]:
-    """Persist ``effects`` as the batch after ``session``; return the session after it.
-
-    ``refused`` and ``trace`` go into the batch (the audit log's decision
-    trace, and the span that wrote it).
-
-    Applies the batch exactly once: in the handler when it declares
-    ``applies_batches`` (see :class:`EffectHandler`), else here, before the
-    handler sees it (so a batch that does not apply is never handed over).
-    The flag is read from the handler's class, so a wrapper forwarding
-    attributes to a store does not inherit it by accident.
-
-    Raises:
-        ConflictError: the stored session moved on; nothing was written.
-        EffectError: an effect does not apply; nothing was written.
-        ConfigurationError: the handler returned a session that is not the one
-            after the batch (another revision or id); the batch may be stored.
-    """
-    batch: Batch[Effect] = Batch(
-        session_id=session.id,
-        revision=session.revision + 1,
-        step=step,
-        cycle=cycle,
-        timestamp=timestamp,
-        effects=effects,
-        refused=refused,
-        trace=trace,
-    )
-    if getattr(type(handler), "applies_batches", False) is True:  # declared by the class
-        stored = await handler.apply(batch)
-        return apply_batch(session, effects) if stored is None else _checked(handler, batch, stored)
-    after = apply_batch(session, effects)
-    stored = await handler.apply(batch)
-    return after if stored is None else _checked(handler, batch, stored)
-
-
-def _checked(handler: EffectHandler, batch: Batch[Effect], stored: Session[D]) -> Session[D]:
-    """``stored`` if it is the session ``batch`` produced, else :class:`ConfigurationError`.
-
-    O(1): the id and the revision. A handler that returns another session
-    (the one before the batch, say) would have the caller decide from a
-    session the store no longer holds.
-    """
-    if stored.revision != batch.revision or stored.id != batch.session_id:
-        raise ConfigurationError(
-            f"the effect handler {type(handler).__name__} returned session {stored.id!r} at "
-            f"revision {stored.revision} for the batch producing revision {batch.revision} of "
-            f"session {batch.session_id!r}; apply returns the session after the batch, or None"
-        )
-    return stored
