@@ -31,7 +31,7 @@ import anyio
 
 from ._capabilities import Step
 from ._codec import Codec
-from ._cycle import RunReport
+from ._decision import RunReport
 from ._effects import AppendMessage
 from ._emitter import Emitter
 from ._errors import ConfigurationError, EffectError, SessionExistsError

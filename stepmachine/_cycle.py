@@ -12,7 +12,8 @@ A session goes through one cycle like this (``Driver.cycle``)::
    order; the first whose ``run`` does not refuse wins. Nothing is written:
    the result is a :class:`Decision` (the step, its outcome, the refusals
    before it), :class:`Idle` (every step refused) or :class:`Interrupted`
-   (the machine's token fired while a step ran).
+   (the machine's token fired while a step ran); these values, and the
+   :class:`RunReport` a run returns, are in ``_decision``.
 2. **apply** (:func:`apply`): the machine, and only the machine, writes.
    ``Continue`` / ``Yield``: their effects as one batch, a compare-and-set on
    the revision the step read. ``Staged``: the intents, then each task's
@@ -64,10 +65,11 @@ import anyio
 import msgspec
 
 from . import _log, _staged, _tracing
-from ._capabilities import Capabilities, Step
+from ._capabilities import Capabilities
 from ._capabilities import cycle_context as context
 from ._codec import Refusal, refusal
 from ._cycle_report import idle_reason, link_to_previous, log_cycle, log_yield
+from ._decision import Decision, Idle, Interrupted, RunReport
 from ._effects import Effect
 from ._emitter import Emitter, EventSink, NullEmitter, Yielded
 from ._errors import ConflictError
@@ -76,99 +78,18 @@ from ._hold import QUEUED, Turns, claim_for_run, confirm_lease
 from ._lease import Lease, LeasePolicy
 from ._runtime import Runtime
 from ._session import Session
-from ._staged import Recorder, Staged
+from ._staged import Staged
 from ._step_contract import check_continues, check_outcome, check_pending
-from ._steps import CancelToken, Continue, Refuse, StepContext, StepResult, Yield, YieldReason
+from ._steps import CancelToken, Continue, Refuse, StepResult, Yield, YieldReason
 from ._store import StepCommitter, commit
 
 if TYPE_CHECKING:
     from ._machine import StateMachine
 
-__all__ = [
-    "Decision",
-    "Driver",
-    "Idle",
-    "Interrupted",
-    "RunReport",
-    "apply",
-    "context",
-    "decide",
-]
+__all__ = ["Driver", "apply", "context", "decide"]
 
 D = TypeVar("D", bound=msgspec.Struct)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class Decision(Generic[D]):
-    """The step that applied in one cycle, with its outcome.
-
-    Attributes:
-        step: the step that applied.
-        outcome: its ``Continue``, ``Yield`` or ``Staged``.
-        ctx: the context it ran with.
-        refusals: the steps that refused before it, with why, in order.
-        held: the records of its staged work that exist and are not yet
-            written (filled while :func:`apply` runs; finalize writes them).
-    """
-
-    step: Step[D]
-    outcome: Continue | Yield | Staged
-    ctx: StepContext[D]
-    refusals: tuple[Refusal, ...] = ()
-    held: list[Recorder] = field(default_factory=list)
-
-    @property
-    def refused(self) -> tuple[str, ...]:
-        """The names of the steps that refused before it."""
-        return tuple(r.step for r in self.refusals)
-
-
-@dataclass(frozen=True, slots=True)
-class Idle:
-    """Every step refused: why each one did, in step order."""
-
-    refusals: tuple[Refusal, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Interrupted(Generic[D]):
-    """The step a cancellation landed in, its ctx, and the records held for it."""
-
-    step: Step[D]
-    ctx: StepContext[D]
-    held: tuple[Recorder, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RunReport(Generic[D]):
-    """What a run did.
-
-    Attributes:
-        session: the session when the run returned.
-        reason: why it returned (``done``, ``idle``, ``call_held``, ``cycle_limit``,
-            ``cancelled``, ...).
-        results: one :class:`StepResult` per cycle that applied, in order.
-    """
-
-    session: Session[D]
-    reason: YieldReason
-    results: tuple[StepResult, ...] = ()
-
-    @property
-    def text(self) -> str | None:
-        """The answer: the text of the last message when the model wrote it, else ``None``.
-
-        ``None`` when the last message is not the assistant's, or asks for tool
-        calls (the run waits, for an approval say). O(1): reads the last message only.
-        """
-        conversation = self.session.conversation
-        if not conversation:
-            return None
-        last = conversation[-1]
-        if last.role != "assistant" or last.tool_calls:
-            return None
-        return last.text
 
 
 # -- decide ---------------------------------------------------------------------------

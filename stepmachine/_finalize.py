@@ -34,7 +34,7 @@ from ._session import Session
 from ._store import commit
 
 if TYPE_CHECKING:
-    from ._cycle import Interrupted
+    from ._decision import Interrupted
 
 __all__ = [
     "FINALIZE_STEP",

@@ -64,7 +64,8 @@ import msgspec
 
 from ._capabilities import Capabilities, Step, tool_name_clash
 from ._conversation import Conversation
-from ._cycle import Decision, Driver, Interrupted, RunReport, apply, decide
+from ._cycle import Driver, apply, decide
+from ._decision import Decision, Interrupted, RunReport
 from ._emitter import Emitter, EventSink, NullEmitter
 from ._errors import ConfigurationError
 from ._finalize import (

@@ -29,7 +29,8 @@ import anyio
 import msgspec
 
 from . import _log, _transient
-from ._cycle import Driver, RunReport
+from ._cycle import Driver
+from ._decision import RunReport
 from ._errors import ConfigurationError, LeaseLostError
 from ._hold import leasing_store, release, request_again
 from ._lease import MIN_TTL, Lease, Leases, check_claim, new_owner

@@ -160,6 +160,10 @@ async def submit(
     validate) the effects again from each freshly loaded session, so a
     decision is re-checked rather than written over a change it did not see.
 
+    The batch is written as a machine's are (see :func:`commit`): stamped with
+    ``clock()``, and, when called inside a traced run (a tool submitting to
+    another session, say), with the current span's ``traceparent``.
+
     Returns:
         The session after the batch.
 

@@ -24,6 +24,7 @@ from stepmachine import (
     UnexpectedModelCallError,
     Usage,
 )
+from stepmachine._async import checkpoint
 from stepmachine._model_call import attempt_started
 from stepmachine.extend import ChunkSink, Part, ReasoningChunk, TextChunk, ToolCallChunk
 
@@ -90,14 +91,19 @@ def _holds_calls(request: ModelRequest) -> bool:
     return any(part.tool_calls for part in request.messages)
 
 
-def _number_calls(response: ModelResponse, turn: int | str) -> ModelResponse:
+def _number_calls(response: ModelResponse, turn: Callable[[], int | str]) -> ModelResponse:
+    """``response`` with an id (``call-<turn>-<index>``) given to each tool call that has
+    none; ``turn()`` is asked only when one has none."""
+    if not any(isinstance(p, ToolCallPart) and not p.call_id for p in response.parts):
+        return response
+    key = turn()
     parts: list[Part] = []
     index = 0
     changed = False
     for part in response.parts:
         if isinstance(part, ToolCallPart):
             if not part.call_id:
-                parts.append(msgspec.structs.replace(part, call_id=f"call-{turn}-{index}"))
+                parts.append(msgspec.structs.replace(part, call_id=f"call-{key}-{index}"))
                 changed = True
                 index += 1
                 continue
@@ -193,7 +199,7 @@ class ScriptedModel:
         Raises:
             UnexpectedModelCallError: no turn is left.
         """
-        await anyio.lowlevel.checkpoint()
+        await checkpoint()
         attempt_started()
         turn_number = len(self.requests)
         if turn_number >= len(self._turns):
@@ -212,8 +218,10 @@ class ScriptedModel:
             response = turn(request)
         if turn_number == 0:
             self._continues = _holds_calls(request)
-        key = _history_key(request) if self._continues else turn_number
-        response = _number_calls(response, key)
+        continues = self._continues
+        response = _number_calls(
+            response, lambda: _history_key(request) if continues else turn_number
+        )
         if on_chunk is not None:
             await stream_response(response, on_chunk, self._chunk_size)
         return response
@@ -254,12 +262,12 @@ class FunctionModel:
         self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
     ) -> ModelResponse:
         """Answer with ``fn(request)``; stream it to ``on_chunk`` when given."""
-        await anyio.lowlevel.checkpoint()
+        await checkpoint()
         attempt_started()
         self.calls += 1
         result = self._fn(request)
         response = await result if inspect.isawaitable(result) else result
-        response = _number_calls(response, _history_key(request))
+        response = _number_calls(response, lambda: _history_key(request))
         if on_chunk is not None:
             await stream_response(response, on_chunk, self._chunk_size)
         return response
