@@ -893,20 +893,46 @@ class _Charge(Operation[Any]):
         return Staged(intent, [task], then=lambda: Yield([], "done"))
 
 
-async def test_a_record_that_keeps_losing_the_race_is_still_written() -> None:
+ReceiptHook = Callable[[Callable[..., Awaitable[Any]], Any], Awaitable[None]]
+
+
+async def _order_store() -> MemoryStore:
+    """A store holding one order session, ``"s"``."""
     inner = MemoryStore(Codec(_Order))
     await inner.create("s", data=_Order())
+    return inner
+
+
+def _receipt_proxy(inner: MemoryStore, on_receipt: ReceiptHook) -> Proxy:
+    """A proxy of ``inner`` whose ``apply`` awaits ``on_receipt(call, batch)`` before each
+    write of the charge's receipt (then writes it as asked)."""
     proxy = Proxy(inner)
-    moved = [0]
 
     async def apply(call: Any, batch: Any, *, lease: Lease | None = None) -> Any:
         receipt = any(isinstance(e, UpdateData) and "receipt" in str(e) for e in batch.effects)
-        if batch.step == "charge" and receipt and moved[0] < 17:
-            moved[0] += 1  # another writer moves the session on first: a real conflict
-            await submit(inner, "s", [AppendMessage(Message.user("x", id=f"x-{moved[0]}"))])
+        if batch.step == "charge" and receipt:
+            await on_receipt(call, batch)
         return await call(batch, lease=lease)
 
     proxy.hooks["apply"] = apply
+    return proxy
+
+
+def _another_writer(inner: MemoryStore, moved: list[int], times: int) -> ReceiptHook:
+    """A hook that moves the session on first (a real conflict), ``times`` times."""
+
+    async def move(call: Any, batch: Any) -> None:
+        if moved[0] < times:
+            moved[0] += 1
+            await submit(inner, "s", [AppendMessage(Message.user("x", id=f"x-{moved[0]}"))])
+
+    return move
+
+
+async def test_a_record_that_keeps_losing_the_race_is_still_written() -> None:
+    moved = [0]
+    inner = await _order_store()
+    proxy = _receipt_proxy(inner, _another_writer(inner, moved, 17))
     step = _Charge()
     report = await StateMachine([step], max_conflicts=3).run_report(Runtime(store=proxy), "s")
     assert step.charges == 1  # charged once (the intent keeps it from charging again)
@@ -917,24 +943,18 @@ async def test_a_record_that_keeps_losing_the_race_is_still_written() -> None:
 async def test_a_held_record_finalize_writes_is_not_dropped_for_losing_the_race() -> None:
     """Cancelled while the receipt is written: finalize writes the receipt it held, and
     losing that race more often than ``max_conflicts`` does not drop it."""
-    inner = MemoryStore(Codec(_Order))
-    await inner.create("s", data=_Order())
-    proxy = Proxy(inner)
     token = CancelToken()
     moved = [0]
+    inner = await _order_store()
+    move = _another_writer(inner, moved, 20)
 
-    async def apply(call: Any, batch: Any, *, lease: Lease | None = None) -> Any:
-        receipt = any(isinstance(e, UpdateData) and "receipt" in str(e) for e in batch.effects)
-        if batch.step == "charge" and receipt:
-            if not token.cancelled:
-                token.cancel("stopped while the receipt was written")
-                await anyio.lowlevel.checkpoint()  # the run's cancellation lands here
-            if moved[0] < 20:
-                moved[0] += 1  # another writer moves the session on first: a real conflict
-                await submit(inner, "s", [AppendMessage(Message.user("x", id=f"x-{moved[0]}"))])
-        return await call(batch, lease=lease)
+    async def cancel_then_move(call: Any, batch: Any) -> None:
+        if not token.cancelled:
+            token.cancel("stopped while the receipt was written")
+            await anyio.lowlevel.checkpoint()  # the run's cancellation lands here
+        await move(call, batch)
 
-    proxy.hooks["apply"] = apply
+    proxy = _receipt_proxy(inner, cancel_then_move)
     step = _Charge()
     machine = StateMachine([step], cancel=token, max_conflicts=2)
     report = await machine.run_report(Runtime(store=proxy), "s")
@@ -947,21 +967,17 @@ async def test_a_held_record_finalize_writes_is_not_dropped_for_losing_the_race(
 async def test_a_store_that_refuses_a_record_without_moving_on_is_not_retried_forever() -> None:
     """A conflict the stored session does not explain (no other batch since) is bounded:
     a broken store raises ConflictError instead of a livelock."""
-    inner = MemoryStore(Codec(_Order))
-    await inner.create("s", data=_Order())
-    proxy = Proxy(inner)
     refusals = [0]
 
-    async def apply(call: Any, batch: Any, *, lease: Lease | None = None) -> Any:
-        receipt = any(isinstance(e, UpdateData) and "receipt" in str(e) for e in batch.effects)
-        if batch.step == "charge" and receipt:
-            refusals[0] += 1
-            raise ConflictError("s", batch.revision - 1, batch.revision - 1)
-        return await call(batch, lease=lease)
+    async def refuse(call: Any, batch: Any) -> None:
+        refusals[0] += 1
+        raise ConflictError("s", batch.revision - 1, batch.revision - 1)
 
-    proxy.hooks["apply"] = apply
+    inner = await _order_store()
+    proxy = _receipt_proxy(inner, refuse)
     step = _Charge()
     with pytest.raises(ConflictError):
         await StateMachine([step], max_conflicts=0).run(Runtime(store=proxy), "s")
     assert step.charges == 1
     assert refusals[0] == MAX_STALLED_CONFLICTS + 1
+    assert (await inner.load("s")).data.receipt == ""  # nothing half-written
