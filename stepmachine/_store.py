@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import msgspec
@@ -170,12 +171,19 @@ async def submit(
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
 
+    # An iterable that is not a sequence (a generator) is read once, here: read again by
+    # the attempt after a conflict, it would give an empty batch (the effects lost).
+    compute = effects if callable(effects) else partial(_fixed, tuple(effects))
+
     async def attempt(session: Session[Any]) -> Session[Any]:
-        batch_effects = effects(session) if callable(effects) else effects
-        return await commit(store, clock, step, 0, (), None, session, batch_effects)
+        return await commit(store, clock, step, 0, (), None, session, compute(session))
 
     first = await store.load(session_id)
     return await retry_conflicts(first, attempt, store.load, attempts=max_attempts)
+
+
+def _fixed(effects: tuple[Effect, ...], session: Session[Any]) -> Sequence[Effect]:
+    return effects
 
 
 async def commit(
