@@ -17,25 +17,37 @@ store that keeps refusing. Every test checks the stored history stays valid.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import itertools
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import pytest
 
 from stepmachine import (
     AppendMessage,
+    CancelToken,
     Codec,
     ConflictError,
+    Effect,
     Message,
     ModelInference,
+    Operation,
+    Refuse,
     Runtime,
     Session,
+    Staged,
     StateMachine,
+    Task,
     UpdateData,
+    Yield,
     submit,
 )
-from stepmachine.extend import Lease, history_problems
+from stepmachine._outcomes import constant_record
+from stepmachine._retry import MAX_STALLED_CONFLICTS
+from stepmachine.extend import Lease, YieldReason, history_problems
 from stepmachine.operations import Compaction
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, reply
@@ -240,3 +252,422 @@ async def test_a_message_submitted_while_the_summariser_runs_survives_compaction
         assert messages_with(session, "final") == 1
     finally:
         await store.aclose()
+
+
+# -- a charge under fire: the intent, the charges, one receipt each ---------------------------
+
+
+def texts(session: Session[Any]) -> list[str]:
+    return [m.text or "" for m in session.conversation]
+
+
+class Charges(Operation[Any]):
+    """Charges each of ``keys`` once, as ``examples/charge_card.py`` does: the intent
+    (a message ``intent``), then one guarded task per key whose record is the message
+    ``receipt KEY`` unless the stored session holds it already. ``charged`` lists every
+    charge made (the side effect: a charge made always has its record held, there is
+    no checkpoint between the two). ``replacement`` (a key): the store refusing that
+    key's receipt is answered with the constant record ``too large KEY``."""
+
+    name = "charges"
+
+    def __init__(
+        self,
+        keys: Sequence[str] = ("a",),
+        *,
+        concurrency: int = 1,
+        gate: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
+        self.keys, self.concurrency, self.gate = tuple(keys), concurrency, gate
+        self.charged: list[str] = []
+
+    async def run(self, ctx: Any) -> Any:
+        seen = texts(ctx.session)
+        if "intent" in seen:
+            if all(f"receipt {k}" in seen or f"too large {k}" in seen for k in self.keys):
+                return Refuse("charged")
+            return Yield([], "outcome_unknown")
+        intent = [AppendMessage(Message.user("intent", id=ctx.new_id()))]
+        tasks = [self.task(ctx, key) for key in self.keys]
+        return Staged(
+            intent, tasks, max_concurrency=self.concurrency, then=lambda: Yield([], "done")
+        )
+
+    def task(self, ctx: Any, key: str) -> Task:
+        async def charge() -> Any:
+            if self.gate is not None:
+                await self.gate(key)
+            self.charged.append(key)
+            return self.record(ctx, f"receipt {key}")
+
+        def refused(exc: Exception) -> Any:
+            return constant_record(AppendMessage(Message.user(f"too large {key}", id=ctx.new_id())))
+
+        return Task(f"charge {key}", charge, guarded=True, refused=refused)
+
+    @staticmethod
+    def record(ctx: Any, text: str) -> Any:
+        def record(stored: Session[Any]) -> Sequence[Effect]:
+            if text in texts(stored):
+                return ()
+            return [AppendMessage(Message.user(text, id=ctx.new_id()))]
+
+        return record
+
+
+def is_receipt(batch: Any) -> str | None:
+    """The key of the receipt ``batch`` writes, if it writes one."""
+    for effect in batch.effects:
+        if isinstance(effect, AppendMessage):
+            text = effect.message.text or ""
+            if text.startswith(("receipt ", "too large ")):
+                return text.split(" ")[-1]
+    return None
+
+
+async def assert_charged_once(store: Any, step: Charges, *, all_keys: bool = True) -> None:
+    """Every charge made has exactly one receipt, stored in exactly one batch; no key
+    was charged twice; with ``all_keys``, every key was charged."""
+    session = await assert_valid(store, "s")
+    assert len(step.charged) == len(set(step.charged)), step.charged
+    if all_keys:
+        assert sorted(step.charged) == sorted(step.keys)
+    found = texts(session)
+    for key in step.charged:
+        answers = found.count(f"receipt {key}") + found.count(f"too large {key}")
+        assert answers == 1, (key, found)
+    written = [is_receipt(b) for b in await store.batches("s")]
+    receipts = [key for key in written if key is not None]
+    assert sorted(receipts) == sorted(step.charged), (receipts, step.charged)
+    assert found.count("intent") == (1 if step.charged else found.count("intent")) <= 1
+
+
+async def other_writer(store: Any, label: str) -> None:
+    """Another writer's batch on session ``s`` (a message submitted)."""
+    await submit(store, "s", [AppendMessage(Message.user(f"other {label}", id=label))])
+
+
+@pytest.mark.parametrize("losses", [1, 5, MAX_STALLED_CONFLICTS + 1, 40])
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_a_receipt_that_loses_the_race_n_times_is_written_once(
+    kind: str, tmp_path: Path, losses: int, concurrency: int
+) -> None:
+    """Another writer moves the session on right before each of the first ``losses``
+    receipt writes (a real conflict in the store): every receipt is still written,
+    once, and nothing is charged twice."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        moved = itertools.count()
+
+        async def lose(batch: Any) -> None:
+            if is_receipt(batch) is not None:
+                n = next(moved)
+                if n < losses:
+                    await other_writer(inner, f"x{n}")
+
+        store.before = lose
+        step = Charges(["a", "b", "c"], concurrency=concurrency)
+        report = await StateMachine([step], max_conflicts=0).run_report(Runtime(store=store), "s")
+        assert report.reason.kind == "done"
+        await assert_charged_once(inner, step)
+        session = await inner.load("s")
+        assert sum(t.startswith("other ") for t in texts(session)) == losses
+    finally:
+        await inner.aclose()
+
+
+@pytest.mark.parametrize("stalled", [MAX_STALLED_CONFLICTS, MAX_STALLED_CONFLICTS + 1])
+async def test_a_store_that_refuses_a_receipt_without_moving_on_ends_in_a_conflict(
+    kind: str, tmp_path: Path, stalled: int
+) -> None:
+    """A store that raises ``ConflictError`` with nothing written and nothing moved on:
+    up to ``MAX_STALLED_CONFLICTS`` in a row are retried and the receipt is written;
+    one more raises ``ConflictError`` (no livelock). Either way no batch is lost and
+    nothing is charged twice, also when the run is started again."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        refusals = [0]
+
+        async def refuse(batch: Any) -> None:
+            if is_receipt(batch) is not None and refusals[0] < stalled:
+                refusals[0] += 1
+                raise ConflictError("s", batch.revision - 1, batch.revision - 1)
+
+        store.before = refuse
+        step = Charges(["a"])
+        machine = StateMachine([step], max_conflicts=0)
+        if stalled <= MAX_STALLED_CONFLICTS:
+            report = await machine.run_report(Runtime(store=store), "s")
+            assert report.reason.kind == "done"
+            await assert_charged_once(inner, step)
+        else:
+            with pytest.raises(ConflictError):
+                await machine.run_report(Runtime(store=store), "s")
+            assert refusals[0] == stalled
+            session = await assert_valid(inner, "s")
+            assert texts(session) == ["intent"]  # the intent stays; the receipt is gone
+            again = await machine.run_report(Runtime(store=store), "s")
+            assert again.reason.kind == "outcome_unknown"  # never charged again
+        assert step.charged == ["a"]
+    finally:
+        await inner.aclose()
+
+
+async def test_stalled_conflicts_between_moves_are_counted_in_a_row_only(
+    kind: str, tmp_path: Path
+) -> None:
+    """``MAX_STALLED_CONFLICTS`` unexplained conflicts, one explained, as many again:
+    the count starts again after the explained one, so the receipt is written."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        attempts = itertools.count()
+
+        async def pattern(batch: Any) -> None:
+            if is_receipt(batch) is None:
+                return
+            n = next(attempts)
+            if n == MAX_STALLED_CONFLICTS:
+                await other_writer(inner, "x")  # a real conflict: the session moves on
+            elif n < 2 * MAX_STALLED_CONFLICTS + 1:
+                raise ConflictError("s", batch.revision - 1, batch.revision - 1)
+
+        store.before = pattern
+        step = Charges(["a"])
+        report = await StateMachine([step], max_conflicts=0).run_report(Runtime(store=store), "s")
+        assert report.reason.kind == "done"
+        assert next(attempts) == 2 * MAX_STALLED_CONFLICTS + 2
+        await assert_charged_once(inner, step)
+    finally:
+        await inner.aclose()
+
+
+# -- faults between writes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_a_receipt_stored_whose_reply_is_lost_as_a_conflict_is_not_written_again(
+    kind: str, tmp_path: Path, concurrency: int
+) -> None:
+    """The store writes the receipt, then its reply is lost and the caller sees a
+    conflict (a wrapper that retried the write, say): the reload shows the session moved
+    on (by the receipt itself), the record is computed again from it and writes nothing."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        lost: list[str] = []
+
+        async def lose_reply(batch: Any, stored: Any) -> None:
+            key = is_receipt(batch)
+            if key is not None and key not in lost:
+                lost.append(key)
+                raise ConflictError("s", batch.revision - 1, batch.revision)
+
+        store.after = lose_reply
+        step = Charges(["a", "b", "c"], concurrency=concurrency)
+        report = await StateMachine([step], max_conflicts=0).run_report(Runtime(store=store), "s")
+        assert report.reason.kind == "done"
+        assert sorted(lost) == ["a", "b", "c"]
+        await assert_charged_once(inner, step)
+    finally:
+        await inner.aclose()
+
+
+async def test_a_receipt_stored_whose_reply_is_lost_as_an_os_error_stays_once(
+    kind: str, tmp_path: Path
+) -> None:
+    """The store writes the receipt and the connection fails before the reply: the run
+    raises the error; the receipt is stored once, and a run started again charges
+    nothing and writes nothing more for it."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+
+        async def lose_reply(batch: Any, stored: Any) -> None:
+            if is_receipt(batch) is not None and store.after is not None:
+                store.after = None
+                raise ConnectionResetError("the reply was lost")
+
+        store.after = lose_reply
+        step = Charges(["a"])
+        with pytest.raises(ConnectionResetError):
+            await StateMachine([step]).run_report(Runtime(store=store), "s")
+        again = await StateMachine([step]).run_report(Runtime(store=store), "s")
+        assert again.reason.kind == "idle"  # charged and recorded: nothing to do
+        await assert_charged_once(inner, step)
+    finally:
+        await inner.aclose()
+
+
+async def test_a_reload_that_fails_mid_retry_never_leads_to_a_second_charge(
+    kind: str, tmp_path: Path
+) -> None:
+    """The receipt's write conflicts and the reload then fails (the store is gone for a
+    moment): the run raises that error; the receipt it held is not written (nothing can
+    be), and the run started again reads the intent without a receipt as an outcome
+    it cannot know: the card is never charged a second time."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        state = {"conflicted": False, "failed": False}
+
+        async def lose(batch: Any) -> None:
+            if is_receipt(batch) is not None and not state["conflicted"]:
+                state["conflicted"] = True
+                await other_writer(inner, "x")
+
+        async def fail_reload(session_id: str) -> None:
+            if state["conflicted"] and not state["failed"]:
+                state["failed"] = True
+                raise ConnectionResetError("the store is gone for a moment")
+
+        store.before, store.on_load = lose, fail_reload
+        step = Charges(["a"])
+        with pytest.raises(ConnectionResetError):
+            await StateMachine([step]).run_report(Runtime(store=store), "s")
+        again = await StateMachine([step]).run_report(Runtime(store=store), "s")
+        assert again.reason.kind == "outcome_unknown"
+        assert step.charged == ["a"]
+        session = await assert_valid(inner, "s")
+        assert "receipt a" not in texts(session)
+    finally:
+        await inner.aclose()
+
+
+@pytest.mark.parametrize("how", ["token", "scope"])
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_a_reload_cancelled_mid_retry_leaves_the_receipt_to_finalize(
+    kind: str, tmp_path: Path, how: str, concurrency: int
+) -> None:
+    """Cancelled (the machine's token, or a cancel scope from outside) while the
+    retry loop reloads after a conflict: finalize writes every receipt the machine
+    held, once each."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        token = CancelToken()
+        scope = anyio.CancelScope()
+        state = {"conflicted": False, "cancelled": False}
+
+        async def lose(batch: Any) -> None:
+            if is_receipt(batch) is not None and not state["conflicted"]:
+                state["conflicted"] = True
+                await other_writer(inner, "x")
+
+        async def cancel_reload(session_id: str) -> None:
+            if state["conflicted"] and not state["cancelled"]:
+                state["cancelled"] = True
+                if how == "token":
+                    token.cancel("stop")
+                else:
+                    scope.cancel()
+                await anyio.lowlevel.checkpoint()
+
+        store.before, store.on_load = lose, cancel_reload
+        step = Charges(["a", "b", "c"], concurrency=concurrency)
+        machine = StateMachine([step], cancel=token if how == "token" else None)
+        reports = []
+        with scope:
+            reports.append(await machine.run_report(Runtime(store=store), "s"))
+        assert state["cancelled"]
+        if how == "token":
+            assert reports[0].reason.kind == YieldReason.CANCELLED
+        else:
+            assert scope.cancelled_caught
+            assert not reports
+        await assert_charged_once(inner, step, all_keys=False)
+        assert step.charged  # at least the one whose write was cut
+    finally:
+        await inner.aclose()
+
+
+class Sweep(Faulty):
+    """A :class:`Faulty` store that runs ``fire()`` at its ``at``-th apply or load (from
+    0), before the call reaches the store or, with ``after``, once the store answered:
+    then a checkpoint, where a cancellation lands. The first receipt write of each key
+    loses the race to another writer (so the retry loop runs)."""
+
+    def __init__(self, inner: Any, at: int, after: bool, fire: Callable[[], None]) -> None:
+        super().__init__(inner)
+        self.at, self.at_after, self.fire, self.count, self.fired = at, after, fire, 0, False
+        self.lost: set[str] = set()
+
+    async def tick(self) -> None:
+        if self.count == self.at:
+            self.fired = True
+            self.fire()
+            await anyio.lowlevel.checkpoint()
+        self.count += 1
+
+    async def apply(self, batch: Any, *, lease: Lease | None = None) -> Any:
+        key = is_receipt(batch)
+        if key is not None and key not in self.lost:
+            self.lost.add(key)
+            await other_writer(self.inner, f"x-{key}")
+        if not self.at_after:
+            await self.tick()
+        stored = await self.inner.apply(batch, lease=lease)
+        if self.at_after:
+            await self.tick()
+        return stored
+
+    async def load(self, session_id: str) -> Any:
+        if not self.at_after:
+            await self.tick()
+        loaded = await self.inner.load(session_id)
+        if self.at_after:
+            await self.tick()
+        return loaded
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-call", "after-call"])
+@pytest.mark.parametrize("how", ["token", "scope"])
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_a_cancel_at_every_store_call_of_the_record_loop_charges_and_records_once(
+    tmp_path: Path, after: bool, how: str, concurrency: int
+) -> None:
+    """A cancellation at the k-th store call of a run, for every k until the run
+    finishes first (before the call, or after the store answered: the batch stored,
+    its reply not yet seen), with a conflict on each receipt's first write: nothing is
+    charged twice, every charge made has exactly one receipt, the history stays valid,
+    and the session is free for the next run, which finishes the work."""
+    k = 0
+    while True:
+        assert k < 200, "the run never finished before the canceller"
+        inner = MemoryStore()
+        await inner.create("s")
+        token = CancelToken()
+        scope = anyio.CancelScope()
+
+        def fire(token: CancelToken = token, scope: anyio.CancelScope = scope) -> None:
+            if how == "token":
+                token.cancel("stop")
+            else:
+                scope.cancel()
+
+        store = Sweep(inner, k, after, fire)
+        step = Charges(["a", "b", "c"], concurrency=concurrency)
+        machine = StateMachine([step], cancel=token if how == "token" else None)
+        reports = []
+        with scope:
+            reports.append(await machine.run_report(Runtime(store=store), "s"))
+        await assert_charged_once(inner, step, all_keys=False)
+        if not store.fired:
+            assert reports[0].reason.kind == "done"
+            await assert_charged_once(inner, step)
+            break
+        # The next run (no more cancels) charges what is left or knows it cannot tell.
+        rerun = await StateMachine([step]).run_report(Runtime(store=inner), "s")
+        assert rerun.reason.kind in ("done", "idle", "outcome_unknown"), (k, rerun.reason)
+        await assert_charged_once(inner, step, all_keys=rerun.reason.kind != "outcome_unknown")
+        k += 1
+    assert k > 5  # the sweep went through the retry loop
