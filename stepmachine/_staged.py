@@ -49,7 +49,8 @@ A result the store refuses (:class:`~stepmachine.EffectError`: an effect
 that does not apply, or :class:`~stepmachine.MediaTooLargeError`: an image
 over the store's limit; nothing of that batch was written) is offered to the
 task's ``refused``: a replacement record (an error result naming the limit),
-or ``None`` to let the error propagate.
+or ``None`` to let the error propagate. It is offered once per task: when the
+store refuses the replacement too, that error propagates.
 """
 
 from __future__ import annotations
@@ -206,6 +207,7 @@ class _Record:
     run: _Execution
     entry: Recorder
     task: Task
+    replaced: bool = False  # ``entry`` is the task's replacement: a refusal of it propagates
 
     async def attempt(self, current: Session[Any]) -> Session[Any]:
         """Write the record's effects computed from ``current`` (none: nothing written).
@@ -223,11 +225,13 @@ class _Record:
                 after = await run.write(current, effects, status)
             except (EffectError, MediaTooLargeError) as exc:
                 refused = self.task.refused
-                replacement = None if refused is None else refused(exc)
+                # Offered once: a replacement the store refuses too is not offered
+                # again (a ``refused`` that always answers would loop for ever).
+                replacement = None if refused is None or self.replaced else refused(exc)
                 if replacement is None:
                     raise
                 _swap(run.held, self.entry, replacement)
-                self.entry = replacement
+                self.entry, self.replaced = replacement, True
                 continue
             run.written.extend(effects)
             return after
