@@ -32,6 +32,7 @@ from stepmachine import (
     Codec,
     ConflictError,
     Effect,
+    EffectError,
     Message,
     ModelInference,
     Operation,
@@ -671,3 +672,125 @@ async def test_a_cancel_at_every_store_call_of_the_record_loop_charges_and_recor
         await assert_charged_once(inner, step, all_keys=rerun.reason.kind != "outcome_unknown")
         k += 1
     assert k > 5  # the sweep went through the retry loop
+
+
+# -- Task.refused replacements with conflicts -------------------------------------------------
+
+
+class RunawayError(Exception):
+    """What a test's store raises to stop a loop that would not stop by itself."""
+
+
+@pytest.mark.parametrize("losses", [0, 3, MAX_STALLED_CONFLICTS + 2])
+async def test_a_replacement_record_that_loses_the_race_is_what_is_written_once(
+    kind: str, tmp_path: Path, losses: int
+) -> None:
+    """The store refuses key a's receipt (``EffectError``, nothing written); the task's
+    ``refused`` gives a replacement, whose writes then lose the race ``losses`` times:
+    the replacement is written once, the refused receipt never."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        moved = itertools.count()
+
+        async def refuse_then_lose(batch: Any) -> None:
+            text = next(iter(t for t in map(_text, batch.effects) if t), "")
+            if text == "receipt a":
+                raise EffectError("the receipt is too large for this store")
+            if text == "too large a":
+                n = next(moved)
+                if n < losses:
+                    await other_writer(inner, f"x{n}")
+
+        store.before = refuse_then_lose
+        step = Charges(["a", "b"])
+        report = await StateMachine([step], max_conflicts=0).run_report(Runtime(store=store), "s")
+        assert report.reason.kind == "done"
+        await assert_charged_once(inner, step)
+        found = texts(await inner.load("s"))
+        assert found.count("too large a") == 1
+        assert "receipt a" not in found
+        assert found.count("receipt b") == 1
+    finally:
+        await inner.aclose()
+
+
+def _text(effect: Any) -> str:
+    return (effect.message.text or "") if isinstance(effect, AppendMessage) else ""
+
+
+@pytest.mark.parametrize("how", ["token", "scope"])
+async def test_a_written_replacement_is_not_left_held_for_finalize_to_write_again(
+    kind: str, tmp_path: Path, how: str
+) -> None:
+    """Two tasks at once: key a's receipt is refused and its (constant) replacement is
+    written after a conflict; then, while key b has not started its charge, the run is
+    cancelled. Finalize writes what the machine still holds: not a's replacement again."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        token = CancelToken()
+        scope = anyio.CancelScope()
+        replaced = anyio.Event()
+        lost = [False]
+
+        async def refuse_then_lose(batch: Any) -> None:
+            text = next(iter(t for t in map(_text, batch.effects) if t), "")
+            if text == "receipt a":
+                raise EffectError("the receipt is too large for this store")
+            if text == "too large a" and not lost[0]:
+                lost[0] = True
+                await other_writer(inner, "x")
+
+        async def after(batch: Any, stored: Any) -> None:
+            if any(_text(e) == "too large a" for e in batch.effects):
+                replaced.set()
+
+        async def gate(key: str) -> None:
+            if key == "b":
+                await replaced.wait()
+                await anyio.lowlevel.checkpoint()  # a's record is through (dropped) by now
+                token.cancel("stop") if how == "token" else scope.cancel()
+                await anyio.sleep_forever()
+
+        store.before, store.after = refuse_then_lose, after
+        step = Charges(["a", "b"], concurrency=2, gate=gate)
+        machine = StateMachine([step], cancel=token if how == "token" else None)
+        with scope:
+            await machine.run_report(Runtime(store=store), "s")
+        assert lost[0]
+        assert step.charged == ["a"]
+        await assert_charged_once(inner, step, all_keys=False)
+        assert texts(await inner.load("s")).count("too large a") == 1
+    finally:
+        await inner.aclose()
+
+
+async def test_a_refused_replacement_that_is_refused_again_does_not_loop_forever(
+    kind: str, tmp_path: Path
+) -> None:
+    """The store refuses the receipt and every replacement ``refused`` gives: the run
+    ends with the store's error, after a bounded number of attempts (no livelock)."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        refusals = [0]
+
+        async def refuse_all(batch: Any) -> None:
+            if is_receipt(batch) is not None:
+                refusals[0] += 1
+                if refusals[0] > 50:
+                    raise RunawayError("the refusals never stop")
+                raise EffectError("this store takes no receipts")
+
+        store.before = refuse_all
+        step = Charges(["a"])
+        with pytest.raises(EffectError):
+            await StateMachine([step]).run_report(Runtime(store=store), "s")
+        assert refusals[0] <= 2
+        assert step.charged == ["a"]
+    finally:
+        await inner.aclose()
