@@ -220,7 +220,8 @@ async def commit(
         ConflictError: the stored session moved on; nothing was written.
         EffectError: an effect does not apply; nothing was written.
         ConfigurationError: the handler returned a session that is not the one
-            after the batch (another revision or id); the batch may be stored.
+            after the batch (another revision or id), or something that is not a
+            session; the batch may be stored.
     """
     effects = tuple(effects)
     batch: Batch[Effect] = Batch(
@@ -240,6 +241,12 @@ async def commit(
         after = apply_batch(session, effects)
         stored = await handler.apply(batch)
         after = after if stored is None else stored
+    if not isinstance(after, Session):
+        raise ConfigurationError(
+            f"the effect handler {type(handler).__name__} returned {type(after).__name__} "
+            f"{after!r:.100} for the batch producing revision {batch.revision} of session "
+            f"{batch.session_id!r}; apply returns the session after the batch, or None"
+        )
     if after.revision != batch.revision or after.id != batch.session_id:
         raise ConfigurationError(
             f"the effect handler {type(handler).__name__} returned session {after.id!r} at "
