@@ -24,12 +24,14 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import msgspec
 import pytest
 
 from stepmachine import (
     AppendMessage,
     CancelToken,
     Codec,
+    ConfigurationError,
     ConflictError,
     Effect,
     EffectError,
@@ -792,5 +794,102 @@ async def test_a_refused_replacement_that_is_refused_again_does_not_loop_forever
             await StateMachine([step]).run_report(Runtime(store=store), "s")
         assert refusals[0] <= 2
         assert step.charged == ["a"]
+    finally:
+        await inner.aclose()
+
+
+# -- handlers that return None, or another session ------------------------------------------
+
+
+class Handler:
+    """An effect handler of an application's own (no ``applies_batches``: the machine
+    applies each batch itself first), over ``inner``; ``answer(batch, stored)`` is what
+    its ``apply`` returns (the stored session by default)."""
+
+    def __init__(self, inner: Any, answer: Callable[[Any, Any], Any] | None = None) -> None:
+        self.inner, self.answer, self.batches = inner, answer, 0
+
+    async def apply(self, batch: Any) -> Any:
+        stored = await self.inner.apply(batch)
+        self.batches += 1
+        return stored if self.answer is None else self.answer(batch, stored)
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_a_handler_that_returns_none_records_each_charge_once_through_conflicts(
+    kind: str, tmp_path: Path, concurrency: int
+) -> None:
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        faulty = Faulty(inner)
+        moved = itertools.count()
+
+        async def lose(batch: Any) -> None:
+            if is_receipt(batch) is not None and next(moved) < 4:
+                await other_writer(inner, f"x{next(moved)}")
+
+        faulty.before = lose
+        handler = Handler(faulty, lambda batch, stored: None)
+        step = Charges(["a", "b", "c"], concurrency=concurrency)
+        runtime = Runtime(loader=inner, handler=handler)
+        report = await StateMachine([step], max_conflicts=0).run_report(runtime, "s")
+        assert report.reason.kind == "done"
+        assert report.session == await inner.load("s")
+        await assert_charged_once(inner, step)
+    finally:
+        await inner.aclose()
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        lambda batch, stored: msgspec.structs.replace(stored, revision=stored.revision - 1),
+        lambda batch, stored: msgspec.structs.replace(stored, id="another"),
+        lambda batch, stored: {"revision": stored.revision, "id": stored.id},
+        lambda batch, stored: True,
+    ],
+    ids=["the-session-before", "another-id", "a-dict", "true"],
+)
+async def test_a_handler_that_returns_a_wrong_session_for_a_receipt_is_a_configuration_error(
+    kind: str, tmp_path: Path, wrong: Callable[[Any, Any], Any]
+) -> None:
+    """The handler stores the receipt and returns something that is not the session
+    after it: ``ConfigurationError`` naming the handler (the receipt stays stored, the
+    card is never charged again)."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+
+        def answer(batch: Any, stored: Any) -> Any:
+            return wrong(batch, stored) if is_receipt(batch) is not None else stored
+
+        step = Charges(["a"])
+        runtime = Runtime(loader=inner, handler=Handler(inner, answer))
+        with pytest.raises(ConfigurationError, match="Handler"):
+            await StateMachine([step]).run_report(runtime, "s")
+        again = await StateMachine([step]).run_report(Runtime(store=inner), "s")
+        assert again.reason.kind == "idle"
+        await assert_charged_once(inner, step)
+    finally:
+        await inner.aclose()
+
+
+async def test_submit_through_a_handler_that_returns_another_session_is_a_configuration_error(
+    kind: str, tmp_path: Path
+) -> None:
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+
+        class Lying(Faulty):
+            async def apply(self, batch: Any, *, lease: Lease | None = None) -> Any:
+                stored = await self.inner.apply(batch, lease=lease)
+                return msgspec.structs.replace(stored, revision=0)
+
+        with pytest.raises(ConfigurationError, match="Lying"):
+            await submit(Lying(inner), "s", [AppendMessage(Message.user("x", id="x"))])
+        session = await assert_valid(inner, "s")
+        assert [m.id for m in session.conversation] == ["x"]  # it was stored, once
     finally:
         await inner.aclose()
