@@ -28,6 +28,7 @@ import msgspec
 import pytest
 
 from stepmachine import (
+    Annotate,
     AppendMessage,
     CancelToken,
     Codec,
@@ -44,16 +45,18 @@ from stepmachine import (
     Staged,
     StateMachine,
     Task,
+    Tools,
     UpdateData,
     Yield,
     submit,
+    tool,
 )
 from stepmachine._outcomes import constant_record
 from stepmachine._retry import MAX_STALLED_CONFLICTS
 from stepmachine.extend import Lease, YieldReason, history_problems
 from stepmachine.operations import Compaction
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
-from stepmachine.testing import FunctionModel, reply
+from stepmachine.testing import FunctionModel, call, reply
 
 HERE = Path(__file__).resolve().parent
 KINDS = ["memory", "sqlite", "file"]
@@ -891,5 +894,114 @@ async def test_submit_through_a_handler_that_returns_another_session_is_a_config
             await submit(Lying(inner), "s", [AppendMessage(Message.user("x", id="x"))])
         session = await assert_valid(inner, "s")
         assert [m.id for m in session.conversation] == ["x"]  # it was stored, once
+    finally:
+        await inner.aclose()
+
+
+# -- concurrent writers in one process ------------------------------------------------------
+
+
+async def busy_writer(store: Any, done: anyio.Event, wrote: list[int], target: str) -> None:
+    """Another writer: annotates message ``target`` over and over (each a batch, and
+    each a checkpoint) until ``done`` is set, at most 60 times (a writer that never
+    pauses can starve a compare-and-set writer for ever: that is not under test)."""
+    n = 0
+    while not done.is_set() and n < 60:
+        n += 1
+        await submit(store, "s", [Annotate(target, "other", {"n": n})], max_attempts=1000)
+        wrote.append(n)
+        await anyio.lowlevel.checkpoint()
+
+
+@pytest.mark.parametrize("concurrency", [2, 8])
+async def test_charges_at_once_with_another_writer_busy_are_each_recorded_once(
+    kind: str, tmp_path: Path, concurrency: int
+) -> None:
+    """Eight charges, up to ``concurrency`` at once, while another writer keeps moving
+    the session on: every charge is recorded exactly once and no writer's batch is lost."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s", conversation=[Message.user("hi", id="u1")])
+
+        async def gate(key: str) -> None:
+            for _ in range(ord(key[-1]) % 5):  # the charges land in another order
+                await anyio.lowlevel.checkpoint()
+
+        step = Charges([f"k{i}" for i in range(8)], concurrency=concurrency, gate=gate)
+        done = anyio.Event()
+        wrote: list[int] = []
+        reports = []
+
+        async def run() -> None:
+            machine = StateMachine([step], max_conflicts=1000)
+            reports.append(await machine.run_report(Runtime(store=inner), "s"))
+            done.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(busy_writer, inner, done, wrote, "u1")
+            group.start_soon(run)
+        assert reports[0].reason.kind == "done"
+        await assert_charged_once(inner, step)
+        session = await inner.load("s")
+        assert session.conversation[0].notes["other"] == {"n": wrote[-1]}
+        annotations = [
+            b for b in await inner.batches("s") if any(isinstance(e, Annotate) for e in b.effects)
+        ]
+        assert len(annotations) == len(wrote)  # every batch the other writer got back is kept
+    finally:
+        await inner.aclose()
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_non_idempotent_tools_with_another_writer_busy_run_and_answer_once(
+    kind: str, tmp_path: Path, concurrency: int
+) -> None:
+    """The ``Tools`` step, non-idempotent tools, another writer moving the session on
+    all along: each call ran once and has exactly one result, in one batch."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s", conversation=[Message.user("go", id="u1")])
+        ran: list[int] = []
+
+        @tool(side_effects="non_idempotent")
+        async def pay(x: int) -> str:
+            """Pay ``x``."""
+            await anyio.lowlevel.checkpoint()
+            ran.append(x)
+            return f"paid {x}"
+
+        def answer(request: Any) -> Any:
+            if request.messages[-1].role == "user":
+                return call(*[("pay", {"x": x}) for x in range(5)])
+            return reply("done")
+
+        machine = StateMachine(
+            [Tools([pay], max_concurrency=concurrency), ModelInference()], max_conflicts=1000
+        )
+        runtime = Runtime(store=inner, model=FunctionModel(answer))
+        done = anyio.Event()
+        wrote: list[int] = []
+        reports = []
+
+        async def run() -> None:
+            reports.append(await machine.run_report(runtime, "s"))
+            done.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(busy_writer, inner, done, wrote, "u1")
+            group.start_soon(run)
+        assert reports[0].reason.kind == "done"
+        assert sorted(ran) == list(range(5))
+        session = await assert_valid(inner, "s")
+        results = [r.content for m in session.conversation for r in m.tool_results]
+        assert sorted(results) == [f"paid {x}" for x in range(5)], results
+        written = [
+            r.call_id
+            for b in await inner.batches("s")
+            for e in b.effects
+            if isinstance(e, AppendMessage)
+            for r in e.message.tool_results
+        ]
+        assert len(written) == len(set(written)) == 5
     finally:
         await inner.aclose()
