@@ -18,6 +18,8 @@ store that keeps refusing. Every test checks the stored history stays valid.
 from __future__ import annotations
 
 import itertools
+import json
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -1005,3 +1007,56 @@ async def test_non_idempotent_tools_with_another_writer_busy_run_and_answer_once
         assert len(written) == len(set(written)) == 5
     finally:
         await inner.aclose()
+
+
+# -- processes on one SQLite file -----------------------------------------------------------
+
+
+async def test_runners_and_writers_in_processes_on_one_sqlite_file_charge_each_key_once(
+    tmp_path: Path, anyio_backend_name: str
+) -> None:
+    """Three processes run the charging machine on one session without a lease (they
+    race on the intent) while two more keep writing to it: each key is charged once,
+    by one process, and has exactly one receipt, in one batch; every other writer's
+    batch is kept; the history is valid."""
+    db, log = tmp_path / "db.sqlite3", tmp_path / "charges.log"
+    store = await SQLiteStore.open(db)
+    await store.create("s", conversation=[Message.user("hi", id="u1")])
+    await store.aclose()
+    child = str(HERE / "_record_race_child.py")
+    roles = [("charge", "r0"), ("write", "w0"), ("charge", "r1"), ("write", "w1"), ("charge", "r2")]
+    outputs: dict[str, dict[str, Any]] = {}
+
+    async def one(mode: str, name: str) -> None:
+        command = [sys.executable, child, str(db), str(log), mode, name, anyio_backend_name]
+        done = await anyio.run_process(command, check=True)
+        outputs[name] = json.loads(done.stdout.decode().strip().splitlines()[-1])
+
+    async with anyio.create_task_group() as group:
+        for mode, name in roles:
+            group.start_soon(one, mode, name)
+    charges = [line.split() for line in log.read_text().splitlines()]
+    keys = [key for _, key, _pid in charges]
+    assert sorted(keys) == [f"k{i}" for i in range(6)], charges  # each key charged once
+    assert len({pid for _, _, pid in charges}) == 1  # by the one runner that wrote the intent
+    reasons = sorted(outputs[name]["reason"] for _, name in roles if name.startswith("r"))
+    assert reasons.count("done") == 1, reasons
+    assert set(reasons) <= {"done", "outcome_unknown", "idle"}, reasons
+    store = await SQLiteStore.open(db)
+    try:
+        session = await assert_valid(store, "s")
+        found = texts(session)
+        assert found.count("intent") == 1
+        for key in keys:
+            assert found.count(f"receipt {key}") == 1, found
+        written = [is_receipt(b) for b in await store.batches("s")]
+        assert sorted(k for k in written if k is not None) == sorted(keys)
+        notes = session.conversation[0].notes
+        assert notes["w0"] == {"n": 39}
+        assert notes["w1"] == {"n": 39}
+        annotations = [
+            b for b in await store.batches("s") if any(isinstance(e, Annotate) for e in b.effects)
+        ]
+        assert len(annotations) == 80  # no writer's batch lost
+    finally:
+        await store.aclose()
