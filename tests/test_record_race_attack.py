@@ -53,6 +53,7 @@ from stepmachine import (
     submit,
     tool,
 )
+from stepmachine._ledger import latest_ledger
 from stepmachine._outcomes import constant_record
 from stepmachine._retry import MAX_STALLED_CONFLICTS
 from stepmachine.extend import Lease, YieldReason, history_problems
@@ -1060,3 +1061,81 @@ async def test_runners_and_writers_in_processes_on_one_sqlite_file_charge_each_k
         assert len(annotations) == 80  # no writer's batch lost
     finally:
         await store.aclose()
+
+
+# -- a model reply whose write loses its reply ----------------------------------------------
+
+
+@pytest.mark.parametrize("lost", ["conflict", "cancel"])
+async def test_a_model_reply_stored_whose_write_reply_is_lost_is_recorded_once(
+    kind: str, tmp_path: Path, lost: str
+) -> None:
+    """The store writes the model's reply, then the writer sees a conflict (or is
+    cancelled right there, so finalize writes what it held): the reply is in the
+    history once, the model was asked once, and the running totals count one call."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s", conversation=[Message.user("hi", id="u1")])
+        store = Faulty(inner)
+        token = CancelToken()
+
+        async def lose_reply(batch: Any, stored: Any) -> None:
+            if batch.step == "inference" and any(
+                isinstance(e, AppendMessage) and e.message.role == "assistant"
+                for e in batch.effects
+            ):
+                store.after = None
+                if lost == "conflict":
+                    raise ConflictError("s", batch.revision - 1, batch.revision)
+                token.cancel("stop")
+                await anyio.lowlevel.checkpoint()
+
+        store.after = lose_reply
+        model = FunctionModel(lambda request: reply("hello"))
+        machine = StateMachine([ModelInference()], cancel=token)
+        report = await machine.run_report(Runtime(store=store, model=model), "s")
+        assert store.after is None  # the reply was lost
+        assert report.reason.kind in ("done", "idle", YieldReason.CANCELLED)
+        session = await assert_valid(inner, "s")
+        assert [m.role for m in session.conversation] == ["user", "assistant"]
+        assert model.calls == 1
+        ledger = latest_ledger(session).ledger
+        assert ledger is not None
+        assert ledger.session.model_calls == 1
+        again = await StateMachine([ModelInference()]).run_report(Runtime(store=inner), "s")
+        assert again.reason.kind == "idle"
+    finally:
+        await inner.aclose()
+
+
+# -- submit inside and outside a traced run -------------------------------------------------
+
+
+async def test_submit_inside_a_traced_run_stamps_the_runs_trace_and_outside_none() -> None:
+    from _observability import Spans
+
+    spans = Spans()
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("hi", id="u1")])
+
+    class Submits(Operation[Any]):
+        name = "submits"
+
+        async def run(self, ctx: Any) -> Any:
+            if ctx.session.message("from-step") is not None:
+                return Refuse("done")
+            note = Message.user("inside", id="from-step")
+            await submit(store, "s", [AppendMessage(note)], step="inside")
+            return Yield([], "done")
+
+    await submit(store, "s", [Annotate("u1", "app", {"n": 1})], step="outside")
+    runtime = Runtime(store=store, telemetry=spans.telemetry())
+    await StateMachine([Submits()]).run_report(runtime, "s")
+    await submit(store, "s", [Annotate("u1", "app", {"n": 2})], step="after")
+    traces = {b.step: b.trace for b in await store.batches("s")}
+    assert traces["outside"] is None
+    assert traces["after"] is None
+    inside = traces["inside"]
+    assert inside is not None
+    (agent,) = spans.named("invoke_agent")
+    assert inside.split("-")[1] == format(agent.context.trace_id, "032x")
