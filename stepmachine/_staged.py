@@ -43,7 +43,10 @@ task cancelled before it returns (while it runs, or before it started)
 records its ``keep`` (what it already has: streamed
 text; or what gives back a reservation), if it has one; anything else the step wants kept goes
 through its ``finalize``. Calls left open are answered "interrupted" as
-after any cancellation.
+after any cancellation. A held record the store refuses there is offered to
+its task's ``refused`` as below; without a replacement (or when the store
+refuses that too) it is logged and left out, and finalize goes on (its call
+is answered "interrupted").
 
 A result the store refuses (:class:`~stepmachine.EffectError`: an effect
 that does not apply, or :class:`~stepmachine.MediaTooLargeError`: an image
@@ -69,7 +72,7 @@ from ._outcomes import Continue, Recorder, Staged, Task, Yield
 from ._retry import retry_while_moving
 from ._session import Session
 
-__all__ = ["Recorder", "Staged", "Status", "Task", "Writer", "execute", "one_error"]
+__all__ = ["Recorder", "Refusable", "Staged", "Status", "Task", "Writer", "execute", "one_error"]
 
 Status: TypeAlias = Literal["committed", "continue", "yielded"]
 """What a batch of staged work says of the cycle: more may follow, or how it ended."""
@@ -180,6 +183,8 @@ class _Execution:
         """Run ``task`` (once the lease is confirmed), hold its record, then write it."""
         await self.confirm(task)
         entry = await task.run()
+        if task.refused is not None:  # held with it: finalize offers it a refusal too
+            entry = Refusable(entry, task.refused)
         # The result exists: held before any checkpoint, so a cancellation from
         # here on leaves it to finalize, which writes it exactly once.
         if task.keep is not None:
@@ -235,6 +240,18 @@ class _Record:
                 continue
             run.written.extend(effects)
             return after
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Refusable:
+    """A task's record held with the task's ``refused``: what finalize writes after a
+    cancellation is offered to it too when the store refuses it (see ``Task.refused``)."""
+
+    record: Recorder
+    refused: Callable[[Exception], Recorder | None]
+
+    def __call__(self, session: Session[Any]) -> Sequence[Effect]:
+        return self.record(session)
 
 
 def _swap(held: list[Recorder], old: Recorder, new: Recorder) -> None:
