@@ -17,6 +17,7 @@ store that keeps refusing. Every test checks the stored history stays valid.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -38,6 +39,7 @@ from stepmachine import (
     ConflictError,
     Effect,
     EffectError,
+    ImagePart,
     Message,
     ModelInference,
     Operation,
@@ -47,12 +49,14 @@ from stepmachine import (
     Staged,
     StateMachine,
     Task,
+    ToolOutput,
     Tools,
     UpdateData,
     Yield,
     submit,
     tool,
 )
+from stepmachine._emitter import ToolFinished
 from stepmachine._ledger import latest_ledger
 from stepmachine._outcomes import constant_record
 from stepmachine._retry import MAX_STALLED_CONFLICTS
@@ -1139,3 +1143,117 @@ async def test_submit_inside_a_traced_run_stamps_the_runs_trace_and_outside_none
     assert inside is not None
     (agent,) = spans.named("invoke_agent")
     assert inside.split("-")[1] == format(agent.context.trace_id, "032x")
+
+
+# -- a held record the store refuses in finalize ---------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["token", "scope"])
+async def test_a_too_large_tool_result_held_when_cancelled_is_answered_by_its_replacement(
+    how: str,
+) -> None:
+    """Fixed: the run was cancelled right after a tool returned an image over the store's
+    limit (the machine held its result); finalize wrote the held result, the store
+    refused it, and finalize stopped there: the call was left without any result (the
+    history invalid), and with the machine's token ``run`` raised the store's error
+    instead of reporting ``cancelled``. Now the task's ``refused`` answers it (an error
+    result naming the limit), as it does outside a cancellation."""
+    store = MemoryStore(max_media_bytes=10_000)
+    await store.create("s", conversation=[Message.user("draw", id="u1")])
+    token = CancelToken()
+    scope = anyio.CancelScope()
+    drawn: list[int] = []
+
+    @tool(side_effects="non_idempotent")
+    async def draw(size: int) -> ToolOutput:
+        """Draw."""
+        drawn.append(size)
+        return ToolOutput("drawn", (ImagePart(media_type="image/png", data=b"\0" * size),))
+
+    def answer(request: Any) -> Any:
+        if request.messages[-1].role == "user":
+            return call(("draw", {"size": 50_000}))
+        return reply("done")
+
+    class CancelOnFinished:
+        async def emit(self, event: Any) -> None:
+            if isinstance(event.data, ToolFinished):
+                token.cancel("stop") if how == "token" else scope.cancel()
+                await anyio.lowlevel.checkpoint()
+
+    machine = StateMachine(
+        [Tools([draw]), ModelInference()], cancel=token if how == "token" else None
+    )
+    runtime = Runtime(store=store, model=FunctionModel(answer))
+    reports = []
+    with scope:
+        reports.append(await machine.run_report(runtime, "s", emitter=CancelOnFinished()))
+    if how == "token":
+        assert reports[0].reason.kind == YieldReason.CANCELLED
+    else:
+        assert scope.cancelled_caught
+    session = await assert_valid(store, "s")
+    (result,) = [r for m in session.conversation for r in m.tool_results]
+    assert result.is_error
+    assert "10,000" in str(result.content), result.content  # the limit, not "interrupted"
+    assert drawn == [50_000]
+
+
+@pytest.mark.parametrize("replaced", [True, False])
+async def test_a_held_receipt_the_store_refuses_in_finalize_does_not_stop_finalize(
+    kind: str, tmp_path: Path, replaced: bool
+) -> None:
+    """Cancelled right after the charge (the receipt held), the store refuses the
+    receipt when finalize writes it: the task's replacement is written once (with one),
+    or the receipt is left out and logged (without); either way the run reports
+    ``cancelled`` and the other steps' finalize still runs."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        token = CancelToken()
+
+        async def refuse(batch: Any) -> None:
+            if any(_text(e) == "receipt a" for e in batch.effects):
+                raise EffectError("this store takes no receipts")
+
+        async def gate(key: str) -> None:
+            token.cancel("stop")  # lands at the first checkpoint after the charge
+
+        class Marks(Operation[Any]):
+            name = "marks"
+
+            async def run(self, ctx: Any) -> Any:
+                return Refuse()
+
+            async def finalize(self, ctx: Any, *, interrupted: bool) -> Any:
+                return [AppendMessage(Message.user("finalized", id=ctx.new_id()))]
+
+        class Bare(Charges):
+            def task(self, ctx: Any, key: str) -> Task:
+                made = super().task(ctx, key)
+                return made if replaced else dataclasses.replace(made, refused=None)
+
+        store.before = refuse
+        step = Bare(["a"], gate=gate)
+
+        async def landed() -> None:
+            await anyio.lowlevel.checkpoint()
+
+        original = step.task
+
+        def with_checkpoint(ctx: Any, key: str) -> Task:
+            return dataclasses.replace(original(ctx, key), landed=landed)
+
+        step.task = with_checkpoint  # type: ignore[method-assign]
+        machine = StateMachine([step, Marks()], cancel=token)
+        report = await machine.run_report(Runtime(store=store), "s")
+        assert report.reason.kind == YieldReason.CANCELLED
+        assert step.charged == ["a"]
+        session = await assert_valid(inner, "s")
+        found = texts(session)
+        assert found.count("too large a") == (1 if replaced else 0)
+        assert "receipt a" not in found
+        assert found.count("finalized") == 1
+    finally:
+        await inner.aclose()
