@@ -69,8 +69,16 @@ HERE = Path(__file__).resolve().parent
 KINDS = ["memory", "sqlite", "file"]
 
 
-async def open_kind(kind: str, folder: Path, codec: Codec[Any] | None = None) -> Any:
-    """A fresh store of ``kind`` kept in ``folder`` (memory: nothing on disk)."""
+async def open_kind(
+    kind: str, folder: Path, codec: Codec[Any] | None = None, dsn: str | None = None
+) -> Any:
+    """A fresh store of ``kind`` kept in ``folder`` (memory: nothing on disk; postgres:
+    the database ``dsn``)."""
+    if kind == "postgres":
+        from stepmachine.stores import PostgresStore
+
+        assert dsn is not None
+        return await PostgresStore.open(dsn, codec)
     if kind == "sqlite":
         return await SQLiteStore.open(folder / "db.sqlite3", codec)
     if kind == "file":
@@ -1255,5 +1263,54 @@ async def test_a_held_receipt_the_store_refuses_in_finalize_does_not_stop_finali
         assert found.count("too large a") == (1 if replaced else 0)
         assert "receipt a" not in found
         assert found.count("finalized") == 1
+    finally:
+        await inner.aclose()
+
+
+# -- PostgreSQL -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["losses", "lost-reply", "cancelled-reload"])
+async def test_on_postgres_receipts_survive_losses_lost_replies_and_a_cancelled_reload(
+    postgres_dsn: str, tmp_path: Path, fault: str
+) -> None:
+    """The record loop's faults on PostgreSQL: receipts that lose the race 20 times,
+    receipts whose reply is lost as a conflict, a reload cancelled mid-retry; each
+    charge recorded once."""
+    pytest.importorskip("psycopg", reason="psycopg is not installed (the postgres extra)")
+    inner = await open_kind("postgres", tmp_path, dsn=postgres_dsn)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        token = CancelToken()
+        moved: list[int] = []
+        lost: set[str] = set()
+        cancelled: list[bool] = []
+
+        async def before(batch: Any) -> None:
+            limit = 20 if fault == "losses" else 1
+            if is_receipt(batch) and fault != "lost-reply" and len(moved) < limit:
+                moved.append(1)
+                await other_writer(inner, f"x{len(moved)}")
+
+        async def after(batch: Any, stored: Any) -> None:
+            key = is_receipt(batch)
+            if fault == "lost-reply" and key is not None and key not in lost:
+                lost.add(key)
+                raise ConflictError("s", batch.revision - 1, batch.revision)
+
+        async def on_load(session_id: str) -> None:
+            if fault == "cancelled-reload" and moved and not cancelled:
+                cancelled.append(True)
+                token.cancel("stop")
+                await anyio.lowlevel.checkpoint()
+
+        store.before, store.after, store.on_load = before, after, on_load
+        step = Charges(["a", "b", "c"], concurrency=3)
+        machine = StateMachine([step], cancel=token, max_conflicts=0)
+        report = await machine.run_report(Runtime(store=store), "s")
+        expected = YieldReason.CANCELLED if fault == "cancelled-reload" else "done"
+        assert report.reason.kind == expected
+        await assert_charged_once(inner, step, all_keys=fault != "cancelled-reload")
     finally:
         await inner.aclose()
