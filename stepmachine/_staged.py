@@ -72,7 +72,17 @@ from ._outcomes import Continue, Recorder, Staged, Task, Yield
 from ._retry import retry_while_moving
 from ._session import Session
 
-__all__ = ["Recorder", "Refusable", "Staged", "Status", "Task", "Writer", "execute", "one_error"]
+__all__ = [
+    "RecordConflictError",
+    "Recorder",
+    "Refusable",
+    "Staged",
+    "Status",
+    "Task",
+    "Writer",
+    "execute",
+    "one_error",
+]
 
 Status: TypeAlias = Literal["committed", "continue", "yielded"]
 """What a batch of staged work says of the cycle: more may follow, or how it ended."""
@@ -194,13 +204,18 @@ class _Execution:
         if task.landed is not None:
             await task.landed()
         record = _Record(self, entry, task)
-        if self.lock is None:  # one task at a time: no lock, and one call fewer on the write path
-            self.unrecorded -= 1
-            self.current = await retry_while_moving(self.current, record.attempt, self.reload)
-        else:
-            async with self.lock:  # counted under the lock: the last writer asks then()
+        try:
+            if self.lock is None:  # one task at a time: no lock, one call fewer on the write path
                 self.unrecorded -= 1
                 self.current = await retry_while_moving(self.current, record.attempt, self.reload)
+            else:
+                async with self.lock:  # counted under the lock: the last writer asks then()
+                    self.unrecorded -= 1
+                    self.current = await retry_while_moving(
+                        self.current, record.attempt, self.reload
+                    )
+        except ConflictError as exc:
+            raise RecordConflictError.of(exc) from exc
         _drop(self.held, record.entry)
 
 
@@ -240,6 +255,28 @@ class _Record:
                 continue
             run.written.extend(effects)
             return after
+
+
+class RecordConflictError(ConflictError):
+    """The store kept refusing a task's record without the session moving on (a broken
+    store: see :func:`~stepmachine._retry.retry_while_moving`).
+
+    Unlike any other conflict of a cycle, the cycle wrote batches already (its
+    intents), so the machine does not decide it again (that would drop the record
+    it holds without a word): the run raises it.
+    """
+
+    @classmethod
+    def of(cls, exc: ConflictError) -> RecordConflictError:
+        if isinstance(exc, RecordConflictError):
+            return exc
+        session_id = getattr(exc, "session_id", "")
+        made = cls(session_id, getattr(exc, "expected", -1), getattr(exc, "actual", -1))
+        made.add_note(
+            "the store refused a task's record again and again without the session moving "
+            "on (no other batch since): the result is not recorded; the cycle's intents are"
+        )
+        return made
 
 
 @dataclass(frozen=True, slots=True, eq=False)
