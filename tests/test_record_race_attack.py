@@ -1314,3 +1314,39 @@ async def test_on_postgres_receipts_survive_losses_lost_replies_and_a_cancelled_
         await assert_charged_once(inner, step, all_keys=fault != "cancelled-reload")
     finally:
         await inner.aclose()
+
+
+async def test_a_receipt_the_store_keeps_refusing_is_a_conflict_error_with_default_settings(
+    kind: str, tmp_path: Path
+) -> None:
+    """Fixed: with the machine's default ``max_conflicts``, the record's
+    ``ConflictError`` (the store refused it ``MAX_STALLED_CONFLICTS + 1`` times without
+    moving on) reached the driver as if the cycle's first write had lost the race: it
+    decided the cycle again, dropped the receipt it held without a word, and the run
+    returned normally (``outcome_unknown``). The intents were written, so the run now
+    raises the ``ConflictError``; started again, it still never charges twice."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        refusals = [0]
+
+        async def refuse(batch: Any) -> None:
+            if is_receipt(batch) is not None:
+                refusals[0] += 1
+                raise ConflictError("s", batch.revision - 1, batch.revision - 1)
+
+        store.before = refuse
+        step = Charges(["a", "b"])
+        machine = StateMachine([step])
+        assert machine.max_conflicts > 0
+        with pytest.raises(ConflictError):
+            await machine.run_report(Runtime(store=store), "s")
+        assert refusals[0] == MAX_STALLED_CONFLICTS + 1  # the first key's; then it stopped
+        assert texts(await assert_valid(inner, "s")) == ["intent"]
+        store.before = None
+        again = await machine.run_report(Runtime(store=store), "s")
+        assert again.reason.kind == "outcome_unknown"
+        assert step.charged == ["a"]  # b never started; nothing charged twice
+    finally:
+        await inner.aclose()
