@@ -653,8 +653,9 @@ class Sweep(Faulty):
 @pytest.mark.parametrize("after", [False, True], ids=["before-call", "after-call"])
 @pytest.mark.parametrize("how", ["token", "scope"])
 @pytest.mark.parametrize("concurrency", [1, 3])
+@pytest.mark.parametrize("store_kind", ["memory", "sqlite"])
 async def test_a_cancel_at_every_store_call_of_the_record_loop_charges_and_records_once(
-    tmp_path: Path, after: bool, how: str, concurrency: int
+    tmp_path: Path, after: bool, how: str, concurrency: int, store_kind: str
 ) -> None:
     """A cancellation at the k-th store call of a run, for every k until the run
     finishes first (before the call, or after the store answered: the batch stored,
@@ -664,7 +665,8 @@ async def test_a_cancel_at_every_store_call_of_the_record_loop_charges_and_recor
     k = 0
     while True:
         assert k < 200, "the run never finished before the canceller"
-        inner = MemoryStore()
+        (tmp_path / str(k)).mkdir()
+        inner = await open_kind(store_kind, tmp_path / str(k))
         await inner.create("s")
         token = CancelToken()
         scope = anyio.CancelScope()
@@ -685,11 +687,13 @@ async def test_a_cancel_at_every_store_call_of_the_record_loop_charges_and_recor
         if not store.fired:
             assert reports[0].reason.kind == "done"
             await assert_charged_once(inner, step)
+            await inner.aclose()
             break
         # The next run (no more cancels) charges what is left or knows it cannot tell.
         rerun = await StateMachine([step]).run_report(Runtime(store=inner), "s")
         assert rerun.reason.kind in ("done", "idle", "outcome_unknown"), (k, rerun.reason)
         await assert_charged_once(inner, step, all_keys=rerun.reason.kind != "outcome_unknown")
+        await inner.aclose()
         k += 1
     assert k > 5  # the sweep went through the retry loop
 
@@ -1348,5 +1352,48 @@ async def test_a_receipt_the_store_keeps_refusing_is_a_conflict_error_with_defau
         again = await machine.run_report(Runtime(store=store), "s")
         assert again.reason.kind == "outcome_unknown"
         assert step.charged == ["a"]  # b never started; nothing charged twice
+    finally:
+        await inner.aclose()
+
+
+@pytest.mark.parametrize("losses", [1, 3])
+async def test_then_raising_with_a_last_receipt_that_loses_the_race_raises_once_written(
+    kind: str, tmp_path: Path, losses: int
+) -> None:
+    """``then()`` raises; the last receipt loses the race ``losses`` times (``then`` is
+    asked again each time): the receipt is written once, then its error propagates,
+    and a run started again charges nothing."""
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        moved = itertools.count()
+        asked: list[int] = []
+
+        async def lose(batch: Any) -> None:
+            if is_receipt(batch) == "b" and (n := next(moved)) < losses:
+                await other_writer(inner, f"x{n}")
+
+        class Raising(Charges):
+            async def run(self, ctx: Any) -> Any:
+                outcome = await super().run(ctx)
+                if not isinstance(outcome, Staged):
+                    return outcome
+
+                def then() -> Any:
+                    asked.append(1)
+                    raise LookupError("the ending failed")
+
+                return dataclasses.replace(outcome, then=then)
+
+        store.before = lose
+        step = Raising(["a", "b"])
+        with pytest.raises(LookupError):
+            await StateMachine([step]).run_report(Runtime(store=store), "s")
+        assert len(asked) == losses + 1
+        await assert_charged_once(inner, step)
+        again = await StateMachine([step]).run_report(Runtime(store=inner), "s")
+        assert again.reason.kind == "idle"
+        assert step.charged == ["a", "b"]
     finally:
         await inner.aclose()
