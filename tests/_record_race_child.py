@@ -1,6 +1,9 @@
 """A child process for tests/test_record_race_attack.py: one writer of a shared SQLite session.
 
-    python tests/_record_race_child.py DB LOG MODE NAME BACKEND
+    python tests/_record_race_child.py DB LOG MODE NAME BACKEND [KIND]
+
+KIND: ``sqlite`` (DB is the database file; the default) or ``file`` (DB is a
+FileStore's folder).
 
 MODE ``charge``: runs a machine (no lease: runners race on the intent) whose one
 step charges keys ``k0`` .. ``k5``, three at a time, as ``examples/charge_card.py``
@@ -37,7 +40,7 @@ from stepmachine import (
     Yield,
     submit,
 )
-from stepmachine.stores import SQLiteStore
+from stepmachine.stores import FileStore, SQLiteStore
 
 KEYS = tuple(f"k{i}" for i in range(6))
 
@@ -87,8 +90,8 @@ class Charges(Operation[Any]):
         return Task(f"charge {key}", charge, guarded=True)
 
 
-async def main(db: str, log: str, mode: str, name: str) -> dict[str, Any]:
-    store = await SQLiteStore.open(db)
+async def main(db: str, log: str, mode: str, name: str, kind: str) -> dict[str, Any]:
+    store: Any = await (FileStore.open(db) if kind == "file" else SQLiteStore.open(db))
     try:
         if mode == "write":
             for n in range(40):
@@ -104,4 +107,6 @@ async def main(db: str, log: str, mode: str, name: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     db, log, mode, name, backend = sys.argv[1:6]
-    sys.stdout.write(json.dumps(anyio.run(main, db, log, mode, name, backend=backend)) + "\n")
+    kind = sys.argv[6] if len(sys.argv) > 6 else "sqlite"
+    done = anyio.run(main, db, log, mode, name, kind, backend=backend)
+    sys.stdout.write(json.dumps(done) + "\n")

@@ -61,7 +61,7 @@ from stepmachine._ledger import latest_ledger
 from stepmachine._outcomes import constant_record
 from stepmachine._retry import MAX_STALLED_CONFLICTS
 from stepmachine.extend import Lease, YieldReason, history_problems
-from stepmachine.operations import Compaction
+from stepmachine.operations import Budget, Compaction, Limits
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
 
@@ -230,8 +230,9 @@ def _long_conversation() -> list[Message]:
     return conversation
 
 
+@pytest.mark.parametrize("budget", [False, True], ids=["no-budget", "budget"])
 async def test_a_message_submitted_while_the_summariser_runs_survives_compaction(
-    kind: str, tmp_path: Path
+    kind: str, tmp_path: Path, budget: bool
 ) -> None:
     """Fixed: compaction's record was a constant ``ReplaceConversation`` built from the
     conversation the summariser was asked about; when a user message was submitted
@@ -262,7 +263,10 @@ async def test_a_message_submitted_while_the_summariser_runs_survives_compaction
             models={"summariser": summariser},
         )
         compaction = Compaction(threshold=100, keep_turns=1, model="summariser")
-        report = await StateMachine([compaction, ModelInference()]).run_report(runtime, "s")
+        steps: list[Any] = [compaction, ModelInference()]
+        if budget:  # the summariser's call is reserved first: an intent batch before it
+            steps.insert(0, Budget(per_session=Limits(model_calls=10)))
+        report = await StateMachine(steps).run_report(runtime, "s")
         assert report.reason.kind == "done"
         session = await assert_valid(store, "s")
         steer = session.message("steer")
@@ -271,6 +275,9 @@ async def test_a_message_submitted_while_the_summariser_runs_survives_compaction
         assert any(m.id == "steer" for m in asked[-1].messages)  # the model saw it
         assert summariser.calls == 2  # the stale summary was not written; asked again
         assert messages_with(session, "final") == 1
+        ledger = latest_ledger(session).ledger
+        assert ledger is not None
+        assert ledger.session.model_calls == 3  # both summariser calls and the agent's
     finally:
         await store.aclose()
 
@@ -1029,15 +1036,17 @@ async def test_non_idempotent_tools_with_another_writer_busy_run_and_answer_once
 # -- processes on one SQLite file -----------------------------------------------------------
 
 
-async def test_runners_and_writers_in_processes_on_one_sqlite_file_charge_each_key_once(
-    tmp_path: Path, anyio_backend_name: str
+@pytest.mark.parametrize("store_kind", ["sqlite", "file"])
+async def test_runners_and_writers_in_processes_on_one_store_charge_each_key_once(
+    tmp_path: Path, anyio_backend_name: str, store_kind: str
 ) -> None:
     """Three processes run the charging machine on one session without a lease (they
     race on the intent) while two more keep writing to it: each key is charged once,
     by one process, and has exactly one receipt, in one batch; every other writer's
     batch is kept; the history is valid."""
-    db, log = tmp_path / "db.sqlite3", tmp_path / "charges.log"
-    store = await SQLiteStore.open(db)
+    log = tmp_path / "charges.log"
+    db = tmp_path / ("db.sqlite3" if store_kind == "sqlite" else "files")
+    store = await open_kind(store_kind, tmp_path)
     await store.create("s", conversation=[Message.user("hi", id="u1")])
     await store.aclose()
     child = str(HERE / "_record_race_child.py")
@@ -1046,6 +1055,7 @@ async def test_runners_and_writers_in_processes_on_one_sqlite_file_charge_each_k
 
     async def one(mode: str, name: str) -> None:
         command = [sys.executable, child, str(db), str(log), mode, name, anyio_backend_name]
+        command.append(store_kind)
         done = await anyio.run_process(command, check=True)
         outputs[name] = json.loads(done.stdout.decode().strip().splitlines()[-1])
 
@@ -1059,7 +1069,7 @@ async def test_runners_and_writers_in_processes_on_one_sqlite_file_charge_each_k
     reasons = sorted(outputs[name]["reason"] for _, name in roles if name.startswith("r"))
     assert reasons.count("done") == 1, reasons
     assert set(reasons) <= {"done", "outcome_unknown", "idle"}, reasons
-    store = await SQLiteStore.open(db)
+    store = await open_kind(store_kind, tmp_path)
     try:
         session = await assert_valid(store, "s")
         found = texts(session)
