@@ -218,6 +218,44 @@ async def test_submit_with_hostile_effects_raises_and_writes_nothing(
         await store.aclose()
 
 
+@pytest.mark.parametrize(
+    "clock",
+    [lambda: float("nan"), lambda: float("inf"), lambda: "now", lambda: None],
+    ids=["nan", "inf", "str", "none"],
+)
+async def test_submit_with_a_hostile_clock_raises_and_writes_nothing(
+    kind: str, tmp_path: Path, clock: Callable[[], Any]
+) -> None:
+    store = await open_kind(kind, tmp_path)
+    try:
+        await store.create("s", conversation=[Message.user("hi", id="u1")])
+        with pytest.raises(Exception):  # noqa: B017, PT011 - any error; the point: nothing stored
+            await submit(store, "s", [AppendMessage(Message.user("x", id="x"))], clock=clock)
+        if kind != "memory":
+            await store.aclose()
+            store = await open_kind(kind, tmp_path)
+        session = await assert_valid(store, "s")
+        assert session.revision == 0
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.parametrize("session_id", ["../escape", "", "nope", "a/b"])
+async def test_submit_to_a_hostile_or_missing_session_id_writes_nothing(
+    kind: str, tmp_path: Path, session_id: str
+) -> None:
+    store = await open_kind(kind, tmp_path)
+    try:
+        await store.create("s", conversation=[Message.user("hi", id="u1")])
+        with pytest.raises(Exception):  # noqa: B017, PT011 - not found, or an invalid id
+            await submit(store, session_id, [AppendMessage(Message.user("x", id="x"))])
+        assert await store.list_sessions() == ["s"]
+        assert (await assert_valid(store, "s")).revision == 0
+    finally:
+        await store.aclose()
+    assert not (tmp_path / "escape").exists()
+
+
 # -- a record computed before a conflict must not overwrite what the other writer wrote -------
 
 
