@@ -384,10 +384,29 @@ class Compaction(Operation[Any]):
                 trigger,
                 response,
             )
-            ending.append(
-                Continue(()) if isinstance(outcome, Continue) else Yield((), outcome.reason)
-            )
-            return constant_record(*outcome.effects)
+            done = Continue(()) if isinstance(outcome, Continue) else Yield((), outcome.reason)
+            ending.append(done)
+            effects = outcome.effects
+            if not any(isinstance(effect, ReplaceConversation) for effect in effects):
+                return constant_record(*effects)  # a note on the last message only
+            decided_on = session.revision + (1 if intents else 0)  # the intents' batch
+            usage = response.usage
+
+            def record(stored: Session[Any]) -> Sequence[Effect]:
+                # Computed from the session as stored (again after a conflict, and by
+                # finalize). The replacement was built from the conversation as it was
+                # when the summariser was asked: once another writer moved the session
+                # on (a message submitted meanwhile), writing it would drop what they
+                # wrote. Then only the call is recorded (budgets count it) and the
+                # cycle decides again from what is stored.
+                if stored.revision == decided_on:
+                    ending[:] = [done]
+                    return effects
+                ending[:] = [Continue(())]
+                spent = self._spent(mark, session, last, response.attempts, usage=usage)
+                return (Annotate(last.id, self._name, note_value(spent)),)
+
+            return record
 
         def then() -> Continue | Yield:
             if failure:
@@ -517,11 +536,13 @@ class Compaction(Operation[Any]):
         made: int,
         *,
         reserved: int = 0,
+        usage: Usage | None = None,
     ) -> CompactionMark:
-        """``mark`` plus ``made`` summariser calls that produced no summary, or that are
-        ``reserved`` for a request about to be sent (counted until its end replaces them)."""
+        """``mark`` plus ``made`` summariser calls that produced no summary (with the
+        ``usage`` they reported, if any), or that are ``reserved`` for a request about
+        to be sent (counted until its end replaces them)."""
         earlier = mark or CompactionMark()
-        ledger = next_ledger(session, made, Usage(), on=last)
+        ledger = next_ledger(session, made, usage or Usage(), on=last)
         return msgspec.structs.replace(
             earlier,
             attempts=(earlier.attempts or 0) + made,

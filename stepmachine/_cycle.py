@@ -78,7 +78,7 @@ from ._hold import QUEUED, Turns, claim_for_run, confirm_lease
 from ._lease import Lease, LeasePolicy
 from ._runtime import Runtime
 from ._session import Session
-from ._staged import Staged
+from ._staged import RecordConflictError, Staged
 from ._step_contract import check_continues, check_outcome, check_pending
 from ._steps import CancelToken, Continue, Refuse, StepResult, Yield, YieldReason
 from ._store import StepCommitter, commit
@@ -410,8 +410,8 @@ class Driver(Generic[D]):
                     step=step,
                     cycle=cycle,
                 )
-                if self.conflicts >= machine.max_conflicts:
-                    raise
+                if self.conflicts >= machine.max_conflicts or isinstance(exc, RecordConflictError):
+                    raise  # (a record's: the cycle wrote its intents; deciding again drops it)
                 if span is not None:  # retried, yet the cycle's span still ended in the conflict
                     _tracing.mark_error(span, exc, self.runtime.telemetry)
                 self.conflicts += 1

@@ -159,7 +159,8 @@ class Task:
         keep: what to record if the task is cancelled while it runs (what it
             already has); ``None``: nothing.
         refused: a replacement record when the store refuses the record's
-            effects (:class:`~stepmachine.EffectError`), or ``None``.
+            effects (:class:`~stepmachine.EffectError`), or ``None``. Asked
+            once per task: a replacement the store refuses too raises its error.
     """
 
     name: str

@@ -43,13 +43,17 @@ task cancelled before it returns (while it runs, or before it started)
 records its ``keep`` (what it already has: streamed
 text; or what gives back a reservation), if it has one; anything else the step wants kept goes
 through its ``finalize``. Calls left open are answered "interrupted" as
-after any cancellation.
+after any cancellation. A held record the store refuses there is offered to
+its task's ``refused`` as below; without a replacement (or when the store
+refuses that too) it is logged and left out, and finalize goes on (its call
+is answered "interrupted").
 
 A result the store refuses (:class:`~stepmachine.EffectError`: an effect
 that does not apply, or :class:`~stepmachine.MediaTooLargeError`: an image
 over the store's limit; nothing of that batch was written) is offered to the
 task's ``refused``: a replacement record (an error result naming the limit),
-or ``None`` to let the error propagate.
+or ``None`` to let the error propagate. It is offered once per task: when the
+store refuses the replacement too, that error propagates.
 """
 
 from __future__ import annotations
@@ -68,7 +72,17 @@ from ._outcomes import Continue, Recorder, Staged, Task, Yield
 from ._retry import retry_while_moving
 from ._session import Session
 
-__all__ = ["Recorder", "Staged", "Status", "Task", "Writer", "execute", "one_error"]
+__all__ = [
+    "RecordConflictError",
+    "Recorder",
+    "Refusable",
+    "Staged",
+    "Status",
+    "Task",
+    "Writer",
+    "execute",
+    "one_error",
+]
 
 Status: TypeAlias = Literal["committed", "continue", "yielded"]
 """What a batch of staged work says of the cycle: more may follow, or how it ended."""
@@ -179,6 +193,8 @@ class _Execution:
         """Run ``task`` (once the lease is confirmed), hold its record, then write it."""
         await self.confirm(task)
         entry = await task.run()
+        if task.refused is not None:  # held with it: finalize offers it a refusal too
+            entry = Refusable(entry, task.refused)
         # The result exists: held before any checkpoint, so a cancellation from
         # here on leaves it to finalize, which writes it exactly once.
         if task.keep is not None:
@@ -188,13 +204,18 @@ class _Execution:
         if task.landed is not None:
             await task.landed()
         record = _Record(self, entry, task)
-        if self.lock is None:  # one task at a time: no lock, and one call fewer on the write path
-            self.unrecorded -= 1
-            self.current = await retry_while_moving(self.current, record.attempt, self.reload)
-        else:
-            async with self.lock:  # counted under the lock: the last writer asks then()
+        try:
+            if self.lock is None:  # one task at a time: no lock, one call fewer on the write path
                 self.unrecorded -= 1
                 self.current = await retry_while_moving(self.current, record.attempt, self.reload)
+            else:
+                async with self.lock:  # counted under the lock: the last writer asks then()
+                    self.unrecorded -= 1
+                    self.current = await retry_while_moving(
+                        self.current, record.attempt, self.reload
+                    )
+        except ConflictError as exc:
+            raise RecordConflictError.of(exc) from exc
         _drop(self.held, record.entry)
 
 
@@ -206,6 +227,7 @@ class _Record:
     run: _Execution
     entry: Recorder
     task: Task
+    replaced: bool = False  # ``entry`` is the task's replacement: a refusal of it propagates
 
     async def attempt(self, current: Session[Any]) -> Session[Any]:
         """Write the record's effects computed from ``current`` (none: nothing written).
@@ -223,14 +245,50 @@ class _Record:
                 after = await run.write(current, effects, status)
             except (EffectError, MediaTooLargeError) as exc:
                 refused = self.task.refused
-                replacement = None if refused is None else refused(exc)
+                # Offered once: a replacement the store refuses too is not offered
+                # again (a ``refused`` that always answers would loop for ever).
+                replacement = None if refused is None or self.replaced else refused(exc)
                 if replacement is None:
                     raise
                 _swap(run.held, self.entry, replacement)
-                self.entry = replacement
+                self.entry, self.replaced = replacement, True
                 continue
             run.written.extend(effects)
             return after
+
+
+class RecordConflictError(ConflictError):
+    """The store kept refusing a task's record without the session moving on (a broken
+    store: see :func:`~stepmachine._retry.retry_while_moving`).
+
+    Unlike any other conflict of a cycle, the cycle wrote batches already (its
+    intents), so the machine does not decide it again (that would drop the record
+    it holds without a word): the run raises it.
+    """
+
+    @classmethod
+    def of(cls, exc: ConflictError) -> RecordConflictError:
+        if isinstance(exc, RecordConflictError):
+            return exc
+        session_id = getattr(exc, "session_id", "")
+        made = cls(session_id, getattr(exc, "expected", -1), getattr(exc, "actual", -1))
+        made.add_note(
+            "the store refused a task's record again and again without the session moving "
+            "on (no other batch since): the result is not recorded; the cycle's intents are"
+        )
+        return made
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Refusable:
+    """A task's record held with the task's ``refused``: what finalize writes after a
+    cancellation is offered to it too when the store refuses it (see ``Task.refused``)."""
+
+    record: Recorder
+    refused: Callable[[Exception], Recorder | None]
+
+    def __call__(self, session: Session[Any]) -> Sequence[Effect]:
+        return self.record(session)
 
 
 def _swap(held: list[Recorder], old: Recorder, new: Recorder) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import msgspec
@@ -174,12 +175,19 @@ async def submit(
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
 
+    # An iterable that is not a sequence (a generator) is read once, here: read again by
+    # the attempt after a conflict, it would give an empty batch (the effects lost).
+    compute = effects if callable(effects) else partial(_fixed, tuple(effects))
+
     async def attempt(session: Session[Any]) -> Session[Any]:
-        batch_effects = effects(session) if callable(effects) else effects
-        return await commit(store, clock, step, 0, (), None, session, batch_effects)
+        return await commit(store, clock, step, 0, (), None, session, compute(session))
 
     first = await store.load(session_id)
     return await retry_conflicts(first, attempt, store.load, attempts=max_attempts)
+
+
+def _fixed(effects: tuple[Effect, ...], session: Session[Any]) -> Sequence[Effect]:
+    return effects
 
 
 async def commit(
@@ -216,7 +224,8 @@ async def commit(
         ConflictError: the stored session moved on; nothing was written.
         EffectError: an effect does not apply; nothing was written.
         ConfigurationError: the handler returned a session that is not the one
-            after the batch (another revision or id); the batch may be stored.
+            after the batch (another revision or id), or something that is not a
+            session; the batch may be stored.
     """
     effects = tuple(effects)
     batch: Batch[Effect] = Batch(
@@ -236,6 +245,12 @@ async def commit(
         after = apply_batch(session, effects)
         stored = await handler.apply(batch)
         after = after if stored is None else stored
+    if not isinstance(after, Session):
+        raise ConfigurationError(
+            f"the effect handler {type(handler).__name__} returned {type(after).__name__} "
+            f"{after!r:.100} for the batch producing revision {batch.revision} of session "
+            f"{batch.session_id!r}; apply returns the session after the batch, or None"
+        )
     if after.revision != batch.revision or after.id != batch.session_id:
         raise ConfigurationError(
             f"the effect handler {type(handler).__name__} returned session {after.id!r} at "

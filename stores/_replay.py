@@ -89,7 +89,7 @@ def encode_batch(
     Raises:
         MediaTooLargeError: a media part is over the store's limit.
         ConfigurationError: an effect type is not registered in the codec, or
-            ``refused`` / ``trace`` are not what a batch holds (nothing is
+            ``refused`` / ``trace`` / ``step`` / ``cycle`` are not what a batch holds (nothing is
             written: a store must never acknowledge what it cannot read back).
         StoredDataError: the codec cannot read back what it wrote.
     """
@@ -116,8 +116,23 @@ def encode_batch(
 
 def _check_trail(batch: Batch[Effect]) -> None:
     """Raise :class:`ConfigurationError` unless ``batch.refused`` is a tuple of
-    :class:`~stepmachine.Refusal` of strings and ``batch.trace`` a str or None."""
+    :class:`~stepmachine.Refusal` of strings, ``batch.trace`` a str or None,
+    ``batch.step`` a str and ``batch.cycle`` an int.
+
+    The step and cycle are checked here rather than left to the codec: SQLite
+    keeps them in columns of their own and would store an int or bytes step
+    that no later load reads back (the session unreadable for good)."""
     refused, trace = batch.refused, batch.trace
+    if type(batch.step) is not str:
+        raise ConfigurationError(
+            f"batch {batch.revision} of session {batch.session_id!r}: step must be a str "
+            f"(the name of the step that wrote it), got {type(batch.step).__name__}"
+        )
+    if type(batch.cycle) is not int:
+        raise ConfigurationError(
+            f"batch {batch.revision} of session {batch.session_id!r}: cycle must be an int, "
+            f"got {type(batch.cycle).__name__}"
+        )
     if trace is not None and type(trace) is not str:
         raise ConfigurationError(
             f"batch {batch.revision} of session {batch.session_id!r}: trace must be a str "
