@@ -10,7 +10,9 @@ Two budgets: :class:`Conflicts` / :func:`retry_conflicts` count every conflict
 (a decision made from a session that moved on is simply made again);
 :func:`retry_while_moving` counts only conflicts the stored session does not
 explain, for a write that must not be dropped for losing the race (a record of
-work already done: a tool's result, a card's receipt).
+work already done: a tool's result, a card's receipt); it also waits out a few
+store faults (a lost connection), since such a record cannot be computed again
+by running the work again.
 """
 
 from __future__ import annotations
@@ -18,10 +20,20 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from ._errors import ConflictError
-from ._session import Session
+import anyio
 
-__all__ = ["MAX_STALLED_CONFLICTS", "Conflicts", "retry_conflicts", "retry_while_moving"]
+from ._errors import ConflictError, LeaseLostError
+from ._session import Session
+from ._transient import backoff, is_transient
+
+__all__ = [
+    "MAX_STALLED_CONFLICTS",
+    "MAX_STORE_FAULTS",
+    "Conflicts",
+    "retry_conflicts",
+    "retry_while_moving",
+    "store_fault",
+]
 
 R = TypeVar("R")
 S = TypeVar("S", bound=Session[Any])
@@ -88,6 +100,19 @@ MAX_STALLED_CONFLICTS = 16
 """Conflicts in a row :func:`retry_while_moving` tolerates with the session found at the
 same revision after each: a store that refuses the write yet shows no other batch."""
 
+MAX_STORE_FAULTS = 3
+"""Store faults (a lost connection, a server restarting: see :func:`store_fault`)
+:func:`retry_while_moving` waits out, in all, before it lets the next one propagate."""
+
+
+def store_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is the store failing to answer (an ``OSError``, psycopg's
+    ``OperationalError``): transient (see ``_transient.is_transient``), and neither a
+    conflict nor a lost lease, which say something about the session, not the store."""
+    if isinstance(exc, ConflictError | LeaseLostError):
+        return False
+    return isinstance(exc, Exception) and is_transient(exc)
+
 
 async def retry_while_moving(
     session: S,
@@ -104,21 +129,48 @@ async def retry_while_moving(
     explain (no batch since the last attempt) counts, and
     :data:`MAX_STALLED_CONFLICTS` of them in a row raise.
 
+    A store fault (:func:`store_fault`) of the attempt or of a reload is waited
+    out too, after a backoff, up to :data:`MAX_STORE_FAULTS` in all: the attempt
+    is made again from the session reloaded after it. A write whose reply was
+    lost may have been stored: the attempt computed again from the stored
+    session then finds it there (a record never writes what is stored already).
+
     Raises:
         ConflictError: the store refused the write that many times in a row
             without the session moving on (a broken store, or one lying about
             the revision).
-        Exception: whatever ``attempt`` or ``reload`` raises otherwise.
+        Exception: a store fault past :data:`MAX_STORE_FAULTS`; whatever else
+            ``attempt`` or ``reload`` raises, at once.
 
-    Cancellation: propagates from ``attempt`` or ``reload`` as is.
+    Cancellation: propagates from ``attempt``, ``reload`` or a backoff as is.
     """
-    stalled = 0
+    stalled = faults = 0
     while True:
+        conflict: ConflictError | None = None
         try:
             return await attempt(session)
-        except ConflictError:
-            before = session.revision
-            session = await reload(session.id)
+        except ConflictError as exc:
+            conflict = exc
+        except Exception as exc:  # noqa: BLE001 - re-raised by _wait_out unless a store fault
+            faults = await _wait_out(exc, faults)
+        before = session.revision
+        while True:
+            try:
+                session = await reload(session.id)
+                break
+            except Exception as exc:  # noqa: BLE001 - re-raised by _wait_out unless a store fault
+                faults = await _wait_out(exc, faults)
+        if conflict is not None:
             stalled = stalled + 1 if session.revision <= before else 0
             if stalled > MAX_STALLED_CONFLICTS:
-                raise
+                raise conflict
+
+
+async def _wait_out(exc: Exception, faults: int) -> int:
+    """Re-raise ``exc`` unless it is a store fault with faults to spare; else sleep the
+    backoff and return the faults counted so far."""
+    if not store_fault(exc) or faults >= MAX_STORE_FAULTS:
+        raise exc
+    faults += 1
+    await anyio.sleep(backoff(faults))
+    return faults

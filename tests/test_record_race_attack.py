@@ -40,6 +40,7 @@ from stepmachine import (
     Effect,
     EffectError,
     ImagePart,
+    LeaseLostError,
     Message,
     ModelInference,
     Operation,
@@ -53,13 +54,14 @@ from stepmachine import (
     Tools,
     UpdateData,
     Yield,
+    _retry,
     submit,
     tool,
 )
 from stepmachine._emitter import ToolFinished
 from stepmachine._ledger import latest_ledger
 from stepmachine._outcomes import constant_record
-from stepmachine._retry import MAX_STALLED_CONFLICTS
+from stepmachine._retry import MAX_STALLED_CONFLICTS, MAX_STORE_FAULTS
 from stepmachine.extend import Lease, YieldReason, history_problems
 from stepmachine.operations import Budget, Compaction, Limits
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
@@ -548,9 +550,9 @@ async def test_a_receipt_stored_whose_reply_is_lost_as_a_conflict_is_not_written
 async def test_a_receipt_stored_whose_reply_is_lost_as_an_os_error_stays_once(
     kind: str, tmp_path: Path
 ) -> None:
-    """The store writes the receipt and the connection fails before the reply: the run
-    raises the error; the receipt is stored once, and a run started again charges
-    nothing and writes nothing more for it."""
+    """The store writes the receipt and the connection fails before the reply: the
+    fault is waited out, the receipt computed again from the stored session is found
+    there, and the run ends with the receipt stored once."""
     inner = await open_kind(kind, tmp_path)
     try:
         await inner.create("s")
@@ -563,8 +565,9 @@ async def test_a_receipt_stored_whose_reply_is_lost_as_an_os_error_stays_once(
 
         store.after = lose_reply
         step = Charges(["a"])
-        with pytest.raises(ConnectionResetError):
-            await StateMachine([step]).run_report(Runtime(store=store), "s")
+        report = await StateMachine([step]).run_report(Runtime(store=store), "s")
+        assert report.reason.kind == "done"
+        assert store.after is None  # the fault happened
         again = await StateMachine([step]).run_report(Runtime(store=store), "s")
         assert again.reason.kind == "idle"  # charged and recorded: nothing to do
         await assert_charged_once(inner, step)
@@ -572,33 +575,81 @@ async def test_a_receipt_stored_whose_reply_is_lost_as_an_os_error_stays_once(
         await inner.aclose()
 
 
-async def test_a_reload_that_fails_mid_retry_never_leads_to_a_second_charge(
-    kind: str, tmp_path: Path
+@pytest.mark.parametrize("where", ["write", "reload"])
+async def test_a_few_store_faults_while_a_receipt_is_written_are_waited_out(
+    kind: str, tmp_path: Path, where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The receipt's write conflicts and the reload then fails (the store is gone for a
-    moment): the run raises that error; the receipt it held is not written (nothing can
-    be), and the run started again reads the intent without a receipt as an outcome
-    it cannot know: the card is never charged a second time."""
+    """The receipt's write, or the reload after its conflict, fails with a store fault
+    up to MAX_STORE_FAULTS times: each is waited out and the receipt is written once."""
+    monkeypatch.setattr(_retry, "backoff", lambda attempt: 0.0)
     inner = await open_kind(kind, tmp_path)
     try:
         await inner.create("s")
         store = Faulty(inner)
-        state = {"conflicted": False, "failed": False}
+        faults = [0]
 
-        async def lose(batch: Any) -> None:
-            if is_receipt(batch) is not None and not state["conflicted"]:
-                state["conflicted"] = True
+        async def fail_write(batch: Any) -> None:
+            if is_receipt(batch) is not None and faults[0] < MAX_STORE_FAULTS:
+                faults[0] += 1
+                raise ConnectionResetError("the store is gone for a moment")
+
+        conflicted = [False]
+
+        async def lose_once(batch: Any) -> None:
+            if is_receipt(batch) is not None and not conflicted[0]:
+                conflicted[0] = True
                 await other_writer(inner, "x")
 
         async def fail_reload(session_id: str) -> None:
-            if state["conflicted"] and not state["failed"]:
-                state["failed"] = True
+            if conflicted[0] and faults[0] < MAX_STORE_FAULTS:
+                faults[0] += 1
                 raise ConnectionResetError("the store is gone for a moment")
 
-        store.before, store.on_load = lose, fail_reload
+        if where == "write":
+            store.before = fail_write
+        else:
+            store.before, store.on_load = lose_once, fail_reload
+        step = Charges(["a"])
+        report = await StateMachine([step]).run_report(Runtime(store=store), "s")
+        assert report.reason.kind == "done"
+        assert faults[0] == MAX_STORE_FAULTS
+        await assert_charged_once(inner, step)
+    finally:
+        await inner.aclose()
+
+
+async def test_store_faults_past_the_limit_propagate_and_never_lead_to_a_second_charge(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store keeps failing past MAX_STORE_FAULTS while the receipt is written: the
+    run raises the fault; the receipt it held is not written (nothing can be), and the
+    run started again reads the intent without a receipt as an outcome it cannot know:
+    the card is never charged a second time."""
+    waits: list[int] = []
+
+    def no_wait(attempt: int) -> float:
+        waits.append(attempt)
+        return 0.0
+
+    monkeypatch.setattr(_retry, "backoff", no_wait)
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s")
+        store = Faulty(inner)
+        faults = [0]
+
+        async def fail_write(batch: Any) -> None:
+            if is_receipt(batch) is not None:
+                faults[0] += 1
+                raise ConnectionResetError("the store is gone")
+
+        store.before = fail_write
         step = Charges(["a"])
         with pytest.raises(ConnectionResetError):
             await StateMachine([step]).run_report(Runtime(store=store), "s")
+        assert faults[0] == MAX_STORE_FAULTS + 1
+        assert waits == list(range(1, MAX_STORE_FAULTS + 1))  # a backoff before each retry
+        store.before = None
         again = await StateMachine([step]).run_report(Runtime(store=store), "s")
         assert again.reason.kind == "outcome_unknown"
         assert step.charged == ["a"]
@@ -606,6 +657,26 @@ async def test_a_reload_that_fails_mid_retry_never_leads_to_a_second_charge(
         assert "receipt a" not in texts(session)
     finally:
         await inner.aclose()
+
+
+async def test_a_lost_lease_while_a_receipt_is_written_is_not_waited_out() -> None:
+    """Only the store's own faults are waited out: a lost lease stops the write at once."""
+    inner = MemoryStore()
+    await inner.create("s")
+    store = Faulty(inner)
+    tries = [0]
+
+    async def lost(batch: Any) -> None:
+        if is_receipt(batch) is not None:
+            tries[0] += 1
+            raise LeaseLostError("s", "someone", 1, "taken over")
+
+    store.before = lost
+    step = Charges(["a"])
+    with pytest.raises(LeaseLostError):
+        await StateMachine([step]).run_report(Runtime(store=store), "s")
+    assert tries == [1]
+    assert step.charged == ["a"]
 
 
 @pytest.mark.parametrize("how", ["token", "scope"])
