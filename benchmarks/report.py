@@ -29,7 +29,14 @@ README = HERE / "README.md"
 PLOT = HERE / "peers.png"
 BEGIN = "<!-- peers:begin -->"
 END = "<!-- peers:end -->"
-FRAMEWORKS = ("bare loop", "stepmachine", "LangGraph", "pydantic-ai", "OpenAI Agents SDK")
+FRAMEWORKS = (
+    "bare loop",
+    "stepmachine",
+    "LangGraph",
+    "LangGraph minimal",
+    "pydantic-ai",
+    "OpenAI Agents SDK",
+)
 
 
 def step_us(data: dict[str, Any], name: str, variant: str) -> float:
