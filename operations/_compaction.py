@@ -391,6 +391,17 @@ class Compaction(Operation[Any]):
                 return constant_record(*effects)  # a note on the last message only
             decided_on = session.revision + (1 if intents else 0)  # the intents' batch
             usage = response.usage
+            # A message the replacement brings (the summary): found stored, it was written.
+            brought = next(
+                (
+                    m.id
+                    for e in effects
+                    if isinstance(e, ReplaceConversation)
+                    for m in e.conversation
+                    if session.message(m.id) is None
+                ),
+                None,
+            )
 
             def record(stored: Session[Any]) -> Sequence[Effect]:
                 # Computed from the session as stored (again after a conflict, and by
@@ -402,6 +413,9 @@ class Compaction(Operation[Any]):
                 if stored.revision == decided_on:
                     ending[:] = [done]
                     return effects
+                if brought is not None and stored.message(brought) is not None:
+                    ending[:] = [done]
+                    return ()  # stored already (its write's reply was lost): not again
                 ending[:] = [Continue(())]
                 spent = self._spent(mark, session, last, response.attempts, usage=usage)
                 return (Annotate(last.id, self._name, note_value(spent)),)

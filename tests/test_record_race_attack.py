@@ -45,6 +45,7 @@ from stepmachine import (
     ModelInference,
     Operation,
     Refuse,
+    ReplaceConversation,
     Runtime,
     Session,
     Staged,
@@ -320,6 +321,60 @@ async def test_a_message_submitted_while_the_summariser_runs_survives_compaction
         assert ledger.session.model_calls == 3  # both summariser calls and the agent's
     finally:
         await store.aclose()
+
+
+@pytest.mark.parametrize("budget", [False, True], ids=["no-budget", "budget"])
+async def test_a_summary_stored_whose_write_reply_is_lost_is_not_counted_again(
+    kind: str, tmp_path: Path, budget: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The summary's batch is stored and the connection fails before the reply: the
+    fault is waited out, and the record computed again finds its summary stored: nothing
+    more is written for it and the summariser's call is counted once."""
+    monkeypatch.setattr(_retry, "backoff", lambda attempt: 0.0)
+    inner = await open_kind(kind, tmp_path)
+    try:
+        await inner.create("s", conversation=_long_conversation())
+        store = Faulty(inner)
+
+        async def lose_reply(batch: Any, stored: Any) -> None:
+            replaced = any(isinstance(e, ReplaceConversation) for e in batch.effects)
+            if replaced and store.after is not None:
+                store.after = None
+                raise ConnectionResetError("the reply was lost")
+
+        store.after = lose_reply
+        summariser = FunctionModel(lambda request: reply("a summary"), name="summariser")
+        runtime = Runtime(
+            store=store,
+            model=FunctionModel(lambda request: reply("final"), name="agent"),
+            models={"summariser": summariser},
+        )
+        steps: list[Any] = [
+            Compaction(threshold=100, keep_turns=1, model="summariser"),
+            ModelInference(),
+        ]
+        if budget:
+            steps.insert(0, Budget(per_session=Limits(model_calls=10)))
+        report = await StateMachine(steps).run_report(runtime, "s")
+        assert report.reason.kind == "done"
+        assert store.after is None  # the reply was lost
+        assert summariser.calls == 1
+        session = await assert_valid(inner, "s")
+        assert messages_with(session, "final") == 1
+        batches = await inner.batches("s")
+        replaced_at = [
+            b.revision
+            for b in batches
+            if any(isinstance(e, ReplaceConversation) for e in b.effects)
+        ]
+        assert len(replaced_at) == 1
+        after = [b.step for b in batches if b.revision > replaced_at[0]]
+        assert "compaction" not in after, after  # no second record of the same call
+        ledger = latest_ledger(session).ledger
+        assert ledger is not None
+        assert ledger.session.model_calls == 2  # the summariser's call and the agent's
+    finally:
+        await inner.aclose()
 
 
 # -- a charge under fire: the intent, the charges, one receipt each ---------------------------
