@@ -56,7 +56,9 @@ from ._history import check_history, history_problems, open_tool_calls, request_
 from ._ledger import Ledger, next_ledger, standing_ledger
 from ._messages import Message, Part, ReasoningPart, TextPart, ToolCallPart
 from ._model import (
+    Model,
     ModelRequest,
+    ModelResponse,
     ModelSettings,
     PromptPart,
     ReasoningChunk,
@@ -200,6 +202,190 @@ class _Partial:
         self.reasoning: list[str] = []
 
 
+class _Request:
+    """One model request under way: its task (:meth:`call`), what it keeps when cut off
+    (:meth:`keep`), and how the cycle ends (:meth:`then`).
+
+    An object rather than closures over ``ModelInference.run``'s locals: a run
+    waiting for the model holds this one object (and the bound methods its task
+    names), not a cell per variable, which the garbage collector would walk on
+    every collection while thousands of runs wait.
+    """
+
+    __slots__ = (
+        "ctx",
+        "earlier",
+        "ending",
+        "failure",
+        "last",
+        "latest",
+        "model",
+        "partial",
+        "request",
+        "restore",
+        "sent",
+        "session",
+        "step",
+    )
+
+    def __init__(
+        self,
+        step: ModelInference,
+        ctx: StepContext[Any],
+        session: Session[Any],
+        model: Model,
+        request: ModelRequest,
+        last: Message,
+        latest: str,
+        earlier: InferenceAttempts,
+        restore: list[Effect],
+    ) -> None:
+        self.step = step
+        self.ctx = ctx
+        self.session = session
+        self.model = model
+        self.request = request
+        self.last = last  # the last message the model sees: calls are recorded on it
+        self.latest = latest  # the id of the last visible message, as stored
+        self.earlier = earlier
+        self.restore = restore
+        self.partial = _Partial()
+        self.sent = Attempts()  # the attempts the request has sent, while it is under way
+        self.ending: Continue | Yield | None = None
+        self.failure: ModelError | None = None
+
+    async def on_chunk(self, chunk: StreamChunk) -> None:
+        """Keep a streamed chunk (for an interruption) and emit its delta event."""
+        ctx, partial = self.ctx, self.partial
+        sink = ctx.events
+        drops = type(sink) is EventSink and sink.drops  # no delta event is built then
+        if isinstance(chunk, TextChunk):
+            partial.text.append(chunk.text)
+            if drops:
+                sink.skip()
+                return
+            await ctx.emit(TextDelta(chunk.text))
+        elif isinstance(chunk, ReasoningChunk):
+            partial.reasoning.append(chunk.text)
+            if drops:
+                sink.skip()
+                return
+            await ctx.emit(ReasoningDelta(chunk.text))
+        elif drops:
+            sink.skip()
+        else:
+            await ctx.emit(
+                ToolArgumentsDelta(
+                    index=chunk.index,
+                    call_id=chunk.call_id,
+                    name=chunk.name,
+                    delta=chunk.arguments_delta,
+                )
+            )
+
+    async def call(self) -> Recorder:
+        """The task: send the request; how to record the reply, or the failed attempts."""
+        step, ctx, session, last, earlier = (
+            self.step,
+            self.ctx,
+            self.session,
+            self.last,
+            self.earlier,
+        )
+        model = self.model
+        try:
+            with counting(self.sent, ctx.runtime.model_override or model):
+                response = await ctx.request_model(
+                    model, self.request, on_chunk=self.on_chunk if step._stream else None
+                )
+        except ModelError as exc:
+            made = failed_attempts(exc)  # an adapter's retries count
+            failed = step._spent(earlier, session, last, made)
+            if isinstance(exc, ContextLengthError) and not earlier.context_length_exceeded:
+                # the first overflow: marked, so a compaction step can shorten the history
+                failed = msgspec.structs.replace(failed, context_length_exceeded=True)
+                self.ending = Continue(())
+            else:
+                self.failure = exc  # raised once its attempts are recorded
+            return constant_record(Annotate(last.id, step._name, note_value(failed)))
+        receipt = InferenceReceipt(
+            attempts=response.attempts,
+            revision=session.revision,
+            usage=response.usage,
+            model=response.model or model.name,
+            finish_reason=response.finish_reason,
+            ledger=next_ledger(
+                session,
+                response.attempts,
+                response.usage,
+                tool_calls=sum(isinstance(p, ToolCallPart) for p in response.parts),
+            ),
+        )
+        message = Message(
+            id=ctx.new_id(),
+            role="assistant",
+            parts=_without_notes(response.parts),
+            notes={step._name: note_value(receipt)},
+        )
+        return _Reply(self, response, message).record
+
+    def keep(self, stored: Session[Any]) -> Sequence[Effect]:
+        """What a request cut off keeps: the calls it sent, and what streamed."""
+        step, session, last, earlier = self.step, self.session, self.last, self.earlier
+        made = self.sent.made
+        position = stored.history.last_visible
+        moved = not (position >= 0 and stored.conversation[position].id == self.latest)
+        if moved or not needs_answer(stored):
+            # Someone else answered, or a message arrived: what streamed answers a
+            # question that is no longer the last. Only the calls sent are recorded.
+            return step._cut_off(session, last, earlier, made, self.restore, False)
+        partial = self.partial
+        if not (partial.text or partial.reasoning):
+            return step._cut_off(session, last, earlier, made, self.restore, True)
+        return step._interrupted(self.ctx, session, made, partial, self.restore)
+
+    def then(self) -> Continue | Yield:
+        """How the cycle ends once the request is recorded; a model error is raised here."""
+        if self.failure is not None:
+            raise self.failure
+        if self.ending is None:  # pragma: no cover - the machine records the task first
+            raise RuntimeError("then() was called before the model request was recorded")
+        return self.ending
+
+
+class _Reply:
+    """A model's reply, to be recorded: :meth:`record` is the request's :data:`Recorder`."""
+
+    __slots__ = ("done", "message", "request", "response")
+
+    def __init__(self, request: _Request, response: ModelResponse, message: Message) -> None:
+        self.request = request
+        self.response = response
+        self.message = message
+        self.done: Continue | Yield = (
+            Continue(()) if message.tool_calls else Yield((), YieldReason(YieldReason.DONE))
+        )
+
+    def record(self, stored: Session[Any]) -> Sequence[Effect]:
+        """The reply's record, computed from the session as stored (again after a conflict).
+
+        When a message arrived while the model was answering (the user steered),
+        or someone else answered, the reply answers a question that is no longer
+        the last: only its calls are recorded, and the model is asked again.
+        """
+        request = self.request
+        request.ending = self.done
+        position = stored.history.last_visible
+        if position >= 0 and stored.conversation[position].id == request.latest:
+            return (*request.restore, AppendMessage(self.message))
+        request.ending = Continue(())
+        step, response = request.step, self.response
+        spent = step._spent(
+            request.earlier, request.session, request.last, response.attempts, response.usage
+        )
+        return (Annotate(request.last.id, step._name, note_value(spent)),)
+
+
 class ModelInference(Inference[Any]):
     """Calls a model from the Runtime and appends its reply.
 
@@ -287,108 +473,9 @@ class ModelInference(Inference[Any]):
                 earlier, reserved=0, ledger=standing_ledger(session, on=last)
             )
             restore.append(Annotate(last.id, self._name, note_value(restored)))
-        partial = _Partial()
-        sent = Attempts()  # the attempts the request has sent, while it is under way
-        ending: list[Continue | Yield] = []
-        failure: list[ModelError] = []
-
-        sink = ctx.events
-        drops = type(sink) is EventSink and sink.drops  # no delta event is built then
-
-        async def on_chunk(chunk: StreamChunk) -> None:
-            if isinstance(chunk, TextChunk):
-                partial.text.append(chunk.text)
-                if drops:
-                    sink.skip()
-                    return
-                await ctx.emit(TextDelta(chunk.text))
-            elif isinstance(chunk, ReasoningChunk):
-                partial.reasoning.append(chunk.text)
-                if drops:
-                    sink.skip()
-                    return
-                await ctx.emit(ReasoningDelta(chunk.text))
-            elif drops:
-                sink.skip()
-            else:
-                await ctx.emit(
-                    ToolArgumentsDelta(
-                        index=chunk.index,
-                        call_id=chunk.call_id,
-                        name=chunk.name,
-                        delta=chunk.arguments_delta,
-                    )
-                )
-
-        async def call() -> Recorder:
-            try:
-                with counting(sent, ctx.runtime.model_override or model):
-                    response = await ctx.request_model(
-                        model, request, on_chunk=on_chunk if self._stream else None
-                    )
-            except ModelError as exc:
-                made = failed_attempts(exc)  # an adapter's retries count
-                failed = self._spent(earlier, session, last, made)
-                if isinstance(exc, ContextLengthError) and not earlier.context_length_exceeded:
-                    # the first overflow: marked, so a compaction step can shorten the history
-                    failed = msgspec.structs.replace(failed, context_length_exceeded=True)
-                    ending.append(Continue(()))
-                else:
-                    failure.append(exc)  # raised once its attempts are recorded
-                return constant_record(Annotate(last.id, self._name, note_value(failed)))
-            receipt = InferenceReceipt(
-                attempts=response.attempts,
-                revision=session.revision,
-                usage=response.usage,
-                model=response.model or model.name,
-                finish_reason=response.finish_reason,
-                ledger=next_ledger(
-                    session,
-                    response.attempts,
-                    response.usage,
-                    tool_calls=sum(isinstance(p, ToolCallPart) for p in response.parts),
-                ),
-            )
-            message = Message(
-                id=ctx.new_id(),
-                role="assistant",
-                parts=_without_notes(response.parts),
-                notes={self._name: note_value(receipt)},
-            )
-            done = Continue(()) if message.tool_calls else Yield((), YieldReason(YieldReason.DONE))
-
-            def record(stored: Session[Any]) -> Sequence[Effect]:
-                # Computed from the session as stored (again after a conflict): when a
-                # message arrived while the model was answering (the user steered), or
-                # someone else answered, the reply answers a question that is no longer
-                # the last: only its calls are recorded, and the model is asked again.
-                ending[:] = [done]
-                position = stored.history.last_visible
-                if position >= 0 and stored.conversation[position].id == latest:
-                    return (*restore, AppendMessage(message))
-                ending[:] = [Continue(())]
-                spent = self._spent(earlier, session, last, response.attempts, response.usage)
-                return (Annotate(last.id, self._name, note_value(spent)),)
-
-            return record
-
-        def keep(stored: Session[Any]) -> Sequence[Effect]:
-            position = stored.history.last_visible
-            moved = not (position >= 0 and stored.conversation[position].id == latest)
-            if moved or not needs_answer(stored):
-                # Someone else answered, or a message arrived: what streamed answers a
-                # question that is no longer the last. Only the calls sent are recorded.
-                return self._cut_off(session, last, earlier, sent.made, restore, False)
-            if not (partial.text or partial.reasoning):
-                return self._cut_off(session, last, earlier, sent.made, restore, True)
-            return self._interrupted(ctx, session, sent.made, partial, restore)
-
-        def then() -> Continue | Yield:
-            if failure:
-                raise failure[0]
-            return ending[0]
-
-        return Staged(intents, [Task(f"model call ({self._name})", call, keep=keep)], then=then)
+        under_way = _Request(self, ctx, session, model, request, last, latest, earlier, restore)
+        task = Task(f"model call ({self._name})", under_way.call, keep=under_way.keep)
+        return Staged(intents, [task], then=under_way.then)
 
     def _attempts_on(self, message: Message, session: Session[Any]) -> InferenceAttempts:
         """The failed attempts already recorded on ``message`` (none: an empty record)."""
