@@ -23,8 +23,10 @@ msgspec encodes them (stores compress their snapshots):
   user is encoded without those three fields; decoding gives their defaults.
 
 Only messages in fields declared as ``Message`` or ``tuple[Message, ...]`` are
-compacted, and only where the bytes left out are known exactly (a message's
-own tail; a call encoded on its own). Records written before hold every field
+compacted. A batch's ``refused`` and ``trace`` are left out while they are
+empty. One mechanism leaves fields out: the value is copied with them set to
+``msgspec.UNSET``, which msgspec's encoder omits, and encoded once (the copy
+is never checked or handed out). Records written before hold every field
 and decode as they always did: the change adds a default to
 ``ToolCallPart.arguments`` and renames nothing. (Code from before this change
 cannot read a call stored without ``arguments``.)
@@ -178,49 +180,11 @@ def _tag_of(effect_type: type[Effect]) -> str:
     return tag
 
 
-def _default_tail() -> bytes:
-    """How a message's encoding ends when every field after ``parts`` is its default."""
-    empty = msgspec.json.encode(Message(id="", role="user", parts=()))
-    return empty[empty.index(b'"parts":[]') + len(b'"parts":[]') :]
-
-
-_DEFAULT_TAIL: Final = _default_tail()
-"""``,"notes":{},"visible_to_model":true,"visible_to_user":true}`` today."""
-
-
-def _has_calls(message: Message) -> bool:
-    for part in message.parts:  # noqa: SIM110 - cheaper than any() over a generator
-        if type(part) is ToolCallPart:
-            return True
-    return False
-
-
 _MESSAGE: Final = Message
 _MESSAGES: Final = tuple[Message, ...]
 
 
-_ARGUMENTS_KEY: Final = b',"arguments":'
 _UNSET: Final = msgspec.UNSET
-_NO_DEFAULT: Final = msgspec.NODEFAULT
-_LAYOUTS: dict[type, tuple[bytes, tuple[tuple[str, bytes], ...]] | None] = {}
-
-
-def _layout(kind: type) -> tuple[bytes, tuple[tuple[str, bytes], ...]] | None:
-    """How msgspec lays out a Struct type's JSON object: its tag member (``b""`` if
-    none), then ``(field name, b'"key":')`` in order; ``None`` for array-like
-    structs and those omitting defaults (encoded whole, never piece by piece)."""
-    if kind in _LAYOUTS:
-        return _LAYOUTS[kind]
-    config = kind.__struct_config__  # type: ignore[attr-defined]
-    layout: tuple[bytes, tuple[tuple[str, bytes], ...]] | None = None
-    if not (config.array_like or config.omit_defaults):
-        encode = msgspec.json.encode
-        tag = b"" if config.tag is None else encode(config.tag_field) + b":" + encode(config.tag)
-        names = zip(kind.__struct_fields__, kind.__struct_encode_fields__, strict=True)  # type: ignore[attr-defined]
-        layout = (tag, tuple((name, encode(key) + b":") for name, key in names))
-    _LAYOUTS[kind] = layout
-    return layout
-
 
 _MESSAGE_FIELDS: dict[type, tuple[str, ...]] = {}
 
@@ -245,80 +209,96 @@ def _message_fields(kind: type) -> tuple[str, ...]:
     return found
 
 
-def _message_layout() -> tuple[tuple[tuple[str, bytes], ...], bytes]:
-    """The fields a message encodes before ``parts``, and the ``parts`` key."""
-    layout = _layout(Message)
-    assert layout is not None  # a plain Struct: no tag
-    assert not layout[0]
-    names = [name for name, _ in layout[1]]
-    at = names.index("parts")
-    return layout[1][:at], layout[1][at][1]
-
-
-_BEFORE_PARTS, _PARTS_KEY = _message_layout()
-
-
-def _after_parts() -> tuple[tuple[str, Any, Any], ...]:
-    """The fields a message encodes after ``parts``: ``(name, default, default factory)``
-    (``msgspec.NODEFAULT`` for what a field lacks)."""
+def _after_parts() -> tuple[tuple[str, Any], ...]:
+    """The fields a message encodes after ``parts``, with their defaults: ``(name,
+    default)`` (a default factory called once here; the value is only compared)."""
     fields = msgspec.structs.fields(Message)
     at = [field.name for field in fields].index("parts")
-    return tuple((f.name, f.default, f.default_factory) for f in fields[at + 1 :])
+    return tuple(
+        (f.name, f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory())
+        for f in fields[at + 1 :]
+    )
 
 
 _AFTER_PARTS: Final = _after_parts()
-"""``notes``, ``visible_to_model``, ``visible_to_user`` today: what :data:`_DEFAULT_TAIL`
-encodes when they hold these defaults."""
+"""``notes``, ``visible_to_model``, ``visible_to_user`` today: left out of a stored
+message when all hold these defaults."""
 
 
-def _holding(value: Any, kind: type, message: Message) -> Any:
-    """``value`` (a message, a one-``AppendMessage`` effects tuple or such a batch) with
-    ``message`` in its place; copies, unchecked (for encoding only)."""
+def _compact(value: Any) -> Any:
+    """``value`` (a message, an effects tuple or a batch) as :meth:`Codec._encode` writes
+    it: a copy with the fields it leaves out set to ``UNSET``; ``value`` itself when
+    nothing is left out."""
+    kind = type(value)
     if kind is Message:
-        return message
-    effect = (value[0] if kind is tuple else value.effects[0]).__copy__()
-    msgspec.structs.force_setattr(effect, "message", message)
+        return _compact_message(value)
     if kind is tuple:
-        return (effect,)
-    batch = value.__copy__()
-    msgspec.structs.force_setattr(batch, "effects", (effect,))
-    return batch
+        return tuple([_compact_effect(effect) for effect in value])
+    if kind is Batch:
+        effects = tuple([_compact_effect(effect) for effect in value.effects])
+        batch = value.__copy__()
+        msgspec.structs.force_setattr(batch, "effects", effects)
+        if not value.refused:
+            msgspec.structs.force_setattr(batch, "refused", _UNSET)
+        if value.trace is None:
+            msgspec.structs.force_setattr(batch, "trace", _UNSET)
+        return batch
+    return value
 
+
+def _compact_effect(effect: Effect) -> Effect:
+    """``effect`` with the messages in its fields declared as messages compacted."""
+    names = _message_fields(type(effect))
+    if not names:
+        return effect
+    short: Effect = effect.__copy__()  # type: ignore[attr-defined]  # msgspec's: no checks
+    for name in names:
+        field = getattr(effect, name)
+        if type(field) is Message:
+            msgspec.structs.force_setattr(short, name, _compact_message(field))
+        elif type(field) is tuple:
+            msgspec.structs.force_setattr(short, name, tuple(map(_compact_message, field)))
+    return short
+
+
+def _compact_message(message: Message) -> Message:
+    """A copy of ``message`` without what decoding gives back: the ``arguments`` of each
+    tool call whose raw string parses to the same JSON, and the fields after
+    ``parts`` when all hold their defaults; ``message`` itself when neither applies.
+    The copy is only encoded: it is never checked, compared or handed out."""
+    parts: list[Any] | None = None
+    for position, part in enumerate(message.parts):
+        if type(part) is ToolCallPart and _encode_plain(
+            parse_arguments(part.raw_arguments)
+        ) == _encode_plain(part.arguments):
+            if parts is None:
+                parts = list(message.parts)
+            short = part.__copy__()  # type: ignore[attr-defined]  # msgspec's: no checks
+            msgspec.structs.force_setattr(short, "arguments", _UNSET)
+            parts[position] = short
+    defaults = True
+    for name, default in _AFTER_PARTS:
+        if getattr(message, name) != default:
+            defaults = False
+            break
+    if parts is None and not defaults:
+        return message
+    compact: Message = message.__copy__()  # type: ignore[attr-defined]
+    if parts is not None:
+        msgspec.structs.force_setattr(compact, "parts", tuple(parts))
+    if defaults:
+        for name, _ in _AFTER_PARTS:
+            msgspec.structs.force_setattr(compact, name, _UNSET)
+    return compact
+
+
+_encode_plain: Final = msgspec.json.Encoder(enc_hook=enc_hook).encode
+"""Encodes a call's arguments, and what its raw string parses to, to compare them."""
 
 _UNKNOWN_EFFECT: Final = re.compile(r"^Invalid value .* - at `\$(\.effects)?\[\d+\]\.type`")
 """A validation error of an effects or batch record naming an effect tag the codec lacks."""
 _PART_TAGS: Final = sorted(str(part.__struct_config__.tag) for part in typing.get_args(Part))
 """The tags of message parts, named when a stored part's tag is unknown."""
-
-
-def _last_field(kind: type) -> str | None:
-    layout = _layout(kind)
-    return layout[1][-1][0] if layout is not None and layout[1] else None
-
-
-def _batch_trail() -> bytes:
-    """How a batch's encoding ends after its effects when ``refused`` and ``trace`` are defaults."""
-    empty = msgspec.json.encode(
-        Batch(session_id="", revision=0, step="", cycle=0, timestamp=0.0, effects=())
-    )
-    return empty[empty.index(b'"effects":[]') + len(b'"effects":[]') :]
-
-
-_BATCH_TRAIL: Final = _batch_trail()
-"""``,"refused":[],"trace":null}`` today."""
-
-_TAILS: Final[dict[type, tuple[bytes, bytes]]] = (
-    {
-        Message: (_DEFAULT_TAIL, b"}"),
-        tuple: (_DEFAULT_TAIL + b"}]", b"}}]"),
-        Batch: (_DEFAULT_TAIL + b"}]" + _BATCH_TRAIL, b"}}]" + _BATCH_TRAIL),
-    }
-    if _last_field(AppendMessage) == "message"
-    and Batch.__struct_fields__[-3:] == ("effects", "refused", "trace")
-    else {}
-)
-"""How a message, a one-``AppendMessage`` effects record and such a batch end when
-the message's notes and visibility are the defaults, and what replaces that."""
 
 
 def _unencodable_text(
@@ -609,205 +589,20 @@ class Codec(Generic[D]):
         them back, to the value an encoding with both would give). A message
         whose ``notes`` are empty and that is visible to both is written
         without those three fields (decoding gives their defaults). Only
-        messages in fields declared as messages (a session's conversation, an
-        effect's ``Message`` fields) are compacted. The value is then encoded
-        piece by piece, and the pieces are used only if, joined, they are
-        exactly msgspec's own encoding of it (else it is stored as msgspec
-        encodes it). A text holding a lone surrogate raises
-        :class:`InvalidFieldError` naming its message (:func:`unencodable`).
+        messages in fields declared as messages (an effect's ``Message`` or
+        ``tuple[Message, ...]`` fields) are compacted. A batch's ``refused``
+        and ``trace`` are written only when they are not their defaults.
+
+        One mechanism does it all: ``value`` is copied (unchecked, for encoding
+        only) with each field to leave out set to ``msgspec.UNSET``, which
+        msgspec's encoder omits, and encoded once. A text holding a lone
+        surrogate raises :class:`InvalidFieldError` naming its message
+        (:func:`unencodable`).
         """
-        kind = type(value)
         try:
-            if kind is Batch:
-                return self._encode_batch(value)
-            return self._encode_value(value, kind)
+            return self._encoder.encode(_compact(value))
         except UnicodeEncodeError as exc:  # checked only here: a valid text costs nothing
             raise unencodable(value) from exc
-
-    def _encode_batch(self, batch: Batch[Effect]) -> bytes:
-        """A batch record: ``refused`` and ``trace`` are left out while they hold their defaults.
-
-        The batch is encoded with both at their defaults (so the fast path of
-        :meth:`_encode_value` applies), which ends in :data:`_BATCH_TRAIL`;
-        that trail is then replaced by the real one, or dropped. A decoder
-        gives the defaults back for fields that are absent.
-        """
-        plain = batch
-        if batch.refused or batch.trace is not None:
-            plain = msgspec.structs.replace(batch, refused=(), trace=None)
-        body = self._encode_value(plain, Batch)
-        if not body.endswith(_BATCH_TRAIL):  # pragma: no cover - msgspec keeps field order
-            return self._encoder.encode(batch)
-        head = body[: -len(_BATCH_TRAIL)]
-        if plain is batch:
-            return head + b"}"
-        encode = self._encoder.encode
-        trail = [head]
-        if batch.refused:
-            trail += [b',"refused":', encode(batch.refused)]
-        if batch.trace is not None:
-            trail += [b',"trace":', encode(batch.trace)]
-        trail.append(b"}")
-        return b"".join(trail)
-
-    def _encode_value(self, value: Any, kind: type) -> bytes:
-        """:meth:`_encode` of anything; batches end in :data:`_BATCH_TRAIL` here."""
-        tails = _TAILS.get(kind)
-        if tails is not None:
-            # The usual record: one AppendMessage (or a message).
-            message: Message | None = value
-            if kind is not Message:
-                effects = value if kind is tuple else value.effects
-                first = effects[0] if len(effects) == 1 else None
-                message = first.message if type(first) is AppendMessage else None
-            if message is not None:
-                if _has_calls(message):  # encoded once, the fields left out unset
-                    return self._encoder.encode(_holding(value, kind, self._compacted(message)))
-                # Without tool calls the message's fields are the last thing encoded.
-                tail, end = tails
-                encoded = self._encoder.encode(value)
-                return encoded[: -len(tail)] + end if encoded.endswith(tail) else encoded
-        encoded = self._encoder.encode(value)
-        pieces = self._top_pieces(value)
-        if pieces is None:
-            return encoded
-        plain, compact = pieces
-        return compact if plain == encoded else encoded
-
-    def _compacted(self, message: Message) -> Message:
-        """A copy of ``message`` that encodes as :meth:`_message_pieces`'s compact form.
-
-        msgspec leaves out a field set to ``UNSET``: the ``arguments`` of each
-        tool call whose raw string gives them (:meth:`_call_pieces`'s test), and
-        the fields after ``parts`` when all hold their defaults (what
-        :data:`_DEFAULT_TAIL` drops). The copy is only encoded: it is never
-        checked, compared or handed out.
-        """
-        encode = self._encoder.encode
-        parts = list(message.parts)
-        for position, part in enumerate(parts):
-            if type(part) is ToolCallPart and encode(parse_arguments(part.raw_arguments)) == encode(
-                part.arguments
-            ):
-                short = part.__copy__()  # type: ignore[attr-defined]  # msgspec's: no checks
-                msgspec.structs.force_setattr(short, "arguments", _UNSET)
-                parts[position] = short
-        compact: Message = message.__copy__()  # type: ignore[attr-defined]
-        msgspec.structs.force_setattr(compact, "parts", tuple(parts))
-        for name, default, factory in _AFTER_PARTS:
-            if getattr(message, name) != (default if factory is _NO_DEFAULT else factory()):
-                break
-        else:
-            for name, _, _ in _AFTER_PARTS:
-                msgspec.structs.force_setattr(compact, name, _UNSET)
-        return compact
-
-    def _top_pieces(self, value: Any) -> tuple[bytes, bytes] | None:
-        """:meth:`_encode`'s pieces; ``None`` when nothing in ``value`` is compacted."""
-        kind = type(value)
-        if kind is tuple:
-            if not any(_message_fields(type(effect)) for effect in value):
-                return None
-            return self._effects_pieces(value)
-        if kind is Message:
-            return self._message_pieces(value)
-        if kind is Batch:
-            if not any(_message_fields(type(effect)) for effect in value.effects):
-                return None
-            return self._struct_pieces(value, ("effects",))
-        return None
-
-    def _effects_pieces(self, effects: tuple[Effect, ...]) -> tuple[bytes, bytes]:
-        items = [self._struct_pieces(effect, _message_fields(type(effect))) for effect in effects]
-        return (
-            b"[" + b",".join(p for p, _ in items) + b"]",
-            b"[" + b",".join(c for _, c in items) + b"]",
-        )
-
-    def _message_pieces(self, message: Message) -> tuple[bytes, bytes]:
-        """``(plain, compact)`` of a message; the same object twice when nothing is left out."""
-        encode = self._encoder.encode
-        plain = compact = encode(message)
-        if _has_calls(message):
-            # The parts, each encoded on its own, follow the fields before them:
-            # where each call starts is known exactly, whatever the other parts hold.
-            fields = [key + encode(getattr(message, name)) for name, key in _BEFORE_PARTS]
-            prefix = b"{" + b",".join(fields) + b"," + _PARTS_KEY + b"["
-            plains: list[bytes] = []
-            compacts: list[bytes] = []
-            for part in message.parts:
-                if type(part) is ToolCallPart:
-                    part_plain, part_compact = self._call_pieces(part)
-                else:
-                    part_plain = part_compact = encode(part)
-                plains.append(part_plain)
-                compacts.append(part_compact)
-            head = prefix + b",".join(plains)
-            if plain.startswith(head):
-                compact = prefix + b",".join(compacts) + plain[len(head) :]
-        if compact.endswith(_DEFAULT_TAIL):
-            compact = compact[: -len(_DEFAULT_TAIL)] + b"}"
-        return plain, compact
-
-    def _call_pieces(self, call: ToolCallPart) -> tuple[bytes, bytes]:
-        """A tool call, and the same without ``arguments`` when its raw string gives them.
-
-        The call's encoding starts ``{"type":"tool_call","call_id":...,"name":...,
-        "arguments":``: the first ``,"arguments":`` in it is that key (inside a
-        JSON string a quote is escaped).
-        """
-        encode = self._encoder.encode
-        plain = encode(call)
-        arguments = encode(call.arguments)
-        if encode(parse_arguments(call.raw_arguments)) != arguments:
-            return plain, plain  # not what the raw string gives: both are kept
-        return plain, plain.replace(_ARGUMENTS_KEY + arguments, b"", 1)
-
-    def _field_pieces(self, owner: msgspec.Struct, field: Any) -> tuple[bytes, bytes]:
-        """The pieces of a field :meth:`_struct_pieces` was asked to compact."""
-        if type(field) is Message:
-            return self._message_pieces(field)
-        if isinstance(owner, Batch):
-            return self._effects_pieces(field)
-        encode = self._encoder.encode
-        plain: list[bytes] = []
-        compact: list[bytes] = []
-        for item in field:  # a conversation, or a message's parts
-            kind = type(item)
-            if kind is Message:
-                item_plain, item_compact = self._message_pieces(item)
-            elif kind is ToolCallPart:
-                item_plain, item_compact = self._call_pieces(item)
-            else:
-                item_plain = item_compact = encode(item)
-            plain.append(item_plain)
-            compact.append(item_compact)
-        return b"[" + b",".join(plain) + b"]", b"[" + b",".join(compact) + b"]"
-
-    def _struct_pieces(self, value: msgspec.Struct, fields: tuple[str, ...]) -> tuple[bytes, bytes]:
-        """``(plain, compact)``: ``value`` encoded field by field in msgspec's order, the
-        ``fields`` named compacted."""
-        encode = self._encoder.encode
-        layout = _layout(type(value))
-        if layout is None:
-            encoded = encode(value)
-            return encoded, encoded
-        tag, keys = layout
-        plain: list[bytes] = [tag] if tag else []
-        compact: list[bytes] = [tag] if tag else []
-        for name, key in keys:
-            field = getattr(value, name)
-            if field is _UNSET:
-                continue
-            if name in fields:
-                field_plain, field_compact = self._field_pieces(value, field)
-                plain.append(key + field_plain)
-                compact.append(key + field_compact)
-            else:
-                encoded = key + encode(field)
-                plain.append(encoded)
-                compact.append(encoded)
-        return b"{" + b",".join(plain) + b"}", b"{" + b",".join(compact) + b"}"
 
     def _decode(self, decoder: msgspec.json.Decoder[Any], buf: bytes, kind: str, where: str) -> Any:
         try:
