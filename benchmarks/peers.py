@@ -75,6 +75,12 @@ streaming - bare), per delta of a step (the scripted model's 8-character pieces 
 the tool call's arguments and of the answer, one checkpoint each in both).
 ``--plot`` also rewrites the results section and plot of ``benchmarks/README.md``
 (as ``benchmarks/report.py`` does).
+
+Before the last line, ``thread_us=<f>`` is what the worker thread of the
+plain-function tool costs in a stepmachine step, measured in the same run: the
+step with that tool minus the step with the same tool written ``async def``
+(the "stepmachine async tool" row), and that cost as a fraction of each peer's
+whole step.
 """
 
 # The peers are optional (the bench extra): each is imported where it is set up.
@@ -274,14 +280,18 @@ async def bare_runner() -> Runner:
 # -- stepmachine -------------------------------------------------------------------
 
 
-async def stepmachine_runner(variant: str, folder: Path, *, stream: bool = False) -> Runner:
+async def stepmachine_runner(
+    variant: str, folder: Path, *, stream: bool = False, thread: bool = True
+) -> Runner:
     """stepmachine on a MemoryStore or an SQLiteStore, configured as the README shows.
 
     The default configuration a README user gets: a plain-function ``@tool``
     (run in a worker thread), the runtime's default ids, the machine's
     default lease, observability off. ``stream``: ``ModelInference(stream=True)``
     (the scripted model hands its answer over in 8-character deltas, one
-    event-loop checkpoint each; see ``stream_delta_us``).
+    event-loop checkpoint each; see ``stream_delta_us``). ``thread=False``: the
+    tool is the same function written ``async def`` (no worker thread), to show
+    what the worker thread costs inside a step (``thread_us``).
     """
 
     async def decide(request: ModelRequest) -> ModelResponse:
@@ -299,7 +309,7 @@ async def stepmachine_runner(variant: str, folder: Path, *, stream: bool = False
     runtime = Runtime(store=store, model=FunctionModel(decide))
     machine: StateMachine[Any] = StateMachine(
         [
-            Tools([tool(name="lookup_value")(lookup_value_sync)]),
+            Tools([tool(name="lookup_value")(lookup_value_sync if thread else lookup_value)]),
             ModelInference(instructions=INSTRUCTIONS, stream=stream),
         ]
     )
@@ -320,7 +330,8 @@ async def stepmachine_runner(variant: str, folder: Path, *, stream: bool = False
         return elapsed, answers
 
     close = None if variant == "memory" else store.aclose
-    return Runner("stepmachine streaming" if stream else "stepmachine", variant, session, close)
+    name = "stepmachine streaming" if stream else "stepmachine"
+    return Runner(name if thread else "stepmachine async tool", variant, session, close)
 
 
 def deltas_per_step() -> int:
@@ -742,6 +753,7 @@ async def make_runners(folder: Path) -> list[Runner]:
         ("stepmachine (sqlite)", lambda: stepmachine_runner("sqlite", folder)),
         ("bare loop streaming", bare_streaming_runner),
         ("stepmachine streaming", lambda: stepmachine_runner("memory", folder, stream=True)),
+        ("stepmachine async tool", lambda: stepmachine_runner("memory", folder, thread=False)),
         ("LangGraph (memory)", lambda: langgraph_runner("memory", folder)),
         ("LangGraph minimal (memory)", langgraph_minimal_runner),
         ("LangGraph (sqlite)", lambda: langgraph_runner("sqlite", folder)),
@@ -993,6 +1005,18 @@ def main(argv: list[str]) -> None:
         f"{opts.repetitions} sessions per step index):"
     )
     print_table(figures, bare)
+    thread = find(figures, "stepmachine", "memory") - find(
+        figures, "stepmachine async tool", "memory"
+    )
+    print(
+        f"thread_us={thread:.1f}: what the plain-function tool's worker thread costs in a "
+        "stepmachine step (stepmachine - stepmachine async tool), "
+        + ", ".join(
+            f"{thread / us:.3f}x {peer}'s step"
+            for peer in ("LangGraph", "pydantic-ai", "OpenAI Agents SDK")
+            if not math.isnan(us := find(figures, peer, "memory"))
+        )
+    )
     concurrent: dict[str, float] = {}
     if opts.sessions:
         runs: list[tuple[str, Callable[[int], Awaitable[float]]]] = [
