@@ -356,13 +356,19 @@ class ModelInference(Inference[Any]):
                 notes={self._name: note_value(receipt)},
             )
             done = Continue(()) if message.tool_calls else Yield((), YieldReason(YieldReason.DONE))
+            new = session.message(message.id) is None  # found stored later: it was written
 
             def record(stored: Session[Any]) -> Sequence[Effect]:
                 # Computed from the session as stored (again after a conflict): when a
                 # message arrived while the model was answering (the user steered), or
                 # someone else answered, the reply answers a question that is no longer
                 # the last: only its calls are recorded, and the model is asked again.
+                # The reply found stored was written by this record (a write whose reply
+                # was lost, then waited out): nothing more is written, and its model
+                # call is not counted again.
                 ending[:] = [done]
+                if new and stored.message(message.id) is not None:
+                    return ()  # stored already: not again
                 position = stored.history.last_visible
                 if position >= 0 and stored.conversation[position].id == latest:
                     return (*restore, AppendMessage(message))
