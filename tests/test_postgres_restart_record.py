@@ -263,6 +263,82 @@ async def test_a_tool_result_whose_write_meets_a_restart_is_recorded_once(
         assert steps == ["inference", *intents, "tools", "inference"]
 
 
+class ConfirmRestartingStore(ArmedStore):
+    """An :class:`ArmedStore` whose next lease renewal, once ``renew_armed``, meets a real
+    restart: the confirmation right before a non-idempotent tool starts (the run's
+    background renewal comes every ``ttl / 3``, 10 s by default, after this run ends)."""
+
+    renew_armed = False
+
+    async def renew(self, lease: Any) -> Any:
+        if self.renew_armed:
+            self.renew_armed = False
+            try:
+                await anyio.to_thread.run_sync(self._query_across_a_restart)
+            except Exception as exc:
+                if _store_fault(exc):
+                    self.faults.append(f"renew: {type(exc).__name__}")
+                raise
+        return await super().renew(lease)
+
+    def _query_across_a_restart(self) -> None:
+        assert self._pool is not None
+        with self._pool.connection() as conn:
+            self.restarts.now()
+            conn.execute("SELECT 1")  # raises: the server ended this connection
+
+
+class ArmingModel(ScriptedModel):
+    """A scripted model whose first request, once answered, runs ``arm``."""
+
+    def __init__(self, turns: list[Any], arm: Callable[[], None]) -> None:
+        super().__init__(turns)
+        self.arm = arm
+
+    async def request(self, request: Any, *, on_chunk: Any = None) -> Any:
+        response = await super().request(request, on_chunk=on_chunk)
+        if len(self.requests) == 1:
+            self.arm()
+        return response
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_non_idempotent_tool_whose_lease_confirmation_meets_a_restart_runs_once(
+    server: _postgres.Server, dsn: str, mode: str, kind: str
+) -> None:
+    """The intents are stored, then the lease's confirmation fails on the restart: it is
+    waited out and asked again, and the tool runs once. (The fault ended the run, and the
+    next run answered the call ``outcome unknown`` without running it, though it had
+    never started.)"""
+    restarts = Restarts(server, mode)
+    store = await ConfirmRestartingStore.open_armed(dsn, restarts)
+    assert isinstance(store, ConfirmRestartingStore)
+    try:
+        await store.create("s", conversation=[Message.user("go", id="u1")])
+        ran: list[int] = []
+        charge = restarting_tool(kind, "non_idempotent", ran, lambda: None)
+        machine = StateMachine([Tools([charge]), ModelInference(stream=False)])
+
+        def arm() -> None:
+            store.renew_armed = True
+
+        model = ArmingModel([call(("charge", {"amount": 7})), reply("paid")], arm)
+        with anyio.fail_after(120):  # a guard against a hang, not a timing threshold
+            session = await machine.run(Runtime(store=store, model=model), "s")
+        (fault,) = store.faults  # the confirmation failed on the restart, then was asked again
+        assert fault.startswith("renew: ")
+        assert len(restarts.took) == 1
+        assert ran == [7]
+        assert results_of(session) == {only_call_id(session): [("charged 7", False)]}
+        with anyio.fail_after(120):
+            rerun = await machine.run(Runtime(store=store, model=ScriptedModel([])), "s")
+        assert ran == [7]
+        assert rerun.revision == session.revision
+    finally:
+        await store.aclose()
+
+
 class RestartingModel(ScriptedModel):
     """A scripted model whose first request runs ``work`` (in a worker thread) first."""
 
