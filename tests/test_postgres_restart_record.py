@@ -44,6 +44,7 @@ from stepmachine import (
     Tools,
     tool,
 )
+from stepmachine._retry import MAX_STORE_FAULTS
 from stepmachine.extend import Batch, history_problems, open_tool_calls
 from stepmachine.stores import PostgresStore
 from stepmachine.testing import ScriptedModel, call, reply
@@ -51,8 +52,8 @@ from stepmachine.testing import ScriptedModel, call, reply
 pytestmark = pytest.mark.postgres
 
 MODES = ["fast", "immediate"]
-Where = Literal["apply.begin", "apply.committed"]
-WHERES: list[Where] = ["apply.begin", "apply.committed"]
+Where = Literal["apply.begin", "apply.committed", "restarting"]
+WHERES: list[Where] = ["apply.begin", "apply.committed", "restarting"]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,7 @@ class Restarts:
     mode: str
     took: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    threads: list[threading.Thread] = field(default_factory=list)
 
     def now(self) -> None:
         """Restart the server (blocking: call it in a worker thread)."""
@@ -88,16 +90,30 @@ class Restarts:
         with self.lock:
             self.took.append(time.monotonic() - began)
 
+    def start(self) -> None:
+        """Start a restart in a thread of its own (:meth:`join` waits for it)."""
+        thread = threading.Thread(target=self.now, name="pg-restart", daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def join(self) -> None:
+        """Wait for the restarts started with :meth:`start`."""
+        for thread in self.threads:
+            thread.join()
+
 
 class ArmedStore(PostgresStore):
     """A PostgresStore whose next write, once armed, meets a real restart.
 
     ``armed`` names the boundary of :meth:`apply` where the server is restarted,
     inside the write's own connection: ``apply.begin`` (before any statement:
-    the transaction fails, nothing is written) or ``apply.committed`` (after
+    the transaction fails, nothing is written), ``apply.committed`` (after
     ``COMMIT``: a statement on the ended connection fails, so the caller loses
-    the reply of a write that is stored). It fires once. ``faults`` lists the
-    store faults :meth:`apply` raised (``"<step>: <error type>"``).
+    the reply of a write that is stored), or ``restarting`` (at ``apply.begin``
+    a restart starts in another thread and the transaction goes on until the
+    server ends it: the write is waited out while the server is still down or
+    recovering). It fires once. ``faults`` lists the store faults :meth:`apply`
+    and :meth:`load` raised (``"<step or load>: <error type>"``).
     """
 
     restarts: Restarts
@@ -128,9 +144,13 @@ class ArmedStore(PostgresStore):
 
     def boundary(self, name: str) -> None:
         """At ``name`` (in the worker thread, in the write's connection): restart if armed."""
-        if name != self.armed:
+        if name != ("apply.begin" if self.armed == "restarting" else self.armed):
             return
-        self.armed = None
+        armed, self.armed = self.armed, None
+        if armed == "restarting":
+            self.restarts.start()
+            while True:  # raises once the shutdown ends this connection
+                self._local.connection.execute("SELECT pg_sleep(0.01)")
         self.restarts.now()
         if name == "apply.committed":  # the batch is stored; the write's reply is lost
             self._local.connection.execute("SELECT 1")  # raises: the restart ended it
@@ -141,6 +161,14 @@ class ArmedStore(PostgresStore):
         except Exception as exc:
             if _store_fault(exc):
                 self.faults.append(f"{batch.step}: {type(exc).__name__}")
+            raise
+
+    async def load(self, session_id: str) -> Session[Any]:
+        try:
+            return await super().load(session_id)
+        except Exception as exc:
+            if _store_fault(exc):
+                self.faults.append(f"load: {type(exc).__name__}")
             raise
 
 
@@ -157,7 +185,18 @@ async def armed_store(dsn: str, restarts: Restarts) -> AsyncIterator[ArmedStore]
         await store.create("s", conversation=[Message.user("go", id="u1")])
         yield store
     finally:
+        restarts.join()
         await store.aclose()
+
+
+def assert_faults_waited_out(faults: list[str], step: str, where: Where) -> None:
+    """The record's first write failed on the restart; every fault was waited out."""
+    assert faults, "the restart did not land in the record's write"
+    assert faults[0].startswith(f"{step}: ")
+    if where == "restarting":  # the server may still be down: the pool waits for it
+        assert len(faults) <= MAX_STORE_FAULTS
+    else:  # the server is up again when the fault is raised: one fault
+        assert len(faults) == 1, faults
 
 
 def results_of(session: Session[Any]) -> dict[str, list[tuple[str, bool]]]:
@@ -253,10 +292,10 @@ async def test_a_tool_result_whose_write_meets_a_restart_is_recorded_once(
 
         charge = restarting_tool(kind, side_effects, ran, arm)
         await run_and_check_tool(store, charge, ran)
+        restarts.join()
         assert len(restarts.took) == 1
         # The record's first write failed on the restart, and was waited out.
-        (fault,) = store.faults
-        assert fault.startswith("tools: ")
+        assert_faults_waited_out(store.faults, "tools", where)
         # The call, the intents (a non-idempotent tool's), the record (stored once), the reply.
         intents = ["tools"] if side_effects == "non_idempotent" else []
         steps = [b.step for b in await store.batches("s")]
@@ -387,9 +426,9 @@ async def test_a_model_reply_whose_write_meets_a_restart_is_kept(
             store.armed = where  # the reply's record is the store's next write
 
         await run_and_check_reply(store, RestartingModel(arm))
+        restarts.join()
         assert len(restarts.took) == 1
-        (fault,) = store.faults
-        assert fault.startswith("inference: ")
+        assert_faults_waited_out(store.faults, "inference", where)
         batches = await store.batches("s")
         steps = [(b.step, [type(e).__name__ for e in b.effects]) for b in batches]
         assert steps == [("inference", ["AppendMessage"])]  # stored once, nothing more
