@@ -10,15 +10,18 @@ restarted with ``pg_ctl restart -m fast`` and ``-m immediate``:
 - by the work itself (the tool's body, the model's request): the record is then
   written on connections the restart ended, which the pool's check replaces;
 - inside the record's own write (:class:`ArmedStore`): at ``apply.begin`` (the
-  transaction's statements then fail: nothing was written) or at
+  transaction's statements then fail: nothing was written), at
   ``apply.committed`` (the batch is stored, and the next statement on the
-  connection fails: the write's reply is lost). The write's store fault is
-  counted, and each test asserts it was seen, so the restart did land in the
-  write.
+  connection fails: the write's reply is lost), or ``restarting`` (the restart
+  runs on in another thread while the write is retried: the pool waits for the
+  server). The write's store fault is counted, and each test asserts it was
+  seen, so the restart did land in the write;
+- inside the lease's confirmation right before a non-idempotent tool starts
+  (:class:`ConfirmRestartingStore`), after its intents are stored.
 
 Each time the session holds exactly one result for the call (or one reply),
-with the real content; the tool ran (the model was asked) exactly once; a
-later ``machine.run()`` runs nothing again.
+with the real content, and nothing more is written for it; the tool ran (the
+model was asked) exactly once; a later ``machine.run()`` runs nothing again.
 """
 
 from __future__ import annotations
