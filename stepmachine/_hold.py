@@ -33,6 +33,7 @@ from ._codec import Batch
 from ._effects import Effect
 from ._errors import ConfigurationError, LeaseLostError, SessionBusyError, StoreClosedError
 from ._lease import Lease, LeaseHolder, LeasePolicy, Leases, check_claim, new_owner, now
+from ._retry import wait_out
 from ._runtime import Runtime, with_handler
 from ._session import Session
 from ._staged import lease_lost
@@ -513,22 +514,36 @@ async def confirm_lease(runtime: Runtime, task: Task) -> None:
     checked against what the run already knows (a write refused, a renewal that
     found the lease gone), at no cost. A run without a lease checks nothing.
 
+    A store fault of the confirmation (a lost connection, a server restarting:
+    see :func:`~stepmachine._retry.store_fault`) is waited out, after a backoff,
+    up to :data:`~stepmachine._retry.MAX_STORE_FAULTS` in all, and the lease
+    asked again (a renewal asked twice is harmless for its holder): the task's
+    intents are stored already, and a task never started would otherwise be
+    answered ``outcome unknown`` by the next run.
+
     Raises:
         LeaseLostError: the lease is gone; nothing was started.
-        Exception: the store could not be asked: the task is not started either.
+        Exception: the store could not be asked (a store fault past
+            ``MAX_STORE_FAULTS``, or any other error): the task is not started either.
     """
     fence = runtime.handler
     if not isinstance(fence, Fence):
         return
     if fence.lost is None and task.guarded:
         sync = now(fence.store, "renew")
-        try:
-            if sync is not None:  # an in-process store: the same check, without a checkpoint
-                sync(fence.lease)
-            else:
-                await fence.store.renew(fence.lease)
-        except LeaseLostError as exc:
-            fence.lost = exc  # every later write of the run is refused at once too
+        faults = 0
+        while True:
+            try:
+                if sync is not None:  # an in-process store: the same check, without a checkpoint
+                    sync(fence.lease)
+                else:
+                    await fence.store.renew(fence.lease)
+                break
+            except LeaseLostError as exc:
+                fence.lost = exc  # every later write of the run is refused at once too
+                break
+            except Exception as exc:  # noqa: BLE001 - re-raised by wait_out unless a store fault
+                faults = await wait_out(exc, faults)
     if fence.lost is not None:
         raise lease_lost(task, fence.lost) from fence.lost
 

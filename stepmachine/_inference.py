@@ -356,7 +356,7 @@ class _Request:
 class _Reply:
     """A model's reply, to be recorded: :meth:`record` is the request's :data:`Recorder`."""
 
-    __slots__ = ("done", "message", "request", "response")
+    __slots__ = ("done", "message", "new", "request", "response")
 
     def __init__(self, request: _Request, response: ModelResponse, message: Message) -> None:
         self.request = request
@@ -365,16 +365,23 @@ class _Reply:
         self.done: Continue | Yield = (
             Continue(()) if message.tool_calls else Yield((), YieldReason(YieldReason.DONE))
         )
+        # A reply found stored later was stored by this record (O(1): by id).
+        self.new = request.session.message(message.id) is None
 
     def record(self, stored: Session[Any]) -> Sequence[Effect]:
         """The reply's record, computed from the session as stored (again after a conflict).
 
         When a message arrived while the model was answering (the user steered),
         or someone else answered, the reply answers a question that is no longer
-        the last: only its calls are recorded, and the model is asked again.
+        the last: only its calls are recorded, and the model is asked again. The reply
+        found stored was written by this record (a write whose reply was lost, then
+        waited out, or a cancellation right after it): nothing more is written, and
+        its model call is not counted again.
         """
         request = self.request
         request.ending = self.done
+        if self.new and stored.message(self.message.id) is not None:
+            return ()  # stored already: not again
         position = stored.history.last_visible
         if position >= 0 and stored.conversation[position].id == request.latest:
             return (*request.restore, AppendMessage(self.message))

@@ -33,6 +33,7 @@ __all__ = [
     "retry_conflicts",
     "retry_while_moving",
     "store_fault",
+    "wait_out",
 ]
 
 R = TypeVar("R")
@@ -151,24 +152,25 @@ async def retry_while_moving(
             return await attempt(session)
         except ConflictError as exc:
             conflict = exc
-        except Exception as exc:  # noqa: BLE001 - re-raised by _wait_out unless a store fault
-            faults = await _wait_out(exc, faults)
+        except Exception as exc:  # noqa: BLE001 - re-raised by wait_out unless a store fault
+            faults = await wait_out(exc, faults)
         before = session.revision
         while True:
             try:
                 session = await reload(session.id)
                 break
-            except Exception as exc:  # noqa: BLE001 - re-raised by _wait_out unless a store fault
-                faults = await _wait_out(exc, faults)
+            except Exception as exc:  # noqa: BLE001 - re-raised by wait_out unless a store fault
+                faults = await wait_out(exc, faults)
         if conflict is not None:
             stalled = stalled + 1 if session.revision <= before else 0
             if stalled > MAX_STALLED_CONFLICTS:
                 raise conflict
 
 
-async def _wait_out(exc: Exception, faults: int) -> int:
-    """Re-raise ``exc`` unless it is a store fault with faults to spare; else sleep the
-    backoff and return the faults counted so far."""
+async def wait_out(exc: Exception, faults: int) -> int:
+    """Re-raise ``exc`` unless it is a store fault with faults to spare (``faults``
+    counted so far, fewer than :data:`MAX_STORE_FAULTS`); else sleep the backoff and
+    return the faults counted so far."""
     if not store_fault(exc) or faults >= MAX_STORE_FAULTS:
         raise exc
     faults += 1

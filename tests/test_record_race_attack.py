@@ -1256,13 +1256,17 @@ async def test_runners_and_writers_in_processes_on_one_store_charge_each_key_onc
 # -- a model reply whose write loses its reply ----------------------------------------------
 
 
-@pytest.mark.parametrize("lost", ["conflict", "cancel"])
+@pytest.mark.parametrize("lost", ["conflict", "os_error", "cancel"])
 async def test_a_model_reply_stored_whose_write_reply_is_lost_is_recorded_once(
-    kind: str, tmp_path: Path, lost: str
+    kind: str, tmp_path: Path, lost: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The store writes the model's reply, then the writer sees a conflict (or is
-    cancelled right there, so finalize writes what it held): the reply is in the
-    history once, the model was asked once, and the running totals count one call."""
+    """The store writes the model's reply, then the writer sees a conflict, a store
+    fault (waited out), or is cancelled right there (finalize writes what it held): the
+    reply is in the history once, nothing more is written for it (fixed: after a conflict
+    or a fault it took the stored reply for someone else's answer and wrote a "spent"
+    note too, counting the call twice), the model was asked once, and the running totals
+    count one call."""
+    monkeypatch.setattr(_retry, "backoff", lambda attempt: 0.0)
     inner = await open_kind(kind, tmp_path)
     try:
         await inner.create("s", conversation=[Message.user("hi", id="u1")])
@@ -1277,6 +1281,8 @@ async def test_a_model_reply_stored_whose_write_reply_is_lost_is_recorded_once(
                 store.after = None
                 if lost == "conflict":
                     raise ConflictError("s", batch.revision - 1, batch.revision)
+                if lost == "os_error":
+                    raise ConnectionResetError("the reply was lost")
                 token.cancel("stop")
                 await anyio.lowlevel.checkpoint()
 
@@ -1288,6 +1294,7 @@ async def test_a_model_reply_stored_whose_write_reply_is_lost_is_recorded_once(
         assert report.reason.kind in ("done", "idle", YieldReason.CANCELLED)
         session = await assert_valid(inner, "s")
         assert [m.role for m in session.conversation] == ["user", "assistant"]
+        assert [b.step for b in await inner.batches("s")] == ["inference"]  # nothing more
         assert model.calls == 1
         ledger = latest_ledger(session).ledger
         assert ledger is not None

@@ -3,8 +3,10 @@
 - The fence is checked right before each non-idempotent tool starts (a store
   read: ``renew``), so a worker that lost its lease between committing the
   intent and starting the tool does not start it (at most once where it
-  matters): ``run()`` raises ``LeaseLostError``. Unit tests take the lease away
-  in process; one test pauses a real worker process (SIGSTOP) on PostgreSQL.
+  matters): ``run()`` raises ``LeaseLostError``. A few store faults of that
+  check are waited out (``MAX_STORE_FAULTS``), then it is asked again. Unit
+  tests take the lease away in process; one test pauses a real worker process
+  (SIGSTOP) on PostgreSQL.
 - Errors of parallel tool calls (a lost lease, a store error, a contract error)
   leave ``run()`` as the error itself, never as an ``ExceptionGroup``; which one
   wins is documented on ``Tools`` and checked here with hypothesis.
@@ -44,6 +46,7 @@ from stepmachine import (
     tool,
 )
 from stepmachine import _transient as transient
+from stepmachine._retry import MAX_STORE_FAULTS
 from stepmachine.extend import OUTCOME_UNKNOWN, Lease, new_owner
 from stepmachine.stores import MemoryStore
 from stepmachine.testing import FunctionModel, call, reply
@@ -148,11 +151,16 @@ def _charge_model(n: int) -> FunctionModel:
 
 
 @pytest.mark.usefixtures("quick_backoff")
+@pytest.mark.parametrize("faults", [1, MAX_STORE_FAULTS, MAX_STORE_FAULTS + 1])
 @pytest.mark.parametrize("expiring", [False, True], ids=["held", "expiring"])
-async def test_a_renew_that_fails_transiently_right_before_the_tool(expiring: bool) -> None:
-    """The confirm round trip raises OSError: the tool is not started, serve() runs the
-    turn again, and the call ends with exactly one result (outcome unknown is acceptable:
-    an intent without a result), the tool run at most once, the turn finished."""
+async def test_a_renew_that_fails_transiently_right_before_the_tool(
+    expiring: bool, faults: int
+) -> None:
+    """The confirm round trip raises OSError. Up to ``MAX_STORE_FAULTS`` of them are
+    waited out and the lease asked again: the tool runs once, its real result recorded.
+    One more: the tool is not started, serve() runs the turn again, and the call ends
+    with exactly one result (outcome unknown: an intent without a result), the tool
+    never run, the turn finished."""
     store = FlakyRenew(expiring_leases=expiring)
     await store.create("s", conversation=[Message.user("pay", id="u1")])
     await store.request_run("s")
@@ -163,7 +171,7 @@ async def test_a_renew_that_fails_transiently_right_before_the_tool(expiring: bo
         charged.append(amount)
         return "charged"
 
-    store.fail = [OSError(5, "injected: the store did not answer the renew")]
+    store.fail = [OSError(5, "injected: the store did not answer the renew") for _ in range(faults)]
     stop = CancelToken()
     reports: list[Any] = []
 
@@ -175,12 +183,20 @@ async def test_a_renew_that_fails_transiently_right_before_the_tool(expiring: bo
     machine = StateMachine([Tools([tool(charge)]), ModelInference()])
     with structlog.testing.capture_logs() as logs, anyio.fail_after(30):
         await run_worker(machine, runtime, stop=stop, poll=0.01, ttl=5, on_report=seen)
-    assert charged == [], "the tool started although its lease was not confirmed"
+    assert store.fail == []  # every fault was met
     session = await store.load("s")
     results = [p for m in session.conversation for p in m.parts if isinstance(p, ToolResultPart)]
     assert len(results) == 1
     assert session.conversation[-1].text == "paid"
-    assert [e["error_type"] for e in logs if e["event"] == "serve_run_retried"] == ["OSError"]
+    retried = [e["error_type"] for e in logs if e["event"] == "serve_run_retried"]
+    if faults <= MAX_STORE_FAULTS:
+        assert charged == [1]
+        assert (results[0].content, results[0].is_error) == ("charged", False)
+        assert retried == []
+    else:
+        assert charged == [], "the tool started although its lease was not confirmed"
+        assert results[0].is_error
+        assert retried == ["OSError"]
 
 
 async def test_parallel_calls_where_one_fence_check_finds_the_lease_lost() -> None:
