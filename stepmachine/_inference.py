@@ -285,14 +285,8 @@ class _Request:
 
     async def call(self) -> Recorder:
         """The task: send the request; how to record the reply, or the failed attempts."""
-        step, ctx, session, last, earlier = (
-            self.step,
-            self.ctx,
-            self.session,
-            self.last,
-            self.earlier,
-        )
-        model = self.model
+        step, ctx, session, model = self.step, self.ctx, self.session, self.model
+        last, earlier = self.last, self.earlier
         try:
             with counting(self.sent, ctx.runtime.model_override or model):
                 response = await ctx.request_model(
