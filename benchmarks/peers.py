@@ -1051,6 +1051,7 @@ def main(argv: list[str]) -> None:
                 f"{f.runner.name}|{f.runner.variant}": round(f.step_us, 2) for f in figures
             },
             "concurrent_s": {k: round(v, 3) for k, v in concurrent.items()},
+            "thread_us": round(thread, 1),
             "summary": line,
         }
         if opts.json_path is not None:

@@ -32,6 +32,7 @@ END = "<!-- peers:end -->"
 FRAMEWORKS = (
     "bare loop",
     "stepmachine",
+    "stepmachine async tool",
     "LangGraph",
     "LangGraph minimal",
     "pydantic-ai",
@@ -98,6 +99,15 @@ def section(data: dict[str, Any]) -> str:
             (
                 f"{data['sessions']:,} concurrent sessions x 5 calls of a 100 ms model, "
                 f"memory store, wall time (x the bare loop's): {walls}."
+            ),
+            "",
+        ]
+    thread = data.get("thread_us")
+    if thread is not None:
+        lines += [
+            (
+                f"`thread_us={thread:.1f}`: the plain-function tool's worker thread, inside a "
+                "stepmachine step (the stepmachine row minus the async tool row)."
             ),
             "",
         ]

@@ -738,8 +738,9 @@ def _compact_message_oracle(message: dict[str, Any]) -> dict[str, Any]:
     parts = []
     for part in message["parts"]:
         if part["type"] == "tool_call" and _derivable(part):
-            part = {key: value for key, value in part.items() if key != "arguments"}
-        parts.append(part)
+            parts.append({key: value for key, value in part.items() if key != "arguments"})
+        else:
+            parts.append(part)
     compact = {**message, "parts": parts}
     if all(compact[key] == value for key, value in _MESSAGE_DEFAULTS.items()):
         compact = {key: value for key, value in compact.items() if key not in _MESSAGE_DEFAULTS}
