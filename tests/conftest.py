@@ -21,7 +21,7 @@ import structlog
 from stepmachine import Store
 from stepmachine.stores import MemoryStore, SQLiteStore
 
-POSTGRES_FIXTURES = frozenset({"postgres_server", "postgres_dsn"})
+POSTGRES_FIXTURES = frozenset({"postgres_server", "postgres_dsn", "restartable_postgres"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -69,6 +69,20 @@ def postgres_server() -> Iterator[str]:
         except _postgres.PostgresUnavailable as exc:
             pytest.skip(f"no PostgreSQL server: {exc}")
         yield dsn
+
+
+@pytest.fixture(scope="module")
+def restartable_postgres() -> Iterator[_postgres.Server]:
+    """A throwaway PostgreSQL server of the test module's own, for tests that restart it
+    (the session's shared ``postgres_server`` is never restarted). Skips as
+    ``postgres_server`` does."""
+    pytest.importorskip("psycopg")
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(_postgres.throwaway_server())
+        except _postgres.PostgresUnavailable as exc:
+            pytest.skip(f"no PostgreSQL server: {exc}")
+        yield server
 
 
 @pytest.fixture

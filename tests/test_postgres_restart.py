@@ -14,7 +14,6 @@ dies either way.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 import _postgres
@@ -40,14 +39,9 @@ MODES = ["fast", "immediate"]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[_postgres.Server]:
+def server(restartable_postgres: _postgres.Server) -> _postgres.Server:
     """A throwaway server of this module's own (it is restarted)."""
-    pytest.importorskip("psycopg")
-    with contextlib.ExitStack() as stack:
-        try:
-            yield stack.enter_context(_postgres.throwaway_server())
-        except _postgres.PostgresUnavailable as exc:
-            pytest.skip(f"no PostgreSQL server: {exc}")
+    return restartable_postgres
 
 
 @pytest.fixture
