@@ -1,18 +1,30 @@
-"""Which async library runs here, told cheaply, and a checkpoint that uses it.
+"""Which async library runs here, told cheaply; a checkpoint that uses it; a thread
+hop that is never left while its function runs.
 
 anyio answers "which library?" through sniffio on every call it dispatches;
 a hot path that only needs to know "plain asyncio, or anything else?" asks
 :func:`asyncio_here`, and :func:`checkpoint` is ``anyio.lowlevel.checkpoint()``
 without that lookup on asyncio.
+
+:func:`run_in_thread` is the stores' hop to a worker thread: a caller never
+goes on (releasing a lock, a connection) while its function still runs there,
+even when asyncio's native ``task.cancel()`` interrupts the wait, which no
+anyio shield stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import anyio.lowlevel
+import anyio.to_thread
 
-__all__ = ["asyncio_here", "checkpoint"]
+__all__ = ["asyncio_here", "checkpoint", "run_in_thread"]
+
+T = TypeVar("T")
 
 
 try:
@@ -49,3 +61,88 @@ async def checkpoint() -> None:
         await asyncio.sleep(0)
     else:
         await anyio.lowlevel.checkpoint()
+
+
+async def run_in_thread(function: Callable[..., T], *args: Any) -> T:
+    """``anyio.to_thread.run_sync(function, *args)``, never left while ``function`` runs.
+
+    A cancellation before the worker thread starts ``function`` raises with
+    nothing done. Once it runs, anyio's own cancel scopes (trio's, asyncio's
+    through anyio) wait for it: its outcome (return or exception) is handed
+    back and the cancellation lands at the caller's next checkpoint.
+
+    asyncio's native ``task.cancel()`` is not stopped by anyio's shield: it
+    interrupts the wait at once. Then this waits for ``function`` to end
+    (further native cancels while it waits are taken as the same one) and
+    raises the ``CancelledError``: what ``function`` did stays done (for a
+    store: a transaction that committed stays committed, as after a lost
+    reply) and its result is dropped. So a caller holding a lock or a
+    connection around the hop never lets it go while the thread still uses it.
+    A native cancel that lands before ``function`` starts keeps it from
+    starting.
+    """
+    if _running_library() != "asyncio":
+        return await anyio.to_thread.run_sync(function, *args)
+    hop = _Hop(asyncio.get_running_loop())
+    try:
+        return await anyio.to_thread.run_sync(hop.run, function, args)
+    except asyncio.CancelledError:
+        await hop.ended()
+        raise
+
+
+def _running_library() -> str:
+    """The async library running here, as anyio would name it (sniffio's answer)."""
+    if _sniffio is None:  # pragma: no cover - anyio runs without it
+        return "asyncio" if asyncio_here() else ""
+    return _sniffio.current_async_library()
+
+
+_WAITING, _RUNNING, _ENDED, _DROPPED = range(4)
+
+
+class _Hop:
+    """One :func:`run_in_thread` call on asyncio: where its function is (``state``,
+    changed under ``lock`` by either side), and the future a cancelled caller waits on."""
+
+    __slots__ = ("lock", "loop", "state", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.lock = threading.Lock()
+        self.loop = loop
+        self.state = _WAITING
+        self.waiter: asyncio.Future[None] | None = None
+
+    def run(self, function: Callable[..., T], args: tuple[Any, ...]) -> T:
+        """In the worker thread: run ``function`` unless its caller was cancelled first."""
+        with self.lock:
+            if self.state == _DROPPED:
+                raise asyncio.CancelledError  # nobody awaits it: never seen
+            self.state = _RUNNING
+        try:
+            return function(*args)
+        finally:
+            with self.lock:
+                self.state = _ENDED
+                waiter = self.waiter
+            if waiter is not None:
+                self.loop.call_soon_threadsafe(_wake, waiter)
+
+    async def ended(self) -> None:
+        """In the cancelled caller: return once ``function`` ended or can no longer start."""
+        with self.lock:
+            if self.state == _WAITING:
+                self.state = _DROPPED
+            if self.state != _RUNNING:
+                return
+            waiter = self.waiter = self.loop.create_future()
+        while not waiter.done():
+            try:
+                await asyncio.shield(waiter)
+            except asyncio.CancelledError:
+                continue  # cancelled again: the function still runs; the first cancel is raised
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -55,6 +55,7 @@ from stepmachine import (
     Session,
     StoreClosedError,
 )
+from stepmachine._async import run_in_thread
 from stepmachine._lease import check_claim
 from stepmachine.extend import Batch, Lease, LeaseHolder
 
@@ -311,9 +312,11 @@ class PostgresStore:
 
             # Shielded: a started transaction runs to its end, and its outcome
             # (return or exception) reaches the caller; a pending cancellation
-            # is delivered at the caller's next checkpoint.
+            # is delivered at the caller's next checkpoint. asyncio's native
+            # task.cancel() is raised only once the transaction ended
+            # (run_in_thread): the connection slot is never given back early.
             with anyio.CancelScope(shield=True):
-                result = await anyio.to_thread.run_sync(hop)
+                result = await run_in_thread(hop)
         return result
 
     def _txn(self, connection: psycopg.Connection[Any], *, write: bool) -> PostgresTxn:

@@ -54,6 +54,7 @@ import anyio.to_thread
 import msgspec
 
 from stepmachine import Codec, Effect, Message, Session, StoreClosedError, StoredDataError
+from stepmachine._async import run_in_thread
 from stepmachine.extend import Batch, Lease
 
 from . import _sqlite_rows as _rows
@@ -188,8 +189,11 @@ class SQLiteStore(FlockLeaseMethods):
     :meth:`apply` cancelled in the worker thread either committed the whole
     batch and returns normally (the next :meth:`load` shows the new revision,
     and re-applying the same batch raises :class:`~stepmachine.ConflictError`)
-    or raised and wrote nothing. A process killed mid-transaction likewise
-    leaves the batch committed whole or not at all.
+    or raised and wrote nothing. asyncio's native ``task.cancel()`` (which no
+    anyio shield stops) is raised only once the transaction ended, whatever it
+    did staying done (a committed batch stays, as after a lost reply): the
+    store's connection is never used by two calls at once. A process killed
+    mid-transaction likewise leaves the batch committed whole or not at all.
 
     Locking: writers queue on SQLite's write lock for up to ``busy_timeout``
     seconds; only a lock held longer than that raises
@@ -346,13 +350,13 @@ class SQLiteStore(FlockLeaseMethods):
             if connection is None:
                 raise StoreClosedError(f"SQLiteStore on {self._path} is closed")
             try:
-                # Not abandoned on cancellation (run_sync's default): a cancellation
-                # before the worker thread starts raises with nothing done; once
-                # the function runs, anyio waits for it and hands back its outcome
-                # (return or exception) with no checkpoint after it, so a pending
-                # cancellation is delivered at the caller's next checkpoint. (A
-                # shield of our own would add nothing but its cost, on every call.)
-                result = await anyio.to_thread.run_sync(function, connection)
+                # A cancellation before the worker thread starts raises with nothing
+                # done; once the function runs, its outcome (return or exception) is
+                # handed back and a pending cancellation is delivered at the caller's
+                # next checkpoint. asyncio's native task.cancel() is raised only once
+                # the function ended (run_in_thread): the lock is never let go while
+                # the connection is inside a transaction.
+                result = await run_in_thread(function, connection)
             except sqlite3.DatabaseError as exc:
                 if type(exc) is not sqlite3.DatabaseError:
                     raise

@@ -69,16 +69,6 @@ class Gate:
             self.go.wait(10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "SQLiteStore._run: a native asyncio task.cancel() interrupts "
-        "anyio.to_thread.run_sync's await while the worker thread still runs the "
-        "transaction; the method raises CancelledError at once (the docs say it returns "
-        "or raises as it would have, the cancellation delivered afterwards) and "
-        "releases the store's lock while the connection is mid-transaction"
-    ),
-)
 async def test_a_natively_cancelled_apply_is_not_interrupted_in_its_worker_thread(
     tmp_path: Path,
 ) -> None:
@@ -102,15 +92,6 @@ async def test_a_natively_cancelled_apply_is_not_interrupted_in_its_worker_threa
         await store.aclose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "SQLiteStore._run releases its lock when a native task.cancel() interrupts the "
-        "wait for the worker thread; the next call on the store then starts a "
-        "transaction on the same connection while the first is still open and raises "
-        "sqlite3.OperationalError('cannot start a transaction within a transaction')"
-    ),
-)
 async def test_the_next_call_after_a_natively_cancelled_apply_works(tmp_path: Path) -> None:
     gate = Gate(nth=1)
     store = await SQLiteStore.open(tmp_path / "db.sqlite3", boundary_hook=gate)
@@ -148,16 +129,6 @@ def answer(request: ModelRequest) -> ModelResponse:
     return reply("all done")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a native task.cancel() of run() while a tool's record is in SQLiteStore's worker "
-        "thread: finalize's writes meet the connection still inside that apply's "
-        "transaction (sqlite3.OperationalError), so the call that never started is not "
-        "answered 'interrupted'; left open with its intent, the next run answers it "
-        "'outcome unknown' although it never started"
-    ),
-)
 async def test_a_native_cancel_during_a_tools_record_still_finalizes(tmp_path: Path) -> None:
     # applies: 1 the model's reply, 2 the intents, 3 charge 1's record (held there)
     gate = Gate(nth=3)
