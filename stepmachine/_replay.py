@@ -15,26 +15,37 @@ from the session they left. After a cancellation the interrupted step's
 finalize batch joins its cycle, so that cycle usually differs; the
 ``stepmachine.finalize`` batch is not replayed.
 
-How batches are grouped into cycles. A step that commits batches itself
-(``ctx.commit``: the Tools step commits its intents, then one batch per
-result) writes several batches in one cycle. Consecutive machine batches with
-the same cycle number and step are one cycle, replayed once from the session
-before the first of them. Batches from outside a machine may land between
-them (a user message submitted while a tool runs: the step's next commit
-conflicts, and it reloads and commits again). Such a batch does not end the
-cycle when the machine batch after it only answers (a ``tool`` message) or
-annotates (a journal entry) tool calls that were open before it and that no
-batch from outside answered or annotated (an approval, a denial, an
-operator's decision) or replaced (``ReplaceConversation``): work on calls the
-step had taken up. Otherwise the machine batch begins a new cycle: two runs
-whose first cycle is the same step (a chat turn, ``submit``, the next turn)
-stay two. The outside batches of a cycle are applied to its sandbox where
-they landed: after as many of the step's batches as the stored cycle wrote
-before them, right before the step's next commit (which then conflicts, as
-the stored one did). This too is a reading of the log: a run that crashed
-inside such a cycle, and a new run whose first cycle is the same step
-answering the same open calls (after a ``submit`` that does not touch them),
-read as one cycle.
+How batches are grouped into cycles. A step that returns staged work (the
+Tools step: its intents, then one batch per result; a model call under a
+``Budget``: its reservation, then the reply) writes several batches in one
+cycle. Consecutive machine batches with the same cycle number and step are
+one cycle, replayed once from the session before the first of them. Batches
+from outside a machine may land between them (a user message submitted while
+a tool runs or the model answers: the step's next write conflicts, and its
+record is computed again from the stored session). Such a batch does not end
+the cycle when the machine batch after it
+
+- records a model call whose request was built from the revision the cycle
+  began at (an inference step's record says which: a reply's
+  :class:`~stepmachine.InferenceReceipt`, or the
+  :class:`~stepmachine.InferenceAttempts` of calls that left no reply); or
+- only answers (a ``tool`` message) or annotates (a journal entry) tool calls
+  that were open before it and that no batch from outside answered or
+  annotated (an approval, a denial, an operator's decision) or replaced
+  (``ReplaceConversation``): work on calls the step had taken up.
+
+Otherwise the machine batch begins a new cycle: two runs whose first cycle is
+the same step (a chat turn, ``submit``, the next turn) stay two. A new
+cycle's first batch recording a model call whose request was built from a
+revision before the outside batches just before it began at that revision:
+those batches landed inside it (without a reservation, a model call's record
+is the cycle's first batch). The outside batches of a cycle are applied to
+its sandbox where they landed: after as many of the step's batches as the
+stored cycle wrote before them, right before the step's next write (which
+then conflicts, as the stored one did). This too is a reading of the log: a
+run that crashed inside such a cycle, and a new run whose first cycle is the
+same step answering the same open calls (after a ``submit`` that does not
+touch them), read as one cycle.
 
 Runs. Cycle numbers restart at 1 with each ``run()``. A machine batch that
 does not continue a cycle starts a new run when its cycle number is not above
@@ -60,11 +71,14 @@ that commits writes there, never to the store), and:
   result saying so; that cycle then counts as a difference;
 - ``model``: a model answering with the assistant reply the stored cycle
   appended (its parts; usage, model, finish reason and attempts from its
-  :class:`~stepmachine.InferenceReceipt`), once. Asked where the stored cycle
-  holds no reply, it raises and the cycle is a difference ("the new pipeline
-  calls the model here"). Other model calls (a compaction's summary) have
-  no recorded reply either. With ``model=``, that model answers every call
-  (under every model name) instead;
+  :class:`~stepmachine.InferenceReceipt`), once. A reply the stored cycle
+  dropped because a batch from outside moved the question on while the model
+  answered (the user steered; only its calls were recorded) is answered as
+  far as the log keeps it: no text, the calls and tokens its record counted.
+  Asked where the stored cycle holds no reply, it raises and the cycle is a
+  difference ("the new pipeline calls the model here"). Other model calls (a
+  compaction's summary) have no recorded reply either. With ``model=``, that
+  model answers every call (under every model name) instead;
 - ``telemetry``: no spans (structured log events still go to the
   ``stepmachine`` logger); ``services``: as given.
 
@@ -112,9 +126,10 @@ from ._effects import Annotate, AppendMessage, Effect, ReplaceConversation, appl
 from ._errors import ConfigurationError, ContextLengthError
 from ._finalize import FINALIZE_STEP
 from ._inference import InferenceAttempts, InferenceReceipt
+from ._ledger import Spent, latest_ledger
 from ._machine import Decision, StateMachine
 from ._messages import Message, ToolResultPart
-from ._model import Model, ModelResponse
+from ._model import Model, ModelResponse, Usage
 from ._records import TAG_FIELD, read_record
 from ._replay_compare import RuntimeMade, first_change, journal_key, same_batches
 from ._replay_sandbox import Sandbox
@@ -280,37 +295,51 @@ async def _stored_cycles(
         return cycles
     session: Session[Any] = await store.load_at(session_id, log[0].revision - 1)
     current: _StoredCycle | None = None  # the cycle the next batch may continue
-    outside: list[Batch[Effect]] = []  # batches from outside a machine since its last batch
     paused: Session[Any] = session  # the session after the current cycle's last batch
     last_cycle: int | None = None  # the number of the run's last cycle
     run_start = 0
     own_keys = math.inf  # the first revision with a journal key made for ``session_id``
     stamp = float("-inf")  # the timestamp of the batch before ``batch``
+    # Batches from outside a machine since the last machine batch, each with the
+    # session before it and the stamp of the batch before it.
+    outside: list[tuple[Session[Any], float, Batch[Effect]]] = []
     for batch in log:
         if batch.revision != session.revision + 1:  # a gap in the log: load what it skipped
             session = await store.load_at(session_id, batch.revision - 1)
+            outside = []  # what the gap held is not known
         before, session = session, apply_batch(session, batch.effects)
         previous, stamp = stamp, batch.timestamp
         if own_keys == math.inf and _makes_own_key(batch, session_id):
             own_keys = batch.revision
         if batch.step == FINALIZE_STEP:
-            current = None
+            current, outside = None, []
             continue
-        if batch.cycle < 1:  # from outside a machine: it may have landed inside the cycle
-            if current is not None:
-                outside.append(batch)
+        if batch.cycle < 1:  # from outside a machine: it may have landed inside a cycle
+            outside.append((before, previous, batch))
             continue
+        landed = [b for _, _, b in outside]
         if (
             current is not None
             and (batch.cycle, batch.step) == current.decided
-            and (not outside or _continues(batch, outside, paused))
+            and (
+                not landed
+                or _decided_at(batch) == current.before.revision
+                or _continues(batch, landed, paused)
+            )
         ):
-            current.landed.extend((len(current.batches), b) for b in outside)
+            current.landed.extend((len(current.batches), b) for b in landed)
             current.batches.append(batch)
         else:
+            start, stamp_before, inside = before, previous, []
+            decided = _decided_at(batch)
+            for index, (at, stamped, _) in enumerate(outside):
+                if at.revision == decided:  # its request was built before these landed
+                    start, stamp_before = at, stamped
+                    inside = [(0, b) for b in landed[index:]]
+                    break
             if last_cycle is None or batch.cycle <= last_cycle:
-                run_start = batch.revision - 1
-            current = _StoredCycle(before, previous, run_start, [batch])
+                run_start = start.revision
+            current = _StoredCycle(start, stamp_before, run_start, [batch], landed=inside)
             cycles.append(current)
             last_cycle = batch.cycle
         outside, paused = [], session
@@ -359,6 +388,31 @@ def _continues(
             ):
                 return False
     return True
+
+
+def _decided_at(batch: Batch[Effect]) -> int | None:
+    """The revision the model request recorded in ``batch`` was built from, or ``None``.
+
+    An inference step's record of a model call (a reply's
+    :class:`~stepmachine.InferenceReceipt`, or the
+    :class:`~stepmachine.InferenceAttempts` of calls that left no reply) says
+    which revision the request was built from: the session its cycle decided
+    on. O(the batch's effects).
+    """
+    for effect in batch.effects:
+        if isinstance(effect, Annotate):
+            values = effect.values
+            if isinstance(values, dict) and values.get(TAG_FIELD) == _ATTEMPTS_TAG:
+                revision = values.get("revision")
+                if isinstance(revision, int) and not values.get("reserved"):
+                    return revision
+        elif isinstance(effect, AppendMessage) and effect.message.role == "assistant":
+            for value in effect.message.notes.values():
+                if isinstance(value, dict) and value.get(TAG_FIELD) == _RECEIPT_TAG:
+                    revision = value.get("revision")
+                    if isinstance(revision, int):
+                        return revision
+    return None
 
 
 def _makes_own_key(batch: Batch[Effect], session_id: str) -> bool:
@@ -460,6 +514,9 @@ def _recorded_reply(stored: _StoredCycle) -> ModelResponse | ContextLengthError 
                 failure = _recorded_overflow(stored, effect)
                 if failure is not None:
                     return failure
+                dropped = _recorded_dropped(stored, effect)
+                if dropped is not None:
+                    return dropped
                 continue
             if not isinstance(effect, AppendMessage) or effect.message.role != "assistant":
                 continue
@@ -477,6 +534,43 @@ def _recorded_reply(stored: _StoredCycle) -> ModelResponse | ContextLengthError 
                         attempts=receipt.attempts,
                     )
     return None
+
+
+def _recorded_dropped(stored: _StoredCycle, effect: Annotate) -> ModelResponse | None:
+    """The reply the stored cycle's model gave and its record dropped, as far as the log
+    tells it, if ``effect`` records one.
+
+    A reply that answers a question no longer the last (a batch from outside
+    landed in the cycle while the model answered: the user steered) is not
+    appended; only its calls are recorded (an ``InferenceAttempts`` note, none
+    reserved). Its text is not stored, so the reply given back has none; its
+    calls and tokens are what the note's ledger added (so the new step,
+    recording the same, writes the same note; a step that would append the
+    reply instead appends an empty one, and differs). ``None`` when no batch
+    landed in the cycle (the note then records calls that failed).
+    """
+    values = effect.values
+    if not (stored.landed and isinstance(values, dict) and values.get(TAG_FIELD) == _ATTEMPTS_TAG):
+        return None
+    where = f"session {stored.before.id!r}, message {effect.message_id!r}"
+    after = read_record(
+        {effect.namespace: values}, effect.namespace, InferenceAttempts, where=where
+    )
+    if after is None or after.reserved or after.context_length_exceeded or after.ledger is None:
+        return None
+    made = after.attempts
+    position = stored.before.history.message_position(effect.message_id)
+    if position is not None:
+        notes = stored.before.conversation[position].notes
+        earlier = read_record(notes, effect.namespace, InferenceAttempts, where=where)
+        if earlier is not None:
+            made -= earlier.attempts
+    if made <= 0:
+        return None
+    base = latest_ledger(stored.before).ledger
+    spent = after.ledger.session - (base.session if base is not None else Spent())
+    usage = Usage(input_tokens=spent.input_tokens, output_tokens=spent.output_tokens)
+    return ModelResponse(parts=(), usage=usage, attempts=made)
 
 
 def _recorded_overflow(stored: _StoredCycle, effect: Annotate) -> ContextLengthError | None:

@@ -16,6 +16,7 @@ import anyio
 import pytest
 
 from stepmachine import (
+    Annotate,
     AppendMessage,
     Message,
     ModelInference,
@@ -44,17 +45,77 @@ class Clock:
         return self.now
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "replay of an unchanged pipeline: a user message submitted while a (budgeted) model "
-        "request is under way splits the run in two (run_start_revision {1, 3}: the "
-        "calls-only record after the outside batch is read as a new run) and both "
-        "inference cycles read 'the new pipeline calls the model here' (the stored cycle "
-        "appended no reply, so the sandbox model has none: NoRecordedReplyError); "
-        "without a Budget the run is not split but the difference remains"
-    ),
-)
+async def steered_session(store: Store, steps: list[Step[Any]], clock: Clock) -> None:
+    """Session ``s``: the user asks "a"; while the model answers, the user adds "and b
+    too"; the run drops the stale reply and asks again."""
+    steered: list[bool] = []
+
+    async def answer(request: ModelRequest) -> ModelResponse:
+        if not steered:
+            steered.append(True)
+            steer = AppendMessage(Message.user("and b too", id="steer"))
+            await submit(store, "s", [steer], clock=clock)
+            return reply("a only")
+        return reply("a and b")
+
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("a", id="u1"))], clock=clock)
+    runtime = Runtime(store=store, model=FunctionModel(answer), clock=clock, ids=counter_ids("r-"))
+    await StateMachine(steps).run_report(runtime, "s")
+    session = await store.load("s")
+    assert [m.text for m in session.conversation] == ["a", "and b too", "a and b"]
+
+
+@pytest.mark.parametrize("budgeted", [True, False], ids=["budget", "no-budget"])
+async def test_steering_while_the_model_answers_replays_the_same(
+    store: Store, budgeted: bool
+) -> None:
+    """Without a Budget the dropped reply's record is the cycle's first batch, after the
+    user's message: the cycle still began before it (the record says so)."""
+
+    def steps() -> list[Step[Any]]:
+        budget: list[Step[Any]] = [Budget(per_run=Limits(model_calls=4))] if budgeted else []
+        return [*budget, ModelInference()]
+
+    await steered_session(store, steps(), Clock())
+    report = await replay(store, "s", steps())
+    assert [c.cycle for c in report.cycles] == [1, 2], str(report)
+    assert len({c.run_start_revision for c in report.cycles}) == 1, str(report)
+    assert report.same, str(report)
+
+
+async def test_a_note_written_while_the_model_answers_replays_as_one_cycle(
+    store: Store,
+) -> None:
+    """An outside batch that does not move the question (a note on the user's message):
+    the reply is appended after it, in the same cycle (its receipt names the revision the
+    request was built from), and the replay is one cycle, the same."""
+    clock = Clock()
+    noted: list[bool] = []
+
+    async def answer(request: ModelRequest) -> ModelResponse:
+        if not noted:
+            noted.append(True)
+            note = Annotate("u1", "app", {"seen": True})
+            await submit(store, "s", [note], clock=clock)
+        return reply("an answer")
+
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("a", id="u1"))], clock=clock)
+    runtime = Runtime(store=store, model=FunctionModel(answer), clock=clock, ids=counter_ids("r-"))
+    await StateMachine([ModelInference()]).run_report(runtime, "s")
+    log = await store.batches("s")
+    assert [(b.step, b.cycle) for b in log] == [
+        ("application", 0),
+        ("application", 0),
+        ("inference", 1),
+    ]
+    report = await replay(store, "s", [ModelInference()])
+    assert [c.revision for c in report.cycles] == [3], str(report)
+    assert report.cycles[0].run_start_revision == 1, str(report)
+    assert report.same, str(report)
+
+
 async def test_a_message_submitted_while_the_model_answers_replays_as_one_run_the_same(
     store: Store,
 ) -> None:
