@@ -116,34 +116,6 @@ async def test_a_note_written_while_the_model_answers_replays_as_one_cycle(
     assert report.same, str(report)
 
 
-async def test_a_message_submitted_while_the_model_answers_replays_as_one_run_the_same(
-    store: Store,
-) -> None:
-    clock = Clock()
-    steered: list[bool] = []
-
-    async def answer(request: ModelRequest) -> ModelResponse:
-        if not steered:
-            steered.append(True)
-            steer = AppendMessage(Message.user("and b too", id="steer"))
-            await submit(store, "s", [steer], clock=clock)
-            return reply("a only")
-        return reply("a and b")
-
-    def steps() -> list[Step[Any]]:
-        return [Budget(per_run=Limits(model_calls=4)), ModelInference()]
-
-    await store.create("s")
-    await submit(store, "s", [AppendMessage(Message.user("a", id="u1"))], clock=clock)
-    runtime = Runtime(store=store, model=FunctionModel(answer), clock=clock, ids=counter_ids("r-"))
-    await StateMachine(steps()).run_report(runtime, "s")
-    session = await store.load("s")
-    assert [m.text for m in session.conversation] == ["a", "and b too", "a and b"]
-    report = await replay(store, "s", steps())
-    assert len({c.run_start_revision for c in report.cycles}) == 1, str(report)
-    assert report.same, str(report)
-
-
 async def test_a_message_submitted_between_concurrent_records_replays_the_same(
     store: Store,
 ) -> None:
