@@ -47,9 +47,12 @@ includes is still in the log, byte for byte), so it replays at most
 ``snapshot_every`` batches.
 
 All file IO runs in worker threads (``anyio.to_thread.run_sync``), on asyncio
-and trio. Requires ``fcntl.flock`` and ``os.link`` on the folder's filesystem
-(a local POSIX filesystem; not Windows). On a case-insensitive filesystem two
-ids differing only in case would share files: avoid such ids there.
+and trio; a call is never left while its thread runs (asyncio's native
+``task.cancel()`` included: it is raised once the thread's work ended, so a
+log's descriptor is never closed, nor its lock let go, under a write).
+Requires ``fcntl.flock`` and ``os.link`` on the folder's filesystem (a local
+POSIX filesystem; not Windows). On a case-insensitive filesystem two ids
+differing only in case would share files: avoid such ids there.
 """
 
 from __future__ import annotations
@@ -60,8 +63,6 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Literal, TypeVar
 
-import anyio
-import anyio.to_thread
 import msgspec
 
 try:
@@ -78,6 +79,7 @@ from stepmachine import (
     SessionNotFoundError,
     StoreClosedError,
 )
+from stepmachine._async import run_in_thread
 from stepmachine.extend import Batch, Lease
 
 from ._backend import Cached, Marks, NewSnapshot
@@ -274,7 +276,7 @@ class FileStore(FlockLeaseMethods):
         if not lock_timeout >= 0:
             raise ValueError(f"lock_timeout must be >= 0 seconds, got {lock_timeout!r}")
         check_max_media_bytes(max_media_bytes)
-        path = await anyio.to_thread.run_sync(_make_folder, os.fspath(folder), fsync == "always")
+        path = await run_in_thread(_make_folder, os.fspath(folder), fsync == "always")
         return cls(
             path,
             codec or Codec(),
@@ -356,7 +358,7 @@ class FileStore(FlockLeaseMethods):
         validate_session_id(session_id)
         session, record, blobs = self._core.new_session(session_id, data, conversation)
         async with self._backend.session_lock(session_id):
-            created = await anyio.to_thread.run_sync(
+            created = await run_in_thread(
                 lambda: released(  # the .media lock held until the log is in place
                     lambda: self._core.create(
                         FileTxn(self._backend, -1), session_id, session, record, blobs
@@ -456,7 +458,7 @@ class FileStore(FlockLeaseMethods):
         Cancellation: safe at any point.
         """
         self._check_open()
-        return await anyio.to_thread.run_sync(self._backend.list_sessions)
+        return await run_in_thread(self._backend.list_sessions)
 
     async def scan_sessions(self) -> list[ListedSession]:
         """Every session, sorted by id, as :meth:`list_sessions` (the log files' names; a
@@ -593,7 +595,7 @@ class FileStore(FlockLeaseMethods):
             return self._backend.new_log(new_session_id, records, snapshot)
 
         async with self._backend.session_lock(new_session_id):
-            position = await anyio.to_thread.run_sync(lambda: released(write))
+            position = await run_in_thread(lambda: released(write))
         self._core.remember(new_session_id, Cached(forked, position, Marks()))
         return forked
 
@@ -623,7 +625,7 @@ class FileStore(FlockLeaseMethods):
 async def _hop(work: Callable[[], T]) -> T:
     """Run ``work()`` in a worker thread (the leases' file work). Once started it
     runs to its end and its result is returned; a cancel lands at the next checkpoint."""
-    return await anyio.to_thread.run_sync(work)
+    return await run_in_thread(work)
 
 
 def _make_folder(folder: str, fsync: bool) -> str:

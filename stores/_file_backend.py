@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import anyio
-import anyio.to_thread
 import msgspec
 
 try:
@@ -25,6 +24,7 @@ except ImportError:  # not POSIX (Windows): FileStore refuses to open
     fcntl = None  # type: ignore[assignment]
 
 from stepmachine import RunError, SessionExistsError, SessionNotFoundError, StepmachineError
+from stepmachine._async import run_in_thread
 
 from ._backend import NewSnapshot
 from ._file_log import (
@@ -157,7 +157,7 @@ class FileBackend:
                 deadline = anyio.current_time() + self.lock_timeout
                 delay = 0.001
                 while True:
-                    result = await anyio.to_thread.run_sync(attempt)
+                    result = await run_in_thread(attempt)
                     if not isinstance(result, _Busy):
                         return result
                     if anyio.current_time() >= deadline:

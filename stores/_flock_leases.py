@@ -111,7 +111,6 @@ from typing import ClassVar, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 import msgspec
 import structlog
 
@@ -128,6 +127,7 @@ from stepmachine import (
     StoreClosedError,
     StoredDataError,
 )
+from stepmachine._async import run_in_thread
 from stepmachine._lease import check_claim
 from stepmachine.extend import Lease, LeaseHolder
 
@@ -312,7 +312,7 @@ class FlockLeases:
     async def forget(self, session_id: str) -> None:
         """The session was deleted: drop its mark. Its lease files stay (module docstring)."""
         if fcntl is not None:  # a plain unlink: whoever looks at the mark next sees it gone
-            await anyio.to_thread.run_sync(_unmark, self._run_path(session_id))
+            await run_in_thread(_unmark, self._run_path(session_id))
 
     async def close(self) -> None:
         """Release every lease this instance holds (marks stay); later claims are refused.
@@ -320,7 +320,7 @@ class FlockLeases:
         Shielded from cancellation. Idempotent.
         """
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._close)
+            await run_in_thread(self._close)
 
     @contextlib.contextmanager
     def fenced(self, lease: Lease | None, session_id: str) -> Iterator[None]:

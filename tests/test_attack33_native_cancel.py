@@ -44,7 +44,7 @@ from stepmachine import (
     tool,
 )
 from stepmachine.extend import INTERRUPTED
-from stepmachine.stores import SQLiteStore
+from stepmachine.stores import FileStore, SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
 
 pytestmark = pytest.mark.parametrize("anyio_backend", ["asyncio"])  # native cancellation
@@ -54,14 +54,15 @@ class Gate:
     """A boundary hook that holds the ``nth`` ``apply.begin`` (inside the transaction, in
     the worker thread) until ``go`` is set."""
 
-    def __init__(self, nth: int) -> None:
+    def __init__(self, nth: int, boundary: str = "apply.begin") -> None:
         self.nth = nth
+        self.boundary = boundary
         self.seen = 0
         self.entered = threading.Event()
         self.go = threading.Event()
 
     def __call__(self, name: str) -> None:
-        if name != "apply.begin":
+        if name != self.boundary:
             return
         self.seen += 1
         if self.seen == self.nth:
@@ -69,11 +70,24 @@ class Gate:
             self.go.wait(10)
 
 
+async def open_gated(kind: str, tmp_path: Path, gate: Gate) -> SQLiteStore | FileStore:
+    """A store whose worker thread ``gate`` holds inside the write of a batch (SQLite: in
+    the transaction; FileStore: the record written to the log, its lock held)."""
+    if kind == "sqlite":
+        return await SQLiteStore.open(tmp_path / "db.sqlite3", boundary_hook=gate)
+    gate.boundary = "apply.written"
+    return await FileStore.open(tmp_path / "files", boundary_hook=gate)
+
+
+stores = pytest.mark.parametrize("kind", ["sqlite", "file"])
+
+
+@stores
 async def test_a_natively_cancelled_apply_is_not_interrupted_in_its_worker_thread(
-    tmp_path: Path,
+    tmp_path: Path, kind: str
 ) -> None:
     gate = Gate(nth=1)
-    store = await SQLiteStore.open(tmp_path / "db.sqlite3", boundary_hook=gate)
+    store = await open_gated(kind, tmp_path, gate)
     try:
         await store.create("s")
         task = asyncio.ensure_future(
@@ -92,9 +106,12 @@ async def test_a_natively_cancelled_apply_is_not_interrupted_in_its_worker_threa
         await store.aclose()
 
 
-async def test_the_next_call_after_a_natively_cancelled_apply_works(tmp_path: Path) -> None:
+@stores
+async def test_the_next_call_after_a_natively_cancelled_apply_works(
+    tmp_path: Path, kind: str
+) -> None:
     gate = Gate(nth=1)
-    store = await SQLiteStore.open(tmp_path / "db.sqlite3", boundary_hook=gate)
+    store = await open_gated(kind, tmp_path, gate)
     try:
         await store.create("s")
         task = asyncio.ensure_future(
@@ -129,10 +146,13 @@ def answer(request: ModelRequest) -> ModelResponse:
     return reply("all done")
 
 
-async def test_a_native_cancel_during_a_tools_record_still_finalizes(tmp_path: Path) -> None:
+@stores
+async def test_a_native_cancel_during_a_tools_record_still_finalizes(
+    tmp_path: Path, kind: str
+) -> None:
     # applies: 1 the model's reply, 2 the intents, 3 charge 1's record (held there)
     gate = Gate(nth=3)
-    store = await SQLiteStore.open(tmp_path / "db.sqlite3", boundary_hook=gate)
+    store = await open_gated(kind, tmp_path, gate)
     ran: list[int] = []
 
     async def charge(n: int, ctx: ToolContext) -> str:
@@ -161,6 +181,16 @@ async def test_a_native_cancel_during_a_tools_record_still_finalizes(tmp_path: P
         assert len(results) == 2, results
         assert results[0] == "charged 1"
         assert INTERRUPTED in results[1], results
+        # what another instance reads from the same files is what this one returned
+        other = await (
+            SQLiteStore.open(tmp_path / "db.sqlite3")
+            if kind == "sqlite"
+            else FileStore.open(tmp_path / "files")
+        )
+        try:
+            assert (await other.load("s")).conversation == session.conversation
+        finally:
+            await other.aclose()
     finally:
         gate.go.set()
         await store.aclose()
