@@ -287,7 +287,7 @@ class PostgresStore:
                 raise
 
         with anyio.CancelScope(shield=True):
-            label = await anyio.to_thread.run_sync(start)
+            label = await run_in_thread(start)
         hook = boundary_hook or _no_hook
         limiter = anyio.CapacityLimiter(max_size)
         return cls(pool, label, codec or Codec(), hook, limiter, max_media_bytes)
@@ -633,7 +633,7 @@ class PostgresStore:
             pool, self._pool = self._pool, None
             self._core.clear()
             if pool is not None:
-                await anyio.to_thread.run_sync(pool.close)
+                await run_in_thread(pool.close)
 
     async def __aenter__(self) -> PostgresStore:
         return self

@@ -331,7 +331,7 @@ class SQLiteStore(FlockLeaseMethods):
         )
         try:
             with anyio.CancelScope(shield=True):
-                connection = await anyio.to_thread.run_sync(connect)
+                connection = await run_in_thread(connect)
         except sqlite3.OperationalError as exc:
             raise sqlite3.OperationalError(_cannot_open(file, exc)) from exc
         return cls(connection, file, codec or Codec(), boundary_hook or _no_hook, max_media_bytes)
@@ -691,7 +691,7 @@ class SQLiteStore(FlockLeaseMethods):
                 self._core.clear()
                 await self._leases.close()
                 if connection is not None:
-                    await anyio.to_thread.run_sync(connection.close)
+                    await run_in_thread(connection.close)
 
     def _open_leases(self) -> FlockLeases:
         self._check_open()
