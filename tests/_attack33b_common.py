@@ -118,3 +118,9 @@ def finish(process: subprocess.Popen[str], timeout: float = 60.0) -> dict[str, A
     assert process.returncode == 0, err
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
+
+
+def finish_text(process: subprocess.Popen[str], timeout: float = 60.0) -> str:
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, err
+    return out
