@@ -35,7 +35,10 @@ the cycle when the machine batch after it
   (``ReplaceConversation``): work on calls the step had taken up.
 
 Otherwise the machine batch begins a new cycle: two runs whose first cycle is
-the same step (a chat turn, ``submit``, the next turn) stay two. A new
+the same step (a chat turn, ``submit``, the next turn) stay two; so does a
+batch recording a model call whose request was built from another revision
+than the one the cycle began at (a run cut by a crash after its reservation,
+and the run that resumed it, asking the model again). A new
 cycle's first batch recording a model call whose request was built from a
 revision before the outside batches just before it began at that revision:
 those batches landed inside it (without a reservation, a model call's record
@@ -46,6 +49,16 @@ then conflicts, as the stored one did). This too is a reading of the log: a
 run that crashed inside such a cycle, and a new run whose first cycle is the
 same step answering the same open calls (after a ``submit`` that does not
 touch them), read as one cycle.
+
+Cut cycles. A run killed inside a cycle leaves what it wrote (a reservation,
+a tool's intent) and nothing more; the next run resumes from there. When the
+new steps, replaying a cycle after which its run went no further, write the
+same batches as the stored cycle and then ask for what it never recorded (a
+model reply; a tool result recorded only later, by another run), the stored
+run stopped there: the cycle is the same, and how it would have gone on is
+not compared. A new ``Continue`` where the stored run ended is the same too
+when the next run began from the session that cycle left and its first step
+is the one the new steps apply next (a restart).
 
 Runs. Cycle numbers restart at 1 with each ``run()``. A machine batch that
 does not continue a cycle starts a new run when its cycle number is not above
@@ -270,6 +283,9 @@ class _StoredCycle:
     run_start: int
     batches: list[Batch[Effect]] = field(default_factory=list)
     went_on: bool | None = None  # the run had another cycle; None: cancelled, not known
+    # The run ended with this cycle and the next run began from the session it left:
+    # the step of that run's first cycle (a restart, after a crash or a stop).
+    resumed_by: str | None = None
     # Batches from outside a machine that landed inside the cycle, each with how
     # many of the cycle's batches were written before it.
     landed: list[tuple[int, Batch[Effect]]] = field(default_factory=list)
@@ -321,6 +337,7 @@ async def _stored_cycles(
         if (
             current is not None
             and (batch.cycle, batch.step) == current.decided
+            and _decided_at(batch) in (None, current.before.revision)
             and (
                 not landed
                 or _decided_at(batch) == current.before.revision
@@ -393,26 +410,28 @@ def _continues(
 def _decided_at(batch: Batch[Effect]) -> int | None:
     """The revision the model request recorded in ``batch`` was built from, or ``None``.
 
-    An inference step's record of a model call (a reply's
-    :class:`~stepmachine.InferenceReceipt`, or the
-    :class:`~stepmachine.InferenceAttempts` of calls that left no reply) says
-    which revision the request was built from: the session its cycle decided
-    on. O(the batch's effects).
+    An inference step's record of a model call says which revision the request
+    was built from: the session its cycle decided on. A reply's
+    :class:`~stepmachine.InferenceReceipt` says it first (a batch with a reply
+    may also put back the attempts note it found, which keeps its own
+    revision); otherwise the :class:`~stepmachine.InferenceAttempts` of calls
+    that left no reply, or reserved. O(the batch's effects).
     """
+    attempts: int | None = None
     for effect in batch.effects:
-        if isinstance(effect, Annotate):
-            values = effect.values
-            if isinstance(values, dict) and values.get(TAG_FIELD) == _ATTEMPTS_TAG:
-                revision = values.get("revision")
-                if isinstance(revision, int) and not values.get("reserved"):
-                    return revision
-        elif isinstance(effect, AppendMessage) and effect.message.role == "assistant":
+        if isinstance(effect, AppendMessage) and effect.message.role == "assistant":
             for value in effect.message.notes.values():
                 if isinstance(value, dict) and value.get(TAG_FIELD) == _RECEIPT_TAG:
                     revision = value.get("revision")
                     if isinstance(revision, int):
                         return revision
-    return None
+        elif attempts is None and isinstance(effect, Annotate):
+            values = effect.values
+            if isinstance(values, dict) and values.get(TAG_FIELD) == _ATTEMPTS_TAG:
+                revision = values.get("revision")
+                if isinstance(revision, int):
+                    attempts = revision
+    return attempts
 
 
 def _makes_own_key(batch: Batch[Effect], session_id: str) -> bool:
@@ -433,7 +452,9 @@ def _mark_flow(cycles: list[_StoredCycle], log: Sequence[Batch[Effect]]) -> None
     may arrive while a run goes on). A finalize batch first means the run was
     cancelled there: not known. No later machine batch, or one that starts
     another run: the run ended with this cycle (it yielded, or no step applied,
-    or the process died).
+    or the process died). When that next run began from the session the cycle
+    left (no batch in between), ``resumed_by`` names the step of its first
+    cycle: a run restarted after a crash goes on there.
     """
     position = {batch.revision: index for index, batch in enumerate(log)}
     starts = {id(c.batches[0]): c for c in cycles}
@@ -452,6 +473,10 @@ def _mark_flow(cycles: list[_StoredCycle], log: Sequence[Batch[Effect]]) -> None
                 and following.run_start == cycle.run_start
                 and batch.cycle == last.cycle + 1
             )
+            restarted = following is not None and following.before.revision == last.revision
+            if not cycle.went_on and restarted:
+                assert following is not None
+                cycle.resumed_by = following.decided[1]
             break
 
 
@@ -640,6 +665,9 @@ async def _replay_cycle(
         None if model is not None else _recorded_reply(stored),
         start=stored.after,
         landed=stored.landed,
+        # A cycle its run did not go on from may have stopped inside (a crash).
+        cut_after=len(stored.batches) if stored.went_on is False else None,
+        answered=_answered(stored),
     )
     runtime = sandbox.runtime(model, services)
     error = ""
@@ -674,7 +702,11 @@ async def _replay_cycle(
     if new:
         new_step = decision.step.name if decision is not None else sandbox.batches[0].step
     refused = decision.refusals if decision is not None else ()
-    if sandbox.asked_model:
+    cut = _stopped_there(stored, new_step, new, sandbox)
+    if cut:  # the stored run stopped there: the new steps wrote the same until then
+        new = new[: len(stored.batches)]
+        difference = ""
+    elif sandbox.asked_model:
         had = first.step
         difference = f"the new pipeline calls the model here; the stored history has step {had!r}"
     elif error:
@@ -686,7 +718,7 @@ async def _replay_cycle(
         difference = _wrote_nothing(decision.step.name, decision.outcome, first.step)
     else:
         difference = _difference(stored, new_step, new, sandbox)
-    if not difference and decision is not None:
+    if not difference and decision is not None and not cut:
         difference = await _flow(machine, runtime, sandbox, stored, decision)
     return ReplayCycle(
         revision=first.revision,
@@ -740,6 +772,8 @@ async def _flow(
         return f"step {name!r} continues where the stored run ended, and the new pipeline {what}"
     if following is None:
         return ""  # no step applies: the run ends here, as the stored one did
+    if following.step.name == stored.resumed_by:
+        return ""  # the next run went on there, from this very session (a restart)
     if (
         isinstance(following.outcome, Yield)
         and not following.outcome.effects
@@ -761,13 +795,32 @@ def _wrote_nothing(step: str, outcome: Continue | Yield, stored_step: str) -> st
     return f"step {step!r} {what} and writes nothing (stored: {stored_step!r})"
 
 
-def _difference(
-    stored: _StoredCycle, new_step: str, new: Sequence[tuple[Effect, ...]], sandbox: Sandbox
-) -> str:
-    """What differs between the stored batches and the new ones; ``""`` when nothing does."""
-    stored_step = stored.batches[0].step
+def _answered(stored: _StoredCycle) -> frozenset[str]:
+    """The call ids whose results the stored cycle recorded."""
+    return frozenset(
+        result.call_id
+        for batch in stored.batches
+        for effect in batch.effects
+        for message in _messages_in(effect)
+        for result in message.tool_results
+    )
+
+
+def _stopped_there(
+    stored: _StoredCycle, new_step: str | None, new: Sequence[tuple[Effect, ...]], sandbox: Sandbox
+) -> bool:
+    """Whether the stored cycle's run stopped inside it (a crash, a kill) where the new
+    steps, having written the same batches, asked for what it never recorded (see
+    ``Sandbox.stopped_at``): then how the cycle would have gone on is not known."""
+    if sandbox.stopped_at != len(stored.batches) or new_step != stored.batches[0].step:
+        return False
     old = [b.effects for b in stored.batches]
-    made = RuntimeMade(
+    return same_batches(old, new[: len(old)], _made(stored, sandbox))
+
+
+def _made(stored: _StoredCycle, sandbox: Sandbox) -> RuntimeMade:
+    """What the runtime made in the stored cycle and in its replay (left out of comparing)."""
+    return RuntimeMade(
         after=stored.after,
         until=stored.batches[-1].timestamp,
         returned=frozenset(sandbox.readings),
@@ -775,6 +828,15 @@ def _difference(
         session_id=stored.before.id,
         copied=stored.copied,
     )
+
+
+def _difference(
+    stored: _StoredCycle, new_step: str, new: Sequence[tuple[Effect, ...]], sandbox: Sandbox
+) -> str:
+    """What differs between the stored batches and the new ones; ``""`` when nothing does."""
+    stored_step = stored.batches[0].step
+    old = [b.effects for b in stored.batches]
+    made = _made(stored, sandbox)
     found: list[str] = []
     if new_step != stored_step:
         found.append(f"step {new_step!r} applies instead of {stored_step!r}")

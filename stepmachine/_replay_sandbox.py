@@ -60,6 +60,9 @@ class Sandbox:
             before it. Such a batch is applied to the copy when the step
             commits again after that many batches (so the commit conflicts, as
             the stored one did, and the step reloads the session holding it).
+        cut_after: the stored cycle's batch count when its run had no next cycle
+            (it may have stopped inside the cycle: a crash); ``None`` otherwise.
+        answered: the call ids whose results the stored cycle itself recorded.
 
     Attributes:
         batches: the batches committed to the sandbox, in order.
@@ -67,6 +70,10 @@ class Sandbox:
         returned_ids: every id the id source returned.
         unrecorded: the calls (``'id' (tool)``) answered "no recorded result".
         asked_model: the model was asked for a reply it did not have.
+        stopped_at: with ``cut_after``: the batches written when the new steps
+            first asked, with every stored batch written, for what the stored
+            cycle never recorded (a model reply; a result recorded only later,
+            by another run): where the stored run may have stopped.
     """
 
     applies_batches: ClassVar[bool] = True
@@ -80,6 +87,8 @@ class Sandbox:
         reply: ModelResponse | BaseException | None,
         start: float = float("-inf"),
         landed: Sequence[tuple[int, Batch[Effect]]] = (),
+        cut_after: int | None = None,
+        answered: frozenset[str] = frozenset(),
     ) -> None:
         self.session = session
         self.batches: list[Batch[Effect]] = []
@@ -94,6 +103,16 @@ class Sandbox:
         self._fresh = 0
         self._results = results
         self._reply = reply
+        self._cut_after = cut_after
+        self._answered = answered
+        self.stopped_at: int | None = None
+
+    def _beyond(self) -> None:
+        """The new steps ask for what the stored cycle never recorded: note where, if its
+        run may have stopped there (see ``stopped_at``)."""
+        written = len(self.batches)
+        if self.stopped_at is None and self._cut_after is not None and written >= self._cut_after:
+            self.stopped_at = written
 
     def runtime(self, model: Model | None, services: Mapping[str, Any]) -> Runtime:
         """The runtime the new steps get: ``model`` (or the sandbox) answers under every name."""
@@ -160,6 +179,8 @@ class Sandbox:
     async def call_tool(self, call: ToolCallPart, context: ToolContext) -> ToolResultPart | Message:
         """The stored result of ``call`` (the tool message holding it when it carries
         images or documents), or an error result saying there is none."""
+        if call.call_id not in self._answered:
+            self._beyond()
         result = self._results.get(call.call_id)
         if result is not None:
             return result
@@ -184,6 +205,7 @@ class Sandbox:
         if isinstance(reply, BaseException):
             raise reply  # the failure the stored cycle recorded (a context-length error)
         if reply is None:
+            self._beyond()
             self.asked_model = True
             raise NoRecordedReplyError("replay: the stored cycle holds no (further) model reply")
         allowed = request.max_attempts

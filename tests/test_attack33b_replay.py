@@ -143,15 +143,6 @@ async def test_an_approval_of_the_tool_is_a_difference(store: Any) -> None:
     assert not report.same, str(report)
 
 
-CUT_RUN = pytest.mark.xfail(
-    strict=True,
-    reason="replay treats a stored run whose log stops mid-run (cut by a crash, or a fork "
-    "taken mid-run) and is then resumed by a new run as a difference: 'step X continues "
-    "where the stored run ended', or 'the new pipeline calls the model here' with no "
-    "recorded reply, or a budget reservation left by the cut run compared as attempts",
-)
-
-
 def answer_fork(request: ModelRequest) -> ModelResponse:
     last = request.messages[-1]
     if last.role == "user" and last.id == "u1":
@@ -162,8 +153,8 @@ def answer_fork(request: ModelRequest) -> ModelResponse:
 @pytest.mark.parametrize(
     "at",
     [
-        pytest.param("after_tool", marks=CUT_RUN),
-        pytest.param("after_steer", marks=CUT_RUN),
+        "after_tool",
+        "after_steer",
         "end",
     ],
 )
@@ -193,7 +184,6 @@ async def test_a_fork_of_a_steered_session_resumed_replays_the_same(store: Any, 
     assert report.same, str(report)
 
 
-@CUT_RUN
 @pytest.mark.parametrize("hang", ["model", "tool", "model2"])
 def test_a_run_killed_mid_cycle_then_resumed_replays_the_same(tmp_path: Path, hang: str) -> None:
     """SIGKILL while the model answers (after the budget's reservation) or while the tool
@@ -212,5 +202,30 @@ def test_a_run_killed_mid_cycle_then_resumed_replays_the_same(tmp_path: Path, ha
             assert session.conversation[-1].text == "final"
             report = await replay(store, "s", pipeline())
             assert report.same, str(report)
+
+    anyio.run(check)
+
+
+@pytest.mark.parametrize("hang", ["model", "model2"])
+def test_a_changed_budget_on_a_run_killed_mid_cycle_still_differs(
+    tmp_path: Path, hang: str
+) -> None:
+    """A run cut by a crash replays as the same only where the new steps decide as it did:
+    a per-run budget of one model call stops the call after the first of its run (a
+    reservation's size itself is not compared: see ``_replay_compare``)."""
+    db = tmp_path / "db.sqlite3"
+    marker = tmp_path / "marker"
+    child = start_child("_attack33b_replay_child.py", str(db), hang, str(marker))
+    wait_for(marker.exists, what=f"the child stopped in {hang}")
+    kill(child)
+    assert finish_text(start_child("_attack33b_replay_child.py", str(db), "none", str(marker)))
+
+    async def check() -> None:
+        async with await SQLiteStore.open(db) as store:
+            report = await replay(store, "s", pipeline(calls=1))
+            first = report.first_difference
+            assert first is not None, str(report)
+            assert first.new_step == "budget", str(report)
+            assert first.stored_step == "inference", str(report)
 
     anyio.run(check)
