@@ -104,7 +104,7 @@ from stepmachine import (
 )
 from stepmachine._index import estimate_tokens
 from stepmachine._ledger import standing_ledger
-from stepmachine._model_call import Attempts, counting, failed_attempts
+from stepmachine._model_call import Attempts, counting, failed_attempts, reserved_calls
 from stepmachine._outcomes import constant_record
 from stepmachine.extend import (
     CONTEXT_LENGTH_EXCEEDED,
@@ -350,8 +350,9 @@ class Compaction(Operation[Any]):
             purpose="summary",
         )
         request = ctx.shape_request(request)
-        # Capped (by a Budget): reserve the calls first (an adapter makes at least one).
-        reserved = None if request.max_attempts is None else max(1, request.max_attempts)
+        # Capped (by a Budget): reserve the calls first (at least one, at most what the
+        # model can send for one request).
+        reserved = reserved_calls(ctx.runtime.model_override or model, request.max_attempts)
         intents: list[Effect] = []
         if reserved is not None:
             reservation = self._spent(mark, session, last, reserved, reserved=reserved)

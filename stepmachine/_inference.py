@@ -34,7 +34,9 @@ so every model request sent is counted (exact budgets), whatever happens:
   (:class:`InferenceAttempts`), then the error propagates;
 * when the request's attempts are capped (``max_attempts``: a ``Budget``
   sets it to the calls left), the calls are first **reserved** on that
-  message, in a batch of their own, before the request is sent; the reply
+  message, in a batch of their own, before the request is sent (the calls
+  left, or fewer when the model says one request makes no more: an HTTP
+  adapter's retry policy, see ``reserved_calls``); the reply
   or the failure replaces the reservation with the calls made. A crash in
   between leaves the reservation, which stays counted: a resumed run never
   gets back a call that may have been sent. That is one more batch per
@@ -66,7 +68,7 @@ from ._model import (
     TextChunk,
     Usage,
 )
-from ._model_call import Attempts, counting, failed_attempts
+from ._model_call import Attempts, counting, failed_attempts, reserved_calls
 from ._outcomes import Recorder, Staged, Task, constant_record
 from ._records import Record, note_value, read_record
 from ._session import Session
@@ -459,8 +461,9 @@ class ModelInference(Inference[Any]):
         last = visible[-1]  # the last message the model sees: calls are recorded on it
         latest = session.conversation[session.history.last_visible].id  # as stored
         earlier = self._attempts_on(last, session)
-        # Capped (by a Budget): reserve the calls first (an adapter makes at least one).
-        reserved = None if request.max_attempts is None else max(1, request.max_attempts)
+        # Capped (by a Budget): reserve the calls first (at least one, at most what the
+        # model can send for one request).
+        reserved = reserved_calls(ctx.runtime.model_override or model, request.max_attempts)
         intents: list[Effect] = []
         restore: list[Effect] = []
         if reserved is not None:

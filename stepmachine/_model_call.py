@@ -27,7 +27,34 @@ from ._messages import Message
 from ._model import Model, ModelRequest, ModelResponse
 from ._telemetry import Telemetry
 
-__all__ = ["Attempts", "ModelCall", "attempt_started", "counting", "failed_attempts"]
+__all__ = [
+    "Attempts",
+    "ModelCall",
+    "attempt_started",
+    "counting",
+    "failed_attempts",
+    "reserved_calls",
+]
+
+
+def reserved_calls(model: object, cap: int | None) -> int | None:
+    """The calls a request capped at ``cap`` attempts (a ``Budget``'s calls left) reserves
+    before it is sent, or ``None`` when it is not capped.
+
+    At least one (a model is asked at least once) and at most ``cap``; and no
+    more than one request to ``model`` can make, when the model says so (its
+    ``max_attempts``: first try plus retries, as the HTTP adapters' retry
+    policy). A crash while the request is under way leaves the reservation
+    counted: the smaller it is, the less a crash costs the budget, and it is
+    never less than what may have been sent.
+    """
+    if cap is None:
+        return None
+    calls = max(1, cap)
+    most = getattr(model, "max_attempts", None)
+    if type(most) is int and most >= 1:
+        calls = min(calls, most)
+    return calls
 
 
 def failed_attempts(exc: BaseException) -> int:

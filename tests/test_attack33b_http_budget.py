@@ -216,14 +216,6 @@ def test_a_streaming_reply_cut_after_output_is_counted_once(
     assert result["session_calls"] == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a crash while a budgeted request is in flight leaves its reservation, which is "
-    "every call the budget had left (Budget caps max_attempts at the calls left and the "
-    "reservation is max_attempts), not what the adapter could send (RetryPolicy(max_attempts=1) "
-    "here): after one SIGKILL a Budget(per_session=Limits(model_calls=20)) allows no further "
-    "request though the server saw 1",
-)
 def test_one_kill_in_flight_does_not_spend_the_whole_session_budget(
     server: ModelServer, tmp_path: Path
 ) -> None:

@@ -43,7 +43,7 @@ from stepmachine import (
     submit,
     tool,
 )
-from stepmachine._model_call import attempt_started
+from stepmachine._model_call import attempt_started, reserved_calls
 from stepmachine.extend import (
     InferenceAttempts,
     InferenceReceipt,
@@ -55,6 +55,7 @@ from stepmachine.extend import (
     read_record,
 )
 from stepmachine.operations import Budget, Compaction, Limits, budget_usage
+from stepmachine.providers import OpenAIChatModel, RetryPolicy
 from stepmachine.stores import MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, ScriptedModel, make_session, reply, run_step
 
@@ -114,6 +115,40 @@ async def test_a_budgeted_request_reserves_its_calls_before_it_is_sent() -> None
     assert isinstance(reservation, Annotate)
     assert reservation.values["reserved"] == 3
     assert isinstance(batches[1].effects[-1], AppendMessage)
+
+
+class FewAttempts(FunctionModel):
+    """A model that says one request makes at most ``max_attempts`` attempts."""
+
+    max_attempts = 2
+
+
+@pytest.mark.parametrize(("declared", "left", "reserved"), [(2, 10, 2), (2, 1, 1), (None, 5, 5)])
+async def test_the_reservation_is_no_more_than_the_model_can_send(
+    declared: int | None, left: int, reserved: int
+) -> None:
+    """A crash while the request is under way costs the budget what the model could have
+    sent (an HTTP adapter's retry policy), not every call left."""
+    store = MemoryStore()
+    await store.create("s", conversation=[Message.user("go", id="u0")])
+    model = FunctionModel(lambda request: reply("hi"))
+    if declared is not None:
+        model = FewAttempts(lambda request: reply("hi"))
+    runtime = Runtime(store=store, model=model, ids=counter_ids())
+    machine = StateMachine([Budget(per_session=Limits(model_calls=left)), ModelInference()])
+    await machine.run_report(runtime, "s")
+    (reservation,) = (await store.batches("s"))[0].effects
+    assert isinstance(reservation, Annotate)
+    assert reservation.values["reserved"] == reserved
+
+
+def test_an_http_adapter_says_how_many_attempts_a_request_makes() -> None:
+    adapter = OpenAIChatModel("gpt-test", api_key="sk-test", retry=RetryPolicy(max_attempts=3))
+    assert adapter.max_attempts == 3
+    assert reserved_calls(adapter, 10) == 3
+    assert reserved_calls(adapter, 2) == 2
+    assert reserved_calls(object(), 0) == 1  # a model is asked at least once
+    assert reserved_calls(adapter, None) is None
 
 
 async def test_an_unbudgeted_request_writes_one_batch() -> None:

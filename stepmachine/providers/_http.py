@@ -294,6 +294,12 @@ class HTTPModel:
         self._sleep = sleep
         self._rng = rng or random.Random()  # noqa: S311 - jitter, not security
 
+    @property
+    def max_attempts(self) -> int:
+        """The most attempts one request makes (first try plus retries: the retry
+        policy's); a budgeted request reserves no more calls than this before it is sent."""
+        return self.retry.max_attempts
+
     def __repr__(self) -> str:
         shown = self.base_url + ("?..." if self._base.query else "")
         return f"{type(self).__name__}(model={self.model!r}, base_url={shown!r})"
