@@ -334,21 +334,17 @@ async def _stored_cycles(
             outside.append((before, previous, batch))
             continue
         landed = [b for _, _, b in outside]
+        decided = _decided_at(batch)  # None: the batch records no model call
         if (
             current is not None
             and (batch.cycle, batch.step) == current.decided
-            and _decided_at(batch) in (None, current.before.revision)
-            and (
-                not landed
-                or _decided_at(batch) == current.before.revision
-                or _continues(batch, landed, paused)
-            )
+            and decided in (None, current.before.revision)
+            and (not landed or decided is not None or _continues(batch, landed, paused))
         ):
             current.landed.extend((len(current.batches), b) for b in landed)
             current.batches.append(batch)
         else:
             start, stamp_before, inside = before, previous, []
-            decided = _decided_at(batch)
             for index, (at, stamped, _) in enumerate(outside):
                 if at.revision == decided:  # its request was built before these landed
                     start, stamp_before = at, stamped
