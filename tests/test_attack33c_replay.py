@@ -23,10 +23,10 @@ from stepmachine import (
     ModelInference,
     ModelRequest,
     ModelResponse,
+    Refuse,
     Runtime,
     StateMachine,
     Step,
-    Refuse,
     Tools,
     Yield,
     replay,
@@ -168,7 +168,8 @@ async def budget_stopped_and_rerun(store: Any, calls: int) -> list[str]:
 
 async def test_an_unchanged_budget_on_a_budget_stopped_session_is_the_same(store: Any) -> None:
     reasons = await budget_stopped_and_rerun(store, calls=1)
-    assert reasons[-1] == "done" and len(reasons) > 1, reasons
+    assert reasons[-1] == "done", reasons
+    assert len(reasons) > 1, reasons
     report = await replay(store, "s", steps(calls=1))
     assert report.same, str(report)
 
