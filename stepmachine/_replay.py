@@ -56,9 +56,13 @@ new steps, replaying a cycle after which its run went no further, write the
 same batches as the stored cycle and then ask for what it never recorded (a
 model reply; a tool result recorded only later, by another run), the stored
 run stopped there: the cycle is the same, and how it would have gone on is
-not compared. A new ``Continue`` where the stored run ended is the same too
-when the next run began from the session that cycle left and its first step
-is the one the new steps apply next (a restart).
+not compared (whoever answers the model: the recorded replies, or a model
+given to the replay). A new ``Continue`` where the stored run ended is the
+same too when the next run's first step (after batches from outside, if any)
+is the one the new steps apply next: a restart after a crash, or a fork taken
+there, went on that way. Limit: a step that yields writing nothing leaves no
+trace in the log, so a run it paused and the user ran again reads as such a
+restart; removing that step is not seen there.
 
 Runs. Cycle numbers restart at 1 with each ``run()``. A machine batch that
 does not continue a cycle starts a new run when its cycle number is not above
@@ -283,8 +287,8 @@ class _StoredCycle:
     run_start: int
     batches: list[Batch[Effect]] = field(default_factory=list)
     went_on: bool | None = None  # the run had another cycle; None: cancelled, not known
-    # The run ended with this cycle and the next run began from the session it left:
-    # the step of that run's first cycle (a restart, after a crash or a stop).
+    # The run ended with this cycle: the step of the next run's first cycle (after
+    # batches from outside, if any): where a restart after a crash went on.
     resumed_by: str | None = None
     # Batches from outside a machine that landed inside the cycle, each with how
     # many of the cycle's batches were written before it.
@@ -448,9 +452,8 @@ def _mark_flow(cycles: list[_StoredCycle], log: Sequence[Batch[Effect]]) -> None
     may arrive while a run goes on). A finalize batch first means the run was
     cancelled there: not known. No later machine batch, or one that starts
     another run: the run ended with this cycle (it yielded, or no step applied,
-    or the process died). When that next run began from the session the cycle
-    left (no batch in between), ``resumed_by`` names the step of its first
-    cycle: a run restarted after a crash goes on there.
+    or the process died). Then ``resumed_by`` names the step of the next run's
+    first cycle, if there is one: a run restarted after a crash goes on there.
     """
     position = {batch.revision: index for index, batch in enumerate(log)}
     starts = {id(c.batches[0]): c for c in cycles}
@@ -469,9 +472,7 @@ def _mark_flow(cycles: list[_StoredCycle], log: Sequence[Batch[Effect]]) -> None
                 and following.run_start == cycle.run_start
                 and batch.cycle == last.cycle + 1
             )
-            restarted = following is not None and following.before.revision == last.revision
-            if not cycle.went_on and restarted:
-                assert following is not None
+            if not cycle.went_on and following is not None:
                 cycle.resumed_by = following.decided[1]
             break
 
@@ -653,17 +654,19 @@ async def _replay_cycle(
     services: Mapping[str, Any],
 ) -> ReplayCycle:
     first = stored.batches[0]
+    recorded = _recorded_reply(stored)
     sandbox = Sandbox(
         stored.before,
         [b.timestamp for b in stored.batches],
         _added_ids(stored),
         _ResultsFrom(results, first.revision),
-        None if model is not None else _recorded_reply(stored),
+        None if model is not None else recorded,
         start=stored.after,
         landed=stored.landed,
         # A cycle its run did not go on from may have stopped inside (a crash).
         cut_after=len(stored.batches) if stored.went_on is False else None,
         answered=_answered(stored),
+        replies=0 if recorded is None else 1,
     )
     runtime = sandbox.runtime(model, services)
     error = ""

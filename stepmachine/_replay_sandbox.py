@@ -63,6 +63,10 @@ class Sandbox:
         cut_after: the stored cycle's batch count when its run had no next cycle
             (it may have stopped inside the cycle: a crash); ``None`` otherwise.
         answered: the call ids whose results the stored cycle itself recorded.
+        replies: the model replies (or recorded failures) the stored cycle holds
+            (0 or 1): a model asked more often than that, once every stored
+            batch is written, asks for what the stored run never recorded
+            (``stopped_at``), whoever answers (the sandbox, or a given model).
 
     Attributes:
         batches: the batches committed to the sandbox, in order.
@@ -89,6 +93,7 @@ class Sandbox:
         landed: Sequence[tuple[int, Batch[Effect]]] = (),
         cut_after: int | None = None,
         answered: frozenset[str] = frozenset(),
+        replies: int = 0,
     ) -> None:
         self.session = session
         self.batches: list[Batch[Effect]] = []
@@ -105,7 +110,15 @@ class Sandbox:
         self._reply = reply
         self._cut_after = cut_after
         self._answered = answered
+        self._replies = replies
+        self._asked = 0
         self.stopped_at: int | None = None
+
+    def asking_model(self) -> None:
+        """The new steps ask a model (the sandbox, or a given one): count it (see ``replies``)."""
+        self._asked += 1
+        if self._asked > self._replies:
+            self._beyond()
 
     def _beyond(self) -> None:
         """The new steps ask for what the stored cycle never recorded: note where, if its
@@ -116,7 +129,7 @@ class Sandbox:
 
     def runtime(self, model: Model | None, services: Mapping[str, Any]) -> Runtime:
         """The runtime the new steps get: ``model`` (or the sandbox) answers under every name."""
-        answering: Model = self if model is None else model
+        answering: Model = self if model is None else _Given(model, self)
         return Runtime(
             loader=self,
             handler=self,
@@ -201,11 +214,11 @@ class Sandbox:
         Raises:
             NoRecordedReplyError: there is no (further) stored reply.
         """
+        self.asking_model()
         reply, self._reply = self._reply, None
         if isinstance(reply, BaseException):
             raise reply  # the failure the stored cycle recorded (a context-length error)
         if reply is None:
-            self._beyond()
             self.asked_model = True
             raise NoRecordedReplyError("replay: the stored cycle holds no (further) model reply")
         allowed = request.max_attempts
@@ -216,6 +229,28 @@ class Sandbox:
                 f"pipeline's request allows {allowed}"
             )
         return reply
+
+
+class _Given:
+    """A model given to the replay (``model=``), its calls counted by the sandbox (see
+    ``Sandbox.asking_model``); everything else is the model's own."""
+
+    def __init__(self, model: Model, sandbox: Sandbox) -> None:
+        self._model = model
+        self._sandbox = sandbox
+
+    @property
+    def name(self) -> str:
+        return self._model.name
+
+    async def request(
+        self, request: ModelRequest, *, on_chunk: ChunkSink | None = None
+    ) -> ModelResponse:
+        self._sandbox.asking_model()
+        return await self._model.request(request, on_chunk=on_chunk)
+
+    def __getattr__(self, name: str) -> Any:  # max_attempts, reports_attempts, ...
+        return getattr(self._model, name)
 
 
 class _EveryName(Mapping[str, Model]):

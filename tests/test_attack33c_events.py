@@ -143,35 +143,24 @@ async def test_steered_sessions_replay_the_same(
     assert report.same, str(report)
 
 
-RESTART_AFTER_OUTSIDE = pytest.mark.xfail(
-    strict=True,
-    reason="rule 3 needs the next run to begin from the very session the cycle left: a fork "
-    "(or a crash) after a message submitted while a tool ran or the model answered is resumed "
-    "from a session holding that message, so the last machine cycle before it reads as "
-    "'continues where the stored run ended' (_mark_flow: following.before.revision == "
-    "last.revision ignores outside batches in between)",
-)
-
-
-def fork_case(case: dict[str, int], budget: bool, name: str, fails: bool) -> Any:
-    return pytest.param(case, budget, id=name, marks=[RESTART_AFTER_OUTSIDE] if fails else [])
+def fork_case(case: dict[str, int], budget: bool, name: str) -> Any:
+    return pytest.param(case, budget, id=name)
 
 
 FORK_CASES = [
-    fork_case({"model_steers": 1, "tool_steers": 0}, True, "budget-steer-model", False),
-    fork_case({"model_steers": 2, "tool_steers": 0}, True, "budget-steer-model-twice", False),
-    fork_case({"model_steers": 1, "tool_steers": 0}, False, "nobudget-steer-model", False),
-    fork_case({"model_steers": 2, "tool_steers": 0}, False, "nobudget-steer-model-twice", True),
-    fork_case({"model_steers": 0, "tool_steers": 1}, True, "budget-steer-tool", True),
-    fork_case({"model_steers": 0, "tool_steers": 2}, True, "budget-steer-tool-twice", True),
-    fork_case({"model_steers": 1, "tool_steers": 2}, True, "budget-steer-both", True),
-    fork_case({"model_steers": 0, "tool_steers": 1}, False, "nobudget-steer-tool", True),
-    fork_case({"model_steers": 0, "tool_steers": 2}, False, "nobudget-steer-tool-twice", True),
-    fork_case({"model_steers": 1, "tool_steers": 2}, False, "nobudget-steer-both", True),
+    fork_case({"model_steers": 1, "tool_steers": 0}, True, "budget-steer-model"),
+    fork_case({"model_steers": 2, "tool_steers": 0}, True, "budget-steer-model-twice"),
+    fork_case({"model_steers": 1, "tool_steers": 0}, False, "nobudget-steer-model"),
+    fork_case({"model_steers": 2, "tool_steers": 0}, False, "nobudget-steer-model-twice"),
+    fork_case({"model_steers": 0, "tool_steers": 1}, True, "budget-steer-tool"),
+    fork_case({"model_steers": 0, "tool_steers": 2}, True, "budget-steer-tool-twice"),
+    fork_case({"model_steers": 1, "tool_steers": 2}, True, "budget-steer-both"),
+    fork_case({"model_steers": 0, "tool_steers": 1}, False, "nobudget-steer-tool"),
+    fork_case({"model_steers": 0, "tool_steers": 2}, False, "nobudget-steer-tool-twice"),
+    fork_case({"model_steers": 1, "tool_steers": 2}, False, "nobudget-steer-both"),
 ]
 
 
-@RESTART_AFTER_OUTSIDE
 async def test_a_fork_after_a_message_sent_while_the_tool_ran_resumed_is_the_same(
     tmp_path: Path,
 ) -> None:

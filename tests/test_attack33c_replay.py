@@ -116,13 +116,6 @@ def test_a_run_replayed_with_the_same_model_given_is_the_same(tmp_path: Path, ha
     anyio.run(check)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cut cycles are detected only when the sandbox is the model: with model= given, "
-    "the cut cycle's model call is answered, the new steps write the reply batch the killed "
-    "run never wrote, and the unchanged pipeline reads as 'an extra batch 2' "
-    "(Sandbox._beyond is called only from Sandbox.request/call_tool)",
-)
 @pytest.mark.parametrize("hang", ["model", "model2"])
 def test_a_run_killed_while_the_model_answers_replayed_with_model_given_is_the_same(
     tmp_path: Path, hang: str
@@ -217,10 +210,10 @@ async def test_an_unchanged_pause_step_is_the_same(store: Any) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="rule 3: a removed step that yielded writing nothing (the run paused and was run "
-    "again) reads as the same: the stored run ended after the tool round and the next run "
-    "began there with 'inference', which the new steps apply next (_flow: "
-    "following.step.name == resumed_by); from the log alone this is a crash at that point",
+    reason="a documented limit of replay (_replay's 'Cut cycles'): a step that yields writing "
+    "nothing leaves no trace in the log, so a run it paused and the user ran again reads as a "
+    "restart after a crash at that point (_flow: following.step.name == resumed_by), and "
+    "removing the step reads as the same there",
 )
 async def test_removing_a_pause_step_differs(store: Any) -> None:
     assert (await paused_and_rerun(store))[:2] == ["paused", "paused"]
