@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -81,4 +82,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    # As in a terminal: a launcher that ignores SIGINT (a shell's background job without
+    # job control) passes that on, and asyncio.run then installs no handler of its own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     asyncio.run(main())
