@@ -571,22 +571,13 @@ def _recorded_dropped(stored: _StoredCycle, effect: Annotate) -> ModelResponse |
     reply instead appends an empty one, and differs). ``None`` when no batch
     landed in the cycle (the note then records calls that failed).
     """
-    values = effect.values
-    if not (stored.landed and isinstance(values, dict) and values.get(TAG_FIELD) == _ATTEMPTS_TAG):
+    notes = _attempts_notes(stored, effect) if stored.landed else None
+    if notes is None:
         return None
-    where = f"session {stored.before.id!r}, message {effect.message_id!r}"
-    after = read_record(
-        {effect.namespace: values}, effect.namespace, InferenceAttempts, where=where
-    )
-    if after is None or after.reserved or after.context_length_exceeded or after.ledger is None:
+    after, earlier = notes
+    if after.reserved or after.context_length_exceeded or after.ledger is None:
         return None
-    made = after.attempts
-    position = stored.before.history.message_position(effect.message_id)
-    if position is not None:
-        notes = stored.before.conversation[position].notes
-        earlier = read_record(notes, effect.namespace, InferenceAttempts, where=where)
-        if earlier is not None:
-            made -= earlier.attempts
+    made = after.attempts - (earlier.attempts if earlier is not None else 0)
     if made <= 0:
         return None
     base = latest_ledger(stored.before).ledger
@@ -601,6 +592,27 @@ def _recorded_overflow(stored: _StoredCycle, effect: Annotate) -> ContextLengthE
     Its ``attempts`` are the calls that failure made: the note's count less
     what the message carried before the cycle.
     """
+    notes = _attempts_notes(stored, effect)
+    if notes is None:
+        return None
+    after, earlier = notes
+    if not after.context_length_exceeded or after.reserved:
+        return None  # not an overflow, or a reservation carrying an earlier one's mark
+    made = after.attempts
+    if earlier is not None:
+        made = after.attempts - earlier.attempts
+        if made <= 0:
+            return None  # the mark as it was (put back after a reply): no new overflow
+    error = ContextLengthError("replay: the stored cycle recorded a context-length error")
+    error.attempts = max(1, made)  # type: ignore[attr-defined]
+    return error
+
+
+def _attempts_notes(
+    stored: _StoredCycle, effect: Annotate
+) -> tuple[InferenceAttempts, InferenceAttempts | None] | None:
+    """The ``InferenceAttempts`` note ``effect`` writes, and the one its message carried
+    before the cycle (``None``: none); ``None`` when ``effect`` writes no such note."""
     values = effect.values
     if not (isinstance(values, dict) and values.get(TAG_FIELD) == _ATTEMPTS_TAG):
         return None
@@ -608,20 +620,14 @@ def _recorded_overflow(stored: _StoredCycle, effect: Annotate) -> ContextLengthE
     after = read_record(
         {effect.namespace: values}, effect.namespace, InferenceAttempts, where=where
     )
-    if after is None or not after.context_length_exceeded or after.reserved:
-        return None  # not an overflow, or a reservation carrying an earlier one's mark
+    if after is None:
+        return None
+    earlier = None
     position = stored.before.history.message_position(effect.message_id)
-    made = after.attempts
     if position is not None:
         notes = stored.before.conversation[position].notes
-        before = read_record(notes, effect.namespace, InferenceAttempts, where=where)
-        if before is not None:
-            made = after.attempts - before.attempts
-            if made <= 0:
-                return None  # the mark as it was (put back after a reply): no new overflow
-    error = ContextLengthError("replay: the stored cycle recorded a context-length error")
-    error.attempts = max(1, made)  # type: ignore[attr-defined]
-    return error
+        earlier = read_record(notes, effect.namespace, InferenceAttempts, where=where)
+    return after, earlier
 
 
 def _added_ids(stored: _StoredCycle) -> list[str]:
