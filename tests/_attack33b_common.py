@@ -124,3 +124,14 @@ def finish_text(process: subprocess.Popen[str], timeout: float = 60.0) -> str:
     out, err = process.communicate(timeout=timeout)
     assert process.returncode == 0, err
     return out
+
+
+class Clock:
+    """A clock one second later at each reading (``start`` + 1 first): batches stamped apart."""
+
+    def __init__(self, start: float = 1_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now

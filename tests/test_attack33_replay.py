@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _attack33b_common import Clock
 
 from stepmachine import (
     Annotate,
@@ -34,15 +35,6 @@ from stepmachine import (
 from stepmachine.extend import counter_ids
 from stepmachine.operations import Budget, Limits
 from stepmachine.testing import FunctionModel, call, reply
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 async def steered_session(store: Store, steps: list[Step[Any]], clock: Clock) -> None:

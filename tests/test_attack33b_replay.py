@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _attack33b_common import finish_text, kill, reap_children, start_child, wait_for
+from _attack33b_common import Clock, finish_text, kill, reap_children, start_child, wait_for
 from _attack33b_replay_child import pipeline
 
 from stepmachine import (
@@ -37,15 +37,6 @@ from stepmachine.extend import counter_ids
 from stepmachine.operations import Approval, Budget, Limits
 from stepmachine.stores import FileStore, SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 @tool(side_effects="idempotent")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _attack33b_common import Clock
 
 from stepmachine import (
     AppendMessage,
@@ -29,15 +30,6 @@ from stepmachine.extend import counter_ids
 from stepmachine.operations import Budget, Limits
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
-
-
-class Clock:
-    def __init__(self, start: float = 1_000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 @pytest.fixture(params=["memory", "sqlite", "file"])

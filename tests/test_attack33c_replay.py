@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _attack33b_common import finish_text, kill, reap_children, start_child, wait_for
+from _attack33b_common import Clock, finish_text, kill, reap_children, start_child, wait_for
 from _attack33b_replay_child import answer as child_answer
 from _attack33b_replay_child import pipeline as child_pipeline
 
@@ -37,15 +37,6 @@ from stepmachine.extend import YieldReason, counter_ids
 from stepmachine.operations import Budget, Limits
 from stepmachine.stores import FileStore, MemoryStore, SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
-
-
-class Clock:
-    def __init__(self, start: float = 1_000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 @tool(side_effects="idempotent")
