@@ -58,6 +58,18 @@ turn and per session), ``Approval`` for a tool the agent never calls,
 ``InMemorySpanExporter``, cleared after each step, untimed). Still three
 machine cycles per step: the operations refuse.
 
+**What still grows**: one thing on a step's path is O(history) by design: a
+``ModelRequest`` holds its messages as a tuple (so that ``msgspec.json.encode``
+encodes a request without hooks), copied from the session's
+:class:`~stepmachine.Conversation` once per model call, twice per step: one
+pointer per message, and one reference count touched per message (a cache miss
+each once the history outgrows the cache). A provider adapter then encodes every
+one of those messages anyway, so with a real model this is a small part of the
+call; with the scripted model here it is most of the growth. Each growth
+figure's block prints that copy timed alone (``ModelRequest(messages=...)`` on
+each end's session, warm cache): a floor of what it adds in a step, where the
+cache is colder.
+
 Run:  python benchmarks/cycle.py [--quick] [--backend trio] [--profile]
 
 The last line is ``cycle_us=<median> bare_us=<median> growth_2000_over_20=<ratio>
@@ -409,6 +421,7 @@ class Growth:
     long_ns: list[tuple[int, int]]
     short_ns: list[tuple[int, int]]
     curve: list[tuple[int, float]]
+    request_us: tuple[float, float]  # building one ModelRequest: (long session, short), us
 
     def median_us(self, samples: list[tuple[int, int]], clock: int) -> float:
         """The median of one clock (0: CPU, 1: wall) over ``samples``, in us."""
@@ -462,7 +475,28 @@ async def growth(opts: Options, *, ops: bool = False) -> Growth:
         gc.unfreeze()
     await short.check()
     await long.check()
-    return Growth(ops, opts.growth_turns, long_ns, short_ns, curve)
+    request_us = await request_copies(long, short, opts.growth_samples)
+    return Growth(ops, opts.growth_turns, long_ns, short_ns, curve, request_us)
+
+
+async def request_copies(
+    long: GrowingSession, short: GrowingSession, samples: int
+) -> tuple[float, float]:
+    """Median us of ``ModelRequest(messages=conversation)`` on each session, interleaved."""
+    conversations = [
+        (await long.store.load(SESSION_ID)).conversation,
+        (await short.store.load(SESSION_ID)).conversation,
+    ]
+    timings: list[list[float]] = [[], []]
+    for _ in range(max(samples, 10)):
+        for side, conversation in enumerate(conversations):
+            start = time.perf_counter_ns()
+            request = ModelRequest(messages=conversation)
+            timings[side].append((time.perf_counter_ns() - start) / 1_000)
+            if len(request.messages) != len(conversation):
+                raise SystemExit("ModelRequest did not keep every message")
+            del request
+    return statistics.median(timings[0]), statistics.median(timings[1])
 
 
 def describe_growth(result: Growth) -> list[str]:
@@ -495,6 +529,13 @@ def describe_growth(result: Growth) -> list[str]:
     lines.append(
         f"  step at turn {result.long_turns} / step at turn {GROWTH_SHORT_TURNS}: "
         f"{result.ratio:.2f}x CPU time ({result.wall_ratio:.2f}x wall-clock)"
+    )
+    long_us, short_us = result.request_us
+    lines.append(
+        f"  O(history) on a step's path, by design: the model request's tuple of the "
+        f"history, 2 per step, {long_us:.1f} us each at turn {result.long_turns} and "
+        f"{short_us:.1f} us at turn {GROWTH_SHORT_TURNS} (timed alone, warm cache; see the "
+        "module docs)"
     )
     return lines
 
