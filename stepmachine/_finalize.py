@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
@@ -27,13 +26,12 @@ from ._capabilities import Capabilities, Finalizes, step_name
 from ._capabilities import cycle_context as context
 from ._effects import AppendMessage, Effect
 from ._emitter import EventSink
-from ._errors import EffectError, MediaTooLargeError
 from ._history import open_tool_calls
 from ._messages import Message, ToolResultPart
-from ._retry import retry_conflicts, retry_while_moving
+from ._retry import retry_conflicts
 from ._runtime import Runtime
 from ._session import Session
-from ._staged import Recorder, Refusable
+from ._staged import write_held
 from ._store import commit
 
 if TYPE_CHECKING:
@@ -169,38 +167,11 @@ async def keep_records(
     loader, handler = runtime.session_loader(), runtime.effect_handler()
     name = interrupted.step.name
 
-    async def attempt(record: Recorder, current: Session[D]) -> Session[D]:
-        effects = tuple(record(current))
-        if not effects:
-            return current
+    async def write(current: Session[D], effects: Sequence[Effect]) -> Session[D]:
         return await commit(handler, runtime.clock, name, cycle, (), None, current, effects)
 
-    for record in interrupted.held:
-        try:
-            # A record of work already done is never dropped for losing the race.
-            session = await retry_while_moving(session, partial(attempt, record), loader.load)
-            continue
-        except (EffectError, MediaTooLargeError) as exc:
-            refused = record.refused if isinstance(record, Refusable) else None
-            replacement = None if refused is None else refused(exc)
-            if replacement is None:
-                _refused_record(session.id, name)
-                continue
-        try:  # the task's replacement (an error result naming the limit), offered once
-            session = await retry_while_moving(session, partial(attempt, replacement), loader.load)
-        except (EffectError, MediaTooLargeError):
-            _refused_record(session.id, name)
-    return session
-
-
-def _refused_record(session_id: str, step: str) -> None:
-    """Log the store's refusal of a held record being handled: it is left out, and
-    finalize goes on (its call, if any, is answered "interrupted")."""
-    _log.failure(
-        "the store refused a record held for the interrupted step; it is left out",
-        session_id=session_id,
-        step=step,
-    )
+    written = await write_held(list(interrupted.held), session, write, loader.load, name)
+    return cast("Session[D]", written)
 
 
 async def shielded(seconds: float, session_id: str, work: Callable[[], Awaitable[Any]]) -> None:

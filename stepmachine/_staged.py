@@ -54,6 +54,18 @@ over the store's limit; nothing of that batch was written) is offered to the
 task's ``refused``: a replacement record (an error result naming the limit),
 or ``None`` to let the error propagate. It is offered once per task: when the
 store refuses the replacement too, that error propagates.
+
+An error. When a task raises (its ``run``, its ``landed``, or its record when
+computed), or a record's write fails, the error propagates -- after the
+machine writes what it holds, as after a cancellation: the records of tasks
+that returned and the ``keep`` of every task that did not (cancelled because
+a sibling failed, not started, or the one that raised), each its own batch
+from the session as stored then (:func:`write_held`). A record that raised,
+or that the store refused (after ``refused`` was offered it), is not written
+again. Not after a lost lease or a conflict the machine could not get past
+(nothing more may be written then), nor when the intents were not written
+(nothing of the cycle was). A write that fails there is named in a note on
+the error, which still propagates.
 """
 
 from __future__ import annotations
@@ -62,12 +74,20 @@ import asyncio
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, TypeAlias
 
 import anyio
 
+from . import _log
 from ._effects import Effect
-from ._errors import ConflictError, EffectError, LeaseLostError, MediaTooLargeError
+from ._errors import (
+    ConflictError,
+    EffectError,
+    LeaseLostError,
+    MediaTooLargeError,
+    StepContractError,
+)
 from ._outcomes import Continue, Recorder, Staged, Task, Yield
 from ._retry import retry_while_moving
 from ._session import Session
@@ -82,6 +102,7 @@ __all__ = [
     "Writer",
     "execute",
     "one_error",
+    "write_held",
 ]
 
 Status: TypeAlias = Literal["committed", "continue", "yielded"]
@@ -124,25 +145,13 @@ async def execute(
     if staged.intents:
         run.current = await write(run.current, staged.intents, "committed")
         run.written.extend(staged.intents)
-    if run.lock is None:
-        for task in staged.tasks:
-            await run.one(task)
-    else:
-        limiter = anyio.CapacityLimiter(staged.max_concurrency)
-
-        async def limited(task: Task) -> None:
-            async with limiter:
-                await run.one(task)
-
-        failure: BaseException | None = None
-        try:
-            async with anyio.create_task_group() as group:
-                for task in staged.tasks:
-                    group.start_soon(limited, task)
-        except BaseExceptionGroup as errors:
-            failure = one_error(errors)  # raised outside the handler: its context its own
-        if failure is not None:
-            raise failure
+    try:
+        await run.tasks()
+    except (ConflictError, LeaseLostError):
+        raise  # nothing more may be written (see the module docs)
+    except Exception as exc:
+        await run.keep_held(exc)
+        raise
     if not run.ending and not run.ended:
         run.end()  # no task (or none left a record to write)
     if run.ended:
@@ -174,13 +183,52 @@ class _Execution:
         if self.staged.max_concurrency > 1 and len(tasks) > 1:
             self.lock = anyio.Lock()
 
+    async def tasks(self) -> None:
+        """Run every task, one after another or ``max_concurrency`` at a time, each
+        recorded as it lands; one error, never a group (see :func:`one_error`)."""
+        staged = self.staged
+        if self.lock is None:
+            for task in staged.tasks:
+                await self.one(task)
+            return
+        limiter = anyio.CapacityLimiter(staged.max_concurrency)
+
+        async def limited(task: Task) -> None:
+            async with limiter:
+                await self.one(task)
+
+        failure: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as group:
+                for task in staged.tasks:
+                    group.start_soon(limited, task)
+        except BaseExceptionGroup as errors:
+            failure = one_error(errors)  # raised outside the handler: its context its own
+        if failure is not None:
+            raise failure
+
+    async def keep_held(self, error: Exception) -> None:
+        """A task's error is on its way out: write what the machine holds first (see the
+        module docs); a write that fails is named in a note on ``error``."""
+
+        async def write(current: Session[Any], effects: Sequence[Effect]) -> Session[Any]:
+            return await self.write(current, effects, "committed")
+
+        try:
+            self.current = await write_held(self.held, self.current, write, self.reload)
+        except Exception as exc:  # noqa: BLE001 - the task's error is the one raised
+            error.add_note(
+                f"the records held for the other tasks could not all be written: "
+                f"{type(exc).__name__}: {exc}"
+            )
+
     def end(self) -> Status:
         """Ask ``then()``; the status of the cycle's last batch if it is this one."""
         self.ending.clear()
         self.ended.clear()
         then = self.staged.then
         try:
-            self.ending.append(Continue(()) if then is None else then())
+            self.ending.append(Continue(()) if then is None else _checked(then()))
         except Exception as exc:  # noqa: BLE001 - any error of then(): raised after the record
             self.ended.append(exc)  # raised once the record is written
             return "committed"
@@ -237,7 +285,11 @@ class _Record:
         """
         run = self.run
         while True:
-            effects = tuple(self.entry(current))
+            try:
+                effects = tuple(self.entry(current))
+            except Exception:
+                _drop(run.held, self.entry)  # it would raise again: not written after the error
+                raise
             status: Status = run.end() if run.unrecorded == 0 else "committed"
             if not effects:
                 return current
@@ -249,6 +301,7 @@ class _Record:
                 # again (a ``refused`` that always answers would loop for ever).
                 replacement = None if refused is None or self.replaced else refused(exc)
                 if replacement is None:
+                    _drop(run.held, self.entry)  # refused for good: not written again
                     raise
                 _swap(run.held, self.entry, replacement)
                 self.entry, self.replaced = replacement, True
@@ -289,6 +342,78 @@ class Refusable:
 
     def __call__(self, session: Session[Any]) -> Sequence[Effect]:
         return self.record(session)
+
+
+def _checked(done: object) -> Continue | Yield:
+    """What ``then()`` returned, if it says how the cycle ends.
+
+    Raises:
+        StepContractError: it returned something else (``None``: a forgotten ``return``).
+    """
+    if not isinstance(done, Continue | Yield):
+        raise StepContractError(
+            f"Staged(then=...) returned {type(done).__name__} {done!r:.100}; then() says how "
+            "the cycle ends: return Continue(effects) or Yield(effects, reason)"
+        )
+    return done
+
+
+async def write_held(
+    held: list[Recorder],
+    session: Session[Any],
+    write: Callable[[Session[Any], Sequence[Effect]], Awaitable[Session[Any]]],
+    reload: Callable[[str], Awaitable[Session[Any]]],
+    step: str | None = None,
+) -> Session[Any]:
+    """Write each record in ``held``, in order, each its own batch; the session after them.
+
+    Each is computed from the session as stored then (its batch may have been
+    written already: then it records nothing) and retried for as long as other
+    writers move the session on (a record of work done is never dropped for
+    losing the race). One the store refuses (``EffectError``,
+    ``MediaTooLargeError``) is offered to its task's ``refused`` once (a
+    :class:`Refusable`); without a replacement, or when the store refuses that
+    too, it is logged (with ``step``) and left out. Each record leaves ``held``
+    once handled, so after a cancellation meanwhile ``held`` is what is still
+    to write.
+
+    Raises:
+        Exception: a record that raises, or the store's other errors; the
+            records not yet handled stay in ``held``.
+    """
+
+    async def attempt(record: Recorder, current: Session[Any]) -> Session[Any]:
+        effects = tuple(record(current))
+        return current if not effects else await write(current, effects)
+
+    while held:
+        record = held[0]
+        try:
+            session = await retry_while_moving(session, partial(attempt, record), reload)
+        except (EffectError, MediaTooLargeError) as exc:
+            refused = record.refused if isinstance(record, Refusable) else None
+            replacement = None if refused is None else refused(exc)
+            if replacement is None:
+                _left_out(session.id, step)
+            else:
+                try:  # the task's replacement (an error result naming the limit), offered once
+                    session = await retry_while_moving(
+                        session, partial(attempt, replacement), reload
+                    )
+                except (EffectError, MediaTooLargeError):
+                    _left_out(session.id, step)
+        _drop(held, record)
+    return session
+
+
+def _left_out(session_id: str, step: str | None) -> None:
+    """Log the store's refusal of a held record being handled: it is left out (its
+    call, if any, is answered "interrupted" by finalize, or decided again)."""
+    _log.failure(
+        "the store refused a record the machine held; it is left out",
+        session_id=session_id,
+        step=step,
+    )
 
 
 def _swap(held: list[Recorder], old: Recorder, new: Recorder) -> None:

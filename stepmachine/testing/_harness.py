@@ -147,8 +147,8 @@ async def run_step(
     sink = EventSink(recorder, session.id, session.revision)
 
     async def commit(current: Session[Any], effects: Sequence[Effect]) -> Session[Any]:
+        after = apply_batch(current, effects)  # a batch that does not apply is not listed
         commits.append(tuple(effects))
-        after = apply_batch(current, effects)
         sink.follow(after.revision)
         return after
 
