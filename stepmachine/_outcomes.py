@@ -175,14 +175,18 @@ class Task:
 class Staged:
     """Write ``intents``, run ``tasks`` and record each as it lands; then ``then()``.
 
-    See the module docs for the order and for cancellation.
+    See the module docs of ``_staged`` for the order, for cancellation and for
+    errors: a task that raises cancels its siblings, and the error propagates
+    once the machine has written what it holds (the record of every task that
+    returned, the ``keep`` of every task that did not).
 
     Attributes:
         intents: effects written as one batch before any task starts.
         tasks: the work, in order.
         max_concurrency: tasks run at once (1: one after another, in order).
         then: how the cycle ends once every task is recorded (default
-            ``Continue(())``); may raise.
+            ``Continue(())``): returns ``Continue`` or ``Yield`` (anything
+            else is a ``StepContractError``); may raise.
 
     Raises:
         ConfigurationError: ``max_concurrency`` is not an int >= 1, or there is
