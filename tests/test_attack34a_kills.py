@@ -1,0 +1,189 @@
+"""Attack 34a: a third-party staged step (three guarded charges) in a real process,
+SIGKILLed at a bad moment, then run again by a fresh process on the same store; and two
+processes running the same session at once (the default lease).
+
+The child is ``tests/_attack34a_kill_child.py``; its journal ``effects.txt`` says which
+task started and which charge took effect, in which process. Checked: no charge took
+effect twice, a stored receipt is the one of a charge that took effect (with the key of
+the stored intent), the fresh process starts no task and sees the intents without a
+receipt (``outcome_unknown`` naming exactly those), and two processes never both start
+a guarded task.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from _attack34a_common import Order
+
+from stepmachine import Codec
+from stepmachine.stores import FileStore, SQLiteStore
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = Path(__file__).resolve().parent / "_attack34a_kill_child.py"
+SID = "order"
+
+
+def where_of(kind: str, tmp_path: Path) -> str:
+    return str(tmp_path / ("db.sqlite3" if kind == "sqlite" else "store"))
+
+
+def spawn(
+    kind: str, where: str, mode: str, folder: Path, concurrency: int = 1, backend: str = "asyncio"
+) -> subprocess.Popen[bytes]:
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}", "ATTACK34A_DIR": str(folder)}
+    command = [sys.executable, str(CHILD), kind, where, mode, str(concurrency), backend]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(child: subprocess.Popen[bytes], timeout: float = 90.0) -> tuple[int, str]:
+    out, err = child.communicate(timeout=timeout)
+    return child.returncode, out.decode() + err.decode()
+
+
+async def open_store(kind: str, where: str) -> Any:
+    if kind == "sqlite":
+        return await SQLiteStore.open(where, codec=Codec(Order))
+    return await FileStore.open(where, codec=Codec(Order))
+
+
+async def create(kind: str, where: str) -> None:
+    store = await open_store(kind, where)
+    try:
+        await store.create(SID, data=Order())
+    finally:
+        await store.aclose()
+
+
+async def stored(kind: str, where: str) -> tuple[Order, list[str]]:
+    """The stored data, and every receipt name added batch by batch (a name twice:
+    written twice)."""
+    store = await open_store(kind, where)
+    try:
+        session = await store.load(SID)
+        added: list[str] = []
+        seen: set[str] = set()
+        for batch in await store.batches(SID):
+            for effect in batch.effects:
+                changes = getattr(effect, "changes", {})
+                if "receipts" in changes:
+                    names = set(changes["receipts"])
+                    added.extend(sorted(names - seen))
+                    seen = names
+        return session.data, added
+    finally:
+        await store.aclose()
+
+
+def journal(folder: Path) -> list[list[str]]:
+    path = folder / "effects.txt"
+    if not path.exists():
+        return []
+    return [line.split() for line in path.read_text().splitlines()]
+
+
+def check_invariants(data: Order, added: list[str], lines: list[list[str]]) -> set[str]:
+    """The invariants; returns the names whose charge took effect."""
+    charges = Counter(name for kind, name, _, _ in lines if kind == "charge")
+    assert all(n == 1 for n in charges.values()), f"a charge took effect twice: {lines}"
+    for kind, name, key, _ in lines:  # every start and charge is of the stored intent's key
+        assert data.keys.get(name) == key, (kind, name, key, data.keys)
+    for name, receipt in data.receipts.items():
+        assert name in charges, f"receipt {name} without its charge"
+        assert receipt == f"receipt-{data.keys[name]}"
+    assert len(added) == len(set(added)), f"a receipt written twice: {added}"
+    return set(charges)
+
+
+CASES = [
+    ("after_intents", 1),
+    ("in_task", 1),
+    ("after_return", 1),
+    ("between_records", 1),
+    ("after_intents", 3),
+    ("in_task", 3),
+    ("after_return", 3),
+]
+# what is recorded when the child dies, one after another (the kill is deterministic)
+RECORDED_SEQUENTIAL = {
+    "after_intents": set(),
+    "in_task": {"a"},
+    "after_return": {"a"},
+    "between_records": {"a"},
+}
+CHARGED_SEQUENTIAL = {
+    "after_intents": set(),
+    "in_task": {"a"},
+    "after_return": {"a", "b"},
+    "between_records": {"a"},
+}
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("kind", ["sqlite", "file"])
+@pytest.mark.parametrize(("mode", "concurrency"), CASES)
+def test_killed_staged_step_is_never_charged_twice(
+    kind: str, mode: str, concurrency: int, backend: str, tmp_path: Path
+) -> None:
+    where = where_of(kind, tmp_path)
+    anyio.run(create, kind, where)
+    code, output = finish(spawn(kind, where, mode, tmp_path, concurrency, backend))
+    assert code == -signal.SIGKILL, output[-3000:]
+    first = journal(tmp_path)
+    data, added = anyio.run(stored, kind, where)
+    assert sorted(data.keys) == ["a", "b", "c"], "the intents are stored before any task"
+    charged = check_invariants(data, added, first)
+    recorded = set(data.receipts)
+    if concurrency == 1:
+        assert recorded == RECORDED_SEQUENTIAL[mode]
+        assert charged == CHARGED_SEQUENTIAL[mode]
+    # a fresh process, twice: it starts nothing and names the intents without a receipt
+    for _ in range(2):
+        code, output = finish(spawn(kind, where, "none", tmp_path, concurrency, backend))
+        assert code == 0, output[-3000:]
+        missing = ",".join(sorted({"a", "b", "c"} - recorded))
+        assert f"reason outcome_unknown {missing}\n" in output, output[-3000:]
+    assert journal(tmp_path) == first, "the fresh process started or charged something"
+    after, added_after = anyio.run(stored, kind, where)
+    assert after == data
+    assert added_after == added
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("kind", ["sqlite", "file"])
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_two_processes_at_once_start_each_charge_once(
+    kind: str, concurrency: int, backend: str, tmp_path: Path
+) -> None:
+    where = where_of(kind, tmp_path)
+    anyio.run(create, kind, where)
+    children = [spawn(kind, where, "slow", tmp_path, concurrency, backend) for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while not journal(tmp_path):  # one of them holds the lease and started a task
+        assert time.monotonic() < deadline, "no child started a task"
+        assert all(c.poll() is None for c in children), [finish(c) for c in children]
+        time.sleep(0.05)
+    time.sleep(1.0)  # let the other reach its claim (it waits: the default lease)
+    (tmp_path / "go").touch()
+    results = [finish(child) for child in children]
+    assert all(code == 0 for code, _ in results), results
+    reasons = sorted(
+        next(line for line in out.splitlines() if line.startswith("reason")) for _, out in results
+    )
+    assert reasons == ["reason done", "reason idle"], results
+    lines = journal(tmp_path)
+    assert len({pid for *_, pid in lines}) == 1, f"two processes started tasks: {lines}"
+    data, added = anyio.run(stored, kind, where)
+    assert check_invariants(data, added, lines) == {"a", "b", "c"}
+    assert sorted(data.receipts) == ["a", "b", "c"]
+    assert Counter(kind for kind, *_ in lines) == {"start": 3, "charge": 3}
