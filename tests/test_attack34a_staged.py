@@ -618,3 +618,166 @@ async def test_run_step_matches_machine(tmp_path: Path) -> None:
     assert (*check.commits, check.effects) == batches
     assert check.session.data == (await store.load(SID)).data
     await store.aclose()
+
+
+# -- another writer that wins every race; a lease lost between guarded tasks -----------------
+
+
+class Harasser:
+    """A session loader that lets another writer move the session on right after every
+    load, while ``left`` says so: every write computed from a load then conflicts."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.left = 0
+
+    async def load(self, session_id: str) -> Session[Any]:
+        session = await self.store.load(session_id)
+        if self.left > 0:
+            self.left -= 1
+            await submit(self.store, session_id, lambda s: [UpdateData.set(count=s.data.count + 1)])
+        return session
+
+
+async def test_record_retried_past_many_lost_races(tmp_path: Path) -> None:
+    """40 conflicts in a row, each explained by another writer's batch (more than the 16
+    a stalled store gets, more than ``max_conflicts``): the receipt is still written,
+    once, and ``then()``'s last answer counts."""
+    store = await open_store(tmp_path)
+    harasser = Harasser(store)
+    journal = Journal()
+    computed: list[int] = []
+    asked: list[int] = []
+
+    def make(ctx: StepContext[Order]) -> Staged:
+        effects, keys = intents(ctx, ["a"])
+
+        async def run() -> Callable[[Session[Any]], Sequence[Effect]]:
+            journal.charge("a", keys["a"])
+            await submit(store, SID, lambda s: [UpdateData.set(count=s.data.count + 1)])
+            harasser.left = 40  # the first attempt conflicts; 40 reloads lose the race too
+
+            def record(stored: Session[Any]) -> Sequence[Effect]:
+                computed.append(stored.revision)
+                return receipt_record("a", "receipt-a")(stored)
+
+            return record
+
+        def then() -> Yield:
+            asked.append(len(computed))
+            return Yield([], f"done after {len(computed)}")
+
+        return Staged(effects, [Task("a", run, guarded=True)], then=then)
+
+    runtime = Runtime(store=store, loader=harasser)
+    with anyio.fail_after(60):
+        report = await StateMachine([StagedStep(make)], max_conflicts=2).run_report(runtime, SID)
+    stored = await store.load(SID)
+    assert stored.data.receipts == {"a": "receipt-a"}
+    assert stored.data.count == 41
+    assert len(computed) == 42
+    assert asked == list(range(1, 43))
+    assert report.reason.kind == "done after 42"
+    assert await receipt_additions(store) == ["a"]
+    await store.aclose()
+
+
+async def test_guarded_task_not_started_after_the_lease_is_lost() -> None:
+    """The run's (expiring) lease lapses and another runner claims the session while task
+    ``a`` runs: ``b`` (guarded) is not started, the run raises ``LeaseLostError``."""
+    from stepmachine import LeaseLostError
+    from stepmachine.stores import MemoryStore
+
+    now = [1000.0]
+    store = MemoryStore(Codec(Order), expiring_leases=True)
+    store._leases._clock = lambda: now[0]  # a clock the test moves
+    await store.create(SID, data=Order())
+    journal = Journal()
+
+    async def lapse() -> None:
+        now[0] += 3600  # past any ttl
+        stolen = await store.claim(SID, "another runner", 30.0)
+        assert getattr(stolen, "owner", None) == "another runner"  # a Lease, not a LeaseHolder
+
+    def make(ctx: StepContext[Order]) -> Staged:
+        effects, keys = intents(ctx, ["a", "b"])
+        tasks = [
+            charge_task(journal, "a", keys["a"], landed=lapse),
+            charge_task(journal, "b", keys["b"]),
+        ]
+        return Staged(effects, tasks)
+
+    with pytest.raises(LeaseLostError):
+        await StateMachine([StagedStep(make)]).run(Runtime(store=store), SID)
+    assert [line.split()[0] for line in journal.lines] == ["a"]
+    stored = await store.load(SID)
+    assert "b" not in stored.data.receipts
+
+
+async def test_then_raising_once_then_answering_after_a_conflict(tmp_path: Path) -> None:
+    """``then()`` raises when first asked; the record conflicts (another writer), is
+    computed again, and ``then()`` answers: the last answer counts, the run yields."""
+    store = await open_store(tmp_path)
+    answers: list[str] = []
+
+    def make(ctx: StepContext[Order]) -> Staged:
+        effects, _ = intents(ctx, ["a"])
+
+        async def run() -> Callable[[Session[Any]], Sequence[Effect]]:
+            await submit(store, SID, lambda s: [UpdateData.set(count=s.data.count + 1)])
+            return receipt_record("a", "receipt-a")
+
+        def then() -> Yield:
+            answers.append("asked")
+            if len(answers) == 1:
+                raise LookupError("not yet")
+            return Yield([], "done")
+
+        return Staged(effects, [Task("a", run, guarded=True)], then=then)
+
+    report = await StateMachine([StagedStep(make)]).run_report(Runtime(store=store), SID)
+    assert answers == ["asked", "asked"]
+    assert report.reason.kind == "done"
+    assert (await store.load(SID)).data.receipts == {"a": "receipt-a"}
+    await store.aclose()
+
+
+async def test_finalize_offers_a_held_refused_record_to_refused(tmp_path: Path) -> None:
+    """Cancelled while ``a``'s record is held (in ``landed``); the store refuses that
+    record at finalize: ``refused``'s replacement is written, once."""
+    store = await open_store(tmp_path)
+    token = CancelToken()
+    offered: list[str] = []
+
+    def bad(stored: Session[Any]) -> Sequence[Effect]:
+        return [UpdateData(changes={"no_such_field": 1})]
+
+    def refused(exc: Exception) -> Any:
+        offered.append(type(exc).__name__)
+        return keep_record("a", "refused")
+
+    async def landed() -> None:
+        token.cancel()
+        await anyio.sleep_forever()
+
+    def make(ctx: StepContext[Order]) -> Staged:
+        effects, _ = intents(ctx, ["a"])
+
+        async def run() -> Callable[[Session[Any]], Sequence[Effect]]:
+            return bad
+
+        return Staged(effects, [Task("a", run, guarded=True, landed=landed, refused=refused)])
+
+    with anyio.fail_after(30):
+        report = await StateMachine([StagedStep(make)], cancel=token).run_report(
+            Runtime(store=store), SID
+        )
+    assert report.reason.kind == "cancelled"
+    assert offered == ["EffectError"]
+    stored = await store.load(SID)
+    assert stored.data.kept == {"a": "refused"}
+    kept_batches = [
+        b for b in await store.batches(SID) if any("kept" in e.changes for e in b.effects)
+    ]
+    assert len(kept_batches) == 1
+    await store.aclose()
