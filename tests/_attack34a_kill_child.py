@@ -19,7 +19,9 @@ MODE says when the child SIGKILLs itself:
 * ``after_return``: in ``b``'s ``landed`` (its charge took effect, the record held, not
   written);
 * ``between_records``: once ``a``'s record is stored, before ``b`` starts
-  (``CONCURRENCY`` 1).
+  (``CONCURRENCY`` 1);
+* ``jitter``: never by itself (the parent kills it at a random instant); each task
+  sleeps a little before its charge and in ``landed``.
 
 The child prints ``reason <kind>`` and ``finished`` when its run returns.
 """
@@ -27,6 +29,7 @@ The child prints ``reason <kind>`` and ``finished`` when its run returns.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import sys
 from pathlib import Path
@@ -98,6 +101,8 @@ class Child:
                     await anyio.sleep(0.02)
             if self.mode == "in_task" and name == "b":
                 kill()
+            if self.mode == "jitter":
+                await anyio.sleep(random.uniform(0.0, 0.15))
             await anyio.lowlevel.checkpoint()
             self.journal(f"charge {name} {key}")
             return receipt_record(name, f"receipt-{key}")
@@ -105,6 +110,8 @@ class Child:
         async def landed() -> None:
             if self.mode == "after_return" and name == "b":
                 kill()
+            if self.mode == "jitter":
+                await anyio.sleep(random.uniform(0.0, 0.05))
 
         return Task(name, run, guarded=True, landed=landed)
 

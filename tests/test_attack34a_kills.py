@@ -13,6 +13,7 @@ a guarded task.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -187,3 +188,43 @@ def test_two_processes_at_once_start_each_charge_once(
     assert check_invariants(data, added, lines) == {"a", "b", "c"}
     assert sorted(data.receipts) == ["a", "b", "c"]
     assert Counter(kind for kind, *_ in lines) == {"start": 3, "charge": 3}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "file"])
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_killed_at_random_instants_never_charges_twice(
+    kind: str, concurrency: int, tmp_path: Path
+) -> None:
+    """Fresh sessions, each child killed at a random instant of its run (or not), then
+    resumed: the invariants hold and the resumed run names exactly the intents without
+    a receipt (or yields ``done`` when the killed child finished)."""
+    rng = random.Random(3410 + concurrency + (kind == "file"))
+    kills = 0
+    for attempt in range(8):
+        folder = tmp_path / f"try{attempt}"
+        folder.mkdir()
+        where = where_of(kind, folder)
+        anyio.run(create, kind, where)
+        child = spawn(kind, where, "jitter", folder, concurrency)
+        deadline = time.monotonic() + 60
+        while not journal(folder) and child.poll() is None:  # the first task started
+            assert time.monotonic() < deadline, "the child never started a task"
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.35 * (4 - concurrency)))  # within the tasks' work
+        if child.poll() is None:
+            child.send_signal(signal.SIGKILL)
+            kills += 1
+        code, output = finish(child)
+        first = journal(folder)
+        data, added = anyio.run(stored, kind, where)
+        check_invariants(data, added, first)
+        code, output = finish(spawn(kind, where, "none", folder, concurrency))
+        assert code == 0, output[-3000:]
+        missing = sorted(set(data.keys) - set(data.receipts))
+        if not data.keys:  # killed before the intents: the resumed run charges
+            assert "reason done\n" in output, output[-3000:]
+            continue
+        expected = f"outcome_unknown {','.join(missing)}" if missing else "idle"
+        assert f"reason {expected}\n" in output, output[-3000:]
+        assert journal(folder) == first, "the resumed run started or charged something"
+    assert kills >= 4, "too few kills landed: the timing no longer attacks anything"
