@@ -863,3 +863,57 @@ async def test_then_raising_after_the_only_record_keeps_it(tmp_path: Path) -> No
         await StateMachine([StagedStep(make)]).run(Runtime(store=store), SID)
     assert (await store.load(SID)).data.receipts == {"a": "receipt-a"}
     await store.aclose()
+
+
+@pytest.mark.parametrize("how", ["token", "scope"])
+async def test_cancel_right_after_a_record_is_stored_writes_it_once(
+    tmp_path: Path, how: str
+) -> None:
+    """The cancellation lands in the announcement of ``a``'s record batch (stored, still
+    held by the machine): finalize computes the record again from the stored session,
+    which records nothing, so the receipt is written exactly once."""
+    store = await open_store(tmp_path)
+    journal = Journal()
+    token = CancelToken()
+    scopes: list[anyio.CancelScope] = []
+    computed: list[int] = []
+
+    class Emitter:
+        async def emit(self, event: Any) -> None:
+            data = event.data
+            if isinstance(data, StepApplied) and data.new_revision == 2:  # a's record
+                if how == "token":
+                    token.cancel()
+                else:
+                    scopes[0].cancel()
+                await anyio.lowlevel.checkpoint()
+
+    def make(ctx: StepContext[Order]) -> Staged:
+        effects, keys = intents(ctx, ["a", "b"])
+
+        async def run_a() -> Callable[[Session[Any]], Sequence[Effect]]:
+            journal.charge("a", keys["a"])
+
+            def record(stored: Session[Any]) -> Sequence[Effect]:
+                computed.append(stored.revision)
+                return receipt_record("a", "receipt-a")(stored)
+
+            return record
+
+        tasks = [Task("a", run_a, guarded=True), charge_task(journal, "b", keys["b"], keep=True)]
+        return Staged(effects, tasks, then=lambda: Yield([], "done"))
+
+    machine = StateMachine([StagedStep(make)], cancel=token if how == "token" else None)
+    with anyio.fail_after(30):
+        with anyio.CancelScope() as scope:
+            scopes.append(scope)
+            await machine.run(Runtime(store=store), SID, emitter=Emitter())
+    stored = await store.load(SID)
+    assert [line.split()[0] for line in journal.lines] == ["a"]
+    assert stored.data.receipts == {"a": "receipt-a"}
+    assert await receipt_additions(store) == ["a"]
+    assert len(computed) == 2, "computed again by finalize"
+    assert computed[0] == 1
+    assert computed[1] >= 2, "from the stored session, with its own batch in it"
+    assert stored.data.kept == {"b": "kept"}
+    await store.aclose()
