@@ -20,6 +20,7 @@ MODE says when the child SIGKILLs itself:
   written);
 * ``between_records``: once ``a``'s record is stored, before ``b`` starts
   (``CONCURRENCY`` 1);
+* ``kill_on_go``: in task ``b``, after its start line, once the file ``go`` exists;
 * ``jitter``: never by itself (the parent kills it at a random instant); each task
   sleeps a little before its charge and in ``landed``.
 
@@ -100,6 +101,10 @@ class Child:
                 while not (self.folder / "go").exists():  # noqa: ASYNC110 - another process makes it
                     await anyio.sleep(0.02)
             if self.mode == "in_task" and name == "b":
+                kill()
+            if self.mode == "kill_on_go" and name == "b":
+                while not (self.folder / "go").exists():  # noqa: ASYNC110 - another process makes it
+                    await anyio.sleep(0.02)
                 kill()
             if self.mode == "jitter":
                 await anyio.sleep(random.uniform(0.0, 0.15))

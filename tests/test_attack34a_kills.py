@@ -228,3 +228,33 @@ def test_killed_at_random_instants_never_charges_twice(
         assert f"reason {expected}\n" in output, output[-3000:]
         assert journal(folder) == first, "the resumed run started or charged something"
     assert kills >= 4, "too few kills landed: the timing no longer attacks anything"
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "file"])
+def test_holder_killed_while_another_process_waits(kind: str, tmp_path: Path) -> None:
+    """Process A holds the lease and is SIGKILLed inside task ``b``; process B, waiting
+    for the lease meanwhile (the default ``busy="wait"``), takes over: it starts nothing
+    and names ``b`` and ``c`` as outcome unknown."""
+    where = where_of(kind, tmp_path)
+    anyio.run(create, kind, where)
+    holder = spawn(kind, where, "kill_on_go", tmp_path)
+    deadline = time.monotonic() + 60
+    while not any(line[:2] == ["start", "b"] for line in journal(tmp_path)):
+        assert time.monotonic() < deadline, "the holder never started b"
+        assert holder.poll() is None, finish(holder)
+        time.sleep(0.05)
+    waiter = spawn(kind, where, "none", tmp_path)
+    time.sleep(1.0)  # let the waiter reach its claim (nothing to observe from outside)
+    assert waiter.poll() is None, finish(waiter)  # it waits: the lease is held
+    (tmp_path / "go").touch()
+    code, output = finish(holder)
+    assert code == -signal.SIGKILL, output[-3000:]
+    code, output = finish(waiter)
+    assert code == 0, output[-3000:]
+    assert "reason outcome_unknown b,c\n" in output, output[-3000:]
+    lines = journal(tmp_path)
+    assert len({pid for *_, pid in lines}) == 1, f"the waiter started a task: {lines}"
+    assert [line[:2] for line in lines] == [["start", "a"], ["charge", "a"], ["start", "b"]]
+    data, added = anyio.run(stored, kind, where)
+    check_invariants(data, added, lines)
+    assert data.receipts == {"a": f"receipt-{data.keys['a']}"}
