@@ -917,3 +917,54 @@ async def test_cancel_right_after_a_record_is_stored_writes_it_once(
     assert computed[1] >= 2, "from the stored session, with its own batch in it"
     assert stored.data.kept == {"b": "kept"}
     await store.aclose()
+
+
+async def test_intents_that_do_not_apply_start_no_task(tmp_path: Path) -> None:
+    journal = Journal()
+
+    def make(ctx: StepContext[Order]) -> Staged:
+        return Staged(
+            [UpdateData(changes={"keys": "not a dict"})],
+            [charge_task(journal, "a", "k")],
+        )
+
+    machine_error, kit_error, (stored, batches), _ = await machine_and_kit(tmp_path, make)
+    assert isinstance(machine_error, EffectError)
+    assert isinstance(kit_error, EffectError)
+    assert journal.lines == []
+    assert batches == []
+    assert stored.revision == 0
+
+
+async def test_intents_losing_the_race_decide_again_and_start_tasks_once(
+    tmp_path: Path,
+) -> None:
+    """Another writer moves the session on while the step decides: the intents conflict,
+    nothing of that decision is written or started; the step decides again."""
+    store = await open_store(tmp_path)
+    journal = Journal()
+    decided: list[dict[str, str]] = []
+
+    class Racing(StagedStep):
+        async def run(self, ctx: StepContext[Order]) -> Any:
+            outcome = await super().run(ctx)
+            if isinstance(outcome, Staged) and not decided:
+                await submit(store, SID, [UpdateData.set(count=1)])  # the race, lost
+            if isinstance(outcome, Staged):
+                decided.append(dict(outcome.intents[0].changes["keys"]))
+            return outcome
+
+    def make(ctx: StepContext[Order]) -> Staged:
+        effects, keys = intents(ctx, ["a", "b"])
+        tasks = [charge_task(journal, n, keys[n]) for n in ("a", "b")]
+        return Staged(effects, tasks, then=lambda: Yield([], "done"))
+
+    report = await StateMachine([Racing(make)]).run_report(Runtime(store=store), SID)
+    assert report.reason.kind == "done"
+    assert len(decided) == 2
+    stored = await store.load(SID)
+    assert stored.data.keys == decided[1]
+    assert stored.data.count == 1
+    assert journal.lines == [f"a {decided[1]['a']}", f"b {decided[1]['b']}"]
+    assert await receipt_additions(store) == ["a", "b"]
+    await store.aclose()
