@@ -107,13 +107,9 @@ def intents(ctx: StepContext[Order], names: Sequence[str]) -> tuple[list[Effect]
 # -- a sibling's error while a finished task's record waits -----------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a task that returned (its charge done) and waits in landed is cancelled by a "
-    "sibling task's error; its held record is never written (no finalize for an error), "
-    "so the next run sees the intent without a receipt",
-)
 async def test_sibling_error_keeps_a_landed_result(tmp_path: Path) -> None:
+    """A task that returned (its charge made) and waits in ``landed`` when a sibling raises:
+    its record is written before the error propagates (it was lost before 2026-12-07)."""
     store = await open_store(tmp_path)
     journal = Journal()
     a_landed = anyio.Event()
@@ -433,12 +429,8 @@ async def test_refused_replacement_is_written(tmp_path: Path) -> None:
     assert check.session.data == stored.data
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="run_step lists in StepCheck.commits a batch the session value refused "
-    "(EffectError, replaced through Task.refused): the machine wrote no such batch",
-)
 async def test_run_step_commits_leave_out_a_refused_batch(tmp_path: Path) -> None:
+    """``StepCheck.commits`` lists the batches the machine writes: not one that was refused."""
     journal = Journal()
 
     def bad(stored: Session[Any]) -> Sequence[Effect]:
@@ -783,14 +775,9 @@ async def test_finalize_offers_a_held_refused_record_to_refused(tmp_path: Path) 
     await store.aclose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a task cancelled while it runs because a sibling task raised does not record "
-    "its keep (the run raises the sibling's error; nothing writes the held keep). The docs "
-    "promise the keep of 'a task cancelled before it returns' in their Cancellation "
-    "paragraph: whether a sibling's error counts is not said",
-)
 async def test_sibling_error_records_a_running_tasks_keep(tmp_path: Path) -> None:
+    """A task cut while it runs because a sibling raised records its ``keep``, as after a
+    cancellation."""
     store = await open_store(tmp_path)
     journal = Journal()
     a_running = anyio.Event()
@@ -819,17 +806,12 @@ async def test_sibling_error_records_a_running_tasks_keep(tmp_path: Path) -> Non
     await store.aclose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="then() returning None (a then() that forgot its return) is not checked: the "
-    "machine raises AttributeError (\"'NoneType' object has no attribute 'effects'\") while "
-    "computing the last task's record, so that record (the charge took effect) is never "
-    "written; a step returning None gets StepContractError and nothing is lost",
-)
 @pytest.mark.parametrize("returned", [None, "done"])
 async def test_then_returning_a_non_outcome_keeps_the_last_record(
     tmp_path: Path, returned: Any
 ) -> None:
+    """``then()`` returning a non-outcome is a ``StepContractError``, raised after the last
+    record (the charge made) is written."""
     from stepmachine import StepContractError
 
     store = await open_store(tmp_path)
