@@ -286,7 +286,7 @@ class _Record:
         run = self.run
         while True:
             try:
-                effects = tuple(self.entry(current))
+                effects = record_effects(self.entry, current, self.task.name)
             except Exception:
                 _drop(run.held, self.entry)  # it would raise again: not written after the error
                 raise
@@ -344,6 +344,26 @@ class Refusable:
         return self.record(session)
 
 
+def record_effects(record: Recorder, session: Session[Any], task: str | None) -> tuple[Effect, ...]:
+    """The effects ``record`` computes from ``session``.
+
+    Raises:
+        StepContractError: one is not an :class:`~stepmachine.Effect` (naming
+            ``task`` when known); nothing of it is written.
+        Exception: whatever the record raises.
+    """
+    effects = tuple(record(session))
+    for effect in effects:
+        if not isinstance(effect, Effect):
+            whose = "a held record" if task is None else f"the record of task {task!r}"
+            raise StepContractError(
+                f"{whose} returned {effect!r:.100} (of type {type(effect).__name__}), which is "
+                "not an effect; a task's record returns Effect values (AppendMessage(message), "
+                "UpdateData(...), ...); it is not written"
+            )
+    return effects
+
+
 def _checked(done: object) -> Continue | Yield:
     """What ``then()`` returned, if it says how the cycle ends.
 
@@ -383,7 +403,7 @@ async def write_held(
     """
 
     async def attempt(record: Recorder, current: Session[Any]) -> Session[Any]:
-        effects = tuple(record(current))
+        effects = record_effects(record, current, None)
         return current if not effects else await write(current, effects)
 
     while held:

@@ -445,6 +445,25 @@ async def test_run_step_commits_leave_out_a_refused_batch(tmp_path: Path) -> Non
     assert check.commits == tuple(batches), "StepCheck.commits: the batches written"
 
 
+async def test_a_record_of_non_effects_is_a_step_contract_error(tmp_path: Path) -> None:
+    """A record returning something that is not an effect: the same ``StepContractError``,
+    naming the task, from the machine and from ``run_step``; only the intents are written."""
+    from stepmachine import StepContractError
+
+    journal = Journal()
+
+    def oops(stored: Session[Any]) -> Sequence[Effect]:
+        return ["oops"]  # type: ignore[list-item]
+
+    make = one_charge(journal, record=oops)
+    machine_error, kit_error, (stored, batches), _ = await machine_and_kit(tmp_path, make)
+    for error in (machine_error, kit_error):
+        assert isinstance(error, StepContractError)
+        assert "the record of task 'a' returned 'oops'" in str(error)
+    assert len(batches) == 1  # the intents only
+    assert not stored.data.receipts
+
+
 async def test_record_raising_propagates_after_intents(tmp_path: Path) -> None:
     journal = Journal()
 
