@@ -82,7 +82,7 @@ from ._model import PromptPart, ToolDefinition
 from ._runtime import Runtime
 from ._session import NoData, Session
 from ._step_contract import shown
-from ._steps import CancelToken, StepResult
+from ._steps import CancelToken, StepResult, YieldReason
 from ._tool_step import Tools
 from ._tools import Tool
 
@@ -335,7 +335,10 @@ class StateMachine(Generic[D]):
         propagates, what it already has is kept: its ``finalize(interrupted=True)``
         effects (tool results that exist, partial text) are committed, shielded,
         for at most ``finalize_timeout`` seconds. The caller then calls
-        :meth:`finalize` to answer the calls still open.
+        :meth:`finalize` to answer the calls still open. The machine's
+        :class:`CancelToken` firing (before or while a step runs) does the same,
+        then returns ``None``: check ``machine.cancel.cancelled`` and call
+        :meth:`finalize`.
         """
         sink = EventSink(emitter or NullEmitter(), session.id, session.revision)
         start = session.revision if run_start_revision is None else run_start_revision
@@ -348,8 +351,10 @@ class StateMachine(Generic[D]):
             await shielded(self.finalize_timeout, session.id, work)
 
         decided = await decide(
-            self.capabilities, runtime, session, sink, cycle, start, on_cancel=keep
+            self.capabilities, runtime, session, sink, cycle, start, self.cancel, keep
         )
+        if isinstance(decided, Interrupted):  # the machine's token fired
+            await keep(decided)
         return decided if isinstance(decided, Decision) else None
 
     async def apply(
@@ -373,28 +378,45 @@ class StateMachine(Generic[D]):
             ConflictError: the first batch lost the race; nothing was written.
             StepContractError: ``Continue`` with no effects.
             LeaseLostError: the run's lease is gone (staged work).
+            EffectError: an effect does not apply; nothing of that batch was written.
 
         Cancellation (or ``KeyboardInterrupt``): the records of staged work
         that exist and were not yet written are written, shielded, for at most
         ``finalize_timeout`` seconds, before it propagates; then call
-        :meth:`finalize` to answer the calls still open.
-            EffectError: an effect does not apply; nothing of that batch was written.
+        :meth:`finalize` to answer the calls still open. The machine's
+        :class:`CancelToken` firing during staged work does the same, then
+        returns the session as stored and a result with status ``"cancelled"``
+        (reason ``cancelled``); call :meth:`finalize` then too.
         """
         try:
-            applied = await apply(runtime, session, decision, cycle)
+            applied = await apply(runtime, session, decision, cycle, self.cancel)
         except BaseException as exc:
-            if stops_the_run(exc) and decision.held:
-                held = Interrupted(decision.step, decision.ctx, tuple(decision.held))
-                decision.held.clear()  # written here, not again by a later finalize
-
-                async def work() -> None:
-                    current: Session[D] = await runtime.session_loader().load(session.id)
-                    await keep_records(runtime, current, held, cycle, self.max_conflicts)
-
-                await shielded(self.finalize_timeout, session.id, work)
+            if stops_the_run(exc):
+                await self._keep_held(runtime, session.id, decision, cycle)
             raise
-        assert applied is not None  # only a token's firing returns None, and none is passed
-        return applied
+        if applied is not None:
+            return applied
+        await self._keep_held(runtime, session.id, decision, cycle)  # the token fired
+        current: Session[D] = await runtime.session_loader().load(session.id)
+        why = self.cancel.reason if self.cancel is not None else ""
+        reason = YieldReason(YieldReason.CANCELLED, why)
+        return current, StepResult(decision.step.name, (), "cancelled", current.revision, reason)
+
+    async def _keep_held(
+        self, runtime: Runtime, session_id: str, decision: Decision[D], cycle: int
+    ) -> None:
+        """Write the records the machine held for ``decision``'s staged work (shielded, at
+        most ``finalize_timeout`` seconds); a later :meth:`finalize` does not write them again."""
+        if not decision.held:
+            return
+        held = Interrupted(decision.step, decision.ctx, tuple(decision.held))
+        decision.held.clear()
+
+        async def work() -> None:
+            current: Session[D] = await runtime.session_loader().load(session_id)
+            await keep_records(runtime, current, held, cycle, self.max_conflicts)
+
+        await shielded(self.finalize_timeout, session_id, work)
 
     async def finalize(
         self,

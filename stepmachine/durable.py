@@ -22,8 +22,8 @@ and, in a worker or anywhere else that launched DBOS, a turn::
 
 What a durable turn is. :class:`DurableMachine` registers one DBOS workflow per
 machine (named ``<name>.turn``) that runs one *turn* of a session: a loop of
-DBOS steps, each step exactly **one machine cycle**, driven through the public
-hand-driven API (:meth:`StateMachine.step` then :meth:`StateMachine.apply`):
+DBOS steps, each step exactly **one machine cycle**, run by the machine's driver
+as ``run()`` runs each of its cycles (decided, applied, finalized if cancelled):
 
 1. step ``stepmachine.turn_start`` loads the session and records its revision
    (the turn's ``run_start_revision``, so per-run budgets count from the turn's
@@ -34,9 +34,11 @@ hand-driven API (:meth:`StateMachine.step` then :meth:`StateMachine.apply`):
    A :class:`~stepmachine.ConflictError` (a user message or an approval
    submitted meanwhile) reloads and redoes the cycle, at most the machine's
    ``max_conflicts`` times;
-3. the turn ends when a cycle yields (``status="yielded"``), when no step
-   applies (``"idle"``), or after ``max_cycles`` cycles (reason
-   ``cycle_limit``); the workflow returns a :class:`TurnReport`.
+3. the turn ends when a cycle yields (``status="yielded"``), when the
+   machine's :class:`~stepmachine.CancelToken` has fired (``"yielded"``, reason
+   ``cancelled``, after finalize, as ``run()`` returns), when no step applies
+   (``"idle"``), or after ``max_cycles`` cycles (reason ``cycle_limit``); the
+   workflow returns a :class:`TurnReport`.
 
 DBOS records each step's output in its system tables when the step returns.
 After a crash, DBOS runs the workflow again from the top: steps that were
@@ -532,7 +534,10 @@ async def _retrying(session_id: str, step: str, attempt: Callable[[], Awaitable[
 
 
 def _summary(number: int, after: Session[Any], result: StepResult, conflicts: int) -> CycleSummary:
-    status: Literal["continue", "yielded"] = "yielded" if result.status == "yielded" else "continue"
+    """The cycle's summary: ``"yielded"`` ends the turn, as a yield or the machine's
+    token firing (``reason`` ``"cancelled"``: finalized, as ``run()`` returns) do."""
+    ended = result.status in ("yielded", "cancelled")
+    status: Literal["continue", "yielded"] = "yielded" if ended else "continue"
     reason = result.reason.kind if result.reason is not None else ""
     return CycleSummary(
         cycle=number,
