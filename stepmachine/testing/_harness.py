@@ -115,6 +115,7 @@ async def run_step(
     runtime: Runtime | None = None,
     model: Model | None = None,
     others: Sequence[Step[Any]] = (),
+    run_start_revision: int | None = None,
 ) -> StepCheck:
     """Run ``step`` once against ``session``, as the machine would, and report.
 
@@ -129,6 +130,9 @@ async def run_step(
             request shaping and ``check_call`` objections count too, in the
             order ``[step, *others]`` (duplicate tool names raise as in the
             machine).
+        run_start_revision: the revision the run began at, as for
+            :meth:`StateMachine.step` (per-run budgets count from it); by
+            default ``session.revision``: the first cycle of a new run.
 
     Staged work runs as the machine runs it; each batch it writes is applied
     to the session value and listed in ``StepCheck.commits``.
@@ -152,7 +156,8 @@ async def run_step(
         sink.follow(after.revision)
         return after
 
-    ctx = cycle_context(machine.capabilities, runtime, session, sink, 1, 0)
+    start = session.revision if run_start_revision is None else run_start_revision
+    ctx = cycle_context(machine.capabilities, runtime, session, sink, 1, start)
     ctx.committer = commit  # the deprecated ctx.commit
     returned = check_outcome(step.name, await check_pending(step.name, step.run(ctx)))
     current = ctx.session
