@@ -105,7 +105,9 @@ class Agent:
             return StateMachine(steps)
         return StateMachine(steps, lease=lease)
 
-    def runtime(self, store: Any) -> Runtime:
+    def runtime(self, store: Any, *, fixed_ids: bool = True) -> Runtime:
+        if not fixed_ids:  # a resumed process must not hand out the dead one's ids again
+            return Runtime(store=store, model=FunctionModel(self.answer))
         return Runtime(
             store=store, model=FunctionModel(self.answer), clock=Clock(), ids=counter_ids("m")
         )
