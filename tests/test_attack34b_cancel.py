@@ -26,6 +26,7 @@ from stepmachine import (
     LeasePolicy,
     Message,
     SessionBusyError,
+    StateMachine,
     run_worker,
     submit,
 )
@@ -383,5 +384,44 @@ async def test_hostile_session_ids_on_the_hand_driven_and_worker_paths(
             tuple(session.conversation)
         )
         assert outside(tmp_path, folder) == before
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", STORES)
+@pytest.mark.xfail(
+    strict=True,
+    reason="the machine's CancelToken is not honoured by step()/apply(): a tool in apply() "
+    "runs on after the token fired, and step() still decides afterwards",
+)
+async def test_machine_token_stops_apply(kind: str, tmp_path: Path) -> None:
+    """``StateMachine(cancel=token)`` ("a token that stops the run"; ``_machine``'s docs:
+    "When the machine's CancelToken fires, the running step is cancelled"), driven by
+    hand: the token firing while ``charge`` runs in ``apply`` stops it within seconds."""
+    agent = Agent(approval=False)
+    store = await prepared(kind, tmp_path)
+    try:
+        token = CancelToken()
+        machine = StateMachine(agent.machine().steps, cancel=token)
+        runtime = agent.runtime(store)
+        session, decision, cycle = await to_the_charge(agent, machine, runtime)
+        inside = anyio.Event()
+
+        async def block() -> None:
+            inside.set()
+            await anyio.sleep_forever()
+
+        agent.on_charge_start = block
+        with anyio.move_on_after(5) as guard:
+            async with anyio.create_task_group() as tasks:
+
+                async def fire() -> None:
+                    await inside.wait()
+                    token.cancel("stop")
+
+                tasks.start_soon(fire)
+                await machine.apply(runtime, session, decision, cycle=cycle)
+        assert not guard.cancelled_caught, "apply() ran on for 5 s after the token fired"
     finally:
         await store.aclose()
