@@ -13,7 +13,8 @@ MODE: when the child SIGKILLs itself:
 * ``model2``: when the second model request has arrived (counted), before it answers.
 
 Side effects go to FOLDER/effects.txt, model requests to FOLDER/requests.txt. BUDGET:
-``Budget(per_session=Limits(model_calls=BUDGET))`` in front of the steps. Prints
+``N`` puts ``Budget(per_session=Limits(model_calls=N))`` in front of the steps, ``run:N``
+``Budget(per_run=...)``. Prints
 ``finished <reason>`` when the session's turn is over.
 """
 
@@ -46,7 +47,7 @@ async def open_store(kind: str, where: str) -> Any:
     return await FileStore.open(where)
 
 
-def build(path: str, mode: str, folder: Path, budget: int | None) -> tuple[Agent, Any]:
+def build(path: str, mode: str, folder: Path, budget: str) -> tuple[Agent, Any]:
     agent = Agent(folder, approval=False)
     seen = (
         len((folder / "requests.txt").read_text().splitlines())
@@ -70,15 +71,18 @@ def build(path: str, mode: str, folder: Path, budget: int | None) -> tuple[Agent
     agent.on_charge_done = tool_done
     agent.on_model = on_model
     machine = agent.machine()
-    if budget is not None:
-        steps = [Budget(per_session=Limits(model_calls=budget)), *machine.steps]
+    if budget:
+        scope, _, count = budget.rpartition(":")
+        limits = Limits(model_calls=int(count))
+        limit = Budget(per_run=limits) if scope == "run" else Budget(per_session=limits)
+        steps = [limit, *machine.steps]
         machine = StateMachine(steps)
     return agent, machine
 
 
 async def main(path: str, kind: str, where: str, mode: str, folder: str, budget: str) -> None:
     home = Path(folder)
-    agent, machine = build(path, mode, home, int(budget) if budget else None)
+    agent, machine = build(path, mode, home, budget)
     store = await open_store(kind, where)
     runtime = agent.runtime(store, fixed_ids=False)
     try:

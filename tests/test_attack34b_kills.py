@@ -32,14 +32,16 @@ CHILD = HERE / "_attack34b_child.py"
 BUDGET = 3
 
 
-def spawn(path: str, kind: str, where: str, mode: str, folder: Path, backend: str) -> Any:
+def spawn(
+    path: str, kind: str, where: str, mode: str, folder: Path, backend: str, budget: str = ""
+) -> Any:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]),
         "ATTACK34B_BACKEND": "asyncio" if path == "durable" else backend,
     }
     return subprocess.run(
-        [sys.executable, str(CHILD), path, kind, where, mode, str(folder), str(BUDGET)],
+        [sys.executable, str(CHILD), path, kind, where, mode, str(folder), budget or str(BUDGET)],
         env=env,
         capture_output=True,
         text=True,
@@ -80,7 +82,7 @@ CASES = [
     for first in PATHS
     for mode in ("tool_start", "tool_done", "model2")
     for then in (first, "run" if first != "run" else "step")
-]
+] + [(first, mode, "durable") for first in ("run", "step") for mode in ("tool_done", "model2")]
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -130,3 +132,28 @@ def test_killed_then_resumed(
     assert last.role == "assistant"
     assert last.text.startswith("done:"), (last, resumed.stdout)
     assert "finished done" in resumed.stdout
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "file"])
+@pytest.mark.parametrize("mode", ["tool_start", "tool_done"])
+def test_durable_turn_recovered_keeps_its_per_run_budget(
+    kind: str, mode: str, tmp_path: Path
+) -> None:
+    """``Budget(per_run=Limits(model_calls=2))`` under durable turns: the turn is the run
+    (its start revision is recorded by ``stepmachine.turn_start``), so the turn recovered
+    after a SIGKILL in ``charge`` does not get a fresh allowance: two requests in all, and
+    the turn ends ``budget_exhausted``. A later ``run()`` is a new run and finishes."""
+    anyio.run(prepare, kind, tmp_path)
+    where = where_of(kind, tmp_path)
+    killed = spawn("durable", kind, where, mode, tmp_path, "asyncio", "run:2")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert len(lines(tmp_path, "requests.txt")) == 2
+    resumed = spawn("durable", kind, where, "none", tmp_path, "asyncio", "run:2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "finished budget_exhausted" in resumed.stdout, resumed.stdout
+    assert len(lines(tmp_path, "requests.txt")) == 2
+    later = spawn("run", kind, where, "none", tmp_path, "asyncio", "run:2")
+    assert "finished done" in later.stdout, (later.stdout, later.stderr[-2000:])
+    assert len(lines(tmp_path, "requests.txt")) == 3
+    charges = [e for e in lines(tmp_path, "effects.txt") if e.startswith("charge")]
+    assert len(charges) == (1 if mode == "tool_done" else 0)
