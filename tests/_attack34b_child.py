@@ -10,7 +10,9 @@ MODE: when the child SIGKILLs itself:
 * ``none``: never;
 * ``tool_start``: when ``charge`` has started, before its side effect;
 * ``tool_done``: when ``charge``'s side effect is journalled, before it returns;
-* ``model2``: when the second model request has arrived (counted), before it answers.
+* ``model2``: when the second model request has arrived (counted), before it answers;
+* ``hold``: never; when ``charge``'s side effect is journalled it writes FOLDER/inside and
+  waits for FOLDER/release before returning.
 
 Side effects go to FOLDER/effects.txt, model requests to FOLDER/requests.txt. BUDGET:
 ``N`` puts ``Budget(per_session=Limits(model_calls=N))`` in front of the steps, ``run:N``
@@ -62,6 +64,10 @@ def build(path: str, mode: str, folder: Path, budget: str) -> tuple[Agent, Any]:
     async def tool_done() -> None:
         if mode == "tool_done":
             kill()
+        if mode == "hold":  # tell the parent, then wait for it to say go on
+            (folder / "inside").write_text("charge took effect")
+            while not (folder / "release").exists():  # noqa: ASYNC110 - another process's file
+                await anyio.sleep(0.02)
 
     def on_model() -> None:
         if mode == "model2" and seen + agent.requests == 2:

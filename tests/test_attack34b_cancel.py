@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,7 @@ from stepmachine.operations import Budget, Limits
 from stepmachine.testing import FunctionModel
 
 STORES = ["sqlite", "file"]
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -512,4 +516,68 @@ async def test_apply_cancelled_during_the_model_call_keeps_the_budget_exact(
         assert report.reason.kind == "budget_exhausted"
         assert history_problems((await store.load("s")).conversation) == []
     finally:
+        await store.aclose()
+
+
+def holder(kind: str, where: str, folder: Path) -> subprocess.Popen[str]:
+    """A child whose run() holds the session inside charge until FOLDER/release exists."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]),
+        "ATTACK34B_BACKEND": "asyncio",
+    }
+    child = HERE / "_attack34b_child.py"
+    return subprocess.Popen(
+        [sys.executable, str(child), "run", kind, where, "hold", str(folder), "9"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", STORES)
+@pytest.mark.xfail(
+    strict=True,
+    reason="step()/apply() take no lease: beside another process's run() that holds the "
+    "session inside charge, the hand-driven apply answers the call 'outcome unknown' and "
+    "the holder's real result is dropped",
+)
+async def test_step_apply_beside_another_process_holding_the_session(
+    kind: str, tmp_path: Path
+) -> None:
+    """As above, with the holder a separate process (``_attack34b_child.py run ... hold``)."""
+    await (await prepared(kind, tmp_path)).aclose()
+    where = str(tmp_path / ("db.sqlite3" if kind == "sqlite" else "store"))
+    child = holder(kind, where, tmp_path)
+    store = await open_store(kind, tmp_path)
+    agent = Agent(approval=False)
+    try:
+        with anyio.fail_after(60):
+            while not await anyio.Path(tmp_path / "inside").exists():
+                assert child.poll() is None, child.communicate()
+                await anyio.sleep(0.02)
+        machine = agent.machine()
+        runtime = agent.runtime(store, fixed_ids=False)
+        try:
+            session = await store.load("s")
+            decision = await machine.step(runtime, session, cycle=1)
+            if decision is not None:
+                await machine.apply(runtime, session, decision, cycle=1)
+        except (SessionBusyError, ConflictError):
+            pass
+        finally:
+            await anyio.Path(tmp_path / "release").write_text("go")
+        _, err = await anyio.to_thread.run_sync(lambda: child.communicate(timeout=60))
+        assert child.returncode == 0, err[-3000:]
+        final = await store.load("s")
+        assert agent.effects == []  # the intruder ran nothing itself
+        charges = [e for e in (tmp_path / "effects.txt").read_text().splitlines() if "charge" in e]
+        assert len(charges) == 1
+        assert charge_results(final.conversation) == ["charged 1"]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
         await store.aclose()
