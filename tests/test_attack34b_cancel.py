@@ -581,3 +581,76 @@ async def test_step_apply_beside_another_process_holding_the_session(
             child.kill()
             child.communicate()
         await store.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", STORES)
+async def test_a_non_idempotent_decision_applied_twice_runs_once(kind: str, tmp_path: Path) -> None:
+    """The charge's decision applied, then applied again from the same (now stale)
+    session, and decided again from it: ``ConflictError`` each time, one charge."""
+    agent = Agent(approval=False)
+    store = await prepared(kind, tmp_path)
+    try:
+        machine = agent.machine()
+        runtime = agent.runtime(store, fixed_ids=False)
+        session, decision, cycle = await to_the_charge(agent, machine, runtime)
+        await machine.apply(runtime, session, decision, cycle=cycle)
+        with pytest.raises(ConflictError):
+            await machine.apply(runtime, session, decision, cycle=cycle)
+        again = await machine.step(runtime, session, cycle=cycle)
+        assert again is not None
+        with pytest.raises(ConflictError):
+            await machine.apply(runtime, session, again, cycle=cycle)
+        assert len([e for e in agent.effects if e.startswith("charge")]) == 1
+        assert charge_results((await store.load("s")).conversation) == ["charged 1"]
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", STORES)
+async def test_finalize_of_a_bad_session_id_says_so(kind: str, tmp_path: Path) -> None:
+    from stepmachine import InvalidSessionIdError, SessionNotFoundError
+
+    agent = Agent(approval=False)
+    store = await prepared(kind, tmp_path)
+    try:
+        machine = agent.machine()
+        runtime = agent.runtime(store)
+        with pytest.raises(InvalidSessionIdError, match="may use only"):
+            await machine.finalize(runtime, "../x")
+        with pytest.raises(SessionNotFoundError, match="nosuch"):
+            await machine.finalize(runtime, "nosuch")
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", STORES)
+@pytest.mark.xfail(
+    strict=True,
+    reason="apply() of a tools decision applied once already, from the same stale session, "
+    "runs the idempotent lookup a second time although its result is stored (the second "
+    "record is dropped, no ConflictError)",
+)
+async def test_an_idempotent_decision_applied_twice_runs_once(kind: str, tmp_path: Path) -> None:
+    """Durable docs: "a call whose result is stored is never run again"."""
+    agent = Agent(approval=False)
+    store = await prepared(kind, tmp_path)
+    try:
+        machine = agent.machine()
+        runtime = agent.runtime(store, fixed_ids=False)
+        session = await store.load("s")
+        first = await machine.step(runtime, session, cycle=1)
+        assert first is not None
+        session, _ = await machine.apply(runtime, session, first, cycle=1)
+        decision = await machine.step(runtime, session, cycle=2)
+        assert decision is not None
+        assert decision.step.name == "tools"
+        await machine.apply(runtime, session, decision, cycle=2)
+        with contextlib.suppress(ConflictError):
+            await machine.apply(runtime, session, decision, cycle=2)
+        assert results_of((await store.load("s")).conversation)
+        assert len(agent.effects) == 1, agent.effects
+    finally:
+        await store.aclose()
