@@ -398,11 +398,6 @@ async def test_hostile_session_ids_on_the_hand_driven_and_worker_paths(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", STORES)
-@pytest.mark.xfail(
-    strict=True,
-    reason="the machine's CancelToken is not honoured by apply(): a tool in apply() runs on "
-    "after the token fired (apply() ran 5 s, until cancelled from outside)",
-)
 async def test_machine_token_stops_apply(kind: str, tmp_path: Path) -> None:
     """``StateMachine(cancel=token)`` ("a token that stops the run"; ``_machine``'s docs:
     "When the machine's CancelToken fires, the running step is cancelled"), driven by

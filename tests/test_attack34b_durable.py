@@ -102,12 +102,6 @@ async def test_durable_turns_match_run(
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="a durable turn of a machine whose CancelToken fired reports every cycle as "
-    "status 'continue' with reason 'cancelled', runs max_cycles finalizing cycles and ends "
-    "'cycle_limit'; run() returns 'cancelled' after one",
-)
 async def test_a_fired_token_ends_a_durable_turn_as_cancelled(
     tmp_path: Path, fresh_dbos: None
 ) -> None:

@@ -250,13 +250,6 @@ async def test_run_step_matches_each_machine_cycle(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="run_step builds its context with run_start_revision=0 and takes no way to say "
-    "otherwise: a per-run Budget among `others` counts the whole session as the run, so "
-    "run_step(inference) raises BudgetExhaustedError where the machine's first cycle of a "
-    "new run sends the request",
-)
 async def test_run_step_counts_a_per_run_budget_as_a_new_run_would(tmp_path: Path) -> None:
     agent = Agent(approval=False)
     store = await SQLiteStore.open(tmp_path / "db.sqlite3")
@@ -272,7 +265,8 @@ async def test_run_step_counts_a_per_run_budget_as_a_new_run_would(tmp_path: Pat
         assert decision is not None
         assert decision.step.name == "inference"
         others = [s for s in machine.steps if s is not decision.step]
-        check = await run_step(decision.step, session, runtime=agent.runtime(None), others=others)
+        kit = agent.runtime(None, fixed_ids=False)  # ids the stored session does not hold yet
+        check = await run_step(decision.step, session, runtime=kit, others=others)
         assert check.continued
         assert agent.requests == 2
     finally:
