@@ -54,6 +54,7 @@ just after a tool returned), which then propagate.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import EllipsisType
@@ -67,7 +68,7 @@ from ._conversation import Conversation
 from ._cycle import Driver, apply, decide
 from ._decision import Decision, Interrupted, RunReport
 from ._emitter import Emitter, EventSink, NullEmitter
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, ConflictError
 from ._finalize import (
     FINALIZE_STEP,
     INTERRUPTED,
@@ -77,10 +78,12 @@ from ._finalize import (
     shielded,
     stops_the_run,
 )
-from ._lease import Lease, LeasePolicy
+from ._hold import Turns, claim, leasing_store
+from ._lease import Lease, LeasePolicy, new_owner
 from ._model import PromptPart, ToolDefinition
 from ._runtime import Runtime
 from ._session import NoData, Session
+from ._staged import Staged
 from ._step_contract import shown
 from ._steps import CancelToken, StepResult, YieldReason
 from ._tool_step import Tools
@@ -369,15 +372,25 @@ class StateMachine(Generic[D]):
         to :meth:`finalize` (``interrupted=decision``): it writes the records
         the machine held for it.
 
+        Like :meth:`run`, it holds the session's lease while it writes (when
+        the machine has a lease policy and the store leases; claimed with
+        ``busy="fail"``, released when it returns): a session another runner
+        holds is not written by hand. Staged work starts only from the stored
+        session: ``session`` must be its current revision (one load), so a
+        decision another writer overtook calls no model and runs no tool.
+
         Returns:
             The new session and the cycle's :class:`StepResult` (its
             ``effects``: every effect written in the cycle). A ``Yield``
             with no effects writes nothing and returns ``session`` unchanged.
 
         Raises:
-            ConflictError: the first batch lost the race; nothing was written.
+            ConflictError: the first batch lost the race, or (staged work) the
+                stored session has moved on from ``session``; nothing was
+                written. :meth:`step` again from the stored session.
+            SessionBusyError: another runner holds the session's lease.
             StepContractError: ``Continue`` with no effects.
-            LeaseLostError: the run's lease is gone (staged work).
+            LeaseLostError: the lease was lost while it wrote (staged work).
             EffectError: an effect does not apply; nothing of that batch was written.
 
         Cancellation (or ``KeyboardInterrupt``): the records of staged work
@@ -388,19 +401,44 @@ class StateMachine(Generic[D]):
         returns the session as stored and a result with status ``"cancelled"``
         (reason ``cancelled``); call :meth:`finalize` then too.
         """
-        try:
-            applied = await apply(runtime, session, decision, cycle, self.cancel)
-        except BaseException as exc:
-            if stops_the_run(exc):
-                await self._keep_held(runtime, session.id, decision, cycle)
-            raise
-        if applied is not None:
-            return applied
-        await self._keep_held(runtime, session.id, decision, cycle)  # the token fired
-        current: Session[D] = await runtime.session_loader().load(session.id)
+        async with self._holding(runtime, session.id) as held:
+            if isinstance(decision.outcome, Staged):
+                await _check_current(held, session)  # before any task starts
+            try:
+                applied = await apply(held, session, decision, cycle, self.cancel)
+            except BaseException as exc:
+                if stops_the_run(exc):
+                    await self._keep_held(held, session.id, decision, cycle)
+                raise
+            if applied is not None:
+                return applied
+            await self._keep_held(held, session.id, decision, cycle)  # the token fired
+            current: Session[D] = await held.session_loader().load(session.id)
         why = self.cancel.reason if self.cancel is not None else ""
         reason = YieldReason(YieldReason.CANCELLED, why)
         return current, StepResult(decision.step.name, (), "cancelled", current.revision, reason)
+
+    @asynccontextmanager
+    async def _holding(self, runtime: Runtime, session_id: str) -> AsyncIterator[Runtime]:
+        """``runtime`` writing under the session's lease while the body runs (a hand-driven
+        :meth:`apply` or :meth:`finalize`), claimed with the machine's policy but
+        ``busy="fail"``, renewed, and released after; ``runtime`` as it is when the machine
+        has no lease policy or the store no leases (as :meth:`run` decides).
+
+        Raises:
+            SessionBusyError: another runner holds the session.
+        """
+        policy = self.lease
+        leases = None if policy is None else leasing_store(runtime)
+        if policy is None or leases is None:
+            yield runtime
+            return
+        lease = await claim(
+            leases, session_id, new_owner(), dataclasses.replace(policy, busy="fail")
+        )
+        assert lease is not None  # busy="fail" raises instead of queueing
+        async with Turns(leases, lease).held(runtime) as fenced:
+            yield fenced
 
     async def _keep_held(
         self, runtime: Runtime, session_id: str, decision: Decision[D], cycle: int
@@ -435,10 +473,15 @@ class StateMachine(Generic[D]):
         ``finalize(interrupted=False)``; then every tool call still without a
         result is answered with an ``interrupted`` error result (step name
         ``stepmachine.finalize``). Each of these is its own batch, retried on
-        conflict.
+        conflict. It holds the session's lease while it writes, as :meth:`apply`
+        does: it never answers "interrupted" a call another runner is still
+        running.
 
         Returns:
             The session afterwards.
+
+        Raises:
+            SessionBusyError: another runner holds the session's lease.
         """
         sink = EventSink(emitter or NullEmitter(), session_id, 0)
         step = (
@@ -447,16 +490,17 @@ class StateMachine(Generic[D]):
             else Interrupted(interrupted.step, interrupted.ctx, tuple(interrupted.held))
         )
         with anyio.CancelScope(shield=True):
-            return await finalize(
-                self.capabilities,
-                runtime,
-                session_id,
-                sink,
-                step,
-                cycle=0,
-                run_start_revision=0,
-                max_conflicts=self.max_conflicts,
-            )
+            async with self._holding(runtime, session_id) as held:
+                return await finalize(
+                    self.capabilities,
+                    held,
+                    session_id,
+                    sink,
+                    step,
+                    cycle=0,
+                    run_start_revision=0,
+                    max_conflicts=self.max_conflicts,
+                )
         raise AssertionError("unreachable: a shielded scope is never cancelled")  # pragma: no cover
 
 
@@ -512,3 +556,16 @@ def _check_fixed_tool_names(steps: Sequence[object]) -> None:
             holder = owner.setdefault(definition.name, step.name)
             if holder != step.name:
                 raise ConfigurationError(tool_name_clash(definition.name, holder, step.name))
+
+
+async def _check_current(runtime: Runtime, session: Session[Any]) -> None:
+    """Raise :class:`ConflictError` unless ``session`` is the stored session's revision.
+
+    A hand-driven :meth:`StateMachine.apply` of staged work checks this before any
+    task starts: a decision made from a session another writer has moved on since
+    would otherwise call the model, or run a tool, for a question that is no longer
+    the last (``run()`` decides from the session it has just loaded or written).
+    """
+    stored: Session[Any] = await runtime.session_loader().load(session.id)
+    if stored.revision != session.revision:
+        raise ConflictError(session.id, session.revision, stored.revision)

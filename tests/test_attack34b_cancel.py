@@ -203,12 +203,6 @@ async def test_worker_cancelled_mid_tool_then_run(kind: str, tmp_path: Path) -> 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", STORES)
-@pytest.mark.xfail(
-    strict=True,
-    reason="apply() of an inference decision made before another writer moved the session "
-    "on raises no ConflictError: it sends the model request (counted in the budget) and "
-    "drops the answer, writing only the attempts record, and reports status 'continue'",
-)
 async def test_stale_inference_apply_conflicts_and_calls_no_model(
     kind: str, tmp_path: Path
 ) -> None:
@@ -238,8 +232,9 @@ async def test_stale_inference_apply_conflicts_and_calls_no_model(
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", STORES)
 async def test_stale_tools_apply_runs_each_call_once(kind: str, tmp_path: Path) -> None:
-    """A tools decision made stale by an unrelated user message: the open call is still
-    open in the stored session, so it runs once and its result lands there (as in run())."""
+    """A tools decision made stale by an unrelated user message: ``apply`` raises
+    ``ConflictError`` before the tool runs; stepping again from the stored session runs
+    the call once and its result lands there."""
     agent = Agent(approval=False)
     store = await prepared(kind, tmp_path)
     try:
@@ -253,7 +248,14 @@ async def test_stale_tools_apply_runs_each_call_once(kind: str, tmp_path: Path) 
         assert decision is not None
         assert decision.step.name == "tools"
         await submit(store, "s", [AppendMessage(Message.user("again", id="u3"))])
-        await machine.apply(runtime, session, decision, cycle=2)
+        with pytest.raises(ConflictError):
+            await machine.apply(runtime, session, decision, cycle=2)
+        assert agent.effects == []  # nothing ran for the stale decision
+        session = await store.load("s")
+        again = await machine.step(runtime, session, cycle=2)
+        assert again is not None
+        assert again.step.name == "tools"
+        await machine.apply(runtime, session, again, cycle=2)
         assert len(agent.effects) == 1
         stored = await store.load("s")
         assert [r for rs in results_of(stored.conversation).values() for r in rs] == [
@@ -266,12 +268,6 @@ async def test_stale_tools_apply_runs_each_call_once(kind: str, tmp_path: Path) 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", STORES)
-@pytest.mark.xfail(
-    strict=True,
-    reason="step()/apply() take no lease: while run() holds the session and is inside "
-    "charge, the hand-driven apply answers that call 'outcome unknown' and the holder's "
-    "real result ('charged 1', the charge took effect) is dropped; no SessionBusyError",
-)
 async def test_step_apply_while_a_run_holds_the_session(kind: str, tmp_path: Path) -> None:
     """A ``run()`` holds the session's lease and is inside ``charge``. A hand-driven
     ``step``/``apply`` of the same session must not answer that call as crashed (nor
@@ -432,12 +428,6 @@ async def test_machine_token_stops_apply(kind: str, tmp_path: Path) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", STORES)
-@pytest.mark.xfail(
-    strict=True,
-    reason="finalize() takes no lease: called while run() holds the session inside charge, "
-    "it answers that call 'interrupted' and the holder's real result ('charged 1', the "
-    "charge took effect) is dropped; no SessionBusyError",
-)
 async def test_finalize_while_a_run_holds_the_session(kind: str, tmp_path: Path) -> None:
     agent = Agent(approval=False)
     store = await prepared(kind, tmp_path)
@@ -533,12 +523,6 @@ def holder(kind: str, where: str, folder: Path) -> subprocess.Popen[str]:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", STORES)
-@pytest.mark.xfail(
-    strict=True,
-    reason="step()/apply() take no lease: beside another process's run() that holds the "
-    "session inside charge, the hand-driven apply answers the call 'outcome unknown' and "
-    "the holder's real result is dropped",
-)
 async def test_step_apply_beside_another_process_holding_the_session(
     kind: str, tmp_path: Path
 ) -> None:
@@ -622,12 +606,6 @@ async def test_finalize_of_a_bad_session_id_says_so(kind: str, tmp_path: Path) -
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", STORES)
-@pytest.mark.xfail(
-    strict=True,
-    reason="apply() of a tools decision applied once already, from the same stale session, "
-    "runs the idempotent lookup a second time although its result is stored (the second "
-    "record is dropped, no ConflictError)",
-)
 async def test_an_idempotent_decision_applied_twice_runs_once(kind: str, tmp_path: Path) -> None:
     """Durable docs: "a call whose result is stored is never run again"."""
     agent = Agent(approval=False)

@@ -264,10 +264,11 @@ async def test_a_store_error_of_parallel_calls_leaves_run_as_itself() -> None:
     # out (see _staged): the closed store refuses them too, and a note says so.
     notes = getattr(raised.value, "__notes__", [])
     held = [note for note in notes if note.startswith("the records held")]
-    assert held == [
+    expected = (
         "the records held for the other tasks could not all be written: "
         "StoreClosedError: the store was closed"
-    ]
+    )
+    assert held == [expected]
     assert all("also raised StoreClosedError" in note for note in notes if note not in held)
 
 
