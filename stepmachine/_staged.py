@@ -56,16 +56,18 @@ or ``None`` to let the error propagate. It is offered once per task: when the
 store refuses the replacement too, that error propagates.
 
 An error. When a task raises (its ``run``, its ``landed``, or its record when
-computed), or a record's write fails, the error propagates -- after the
-machine writes what it holds, as after a cancellation: the records of tasks
-that returned and the ``keep`` of every task that did not (cancelled because
-a sibling failed, not started, or the one that raised), each its own batch
-from the session as stored then (:func:`write_held`). A record that raised,
-or that the store refused (after ``refused`` was offered it), is not written
-again. Not after a lost lease or a conflict the machine could not get past
-(nothing more may be written then), nor when the intents were not written
-(nothing of the cycle was). A write that fails there is named in a note on
-the error, which still propagates.
+computed), or the store refuses a record for good (above), the error
+propagates -- after the machine writes what it holds, as after a
+cancellation: the records of tasks that returned and the ``keep`` of every
+task that did not (cancelled because a sibling failed, not started, or the
+one that raised), each its own batch from the session as stored then
+(:func:`write_held`). The record that raised or was refused is not written
+again. Not after the store's own faults (its writes were waited out already:
+a store that keeps failing is not tried again), a lost lease or a conflict
+the machine could not get past (nothing more may be written), nor when the
+intents were not written (nothing of the cycle was); the next run reads what
+is stored. A write that fails there is named in a note on the error, which
+still propagates.
 """
 
 from __future__ import annotations
@@ -147,10 +149,9 @@ async def execute(
         run.written.extend(staged.intents)
     try:
         await run.tasks()
-    except (ConflictError, LeaseLostError):
-        raise  # nothing more may be written (see the module docs)
     except Exception as exc:
-        await run.keep_held(exc)
+        if run.refused_work:  # not a store fault, a lost lease or a conflict: see the docs
+            await run.keep_held(exc)
         raise
     if not run.ending and not run.ended:
         run.end()  # no task (or none left a record to write)
@@ -176,6 +177,7 @@ class _Execution:
     ended: list[BaseException] = field(default_factory=list)  # or what it raised
     unrecorded: int = 0  # tasks whose record is not written yet
     lock: anyio.Lock | None = None  # tasks run concurrently: one record written at a time
+    refused_work: bool = False  # a task raised, or a record raised or was refused
 
     def __post_init__(self) -> None:
         tasks = self.staged.tasks
@@ -240,7 +242,11 @@ class _Execution:
     async def one(self, task: Task) -> None:
         """Run ``task`` (once the lease is confirmed), hold its record, then write it."""
         await self.confirm(task)
-        entry = await task.run()
+        try:
+            entry = await task.run()
+        except Exception:
+            self.refused_work = True
+            raise
         if task.refused is not None:  # held with it: finalize offers it a refusal too
             entry = Refusable(entry, task.refused)
         # The result exists: held before any checkpoint, so a cancellation from
@@ -250,7 +256,11 @@ class _Execution:
         else:
             self.held.append(entry)
         if task.landed is not None:
-            await task.landed()
+            try:
+                await task.landed()
+            except Exception:
+                self.refused_work = True
+                raise
         record = _Record(self, entry, task)
         try:
             if self.lock is None:  # one task at a time: no lock, one call fewer on the write path
@@ -289,6 +299,7 @@ class _Record:
                 effects = record_effects(self.entry, current, self.task.name)
             except Exception:
                 _drop(run.held, self.entry)  # it would raise again: not written after the error
+                run.refused_work = True
                 raise
             status: Status = run.end() if run.unrecorded == 0 else "committed"
             if not effects:
@@ -302,6 +313,7 @@ class _Record:
                 replacement = None if refused is None or self.replaced else refused(exc)
                 if replacement is None:
                     _drop(run.held, self.entry)  # refused for good: not written again
+                    run.refused_work = True
                     raise
                 _swap(run.held, self.entry, replacement)
                 self.entry, self.replaced = replacement, True

@@ -140,6 +140,44 @@ async def test_sibling_error_keeps_a_landed_result(tmp_path: Path) -> None:
     await store.aclose()
 
 
+async def test_a_refused_record_keeps_a_landed_siblings_record(tmp_path: Path) -> None:
+    """The store refuses one task's record for good (``EffectError``, no ``refused``) while a
+    sibling that returned waits in ``landed``: the sibling's record is written, the refused
+    one is not, and the ``EffectError`` propagates."""
+    store = await open_store(tmp_path)
+    journal = Journal()
+    b_landed = anyio.Event()
+
+    async def hold_b() -> None:
+        b_landed.set()
+        await anyio.sleep_forever()
+
+    def a_refused(stored: Session[Any]) -> Sequence[Effect]:
+        return [UpdateData(changes={"receipts": "not a dict"})]
+
+    def make(ctx: StepContext[Order]) -> Staged:
+        effects, keys = intents(ctx, ["a", "b"])
+
+        async def a_runs() -> Callable[[Session[Any]], Sequence[Effect]]:
+            await b_landed.wait()
+            journal.charge("a", keys["a"])
+            return a_refused
+
+        tasks = [
+            Task("a", a_runs, guarded=True),
+            charge_task(journal, "b", keys["b"], landed=hold_b),
+        ]
+        return Staged(effects, tasks, max_concurrency=2)
+
+    with pytest.raises(EffectError):
+        with anyio.fail_after(30):
+            await StateMachine([StagedStep(make)]).run(Runtime(store=store), SID)
+    assert sorted(line.split()[0] for line in journal.lines) == ["a", "b"]
+    assert (await store.load(SID)).data.receipts == {"b": "receipt-b"}
+    assert await receipt_additions(store) == ["b"]
+    await store.aclose()
+
+
 async def test_sibling_error_keeps_records_already_written(tmp_path: Path) -> None:
     """One after another: the first charge's record is written before the second raises."""
     store = await open_store(tmp_path)
