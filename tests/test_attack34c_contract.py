@@ -179,3 +179,36 @@ async def test_outside_cancel_of_hand_apply_on_the_error_path_then_finalize(
     after = await machine.finalize(runtime, SID, interrupted=decision)
     assert after.revision == len(middle), "finalize wrote nothing again"
     await store.aclose()
+
+
+# -- run_step(run_start_revision=) --------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_run_step_counts_a_per_run_budget_from_the_runs_start() -> None:
+    from _attack34b_agent import Agent
+
+    from stepmachine import AppendMessage, Message, ModelInference, submit
+    from stepmachine.operations import Budget, BudgetExhaustedError, Limits
+    from stepmachine.stores import MemoryStore
+    from stepmachine.testing import FunctionModel
+
+    store = MemoryStore()
+    await store.create("s")
+    await submit(store, "s", [AppendMessage(Message.user("invoice", id="u1"))])
+    agent = Agent(approval=False)
+    report = await agent.machine().run_report(agent.runtime(store), "s")
+    assert report.reason.kind == "done"
+    assert agent.requests == 3
+    await submit(store, "s", [AppendMessage(Message.user("again", id="u2"))])
+    session = await store.load("s")
+    budget = [Budget(per_run=Limits(model_calls=2))]
+    model = FunctionModel(agent.answer)
+    for start in (None, session.revision):  # a new run: none of its 2 calls spent yet
+        check = await run_step(
+            ModelInference(), session, model=model, others=budget, run_start_revision=start
+        )
+        assert not check.refused
+        assert check.commits, "the model was called and its reply recorded"
+    with pytest.raises(BudgetExhaustedError, match="'used': 3"):  # the whole session: 3
+        await run_step(ModelInference(), session, model=model, others=budget, run_start_revision=0)

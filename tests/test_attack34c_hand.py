@@ -22,6 +22,7 @@ from _attack34c_common import two_tasks as machine_of
 
 from stepmachine import (
     CancelToken,
+    ConflictError,
     LeaseLostError,
     LeasePolicy,
     Runtime,
@@ -288,3 +289,47 @@ async def test_hand_token_during_error_path_still_raises(tmp_path: Path) -> None
     store, outcome, _ = await hand_token_during_error_path(tmp_path)
     await store.aclose()
     assert isinstance(outcome, RuntimeError), f"the task's error was replaced by {outcome!r:.300}"
+
+
+# -- two hand-driven apply() of the same decision at once ---------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "file"])
+async def test_two_hand_applies_at_once_run_the_task_once(kind: str, tmp_path: Path) -> None:
+    store = await open_store(kind, tmp_path)
+    inside, go = anyio.Event(), anyio.Event()
+    ran: list[str] = []
+
+    async def run() -> Any:
+        ran.append("x")
+        inside.set()
+        await go.wait()
+        return receipt_record("x", "receipt-x")
+
+    def make(ctx: Any) -> Staged:
+        return Staged([UpdateData.set(keys={"x": "k"})], [Task("x", run, guarded=True)])
+
+    machine = StateMachine([StagedStep(make)])
+    runtime = Runtime(store=store)
+    session = await store.load(SID)
+    first = await machine.step(runtime, session)
+    second = await machine.step(runtime, session)
+    errors: list[BaseException] = []
+
+    async def one(decision: Any) -> None:
+        try:
+            await machine.apply(runtime, session, decision)
+        except (SessionBusyError, ConflictError) as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as group:
+            group.start_soon(one, first)
+            await inside.wait()
+            await one(second)  # beside the first, inside its task
+            go.set()
+    assert ran == ["x"]
+    assert len(errors) == 1, errors
+    assert (await store.load(SID)).data.receipts == {"x": "receipt-x"}
+    await store.aclose()
