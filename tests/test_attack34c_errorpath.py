@@ -381,3 +381,39 @@ async def open_store_existing(tmp: Path) -> Any:
     from stepmachine.stores import SQLiteStore
 
     return await SQLiteStore.open(tmp / "db.sqlite3", codec=Codec(Order))
+
+
+# -- another writer moves the session on while the held records are written ------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "file"])
+async def test_other_writer_during_error_path(kind: str, tmp_path: Path) -> None:
+    """Each held record's first write loses the race to another writer (a batch lands just
+    before it): each is computed again from the stored session and written once; the
+    other writer's batches stay."""
+    from stepmachine import UpdateData, submit
+
+    store = await open_store(kind, tmp_path)
+    journal: list[str] = []
+    hold_a, b_run = a_holds_b_raises(RuntimeError("bug in b"))
+    machine = machine_of(journal, a_landed=hold_a, b_run=b_run)
+    inner = store.apply
+    raced: set[str] = set()
+
+    async def apply(batch: Any, **kw: Any) -> Any:
+        for field, name in (("kept", "b"), ("receipts", "a")):
+            if is_record_of(batch, field, name) and name not in raced:
+                raced.add(name)
+                stored = await store.load(SID)
+                await submit(store, SID, [UpdateData.set(count=stored.data.count + 1)])
+        return await inner(batch, **kw)
+
+    store.apply = apply
+    with pytest.raises(RuntimeError, match="bug in b"):
+        with anyio.fail_after(LIMIT):
+            await machine.run(Runtime(store=store), SID)
+    assert raced == {"a", "b"}
+    await assert_each_once(store, journal)
+    assert (await store.load(SID)).data.count == 2
+    await store.aclose()

@@ -333,3 +333,52 @@ async def test_two_hand_applies_at_once_run_the_task_once(kind: str, tmp_path: P
     assert len(errors) == 1, errors
     assert (await store.load(SID)).data.receipts == {"x": "receipt-x"}
     await store.aclose()
+
+
+# -- asyncio's native cancel of a hand-driven apply() on the error path ------------------
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["sqlite", "file"])
+async def test_native_cancel_of_hand_apply_on_the_error_path(kind: str, tmp_path: Path) -> None:
+    import asyncio
+
+    store = await open_store(kind, tmp_path)
+    journal: list[str] = []
+    landed = anyio.Event()
+
+    async def hold_a() -> None:
+        landed.set()
+        await anyio.sleep_forever()
+
+    async def b_run() -> None:
+        await landed.wait()
+        raise RuntimeError("bug in b")
+
+    machine = machine_of(journal, a_landed=hold_a, b_run=b_run)
+    inner = store.apply
+    writing = asyncio.Event()
+
+    async def apply(batch: Any, **kw: Any) -> Any:
+        if is_record_of(batch, "kept", "b") and not writing.is_set():
+            writing.set()
+            await asyncio.sleep(5)  # cancelled from outside here
+        return await inner(batch, **kw)
+
+    store.apply = apply
+    runtime = Runtime(store=store)
+    session = await store.load(SID)
+    decision = await machine.step(runtime, session)
+    task = asyncio.ensure_future(machine.apply(runtime, session, decision))
+    await asyncio.wait_for(writing.wait(), LIMIT)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, LIMIT)
+    middle = await store.batches(SID)
+    assert receipts_written(middle) == ["a"]
+    assert keeps_written(middle) == ["b"]
+    after = await machine.finalize(runtime, SID, interrupted=decision)
+    assert after.revision == len(middle)
+    assert journal == ["a"]
+    await store.aclose()
