@@ -6,7 +6,8 @@ hand as fast as it can, with ``finalize()`` tried whenever ``apply()`` finds the
 session busy. Promised: the hand-driven path raises only ``SessionBusyError`` or
 ``ConflictError`` beside the runner; no tool side effect is done twice, no real result
 is dropped (every side effect has its result stored, never "interrupted" or "outcome
-unknown" for a call that ran), and no call is answered twice.
+unknown" for a call that ran), no call is answered twice, and no model answer is
+dropped (the turn takes its three model requests, whoever sends them).
 """
 
 from __future__ import annotations
@@ -134,6 +135,10 @@ async def check_round(store: Any, tmp: Path, i: int) -> list[str]:
     session = await store.load(sid)
     effects_file = tmp / str(i) / "effects.txt"
     lines = effects_file.read_text().splitlines() if effects_file.exists() else []
+    requests_file = tmp / str(i) / "requests.txt"
+    requests = requests_file.read_text().splitlines() if requests_file.exists() else []
+    if len(requests) != 3:  # lookup, charge, the reply: an answer dropped costs one more
+        problems.append(f"{sid}: {len(requests)} model requests for a 3-request turn")
     if len(lines) != len(set(lines)):
         problems.append(f"{sid}: a side effect done twice: {lines}")
     results = results_by_call(session.conversation)
