@@ -382,3 +382,40 @@ async def test_native_cancel_of_hand_apply_on_the_error_path(kind: str, tmp_path
     assert after.revision == len(middle)
     assert journal == ["a"]
     await store.aclose()
+
+
+# -- KeyboardInterrupt in a task of a hand-driven apply() ----------------------------------
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # asyncio: it leaves the loop at once
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "file"])
+async def test_keyboard_interrupt_in_a_task_of_hand_apply(kind: str, tmp_path: Path) -> None:
+    store = await open_store(kind, tmp_path)
+    journal: list[str] = []
+    landed = anyio.Event()
+
+    async def hold_a() -> None:
+        landed.set()
+        await anyio.sleep_forever()
+
+    async def b_run() -> None:
+        await landed.wait()
+        raise KeyboardInterrupt
+
+    machine = machine_of(journal, a_landed=hold_a, b_run=b_run)
+    runtime = Runtime(store=store)
+    session = await store.load(SID)
+    decision = await machine.step(runtime, session)
+    with pytest.raises(KeyboardInterrupt):
+        with anyio.fail_after(LIMIT):
+            await machine.apply(runtime, session, decision)
+    middle = await store.batches(SID)
+    assert receipts_written(middle) == ["a"]
+    assert keeps_written(middle) == ["b"]
+    after = await machine.finalize(runtime, SID, interrupted=decision)
+    assert after.revision == len(middle), "finalize wrote nothing again"
+    strict = StateMachine(machine.steps, lease=LeasePolicy(busy="fail"))
+    assert (await strict.run_report(runtime, SID)).reason.kind == "idle", "the lease let go"
+    assert journal == ["a"]
+    await store.aclose()
