@@ -164,3 +164,27 @@ async def test_token_fired_before_hand_apply(kind: str, tmp_path: Path) -> None:
     finally:
         await store.release(lease)
     await store.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_stale_hand_apply_conflicts_and_lets_go(kind: str, tmp_path: Path) -> None:
+    """apply() of staged work decided from a session another writer moved on: ConflictError
+    before any task starts, nothing written, and the lease it claimed let go."""
+    from stepmachine import ConflictError, submit
+
+    store = await open_store(kind, tmp_path)
+    ran: list[str] = []
+    machine = StateMachine([one_task(ran)])
+    runtime = Runtime(store=store)
+    session = await store.load(SID)
+    decision = await machine.step(runtime, session)
+    await submit(store, SID, [UpdateData.set(count=1)])
+    with pytest.raises(ConflictError):
+        await machine.apply(runtime, session, decision)
+    assert ran == []
+    assert (await store.load(SID)).revision == 1
+    strict = StateMachine(machine.steps, lease=LeasePolicy(busy="fail"))
+    await strict.run_report(runtime, SID)  # SessionBusyError if the lease were still held
+    assert ran == ["x"]
+    await store.aclose()
