@@ -173,8 +173,12 @@ async def apply(
     decision: Decision[D],
     cycle: int,
     token: CancelToken | None = None,
+    keep_for: float = 10.0,
 ) -> tuple[Session[D], StepResult] | None:
     """Write what ``decision`` says, from ``session``; the session after it and the result.
+
+    ``keep_for``: the machine's ``finalize_timeout``, the bound on writing what
+    staged work holds after a task's error (see ``_staged.execute``).
 
     ``None`` when ``token`` fired during staged work (the records already
     written stay; ``decision.held`` holds what finalize must still write).
@@ -197,7 +201,8 @@ async def apply(
         write = partial(commit, handler, clock, name, cycle, refusals, sink)
         confirm = partial(confirm_lease, runtime)
         loader = runtime.session_loader()
-        staged = _staged.execute(outcome, session, write, loader.load, confirm, decision.held)
+        held = decision.held
+        staged = _staged.execute(outcome, session, write, loader.load, confirm, held, keep_for)
         done = await staged if token is None else await _under(token, staged)
         if done is _CANCELLED:
             return None
@@ -385,7 +390,8 @@ class Driver(Generic[D]):
                     log_cycle(session, cycle, None, decided.refusals, reason.kind, started, span)
                     return session, await self._guarded(self._yielded(session, reason))
                 applying = decided
-                applied = await apply(self.runtime, session, decided, cycle, token)
+                keep_for = machine.finalize_timeout
+                applied = await apply(self.runtime, session, decided, cycle, token, keep_for)
                 if applied is None:
                     return session, await self._cancelled(session, decided, started, span)
                 applying = None

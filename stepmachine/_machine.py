@@ -386,8 +386,11 @@ class StateMachine(Generic[D]):
 
         Raises:
             ConflictError: the first batch lost the race, or (staged work) the
-                stored session has moved on from ``session``; nothing was
+                stored session has moved on from ``session``, or ``session`` is
+                further on than the one the decision was made on; nothing was
                 written. :meth:`step` again from the stored session.
+            ConfigurationError: ``session`` is another session than the one
+                the decision was made on.
             SessionBusyError: another runner holds the session's lease.
             StepContractError: ``Continue`` with no effects.
             LeaseLostError: the lease was lost while it wrote (staged work).
@@ -401,11 +404,20 @@ class StateMachine(Generic[D]):
         returns the session as stored and a result with status ``"cancelled"``
         (reason ``cancelled``); call :meth:`finalize` then too.
         """
+        decided_from = decision.ctx.session
+        if session.id != decided_from.id:
+            raise ConfigurationError(
+                f"apply() got session {session.id!r} for a decision made on session "
+                f"{decided_from.id!r}; apply a decision to the session step() decided it on"
+            )
+        if session.revision > decided_from.revision:  # overtaken: decided on an older one
+            raise ConflictError(session.id, decided_from.revision, session.revision)
         async with self._holding(runtime, session.id) as held:
             if isinstance(decision.outcome, Staged):
-                await _check_current(held, session)  # before any task starts
+                await _check_current(held, decided_from)  # before any task starts
             try:
-                applied = await apply(held, session, decision, cycle, self.cancel)
+                keep_for = self.finalize_timeout
+                applied = await apply(held, session, decision, cycle, self.cancel, keep_for)
             except BaseException as exc:
                 if stops_the_run(exc):
                     await self._keep_held(held, session.id, decision, cycle)

@@ -122,6 +122,7 @@ async def execute(
     reload: Callable[[str], Awaitable[Session[Any]]],
     confirm: Callable[[Task], Awaitable[None]],
     held: list[Recorder],
+    keep_for: float = 10.0,
 ) -> tuple[Session[Any], tuple[Effect, ...], Continue | Yield]:
     """Carry ``staged`` out from ``session`` (see the module docs); the session after it,
     every effect written, and how the cycle ends (its effects not yet written).
@@ -129,7 +130,10 @@ async def execute(
     ``confirm(task)`` raises unless the task may start (the lease, see the
     machine); ``held`` is the machine's: every record that exists and is not
     yet written (a landed result, a running task's ``keep``), for finalize to
-    write after a cancellation.
+    write after a cancellation. ``keep_for``: the seconds the writes of what
+    it holds may take after a task's error, shielded from cancellation (the
+    machine's ``finalize_timeout``), so that the error, not a cancellation
+    arriving meanwhile, is what propagates.
 
     Raises:
         ConflictError: the intents lost the race (nothing of the cycle was
@@ -139,7 +143,7 @@ async def execute(
         Exception: whatever a task, ``then`` or the store raises; one error,
             never an ``ExceptionGroup`` (see :func:`one_error`).
     """
-    run = _Execution(staged, session, write, reload, confirm, held)
+    run = _Execution(staged, session, write, reload, confirm, held, keep_for)
     # Every task's keep is held from the start: a cancellation before a task starts
     # (while the intents are written, or while it waits its turn) writes what it says
     # too (a reservation given back; a keep sees the stored session, so it can tell).
@@ -172,12 +176,14 @@ class _Execution:
     reload: Callable[[str], Awaitable[Session[Any]]]
     confirm: Callable[[Task], Awaitable[None]]
     held: list[Recorder]
+    keep_for: float = 10.0  # seconds the held writes may take after an error (shielded)
     written: list[Effect] = field(default_factory=list)
     ending: list[Continue | Yield] = field(default_factory=list)  # then()'s answer, once asked
     ended: list[BaseException] = field(default_factory=list)  # or what it raised
     unrecorded: int = 0  # tasks whose record is not written yet
     lock: anyio.Lock | None = None  # tasks run concurrently: one record written at a time
     refused_work: bool = False  # a task raised, or a record raised or was refused
+    stopping: bool = False  # a task's run ended in an error: no waiting task starts
 
     def __post_init__(self) -> None:
         tasks = self.staged.tasks
@@ -197,7 +203,13 @@ class _Execution:
 
         async def limited(task: Task) -> None:
             async with limiter:
-                await self.one(task)
+                if self.stopping:  # a sibling failed while this one waited its turn
+                    return  # never started: its keep is held, written as the others are
+                try:
+                    await self.one(task)
+                except BaseException:
+                    self.stopping = True  # set before the slot is given to a waiting task
+                    raise
 
         failure: BaseException | None = None
         try:
@@ -216,12 +228,18 @@ class _Execution:
         async def write(current: Session[Any], effects: Sequence[Effect]) -> Session[Any]:
             return await self.write(current, effects, "committed")
 
-        try:
-            self.current = await write_held(self.held, self.current, write, self.reload)
-        except Exception as exc:  # noqa: BLE001 - the task's error is the one raised
+        with anyio.move_on_after(self.keep_for, shield=True) as bounded:
+            try:
+                self.current = await write_held(self.held, self.current, write, self.reload)
+            except Exception as exc:  # noqa: BLE001 - the task's error is the one raised
+                error.add_note(
+                    f"the records held for the other tasks could not all be written: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+        if bounded.cancelled_caught:
             error.add_note(
-                f"the records held for the other tasks could not all be written: "
-                f"{type(exc).__name__}: {exc}"
+                f"the records held for the other tasks were not all written within "
+                f"{self.keep_for} s (finalize_timeout)"
             )
 
     def end(self) -> Status:

@@ -142,8 +142,8 @@ async def test_outside_cancel_of_hand_apply_on_the_error_path_then_finalize(
     kind: str, tmp_path: Path
 ) -> None:
     """A scope cancels a hand-driven apply() while it writes what it holds after a task's
-    error; apply() writes the rest before the cancellation propagates; a later
-    finalize(interrupted=decision) writes none of it again."""
+    error; apply() writes the rest (shielded) and the task's error, not the cancellation,
+    propagates; a later finalize(interrupted=decision) writes none of it again."""
     store = await open_store(kind, tmp_path)
     journal: list[str] = []
     landed = anyio.Event()
@@ -170,11 +170,12 @@ async def test_outside_cancel_of_hand_apply_on_the_error_path_then_finalize(
     runtime = Runtime(store=store)
     session = await store.load(SID)
     decision = await machine.step(runtime, session)
-    with anyio.fail_after(LIMIT), scope:
+    with pytest.raises(RuntimeError, match="bug in b"), anyio.fail_after(LIMIT), scope:
         await machine.apply(runtime, session, decision)
-    assert scope.cancelled_caught
+    assert scope.cancel_called
+    assert not scope.cancelled_caught, "the task's error propagated, not the cancellation"
     middle = await store.batches(SID)
-    assert receipts_written(middle) == ["a"], "written before the cancellation propagated"
+    assert receipts_written(middle) == ["a"], "written before the error propagated"
     assert keeps_written(middle) == ["b"]
     after = await machine.finalize(runtime, SID, interrupted=decision)
     assert after.revision == len(middle), "finalize wrote nothing again"

@@ -61,11 +61,6 @@ def one_task_machine(ran: list[str], *, seconds: float = 0.0, stall: float = 0.0
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="apply() does not check that the decision was made for the session it is given: "
-    "a decision for session 'a' runs its task and is written into session 'b'",
-)
 async def test_apply_with_another_sessions_object(tmp_path: Path) -> None:
     store = await open_store("memory", tmp_path)
     await store.create("b", data=Order())
@@ -280,11 +275,6 @@ async def test_hand_token_during_error_path_writes_each_record_once(tmp_path: Pa
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="apply(): a task's error is swallowed when the machine's token fires while the "
-    "held records are written: status 'cancelled' instead of the error",
-)
 async def test_hand_token_during_error_path_still_raises(tmp_path: Path) -> None:
     store, outcome, _ = await hand_token_during_error_path(tmp_path)
     await store.aclose()
