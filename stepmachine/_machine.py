@@ -435,7 +435,9 @@ class StateMachine(Generic[D]):
         """``runtime`` writing under the session's lease while the body runs (a hand-driven
         :meth:`apply` or :meth:`finalize`), claimed with the machine's policy but
         ``busy="fail"``, renewed, and released after; ``runtime`` as it is when the machine
-        has no lease policy or the store no leases (as :meth:`run` decides).
+        has no lease policy or the store no leases (as :meth:`run` decides). A turn another
+        ``run(busy="queue")`` requested meanwhile is not run here (a hand-driven call runs
+        one cycle): its mark stays set, for the next runner (a worker, the next ``run()``).
 
         Raises:
             SessionBusyError: another runner holds the session.
