@@ -542,3 +542,54 @@ async def test_postgres_a_turn_queued_during_the_holders_release_is_run(
         assert session.conversation[-1].role == "assistant"  # "and more" was answered
     finally:
         await store.aclose()
+
+
+# -- driving cycles by hand beside a lease holder, on every store ------------------------------
+
+
+async def test_hand_driven_apply_and_finalize_hold_the_lease_on_every_store(store: Any) -> None:
+    """While ``run()`` holds the session (its model call under way), a hand-driven
+    ``apply()`` and ``finalize()`` raise ``SessionBusyError`` and write nothing; once the
+    run let go, ``step()`` + ``apply()`` write under a lease of their own and let it go
+    too (a following ``run()`` claims at once, ``busy="fail"``). On PostgreSQL (leases that
+    expire) the hand-driven lease is the renewed kind."""
+    from stepmachine import SessionBusyError
+
+    await make_session(store)
+    asked = anyio.Event()
+    go_on = anyio.Event()
+
+    async def slow(_request: Any) -> Any:
+        asked.set()
+        await go_on.wait()
+        return reply("ok")
+
+    holder = machine()
+    busy_fail = LeasePolicy(busy="fail")
+    by_hand = StateMachine([ModelInference()], lease=busy_fail)
+    quick = Runtime(store=store, model=counting_model())
+    async with anyio.create_task_group() as group:
+        group.start_soon(holder.run, Runtime(store=store, model=FunctionModel(slow)), "s")
+        with anyio.fail_after(30):
+            await asked.wait()
+        session = await store.load("s")
+        decision = await by_hand.step(quick, session)
+        assert decision is not None
+        with pytest.raises(SessionBusyError):
+            await by_hand.apply(quick, session, decision)
+        with pytest.raises(SessionBusyError):
+            await by_hand.finalize(quick, "s")
+        assert (await store.load("s")).revision == session.revision, "nothing written"
+        go_on.set()
+    after_run = await store.load("s")
+    assert after_run.conversation[-1].text == "ok"
+    await submit(store, "s", [AppendMessage(Message.user("again", id="s-u2"))])
+    session = await store.load("s")
+    decision = await by_hand.step(quick, session)
+    assert decision is not None
+    written, result = await by_hand.apply(quick, session, decision)
+    assert result.status == "yielded"
+    assert written.conversation[-1].text == "ok"
+    await submit(store, "s", [AppendMessage(Message.user("and again", id="s-u3"))])
+    report = await StateMachine([ModelInference()], lease=busy_fail).run_report(quick, "s")
+    assert report.reason.kind == "done", "the hand-driven lease was let go"
