@@ -176,7 +176,7 @@ class _Execution:
     reload: Callable[[str], Awaitable[Session[Any]]]
     confirm: Callable[[Task], Awaitable[None]]
     held: list[Recorder]
-    keep_for: float = 10.0  # seconds the held writes may take after an error (shielded)
+    keep_for: float  # seconds the held writes may take after an error (shielded)
     written: list[Effect] = field(default_factory=list)
     ending: list[Continue | Yield] = field(default_factory=list)  # then()'s answer, once asked
     ended: list[BaseException] = field(default_factory=list)  # or what it raised
