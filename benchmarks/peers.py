@@ -80,7 +80,9 @@ Before the last line, ``thread_us=<f>`` is what the worker thread of the
 plain-function tool costs in a stepmachine step, measured in the same run: the
 step with that tool minus the step with the same tool written ``async def``
 (the "stepmachine async tool" row), and that cost as a fraction of each peer's
-whole step.
+whole step. The line after it times a bare hop (``anyio.to_thread.run_sync`` of a
+no-op) right after another one and after 400 µs of work on the event loop: what
+a hop costs on this machine without any framework around it.
 """
 
 # The peers are optional (the bench extra): each is imported where it is set up.
@@ -888,6 +890,41 @@ async def concurrent_langgraph(sessions: int) -> float:
     return wall
 
 
+HOP_WORK_US = 400
+"""The work on the event loop before each hop of ``hop_us``'s second figure: about
+what a stepmachine step does between two calls of its tool."""
+
+
+async def hop_us(samples: int) -> dict[str, float]:
+    """Median µs of one worker-thread hop (``anyio.to_thread.run_sync`` of a no-op):
+    ``back_to_back`` (right after another hop: the thread and the loop never idle),
+    and ``after_work``: after
+    :data:`HOP_WORK_US` µs of work on the event loop, while the worker waits for a job.
+    The difference is what waking an idle thread costs on this machine."""
+
+    def noop() -> None:
+        return None
+
+    def work() -> None:
+        end = time.perf_counter_ns() + HOP_WORK_US * 1000
+        while time.perf_counter_ns() < end:
+            pass
+
+    for _ in range(50):  # warm-up: the worker thread exists
+        await anyio.to_thread.run_sync(noop)
+    timed: dict[str, list[float]] = {"back_to_back": [], "after_work": []}
+    for _ in range(samples):  # interleaved, so a noisy moment slows both alike
+        for kind, times in timed.items():
+            if kind == "after_work":
+                work()
+            else:
+                await anyio.to_thread.run_sync(noop)  # the hop before: the thread is awake
+            start = time.perf_counter_ns()
+            await anyio.to_thread.run_sync(noop)
+            times.append((time.perf_counter_ns() - start) / 1000)
+    return {kind: statistics.median(times) for kind, times in timed.items()}
+
+
 def check_concurrent(name: str, answers: list[str], sessions: int) -> None:
     """Every session ended with the answer to its last tool result."""
     expected = answer_text(f"value of {CONCURRENT_TOOL_CALLS - 1}")
@@ -909,6 +946,7 @@ class Options:
     json_path: Path | None
     plot: bool
     concurrent_langgraph: bool
+    hop_samples: int = 500  # hops timed per kind (hop_us)
 
 
 def parse(argv: list[str]) -> Options:
@@ -937,8 +975,16 @@ def parse(argv: list[str]) -> Options:
     sessions = args.sessions if args.sessions is not None else (200 if args.quick else 10_000)
     if rounds < 1 or repetitions < 1 or sessions < 0:
         parser.error("--rounds and --repetitions must be at least 1, --sessions at least 0")
+    hop_samples = 20 if args.quick else 500
     return Options(
-        rounds, repetitions, warmup, sessions, args.json, args.plot, args.concurrent_langgraph
+        rounds,
+        repetitions,
+        warmup,
+        sessions,
+        args.json,
+        args.plot,
+        args.concurrent_langgraph,
+        hop_samples,
     )
 
 
@@ -1017,6 +1063,13 @@ def main(argv: list[str]) -> None:
             if not math.isnan(us := find(figures, peer, "memory"))
         )
     )
+    hops = anyio.run(hop_us, opts.hop_samples, backend="asyncio")
+    print(
+        "  a bare hop (anyio.to_thread.run_sync of a no-op, median of "
+        f"{opts.hop_samples}): {hops['back_to_back']:.1f} us back to back, "
+        f"{hops['after_work']:.1f} us after {HOP_WORK_US} us of work on the event loop "
+        "(the worker idle meanwhile, as between two tool calls)"
+    )
     concurrent: dict[str, float] = {}
     if opts.sessions:
         runs: list[tuple[str, Callable[[int], Awaitable[float]]]] = [
@@ -1052,6 +1105,7 @@ def main(argv: list[str]) -> None:
             },
             "concurrent_s": {k: round(v, 3) for k, v in concurrent.items()},
             "thread_us": round(thread, 1),
+            "hop_us": {kind: round(us, 1) for kind, us in hops.items()},
             "summary": line,
         }
         if opts.json_path is not None:
