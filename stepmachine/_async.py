@@ -6,6 +6,10 @@ a hot path that only needs to know "plain asyncio, or anything else?" asks
 :func:`asyncio_here`, and :func:`checkpoint` is ``anyio.lowlevel.checkpoint()``
 without that lookup on asyncio.
 
+:func:`interrupt_once` is what a task that ran a task group raises when a
+child's ``KeyboardInterrupt`` came out of the group: on asyncio, never the same
+interrupt twice.
+
 :func:`run_in_thread` is the stores' hop to a worker thread: a caller never
 goes on (releasing a lock, a connection) while its function still runs there,
 even when asyncio's native ``task.cancel()`` interrupts the wait, which no
@@ -22,7 +26,7 @@ from typing import Any, TypeVar
 import anyio.lowlevel
 import anyio.to_thread
 
-__all__ = ["asyncio_here", "checkpoint", "run_in_thread"]
+__all__ = ["asyncio_here", "checkpoint", "interrupt_once", "run_in_thread"]
 
 T = TypeVar("T")
 
@@ -51,6 +55,34 @@ def asyncio_here() -> bool:
         return asyncio.current_task() is not None
     except RuntimeError:  # no event loop running here
         return False
+
+
+def interrupt_once(error: BaseException) -> BaseException:
+    """What to raise for ``error``, a ``KeyboardInterrupt`` or ``SystemExit`` (or any
+    other error) that a child task raised in a task group this task ran: ``error``,
+    or a cancellation instead of an interrupt asyncio delivered already.
+
+    On asyncio, a ``KeyboardInterrupt`` or ``SystemExit`` raised in a task-group
+    child leaves the event loop at once (asyncio lets it out of ``run_forever``).
+    ``asyncio.run`` (or ``anyio.run``) then cancels every task left, this one too,
+    and runs the loop until they end. The same interrupt raised again from this
+    task would leave the loop a second time, in the middle of that clean-up, and
+    stop it there: what waits for the main task's end would never hear of it
+    (anyio's worker threads are told to stop then), and the interpreter would wait
+    for them at exit for ever. So while this task is being cancelled, the
+    cancellation propagates instead (the interrupt is its ``__cause__``; whoever
+    finalizes on a cancellation does so), and the caller gets the interrupt once,
+    from ``asyncio.run``. Anywhere else (trio, where the interrupt did not leave
+    the loop; a task not being cancelled) it is ``error``.
+    """
+    if not isinstance(error, KeyboardInterrupt | SystemExit) or not asyncio_here():
+        return error
+    task = asyncio.current_task()
+    if task is None or not task.cancelling():
+        return error
+    cancelled = asyncio.CancelledError(f"cancelled after {type(error).__name__} left the loop")
+    cancelled.__cause__ = error
+    return cancelled
 
 
 async def checkpoint() -> None:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 import anyio
 
 from . import _log, _transient
+from ._async import interrupt_once
 from ._codec import Batch
 from ._effects import Effect
 from ._errors import ConfigurationError, LeaseLostError, SessionBusyError, StoreClosedError
@@ -347,7 +348,8 @@ async def holding(store: Leases, lease: Lease, *, renew_every: float) -> AsyncIt
         interrupt = _interrupt_in(group)
         if interrupt is None:
             raise
-        raise interrupt from None
+        once = interrupt_once(interrupt)  # on asyncio it left the loop already: see there
+        raise once from (None if once is interrupt else interrupt)
     if failure is not None:
         raise failure
     if not finished:  # the renewal cancelled the body

@@ -82,6 +82,7 @@ from typing import Any, Literal, TypeAlias
 import anyio
 
 from . import _log
+from ._async import interrupt_once
 from ._effects import Effect
 from ._errors import (
     ConflictError,
@@ -219,7 +220,7 @@ class _Execution:
         except BaseExceptionGroup as errors:
             failure = one_error(errors)  # raised outside the handler: its context its own
         if failure is not None:
-            raise failure
+            raise interrupt_once(failure)
 
     async def keep_held(self, error: Exception) -> None:
         """A task's error is on its way out: write what the machine holds first (see the

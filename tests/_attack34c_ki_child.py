@@ -10,7 +10,6 @@ FOLDER/db.sqlite3; ``a``'s side effect is journalled in FOLDER/journal.txt.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
@@ -45,7 +44,8 @@ if __name__ == "__main__":
     try:
         asyncio.run(main(Path(sys.argv[1])))
     except KeyboardInterrupt:
-        # anyio's idle worker thread (the store's) is never told to stop once the
-        # interrupt left the loop: the interpreter would wait for it at exit.
         print("KeyboardInterrupt", file=sys.stderr, flush=True)  # noqa: T201
-        os._exit(130)
+        # An ordinary exit, which waits for every non-daemon thread: it hung here when
+        # the run raised the interrupt a second time during asyncio.run's clean-up,
+        # which then never told anyio's worker thread (the store's) to stop.
+        sys.exit(130)

@@ -347,7 +347,9 @@ async def test_lease_lost_then_task_error_writes_nothing_more(tmp_path: Path) ->
 def test_keyboard_interrupt_in_a_concurrent_task_under_asyncio_run(tmp_path: Path) -> None:
     """Under asyncio, ``KeyboardInterrupt`` in a task-group child leaves the event loop at
     once; ``asyncio.run`` then cancels the run, whose finalize must still write ``a``'s
-    receipt and ``b``'s keep, once each (checked in a fresh process's store)."""
+    receipt and ``b``'s keep, once each (checked in a fresh process's store); and the
+    process exits (it hung at exit when the run raised the interrupt a second time: see
+    ``tests/test_interrupt_once.py``)."""
     import subprocess
     import sys
 

@@ -1,0 +1,96 @@
+"""An interrupt a child task raised is delivered once (``stepmachine._async.interrupt_once``).
+
+On asyncio a ``KeyboardInterrupt`` raised in a task-group child leaves the event loop at
+once; ``asyncio.run`` then cancels what is left and runs the loop until it ends. A run
+that raised the same interrupt again from its own task, while being cancelled so, stopped
+that clean-up half way: anyio's worker threads were never told to stop, and the process
+hung at exit. Both places where the machine takes an interrupt out of a task group are
+checked in a real process: concurrent tools (``tests/_attack34c_ki_child.py``, in
+``test_attack34c_errorpath``) and the lease's renewal task (here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stepmachine._async import asyncio_here, interrupt_once
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_an_interrupt_in_the_renewal_task_under_asyncio_run_lets_the_process_exit() -> None:
+    """The lease's renewal task raises ``KeyboardInterrupt`` while a plain-function tool
+    runs in anyio's worker thread: the process ends with the interrupt (exit code 130,
+    an ordinary exit that waits for every non-daemon thread), within seconds."""
+    try:
+        done = subprocess.run(
+            [sys.executable, str(HERE / "_interrupt_renewal_child.py")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": f"{HERE.parent}:{HERE}"},
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else str(exc.stderr)
+        pytest.fail(f"the process did not exit after the interrupt: {stderr[-2000:]}")
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert "KeyboardInterrupt" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+async def test_an_interrupt_is_a_cancellation_while_the_task_is_cancelled_on_asyncio(
+    kind: type[BaseException],
+) -> None:
+    """On asyncio, in a task being cancelled: a cancellation, the interrupt its cause.
+    Under trio (where the interrupt never left the loop): the interrupt itself."""
+    interrupt = kind()
+    if not asyncio_here():
+        assert interrupt_once(interrupt) is interrupt
+        return
+    task = asyncio.current_task()
+    assert task is not None
+    task.cancel()
+    try:
+        got = interrupt_once(interrupt)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.sleep(0)  # the cancellation asked for above, taken here
+    finally:
+        task.uncancel()
+    assert isinstance(got, asyncio.CancelledError)
+    assert got.__cause__ is interrupt
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+async def test_an_interrupt_is_itself_in_a_task_not_being_cancelled(
+    kind: type[BaseException],
+) -> None:
+    interrupt = kind()
+    assert interrupt_once(interrupt) is interrupt
+
+
+async def test_any_other_error_is_itself_even_while_cancelled() -> None:
+    error = RuntimeError("a tool's bug")
+    if asyncio_here():
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        try:
+            assert interrupt_once(error) is error
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.sleep(0)
+        finally:
+            task.uncancel()
+    else:
+        assert interrupt_once(error) is error
