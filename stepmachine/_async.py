@@ -72,12 +72,15 @@ def interrupt_once(error: BaseException) -> BaseException:
     for them at exit for ever. So while this task is being cancelled, the
     cancellation propagates instead (the interrupt is its ``__cause__``; whoever
     finalizes on a cancellation does so), and the caller gets the interrupt once,
-    from ``asyncio.run``. Anywhere else (trio, where the interrupt did not leave
-    the loop; a task not being cancelled) it is ``error``.
+    from ``asyncio.run`` (or ``anyio.run``). Anywhere else (trio, where the
+    interrupt did not leave the loop; a task not being cancelled) it is ``error``.
     """
-    if not isinstance(error, KeyboardInterrupt | SystemExit) or not asyncio_here():
+    if not isinstance(error, KeyboardInterrupt | SystemExit):
         return error
-    task = asyncio.current_task()
+    try:  # not asyncio_here(): under anyio.run, sniffio names asyncio explicitly
+        task = asyncio.current_task()
+    except RuntimeError:  # no asyncio loop runs here (trio)
+        return error
     if task is None or not task.cancelling():
         return error
     cancelled = asyncio.CancelledError(f"cancelled after {type(error).__name__} left the loop")

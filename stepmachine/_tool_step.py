@@ -695,6 +695,19 @@ class Tools(Operation[Any]):
                 )
             if not thread.done.is_set():
                 raise
+            if thread.error is not None and not isinstance(thread.error, Exception):
+                # It ended with an interrupt of its own (SystemExit, KeyboardInterrupt) while
+                # the run is being cancelled: the cancellation goes on and the call is answered
+                # "interrupted". Raised here, it would be a second interrupt, which on asyncio
+                # leaves the event loop in the middle of its clean-up (see interrupt_once).
+                _log.event(
+                    _log.WARNING,
+                    "tool_thread_interrupted",
+                    tool=call.name,
+                    call_id=call.call_id,
+                    error_type=type(thread.error).__name__,
+                )
+                raise
             try:  # the result exists: returned, so the machine holds it (and writes it once)
                 content = thread.outcome()
             except Exception as exc:  # noqa: BLE001 - a tool error becomes an error result
