@@ -898,9 +898,9 @@ what a stepmachine step does between two calls of its tool."""
 async def hop_us(samples: int) -> dict[str, float]:
     """Median µs of one worker-thread hop (``anyio.to_thread.run_sync`` of a no-op):
     ``back_to_back`` (right after another hop: the thread and the loop never idle),
-    and ``after_work``: after
-    :data:`HOP_WORK_US` µs of work on the event loop, while the worker waits for a job.
-    The difference is what waking an idle thread costs on this machine."""
+    and ``after_work`` (after :data:`HOP_WORK_US` µs of work on the event loop, while
+    the worker waits for a job). The difference is what waking an idle thread costs
+    on this machine."""
 
     def noop() -> None:
         return None
@@ -946,7 +946,7 @@ class Options:
     json_path: Path | None
     plot: bool
     concurrent_langgraph: bool
-    hop_samples: int = 500  # hops timed per kind (hop_us)
+    hop_samples: int  # hops timed per kind (hop_us)
 
 
 def parse(argv: list[str]) -> Options:

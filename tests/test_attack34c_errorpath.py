@@ -349,7 +349,7 @@ def test_keyboard_interrupt_in_a_concurrent_task_under_asyncio_run(tmp_path: Pat
     once; ``asyncio.run`` then cancels the run, whose finalize must still write ``a``'s
     receipt and ``b``'s keep, once each (checked in a fresh process's store); and the
     process exits (it hung at exit when the run raised the interrupt a second time: see
-    ``tests/test_interrupt_once.py``)."""
+    ``tests/test_attack35_interrupts.py``)."""
     import subprocess
     import sys
 

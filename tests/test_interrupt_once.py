@@ -4,24 +4,18 @@ On asyncio a ``KeyboardInterrupt`` raised in a task-group child leaves the event
 once; ``asyncio.run`` then cancels what is left and runs the loop until it ends. A run
 that raised the same interrupt again from its own task, while being cancelled so, stopped
 that clean-up half way: anyio's worker threads were never told to stop, and the process
-hung at exit. Both places where the machine takes an interrupt out of a task group are
-checked in a real process: concurrent tools (``tests/_attack34c_ki_child.py``, in
-``test_attack34c_errorpath``) and the lease's renewal task (here).
+hung at exit. These are the unit tests of the rule, on both backends; real processes
+(concurrent tools, the lease's renewal task, asyncio.run and anyio.run, trio, a real
+SIGINT) are in ``test_attack35_interrupts`` and ``test_attack34c_errorpath``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from stepmachine._async import interrupt_once
-
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -38,26 +32,6 @@ def on_asyncio(anyio_backend: str) -> bool:
         running = False
     assert running == (anyio_backend == "asyncio"), anyio_backend
     return running
-
-
-def test_an_interrupt_in_the_renewal_task_under_asyncio_run_lets_the_process_exit() -> None:
-    """The lease's renewal task raises ``KeyboardInterrupt`` while a plain-function tool
-    runs in anyio's worker thread: the process ends with the interrupt (exit code 130,
-    an ordinary exit that waits for every non-daemon thread), within seconds."""
-    try:
-        done = subprocess.run(
-            [sys.executable, str(HERE / "_interrupt_renewal_child.py")],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "PYTHONPATH": f"{HERE.parent}:{HERE}"},
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else str(exc.stderr)
-        pytest.fail(f"the process did not exit after the interrupt: {stderr[-2000:]}")
-    assert done.returncode == 130, done.stderr[-2000:]
-    assert "KeyboardInterrupt" in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
