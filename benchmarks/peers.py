@@ -59,7 +59,13 @@ skipped with a message naming the ``bench`` extra; its figures read ``nan``.
 each one user message to which a model that sleeps 100 ms (``anyio.sleep``)
 answers with four tool calls, one per turn, then the answer: five model
 calls, four tool calls per session. stepmachine on a ``MemoryStore`` against
-the bare loop doing the same calls; the figure is wall time ÷ wall time.
+the bare loop doing the same calls; the figure is wall time ÷ wall time. Beside
+it (not in the last line), the same stepmachine run with the cyclic garbage
+collector's thresholds raised to :data:`GC_TUNED` for its duration: with
+thousands of runs waiting at once, every run's coroutines and values outlive
+the young generations, and full collections over all of them take much of
+the wall time; the row shows what the tuning the performance guide describes
+gives on this machine.
 
 Run:  python benchmarks/peers.py [--quick] [--json FILE] [--plot]
 
@@ -115,6 +121,7 @@ from stepmachine import (
     ModelRequest,
     ModelResponse,
     Runtime,
+    SideEffects,
     StateMachine,
     Tools,
     submit,
@@ -283,7 +290,7 @@ async def bare_runner() -> Runner:
 
 
 async def stepmachine_runner(
-    variant: str, folder: Path, *, stream: bool = False, thread: bool = True
+    variant: str, folder: Path, *, stream: bool = False, thread: bool = True, pure: bool = False
 ) -> Runner:
     """stepmachine on a MemoryStore or an SQLiteStore, configured as the README shows.
 
@@ -293,7 +300,10 @@ async def stepmachine_runner(
     (the scripted model hands its answer over in 8-character deltas, one
     event-loop checkpoint each; see ``stream_delta_us``). ``thread=False``: the
     tool is the same function written ``async def`` (no worker thread), to show
-    what the worker thread costs inside a step (``thread_us``).
+    what the worker thread costs inside a step (``thread_us``). ``pure`` (with
+    ``thread=False``): the tool is also declared ``side_effects="pure"``, so it
+    gets no durable intent before it runs (one batch fewer per step): the
+    cheapest configuration, for a tool that only reads.
     """
 
     async def decide(request: ModelRequest) -> ModelResponse:
@@ -303,6 +313,8 @@ async def stepmachine_runner(
             return call(("lookup_value", {"key": last.text}))
         return reply(answer_text(str(last.tool_results[0].content)))
 
+    function = lookup_value_sync if thread else lookup_value
+    side_effects: SideEffects = "pure" if pure else "non_idempotent"
     store: Any
     if variant == "memory":
         store = MemoryStore()
@@ -311,7 +323,7 @@ async def stepmachine_runner(
     runtime = Runtime(store=store, model=FunctionModel(decide))
     machine: StateMachine[Any] = StateMachine(
         [
-            Tools([tool(name="lookup_value")(lookup_value_sync if thread else lookup_value)]),
+            Tools([tool(name="lookup_value", side_effects=side_effects)(function)]),
             ModelInference(instructions=INSTRUCTIONS, stream=stream),
         ]
     )
@@ -333,7 +345,9 @@ async def stepmachine_runner(
 
     close = None if variant == "memory" else store.aclose
     name = "stepmachine streaming" if stream else "stepmachine"
-    return Runner(name if thread else "stepmachine async tool", variant, session, close)
+    if not thread:
+        name = "stepmachine async pure tool" if pure else "stepmachine async tool"
+    return Runner(name, variant, session, close)
 
 
 def deltas_per_step() -> int:
@@ -756,6 +770,10 @@ async def make_runners(folder: Path) -> list[Runner]:
         ("bare loop streaming", bare_streaming_runner),
         ("stepmachine streaming", lambda: stepmachine_runner("memory", folder, stream=True)),
         ("stepmachine async tool", lambda: stepmachine_runner("memory", folder, thread=False)),
+        (
+            "stepmachine async pure tool",
+            lambda: stepmachine_runner("memory", folder, thread=False, pure=True),
+        ),
         ("LangGraph (memory)", lambda: langgraph_runner("memory", folder)),
         ("LangGraph minimal (memory)", langgraph_minimal_runner),
         ("LangGraph (sqlite)", lambda: langgraph_runner("sqlite", folder)),
@@ -869,6 +887,22 @@ async def concurrent_stepmachine(sessions: int) -> float:
     wall = time.perf_counter() - start
     check_concurrent("stepmachine", answers, sessions)
     return wall
+
+
+GC_TUNED = (50_000, 20, 10)
+"""``gc.set_threshold`` for the "stepmachine, gc tuned" concurrency row: young
+collections every 50,000 allocations instead of 700 (and full ones after 20 x 10
+of them instead of 10 x 10)."""
+
+
+async def concurrent_stepmachine_gc_tuned(sessions: int) -> float:
+    """:func:`concurrent_stepmachine` with the collector's thresholds at :data:`GC_TUNED`."""
+    before = gc.get_threshold()
+    gc.set_threshold(*GC_TUNED)
+    try:
+        return await concurrent_stepmachine(sessions)
+    finally:
+        gc.set_threshold(*before)
 
 
 async def concurrent_langgraph(sessions: int) -> float:
@@ -1021,7 +1055,7 @@ def print_table(figures: list[Figures], bare: float) -> None:
     """µs per agent step, memory and SQLite columns, ratios to the bare loop."""
     names = list(dict.fromkeys(f.runner.name for f in figures))
     print(
-        f"{'framework':20s} {'memory us/step':>15s} {'x bare':>8s} {'sqlite us/step':>15s} "
+        f"{'framework':28s} {'memory us/step':>15s} {'x bare':>8s} {'sqlite us/step':>15s} "
         f"{'x bare':>8s}"
     )
     for name in names:
@@ -1031,7 +1065,7 @@ def print_table(figures: list[Figures], bare: float) -> None:
             cells.append(
                 "—".rjust(15) + "—".rjust(9) if math.isnan(us) else f"{us:15.1f} {us / bare:8.1f}"
             )
-        print(f"{name:20s} {cells[0]} {cells[1]}")
+        print(f"{name:28s} {cells[0]} {cells[1]}")
 
 
 def main(argv: list[str]) -> None:
@@ -1075,6 +1109,7 @@ def main(argv: list[str]) -> None:
         runs: list[tuple[str, Callable[[int], Awaitable[float]]]] = [
             ("bare loop", concurrent_bare),
             ("stepmachine", concurrent_stepmachine),
+            ("stepmachine, gc tuned", concurrent_stepmachine_gc_tuned),
         ]
         if opts.concurrent_langgraph:
             runs.append(("LangGraph", concurrent_langgraph))
@@ -1090,7 +1125,7 @@ def main(argv: list[str]) -> None:
                 print(f"  {name}: {skipped}")
                 continue
             ratio = concurrent[name] / concurrent["bare loop"]
-            print(f"  {name:20s} {concurrent[name]:8.2f} s  {ratio:6.2f} x bare")
+            print(f"  {name:22s} {concurrent[name]:8.2f} s  {ratio:6.2f} x bare")
     line = summary(figures, concurrent)
     if opts.json_path is not None or opts.plot:
         data = {
