@@ -33,6 +33,7 @@ FRAMEWORKS = (
     "bare loop",
     "stepmachine",
     "stepmachine async tool",
+    "stepmachine async pure tool",
     "LangGraph",
     "LangGraph minimal",
     "pydantic-ai",
