@@ -10,6 +10,8 @@ explains the whole design.
 
 from __future__ import annotations
 
+import sqlite3
+from contextlib import closing
 from typing import Any, Literal, cast
 
 import msgspec
@@ -123,13 +125,19 @@ def dbos_config(
         The config, with :class:`MsgspecSerializer` as its serializer.
 
     Raises:
-        ConfigurationError: ``options`` names another serializer.
+        ConfigurationError: ``options`` names another serializer; or
+            ``system_database_url`` is an SQLite database and DBOS cannot
+            create its tables there with this Python (on Python 3.12 and
+            later, DBOS needs a Python that links SQLite 3.42 or later).
     """
     given = options.pop("serializer", None)
     if given is not None and not isinstance(given, MsgspecSerializer):
         raise ConfigurationError(
             f"durable turns serialize with msgspec (MsgspecSerializer), not {given!r}"
         )
+    problem = _sqlite_system_database_problem(system_database_url)
+    if problem is not None:
+        raise ConfigurationError(problem)
     config: dict[str, Any] = {
         **options,
         "name": name,
@@ -141,6 +149,44 @@ def dbos_config(
     if application_version is not None:
         config["application_version"] = application_version
     return cast(DBOSConfig, config)  # the keys are DBOSConfig's own
+
+
+def _sqlite_system_database_problem(url: str, timestamp: str | None = None) -> str | None:
+    """Why DBOS cannot keep its tables in the SQLite database ``url`` here, or ``None``.
+
+    DBOS's SQLite tables give their timestamps a default expression, and its
+    launch inserts rows that rely on it (``timestamp``: that expression; by
+    default DBOS's own for this Python). On Python 3.12 and later, DBOS 3.4
+    uses ``unixepoch('subsec')``, which SQLite evaluates only from version
+    3.42: with an older SQLite linked into Python (Debian 12 ships 3.40) the
+    default is NULL and ``DBOS.launch()`` fails on a ``NOT NULL`` constraint.
+    The expression is evaluated here, on the SQLite this Python links, so a
+    DBOS or SQLite that gets it right passes. Any other URL (PostgreSQL) is
+    ``None``, and so is a DBOS that no longer names the expression.
+    """
+    if not url.startswith("sqlite"):
+        return None
+    if timestamp is None:
+        try:
+            from dbos._migration import get_sqlite_timestamp_expr  # noqa: PLC0415
+        except ImportError:  # another DBOS release: nothing known to check
+            return None
+        timestamp = get_sqlite_timestamp_expr()
+    with closing(sqlite3.connect(":memory:")) as connection:
+        try:
+            value = connection.execute(f"SELECT {timestamp}").fetchone()[0]
+        except sqlite3.Error:
+            value = None
+    if value is not None:
+        return None
+    return (
+        f"DBOS cannot keep its tables in an SQLite system database ({url}) with this "
+        f"Python: its timestamps default to {timestamp}, which SQLite "
+        f"{sqlite3.sqlite_version} (the one this Python links) does not evaluate (the "
+        "'subsec' modifier needs SQLite 3.42 or later), so DBOS's launch would fail. Use a "
+        "PostgreSQL system database (postgresql://...), or a Python that links SQLite 3.42 "
+        "or later (or Python 3.11, for which DBOS uses another expression)"
+    )
 
 
 class CycleSummary(msgspec.Struct, frozen=True, kw_only=True):

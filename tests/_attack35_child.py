@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -244,6 +245,9 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    # As in a terminal: a launcher that ignores SIGINT (a suite started as a background job of
+    # a non-interactive shell) passes that on, and Ctrl-C would never reach this process.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if RUNNER in ("asyncio", "taskgroup", "anyiogroup"):
             asyncio.run(main())

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -43,6 +45,7 @@ from stepmachine import (
     submit,
     tool,
 )
+from stepmachine._durable_codec import _sqlite_system_database_problem
 from stepmachine.durable import (
     CYCLE_STEP,
     SERIALIZER_NAME,
@@ -121,6 +124,52 @@ def test_dbos_config_puts_the_msgspec_serializer_in() -> None:
     assert "application_version" not in config
     with pytest.raises(ConfigurationError, match="msgspec"):
         dbos_config("app", "postgresql://u@h/db", serializer=DefaultSerializer())
+
+
+def test_a_postgresql_system_database_is_never_checked_as_sqlite() -> None:
+    assert _sqlite_system_database_problem("postgresql://u@h/db", "(NULL)") is None
+
+
+def test_an_sqlite_system_database_dbos_cannot_fill_is_refused_clearly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the SQLite at hand cannot evaluate DBOS's timestamp default, ``dbos_config``
+    says so (and what to use instead) rather than leaving DBOS's launch to fail on a
+    NOT NULL constraint; an expression it can evaluate passes."""
+    import dbos._migration
+
+    monkeypatch.setattr(dbos._migration, "get_sqlite_timestamp_expr", lambda: "(NULL)")
+    with pytest.raises(ConfigurationError) as refused:
+        dbos_config("app", "sqlite:///sys.sqlite3")
+    message = str(refused.value)
+    assert "sqlite:///sys.sqlite3" in message
+    assert f"SQLite {sqlite3.sqlite_version}" in message
+    assert "PostgreSQL system database" in message
+    monkeypatch.setattr(
+        dbos._migration, "get_sqlite_timestamp_expr", lambda: "(strftime('%s','now') * 1000)"
+    )
+    assert dbos_config("app", "sqlite:///sys.sqlite3")["system_database_url"] == (
+        "sqlite:///sys.sqlite3"
+    )
+
+
+def test_the_sqlite_check_agrees_with_a_dbos_launch(tmp_path: Path) -> None:
+    """With DBOS's own timestamp default on this Python and this SQLite: refused exactly
+    where DBOS itself cannot launch on an SQLite system database. (On Python 3.11 DBOS
+    launches; on 3.12 and later it does only with SQLite 3.42 or later.)"""
+    url = f"sqlite:///{tmp_path}/sys.sqlite3"
+    problem = _sqlite_system_database_problem(url)
+    DBOS.destroy(destroy_registry=True)
+    config: DBOSConfig = {"name": "probe", "system_database_url": url, "log_level": "ERROR"}
+    DBOS(config=config)
+    try:
+        if problem is None:
+            DBOS.launch()
+        else:
+            with pytest.raises(Exception, match="NOT NULL constraint failed"):
+                DBOS.launch()
+    finally:
+        DBOS.destroy(destroy_registry=True)
 
 
 def test_turn_report_reads_a_workflow_output() -> None:

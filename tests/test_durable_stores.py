@@ -56,10 +56,19 @@ async def opener(
 ) -> AsyncIterator[Opener]:
     monkeypatch.setattr(_sqlite_rows, "SNAPSHOT_EVERY", 1)
     monkeypatch.setattr(_sqlite_rows, "SNAPSHOT_MAX_GAP", 2)
-    if request.param == "file":
-        yield lambda: FileStore.open(tmp_path / "store", snapshot_every=2)
-    else:
-        yield lambda: SQLiteStore.open(tmp_path / "store.db")
+    opened: list[Any] = []  # closed at the end (aclose is idempotent): no connection is left
+
+    async def open_one() -> Any:
+        if request.param == "file":
+            store: Any = await FileStore.open(tmp_path / "store", snapshot_every=2)
+        else:
+            store = await SQLiteStore.open(tmp_path / "store.db")
+        opened.append(store)
+        return store
+
+    yield open_one
+    for store in opened:
+        await store.aclose()
 
 
 async def grow(store: Any, session_id: str, batches: int) -> list[Session[Any]]:

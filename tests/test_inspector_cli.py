@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -475,7 +476,7 @@ def test_an_old_schema_is_not_migrated_by_a_read(tmp_path: Path, backend: str) -
 
 
 def test_a_newer_schema_is_a_clear_error(db: Path, backend: str) -> None:
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn, conn:
         conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (99, 0)")
     before = db.read_bytes()
     for command in (["sessions", "list"], ["approve", "approval", "x", "--by", "me"]):
@@ -496,7 +497,7 @@ def test_store_urls(db: Path, tmp_path: Path, backend: str) -> None:
     assert nothing.exit_code == 2
     assert "STEPMACHINE_STORE" in nothing.output
     not_ours = tmp_path / "other.sqlite3"
-    with sqlite3.connect(not_ours) as conn:
+    with closing(sqlite3.connect(not_ours)) as conn, conn:
         conn.execute("CREATE TABLE users (id INTEGER)")
     foreign = run(not_ours, "sessions", "list", backend=backend)
     assert foreign.exit_code == 1

@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +180,7 @@ def _damage(kind: str, path: Path, body: bytes) -> None:
     if kind == "file":
         (path / "files" / ".media" / HEX).write_bytes(body)
     else:
-        with sqlite3.connect(path / "db.sqlite3") as conn:
+        with closing(sqlite3.connect(path / "db.sqlite3")) as conn, conn:
             conn.execute("UPDATE media SET body = ? WHERE digest = ?", (body, DIGEST))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sqlite3
 from collections.abc import AsyncIterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ class Opened:
 
             with psycopg.connect(self.dsn, autocommit=True) as conn:
                 return {row[0] for row in conn.execute("SELECT digest FROM stepmachine.media")}
-        with sqlite3.connect(self.path / "db.sqlite3") as conn:
+        with closing(sqlite3.connect(self.path / "db.sqlite3")) as conn, conn:
             try:
                 return {row[0] for row in conn.execute("SELECT digest FROM media")}
             except sqlite3.OperationalError:

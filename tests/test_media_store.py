@@ -27,6 +27,7 @@ import tempfile
 import textwrap
 import zlib
 from collections.abc import AsyncIterator, Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,7 +190,7 @@ class Place:
     def sql(self, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         if self.kind == "sqlite":
             statement = statement.replace("%s", "?").format(media="media")
-            with sqlite3.connect(self.path / "db.sqlite3") as conn:
+            with closing(sqlite3.connect(self.path / "db.sqlite3")) as conn, conn:
                 try:
                     return list(conn.execute(statement, params).fetchall())
                 except sqlite3.OperationalError as exc:
@@ -594,7 +595,7 @@ def test_base64_of_the_image_is_in_no_record(tmp_path: Path) -> None:
 
     anyio.run(main)
     text = base64.b64encode(b"A" * 3000)[:40]
-    with sqlite3.connect(tmp_path / "db") as conn:
+    with closing(sqlite3.connect(tmp_path / "db")) as conn, conn:
         bodies = [row[0] for row in conn.execute("SELECT body FROM effects")]
         bodies += [row[0] for row in conn.execute("SELECT body FROM batches")]
         bodies += [row[0] for row in conn.execute("SELECT body FROM snapshots")]
@@ -788,7 +789,7 @@ async def test_a_damaged_blob_is_not_reused_by_the_next_write_of_the_same_bytes(
         else:
             import sqlite3
 
-            with sqlite3.connect(opener.path / "db.sqlite3") as conn:
+            with closing(sqlite3.connect(opener.path / "db.sqlite3")) as conn, conn:
                 conn.execute(
                     "UPDATE media SET body = ? WHERE digest = ?", (IMAGE_GEMINI_MEDIA[:10], DIGEST)
                 )
@@ -1000,7 +1001,7 @@ async def test_a_media_row_of_the_wrong_sqlite_type_is_a_stored_data_error(
         session = await store.create("s", conversation=[_user(0)])
         await store.apply(_batch(session, AppendMessage(_user(1, _image()))))
         await store.aclose()
-        with sqlite3.connect(path) as conn:
+        with closing(sqlite3.connect(path)) as conn, conn:
             conn.execute("UPDATE media SET body = ? WHERE digest = ?", (body, DIGEST))
         fresh = await SQLiteStore.open(path)
         try:
