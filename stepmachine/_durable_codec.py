@@ -179,13 +179,14 @@ def _sqlite_system_database_problem(url: str, timestamp: str | None = None) -> s
             value = None
     if value is not None:
         return None
+    why = " (the 'subsec' modifier needs SQLite 3.42 or later)" if "subsec" in timestamp else ""
     return (
         f"DBOS cannot keep its tables in an SQLite system database ({url}) with this "
         f"Python: its timestamps default to {timestamp}, which SQLite "
-        f"{sqlite3.sqlite_version} (the one this Python links) does not evaluate (the "
-        "'subsec' modifier needs SQLite 3.42 or later), so DBOS's launch would fail. Use a "
-        "PostgreSQL system database (postgresql://...), or a Python that links SQLite 3.42 "
-        "or later (or Python 3.11, for which DBOS uses another expression)"
+        f"{sqlite3.sqlite_version} (the one this Python links) does not evaluate{why}, so "
+        "DBOS's launch would fail. Use a PostgreSQL system database (postgresql://...), or a "
+        "Python that links SQLite 3.42 or later (or Python 3.11, for which DBOS uses another "
+        "expression)"
     )
 
 
