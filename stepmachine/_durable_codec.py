@@ -151,27 +151,26 @@ def dbos_config(
     return cast(DBOSConfig, config)  # the keys are DBOSConfig's own
 
 
-def _sqlite_system_database_problem(url: str, timestamp: str | None = None) -> str | None:
+def _sqlite_system_database_problem(url: str) -> str | None:
     """Why DBOS cannot keep its tables in the SQLite database ``url`` here, or ``None``.
 
-    DBOS's SQLite tables give their timestamps a default expression, and its
-    launch inserts rows that rely on it (``timestamp``: that expression; by
-    default DBOS's own for this Python). On Python 3.12 and later, DBOS 3.4
-    uses ``unixepoch('subsec')``, which SQLite evaluates only from version
-    3.42: with an older SQLite linked into Python (Debian 12 ships 3.40) the
-    default is NULL and ``DBOS.launch()`` fails on a ``NOT NULL`` constraint.
+    DBOS's SQLite tables give their timestamps a default expression (DBOS's
+    own for this Python), and its launch inserts rows that rely on it. On
+    Python 3.12 and later, DBOS 3.4 uses ``unixepoch('subsec')``, which SQLite
+    evaluates only from version 3.42: with an older SQLite linked into Python
+    (Debian 12 ships 3.40) the default is NULL and ``DBOS.launch()`` fails on
+    a ``NOT NULL`` constraint.
     The expression is evaluated here, on the SQLite this Python links, so a
     DBOS or SQLite that gets it right passes. Any other URL (PostgreSQL) is
     ``None``, and so is a DBOS that no longer names the expression.
     """
     if not url.startswith("sqlite"):
         return None
-    if timestamp is None:
-        try:
-            from dbos._migration import get_sqlite_timestamp_expr  # noqa: PLC0415
-        except ImportError:  # another DBOS release: nothing known to check
-            return None
-        timestamp = get_sqlite_timestamp_expr()
+    try:
+        from dbos._migration import get_sqlite_timestamp_expr  # noqa: PLC0415
+    except ImportError:  # another DBOS release: nothing known to check
+        return None
+    timestamp = get_sqlite_timestamp_expr()
     with closing(sqlite3.connect(":memory:")) as connection:
         try:
             value = connection.execute(f"SELECT {timestamp}").fetchone()[0]

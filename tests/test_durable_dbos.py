@@ -126,8 +126,14 @@ def test_dbos_config_puts_the_msgspec_serializer_in() -> None:
         dbos_config("app", "postgresql://u@h/db", serializer=DefaultSerializer())
 
 
-def test_a_postgresql_system_database_is_never_checked_as_sqlite() -> None:
-    assert _sqlite_system_database_problem("postgresql://u@h/db", "(NULL)") is None
+def test_a_postgresql_system_database_is_never_checked_as_sqlite(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dbos._migration
+
+    monkeypatch.setattr(dbos._migration, "get_sqlite_timestamp_expr", lambda: "(NULL)")
+    assert _sqlite_system_database_problem("postgresql://u@h/db") is None
+    assert _sqlite_system_database_problem("sqlite:///sys.sqlite3") is not None
 
 
 def test_an_sqlite_system_database_dbos_cannot_fill_is_refused_clearly(
