@@ -13,9 +13,9 @@
   with: ``BEGIN``, an ``UPDATE`` of one row (the revision, as the store's
   compare-and-set), an ``INSERT`` of the encoded effects as one ``bytea`` row,
   ``COMMIT``, at READ COMMITTED, run like the store runs its transactions: one
-  ``anyio.to_thread`` hop holding one connection of a ``psycopg_pool``
-  connection pool with the store's settings (autocommit connections, at most
-  4), behind a capacity limiter, shielded.
+  hop to a worker thread (the stores' own, ``stepmachine._async.run_in_thread``)
+  holding one connection of a ``psycopg_pool`` connection pool with the store's
+  settings (autocommit connections, at most 4), behind a capacity limiter, shielded.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+
+from stepmachine._async import run_in_thread  # the stores' own hop
 
 HARNESS = Path(__file__).resolve().parent.parent / "tests" / "harness"
 if str(HARNESS) not in sys.path:
@@ -167,7 +169,7 @@ class RawPostgres:
         """:meth:`commit` through one worker-thread hop, as PostgresStore runs a transaction."""
         async with self._connections:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.commit, revision, body)
+                await run_in_thread(self.commit, revision, body)
 
     async def commits_per_s(self, first: int, count: int, body: bytes, *, hop: bool) -> float:
         """Commits per second of ``count`` raw commits (revisions from ``first``)."""

@@ -28,7 +28,8 @@ For each store (MemoryStore, SQLiteStore, FileStore, PostgresStore), in one run:
   commit of a comparable row: the same encoded effects as one BLOB row in a
   ``(sid, revision, body)`` WITHOUT ROWID table, one transaction (BEGIN,
   INSERT, COMMIT), the store's PRAGMAs (WAL, synchronous=NORMAL), run through
-  the same worker-thread hop as the store uses (``anyio.to_thread``).
+  the same worker-thread hop as the store uses (``stepmachine._async.run_in_thread``:
+  on asyncio the stores' own worker threads, elsewhere ``anyio.to_thread``).
   On PostgreSQL likewise, with a raw commit of a comparable transaction (see
   ``benchmarks/_pg.py``): BEGIN, an UPDATE of one row (the revision), an
   INSERT of the same encoded effects as one ``bytea`` row, COMMIT, on a
@@ -116,6 +117,7 @@ from stepmachine import (
     submit,
     tool,
 )
+from stepmachine._async import run_in_thread  # the stores' own hop, for the raw commits
 from stepmachine.extend import Batch, NullEmitter, counter_ids
 from stepmachine.stores import FileStore, MemoryStore, PostgresStore, SQLiteStore
 from stepmachine.testing import FunctionModel, call, reply
@@ -419,7 +421,7 @@ async def per_size(kind: str, folder: Path, size: int, opts: Options, figures: F
                     body = codec.encode_effects(batch.effects)
                     start = time.perf_counter_ns()
                     if raw is not None:
-                        await anyio.to_thread.run_sync(raw_commit, raw, (k, body))
+                        await run_in_thread(raw_commit, raw, (k, body))
                     elif raw_pg is not None:
                         await raw_pg.commit_hop(k + 1, body)
                     figures.raw_us.append((time.perf_counter_ns() - start) / 1e3)
@@ -486,12 +488,12 @@ def raw_commits(path: Path, count: int, payload: bytes) -> float:
 
 
 async def raw_commits_threaded(path: Path, count: int, payload: bytes) -> float:
-    """Commits per second with one worker-thread hop per commit (as the store does)."""
+    """Commits per second with one worker-thread hop per commit (the store's hop)."""
     connection = await anyio.to_thread.run_sync(raw_connection, path)
     try:
         start = time.perf_counter_ns()
         for k in range(count):
-            await anyio.to_thread.run_sync(raw_commit, connection, (k, payload))
+            await run_in_thread(raw_commit, connection, (k, payload))
         return count / ((time.perf_counter_ns() - start) / 1e9)
     finally:
         connection.close()
@@ -502,11 +504,11 @@ def noop() -> None:
 
 
 async def thread_hops(count: int) -> list[float]:
-    """Microseconds of each of ``count`` worker-thread hops running nothing."""
+    """Microseconds of each of ``count`` worker-thread hops (the store's) running nothing."""
     hops: list[float] = []
     for _ in range(count):
         start = time.perf_counter_ns()
-        await anyio.to_thread.run_sync(noop)
+        await run_in_thread(noop)
         hops.append((time.perf_counter_ns() - start) / 1e3)
     return hops
 

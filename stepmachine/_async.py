@@ -10,7 +10,8 @@ without that lookup on asyncio.
 child's ``KeyboardInterrupt`` came out of the group: on asyncio, never the same
 interrupt twice.
 
-:func:`run_in_thread` is the stores' hop to a worker thread: a caller never
+:func:`run_in_thread` is the stores' hop to a worker thread (on asyncio, one of
+:mod:`._threads`): a caller never
 goes on (releasing a lock, a connection) while its function still runs there,
 even when asyncio's native ``task.cancel()`` interrupts the wait, which no
 anyio shield stops.
@@ -19,12 +20,15 @@ anyio shield stops.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio.lowlevel
 import anyio.to_thread
+
+from ._threads import POOL
 
 __all__ = ["asyncio_here", "checkpoint", "interrupt_once", "run_in_thread"]
 
@@ -99,9 +103,12 @@ async def checkpoint() -> None:
 
 
 async def run_in_thread(function: Callable[..., T], *args: Any) -> T:
-    """``anyio.to_thread.run_sync(function, *args)``, never left while ``function`` runs.
+    """``function(*args)`` in a worker thread, never left while ``function`` runs.
 
-    A cancellation before the worker thread starts ``function`` raises with
+    On asyncio the thread is one of the stores' own (:mod:`._threads`: a hop
+    there costs a fraction of anyio's); elsewhere (trio) it is
+    ``anyio.to_thread.run_sync``'s. Either way ``function`` sees the caller's
+    context variables. A cancellation before the worker thread starts ``function`` raises with
     nothing done. Once it runs, anyio's own cancel scopes (trio's, asyncio's
     through anyio) wait for it: its outcome (return or exception) is handed
     back and the cancellation lands at the caller's next checkpoint.
@@ -118,12 +125,18 @@ async def run_in_thread(function: Callable[..., T], *args: Any) -> T:
     """
     if _running_library() != "asyncio":
         return await anyio.to_thread.run_sync(function, *args)
-    hop = _Hop(asyncio.get_running_loop())
+    await anyio.lowlevel.checkpoint_if_cancelled()  # cancelled already: nothing done
+    loop = asyncio.get_running_loop()
+    hop = _Hop(loop)
+    future: asyncio.Future[T] = loop.create_future()
+    POOL.submit((loop, future, contextvars.copy_context(), hop.run, (function, args)))
     try:
-        return await anyio.to_thread.run_sync(hop.run, function, args)
+        with anyio.CancelScope(shield=True):  # anyio's cancellations wait for the outcome
+            result = await future
     except asyncio.CancelledError:
         await hop.ended()
         raise
+    return result
 
 
 def _running_library() -> str:

@@ -46,10 +46,11 @@ from the snapshot when the snapshot covers exactly this log (the last record it
 includes is still in the log, byte for byte), so it replays at most
 ``snapshot_every`` batches.
 
-All file IO runs in worker threads (``anyio.to_thread.run_sync``), on asyncio
-and trio; a call is never left while its thread runs (asyncio's native
-``task.cancel()`` included: it is raised once the thread's work ended, so a
-log's descriptor is never closed, nor its lock let go, under a write).
+All file IO runs in worker threads (``stepmachine._async.run_in_thread``: on
+asyncio the stores' own, on trio anyio's); a call is never left while its
+thread runs (asyncio's native ``task.cancel()`` included: it is raised once the
+thread's work ended, so a log's descriptor is never closed, nor its lock let
+go, under a write).
 Requires ``fcntl.flock`` and ``os.link`` on the folder's filesystem (a local
 POSIX filesystem; not Windows). On a case-insensitive filesystem two ids
 differing only in case would share files: avoid such ids there.
@@ -251,7 +252,9 @@ class FileStore(FlockLeaseMethods):
             lock_timeout: seconds to wait for another process's file lock
                 before raising :class:`FileLockTimeoutError`.
             boundary_hook: called with each name of :attr:`BOUNDARIES`, in the
-                IO thread, at that point of persisting (for crash tests).
+                IO thread, at that point of persisting (for crash tests; on
+                asyncio not one of anyio's threads: a hook calling
+                ``anyio.from_thread`` passes its ``token=``).
             max_media_bytes: the bytes one image, document or audio part may
                 hold (20 MiB by default); a larger one raises
                 :class:`~stepmachine.MediaTooLargeError` and nothing is written.

@@ -155,7 +155,8 @@ class PostgresStore:
 
     Attributes:
         BOUNDARIES: the persistence boundaries at which ``boundary_hook`` is
-            called, in the worker thread: ``"apply.begin"`` (in the
+            called, in the worker thread (on asyncio not one of anyio's: a hook
+            calling ``anyio.from_thread`` passes its ``token=``): ``"apply.begin"`` (in the
             transaction, before any statement), ``"apply.inserted"`` (rows
             written, before ``COMMIT``), ``"apply.committed"`` (after
             ``COMMIT``, before :meth:`apply` returns) and ``"create.committed"``.

@@ -31,9 +31,10 @@ commit before the damage, so back up with :meth:`SQLiteStore.backup` (or the
 sqlite3 backup API, or ``VACUUM INTO``), never by copying the database file
 alone while it is open.
 
-All IO runs in a worker thread (:func:`anyio.to_thread.run_sync`, one hop per
-transaction) on a single connection guarded by an :class:`anyio.Lock`, so the
-store works on asyncio and trio. Several processes, each with its own
+All IO runs in a worker thread (:func:`stepmachine._async.run_in_thread`, one
+hop per transaction: on asyncio the stores' own threads, on trio anyio's) on a
+single connection guarded by an :class:`anyio.Lock`, so the store works on
+asyncio and trio. Several processes, each with its own
 ``SQLiteStore``, may share one file: SQLite's locks serialise the writers, and a
 stale batch raises :class:`~stepmachine.ConflictError`. Leases (one runner per
 session across those processes) are file locks beside the database
@@ -220,7 +221,8 @@ class SQLiteStore(FlockLeaseMethods):
 
     Attributes:
         BOUNDARIES: the persistence boundaries at which ``boundary_hook`` is
-            called, in the worker thread: ``"apply.begin"`` (after ``BEGIN
+            called, in the worker thread (on asyncio not one of anyio's: a hook
+            calling ``anyio.from_thread`` passes its ``token=``): ``"apply.begin"`` (after ``BEGIN
             IMMEDIATE``, before any insert), ``"apply.inserted"`` (rows
             inserted, before ``COMMIT``), ``"apply.committed"`` (after
             ``COMMIT``, before :meth:`apply` returns) and ``"create.committed"``.

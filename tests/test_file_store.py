@@ -766,10 +766,11 @@ async def test_reader_waiting_for_the_lock_sees_a_delete(tmp_path: Path) -> None
 async def test_apply_cancelled_in_the_worker_thread_writes_whole(tmp_path: Path) -> None:
     folder = tmp_path / "store"
     scope = anyio.CancelScope()
+    token = anyio.lowlevel.current_token()  # the store's thread is not anyio's (on asyncio)
 
     def hook(name: str) -> None:
         if name == "apply.written":
-            anyio.from_thread.run_sync(scope.cancel)
+            anyio.from_thread.run_sync(scope.cancel, token=token)
 
     store = await _open(folder, boundary_hook=hook)
     created = await store.create("s")
