@@ -128,6 +128,10 @@ class LogCore(Generic[P]):
 
     # -- the cache ---------------------------------------------------------------------
 
+    def cached(self, session_id: str) -> Cached[P] | None:
+        """The session's cache entry, if any (what this store last read or wrote)."""
+        return self._cache.get(session_id)
+
     def remember(self, session_id: str, cached: Cached[P]) -> None:
         """Keep ``cached`` as the session's cache entry (after its transaction committed)."""
         self._cache[session_id] = cached

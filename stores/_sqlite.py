@@ -105,6 +105,13 @@ def _cannot_open(file: str, exc: sqlite3.OperationalError) -> str:
     return f"cannot open the SQLite database {file!r} ({exc}): {fix}"
 
 
+def _data_version(connection: sqlite3.Connection | sqlite3.Cursor) -> int:
+    """SQLite's ``PRAGMA data_version`` on ``connection``: it changes when another
+    connection commits (read whole, so no statement stays open)."""
+    ((version,),) = connection.execute("PRAGMA data_version").fetchall()
+    return int(version)
+
+
 def _fast_lock() -> anyio.Lock:
     """The store's lock: taken without an event-loop pass when it is free (anyio 4.5+).
 
@@ -245,9 +252,14 @@ class SQLiteStore(FlockLeaseMethods):
         codec: Codec[Any],
         boundary_hook: Callable[[str], None],
         max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
+        busy_timeout: float = 30.0,
     ) -> None:
         """Wrap an open connection; use :meth:`open` instead."""
         self._conn: sqlite3.Connection | None = connection
+        self._busy_ms = round(busy_timeout * 1000)
+        self._seen: dict[str, int] = {}
+        """Per cached session, the ``data_version`` of the transaction that last read or
+        wrote it (see :meth:`_unchanged`)."""
         self._cursor = connection.cursor()  # the apply path's statements (see apply)
         self._valid_ids: set[str] = set()  # session ids apply has validated (bounded)
         self._path = path
@@ -336,7 +348,8 @@ class SQLiteStore(FlockLeaseMethods):
                 connection = await run_in_thread(connect)
         except sqlite3.OperationalError as exc:
             raise sqlite3.OperationalError(_cannot_open(file, exc)) from exc
-        return cls(connection, file, codec or Codec(), boundary_hook or _no_hook, max_media_bytes)
+        hook = boundary_hook or _no_hook
+        return cls(connection, file, codec or Codec(), hook, max_media_bytes, busy_timeout)
 
     @property
     def codec(self) -> Codec[Any]:
@@ -393,7 +406,9 @@ class SQLiteStore(FlockLeaseMethods):
             with transaction(connection, write=True):
                 txn = SQLiteTxn(connection, self._path)
                 created = self._core.create(txn, session_id, session, record, blobs)
+                version = _data_version(connection)
             self._core.remember(session_id, created)
+            self._saw(session_id, version)
             self._hook("create.committed")
             return session
 
@@ -413,12 +428,56 @@ class SQLiteStore(FlockLeaseMethods):
                 table, session, revision and effect index.
         """
         validate_session_id(session_id)
+        async with self._lock:
+            connection = self._conn
+            if connection is None:
+                raise StoreClosedError(f"SQLiteStore on {self._path} is closed")
+            unchanged = self._unchanged(connection, session_id)
+        if unchanged is not None:
+            return unchanged
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
             with transaction(connection, write=False):
-                return self._core.current(SQLiteTxn(connection, self._path), session_id).session
+                current = self._core.current(SQLiteTxn(connection, self._path), session_id)
+                version = _data_version(connection)
+            self._saw(session_id, version)
+            return current.session
 
         return await self._run(run)
+
+    def _unchanged(self, connection: sqlite3.Connection, session_id: str) -> Session[Any] | None:
+        """The cached session when no other connection committed since the transaction
+        that last read or wrote it, else None (read it in the worker thread).
+
+        SQLite's ``PRAGMA data_version`` changes, on this connection, exactly when
+        another connection (another process, another store instance) commits; this
+        store's own writes go through its cache. Reading it touches only the
+        shared-memory index of the write-ahead log, not the file, so it runs here,
+        on the event loop, with the store's lock held (no thread uses the
+        connection) and with SQLite's busy wait off: where it would wait (another
+        connection recovering the log after a crash), the load takes the thread
+        hop instead. A load that finds nothing new costs no hop and no read.
+        """
+        seen = self._seen.get(session_id)
+        cached = self._core.cached(session_id)
+        if seen is None or cached is None:
+            return None
+        try:
+            connection.execute("PRAGMA busy_timeout = 0")
+            try:
+                version = _data_version(connection)
+            finally:
+                connection.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+        except sqlite3.OperationalError:  # busy: read it in the worker thread, waiting there
+            return None
+        return cached.session if version == seen else None
+
+    def _saw(self, session_id: str, version: int) -> None:
+        """Note that the cache holds ``session_id`` as stored at ``version`` (in the worker
+        thread, once its transaction committed)."""
+        if len(self._seen) >= 2 * _CACHE_SIZE:  # bounded like the cache (a miss reads)
+            self._seen.clear()
+        self._seen[session_id] = version
 
     async def apply(self, batch: Batch[Effect], *, lease: Lease | None = None) -> Session[Any]:
         """Append ``batch`` if the session is at ``batch.revision - 1``; all rows or none.
@@ -475,20 +534,22 @@ class SQLiteStore(FlockLeaseMethods):
         prepared = self._core.prepare(batch, f"{self._path}: new batch for session {session_id!r}")
         cursor = self._cursor  # one cursor for every statement: none made per statement
 
-        def write(connection: sqlite3.Connection) -> Cached[SessionRow]:
+        def write(connection: sqlite3.Connection) -> tuple[Cached[SessionRow], int]:
             with transaction(connection, write=True, cursor=cursor):
                 self._hook("apply.begin")
                 written = self._core.apply(SQLiteTxn(cursor, self._path), prepared)
+                version = _data_version(cursor)
                 self._hook("apply.inserted")
-            return written
+            return written, version
 
         def run(connection: sqlite3.Connection) -> Session[Any]:
             if lease is None:
-                written = write(connection)
+                written, version = write(connection)
             else:
                 with self._leases.fenced(lease, session_id):
-                    written = write(connection)
+                    written, version = write(connection)
             self._core.remember(session_id, written)
+            self._saw(session_id, version)
             self._hook("apply.committed")
             return written.session
 
@@ -559,6 +620,7 @@ class SQLiteStore(FlockLeaseMethods):
                         sweep_blobs(connection)
             finally:
                 self._core.forget(session_id)
+                self._seen.pop(session_id, None)
 
         await self._run(run)
         await self._leases.forget(session_id)
@@ -691,6 +753,7 @@ class SQLiteStore(FlockLeaseMethods):
             async with self._lock:
                 connection, self._conn = self._conn, None
                 self._core.clear()
+                self._seen.clear()
                 await self._leases.close()
                 if connection is not None:
                     await run_in_thread(connection.close)

@@ -1054,9 +1054,11 @@ async def test_warm_apply_reads_nothing_and_compare_and_sets_in_one_update(
     assert updates[0].endswith("WHERE sid = 1 AND revision = 1"), updates
     assert seen[0] == "BEGIN IMMEDIATE"
     assert seen[-1] == "COMMIT"
-    # BEGIN, the CAS, the batch row holding its three effects, COMMIT: two b-trees.
+    # BEGIN, the CAS, the batch row holding its three effects, the data_version the
+    # cache is then current at (no table read), COMMIT: two b-trees.
     assert seen[2].startswith("INSERT INTO batches"), seen
-    assert len(seen) == 4, seen
+    assert seen[3] == "PRAGMA data_version", seen
+    assert len(seen) == 5, seen
 
 
 async def test_stale_cache_conflict_is_diagnosed_by_a_read(db: Path) -> None:
