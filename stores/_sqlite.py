@@ -417,8 +417,11 @@ class SQLiteStore(FlockLeaseMethods):
     async def load(self, session_id: str) -> Session[Any]:
         """The current session.
 
-        Reads the session row, then only the rows written since the session
-        this store last read or wrote (nothing more when nothing changed).
+        When this store last read or wrote the session and no other connection
+        has committed since (SQLite's ``data_version``, see :meth:`_unchanged`),
+        returns that session at once: no thread hop, no read. Otherwise reads
+        the session row, then only the rows written since the session this
+        store last read or wrote (nothing more when nothing changed).
 
         Raises:
             InvalidSessionIdError: the id is not safe.
