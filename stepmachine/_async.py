@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import anyio.lowlevel
 import anyio.to_thread
 
-from ._threads import POOL
+from ._threads import pool_for
 
 __all__ = ["asyncio_here", "checkpoint", "interrupt_once", "run_in_thread"]
 
@@ -105,13 +105,18 @@ async def checkpoint() -> None:
 async def run_in_thread(function: Callable[..., T], *args: Any) -> T:
     """``function(*args)`` in a worker thread, never left while ``function`` runs.
 
-    On asyncio the thread is one of the stores' own (:mod:`._threads`: a hop
-    there costs a fraction of anyio's); elsewhere (trio) it is
+    On asyncio the thread is one of the stores' own (:mod:`._threads`, a pool per
+    event loop; its hop costs less than anyio's); elsewhere (trio) it is
     ``anyio.to_thread.run_sync``'s. Either way ``function`` sees the caller's
-    context variables. A cancellation before the worker thread starts ``function`` raises with
-    nothing done. Once it runs, anyio's own cancel scopes (trio's, asyncio's
-    through anyio) wait for it: its outcome (return or exception) is handed
-    back and the cancellation lands at the caller's next checkpoint.
+    context variables.
+
+    Cancellation, as anyio's hop: a cancellation before ``function`` is handed
+    to a thread, or while it waits for a free one (every thread of the pool
+    busy), raises with nothing done (or, when a thread took it in that very
+    moment, once it ended: what it did stays done). Once a thread has it, anyio's own cancel
+    scopes (trio's, asyncio's through anyio) wait for it: its outcome (return
+    or exception) is handed back and the cancellation lands at the caller's
+    next checkpoint.
 
     asyncio's native ``task.cancel()`` is not stopped by anyio's shield: it
     interrupts the wait at once. Then this waits for ``function`` to end
@@ -120,8 +125,8 @@ async def run_in_thread(function: Callable[..., T], *args: Any) -> T:
     store: a transaction that committed stays committed, as after a lost
     reply) and its result is dropped. So a caller holding a lock or a
     connection around the hop never lets it go while the thread still uses it.
-    A native cancel that lands before ``function`` starts keeps it from
-    starting.
+    A cancel that lands before ``function`` starts (native, or anyio's while it
+    waits for a thread) keeps it from starting.
     """
     if _running_library() != "asyncio":
         return await anyio.to_thread.run_sync(function, *args)
@@ -129,12 +134,15 @@ async def run_in_thread(function: Callable[..., T], *args: Any) -> T:
     loop = asyncio.get_running_loop()
     hop = _Hop(loop)
     future: asyncio.Future[T] = loop.create_future()
-    POOL.submit((loop, future, contextvars.copy_context(), hop.run, (function, args)))
+    call = (loop, future, contextvars.copy_context(), hop.run, (function, args))
     try:
-        with anyio.CancelScope(shield=True):  # anyio's cancellations wait for the outcome
+        if pool_for(loop).submit(call):  # a thread has it: as anyio's hop, shielded
+            with anyio.CancelScope(shield=True):
+                result = await future
+        else:  # waiting for a free thread: any cancellation drops it
             result = await future
     except asyncio.CancelledError:
-        await hop.ended()
+        await hop.ended()  # not started: it never will; running: wait for its end
         raise
     return result
 

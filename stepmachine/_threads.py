@@ -1,14 +1,15 @@
-"""The stores' worker threads on asyncio: a small pool that hands a call to a waiting
-thread and its outcome back to the event loop, and nothing else.
+"""The stores' worker threads on asyncio: a small pool per event loop that hands a call
+to a waiting thread and its outcome back to the loop, and nothing else.
 
 Why not anyio's worker threads: on asyncio, ``anyio.to_thread.run_sync`` takes a
 slot of its capacity limiter (one extra pass of the event loop), opens a cancel
-scope, and hands the call over through a ``queue.Queue`` (a condition variable);
-measured on a 2-CPU virtual machine, one hop cost about 170 µs there, against
-about 40 µs here, where the call goes through a ``queue.SimpleQueue`` (one lock
-in C) and comes back with one ``loop.call_soon_threadsafe``. A durable store
-makes several hops per agent step (claim, loads, one per batch, release), so
-that difference is most of what a step costs on SQLite beyond SQLite's own work.
+scope, and hands the call over through a ``queue.Queue`` (a condition variable).
+Here the call goes through a ``queue.SimpleQueue`` (one lock in C) and comes back
+with one ``loop.call_soon_threadsafe``. Measured on a 2-CPU virtual machine, a
+hop running nothing took about 100 µs here against about 140 µs there (most of
+either is the operating system waking a thread on the other CPU). A durable
+store makes several hops per agent step (the lease's claim and release, one per
+batch), so that difference adds up.
 
 Only the stores' own functions run here (:func:`stepmachine._async.run_in_thread`),
 never an application's: a tool's thread stays anyio's, so that
@@ -17,19 +18,25 @@ stores call back in this thread (a test's ``boundary_hook``) is not in an anyio
 worker thread: to reach the event loop it passes ``anyio.from_thread``'s
 ``token=`` (taken with ``anyio.lowlevel.current_token()`` beforehand).
 
-The pool's invariants, each kept under its one lock:
+Each event loop has a pool of its own (:func:`pool_for`), as anyio's thread
+limit is per loop: calls blocked on one loop (40 writes waiting for another
+process's lock) never keep another loop's calls from running. A pool's
+invariants, each kept under its one lock:
 
-* a call is run exactly once, by one thread, in a copy of the caller's context
-  variables (as anyio's workers do);
+* a call is run at most once, by one thread, in a copy of the caller's context
+  variables (as anyio's workers do); every call handed over is run, unless its
+  caller dropped it first (:func:`stepmachine._async.run_in_thread`);
 * a thread is either running a call, or idle on its own queue and listed in
   ``idle`` (a ``submit`` that takes it from the list puts a call on its queue);
 * at most :data:`MAX_THREADS` threads exist; a call made while all are busy
-  waits in ``backlog`` and is taken by the next thread to finish, before it
-  goes idle;
-* a thread idle for :data:`IDLE_SECONDS` leaves (unless a call was just handed
-  to it), so an idle process holds no threads;
-* after ``os.fork()`` the child starts with an empty pool (the parent's threads
-  do not exist there).
+  waits in ``backlog`` (``submit`` says so) and is taken by the next thread to
+  finish, before it goes idle; a thread that cannot be started (no memory, a
+  thread limit) is not counted, and its ``submit`` raises;
+* an idle thread holds nothing of the calls it ran (not their arguments, nor
+  their outcome or context), and leaves after :data:`IDLE_SECONDS` without a
+  call, so an idle process holds no threads;
+* after ``os.fork()`` the child starts with no pools (the parent's threads do
+  not exist there).
 
 The outcome of a call is handed back with ``call_soon_threadsafe`` to the loop
 that made it; a loop closed meanwhile drops it (nobody awaits it). The threads
@@ -44,14 +51,16 @@ import contextvars
 import os
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["IDLE_SECONDS", "MAX_THREADS", "POOL", "Pool"]
+__all__ = ["IDLE_SECONDS", "MAX_THREADS", "Pool", "pool_for"]
 
 MAX_THREADS = 40
-"""At most this many threads (anyio's default thread limit, for the same reason)."""
+"""At most this many threads per event loop (anyio's default thread limit, for the same
+reason)."""
 
 IDLE_SECONDS = 10.0
 """A thread that had no call for this long leaves (as anyio's do)."""
@@ -77,50 +86,49 @@ class Pool:
         self._backlog: deque[Call] = deque()
         self._threads = 0
 
-    def submit(self, call: Call) -> None:
-        """Have ``call`` run in a worker thread: an idle one, a new one, or the next free."""
-        worker: _Worker | None = None
+    def submit(self, call: Call) -> bool:
+        """Have ``call`` run in a worker thread: an idle one or a new one (True), or the
+        next one to finish (False: it waits in the backlog).
+
+        Raises:
+            RuntimeError: a new thread was needed and could not be started; the call
+                will not run.
+        """
         new = False
         with self._lock:
             if self._idle:
                 worker = self._idle.pop()
             elif self._threads < self._max:
                 self._threads += 1
-                worker = _Worker(self)
-                new = True
+                worker, new = _Worker(self), True
             else:
                 self._backlog.append(call)
-        if worker is None:
-            return
+                return False
         worker.calls.put(call)
         if new:
-            worker.start()
-
-    def reset(self) -> None:
-        """Forget every thread (in a child after ``os.fork()``, where none of them exists)."""
-        self._lock = threading.Lock()
-        self._idle = []
-        self._backlog = deque()
-        self._threads = 0
+            try:
+                worker.start()
+            except BaseException:
+                with self._lock:
+                    self._threads -= 1  # it never ran: its slot is free again
+                raise
+        return True
 
     # -- in a worker thread ------------------------------------------------------------
 
-    def _next(self, worker: _Worker, done: Callable[[], None]) -> Call | None:
-        """The worker's next call, once ``done()`` handed the last one's outcome back:
-        from the backlog, else waited for while listed idle; ``None`` when it was idle
-        too long and leaves.
-
-        The worker is listed idle before the outcome goes back, so the caller's next
-        call (often made at once) finds this warm thread rather than starting another.
-        """
+    def _backlogged(self, worker: _Worker) -> Call | None:
+        """A call from the backlog for ``worker``, just done with one; else None, and the
+        worker is listed idle (before its caller hears of the last outcome, so that a
+        call made at once finds this warm thread rather than starting another)."""
         with self._lock:
-            call = self._backlog.popleft() if self._backlog else None
-            if call is None:
-                self._idle.append(worker)
-        done()
-        del done  # nothing of a finished call is kept while idle
-        if call is not None:
-            return call
+            if self._backlog:
+                return self._backlog.popleft()
+            self._idle.append(worker)
+            return None
+
+    def _wait(self, worker: _Worker) -> Call | None:
+        """The idle worker's next call; None when it had none for ``idle_seconds`` and
+        leaves."""
         try:
             return worker.calls.get(timeout=self._idle_seconds)
         except queue.Empty:
@@ -130,11 +138,18 @@ class Pool:
                 self._idle.remove(worker)
                 self._threads -= 1
                 return None
-        return worker.calls.get()  # a submit took it off the list: its call is coming
+        # A submit took it off the list and puts its call now, unless that submit was
+        # interrupted in between (a KeyboardInterrupt): then nobody waits for a call.
+        try:
+            return worker.calls.get(timeout=self._idle_seconds)
+        except queue.Empty:
+            with self._lock:
+                self._threads -= 1
+            return None
 
 
 class _Worker(threading.Thread):
-    """One thread of the pool: runs calls from its own queue until it leaves."""
+    """One thread of a pool: runs calls from its own queue until it leaves."""
 
     def __init__(self, pool: Pool) -> None:
         super().__init__(name="stepmachine store worker", daemon=True)
@@ -142,20 +157,28 @@ class _Worker(threading.Thread):
         self.calls: queue.SimpleQueue[Call] = queue.SimpleQueue()
 
     def run(self) -> None:
+        pool = self.pool
         call: Call | None = self.calls.get()
         while call is not None:
-            call = self.pool._next(self, _run(call))
+            done = _run(call)
+            call = pool._backlogged(self)
+            done()
+            del done  # the outcome is handed back: nothing of the call stays here
+            if call is None:
+                call = pool._wait(self)
 
 
 def _run(call: Call) -> Callable[[], None]:
     """Run one call; what hands its outcome to its loop."""
     loop, future, context, function, args = call
+    del call
     result: Any = None
     error: BaseException | None = None
     try:
         result = context.run(function, *args)
     except BaseException as exc:  # noqa: BLE001 - handed to the caller, whatever it is
         error = exc
+    del context, function, args
 
     def done() -> None:
         try:
@@ -181,8 +204,28 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_exception(error)
 
 
-POOL = Pool()
-"""The process's pool (every store shares it)."""
+_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pool] = weakref.WeakKeyDictionary()
+_pools_lock = threading.Lock()
+
+
+def pool_for(loop: asyncio.AbstractEventLoop) -> Pool:
+    """The pool of ``loop`` (made at its first call; dropped with the loop, its threads
+    leaving once idle)."""
+    pool = _pools.get(loop)
+    if pool is None:
+        with _pools_lock:
+            pool = _pools.get(loop)
+            if pool is None:
+                pool = _pools[loop] = Pool()
+    return pool
+
+
+def _forget_pools() -> None:
+    """In a child after ``os.fork()``: none of the parent's threads exists here."""
+    global _pools_lock  # noqa: PLW0603 - the parent's lock may have been held at the fork
+    _pools_lock = threading.Lock()
+    _pools.clear()
+
 
 if hasattr(os, "register_at_fork"):  # pragma: no branch - POSIX
-    os.register_at_fork(after_in_child=POOL.reset)
+    os.register_at_fork(after_in_child=_forget_pools)

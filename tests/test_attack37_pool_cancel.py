@@ -27,7 +27,7 @@ import pytest
 
 from stepmachine import AppendMessage, Message, submit
 from stepmachine._async import run_in_thread
-from stepmachine._threads import MAX_THREADS, POOL
+from stepmachine._threads import MAX_THREADS, pool_for
 from stepmachine.extend import Batch, Lease
 from stepmachine.stores import FileStore, SQLiteStore
 
@@ -153,8 +153,9 @@ async def test_a_storm_of_native_cancels_leaves_every_store_whole(tmp_path: Path
             for sid in sessions:
                 after = await submit(store, sid, [AppendMessage(Message.user("z", id="z"))])
                 assert [m.id for m in after.conversation][-1] == "z"
-        assert POOL._threads == len(
-            [t for t in threading.enumerate() if getattr(t, "pool", None) is POOL]
+        pool = pool_for(asyncio.get_running_loop())
+        assert pool._threads == len(
+            [t for t in threading.enumerate() if getattr(t, "pool", None) is pool]
         )
     finally:
         for store in stores:
@@ -261,8 +262,9 @@ async def test_a_native_cancel_of_a_write_waiting_for_a_thread_writes_nothing(
         await store.create("s")
         async with anyio.create_task_group() as group:
             await occupied.fill(group)
-            assert POOL._threads == MAX_THREADS
-            assert not POOL._idle
+            pool = pool_for(asyncio.get_running_loop())
+            assert pool._threads == MAX_THREADS
+            assert not pool._idle
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(store.apply(batch("s", 1, "late")), 0.2)
             assert not occupied.release.is_set()  # it did not wait for a thread
@@ -275,27 +277,6 @@ async def test_a_native_cancel_of_a_write_waiting_for_a_thread_writes_nothing(
         await store.aclose()
 
 
-@pytest.mark.parametrize(
-    "anyio_backend",
-    [
-        pytest.param(
-            "asyncio",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "on asyncio run_in_thread awaits the pool's future inside a shielded "
-                    "cancel scope from the moment it submits the call, so an anyio "
-                    "cancellation (move_on_after/fail_after, a task group's cancel) that "
-                    "lands while the call waits in the pool's backlog is ignored: the "
-                    "caller waits for a thread, the write then runs and commits, and only "
-                    "then the cancellation is delivered (anyio's to_thread, used before and "
-                    "still on trio, waits for a thread in a cancellable limiter)"
-                ),
-            ),
-        ),
-        "trio",
-    ],
-)
 async def test_an_anyio_timeout_on_a_write_waiting_for_a_thread_writes_nothing(
     tmp_path: Path,
 ) -> None:

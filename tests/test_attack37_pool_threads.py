@@ -20,7 +20,7 @@ import pytest
 
 from stepmachine import AppendMessage, Message, submit
 from stepmachine._async import run_in_thread
-from stepmachine._threads import POOL, Pool
+from stepmachine._threads import Pool, pool_for
 from stepmachine.stores import FileStore, SQLiteStore
 
 asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
@@ -211,14 +211,15 @@ async def test_threads_leaving_while_calls_arrive_lose_no_call() -> None:
 
 @asyncio_only
 async def test_the_process_pool_counts_its_threads_right() -> None:
-    """After many concurrent store-like calls through run_in_thread, the process pool's
+    """After many concurrent store-like calls through run_in_thread, the loop's pool's
     count matches its live threads and every live thread is idle."""
     await asyncio.gather(*(run_in_thread(time.sleep, 0.001 * (k % 5)) for k in range(120)))
     await asyncio.sleep(0.05)
-    live = [t for t in threading.enumerate() if getattr(t, "pool", None) is POOL]
-    assert POOL._threads == len(live) <= 40
-    assert len(POOL._idle) == len(live)
-    assert not POOL._backlog
+    pool = pool_for(asyncio.get_running_loop())
+    live = [t for t in threading.enumerate() if getattr(t, "pool", None) is pool]
+    assert pool._threads == len(live) <= 40
+    assert len(pool._idle) == len(live)
+    assert not pool._backlog
 
 
 class Payload:
@@ -226,17 +227,6 @@ class Payload:
 
 
 @asyncio_only
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "an idle worker keeps its last call alive: _Worker.run's local `call` still "
-        "holds (loop, future, context, function, args) while _next waits up to "
-        "idle_seconds for the next one, so the call's arguments, its future (with the "
-        "result or the exception and its traceback) and the caller's context copy stay "
-        "referenced after the caller got its answer (_next's `del done` says nothing "
-        "of a finished call is kept while idle)"
-    ),
-)
 async def test_an_idle_worker_keeps_nothing_of_the_call_it_finished() -> None:
     pool = Pool(max_threads=1, idle_seconds=5)
     argument, holder = Payload(), Payload()

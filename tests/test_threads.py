@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepmachine._async import run_in_thread
-from stepmachine._threads import POOL, Pool
+from stepmachine._threads import Pool, pool_for
 
 asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
 
@@ -145,7 +145,7 @@ async def test_a_forked_child_gets_a_pool_of_its_own() -> None:
     """The parent's idle thread does not exist in the child: a hop there would wait for
     it for ever without the reset at fork."""
     await run_in_thread(int)  # the parent's pool holds an idle thread now
-    assert POOL._idle
+    assert pool_for(asyncio.get_running_loop())._idle
     with warnings.catch_warnings():  # 3.12+: "this process is multi-threaded"
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
