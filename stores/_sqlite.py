@@ -418,8 +418,9 @@ class SQLiteStore(FlockLeaseMethods):
         """The current session.
 
         When this store last read or wrote the session and no other connection
-        has committed since (SQLite's ``data_version``, see :meth:`_unchanged`),
-        returns that session at once: no thread hop, no read. Otherwise reads
+        has committed to the database since (SQLite's ``PRAGMA data_version``,
+        checked on the event loop), returns that session at once: no thread
+        hop, no read. Otherwise reads
         the session row, then only the rows written since the session this
         store last read or wrote (nothing more when nothing changed).
 
