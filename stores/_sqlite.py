@@ -229,8 +229,8 @@ class SQLiteStore(FlockLeaseMethods):
     Attributes:
         BOUNDARIES: the persistence boundaries at which ``boundary_hook`` is
             called, in the worker thread (on asyncio not one of anyio's: a hook
-            calling ``anyio.from_thread`` passes its ``token=``): ``"apply.begin"`` (after ``BEGIN
-            IMMEDIATE``, before any insert), ``"apply.inserted"`` (rows
+            calling ``anyio.from_thread`` passes its ``token=``): ``"apply.begin"``
+            (after ``BEGIN IMMEDIATE``, before any insert), ``"apply.inserted"`` (rows
             inserted, before ``COMMIT``), ``"apply.committed"`` (after
             ``COMMIT``, before :meth:`apply` returns) and ``"create.committed"``.
     """
@@ -420,9 +420,9 @@ class SQLiteStore(FlockLeaseMethods):
         When this store last read or wrote the session and no other connection
         has committed to the database since (SQLite's ``PRAGMA data_version``,
         checked on the event loop), returns that session at once: no thread
-        hop, no read. Otherwise reads
-        the session row, then only the rows written since the session this
-        store last read or wrote (nothing more when nothing changed).
+        hop, no read. Otherwise reads the session row, then only the rows
+        written since the session this store last read or wrote (nothing more
+        when nothing changed).
 
         Raises:
             InvalidSessionIdError: the id is not safe.
