@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import anyio.lowlevel
 import anyio.to_thread
 
-from ._threads import pool_for
+from ._threads import POOL
 
 __all__ = ["asyncio_here", "checkpoint", "interrupt_once", "run_in_thread"]
 
@@ -105,18 +105,18 @@ async def checkpoint() -> None:
 async def run_in_thread(function: Callable[..., T], *args: Any) -> T:
     """``function(*args)`` in a worker thread, never left while ``function`` runs.
 
-    On asyncio the thread is one of the stores' own (:mod:`._threads`, a pool per
-    event loop; its hop costs less than anyio's); elsewhere (trio) it is
+    On asyncio the thread is one of the stores' own (:mod:`._threads`, at most 40
+    calls per event loop at once; its hop costs less than anyio's); elsewhere (trio) it is
     ``anyio.to_thread.run_sync``'s. Either way ``function`` sees the caller's
     context variables.
 
     Cancellation, as anyio's hop: a cancellation before ``function`` is handed
-    to a thread, or while it waits for a free one (every thread of the pool
-    busy), raises with nothing done (or, when a thread took it in that very
-    moment, once it ended: what it did stays done). Once a thread has it, anyio's own cancel
-    scopes (trio's, asyncio's through anyio) wait for it: its outcome (return
-    or exception) is handed back and the cancellation lands at the caller's
-    next checkpoint.
+    to a thread, or while it waits for a free one (40 calls of its loop
+    running), raises with nothing done (or, when a thread took it in that very
+    moment, once it ended: what it did stays done). Once a thread has it,
+    anyio's own cancel scopes (trio's, asyncio's through anyio) wait for it:
+    its outcome (return or exception) is handed back and the cancellation
+    lands at the caller's next checkpoint.
 
     asyncio's native ``task.cancel()`` is not stopped by anyio's shield: it
     interrupts the wait at once. Then this waits for ``function`` to end
@@ -136,7 +136,7 @@ async def run_in_thread(function: Callable[..., T], *args: Any) -> T:
     future: asyncio.Future[T] = loop.create_future()
     call = (loop, future, contextvars.copy_context(), hop.run, (function, args))
     try:
-        if pool_for(loop).submit(call):  # a thread has it: as anyio's hop, shielded
+        if POOL.submit(call):  # a thread has it: as anyio's hop, shielded
             with anyio.CancelScope(shield=True):
                 result = await future
         else:  # waiting for a free thread: any cancellation drops it

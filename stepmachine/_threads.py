@@ -1,5 +1,5 @@
-"""The stores' worker threads on asyncio: a small pool per event loop that hands a call
-to a waiting thread and its outcome back to the loop, and nothing else.
+"""The stores' worker threads on asyncio: a small pool that hands a call to a waiting
+thread and its outcome back to the calling event loop, and nothing else.
 
 Why not anyio's worker threads: on asyncio, ``anyio.to_thread.run_sync`` takes a
 slot of its capacity limiter (one extra pass of the event loop), opens a cancel
@@ -18,9 +18,11 @@ stores call back in this thread (a test's ``boundary_hook``) is not in an anyio
 worker thread: to reach the event loop it passes ``anyio.from_thread``'s
 ``token=`` (taken with ``anyio.lowlevel.current_token()`` beforehand).
 
-Each event loop has a pool of its own (:func:`pool_for`), as anyio's thread
-limit is per loop: calls blocked on one loop (40 writes waiting for another
-process's lock) never keep another loop's calls from running. A pool's
+One pool serves the process (:data:`POOL`); its threads serve every event loop,
+so a process that runs many loops one after another (``asyncio.run`` per
+request, ``Agent.run_sync``) reuses the same warm threads. Its limit is per loop,
+as anyio's is: calls blocked on one loop (40 writes waiting for another
+process's lock) never keep another loop's calls from running. The pool's
 invariants, each kept under its one lock:
 
 * a call is run at most once, by one thread, in a copy of the caller's context
@@ -28,15 +30,17 @@ invariants, each kept under its one lock:
   caller dropped it first (:func:`stepmachine._async.run_in_thread`);
 * a thread is either running a call, or idle on its own queue and listed in
   ``idle`` (a ``submit`` that takes it from the list puts a call on its queue);
-* at most :data:`MAX_THREADS` threads exist; a call made while all are busy
-  waits in ``backlog`` (``submit`` says so) and is taken by the next thread to
-  finish, before it goes idle; a thread that cannot be started (no memory, a
+* at most :data:`MAX_PER_LOOP` calls of one loop run at once; a call made while
+  its loop has that many running waits in that loop's backlog (``submit`` says
+  so) and is taken by the next of its loop's threads to finish, before it goes
+  idle; a loop is known to the pool only while calls of it run or wait (the
+  pool keeps no loop alive); a thread that cannot be started (no memory, a
   thread limit) is not counted, and its ``submit`` raises;
 * an idle thread holds nothing of the calls it ran (not their arguments, nor
   their outcome or context), and leaves after :data:`IDLE_SECONDS` without a
   call, so an idle process holds no threads;
-* after ``os.fork()`` the child starts with no pools (the parent's threads do
-  not exist there).
+* after ``os.fork()`` the child starts with an empty pool (the parent's threads
+  do not exist there).
 
 The outcome of a call is handed back with ``call_soon_threadsafe`` to the loop
 that made it; a loop closed meanwhile drops it (nobody awaits it). The threads
@@ -51,16 +55,16 @@ import contextvars
 import os
 import queue
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["IDLE_SECONDS", "MAX_THREADS", "Pool", "pool_for"]
+__all__ = ["IDLE_SECONDS", "MAX_PER_LOOP", "POOL", "Pool"]
 
-MAX_THREADS = 40
-"""At most this many threads per event loop (anyio's default thread limit, for the same
-reason)."""
+MAX_PER_LOOP = 40
+"""At most this many calls of one event loop run at once (anyio's default thread limit,
+which is per loop too, for the same reason)."""
 
 IDLE_SECONDS = 10.0
 """A thread that had no call for this long leaves (as anyio's do)."""
@@ -75,35 +79,51 @@ Call = tuple[
 """One call: the loop to answer, its future, the caller's context, the function, its args."""
 
 
+@dataclass(slots=True)
+class _Loop:
+    """What one event loop has in the pool: its calls running, and those waiting."""
+
+    running: int = 0
+    backlog: deque[Call] = field(default_factory=deque)
+
+
 class Pool:
     """Worker threads for :func:`stepmachine._async.run_in_thread` (see the module docs)."""
 
-    def __init__(self, max_threads: int = MAX_THREADS, idle_seconds: float = IDLE_SECONDS) -> None:
-        self._max = max_threads
+    def __init__(
+        self, max_per_loop: int = MAX_PER_LOOP, idle_seconds: float = IDLE_SECONDS
+    ) -> None:
+        self._max = max_per_loop
         self._idle_seconds = idle_seconds
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []  # last in, first out: the warmest thread goes first
-        self._backlog: deque[Call] = deque()
+        self._loops: dict[asyncio.AbstractEventLoop, _Loop] = {}  # with calls running or waiting
         self._threads = 0
 
     def submit(self, call: Call) -> bool:
-        """Have ``call`` run in a worker thread: an idle one or a new one (True), or the
-        next one to finish (False: it waits in the backlog).
+        """Have ``call`` run in a worker thread: an idle one or a new one (True), or, when
+        its loop has ``max_per_loop`` calls running, the next of them to finish (False:
+        it waits in its loop's backlog).
 
         Raises:
             RuntimeError: a new thread was needed and could not be started; the call
                 will not run.
         """
+        loop = call[0]
         new = False
         with self._lock:
+            here = self._loops.get(loop)
+            if here is None:
+                here = self._loops[loop] = _Loop()
+            if here.running >= self._max:
+                here.backlog.append(call)
+                return False
+            here.running += 1
             if self._idle:
                 worker = self._idle.pop()
-            elif self._threads < self._max:
+            else:
                 self._threads += 1
                 worker, new = _Worker(self), True
-            else:
-                self._backlog.append(call)
-                return False
         worker.calls.put(call)
         if new:
             try:
@@ -111,18 +131,38 @@ class Pool:
             except BaseException:
                 with self._lock:
                     self._threads -= 1  # it never ran: its slot is free again
+                    self._ended(loop)
                 raise
         return True
 
+    def reset(self) -> None:
+        """Forget every thread and call (in a child after ``os.fork()``, where none of the
+        parent's threads exists)."""
+        self._lock = threading.Lock()
+        self._idle = []
+        self._loops = {}
+        self._threads = 0
+
+    def _ended(self, loop: asyncio.AbstractEventLoop) -> None:
+        """One call of ``loop`` ended (under the lock); the loop is forgotten once it has
+        none running."""
+        here = self._loops[loop]
+        here.running -= 1
+        if here.running == 0 and not here.backlog:
+            del self._loops[loop]
+
     # -- in a worker thread ------------------------------------------------------------
 
-    def _backlogged(self, worker: _Worker) -> Call | None:
-        """A call from the backlog for ``worker``, just done with one; else None, and the
-        worker is listed idle (before its caller hears of the last outcome, so that a
-        call made at once finds this warm thread rather than starting another)."""
+    def _after(self, worker: _Worker, loop: asyncio.AbstractEventLoop) -> Call | None:
+        """``worker`` just ran a call of ``loop``: the next call waiting for that loop (its
+        slot handed on), else None, and the worker is listed idle (before the caller
+        hears of the outcome, so that a call made at once finds this warm thread rather
+        than starting another)."""
         with self._lock:
-            if self._backlog:
-                return self._backlog.popleft()
+            here = self._loops[loop]
+            if here.backlog:
+                return here.backlog.popleft()
+            self._ended(loop)
             self._idle.append(worker)
             return None
 
@@ -160,8 +200,10 @@ class _Worker(threading.Thread):
         pool = self.pool
         call: Call | None = self.calls.get()
         while call is not None:
+            loop = call[0]
             done = _run(call)
-            call = pool._backlogged(self)
+            call = pool._after(self, loop)
+            del loop
             done()
             del done  # the outcome is handed back: nothing of the call stays here
             if call is None:
@@ -204,28 +246,8 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_exception(error)
 
 
-_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pool] = weakref.WeakKeyDictionary()
-_pools_lock = threading.Lock()
-
-
-def pool_for(loop: asyncio.AbstractEventLoop) -> Pool:
-    """The pool of ``loop`` (made at its first call; dropped with the loop, its threads
-    leaving once idle)."""
-    pool = _pools.get(loop)
-    if pool is None:
-        with _pools_lock:
-            pool = _pools.get(loop)
-            if pool is None:
-                pool = _pools[loop] = Pool()
-    return pool
-
-
-def _forget_pools() -> None:
-    """In a child after ``os.fork()``: none of the parent's threads exists here."""
-    global _pools_lock  # noqa: PLW0603 - the parent's lock may have been held at the fork
-    _pools_lock = threading.Lock()
-    _pools.clear()
-
+POOL = Pool()
+"""The process's pool (every store, every event loop)."""
 
 if hasattr(os, "register_at_fork"):  # pragma: no branch - POSIX
-    os.register_at_fork(after_in_child=_forget_pools)
+    os.register_at_fork(after_in_child=POOL.reset)

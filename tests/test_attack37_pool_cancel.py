@@ -27,7 +27,7 @@ import pytest
 
 from stepmachine import AppendMessage, Message, submit
 from stepmachine._async import run_in_thread
-from stepmachine._threads import MAX_THREADS, pool_for
+from stepmachine._threads import MAX_PER_LOOP, POOL
 from stepmachine.extend import Batch, Lease
 from stepmachine.stores import FileStore, SQLiteStore
 
@@ -153,9 +153,8 @@ async def test_a_storm_of_native_cancels_leaves_every_store_whole(tmp_path: Path
             for sid in sessions:
                 after = await submit(store, sid, [AppendMessage(Message.user("z", id="z"))])
                 assert [m.id for m in after.conversation][-1] == "z"
-        pool = pool_for(asyncio.get_running_loop())
-        assert pool._threads == len(
-            [t for t in threading.enumerate() if getattr(t, "pool", None) is pool]
+        assert POOL._threads == len(
+            [t for t in threading.enumerate() if getattr(t, "pool", None) is POOL]
         )
     finally:
         for store in stores:
@@ -229,7 +228,7 @@ async def test_a_storm_of_anyio_cancel_scopes_leaves_every_store_whole(tmp_path:
 
 
 class Occupied:
-    """Every thread of the pool busy: ``MAX_THREADS`` calls waiting for ``release``."""
+    """Every thread of the pool busy: ``MAX_PER_LOOP`` calls waiting for ``release``."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -242,10 +241,10 @@ class Occupied:
         self.release.wait(20)
 
     async def fill(self, group: anyio.abc.TaskGroup) -> None:
-        for _ in range(MAX_THREADS):
+        for _ in range(MAX_PER_LOOP):
             group.start_soon(run_in_thread, self)
         deadline = time.monotonic() + 10
-        while self.started < MAX_THREADS:
+        while self.started < MAX_PER_LOOP:
             assert time.monotonic() < deadline
             await anyio.sleep(0.005)
 
@@ -262,9 +261,7 @@ async def test_a_native_cancel_of_a_write_waiting_for_a_thread_writes_nothing(
         await store.create("s")
         async with anyio.create_task_group() as group:
             await occupied.fill(group)
-            pool = pool_for(asyncio.get_running_loop())
-            assert pool._threads == MAX_THREADS
-            assert not pool._idle
+            assert POOL._loops[asyncio.get_running_loop()].running == MAX_PER_LOOP
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(store.apply(batch("s", 1, "late")), 0.2)
             assert not occupied.release.is_set()  # it did not wait for a thread
@@ -317,7 +314,7 @@ async def test_native_cancels_of_lease_claims_under_load_leave_no_lease_for_nobo
     blocked = tmp_path / "blocked.sqlite3"
     await (await SQLiteStore.open(blocked)).aclose()
     store = await FileStore.open(tmp_path / "files", fsync="never")
-    waiting = [await SQLiteStore.open(blocked, busy_timeout=20) for _ in range(MAX_THREADS - 5)]
+    waiting = [await SQLiteStore.open(blocked, busy_timeout=20) for _ in range(MAX_PER_LOOP - 5)]
     holder = sqlite3.connect(blocked, isolation_level=None)
     sessions = [f"s{n}" for n in range(12)]
     try:

@@ -21,7 +21,7 @@ import anyio.to_thread
 import pytest
 
 from stepmachine import AppendMessage, Message, submit
-from stepmachine._threads import MAX_THREADS, Pool, pool_for
+from stepmachine._threads import MAX_PER_LOOP, POOL, Pool
 from stepmachine.extend import Batch
 from stepmachine.stores import FileStore, SQLiteStore
 
@@ -30,9 +30,16 @@ asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
 SESSION: contextvars.ContextVar[str] = contextvars.ContextVar("SESSION", default="?")
 
 
-def this_loops_pool() -> Pool:
-    """The stores' worker-thread pool of the running event loop."""
-    return pool_for(asyncio.get_running_loop())
+def waiting(pool: Pool, loop: asyncio.AbstractEventLoop | None = None) -> int:
+    """The calls of ``loop`` (this one by default) waiting in the pool's backlog."""
+    here = pool._loops.get(loop or asyncio.get_running_loop())
+    return 0 if here is None else len(here.backlog)
+
+
+def running(pool: Pool, loop: asyncio.AbstractEventLoop) -> int:
+    """The calls of ``loop`` running in the pool."""
+    here = pool._loops.get(loop)
+    return 0 if here is None else here.running
 
 
 def store_workers(pool: Pool) -> list[threading.Thread]:
@@ -41,7 +48,7 @@ def store_workers(pool: Pool) -> list[threading.Thread]:
 
 class Saturating:
     """A boundary hook that holds every write at ``boundary`` until ``go`` is set (the
-    test sets it once ``MAX_THREADS`` writes are held at once: every thread of the pool,
+    test sets it once ``MAX_PER_LOOP`` writes are held at once: every thread of the pool,
     with calls waiting in the backlog), then lets each go after a different short pause
     (so they finish out of order). It records, per session (read from the caller's
     context variable), how often the write ran."""
@@ -63,7 +70,7 @@ class Saturating:
                 self.runs[session] = self.runs.get(session, 0) + 1
                 self.inside += 1
                 self.most = max(self.most, self.inside)
-                if self.inside == MAX_THREADS:
+                if self.inside == MAX_PER_LOOP:
                     self.full.set()
             self.go.wait(10)
             time.sleep((hash(session) % 7) / 1000)  # finish out of order
@@ -107,22 +114,21 @@ async def test_more_store_calls_than_threads_all_complete_exactly_once(tmp_path:
         await anyio.to_thread.run_sync(saturating.full.wait, 10)
         assert saturating.full.is_set()  # every thread of the pool held inside a write
         deadline = time.monotonic() + 10
-        pool = this_loops_pool()
-        while not pool._backlog:
+        pool = POOL
+        while not waiting(pool):
             assert time.monotonic() < deadline, "no call waited in the backlog"
             await asyncio.sleep(0.005)
         saturating.go.set()
         results = await asyncio.wait_for(writes, 30)
         assert results == [1] * len(jobs)
-        assert saturating.most == MAX_THREADS  # never a 41st thread
+        assert saturating.most == MAX_PER_LOOP  # never a 41st thread
         assert saturating.runs == {sid: 1 for _, sid in jobs}  # each write ran once
         for store, session_id in jobs:
             session = await store.load(session_id)
             assert session.revision == 1
             assert [m.id for m in session.conversation] == [session_id]
-        assert pool._threads <= MAX_THREADS
         assert pool._threads == len(store_workers(pool))  # the count matches the threads
-        assert not pool._backlog
+        assert not waiting(pool)
     finally:
         saturating.go.set()
         for store in stores:
@@ -261,14 +267,18 @@ def batch(session_id: str) -> Batch[Any]:
 
 
 def _writes_from_blocked_loop(
-    db: Path, created: threading.Event, go: threading.Event, out: list[Any], pools: list[Pool]
+    db: Path,
+    created: threading.Event,
+    go: threading.Event,
+    out: list[Any],
+    loops: list[asyncio.AbstractEventLoop],
 ) -> None:
     """Another event loop (in this thread): 40 SQLiteStores whose writes all wait on a
     lock an outside connection holds (SQLite's busy timeout, in the worker thread)."""
 
     async def main() -> None:
-        pools.append(this_loops_pool())
-        stores = [await SQLiteStore.open(db, busy_timeout=20) for _ in range(MAX_THREADS)]
+        loops.append(asyncio.get_running_loop())
+        stores = [await SQLiteStore.open(db, busy_timeout=20) for _ in range(MAX_PER_LOOP)]
         try:
             for k, store in enumerate(stores):
                 await store.create(f"a{k}")
@@ -295,10 +305,10 @@ async def test_a_blocked_event_loop_does_not_starve_another_loops_store(tmp_path
     await other.create("mine2")
     created, go = threading.Event(), threading.Event()
     out: list[Any] = []
-    pools: list[Pool] = []
+    loops: list[asyncio.AbstractEventLoop] = []
     holder = sqlite3.connect(blocked_db, isolation_level=None)
     loop_a = threading.Thread(
-        target=_writes_from_blocked_loop, args=(blocked_db, created, go, out, pools)
+        target=_writes_from_blocked_loop, args=(blocked_db, created, go, out, loops)
     )
     load: asyncio.Future[Any] | None = None
     try:
@@ -307,7 +317,7 @@ async def test_a_blocked_event_loop_does_not_starve_another_loops_store(tmp_path
         holder.execute("BEGIN IMMEDIATE")  # the outside writer: every write of loop A waits
         go.set()
         deadline = time.monotonic() + 10
-        while pools[0]._threads < MAX_THREADS or pools[0]._idle:
+        while running(POOL, loops[0]) < MAX_PER_LOOP:
             assert time.monotonic() < deadline, "loop A's writes never took the pool"
             await asyncio.sleep(0.01)
         # Loop A's 40 writes (one hop each) hold every thread of its pool, each waiting

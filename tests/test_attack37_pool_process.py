@@ -25,7 +25,7 @@ import pytest
 
 from stepmachine import AppendMessage, Message, submit
 from stepmachine._async import run_in_thread
-from stepmachine._threads import MAX_THREADS, pool_for
+from stepmachine._threads import MAX_PER_LOOP, POOL
 from stepmachine.stores import FileStore, SQLiteStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,19 +199,19 @@ def test_the_interpreter_exits_with_idle_and_busy_workers(tmp_path: Path) -> Non
 
 NO_THREADS = """
 from stepmachine._async import run_in_thread
-from stepmachine._threads import MAX_THREADS, pool_for
+from stepmachine._threads import MAX_PER_LOOP, POOL
 
 async def main():
     threading.stack_size(1 << 45)  # pthread_create fails (no memory for the stack)
     refused = 0
-    for _ in range(MAX_THREADS):
+    for _ in range(MAX_PER_LOOP):
         try:
             await SQLiteStore.open(Path(sys.argv[1]) / "never.sqlite3")
         except RuntimeError as exc:
             assert "can't start new thread" in str(exc), exc
             refused += 1
     threading.stack_size(0)  # the fault is over: threads start again
-    counted = pool_for(asyncio.get_running_loop())._threads
+    counted = POOL._threads
     print("REFUSED", refused, "COUNTED", counted, flush=True)
     if sys.argv[2:] == ["refused only"]:
         return
@@ -232,7 +232,7 @@ def test_a_thread_that_cannot_start_is_reported_to_the_caller(tmp_path: Path) ->
     (it does not hang)."""
     done = run_child(NO_THREADS, str(tmp_path), "refused only")
     assert done.returncode == 0, done.stderr
-    assert f"REFUSED {MAX_THREADS}" in done.stdout, done.stdout
+    assert f"REFUSED {MAX_PER_LOOP}" in done.stdout, done.stdout
 
 
 def test_the_pool_recovers_once_threads_can_start_again(tmp_path: Path) -> None:
@@ -304,11 +304,16 @@ async def test_a_fork_while_every_worker_is_busy_gives_the_child_working_stores(
         release.wait(30)
         return k
 
-    calls = [asyncio.ensure_future(run_in_thread(blocked, k)) for k in range(MAX_THREADS + 5)]
+    calls = [asyncio.ensure_future(run_in_thread(blocked, k)) for k in range(MAX_PER_LOOP + 5)]
     deadline = time.monotonic() + 10
-    pool = pool_for(asyncio.get_running_loop())
-    while len(ran) < MAX_THREADS or len(pool._backlog) < 5:
-        assert time.monotonic() < deadline, (len(ran), len(pool._backlog))
+    loop = asyncio.get_running_loop()
+
+    def waiting() -> int:
+        here = POOL._loops.get(loop)
+        return 0 if here is None else len(here.backlog)
+
+    while len(ran) < MAX_PER_LOOP or waiting() < 5:
+        assert time.monotonic() < deadline, (len(ran), waiting())
         await asyncio.sleep(0.005)
     try:
         context = multiprocessing.get_context("fork")
@@ -321,8 +326,8 @@ async def test_a_fork_while_every_worker_is_busy_gives_the_child_working_stores(
     finally:
         release.set()
     results = await asyncio.gather(*calls)
-    assert results == list(range(MAX_THREADS + 5))
-    assert sorted(ran) == list(range(MAX_THREADS + 5))  # each ran once
+    assert results == list(range(MAX_PER_LOOP + 5))
+    assert sorted(ran) == list(range(MAX_PER_LOOP + 5))  # each ran once
 
 
 def test_several_loops_hand_outcomes_to_their_own_loop(tmp_path: Path) -> None:

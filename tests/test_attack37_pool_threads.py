@@ -20,7 +20,7 @@ import pytest
 
 from stepmachine import AppendMessage, Message, submit
 from stepmachine._async import run_in_thread
-from stepmachine._threads import Pool, pool_for
+from stepmachine._threads import POOL, Pool
 from stepmachine.stores import FileStore, SQLiteStore
 
 asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
@@ -93,7 +93,7 @@ def test_generator_exit_comes_back_under_asyncio_run() -> None:
 @asyncio_only
 @pytest.mark.parametrize("error", [*BASE_ERRORS, GeneratorExit()], ids=lambda e: type(e).__name__)
 async def test_a_base_exception_leaves_the_worker_thread_alive(error: BaseException) -> None:
-    pool = Pool(max_threads=1, idle_seconds=5)
+    pool = Pool(max_per_loop=1, idle_seconds=5)
     first = await call_in(pool, threading.get_ident)
 
     def raises() -> None:
@@ -168,12 +168,12 @@ async def burst_of_forty(pool: Pool) -> None:
 async def test_a_burst_of_forty_leaves_no_thread_behind() -> None:
     """Three bursts of 40 concurrent calls (every thread of a pool) with a short idle
     time: after each, every thread leaves and the pool's count is back to zero."""
-    pool = Pool(max_threads=40, idle_seconds=0.05)
+    pool = Pool(max_per_loop=40, idle_seconds=0.05)
     for _ in range(3):
         await burst_of_forty(pool)
         await wait_until_gone(pool)
     assert not pool._idle
-    assert not pool._backlog
+    assert not pool._loops
 
 
 @asyncio_only
@@ -181,7 +181,7 @@ async def test_threads_leaving_while_calls_arrive_lose_no_call() -> None:
     """A tiny idle time (threads leave between calls all the time) and 600 calls of
     mixed lengths arriving in waves, at most 3 threads: every call runs exactly once,
     with its own result; the count of threads stays right; all leave at the end."""
-    pool = Pool(max_threads=3, idle_seconds=0.0005)
+    pool = Pool(max_per_loop=3, idle_seconds=0.0005)
     rng = random.Random(7)
     counts: dict[int, int] = {}
     lock = threading.Lock()
@@ -215,11 +215,11 @@ async def test_the_process_pool_counts_its_threads_right() -> None:
     count matches its live threads and every live thread is idle."""
     await asyncio.gather(*(run_in_thread(time.sleep, 0.001 * (k % 5)) for k in range(120)))
     await asyncio.sleep(0.05)
-    pool = pool_for(asyncio.get_running_loop())
+    pool = POOL
     live = [t for t in threading.enumerate() if getattr(t, "pool", None) is pool]
-    assert pool._threads == len(live) <= 40
+    assert pool._threads == len(live)
     assert len(pool._idle) == len(live)
-    assert not pool._backlog
+    assert not pool._loops  # no call running or waiting
 
 
 class Payload:
@@ -228,7 +228,7 @@ class Payload:
 
 @asyncio_only
 async def test_an_idle_worker_keeps_nothing_of_the_call_it_finished() -> None:
-    pool = Pool(max_threads=1, idle_seconds=5)
+    pool = Pool(max_per_loop=1, idle_seconds=5)
     argument, holder = Payload(), Payload()
     argument_ref = weakref.ref(argument)
 

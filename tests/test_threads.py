@@ -1,5 +1,5 @@
 """The stores' worker threads on asyncio (``stepmachine._threads``): each call runs once,
-in the caller's context, at most ``max_threads`` at a time; idle threads leave; a
+in the caller's context, at most ``max_per_loop`` of a loop at a time; idle threads leave; a
 forked child starts with a pool of its own."""
 
 from __future__ import annotations
@@ -8,9 +8,13 @@ import asyncio
 import contextvars
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -19,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepmachine._async import run_in_thread
-from stepmachine._threads import Pool, pool_for
+from stepmachine._threads import POOL, Pool
 
 asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
 
@@ -71,7 +75,7 @@ async def test_stop_iteration_comes_back_as_a_runtime_error() -> None:
 
 @asyncio_only
 async def test_at_most_max_threads_run_and_every_call_runs_once() -> None:
-    pool = Pool(max_threads=2, idle_seconds=5)
+    pool = Pool(max_per_loop=2, idle_seconds=5)
     running, most, ran = 0, 0, []
     lock = threading.Lock()
 
@@ -95,7 +99,7 @@ async def test_at_most_max_threads_run_and_every_call_runs_once() -> None:
 
 @asyncio_only
 async def test_idle_threads_leave() -> None:
-    pool = Pool(max_threads=4, idle_seconds=0.05)
+    pool = Pool(max_per_loop=4, idle_seconds=0.05)
     await asyncio.gather(*(call_in(pool, time.sleep, 0.01) for _ in range(3)))
     assert workers_of(pool)
     deadline = time.monotonic() + 5
@@ -107,7 +111,7 @@ async def test_idle_threads_leave() -> None:
 
 @asyncio_only
 async def test_a_warm_thread_is_reused() -> None:
-    pool = Pool(max_threads=4, idle_seconds=5)
+    pool = Pool(max_per_loop=4, idle_seconds=5)
     idents = {await call_in(pool, threading.get_ident) for _ in range(20)}
     assert len(idents) == 1  # one after another: the same (warm) thread every time
 
@@ -120,7 +124,7 @@ async def test_a_warm_thread_is_reused() -> None:
 def test_concurrent_calls_each_run_exactly_once(delays: list[int], limit: int) -> None:
     """Whatever the mix of call lengths and the thread limit, every call runs exactly
     once and returns its own result, with no more than ``limit`` threads."""
-    pool = Pool(max_threads=limit, idle_seconds=0.2)
+    pool = Pool(max_per_loop=limit, idle_seconds=0.2)
     counts: dict[int, int] = {}
     lock = threading.Lock()
 
@@ -145,7 +149,7 @@ async def test_a_forked_child_gets_a_pool_of_its_own() -> None:
     """The parent's idle thread does not exist in the child: a hop there would wait for
     it for ever without the reset at fork."""
     await run_in_thread(int)  # the parent's pool holds an idle thread now
-    assert pool_for(asyncio.get_running_loop())._idle
+    assert POOL._idle
     with warnings.catch_warnings():  # 3.12+: "this process is multi-threaded"
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
@@ -175,3 +179,42 @@ def wait_for_child(pid: int, timeout: float = 20) -> int | None:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return None
+
+
+def test_event_loops_one_after_another_share_the_warm_thread() -> None:
+    """A process that runs one event loop after another (``asyncio.run`` per request,
+    ``Agent.run_sync``) reuses one thread rather than leaving one per loop behind."""
+    pool = Pool(max_per_loop=4, idle_seconds=5)
+    for k in range(50):
+        assert asyncio.run(call_in(pool, int, str(k))) == k
+    assert len(workers_of(pool)) == 1
+    assert pool._threads == 1
+    assert not pool._loops  # no loop is kept once its calls ended
+
+
+def test_stores_used_from_many_event_loops_leave_few_threads(tmp_path: Path) -> None:
+    """The same with real stores, in a process of its own: 200 ``asyncio.run`` calls
+    each opening an SQLiteStore, loading and closing it."""
+    script = textwrap.dedent(
+        f"""
+        import asyncio, threading
+        from stepmachine.stores import SQLiteStore
+
+        async def once(k):
+            async with await SQLiteStore.open({str(tmp_path / "s.db")!r}) as store:
+                if k == 0:
+                    await store.create("s")
+                await store.load("s")
+
+        for k in range(200):
+            asyncio.run(once(k))
+        names = [t.name for t in threading.enumerate()]
+        print("WORKERS", names.count("stepmachine store worker"))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    workers = int(done.stdout.split("WORKERS")[1])
+    assert 1 <= workers <= 2, done.stdout
