@@ -13,6 +13,7 @@ import contextvars
 import sqlite3
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +214,8 @@ def test_several_event_loops_in_several_threads_share_the_pool(tmp_path: Path) -
     call's outcome comes back to the loop that made it, and every write lands once."""
     folder = tmp_path / "files"
     shared_db = tmp_path / "db.sqlite3"
-    sqlite3.connect(shared_db).execute("PRAGMA journal_mode=WAL").fetchall()
+    with closing(sqlite3.connect(shared_db)) as connection:
+        connection.execute("PRAGMA journal_mode=WAL").fetchall()
     out: dict[str, Any] = {}
     threads = [
         threading.Thread(target=run_loop_in_thread, args=(folder, shared_db, f"L{k}", out))
