@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _pool_calls import call_in, workers_of
 
 from stepmachine import AppendMessage, Message, submit
 from stepmachine._async import run_in_thread
@@ -24,18 +25,6 @@ from stepmachine._threads import POOL, Pool
 from stepmachine.stores import FileStore, SQLiteStore
 
 asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
-
-
-async def call_in(pool: Pool, function: Any, *args: Any) -> Any:
-    """``function(*args)`` through ``pool`` from this asyncio task (as run_in_thread does)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-    pool.submit((loop, future, contextvars.copy_context(), function, args))
-    return await future
-
-
-def workers_of(pool: Pool) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if getattr(t, "pool", None) is pool]
 
 
 async def wait_until_gone(pool: Pool) -> None:

@@ -15,10 +15,10 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
+from _pool_calls import call_in, workers_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,18 +28,6 @@ from stepmachine._threads import POOL, Pool
 asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
 
 WHO: contextvars.ContextVar[str] = contextvars.ContextVar("WHO", default="nobody")
-
-
-async def call_in(pool: Pool, function: Any, *args: Any) -> Any:
-    """``function(*args)`` through ``pool`` from this asyncio task (as run_in_thread does)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-    pool.submit((loop, future, contextvars.copy_context(), function, args))
-    return await future
-
-
-def workers_of(pool: Pool) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if getattr(t, "pool", None) is pool]
 
 
 async def test_a_call_runs_in_another_thread_with_the_callers_context() -> None:
