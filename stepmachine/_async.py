@@ -30,7 +30,13 @@ import anyio.to_thread
 
 from ._threads import POOL, TOOLS
 
-__all__ = ["asyncio_here", "checkpoint", "interrupt_once", "run_abandoning", "run_in_thread"]
+__all__ = [
+    "asyncio_here",
+    "checkpoint",
+    "interrupt_once",
+    "run_abandoning",
+    "run_in_thread",
+]
 
 T = TypeVar("T")
 
@@ -139,7 +145,7 @@ async def run_in_thread(function: Callable[..., T], *args: Any) -> T:
     loop = asyncio.get_running_loop()
     hop = _Hop(loop)
     future: asyncio.Future[T] = loop.create_future()
-    call = (loop, future, contextvars.copy_context(), hop.run, (function, args))
+    call = (loop, future, _worker_context(), hop.run, (function, args))
     try:
         if POOL.submit(call):  # a thread has it: as anyio's hop, shielded
             with anyio.CancelScope(shield=True):
@@ -178,7 +184,7 @@ async def run_abandoning(function: Callable[[], T], limiter: anyio.CapacityLimit
         future: asyncio.Future[T] = loop.create_future()
         with anyio.CancelScope() as scope:  # what from_thread.check_cancelled looks up from
             started = _Started(future)
-            call = (loop, future, contextvars.copy_context(), started.run, (function, token, scope))
+            call = (loop, future, _worker_context(), started.run, (function, token, scope))
             TOOLS.submit(call)  # no limit of its own: ``limiter`` is the limit
             return await future
     raise AssertionError("unreachable: nothing cancels that scope itself")  # pragma: no cover
@@ -204,6 +210,16 @@ class _Started:
             return function()
         finally:
             del local.current_token, local.current_cancel_scope
+
+
+def _worker_context() -> contextvars.Context:
+    """A copy of the caller's context variables for a worker thread, with sniffio's
+    "which async library" variable cleared, as anyio's worker threads have it: code
+    there runs in no async library, and may run an event loop of its own."""
+    context = contextvars.copy_context()
+    if _sniffio is not None:
+        context.run(_sniffio.current_async_library_cvar.set, None)
+    return context
 
 
 def _running_library() -> str:

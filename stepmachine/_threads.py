@@ -280,11 +280,15 @@ borrows a token of anyio's default thread limiter, see
 :func:`stepmachine._async.run_abandoning`), and apart from the stores' pool, so
 tools blocked in their threads never keep a store's write waiting, nor the other way
 round. A tool's call may outlive its caller (a cancelled run stops waiting for it);
-the interpreter's exit waits for such calls to end (an ``atexit`` handler), as it
-waits for anyio's worker threads, so a tool's side effect is never cut in half by the
-process ending."""
+the interpreter's exit waits for such calls to end, at the moment it waits for
+anyio's worker threads (and any other thread that is not a daemon): before the
+``atexit`` hooks run, so a tool's side effect is never cut in half by the process
+ending, nor does it run on into what those hooks tear down."""
 
-atexit.register(TOOLS.wait_for_calls)
+# ``threading``'s own exit hooks run before it joins the threads that are not daemons,
+# which is before ``atexit``'s (CPython's, used by concurrent.futures the same way);
+# ``atexit`` where it is missing.
+getattr(threading, "_register_atexit", atexit.register)(TOOLS.wait_for_calls)
 
 if hasattr(os, "register_at_fork"):  # pragma: no branch - POSIX
     os.register_at_fork(after_in_child=POOL.reset)
