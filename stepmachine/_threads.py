@@ -111,7 +111,8 @@ class Pool:
         self._idle: list[_Worker] = []  # last in, first out: the warmest thread goes first
         self._loops: dict[asyncio.AbstractEventLoop, _Loop] = {}  # with calls running or waiting
         self._threads = 0
-        self._drained: threading.Event | None = None  # set once no call runs or waits
+        self._busy = 0  # calls handed to a thread, not yet ended (what the exit waits for)
+        self._drained: threading.Event | None = None  # set when _busy drops to 0
 
     def submit(self, call: Call) -> bool:
         """Have ``call`` run in a worker thread: an idle one or a new one (True), or, when
@@ -132,21 +133,38 @@ class Pool:
                 here.backlog.append(call)
                 return False
             here.running += 1
-            if self._idle:
-                worker = self._idle.pop()
-            else:
-                self._threads += 1
-                worker, new = _Worker(self), True
-        worker.calls.put(call)
+            self._busy += 1
+            handed = False
+            try:
+                if self._idle:
+                    worker = self._idle.pop()
+                else:
+                    worker = _Worker(self)
+                    self._threads += 1
+                    new = True
+                worker.calls.put(call)
+                handed = True
+            finally:
+                if not handed:  # interrupted first (a KeyboardInterrupt): nothing was handed
+                    if new:
+                        self._threads -= 1  # never started
+                    self._not_handed(loop)
         if new:
             try:
                 worker.start()
             except BaseException:
                 with self._lock:
                     self._threads -= 1  # it never ran: its slot is free again
-                    self._ended(loop)
+                    self._not_handed(loop)
                 raise
         return True
+
+    def _not_handed(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A call counted by ``submit`` that no thread will run (under the lock)."""
+        self._ended(loop)
+        self._busy -= 1
+        if not self._busy and self._drained is not None:
+            self._drained.set()
 
     def reset(self) -> None:
         """Forget every thread and call (in a child after ``os.fork()``, where none of the
@@ -155,6 +173,7 @@ class Pool:
         self._idle = []
         self._loops = {}
         self._threads = 0
+        self._busy = 0
         self._drained = None
 
     def _ended(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -164,14 +183,14 @@ class Pool:
         here.running -= 1
         if here.running == 0 and not here.backlog:
             del self._loops[loop]
-            if not self._loops and self._drained is not None:
-                self._drained.set()
 
     def wait_for_calls(self) -> None:
-        """Block until no call runs or waits here (at interpreter exit: see :data:`TOOLS`)."""
+        """Block until every call handed to a thread has ended (at interpreter exit: see
+        :data:`TOOLS`). A call whose hand-off was interrupted is not waited for, nor one
+        still waiting in its loop's backlog (nobody will run it once its loop is gone)."""
         while True:
             with self._lock:
-                if not self._loops:
+                if not self._busy:
                     return
                 drained = self._drained = threading.Event()
             drained.wait()
@@ -186,9 +205,12 @@ class Pool:
         with self._lock:
             here = self._loops[loop]
             if here.backlog:
-                return here.backlog.popleft()
+                return here.backlog.popleft()  # still busy: with that call
             self._ended(loop)
             self._idle.append(worker)
+            self._busy -= 1
+            if not self._busy and self._drained is not None:
+                self._drained.set()
             return None
 
     def _wait(self, worker: _Worker) -> Call | None:
