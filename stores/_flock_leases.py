@@ -127,7 +127,7 @@ from stepmachine import (
     StoreClosedError,
     StoredDataError,
 )
-from stepmachine._async import run_in_thread
+from stepmachine._async import light_checkpoint, run_in_thread
 from stepmachine._lease import check_claim
 from stepmachine.extend import Lease, LeaseHolder
 
@@ -279,7 +279,7 @@ class FlockLeases:
             LeaseLostError: this instance does not hold ``lease`` (released,
                 or claimed by another instance or process).
         """
-        await anyio.lowlevel.checkpoint()
+        await light_checkpoint()  # nothing here waits: a cancellation point is what it needs
         self._require_flock()
         self._holding(lease, lease.session_id)
         return lease

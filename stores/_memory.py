@@ -7,9 +7,12 @@ Encoding, decoding and replaying are the durable stores' (:mod:`._replay`):
 each batch is encoded once, decoded back and applied once.
 Media bytes are kept as the durable stores keep them: once per digest, apart
 from the records (:mod:`._media_blobs`), with the same size limit.
-Every method has one await (a checkpoint) before it reads or writes, so
-cancellation never leaves a half-applied batch, and operations from concurrent
-tasks never interleave.
+Every method has one await before it reads or writes and none after: a
+cancellation point (so cancellation never leaves a half-applied batch), and a
+scheduling point at least every millisecond
+(:func:`stepmachine._async.light_checkpoint`: a task that only calls the store
+still lets the others run, without a pass of the event loop on every call).
+Operations from concurrent tasks never interleave.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from stepmachine import (
     SessionNotFoundError,
     StoreClosedError,
 )
-from stepmachine._async import checkpoint as _checkpoint
+from stepmachine._async import light_checkpoint as _checkpoint
 from stepmachine._lease import check_claim, mark_now
 from stepmachine.extend import Batch, Lease, LeaseHolder, apply_batch
 

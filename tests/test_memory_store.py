@@ -1,8 +1,13 @@
-"""MemoryStore passes the store conformance suite (and nothing more is special)."""
+"""MemoryStore passes the store conformance suite; its calls are cancellation points
+every time and scheduling points every so often."""
+
+import time
 
 import anyio
+import anyio.lowlevel
 
 from stepmachine import AppendMessage, Effect, Message
+from stepmachine._async import SCHEDULE_EVERY, light_checkpoint
 from stepmachine.extend import Batch
 from stepmachine.stores import MemoryStore
 from stepmachine.testing.conformance import StoreConformance
@@ -39,3 +44,55 @@ async def test_every_call_is_a_checkpoint_a_cancellation_lands_at() -> None:
             scope.cancel()
             await call
         assert scope.cancelled_caught
+
+
+async def test_a_task_that_only_calls_the_store_still_lets_the_others_run() -> None:
+    """The store's calls are a scheduling point at least every ``SCHEDULE_EVERY`` seconds
+    (not on every call): a task calling ``load`` in a loop for long enough lets another
+    task of its loop run, on asyncio and trio alike."""
+    store = MemoryStore()
+    await store.create("s")
+    ran = anyio.Event()
+    calls = 0
+
+    async def other() -> None:
+        ran.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(other)
+        deadline = time.monotonic() + 5  # a bound on a hang: far above SCHEDULE_EVERY
+        while not ran.is_set() and time.monotonic() < deadline:
+            await store.load("s")
+            calls += 1
+        ran_meanwhile = ran.is_set()  # before the group's end lets it run anyway
+    assert ran_meanwhile
+    assert calls >= 1
+
+
+async def test_the_light_checkpoint_lets_the_loop_go_round_only_every_so_often() -> None:
+    """Many calls within ``SCHEDULE_EVERY`` make at most one pass of the event loop:
+    a task woken by each pass sees far fewer passes than calls."""
+    passes = 0
+    stop = False
+
+    async def count_passes() -> None:
+        nonlocal passes
+        while not stop:
+            passes += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(count_passes)
+        await anyio.lowlevel.checkpoint()
+        before = passes
+        start = time.monotonic()
+        calls = 0
+        while calls < 200:
+            await light_checkpoint()
+            calls += 1
+        elapsed = time.monotonic() - start
+        seen = passes - before
+        stop = True
+    # One pass at most per SCHEDULE_EVERY of the calls' own time (plus the first).
+    assert seen <= 1 + elapsed / SCHEDULE_EVERY, (seen, calls, elapsed)
+    assert seen < calls
