@@ -77,8 +77,8 @@ def test_sigint_while_a_sync_tool_runs_under_agent_run_sync(tmp_path: Path) -> N
     assert "Exception in thread" not in err
     assert "was never retrieved" not in err
     assert (tmp_path / "effects").read_text() == "charged\n"  # done before the exit
-    (result,) = tool_results(tmp_path)
-    assert result.startswith("interrupted")
+    (result,) = tool_results(tmp_path)  # answered once: its real result (it ended within
+    assert result == "charged" or result.startswith("interrupted")  # THREAD_GRACE) or not
 
 
 def test_sys_exit_in_asyncio_run_while_a_sync_tool_runs(tmp_path: Path) -> None:
@@ -88,8 +88,8 @@ def test_sys_exit_in_asyncio_run_while_a_sync_tool_runs(tmp_path: Path) -> None:
     assert "SystemExit" in err
     assert "Exception in thread" not in err
     assert (tmp_path / "effects").read_text() == "charged\n"
-    (result,) = tool_results(tmp_path)
-    assert result.startswith("interrupted")
+    (result,) = tool_results(tmp_path)  # answered once: its real result (it ended within
+    assert result == "charged" or result.startswith("interrupted")  # THREAD_GRACE) or not
 
 
 def test_fork_while_a_sync_tool_runs(tmp_path: Path) -> None:
