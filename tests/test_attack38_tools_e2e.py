@@ -1,0 +1,217 @@
+"""Attack 38: sync tools in whole runs (``StateMachine([Tools([...]), ModelInference()])``
+on a real SQLite store, a scripted model), on both backends: timeouts, a run cancelled
+while a sync tool runs (anyio's cancel scope, asyncio's ``task.cancel()``), and many
+concurrent runs on one loop with more sync tools than anyio's 40 thread tokens.
+
+What must hold: every call is answered once and never run twice (a resumed session does
+not run it again), the history stays valid, each answer is the tool's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+
+from stepmachine import Message, ModelInference, Runtime, StateMachine, Tools, tool
+from stepmachine.extend import history_problems
+from stepmachine.stores import SQLiteStore
+from stepmachine.testing import FunctionModel, ScriptedModel, call, reply
+
+asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
+
+
+def results_of(session: Any) -> list[tuple[str, str]]:
+    return [
+        (part.call_id, str(part.content))
+        for message in session.conversation
+        for part in message.parts
+        if type(part).__name__ == "ToolResultPart"
+    ]
+
+
+def calls_of(session: Any) -> list[str]:
+    return [
+        part.call_id
+        for message in session.conversation
+        for part in message.parts
+        if type(part).__name__ == "ToolCallPart"
+    ]
+
+
+async def test_a_sync_tool_past_its_timeout_is_answered_once_and_never_rerun(
+    tmp_path: Path,
+) -> None:
+    runs: Counter[str] = Counter()
+    release = threading.Event()
+    ended = threading.Event()
+
+    @tool(timeout=0.2)
+    def stuck(label: str) -> str:
+        """Hangs past its timeout."""
+        runs[label] += 1
+        release.wait(20)
+        ended.set()
+        return f"late {label}"
+
+    @tool
+    def quick(label: str) -> str:
+        """Answers at once."""
+        runs[label] += 1
+        return f"quick {label}"
+
+    store = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    try:
+        await store.create("s", conversation=[Message.user("go", id="u1")])
+        machine = StateMachine([Tools([stuck, quick]), ModelInference()])
+        model = ScriptedModel(
+            [call(("stuck", {"label": "a"}), ("quick", {"label": "b"})), reply("done")]
+        )
+        with anyio.fail_after(30):  # a bound on a hang
+            session = await machine.run(Runtime(store=store, model=model), "s")
+        answers = dict(results_of(session))
+        assert len(answers) == 2
+        stuck_answer, quick_answer = (answers[call_id] for call_id in calls_of(session))
+        assert "timed out" in stuck_answer
+        assert quick_answer == "quick b"
+        assert history_problems(session) == []
+        release.set()
+        await anyio.to_thread.run_sync(ended.wait, 20)
+        # Resumed: nothing to run again, the late result never written.
+        again = await machine.run(
+            Runtime(store=store, model=FunctionModel(lambda request: reply("x"))), "s"
+        )
+        assert dict(results_of(again)) == answers
+        assert runs == Counter({"a": 1, "b": 1})
+    finally:
+        release.set()
+        await store.aclose()
+
+
+@pytest.mark.parametrize("how", ["scope", "native"])
+async def test_a_run_cancelled_while_a_sync_tool_runs_answers_it_once(
+    tmp_path: Path, how: str, anyio_backend: str
+) -> None:
+    """The run is cancelled while its sync tool blocks (past ``THREAD_GRACE``, so the
+    call is answered "interrupted" on the cancellation path); the tool then ends. The
+    session resumes to its end with that one answer, the tool run once."""
+    if how == "native" and anyio_backend != "asyncio":
+        pytest.skip("asyncio's task.cancel()")
+    runs: Counter[str] = Counter()
+    entered, release, ended = threading.Event(), threading.Event(), threading.Event()
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge."""
+        runs["charge"] += 1
+        entered.set()
+        release.wait(20)
+        ended.set()
+        return f"charged {amount}"
+
+    store = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    try:
+        await store.create("s", conversation=[Message.user("pay", id="u1")])
+        machine = StateMachine([Tools([charge]), ModelInference()])
+        model = ScriptedModel([call(("charge", {"amount": 3})), reply("paid")])
+        runtime = Runtime(store=store, model=model)
+        with anyio.fail_after(30):  # a bound on a hang
+            if how == "scope":
+                with anyio.CancelScope() as scope:
+                    async with anyio.create_task_group() as group:
+
+                        async def cancel_once_entered() -> None:
+                            await anyio.to_thread.run_sync(entered.wait, 20)
+                            scope.cancel()
+
+                        group.start_soon(cancel_once_entered)
+                        await machine.run(runtime, "s")
+            else:
+                task = asyncio.ensure_future(machine.run(runtime, "s"))
+                await anyio.to_thread.run_sync(entered.wait, 20)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):  # or it returns
+                    await task
+        release.set()
+        await anyio.to_thread.run_sync(ended.wait, 20)
+        session = await store.load("s")
+        assert history_problems(session) == []
+        (answer,) = results_of(session)
+        assert answer[1].startswith("interrupted"), answer
+        resumed = await machine.run(
+            Runtime(store=store, model=FunctionModel(lambda request: reply("resumed"))), "s"
+        )
+        assert results_of(resumed) == [answer]
+        assert history_problems(resumed) == []
+        assert runs == Counter({"charge": 1})
+    finally:
+        release.set()
+        await store.aclose()
+
+
+async def test_many_concurrent_runs_with_more_sync_tools_than_thread_tokens(
+    tmp_path: Path,
+) -> None:
+    """Six runs on one loop, each asking for 12 concurrent sync tools (72 > 40 tokens),
+    all on one SQLite file: every call answered with its own result, each run once, at
+    most 40 at a time (anyio's default limiter), and no token left borrowed."""
+    lock = threading.Lock()
+    running = [0]
+    most = [0]
+    runs: Counter[str] = Counter()
+    gate = threading.Event()
+
+    @tool
+    def work(session: str, index: int) -> str:
+        """Some blocking work."""
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            runs[f"{session}/{index}"] += 1
+            if running[0] >= 40:
+                gate.set()  # the limit is reached: let everyone through
+        gate.wait(5)  # holds threads so that the limit is met, not a timing bound
+        with lock:
+            running[0] -= 1
+        return f"{session}:{index}"
+
+    store = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    try:
+        machine = StateMachine([Tools([work], max_concurrency=12), ModelInference()])
+        sessions = [f"s{n}" for n in range(6)]
+        for session_id in sessions:
+            await store.create(session_id, conversation=[Message.user("go", id="u1")])
+        finished: dict[str, Any] = {}
+
+        async def one(session_id: str) -> None:
+            model = ScriptedModel(
+                [
+                    call(*[("work", {"session": session_id, "index": i}) for i in range(12)]),
+                    reply("done"),
+                ]
+            )
+            finished[session_id] = await machine.run(Runtime(store=store, model=model), session_id)
+
+        with anyio.fail_after(60):  # a bound on a hang
+            async with anyio.create_task_group() as group:
+                for session_id in sessions:
+                    group.start_soon(one, session_id)
+        for session_id, session in finished.items():
+            assert history_problems(session) == []
+            answers = [content for _, content in results_of(session)]
+            assert sorted(answers) == sorted(f"{session_id}:{i}" for i in range(12))
+        assert len(runs) == 72
+        assert set(runs.values()) == {1}
+        assert most[0] <= limiter.total_tokens
+        assert limiter.borrowed_tokens == 0
+    finally:
+        gate.set()
+        await store.aclose()
