@@ -215,3 +215,130 @@ async def test_many_concurrent_runs_with_more_sync_tools_than_thread_tokens(
     finally:
         gate.set()
         await store.aclose()
+
+
+@asyncio_only  # trio: see the next test
+async def test_a_run_cancelled_while_a_sync_tool_waits_for_a_thread_token(
+    tmp_path: Path,
+) -> None:
+    """anyio's default thread limiter set to 1 on this loop: of two concurrent sync
+    tools, one blocks in its thread and the other waits for the token. The run is
+    cancelled: the waiting one never runs (not then, not after the resume), the blocked
+    one runs once; both calls are answered once and the history stays valid."""
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    old = limiter.total_tokens
+    limiter.total_tokens = 1
+    runs: Counter[str] = Counter()
+    entered, release, ended = threading.Event(), threading.Event(), threading.Event()
+
+    @tool
+    def charge(label: str) -> str:
+        """Charge."""
+        runs[label] += 1
+        if not entered.is_set():
+            entered.set()
+            release.wait(20)
+            ended.set()
+        return f"charged {label}"
+
+    store = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    try:
+        await store.create("s", conversation=[Message.user("pay", id="u1")])
+        machine = StateMachine([Tools([charge]), ModelInference()])
+        model = ScriptedModel(
+            [call(("charge", {"label": "a"}), ("charge", {"label": "b"})), reply("paid")]
+        )
+        with anyio.fail_after(30):  # a bound on a hang
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as group:
+
+                    async def cancel_once_entered() -> None:
+                        # Polled: a thread of anyio's would need the only token.
+                        while not entered.is_set() or not limiter.statistics().tasks_waiting:  # noqa: ASYNC110
+                            await anyio.sleep(0.01)  # until one runs and the other waits
+                        scope.cancel()
+
+                    group.start_soon(cancel_once_entered)
+                    await machine.run(Runtime(store=store, model=model), "s")
+            limiter.total_tokens = old
+            release.set()
+            await anyio.to_thread.run_sync(ended.wait, 20)
+            session = await store.load("s")
+            assert history_problems(session) == []
+            answers = results_of(session)
+            assert len(answers) == 2
+            assert all(content.startswith("interrupted") for _, content in answers), answers
+            resumed = await machine.run(
+                Runtime(store=store, model=FunctionModel(lambda request: reply("x"))), "s"
+            )
+            assert results_of(resumed) == answers
+        assert sum(runs.values()) == 1
+    finally:
+        limiter.total_tokens = old
+        release.set()
+        await store.aclose()
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [
+        "asyncio",
+        pytest.param(
+            "trio",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="trio: SQLiteStore's thread hop shares anyio's default limiter with "
+                "abandoned sync tools (40 hung -> finalize can't write 'interrupted')",
+            ),
+        ),
+    ],
+)
+async def test_a_run_cancelled_with_every_thread_token_held_by_hung_sync_tools_finalizes(
+    tmp_path: Path,
+) -> None:
+    """40 concurrent sync tools (anyio's default thread limit) hang in their threads; the
+    run is cancelled. Finalize must still answer every call "interrupted" in the SQLite
+    store (``finalize_timeout`` 3 s, a bound, the tools hang for longer): on asyncio the
+    stores have their own threads; on trio the store waits for a token the abandoned
+    tools keep until they end."""
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    assert limiter.total_tokens == 40
+    release = threading.Event()
+    lock = threading.Lock()
+    entered = [0]
+
+    @tool
+    def hang(index: int) -> str:
+        """Hang."""
+        with lock:
+            entered[0] += 1
+        release.wait(30)
+        return f"late {index}"
+
+    store = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    try:
+        await store.create("s", conversation=[Message.user("go", id="u1")])
+        machine = StateMachine(
+            [Tools([hang], max_concurrency=40), ModelInference()], finalize_timeout=3
+        )
+        model = ScriptedModel([call(*[("hang", {"index": i}) for i in range(40)]), reply("x")])
+        with anyio.fail_after(30):  # a bound on a hang
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as group:
+
+                    async def cancel_once_all_hang() -> None:
+                        while entered[0] < 40:  # noqa: ASYNC110 - polled: no token is free
+                            await anyio.sleep(0.01)
+                        scope.cancel()
+
+                    group.start_soon(cancel_once_all_hang)
+                    await machine.run(Runtime(store=store, model=model), "s")
+            session = await store.load("s")
+        release.set()
+        assert history_problems(session) == []
+        answers = results_of(session)
+        assert len(answers) == 40
+        assert all(content.startswith("interrupted") for _, content in answers)
+    finally:
+        release.set()
+        await store.aclose()
