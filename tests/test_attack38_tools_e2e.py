@@ -342,3 +342,52 @@ async def test_a_run_cancelled_with_every_thread_token_held_by_hung_sync_tools_f
     finally:
         release.set()
         await store.aclose()
+
+
+@asyncio_only
+@pytest.mark.xfail(
+    strict=True,
+    reason="_tool_step.py:~685-712 swallows asyncio's native CancelledError when the sync "
+    "tool ends within THREAD_GRACE: the cancelled run goes on and calls the model again",
+)
+async def test_a_native_cancel_while_a_sync_tool_runs_stops_the_run_even_if_the_tool_ends_soon(
+    tmp_path: Path,
+) -> None:
+    """``task.cancel()`` (what ``asyncio.run`` does on Ctrl-C, what ``asyncio.wait_for``
+    does) lands while a sync tool runs; the tool ends a moment later, within
+    ``THREAD_GRACE``. The call keeps its real result, but the run must end cancelled: the
+    model is not asked again."""
+    entered, release = threading.Event(), threading.Event()
+    asked: list[int] = []
+
+    @tool
+    def charge() -> str:
+        """Charge."""
+        entered.set()
+        release.wait(20)
+        return "charged"
+
+    def model(request: Any) -> Any:
+        asked.append(len(request.messages))
+        return call(("charge", {})) if len(asked) == 1 else reply("the run went on")
+
+    store = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    try:
+        await store.create("s", conversation=[Message.user("pay", id="u1")])
+        machine = StateMachine([Tools([charge]), ModelInference()])
+        task = asyncio.ensure_future(
+            machine.run(Runtime(store=store, model=FunctionModel(model)), "s")
+        )
+        with anyio.fail_after(30):  # a bound on a hang
+            await anyio.to_thread.run_sync(entered.wait, 20)
+            task.cancel()  # the tool still runs: it cannot end before release
+            release.set()  # it ends now, well within THREAD_GRACE
+            outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+        session = await store.load("s")
+        assert history_problems(session) == []
+        assert [content for _, content in results_of(session)] == ["charged"]
+        assert len(asked) == 1, "the model was asked again after the run was cancelled"
+        assert isinstance(outcome, asyncio.CancelledError), outcome
+    finally:
+        release.set()
+        await store.aclose()
