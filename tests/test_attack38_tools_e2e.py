@@ -95,15 +95,23 @@ async def test_a_sync_tool_past_its_timeout_is_answered_once_and_never_rerun(
         await store.aclose()
 
 
-@pytest.mark.parametrize("how", ["scope", "native"])
-async def test_a_run_cancelled_while_a_sync_tool_runs_answers_it_once(
-    tmp_path: Path, how: str, anyio_backend: str
+async def test_a_run_cancelled_while_a_sync_tool_runs_answers_it_once(tmp_path: Path) -> None:
+    """The run's cancel scope is cancelled while its sync tool blocks (past
+    ``THREAD_GRACE``, so the call is answered "interrupted" on the cancellation path);
+    the tool then ends. The session resumes to its end with that one answer, the tool
+    run once."""
+    await cancelled_while_running(tmp_path, "scope")
+
+
+@asyncio_only
+async def test_a_run_natively_cancelled_while_a_sync_tool_runs_answers_it_once(
+    tmp_path: Path,
 ) -> None:
-    """The run is cancelled while its sync tool blocks (past ``THREAD_GRACE``, so the
-    call is answered "interrupted" on the cancellation path); the tool then ends. The
-    session resumes to its end with that one answer, the tool run once."""
-    if how == "native" and anyio_backend != "asyncio":
-        pytest.skip("asyncio's task.cancel()")
+    """The same with asyncio's ``task.cancel()``."""
+    await cancelled_while_running(tmp_path, "native")
+
+
+async def cancelled_while_running(tmp_path: Path, how: str) -> None:
     runs: Counter[str] = Counter()
     entered, release, ended = threading.Event(), threading.Event(), threading.Event()
 
