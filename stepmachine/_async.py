@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import anyio.lowlevel
 import anyio.to_thread
 
-from ._threads import POOL, TOOLS
+from ._threads import MAX_PER_LOOP, POOL, TOOLS
 
 __all__ = [
     "asyncio_here",
@@ -145,8 +145,8 @@ async def run_in_thread(function: Callable[..., T], *args: Any) -> T:
 
     On asyncio the thread is one of the stores' own (:mod:`._threads`, at most 40
     calls per event loop at once; its hop costs less than anyio's); elsewhere (trio) it is
-    ``anyio.to_thread.run_sync``'s. Either way ``function`` sees the caller's
-    context variables.
+    ``anyio.to_thread.run_sync``'s, under a limiter of the stores' own (40 at once, see
+    :func:`_store_threads`). Either way ``function`` sees the caller's context variables.
 
     Cancellation, as anyio's hop: a cancellation before ``function`` is handed
     to a thread, or while it waits for a free one (40 calls of its loop
@@ -167,7 +167,7 @@ async def run_in_thread(function: Callable[..., T], *args: Any) -> T:
     waits for a thread) keeps it from starting.
     """
     if _running_library() != "asyncio":
-        return await anyio.to_thread.run_sync(function, *args)
+        return await anyio.to_thread.run_sync(function, *args, limiter=_store_threads())
     await anyio.lowlevel.checkpoint_if_cancelled()  # cancelled already: nothing done
     loop = asyncio.get_running_loop()
     hop = _Hop(loop)
@@ -237,6 +237,24 @@ class _Started:
             return function()
         finally:
             del local.current_token, local.current_cancel_scope
+
+
+_STORE_THREADS: anyio.lowlevel.RunVar[anyio.CapacityLimiter] = anyio.lowlevel.RunVar(
+    "stepmachine_store_threads"
+)
+
+
+def _store_threads() -> anyio.CapacityLimiter:
+    """The stores' thread limiter of this event loop, away from trio: 40 at once, as on
+    asyncio, and not anyio's default limiter, whose tokens the plain-function tools
+    borrow (a tool left running keeps its token there until it ends: 40 such tools
+    must not keep a store from writing what a cancelled run leaves)."""
+    try:
+        return _STORE_THREADS.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(MAX_PER_LOOP)
+        _STORE_THREADS.set(limiter)
+        return limiter
 
 
 def _worker_context() -> contextvars.Context:

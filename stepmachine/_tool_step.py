@@ -70,7 +70,9 @@ one error, never an ``ExceptionGroup`` (see :func:`one_error`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -708,6 +710,7 @@ class Tools(Operation[Any]):
                     error_type=type(thread.error).__name__,
                 )
                 raise
+            _cancel_again_if_native()  # the result is kept; the run still ends cancelled
             try:  # the result exists: returned, so the machine holds it (and writes it once)
                 content = thread.outcome()
             except Exception as exc:  # noqa: BLE001 - a tool error becomes an error result
@@ -725,6 +728,29 @@ class Tools(Operation[Any]):
             )
             return _Answer(_error(call, message)), None, "error", "ToolError"
         return _succeeded(call, content)
+
+
+def _cancel_again_if_native() -> None:
+    """Ask again for the cancellation just taken in, when it was asyncio's native one.
+
+    ``_call_tool`` takes a cancellation in to keep a sync tool's real result (the
+    thread ended within ``THREAD_GRACE``). An anyio cancel scope delivers its
+    cancellation again at the next checkpoint; asyncio's native ``task.cancel()``
+    (Ctrl-C under ``asyncio.run``, ``asyncio.wait_for``, ``asyncio.timeout``) is
+    delivered once, so taken in it would be lost and the run would go on. It is
+    requested again here (the task's cancel count unchanged: one taken back, one
+    made), to land at the next await that waits, after the result is held.
+    """
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no asyncio loop runs here (trio): only scopes cancel
+        return
+    if task is None or not task.cancelling():
+        return
+    if anyio.current_effective_deadline() == -math.inf:
+        return  # a cancelled anyio scope: it delivers again by itself
+    task.uncancel()
+    task.cancel()
 
 
 def _bounded(timeout: float | None) -> contextlib.AbstractContextManager[object]:

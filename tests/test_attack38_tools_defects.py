@@ -1,19 +1,21 @@
 """Attack 38: plain-function tools in stepmachine's own worker pool (``_threads.TOOLS``),
 held to what ``anyio.to_thread.run_sync(abandon_on_cancel=True)`` gave them before.
 
-Two differences an outsider meets:
+Three differences an outsider met, each fixed since and held here:
 
 * anyio runs the function in a copy of the caller's context with sniffio's
   ``current_async_library_cvar`` cleared (the worker thread runs no event loop); the
-  tools' pool copies the context as is. Under ``anyio.run`` (so under
-  ``Agent.run_sync``) the variable says "asyncio", and in the tool thread
-  ``anyio.run`` / ``Agent.run_sync`` refuse with "Already running asyncio in this
-  thread": a sub-agent called from a sync tool fails.
+  tools' pool copied the context as is, so under ``anyio.run`` (so under
+  ``Agent.run_sync``) ``anyio.run`` / ``Agent.run_sync`` in the tool thread refused
+  with "Already running asyncio in this thread": a sub-agent called from a sync tool
+  failed.
 * anyio's worker threads are not daemons: ``threading._shutdown`` joins them before any
-  ``atexit`` handler runs. The tools' pool waits in an ``atexit`` handler of its own,
+  ``atexit`` handler runs. The tools' pool waited in an ``atexit`` handler of its own,
   so every handler registered after ``import stepmachine`` (a user's, the one
-  ``weakref.finalize`` registers for a ``TemporaryDirectory``) runs while a tool its
-  caller left still runs.
+  ``weakref.finalize`` registers for a ``TemporaryDirectory``) ran while a tool its
+  caller left still ran.
+* a KeyboardInterrupt landing in the pool's hand-off left the call counted for ever,
+  and the exit waited for it for ever.
 """
 
 from __future__ import annotations
@@ -89,11 +91,6 @@ def test_under_asyncio_run_a_sync_tool_can_run_an_event_loop_of_its_own() -> Non
     assert asyncio.run(main()) == ("none", "inner ran")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TOOLS runs a tool in the caller's context as is: sniffio's cvar says 'asyncio' "
-    "in a thread with no loop (anyio clears it)",
-)
 def test_under_anyio_run_sniffio_sees_no_library_in_a_sync_tools_thread() -> None:
     async def main() -> str:
         return await which_library.call({}, context())
@@ -101,11 +98,6 @@ def test_under_anyio_run_sniffio_sees_no_library_in_a_sync_tools_thread() -> Non
     assert anyio.run(main, backend="asyncio") == "none"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="under anyio.run, anyio.run in a sync tool's thread raises 'Already running "
-    "asyncio in this thread' (sniffio cvar copied into the tool's context)",
-)
 def test_under_anyio_run_a_sync_tool_can_run_an_event_loop_of_its_own() -> None:
     async def main() -> str:
         return await nested_run.call({}, context())
@@ -118,11 +110,6 @@ def test_agent_run_sync_on_trio_lets_a_sync_tool_run_a_sub_agent(tmp_path: Path)
     assert _sub_agent_answer(tmp_path, "trio") == "the sub-agent says hi"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Agent.run_sync (anyio.run) -> sync tool -> sub_agent.run_sync() fails: 'Already "
-    "running asyncio in this thread' (tool pool keeps sniffio's cvar)",
-)
 def test_agent_run_sync_lets_a_sync_tool_run_a_sub_agent(tmp_path: Path) -> None:
     """A sync tool that asks another agent (``run_sync``, the documented blocking entry
     point, from a thread that runs no loop), inside an outer ``Agent.run_sync``."""
@@ -208,11 +195,6 @@ def _exit_script(tmp_path: Path, run: str) -> tuple[subprocess.CompletedProcess[
     return done, outcome
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TOOLS waits in an atexit hook: hooks registered after import stepmachine "
-    "(weakref.finalize of a TemporaryDirectory) run first, under an abandoned tool",
-)
 def test_an_abandoned_tool_finishes_before_later_atexit_hooks_tear_its_world_down(
     tmp_path: Path,
 ) -> None:
@@ -277,11 +259,6 @@ except KeyboardInterrupt:
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a KeyboardInterrupt inside TOOLS.submit after running+=1 (_threads.py:125-140) "
-    "leaves the call counted for ever: atexit wait_for_calls hangs the exit",
-)
 def test_an_interrupt_inside_the_tools_pool_hand_off_does_not_hang_the_exit() -> None:
     """Ctrl-C's KeyboardInterrupt lands in the main thread at whatever bytecode runs; here
     in the hand-off of a sync tool's call to its worker thread (injected with a trace

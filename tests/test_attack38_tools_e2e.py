@@ -287,20 +287,6 @@ async def test_a_run_cancelled_while_a_sync_tool_waits_for_a_thread_token(
         await store.aclose()
 
 
-@pytest.mark.parametrize(
-    "anyio_backend",
-    [
-        "asyncio",
-        pytest.param(
-            "trio",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="trio: SQLiteStore's thread hop shares anyio's default limiter with "
-                "abandoned sync tools (40 hung -> finalize can't write 'interrupted')",
-            ),
-        ),
-    ],
-)
 async def test_a_run_cancelled_with_every_thread_token_held_by_hung_sync_tools_finalizes(
     tmp_path: Path,
 ) -> None:
@@ -353,11 +339,6 @@ async def test_a_run_cancelled_with_every_thread_token_held_by_hung_sync_tools_f
 
 
 @asyncio_only
-@pytest.mark.xfail(
-    strict=True,
-    reason="_tool_step.py:~685-712 swallows asyncio's native CancelledError when the sync "
-    "tool ends within THREAD_GRACE: the cancelled run goes on and calls the model again",
-)
 async def test_a_native_cancel_while_a_sync_tool_runs_stops_the_run_even_if_the_tool_ends_soon(
     tmp_path: Path,
 ) -> None:
@@ -396,6 +377,61 @@ async def test_a_native_cancel_while_a_sync_tool_runs_stops_the_run_even_if_the_
         assert [content for _, content in results_of(session)] == ["charged"]
         assert len(asked) == 1, "the model was asked again after the run was cancelled"
         assert isinstance(outcome, asyncio.CancelledError), outcome
+    finally:
+        release.set()
+        await store.aclose()
+
+
+@asyncio_only
+async def test_asyncio_timeout_around_a_run_whose_sync_tool_ends_within_the_grace(
+    tmp_path: Path,
+) -> None:
+    """``asyncio.timeout`` fires while a sync tool runs; the tool ends within
+    ``THREAD_GRACE``. The caller gets ``TimeoutError`` (the cancellation taken in for the
+    tool's result is asked for again, the task's cancel count left as it was: otherwise
+    the timeout would read as a cancellation from elsewhere), the result is kept once,
+    and the model is not asked again."""
+    entered, release = threading.Event(), threading.Event()
+    asked: list[int] = []
+
+    @tool
+    def charge() -> str:
+        """Charge."""
+        entered.set()
+        release.wait(20)
+        return "charged"
+
+    def model(request: Any) -> Any:
+        asked.append(len(request.messages))
+        return call(("charge", {})) if len(asked) == 1 else reply("the run went on")
+
+    async def expire_once_entered(deadline: asyncio.Timeout) -> None:
+        await anyio.to_thread.run_sync(entered.wait, 20)
+        deadline.reschedule(asyncio.get_running_loop().time())  # fires while the tool runs
+        await asyncio.sleep(0.1)
+        release.set()  # the tool ends now, within THREAD_GRACE
+
+    store = await SQLiteStore.open(tmp_path / "db.sqlite3")
+    try:
+        await store.create("s", conversation=[Message.user("pay", id="u1")])
+        machine = StateMachine([Tools([charge]), ModelInference()])
+        expiring: list[asyncio.Task[None]] = []
+
+        async def run_under_a_timeout() -> None:
+            async with asyncio.timeout(None) as deadline:
+                expiring.append(asyncio.ensure_future(expire_once_entered(deadline)))
+                await machine.run(Runtime(store=store, model=FunctionModel(model)), "s")
+
+        with pytest.raises(TimeoutError):
+            await run_under_a_timeout()
+        await expiring[0]
+        current = asyncio.current_task()
+        assert current is not None
+        assert current.cancelling() == 0
+        session = await store.load("s")
+        assert history_problems(session) == []
+        assert [content for _, content in results_of(session)] == ["charged"]
+        assert asked == [1]
     finally:
         release.set()
         await store.aclose()
