@@ -14,7 +14,11 @@ interrupt twice.
 :mod:`._threads`): a caller never
 goes on (releasing a lock, a connection) while its function still runs there,
 even when asyncio's native ``task.cancel()`` interrupts the wait, which no
-anyio shield stops.
+anyio shield stops. :func:`run_abandoning` is a plain-function tool's: anyio's
+``abandon_on_cancel`` contract, on asyncio through the tools' own threads.
+
+:func:`light_checkpoint` is the in-memory store's checkpoint: a cancellation
+point on every call, a scheduling point every millisecond at least.
 """
 
 from __future__ import annotations
@@ -245,10 +249,11 @@ _STORE_THREADS: anyio.lowlevel.RunVar[anyio.CapacityLimiter] = anyio.lowlevel.Ru
 
 
 def _store_threads() -> anyio.CapacityLimiter:
-    """The stores' thread limiter of this event loop, away from trio: 40 at once, as on
-    asyncio, and not anyio's default limiter, whose tokens the plain-function tools
-    borrow (a tool left running keeps its token there until it ends: 40 such tools
-    must not keep a store from writing what a cancelled run leaves)."""
+    """The stores' thread limiter of this event loop where they use anyio's threads (trio):
+    40 at once, as on asyncio, and not anyio's default limiter, whose tokens the
+    plain-function tools borrow (a tool left running keeps its token there until it
+    ends: 40 such tools must not keep a store from writing what a cancelled run
+    leaves)."""
     try:
         return _STORE_THREADS.get()
     except LookupError:
