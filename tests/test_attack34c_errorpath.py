@@ -329,7 +329,11 @@ async def test_lease_lost_then_task_error_writes_nothing_more(tmp_path: Path) ->
     async def b_run() -> None:
         await a_landed.wait()
         time.sleep(0.8)  # noqa: ASYNC251 - a stalled process: renewals stop
-        stolen.append(await store.claim(SID, "thief", 30.0))
+        # Shielded: the run's renewal may find its lease lapsed first and cancel this
+        # task (which of the two runs first after the stall is the scheduler's choice);
+        # the other runner's claim is not the run's to cancel.
+        with anyio.CancelScope(shield=True):
+            stolen.append(await store.claim(SID, "thief", 30.0))
         raise RuntimeError("bug in b")
 
     machine = machine_of(journal, a_landed=hold_a, b_run=b_run)
