@@ -14,8 +14,7 @@ interrupt twice.
 :mod:`._threads`): a caller never
 goes on (releasing a lock, a connection) while its function still runs there,
 even when asyncio's native ``task.cancel()`` interrupts the wait, which no
-anyio shield stops. :func:`run_abandoning` is a plain-function tool's: anyio's
-``abandon_on_cancel`` contract, on asyncio through the tools' own threads.
+anyio shield stops.
 
 :func:`light_checkpoint` is the in-memory store's checkpoint: a cancellation
 point on every call, a scheduling point every millisecond at least.
@@ -33,14 +32,13 @@ from typing import Any, TypeVar
 import anyio.lowlevel
 import anyio.to_thread
 
-from ._threads import MAX_PER_LOOP, POOL, TOOLS
+from ._threads import MAX_PER_LOOP, POOL
 
 __all__ = [
     "asyncio_here",
     "checkpoint",
     "interrupt_once",
     "light_checkpoint",
-    "run_abandoning",
     "run_in_thread",
 ]
 
@@ -51,11 +49,6 @@ try:
     import sniffio as _sniffio
 except ImportError:  # pragma: no cover - anyio runs without it
     _sniffio = None  # type: ignore[assignment]
-
-try:  # where anyio's worker threads keep their event-loop token and cancel scope
-    from anyio._core._eventloop import threadlocals as _anyio_threadlocals
-except ImportError:  # pragma: no cover - another anyio layout: its own worker threads
-    _anyio_threadlocals = None  # type: ignore[assignment]
 
 
 def asyncio_here() -> bool:
@@ -189,60 +182,6 @@ async def run_in_thread(function: Callable[..., T], *args: Any) -> T:
     return result
 
 
-async def run_abandoning(function: Callable[[], T], limiter: anyio.CapacityLimiter) -> T:
-    """``function()`` in a worker thread, as ``anyio.to_thread.run_sync(function,
-    abandon_on_cancel=True, limiter=limiter)`` runs it: what a plain-function tool runs in.
-
-    The contract is anyio's, on every backend: a token of ``limiter`` is held while
-    the caller waits; the function sees the caller's context variables, and in it
-    ``anyio.from_thread.run``, ``run_sync`` and ``check_cancelled`` work without a
-    token (``check_cancelled`` sees the caller's cancellation); a cancellation
-    (anyio's or asyncio's native ``task.cancel()``) stops the wait at once, and the
-    thread runs on to its end, its outcome dropped (a call cancelled before a thread
-    took it never runs). The token of a call left so goes back at once on asyncio (as
-    anyio does there), once the thread ends on trio (as trio does).
-
-    On asyncio the thread is one of :data:`._threads.TOOLS` (a cheaper hop than
-    anyio's, as for the stores), marked as an anyio worker thread while the function
-    runs; elsewhere (trio), or where anyio keeps its worker threads' state
-    elsewhere than this module knows, it is anyio's own.
-    """
-    if _anyio_threadlocals is None or _running_library() != "asyncio":
-        return await anyio.to_thread.run_sync(function, abandon_on_cancel=True, limiter=limiter)
-    async with limiter:
-        loop = asyncio.get_running_loop()
-        token = anyio.lowlevel.current_token()
-        future: asyncio.Future[T] = loop.create_future()
-        with anyio.CancelScope() as scope:  # what from_thread.check_cancelled looks up from
-            started = _Started(future)
-            call = (loop, future, _worker_context(), started.run, (function, token, scope))
-            TOOLS.submit(call)  # no limit of its own: ``limiter`` is the limit
-            return await future
-    raise AssertionError("unreachable: nothing cancels that scope itself")  # pragma: no cover
-
-
-class _Started:
-    """One :func:`run_abandoning` call in its worker thread: run unless its caller
-    stopped waiting before it started."""
-
-    __slots__ = ("future",)
-
-    def __init__(self, future: asyncio.Future[Any]) -> None:
-        self.future = future
-
-    def run(self, function: Callable[[], T], token: object, scope: anyio.CancelScope) -> T:
-        """In the worker thread: ``function()``, as in one of anyio's worker threads."""
-        if self.future.cancelled():  # its caller is gone: never started, never seen
-            raise asyncio.CancelledError
-        local = _anyio_threadlocals
-        local.current_token = token
-        local.current_cancel_scope = scope
-        try:
-            return function()
-        finally:
-            del local.current_token, local.current_cancel_scope
-
-
 _STORE_THREADS: anyio.lowlevel.RunVar[anyio.CapacityLimiter] = anyio.lowlevel.RunVar(
     "stepmachine_store_threads"
 )
@@ -251,8 +190,8 @@ _STORE_THREADS: anyio.lowlevel.RunVar[anyio.CapacityLimiter] = anyio.lowlevel.Ru
 def _store_threads() -> anyio.CapacityLimiter:
     """The stores' thread limiter of this event loop where they use anyio's threads (trio):
     40 at once, as on asyncio, and not anyio's default limiter, whose tokens the
-    plain-function tools borrow (a tool left running keeps its token there until it
-    ends: 40 such tools must not keep a store from writing what a cancelled run
+    plain-function tools borrow (trio keeps the token of a tool left running until its
+    thread ends: 40 such tools must not keep a store from writing what a cancelled run
     leaves)."""
     try:
         return _STORE_THREADS.get()

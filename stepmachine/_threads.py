@@ -1,5 +1,5 @@
-"""Worker threads on asyncio: a small pool that hands a call to a waiting thread and its
-outcome back to the calling event loop, and nothing else.
+"""The stores' worker threads on asyncio: a small pool that hands a call to a waiting
+thread and its outcome back to the calling event loop, and nothing else.
 
 Why not anyio's worker threads: on asyncio, ``anyio.to_thread.run_sync`` takes a
 slot of its capacity limiter (one extra pass of the event loop), opens a cancel
@@ -9,23 +9,20 @@ with one ``loop.call_soon_threadsafe``. Measured on a 2-CPU virtual machine, a
 hop running nothing took about 100 µs here against about 140 µs there (most of
 either is the operating system waking a thread on the other CPU). A durable
 store makes several hops per agent step (the lease's claim and release, one per
-batch), and a plain-function tool one per call, so that difference adds up.
+batch), so that difference adds up.
 
-Two pools, each with its own threads: :data:`POOL` runs the stores' own functions
-(:func:`stepmachine._async.run_in_thread`), :data:`TOOLS` runs plain-function tools
-(:func:`stepmachine._async.run_abandoning`, which marks the thread as an anyio
-worker thread while the tool runs, so that ``anyio.from_thread`` works in a tool
-without an event-loop token). Other code the stores call back in their thread (a
-test's ``boundary_hook``) is not in an anyio worker thread: to reach the event
-loop it passes ``anyio.from_thread``'s ``token=`` (taken with
-``anyio.lowlevel.current_token()`` beforehand).
+Only the stores' own functions run here (:func:`stepmachine._async.run_in_thread`),
+never an application's: a tool's thread stays anyio's, so that
+``anyio.from_thread`` works in a tool without an event-loop token. Code the
+stores call back in this thread (a test's ``boundary_hook``) is not in an anyio
+worker thread: to reach the event loop it passes ``anyio.from_thread``'s
+``token=`` (taken with ``anyio.lowlevel.current_token()`` beforehand).
 
-A pool serves the whole process; its threads serve every event loop, so a
-process that runs many loops one after another (``asyncio.run`` per request,
-``Agent.run_sync``) reuses the same warm threads. The stores' pool has a limit per
-loop, as anyio's is (the tools' pool leaves the limit to anyio's limiter): calls
-blocked on one loop (40 writes waiting for another process's lock) never keep
-another loop's calls from running. The pool's
+One pool serves the process (:data:`POOL`); its threads serve every event loop,
+so a process that runs many loops one after another (``asyncio.run`` per
+request, ``Agent.run_sync``) reuses the same warm threads. Its limit is per loop,
+as anyio's is: calls blocked on one loop (40 writes waiting for another
+process's lock) never keep another loop's calls from running. The pool's
 invariants, each kept under its one lock:
 
 * a call is run at most once, by one thread, in a copy of the caller's context
@@ -33,8 +30,7 @@ invariants, each kept under its one lock:
   caller dropped it first (:func:`stepmachine._async.run_in_thread`);
 * a thread is either running a call, or idle on its own queue and listed in
   ``idle`` (a ``submit`` that takes it from the list puts a call on its queue);
-* at most ``max_per_loop`` calls of one loop run at once (:data:`MAX_PER_LOOP`
-  for the stores); a call made while
+* at most :data:`MAX_PER_LOOP` calls of one loop run at once; a call made while
   its loop has that many running waits in that loop's backlog (``submit`` says
   so) and is taken by the next of its loop's threads to finish, before it goes
   idle; a loop is known to the pool only while calls of it run or wait (the
@@ -48,27 +44,23 @@ invariants, each kept under its one lock:
 
 The outcome of a call is handed back with ``call_soon_threadsafe`` to the loop
 that made it; a loop closed meanwhile drops it (nobody awaits it). The threads
-are daemons: an interpreter exiting does not wait for an idle one. A store's call
-in flight has a caller awaiting it, so a run ends only once its calls have; a
-tool's call may have been left by its caller, and the interpreter's exit waits
-for it (:data:`TOOLS`).
+are daemons: an interpreter exiting does not wait for an idle one (a call in
+flight has a caller awaiting it, so a run ends only once its calls have).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextvars
 import os
 import queue
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["IDLE_SECONDS", "MAX_PER_LOOP", "POOL", "TOOLS", "Pool"]
+__all__ = ["IDLE_SECONDS", "MAX_PER_LOOP", "POOL", "Pool"]
 
 MAX_PER_LOOP = 40
 """At most this many calls of one event loop run at once (anyio's default thread limit,
@@ -99,20 +91,14 @@ class Pool:
     """Worker threads for :func:`stepmachine._async.run_in_thread` (see the module docs)."""
 
     def __init__(
-        self,
-        max_per_loop: int = MAX_PER_LOOP,
-        idle_seconds: float = IDLE_SECONDS,
-        name: str = "stepmachine store worker",
+        self, max_per_loop: int = MAX_PER_LOOP, idle_seconds: float = IDLE_SECONDS
     ) -> None:
         self._max = max_per_loop
-        self._name = name
         self._idle_seconds = idle_seconds
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []  # last in, first out: the warmest thread goes first
         self._loops: dict[asyncio.AbstractEventLoop, _Loop] = {}  # with calls running or waiting
         self._threads = 0
-        self._busy = 0  # calls handed to a thread, not yet ended (what the exit waits for)
-        self._drained: threading.Event | None = None  # set when _busy drops to 0
 
     def submit(self, call: Call) -> bool:
         """Have ``call`` run in a worker thread: an idle one or a new one (True), or, when
@@ -122,6 +108,9 @@ class Pool:
         Raises:
             RuntimeError: a new thread was needed and could not be started; the call
                 will not run.
+
+        An interrupt (``KeyboardInterrupt``) raised in the middle of the hand-off
+        leaves nothing counted for a call no thread has.
         """
         loop = call[0]
         new = False
@@ -133,7 +122,6 @@ class Pool:
                 here.backlog.append(call)
                 return False
             here.running += 1
-            self._busy += 1
             handed = False
             try:
                 if self._idle:
@@ -148,23 +136,16 @@ class Pool:
                 if not handed:  # interrupted first (a KeyboardInterrupt): nothing was handed
                     if new:
                         self._threads -= 1  # never started
-                    self._not_handed(loop)
+                    self._ended(loop)  # its slot is free again
         if new:
             try:
                 worker.start()
             except BaseException:
                 with self._lock:
                     self._threads -= 1  # it never ran: its slot is free again
-                    self._not_handed(loop)
+                    self._ended(loop)
                 raise
         return True
-
-    def _not_handed(self, loop: asyncio.AbstractEventLoop) -> None:
-        """A call counted by ``submit`` that no thread will run (under the lock)."""
-        self._ended(loop)
-        self._busy -= 1
-        if not self._busy and self._drained is not None:
-            self._drained.set()
 
     def reset(self) -> None:
         """Forget every thread and call (in a child after ``os.fork()``, where none of the
@@ -173,8 +154,6 @@ class Pool:
         self._idle = []
         self._loops = {}
         self._threads = 0
-        self._busy = 0
-        self._drained = None
 
     def _ended(self, loop: asyncio.AbstractEventLoop) -> None:
         """One call of ``loop`` ended (under the lock); the loop is forgotten once it has
@@ -183,17 +162,6 @@ class Pool:
         here.running -= 1
         if here.running == 0 and not here.backlog:
             del self._loops[loop]
-
-    def wait_for_calls(self) -> None:
-        """Block until every call handed to a thread has ended (at interpreter exit: see
-        :data:`TOOLS`). A call whose hand-off was interrupted is not waited for, nor one
-        still waiting in its loop's backlog (nobody will run it once its loop is gone)."""
-        while True:
-            with self._lock:
-                if not self._busy:
-                    return
-                drained = self._drained = threading.Event()
-            drained.wait()
 
     # -- in a worker thread ------------------------------------------------------------
 
@@ -205,12 +173,9 @@ class Pool:
         with self._lock:
             here = self._loops[loop]
             if here.backlog:
-                return here.backlog.popleft()  # still busy: with that call
+                return here.backlog.popleft()
             self._ended(loop)
             self._idle.append(worker)
-            self._busy -= 1
-            if not self._busy and self._drained is not None:
-                self._drained.set()
             return None
 
     def _wait(self, worker: _Worker) -> Call | None:
@@ -239,7 +204,7 @@ class _Worker(threading.Thread):
     """One thread of a pool: runs calls from its own queue until it leaves."""
 
     def __init__(self, pool: Pool) -> None:
-        super().__init__(name=pool._name, daemon=True)
+        super().__init__(name="stepmachine store worker", daemon=True)
         self.pool = pool
         self.calls: queue.SimpleQueue[Call] = queue.SimpleQueue()
 
@@ -294,24 +259,7 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 
 
 POOL = Pool()
-"""The process's pool for the stores (every store, every event loop)."""
-
-TOOLS = Pool(max_per_loop=sys.maxsize, name="stepmachine tool worker")
-"""The process's pool for plain-function tools: no limit of its own (a tool first
-borrows a token of anyio's default thread limiter, see
-:func:`stepmachine._async.run_abandoning`), and apart from the stores' pool, so
-tools blocked in their threads never keep a store's write waiting, nor the other way
-round. A tool's call may outlive its caller (a cancelled run stops waiting for it);
-the interpreter's exit waits for such calls to end, at the moment it waits for
-anyio's worker threads (and any other thread that is not a daemon): before the
-``atexit`` hooks run, so a tool's side effect is never cut in half by the process
-ending, nor does it run on into what those hooks tear down."""
-
-# ``threading``'s own exit hooks run before it joins the threads that are not daemons,
-# which is before ``atexit``'s (CPython's, used by concurrent.futures the same way);
-# ``atexit`` where it is missing.
-getattr(threading, "_register_atexit", atexit.register)(TOOLS.wait_for_calls)
+"""The process's pool (every store, every event loop)."""
 
 if hasattr(os, "register_at_fork"):  # pragma: no branch - POSIX
     os.register_at_fork(after_in_child=POOL.reset)
-    os.register_at_fork(after_in_child=TOOLS.reset)

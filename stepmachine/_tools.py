@@ -33,7 +33,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import msgspec
 
-from ._async import asyncio_here, run_abandoning
+from ._async import asyncio_here
 from ._checks import check_str, tuple_of
 from ._errors import ConfigurationError, ToolArgumentsError, ToolError
 from ._media import AudioPart, DocumentPart, ImagePart
@@ -366,7 +366,9 @@ class Tool:
         elif self.thread:
             late = _LateThread(functools.partial(self.fn, **kwargs))
             try:
-                result = await run_abandoning(late.run, _thread_tokens())
+                result = await anyio.to_thread.run_sync(
+                    late.run, abandon_on_cancel=True, limiter=_thread_tokens()
+                )
             except anyio.get_cancelled_exc_class():
                 abandoned = ABANDONED.get()
                 if abandoned is not None:
@@ -515,11 +517,12 @@ class _Tokens(anyio.CapacityLimiter):
         return self._limiter.statistics()
 
 
-def _thread_tokens() -> anyio.CapacityLimiter:
-    """The limiter a sync tool's worker thread is run under: anyio's default one, on
-    asyncio entered as :class:`_Tokens` does."""
-    limiter = anyio.to_thread.current_default_thread_limiter()
-    return _Tokens(limiter) if asyncio_here() else limiter
+def _thread_tokens() -> anyio.CapacityLimiter | None:
+    """The limiter a sync tool's worker thread is run under: on asyncio anyio's default
+    one, entered as :class:`_Tokens` does; elsewhere ``None`` (anyio's default, as is)."""
+    if asyncio_here():
+        return _Tokens(anyio.to_thread.current_default_thread_limiter())
+    return None
 
 
 ABANDONED: contextvars.ContextVar[list[_LateThread] | None] = contextvars.ContextVar(
