@@ -338,6 +338,28 @@ async def test_a_run_cancelled_with_every_thread_token_held_by_hung_sync_tools_f
         await store.aclose()
 
 
+class GatedCharge:
+    """A sync ``charge`` tool that runs until released (``entered`` once it started), and a
+    model that calls it first and answers after (``asked``: each request's length)."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.asked: list[int] = []
+
+        @tool
+        def charge() -> str:
+            """Charge."""
+            self.entered.set()
+            self.release.wait(20)
+            return "charged"
+
+        self.charge = charge
+
+    def model(self, request: Any) -> Any:
+        self.asked.append(len(request.messages))
+        return call(("charge", {})) if len(self.asked) == 1 else reply("the run went on")
+
+
 @asyncio_only
 async def test_a_native_cancel_while_a_sync_tool_runs_stops_the_run_even_if_the_tool_ends_soon(
     tmp_path: Path,
@@ -346,19 +368,14 @@ async def test_a_native_cancel_while_a_sync_tool_runs_stops_the_run_even_if_the_
     does) lands while a sync tool runs; the tool ends a moment later, within
     ``THREAD_GRACE``. The call keeps its real result, but the run must end cancelled: the
     model is not asked again."""
-    entered, release = threading.Event(), threading.Event()
-    asked: list[int] = []
-
-    @tool
-    def charge() -> str:
-        """Charge."""
-        entered.set()
-        release.wait(20)
-        return "charged"
-
-    def model(request: Any) -> Any:
-        asked.append(len(request.messages))
-        return call(("charge", {})) if len(asked) == 1 else reply("the run went on")
+    gated = GatedCharge()
+    entered, release, asked, charge, model = (
+        gated.entered,
+        gated.release,
+        gated.asked,
+        gated.charge,
+        gated.model,
+    )
 
     store = await SQLiteStore.open(tmp_path / "db.sqlite3")
     try:
@@ -391,19 +408,14 @@ async def test_asyncio_timeout_around_a_run_whose_sync_tool_ends_within_the_grac
     tool's result is asked for again, the task's cancel count left as it was: otherwise
     the timeout would read as a cancellation from elsewhere), the result is kept once,
     and the model is not asked again."""
-    entered, release = threading.Event(), threading.Event()
-    asked: list[int] = []
-
-    @tool
-    def charge() -> str:
-        """Charge."""
-        entered.set()
-        release.wait(20)
-        return "charged"
-
-    def model(request: Any) -> Any:
-        asked.append(len(request.messages))
-        return call(("charge", {})) if len(asked) == 1 else reply("the run went on")
+    gated = GatedCharge()
+    entered, release, asked, charge, model = (
+        gated.entered,
+        gated.release,
+        gated.asked,
+        gated.charge,
+        gated.model,
+    )
 
     async def expire_once_entered(deadline: asyncio.Timeout) -> None:
         await anyio.to_thread.run_sync(entered.wait, 20)
