@@ -126,8 +126,9 @@ async def light_checkpoint() -> None:
     For in-memory work that never blocks (the ``MemoryStore``): a cancellation lands
     before anything is done, as at any checkpoint, and a task that does nothing but
     such work still lets the other tasks of its loop run at least every millisecond,
-    without paying a pass of the event loop on every call (on a small virtual machine
-    a pass costs about 10 µs: several per agent step).
+    without paying a pass of the event loop on every call (a few microseconds each on a
+    small virtual machine, more with many tasks in the loop; seven per in-memory agent
+    step before).
     """
     now = time.monotonic()
     if now - getattr(_last_scheduled, "at", -SCHEDULE_EVERY) >= SCHEDULE_EVERY:
