@@ -369,33 +369,26 @@ async def test_a_native_cancel_while_a_sync_tool_runs_stops_the_run_even_if_the_
     ``THREAD_GRACE``. The call keeps its real result, but the run must end cancelled: the
     model is not asked again."""
     gated = GatedCharge()
-    entered, release, asked, charge, model = (
-        gated.entered,
-        gated.release,
-        gated.asked,
-        gated.charge,
-        gated.model,
-    )
 
     store = await SQLiteStore.open(tmp_path / "db.sqlite3")
     try:
         await store.create("s", conversation=[Message.user("pay", id="u1")])
-        machine = StateMachine([Tools([charge]), ModelInference()])
+        machine = StateMachine([Tools([gated.charge]), ModelInference()])
         task = asyncio.ensure_future(
-            machine.run(Runtime(store=store, model=FunctionModel(model)), "s")
+            machine.run(Runtime(store=store, model=FunctionModel(gated.model)), "s")
         )
         with anyio.fail_after(30):  # a bound on a hang
-            await anyio.to_thread.run_sync(entered.wait, 20)
+            await anyio.to_thread.run_sync(gated.entered.wait, 20)
             task.cancel()  # the tool still runs: it cannot end before release
-            release.set()  # it ends now, well within THREAD_GRACE
+            gated.release.set()  # it ends now, well within THREAD_GRACE
             outcome = (await asyncio.gather(task, return_exceptions=True))[0]
         session = await store.load("s")
         assert history_problems(session) == []
         assert [content for _, content in results_of(session)] == ["charged"]
-        assert len(asked) == 1, "the model was asked again after the run was cancelled"
+        assert len(gated.asked) == 1, "the model was asked again after the run was cancelled"
         assert isinstance(outcome, asyncio.CancelledError), outcome
     finally:
-        release.set()
+        gated.release.set()
         await store.aclose()
 
 
@@ -409,30 +402,23 @@ async def test_asyncio_timeout_around_a_run_whose_sync_tool_ends_within_the_grac
     the timeout would read as a cancellation from elsewhere), the result is kept once,
     and the model is not asked again."""
     gated = GatedCharge()
-    entered, release, asked, charge, model = (
-        gated.entered,
-        gated.release,
-        gated.asked,
-        gated.charge,
-        gated.model,
-    )
 
     async def expire_once_entered(deadline: asyncio.Timeout) -> None:
-        await anyio.to_thread.run_sync(entered.wait, 20)
+        await anyio.to_thread.run_sync(gated.entered.wait, 20)
         deadline.reschedule(asyncio.get_running_loop().time())  # fires while the tool runs
         await asyncio.sleep(0.1)
-        release.set()  # the tool ends now, within THREAD_GRACE
+        gated.release.set()  # the tool ends now, within THREAD_GRACE
 
     store = await SQLiteStore.open(tmp_path / "db.sqlite3")
     try:
         await store.create("s", conversation=[Message.user("pay", id="u1")])
-        machine = StateMachine([Tools([charge]), ModelInference()])
+        machine = StateMachine([Tools([gated.charge]), ModelInference()])
         expiring: list[asyncio.Task[None]] = []
 
         async def run_under_a_timeout() -> None:
             async with asyncio.timeout(None) as deadline:
                 expiring.append(asyncio.ensure_future(expire_once_entered(deadline)))
-                await machine.run(Runtime(store=store, model=FunctionModel(model)), "s")
+                await machine.run(Runtime(store=store, model=FunctionModel(gated.model)), "s")
 
         with pytest.raises(TimeoutError):
             await run_under_a_timeout()
@@ -443,7 +429,7 @@ async def test_asyncio_timeout_around_a_run_whose_sync_tool_ends_within_the_grac
         session = await store.load("s")
         assert history_problems(session) == []
         assert [content for _, content in results_of(session)] == ["charged"]
-        assert asked == [1]
+        assert gated.asked == [1]
     finally:
-        release.set()
+        gated.release.set()
         await store.aclose()
